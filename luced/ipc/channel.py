@@ -1,0 +1,298 @@
+"""Frames over unix-domain sockets: an asyncio channel (daemon) and a blocking one (worker).
+
+Framing on the stream, one frame after another::
+
+    +---------------------+-------------------------------------+
+    | length: u32 LE (4B) | msgpack payload (``length`` bytes)  |
+    +---------------------+-------------------------------------+
+
+``length`` <= ``MAX_FRAME_BYTES``: the sender refuses bigger payloads and the receiver
+refuses a bigger prefix (``FrameTooLargeError``; the stream cannot be resynchronised
+after that, so close the channel). Payloads are the msgpack maps of ``frames.py``.
+
+Calls are one at a time per channel (the daemon sends a step's command, awaits its
+reply). The async ``call`` is cancellation-safe: a reply to a call that was cancelled
+(client disconnect, ``asyncio.timeout``) is dropped when it arrives, by seq, and a
+frame read half-way is finished by the next read.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+import struct
+from collections.abc import Callable
+from types import TracebackType
+from typing import Self
+
+from luced.ipc.frames import (
+    MAX_FRAME_BYTES,
+    REPLIES,
+    ErrorReply,
+    FrameError,
+    FrameTooLargeError,
+    Reply,
+    Request,
+    Shutdown,
+    decode_reply,
+    decode_request,
+    encode_reply,
+    encode_request,
+    reply_from_wire,
+    unpack_reply,
+)
+
+_LEN = struct.Struct("<I")
+
+
+class ChannelClosedError(ConnectionError):
+    """The peer closed the connection."""
+
+
+class RemoteError(Exception):
+    """The peer answered a request with ``ok: false``."""
+
+    def __init__(self, op: str, error: str) -> None:
+        super().__init__(f"{op} failed in the peer: {error}")
+        self.op = op
+        self.error = error
+
+
+def _frame_bytes(payload: bytes, max_frame: int) -> bytes:
+    if len(payload) > max_frame:
+        raise FrameTooLargeError(
+            f"refusing to send a frame of {len(payload)} bytes (max {max_frame}); "
+            "bulk data belongs in shared memory"
+        )
+    return _LEN.pack(len(payload)) + payload
+
+
+def _check_incoming(n: int, max_frame: int) -> None:
+    if n > max_frame:
+        raise FrameTooLargeError(
+            f"incoming frame announces {n} bytes (max {max_frame}); closing the channel"
+        )
+
+
+def _checked_reply(req: Request, reply: Reply) -> Reply:
+    if type(reply) is not REPLIES[req.OP]:
+        raise TypeError(f"{req.OP} answered with {type(reply).__name__}")
+    return reply
+
+
+def answer(req: Request, seq: int, handler: Callable[[Request], Reply]) -> bytes:
+    """The reply payload for ``req``: the handler's reply, or its exception as a failure."""
+    try:
+        return encode_reply(seq, _checked_reply(req, handler(req)))
+    except Exception as e:  # the peer gets the message; the serving loop goes on
+        return encode_reply(seq, ErrorReply(f"{type(e).__name__}: {e}"))
+
+
+class BlockingChannel:
+    """Worker side: plain ``socket.socket`` I/O, one frame at a time."""
+
+    def __init__(self, sock: socket.socket, *, max_frame: int = MAX_FRAME_BYTES) -> None:
+        self.sock = sock
+        self.max_frame = max_frame
+        self._seq = 0
+
+    @classmethod
+    def connect(cls, path: str) -> BlockingChannel:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.connect(path)
+        except BaseException:
+            sock.close()
+            raise
+        return cls(sock)
+
+    def send(self, payload: bytes) -> None:
+        self.sock.sendall(_frame_bytes(payload, self.max_frame))
+
+    def recv(self) -> bytes:
+        """The next payload; ChannelClosedError on EOF."""
+        (n,) = _LEN.unpack(self._read(_LEN.size))
+        _check_incoming(n, self.max_frame)
+        return self._read(n)
+
+    def _read(self, n: int) -> bytes:
+        buf = bytearray(n)
+        view = memoryview(buf)
+        got = 0
+        while got < n:
+            k = self.sock.recv_into(view[got:])
+            if k == 0:
+                raise ChannelClosedError("peer closed the connection" + (" mid-frame" * (got > 0)))
+            got += k
+        return bytes(buf)
+
+    def recv_request(self) -> tuple[int, Request]:
+        return decode_request(self.recv())
+
+    def reply(self, seq: int, reply: Reply | ErrorReply) -> None:
+        self.send(encode_reply(seq, reply))
+
+    def call(self, req: Request) -> Reply:
+        """Send ``req`` and wait for its reply (raises RemoteError on ``ok: false``)."""
+        self._seq += 1
+        self.send(encode_request(self._seq, req))
+        seq, rep = decode_reply(self.recv(), req.OP)
+        if seq != self._seq:
+            raise FrameError(f"reply seq {seq} does not answer request seq {self._seq}")
+        if isinstance(rep, ErrorReply):
+            raise RemoteError(req.OP, rep.error)
+        return rep
+
+    def serve(self, handler: Callable[[Request], Reply]) -> None:
+        """Answer requests until ``shutdown`` (after replying to it) or the peer closes.
+
+        A handler exception becomes a failure reply and serving goes on. A frame whose
+        seq cannot even be read (not msgpack, not a map) cannot be answered: FrameError
+        propagates and the caller should close the connection.
+        """
+        while True:
+            try:
+                payload = self.recv()
+            except ChannelClosedError:
+                return
+            try:
+                seq, req = decode_request(payload)
+            except FrameError as e:
+                if e.seq is None:
+                    raise
+                self.reply(e.seq, ErrorReply(str(e)))
+                continue
+            self.send(answer(req, seq, handler))
+            if isinstance(req, Shutdown):
+                return
+
+    def close(self) -> None:
+        self.sock.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+
+class AsyncChannel:
+    """Daemon side: asyncio streams. One ``call`` at a time (an internal lock)."""
+
+    def __init__(
+        self,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        *,
+        max_frame: int = MAX_FRAME_BYTES,
+    ) -> None:
+        self.reader = reader
+        self.writer = writer
+        self.max_frame = max_frame
+        self._seq = 0
+        self._lock = asyncio.Lock()
+        self._outstanding: dict[int, str] = {}  # seq -> op of calls sent, not yet answered
+        self._pending_len: int | None = None  # length read, body not yet (cancelled read)
+
+    @classmethod
+    async def connect(cls, path: str) -> AsyncChannel:
+        reader, writer = await asyncio.open_unix_connection(path)
+        return cls(reader, writer)
+
+    @classmethod
+    async def from_socket(cls, sock: socket.socket) -> AsyncChannel:
+        reader, writer = await asyncio.open_unix_connection(sock=sock)
+        return cls(reader, writer)
+
+    async def send(self, payload: bytes) -> None:
+        # write() queues the whole frame at once, so a cancelled drain() never splits it.
+        self.writer.write(_frame_bytes(payload, self.max_frame))
+        await self.writer.drain()
+
+    async def recv(self) -> bytes:
+        """The next payload; ChannelClosedError on EOF."""
+        # readexactly() takes all its bytes or none, so a cancellation between the two
+        # reads is resumed through _pending_len.
+        if self._pending_len is None:
+            (n,) = _LEN.unpack(await self._readexactly(_LEN.size))
+            _check_incoming(n, self.max_frame)
+            self._pending_len = n
+        data = await self._readexactly(self._pending_len)
+        self._pending_len = None
+        return data
+
+    async def _readexactly(self, n: int) -> bytes:
+        try:
+            return await self.reader.readexactly(n)
+        except asyncio.IncompleteReadError as e:
+            mid = " mid-frame" if e.partial or self._pending_len is not None else ""
+            raise ChannelClosedError(f"peer closed the connection{mid}") from None
+
+    async def recv_request(self) -> tuple[int, Request]:
+        return decode_request(await self.recv())
+
+    async def reply(self, seq: int, reply: Reply | ErrorReply) -> None:
+        await self.send(encode_reply(seq, reply))
+
+    async def call(self, req: Request) -> Reply:
+        """Send ``req`` and await its reply (raises RemoteError on ``ok: false``).
+
+        Wrap in ``asyncio.timeout`` to bound it; the late reply is then dropped.
+        """
+        async with self._lock:
+            self._seq += 1
+            seq = self._seq
+            self._outstanding[seq] = req.OP
+            await self.send(encode_request(seq, req))
+            while True:
+                got, obj = unpack_reply(await self.recv())
+                op = self._outstanding.pop(got, None)
+                if op is None:
+                    raise FrameError(f"reply seq {got} answers no request sent", got)
+                if got == seq:
+                    break
+                # else: the reply to a cancelled call; dropped
+            rep = reply_from_wire(got, obj, op)
+        if isinstance(rep, ErrorReply):
+            raise RemoteError(req.OP, rep.error)
+        return rep
+
+    async def serve(self, handler: Callable[[Request], Reply]) -> None:
+        """The async twin of ``BlockingChannel.serve`` (daemon-side peers, tests)."""
+        while True:
+            try:
+                payload = await self.recv()
+            except ChannelClosedError:
+                return
+            try:
+                seq, req = decode_request(payload)
+            except FrameError as e:
+                if e.seq is None:
+                    raise
+                await self.reply(e.seq, ErrorReply(str(e)))
+                continue
+            await self.send(answer(req, seq, handler))
+            if isinstance(req, Shutdown):
+                return
+
+    async def close(self) -> None:
+        self.writer.close()
+        with contextlib.suppress(ConnectionError):
+            await self.writer.wait_closed()
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.close()

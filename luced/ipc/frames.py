@@ -1,0 +1,519 @@
+"""Every control frame between the daemon and its workers, with its fields.
+
+Wire format: one msgpack map per frame (``use_bin_type=True`` / ``raw=False``, strict
+types, no extension types, no pickle), sent length-prefixed by ``channel.py``::
+
+    request   {"op": str, "seq": int, ...fields of the op}
+    reply     {"seq": int, "ok": true, ...fields of the op's reply}
+    failure   {"seq": int, "ok": false, "error": str}
+
+``seq`` is chosen by the sender of a request and echoed in its reply. Bulk data never
+travels in a frame: fields carry ``Region`` maps (segment, offset, shape, dtype) naming
+shared memory (see ``regions.py``). A frame is at most ``MAX_FRAME_BYTES``.
+
+The ops (request fields -> reply fields):
+
+    hello     instance, protocol            -> protocol, pid, group, devices, versions
+    load      model, layers=[a, b), dtype, devices, kv_capacity, owns_embed, owns_head,
+              device_splits                 -> n_layers, hidden, vocab, layers, dtype,
+                                               kv_capacity, load_s
+    forward   n_tokens, start_pos, tokens | hidden_in, want, outputs, positions,
+              sampling, top_logprobs, capture, ring
+                                            -> n_out, position, elapsed_us
+    truncate  position                      -> position
+    reset                                   -> (nothing)
+    stats                                   -> stats
+    shutdown                                -> (nothing)
+
+The daemon opens with ``hello``; both sides check ``protocol == PROTOCOL_VERSION`` (a
+mismatch raises ``ProtocolVersionError`` naming both versions). Any change to a field
+bumps ``PROTOCOL_VERSION``. Later verbs (projection, KV export/import, draft, expert
+compute) are added here, each as one request class and one reply class.
+
+Each class validates on construction (types, then the op's own rules), so a bad frame
+fails at the sender as well as at the receiver, with the field's path in the message.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, fields
+from typing import Any, ClassVar, Literal, Self, TypeVar
+
+import msgpack
+
+from luced.ipc.regions import Region
+from luced.ipc.typed import FrameError, Record
+
+PROTOCOL_VERSION = 1
+MAX_FRAME_BYTES = 16 * 1024 * 1024
+
+_ENVELOPE = frozenset({"op", "seq", "ok", "error"})  # no op may use these as fields
+_SEQ_MAX = 2**63 - 1
+
+
+class ProtocolVersionError(FrameError):
+    """The peer speaks another protocol version."""
+
+
+class FrameTooLargeError(FrameError):
+    """A frame exceeds ``MAX_FRAME_BYTES``."""
+
+
+@dataclass(frozen=True)
+class _Frame(Record):
+    OP: ClassVar[str] = ""
+    KIND: ClassVar[str] = ""
+
+    @classmethod
+    def label(cls) -> str:
+        return f"{cls.OP} {cls.KIND}"
+
+
+@dataclass(frozen=True)
+class Request(_Frame):
+    KIND: ClassVar[str] = "request"
+
+
+@dataclass(frozen=True)
+class Reply(_Frame):
+    KIND: ClassVar[str] = "reply"
+
+
+@dataclass(frozen=True)
+class ErrorReply:
+    """``{"seq", "ok": false, "error"}``: the request failed; ``error`` says why."""
+
+    error: str
+
+
+REQUESTS: dict[str, type[Request]] = {}
+REPLIES: dict[str, type[Reply]] = {}
+
+_F = TypeVar("_F", bound=_Frame)
+
+
+def _op(op: str, registry: dict[str, Any]) -> Callable[[type[_F]], type[_F]]:
+    def register(cls: type[_F]) -> type[_F]:
+        cls.OP = op
+        clash = {f.name for f in fields(cls)} & _ENVELOPE
+        if clash or op in registry:
+            raise TypeError(f"{cls.__name__}: envelope key(s) {clash} or op {op!r} declared twice")
+        registry[op] = cls
+        return cls
+
+    return register
+
+
+def _check_protocol(version: object) -> None:
+    if version != PROTOCOL_VERSION or type(version) is not int:
+        raise ProtocolVersionError(
+            f"protocol version mismatch: the peer speaks {version!r}, this side speaks "
+            f"{PROTOCOL_VERSION} (daemon and worker come from different luced builds)"
+        )
+
+
+# -- hello ----------------------------------------------------------------------------------
+
+
+@_op("hello", REQUESTS)
+@dataclass(frozen=True)
+class Hello(Request):
+    instance: str  # the daemon's instance id (its segment names carry it)
+    protocol: int = PROTOCOL_VERSION
+
+    @classmethod
+    def from_wire(cls, d: Mapping[str, Any]) -> Self:
+        _check_protocol(d.get("protocol"))  # before anything else: fields may differ
+        return super().from_wire(d)
+
+    def _check(self) -> None:
+        _check_protocol(self.protocol)
+
+
+@_op("hello", REPLIES)
+@dataclass(frozen=True)
+class HelloReply(Reply):
+    pid: int
+    group: str  # backend group name, e.g. "cuda", "cpu:1"
+    devices: tuple[str, ...]  # devices this worker drives, e.g. ("cuda:0", "cuda:1")
+    versions: dict[str, str]  # {"python": ..., "torch": ..., "luced": ...}
+    protocol: int = PROTOCOL_VERSION
+
+    @classmethod
+    def from_wire(cls, d: Mapping[str, Any]) -> Self:
+        _check_protocol(d.get("protocol"))
+        return super().from_wire(d)
+
+    def _check(self) -> None:
+        _check_protocol(self.protocol)
+
+
+# -- load -----------------------------------------------------------------------------------
+
+COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
+ComputeDtype = Literal["float32", "bfloat16", "float16"]
+
+
+@_op("load", REQUESTS)
+@dataclass(frozen=True)
+class Load(Request):
+    model: str  # path of the GGUF file
+    layers: tuple[int, int]  # [a, b): the layers this worker holds
+    dtype: ComputeDtype
+    devices: tuple[str, ...]  # one shard per device, in layer order
+    kv_capacity: int  # tokens of KV per layer
+    owns_embed: bool  # holds the token embedding (accepts `tokens` in forward)
+    owns_head: bool  # holds the final norm + LM head (can sample / return logits)
+    # Layer indices in (a, b) where the next device's shard starts; len(devices) - 1 of them.
+    device_splits: tuple[int, ...] = ()
+
+    def _check(self) -> None:
+        a, b = self.layers
+        if not 0 <= a < b:
+            raise self._fail(f"layers must be [a, b) with 0 <= a < b, got {list(self.layers)}")
+        if not self.model:
+            raise self._fail("model path is empty")
+        if not self.devices:
+            raise self._fail("devices is empty")
+        if self.kv_capacity < 1:
+            raise self._fail(f"kv_capacity must be >= 1, got {self.kv_capacity}")
+        if len(self.device_splits) != len(self.devices) - 1:
+            raise self._fail(
+                f"{len(self.devices)} devices need {len(self.devices) - 1} device_splits, "
+                f"got {len(self.device_splits)}"
+            )
+        bounds = (a, *self.device_splits, b)
+        if any(lo >= hi for lo, hi in itertools.pairwise(bounds)):
+            raise self._fail(f"device_splits must increase strictly inside {list(self.layers)}")
+
+
+@_op("load", REPLIES)
+@dataclass(frozen=True)
+class LoadReply(Reply):
+    n_layers: int  # layers in the whole model
+    hidden: int
+    vocab: int
+    layers: tuple[int, int]
+    dtype: ComputeDtype
+    kv_capacity: int
+    load_s: float
+
+
+# -- forward --------------------------------------------------------------------------------
+
+Want = Literal["sample", "logits", "topk", "hidden"]
+Positions = Literal["last", "all"]
+
+# Output regions by want: (required, optional). Shapes (rows may exceed what is used):
+#   ids            int32   [n_out]             sampled (or greedy) token ids
+#   logprobs       float32 [n_out]             log-probability of each chosen id
+#   topk_ids       int32   [n_out, k]          k = top_logprobs
+#   topk_logprobs  float32 [n_out, k]
+#   logits         float32 [n_out, vocab]      raw logits after the head's scaling/softcap
+#   hidden         float   [n_tokens, hidden]  boundary activations for the next shard
+# n_out = 1 for positions="last", n_tokens for positions="all".
+OUTPUTS: dict[str, tuple[frozenset[str], frozenset[str]]] = {
+    "sample": (frozenset({"ids"}), frozenset({"logprobs", "topk_ids", "topk_logprobs"})),
+    "logits": (frozenset({"logits"}), frozenset()),
+    "topk": (frozenset({"topk_ids", "topk_logprobs"}), frozenset({"logprobs"})),
+    "hidden": (frozenset({"hidden"}), frozenset()),
+}
+_OUTPUT_DTYPES = {
+    "ids": ("int32",),
+    "logprobs": ("float32",),
+    "topk_ids": ("int32",),
+    "topk_logprobs": ("float32",),
+    "logits": ("float32",),
+    "hidden": COMPUTE_DTYPES,
+}
+_OUTPUT_NDIM = {"ids": 1, "logprobs": 1, "topk_ids": 2, "topk_logprobs": 2, "logits": 2}
+
+# Sampling map keys; the int-valued ones must be ints. Absent key = the sampler's default.
+_SAMPLING_INTS = frozenset({"top_k", "seed", "penalty_window"})
+_SAMPLING_FLOATS = frozenset({"temperature", "top_p", "min_p"})
+_PENALTIES = frozenset({"repetition_penalty", "frequency_penalty", "presence_penalty"})
+SAMPLING_KEYS = _SAMPLING_INTS | _SAMPLING_FLOATS | _PENALTIES
+
+
+@_op("forward", REQUESTS)
+@dataclass(frozen=True)
+class Forward(Request):
+    """Run ``n_tokens`` at positions ``start_pos ..`` through this worker's layers.
+
+    Input: ``tokens`` (int32 ``[>= n_tokens]``, for the shard that owns the embedding) or
+    ``hidden_in`` (``[>= n_tokens, hidden]``, the previous shard's ``outputs["hidden"]``).
+    Outputs go to ``outputs`` (see ``OUTPUTS``); the worker writes rows ``[0, n_out)``.
+
+    Write ordering (one writer per region at a time; the socket round trip orders the
+    memory): the daemon writes ``tokens`` before sending; the previous shard wrote
+    ``hidden_in`` before its reply, which came before this frame; this worker writes
+    its outputs and ring slots before replying, and nobody reads them before the reply.
+
+    ``start_pos`` must equal the worker's committed KV length (``truncate`` first to roll
+    back). After the reply the KV holds ``start_pos + n_tokens`` positions.
+
+    Captures: the output (after the FFN residual) of each layer in ``capture`` goes to
+    ``ring`` ``[ring_cap, len(capture), hidden]`` at ``[pos % ring_cap, j]`` for the
+    ``j``-th listed layer; every shard gets the whole list and writes the slots of the
+    layers it holds, so each slot has exactly one writer.
+    """
+
+    n_tokens: int
+    start_pos: int
+    want: Want
+    outputs: dict[str, Region]
+    tokens: Region | None = None
+    hidden_in: Region | None = None
+    positions: Positions = "last"
+    sampling: dict[str, int | float | None] = field(default_factory=dict)
+    top_logprobs: int = 0
+    capture: tuple[int, ...] = ()
+    ring: Region | None = None
+
+    @property
+    def n_out(self) -> int:
+        return 1 if self.positions == "last" else self.n_tokens
+
+    def _check(self) -> None:
+        if self.n_tokens < 1 or self.start_pos < 0:
+            got = f"{self.n_tokens}, {self.start_pos}"
+            raise self._fail(f"need n_tokens >= 1 and start_pos >= 0, got {got}")
+        self._check_input()
+        self._check_outputs()
+        self._check_sampling()
+        self._check_capture()
+
+    def _check_input(self) -> None:
+        if (self.tokens is None) == (self.hidden_in is None):
+            raise self._fail("exactly one of tokens / hidden_in must be given")
+        if self.tokens is not None:
+            t = self.tokens
+            if t.dtype != "int32" or len(t.shape) != 1 or t.shape[0] < self.n_tokens:
+                got = f"{t.dtype} {list(t.shape)}"
+                raise self._fail(f"tokens must be int32 [>= {self.n_tokens}], got {got}")
+        if self.hidden_in is not None:
+            h = self.hidden_in
+            if h.dtype not in COMPUTE_DTYPES or len(h.shape) != 2 or h.shape[0] < self.n_tokens:
+                got = f"{h.dtype} {list(h.shape)}"
+                raise self._fail(f"hidden_in must be float [>= {self.n_tokens}, hidden], got {got}")
+
+    def _check_outputs(self) -> None:
+        required, optional = OUTPUTS[self.want]
+        names = set(self.outputs)
+        if self.top_logprobs < 0:
+            raise self._fail(f"top_logprobs must be >= 0, got {self.top_logprobs}")
+        if self.want == "sample" and self.top_logprobs:
+            required = required | {"topk_ids", "topk_logprobs"}
+        if self.want == "topk" and not self.top_logprobs:
+            raise self._fail('want="topk" needs top_logprobs >= 1')
+        if not required <= names or not names <= required | optional:
+            raise self._fail(
+                f'want="{self.want}" needs outputs {sorted(required)} (optional '
+                f"{sorted(optional - required)}), got {sorted(names)}"
+            )
+        for name, r in self.outputs.items():
+            rows = self.n_tokens if name == "hidden" else self.n_out
+            ndim = _OUTPUT_NDIM.get(name, 2)
+            if r.dtype not in _OUTPUT_DTYPES[name] or len(r.shape) != ndim or r.shape[0] < rows:
+                raise self._fail(
+                    f"outputs.{name} must be {'/'.join(_OUTPUT_DTYPES[name])} with {ndim} "
+                    f"dim(s) and >= {rows} rows, got {r.dtype} {list(r.shape)}"
+                )
+            if name.startswith("topk_") and r.shape[1] != self.top_logprobs:
+                k = self.top_logprobs
+                raise self._fail(f"outputs.{name} needs {k} columns, got {r.shape[1]}")
+
+    def _check_sampling(self) -> None:
+        unknown = set(self.sampling) - SAMPLING_KEYS
+        if unknown:
+            raise self._fail(
+                f"unknown sampling key(s) {sorted(unknown)}; known: {sorted(SAMPLING_KEYS)}"
+            )
+        for k, v in self.sampling.items():
+            if isinstance(v, float) and (k in _SAMPLING_INTS or not math.isfinite(v)):
+                raise self._fail(f"sampling.{k} must be a finite number (int for {k}), got {v}")
+
+    def _check_capture(self) -> None:
+        if not self.capture:
+            if self.ring is not None:
+                raise self._fail("ring given without capture layers")
+            return
+        if self.ring is None:
+            raise self._fail("capture layers given without a ring region")
+        if len(set(self.capture)) != len(self.capture) or min(self.capture) < 0:
+            raise self._fail(f"capture layers must be distinct and >= 0: {list(self.capture)}")
+        r = self.ring
+        if len(r.shape) != 3 or r.shape[1] != len(self.capture) or r.dtype not in COMPUTE_DTYPES:
+            raise self._fail(
+                f"ring must be float [ring_cap, {len(self.capture)}, hidden], got "
+                f"{r.dtype} {list(r.shape)}"
+            )
+        if r.shape[0] < self.n_tokens:
+            n = self.n_tokens
+            raise self._fail(f"ring holds {r.shape[0]} positions, fewer than n_tokens {n}")
+
+
+@_op("forward", REPLIES)
+@dataclass(frozen=True)
+class ForwardReply(Reply):
+    n_out: int  # rows written to each output region
+    position: int  # committed KV length after the forward
+    elapsed_us: int  # worker-side compute time
+
+
+# -- truncate, reset, stats, shutdown -------------------------------------------------------
+
+
+@_op("truncate", REQUESTS)
+@dataclass(frozen=True)
+class Truncate(Request):
+    """Roll the KV cache of every shard in this worker back to ``position`` tokens."""
+
+    position: int
+
+    def _check(self) -> None:
+        if self.position < 0:
+            raise self._fail(f"position must be >= 0, got {self.position}")
+
+
+@_op("truncate", REPLIES)
+@dataclass(frozen=True)
+class TruncateReply(Reply):
+    position: int  # committed KV length now
+
+
+@_op("reset", REQUESTS)
+@dataclass(frozen=True)
+class Reset(Request):
+    """Drop all KV and sampler state; weights stay loaded."""
+
+
+@_op("reset", REPLIES)
+@dataclass(frozen=True)
+class ResetReply(Reply):
+    pass
+
+
+@_op("stats", REQUESTS)
+@dataclass(frozen=True)
+class Stats(Request):
+    pass
+
+
+@_op("stats", REPLIES)
+@dataclass(frozen=True)
+class StatsReply(Reply):
+    stats: dict[str, int | float | str]  # flat: "rss_bytes", "forward_count", ...
+
+
+@_op("shutdown", REQUESTS)
+@dataclass(frozen=True)
+class Shutdown(Request):
+    """Reply, then exit. The only way a worker ends (it ignores SIGINT / SIGTERM)."""
+
+
+@_op("shutdown", REPLIES)
+@dataclass(frozen=True)
+class ShutdownReply(Reply):
+    pass
+
+
+# -- encode / decode ------------------------------------------------------------------------
+
+
+def _pack(obj: dict[str, Any]) -> bytes:
+    try:
+        data = msgpack.packb(obj, use_bin_type=True, strict_types=True)
+    except (TypeError, ValueError, OverflowError) as e:  # fields were checked: a bug here
+        raise FrameError(f"cannot encode frame as msgpack: {e}", obj.get("seq")) from None
+    if len(data) > MAX_FRAME_BYTES:
+        raise FrameTooLargeError(
+            f"frame of {len(data)} bytes exceeds MAX_FRAME_BYTES={MAX_FRAME_BYTES} "
+            "(bulk data belongs in shared memory)",
+            obj.get("seq"),
+        )
+    return data
+
+
+def _unpack(payload: bytes) -> dict[str, Any]:
+    if len(payload) > MAX_FRAME_BYTES:
+        raise FrameTooLargeError(
+            f"frame of {len(payload)} bytes exceeds MAX_FRAME_BYTES={MAX_FRAME_BYTES}"
+        )
+    try:
+        obj = msgpack.unpackb(payload, raw=False, use_list=True, strict_map_key=True)
+    except (ValueError, TypeError, msgpack.UnpackException) as e:
+        raise FrameError(f"malformed msgpack frame ({len(payload)} bytes): {e}") from None
+    if not isinstance(obj, dict):
+        raise FrameError(f"a frame must be a msgpack map, got {type(obj).__name__}")
+    return obj
+
+
+def _seq(obj: dict[str, Any]) -> int:
+    seq = obj.get("seq")
+    if type(seq) is not int or not 0 <= seq <= _SEQ_MAX:
+        raise FrameError(f"frame seq must be an int in [0, 2**63), got {seq!r}")
+    return seq
+
+
+def encode_request(seq: int, req: Request) -> bytes:
+    """The msgpack payload of ``req`` (no length prefix)."""
+    _seq({"seq": seq})
+    return _pack({"op": req.OP, "seq": seq, **req.to_wire()})
+
+
+def decode_request(payload: bytes) -> tuple[int, Request]:
+    """Parse a request payload; raises FrameError (with ``seq`` when it was readable)."""
+    obj = _unpack(payload)
+    seq = _seq(obj)
+    op = obj.pop("op", None)
+    del obj["seq"]
+    cls = REQUESTS.get(op) if isinstance(op, str) else None
+    if cls is None:
+        raise FrameError(f"unknown op {op!r}; known: {sorted(REQUESTS)}", seq)
+    try:
+        return seq, cls.from_wire(obj)
+    except FrameError as e:
+        e.seq = seq
+        raise
+
+
+def encode_reply(seq: int, reply: Reply | ErrorReply) -> bytes:
+    _seq({"seq": seq})
+    if isinstance(reply, ErrorReply):
+        return _pack({"seq": seq, "ok": False, "error": reply.error})
+    return _pack({"seq": seq, "ok": True, **reply.to_wire()})
+
+
+def unpack_reply(payload: bytes) -> tuple[int, dict[str, Any]]:
+    """First half of ``decode_reply``: the seq and the raw map, to route a reply by seq."""
+    obj = _unpack(payload)
+    seq = _seq(obj)
+    del obj["seq"]
+    return seq, obj
+
+
+def reply_from_wire(seq: int, obj: dict[str, Any], op: str) -> Reply | ErrorReply:
+    """Second half of ``decode_reply``: the typed reply to a request of ``op``."""
+    ok = obj.pop("ok", None)
+    if ok is False:
+        if set(obj) != {"error"} or not isinstance(obj["error"], str):
+            got = repr(obj)[:80]
+            raise FrameError(f"a failure reply carries exactly a string 'error', got {got}", seq)
+        return ErrorReply(obj["error"])
+    if ok is not True:
+        raise FrameError(f"reply field 'ok' must be true or false, got {ok!r}", seq)
+    try:
+        return REPLIES[op].from_wire(obj)
+    except FrameError as e:
+        e.seq = seq
+        raise
+
+
+def decode_reply(payload: bytes, op: str) -> tuple[int, Reply | ErrorReply]:
+    """Parse the reply to a request of ``op``."""
+    seq, obj = unpack_reply(payload)
+    return seq, reply_from_wire(seq, obj, op)

@@ -1,0 +1,110 @@
+"""Llama family (SmolLM2, Llama 2/3): RMSNorm, RoPE with optional Llama-3 frequency
+factors or linear scaling, grouped-query attention, SwiGLU MLP.
+
+llama.cpp's converter permutes the rows of Q and K so ggml's interleaved RoPE
+applies; `prepare` undoes that so every family shares one rotate-half RoPE.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from luced.gguf_file import GGUFFile
+from luced.runtime.families import common
+from luced.runtime.layers import Rope, linear, rms_norm, rope_inv_freq, swiglu
+
+if TYPE_CHECKING:
+    from luced.runtime.kv_cache import KVCache
+    from luced.runtime.model import Model
+
+ARCH = "llama"
+
+LAYER_TENSORS = {
+    "attn_norm": "attn_norm.weight",
+    "attn_q": "attn_q.weight",
+    "attn_k": "attn_k.weight",
+    "attn_v": "attn_v.weight",
+    "attn_output": "attn_output.weight",
+    "ffn_norm": "ffn_norm.weight",
+    "ffn_gate": "ffn_gate.weight",
+    "ffn_up": "ffn_up.weight",
+    "ffn_down": "ffn_down.weight",
+}
+MATRICES = {"attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"}
+
+
+@dataclass(frozen=True)
+class LlamaConfig(common.ModelConfig):
+    rope_linear_scale: float = 1.0
+    has_rope_factors: bool = False
+
+
+def config_from_gguf(gguf: GGUFFile) -> LlamaConfig:
+    arch = gguf.arch
+    scale = 1.0
+    if gguf.get(f"{arch}.rope.scaling.type") == "linear":
+        scale = float(gguf.get(f"{arch}.rope.scaling.factor", 1.0))
+    return common.make_config(
+        LlamaConfig,
+        gguf,
+        rope_linear_scale=scale,
+        has_rope_factors="rope_freqs.weight" in gguf.tensors,
+    )
+
+
+def weight_plan(
+    cfg: LlamaConfig, layers: range, owns_embed: bool, owns_head: bool
+) -> dict[str, tuple[str, bool]]:
+    plan = common.edge_plan(cfg, owns_embed, owns_head)
+    plan |= common.layer_plan(layers, LAYER_TENSORS, MATRICES)
+    if cfg.has_rope_factors:
+        plan["rope_freqs"] = ("rope_freqs.weight", False)
+    return plan
+
+
+def _unpermute(wt: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's Q/K row permutation on a transposed [in, out] weight."""
+    rows = wt.t()
+    out_dim, in_dim = rows.shape
+    head_dim = out_dim // n_heads
+    rows = rows.reshape(n_heads, head_dim // 2, 2, in_dim).transpose(1, 2)
+    return rows.reshape(out_dim, in_dim).t().contiguous()
+
+
+def prepare(cfg: LlamaConfig, weights: dict[str, torch.Tensor]) -> None:
+    for key in list(weights):
+        if key.endswith(".attn_q"):
+            weights[key] = _unpermute(weights[key], cfg.n_heads)
+        elif key.endswith(".attn_k"):
+            weights[key] = _unpermute(weights[key], cfg.n_kv_heads)
+
+
+def ropes(cfg: LlamaConfig, weights: dict[str, torch.Tensor], device: torch.device) -> dict:
+    inv = rope_inv_freq(
+        cfg.rope_dims,
+        cfg.rope_base,
+        factors=weights.get("rope_freqs"),
+        linear_scale=cfg.rope_linear_scale,
+    )
+    rope = Rope(inv.to(device))
+    return dict.fromkeys(range(cfg.n_layers), rope)
+
+
+def embed(model: Model, ids: torch.Tensor) -> torch.Tensor:
+    return common.embed_rows(model, ids)
+
+
+def block(model: Model, layer: int, x: torch.Tensor, start: int, cache: KVCache) -> torch.Tensor:
+    w, eps = model.weights, model.cfg.rms_eps
+    h = rms_norm(x, w[f"{layer}.attn_norm"], eps)
+    x = x + common.self_attention(model, layer, h, start, cache, model.ropes[layer])
+    h = rms_norm(x, w[f"{layer}.ffn_norm"], eps)
+    return x + swiglu(h, w[f"{layer}.ffn_gate"], w[f"{layer}.ffn_up"], w[f"{layer}.ffn_down"])
+
+
+def head(model: Model, x: torch.Tensor) -> torch.Tensor:
+    h = rms_norm(x, model.weights["out_norm"], model.cfg.rms_eps)
+    return linear(h, model.weights["head"]).float()

@@ -1,0 +1,95 @@
+"""Per-layer K/V storage with a fill position, for the layers one shard owns.
+
+Layout per layer: K and V are `[Hkv, capacity, D]` so a prefix `[:, :end]` is a
+view SDPA reads directly. Positions `[0, pos)` are committed; `truncate(pos)`
+rolls back (a rejected draft) by moving the fill position: stale rows past it
+are overwritten by the next write and never attended, because attention only
+reads `[0, start + n)`.
+
+Sliding-window layers keep every position too. Their attention masks keys
+outside the window, so results equal full attention within the window; keeping
+the rows makes truncation and prefix snapshots uniform across layer kinds.
+Storage grows by doubling up to `capacity`, so short chats stay small.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class ContextOverflow(ValueError):
+    """A forward would write past the cache's capacity."""
+
+
+class KVCache:
+    def __init__(
+        self,
+        layers: range,
+        n_kv_heads: int,
+        head_dim: int,
+        capacity: int,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+        initial: int = 256,
+    ) -> None:
+        self.layers = layers
+        self.n_kv_heads = n_kv_heads
+        self.head_dim = head_dim
+        self.capacity = capacity
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self.pos = 0
+        self._allocated = 0
+        self.k: dict[int, torch.Tensor] = {}
+        self.v: dict[int, torch.Tensor] = {}
+        self._grow(min(capacity, initial))
+
+    def _grow(self, size: int) -> None:
+        shape = (self.n_kv_heads, size, self.head_dim)
+        for i in self.layers:
+            k = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            v = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            if self._allocated:
+                k[:, : self._allocated] = self.k[i][:, : self._allocated]
+                v[:, : self._allocated] = self.v[i][:, : self._allocated]
+            self.k[i], self.v[i] = k, v
+        self._allocated = size
+
+    def reserve(self, start: int, n: int) -> None:
+        """Make room for positions [start, start + n); start may not skip past `pos`."""
+        if start > self.pos:
+            raise ValueError(
+                f"KV write at {start} would leave a gap after fill position {self.pos}"
+            )
+        end = start + n
+        if end > self.capacity:
+            raise ContextOverflow(
+                f"context of {end} tokens exceeds the KV capacity {self.capacity}"
+            )
+        if end > self._allocated:
+            self._grow(min(self.capacity, max(end, 2 * self._allocated)))
+
+    def write(
+        self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store k, v ([n, Hkv, D]) at [start, start + n) and return the layer's K, V over
+        [0, start + n) as [Hkv, L, D] views."""
+        end = start + k.shape[0]
+        self.k[layer][:, start:end] = k.transpose(0, 1)
+        self.v[layer][:, start:end] = v.transpose(0, 1)
+        return self.k[layer][:, :end], self.v[layer][:, :end]
+
+    def commit(self, end: int) -> None:
+        self.pos = end
+
+    def truncate(self, pos: int) -> None:
+        """Roll back to `pos` committed tokens (pos <= current fill position)."""
+        if not 0 <= pos <= self.pos:
+            raise ValueError(f"cannot truncate to {pos}: fill position is {self.pos}")
+        self.pos = pos
+
+    def reset(self) -> None:
+        self.pos = 0
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (*self.k.values(), *self.v.values()))

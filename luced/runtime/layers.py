@@ -1,0 +1,126 @@
+"""Small tensor functions shared by the model families: norms, RoPE, attention, MLPs.
+
+Shapes use `n` for the tokens of one forward, `L` for the attended key length,
+`H`/`Hkv` for query/key-value heads and `D` for the head dimension. Linear
+weights are stored transposed, `[in, out]`: on CPU a GEMV against that layout
+streams the weight at about twice the bandwidth of `F.linear` (PERF-NOTES).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def linear(x: torch.Tensor, wt: torch.Tensor) -> torch.Tensor:
+    """x @ W^T with W stored as W^T ([in, out])."""
+    return torch.matmul(x, wt)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm computed in float32 (as the reference implementations do), cast back."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (xf * weight.float()).to(x.dtype)
+
+
+class Rope:
+    """Rotate-half (NEOX-style) rotary embedding with a cached cos/sin table.
+
+    `inv_freq` already holds any frequency factors (Llama-3 scaling, linear
+    scaling); positions index the table directly.
+    """
+
+    def __init__(self, inv_freq: torch.Tensor, capacity: int = 4096) -> None:
+        self.inv_freq = inv_freq.float()
+        self.cos = self.sin = torch.empty(0)
+        self._grow(capacity)
+
+    def _grow(self, capacity: int) -> None:
+        pos = torch.arange(capacity, dtype=torch.float32, device=self.inv_freq.device)
+        freqs = torch.outer(pos, self.inv_freq)  # [capacity, D/2]
+        emb = torch.cat([freqs, freqs], dim=-1)  # [capacity, D]
+        self.cos, self.sin = emb.cos(), emb.sin()
+
+    def tables(self, start: int, n: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        if start + n > self.cos.shape[0]:
+            self._grow(max(start + n, 2 * self.cos.shape[0]))
+        return self.cos[start : start + n].to(dtype), self.sin[start : start + n].to(dtype)
+
+
+def rope_inv_freq(
+    dim: int,
+    base: float,
+    *,
+    factors: torch.Tensor | None = None,
+    linear_scale: float = 1.0,
+) -> torch.Tensor:
+    """Inverse frequencies for `dim` rotary dimensions; `factors` divide them (llama.cpp's
+    rope_freqs tensor), `linear_scale` divides positions (linear RoPE scaling)."""
+    inv = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    if factors is not None:
+        inv = inv / factors.float().to(inv.device)
+    return inv / linear_scale
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [n, heads, D]; cos/sin: [n, D]. Rotates the first cos.shape[-1] dimensions."""
+    d = cos.shape[-1]
+    c, s = cos[:, None, :], sin[:, None, :]
+    if d == x.shape[-1]:
+        return x * c + _rotate_half(x) * s
+    rot, rest = x[..., :d], x[..., d:]
+    return torch.cat([rot * c + _rotate_half(rot) * s, rest], dim=-1)
+
+
+def attention_mask(
+    start: int, n: int, total: int, window: int | None, device: torch.device
+) -> torch.Tensor | None:
+    """Boolean [n, total] mask (True = attend) for queries at start..start+n-1 over keys
+    0..total-1: causal, and within `window` positions when given. None when every query
+    may see every key (single-token decode without a window in reach)."""
+    q_pos = torch.arange(start, start + n, device=device)[:, None]
+    k_pos = torch.arange(total, device=device)[None, :]
+    if n == 1 and (window is None or start < window):
+        return None
+    allowed = k_pos <= q_pos
+    if window is not None:
+        allowed &= (q_pos - k_pos) < window
+    return allowed
+
+
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+) -> torch.Tensor:
+    """q: [n, H, D]; k, v: [Hkv, L, D] (the cache layout); returns [n, H*D]."""
+    n, n_heads, head_dim = q.shape
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1).unsqueeze(0),  # [1, H, n, D]
+        k.unsqueeze(0),
+        v.unsqueeze(0),
+        attn_mask=mask,
+        scale=scale,
+        enable_gqa=n_heads != k.shape[0],
+    )
+    return out[0].transpose(0, 1).reshape(n, n_heads * head_dim)
+
+
+def swiglu(
+    x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor
+) -> torch.Tensor:
+    return linear(F.silu(linear(x, gate)) * linear(x, up), down)
+
+
+def geglu_tanh(
+    x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor
+) -> torch.Tensor:
+    return linear(F.gelu(linear(x, gate), approximate="tanh") * linear(x, up), down)

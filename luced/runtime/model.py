@@ -1,0 +1,144 @@
+"""A loaded model (or one shard of it): config, weights for a layer range, RoPE tables.
+
+    model = Model.load(path, layers=(0, 15), dtype="float32")
+    cache = model.new_cache(capacity=4096)
+    h = model.embed(ids)                                  # first shard only
+    h, caps = model.forward_layers(h, cache, start, capture={3, 9})
+    logits = model.logits(h[-1:])                         # last shard only
+
+A shard owns layers [a, b); the first shard owns the embedding, the last the final
+norm and head. `forward_layers` writes K/V at [start, start + n) and then commits
+the cache's fill position to start + n.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Iterable
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+from luced.gguf_file import GGUFError, GGUFFile
+from luced.runtime.families import FAMILIES, family_for
+from luced.runtime.families.common import ModelConfig
+from luced.runtime.kv_cache import KVCache
+from luced.runtime.weights import WeightLoader, parse_dtype
+
+log = logging.getLogger(__name__)
+
+
+class Model:
+    def __init__(
+        self,
+        family: ModuleType,
+        cfg: ModelConfig,
+        weights: dict[str, torch.Tensor],
+        layers: range,
+        dtype: torch.dtype,
+        device: torch.device,
+        path: Path,
+    ) -> None:
+        self.family = family
+        self.cfg = cfg
+        self.weights = weights
+        self.layers = layers
+        self.dtype = dtype
+        self.device = device
+        self.path = path
+        self.owns_embed = layers.start == 0
+        self.owns_head = layers.stop == cfg.n_layers
+        self.ropes = family.ropes(cfg, weights, device)
+
+    @classmethod
+    def load(
+        cls,
+        path: str | os.PathLike[str],
+        *,
+        layers: tuple[int, int] | None = None,
+        dtype: str | torch.dtype = "float32",
+        device: str | torch.device = "cpu",
+    ) -> Model:
+        t0 = time.monotonic()
+        gguf = GGUFFile(path)
+        family = family_for(gguf.arch)
+        if family is None:
+            raise GGUFError(
+                f"{gguf.path}: unknown architecture {gguf.arch!r} "
+                f"(supported: {', '.join(sorted(FAMILIES))})"
+            )
+        cfg = family.config_from_gguf(gguf)
+        a, b = layers if layers is not None else (0, cfg.n_layers)
+        if not 0 <= a < b <= cfg.n_layers:
+            raise ValueError(f"layer range [{a}, {b}) outside the model's {cfg.n_layers} layers")
+        span = range(a, b)
+        torch_dtype, torch_device = parse_dtype(dtype), torch.device(device)
+        plan = family.weight_plan(cfg, span, a == 0, b == cfg.n_layers)
+        weights = WeightLoader(gguf, torch_dtype, torch_device).load_all(plan)
+        family.prepare(cfg, weights)
+        model = cls(family, cfg, weights, span, torch_dtype, torch_device, gguf.path)
+        log.info(
+            "loaded %s (%s, layers [%d, %d) of %d, %s) in %.1f s",
+            gguf.path.name,
+            cfg.arch,
+            a,
+            b,
+            cfg.n_layers,
+            str(torch_dtype).removeprefix("torch."),
+            time.monotonic() - t0,
+        )
+        return model
+
+    def new_cache(self, capacity: int | None = None) -> KVCache:
+        return KVCache(
+            self.layers,
+            self.cfg.n_kv_heads,
+            self.cfg.head_dim,
+            capacity or self.cfg.context_length,
+            self.dtype,
+            self.device,
+        )
+
+    @torch.inference_mode()
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        if not self.owns_embed:
+            raise RuntimeError("this shard does not own the embedding")
+        return self.family.embed(self, ids.to(self.device))
+
+    @torch.inference_mode()
+    def forward_layers(
+        self,
+        hidden: torch.Tensor,
+        cache: KVCache,
+        start: int,
+        capture: Iterable[int] = (),
+    ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """Run this shard's layers over hidden ([n, hidden]) at positions start..start+n-1.
+
+        Returns the output and, for each requested layer in range, that layer's output
+        (the residual stream after its FFN; HF's hidden_states[layer + 1])."""
+        wanted = set(capture)
+        n = hidden.shape[0]
+        cache.reserve(start, n)
+        captures: dict[int, torch.Tensor] = {}
+        x = hidden.to(self.dtype)
+        for layer in self.layers:
+            x = self.family.block(self, layer, x, start, cache)
+            if layer in wanted:
+                captures[layer] = x
+        cache.commit(start + n)
+        return x, captures
+
+    @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if not self.owns_head:
+            raise RuntimeError("this shard does not own the output head")
+        return self.family.head(self, hidden)
+
+    def forward(self, ids: torch.Tensor, cache: KVCache, start: int) -> torch.Tensor:
+        """Whole-model convenience: token ids -> float32 logits for every position."""
+        h, _ = self.forward_layers(self.embed(ids), cache, start)
+        return self.logits(h)

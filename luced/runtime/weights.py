@@ -1,0 +1,129 @@
+"""Tensors out of a GGUF file: dequantized with the `gguf` package into a compute dtype.
+
+A family names the tensors it needs for a layer range; `WeightLoader` reads
+exactly those (a shard never touches the bytes of layers it does not own) and
+reports progress: a bar on a terminal, log lines otherwise.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from collections.abc import Iterable
+
+import numpy as np
+import torch
+from gguf.constants import GGMLQuantizationType as Q
+from gguf.quants import dequantize
+
+from luced.gguf_file import GGUFError, GGUFFile
+
+log = logging.getLogger(__name__)
+
+SUPPORTED_TYPES = frozenset(
+    {
+        Q.F32,
+        Q.F16,
+        Q.BF16,
+        Q.Q8_0,
+        Q.Q4_0,
+        Q.Q4_1,
+        Q.Q5_0,
+        Q.Q5_1,
+        Q.Q2_K,
+        Q.Q3_K,
+        Q.Q4_K,
+        Q.Q5_K,
+        Q.Q6_K,
+    }
+)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def parse_dtype(name: str | torch.dtype) -> torch.dtype:
+    if isinstance(name, torch.dtype):
+        return name
+    try:
+        return DTYPES[name]
+    except KeyError:
+        raise ValueError(f"unknown dtype {name!r}; choose one of {', '.join(DTYPES)}") from None
+
+
+def dequantize_tensor(gguf: GGUFFile, name: str) -> np.ndarray:
+    """The named tensor as float32 numpy, in torch shape order."""
+    info = gguf.info(name)
+    if info.ggml_type not in SUPPORTED_TYPES:
+        raise GGUFError(
+            f"{gguf.path}: tensor {name!r} uses unsupported quant type {info.type_name}"
+        )
+    raw = gguf.raw(name)
+    if info.ggml_type == Q.F32:
+        return raw.view(np.float32).reshape(info.shape)
+    if info.ggml_type == Q.F16:
+        return raw.view(np.float16).reshape(info.shape).astype(np.float32)
+    return dequantize(raw, info.ggml_type).reshape(info.shape)
+
+
+class WeightLoader:
+    """Loads named tensors into torch with progress output for long loads."""
+
+    def __init__(self, gguf: GGUFFile, dtype: torch.dtype, device: torch.device | str) -> None:
+        self.gguf = gguf
+        self.dtype = dtype
+        self.device = torch.device(device)
+
+    def require(self, names: Iterable[str]) -> None:
+        missing = [n for n in names if n not in self.gguf.tensors]
+        if missing:
+            raise GGUFError(f"{self.gguf.path}: missing tensor {missing[0]!r}")
+
+    def tensor(self, name: str, *, transpose: bool = False, dtype: torch.dtype | None = None):
+        arr = dequantize_tensor(self.gguf, name)
+        # Copy when the array is a read-only view of the mapped file (F32 tensors).
+        t = torch.from_numpy(arr if arr.flags.writeable else arr.copy())
+        if transpose:
+            t = t.t()
+        return t.to(device=self.device, dtype=dtype or self.dtype).contiguous()
+
+    def load_all(self, plan: dict[str, tuple[str, bool]]) -> dict[str, torch.Tensor]:
+        """plan: key -> (tensor name, transpose). Returns key -> tensor."""
+        self.require(name for name, _ in plan.values())
+        total = sum(self.gguf.info(name).nbytes for name, _ in plan.values())
+        progress = _Progress(f"loading {self.gguf.path.name}", total)
+        out = {}
+        for key, (name, transpose) in plan.items():
+            out[key] = self.tensor(name, transpose=transpose)
+            progress.advance(self.gguf.info(name).nbytes)
+        progress.close()
+        return out
+
+
+class _Progress:
+    """tqdm on a terminal; otherwise a log line at every quarter and at the end."""
+
+    def __init__(self, label: str, total: int) -> None:
+        self.label, self.total, self.done = label, total, 0
+        self.start = time.monotonic()
+        self.next_mark = 0.25
+        self.bar = None
+        if sys.stderr.isatty():
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, desc=label, unit="B", unit_scale=True, leave=False)
+
+    def advance(self, n: int) -> None:
+        self.done += n
+        if self.bar is not None:
+            self.bar.update(n)
+        elif self.total and self.done / self.total >= self.next_mark and self.next_mark < 1:
+            log.info("%s: %d%%", self.label, int(100 * self.done / self.total))
+            self.next_mark += 0.25
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        log.info(
+            "%s: %.0f MB in %.1f s", self.label, self.total / 1e6, time.monotonic() - self.start
+        )

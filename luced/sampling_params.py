@@ -1,0 +1,105 @@
+"""Per-request sampling parameters.
+
+Torch-free on purpose: the daemon builds and validates these from the HTTP request, sends them
+to a worker in a frame, and the worker's sampler (`luced.runtime.sampler`) applies them.
+Each field's "off" value is its default, so `SamplingParams()` is plain sampling from the
+model distribution at temperature 1.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+# torch.Generator.manual_seed accepts [-2**63, 2**64); OpenAI's `seed` is an int64.
+_SEED_MIN = -(2**63)
+_SEED_MAX = 2**64 - 1
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """How to pick the next token from a row of logits.
+
+    Processing order (Hugging Face `generate` order, see `luced.runtime.sampler`):
+    penalties -> temperature -> top_k -> top_p -> min_p -> draw.
+
+    temperature: 0 = greedy (argmax of the penalized logits); otherwise logits are divided by it.
+    top_k: keep the k most likely tokens; 0 = off.
+    top_p: keep the smallest set of most likely tokens whose mass reaches top_p; 1.0 = off.
+    min_p: drop tokens whose probability is below min_p * (probability of the top token); 0 = off.
+    repetition_penalty: llama.cpp / HF semantics; a token seen in the window has a positive
+        logit divided by it and a negative logit multiplied by it; 1.0 = off.
+    frequency_penalty, presence_penalty: OpenAI semantics; subtract
+        frequency_penalty * count + presence_penalty * (count > 0); 0 = off.
+    penalty_window: the last N tokens of prompt + output that the three penalties count
+        (llama.cpp `penalty_last_n`); -1 = all tokens, 0 = none.
+    seed: seeds the request's own random generator (same seed -> same tokens);
+        None = fresh randomness.
+    logprobs: None = no logprobs; k >= 0 = the chosen token's logprob plus the k most likely
+        (token, logprob) pairs (vLLM semantics, so OpenAI's `logprobs: true, top_logprobs: 0`
+        maps to 0).
+    """
+
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    penalty_window: int = 64
+    seed: int | None = None
+    logprobs: int | None = None
+
+    def __post_init__(self) -> None:
+        temperature = _real("temperature", self.temperature)
+        if temperature < 0:
+            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
+        if _integer("top_k", self.top_k) < 0:
+            raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
+        top_p = _real("top_p", self.top_p)
+        if not 0.0 < top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1] (1 = off), got {top_p}")
+        min_p = _real("min_p", self.min_p)
+        if not 0.0 <= min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1] (0 = off), got {min_p}")
+        repetition_penalty = _real("repetition_penalty", self.repetition_penalty)
+        if repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty must be > 0 (1 = off), got {repetition_penalty}")
+        _real("frequency_penalty", self.frequency_penalty)
+        _real("presence_penalty", self.presence_penalty)
+        if _integer("penalty_window", self.penalty_window) < -1:
+            raise ValueError(
+                f"penalty_window must be -1 (all tokens) or >= 0, got {self.penalty_window}"
+            )
+        if self.seed is not None and not _SEED_MIN <= _integer("seed", self.seed) <= _SEED_MAX:
+            raise ValueError(f"seed must be in [-2**63, 2**64), got {self.seed}")
+        if self.logprobs is not None and _integer("logprobs", self.logprobs) < 0:
+            raise ValueError(f"logprobs must be None or >= 0, got {self.logprobs}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.penalty_window != 0 and (
+            self.repetition_penalty != 1.0
+            or self.frequency_penalty != 0.0
+            or self.presence_penalty != 0.0
+        )
+
+
+def _real(name: str, value: object) -> float:
+    # bool is an int subclass; `temperature=True` is a caller bug, not 1.0.
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ValueError(f"{name} must be a number, got {type(value).__name__}")
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be finite, got {value}")
+    return float(value)
+
+
+def _integer(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an int, got {type(value).__name__}")
+    return value

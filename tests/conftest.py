@@ -1,0 +1,29 @@
+"""Shared test setup: offline Hugging Face, tools/ importable, cached model paths."""
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tools"))
+
+# No network here: transformers must never try a hub download.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf() -> Path:
+    from luced.models import smollm2_path
+
+    return smollm2_path()
+
+
+@pytest.fixture(scope="session")
+def gemma3_gguf() -> Path:
+    from luced.models import gemma3_path
+
+    return gemma3_path()

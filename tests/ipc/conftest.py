@@ -1,0 +1,142 @@
+"""IPC test fixtures: a leak check on /dev/shm and one sample frame per op."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import subprocess
+import sys
+from collections.abc import Iterator
+
+import posix_ipc
+import pytest
+
+from luced.ipc import frames as F
+from luced.ipc.regions import Region
+from luced.ipc.shm import scan
+
+
+@pytest.fixture(scope="session")
+def session_tag() -> str:
+    """Prefix of every instance id this session's tests use (see ``instance``)."""
+    return secrets.token_hex(3)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_segments_left(session_tag: str) -> Iterator[None]:
+    """After the whole session, no luced segment of ours may remain in /dev/shm.
+
+    "Ours" = owned by this process, or named with this session's instance tag (the
+    owner subprocesses of the tests). Segments of other daemons or test sessions on
+    this machine are theirs to judge. Leaks are removed, then reported.
+    """
+    yield
+    mine = f"/luced-{session_tag}"
+    leaked = [
+        info for info in scan() if info.owner_pid == os.getpid() or info.name.startswith(mine)
+    ]
+    for info in leaked:
+        with contextlib.suppress(posix_ipc.Error):
+            posix_ipc.unlink_shared_memory(info.name)
+    assert not leaked, f"shared-memory segments left behind: {[i.name for i in leaked]}"
+
+
+@pytest.fixture
+def instance(session_tag: str) -> str:
+    """A fresh instance id per test, so tests and parallel sessions never collide."""
+    return session_tag + secrets.token_hex(2)
+
+
+@pytest.fixture
+def run_py() -> Iterator[object]:
+    """Start ``python -c CODE ARGS...`` with pipes; every process is reaped at the end."""
+    procs: list[subprocess.Popen[str]] = []
+
+    def start(code: str, *args: str) -> subprocess.Popen[str]:
+        p = subprocess.Popen(
+            [sys.executable, "-c", code, *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        procs.append(p)
+        return p
+
+    yield start
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+        p.communicate()
+
+
+SEG = "/luced-0123abcd-act"
+
+
+def region(offset: int, shape: tuple[int, ...], dtype: str) -> Region:
+    return Region(SEG, offset, shape, dtype)
+
+
+@pytest.fixture
+def sample_requests() -> dict[str, F.Request]:
+    """One populated request per op (covering optional fields where there are any)."""
+    return {
+        "hello": F.Hello(instance="0123abcd"),
+        "load": F.Load(
+            model="/models/x.gguf",
+            layers=(4, 30),
+            dtype="bfloat16",
+            devices=("cuda:0", "cuda:1"),
+            kv_capacity=4096,
+            owns_embed=False,
+            owns_head=True,
+            device_splits=(12,),
+        ),
+        "forward": F.Forward(
+            n_tokens=16,
+            start_pos=100,
+            want="sample",
+            outputs={
+                "ids": region(64, (16,), "int32"),
+                "logprobs": region(128, (16,), "float32"),
+                "topk_ids": region(192, (16, 5), "int32"),
+                "topk_logprobs": region(576, (16, 5), "float32"),
+            },
+            tokens=region(960, (512,), "int32"),
+            positions="all",
+            sampling={"temperature": 0.7, "top_k": 40, "top_p": 0.9, "seed": 2**40, "min_p": None},
+            top_logprobs=5,
+            capture=(1, 14, 27),
+            ring=region(4096, (64, 3, 576), "float32"),
+        ),
+        "truncate": F.Truncate(position=57),
+        "reset": F.Reset(),
+        "stats": F.Stats(),
+        "shutdown": F.Shutdown(),
+    }
+
+
+@pytest.fixture
+def sample_replies() -> dict[str, F.Reply]:
+    return {
+        "hello": F.HelloReply(
+            pid=4242,
+            group="cpu:1",
+            devices=("cpu",),
+            versions={"python": "3.11.7", "torch": "2.13.0"},
+        ),
+        "load": F.LoadReply(
+            n_layers=30,
+            hidden=576,
+            vocab=49152,
+            layers=(4, 30),
+            dtype="bfloat16",
+            kv_capacity=4096,
+            load_s=1.25,
+        ),
+        "forward": F.ForwardReply(n_out=16, position=116, elapsed_us=8123),
+        "truncate": F.TruncateReply(position=57),
+        "reset": F.ResetReply(),
+        "stats": F.StatsReply(stats={"rss_bytes": 123456789, "busy_s": 1.5, "device": "cpu"}),
+        "shutdown": F.ShutdownReply(),
+    }

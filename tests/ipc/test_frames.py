@@ -1,0 +1,292 @@
+"""Frames: every op round-trips; bad frames fail with errors that name the problem."""
+
+from __future__ import annotations
+
+import ast
+import contextlib
+import dataclasses
+import subprocess
+import sys
+from pathlib import Path
+
+import msgpack
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from luced.ipc import frames as F
+from luced.ipc.regions import Region
+
+SEG = "/luced-0123abcd-act"
+
+
+def R(offset: int, shape: tuple[int, ...], dtype: str) -> Region:
+    return Region(SEG, offset, shape, dtype)
+
+
+def raw(obj: object) -> bytes:
+    return msgpack.packb(obj, use_bin_type=True)
+
+
+def test_samples_cover_every_op(sample_requests: dict, sample_replies: dict) -> None:
+    assert set(sample_requests) == set(F.REQUESTS) == set(F.REPLIES) == set(sample_replies)
+    assert set(F.REQUESTS) >= {"hello", "load", "forward", "truncate", "reset", "stats", "shutdown"}
+
+
+def test_every_request_and_reply_roundtrips(sample_requests: dict, sample_replies: dict) -> None:
+    for i, (op, req) in enumerate(sample_requests.items()):
+        payload = F.encode_request(1000 + i, req)
+        assert msgpack.unpackb(payload, raw=False)["op"] == op
+        assert F.decode_request(payload) == (1000 + i, req)
+        rep = sample_replies[op]
+        assert F.decode_reply(F.encode_reply(7, rep), op) == (7, rep)
+    failed = F.encode_reply(9, F.ErrorReply("out of memory"))
+    assert msgpack.unpackb(failed, raw=False) == {"seq": 9, "ok": False, "error": "out of memory"}
+    assert F.decode_reply(failed, "forward") == (9, F.ErrorReply("out of memory"))
+
+
+def test_wire_shape_of_a_forward(sample_requests: dict) -> None:
+    wire = msgpack.unpackb(F.encode_request(3, sample_requests["forward"]), raw=False)
+    assert wire["op"] == "forward" and wire["seq"] == 3
+    assert wire["tokens"] == {"segment": SEG, "offset": 960, "shape": [512], "dtype": "int32"}
+    assert wire["capture"] == [1, 14, 27] and wire["hidden_in"] is None
+    assert wire["sampling"]["seed"] == 2**40 and wire["sampling"]["min_p"] is None
+
+
+def test_construction_normalises_types() -> None:
+    f = F.Truncate(position=np.int64(5))
+    assert type(f.position) is int
+    load = F.LoadReply(30, 576, 49152, [0, 30], "float32", 10, 2)
+    assert load.layers == (0, 30) and type(load.load_s) is float
+    hidden = R(64, (1, 8), "float16").to_wire()  # a plain map, as msgpack delivers it
+    fw = F.Forward(1, 0, "hidden", {"hidden": hidden}, tokens=R(128, (1,), "int32"))
+    assert isinstance(fw.outputs["hidden"], Region)
+
+
+def forward(**kw: object) -> F.Forward:
+    base: dict[str, object] = {
+        "n_tokens": 4,
+        "start_pos": 0,
+        "want": "sample",
+        "outputs": {"ids": R(64, (4,), "int32")},
+        "tokens": R(128, (8,), "int32"),
+    }
+    base.update(kw)
+    return F.Forward(**base)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("kw", "match"),
+    [
+        ({"n_tokens": "4"}, r"forward request: n_tokens: expected int, got str"),
+        ({"n_tokens": True}, r"n_tokens: expected int, got bool"),
+        ({"start_pos": 1.0}, r"start_pos: expected int, got float"),
+        ({"n_tokens": 0}, "n_tokens >= 1"),
+        ({"want": "beam"}, r"want: expected one of \['sample', 'logits', 'topk', 'hidden'\]"),
+        ({"tokens": None}, "exactly one of tokens / hidden_in"),
+        ({"hidden_in": R(256, (4, 8), "float32")}, "exactly one of tokens / hidden_in"),
+        ({"tokens": R(128, (3,), "int32")}, r"tokens must be int32 \[>= 4\]"),
+        ({"tokens": R(128, (8,), "int64")}, "tokens must be int32"),
+        ({"outputs": {"ids": {"segment": SEG}}}, r"outputs\.ids: region keys: missing"),
+        ({"outputs": {}}, r"needs outputs \['ids'\]"),
+        ({"outputs": {"ids": R(64, (4,), "int32"), "x": R(128, (1,), "int32")}}, "got"),
+        ({"outputs": {"ids": R(64, (4,), "float32")}}, "outputs.ids must be int32"),
+        ({"positions": "all", "outputs": {"ids": R(64, (3,), "int32")}}, ">= 4 rows"),
+        ({"want": "topk", "outputs": {}}, "needs top_logprobs >= 1"),
+        ({"top_logprobs": 2}, r"needs outputs \['ids', 'topk_ids', 'topk_logprobs'\]"),
+        (
+            {
+                "want": "topk",
+                "top_logprobs": 3,
+                "outputs": {
+                    "topk_ids": R(64, (1, 3), "int32"),
+                    "topk_logprobs": R(128, (1, 2), "float32"),
+                },
+            },
+            "outputs.topk_logprobs needs 3 columns, got 2",
+        ),
+        ({"want": "logits", "outputs": {"logits": R(64, (1, 9), "float16")}}, "logits must be"),
+        ({"sampling": {"temp": 1.0}}, r"unknown sampling key\(s\) \['temp'\]"),
+        ({"sampling": {"temperature": float("nan")}}, "sampling.temperature must be a finite"),
+        ({"sampling": {"seed": 1.5}}, "sampling.seed must be a finite number"),
+        ({"sampling": {"top_p": "0.9"}}, r"sampling\.top_p: expected int \| float \| None"),
+        ({"capture": (3,)}, "capture layers given without a ring"),
+        ({"ring": R(256, (8, 1, 16), "float32")}, "ring given without capture"),
+        ({"capture": (3, 3), "ring": R(256, (8, 2, 16), "float32")}, "distinct"),
+        ({"capture": (3, 5), "ring": R(256, (8, 3, 16), "float32")}, r"ring must be float"),
+        ({"capture": (3,), "ring": R(256, (2, 1, 16), "float32")}, "ring holds 2 positions"),
+    ],
+)
+def test_forward_validation(kw: dict, match: str) -> None:
+    with pytest.raises(F.FrameError, match=match):
+        forward(**kw)
+
+
+def test_forward_accepts_the_intended_shapes() -> None:
+    h_in, h_out = R(64, (8, 16), "bfloat16"), R(512, (4, 16), "bfloat16")
+    h = forward(tokens=None, hidden_in=h_in, want="hidden", outputs={"hidden": h_out})
+    assert h.n_out == 1
+    lg = forward(want="logits", positions="all", outputs={"logits": R(64, (4, 50), "float32")})
+    assert lg.n_out == 4
+    ring = forward(capture=(0, 2), ring=R(1024, (16, 2, 8), "float32"))
+    assert ring.capture == (0, 2)
+
+
+@pytest.mark.parametrize(
+    ("kw", "match"),
+    [
+        ({"layers": (3, 3)}, "0 <= a < b"),
+        ({"layers": (0, 1, 2)}, "layers: expected 2 items, got 3"),
+        ({"dtype": "float8"}, "dtype: expected one of"),
+        ({"devices": ()}, "devices is empty"),
+        ({"devices": ("cpu", "cpu:1")}, "2 devices need 1 device_splits, got 0"),
+        ({"devices": ("cpu", "cpu:1"), "device_splits": (10,)}, "increase strictly inside"),
+        ({"kv_capacity": 0}, "kv_capacity must be >= 1"),
+        ({"owns_head": 1}, "owns_head: expected bool, got int"),
+    ],
+)
+def test_load_validation(kw: dict, match: str) -> None:
+    base = dict(
+        model="m.gguf",
+        layers=(0, 10),
+        dtype="float32",
+        devices=("cpu",),
+        kv_capacity=64,
+        owns_embed=True,
+        owns_head=True,
+    )
+    base.update(kw)
+    with pytest.raises(F.FrameError, match=match):
+        F.Load(**base)  # type: ignore[arg-type]
+
+
+def test_decode_errors_name_the_problem_and_keep_the_seq(sample_requests: dict) -> None:
+    good = msgpack.unpackb(F.encode_request(5, sample_requests["truncate"]), raw=False)
+    cases = [
+        ({**good, "position": "x"}, "truncate request: position: expected int, got str"),
+        ({k: v for k, v in good.items() if k != "position"}, r"missing field\(s\) \['position'\]"),
+        ({**good, "extra": 1}, r"unknown field\(s\) \['extra'\]"),
+        ({**good, "op": "fly"}, "unknown op 'fly'"),
+        ({**good, "op": None}, "unknown op None"),
+    ]
+    for obj, match in cases:
+        with pytest.raises(F.FrameError, match=match) as info:
+            F.decode_request(raw(obj))
+        assert info.value.seq == 5
+    for seq in (-1, "5", None, 2**64 - 1):
+        with pytest.raises(F.FrameError, match="seq must be an int") as info:
+            F.decode_request(raw({**good, "seq": seq}))
+        assert info.value.seq is None
+
+
+def test_reply_envelope_errors() -> None:
+    with pytest.raises(F.FrameError, match="'ok' must be true or false"):
+        F.decode_reply(raw({"seq": 1, "ok": 1, "position": 3}), "truncate")
+    with pytest.raises(F.FrameError, match="exactly a string 'error'"):
+        F.decode_reply(raw({"seq": 1, "ok": False}), "truncate")
+    with pytest.raises(F.FrameError, match=r"truncate reply: missing field\(s\)"):
+        F.decode_reply(raw({"seq": 1, "ok": True}), "truncate")
+
+
+def test_protocol_version_mismatch_is_clear() -> None:
+    # Checked before any other field: a newer peer may have renamed them all.
+    payload = raw({"op": "hello", "seq": 1, "protocol": 999, "renamed": "x"})
+    with pytest.raises(F.ProtocolVersionError, match="peer speaks 999, this side speaks 1"):
+        F.decode_request(payload)
+    reply = raw({"seq": 1, "ok": True, "protocol": 2, "pid": 1})
+    with pytest.raises(F.ProtocolVersionError, match="protocol version mismatch"):
+        F.decode_reply(reply, "hello")
+    with pytest.raises(F.ProtocolVersionError):
+        F.Hello(instance="x", protocol=F.PROTOCOL_VERSION + 1)
+    with pytest.raises(F.ProtocolVersionError):  # no version at all is a mismatch too
+        F.decode_request(raw({"op": "hello", "seq": 1, "instance": "x"}))
+
+
+def test_unencodable_values_fail_at_the_sender() -> None:
+    with pytest.raises(F.FrameError, match="outside the 64-bit integer range"):
+        F.Truncate(position=2**64)
+    with pytest.raises(F.FrameError, match="seq must be an int"):
+        F.encode_request(2**64, F.Reset())
+    with pytest.raises(F.FrameError, match="seq must be an int"):
+        F.encode_reply(-1, F.ResetReply())
+
+
+def test_oversized_frames_are_refused() -> None:
+    huge = F.Load("m" * (F.MAX_FRAME_BYTES + 1), (0, 1), "float32", ("cpu",), 1, True, True)
+    with pytest.raises(F.FrameTooLargeError, match="exceeds MAX_FRAME_BYTES=16777216"):
+        F.encode_request(1, huge)
+    with pytest.raises(F.FrameTooLargeError, match="exceeds"):
+        F.decode_request(bytes(F.MAX_FRAME_BYTES + 1))
+
+
+@pytest.mark.parametrize(
+    ("payload", "match"),
+    [
+        (b"", "malformed msgpack"),
+        (b"\xc1", "malformed msgpack"),  # a byte msgpack never uses
+        (raw({"op": "reset", "seq": 1})[:-3], "malformed msgpack"),  # truncated
+        (raw({"op": "reset", "seq": 1}) + b"\x00", "malformed msgpack"),  # trailing bytes
+        (b"\x81\xa2op\xa3\xff\xfe\xfd", "malformed msgpack"),  # invalid UTF-8 string
+        (raw({1: 2}), "malformed msgpack"),  # non-string map key
+        (raw([1, 2]), "must be a msgpack map, got list"),
+        (msgpack.packb(msgpack.ExtType(5, b"x")), "must be a msgpack map, got ExtType"),
+    ],
+)
+def test_malformed_msgpack(payload: bytes, match: str) -> None:
+    with pytest.raises(F.FrameError, match=match):
+        F.decode_request(payload)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=200))
+def test_random_bytes_only_raise_frame_error(payload: bytes) -> None:
+    with contextlib.suppress(F.FrameError):  # anything else is a bug
+        F.decode_request(payload)
+
+
+_values = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**63), 2**64 - 1)
+    | st.floats()
+    | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner),
+    max_leaves=10,
+)
+_field_names = {f.name for cls in F.REQUESTS.values() for f in dataclasses.fields(cls)}
+_keys = st.sampled_from(sorted(_field_names | {"op", "seq", "segment", "offset", "bogus"}))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.dictionaries(_keys, _values), st.sampled_from(sorted(F.REQUESTS)))
+def test_random_maps_only_raise_frame_error(obj: dict, op: str) -> None:
+    obj = {"op": op, "seq": 1, **obj}
+    with contextlib.suppress(F.FrameError):
+        F.decode_request(raw(obj))
+
+
+def test_frames_are_frozen(sample_requests: dict) -> None:
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        sample_requests["truncate"].position = 3
+
+
+def test_ipc_uses_no_pickle_and_no_torch() -> None:
+    root = Path(F.__file__).parent
+    banned = {"pickle", "cPickle", "dill", "cloudpickle", "marshal", "shelve", "torch"}
+    for path in root.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names = {a.name.split(".")[0] for a in node.names}
+            elif isinstance(node, ast.ImportFrom):
+                names = {(node.module or "").split(".")[0]}
+            else:
+                continue
+            assert not names & banned, f"{path.name} imports {names & banned}"
+    code = (
+        "import sys, luced.ipc.shm, luced.ipc.regions, luced.ipc.frames, luced.ipc.channel; "
+        "bad = {'torch', 'pickle'} & set(sys.modules); print(sorted(bad))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    # pickle may be pulled in by the standard library itself; torch never.
+    assert "torch" not in out.stdout

@@ -1,0 +1,131 @@
+"""Every family on tiny random models vs transformers holding the very same weights.
+
+tools/make_tiny_gguf.py writes the GGUF as llama.cpp would and returns the transformers
+twin with exactly the dequantized weights, so the comparison is like for like in float32.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import make_tiny_gguf
+import pytest
+import torch
+
+from luced.runtime.model import Model
+
+VARIANTS = {
+    "llama": ("llama", {}),
+    "llama-untied": ("llama", {"tied": False}),
+    "llama3-rope": ("llama", {"rope_scaling": "llama3", "tied": False}),
+    "qwen3": ("qwen3", {}),
+    "gemma3": ("gemma3", {}),
+}
+# Gemma's tiny window is 8: the 24-token prompt runs well past it.
+PROMPTS = [[1, 5, 9, 200, 300], list(range(40, 64)), [7] * 3 + list(range(100, 112))]
+
+
+def max_rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((ours - ref).abs().max() / ref.abs().max())
+
+
+def greedy_hf(hf, ids: list[int], n: int) -> list[int]:
+    out = hf.generate(
+        torch.tensor([ids]),
+        max_new_tokens=n,
+        min_new_tokens=n,
+        do_sample=False,
+        pad_token_id=0,
+    )
+    return out[0, len(ids) :].tolist()
+
+
+def greedy_ours(model: Model, ids: list[int], n: int) -> list[int]:
+    cache = model.new_cache(len(ids) + n)
+    logits = model.forward(torch.tensor(ids), cache, 0)
+    out = []
+    for _ in range(n):
+        out.append(int(logits[-1].argmax()))
+        logits = model.forward(torch.tensor(out[-1:]), cache, len(ids) + len(out) - 1)
+    return out
+
+
+@pytest.fixture(scope="module", params=sorted(VARIANTS))
+def tiny(request, tmp_path_factory) -> make_tiny_gguf.TinyModel:
+    family, overrides = VARIANTS[request.param]
+    path = tmp_path_factory.mktemp("tiny") / f"{request.param}.gguf"
+    return make_tiny_gguf.build(family, path, seed=3, **overrides)
+
+
+def test_logits_match_transformers(tiny) -> None:
+    hf = tiny.hf_model()
+    ours = Model.load(tiny.path)
+    for ids in PROMPTS:
+        with torch.no_grad():
+            ref = hf(torch.tensor([ids])).logits[0].float()
+        got = ours.forward(torch.tensor(ids), ours.new_cache(64), 0)
+        assert max_rel_err(got, ref) <= 1e-4, ids
+
+
+def test_greedy_matches_transformers(tiny) -> None:
+    hf = tiny.hf_model()
+    ours = Model.load(tiny.path)
+    for ids in PROMPTS[:2]:
+        assert greedy_ours(ours, ids, 32) == greedy_hf(hf, ids, 32)
+
+
+def test_layer_ranges_chain_to_the_whole_model(tiny) -> None:
+    """Shards loaded by range hold only their tensors and chain to the unsplit result."""
+    whole = Model.load(tiny.path)
+    n = whole.cfg.n_layers
+    cut = n // 2
+    first, second = Model.load(tiny.path, layers=(0, cut)), Model.load(tiny.path, layers=(cut, n))
+    assert first.owns_embed and not first.owns_head
+    assert not second.owns_embed and second.owns_head
+    assert all(k.split(".")[0] not in {str(i) for i in range(cut, n)} for k in first.weights)
+    assert "head" not in first.weights and "tok_embd" not in second.weights
+    ids = torch.tensor(PROMPTS[1])
+    c1, c2 = first.new_cache(64), second.new_cache(64)
+    h, _ = first.forward_layers(first.embed(ids), c1, 0)
+    h, _ = second.forward_layers(h, c2, 0)
+    torch.testing.assert_close(
+        second.logits(h), whole.forward(ids, whole.new_cache(64), 0), rtol=0, atol=0
+    )
+
+
+def test_captures_are_layer_outputs(tiny) -> None:
+    """A capture of layer L is HF's hidden_states[L + 1] (the residual after L's FFN)."""
+    model = Model.load(tiny.path)
+    last = model.cfg.n_layers - 1
+    ids = torch.tensor(PROMPTS[0])
+    _, caps = model.forward_layers(model.embed(ids), model.new_cache(64), 0, capture={0, last})
+    with torch.no_grad():
+        states = tiny.hf_model()(ids[None], output_hidden_states=True).hidden_states
+    torch.testing.assert_close(caps[0], states[1][0], rtol=1e-4, atol=1e-5)
+    assert set(caps) == {0, last}
+
+
+@pytest.mark.parametrize(
+    "qtype", ["F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q4_K", "Q5_K", "Q6_K"]
+)
+def test_quant_types_dequantize_like_transformers(qtype: str, tmp_path: Path) -> None:
+    tiny = make_tiny_gguf.build("llama", tmp_path / f"{qtype}.gguf", seed=1, qtype=qtype)
+    ids = PROMPTS[0]
+    with torch.no_grad():
+        ref = tiny.hf_model()(torch.tensor([ids])).logits[0].float()
+    ours = Model.load(tiny.path)
+    got = ours.forward(torch.tensor(ids), ours.new_cache(16), 0)
+    assert max_rel_err(got, ref) <= 1e-4
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_reduced_precision_stays_close(dtype: str, tmp_path: Path) -> None:
+    tiny = make_tiny_gguf.build("qwen3", tmp_path / "q.gguf", seed=2)
+    ids = torch.tensor(PROMPTS[1])
+    full = Model.load(tiny.path)
+    half = Model.load(tiny.path, dtype=dtype)
+    assert half.weights["0.attn_q"].dtype == getattr(torch, dtype)
+    a = full.forward(ids, full.new_cache(32), 0)
+    b = half.forward(ids, half.new_cache(32), 0)
+    assert max_rel_err(b, a) < 0.05
+    assert (a.argmax(-1) == b.argmax(-1)).float().mean() > 0.8

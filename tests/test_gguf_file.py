@@ -1,0 +1,69 @@
+"""The torch-free GGUF reader against gguf.GGUFReader, and its errors on bad files."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from gguf import GGUFReader
+from gguf_samples import write_gguf
+
+from luced.gguf_file import GGUFError, GGUFFile
+
+
+def test_matches_gguf_reader(tmp_path: Path) -> None:
+    path = write_gguf(tmp_path / "m.gguf")
+    ours, ref = GGUFFile(path), GGUFReader(path)
+    assert ours.arch == "llama"
+    assert ours.metadata["test.note"] == "héllo ✓"
+    assert ours.metadata["test.words"] == ["a", "bb", "", "ccc"]
+    np.testing.assert_array_equal(ours.metadata["test.scores"], [0.5, -1.25, 3.0])
+    for tensor in ref.tensors:
+        info = ours.info(tensor.name)
+        assert info.shape == tuple(int(d) for d in reversed(tensor.shape))
+        np.testing.assert_array_equal(
+            ours.raw(tensor.name).reshape(-1), tensor.data.reshape(-1).view(np.uint8)
+        )
+
+
+def test_real_model_tables_match_gguf_reader(smollm2_gguf: Path) -> None:
+    ours, ref = GGUFFile(smollm2_gguf), GGUFReader(smollm2_gguf)
+    assert ours.metadata["tokenizer.ggml.tokens"] == ref.fields["tokenizer.ggml.tokens"].contents()
+    assert set(ours.tensors) == {t.name for t in ref.tensors}
+    for t in ref.tensors:
+        assert ours.info(t.name).offset == ref.data_offset + int(t.data_offset - ref.data_offset)
+
+
+def test_truncated_file_names_file_and_tensor(tmp_path: Path) -> None:
+    path = write_gguf(tmp_path / "full.gguf")
+    data = path.read_bytes()
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(data[: len(data) - 100])
+    with pytest.raises(GGUFError, match=r"cut\.gguf: truncated file \(tensor 'token_embd"):
+        GGUFFile(cut)
+    cut.write_bytes(data[:60])
+    with pytest.raises(GGUFError, match=r"cut\.gguf: truncated file \(ends inside"):
+        GGUFFile(cut)
+
+
+def test_not_a_gguf(tmp_path: Path) -> None:
+    path = tmp_path / "junk.gguf"
+    path.write_bytes(b"NOPE" + bytes(100))
+    with pytest.raises(GGUFError, match=r"junk\.gguf: not a GGUF file"):
+        GGUFFile(path)
+    with pytest.raises(GGUFError, match=r"missing\.gguf: cannot open"):
+        GGUFFile(tmp_path / "missing.gguf")
+
+
+def test_unknown_type_id(tmp_path: Path) -> None:
+    path = write_gguf(tmp_path / "m.gguf")
+    data = bytearray(path.read_bytes())
+    # Tensor info: name, u32 n_dims (2), u64 dims[2], u32 type id, u64 offset.
+    type_at = data.index(b"token_embd.weight") + len("token_embd.weight") + 4 + 16
+    data[type_at : type_at + 4] = (99).to_bytes(4, "little")
+    path.write_bytes(bytes(data))
+    with pytest.raises(
+        GGUFError, match=r"m\.gguf: tensor .token_embd\.weight. has unknown ggml type id 99"
+    ):
+        GGUFFile(path)

@@ -1,0 +1,297 @@
+"""tools/make_tiny_gguf.py: the GGUF says what llama.cpp's converter would, and transformers'
+GGUF loader (which undoes llama.cpp's conventions on its own) reads back exactly our state dict."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import gguf
+import make_tiny_gguf as mtg
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+
+VARIANTS = {
+    "llama": ("llama", {}),
+    "llama3-untied": ("llama", {"rope_scaling": "llama3", "tied": False}),
+    "qwen3": ("qwen3", {}),
+    "gemma3": ("gemma3", {}),
+}
+# 16 positions: longer than gemma3's sliding window of 8.
+IDS = torch.tensor([[2, 5, 17, 200, 33, 9, 100, 250, 7, 8, 44, 300, 12, 13, 400, 3]])
+
+
+def _build(tmp: Path, family: str, **kw) -> mtg.TinyModel:
+    return mtg.build(family, tmp / f"{family}.gguf", **kw)
+
+
+def _from_gguf(tiny: mtg.TinyModel):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        tiny.path.parent,
+        gguf_file=tiny.path.name,
+        dtype=torch.float32,
+        attn_implementation="eager",
+        **tiny.gguf_loader_kwargs(),
+    )
+    return model.eval()
+
+
+def _reader(tiny: mtg.TinyModel) -> gguf.GGUFReader:
+    return gguf.GGUFReader(tiny.path)
+
+
+def _tensor(reader: gguf.GGUFReader, name: str) -> np.ndarray:
+    t = next(t for t in reader.tensors if t.name == name)
+    return gguf.quants.dequantize(t.data, t.tensor_type).reshape(tuple(reversed(t.shape.tolist())))
+
+
+@pytest.fixture(scope="module", params=list(VARIANTS))
+def variant(request, tmp_path_factory) -> mtg.TinyModel:
+    family, overrides = VARIANTS[request.param]
+    return _build(tmp_path_factory.mktemp(request.param), family, seed=3, **overrides)
+
+
+def test_transformers_reads_our_weights_and_logits(variant):
+    loaded = _from_gguf(variant)
+    theirs = loaded.state_dict()
+    assert sorted(theirs) == sorted(variant.state_dict)
+    for name, ours in variant.state_dict.items():
+        assert torch.equal(theirs[name], ours), name
+    with torch.no_grad():
+        expected = variant.hf_model()(IDS).logits
+        got = loaded(IDS).logits
+    assert expected.std() > 1.0  # logits spread out, so greedy tests are not decided by noise
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-6)
+
+
+CONFIG_FIELDS = """vocab_size hidden_size intermediate_size num_hidden_layers num_attention_heads
+    num_key_value_heads max_position_embeddings rms_norm_eps tie_word_embeddings
+    bos_token_id eos_token_id pad_token_id"""
+
+
+def test_transformers_reads_our_config_from_metadata(variant):
+    from transformers import AutoConfig
+
+    read = AutoConfig.from_pretrained(variant.path.parent, gguf_file=variant.path.name)
+    ours = variant.hf_config
+    fields = CONFIG_FIELDS.split()
+    if variant.family == "gemma3":
+        fields += ["sliding_window", "layer_types", "rope_parameters", "head_dim"]
+    if variant.family == "llama":
+        fields += ["head_dim"]
+    for name in fields:
+        assert getattr(read, name) == getattr(ours, name), name
+    if variant.family != "gemma3":
+        assert read.rope_parameters["rope_theta"] == ours.rope_parameters["rope_theta"]
+    # The loader's known gaps; if one closes, drop it from GGUF_LOADER_GAPS.
+    gaps = mtg.GGUF_LOADER_GAPS[variant.family]
+    if variant.family == "llama" and variant.spec.rope_scaling is None:
+        gaps = ()  # default rope: nothing lost
+    for name in gaps:
+        assert getattr(read, name) != getattr(ours, name), f"transformers now reads {name}"
+
+
+# Keys as convert_hf_to_gguf.py writes them ({a} = the architecture).
+EXPECTED_KEYS = {
+    "common": """general.architecture general.type general.name general.file_type
+        general.quantization_version {a}.block_count {a}.context_length {a}.embedding_length
+        {a}.feed_forward_length {a}.attention.head_count {a}.attention.head_count_kv
+        {a}.rope.freq_base {a}.attention.layer_norm_rms_epsilon {a}.attention.key_length
+        {a}.attention.value_length tokenizer.ggml.model tokenizer.ggml.pre tokenizer.ggml.tokens
+        tokenizer.ggml.token_type tokenizer.ggml.bos_token_id tokenizer.ggml.eos_token_id
+        tokenizer.ggml.padding_token_id tokenizer.ggml.add_bos_token""",
+    "llama": """llama.vocab_size llama.rope.dimension_count tokenizer.ggml.merges
+        tokenizer.ggml.unknown_token_id tokenizer.ggml.add_space_prefix tokenizer.chat_template""",
+    "qwen3": "tokenizer.ggml.merges tokenizer.chat_template",
+    "gemma3": """gemma3.attention.sliding_window gemma3.rope.freq_base_swa tokenizer.ggml.scores
+        tokenizer.ggml.unknown_token_id tokenizer.ggml.add_eos_token
+        tokenizer.ggml.add_space_prefix""",
+}
+_LLAMA_LAYER = "attn_norm attn_q attn_k attn_v attn_output ffn_norm ffn_gate ffn_up ffn_down"
+LAYER_TENSORS = {
+    "llama": _LLAMA_LAYER,
+    "qwen3": _LLAMA_LAYER + " attn_q_norm attn_k_norm",
+    "gemma3": _LLAMA_LAYER + " attn_q_norm attn_k_norm post_attention_norm post_ffw_norm",
+}
+
+
+def test_metadata_keys_and_tensor_names(variant):
+    reader = _reader(variant)
+    fam = variant.family
+    keys = {k for k in reader.fields if not k.startswith("GGUF.")}
+    expected = {k.format(a=fam) for k in f"{EXPECTED_KEYS['common']} {EXPECTED_KEYS[fam]}".split()}
+    assert keys == expected
+    names = {t.name for t in reader.tensors}
+    want = {"token_embd.weight", "output_norm.weight"}
+    want |= {
+        f"blk.{i}.{t}.weight"
+        for i in range(variant.spec.layers)
+        for t in LAYER_TENSORS[fam].split()
+    }
+    if not variant.spec.tied:
+        want.add("output.weight")  # llama.cpp omits it when the head is tied
+    if variant.spec.rope_scaling == "llama3":
+        want.add("rope_freqs.weight")
+    assert names == want
+    for t in reader.tensors:  # 1-D tensors (norms, rope factors) stay F32 whatever the qtype
+        assert t.tensor_type == Q.F32 or len(t.shape) == 2, t.name
+
+
+def test_llama_qk_rows_are_permuted_like_llama_cpp(tmp_path):
+    tiny = _build(tmp_path, "llama")
+    reader, d = _reader(tiny), tiny.spec.head_dim
+    for name, heads in (("q", tiny.spec.heads), ("k", tiny.spec.kv_heads)):
+        stored = _tensor(reader, f"blk.1.attn_{name}.weight")
+        hf = tiny.state_dict[f"model.layers.1.self_attn.{name}_proj.weight"].numpy()
+        for h in range(heads):  # GGUF row 2i / 2i+1 of a head = HF row i / i + d/2
+            np.testing.assert_array_equal(
+                stored[h * d : (h + 1) * d : 2], hf[h * d : h * d + d // 2]
+            )
+            np.testing.assert_array_equal(
+                stored[h * d + 1 : (h + 1) * d : 2], hf[h * d + d // 2 : (h + 1) * d]
+            )
+    v = _tensor(reader, "blk.1.attn_v.weight")  # V is not permuted
+    np.testing.assert_array_equal(
+        v, tiny.state_dict["model.layers.1.self_attn.v_proj.weight"].numpy()
+    )
+
+
+def test_gemma3_norms_stored_as_one_plus_w(tmp_path):
+    tiny = _build(tmp_path, "gemma3")
+    reader = _reader(tiny)
+    pairs = {
+        "output_norm": "model.norm",
+        "blk.5.attn_q_norm": "model.layers.5.self_attn.q_norm",
+        "blk.0.post_ffw_norm": "model.layers.0.post_feedforward_layernorm",
+    }
+    for gguf_name, hf_name in pairs.items():
+        stored = _tensor(reader, f"{gguf_name}.weight")
+        np.testing.assert_array_equal(stored, tiny.state_dict[f"{hf_name}.weight"].numpy() + 1)
+    layer_types = tiny.hf_config.layer_types  # llama.cpp: global iff i % 6 == 5
+    assert layer_types == ["sliding_attention"] * 5 + ["full_attention"]
+    assert tiny.hf_config.sliding_window == 8 < IDS.shape[1]
+    assert tiny.hf_config.query_pre_attn_scalar == tiny.spec.head_dim
+
+
+def test_llama3_rope_freqs_match_transformers_scaling(tmp_path):
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    tiny = _build(tmp_path, "llama", rope_scaling="llama3")
+    factors = _tensor(_reader(tiny), "rope_freqs.weight")
+    assert factors.shape == (tiny.spec.head_dim // 2,)
+    # All three regimes of Llama-3 scaling occur: unscaled, fully scaled, and smoothed.
+    assert 1.0 in factors and 8.0 in factors and ((factors > 1) & (factors < 8)).any()
+    d = tiny.spec.head_dim
+    base = 1.0 / (tiny.spec.rope_base ** (np.arange(0, d, 2, dtype=np.float32) / d))
+    inv_freq, scale = ROPE_INIT_FUNCTIONS["llama3"](tiny.hf_config, "cpu")
+    assert scale == 1.0
+    # llama.cpp divides each pair's angle by its factor; transformers scales inv_freq.
+    np.testing.assert_allclose(base / factors, inv_freq.numpy(), rtol=1e-6)
+
+
+def test_same_seed_same_bytes_other_seed_other_weights(tmp_path):
+    a = _build(tmp_path / "a", "qwen3", seed=7)
+    b = _build(tmp_path / "b", "qwen3", seed=7)
+    c = _build(tmp_path / "c", "qwen3", seed=8)
+    digest = lambda t: hashlib.sha256(t.path.read_bytes()).hexdigest()  # noqa: E731
+    assert digest(a) == digest(b)
+    assert digest(a) != digest(c)
+    for name, w in a.state_dict.items():
+        assert torch.equal(w, b.state_dict[name])
+        assert not torch.equal(w, c.state_dict[name]), name
+    assert a.path.stat().st_size == c.path.stat().st_size  # same layout, other numbers
+
+
+@pytest.mark.parametrize(
+    ("qtype", "family"),
+    [
+        ("F16", "llama"),
+        ("BF16", "gemma3"),
+        ("Q8_0", "llama"),
+        ("Q4_0", "qwen3"),
+        ("Q4_1", "llama"),
+        ("Q5_0", "gemma3"),
+        ("Q4_K", "llama"),
+        ("Q5_K", "qwen3"),
+        ("Q6_K", "gemma3"),
+    ],
+)
+def test_qtype_stores_every_matrix_and_state_dict_is_its_dequantization(tmp_path, qtype, family):
+    tiny = _build(tmp_path, family, qtype=qtype)
+    reader = _reader(tiny)
+    ggml_type, file_type, block = mtg.QTYPES[qtype]
+    assert reader.fields["general.file_type"].contents() == int(file_type)
+    matrices = [t for t in reader.tensors if len(t.shape) == 2]
+    assert len(matrices) >= 7 * tiny.spec.layers + 1
+    for t in reader.tensors:
+        assert t.tensor_type == (ggml_type if len(t.shape) == 2 else Q.F32), t.name
+    if block == 256:
+        assert tiny.spec.hidden == 256 and tiny.spec.ffn % 256 == 0
+    theirs = _from_gguf(tiny).state_dict()
+    for name, ours in tiny.state_dict.items():
+        assert torch.isfinite(ours).all(), name
+        assert torch.equal(theirs[name], ours), name
+    w = tiny.state_dict["model.layers.0.mlp.up_proj.weight"]
+    assert 0.3 < w.std().item() * tiny.spec.hidden**0.5 < 3  # sensible scale, also for K-quants
+
+
+def test_kquant_rows_must_be_multiples_of_256(tmp_path):
+    with pytest.raises(ValueError, match="multiples of 256"):
+        _build(tmp_path, "llama", qtype="Q4_K", hidden=64)
+    with pytest.raises(ValueError, match="multiples of 32"):
+        _build(tmp_path, "qwen3", qtype="Q8_0", ffn=100)
+
+
+@pytest.mark.parametrize("family", mtg.FAMILIES)
+def test_transformers_tokenizer_from_gguf(tmp_path, family):
+    from transformers import AutoTokenizer
+
+    tiny = _build(tmp_path, family)
+    tok = AutoTokenizer.from_pretrained(tmp_path, gguf_file=tiny.path.name)
+    text = "Hello world! The quick brown fox, 42 tokens.\n  def f(x): return x * 2"
+    ids = tok.encode(text)
+    assert len(tok) == tiny.spec.vocab_size
+    assert 0 < len(ids) < len(text.encode())  # merges fire
+    assert tok.decode(ids, skip_special_tokens=True) == text
+    assert (ids[0] == tiny.hf_config.bos_token_id) == (family == "gemma3")  # add_bos only there
+    if family == "gemma3":
+        assert tok.convert_tokens_to_ids(["<start_of_turn>", "<end_of_turn>"]) == [5, 6]
+        assert tok.encode("é", add_special_tokens=False) == [9 + 0xC3, 9 + 0xA9]  # byte fallback
+    else:
+        assert tok.encode("<|im_end|>", add_special_tokens=False) == [tiny.hf_config.eos_token_id]
+        chat = tok.apply_chat_template(
+            [{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True
+        )
+        assert chat == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_cli_writes_gguf_and_hf_dir(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    out, hf_dir = tmp_path / "cli.gguf", tmp_path / "hf"
+    mtg.main(
+        [
+            "gemma3",
+            str(out),
+            "--seed",
+            "5",
+            "--qtype",
+            "Q8_0",
+            "--hf-dir",
+            str(hf_dir),
+            "--set",
+            "layers=7",
+            "--set",
+            "sliding_window=4",
+        ]
+    )
+    again = _build(tmp_path / "again", "gemma3", seed=5, qtype="Q8_0", layers=7, sliding_window=4)
+    assert out.read_bytes() == again.path.read_bytes()
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    assert model.config.layer_types[5:] == ["full_attention", "sliding_attention"]
+    for name, w in model.state_dict().items():
+        assert torch.equal(w, again.state_dict[name]), name

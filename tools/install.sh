@@ -4,7 +4,7 @@
 #   tools/install.sh --test   plus the test extra (pytest, transformers, openai, ...)
 set -euo pipefail
 cd "$(dirname "$0")/.."
-venv="${LUCED_VENV:-.venv}"
+venv=.venv
 [ -x "$venv/bin/python" ] || python3 -m venv "$venv"
 pip=("$venv/bin/python" -m pip install --quiet --disable-pip-version-check)
 extra=""

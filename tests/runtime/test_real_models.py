@@ -78,3 +78,21 @@ def test_gemma3_matches_transformers(gemma3_gguf: Path) -> None:
     # One prompt runs past the 512-token sliding window of the local layers.
     long_prompt = " ".join(f"Item {i} is a small red box." for i in range(80))
     check_against_oracle(gemma3_gguf, [*PROMPTS, long_prompt])
+
+
+def test_smollm2_answers_a_chat_question(smollm2_gguf: Path) -> None:
+    from luced.chat_template import ChatTemplate
+    from luced.runtime.generate import generate
+    from luced.sampling_params import SamplingParams
+    from luced.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.from_gguf(smollm2_gguf)
+    template = ChatTemplate.from_gguf(smollm2_gguf, "llama")
+    text = template.render([{"role": "user", "content": "What is the capital of France?"}])
+    prompt = tokenizer.encode(text, add_bos=False, allow_special=True)
+    result = generate(
+        Model.load(smollm2_gguf), prompt, SamplingParams(temperature=0), 32, tokenizer.eos_ids
+    )
+    answer = tokenizer.decode(result.tokens)
+    assert "Paris" in answer, answer
+    assert result.finish_reason == "stop"  # the instruction-tuned model ends its turn

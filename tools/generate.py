@@ -41,11 +41,11 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from luced.chat_template import ChatTemplate
+    from luced.detokenize import IncrementalDetokenizer
     from luced.models import default_model_path
     from luced.runtime.generate import generate
     from luced.runtime.model import Model
     from luced.sampling_params import SamplingParams
-    from luced.detokenize import IncrementalDetokenizer
     from luced.tokenizer import Tokenizer
 
     if args.threads:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -49,7 +51,7 @@ def test_no_stops_passes_through() -> None:
 )
 def test_any_split_equals_whole_string_semantics(text: str, cuts: list[int], stop: str) -> None:
     bounds = sorted({0, len(text), *(c for c in cuts if c <= len(text))})
-    pieces = [text[a:b] for a, b in zip(bounds, bounds[1:], strict=False)]
+    pieces = [text[a:b] for a, b in itertools.pairwise(bounds)]
     i = text.find(stop)
     expected = (text[:i], True) if i >= 0 else (text, False)
     assert run(pieces, [stop]) == expected

@@ -1,0 +1,220 @@
+"""Prometheus metrics under vLLM's names, namespaced `luced:` instead of `vllm:`.
+
+Dashboards written for vLLM work after replacing the prefix. Given a model name, every
+series carries vLLM's label `model_name`; without one, no such label. The registry is our
+own `CollectorRegistry`, never the process-wide default, so two daemons in one test
+process do not collide.
+
+    luced:time_to_first_token_seconds   histogram  submit -> first sampled token
+    luced:inter_token_latency_seconds   histogram  between consecutive sampled tokens
+    luced:e2e_request_latency_seconds   histogram  submit -> finished
+    luced:request_prompt_tokens         histogram  prompt length per request
+    luced:num_requests_running          gauge      requests in prefill or decode
+    luced:num_requests_waiting          gauge      requests in the queue
+    luced:prompt_tokens_total           counter    prompt tokens prefilled
+    luced:generation_tokens_total       counter    tokens generated
+    luced:request_success_total         counter    finished requests, label finished_reason
+                                                   (stop | length | abort | error)
+    luced:spec_decode_num_drafts_total             counter  speculative decoding (DFlash):
+    luced:spec_decode_num_draft_tokens_total       counter  drafts proposed, tokens drafted,
+    luced:spec_decode_num_accepted_tokens_total    counter  tokens accepted, and accepted
+    luced:spec_decode_num_accepted_tokens_per_pos_total     counter per draft position
+                                                            (label position)
+
+The engine reports through `observe(what, value)` and `finished(reason)`; the HTTP
+layer refreshes the two gauges from `Engine.status()` on every scrape, so they are
+right even if an engine path forgot to report. `_created` series are left out of the
+exposition (vLLM disables them too, but globally; we filter our own output instead).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4, generate_latest
+from prometheus_client.metrics_core import Metric
+
+NAMESPACE = "luced:"
+CONTENT_TYPE = CONTENT_TYPE_PLAIN_0_0_4
+FINISH_REASONS = ("stop", "length", "abort", "error")
+
+# vLLM's buckets: TTFT spans sub-millisecond to very long prompts; per-token latency
+# is 10 ms and up; request latency in seconds to hours.
+TTFT_BUCKETS = (
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
+    2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
+)  # fmt: skip
+ITL_BUCKETS = (
+    0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
+    1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
+)  # fmt: skip
+REQUEST_LATENCY_BUCKETS = (
+    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0,
+    40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0,
+)  # fmt: skip
+# Token counts: vLLM's 1-2-5 series (1, 2, 5, 10, 20, ... 5e6).
+TOKEN_COUNT_BUCKETS = tuple(m * 10**e for e in range(7) for m in (1, 2, 5))
+
+
+class Metrics:
+    """The daemon's metrics; one instance per daemon, shared by the engine and the HTTP app."""
+
+    def __init__(self, model_name: str = "") -> None:
+        """model_name: the value of vLLM's `model_name` label; "" leaves the label out."""
+        self.model_name = model_name
+        self.registry = CollectorRegistry(auto_describe=True)
+        base = {"model_name": model_name} if model_name else {}
+        self._base = base
+
+        def family(kind: type, name: str, doc: str, extra: Sequence[str] = (), **kw: Any) -> Any:
+            metric = kind(NAMESPACE + name, doc, [*base, *extra], registry=self.registry, **kw)
+            # One child per fixed label set, bound now; labelled by `extra` later.
+            return metric.labels(**base) if base and not extra else metric
+
+        def histogram(name: str, doc: str, buckets: Sequence[float]) -> Any:
+            return family(Histogram, name, doc, buckets=buckets)
+
+        self.time_to_first_token = histogram(
+            "time_to_first_token_seconds",
+            "Histogram of time to first token in seconds.",
+            TTFT_BUCKETS,
+        )
+        self.inter_token_latency = histogram(
+            "inter_token_latency_seconds",
+            "Histogram of inter-token latency in seconds.",
+            ITL_BUCKETS,
+        )
+        self.e2e_request_latency = histogram(
+            "e2e_request_latency_seconds",
+            "Histogram of e2e request latency in seconds.",
+            REQUEST_LATENCY_BUCKETS,
+        )
+        self.request_prompt_tokens = histogram(
+            "request_prompt_tokens",
+            "Number of prefill tokens processed per request.",
+            TOKEN_COUNT_BUCKETS,
+        )
+        self.num_requests_running = family(
+            Gauge, "num_requests_running", "Number of requests in model execution."
+        )
+        self.num_requests_waiting = family(
+            Gauge, "num_requests_waiting", "Number of requests waiting to be processed."
+        )
+        # prometheus_client appends the `_total` suffix to counter names itself.
+        self.prompt_tokens = family(Counter, "prompt_tokens", "Number of prefill tokens processed.")
+        self.generation_tokens = family(
+            Counter, "generation_tokens", "Number of generation tokens processed."
+        )
+        success = family(
+            Counter,
+            "request_success",
+            "Count of successfully processed requests.",
+            ["finished_reason"],
+        )
+        # Children made up front so every reason is exported (as 0) before it first happens.
+        self.request_success = {
+            r: success.labels(**base, finished_reason=r) for r in FINISH_REASONS
+        }
+        self.spec_decode_num_drafts = family(
+            Counter, "spec_decode_num_drafts", "Number of spec decoding drafts."
+        )
+        self.spec_decode_num_draft_tokens = family(
+            Counter, "spec_decode_num_draft_tokens", "Number of draft tokens."
+        )
+        self.spec_decode_num_accepted_tokens = family(
+            Counter, "spec_decode_num_accepted_tokens", "Number of accepted tokens."
+        )
+        self._accepted_per_pos = family(
+            Counter,
+            "spec_decode_num_accepted_tokens_per_pos",
+            "Accepted tokens per draft position.",
+            ["position"],
+        )
+        self._observers = {
+            "ttft": self.time_to_first_token.observe,
+            "itl": self.inter_token_latency.observe,
+            "e2e": self.e2e_request_latency.observe,
+            "prompt_tokens": self._prompt_tokens,
+            "generation_tokens": self.generation_tokens.inc,
+            "queue": self.num_requests_waiting.set,
+            "running": self.num_requests_running.set,
+        }
+
+    # -- what the engine calls ----------------------------------------------------------------
+
+    def observe(self, what: str, value: float) -> None:
+        """One observation by short name (the engine's vocabulary):
+
+        ttft, itl, e2e: seconds; prompt_tokens: one request's prompt length (counter and
+        per-request histogram); generation_tokens: tokens just generated; queue, running:
+        the current number of waiting / running requests.
+        """
+        try:
+            observer = self._observers[what]
+        except KeyError:
+            # A typo in the engine should fail its tests, not vanish from the dashboard.
+            raise ValueError(
+                f"unknown metric {what!r}; expected one of {sorted(self._observers)}"
+            ) from None
+        observer(value)
+
+    def finished(self, reason: str) -> None:
+        """A request ended with reason stop | length | abort | error."""
+        try:
+            self.request_success[reason].inc()
+        except KeyError:
+            raise ValueError(
+                f"unknown finish reason {reason!r}; expected one of {FINISH_REASONS}"
+            ) from None
+
+    def observe_spec_decode(self, num_draft_tokens: int, accepted_per_pos: Sequence[int]) -> None:
+        """One speculative step: num_draft_tokens proposed; accepted_per_pos[i] is 1 if
+        the token at draft position i was accepted (so sum = accepted tokens)."""
+        self.spec_decode_num_drafts.inc()
+        self.spec_decode_num_draft_tokens.inc(num_draft_tokens)
+        self.spec_decode_num_accepted_tokens.inc(sum(accepted_per_pos))
+        for pos, accepted in enumerate(accepted_per_pos):
+            if accepted:
+                self._accepted_per_pos.labels(**self._base, position=str(pos)).inc(accepted)
+
+    def _prompt_tokens(self, n: float) -> None:
+        self.prompt_tokens.inc(n)
+        self.request_prompt_tokens.observe(n)
+
+    def set_queue(self, *, running: int, waiting: int) -> None:
+        self.num_requests_running.set(running)
+        self.num_requests_waiting.set(waiting)
+
+    def refresh(self, status: Mapping[str, Any]) -> None:
+        """Set the gauges from `Engine.status()` (called on every scrape)."""
+        queue = status.get("queue") or {}
+        self.set_queue(running=int(queue.get("running", 0)), waiting=int(queue.get("waiting", 0)))
+
+    # -- exposition ---------------------------------------------------------------------------
+
+    def exposition(self) -> bytes:
+        """The registry in Prometheus' classic text format (CONTENT_TYPE).
+
+        Always this format, whatever the scraper's Accept header says: every Prometheus
+        reads it, and prometheus_client's OpenMetrics writer escapes the `:` in sample
+        names but not in HELP/TYPE lines, which would split each metric in two.
+        """
+        return generate_latest(_WithoutCreated(self.registry))
+
+
+class _WithoutCreated:
+    """A collector view of a registry minus the `<name>_created` timestamp samples."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self._registry = registry
+
+    def collect(self) -> Iterator[Metric]:
+        for metric in self._registry.collect():
+            metric.samples = _without_created(metric.samples)
+            yield metric
+
+
+def _without_created(samples: Iterable[Any]) -> list[Any]:
+    return [s for s in samples if not s.name.endswith("_created")]

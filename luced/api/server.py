@@ -1,0 +1,283 @@
+"""The HTTP app: route table, typed app state, API key, OpenAI-shaped errors.
+
+    POST /v1/chat/completions    chat, streaming (SSE) or not
+    POST /v1/completions         legacy completions, streaming or not
+    GET  /v1/models              the served model; GET /v1/models/{id} one model card
+    GET  /health                 200 {"status": "ok"} when ready, else 503 {"status": state}
+    GET  /metrics                Prometheus text (luced.api.metrics)
+
+A request's trace: the handler reads the body, `luced.api.openai` validates it (a 400
+naming the field, or 404 for another model), the chat template and tokenizer run in a
+thread (long prompts would stall the loop), `Engine.submit` queues it (429/400/503 as
+`EngineError`), and the handler relays the engine's deltas through `luced.api.formats`.
+
+Disconnects: serve with `web.AppRunner(app, handler_cancellation=True)`. Then a client
+that goes away while its request waits in the queue, in prefill or in decode cancels the
+handler, and the handler cancels the engine's work (`RequestHandle.cancel`). Without it,
+aiohttp lets the handler run on, and only a stream notices, at its next write.
+
+With an api_key, every /v1/ route wants `Authorization: Bearer KEY` (401 otherwise);
+/health and /metrics stay open for probes and scrapers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import logging
+import math
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from aiohttp import web
+
+from luced.api.formats import (
+    SSE_DONE,
+    ChatFormat,
+    CompletionFormat,
+    ResponseFormat,
+    dumps,
+    finish_error,
+    sse,
+)
+from luced.api.metrics import CONTENT_TYPE, Metrics
+from luced.api.openai import (
+    APIError,
+    Options,
+    chat_prompt,
+    completion_prompt,
+    decode_body,
+    generation_request,
+    parse_chat,
+    parse_completion,
+)
+from luced.engine import Engine, EngineError, RequestHandle
+
+log = logging.getLogger(__name__)
+
+# Long contexts are long JSON: 128k tokens of text with escapes is a few MiB.
+DEFAULT_MAX_BODY = 32 * 1024 * 1024
+
+ENGINE = web.AppKey("engine", Engine)
+METRICS = web.AppKey("metrics", Metrics)
+API_KEY = web.AppKey("api_key", str)  # "" = no key required
+STARTED = web.AppKey("started", int)  # unix time, the model card's "created"
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def make_app(
+    engine: Engine,
+    metrics: Metrics,
+    *,
+    api_key: str | None = None,
+    client_max_size: int = DEFAULT_MAX_BODY,
+) -> web.Application:
+    app = web.Application(middlewares=[_errors, _auth], client_max_size=client_max_size)
+    app[ENGINE] = engine
+    app[METRICS] = metrics
+    app[API_KEY] = api_key or ""
+    app[STARTED] = int(time.time())
+    app.add_routes(
+        [
+            web.post("/v1/chat/completions", chat_completions),
+            web.post("/v1/completions", completions),
+            web.get("/v1/models", list_models),
+            web.get("/v1/models/{model:.+}", get_model),
+            web.get("/health", health),
+            web.get("/metrics", prometheus),
+        ]
+    )
+    return app
+
+
+# --- middlewares -------------------------------------------------------------------------
+
+
+@web.middleware
+async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Every failure leaves as OpenAI's {"error": {...}} with its status."""
+    try:
+        return await handler(request)
+    except APIError as exc:
+        return error_response(exc)
+    except EngineError as exc:
+        return error_response(
+            APIError(exc.status, exc.message, code=exc.code, retry_after=exc.retry_after)
+        )
+    except web.HTTPException as exc:  # aiohttp's own: unknown route, 405, body too large
+        if exc.status < 400:
+            raise
+        text = exc.text or ""
+        message = exc.reason if text.startswith(f"{exc.status}:") or not text else text
+        resp = error_response(APIError(exc.status, f"{request.method} {request.path}: {message}"))
+        if "Allow" in exc.headers:
+            resp.headers["Allow"] = exc.headers["Allow"]
+        return resp
+    except ConnectionResetError:
+        raise  # the client is gone; nothing to answer
+    except Exception as exc:
+        log.exception("unhandled error in %s %s", request.method, request.path)
+        return error_response(APIError(500, f"internal error: {type(exc).__name__}: {exc}"))
+
+
+@web.middleware
+async def _auth(request: web.Request, handler: Handler) -> web.StreamResponse:
+    key = request.app[API_KEY]
+    if key and request.path.startswith("/v1/"):
+        scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+        given = token.strip().encode("utf-8", "surrogateescape")
+        # compare_digest: the time taken does not tell how much of the key matched.
+        if scheme.lower() != "bearer" or not hmac.compare_digest(given, key.encode()):
+            raise APIError(
+                401,
+                "missing or wrong API key; send the header Authorization: Bearer KEY",
+                code="invalid_api_key",
+            )
+    return await handler(request)
+
+
+def error_response(exc: APIError) -> web.Response:
+    headers = {}
+    if exc.retry_after is not None:
+        # Retry-After is whole seconds; never 0, which would invite a tight retry loop.
+        headers["Retry-After"] = str(max(1, math.ceil(exc.retry_after)))
+    return web.json_response(exc.body(), status=exc.status, headers=headers, dumps=dumps)
+
+
+# --- generation --------------------------------------------------------------------------
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    engine = request.app[ENGINE]
+    body = decode_body(await request.read())
+    req = parse_chat(body, model_name=engine.model_name, vocab_size=engine.tokenizer.vocab_size)
+    prompt = await asyncio.to_thread(chat_prompt, req, engine.chat_template, engine.tokenizer)
+    fmt = ChatFormat(
+        f"chatcmpl-{uuid.uuid4().hex}",
+        engine.model_name,
+        int(time.time()),
+        top_logprobs=req.options.top_logprobs,
+        include_usage=req.options.include_usage,
+    )
+    return await _generate(request, fmt, req.options, prompt)
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    engine = request.app[ENGINE]
+    body = decode_body(await request.read())
+    req = parse_completion(
+        body, model_name=engine.model_name, vocab_size=engine.tokenizer.vocab_size
+    )
+    prompt = await asyncio.to_thread(completion_prompt, req, engine.tokenizer)
+    fmt = CompletionFormat(
+        f"cmpl-{uuid.uuid4().hex}",
+        engine.model_name,
+        int(time.time()),
+        top_logprobs=req.options.top_logprobs,
+        include_usage=req.options.include_usage,
+    )
+    return await _generate(request, fmt, req.options, prompt)
+
+
+async def _generate(
+    request: web.Request, fmt: ResponseFormat, options: Options, prompt: list[int]
+) -> web.StreamResponse:
+    handle = request.app[ENGINE].submit(generation_request(fmt.id, options, prompt))
+    if options.stream:
+        return await _stream(request, fmt, handle)
+    try:
+        deltas = [delta async for delta in handle]
+    except BaseException:  # cancelled (the client went away) or the engine broke
+        handle.cancel()
+        raise
+    if (err := finish_error(handle.finish_reason, handle.error)) is not None:
+        raise err
+    body = fmt.response(
+        deltas, handle.finish_reason or "stop", handle.prompt_tokens, handle.completion_tokens
+    )
+    return web.json_response(body, dumps=dumps)
+
+
+async def _stream(
+    request: web.Request, fmt: ResponseFormat, handle: RequestHandle
+) -> web.StreamResponse:
+    resp = web.StreamResponse(
+        headers={
+            "Content-Type": "text/event-stream; charset=utf-8",
+            "Cache-Control": "no-cache",
+            "X-Accel-Buffering": "no",  # a proxy must not hold the tokens back
+        }
+    )
+    try:
+        await resp.prepare(request)
+        for chunk in fmt.start():
+            await resp.write(sse(chunk))
+        async for delta in handle:
+            if (chunk := fmt.chunk(delta)) is not None:
+                await resp.write(sse(chunk))
+        err = finish_error(handle.finish_reason, handle.error)
+        if err is not None:
+            tail = [err.body()]
+        else:
+            reason = handle.finish_reason or "stop"
+            tail = fmt.end(reason, handle.prompt_tokens, handle.completion_tokens)
+        for event in tail:
+            await resp.write(sse(event))
+        await resp.write(SSE_DONE)
+    except ConnectionResetError:  # the client went away mid-stream
+        handle.cancel()
+    except asyncio.CancelledError:
+        handle.cancel()
+        raise
+    except Exception as exc:
+        handle.cancel()
+        if not resp.prepared:
+            raise
+        # Headers are out, so no error status: end the stream with an error event.
+        log.exception("stream %s failed", fmt.id)
+        with contextlib.suppress(ConnectionResetError):
+            await resp.write(sse(APIError(500, f"internal error: {exc}").body()))
+            await resp.write(SSE_DONE)
+    return resp
+
+
+# --- models, health, metrics -------------------------------------------------------------
+
+
+def _model_card(app: web.Application) -> dict[str, Any]:
+    engine = app[ENGINE]
+    return {
+        "id": engine.model_name,
+        "object": "model",
+        "created": app[STARTED],
+        "owned_by": "luced",
+        "max_model_len": engine.context_length,  # vLLM's extra field
+    }
+
+
+async def list_models(request: web.Request) -> web.Response:
+    return web.json_response({"object": "list", "data": [_model_card(request.app)]}, dumps=dumps)
+
+
+async def get_model(request: web.Request) -> web.Response:
+    name = request.match_info["model"]
+    if name != request.app[ENGINE].model_name:
+        raise APIError(404, f"The model {name!r} does not exist", code="model_not_found")
+    return web.json_response(_model_card(request.app), dumps=dumps)
+
+
+async def health(request: web.Request) -> web.Response:
+    state = request.app[ENGINE].state
+    if state == "ready":
+        return web.json_response({"status": "ok"})
+    return web.json_response({"status": state}, status=503)
+
+
+async def prometheus(request: web.Request) -> web.Response:
+    metrics = request.app[METRICS]
+    metrics.refresh(request.app[ENGINE].status())
+    return web.Response(body=metrics.exposition(), headers={"Content-Type": CONTENT_TYPE})

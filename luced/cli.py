@@ -1,0 +1,39 @@
+"""`luced` command line: `luced serve [MODEL.gguf] [options]` (see `luced serve --help`)."""
+
+from __future__ import annotations
+
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in {"-h", "--help"}:
+        print(
+            "usage: luced serve [MODEL.gguf] [options]\n\n"
+            "Serve a GGUF model over an OpenAI-compatible HTTP API.\n"
+            "Run `luced serve --help` for the options."
+        )
+        return 0 if argv else 2
+    if argv[0] == "--version":
+        from importlib.metadata import version
+
+        print(f"luced {version('luced')}")
+        return 0
+    if argv[0] != "serve":
+        print(f"luced: unknown command {argv[0]!r} (try `luced serve --help`)", file=sys.stderr)
+        return 2
+    from luced.config import ConfigError, load_config
+    from luced.daemon import run
+    from luced.gguf_file import GGUFError
+    from luced.models import BundledModelMissing
+
+    try:
+        return run(load_config(argv[1:]))
+    except (ConfigError, GGUFError, BundledModelMissing, OSError) as exc:
+        # Start-up problems a user can fix: one clear line, no traceback.
+        print(f"luced: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,171 @@
+"""The daemon process: wires config, shared memory, the worker, the engine, HTTP and admin.
+
+Start-up order (HTTP answers first, so /health says 503 "loading" during the load):
+
+    stale segments removed -> GGUF header, tokenizer, chat template (daemon side)
+    -> HTTP site + admin socket -> worker started and model loaded -> READY=1
+
+Shutdown (SIGTERM or SIGINT): stop accepting (health 503 "draining"), let running
+streams finish for up to `shutdown_timeout`, end the rest with an error event, stop the
+worker, unlink every shared-memory segment, exit 0. Segments are also unlinked on any
+exception path and, as a last resort, at interpreter exit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import sys
+from pathlib import Path
+
+from aiohttp import web
+
+from luced import sdnotify
+from luced.admin import start_admin_server
+from luced.api.metrics import Metrics
+from luced.api.server import make_app
+from luced.chat_template import ChatTemplate
+from luced.config import Config
+from luced.engine import Engine
+from luced.gguf_file import GGUFFile
+from luced.ipc.shm import ShmOwner, cleanup_stale
+from luced.runner import TargetPlacement, TargetRunner
+from luced.tokenizer import Tokenizer
+from luced.workers import WorkerSpec
+
+log = logging.getLogger("luced")
+
+
+class Daemon:
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.stopping = asyncio.Event()
+        self.owner = ShmOwner()
+        self.engine: Engine | None = None
+        self.runner: TargetRunner | None = None
+
+    async def run(self) -> int:
+        removed = cleanup_stale()
+        if removed:
+            log.warning("removed %d stale shared-memory segment(s): %s", len(removed), removed)
+        self.owner.install_atexit()
+        log.info("shared memory instance %s", self.owner.instance)
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self.stopping.set)
+        try:
+            return await self._serve()
+        finally:
+            self.owner.unlink_all()
+
+    async def _serve(self) -> int:
+        cfg = self.config
+        model_path = str(cfg.model_path())
+        gguf = GGUFFile(model_path)
+        sdnotify.status(f"reading {Path(model_path).name}")
+        tokenizer = Tokenizer.from_gguf(gguf)
+        template = ChatTemplate.from_gguf(gguf, gguf.arch)
+        n_layers = int(gguf.require(f"{gguf.arch}.block_count"))
+        context = cfg.effective_context_length(int(gguf.require(f"{gguf.arch}.context_length")))
+        del gguf
+
+        group = "cpu"
+        spec = WorkerSpec(
+            group=group,
+            devices=("cpu",),
+            python=cfg.worker_python(group),
+            threads=cfg.threads or os.cpu_count(),
+        )
+        placement = TargetPlacement(
+            model=model_path,
+            n_layers=n_layers,
+            dtype=cfg.dtype,
+            kv_capacity=context,
+            max_batch_tokens=cfg.max_batch_tokens,
+            worker=spec,
+        )
+        metrics = Metrics()
+        self.runner = TargetRunner(self.owner, placement)
+        self.engine = engine = Engine(
+            self.runner,
+            tokenizer,
+            template,
+            model_name=cfg.served_model_name(),
+            context_length=context,
+            max_queue=cfg.max_queue,
+            max_queued_tokens=cfg.max_queued_tokens,
+            default_max_tokens=cfg.default_max_tokens,
+            metrics=metrics,
+        )
+        app = make_app(engine, metrics, api_key=cfg.api_key)
+        http = web.AppRunner(app, handle_signals=False, access_log=None, handler_cancellation=True)
+        await http.setup()
+        site = web.TCPSite(http, cfg.host, cfg.port)
+        await site.start()
+        log.info("listening on http://%s:%d", cfg.host, cfg.port)
+        admin = await start_admin_server(cfg.admin_socket, self._admin_handlers())
+        try:
+            sdnotify.status(f"loading {Path(model_path).name}")
+            load = asyncio.create_task(self.runner.start())
+            stop = asyncio.create_task(self.stopping.wait())
+            await asyncio.wait({load, stop}, return_when=asyncio.FIRST_COMPLETED)
+            if not load.done():  # asked to stop while loading
+                load.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await load
+            else:
+                load.result()
+                engine.start()
+                log.info("ready: %s (%d layers, context %d)", engine.model_name, n_layers, context)
+                sdnotify.ready(f"serving {engine.model_name} on {cfg.host}:{cfg.port}")
+                await self.stopping.wait()
+            sdnotify.stopping()
+            log.info("draining (up to %.0f s)", cfg.shutdown_timeout)
+            if not await engine.drain(cfg.shutdown_timeout):
+                log.warning("shutdown timeout: aborting the remaining requests")
+            await engine.stop()
+        finally:
+            admin.close()
+            with contextlib.suppress(Exception):
+                await admin.wait_closed()
+            await self.runner.close()
+            await http.cleanup()
+        log.info("stopped")
+        return 0
+
+    def _admin_handlers(self) -> dict:
+        async def status(_: dict) -> dict:
+            return self.engine.status()
+
+        async def workers(_: dict) -> dict:
+            return {"workers": self.engine.workers()}
+
+        async def drain(_: dict) -> dict:
+            # Same as SIGTERM: stop accepting, finish what runs, then exit 0.
+            self.engine.draining = True
+            self.stopping.set()
+            return {"state": self.engine.state}
+
+        async def snapshot_list(_: dict) -> dict:
+            return {"snapshots": []}  # the prefix cache lands in a later issue
+
+        return {
+            "status": status,
+            "workers": workers,
+            "drain": drain,
+            "snapshot_list": snapshot_list,
+        }
+
+
+def run(config: Config) -> int:
+    import uvloop
+
+    logging.basicConfig(
+        level=getattr(logging, str(config.log_level).upper(), logging.INFO),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    return uvloop.run(Daemon(config).run())

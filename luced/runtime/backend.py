@@ -1,0 +1,457 @@
+"""What a worker process serves: its loaded shards, their KV, sampling state, and the verbs.
+
+``Backend.handle(request) -> reply`` answers one frame of ``luced.ipc.frames``; the
+process around it (socket, signals, logging) is ``luced.runtime.worker``. Any exception
+becomes an error reply (``channel.answer``), so a bad frame never ends the worker.
+
+State per loaded model::
+
+    shards    one (Model, KVCache) per device, layers [a, b) cut at device_splits;
+              hidden states cross between them in-process (device to device)
+    tokens    the token id fed at each KV position [0, position): the sampler's history
+              for penalties; ``truncate`` cuts it with the KV, ``reset`` clears it
+    sampler   built from the first sampling forward after load / reset (or when the
+              ``sampling`` map changes) and kept, so a seeded request's draws continue
+              one generator across steps and truncations
+
+Shared memory: regions are attached lazily by segment name (``Attachments``) and viewed
+in place: on the CPU the view *is* the tensor the model reads and the results are
+written straight into the daemon's regions; on a GPU inputs are copied host -> device and
+results device -> host (``copy_`` across devices). The worker never unlinks a segment;
+``load`` drops its cached mappings because the daemon re-carves regions on reload.
+
+A forward is all-or-nothing: inputs and output regions are checked before any compute,
+and a failure after the KV was written rolls the KV (and token history) back.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.metadata
+import logging
+import os
+import platform
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from luced.ipc import frames as F
+from luced.ipc.regions import Attachments, Region
+from luced.runtime.kv_cache import ContextOverflow, KVCache
+from luced.runtime.model import Model
+from luced.runtime.sampler import Sampler, sample
+from luced.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+TORCH_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float64": torch.float64,
+    "int8": torch.int8,
+    "uint8": torch.uint8,
+    "int16": torch.int16,
+    "uint16": torch.uint16,
+    "int32": torch.int32,
+    "uint32": torch.uint32,
+    "int64": torch.int64,
+}
+
+
+class WorkerError(Exception):
+    """A request this worker cannot serve in its current state (sent back as the error)."""
+
+
+def torch_device(name: str) -> torch.device:
+    """The torch device behind a luced device name; raises WorkerError when unusable.
+
+    ``cpu:N`` names a CPU group (several workers on one CPU) and is plain ``cpu`` to
+    torch; ``hip:N`` is ``cuda:N`` in a ROCm build of torch.
+    """
+    kind, _, index = name.partition(":")
+    if index and not index.isdigit():
+        raise WorkerError(f"bad device name {name!r}: want KIND or KIND:INDEX")
+    if kind == "cpu":
+        return torch.device("cpu")
+    if kind in ("cuda", "hip"):
+        # A ROCm torch drives HIP devices through the torch.cuda API.
+        if torch.version.hip is None and (kind == "hip" or torch.version.cuda is None):
+            build = "CUDA" if torch.version.cuda else "CPU-only"
+            raise WorkerError(f"device {name}: this torch is a {build} build")
+        n = torch.cuda.device_count()
+        i = int(index or 0)
+        if i >= n:
+            raise WorkerError(f"device {name}: this torch sees {n} GPU(s)")
+        return torch.device("cuda", i)
+    if kind == "mps":
+        if not torch.backends.mps.is_available():
+            raise WorkerError("device mps: not available in this torch")
+        return torch.device("mps")
+    raise WorkerError(f"unknown device kind in {name!r} (cpu, cuda, hip, mps)")
+
+
+@dataclass
+class Shard:
+    model: Model  # layers [a, b) on one device
+    cache: KVCache
+
+
+@dataclass
+class Loaded:
+    path: Path
+    shards: list[Shard]
+    reply: F.LoadReply
+    tokens: list[int] = field(default_factory=list)  # id fed at each KV position
+    sampler: Sampler | None = None
+    sampling: dict[str, int | float | None] | None = None  # the map `sampler` was built from
+
+    @property
+    def position(self) -> int:
+        return self.shards[0].cache.pos
+
+    def truncate(self, position: int) -> None:
+        for shard in self.shards:
+            shard.cache.truncate(position)
+        del self.tokens[position:]
+
+
+class Backend:
+    """The state of one worker process and its verbs (see the module docstring)."""
+
+    def __init__(self, group: str, devices: tuple[str, ...]) -> None:
+        self.group = group
+        self.devices = devices
+        self.instance: str | None = None  # the daemon's, from hello
+        self.loaded: Loaded | None = None
+        self.attachments = Attachments()
+        self.forward_count = 0
+        self.tokens_processed = 0
+        self.busy_s = 0.0
+        self.started = time.monotonic()
+        self.device_problem: str | None = None
+        try:  # checked now, reported by hello: the daemon learns it with a clear message
+            self.torch_devices = tuple(torch_device(d) for d in devices)
+        except WorkerError as e:
+            self.device_problem = str(e)
+            self.torch_devices = ()
+        self._handlers: dict[type[F.Request], Callable[..., F.Reply]] = {
+            F.Hello: self.hello,
+            F.Load: self.load,
+            F.Forward: self.forward,
+            F.Truncate: self.truncate,
+            F.Reset: self.reset,
+            F.Stats: self.stats,
+            F.Shutdown: self.shutdown,
+        }
+
+    def handle(self, req: F.Request) -> F.Reply:
+        try:
+            if self.instance is None and not isinstance(req, F.Hello | F.Stats | F.Shutdown):
+                raise WorkerError(f"{req.OP} before hello: the daemon opens with hello")
+            return self._handlers[type(req)](req)
+        except Exception as e:
+            log.warning("%s failed: %s: %s", req.OP, type(e).__name__, e)
+            raise
+
+    def close(self) -> None:
+        self.loaded = None
+        self.attachments.close()  # unmap only; the daemon unlinks
+
+    # -- verbs ---------------------------------------------------------------------------
+
+    def hello(self, req: F.Hello) -> F.HelloReply:
+        if self.device_problem:
+            raise WorkerError(self.device_problem)
+        self.instance = req.instance
+        return F.HelloReply(
+            pid=os.getpid(), group=self.group, devices=self.devices, versions=versions()
+        )
+
+    def load(self, req: F.Load) -> F.LoadReply:
+        unknown = [d for d in req.devices if d not in self.devices]
+        if unknown:
+            raise WorkerError(f"load names device(s) {unknown}; this worker drives {self.devices}")
+        # Drop the old model first: two models at once may not fit. Cached mappings go
+        # too, since the daemon re-carves its regions for the new model.
+        self.loaded = None
+        self.attachments.close()
+        t0 = time.monotonic()
+        a, b = req.layers
+        log.info("loading %s layers [%d, %d) on %s", req.model, a, b, ",".join(req.devices))
+        bounds = (a, *req.device_splits, b)
+        shards = []
+        for i, name in enumerate(req.devices):
+            model = Model.load(
+                req.model, layers=bounds[i : i + 2], dtype=req.dtype, device=torch_device(name)
+            )
+            if i == 0:
+                check_load(req, model)
+            shards.append(Shard(model, model.new_cache(req.kv_capacity)))
+        cfg = shards[0].model.cfg
+        reply = F.LoadReply(
+            n_layers=cfg.n_layers,
+            hidden=cfg.hidden,
+            vocab=cfg.vocab,
+            layers=req.layers,
+            dtype=req.dtype,
+            kv_capacity=req.kv_capacity,
+            load_s=time.monotonic() - t0,
+        )
+        self.loaded = Loaded(Path(req.model), shards, reply)
+        return reply
+
+    def truncate(self, req: F.Truncate) -> F.TruncateReply:
+        m = self._model("truncate")
+        if req.position > m.position:
+            raise WorkerError(
+                f"cannot truncate to {req.position}: the KV holds {m.position} positions"
+            )
+        m.truncate(req.position)
+        return F.TruncateReply(position=m.position)
+
+    def reset(self, req: F.Reset) -> F.ResetReply:
+        m = self._model("reset")
+        m.truncate(0)
+        m.sampler = m.sampling = None
+        return F.ResetReply()
+
+    def stats(self, req: F.Stats) -> F.StatsReply:
+        m = self.loaded
+        stats: dict[str, int | float | str] = {
+            "pid": os.getpid(),
+            "group": self.group,
+            "rss_bytes": rss_bytes(),
+            "uptime_s": round(time.monotonic() - self.started, 3),
+            "forward_count": self.forward_count,
+            "tokens_processed": self.tokens_processed,
+            "busy_s": round(self.busy_s, 6),
+            "model": str(m.path) if m else "",
+            "kv_position": m.position if m else 0,
+            "kv_capacity": m.reply.kv_capacity if m else 0,
+            "kv_bytes": sum(s.cache.nbytes() for s in m.shards) if m else 0,
+        }
+        return F.StatsReply(stats=stats)
+
+    def shutdown(self, req: F.Shutdown) -> F.ShutdownReply:
+        return F.ShutdownReply()  # the serving loop ends after sending this
+
+    @torch.inference_mode()
+    def forward(self, req: F.Forward) -> F.ForwardReply:
+        m = self._model("forward")
+        t0 = time.perf_counter()
+        start, n = req.start_pos, req.n_tokens
+        # Everything is checked and resolved before any compute: a bad request changes nothing.
+        ids, hidden_in = self._inputs(req, m)
+        outputs = self._outputs(req, m)
+        ring = self._ring(req, m)
+        sampler = self._sampler(req, m) if req.want == "sample" else None
+        if sampler is not None and sampler.params.has_penalties and len(m.tokens) != start:
+            raise WorkerError("penalties need the token history; this shard was fed hidden_in")
+        first, last = m.shards[0].model, m.shards[-1].model
+        if ids is not None:
+            hidden = first.embed(ids.to(first.device, torch.int64))
+        else:
+            assert hidden_in is not None
+            hidden = hidden_in.to(first.device)
+        fed = ids.tolist() if ids is not None else []  # copied before the daemon reuses it
+        try:
+            hidden = self._run(m, hidden, start, req.capture, ring)
+            if req.want == "hidden":
+                outputs["hidden"][:n].copy_(hidden)
+            else:
+                rows = hidden[-1:] if req.positions == "last" else hidden
+                self._head_outputs(req, m, last.logits(rows), outputs, sampler, fed)
+        except BaseException:
+            m.truncate(start)  # nothing of a failed forward stays in the KV
+            raise
+        m.tokens.extend(fed)
+        elapsed = time.perf_counter() - t0
+        self.forward_count += 1
+        self.tokens_processed += n
+        self.busy_s += elapsed
+        return F.ForwardReply(n_out=req.n_out, position=m.position, elapsed_us=int(elapsed * 1e6))
+
+    # -- forward helpers -----------------------------------------------------------------
+
+    def _run(
+        self,
+        m: Loaded,
+        hidden: torch.Tensor,
+        start: int,
+        capture: tuple[int, ...],
+        ring: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """Every shard's layers in order; captured layer outputs go to their ring slots."""
+        for shard in m.shards:
+            hidden, caps = shard.model.forward_layers(
+                hidden.to(shard.model.device), shard.cache, start, capture
+            )
+            if ring is not None:
+                # Slot of position p is p % ring_cap; this worker writes only its layers.
+                slots = torch.arange(start, start + hidden.shape[0]) % ring.shape[0]
+                for j, layer in enumerate(capture):
+                    if layer in caps:
+                        ring[slots, j] = caps[layer].to("cpu", ring.dtype)
+        return hidden
+
+    def _head_outputs(
+        self,
+        req: F.Forward,
+        m: Loaded,
+        logits: torch.Tensor,  # [n_out, vocab] float32, on the head's device
+        out: dict[str, torch.Tensor],
+        sampler: Sampler | None,
+        fed: list[int],
+    ) -> None:
+        n_out = logits.shape[0]
+        if req.want == "logits":
+            out["logits"][:n_out].copy_(logits)
+            return
+        if sampler is not None:
+            history = None
+            if sampler.params.has_penalties:
+                # Row i predicts position start + i + 1, so its history is everything fed
+                # up to and including position start + i (the last row: all of it).
+                seen = m.tokens + fed
+                end = len(seen)
+                history = [seen[: end - n_out + 1 + i] for i in range(n_out)]
+            result = sampler.sample(logits, history)
+        else:  # want="topk": the model's own distribution, chosen = argmax, no draw
+            result = sample(logits, SamplingParams(temperature=0, logprobs=req.top_logprobs))
+        pairs = (
+            ("ids", result.tokens),
+            ("logprobs", result.logprobs),
+            ("topk_ids", result.top_ids),
+            ("topk_logprobs", result.top_logprobs),
+        )
+        for name, value in pairs:
+            if name in out and value is not None:
+                out[name][:n_out].copy_(value)  # casts int64 -> int32; device -> host
+
+    def _sampler(self, req: F.Forward, m: Loaded) -> Sampler:
+        """The kept sampler, or a new one when none exists or the sampling map changed."""
+        if m.sampler is None or m.sampling != req.sampling:
+            given = {k: v for k, v in req.sampling.items() if v is not None}
+            m.sampler = Sampler(SamplingParams(**given))
+            m.sampling = dict(req.sampling)
+        k = req.top_logprobs if {"logprobs", "topk_ids"} & req.outputs.keys() else None
+        if m.sampler.params.logprobs != k:
+            # Logprobs are computed beside the draw and never touch the generator.
+            m.sampler.params = dataclasses.replace(m.sampler.params, logprobs=k)
+        return m.sampler
+
+    def _inputs(self, req: F.Forward, m: Loaded) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(token ids, None) or (None, hidden rows): [n] int32 / [n, hidden] views."""
+        start, n = req.start_pos, req.n_tokens
+        if start != m.position:
+            raise WorkerError(
+                f"forward at start_pos {start}, but the KV holds {m.position} positions "
+                "(truncate first to roll back)"
+            )
+        if start + n > m.reply.kv_capacity:
+            raise ContextOverflow(
+                f"context overflow: positions [{start}, {start + n}) exceed the KV capacity "
+                f"of {m.reply.kv_capacity} tokens"
+            )
+        owns_embed = m.shards[0].model.owns_embed
+        if req.tokens is None:
+            assert req.hidden_in is not None  # the frame checks that exactly one is given
+            if owns_embed:
+                raise WorkerError("this worker owns the embedding: send tokens, not hidden_in")
+            self._check_width("hidden_in", req.hidden_in, m.reply.hidden)
+            return None, self._tensor(req.hidden_in)[:n]
+        if not owns_embed:
+            raise WorkerError(f"layers {list(m.reply.layers)} take hidden_in, not tokens")
+        ids = self._tensor(req.tokens)[:n]
+        lo, hi = (int(v) for v in torch.aminmax(ids))
+        if lo < 0 or hi >= m.reply.vocab:
+            raise WorkerError(f"token ids must lie in [0, {m.reply.vocab}), got [{lo}, {hi}]")
+        return ids, None
+
+    def _ring(self, req: F.Forward, m: Loaded) -> torch.Tensor | None:
+        if req.ring is None:
+            return None
+        if req.ring.shape[2] != m.reply.hidden:
+            got = list(req.ring.shape)
+            raise WorkerError(f"ring rows must be {m.reply.hidden} wide, got {got}")
+        return self._tensor(req.ring)
+
+    def _outputs(self, req: F.Forward, m: Loaded) -> dict[str, torch.Tensor]:
+        if req.want != "hidden" and not m.shards[-1].model.owns_head:
+            raise WorkerError(f'want="{req.want}" needs the LM head; this worker has no head')
+        if "logits" in req.outputs:
+            self._check_width("outputs.logits", req.outputs["logits"], m.reply.vocab)
+        if "hidden" in req.outputs:
+            self._check_width("outputs.hidden", req.outputs["hidden"], m.reply.hidden)
+        return {name: self._tensor(r) for name, r in req.outputs.items()}
+
+    @staticmethod
+    def _check_width(what: str, region: Region, width: int) -> None:
+        if region.shape[1] != width:
+            raise WorkerError(f"{what} must have {width} columns, got {list(region.shape)}")
+
+    def _tensor(self, region: Region) -> torch.Tensor:
+        """A torch view of a shared-memory region (no copy; host memory)."""
+        prefix = f"/luced-{self.instance}-"
+        if not region.segment.startswith(prefix):
+            raise WorkerError(
+                f"region segment {region.segment} does not belong to daemon instance "
+                f"{self.instance}"
+            )
+        array = self.attachments.view(region)  # attaches on first use; checks bounds
+        if region.dtype == "bfloat16":  # numpy holds the raw bits as uint16
+            return torch.from_numpy(array).view(torch.bfloat16)
+        return torch.from_numpy(array)
+
+    def _model(self, op: str) -> Loaded:
+        if self.loaded is None:
+            raise WorkerError(f"{op} before load: no model is loaded")
+        return self.loaded
+
+
+def check_load(req: F.Load, model: Model) -> None:
+    """The load frame's claims against the model file (first shard, before the rest load)."""
+    cfg = model.cfg
+    a, b = req.layers
+    if b > cfg.n_layers:
+        raise WorkerError(f"layers [{a}, {b}) outside the model's {cfg.n_layers} layers")
+    if req.owns_embed != (a == 0) or req.owns_head != (b == cfg.n_layers):
+        raise WorkerError(
+            f"layers [{a}, {b}) of {cfg.n_layers} mean owns_embed={a == 0}, "
+            f"owns_head={b == cfg.n_layers}; the frame says {req.owns_embed}, {req.owns_head}"
+        )
+    if req.kv_capacity > cfg.context_length:
+        raise WorkerError(
+            f"kv_capacity {req.kv_capacity} exceeds the model's context length {cfg.context_length}"
+        )
+
+
+def versions() -> dict[str, str]:
+    try:
+        luced = importlib.metadata.version("luced")
+    except importlib.metadata.PackageNotFoundError:
+        luced = "unknown"
+    return {
+        "luced": luced,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "numpy": np.__version__,
+        "executable": sys.executable,
+    }
+
+
+def rss_bytes() -> int:
+    """Resident set size now (Linux /proc; the peak from getrusage elsewhere)."""
+    try:
+        pages = int(Path("/proc/self/statm").read_text().split()[1])
+        return pages * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        import resource
+
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

@@ -1,0 +1,106 @@
+"""The backend worker process: one per backend group, started and owned by the daemon.
+
+    python -m luced.runtime.worker --fd N --group NAME --devices cpu[,cpu...] [--threads N]
+
+The daemon makes a unix socketpair, passes one end as fd N (``pass_fds``) and speaks the
+frames of ``luced.ipc.frames`` over it; the verbs themselves live in
+``luced.runtime.backend``. Request trace::
+
+    daemon                                  worker (this process)
+    write token ids into region "tokens"
+    send {"op": "forward", tokens, outputs, ...}  ->  view "tokens" in place, run the layers,
+                                                      write ids / logits into the regions
+    read the regions                          <-  {"ok": true, "n_out", "position", ...}
+
+Lifecycle: the daemon owns it. SIGINT and SIGTERM are ignored (a Ctrl-C in the terminal
+or systemd's stop signal to the whole cgroup must not kill a worker mid-step: the daemon
+drains first, then sends ``shutdown``, or kills it). The worker exits after replying to
+``shutdown``, and as soon as the socket closes (the daemon is gone), so it never lingers.
+Exit status: 0 for those two, 1 for a frame that could not be parsed (the stream cannot
+be resynchronised), 2 for bad arguments. Logs go to stderr as ``[worker GROUP pid] ...``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import socket
+import sys
+
+from luced.ipc.channel import BlockingChannel
+from luced.ipc.frames import FrameError
+
+log = logging.getLogger("luced.runtime.worker")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m luced.runtime.worker",
+        description="luced backend worker (started by the daemon, not by hand)",
+    )
+    p.add_argument("--fd", type=int, required=True, help="inherited, connected unix socket")
+    p.add_argument("--group", required=True, help="backend group name, e.g. cpu or cuda")
+    p.add_argument(
+        "--devices",
+        required=True,
+        type=lambda s: tuple(d.strip() for d in s.split(",") if d.strip()),
+        help="comma-separated devices this worker drives, e.g. cuda:0,cuda:1",
+    )
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    args = p.parse_args(argv)
+    if not args.devices:
+        p.error("--devices is empty")
+    if args.threads is not None and args.threads < 1:
+        p.error("--threads must be >= 1")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    # First, before the slow torch import: a signal in that window must not kill us either.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    args = parse_args(argv)
+    logging.basicConfig(
+        stream=sys.stderr,
+        level=logging.INFO,
+        format=f"[worker {args.group} {os.getpid()}] %(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        sock = socket.socket(fileno=args.fd)
+    except OSError as e:
+        log.error("--fd %d is not a usable socket: %s", args.fd, e)
+        return 2
+    if sock.family != socket.AF_UNIX or sock.type != socket.SOCK_STREAM:
+        log.error("--fd %d is not a unix stream socket", args.fd)
+        return 2
+
+    import torch  # only now: ~1 s, and the signals are already ignored
+
+    from luced.runtime.backend import Backend
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    backend = Backend(args.group, args.devices)
+    if backend.device_problem:  # hello reports it to the daemon; log it here too
+        log.error("%s", backend.device_problem)
+    log.info("serving %s on fd %d (torch %s)", ",".join(args.devices), args.fd, torch.__version__)
+    channel = BlockingChannel(sock)
+    code = 0
+    try:
+        channel.serve(backend.handle)  # returns after shutdown or when the daemon closes
+    except FrameError as e:
+        log.error("unreadable frame, closing: %s", e)
+        code = 1
+    except ConnectionError as e:  # the daemon vanished while we replied
+        log.info("daemon gone: %s", e)
+    finally:
+        backend.close()
+        channel.close()
+    log.info("exiting")
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,319 @@
+"""make_app over aiohttp's TestServer with the real Engine: first one whose worker never
+started (state "loading": routing, errors, auth, metrics), then one serving SmolLM2 in a
+real worker process, driven by the official openai client and by raw HTTP."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import openai
+import pytest
+import pytest_asyncio
+from aiohttp.test_utils import TestClient, TestServer
+from openai import AsyncOpenAI
+from prometheus_client.parser import text_string_to_metric_families
+
+from luced.api.metrics import Metrics
+from luced.api.server import make_app
+from luced.chat_template import GEMMA_TEMPLATE, ChatTemplate
+from luced.engine import Engine
+from luced.gguf_file import GGUFFile
+from luced.ipc.shm import ShmOwner, scan
+from luced.runner import TargetPlacement, TargetRunner
+from luced.tokenizer import Tokenizer
+from luced.workers import WorkerSpec
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+MODEL = "smol"
+CONTEXT = 512
+USER = [{"role": "user", "content": "Name three colors."}]
+
+
+def make_engine(
+    path: Path, tokenizer: Tokenizer, template: ChatTemplate, metrics: Metrics, **kw
+) -> tuple[Engine, TargetRunner, ShmOwner]:
+    gguf = GGUFFile(path)
+    owner = ShmOwner()
+    placement = TargetPlacement(
+        model=str(path),
+        n_layers=int(gguf.require(f"{gguf.arch}.block_count")),
+        dtype="float32",
+        kv_capacity=CONTEXT,
+        max_batch_tokens=128,
+        worker=WorkerSpec("cpu", ("cpu",), threads=1),  # 2 cores, shared with other tests
+    )
+    runner = TargetRunner(owner, placement)
+    engine = Engine(
+        runner,
+        tokenizer,
+        template,
+        model_name=MODEL,
+        context_length=CONTEXT,
+        metrics=metrics,
+        **kw,
+    )
+    return engine, runner, owner
+
+
+async def error_of(resp, status: int) -> dict:
+    assert resp.status == status, await resp.text()
+    assert resp.content_type == "application/json"
+    body = await resp.json()
+    assert set(body["error"]) == {"message", "type", "param", "code"}
+    return body["error"]
+
+
+def metric(text: str, name: str, **labels: str) -> float:
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
+                return s.value
+    raise KeyError(name)
+
+
+# --- a daemon still loading its model ----------------------------------------------------
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def loading(smollm2_gguf: Path, smol_tokenizer: Tokenizer) -> AsyncIterator[TestClient]:
+    # Gemma's built-in template insists on alternating turns: a real template that fails.
+    template = ChatTemplate(GEMMA_TEMPLATE, {"bos_token": "<s>"}, builtin=True)
+    metrics = Metrics(MODEL)
+    engine, _, owner = make_engine(smollm2_gguf, smol_tokenizer, template, metrics)
+    async with TestClient(TestServer(make_app(engine, metrics))) as client:
+        yield client
+    owner.unlink_all()
+
+
+async def test_health_is_503_while_loading(loading: TestClient) -> None:
+    resp = await loading.get("/health")
+    assert (resp.status, await resp.json()) == (503, {"status": "loading"})
+
+
+async def test_models(loading: TestClient) -> None:
+    body = await (await loading.get("/v1/models")).json()
+    assert body["object"] == "list"
+    (card,) = body["data"]
+    assert (card["id"], card["object"], card["max_model_len"]) == (MODEL, "model", CONTEXT)
+    assert (await (await loading.get(f"/v1/models/{MODEL}")).json())["id"] == MODEL
+    err = await error_of(await loading.get("/v1/models/gpt-4"), 404)
+    assert err["code"] == "model_not_found"
+
+
+async def test_request_errors_are_openai_shaped(loading: TestClient) -> None:
+    post = loading.post
+    err = await error_of(await post("/v1/chat/completions", data=b"{oops"), 400)
+    assert "not valid JSON" in err["message"]
+    err = await error_of(await post("/v1/chat/completions", json={"messages": USER, "n": 3}), 400)
+    assert (err["param"], err["message"]) == ("n", "n > 1 is not supported")
+    err = await error_of(await post("/v1/completions", json={"prompt": "x", "top_p": 0}), 400)
+    assert err["param"] == "top_p"
+    err = await error_of(
+        await post("/v1/chat/completions", json={"messages": USER, "model": "gpt-4o"}), 404
+    )
+    assert (err["code"], err["param"]) == ("model_not_found", "model")
+    turns = [{"role": "assistant", "content": "hi"}]
+    err = await error_of(await post("/v1/chat/completions", json={"messages": turns}), 400)
+    assert "alternate" in err["message"] and err["param"] == "messages"
+
+
+async def test_submit_while_loading_is_503_with_retry_after(loading: TestClient) -> None:
+    resp = await loading.post("/v1/chat/completions", json={"messages": USER})
+    err = await error_of(resp, 503)
+    assert err["code"] == "unavailable" and "loading" in err["message"]
+    assert resp.headers["Retry-After"] == "1"
+
+
+async def test_unknown_route_and_method(loading: TestClient) -> None:
+    err = await error_of(await loading.get("/v1/nothing"), 404)
+    assert "/v1/nothing" in err["message"]
+    resp = await loading.get("/v1/chat/completions")
+    await error_of(resp, 405)
+    assert "POST" in resp.headers["Allow"]
+
+
+async def test_metrics_endpoint(loading: TestClient) -> None:
+    resp = await loading.get("/metrics")
+    assert resp.status == 200
+    assert resp.headers["Content-Type"].startswith("text/plain; version=0.0.4")
+    text = await resp.text()
+    assert metric(text, "luced:num_requests_waiting", model_name=MODEL) == 0
+    assert "luced:time_to_first_token_seconds_bucket" in text
+
+
+async def test_body_size_limit_and_api_key(smollm2_gguf: Path, smol_tokenizer: Tokenizer) -> None:
+    metrics = Metrics()
+    template = ChatTemplate.from_gguf(smollm2_gguf, "llama")
+    engine, _, owner = make_engine(smollm2_gguf, smol_tokenizer, template, metrics)
+    app = make_app(engine, metrics, api_key="sekret", client_max_size=1024)
+    async with TestClient(TestServer(app)) as client:
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "sekret"}):
+            err = await error_of(await client.get("/v1/models", headers=headers), 401)
+            assert err["code"] == "invalid_api_key"
+        ok = {"Authorization": "Bearer sekret"}
+        assert (await client.get("/v1/models", headers=ok)).status == 200
+        assert (await client.get("/health")).status == 503  # open, just not ready
+        assert (await client.get("/metrics")).status == 200
+        big = {"messages": [{"role": "user", "content": "x" * 2000}]}
+        await error_of(await client.post("/v1/chat/completions", json=big, headers=ok), 413)
+    owner.unlink_all()
+
+
+# --- a daemon serving SmolLM2 ------------------------------------------------------------
+
+
+class Served:
+    def __init__(self, client: TestClient, engine: Engine) -> None:
+        self.client = client
+        self.engine = engine
+        self.openai = AsyncOpenAI(
+            base_url=str(client.make_url("/v1")), api_key="unused", max_retries=0
+        )
+
+    async def metric(self, name: str, **labels: str) -> float:
+        return metric(await (await self.client.get("/metrics")).text(), name, **labels)
+
+    async def until_idle(self, timeout: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout
+        while self.engine.active is not None or self.engine.waiting:
+            assert time.monotonic() < deadline, "the engine never went idle"
+            await asyncio.sleep(0.02)
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def served(
+    smollm2_gguf: Path, smol_tokenizer: Tokenizer, smol_template: ChatTemplate
+) -> AsyncIterator[Served]:
+    metrics = Metrics(MODEL)
+    engine, runner, owner = make_engine(
+        smollm2_gguf, smol_tokenizer, smol_template, metrics, max_queue=1
+    )
+    try:
+        async with TestClient(TestServer(make_app(engine, metrics))) as client:
+            await runner.start()
+            engine.start()
+            served = Served(client, engine)
+            yield served
+            await served.openai.close()
+            await engine.stop()
+    finally:
+        await runner.close()
+        owner.unlink_all()
+    assert not [i.name for i in scan() if i.header and i.header.instance == owner.instance]
+
+
+GREEDY = {"model": MODEL, "messages": USER, "temperature": 0, "max_tokens": 8}
+
+
+@pytest.mark.real_model
+async def test_chat_stream_matches_non_stream(served: Served) -> None:
+    assert (await served.client.get("/health")).status == 200
+    full = await served.openai.chat.completions.create(**GREEDY)
+    choice = full.choices[0]
+    assert choice.message.role == "assistant" and choice.message.content
+    assert choice.finish_reason in ("stop", "length")
+    assert full.usage.total_tokens == full.usage.prompt_tokens + full.usage.completion_tokens
+
+    stream = await served.openai.chat.completions.create(
+        **GREEDY, stream=True, stream_options={"include_usage": True}
+    )
+    chunks = [c async for c in stream]
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == choice.message.content  # greedy: the same tokens either way
+    assert chunks[-2].choices[0].finish_reason == choice.finish_reason
+    assert chunks[-1].choices == [] and chunks[-1].usage == full.usage
+
+
+@pytest.mark.real_model
+async def test_logprobs_and_stop_strings(served: Served) -> None:
+    full = await served.openai.chat.completions.create(**GREEDY, logprobs=True, top_logprobs=2)
+    content = full.choices[0].logprobs.content
+    assert len(content) == full.usage.completion_tokens
+    for item in content:  # greedy: the chosen token is the most likely one
+        assert len(item.top_logprobs) == 2
+        assert (item.top_logprobs[0].token, item.top_logprobs[0].logprob) == (
+            item.token,
+            item.logprob,
+        )
+    text = full.choices[0].message.content
+    stop = text[len(text) // 2 :][:3]
+    cut = await served.openai.chat.completions.create(**GREEDY, stop=[stop])
+    assert cut.choices[0].message.content == text[: text.index(stop)]
+    assert cut.choices[0].finish_reason == "stop"
+
+
+@pytest.mark.real_model
+async def test_completions_endpoint(served: Served) -> None:
+    out = await served.openai.completions.create(
+        model=MODEL, prompt="The capital of France is", max_tokens=4, temperature=0, logprobs=1
+    )
+    choice = out.choices[0]
+    assert out.usage.completion_tokens <= 4 and choice.text
+    assert "".join(choice.logprobs.tokens) == choice.text
+    assert choice.logprobs.text_offset[0] == 0
+
+
+@pytest.mark.real_model
+async def test_disconnects_cancel_the_work_and_a_full_queue_is_429(served: Served) -> None:
+    client, engine = served.client, served.engine
+    aborted = await served.metric("luced:request_success_total", finished_reason="abort")
+    # A: a stream that would run for 400 tokens holds the engine ...
+    busy = {**GREEDY, "max_tokens": 400, "ignore_eos": True, "stream": True}
+    a = await client.post("/v1/chat/completions", json=busy)
+    assert a.status == 200
+    first = await a.content.readuntil(b"\n\n")
+    assert json.loads(first[len(b"data: ") :])["choices"][0]["delta"]["role"] == "assistant"
+    handle_a = engine.active
+    # ... B waits in the queue (max_queue=1) ...
+    b = asyncio.create_task(client.post("/v1/chat/completions", json=GREEDY))
+    while not engine.waiting:
+        await asyncio.sleep(0.01)
+    handle_b = engine.waiting[0]
+    # ... so C finds it full.
+    c = await client.post("/v1/chat/completions", json=GREEDY)
+    err = await error_of(c, 429)
+    assert err["code"] == "queue_full" and int(c.headers["Retry-After"]) >= 1
+    # B's client gives up while queued, A's mid-stream: the handlers cancel both.
+    b.cancel()
+    a.close()
+    await served.until_idle()
+    assert handle_a.cancelled and handle_a.finish_reason == "abort"
+    assert handle_b.cancelled and handle_b.finish_reason == "abort"
+    assert handle_a.completion_tokens < 400 and handle_b.completion_tokens == 0
+    abort = await served.metric("luced:request_success_total", finished_reason="abort")
+    # A's at least: today the engine does not count a request it drops from the queue.
+    assert abort >= aborted + 1
+    # and the daemon serves the next request normally
+    after = await served.openai.chat.completions.create(**GREEDY)
+    assert after.choices[0].message.content
+
+
+@pytest.mark.real_model
+async def test_worker_death_mid_stream_ends_it_with_an_error_event(served: Served) -> None:
+    # Last in the module: the runner restarts the worker, which takes a few seconds.
+    stream = await served.openai.chat.completions.create(
+        **{**GREEDY, "max_tokens": 400}, stream=True, extra_body={"ignore_eos": True}
+    )
+    got = []
+    with pytest.raises(openai.APIError) as info:
+        async for chunk in stream:
+            got.append(chunk)
+            if len(got) == 2:  # the role chunk and one token
+                os.kill(served.engine.runner.worker.pid, signal.SIGKILL)
+    assert "worker" in info.value.message
+    assert info.value.body["type"] == "server_error"
+    deadline = time.monotonic() + 60
+    while (resp := await served.client.get("/health")).status != 200:
+        assert (await resp.json())["status"] in ("degraded", "loading")
+        assert time.monotonic() < deadline, "the worker was not replaced"
+        await asyncio.sleep(0.1)
+    after = await served.openai.chat.completions.create(**GREEDY)
+    assert after.choices[0].message.content

@@ -1,0 +1,136 @@
+"""A real `luced serve` subprocess on a free loopback port, for end-to-end tests."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class DaemonProcess:
+    def __init__(self, model: Path, tmp: Path, *extra: str, env: dict | None = None) -> None:
+        self.port = free_port()
+        self.model_name = model.name.removesuffix(".gguf")
+        self.runtime_dir = tmp / "run"
+        self.runtime_dir.mkdir(parents=True, exist_ok=True)
+        self.admin_socket = self.runtime_dir / "admin.sock"
+        self.log_path = tmp / "daemon.log"
+        self.args = [
+            sys.executable,
+            "-m",
+            "luced.cli",
+            "serve",
+            str(model),
+            "--port",
+            str(self.port),
+            "--runtime-dir",
+            str(self.runtime_dir),
+            "--admin-socket",
+            str(self.admin_socket),
+            "--threads",
+            "1",
+            *extra,
+        ]
+        self.env = {**os.environ, "LUCED_LOG_LEVEL": "info", **(env or {})}
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, timeout: float = 120.0) -> DaemonProcess:
+        self._log = open(self.log_path, "w")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(
+            self.args, stdout=self._log, stderr=subprocess.STDOUT, env=self.env
+        )
+        self.wait_health(200, timeout)
+        return self
+
+    def health(self) -> tuple[int, dict]:
+        try:
+            with urllib.request.urlopen(self.url + "/health", timeout=5) as r:
+                return r.status, json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            return e.code, json.loads(e.read() or b"{}")
+        except OSError:
+            return 0, {}
+
+    def wait_health(self, status: int, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc is not None and self.proc.poll() is not None:
+                raise RuntimeError(f"daemon exited with {self.proc.returncode}:\n{self.log()}")
+            if self.health()[0] == status:
+                return
+            time.sleep(0.1)
+        raise TimeoutError(f"/health never returned {status}:\n{self.log()}")
+
+    def metrics(self) -> str:
+        with urllib.request.urlopen(self.url + "/metrics", timeout=5) as r:
+            return r.read().decode()
+
+    def metric(self, name: str, labels: str = "") -> float:
+        """The value of one sample line of /metrics (0 when absent)."""
+        prefix = f"{name}{{{labels}}}" if labels else name
+        for line in self.metrics().splitlines():
+            if line.startswith(prefix + " "):
+                return float(line.split()[-1])
+        return 0.0
+
+    def log(self) -> str:
+        return self.log_path.read_text() if self.log_path.exists() else ""
+
+    def worker_pid(self) -> int:
+        out = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "luced.lucectl",
+                "--socket",
+                str(self.admin_socket),
+                "--json",
+                "workers",
+            ],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        return int(json.loads(out.stdout)["workers"][0]["pid"])
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 60.0) -> int:
+        assert self.proc is not None
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        with contextlib.suppress(Exception):
+            self._log.close()
+        return self.proc.returncode
+
+    def instance(self) -> str:
+        for line in self.log().splitlines():
+            if "shared memory instance " in line:
+                return line.rsplit("shared memory instance ", 1)[1].split()[0]
+        raise AssertionError(f"no instance id in the daemon log:\n{self.log()}")
+
+    def segments(self) -> list[str]:
+        """This daemon's shared-memory segments still present in /dev/shm."""
+        prefix = f"luced-{self.instance()}-"
+        return [n for n in os.listdir("/dev/shm") if n.startswith(prefix)]

@@ -1,0 +1,448 @@
+"""The real daemon as a subprocess, driven with the official `openai` client and raw HTTP.
+
+Each daemon here is `luced serve` with its own port and admin socket; a worker process,
+shared memory and the whole request path are real. Tiny random models (fast) cover the
+queue, disconnect and failure paths; SmolLM2 covers the API surface with real text.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import make_tiny_gguf
+import openai
+import pytest
+from daemon_proc import DaemonProcess
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("tiny") / "tiny-llama.gguf"
+    make_tiny_gguf.build("llama", path, seed=5, context=4096)
+    return path
+
+
+@pytest.fixture(scope="module")
+def smol(smollm2_gguf, tmp_path_factory):
+    d = DaemonProcess(smollm2_gguf, tmp_path_factory.mktemp("smol")).start()
+    yield d
+    assert d.stop() == 0
+    assert d.segments() == []
+
+
+def client(d: DaemonProcess) -> openai.OpenAI:
+    return openai.OpenAI(base_url=d.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def chat(d: DaemonProcess, content: str, **kw):
+    return client(d).chat.completions.create(
+        model="SmolLM2-135M-Instruct.Q4_1",
+        messages=[{"role": "user", "content": content}],
+        temperature=0,
+        **kw,
+    )
+
+
+def raw_post_any(d: DaemonProcess, path: str, body: bytes) -> tuple[int, dict, bytes]:
+    """POST and return (status, headers, raw body); a stream is read to its end."""
+    import urllib.error
+    import urllib.request
+
+    req = urllib.request.Request(
+        d.url + path, data=body, headers={"Content-Type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=120) as r:
+            return r.status, dict(r.headers), r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, dict(e.headers), e.read()
+
+
+def raw_post(d: DaemonProcess, path: str, body: bytes) -> tuple[int, dict, dict]:
+    import urllib.error
+    import urllib.request
+
+    req = urllib.request.Request(
+        d.url + path, data=body, headers={"Content-Type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=120) as r:
+            return r.status, dict(r.headers), json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, dict(e.headers), json.loads(e.read())
+
+
+# -- the API surface on a real model ----------------------------------------------------
+
+
+def test_chat_stream_equals_non_stream_with_usage(smol) -> None:
+    full = chat(smol, "What is the capital of France?", max_tokens=30)
+    assert "Paris" in full.choices[0].message.content
+    assert full.choices[0].finish_reason == "stop"
+    chunks = list(
+        chat(
+            smol,
+            "What is the capital of France?",
+            max_tokens=30,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == full.choices[0].message.content
+    assert chunks[-1].usage is not None and chunks[-1].choices == []
+    assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+    assert chunks[-1].usage.prompt_tokens == full.usage.prompt_tokens
+
+
+def test_max_tokens_and_stop_sequences(smol) -> None:
+    capped = chat(smol, "Write a long story about a dragon.", max_tokens=5)
+    assert capped.choices[0].finish_reason == "length"
+    assert capped.usage.completion_tokens == 5
+    free = chat(smol, "What is the capital of France?", max_tokens=30).choices[0].message.content
+    stopped = chat(smol, "What is the capital of France?", max_tokens=30, stop=["Paris"])
+    assert stopped.choices[0].finish_reason == "stop"
+    assert stopped.choices[0].message.content == free[: free.index("Paris")]
+
+
+def test_logprobs(smol) -> None:
+    out = chat(smol, "Say yes.", max_tokens=4, logprobs=True, top_logprobs=3)
+    entries = out.choices[0].logprobs.content
+    assert len(entries) == out.usage.completion_tokens
+    for e in entries:
+        assert e.logprob <= 0 and len(e.top_logprobs) == 3
+        assert e.top_logprobs[0].logprob >= e.top_logprobs[-1].logprob
+        # Greedy: the chosen token is the most likely one.
+        assert e.token == e.top_logprobs[0].token
+
+
+def test_errors_are_openai_shaped(smol) -> None:
+    with pytest.raises(openai.BadRequestError) as bad:
+        chat(smol, "hi", max_tokens=4, top_p=7)
+    assert bad.value.body["param"] == "top_p"
+    with pytest.raises(openai.NotFoundError):
+        client(smol).chat.completions.create(
+            model="no-such-model", messages=[{"role": "user", "content": "hi"}]
+        )
+    with pytest.raises(openai.BadRequestError, match="n > 1"):
+        chat(smol, "hi", n=2)
+    status, _, body = raw_post(smol, "/v1/chat/completions", b"{not json")
+    assert status == 400 and body["error"]["type"] == "invalid_request_error"
+    status, _, body = raw_post(
+        smol,
+        "/v1/chat/completions",
+        json.dumps({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 10**6}).encode(),
+    )
+    assert status == 400 and "context" in body["error"]["message"]
+
+
+def generate_tool(model: Path, prompt: str, *extra: str) -> dict:
+    out = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "tools" / "generate.py"),
+            "--model",
+            str(model),
+            "--prompt",
+            prompt,
+            "--max-tokens",
+            "24",
+            "--threads",
+            "1",
+            "--json",
+            *extra,
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_http_greedy_equals_generate_tool(smol, smollm2_gguf) -> None:
+    prompt = "Give me three tips for sleeping well."
+    tool = generate_tool(smollm2_gguf, prompt, "--chat")
+    http = chat(smol, prompt, max_tokens=24)
+    assert http.choices[0].message.content == tool["text"]
+    completion = client(smol).completions.create(
+        model="SmolLM2-135M-Instruct.Q4_1",
+        prompt="The capital of France is",
+        max_tokens=24,
+        temperature=0,
+    )
+    assert (
+        completion.choices[0].text
+        == generate_tool(smollm2_gguf, "The capital of France is")["text"]
+    )
+
+
+@pytest.mark.real_model
+def test_gemma3_http_equals_generate_tool(gemma3_gguf, tmp_path) -> None:
+    d = DaemonProcess(gemma3_gguf, tmp_path).start()
+    try:
+        prompt = "The three primary colours are"
+        out = client(d).completions.create(
+            model="gemma-3-270m-q4_k_m", prompt=prompt, max_tokens=24, temperature=0
+        )
+        assert out.choices[0].text == generate_tool(gemma3_gguf, prompt)["text"]
+    finally:
+        assert d.stop() == 0
+    assert d.segments() == []
+
+
+def test_lucectl_status_and_workers(smol) -> None:
+    def lucectl(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [sys.executable, "-m", "luced.lucectl", "--socket", str(smol.admin_socket), *args],
+            capture_output=True,
+            text=True,
+        )
+
+    status = json.loads(lucectl("--json", "status").stdout)
+    assert status["state"] == "ready" and status["model"] == "SmolLM2-135M-Instruct.Q4_1"
+    pid = smol.worker_pid()
+    assert str(pid) in lucectl("workers").stdout
+    assert "(no snapshots)" in lucectl("snapshot", "list").stdout
+    assert oct(os.stat(smol.admin_socket).st_mode & 0o777) == "0o600"
+
+
+# -- queue, disconnects, failures: SmolLM2 decodes slowly enough to act mid-request ----
+
+
+def long_stream(d: DaemonProcess, max_tokens: int = 3000) -> openai.Stream:
+    return client(d).completions.create(
+        model=d.model_name,
+        prompt="hello world",
+        max_tokens=max_tokens,
+        stream=True,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
+
+
+def test_queue_overflow_is_429(smollm2_gguf, tmp_path) -> None:
+    d = DaemonProcess(smollm2_gguf, tmp_path, "--max-queue", "1").start()
+    try:
+        running = long_stream(d)
+        next(iter(running))  # the first request runs
+        queued = threading.Thread(target=lambda: list(long_stream(d, 5)), daemon=True)
+        queued.start()
+        deadline = time.monotonic() + 10
+        while d.metric("luced:num_requests_waiting") < 1 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        status, headers, body = raw_post(
+            d, "/v1/completions", json.dumps({"prompt": "x", "max_tokens": 2}).encode()
+        )
+        assert status == 429 and body["error"]["code"] == "queue_full"
+        assert float(headers["Retry-After"]) >= 1
+        running.close()
+        queued.join(30)
+        assert not queued.is_alive()
+    finally:
+        assert d.stop() == 0
+    assert d.segments() == []
+
+
+def send_raw(d: DaemonProcess, body: dict, read_bytes: int = 0) -> socket.socket:
+    """Send a completions request on a raw socket (read a little of the answer if asked);
+    the caller hangs up by closing the returned socket."""
+    payload = json.dumps(body).encode()
+    s = socket.create_connection(("127.0.0.1", d.port))
+    s.sendall(
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        + f"Content-Length: {len(payload)}\r\n\r\n".encode()
+        + payload
+    )
+    got = b""
+    while len(got) < read_bytes:
+        got += s.recv(4096)
+    return s
+
+
+def wait_for(cond, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.05)
+
+
+def test_disconnects_stop_the_work(smollm2_gguf, tmp_path) -> None:
+    """SmolLM2 decodes slowly enough here to hang up in each phase of a request."""
+    d = DaemonProcess(smollm2_gguf, tmp_path, "--max-batch-tokens", "16").start()
+
+    def aborted() -> float:
+        return d.metric("luced:request_success_total", 'finished_reason="abort"')
+
+    def metric(name: str) -> float:
+        return d.metric(f"luced:{name}")
+
+    long = {"prompt": "hi", "max_tokens": 3000, "stream": True, "ignore_eos": True}
+    try:
+        # In decode: read the start of a long stream, then hang up.
+        send_raw(d, long, read_bytes=300).close()
+        wait_for(lambda: aborted() == 1)
+        stopped_at = metric("generation_tokens_total")
+        time.sleep(0.5)
+        assert metric("generation_tokens_total") == stopped_at < 100
+
+        # While queued: a request waits behind a running one, then hangs up.
+        running = send_raw(d, long, read_bytes=300)
+        queued = send_raw(d, {"prompt": "queued", "max_tokens": 50})
+        wait_for(lambda: metric("num_requests_waiting") == 1)
+        queued.close()
+        wait_for(lambda: metric("num_requests_waiting") == 0 and aborted() == 2)
+        running.close()
+        wait_for(lambda: aborted() == 3)
+
+        # In prefill: a long prompt fed 16 tokens per step; hang up once it runs.
+        prompt_tokens = metric("prompt_tokens_total")
+        prefilling = send_raw(d, {"prompt": "word " * 2000, "max_tokens": 5})
+        wait_for(lambda: metric("num_requests_running") == 1)
+        prefilling.close()
+        wait_for(lambda: aborted() == 4)
+        assert metric("prompt_tokens_total") == prompt_tokens  # the prefill never finished
+        # The daemon is still healthy and serves the next request.
+        status, _, body = raw_post(
+            d, "/v1/completions", json.dumps({"prompt": "ok", "max_tokens": 3}).encode()
+        )
+        assert status == 200 and body["usage"]["completion_tokens"] == 3
+    finally:
+        assert d.stop() == 0
+    assert d.segments() == []
+
+
+def test_worker_killed_mid_stream(smollm2_gguf, tmp_path) -> None:
+    d = DaemonProcess(smollm2_gguf, tmp_path).start()
+    try:
+        pid = d.worker_pid()
+        stream = long_stream(d)
+        it = iter(stream)
+        next(it)
+        os.kill(pid, signal.SIGKILL)
+        with pytest.raises(openai.APIError):
+            for _ in it:
+                pass
+        d.wait_health(503, 10)
+        d.wait_health(200, 60)
+        assert d.worker_pid() != pid
+        status, _, body = raw_post(
+            d, "/v1/completions", json.dumps({"prompt": "again", "max_tokens": 4}).encode()
+        )
+        assert status == 200 and body["usage"]["completion_tokens"] == 4
+    finally:
+        assert d.stop() == 0
+    assert d.segments() == []
+
+
+def test_sigterm_lets_the_stream_finish(smollm2_gguf, tmp_path) -> None:
+    d = DaemonProcess(smollm2_gguf, tmp_path).start()
+    stream = long_stream(d, max_tokens=40)
+    it = iter(stream)
+    next(it)
+    d.proc.send_signal(signal.SIGTERM)
+    chunks = list(it)
+    assert chunks[-1].choices[0].finish_reason == "length"
+    assert d.proc.wait(60) == 0
+    assert d.stop() == 0
+    assert d.segments() == []
+
+
+def test_sigterm_timeout_ends_stream_with_error(smollm2_gguf, tmp_path) -> None:
+    d = DaemonProcess(smollm2_gguf, tmp_path, "--shutdown-timeout", "0.5").start()
+    stream = long_stream(d, max_tokens=4000)
+    it = iter(stream)
+    next(it)
+    d.proc.send_signal(signal.SIGTERM)
+    with pytest.raises(openai.APIError):
+        for _ in it:
+            pass
+    assert d.proc.wait(60) == 0
+    assert d.stop() == 0
+    assert d.segments() == []
+
+
+# -- fuzzed request bodies against a real daemon (tiny model) ---------------------------
+
+_values = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-(2**40), 2**40),
+    st.floats(allow_nan=True),
+    st.text(max_size=20),
+    st.lists(st.integers(-5, 600), max_size=5),
+    st.dictionaries(st.text(max_size=5), st.integers(), max_size=2),
+)
+_fields = [
+    "model",
+    "messages",
+    "prompt",
+    "max_tokens",
+    "max_completion_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "stop",
+    "stream",
+    "logprobs",
+    "top_logprobs",
+    "n",
+    "frequency_penalty",
+    "presence_penalty",
+    "repetition_penalty",
+    "stream_options",
+]
+_message = st.fixed_dictionaries(
+    {
+        "role": st.sampled_from(["user", "system", "assistant", "tool", "bogus", 3]),
+        "content": st.one_of(
+            st.text(max_size=30),
+            st.none(),
+            st.integers(),
+            st.lists(
+                st.fixed_dictionaries({"type": st.just("text"), "text": st.text(max_size=10)})
+            ),
+        ),
+    }
+)
+_body = st.dictionaries(st.sampled_from(_fields), _values, max_size=6).flatmap(
+    lambda d: st.fixed_dictionaries(
+        {
+            **{k: st.just(v) for k, v in d.items()},
+            "messages": st.lists(_message, max_size=3),
+            "max_tokens": st.one_of(st.integers(-2, 8), st.just("x")),
+        }
+    )
+)
+
+
+@pytest.fixture(scope="module")
+def tiny_daemon(tiny_gguf, tmp_path_factory):
+    d = DaemonProcess(tiny_gguf, tmp_path_factory.mktemp("fuzz")).start()
+    yield d
+    assert d.stop() == 0
+    assert d.segments() == []
+
+
+@settings(
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(body=_body, path=st.sampled_from(["/v1/chat/completions", "/v1/completions"]))
+def test_fuzzed_bodies_never_5xx(tiny_daemon, body: dict, path: str) -> None:
+    payload = json.dumps(body, allow_nan=True).encode()
+    status, _, reply = raw_post_any(tiny_daemon, path, payload)
+    assert status < 500, (status, reply)
+    assert tiny_daemon.health()[0] == 200

@@ -31,6 +31,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's)")
+    p.add_argument("--ignore-eos", action="store_true", help="generate max-tokens tokens")
     p.add_argument("--json", action="store_true", help="print one JSON object at the end")
     return p.parse_args(argv)
 
@@ -76,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
         prompt,
         params,
         args.max_tokens,
-        eos_ids=tokenizer.eos_ids,
+        eos_ids=() if args.ignore_eos else tokenizer.eos_ids,
         on_token=None if args.json else stream,
     )
     if args.json:

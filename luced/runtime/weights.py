@@ -18,6 +18,7 @@ from gguf.constants import GGMLQuantizationType as Q
 from gguf.quants import dequantize
 
 from luced.gguf_file import GGUFError, GGUFFile
+from luced.runtime.layers import store_matrix
 
 log = logging.getLogger(__name__)
 
@@ -79,22 +80,22 @@ class WeightLoader:
         if missing:
             raise GGUFError(f"{self.gguf.path}: missing tensor {missing[0]!r}")
 
-    def tensor(self, name: str, *, transpose: bool = False, dtype: torch.dtype | None = None):
+    def tensor(self, name: str, *, matrix: bool = False) -> torch.Tensor:
+        """The tensor in the compute dtype; a `matrix` goes into `linear`'s layout."""
         arr = dequantize_tensor(self.gguf, name)
         # Copy when the array is a read-only view of the mapped file (F32 tensors).
         t = torch.from_numpy(arr if arr.flags.writeable else arr.copy())
-        if transpose:
-            t = t.t()
-        return t.to(device=self.device, dtype=dtype or self.dtype).contiguous()
+        t = t.to(device=self.device, dtype=self.dtype)
+        return store_matrix(t) if matrix else t.contiguous()
 
     def load_all(self, plan: dict[str, tuple[str, bool]]) -> dict[str, torch.Tensor]:
-        """plan: key -> (tensor name, transpose). Returns key -> tensor."""
+        """plan: key -> (tensor name, is a matrix). Returns key -> tensor."""
         self.require(name for name, _ in plan.values())
         total = sum(self.gguf.info(name).nbytes for name, _ in plan.values())
         progress = _Progress(f"loading {self.gguf.path.name}", total)
         out = {}
-        for key, (name, transpose) in plan.items():
-            out[key] = self.tensor(name, transpose=transpose)
+        for key, (name, matrix) in plan.items():
+            out[key] = self.tensor(name, matrix=matrix)
             progress.advance(self.gguf.info(name).nbytes)
         progress.close()
         return out

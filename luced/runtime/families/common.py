@@ -5,7 +5,7 @@ A family module provides::
 
     ARCH: str                                   GGUF general.architecture
     config_from_gguf(gguf) -> ModelConfig       typed config (a subclass per family)
-    weight_plan(cfg, layers, owns_embed, owns_head) -> {key: (tensor, transpose)}
+    weight_plan(cfg, layers, owns_embed, owns_head) -> {key: (tensor, is_matrix)}
     prepare(cfg, weights) -> None               post-load fix-ups (e.g. un-permute Q/K)
     ropes(cfg, weights, device) -> {layer: Rope}
     embed(model, ids) -> [n, hidden]
@@ -13,7 +13,7 @@ A family module provides::
     head(model, x) -> [n, vocab] float32 logits
 
 Keys of the weight dict are `tok_embd`, `out_norm`, `head` and `{layer}.{name}`
-(e.g. `3.attn_q`); matrices are stored transposed, `[in, out]`.
+(e.g. `3.attn_q`); matrices are stored in `layers.linear`'s layout for their dtype.
 """
 
 from __future__ import annotations
@@ -25,7 +25,15 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from luced.gguf_file import GGUFError, GGUFFile
-from luced.runtime.layers import Rope, apply_rope, attention, attention_mask, linear, rms_norm
+from luced.runtime.layers import (
+    Rope,
+    apply_rope,
+    attention,
+    attention_mask,
+    linear,
+    matrix_rows,
+    rms_norm,
+)
 
 if TYPE_CHECKING:
     from luced.runtime.kv_cache import KVCache
@@ -99,8 +107,8 @@ def make_config(cls: type, gguf: GGUFFile, **extra: Any) -> Any:
 def edge_plan(cfg: ModelConfig, owns_embed: bool, owns_head: bool) -> dict[str, tuple[str, bool]]:
     """Embedding, final norm and output head of a shard that owns either end.
 
-    The head is kept transposed ([hidden, vocab]); a tied model reads its embedding
-    rows out of that same tensor instead of holding a second copy."""
+    A tied model reads its embedding rows out of the head instead of holding a
+    second copy of the (often largest) tensor."""
     plan: dict[str, tuple[str, bool]] = {}
     if owns_head:
         plan["out_norm"] = ("output_norm.weight", False)
@@ -113,7 +121,7 @@ def edge_plan(cfg: ModelConfig, owns_embed: bool, owns_head: bool) -> dict[str, 
 def layer_plan(
     layers: range, names: dict[str, str], matrices: set[str]
 ) -> dict[str, tuple[str, bool]]:
-    """names: our key -> GGUF suffix (`attn_q` -> `attn_q.weight`); matrices are transposed."""
+    """names: our key -> GGUF suffix (`attn_q` -> `attn_q.weight`); `matrices` feed linear."""
     return {
         f"{i}.{key}": (f"blk.{i}.{suffix}", key in matrices)
         for i in layers
@@ -126,7 +134,7 @@ def embed_rows(model: Model, ids: torch.Tensor) -> torch.Tensor:
     w = model.weights
     if "tok_embd" in w:
         return w["tok_embd"][ids]
-    return w["head"][:, ids].t().contiguous()  # tied: columns of the transposed head
+    return matrix_rows(w["head"])[ids]  # tied: rows of the head
 
 
 def self_attention(

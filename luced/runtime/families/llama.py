@@ -14,7 +14,15 @@ import torch
 
 from luced.gguf_file import GGUFFile
 from luced.runtime.families import common
-from luced.runtime.layers import Rope, linear, rms_norm, rope_inv_freq, swiglu
+from luced.runtime.layers import (
+    Rope,
+    linear,
+    matrix_rows,
+    rms_norm,
+    rope_inv_freq,
+    store_matrix,
+    swiglu,
+)
 
 if TYPE_CHECKING:
     from luced.runtime.kv_cache import KVCache
@@ -65,13 +73,13 @@ def weight_plan(
     return plan
 
 
-def _unpermute(wt: torch.Tensor, n_heads: int) -> torch.Tensor:
-    """Undo llama.cpp's Q/K row permutation on a transposed [in, out] weight."""
-    rows = wt.t()
+def _unpermute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's Q/K row permutation on a stored matrix."""
+    rows = matrix_rows(w)
     out_dim, in_dim = rows.shape
     head_dim = out_dim // n_heads
     rows = rows.reshape(n_heads, head_dim // 2, 2, in_dim).transpose(1, 2)
-    return rows.reshape(out_dim, in_dim).t().contiguous()
+    return store_matrix(rows.reshape(out_dim, in_dim))
 
 
 def prepare(cfg: LlamaConfig, weights: dict[str, torch.Tensor]) -> None:

@@ -287,32 +287,48 @@ class Engine:
                 self.totals["prompt_tokens"] += handle.prompt_tokens
                 self._observe("prompt_tokens", handle.prompt_tokens)
             last_token_at = None
-            while sampled is not None and not handle.cancelled:
-                now = time.monotonic()
-                if handle.first_token_at is None:
-                    handle.first_token_at = now
-                    self._observe("ttft", now - handle.submitted_at)
-                elif last_token_at is not None:
-                    self._observe("itl", now - last_token_at)
-                last_token_at = now
-                if sampled.token in stops:
-                    handle._emit_if(out.flush())
-                    handle._finish("stop")
-                    return
-                handle.completion_tokens += 1
-                self.totals["generation_tokens"] += 1
-                self._observe("generation_tokens", 1)
-                delta, hit = out.push(sampled)
-                handle._emit_if(delta)
-                if hit:
-                    handle._finish("stop")
-                    return
-                if handle.completion_tokens >= handle.max_tokens:
-                    handle._emit_if(out.flush())
-                    handle._finish("length")
-                    return
-                sampled = await self.runner.step(sampled.token, sampling, k)
-            handle._finish("abort")
+            ahead: asyncio.Future | None = None
+            try:
+                while sampled is not None and not handle.cancelled:
+                    now = time.monotonic()
+                    if handle.first_token_at is None:
+                        handle.first_token_at = now
+                        self._observe("ttft", now - handle.submitted_at)
+                    elif last_token_at is not None:
+                        self._observe("itl", now - last_token_at)
+                    last_token_at = now
+                    if sampled.token in stops:
+                        handle._emit_if(out.flush())
+                        handle._finish("stop")
+                        return
+                    handle.completion_tokens += 1
+                    self.totals["generation_tokens"] += 1
+                    self._observe("generation_tokens", 1)
+                    last = handle.completion_tokens >= handle.max_tokens
+                    # Send the next step before detokenizing and streaming this token, so
+                    # the worker computes while the daemon formats (a stop string found
+                    # below only wastes that one step).
+                    ahead = (
+                        None
+                        if last
+                        else asyncio.ensure_future(self.runner.step(sampled.token, sampling, k))
+                    )
+                    delta, hit = out.push(sampled)
+                    handle._emit_if(delta)
+                    if hit:
+                        handle._finish("stop")
+                        return
+                    if last:
+                        handle._emit_if(out.flush())
+                        handle._finish("length")
+                        return
+                    sampled = await ahead
+                    ahead = None
+                handle._finish("abort")
+            finally:
+                if ahead is not None:  # let a step that ran past the end land first
+                    with contextlib.suppress(Exception):
+                        await ahead
         except (WorkerDied, WorkerError) as exc:
             self.totals["errors"] += 1
             handle._finish("error", f"the model worker failed: {exc}")

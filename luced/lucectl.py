@@ -349,10 +349,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Failed as exc:
         print(f"lucectl: {exc}", file=sys.stderr)
         return EXIT_FAILED
-    if args.json:
-        print(raw.decode())
-    elif reply.get("ok") is True:
-        print(render(cmd, reply))
+    try:
+        if args.json:
+            print(raw.decode())
+        elif reply.get("ok") is True:
+            print(render(cmd, reply))
+        sys.stdout.flush()
+    except BrokenPipeError:  # `lucectl status | head`: the reader left, which is fine
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     if reply.get("ok") is not True:
         print(f"lucectl: luced: {reply.get('error', 'unknown error')}", file=sys.stderr)
         return EXIT_FAILED

@@ -26,10 +26,11 @@ def main(argv: list[str] | None = None) -> int:
     from luced.daemon import run
     from luced.gguf_file import GGUFError
     from luced.models import BundledModelMissing
+    from luced.placement import PlacementError
 
     try:
         return run(load_config(argv[1:]))
-    except (ConfigError, GGUFError, BundledModelMissing, OSError) as exc:
+    except (ConfigError, GGUFError, BundledModelMissing, PlacementError, OSError) as exc:
         # Start-up problems a user can fix: one clear line, no traceback.
         print(f"luced: {exc}", file=sys.stderr)
         return 2

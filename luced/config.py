@@ -35,6 +35,8 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from luced.placement import PlacementError, parse_devices, parse_weights
+
 DEFAULT_CONFIG_PATH = Path("/etc/luced/luced.toml")
 CONTEXT_CAP = 8192  # default context when the model's own is longer (KV memory)
 ADMIN_SOCKET_NAME = "admin.sock"
@@ -149,7 +151,21 @@ def _to_pairs(v: Any) -> Pairs:
     return tuple(out.items())
 
 
+def _unflagged(parse: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    """A placement parser whose errors drop their flag prefix (the label adds the source)."""
+
+    def convert(v: Any) -> Any:
+        try:
+            return parse(v)
+        except PlacementError as exc:
+            raise ValueError(str(exc).split(": ", 1)[-1]) from None
+
+    return convert
+
+
 _CONVERTERS: dict[str, Callable[[Any], Any]] = {
+    "devices": _unflagged(parse_devices),
+    "weights": _unflagged(parse_weights),
     "int": _to_int,
     "float": _to_float,
     "str": _to_str,
@@ -288,6 +304,20 @@ OPTIONS: tuple[Option, ...] = (
         example=(("hip", Path("/opt/luced/rocm-venv/bin/python")),),
     ),
     Option(
+        "target_devices", "devices", ("cpu",),
+        "Devices of the target model, one layer shard each, in layer order (e.g. "
+        "`cuda:0,cuda:1,hip:0`). `cuda:N` devices form one worker, `hip:N` another; "
+        "`cpu`, `cpu:1`, `cpu:2` are distinct CPU workers; a repeated device (`cpu,cpu`) "
+        "is two shards in one worker.",
+        default_doc="cpu (one worker, no split)", example=("cpu", "cpu:1"),
+    ),
+    Option(
+        "target_layer_split", "weights", None,
+        "Relative layer counts of the shards of --target-devices (e.g. `0.08,0.46,0.46` "
+        "or `1,1`); contiguous ranges, each at least one layer.",
+        nullable=True, default_doc="equal shares", example=(1, 1),
+    ),
+    Option(
         "log_level", "str", "info", "Log level.",
         choices=("debug", "info", "warning", "error"),
     ),
@@ -316,6 +346,8 @@ class Config:
     runtime_dir: Path
     admin_socket: Path
     backend_python: Pairs
+    target_devices: tuple[str, ...]
+    target_layer_split: tuple[float, ...] | None  # None: equal shares
     log_level: str
     # option name -> where its value came from ("--port", "LUCED_PORT", "FILE: port", ...)
     sources: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False)
@@ -333,6 +365,12 @@ class Config:
             raise ConfigError(
                 f"{self.label('default_max_tokens')}: {self.default_max_tokens} exceeds "
                 f"context_length {self.context_length}"
+            )
+        split = self.target_layer_split
+        if split is not None and len(split) != len(self.target_devices):
+            raise ConfigError(
+                f"{self.label('target_layer_split')}: {len(split)} weights for "
+                f"{len(self.target_devices)} devices in {self.label('target_devices')}"
             )
 
     @classmethod
@@ -427,6 +465,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             kwargs.update(action="append", metavar="GROUP=PATH")
         elif opt.choices:
             kwargs["metavar"] = "{" + ",".join(opt.choices) + "}"
+        elif opt.type in ("devices", "weights"):
+            kwargs["metavar"] = "LIST"
         else:
             kwargs["metavar"] = opt.name.upper()
         parser.add_argument(opt.flag, **kwargs)
@@ -513,6 +553,8 @@ def _toml_value(v: Any) -> str:
         return repr(v)
     if isinstance(v, str | Path):
         return '"' + str(v).replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(v, tuple) and not all(isinstance(p, tuple) for p in v):  # list -> array
+        return "[" + ", ".join(_toml_value(p) for p in v) + "]"
     if isinstance(v, tuple):  # pairs -> inline table
         return "{ " + ", ".join(f"{k} = {_toml_value(p)}" for k, p in v) + " }"
     raise TypeError(f"no TOML form for {v!r}")

@@ -34,7 +34,6 @@ from luced.gguf_file import GGUFFile
 from luced.ipc.shm import ShmOwner, cleanup_stale
 from luced.runner import TargetPlacement, TargetRunner
 from luced.tokenizer import Tokenizer
-from luced.workers import WorkerSpec
 
 log = logging.getLogger("luced")
 
@@ -72,20 +71,18 @@ class Daemon:
         context = cfg.effective_context_length(int(gguf.require(f"{gguf.arch}.context_length")))
         del gguf
 
-        group = "cpu"
-        spec = WorkerSpec(
-            group=group,
-            devices=("cpu",),
-            python=cfg.worker_python(group),
-            threads=cfg.threads or os.cpu_count(),
-        )
-        placement = TargetPlacement(
+        # Placement errors (bad devices, more shards than layers, a missing interpreter)
+        # stop the start-up here, naming the flag, before any worker runs.
+        placement = TargetPlacement.split(
             model=model_path,
             n_layers=n_layers,
             dtype=cfg.dtype,
             kv_capacity=context,
             max_batch_tokens=cfg.max_batch_tokens,
-            worker=spec,
+            devices=cfg.target_devices,
+            weights=cfg.target_layer_split or (),
+            pythons={g: str(p) for g, p in cfg.backend_python},
+            threads=cfg.threads or os.cpu_count(),
         )
         metrics = Metrics()
         self.runner = TargetRunner(self.owner, placement)
@@ -120,6 +117,14 @@ class Daemon:
                 load.result()
                 engine.start()
                 log.info("ready: %s (%d layers, context %d)", engine.model_name, n_layers, context)
+                for shard in self.runner.describe():
+                    log.info(
+                        "shard %s %s layers [%d, %d) pid %s",
+                        shard["group"],
+                        shard["devices"][0],
+                        *shard["layers"],
+                        shard["pid"],
+                    )
                 sdnotify.ready(f"serving {engine.model_name} on {cfg.host}:{cfg.port}")
                 await self.stopping.wait()
             sdnotify.stopping()

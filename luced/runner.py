@@ -1,22 +1,45 @@
 """The daemon's handle on the target model: next tokens out of worker frames.
 
 The engine asks for `prefill(prompt)` and `step(token)`; the runner turns those into
-`forward` frames over the daemon-owned io segment, and keeps the worker alive
-(restart with the same placement after a crash). Today one worker holds the whole
-model; the layer split extends this class, not the engine.
+`forward` frames to the target's workers and keeps them alive. The target may be split
+(``placement.py``): one worker per backend group, in layer order, each holding a
+contiguous layer range as one or more shards (one per device). The engine never sees
+the split. One forward of n tokens is a pipeline of frames::
 
-io segment "io-<group>" (one per worker, created by the daemon, attached by the
-worker; regions carved by `RegionAllocator`, 64-byte aligned)::
+    daemon                         worker 0 [0, a)          worker 1 [a, b) ... last [.., L)
+    tokens -> io.tokens
+    forward(tokens, want=hidden) -> embed, layers, write
+                                   act.boundary-0, reply
+    forward(hidden_in=boundary-0, tokens, want=hidden) ->  layers, write boundary-1, reply
+    ...
+    forward(hidden_in=boundary-(W-2), tokens, want=sample) ------------->  layers, norm, head,
+                                                                           sample -> io.ids
+    read io.ids / logprobs / top-k <- reply
 
-    tokens         int32   [max_batch_tokens]        daemon writes ids to feed
-    ids            int32   [max_batch_tokens]        worker writes sampled ids
-    logprobs       float32 [max_batch_tokens]        worker: logprob of each sampled id
-    topk_ids       int32   [max_batch_tokens * 20]   worker: top-k ids (k <= 20)
-    topk_logprobs  float32 [max_batch_tokens * 20]   worker: their logprobs
+Every worker also gets the token ids (its sampler history for penalties; only worker 0
+embeds them) and, when captures are on, the capture list and the feature ring (see
+``feature_ring.py``). Every shard keeps the KV of its own layers; the runner keeps all
+of them at one committed position: a forward that fails part-way truncates the workers
+that already advanced, `truncate` and `reset` go to every worker, and a worker restarted
+after a crash starts empty, so the runner demands a `reset` before the next forward.
 
-Write ordering: the daemon writes `tokens` and then sends `forward`; the worker writes
-its outputs and then replies; the daemon reads them after the reply. One request runs
-at a time, so each region has one writer at any moment.
+Segments ``<name>-io``, ``<name>-act``, ``<name>-ring`` (name "target" by default; created
+by the daemon, attached by the workers, unlinked by the daemon)::
+
+    io   tokens         int32   [max_batch_tokens]        daemon writes ids to feed
+         ids            int32   [max_batch_tokens]        last worker: sampled / argmax ids
+         logprobs       float32 [max_batch_tokens]        last worker: chosen-token logprobs
+         topk_ids       int32   [max_batch_tokens * 20]   last worker: top-k ids (k <= 20)
+         topk_logprobs  float32 [max_batch_tokens * 20]   last worker: their logprobs
+    act  boundary-k     dtype   [max_batch_tokens, hidden]  worker k writes, worker k+1 reads
+         project        dtype   [max_batch_tokens, hidden]  daemon writes (projection input)
+         logits         float32 [logit_rows, vocab]         last worker writes
+    ring (optional)     see feature_ring.py
+
+``act`` is sized from the first load reply (hidden, vocab) and kept across restarts.
+Write ordering: a region's writer writes before the frame (daemon) or before its reply
+(worker); its reader reads only after that. Frames are sent one at a time, in order,
+so each region has one writer at any moment and no locks are needed.
 """
 
 from __future__ import annotations
@@ -24,15 +47,28 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
-from luced.ipc.frames import Forward, ForwardReply, Load, Reset, Stats, StatsReply
+from luced.feature_ring import FeatureRing
+from luced.ipc.frames import (
+    Forward,
+    ForwardReply,
+    Load,
+    Project,
+    ProjectReply,
+    Reset,
+    Stats,
+    StatsReply,
+    Truncate,
+)
 from luced.ipc.regions import Region, RegionAllocator, required_bytes, view
 from luced.ipc.shm import Segment, ShmOwner
-from luced.workers import WorkerDied, WorkerHandle, WorkerSpec
+from luced.placement import WorkerPlan, check_interpreters, plan_workers
+from luced.workers import WorkerDied, WorkerError, WorkerHandle, WorkerSpec
 
 log = logging.getLogger(__name__)
 
@@ -48,12 +84,72 @@ class Sampled:
 
 @dataclass(frozen=True)
 class TargetPlacement:
+    """The target model and where its layers run. Give ``worker`` (one worker holding every
+    layer) or ``workers`` (the split, in layer order; see ``TargetPlacement.split``)."""
+
     model: str
     n_layers: int  # from the GGUF header, read by the daemon before any worker starts
     dtype: str
     kv_capacity: int
     max_batch_tokens: int
-    worker: WorkerSpec
+    worker: WorkerSpec | None = None
+    workers: tuple[tuple[WorkerSpec, WorkerPlan], ...] = ()
+    logit_rows: int = 16  # rows of the logits region (logits / projection outputs)
+
+    def __post_init__(self) -> None:
+        if not self.workers:
+            if self.worker is None:
+                raise ValueError("a placement needs worker or workers")
+            w = self.worker
+            plan = WorkerPlan(w.group, w.devices[:1], (0, self.n_layers), (), self.n_layers)
+            object.__setattr__(self, "workers", ((w, plan),))
+
+    @classmethod
+    def split(
+        cls,
+        *,
+        model: str,
+        n_layers: int,
+        dtype: str,
+        kv_capacity: int,
+        max_batch_tokens: int,
+        devices: Sequence[str],
+        weights: Sequence[float] = (),
+        pythons: Mapping[str, str] | None = None,
+        threads: int | None = None,
+        logit_rows: int = 16,
+    ) -> TargetPlacement:
+        """--target-devices / --target-layer-split -> workers; raises PlacementError."""
+        plans = plan_workers(devices, weights, n_layers)
+        pythons = dict(pythons or {})
+        check_interpreters(plans, pythons)
+        workers = []
+        for p in plans:
+            spec = WorkerSpec(p.group, p.devices, threads=threads)
+            if p.group in pythons:
+                spec = WorkerSpec(p.group, p.devices, python=pythons[p.group], threads=threads)
+            workers.append((spec, p))
+        return cls(
+            model=model,
+            n_layers=n_layers,
+            dtype=dtype,
+            kv_capacity=kv_capacity,
+            max_batch_tokens=max_batch_tokens,
+            workers=tuple(workers),
+            logit_rows=logit_rows,
+        )
+
+
+class _Slot:
+    """One worker of the pipeline: its fixed share, and whichever process serves it now."""
+
+    def __init__(self, index: int, spec: WorkerSpec, plan: WorkerPlan) -> None:
+        self.index = index
+        self.spec = spec
+        self.plan = plan
+        self.handle: WorkerHandle | None = None
+        self.restarts = 0
+        self.restart_task: asyncio.Task | None = None
 
 
 class TargetRunner:
@@ -62,113 +158,197 @@ class TargetRunner:
         owner: ShmOwner,
         placement: TargetPlacement,
         on_state_change: Callable[[], None] | None = None,
+        name: str = "target",  # segment name prefix: several runners may share one owner
     ) -> None:
         self.owner = owner
+        self.name = name
         self.placement = placement
         self.on_state_change = on_state_change
-        self.worker: WorkerHandle | None = None
-        self.restarts = 0
+        self.slots = [_Slot(i, s, p) for i, (s, p) in enumerate(placement.workers)]
         self.load_s = 0.0
         self.n_layers = 0
+        self.hidden = 0
         self.vocab = 0
+        self.ring: FeatureRing | None = None
+        # Wall time of the last forward and the workers' compute time in it (µs): their
+        # difference is the orchestration cost (frames, wakeups, waits).
+        self.last_wall_us = 0
+        self.last_compute_us = 0
         self._closing = False
-        self._restart_task: asyncio.Task | None = None
-        self._segment: Segment | None = None
         self._regions: dict[str, Region] = {}
         self._arrays: dict[str, np.ndarray] = {}
         self._position = 0
+        self._in_sync = True  # False after a worker restart: every shard must reset
+
+    # -- lifecycle -----------------------------------------------------------------------
+
+    @property
+    def worker(self) -> WorkerHandle | None:
+        """The first worker (the only one when the target is not split)."""
+        return self.slots[0].handle
+
+    @property
+    def restarts(self) -> int:
+        return sum(s.restarts for s in self.slots)
 
     @property
     def ready(self) -> bool:
-        return self.worker is not None and self.worker.state == "ready"
+        return all(s.handle is not None and s.handle.state == "ready" for s in self.slots)
+
+    @property
+    def position(self) -> int:
+        return self._position
 
     async def start(self) -> None:
-        self._make_segment()
-        await self._start_worker()
+        """Start and load every worker (concurrently), then carve the shared regions."""
+        self._make_io()
+        results = await asyncio.gather(
+            *(self._start_worker(s) for s in self.slots), return_exceptions=True
+        )
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors:
+            raise errors[0]
+        self._make_act()
 
-    def _make_segment(self) -> None:
-        n = self.placement.max_batch_tokens
-        specs = {
-            "tokens": ([n], "int32"),
-            "ids": ([n], "int32"),
-            "logprobs": ([n], "float32"),
-            "topk_ids": ([n * MAX_TOP_LOGPROBS], "int32"),
-            "topk_logprobs": ([n * MAX_TOP_LOGPROBS], "float32"),
-        }
-        name = f"io-{self.placement.worker.group.replace(':', '_')}"
-        self._segment = self.owner.create(name, required_bytes(specs.values()))
-        alloc = RegionAllocator.for_segment(self._segment)
+    def _carve(self, name: str, specs: dict[str, tuple[list[int], str]]) -> Segment:
+        segment = self.owner.create(f"{self.name}-{name}", required_bytes(specs.values()))
+        alloc = RegionAllocator.for_segment(segment)
         for key, (shape, dtype) in specs.items():
             region = alloc.alloc(key, shape, dtype)
             self._regions[key] = region
-            self._arrays[key] = view(self._segment, region)
+            self._arrays[key] = view(segment, region)
+        return segment
 
-    async def _start_worker(self) -> None:
-        p = self.placement
-        worker = WorkerHandle(p.worker, self.owner.instance, on_exit=self._on_worker_exit)
-        self.worker = worker
+    def _make_io(self) -> None:
+        n = self.placement.max_batch_tokens
+        self._carve(
+            "io",
+            {
+                "tokens": ([n], "int32"),
+                "ids": ([n], "int32"),
+                "logprobs": ([n], "float32"),
+                "topk_ids": ([n * MAX_TOP_LOGPROBS], "int32"),
+                "topk_logprobs": ([n * MAX_TOP_LOGPROBS], "float32"),
+            },
+        )
+
+    def _make_act(self) -> None:
+        n, dt = self.placement.max_batch_tokens, self.placement.dtype
+        specs = {f"boundary-{k}": ([n, self.hidden], dt) for k in range(len(self.slots) - 1)}
+        specs["project"] = ([n, self.hidden], dt)
+        specs["logits"] = ([self.placement.logit_rows, self.vocab], "float32")
+        self._carve("act", specs)
+
+    async def _start_worker(self, slot: _Slot) -> None:
+        p, plan = self.placement, slot.plan
+        worker = WorkerHandle(slot.spec, self.owner.instance, on_exit=self._exit_handler(slot))
+        slot.handle = worker
         self._notify()
         await worker.start()
         reply = await worker.load(
             Load(
                 model=p.model,
-                layers=(0, p.n_layers),
-                dtype=p.dtype,
-                devices=p.worker.devices[:1],
+                layers=plan.layers,
+                dtype=p.dtype,  # type: ignore[arg-type]
+                devices=plan.devices,
                 kv_capacity=p.kv_capacity,
-                owns_embed=True,
-                owns_head=True,
+                owns_embed=plan.owns_embed,
+                owns_head=plan.owns_head,
+                device_splits=plan.device_splits,
             )
         )
-        self.load_s, self.n_layers, self.vocab = reply.load_s, reply.n_layers, reply.vocab
-        self._position = 0
+        self.load_s = max(self.load_s, reply.load_s)
+        self.n_layers, self.hidden, self.vocab = reply.n_layers, reply.hidden, reply.vocab
         self._notify()
 
     def _notify(self) -> None:
         if self.on_state_change is not None:
             self.on_state_change()
 
-    def _on_worker_exit(self, worker: WorkerHandle, code: int) -> None:
-        self._notify()
-        if not self._closing and self._restart_task is None:
-            self._restart_task = asyncio.get_running_loop().create_task(self._restart())
+    def _exit_handler(self, slot: _Slot) -> Callable[[WorkerHandle, int], None]:
+        def on_exit(worker: WorkerHandle, code: int) -> None:
+            self._in_sync = False  # the survivors' KV no longer matches the restarted one
+            self._notify()
+            if not self._closing and slot.restart_task is None and worker is slot.handle:
+                loop = asyncio.get_running_loop()
+                slot.restart_task = loop.create_task(self._restart(slot))
 
-    async def _restart(self) -> None:
+        return on_exit
+
+    async def _restart(self, slot: _Slot) -> None:
+        """Replace one dead worker with the same share; the others keep their weights."""
         delay = 0.5
         try:
             while not self._closing:
-                self.restarts += 1
-                group = self.placement.worker.group
-                log.warning("restarting worker %s (restart #%d)", group, self.restarts)
+                slot.restarts += 1
+                log.warning(
+                    "restarting worker %s, layers [%d, %d) (restart #%d)",
+                    slot.spec.group,
+                    *slot.plan.layers,
+                    slot.restarts,
+                )
                 try:
-                    await self._start_worker()
+                    await self._start_worker(slot)
                     return
                 except Exception as exc:  # keep trying: a transient failure must not stick
                     log.error("worker restart failed: %s", exc)
-                    if self.worker is not None:
-                        await self.worker.stop()
+                    if slot.handle is not None:
+                        await slot.handle.stop()
                     await asyncio.sleep(delay)
                     delay = min(delay * 2, 30.0)
         finally:
-            self._restart_task = None
+            slot.restart_task = None
 
     async def close(self) -> None:
         self._closing = True
-        if self._restart_task is not None:
-            self._restart_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._restart_task
-        if self.worker is not None:
-            await self.worker.stop()
+        for slot in self.slots:
+            if slot.restart_task is not None:
+                slot.restart_task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await slot.restart_task
+        await asyncio.gather(*(s.handle.stop() for s in self.slots if s.handle is not None))
 
-    def _worker(self) -> WorkerHandle:
-        if self.worker is None or self.worker.state != "ready":
-            raise WorkerDied("the model worker is not ready")
-        return self.worker
+    def _workers(self) -> list[WorkerHandle]:
+        handles = [s.handle for s in self.slots]
+        for slot, h in zip(self.slots, handles, strict=True):
+            if h is None or h.state != "ready":
+                raise WorkerDied(f"the model worker {slot.spec.group} is not ready")
+        return handles  # type: ignore[return-value]
+
+    # -- KV position ---------------------------------------------------------------------
 
     async def reset(self) -> None:
-        await self._worker().call(Reset())
+        await asyncio.gather(*(w.call(Reset()) for w in self._workers()))
         self._position = 0
+        self._in_sync = True
+
+    async def truncate(self, position: int) -> None:
+        """Roll every shard's KV back to `position` committed tokens."""
+        if not 0 <= position <= self._position:
+            raise ValueError(f"cannot truncate to {position}: {self._position} are committed")
+        await asyncio.gather(*(w.call(Truncate(position=position)) for w in self._workers()))
+        self._position = position
+
+    # -- captures ------------------------------------------------------------------------
+
+    def enable_capture(
+        self, layers: Sequence[int], ring_cap: int, dtype: str = "float32"
+    ) -> FeatureRing:
+        """Create the feature ring; from now on every forward captures `layers` into it."""
+        if self.ring is not None:
+            raise RuntimeError("captures are already enabled")
+        if not self.hidden:
+            raise RuntimeError("start the runner first (the ring width is the model's)")
+        bad = [layer for layer in layers if not 0 <= layer < self.n_layers]
+        if bad:
+            raise ValueError(f"capture layers {bad} outside the model's {self.n_layers} layers")
+        ring = FeatureRing(
+            self.owner, tuple(layers), ring_cap, self.hidden, dtype, f"{self.name}-ring"
+        )
+        self.ring = ring
+        return self.ring
+
+    # -- forwards ------------------------------------------------------------------------
 
     async def prefill(
         self,
@@ -185,19 +365,27 @@ class TargetRunner:
                 return None
             piece = prompt[start : start + chunk]
             last = start + chunk >= len(prompt)
-            sampled = await self._forward(piece, sampling, logprobs, sample=last)
+            sampled = await self._sample(piece, sampling, logprobs, sample=last)
         return sampled
 
     async def step(self, token: int, sampling: dict, logprobs: int | None) -> Sampled:
         """Feed one token, sample the next. logprobs: None, or k = chosen + top k."""
-        return await self._forward([token], sampling, logprobs, sample=True)
+        sampled = await self._sample([token], sampling, logprobs, sample=True)
+        assert sampled is not None
+        return sampled
 
-    async def _forward(
+    async def logits(self, ids: list[int]) -> np.ndarray:
+        """Feed ids (at most logit_rows); a copy of every position's logits [n, vocab]."""
+        n = len(ids)
+        if not 0 < n <= self.placement.logit_rows:
+            raise ValueError(f"logits for 1..{self.placement.logit_rows} tokens, got {n}")
+        out = {"logits": self._regions["logits"].rows(0, n)}
+        await self._forward(ids, "logits", out, positions="all")
+        return self._arrays["logits"][:n].copy()
+
+    async def _sample(
         self, ids: list[int], sampling: dict, logprobs: int | None, sample: bool
     ) -> Sampled | None:
-        worker = self._worker()
-        n = len(ids)
-        self._arrays["tokens"][:n] = ids
         outputs = {"ids": self._regions["ids"].rows(0, 1)}
         k = min(logprobs or 0, MAX_TOP_LOGPROBS)
         if logprobs is not None:
@@ -205,20 +393,7 @@ class TargetRunner:
         if k:
             outputs["topk_ids"] = self._topk_region("topk_ids", k)
             outputs["topk_logprobs"] = self._topk_region("topk_logprobs", k)
-        reply = await worker.call(
-            Forward(
-                n_tokens=n,
-                start_pos=self._position,
-                want="sample",
-                outputs=outputs,
-                tokens=self._regions["tokens"].rows(0, n),
-                positions="last",
-                sampling=sampling,
-                top_logprobs=k,
-            )
-        )
-        assert isinstance(reply, ForwardReply)
-        self._position = reply.position
+        await self._forward(ids, "sample", outputs, sampling=sampling, top_logprobs=k)
         if not sample:
             return None
         token = int(self._arrays["ids"][0])
@@ -230,19 +405,105 @@ class TargetRunner:
             top = tuple((int(i), float(lp)) for i, lp in zip(top_ids, top_lp, strict=True))
         return Sampled(token, logprob, top)
 
+    async def _forward(
+        self,
+        ids: list[int],
+        want: str,
+        outputs: dict[str, Region],
+        positions: str = "last",
+        sampling: dict | None = None,
+        top_logprobs: int = 0,
+    ) -> None:
+        """One pipeline pass of `ids` through every worker; outputs from the last one."""
+        workers = self._workers()
+        if not self._in_sync:
+            raise WorkerDied("a model worker was restarted; the request must start over")
+        t0 = time.perf_counter()
+        start, n = self._position, len(ids)
+        self._arrays["tokens"][:n] = ids
+        tokens = self._regions["tokens"].rows(0, n)
+        capture = {}
+        if self.ring is not None:
+            capture = {"capture": self.ring.layers, "ring": self.ring.region}
+        advanced: list[WorkerHandle] = []
+        compute_us = 0
+        try:
+            for k, worker in enumerate(workers):
+                last = k == len(workers) - 1
+                frame = Forward(
+                    n_tokens=n,
+                    start_pos=start,
+                    want=want if last else "hidden",  # type: ignore[arg-type]
+                    outputs=outputs if last else {"hidden": self._boundary(k, n)},
+                    tokens=tokens,
+                    hidden_in=self._boundary(k - 1, n) if k else None,
+                    positions=positions if last else "last",  # type: ignore[arg-type]
+                    sampling=(sampling or {}) if last else {},
+                    top_logprobs=top_logprobs if last else 0,
+                    **capture,
+                )
+                reply = await worker.call(frame)
+                assert isinstance(reply, ForwardReply)
+                advanced.append(worker)
+                compute_us += reply.elapsed_us
+                if reply.position != start + n:
+                    raise WorkerError(
+                        f"worker {worker.spec.group} is at position {reply.position}, "
+                        f"expected {start + n}: the shards disagree"
+                    )
+        except BaseException:
+            # Keep the shards agreeing: undo this forward where it already happened.
+            for worker in advanced:
+                with contextlib.suppress(Exception):
+                    await worker.call(Truncate(position=start))
+            raise
+        self._position = start + n
+        self.last_wall_us = int((time.perf_counter() - t0) * 1e6)
+        self.last_compute_us = compute_us
+
+    def _boundary(self, k: int, n: int) -> Region:
+        return self._regions[f"boundary-{k}"].rows(0, n)
+
     def _topk_region(self, name: str, k: int) -> Region:
         base = self._regions[name]
         return Region(base.segment, base.offset, (1, k), base.dtype)
 
+    async def project(self, hidden: np.ndarray, want: str = "logits") -> np.ndarray:
+        """Final norm + LM head of the head's worker over hidden [n, hidden] (no KV change):
+        a copy of the logits [n, vocab] (n <= logit_rows) or argmax ids [n] (n <= max_batch)."""
+        worker = self._workers()[-1]
+        n = hidden.shape[0]
+        limit = self.placement.logit_rows if want == "logits" else self.placement.max_batch_tokens
+        if hidden.ndim != 2 or hidden.shape[1] != self.hidden or not 0 < n <= limit:
+            raise ValueError(f"project takes [1..{limit}, {self.hidden}], got {list(hidden.shape)}")
+        region = self._regions["project"].rows(0, n)
+        self._arrays["project"][:n] = hidden  # numpy casts to the region dtype
+        name = "logits" if want == "logits" else "ids"
+        out = {name: self._regions[name].rows(0, n)}
+        frame = Project(n_tokens=n, hidden=region, want=want, outputs=out)  # type: ignore[arg-type]
+        reply = await worker.call(frame)
+        assert isinstance(reply, ProjectReply)
+        return self._arrays[name][:n].copy()
+
+    # -- status --------------------------------------------------------------------------
+
     async def stats(self) -> dict:
-        reply = await self._worker().call(Stats())
-        assert isinstance(reply, StatsReply)
-        return dict(reply.stats)
+        """The first worker's stats, plus every worker's under "workers"."""
+        replies = await asyncio.gather(*(w.call(Stats()) for w in self._workers()))
+        per = [dict(r.stats) for r in replies if isinstance(r, StatsReply)]
+        return {**per[0], "workers": per}
 
     def describe(self) -> list[dict]:
-        if self.worker is None:
-            return []
-        info = self.worker.describe()
-        info["layers"] = [0, self.n_layers] if self.n_layers else None
-        info["restarts"] = self.restarts
-        return [info]
+        """One entry per shard: group, devices, layer range, worker pid and state."""
+        out = []
+        for slot in self.slots:
+            if slot.handle is None:
+                continue
+            info = slot.handle.describe()
+            for device, layers in zip(slot.plan.devices, slot.plan.shard_ranges(), strict=True):
+                shard = dict(info)
+                shard["devices"] = [device]
+                shard["layers"] = list(layers)
+                shard["restarts"] = slot.restarts
+                out.append(shard)
+        return out

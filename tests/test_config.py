@@ -61,6 +61,8 @@ SAMPLES: dict[str, tuple[str, str, Any]] = {
     "runtime_dir": ("/srv/rt", '"/srv/rt"', Path("/srv/rt")),
     "admin_socket": ("/srv/a.sock", '"/srv/a.sock"', Path("/srv/a.sock")),
     "backend_python": ("hip=/r/py", '{ hip = "/r/py" }', (("hip", Path("/r/py")),)),
+    "target_devices": ("cpu:1", '["cpu:1"]', ("cpu:1",)),
+    "target_layer_split": ("3", "[3]", (3.0,)),
     "log_level": ("debug", '"debug"', "debug"),
 }  # fmt: skip
 

@@ -20,6 +20,7 @@ The ops (request fields -> reply fields):
     forward   n_tokens, start_pos, tokens | hidden_in, want, outputs, positions,
               sampling, top_logprobs, capture, ring
                                             -> n_out, position, elapsed_us
+    project   n_tokens, hidden, want, outputs -> n_out, elapsed_us
     truncate  position                      -> position
     reset                                   -> (nothing)
     stats                                   -> stats
@@ -27,8 +28,9 @@ The ops (request fields -> reply fields):
 
 The daemon opens with ``hello``; both sides check ``protocol == PROTOCOL_VERSION`` (a
 mismatch raises ``ProtocolVersionError`` naming both versions). Any change to a field
-bumps ``PROTOCOL_VERSION``. Later verbs (projection, KV export/import, draft, expert
-compute) are added here, each as one request class and one reply class.
+bumps ``PROTOCOL_VERSION`` (2: ``project``; ``tokens`` may ride along ``hidden_in``).
+Later verbs (KV export/import, draft, expert compute) are added here, each as one
+request class and one reply class.
 
 Each class validates on construction (types, then the op's own rules), so a bad frame
 fails at the sender as well as at the receiver, with the field's path in the message.
@@ -47,7 +49,7 @@ import msgpack
 from luced.ipc.regions import Region
 from luced.ipc.typed import FrameError, Record
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 MAX_FRAME_BYTES = 16 * 1024 * 1024
 
 _ENVELOPE = frozenset({"op", "seq", "ok", "error"})  # no op may use these as fields
@@ -245,6 +247,8 @@ class Forward(Request):
 
     Input: ``tokens`` (int32 ``[>= n_tokens]``, for the shard that owns the embedding) or
     ``hidden_in`` (``[>= n_tokens, hidden]``, the previous shard's ``outputs["hidden"]``).
+    A later shard may get ``tokens`` beside ``hidden_in``: then they are only the ids fed
+    at these positions (its sampler's history for penalties), never embedded.
     Outputs go to ``outputs`` (see ``OUTPUTS``); the worker writes rows ``[0, n_out)``.
 
     Write ordering (one writer per region at a time; the socket round trip orders the
@@ -287,8 +291,8 @@ class Forward(Request):
         self._check_capture()
 
     def _check_input(self) -> None:
-        if (self.tokens is None) == (self.hidden_in is None):
-            raise self._fail("exactly one of tokens / hidden_in must be given")
+        if self.tokens is None and self.hidden_in is None:
+            raise self._fail("one of tokens / hidden_in must be given")
         if self.tokens is not None:
             t = self.tokens
             if t.dtype != "int32" or len(t.shape) != 1 or t.shape[0] < self.n_tokens:
@@ -362,6 +366,56 @@ class ForwardReply(Reply):
     n_out: int  # rows written to each output region
     position: int  # committed KV length after the forward
     elapsed_us: int  # worker-side compute time
+
+
+# -- project --------------------------------------------------------------------------------
+
+ProjectWant = Literal["logits", "argmax"]
+
+
+@_op("project", REQUESTS)
+@dataclass(frozen=True)
+class Project(Request):
+    """Project ``n_tokens`` hidden states through the final norm and LM head.
+
+    Served by the worker whose last shard owns the head (the draft's verb: its hidden
+    states become target-vocabulary logits / greedy ids). ``hidden`` is ``[>= n_tokens,
+    hidden]`` in shared memory, written by the caller before the frame; the worker writes
+    rows ``[0, n_tokens)`` of ``outputs["logits"]`` (float32 ``[n, vocab]``, want="logits")
+    or ``outputs["ids"]`` (int32 ``[n]``, want="argmax") before replying. No KV changes.
+    """
+
+    n_tokens: int
+    hidden: Region
+    want: ProjectWant
+    outputs: dict[str, Region]
+
+    def _check(self) -> None:
+        if self.n_tokens < 1:
+            raise self._fail(f"need n_tokens >= 1, got {self.n_tokens}")
+        h = self.hidden
+        if h.dtype not in COMPUTE_DTYPES or len(h.shape) != 2 or h.shape[0] < self.n_tokens:
+            got = f"{h.dtype} {list(h.shape)}"
+            raise self._fail(f"hidden must be float [>= {self.n_tokens}, hidden], got {got}")
+        name = "logits" if self.want == "logits" else "ids"
+        if set(self.outputs) != {name}:
+            raise self._fail(
+                f'want="{self.want}" needs outputs ["{name}"], got {sorted(self.outputs)}'
+            )
+        r = self.outputs[name]
+        ndim = _OUTPUT_NDIM[name]
+        if r.dtype != _OUTPUT_DTYPES[name][0] or len(r.shape) != ndim or r.shape[0] < self.n_tokens:
+            raise self._fail(
+                f"outputs.{name} must be {_OUTPUT_DTYPES[name][0]} with {ndim} dim(s) and "
+                f">= {self.n_tokens} rows, got {r.dtype} {list(r.shape)}"
+            )
+
+
+@_op("project", REPLIES)
+@dataclass(frozen=True)
+class ProjectReply(Reply):
+    n_out: int  # rows written
+    elapsed_us: int
 
 
 # -- truncate, reset, stats, shutdown -------------------------------------------------------

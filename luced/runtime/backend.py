@@ -144,6 +144,7 @@ class Backend:
             F.Hello: self.hello,
             F.Load: self.load,
             F.Forward: self.forward,
+            F.Project: self.project,
             F.Truncate: self.truncate,
             F.Reset: self.reset,
             F.Stats: self.stats,
@@ -254,10 +255,10 @@ class Backend:
         if sampler is not None and sampler.params.has_penalties and len(m.tokens) != start:
             raise WorkerError("penalties need the token history; this shard was fed hidden_in")
         first, last = m.shards[0].model, m.shards[-1].model
-        if ids is not None:
+        if hidden_in is None:
+            assert ids is not None
             hidden = first.embed(ids.to(first.device, torch.int64))
         else:
-            assert hidden_in is not None
             hidden = hidden_in.to(first.device)
         fed = ids.tolist() if ids is not None else []  # copied before the daemon reuses it
         try:
@@ -276,6 +277,28 @@ class Backend:
         self.tokens_processed += n
         self.busy_s += elapsed
         return F.ForwardReply(n_out=req.n_out, position=m.position, elapsed_us=int(elapsed * 1e6))
+
+    @torch.inference_mode()
+    def project(self, req: F.Project) -> F.ProjectReply:
+        """Final norm + LM head over given hidden states (no KV, no sampler state)."""
+        m = self._model("project")
+        head = m.shards[-1].model
+        if not head.owns_head:
+            raise WorkerError("project needs the LM head; this worker has no head")
+        t0 = time.perf_counter()
+        n = req.n_tokens
+        self._check_width("hidden", req.hidden, m.reply.hidden)
+        if "logits" in req.outputs:
+            self._check_width("outputs.logits", req.outputs["logits"], m.reply.vocab)
+        out = {name: self._tensor(r) for name, r in req.outputs.items()}
+        logits = head.logits(self._tensor(req.hidden)[:n].to(head.device, head.dtype))
+        if req.want == "logits":
+            out["logits"][:n].copy_(logits)
+        else:
+            out["ids"][:n].copy_(logits.argmax(dim=-1))
+        elapsed = time.perf_counter() - t0
+        self.busy_s += elapsed
+        return F.ProjectReply(n_out=n, elapsed_us=int(elapsed * 1e6))
 
     # -- forward helpers -----------------------------------------------------------------
 
@@ -347,7 +370,8 @@ class Backend:
         return m.sampler
 
     def _inputs(self, req: F.Forward, m: Loaded) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """(token ids, None) or (None, hidden rows): [n] int32 / [n, hidden] views."""
+        """(token ids or None, hidden rows or None): [n] int32 / [n, hidden] views; the
+        embedding owner gets ids only, a later shard hidden rows (and maybe the ids)."""
         start, n = req.start_pos, req.n_tokens
         if start != m.position:
             raise WorkerError(
@@ -360,19 +384,21 @@ class Backend:
                 f"of {m.reply.kv_capacity} tokens"
             )
         owns_embed = m.shards[0].model.owns_embed
-        if req.tokens is None:
-            assert req.hidden_in is not None  # the frame checks that exactly one is given
-            if owns_embed:
-                raise WorkerError("this worker owns the embedding: send tokens, not hidden_in")
-            self._check_width("hidden_in", req.hidden_in, m.reply.hidden)
-            return None, self._tensor(req.hidden_in)[:n]
-        if not owns_embed:
-            raise WorkerError(f"layers {list(m.reply.layers)} take hidden_in, not tokens")
-        ids = self._tensor(req.tokens)[:n]
-        lo, hi = (int(v) for v in torch.aminmax(ids))
-        if lo < 0 or hi >= m.reply.vocab:
-            raise WorkerError(f"token ids must lie in [0, {m.reply.vocab}), got [{lo}, {hi}]")
-        return ids, None
+        ids = None
+        if req.tokens is not None:
+            ids = self._tensor(req.tokens)[:n]
+            lo, hi = (int(v) for v in torch.aminmax(ids))
+            if lo < 0 or hi >= m.reply.vocab:
+                raise WorkerError(f"token ids must lie in [0, {m.reply.vocab}), got [{lo}, {hi}]")
+        if req.hidden_in is None:
+            if not owns_embed:
+                raise WorkerError(f"layers {list(m.reply.layers)} take hidden_in, not tokens")
+            return ids, None
+        if owns_embed:
+            raise WorkerError("this worker owns the embedding: send tokens, not hidden_in")
+        self._check_width("hidden_in", req.hidden_in, m.reply.hidden)
+        # Tokens beside hidden_in are only the history of this shard's sampler.
+        return ids, self._tensor(req.hidden_in)[:n]
 
     def _ring(self, req: F.Forward, m: Loaded) -> torch.Tensor | None:
         if req.ring is None:

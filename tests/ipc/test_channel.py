@@ -104,20 +104,23 @@ async def test_version_mismatch_through_the_channel(pair, sample_replies) -> Non
     await daemon.send(msgpack.packb({"op": "hello", "seq": 1, "protocol": 999, "instance": "x"}))
     seq, rep = F.decode_reply(await daemon.recv(), "hello")
     assert seq == 1 and isinstance(rep, F.ErrorReply)
-    assert "protocol version mismatch: the peer speaks 999, this side speaks 1" in rep.error
+    want = f"protocol version mismatch: the peer speaks 999, this side speaks {F.PROTOCOL_VERSION}"
+    assert want in rep.error
     await daemon.call(F.Shutdown())
     t.join(timeout=5)
     await daemon.close()
 
-    # A worker from another build answers hello with protocol 2: the daemon refuses.
+    # A worker from another build answers hello with another protocol: the daemon refuses.
     a, b = socket.socketpair()
     with a, b:
         daemon = await AsyncChannel.from_socket(a)
         worker = BlockingChannel(b)
         task = asyncio.create_task(daemon.call(F.Hello(instance="x")))
         seq, _ = await asyncio.to_thread(worker.recv_request)
-        worker.send(msgpack.packb({"seq": seq, "ok": True, "protocol": 2, "pid": 1}))
-        with pytest.raises(F.ProtocolVersionError, match="peer speaks 2, this side speaks 1"):
+        other = F.PROTOCOL_VERSION + 1
+        worker.send(msgpack.packb({"seq": seq, "ok": True, "protocol": other, "pid": 1}))
+        want = f"peer speaks {other}, this side speaks {F.PROTOCOL_VERSION}"
+        with pytest.raises(F.ProtocolVersionError, match=want):
             await task
         await daemon.close()
 

@@ -84,8 +84,7 @@ def forward(**kw: object) -> F.Forward:
         ({"start_pos": 1.0}, r"start_pos: expected int, got float"),
         ({"n_tokens": 0}, "n_tokens >= 1"),
         ({"want": "beam"}, r"want: expected one of \['sample', 'logits', 'topk', 'hidden'\]"),
-        ({"tokens": None}, "exactly one of tokens / hidden_in"),
-        ({"hidden_in": R(256, (4, 8), "float32")}, "exactly one of tokens / hidden_in"),
+        ({"tokens": None}, "one of tokens / hidden_in must be given"),
         ({"tokens": R(128, (3,), "int32")}, r"tokens must be int32 \[>= 4\]"),
         ({"tokens": R(128, (8,), "int64")}, "tokens must be int32"),
         ({"outputs": {"ids": {"segment": SEG}}}, r"outputs\.ids: region keys: missing"),
@@ -131,6 +130,32 @@ def test_forward_accepts_the_intended_shapes() -> None:
     assert lg.n_out == 4
     ring = forward(capture=(0, 2), ring=R(1024, (16, 2, 8), "float32"))
     assert ring.capture == (0, 2)
+    both = forward(hidden_in=h_in)  # a later shard: tokens are only its sampler's history
+    assert both.tokens is not None and both.hidden_in is not None
+
+
+@pytest.mark.parametrize(
+    ("kw", "match"),
+    [
+        ({"n_tokens": 0}, "n_tokens >= 1"),
+        ({"hidden": R(64, (2, 8), "float32")}, r"hidden must be float \[>= 4, hidden\]"),
+        ({"hidden": R(64, (4, 8), "int32")}, "hidden must be float"),
+        ({"want": "sample"}, "want: expected one of"),
+        ({"want": "argmax"}, r'want="argmax" needs outputs \["ids"\]'),
+        ({"outputs": {"logits": R(64, (3, 9), "float32")}}, ">= 4 rows"),
+        ({"want": "argmax", "outputs": {"ids": R(64, (4,), "int64")}}, "ids must be int32"),
+    ],
+)
+def test_project_validation(kw: dict, match: str) -> None:
+    base: dict[str, object] = {
+        "n_tokens": 4,
+        "hidden": R(64, (8, 16), "float32"),
+        "want": "logits",
+        "outputs": {"logits": R(1024, (4, 9), "float32")},
+    }
+    base.update(kw)
+    with pytest.raises(F.FrameError, match=match):
+        F.Project(**base)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize(
@@ -192,9 +217,11 @@ def test_reply_envelope_errors() -> None:
 def test_protocol_version_mismatch_is_clear() -> None:
     # Checked before any other field: a newer peer may have renamed them all.
     payload = raw({"op": "hello", "seq": 1, "protocol": 999, "renamed": "x"})
-    with pytest.raises(F.ProtocolVersionError, match="peer speaks 999, this side speaks 1"):
+    with pytest.raises(
+        F.ProtocolVersionError, match=f"peer speaks 999, this side speaks {F.PROTOCOL_VERSION}"
+    ):
         F.decode_request(payload)
-    reply = raw({"seq": 1, "ok": True, "protocol": 2, "pid": 1})
+    reply = raw({"seq": 1, "ok": True, "protocol": F.PROTOCOL_VERSION + 1, "pid": 1})
     with pytest.raises(F.ProtocolVersionError, match="protocol version mismatch"):
         F.decode_reply(reply, "hello")
     with pytest.raises(F.ProtocolVersionError):

@@ -1,0 +1,173 @@
+"""Where the target model's layers live: `--target-devices` + `--target-layer-split` -> shards.
+
+    --target-devices cuda:0,cuda:1,hip:0 --target-layer-split 0.08,0.46,0.46
+
+One shard per listed device, in layer order. A device belongs to a *backend group*,
+and one group is one worker process (one torch build drives it):
+
+    cuda:N -> group "cuda"      hip:N -> group "hip"      mps -> group "mps"
+    cpu    -> group "cpu"       cpu:N -> group "cpu:N"    (each a distinct CPU worker)
+
+so `cpu,cpu:1` is two workers (the cross-process path on one machine) and `cpu,cpu` is
+one worker holding two shards (the in-process path). A group's devices must be
+adjacent in the list, so each worker holds one contiguous layer range.
+
+Layer ranges (pure integers, deterministic): with weights w (equal when not given),
+``cum_i = w_0 + .. + w_i`` and ``end_i = round(cum_i / sum(w) * n_layers)``, clamped to
+``[begin_i + 1, n_layers - (G - 1 - i)]`` so every shard keeps at least one layer;
+``begin_{i+1} = end_i`` and the last shard ends at ``n_layers``. Examples (64 layers):
+``1,1`` -> [0, 32), [32, 64); ``1,3`` -> [0, 16), [16, 64).
+
+Errors are `PlacementError`s naming the flag, raised at start-up before any worker runs.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+DEVICE_KINDS = ("cpu", "cuda", "hip", "mps")
+DEVICES_FLAG = "--target-devices"
+SPLIT_FLAG = "--target-layer-split"
+_DEVICE_RE = re.compile(r"(?P<kind>[a-z]+)(?::(?P<index>\d+))?")
+
+
+class PlacementError(ValueError):
+    """A bad placement; the message names the flag."""
+
+
+@dataclass(frozen=True)
+class WorkerPlan:
+    """One worker's share: its group, its devices (one shard each) and its layers."""
+
+    group: str
+    devices: tuple[str, ...]
+    layers: tuple[int, int]  # [a, b)
+    device_splits: tuple[int, ...]  # where the next device's shard starts, inside (a, b)
+    n_layers: int  # of the whole model
+
+    @property
+    def owns_embed(self) -> bool:
+        return self.layers[0] == 0
+
+    @property
+    def owns_head(self) -> bool:
+        return self.layers[1] == self.n_layers
+
+    def shard_ranges(self) -> list[tuple[int, int]]:
+        bounds = (self.layers[0], *self.device_splits, self.layers[1])
+        return [(bounds[i], bounds[i + 1]) for i in range(len(self.devices))]
+
+
+def parse_device(name: str) -> tuple[str, str]:
+    """(device, group) of one entry of --target-devices."""
+    m = _DEVICE_RE.fullmatch(name)
+    if m is None or m["kind"] not in DEVICE_KINDS:
+        raise PlacementError(
+            f"{DEVICES_FLAG}: unknown device {name!r} (want KIND or KIND:INDEX, KIND one of "
+            f"{', '.join(DEVICE_KINDS)})"
+        )
+    kind = m["kind"]
+    if kind == "mps" and m["index"] not in (None, "0"):
+        raise PlacementError(f"{DEVICES_FLAG}: unknown device {name!r} (there is one mps)")
+    # CPU: the index names a group (several CPU workers); GPUs: it names a device of the group.
+    return name, (name if kind == "cpu" else kind)
+
+
+def parse_devices(text: str | Sequence[str]) -> tuple[str, ...]:
+    items = text.split(",") if isinstance(text, str) else list(text)
+    devices = tuple(d.strip() for d in items)
+    if not devices or any(not d for d in devices):
+        raise PlacementError(f"{DEVICES_FLAG}: empty device in {text!r}")
+    for d in devices:
+        parse_device(d)
+    groups = [parse_device(d)[1] for d in devices]
+    for i, g in enumerate(groups):
+        if g in groups[:i] and groups[i - 1] != g:
+            raise PlacementError(
+                f"{DEVICES_FLAG}: the devices of group {g!r} must be adjacent in "
+                f"{','.join(devices)} (one worker holds one contiguous layer range)"
+            )
+    return devices
+
+
+def parse_weights(text: str | Sequence[float | int | str]) -> tuple[float, ...]:
+    items = text.split(",") if isinstance(text, str) else list(text)
+    out = []
+    for item in items:
+        try:
+            w = float(item.strip() if isinstance(item, str) else item)
+        except (TypeError, ValueError):
+            raise PlacementError(f"{SPLIT_FLAG}: not a number: {item!r}") from None
+        if not math.isfinite(w) or w <= 0:
+            raise PlacementError(f"{SPLIT_FLAG}: weights must be positive numbers, got {item!r}")
+        out.append(w)
+    if not out:
+        raise PlacementError(f"{SPLIT_FLAG}: no weights given")
+    return tuple(out)
+
+
+def layer_ranges(
+    n_layers: int, n_shards: int, weights: Sequence[float] = ()
+) -> list[tuple[int, int]]:
+    """Contiguous [begin, end) per shard, in proportion to the weights (module docstring)."""
+    if n_shards < 1:
+        raise PlacementError(f"{DEVICES_FLAG}: no devices")
+    if n_shards > n_layers:
+        raise PlacementError(
+            f"{DEVICES_FLAG}: {n_shards} shards for a model of {n_layers} layers "
+            "(each shard needs at least one layer)"
+        )
+    w = list(weights) if weights else [1.0] * n_shards
+    if len(w) != n_shards:
+        raise PlacementError(
+            f"{SPLIT_FLAG}: {len(w)} weights for {n_shards} devices in {DEVICES_FLAG}"
+        )
+    total = sum(w)
+    ranges, begin, cum = [], 0, 0.0
+    for i, wi in enumerate(w):
+        cum += wi
+        end = n_layers if i == n_shards - 1 else round(cum / total * n_layers)
+        end = max(begin + 1, min(end, n_layers - (n_shards - 1 - i)))
+        ranges.append((begin, end))
+        begin = end
+    return ranges
+
+
+def plan_workers(
+    devices: Sequence[str], weights: Sequence[float], n_layers: int
+) -> list[WorkerPlan]:
+    """The workers, in layer order: consecutive devices of one group form one worker."""
+    devices = parse_devices(list(devices))
+    ranges = layer_ranges(n_layers, len(devices), weights)
+    plans: list[WorkerPlan] = []
+    run: list[int] = []  # shard indices of the current group
+    for i, d in enumerate(devices):
+        run.append(i)
+        last = i == len(devices) - 1
+        if last or parse_device(devices[i + 1])[1] != parse_device(d)[1]:
+            plans.append(
+                WorkerPlan(
+                    group=parse_device(d)[1],
+                    devices=tuple(devices[j] for j in run),
+                    layers=(ranges[run[0]][0], ranges[run[-1]][1]),
+                    device_splits=tuple(ranges[j][0] for j in run[1:]),
+                    n_layers=n_layers,
+                )
+            )
+            run = []
+    return plans
+
+
+def check_interpreters(plans: Sequence[WorkerPlan], pythons: Mapping[str, str]) -> None:
+    """Every group's interpreter must exist before any worker starts."""
+    for p in plans:
+        exe = pythons.get(p.group)
+        if exe is not None and not (os.path.isfile(exe) and os.access(exe, os.X_OK)):
+            raise PlacementError(
+                f"{DEVICES_FLAG}: group {p.group!r} runs under {exe}, which is not an "
+                "executable file (see --backend-python)"
+            )

@@ -71,7 +71,7 @@ def default_admin_socket(env: Env | None = None) -> Path:
     return Path(runtime) / ADMIN_SOCKET_NAME
 
 
-def _cores(env: Env, values: Mapping[str, Any]) -> int:
+def usable_cores() -> int:
     try:
         return len(os.sched_getaffinity(0))  # the cores this process may run on
     except AttributeError:
@@ -252,8 +252,9 @@ OPTIONS: tuple[Option, ...] = (
         choices=("float32", "bfloat16", "float16"),
     ),
     Option(
-        "threads", "int", _cores, "Torch threads per CPU worker.",
-        minimum=1, default_doc="the number of usable CPU cores", example=4,
+        "threads", "int", None, "Torch threads per CPU worker.",
+        minimum=1, nullable=True, example=4,
+        default_doc="the usable CPU cores shared among the target's workers (at least 1 each)",
     ),
     Option(
         "context_length", "int", None, "Context window in tokens (prompt + completion).",

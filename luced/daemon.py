@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import signal
 import sys
 from pathlib import Path
@@ -28,7 +27,7 @@ from luced.admin import start_admin_server
 from luced.api.metrics import Metrics
 from luced.api.server import make_app
 from luced.chat_template import ChatTemplate
-from luced.config import Config
+from luced.config import Config, usable_cores
 from luced.engine import Engine
 from luced.gguf_file import GGUFFile
 from luced.ipc.shm import ShmOwner, cleanup_stale
@@ -82,7 +81,10 @@ class Daemon:
             devices=cfg.target_devices,
             weights=cfg.target_layer_split or (),
             pythons={g: str(p) for g, p in cfg.backend_python},
-            threads=cfg.threads or os.cpu_count(),
+            # Only one worker computes at a time, but idle workers' OpenMP threads still
+            # contend: sharing the cores measured faster than every worker using all.
+            threads=cfg.threads,
+            cores=usable_cores(),
         )
         metrics = Metrics()
         self.runner = TargetRunner(self.owner, placement)

@@ -117,10 +117,14 @@ class TargetPlacement:
         weights: Sequence[float] = (),
         pythons: Mapping[str, str] | None = None,
         threads: int | None = None,
+        cores: int = 1,
         logit_rows: int = 16,
     ) -> TargetPlacement:
-        """--target-devices / --target-layer-split -> workers; raises PlacementError."""
+        """--target-devices / --target-layer-split -> workers; raises PlacementError.
+        `threads` None shares `cores` among the workers."""
         plans = plan_workers(devices, weights, n_layers)
+        if threads is None:
+            threads = max(1, cores // len(plans))
         pythons = dict(pythons or {})
         check_interpreters(plans, pythons)
         workers = []

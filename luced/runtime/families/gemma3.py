@@ -134,10 +134,14 @@ def block(model: Model, layer: int, x: torch.Tensor, start: int, cache: KVCache)
     return x + rms_norm(h, w[f"{layer}.post_ffn_norm"], eps)
 
 
-def head(model: Model, x: torch.Tensor) -> torch.Tensor:
+def project(model: Model, h: torch.Tensor) -> torch.Tensor:
+    """Normed hidden -> float32 logits: the head matrix, then the final softcap if any."""
     cfg: Gemma3Config = model.cfg
-    h = rms_norm(x, model.weights["out_norm"], cfg.rms_eps)
     logits = linear(h, model.weights["head"]).float()
     if cfg.final_softcap:
         logits = torch.tanh(logits / cfg.final_softcap) * cfg.final_softcap
     return logits
+
+
+def head(model: Model, x: torch.Tensor) -> torch.Tensor:
+    return project(model, rms_norm(x, model.weights["out_norm"], model.cfg.rms_eps))

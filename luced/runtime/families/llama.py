@@ -113,6 +113,10 @@ def block(model: Model, layer: int, x: torch.Tensor, start: int, cache: KVCache)
     return x + swiglu(h, w[f"{layer}.ffn_gate"], w[f"{layer}.ffn_up"], w[f"{layer}.ffn_down"])
 
 
-def head(model: Model, x: torch.Tensor) -> torch.Tensor:
-    h = rms_norm(x, model.weights["out_norm"], model.cfg.rms_eps)
+def project(model: Model, h: torch.Tensor) -> torch.Tensor:
+    """Normed hidden -> float32 logits: the head matrix alone (no logit scaling)."""
     return linear(h, model.weights["head"]).float()
+
+
+def head(model: Model, x: torch.Tensor) -> torch.Tensor:
+    return project(model, rms_norm(x, model.weights["out_norm"], model.cfg.rms_eps))

@@ -39,3 +39,4 @@ ropes = llama.ropes
 embed = llama.embed
 block = llama.block
 head = llama.head
+project = llama.project

@@ -21,6 +21,10 @@ The ops (request fields -> reply fields):
               sampling, top_logprobs, capture, ring
                                             -> n_out, position, elapsed_us
     project   n_tokens, hidden, want, outputs -> n_out, elapsed_us
+    load_draft path, dtype, device, target  -> capture_layers, block_size, mask_token_id,
+                                               hidden, load_s
+    draft     ring, committed, anchor, outputs, block_size, mask_token_id, ctx_window,
+              sampling                      -> n, ctx, elapsed_us
     truncate  position                      -> position
     reset                                   -> (nothing)
     stats                                   -> stats
@@ -28,8 +32,9 @@ The ops (request fields -> reply fields):
 
 The daemon opens with ``hello``; both sides check ``protocol == PROTOCOL_VERSION`` (a
 mismatch raises ``ProtocolVersionError`` naming both versions). Any change to a field
-bumps ``PROTOCOL_VERSION`` (2: ``project``; ``tokens`` may ride along ``hidden_in``).
-Later verbs (KV export/import, draft, expert compute) are added here, each as one
+bumps ``PROTOCOL_VERSION`` (2: ``project``; ``tokens`` may ride along ``hidden_in``;
+3: ``load_draft`` and ``draft``).
+Later verbs (KV export/import, expert compute) are added here, each as one
 request class and one reply class.
 
 Each class validates on construction (types, then the op's own rules), so a bad frame
@@ -49,7 +54,7 @@ import msgpack
 from luced.ipc.regions import Region
 from luced.ipc.typed import FrameError, Record
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 MAX_FRAME_BYTES = 16 * 1024 * 1024
 
 _ENVELOPE = frozenset({"op", "seq", "ok", "error"})  # no op may use these as fields
@@ -331,14 +336,7 @@ class Forward(Request):
                 raise self._fail(f"outputs.{name} needs {k} columns, got {r.shape[1]}")
 
     def _check_sampling(self) -> None:
-        unknown = set(self.sampling) - SAMPLING_KEYS
-        if unknown:
-            raise self._fail(
-                f"unknown sampling key(s) {sorted(unknown)}; known: {sorted(SAMPLING_KEYS)}"
-            )
-        for k, v in self.sampling.items():
-            if isinstance(v, float) and (k in _SAMPLING_INTS or not math.isfinite(v)):
-                raise self._fail(f"sampling.{k} must be a finite number (int for {k}), got {v}")
+        _check_sampling_map(self)
 
     def _check_capture(self) -> None:
         if not self.capture:
@@ -358,6 +356,17 @@ class Forward(Request):
         if r.shape[0] < self.n_tokens:
             n = self.n_tokens
             raise self._fail(f"ring holds {r.shape[0]} positions, fewer than n_tokens {n}")
+
+
+def _check_sampling_map(frame: Forward | DraftBlock) -> None:
+    unknown = set(frame.sampling) - SAMPLING_KEYS
+    if unknown:
+        raise frame._fail(
+            f"unknown sampling key(s) {sorted(unknown)}; known: {sorted(SAMPLING_KEYS)}"
+        )
+    for k, v in frame.sampling.items():
+        if isinstance(v, float) and (k in _SAMPLING_INTS or not math.isfinite(v)):
+            raise frame._fail(f"sampling.{k} must be a finite number (int for {k}), got {v}")
 
 
 @_op("forward", REPLIES)
@@ -418,6 +427,113 @@ class ProjectReply(Reply):
     elapsed_us: int
 
 
+# -- load_draft, draft ---------------------------------------------------------------------
+
+
+@_op("load_draft", REQUESTS)
+@dataclass(frozen=True)
+class LoadDraft(Request):
+    """Load a DFlash draft (GGUF file or safetensors directory) into this worker.
+
+    The draft embeds its block and projects its hidden states with the TARGET's embedding
+    and head. Without ``target`` this worker must hold both (its target covers the first and
+    the last layer); with ``target`` (the target's GGUF) a worker that lacks them loads just
+    the target's embedding and head beside the draft (a draft-only worker). Loading a
+    target (``load``) afterwards drops the draft.
+    """
+
+    path: str
+    dtype: ComputeDtype
+    device: str
+    target: str | None = None
+
+    def _check(self) -> None:
+        if not self.path or not self.device or self.target == "":
+            raise self._fail("path, device and (when given) target must not be empty")
+
+
+@_op("load_draft", REPLIES)
+@dataclass(frozen=True)
+class LoadDraftReply(Reply):
+    capture_layers: tuple[int, ...]  # target layers whose outputs the ring must hold, in order
+    block_size: int  # the draft's default block (anchor + proposals)
+    mask_token_id: int | None  # the draft config's; None: the daemon must name one
+    hidden: int
+    load_s: float
+
+
+@_op("draft", REQUESTS)
+@dataclass(frozen=True)
+class DraftBlock(Request):
+    """Propose one block: ``outputs["ids"][:B]`` = [anchor, proposal 1, ..., proposal B-1].
+
+    Context: the features of the last ``C = min(committed, ctx_window, ring_cap)`` positions
+    ``[committed - C, committed)``, read in place from ``ring`` (the feature ring,
+    ``[ring_cap, n_capture, hidden]``, slot = position % ring_cap). The block sits at
+    positions ``committed ..``: the anchor (the last accepted token, not yet fed to the
+    target) and ``B - 1`` mask tokens. ``block_size`` / ``mask_token_id`` default to the
+    draft config's.
+
+    Greedy (``sampling`` empty, or temperature 0): proposals are the argmax of each row.
+    With temperature > 0 (penalties unsupported) proposals are drawn from the draft's
+    processed distributions q (``sampler.probs`` with these parameters; seeded by
+    ``sampling.seed``), and ``outputs["probs"]`` (float32 ``[>= B-1, vocab]``) gets q:
+    row j is the distribution proposal j + 1 was drawn from (draft output row j + 1; the
+    draft's row 0, its guess for the anchor, is dropped), as ``verify_sampled`` takes it.
+    """
+
+    ring: Region
+    committed: int
+    anchor: int
+    outputs: dict[str, Region]
+    block_size: int | None = None
+    mask_token_id: int | None = None
+    ctx_window: int = 4096
+    sampling: dict[str, int | float | None] = field(default_factory=dict)
+
+    @property
+    def sampled(self) -> bool:
+        """A non-empty sampling map at temperature > 0 (absent = 1, as in ``forward``)."""
+        t = self.sampling.get("temperature")
+        return bool(self.sampling) and (1.0 if t is None else t) > 0
+
+    def _check(self) -> None:
+        if self.committed < 1 or self.anchor < 0 or self.ctx_window < 1:
+            got = f"{self.committed}, {self.anchor}, {self.ctx_window}"
+            raise self._fail(f"need committed >= 1, anchor >= 0, ctx_window >= 1, got {got}")
+        if self.block_size is not None and self.block_size < 2:
+            raise self._fail(f"block_size must be >= 2, got {self.block_size}")
+        if self.mask_token_id is not None and self.mask_token_id < 0:
+            raise self._fail(f"mask_token_id must be >= 0, got {self.mask_token_id}")
+        r = self.ring
+        if len(r.shape) != 3 or r.dtype not in COMPUTE_DTYPES:
+            got = f"{r.dtype} {list(r.shape)}"
+            raise self._fail(f"ring must be float [ring_cap, n_capture, hidden], got {got}")
+        _check_sampling_map(self)
+        want = {"ids", "probs"} if self.sampled else {"ids"}
+        if set(self.outputs) != want:
+            raise self._fail(
+                f"outputs must be {sorted(want)} (probs iff temperature > 0), "
+                f"got {sorted(self.outputs)}"
+            )
+        b = self.block_size or 2
+        for name, dtype, ndim, rows in (("ids", "int32", 1, b), ("probs", "float32", 2, b - 1)):
+            r = self.outputs.get(name)
+            if r is not None and (r.dtype != dtype or len(r.shape) != ndim or r.shape[0] < rows):
+                raise self._fail(
+                    f"outputs.{name} must be {dtype} with {ndim} dim(s) and >= {rows} rows, "
+                    f"got {r.dtype} {list(r.shape)}"
+                )
+
+
+@_op("draft", REPLIES)
+@dataclass(frozen=True)
+class DraftBlockReply(Reply):
+    n: int  # proposals written (block_size - 1); ids rows written: n + 1
+    ctx: int  # context positions the draft read (C)
+    elapsed_us: int
+
+
 # -- truncate, reset, stats, shutdown -------------------------------------------------------
 
 
@@ -442,7 +558,7 @@ class TruncateReply(Reply):
 @_op("reset", REQUESTS)
 @dataclass(frozen=True)
 class Reset(Request):
-    """Drop all KV and sampler state; weights stay loaded."""
+    """Drop all KV and sampler state (the draft's too); weights stay loaded."""
 
 
 @_op("reset", REPLIES)

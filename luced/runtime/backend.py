@@ -14,6 +14,9 @@ State per loaded model::
               ``sampling`` map changes) and kept, so a seeded request's draws continue
               one generator across steps and truncations
 
+A DFlash draft (``load_draft``, ``draft``; ``luced.runtime.draft_backend``) may sit beside
+the target or alone in a worker; ``load`` drops it with the target it may lean on.
+
 Shared memory: regions are attached lazily by segment name (``Attachments``) and viewed
 in place: on the CPU the view *is* the tensor the model reads and the results are
 written straight into the daemon's regions; on a GPU inputs are copied host -> device and
@@ -36,6 +39,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -46,6 +50,9 @@ from luced.runtime.kv_cache import ContextOverflow, KVCache
 from luced.runtime.model import Model
 from luced.runtime.sampler import Sampler, sample
 from luced.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from luced.runtime.draft_backend import DraftState
 
 log = logging.getLogger(__name__)
 
@@ -129,6 +136,7 @@ class Backend:
         self.devices = devices
         self.instance: str | None = None  # the daemon's, from hello
         self.loaded: Loaded | None = None
+        self.draft: DraftState | None = None
         self.attachments = Attachments()
         self.forward_count = 0
         self.tokens_processed = 0
@@ -145,6 +153,8 @@ class Backend:
             F.Load: self.load,
             F.Forward: self.forward,
             F.Project: self.project,
+            F.LoadDraft: self.load_draft,
+            F.DraftBlock: self.draft_block,
             F.Truncate: self.truncate,
             F.Reset: self.reset,
             F.Stats: self.stats,
@@ -161,7 +171,7 @@ class Backend:
             raise
 
     def close(self) -> None:
-        self.loaded = None
+        self.loaded = self.draft = None
         self.attachments.close()  # unmap only; the daemon unlinks
 
     # -- verbs ---------------------------------------------------------------------------
@@ -180,7 +190,7 @@ class Backend:
             raise WorkerError(f"load names device(s) {unknown}; this worker drives {self.devices}")
         # Drop the old model first: two models at once may not fit. Cached mappings go
         # too, since the daemon re-carves its regions for the new model.
-        self.loaded = None
+        self.loaded = self.draft = None  # the draft may use the old target's embedding / head
         self.attachments.close()
         t0 = time.monotonic()
         a, b = req.layers
@@ -217,6 +227,10 @@ class Backend:
         return F.TruncateReply(position=m.position)
 
     def reset(self, req: F.Reset) -> F.ResetReply:
+        if self.draft is not None:  # a draft-only worker has nothing else to reset
+            self.draft.sampler = self.draft.sampling = None
+            if self.loaded is None:
+                return F.ResetReply()
         m = self._model("reset")
         m.truncate(0)
         m.sampler = m.sampling = None
@@ -236,6 +250,7 @@ class Backend:
             "kv_position": m.position if m else 0,
             "kv_capacity": m.reply.kv_capacity if m else 0,
             "kv_bytes": sum(s.cache.nbytes() for s in m.shards) if m else 0,
+            "draft": str(self.draft.draft.path) if self.draft else "",
         }
         return F.StatsReply(stats=stats)
 
@@ -299,6 +314,20 @@ class Backend:
         elapsed = time.perf_counter() - t0
         self.busy_s += elapsed
         return F.ProjectReply(n_out=n, elapsed_us=int(elapsed * 1e6))
+
+    def load_draft(self, req: F.LoadDraft) -> F.LoadDraftReply:
+        from luced.runtime import draft_backend
+
+        self.draft = None  # first: the old draft's memory may be needed for the new one
+        self.draft = draft_backend.load(self, req)
+        return self.draft.reply
+
+    def draft_block(self, req: F.DraftBlock) -> F.DraftBlockReply:
+        from luced.runtime import draft_backend  # imports this module: imported on use
+
+        if self.draft is None:
+            raise WorkerError("draft before load_draft: no draft is loaded")
+        return draft_backend.run(self, self.draft, req)
 
     # -- forward helpers -----------------------------------------------------------------
 

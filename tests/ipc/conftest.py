@@ -115,6 +115,22 @@ def sample_requests() -> dict[str, F.Request]:
             want="logits",
             outputs={"logits": region(64, (16, 49152), "float32")},
         ),
+        "load_draft": F.LoadDraft(
+            path="/models/draft", dtype="bfloat16", device="cuda:1", target="/models/x.gguf"
+        ),
+        "draft": F.DraftBlock(
+            ring=region(4096, (64, 3, 576), "float32"),
+            committed=100,
+            anchor=42,
+            outputs={
+                "ids": region(64, (16,), "int32"),
+                "probs": region(128, (15, 49152), "float32"),
+            },
+            block_size=16,
+            mask_token_id=49151,
+            ctx_window=2048,
+            sampling={"temperature": 0.7, "top_p": 0.9, "seed": 3},
+        ),
         "truncate": F.Truncate(position=57),
         "reset": F.Reset(),
         "stats": F.Stats(),
@@ -142,6 +158,14 @@ def sample_replies() -> dict[str, F.Reply]:
         ),
         "forward": F.ForwardReply(n_out=16, position=116, elapsed_us=8123),
         "project": F.ProjectReply(n_out=16, elapsed_us=310),
+        "load_draft": F.LoadDraftReply(
+            capture_layers=(1, 10, 19, 28),
+            block_size=16,
+            mask_token_id=None,
+            hidden=576,
+            load_s=0.4,
+        ),
+        "draft": F.DraftBlockReply(n=15, ctx=64, elapsed_us=2100),
         "truncate": F.TruncateReply(position=57),
         "reset": F.ResetReply(),
         "stats": F.StatsReply(stats={"rss_bytes": 123456789, "busy_s": 1.5, "device": "cpu"}),

@@ -32,6 +32,7 @@ def raw(obj: object) -> bytes:
 def test_samples_cover_every_op(sample_requests: dict, sample_replies: dict) -> None:
     assert set(sample_requests) == set(F.REQUESTS) == set(F.REPLIES) == set(sample_replies)
     assert set(F.REQUESTS) >= {"hello", "load", "forward", "truncate", "reset", "stats", "shutdown"}
+    assert {"project", "load_draft", "draft"} <= set(F.REQUESTS)
 
 
 def test_every_request_and_reply_roundtrips(sample_requests: dict, sample_replies: dict) -> None:
@@ -156,6 +157,66 @@ def test_project_validation(kw: dict, match: str) -> None:
     base.update(kw)
     with pytest.raises(F.FrameError, match=match):
         F.Project(**base)  # type: ignore[arg-type]
+
+
+def draft_block(**kw: object) -> F.DraftBlock:
+    base: dict[str, object] = {
+        "ring": R(4096, (64, 2, 16), "float32"),
+        "committed": 10,
+        "anchor": 7,
+        "outputs": {"ids": R(64, (4,), "int32")},
+        "block_size": 4,
+    }
+    base.update(kw)
+    return F.DraftBlock(**base)  # type: ignore[arg-type]
+
+
+SAMPLED_OUT = {"ids": R(64, (4,), "int32"), "probs": R(128, (3, 50), "float32")}
+
+
+@pytest.mark.parametrize(
+    ("kw", "match"),
+    [
+        ({"committed": 0}, "need committed >= 1"),
+        ({"anchor": -1}, "anchor >= 0"),
+        ({"ctx_window": 0}, "ctx_window >= 1"),
+        ({"block_size": 1}, "block_size must be >= 2"),
+        ({"mask_token_id": -2}, "mask_token_id must be >= 0"),
+        ({"ring": R(4096, (64, 32), "float32")}, r"ring must be float \[ring_cap, n_capture"),
+        ({"ring": R(4096, (64, 2, 16), "int32")}, "ring must be float"),
+        ({"outputs": {}}, r"outputs must be \['ids'\]"),
+        ({"outputs": SAMPLED_OUT}, r"outputs must be \['ids'\] \(probs iff temperature > 0\)"),
+        ({"sampling": {"temperature": 0.5}}, r"outputs must be \['ids', 'probs'\]"),
+        ({"sampling": {"seed": 1}}, r"\['ids', 'probs'\]"),  # temperature absent = 1
+        ({"outputs": {"ids": R(64, (3,), "int32")}}, r"outputs.ids must be int32 .* >= 4 rows"),
+        ({"outputs": {"ids": R(64, (4,), "int64")}}, "outputs.ids must be int32"),
+        (
+            {
+                "sampling": {"temperature": 1.0},
+                "outputs": {**SAMPLED_OUT, "probs": R(128, (2, 50), "float32")},
+            },
+            r"outputs.probs must be float32 with 2 dim\(s\) and >= 3 rows",
+        ),
+        ({"sampling": {"temp": 1.0}}, r"unknown sampling key\(s\) \['temp'\]"),
+    ],
+)
+def test_draft_validation(kw: dict, match: str) -> None:
+    with pytest.raises(F.FrameError, match=match):
+        draft_block(**kw)
+
+
+def test_draft_accepts_the_intended_shapes() -> None:
+    assert not draft_block().sampled
+    assert not draft_block(sampling={"temperature": 0}).sampled  # greedy: ids only
+    sampled = draft_block(sampling={"temperature": 0.6, "top_k": 5}, outputs=SAMPLED_OUT)
+    assert sampled.sampled
+    # block_size and mask token left to the draft config: ids rows are checked by the worker
+    loose = draft_block(block_size=None, outputs={"ids": R(64, (2,), "int32")})
+    assert loose.block_size is None and loose.mask_token_id is None
+    with pytest.raises(F.FrameError, match="must not be empty"):
+        F.LoadDraft(path="d.gguf", dtype="float32", device="cpu", target="")
+    with pytest.raises(F.FrameError, match="dtype: expected one of"):
+        F.LoadDraft(path="d.gguf", dtype="float8", device="cpu")  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize(

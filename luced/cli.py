@@ -23,14 +23,21 @@ def main(argv: list[str] | None = None) -> int:
         print(f"luced: unknown command {argv[0]!r} (try `luced serve --help`)", file=sys.stderr)
         return 2
     from luced.config import ConfigError, load_config
-    from luced.daemon import run
+    from luced.daemon import StartupError, run
     from luced.gguf_file import GGUFError
     from luced.models import BundledModelMissing
     from luced.placement import PlacementError
 
     try:
         return run(load_config(argv[1:]))
-    except (ConfigError, GGUFError, BundledModelMissing, PlacementError, OSError) as exc:
+    except (
+        ConfigError,
+        GGUFError,
+        BundledModelMissing,
+        PlacementError,
+        StartupError,
+        OSError,
+    ) as exc:
         # Start-up problems a user can fix: one clear line, no traceback.
         print(f"luced: {exc}", file=sys.stderr)
         return 2

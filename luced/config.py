@@ -320,6 +320,18 @@ OPTIONS: tuple[Option, ...] = (
         nullable=True, default_doc="equal shares", example=(1, 1),
     ),
     Option(
+        "draft", "path", None,
+        "DFlash draft (GGUF file or safetensors directory): greedy requests decode "
+        "speculatively, a block at a time. The draft runs in the target's worker.",
+        nullable=True, default_doc="none (plain decoding)",
+        example="/var/lib/luced/models/draft.gguf",
+    ),
+    Option(
+        "block_size", "int", 16,
+        "Tokens per DFlash block: the last accepted token plus block_size - 1 proposals.",
+        minimum=2,
+    ),
+    Option(
         "log_level", "str", "info", "Log level.",
         choices=("debug", "info", "warning", "error"),
     ),
@@ -350,6 +362,8 @@ class Config:
     backend_python: Pairs
     target_devices: tuple[str, ...]
     target_layer_split: tuple[float, ...] | None  # None: equal shares
+    draft: Path | None  # None: plain decoding
+    block_size: int
     log_level: str
     # option name -> where its value came from ("--port", "LUCED_PORT", "FILE: port", ...)
     sources: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False)

@@ -33,8 +33,13 @@ from luced.gguf_file import GGUFFile
 from luced.ipc.shm import ShmOwner, cleanup_stale
 from luced.runner import TargetPlacement, TargetRunner
 from luced.tokenizer import Tokenizer
+from luced.workers import WorkerError
 
 log = logging.getLogger("luced")
+
+
+class StartupError(RuntimeError):
+    """Something the operator configured cannot be served (reported in one line)."""
 
 
 class Daemon:
@@ -99,6 +104,7 @@ class Daemon:
             max_queue=cfg.max_queue,
             max_queued_tokens=cfg.max_queued_tokens,
             default_max_tokens=cfg.default_max_tokens,
+            block_size=cfg.block_size,
             metrics=metrics,
         )
         app = make_app(engine, metrics, api_key=cfg.api_key)
@@ -110,7 +116,7 @@ class Daemon:
         admin = await start_admin_server(cfg.admin_socket, self._admin_handlers())
         try:
             sdnotify.status(f"loading {Path(model_path).name}")
-            load = asyncio.create_task(self.runner.start())
+            load = asyncio.create_task(self._start_model())
             stop = asyncio.create_task(self.stopping.wait())
             await asyncio.wait({load, stop}, return_when=asyncio.FIRST_COMPLETED)
             if not load.done():  # asked to stop while loading
@@ -144,6 +150,22 @@ class Daemon:
             await http.cleanup()
         log.info("stopped")
         return 0
+
+    async def _start_model(self) -> None:
+        assert self.runner is not None
+        await self.runner.start()
+        draft = self.config.draft
+        if draft is not None:
+            try:
+                reply = await self.runner.load_draft(str(draft))
+            except (WorkerError, ValueError) as exc:
+                raise StartupError(f"--draft {draft}: {exc}") from exc
+            log.info(
+                "draft %s: captures target layers %s, block size %d",
+                draft.name,
+                list(reply.capture_layers),
+                self.config.block_size,
+            )
 
     def _admin_handlers(self) -> dict:
         async def status(_: dict) -> dict:

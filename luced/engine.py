@@ -23,6 +23,7 @@ from typing import Any
 
 from luced.detokenize import IncrementalDetokenizer
 from luced.runner import Sampled, TargetRunner
+from luced.runtime.speculative import speculative_supported, verify_greedy
 from luced.sampling_params import SamplingParams
 from luced.stops import StopMatcher
 from luced.tokenizer import Tokenizer
@@ -99,6 +100,9 @@ class RequestHandle:
         self.on_cancel: Callable[[RequestHandle], None] | None = None
         self.submitted_at = time.monotonic()
         self.first_token_at: float | None = None
+        self.last_token_at: float | None = None
+        # DFlash counts for this request (reported in usage).
+        self.spec = {"drafts": 0, "draft_tokens": 0, "accepted_tokens": 0}
         self._events: asyncio.Queue[Any] = asyncio.Queue()
 
     def cancel(self) -> None:
@@ -137,6 +141,7 @@ class Engine:
         max_queue: int = 16,
         max_queued_tokens: int = 32768,
         default_max_tokens: int | None = None,
+        block_size: int = 16,
         metrics: Any = None,
     ) -> None:
         self.runner = runner
@@ -147,13 +152,22 @@ class Engine:
         self.max_queue = max_queue
         self.max_queued_tokens = max_queued_tokens
         self.default_max_tokens = default_max_tokens
+        self.block_size = block_size
         self.metrics = metrics
         self.started_at = time.time()
         self.draining = False
         self.loaded_once = False
         self.waiting: deque[RequestHandle] = deque()
         self.active: RequestHandle | None = None
-        self.totals = {"requests": 0, "prompt_tokens": 0, "generation_tokens": 0, "errors": 0}
+        self.totals = {
+            "requests": 0,
+            "prompt_tokens": 0,
+            "generation_tokens": 0,
+            "errors": 0,
+            "spec_drafts": 0,
+            "spec_accepted_tokens": 0,
+            "spec_fallbacks": 0,
+        }
         self._wakeup = asyncio.Event()
         self._idle = asyncio.Event()
         self._idle.set()
@@ -278,60 +292,114 @@ class Engine:
         k = req.params.logprobs  # None: no logprobs; k: chosen token's + top k
         stops = set(req.stop_token_ids) | (set() if req.ignore_eos else self.tokenizer.eos_ids)
         out = _Output(self.tokenizer, req.stop, want_logprobs=req.params.logprobs is not None)
+        speculate = self.runner.draft is not None and _speculative_ok(req.params)
+        if self.runner.draft is not None and not speculate:
+            self.totals["spec_fallbacks"] += 1
+            self._observe("spec_fallback", 1)
         try:
             await self.runner.reset()
             sampled = await self.runner.prefill(
                 req.prompt, sampling, k, cancelled=lambda: handle.cancelled
             )
-            if sampled is not None:  # the whole prompt went through (not cancelled midway)
-                self.totals["prompt_tokens"] += handle.prompt_tokens
-                self._observe("prompt_tokens", handle.prompt_tokens)
-            last_token_at = None
-            ahead: asyncio.Future | None = None
-            try:
-                while sampled is not None and not handle.cancelled:
-                    now = time.monotonic()
-                    if handle.first_token_at is None:
-                        handle.first_token_at = now
-                        self._observe("ttft", now - handle.submitted_at)
-                    elif last_token_at is not None:
-                        self._observe("itl", now - last_token_at)
-                    last_token_at = now
-                    if sampled.token in stops:
-                        handle._emit_if(out.flush())
-                        handle._finish("stop")
-                        return
-                    handle.completion_tokens += 1
-                    self.totals["generation_tokens"] += 1
-                    self._observe("generation_tokens", 1)
-                    last = handle.completion_tokens >= handle.max_tokens
-                    # Send the next step before detokenizing and streaming this token, so
-                    # the worker computes while the daemon formats (a stop string found
-                    # below only wastes that one step).
-                    ahead = (
-                        None
-                        if last
-                        else asyncio.ensure_future(self.runner.step(sampled.token, sampling, k))
-                    )
-                    delta, hit = out.push(sampled)
-                    handle._emit_if(delta)
-                    if hit:
-                        handle._finish("stop")
-                        return
-                    if last:
-                        handle._emit_if(out.flush())
-                        handle._finish("length")
-                        return
-                    sampled = await ahead
-                    ahead = None
+            if sampled is None:  # cancelled during the prefill
                 handle._finish("abort")
-            finally:
-                if ahead is not None:  # let a step that ran past the end land first
-                    with contextlib.suppress(Exception):
-                        await ahead
+                return
+            self.totals["prompt_tokens"] += handle.prompt_tokens
+            self._observe("prompt_tokens", handle.prompt_tokens)
+            if speculate:
+                await self._decode_speculative(handle, out, stops, sampled.token)
+            else:
+                await self._decode_plain(handle, out, stops, sampled, sampling, k)
         except (WorkerDied, WorkerError) as exc:
             self.totals["errors"] += 1
             handle._finish("error", f"the model worker failed: {exc}")
+
+    def _emit(self, handle: RequestHandle, out: _Output, sampled: Sampled, stops: set) -> bool:
+        """Emit one generated token; True when it ended the request (EOS, stop string,
+        max_tokens)."""
+        now = time.monotonic()
+        if handle.first_token_at is None:
+            handle.first_token_at = now
+            self._observe("ttft", now - handle.submitted_at)
+        elif handle.last_token_at is not None:
+            self._observe("itl", now - handle.last_token_at)
+        handle.last_token_at = now
+        if sampled.token in stops:
+            handle._emit_if(out.flush())
+            handle._finish("stop")
+            return True
+        handle.completion_tokens += 1
+        self.totals["generation_tokens"] += 1
+        self._observe("generation_tokens", 1)
+        delta, hit = out.push(sampled)
+        handle._emit_if(delta)
+        if hit:
+            handle._finish("stop")
+            return True
+        if handle.completion_tokens >= handle.max_tokens:
+            handle._emit_if(out.flush())
+            handle._finish("length")
+            return True
+        return False
+
+    async def _decode_plain(
+        self,
+        handle: RequestHandle,
+        out: _Output,
+        stops: set,
+        sampled: Sampled,
+        sampling: dict,
+        k: int | None,
+    ) -> None:
+        ahead: asyncio.Future | None = None
+        try:
+            while not handle.cancelled:
+                # Send the next step before detokenizing and streaming this token, so the
+                # worker computes while the daemon formats (if this token ends the request,
+                # that one step is wasted).
+                if sampled.token not in stops and handle.completion_tokens + 1 < handle.max_tokens:
+                    ahead = asyncio.ensure_future(self.runner.step(sampled.token, sampling, k))
+                if self._emit(handle, out, sampled, stops):
+                    return
+                assert ahead is not None
+                sampled = await ahead
+                ahead = None
+            handle._finish("abort")
+        finally:
+            if ahead is not None:  # let a step that ran past the end land first
+                with contextlib.suppress(Exception):
+                    await ahead
+
+    async def _decode_speculative(
+        self, handle: RequestHandle, out: _Output, stops: set, anchor: int
+    ) -> None:
+        """DFlash, greedy: draft a block after the anchor, verify it in one target forward,
+        emit the accepted proposals and the target's bonus token, roll the KV back to what
+        was accepted; the bonus is the next anchor (emitted, not yet fed)."""
+        if self._emit(handle, out, Sampled(anchor), stops):
+            return
+        size = self.block_size
+        while not handle.cancelled:
+            block = await self.runner.draft_block(anchor, size)
+            start = self.runner.position
+            target = await self.runner.verify(block)
+            result = verify_greedy(
+                block, target, budget=handle.max_tokens - handle.completion_tokens, eos_ids=stops
+            )
+            await self.runner.truncate(start + result.num_kept)
+            handle.spec["drafts"] += 1
+            handle.spec["draft_tokens"] += size - 1
+            handle.spec["accepted_tokens"] += result.num_accepted
+            self.totals["spec_drafts"] += 1
+            self.totals["spec_accepted_tokens"] += result.num_accepted
+            if self.metrics is not None:
+                accepted = [1] * result.num_accepted + [0] * (size - 1 - result.num_accepted)
+                self.metrics.observe_spec_decode(size - 1, accepted)
+            for token in result.tokens:
+                if self._emit(handle, out, Sampled(token), stops):
+                    return
+            anchor = result.tokens[-1]
+        handle._finish("abort")
 
     # -- observability --------------------------------------------------------------------
 
@@ -358,11 +426,23 @@ class Engine:
                 "max_queued_tokens": self.max_queued_tokens,
             },
             "totals": dict(self.totals),
+            # DFlash: tokens committed per verify step (1 + accepted / drafts).
+            "mean_acceptance_length": (
+                round(1 + self.totals["spec_accepted_tokens"] / self.totals["spec_drafts"], 3)
+                if self.totals["spec_drafts"]
+                else None
+            ),
             "placement": self.workers(),
         }
 
     def workers(self) -> list[dict]:
         return self.runner.describe()
+
+
+def _speculative_ok(params: SamplingParams) -> bool:
+    """Greedy requests without penalties decode speculatively; the rest fall back to plain
+    decoding (rejection sampling for temperature > 0 is not wired into the loop yet)."""
+    return params.greedy and speculative_supported(params)
 
 
 def _sampling_map(params: SamplingParams) -> dict:

@@ -55,9 +55,12 @@ import numpy as np
 
 from luced.feature_ring import FeatureRing
 from luced.ipc.frames import (
+    DraftBlock,
     Forward,
     ForwardReply,
     Load,
+    LoadDraft,
+    LoadDraftReply,
     Project,
     ProjectReply,
     Reset,
@@ -73,6 +76,7 @@ from luced.workers import WorkerDied, WorkerError, WorkerHandle, WorkerSpec
 log = logging.getLogger(__name__)
 
 MAX_TOP_LOGPROBS = 20
+MAX_BLOCK = 64  # longest DFlash block a request may use
 
 
 @dataclass(frozen=True)
@@ -183,6 +187,8 @@ class TargetRunner:
         self._arrays: dict[str, np.ndarray] = {}
         self._position = 0
         self._in_sync = True  # False after a worker restart: every shard must reset
+        self.draft: LoadDraftReply | None = None  # the DFlash draft, when one is loaded
+        self._draft_path: str | None = None
 
     # -- lifecycle -----------------------------------------------------------------------
 
@@ -263,6 +269,8 @@ class TargetRunner:
         )
         self.load_s = max(self.load_s, reply.load_s)
         self.n_layers, self.hidden, self.vocab = reply.n_layers, reply.hidden, reply.vocab
+        if self._draft_path is not None:  # a restarted worker gets its draft back
+            await self._load_draft_into(worker)
         self._notify()
 
     def _notify(self) -> None:
@@ -351,6 +359,64 @@ class TargetRunner:
         )
         self.ring = ring
         return self.ring
+
+    # -- DFlash draft -------------------------------------------------------------------
+
+    async def load_draft(self, path: str, ring_cap: int = 4096) -> LoadDraftReply:
+        """Load the draft into the target's worker and start capturing its feature layers.
+
+        The draft needs the target's embedding and head beside it, so for now it lives in
+        the worker of an unsplit target (a split target's draft gets its own worker later).
+        """
+        if len(self.slots) != 1:
+            raise ValueError("--draft with a split target (--target-devices) is not supported yet")
+        self._draft_path = path
+        reply = await self._load_draft_into(self._workers()[0])
+        if reply.mask_token_id is None:
+            raise ValueError(f"{path}: the draft config names no mask_token_id")
+        self.draft = reply
+        self.enable_capture(reply.capture_layers, min(ring_cap, self.placement.kv_capacity))
+        self._carve("draft", {"draft_ids": ([MAX_BLOCK], "int32")})
+        return reply
+
+    async def _load_draft_into(self, worker: WorkerHandle) -> LoadDraftReply:
+        reply = await worker.call(
+            LoadDraft(
+                path=str(self._draft_path),
+                dtype=self.placement.dtype,  # type: ignore[arg-type]
+                device=self.slots[0].plan.devices[0],
+            )
+        )
+        assert isinstance(reply, LoadDraftReply)
+        return reply
+
+    async def draft_block(self, anchor: int, block_size: int) -> list[int]:
+        """[anchor, proposal 1, ..., proposal B-1] from the draft, conditioned on the ring's
+        features of the committed positions (greedy proposals)."""
+        assert self.draft is not None and self.ring is not None
+        if not 2 <= block_size <= MAX_BLOCK:
+            raise ValueError(f"block size {block_size} outside [2, {MAX_BLOCK}]")
+        await self._workers()[0].call(
+            DraftBlock(
+                ring=self.ring.region,
+                committed=self._position,
+                anchor=anchor,
+                outputs={"ids": self._regions["draft_ids"].rows(0, block_size)},
+                block_size=block_size,
+                mask_token_id=self.draft.mask_token_id,
+                ctx_window=self.ring.ring_cap,
+            )
+        )
+        return self._arrays["draft_ids"][:block_size].tolist()
+
+    async def verify(self, block: list[int]) -> list[int]:
+        """Feed the block; the target's greedy next token after each of its positions."""
+        n = len(block)
+        outputs = {"ids": self._regions["ids"].rows(0, n)}
+        await self._forward(
+            block, "sample", outputs, positions="all", sampling={"temperature": 0.0}
+        )
+        return self._arrays["ids"][:n].tolist()
 
     # -- forwards ------------------------------------------------------------------------
 

@@ -63,6 +63,8 @@ SAMPLES: dict[str, tuple[str, str, Any]] = {
     "backend_python": ("hip=/r/py", '{ hip = "/r/py" }', (("hip", Path("/r/py")),)),
     "target_devices": ("cpu:1", '["cpu:1"]', ("cpu:1",)),
     "target_layer_split": ("3", "[3]", (3.0,)),
+    "draft": ("/m/d.gguf", '"/m/d.gguf"', Path("/m/d.gguf")),
+    "block_size": ("4", "4", 4),
     "log_level": ("debug", '"debug"', "debug"),
 }  # fmt: skip
 

@@ -132,6 +132,8 @@ class ResponseFormat:
         self.created = created
         self.top_logprobs = top_logprobs
         self.include_usage = include_usage
+        # Extra usage fields the server learns at the end (DFlash draft / accepted counts).
+        self.usage_extra: dict[str, Any] = {}
 
     def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {
@@ -157,7 +159,7 @@ class ResponseFormat:
         chunks = [self._chunk(self._final_choice(finish_reason))]
         if self.include_usage:
             last = self._envelope(self.chunk_object_name, [])
-            last["usage"] = usage(prompt_tokens, completion_tokens)
+            last["usage"] = usage(prompt_tokens, completion_tokens) | self.usage_extra
             chunks.append(last)
         return chunks
 
@@ -188,7 +190,7 @@ class ChatFormat(ResponseFormat):
             "finish_reason": finish_reason,
         }
         body = self._envelope(self.object_name, [choice])
-        body["usage"] = usage(prompt_tokens, completion_tokens)
+        body["usage"] = usage(prompt_tokens, completion_tokens) | self.usage_extra
         return body
 
     def start(self) -> list[dict[str, Any]]:
@@ -243,7 +245,7 @@ class CompletionFormat(ResponseFormat):
             "finish_reason": finish_reason,
         }
         body = self._envelope(self.object_name, [choice])
-        body["usage"] = usage(prompt_tokens, completion_tokens)
+        body["usage"] = usage(prompt_tokens, completion_tokens) | self.usage_extra
         return body
 
     def chunk(self, delta: Delta) -> dict[str, Any] | None:

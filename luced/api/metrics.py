@@ -132,6 +132,12 @@ class Metrics:
             "Accepted tokens per draft position.",
             ["position"],
         )
+        self.spec_decode_fallbacks = family(
+            Counter,
+            "spec_decode_fallbacks",
+            "Requests decoded without the draft because the speculative path cannot honour "
+            "their sampling parameters exactly (temperature > 0 or penalties, for now).",
+        )
         self._observers = {
             "ttft": self.time_to_first_token.observe,
             "itl": self.inter_token_latency.observe,
@@ -140,6 +146,7 @@ class Metrics:
             "generation_tokens": self.generation_tokens.inc,
             "queue": self.num_requests_waiting.set,
             "running": self.num_requests_running.set,
+            "spec_fallback": self.spec_decode_fallbacks.inc,
         }
 
     # -- what the engine calls ----------------------------------------------------------------

@@ -196,10 +196,18 @@ async def _generate(
         raise
     if (err := finish_error(handle.finish_reason, handle.error)) is not None:
         raise err
+    fmt.usage_extra = spec_usage(handle)
     body = fmt.response(
         deltas, handle.finish_reason or "stop", handle.prompt_tokens, handle.completion_tokens
     )
     return web.json_response(body, dumps=dumps)
+
+
+def spec_usage(handle: RequestHandle) -> dict:
+    """DFlash counts for `usage` when the request decoded speculatively: drafts (verify
+    steps), draft_tokens (proposed) and accepted_tokens."""
+    spec = handle.spec
+    return {"speculative": dict(spec)} if spec["drafts"] else {}
 
 
 async def _stream(
@@ -224,6 +232,7 @@ async def _stream(
             tail = [err.body()]
         else:
             reason = handle.finish_reason or "stop"
+            fmt.usage_extra = spec_usage(handle)
             tail = fmt.end(reason, handle.prompt_tokens, handle.completion_tokens)
         for event in tail:
             await resp.write(sse(event))

@@ -57,7 +57,11 @@ class DaemonProcess:
         self.proc = subprocess.Popen(
             self.args, stdout=self._log, stderr=subprocess.STDOUT, env=self.env
         )
-        self.wait_health(200, timeout)
+        try:
+            self.wait_health(200, timeout)
+        except BaseException:
+            self.stop()  # closes the log too
+            raise
         return self
 
     def health(self) -> tuple[int, dict]:

@@ -28,11 +28,11 @@ from pathlib import Path
 
 import torch
 
-from luced.gguf_file import GGUFError, GGUFFile
+from luced.gguf_file import GGUFFile
 from luced.ipc import frames as F
 from luced.runtime.backend import Backend, WorkerError, torch_device
 from luced.runtime.draft import Draft, project_with_target_head
-from luced.runtime.families import FAMILIES, family_for
+from luced.runtime.families import family_for
 from luced.runtime.model import Model
 from luced.runtime.sampler import Sampler, probs
 from luced.runtime.weights import WeightLoader, parse_dtype
@@ -57,12 +57,7 @@ def load_target_edges(path: str | Path, dtype: torch.dtype, device: torch.device
     """The target's embedding, final norm and head without any layer: what a draft in a
     worker of its own needs to embed its block and project its hidden states."""
     gguf = GGUFFile(path)
-    family = family_for(gguf.arch)
-    if family is None:
-        raise GGUFError(
-            f"{gguf.path}: unknown architecture {gguf.arch!r} "
-            f"(supported: {', '.join(sorted(FAMILIES))})"
-        )
+    family = family_for(gguf)
     cfg = family.config_from_gguf(gguf)
     none = range(cfg.n_layers, cfg.n_layers)  # empty, and ends at the last layer: owns_head
     weights = WeightLoader(gguf, dtype, device).load_all(family.weight_plan(cfg, none, True, True))

@@ -22,8 +22,8 @@ from types import ModuleType
 
 import torch
 
-from luced.gguf_file import GGUFError, GGUFFile
-from luced.runtime.families import FAMILIES, family_for
+from luced.gguf_file import GGUFFile
+from luced.runtime.families import family_for
 from luced.runtime.families.common import ModelConfig
 from luced.runtime.kv_cache import KVCache
 from luced.runtime.weights import WeightLoader, parse_dtype
@@ -64,12 +64,7 @@ class Model:
     ) -> Model:
         t0 = time.monotonic()
         gguf = GGUFFile(path)
-        family = family_for(gguf.arch)
-        if family is None:
-            raise GGUFError(
-                f"{gguf.path}: unknown architecture {gguf.arch!r} "
-                f"(supported: {', '.join(sorted(FAMILIES))})"
-            )
+        family = family_for(gguf)
         cfg = family.config_from_gguf(gguf)
         a, b = layers if layers is not None else (0, cfg.n_layers)
         if not 0 <= a < b <= cfg.n_layers:

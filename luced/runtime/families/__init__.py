@@ -4,10 +4,18 @@ from __future__ import annotations
 
 from types import ModuleType
 
+from luced.gguf_file import GGUFError, GGUFFile
 from luced.runtime.families import gemma3, llama, qwen3
 
 FAMILIES: dict[str, ModuleType] = {m.ARCH: m for m in (llama, qwen3, gemma3)}
 
 
-def family_for(arch: str) -> ModuleType | None:
-    return FAMILIES.get(arch)
+def family_for(gguf: GGUFFile) -> ModuleType:
+    """The family module of a GGUF's architecture; GGUFError naming the file if unknown."""
+    family = FAMILIES.get(gguf.arch)
+    if family is None:
+        raise GGUFError(
+            f"{gguf.path}: unknown architecture {gguf.arch!r} "
+            f"(supported: {', '.join(sorted(FAMILIES))})"
+        )
+    return family

@@ -440,9 +440,10 @@ class Engine:
 
 
 def _speculative_ok(params: SamplingParams) -> bool:
-    """Greedy requests without penalties decode speculatively; the rest fall back to plain
-    decoding (rejection sampling for temperature > 0 is not wired into the loop yet)."""
-    return params.greedy and speculative_supported(params)
+    """Greedy requests without penalties or logprobs decode speculatively; the rest fall
+    back to plain decoding (rejection sampling for temperature > 0 and logprobs of verified
+    tokens are not wired into the loop yet)."""
+    return params.greedy and params.logprobs is None and speculative_supported(params)
 
 
 def _sampling_map(params: SamplingParams) -> dict:

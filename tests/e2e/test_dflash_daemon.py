@@ -95,6 +95,9 @@ def test_speculative_greedy_equals_plain(tiny_pair, plain_texts, block_size, tmp
         # Sampled requests fall back to plain decoding, counted.
         complete(d, PROMPTS[0], max_tokens=3, temperature=0.7, seed=1)
         assert d.metric("luced:spec_decode_fallbacks_total") == 1
+        with_logprobs = complete(d, PROMPTS[0], max_tokens=3, logprobs=2)
+        assert len(with_logprobs["choices"][0]["logprobs"]["token_logprobs"]) == 3
+        assert d.metric("luced:spec_decode_fallbacks_total") == 2
     finally:
         assert d.stop() == 0
     assert d.segments() == []

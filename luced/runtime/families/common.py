@@ -19,7 +19,6 @@ Keys of the weight dict are `tok_embd`, `out_norm`, `head` and `{layer}.{name}`
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -166,7 +165,3 @@ def self_attention(
     mask = attention_mask(start, n, start + n, window, x.device)
     out = attention(q, keys, values, mask, scale if scale is not None else cfg.head_dim**-0.5)
     return linear(out, w[f"{layer}.attn_output"])
-
-
-def with_fields(cfg: Any, **changes: Any) -> Any:
-    return dataclasses.replace(cfg, **changes)

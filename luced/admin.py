@@ -24,7 +24,10 @@ missing ones are left out; see ``luced.engine.Engine.status``):
     workers        workers [worker]; a worker is {group, pid, state, devices,
                    layers [a, b), restarts, uptime_s, python, ...}
     drain          state, ... (answered once the daemon stops accepting)
-    snapshot_list  snapshots [{id, tokens, bytes, tier, hits, last_used (unix s), prefix}]
+    snapshot_list  snapshots [{id, tokens, bytes, disk_bytes, tier, hits, last_used (unix s),
+                   in_use, prefix}]
+    snapshot_drop  {id} -> dropped          snapshot_save -> saved (entries written)
+    cache_clear    {disk: bool} -> cleared (entries affected)
 """
 
 from __future__ import annotations
@@ -55,6 +58,11 @@ Handler = Callable[[dict[str, Any]], Awaitable[Mapping[str, Any]] | Mapping[str,
 
 class AdminSocketError(RuntimeError):
     """The admin socket cannot be set up at the configured path."""
+
+
+class CommandError(Exception):
+    """A command that cannot be done as asked: its message is the whole answer (no
+    traceback in the log; e.g. an unknown snapshot id)."""
 
 
 def same_uid_or_root(uid: int) -> bool:
@@ -234,6 +242,8 @@ class AdminServer:
             result = handler(request)
             if inspect.isawaitable(result):
                 result = await result
+        except CommandError as exc:
+            return _encode(_error(str(exc)))
         except Exception as exc:  # a failing command must not take the socket down
             log.exception("admin command %s failed", cmd)
             return _encode(_error(f"{cmd} failed: {exc}"))

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from luced.placement import PlacementError, parse_devices, parse_weights
+from luced.placement import PlacementError, parse_device, parse_devices, parse_weights
 
 DEFAULT_CONFIG_PATH = Path("/etc/luced/luced.toml")
 CONTEXT_CAP = 8192  # default context when the model's own is longer (KV memory)
@@ -92,6 +92,19 @@ def _to_int(v: Any) -> int:
         except ValueError:
             pass
     raise ValueError(f"not an integer: {v!r}")
+
+
+_BYTE_UNITS = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
+
+
+def _to_bytes(v: Any) -> int:
+    """A byte count: an integer, or a number with a binary unit ("512M", "1.5G", "2GiB")."""
+    if isinstance(v, str):
+        m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([kmgt]?)(?:i?b)?\s*", v.lower())
+        if m is None:
+            raise ValueError(f"not a byte count (e.g. 4096, 512M, 2G): {v!r}")
+        return int(float(m[1]) * _BYTE_UNITS[m[2]])
+    return _to_int(v)
 
 
 def _to_float(v: Any) -> float:
@@ -165,8 +178,10 @@ def _unflagged(parse: Callable[[Any], Any]) -> Callable[[Any], Any]:
 
 _CONVERTERS: dict[str, Callable[[Any], Any]] = {
     "devices": _unflagged(parse_devices),
+    "device": _unflagged(lambda v: parse_device(str(v).strip())[0]),
     "weights": _unflagged(parse_weights),
     "int": _to_int,
+    "bytes": _to_bytes,
     "float": _to_float,
     "str": _to_str,
     "path": _to_path,
@@ -321,15 +336,45 @@ OPTIONS: tuple[Option, ...] = (
     ),
     Option(
         "draft", "path", None,
-        "DFlash draft (GGUF file or safetensors directory): greedy requests decode "
-        "speculatively, a block at a time. The draft runs in the target's worker.",
+        "DFlash draft (GGUF file or safetensors directory): requests decode "
+        "speculatively, a block at a time (sampled ones by exact rejection sampling; "
+        "requests with penalties or logprobs decode plainly).",
         nullable=True, default_doc="none (plain decoding)",
         example="/var/lib/luced/models/draft.gguf",
     ),
     Option(
+        "draft_device", "device", None,
+        "Device of the draft (`cpu`, `cpu:1`, `cuda:1`, ...). A device of the target's "
+        "worker puts the draft in that worker; any other gets it a worker of its own, "
+        "which loads the target's embedding and head beside it and reads the feature "
+        "ring in place.",
+        nullable=True,
+        default_doc="the target's worker; with a split target, a worker of its own on "
+        "the head's device",
+        example="cpu:1",
+    ),
+    Option(
         "block_size", "int", 16,
         "Tokens per DFlash block: the last accepted token plus block_size - 1 proposals.",
-        minimum=2,
+        minimum=2, maximum=64,
+    ),
+    Option(
+        "prefix_cache_bytes", "bytes", 2**30,
+        "Size of the prefix cache's shared-memory arena of KV snapshots (e.g. `512M`, "
+        "`4G`; 0 turns the prefix cache off). SmolLM2-135M in float32 needs 45 KiB per "
+        "cached token, so the default holds about 23k tokens.",
+        minimum=0, default_doc="1G", example="4G",
+    ),
+    Option(
+        "kv_cache_dir", "path", None,
+        "Directory of the prefix cache's disk tier: snapshots are written there as "
+        "safetensors files in the background and found again after a restart.",
+        nullable=True, default_doc="none (memory only)", example="/var/cache/luced/kv",
+    ),
+    Option(
+        "kv_cache_budget", "bytes", 8 * 2**30,
+        "Most bytes the disk tier keeps; least recently used snapshots go first.",
+        minimum=0, default_doc="8G", example="64G",
     ),
     Option(
         "log_level", "str", "info", "Log level.",
@@ -363,7 +408,11 @@ class Config:
     target_devices: tuple[str, ...]
     target_layer_split: tuple[float, ...] | None  # None: equal shares
     draft: Path | None  # None: plain decoding
+    draft_device: str | None
     block_size: int
+    prefix_cache_bytes: int
+    kv_cache_dir: Path | None
+    kv_cache_budget: int
     log_level: str
     # option name -> where its value came from ("--port", "LUCED_PORT", "FILE: port", ...)
     sources: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False)
@@ -444,6 +493,12 @@ class Config:
     def worker_python(self, group: str) -> str:
         """The interpreter that runs a backend group's worker."""
         return str(dict(self.backend_python).get(group, sys.executable))
+
+    def draft_python(self) -> str | None:
+        """The interpreter of the draft's group when --draft-device names one."""
+        if self.draft_device is None:
+            return None
+        return self.worker_python(parse_device(self.draft_device)[1])
 
 
 def _check_table() -> None:

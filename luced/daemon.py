@@ -31,6 +31,7 @@ from luced.config import Config, usable_cores
 from luced.engine import Engine
 from luced.gguf_file import GGUFFile
 from luced.ipc.shm import ShmOwner, cleanup_stale
+from luced.prefix_service import open_prefix_cache, snapshot_handlers
 from luced.runner import TargetPlacement, TargetRunner
 from luced.tokenizer import Tokenizer
 from luced.workers import WorkerError
@@ -49,6 +50,8 @@ class Daemon:
         self.owner = ShmOwner()
         self.engine: Engine | None = None
         self.runner: TargetRunner | None = None
+        self.template: ChatTemplate | None = None
+        self.tokenizer: Tokenizer | None = None
 
     async def run(self) -> int:
         removed = cleanup_stale()
@@ -71,6 +74,7 @@ class Daemon:
         sdnotify.status(f"reading {Path(model_path).name}")
         tokenizer = Tokenizer.from_gguf(gguf)
         template = ChatTemplate.from_gguf(gguf, gguf.arch)
+        self.template, self.tokenizer = template, tokenizer
         n_layers = int(gguf.require(f"{gguf.arch}.block_count"))
         context = cfg.effective_context_length(int(gguf.require(f"{gguf.arch}.context_length")))
         del gguf
@@ -128,11 +132,15 @@ class Daemon:
                 engine.start()
                 log.info("ready: %s (%d layers, context %d)", engine.model_name, n_layers, context)
                 for shard in self.runner.describe():
+                    layers = shard["layers"]
+                    share = (
+                        layers if isinstance(layers, str) else f"layers [{layers[0]}, {layers[1]})"
+                    )
                     log.info(
-                        "shard %s %s layers [%d, %d) pid %s",
+                        "worker %s %s %s pid %s",
                         shard["group"],
                         shard["devices"][0],
-                        *shard["layers"],
+                        share,
                         shard["pid"],
                     )
                 sdnotify.ready(f"serving {engine.model_name} on {cfg.host}:{cfg.port}")
@@ -146,6 +154,8 @@ class Daemon:
             admin.close()
             with contextlib.suppress(Exception):
                 await admin.wait_closed()
+            if engine.prefix_cache is not None:  # pending disk writes land first
+                await engine.prefix_cache.close()
             await self.runner.close()
             await http.cleanup()
         log.info("stopped")
@@ -157,7 +167,12 @@ class Daemon:
         draft = self.config.draft
         if draft is not None:
             try:
-                reply = await self.runner.load_draft(str(draft))
+                reply = await self.runner.load_draft(
+                    str(draft),
+                    device=self.config.draft_device,
+                    block_size=self.config.block_size,
+                    python=self.config.draft_python(),
+                )
             except (WorkerError, ValueError) as exc:
                 raise StartupError(f"--draft {draft}: {exc}") from exc
             log.info(
@@ -166,6 +181,13 @@ class Daemon:
                 list(reply.capture_layers),
                 self.config.block_size,
             )
+        assert self.engine is not None
+        try:
+            self.engine.prefix_cache = await open_prefix_cache(
+                self.config, self.runner, self.owner, str(self.config.model_path()), self.template
+            )
+        except ValueError as exc:
+            raise StartupError(str(exc)) from exc
 
     def _admin_handlers(self) -> dict:
         async def status(_: dict) -> dict:
@@ -180,14 +202,12 @@ class Daemon:
             self.stopping.set()
             return {"state": self.engine.state}
 
-        async def snapshot_list(_: dict) -> dict:
-            return {"snapshots": []}  # the prefix cache lands in a later issue
-
+        assert self.tokenizer is not None
         return {
             "status": status,
             "workers": workers,
             "drain": drain,
-            "snapshot_list": snapshot_list,
+            **snapshot_handlers(lambda: self.engine.prefix_cache, self.tokenizer),
         }
 
 

@@ -22,11 +22,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from luced.detokenize import IncrementalDetokenizer
+from luced.prefix_cache import PrefixCache
 from luced.runner import Sampled, TargetRunner
-from luced.runtime.speculative import speculative_supported, verify_greedy
+from luced.runtime.speculative import clip, speculative_supported, verify_greedy
 from luced.sampling_params import SamplingParams
 from luced.stops import StopMatcher
 from luced.tokenizer import Tokenizer
+from luced.turns import TurnMarker
 from luced.workers import WorkerDied, WorkerError
 
 log = logging.getLogger(__name__)
@@ -103,6 +105,7 @@ class RequestHandle:
         self.last_token_at: float | None = None
         # DFlash counts for this request (reported in usage).
         self.spec = {"drafts": 0, "draft_tokens": 0, "accepted_tokens": 0}
+        self.cached_tokens = 0  # prompt tokens restored from the prefix cache
         self._events: asyncio.Queue[Any] = asyncio.Queue()
 
     def cancel(self) -> None:
@@ -143,6 +146,7 @@ class Engine:
         default_max_tokens: int | None = None,
         block_size: int = 16,
         metrics: Any = None,
+        prefix_cache: PrefixCache | None = None,
     ) -> None:
         self.runner = runner
         self.tokenizer = tokenizer
@@ -154,6 +158,8 @@ class Engine:
         self.default_max_tokens = default_max_tokens
         self.block_size = block_size
         self.metrics = metrics
+        self.prefix_cache = prefix_cache
+        self.turns = TurnMarker.learn(chat_template, tokenizer)  # the cache's cut points
         self.started_at = time.time()
         self.draining = False
         self.loaded_once = False
@@ -162,6 +168,7 @@ class Engine:
         self.totals = {
             "requests": 0,
             "prompt_tokens": 0,
+            "cached_prompt_tokens": 0,
             "generation_tokens": 0,
             "errors": 0,
             "spec_drafts": 0,
@@ -298,21 +305,53 @@ class Engine:
             self._observe("spec_fallback", 1)
         try:
             await self.runner.reset()
+            handle.cached_tokens = cached = await self._restore_prefix(req.prompt)
             sampled = await self.runner.prefill(
-                req.prompt, sampling, k, cancelled=lambda: handle.cancelled
+                req.prompt[cached:], sampling, k, cancelled=lambda: handle.cancelled
             )
             if sampled is None:  # cancelled during the prefill
                 handle._finish("abort")
                 return
             self.totals["prompt_tokens"] += handle.prompt_tokens
+            self.totals["cached_prompt_tokens"] += cached  # restored, not computed
             self._observe("prompt_tokens", handle.prompt_tokens)
+            await self._save_prefix(req.prompt)
             if speculate:
-                await self._decode_speculative(handle, out, stops, sampled.token)
+                await self._decode_speculative(handle, out, stops, sampled.token, sampling)
             else:
                 await self._decode_plain(handle, out, stops, sampled, sampling, k)
         except (WorkerDied, WorkerError) as exc:
             self.totals["errors"] += 1
             handle._finish("error", f"the model worker failed: {exc}")
+
+    async def _restore_prefix(self, prompt: list[int]) -> int:
+        """Restore the longest cached prefix into the (reset) target; tokens restored."""
+        cache = self.prefix_cache
+        if cache is None:
+            return 0
+        self._observe("prefix_queries", len(prompt))
+        hit = cache.lookup(prompt)
+        if hit is None:
+            return 0
+        try:
+            restored = await cache.restore(hit, self.runner)
+        except WorkerError as exc:  # a refused import changes nothing: prefill it all
+            log.warning("prefix cache: restoring %s failed (%s); prefilling", hit.entry_id, exc)
+            await self.runner.reset()
+            return 0
+        self._observe("prefix_hits", restored)
+        return restored
+
+    async def _save_prefix(self, prompt: list[int]) -> None:
+        """Snapshot the prompt's KV (the target holds exactly the prompt now); the cut
+        points are its chat-turn boundaries. The disk copy is written in the background."""
+        if self.prefix_cache is None:
+            return
+        cuts = self.turns.cuts(prompt) if self.turns is not None else []
+        try:
+            await self.prefix_cache.save(prompt, len(prompt), self.runner, cuts)
+        except WorkerError as exc:  # the request goes on; only the snapshot is lost
+            log.warning("prefix cache: snapshot of %d tokens failed: %s", len(prompt), exc)
 
     def _emit(self, handle: RequestHandle, out: _Output, sampled: Sampled, stops: set) -> bool:
         """Emit one generated token; True when it ended the request (EOS, stop string,
@@ -371,21 +410,29 @@ class Engine:
                     await ahead
 
     async def _decode_speculative(
-        self, handle: RequestHandle, out: _Output, stops: set, anchor: int
+        self, handle: RequestHandle, out: _Output, stops: set, anchor: int, sampling: dict
     ) -> None:
-        """DFlash, greedy: draft a block after the anchor, verify it in one target forward,
-        emit the accepted proposals and the target's bonus token, roll the KV back to what
-        was accepted; the bonus is the next anchor (emitted, not yet fed)."""
+        """DFlash: draft a block after the anchor, verify it in one target forward, emit the
+        accepted proposals and the target's own next token, roll the KV back to what was
+        accepted; that last token is the next anchor (emitted, not yet fed).
+
+        Greedy requests accept by comparing with the target's argmax (here); sampled ones
+        by rejection sampling in the head's worker, which holds the target's distributions
+        and the request's generator (the draft's q rows wait there in shared memory)."""
         if self._emit(handle, out, Sampled(anchor), stops):
             return
         size = self.block_size
+        greedy = handle.request.params.greedy
         while not handle.cancelled:
-            block = await self.runner.draft_block(anchor, size)
+            block = await self.runner.draft_block(anchor, size, None if greedy else sampling)
             start = self.runner.position
-            target = await self.runner.verify(block)
-            result = verify_greedy(
-                block, target, budget=handle.max_tokens - handle.completion_tokens, eos_ids=stops
-            )
+            budget = handle.max_tokens - handle.completion_tokens
+            if greedy:
+                target = await self.runner.verify(block)
+                result = verify_greedy(block, target, budget=budget, eos_ids=stops)
+            else:
+                tokens, accepted = await self.runner.verify_sampled(block, sampling)
+                result = clip(tokens, accepted, budget, stops)
             await self.runner.truncate(start + result.num_kept)
             handle.spec["drafts"] += 1
             handle.spec["draft_tokens"] += size - 1
@@ -433,6 +480,24 @@ class Engine:
                 else None
             ),
             "placement": self.workers(),
+            "prefix_cache": self._cache_status(),
+        }
+
+    def _cache_status(self) -> dict | None:
+        if self.prefix_cache is None:
+            return None
+        s = self.prefix_cache.stats()
+        return {
+            "entries": s.entries,
+            "memory_entries": s.memory_entries,
+            "disk_entries": s.disk_entries,
+            "memory_bytes": s.memory_bytes,
+            "memory_capacity": s.memory_capacity,
+            "disk_bytes": s.disk_bytes,
+            "disk_budget": s.disk_budget,
+            "queries": s.queries,
+            "hits": s.hits,
+            "hit_tokens": s.hit_tokens,
         }
 
     def workers(self) -> list[dict]:
@@ -440,10 +505,10 @@ class Engine:
 
 
 def _speculative_ok(params: SamplingParams) -> bool:
-    """Greedy requests without penalties or logprobs decode speculatively; the rest fall
-    back to plain decoding (rejection sampling for temperature > 0 and logprobs of verified
-    tokens are not wired into the loop yet)."""
-    return params.greedy and params.logprobs is None and speculative_supported(params)
+    """Requests decode speculatively unless they use penalties (see
+    `speculative_supported`) or logprobs (a verify pass does not report them yet): those
+    fall back to plain decoding, counted in spec_decode_fallbacks_total."""
+    return params.logprobs is None and speculative_supported(params)
 
 
 def _sampling_map(params: SamplingParams) -> dict:

@@ -1,6 +1,9 @@
 """lucectl: ask a running luced about itself over the admin socket.
 
-    lucectl [--socket PATH] [--json] [--timeout S] status | workers | drain | snapshot list
+    lucectl [--socket PATH] [--json] [--timeout S] COMMAND
+
+    status | workers | drain | snapshot list | snapshot drop ID | snapshot save
+    | cache clear [--disk] --yes
 
 The socket: ``--socket``, else ``$LUCED_ADMIN_SOCKET``, else the daemon's default
 (``luced.config.default_admin_socket``); when that does not exist but the systemd
@@ -331,18 +334,39 @@ def build_parser() -> argparse.ArgumentParser:
     snap = sub.add_parser("snapshot", help="prefix-cache snapshots")
     snap_sub = snap.add_subparsers(dest="snapshot_command", required=True, metavar="COMMAND")
     snap_sub.add_parser("list", help="list the snapshots")
+    drop = snap_sub.add_parser("drop", help="remove one snapshot from memory and disk")
+    drop.add_argument("id", help="a snapshot id from `snapshot list`")
+    snap_sub.add_parser("save", help="write every memory snapshot to the disk tier now")
+    cache = sub.add_parser("cache", help="the prefix cache as a whole")
+    cache_sub = cache.add_subparsers(dest="cache_command", required=True, metavar="COMMAND")
+    clear = cache_sub.add_parser("clear", help="drop the memory tier (and the disk tier)")
+    clear.add_argument("--disk", action="store_true", help="delete the snapshot files too")
+    clear.add_argument("--yes", action="store_true", help="confirm (required)")
     return parser
 
 
+def command(args: argparse.Namespace) -> tuple[str, dict[str, Any]]:
+    """The admin command and its arguments for parsed command-line args."""
+    if args.command == "snapshot":
+        extra = {"id": args.id} if args.snapshot_command == "drop" else {}
+        return f"snapshot_{args.snapshot_command}", extra
+    if args.command == "cache":
+        return "cache_clear", {"disk": args.disk}
+    return args.command, {}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    cmd = "snapshot_list" if args.command == "snapshot" else args.command
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command == "cache" and not args.yes:
+        parser.error("cache clear drops snapshots for good: add --yes to confirm")
+    cmd, extra = command(args)
     timeout = args.timeout
-    if timeout is None and cmd != "drain":
+    if timeout is None and cmd not in ("drain", "snapshot_save"):  # these may take long
         timeout = DEFAULT_TIMEOUT
     path = resolve_socket(args.socket)
     try:
-        raw, reply = request(path, cmd, timeout)
+        raw, reply = request(path, cmd, timeout, **extra)
     except Unreachable as exc:
         print(f"lucectl: {exc}", file=sys.stderr)
         return EXIT_UNREACHABLE

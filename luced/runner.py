@@ -58,6 +58,10 @@ from luced.ipc.frames import (
     DraftBlock,
     Forward,
     ForwardReply,
+    KVExport,
+    KVImport,
+    KVLayout,
+    KVLayoutReply,
     Load,
     LoadDraft,
     LoadDraftReply,
@@ -68,9 +72,10 @@ from luced.ipc.frames import (
     StatsReply,
     Truncate,
 )
-from luced.ipc.regions import Region, RegionAllocator, required_bytes, view
+from luced.ipc.regions import Attachments, Region, RegionAllocator, required_bytes, view
 from luced.ipc.shm import Segment, ShmOwner
-from luced.placement import WorkerPlan, check_interpreters, plan_workers
+from luced.placement import WorkerPlan, check_interpreters, parse_device, plan_workers
+from luced.snapshot_layout import TensorSpec
 from luced.workers import WorkerDied, WorkerError, WorkerHandle, WorkerSpec
 
 log = logging.getLogger(__name__)
@@ -149,9 +154,10 @@ class TargetPlacement:
 
 
 class _Slot:
-    """One worker of the pipeline: its fixed share, and whichever process serves it now."""
+    """One worker of the pipeline: its fixed share, and whichever process serves it now.
+    The draft's own worker (``plan`` None) is a slot outside the pipeline."""
 
-    def __init__(self, index: int, spec: WorkerSpec, plan: WorkerPlan) -> None:
+    def __init__(self, index: int, spec: WorkerSpec, plan: WorkerPlan | None) -> None:
         self.index = index
         self.spec = spec
         self.plan = plan
@@ -189,6 +195,8 @@ class TargetRunner:
         self._in_sync = True  # False after a worker restart: every shard must reset
         self.draft: LoadDraftReply | None = None  # the DFlash draft, when one is loaded
         self._draft_path: str | None = None
+        self._draft_device = ""
+        self.draft_slot: _Slot | None = None  # the draft's own worker, when it has one
 
     # -- lifecycle -----------------------------------------------------------------------
 
@@ -203,7 +211,10 @@ class TargetRunner:
 
     @property
     def ready(self) -> bool:
-        return all(s.handle is not None and s.handle.state == "ready" for s in self.slots)
+        return all(s.handle is not None and s.handle.state == "ready" for s in self._all_slots())
+
+    def _all_slots(self) -> list[_Slot]:
+        return [*self.slots, *([self.draft_slot] if self.draft_slot else [])]
 
     @property
     def position(self) -> int:
@@ -249,12 +260,17 @@ class TargetRunner:
         specs["logits"] = ([self.placement.logit_rows, self.vocab], "float32")
         self._carve("act", specs)
 
-    async def _start_worker(self, slot: _Slot) -> None:
+    async def _start_worker(self, slot: _Slot) -> LoadDraftReply | None:
+        """Start and load one worker; the draft's own worker answers its draft's reply."""
         p, plan = self.placement, slot.plan
         worker = WorkerHandle(slot.spec, self.owner.instance, on_exit=self._exit_handler(slot))
         slot.handle = worker
         self._notify()
         await worker.start()
+        if plan is None:  # the draft's own worker: the draft and the target's edges only
+            reply = await self._load_draft_into(worker, target=p.model)
+            self._notify()
+            return reply
         reply = await worker.load(
             Load(
                 model=p.model,
@@ -269,9 +285,10 @@ class TargetRunner:
         )
         self.load_s = max(self.load_s, reply.load_s)
         self.n_layers, self.hidden, self.vocab = reply.n_layers, reply.hidden, reply.vocab
-        if self._draft_path is not None:  # a restarted worker gets its draft back
-            await self._load_draft_into(worker)
+        if self._draft_path is not None and self.draft_slot is None:
+            await self._load_draft_into(worker)  # a restarted worker gets its draft back
         self._notify()
+        return None
 
     def _notify(self) -> None:
         if self.on_state_change is not None:
@@ -279,7 +296,8 @@ class TargetRunner:
 
     def _exit_handler(self, slot: _Slot) -> Callable[[WorkerHandle, int], None]:
         def on_exit(worker: WorkerHandle, code: int) -> None:
-            self._in_sync = False  # the survivors' KV no longer matches the restarted one
+            if slot.plan is not None:  # (the draft keeps no state across calls)
+                self._in_sync = False  # the survivors' KV no longer matches the restarted one
             self._notify()
             if not self._closing and slot.restart_task is None and worker is slot.handle:
                 loop = asyncio.get_running_loop()
@@ -293,11 +311,13 @@ class TargetRunner:
         try:
             while not self._closing:
                 slot.restarts += 1
+                share = (
+                    "the draft"
+                    if slot.plan is None
+                    else "layers [{}, {})".format(*slot.plan.layers)
+                )
                 log.warning(
-                    "restarting worker %s, layers [%d, %d) (restart #%d)",
-                    slot.spec.group,
-                    *slot.plan.layers,
-                    slot.restarts,
+                    "restarting worker %s, %s (restart #%d)", slot.spec.group, share, slot.restarts
                 )
                 try:
                     await self._start_worker(slot)
@@ -313,12 +333,13 @@ class TargetRunner:
 
     async def close(self) -> None:
         self._closing = True
-        for slot in self.slots:
+        slots = self._all_slots()
+        for slot in slots:
             if slot.restart_task is not None:
                 slot.restart_task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await slot.restart_task
-        await asyncio.gather(*(s.handle.stop() for s in self.slots if s.handle is not None))
+        await asyncio.gather(*(s.handle.stop() for s in slots if s.handle is not None))
 
     def _workers(self) -> list[WorkerHandle]:
         handles = [s.handle for s in self.slots]
@@ -362,49 +383,100 @@ class TargetRunner:
 
     # -- DFlash draft -------------------------------------------------------------------
 
-    async def load_draft(self, path: str, ring_cap: int = 4096) -> LoadDraftReply:
-        """Load the draft into the target's worker and start capturing its feature layers.
+    async def load_draft(
+        self,
+        path: str,
+        device: str | None = None,
+        ring_cap: int = 4096,
+        block_size: int = 16,
+        python: str | None = None,
+    ) -> LoadDraftReply:
+        """Load the draft and start capturing its feature layers into the ring.
 
-        The draft needs the target's embedding and head beside it, so for now it lives in
-        the worker of an unsplit target (a split target's draft gets its own worker later).
+        The draft embeds its block and projects its output with the target's embedding and
+        head. It joins the target's worker when that worker holds both (an unsplit target)
+        and `device` is None or one of that worker's devices; otherwise it gets a worker of
+        its own on `device` (default: the head's device), which loads the target's
+        embedding and head beside it. Either way it reads the ring in place.
         """
-        if len(self.slots) != 1:
-            raise ValueError("--draft with a split target (--target-devices) is not supported yet")
+        if not 2 <= block_size <= MAX_BLOCK:
+            raise ValueError(f"block size {block_size} outside [2, {MAX_BLOCK}]")
         self._draft_path = path
-        reply = await self._load_draft_into(self._workers()[0])
+        first = self.slots[0]
+        assert first.plan is not None
+        if device is None and len(self.slots) == 1:
+            device = first.plan.devices[0]
+        device = device or self.slots[-1].plan.devices[-1]  # type: ignore[union-attr]
+        group = parse_device(device)[1]
+        self._draft_device = device
+        if len(self.slots) == 1 and device in first.plan.devices and group == first.spec.group:
+            reply = await self._load_draft_into(self._workers()[0])
+        else:
+            spec = WorkerSpec(
+                group, (device,), python=python or first.spec.python, threads=first.spec.threads
+            )
+            self.draft_slot = _Slot(len(self.slots), spec, None)
+            started = await self._start_worker(self.draft_slot)
+            assert started is not None
+            reply = started
         if reply.mask_token_id is None:
             raise ValueError(f"{path}: the draft config names no mask_token_id")
         self.draft = reply
         self.enable_capture(reply.capture_layers, min(ring_cap, self.placement.kv_capacity))
-        self._carve("draft", {"draft_ids": ([MAX_BLOCK], "int32")})
+        rows = block_size - 1
+        self._carve(
+            "draft",
+            {"draft_ids": ([block_size], "int32"), "draft_probs": ([rows, self.vocab], "float32")},
+        )
         return reply
 
-    async def _load_draft_into(self, worker: WorkerHandle) -> LoadDraftReply:
-        reply = await worker.call(
+    async def _load_draft_into(
+        self, worker: WorkerHandle, target: str | None = None
+    ) -> LoadDraftReply:
+        return await worker.load_draft(
             LoadDraft(
                 path=str(self._draft_path),
                 dtype=self.placement.dtype,  # type: ignore[arg-type]
-                device=self.slots[0].plan.devices[0],
+                device=self._draft_device,
+                target=target,
             )
         )
-        assert isinstance(reply, LoadDraftReply)
-        return reply
 
-    async def draft_block(self, anchor: int, block_size: int) -> list[int]:
+    def _draft_worker(self) -> WorkerHandle:
+        if self.draft_slot is None:
+            return self._workers()[0]
+        h = self.draft_slot.handle
+        if h is None or h.state != "ready":
+            raise WorkerDied(f"the draft worker {self.draft_slot.spec.group} is not ready")
+        return h
+
+    async def draft_block(
+        self, anchor: int, block_size: int, sampling: dict | None = None
+    ) -> list[int]:
         """[anchor, proposal 1, ..., proposal B-1] from the draft, conditioned on the ring's
-        features of the committed positions (greedy proposals)."""
+        features of the committed positions. Greedy proposals, or with a sampling map at
+        temperature > 0 drawn from the draft's distributions q, which stay in the
+        ``draft_probs`` region for ``verify_sampled``."""
         assert self.draft is not None and self.ring is not None
-        if not 2 <= block_size <= MAX_BLOCK:
-            raise ValueError(f"block size {block_size} outside [2, {MAX_BLOCK}]")
-        await self._workers()[0].call(
+        limit = self._regions["draft_ids"].shape[0]
+        if not 2 <= block_size <= limit:
+            raise ValueError(f"block size {block_size} outside [2, {limit}]")
+        outputs = {"ids": self._regions["draft_ids"].rows(0, block_size)}
+        sampling = sampling or {}
+        if sampling and sampling.get("temperature", 1.0) != 0:  # as DraftBlock.sampled
+            outputs["probs"] = self._regions["draft_probs"].rows(0, block_size - 1)
+        await self._draft_worker().call(
             DraftBlock(
                 ring=self.ring.region,
                 committed=self._position,
                 anchor=anchor,
-                outputs={"ids": self._regions["draft_ids"].rows(0, block_size)},
+                outputs=outputs,
                 block_size=block_size,
                 mask_token_id=self.draft.mask_token_id,
-                ctx_window=self.ring.ring_cap,
+                # A verify feeds up to B positions past the committed ones and rolls back:
+                # their slots overwrote the oldest B rows of the ring, so those stay unread.
+                ctx_window=self.ring.ring_cap - block_size,
+                sampling=sampling,
             )
         )
         return self._arrays["draft_ids"][:block_size].tolist()
@@ -417,6 +489,19 @@ class TargetRunner:
             block, "sample", outputs, positions="all", sampling={"temperature": 0.0}
         )
         return self._arrays["ids"][:n].tolist()
+
+    async def verify_sampled(self, block: list[int], sampling: dict) -> tuple[list[int], int]:
+        """Feed a block drafted with `sampling`; the head's worker accepts or rejects its
+        proposals against the draft's q (rejection sampling with the request's generator).
+        Returns (the step's tokens: accepted proposals + the target's own, accepted)."""
+        n = len(block)
+        outputs = {"ids": self._regions["ids"].rows(0, n)}
+        q = self._regions["draft_probs"].rows(0, n - 1)
+        reply = await self._forward(
+            block, "verify", outputs, positions="all", sampling=sampling, draft_probs=q
+        )
+        assert reply.accepted is not None
+        return self._arrays["ids"][: reply.accepted + 1].tolist(), reply.accepted
 
     # -- forwards ------------------------------------------------------------------------
 
@@ -483,7 +568,8 @@ class TargetRunner:
         positions: str = "last",
         sampling: dict | None = None,
         top_logprobs: int = 0,
-    ) -> None:
+        draft_probs: Region | None = None,
+    ) -> ForwardReply:
         """One pipeline pass of `ids` through every worker; outputs from the last one."""
         workers = self._workers()
         if not self._in_sync:
@@ -510,6 +596,7 @@ class TargetRunner:
                     positions=positions if last else "last",  # type: ignore[arg-type]
                     sampling=(sampling or {}) if last else {},
                     top_logprobs=top_logprobs if last else 0,
+                    draft_probs=draft_probs if last else None,
                     **capture,
                 )
                 reply = await worker.call(frame)
@@ -530,6 +617,7 @@ class TargetRunner:
         self._position = start + n
         self.last_wall_us = int((time.perf_counter() - t0) * 1e6)
         self.last_compute_us = compute_us
+        return reply
 
     def _boundary(self, k: int, n: int) -> Region:
         return self._regions[f"boundary-{k}"].rows(0, n)
@@ -569,6 +657,7 @@ class TargetRunner:
         for slot in self.slots:
             if slot.handle is None:
                 continue
+            assert slot.plan is not None
             info = slot.handle.describe()
             for device, layers in zip(slot.plan.devices, slot.plan.shard_ranges(), strict=True):
                 shard = dict(info)
@@ -576,4 +665,146 @@ class TargetRunner:
                 shard["layers"] = list(layers)
                 shard["restarts"] = slot.restarts
                 out.append(shard)
+        d = self.draft_slot
+        if d is not None and d.handle is not None:
+            info = {**d.handle.describe(), "devices": list(d.spec.devices), "layers": "draft"}
+            out.append({**info, "role": "draft", "restarts": d.restarts})
         return out
+
+    # -- KV snapshots --------------------------------------------------------------------
+    #
+    # A snapshot of the target at n tokens (prefix cache, DESIGN §6) is one region per
+    # TensorSpec of `kv_layout`, in a daemon-owned segment (the arena), n along the token
+    # axis (or more: a longer snapshot restores any shorter prefix):
+    #
+    #   "k.{l}", "v.{l}"  [Hkv, >= n, D]  cache dtype   exported / imported by the worker
+    #                                                   holding layer l (frames kv_export /
+    #                                                   kv_import), all workers concurrently
+    #   "ring"            [>= n, n_capture, hidden]     copied here with numpy, from / to
+    #                                                   the feature ring (captures on only)
+    #
+    # Ring rows: the ring holds the last ring_cap positions, so a snapshot carries ring rows
+    # only for its positions [max(0, n - ring_cap), n); rows before that are left as they
+    # were (a restore of a prefix m must not trust ring rows below n - ring_cap). And slot
+    # p % ring_cap holds position p only until a later position p + k * ring_cap is fed,
+    # even one rolled back since: with h the highest position fed (exclusive) since p was,
+    # ring row p is right iff p >= h - ring_cap. Export right after the forward that reached
+    # n (h == n) and every exported ring row is right; exporting n < h copies stale rows.
+
+    async def kv_layout(self) -> list[TensorSpec]:
+        """Every tensor of a snapshot: each worker's K/V in layer order, then the ring."""
+        per_worker = await self._kv_layouts()
+        return [spec for specs in per_worker for spec in specs] + self._ring_spec()
+
+    async def export_kv(self, n: int, regions: dict[str, Region]) -> None:
+        """Copy the snapshot of positions [0, n) (n <= position) into `regions`, one per
+        spec of `kv_layout`. Nothing is written before every region checked out; when a
+        worker fails the others have finished too (the regions are free again) and the
+        first error is raised. The KV is never changed."""
+        if not self._in_sync:
+            raise WorkerDied("a model worker was restarted; its KV is gone")
+        if not 0 <= n <= self._position:
+            raise ValueError(f"cannot export {n} positions: {self._position} are committed")
+        per_worker = await self._kv_layouts()
+        self._check_snapshot(per_worker, regions, n)
+        frames = [
+            KVExport(position=n, regions={s.name: regions[s.name] for s in specs})
+            for specs in per_worker
+        ]
+        await self._kv_call(frames)
+        if self.ring is not None:
+            self._copy_ring(regions["ring"], n, into_ring=False)
+
+    async def import_kv(self, n: int, regions: dict[str, Region], tokens: Region) -> None:
+        """Restore positions [0, n) from a snapshot (its token axis may be longer than n);
+        `tokens` (int32 [>= n]) are the ids at those positions (the workers' history for
+        penalties). All or nothing: regions are checked first (a bad one changes nothing);
+        if a worker fails after that, every worker is reset, position 0, and the first
+        error is raised. Also restores the ring's slots of [max(0, n - ring_cap), n)."""
+        if not 0 <= n <= self.placement.kv_capacity:
+            cap = self.placement.kv_capacity
+            raise ValueError(f"cannot import {n} positions into a KV of {cap}")
+        if tokens.dtype != "int32" or len(tokens.shape) != 1 or tokens.shape[0] < n:
+            raise ValueError(f"tokens must be int32 [>= {n}], got {tokens.dtype} {tokens.shape}")
+        per_worker = await self._kv_layouts()
+        self._check_snapshot(per_worker, regions, n)
+        frames = [
+            KVImport(position=n, regions={s.name: regions[s.name] for s in specs}, tokens=tokens)
+            for specs in per_worker
+        ]
+        self._in_sync = False  # the shards may disagree until every one has imported
+        try:
+            await self._kv_call(frames)
+            if self.ring is not None:
+                self._copy_ring(regions["ring"], n, into_ring=True)
+        except BaseException:
+            self._position = 0
+            with contextlib.suppress(Exception):
+                await self.reset()  # in sync again (empty) unless a worker is gone
+            raise
+        self._position = n
+        self._in_sync = True
+
+    async def _kv_layouts(self) -> list[list[TensorSpec]]:
+        """Each worker's K/V specs, in pipeline order."""
+        replies = await asyncio.gather(*(w.call(KVLayout()) for w in self._workers()))
+        out = []
+        for reply in replies:
+            assert isinstance(reply, KVLayoutReply)
+            out.append([TensorSpec(nm, (h, 1, d), reply.dtype, 1) for nm, h, d in reply.tensors])
+        return out
+
+    def _ring_spec(self) -> list[TensorSpec]:
+        if self.ring is None:
+            return []
+        shape = (1, len(self.ring.layers), self.ring.hidden)
+        return [TensorSpec("ring", shape, self.ring.region.dtype, token_axis=0)]
+
+    async def _kv_call(self, frames: list[KVExport] | list[KVImport]) -> None:
+        """One frame per worker, concurrently; waits for all, then raises the first error."""
+        calls = (w.call(f) for w, f in zip(self._workers(), frames, strict=True))
+        results = await asyncio.gather(*calls, return_exceptions=True)
+        for r in results:
+            if isinstance(r, BaseException):
+                raise r
+
+    def _check_snapshot(
+        self, per_worker: list[list[TensorSpec]], regions: Mapping[str, Region], n: int
+    ) -> None:
+        specs = [s for specs in per_worker for s in specs] + self._ring_spec()
+        names = {s.name for s in specs}
+        missing, unknown = names - regions.keys(), regions.keys() - names
+        if missing or unknown:
+            raise ValueError(
+                f"snapshot regions must match kv_layout: missing {sorted(missing)}, "
+                f"unknown {sorted(unknown)}"
+            )
+        for spec in specs:
+            r = regions[spec.name]
+            axis = spec.token_axis
+            ok = len(r.shape) == len(spec.shape) and r.dtype == spec.dtype and r.shape[axis] >= n
+            if not ok or spec.shape_for(r.shape[axis]) != r.shape:
+                want = list(spec.shape_for(n))
+                raise ValueError(
+                    f"snapshot region {spec.name} must be {spec.dtype} {want} (or longer on "
+                    f"axis {axis}), got {r.dtype} {list(r.shape)}"
+                )
+            if not r.segment.startswith(f"/luced-{self.owner.instance}-"):
+                raise ValueError(f"snapshot region {spec.name} is not in this daemon's memory")
+
+    def _copy_ring(self, region: Region, n: int, into_ring: bool) -> None:
+        """Ring slots of positions [max(0, n - ring_cap), n) <-> the same rows of `region`."""
+        assert self.ring is not None
+        ring, cap = self.ring.array, self.ring.ring_cap
+        with Attachments() as segments:  # the arena may be any segment of ours: map it here
+            rows = segments.view(region)
+            p = max(0, n - cap)
+            while p < n:  # at most two runs: the slots wrap once
+                slot = p % cap
+                k = min(n - p, cap - slot)
+                if into_ring:
+                    ring[slot : slot + k] = rows[p : p + k]
+                else:
+                    rows[p : p + k] = ring[slot : slot + k]
+                p += k
+            del rows  # before the mapping closes

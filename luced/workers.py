@@ -20,7 +20,17 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from luced.ipc.channel import AsyncChannel, ChannelClosedError, RemoteError
-from luced.ipc.frames import Hello, HelloReply, Load, LoadReply, Reply, Request, Shutdown
+from luced.ipc.frames import (
+    Hello,
+    HelloReply,
+    Load,
+    LoadDraft,
+    LoadDraftReply,
+    LoadReply,
+    Reply,
+    Request,
+    Shutdown,
+)
 
 log = logging.getLogger(__name__)
 
@@ -103,6 +113,15 @@ class WorkerHandle:
         reply = await self.call(req)
         assert isinstance(reply, LoadReply)
         self.loaded = reply
+        self.state = "ready"
+        return reply
+
+    async def load_draft(self, req: LoadDraft) -> LoadDraftReply:
+        """Load a DFlash draft; a draft-only worker is ready once it holds one."""
+        if self.loaded is None:
+            self.state = "loading"
+        reply = await self.call(req)
+        assert isinstance(reply, LoadDraftReply)
         self.state = "ready"
         return reply
 

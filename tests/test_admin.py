@@ -466,9 +466,9 @@ def test_lucectl_drain(daemon: FakeDaemon, capsys: pytest.CaptureFixture[str]) -
 def test_lucectl_error_reply_exits_1(sock_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     for _ in _serve(sock_path, []):
         with pytest.raises(SystemExit) as exc:  # a usage error is never sent
-            lucectl.main(["--socket", str(sock_path), "snapshot", "drop"])
+            lucectl.main(["--socket", str(sock_path), "snapshot", "drop"])  # no id
         assert exc.value.code == 2
-        assert "invalid choice: 'drop'" in capsys.readouterr().err
+        assert "the following arguments are required: id" in capsys.readouterr().err
         code, out, err = run_ctl(capsys, "--socket", str(sock_path), "--json", "status")
         assert code == 0
     for _ in _serve(sock_path, [], peer_allowed=lambda uid: False):

@@ -64,7 +64,11 @@ SAMPLES: dict[str, tuple[str, str, Any]] = {
     "target_devices": ("cpu:1", '["cpu:1"]', ("cpu:1",)),
     "target_layer_split": ("3", "[3]", (3.0,)),
     "draft": ("/m/d.gguf", '"/m/d.gguf"', Path("/m/d.gguf")),
+    "draft_device": ("cpu:1", '"cpu:1"', "cpu:1"),
     "block_size": ("4", "4", 4),
+    "prefix_cache_bytes": ("512M", '"512M"', 512 * 2**20),
+    "kv_cache_dir": ("/srv/kv", '"/srv/kv"', Path("/srv/kv")),
+    "kv_cache_budget": ("1.5G", "1610612736", 1610612736),
     "log_level": ("debug", '"debug"', "debug"),
 }  # fmt: skip
 

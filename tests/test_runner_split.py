@@ -45,14 +45,18 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 @contextlib.asynccontextmanager
 async def split_runner(
-    path: Path, devices: tuple[str, ...], weights: tuple[float, ...] = (), rows: int = 16
+    path: Path,
+    devices: tuple[str, ...],
+    weights: tuple[float, ...] = (),
+    rows: int = 16,
+    dtype: str = "float32",
 ) -> AsyncIterator[TargetRunner]:
     n_layers = Model.load(path, layers=(0, 1)).cfg.n_layers
     with ShmOwner() as owner:
         placement = TargetPlacement.split(
             model=str(path),
             n_layers=n_layers,
-            dtype="float32",
+            dtype=dtype,
             kv_capacity=KV,
             max_batch_tokens=32,
             devices=devices,

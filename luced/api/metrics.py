@@ -136,7 +136,17 @@ class Metrics:
             Counter,
             "spec_decode_fallbacks",
             "Requests decoded without the draft because the speculative path cannot honour "
-            "their sampling parameters exactly (temperature > 0 or penalties, for now).",
+            "them exactly (penalties, logprobs).",
+        )
+        # vLLM's names and meaning: prompt tokens looked up, and those found cached.
+        self.prefix_cache_queries = family(
+            Counter, "prefix_cache_queries", "Prefix cache queries, in queried prompt tokens."
+        )
+        self.prefix_cache_hits = family(
+            Counter, "prefix_cache_hits", "Prefix cache hits, in restored prompt tokens."
+        )
+        self._prefix_cache_bytes = family(
+            Gauge, "prefix_cache_bytes", "Bytes of prefix-cache snapshots per tier.", ["tier"]
         )
         self._observers = {
             "ttft": self.time_to_first_token.observe,
@@ -147,6 +157,8 @@ class Metrics:
             "queue": self.num_requests_waiting.set,
             "running": self.num_requests_running.set,
             "spec_fallback": self.spec_decode_fallbacks.inc,
+            "prefix_queries": self.prefix_cache_queries.inc,
+            "prefix_hits": self.prefix_cache_hits.inc,
         }
 
     # -- what the engine calls ----------------------------------------------------------------
@@ -156,7 +168,8 @@ class Metrics:
 
         ttft, itl, e2e: seconds; prompt_tokens: one request's prompt length (counter and
         per-request histogram); generation_tokens: tokens just generated; queue, running:
-        the current number of waiting / running requests.
+        the current number of waiting / running requests; prefix_queries / prefix_hits:
+        prompt tokens looked up in / restored from the prefix cache.
         """
         try:
             observer = self._observers[what]
@@ -198,6 +211,11 @@ class Metrics:
         """Set the gauges from `Engine.status()` (called on every scrape)."""
         queue = status.get("queue") or {}
         self.set_queue(running=int(queue.get("running", 0)), waiting=int(queue.get("waiting", 0)))
+        cache = status.get("prefix_cache") or {}
+        for tier in ("memory", "disk"):
+            self._prefix_cache_bytes.labels(**self._base, tier=tier).set(
+                int(cache.get(f"{tier}_bytes", 0))
+            )
 
     # -- exposition ---------------------------------------------------------------------------
 

@@ -196,18 +196,21 @@ async def _generate(
         raise
     if (err := finish_error(handle.finish_reason, handle.error)) is not None:
         raise err
-    fmt.usage_extra = spec_usage(handle)
+    fmt.usage_extra = usage_extra(handle)
     body = fmt.response(
         deltas, handle.finish_reason or "stop", handle.prompt_tokens, handle.completion_tokens
     )
     return web.json_response(body, dumps=dumps)
 
 
-def spec_usage(handle: RequestHandle) -> dict:
-    """DFlash counts for `usage` when the request decoded speculatively: drafts (verify
-    steps), draft_tokens (proposed) and accepted_tokens."""
-    spec = handle.spec
-    return {"speculative": dict(spec)} if spec["drafts"] else {}
+def usage_extra(handle: RequestHandle) -> dict:
+    """`usage` beyond the token counts: prompt tokens restored from the prefix cache (as
+    OpenAI reports cached tokens) and, when the request decoded speculatively, the DFlash
+    counts: drafts (verify steps), draft_tokens (proposed) and accepted_tokens."""
+    extra: dict = {"prompt_tokens_details": {"cached_tokens": handle.cached_tokens}}
+    if handle.spec["drafts"]:
+        extra["speculative"] = dict(handle.spec)
+    return extra
 
 
 async def _stream(
@@ -232,7 +235,7 @@ async def _stream(
             tail = [err.body()]
         else:
             reason = handle.finish_reason or "stop"
-            fmt.usage_extra = spec_usage(handle)
+            fmt.usage_extra = usage_extra(handle)
             tail = fmt.end(reason, handle.prompt_tokens, handle.completion_tokens)
         for event in tail:
             await resp.write(sse(event))

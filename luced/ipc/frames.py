@@ -25,6 +25,9 @@ The ops (request fields -> reply fields):
                                                hidden, load_s
     draft     ring, committed, anchor, outputs, block_size, mask_token_id, ctx_window,
               sampling                      -> n, ctx, elapsed_us
+    kv_layout                               -> tensors, dtype
+    kv_export position, regions             -> position, elapsed_us
+    kv_import position, regions, tokens     -> position, elapsed_us
     truncate  position                      -> position
     reset                                   -> (nothing)
     stats                                   -> stats
@@ -33,8 +36,9 @@ The ops (request fields -> reply fields):
 The daemon opens with ``hello``; both sides check ``protocol == PROTOCOL_VERSION`` (a
 mismatch raises ``ProtocolVersionError`` naming both versions). Any change to a field
 bumps ``PROTOCOL_VERSION`` (2: ``project``; ``tokens`` may ride along ``hidden_in``;
-3: ``load_draft`` and ``draft``).
-Later verbs (KV export/import, expert compute) are added here, each as one
+3: ``load_draft`` and ``draft``; 4: ``forward`` want="verify";
+5: ``kv_layout``, ``kv_export``, ``kv_import``).
+Later verbs (expert compute) are added here, each as one
 request class and one reply class.
 
 Each class validates on construction (types, then the op's own rules), so a bad frame
@@ -45,6 +49,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar, Literal, Self, TypeVar
@@ -54,7 +59,7 @@ import msgpack
 from luced.ipc.regions import Region
 from luced.ipc.typed import FrameError, Record
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 5
 MAX_FRAME_BYTES = 16 * 1024 * 1024
 
 _ENVELOPE = frozenset({"op", "seq", "ok", "error"})  # no op may use these as fields
@@ -211,7 +216,7 @@ class LoadReply(Reply):
 
 # -- forward --------------------------------------------------------------------------------
 
-Want = Literal["sample", "logits", "topk", "hidden"]
+Want = Literal["sample", "logits", "topk", "hidden", "verify"]
 Positions = Literal["last", "all"]
 
 # Output regions by want: (required, optional). Shapes (rows may exceed what is used):
@@ -222,11 +227,17 @@ Positions = Literal["last", "all"]
 #   logits         float32 [n_out, vocab]      raw logits after the head's scaling/softcap
 #   hidden         float   [n_tokens, hidden]  boundary activations for the next shard
 # n_out = 1 for positions="last", n_tokens for positions="all".
+# want="verify" (DFlash, temperature > 0): the fed tokens are a drafted block [anchor,
+# proposals...]; the worker runs rejection sampling (``speculative.verify_sampled``) of the
+# proposals against ``draft_probs`` with the request's sampler and writes the step's tokens
+# (accepted proposals, then the target's own token) to ``ids``; the reply's ``accepted``
+# counts the accepted proposals, so ``accepted + 1`` rows of ids are valid.
 OUTPUTS: dict[str, tuple[frozenset[str], frozenset[str]]] = {
     "sample": (frozenset({"ids"}), frozenset({"logprobs", "topk_ids", "topk_logprobs"})),
     "logits": (frozenset({"logits"}), frozenset()),
     "topk": (frozenset({"topk_ids", "topk_logprobs"}), frozenset({"logprobs"})),
     "hidden": (frozenset({"hidden"}), frozenset()),
+    "verify": (frozenset({"ids"}), frozenset()),
 }
 _OUTPUT_DTYPES = {
     "ids": ("int32",),
@@ -281,6 +292,7 @@ class Forward(Request):
     top_logprobs: int = 0
     capture: tuple[int, ...] = ()
     ring: Region | None = None
+    draft_probs: Region | None = None  # want="verify": float32 [>= n_tokens - 1, vocab]
 
     @property
     def n_out(self) -> int:
@@ -294,6 +306,7 @@ class Forward(Request):
         self._check_outputs()
         self._check_sampling()
         self._check_capture()
+        self._check_verify()
 
     def _check_input(self) -> None:
         if self.tokens is None and self.hidden_in is None:
@@ -357,6 +370,20 @@ class Forward(Request):
             n = self.n_tokens
             raise self._fail(f"ring holds {r.shape[0]} positions, fewer than n_tokens {n}")
 
+    def _check_verify(self) -> None:
+        if self.want != "verify":
+            if self.draft_probs is not None:
+                raise self._fail('draft_probs is only for want="verify"')
+            return
+        q = self.draft_probs
+        if self.positions != "all" or self.n_tokens < 2 or q is None:
+            raise self._fail('want="verify" needs positions="all", n_tokens >= 2 and draft_probs')
+        if q.dtype != "float32" or len(q.shape) != 2 or q.shape[0] < self.n_tokens - 1:
+            got = f"{q.dtype} {list(q.shape)}"
+            raise self._fail(f"draft_probs must be float32 [>= {self.n_tokens - 1}, vocab], {got}")
+        if self.top_logprobs:
+            raise self._fail('want="verify" returns no logprobs')
+
 
 def _check_sampling_map(frame: Forward | DraftBlock) -> None:
     unknown = set(frame.sampling) - SAMPLING_KEYS
@@ -375,6 +402,7 @@ class ForwardReply(Reply):
     n_out: int  # rows written to each output region
     position: int  # committed KV length after the forward
     elapsed_us: int  # worker-side compute time
+    accepted: int | None = None  # want="verify": proposals accepted (ids rows: accepted + 1)
 
 
 # -- project --------------------------------------------------------------------------------
@@ -531,6 +559,110 @@ class DraftBlock(Request):
 class DraftBlockReply(Reply):
     n: int  # proposals written (block_size - 1); ids rows written: n + 1
     ctx: int  # context positions the draft read (C)
+    elapsed_us: int
+
+
+# -- KV snapshots ---------------------------------------------------------------------------
+#
+# A prefix-cache snapshot of a worker is one region per KV tensor of its layers, named
+# "k.{layer}" / "v.{layer}" (global layer index), each [n_kv_heads, >= n, head_dim] in the
+# cache dtype, in a daemon-owned segment (the snapshot arena). Rows [0, n) along the token
+# axis (axis 1) are the K / V of positions [0, n). The worker copies straight between its
+# cache and those regions (device <-> host on a GPU); nothing is serialized.
+
+_KV_NAME = re.compile(r"^[kv]\.(0|[1-9][0-9]{0,5})$")
+
+
+def _check_kv_regions(frame: KVExport | KVImport) -> None:
+    if not frame.regions:
+        raise frame._fail("regions is empty")
+    for name, r in frame.regions.items():
+        if not _KV_NAME.match(name):
+            raise frame._fail(f'region name {name!r} is not "k.<layer>" or "v.<layer>"')
+        if len(r.shape) != 3 or r.dtype not in COMPUTE_DTYPES or r.shape[1] < frame.position:
+            raise frame._fail(
+                f"regions.{name} must be float [n_kv_heads, >= {frame.position}, head_dim], "
+                f"got {r.dtype} {list(r.shape)}"
+            )
+
+
+@_op("kv_layout", REQUESTS)
+@dataclass(frozen=True)
+class KVLayout(Request):
+    """Which KV tensors this worker's shards hold, for sizing snapshot regions."""
+
+
+@_op("kv_layout", REPLIES)
+@dataclass(frozen=True)
+class KVLayoutReply(Reply):
+    # (name, n_kv_heads, head_dim) per tensor: "k.{layer}", "v.{layer}" for every layer of
+    # every shard, in layer order. One token of a tensor is n_kv_heads * head_dim values.
+    tensors: tuple[tuple[str, int, int], ...]
+    dtype: ComputeDtype  # the cache dtype (= the load dtype)
+
+
+@_op("kv_export", REQUESTS)
+@dataclass(frozen=True)
+class KVExport(Request):
+    """Copy K/V rows [0, position) of every layer into ``regions`` (see the section comment).
+
+    ``regions`` names exactly the tensors of ``kv_layout``; ``position`` <= the committed KV
+    length. Everything is checked before the first copy; the KV is never changed. The worker
+    writes the regions before replying; nobody reads them before the reply.
+    """
+
+    position: int
+    regions: dict[str, Region]
+
+    def _check(self) -> None:
+        if self.position < 0:
+            raise self._fail(f"position must be >= 0, got {self.position}")
+        _check_kv_regions(self)
+        spans = sorted(
+            (r.segment, r.offset, r.offset + r.nbytes, name) for name, r in self.regions.items()
+        )
+        for a, b in itertools.pairwise(spans):  # two destinations in the same bytes: a bug
+            if a[0] == b[0] and b[1] < a[2]:
+                raise self._fail(f"regions {a[3]} and {b[3]} overlap")
+
+
+@_op("kv_export", REPLIES)
+@dataclass(frozen=True)
+class KVExportReply(Reply):
+    position: int  # rows exported
+    elapsed_us: int
+
+
+@_op("kv_import", REQUESTS)
+@dataclass(frozen=True)
+class KVImport(Request):
+    """Replace this worker's KV (all shards) with rows [0, position) of ``regions``.
+
+    The regions' token axis may be longer than ``position``: any prefix of a snapshot can be
+    restored. ``tokens`` (int32 ``[>= position]``) are the ids at those positions: the new
+    token history (penalties). Sampler state is dropped as by ``reset``. Everything is
+    checked before the KV is touched (a rejected import changes nothing); after the reply
+    the KV holds ``position`` positions. The daemon wrote the regions before the frame.
+    """
+
+    position: int
+    regions: dict[str, Region]
+    tokens: Region
+
+    def _check(self) -> None:
+        if self.position < 0:
+            raise self._fail(f"position must be >= 0, got {self.position}")
+        _check_kv_regions(self)
+        t = self.tokens
+        if t.dtype != "int32" or len(t.shape) != 1 or t.shape[0] < self.position:
+            got = f"{t.dtype} {list(t.shape)}"
+            raise self._fail(f"tokens must be int32 [>= {self.position}], got {got}")
+
+
+@_op("kv_import", REPLIES)
+@dataclass(frozen=True)
+class KVImportReply(Reply):
+    position: int  # committed KV length now
     elapsed_us: int
 
 

@@ -49,6 +49,7 @@ from luced.ipc.regions import Attachments, Region
 from luced.runtime.kv_cache import ContextOverflow, KVCache
 from luced.runtime.model import Model
 from luced.runtime.sampler import Sampler, sample
+from luced.runtime.speculative import verify_sampled
 from luced.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -157,6 +158,9 @@ class Backend:
             F.DraftBlock: self.draft_block,
             F.Truncate: self.truncate,
             F.Reset: self.reset,
+            F.KVLayout: self.kv_layout,
+            F.KVExport: self.kv_export,
+            F.KVImport: self.kv_import,
             F.Stats: self.stats,
             F.Shutdown: self.shutdown,
         }
@@ -236,6 +240,23 @@ class Backend:
         m.sampler = m.sampling = None
         return F.ResetReply()
 
+    # KV snapshots (prefix cache): luced.runtime.kv_snapshot has the copies.
+
+    def kv_layout(self, req: F.KVLayout) -> F.KVLayoutReply:
+        from luced.runtime import kv_snapshot  # imports this module: imported on use
+
+        return kv_snapshot.layout(self, req)
+
+    def kv_export(self, req: F.KVExport) -> F.KVExportReply:
+        from luced.runtime import kv_snapshot
+
+        return kv_snapshot.export(self, req)
+
+    def kv_import(self, req: F.KVImport) -> F.KVImportReply:
+        from luced.runtime import kv_snapshot
+
+        return kv_snapshot.import_(self, req)
+
     def stats(self, req: F.Stats) -> F.StatsReply:
         m = self.loaded
         stats: dict[str, int | float | str] = {
@@ -266,9 +287,10 @@ class Backend:
         ids, hidden_in = self._inputs(req, m)
         outputs = self._outputs(req, m)
         ring = self._ring(req, m)
-        sampler = self._sampler(req, m) if req.want == "sample" else None
+        sampler = self._sampler(req, m) if req.want in ("sample", "verify") else None
         if sampler is not None and sampler.params.has_penalties and len(m.tokens) != start:
             raise WorkerError("penalties need the token history; this shard was fed hidden_in")
+        q = self._draft_probs(req, m, sampler)
         first, last = m.shards[0].model, m.shards[-1].model
         if hidden_in is None:
             assert ids is not None
@@ -276,10 +298,22 @@ class Backend:
         else:
             hidden = hidden_in.to(first.device)
         fed = ids.tolist() if ids is not None else []  # copied before the daemon reuses it
+        accepted = None
         try:
             hidden = self._run(m, hidden, start, req.capture, ring)
             if req.want == "hidden":
                 outputs["hidden"][:n].copy_(hidden)
+            elif q is not None:
+                assert sampler is not None and ids is not None
+                result = verify_sampled(
+                    ids,
+                    sampler.probs(last.logits(hidden)),
+                    q.to(last.device),
+                    sampler.generator(last.device),
+                    budget=n,
+                )
+                outputs["ids"][: len(result.tokens)].copy_(torch.tensor(result.tokens))
+                accepted = result.num_accepted
             else:
                 rows = hidden[-1:] if req.positions == "last" else hidden
                 self._head_outputs(req, m, last.logits(rows), outputs, sampler, fed)
@@ -291,7 +325,9 @@ class Backend:
         self.forward_count += 1
         self.tokens_processed += n
         self.busy_s += elapsed
-        return F.ForwardReply(n_out=req.n_out, position=m.position, elapsed_us=int(elapsed * 1e6))
+        return F.ForwardReply(
+            n_out=req.n_out, position=m.position, elapsed_us=int(elapsed * 1e6), accepted=accepted
+        )
 
     @torch.inference_mode()
     def project(self, req: F.Project) -> F.ProjectReply:
@@ -397,6 +433,20 @@ class Backend:
             # Logprobs are computed beside the draw and never touch the generator.
             m.sampler.params = dataclasses.replace(m.sampler.params, logprobs=k)
         return m.sampler
+
+    def _draft_probs(
+        self, req: F.Forward, m: Loaded, sampler: Sampler | None
+    ) -> torch.Tensor | None:
+        """want="verify": the draft's q rows [n - 1, vocab], checked before any compute."""
+        if req.want != "verify":
+            return None
+        assert req.draft_probs is not None and sampler is not None
+        if req.tokens is None:
+            raise WorkerError('want="verify" needs the block\'s token ids (tokens)')
+        if sampler.params.greedy or sampler.params.has_penalties:
+            raise WorkerError('want="verify" needs temperature > 0 and no penalties')
+        self._check_width("draft_probs", req.draft_probs, m.reply.vocab)
+        return self._tensor(req.draft_probs)[: req.n_tokens - 1]
 
     def _inputs(self, req: F.Forward, m: Loaded) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """(token ids or None, hidden rows or None): [n] int32 / [n, hidden] views; the

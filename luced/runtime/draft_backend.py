@@ -22,6 +22,7 @@ One ``draft`` call (dflash-reference B.3, stateless: context K/V are recomputed)
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,6 +38,11 @@ from luced.runtime.model import Model
 from luced.runtime.sampler import Sampler, probs
 from luced.runtime.weights import WeightLoader, parse_dtype
 from luced.sampling_params import SamplingParams
+
+
+def draft_seed(seed: int) -> int:
+    """The draft's generator seed for a request seeded with `seed` (a different stream)."""
+    return (seed ^ 0x5DEECE66D) % 2**63  # any constant: the streams only have to differ
 
 
 @dataclass
@@ -184,6 +190,11 @@ def _params(req: F.DraftBlock) -> SamplingParams | None:
 def _sampler(state: DraftState, req: F.DraftBlock, params: SamplingParams) -> Sampler:
     """The kept sampler (one generator across a request's steps), new when the map changes."""
     if state.sampler is None or state.sampling != req.sampling:
+        if params.seed is not None:
+            # The target's verify draws its uniforms from a generator with the request's
+            # seed; the draft's must be a different stream, or the acceptance test would
+            # reuse the very uniforms that picked the proposals (correlated, not exact).
+            params = dataclasses.replace(params, seed=draft_seed(params.seed))
         state.sampler = Sampler(params)
         state.sampling = dict(req.sampling)
     return state.sampler

@@ -203,6 +203,11 @@ def _check_fit(
             f"{path}: capture layers {list(cfg.capture_layers)} do not fit a target with "
             f"{target_n_layers} layers"
         )
+    if len(set(cfg.capture_layers)) != len(cfg.capture_layers):
+        raise DraftError(
+            f"{path}: capture layers {list(cfg.capture_layers)} repeat a layer: a target with "
+            f"{target_n_layers} layers is too shallow for {len(cfg.capture_layers)} captures"
+        )
     if cfg.block_size < 2:
         raise DraftError(f"{path}: block_size {cfg.block_size} must be at least 2")
 

@@ -10,9 +10,15 @@ Sliding-window layers keep every position too. Their attention masks keys
 outside the window, so results equal full attention within the window; keeping
 the rows makes truncation and prefix snapshots uniform across layer kinds.
 Storage grows by doubling up to `capacity`, so short chats stay small.
+
+Prefix snapshots: `export_rows` copies a layer's committed rows [0, n) out (into
+shared memory, device -> host on a GPU); `import_rows` replaces the whole cache by
+the first n rows of given tensors and commits n.
 """
 
 from __future__ import annotations
+
+from collections.abc import Mapping
 
 import torch
 
@@ -44,14 +50,16 @@ class KVCache:
         self.v: dict[int, torch.Tensor] = {}
         self._grow(min(capacity, initial))
 
-    def _grow(self, size: int) -> None:
+    def _grow(self, size: int, keep: int | None = None) -> None:
+        """Reallocate every layer to `size` rows, keeping rows [0, keep) (default: all)."""
+        keep = self._allocated if keep is None else keep
         shape = (self.n_kv_heads, size, self.head_dim)
         for i in self.layers:
             k = torch.zeros(shape, dtype=self.dtype, device=self.device)
             v = torch.zeros(shape, dtype=self.dtype, device=self.device)
-            if self._allocated:
-                k[:, : self._allocated] = self.k[i][:, : self._allocated]
-                v[:, : self._allocated] = self.v[i][:, : self._allocated]
+            if keep:
+                k[:, :keep] = self.k[i][:, :keep]
+                v[:, :keep] = self.v[i][:, :keep]
             self.k[i], self.v[i] = k, v
         self._allocated = size
 
@@ -90,6 +98,40 @@ class KVCache:
 
     def reset(self) -> None:
         self.pos = 0
+
+    def export_rows(self, layer: int, n: int, k_out: torch.Tensor, v_out: torch.Tensor) -> None:
+        """Copy `layer`'s committed rows [0, n) into k_out / v_out ([Hkv, >= n, D], the cache
+        dtype, any device: `copy_` crosses devices)."""
+        if not 0 <= n <= self.pos:
+            raise ValueError(f"cannot export {n} rows: fill position is {self.pos}")
+        k_out[:, :n].copy_(self.k[layer][:, :n])
+        v_out[:, :n].copy_(self.v[layer][:, :n])
+
+    def import_rows(self, n: int, rows: Mapping[int, tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Replace the cache by rows [0, n) of each layer's (k, v) ([Hkv, >= n, D], the cache
+        dtype, any device) and commit n. Every layer must be given; the shapes are checked
+        before anything changes. A copy failing part-way leaves the cache empty (pos 0)."""
+        if n > self.capacity:
+            raise ContextOverflow(f"{n} positions exceed the KV capacity {self.capacity}")
+        if set(rows) != set(self.layers):
+            raise ValueError(f"import needs layers {list(self.layers)}, got {sorted(rows)}")
+        want = (self.n_kv_heads, self.head_dim)
+        for layer, pair in rows.items():
+            for t in pair:
+                if t.dim() != 3 or (t.shape[0], t.shape[2]) != want or t.shape[1] < n:
+                    raise ValueError(
+                        f"layer {layer}: rows must be [{want[0]}, >= {n}, {want[1]}], "
+                        f"got {list(t.shape)}"
+                    )
+                if t.dtype != self.dtype:
+                    raise ValueError(f"layer {layer}: rows are {t.dtype}, the cache {self.dtype}")
+        self.pos = 0
+        if n > self._allocated:  # nothing to keep: the old rows are being replaced
+            self._grow(min(self.capacity, max(n, 2 * self._allocated)), keep=0)
+        for layer, (k, v) in rows.items():
+            self.k[layer][:, :n].copy_(k[:, :n])
+            self.v[layer][:, :n].copy_(v[:, :n])
+        self.pos = n
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (*self.k.values(), *self.v.values()))

@@ -56,6 +56,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "VerifyResult",
+    "clip",
     "residual_distribution",
     "speculative_supported",
     "verify_greedy",
@@ -128,7 +129,7 @@ def verify_greedy(
     while accepted < n - 1 and int(block[accepted + 1]) == int(target[accepted]):
         accepted += 1
     emitted = [int(x) for x in block[1 : accepted + 1]] + [int(target[accepted])]
-    return _cut(emitted, accepted, budget, eos_ids)
+    return clip(emitted, accepted, budget, eos_ids)
 
 
 def verify_sampled(
@@ -184,7 +185,7 @@ def verify_sampled(
     # .float(): _draw's cumsum works in place on a float64 input, which would be a view of p.
     last = int(_draw(dist[None, :].float(), generator)[0])
     emitted = [*proposals[:accepted].tolist(), last]
-    return _cut(emitted, accepted, budget, eos_ids)
+    return clip(emitted, accepted, budget, eos_ids)
 
 
 def residual_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
@@ -201,8 +202,11 @@ def residual_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     return torch.where(total > 0, r / total.clamp_min(torch.finfo(r.dtype).tiny), p)
 
 
-def _cut(emitted: list[int], accepted: int, budget: int, eos_ids: Collection[int]) -> VerifyResult:
-    """Apply max tokens and EOS to the step's candidate tokens, as plain decoding would."""
+def clip(
+    emitted: Sequence[int], accepted: int, budget: int, eos_ids: Collection[int] = ()
+) -> VerifyResult:
+    """Apply max tokens and EOS to the step's candidate tokens, as plain decoding would.
+    (The daemon clips what a worker's sampled verify emitted with the request's limits.)"""
     if budget < 1:
         raise ValueError(f"budget (max tokens left) must be >= 1, got {budget}")
     out: list[int] = []

@@ -134,6 +134,18 @@ class DaemonProcess:
                 return line.rsplit("shared memory instance ", 1)[1].split()[0]
         raise AssertionError(f"no instance id in the daemon log:\n{self.log()}")
 
+    def lucectl(self, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+        """`lucectl --socket <this daemon's> ARGS`, text output captured."""
+        return subprocess.run(
+            [sys.executable, "-m", "luced.lucectl", "--socket", str(self.admin_socket), *args],
+            capture_output=True,
+            text=True,
+            check=check,
+        )
+
+    def lucectl_json(self, *args: str) -> dict:
+        return json.loads(self.lucectl("--json", *args).stdout)
+
     def segments(self) -> list[str]:
         """This daemon's shared-memory segments still present in /dev/shm."""
         prefix = f"luced-{self.instance()}-"

@@ -12,8 +12,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 
 import openai
 import pytest
@@ -23,17 +21,8 @@ from test_daemon import client, generate_tool, long_stream, raw_post
 pytestmark = pytest.mark.real_model
 
 
-def lucectl(d: DaemonProcess, *args: str) -> str:
-    return subprocess.run(
-        [sys.executable, "-m", "luced.lucectl", "--socket", str(d.admin_socket), *args],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout
-
-
 def shards(d: DaemonProcess) -> list[dict]:
-    return json.loads(lucectl(d, "--json", "status"))["placement"]
+    return d.lucectl_json("status")["placement"]
 
 
 def test_split_daemon_end_to_end(smollm2_gguf, tmp_path) -> None:
@@ -45,7 +34,7 @@ def test_split_daemon_end_to_end(smollm2_gguf, tmp_path) -> None:
             ("cpu:1", ["cpu:1"], [15, 30]),
         ]
         assert before[0]["pid"] != before[1]["pid"]
-        text = lucectl(d, "status")
+        text = d.lucectl("status").stdout
         assert "cpu [cpu]: [0, 15); cpu:1 [cpu:1]: [15, 30)" in text
         assert str(before[1]["pid"]) in text
 

@@ -131,6 +131,22 @@ def sample_requests() -> dict[str, F.Request]:
             ctx_window=2048,
             sampling={"temperature": 0.7, "top_p": 0.9, "seed": 3},
         ),
+        "kv_layout": F.KVLayout(),
+        "kv_export": F.KVExport(
+            position=100,
+            regions={
+                "k.4": region(64, (3, 128, 64), "bfloat16"),
+                "v.4": region(49216, (3, 128, 64), "bfloat16"),
+            },
+        ),
+        "kv_import": F.KVImport(
+            position=90,
+            regions={
+                "k.4": region(64, (3, 128, 64), "bfloat16"),
+                "v.4": region(49216, (3, 128, 64), "bfloat16"),
+            },
+            tokens=region(98368, (128,), "int32"),
+        ),
         "truncate": F.Truncate(position=57),
         "reset": F.Reset(),
         "stats": F.Stats(),
@@ -166,6 +182,9 @@ def sample_replies() -> dict[str, F.Reply]:
             load_s=0.4,
         ),
         "draft": F.DraftBlockReply(n=15, ctx=64, elapsed_us=2100),
+        "kv_layout": F.KVLayoutReply(tensors=(("k.4", 3, 64), ("v.4", 3, 64)), dtype="bfloat16"),
+        "kv_export": F.KVExportReply(position=100, elapsed_us=950),
+        "kv_import": F.KVImportReply(position=90, elapsed_us=870),
         "truncate": F.TruncateReply(position=57),
         "reset": F.ResetReply(),
         "stats": F.StatsReply(stats={"rss_bytes": 123456789, "busy_s": 1.5, "device": "cpu"}),

@@ -84,7 +84,10 @@ def forward(**kw: object) -> F.Forward:
         ({"n_tokens": True}, r"n_tokens: expected int, got bool"),
         ({"start_pos": 1.0}, r"start_pos: expected int, got float"),
         ({"n_tokens": 0}, "n_tokens >= 1"),
-        ({"want": "beam"}, r"want: expected one of \['sample', 'logits', 'topk', 'hidden'\]"),
+        (
+            {"want": "beam"},
+            r"want: expected one of \['sample', 'logits', 'topk', 'hidden', 'verify'\]",
+        ),
         ({"tokens": None}, "one of tokens / hidden_in must be given"),
         ({"tokens": R(128, (3,), "int32")}, r"tokens must be int32 \[>= 4\]"),
         ({"tokens": R(128, (8,), "int64")}, "tokens must be int32"),

@@ -5,6 +5,7 @@ ring the target workers filled through real `forward` frames with captures."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -20,6 +21,7 @@ from luced.ipc.channel import RemoteError
 from luced.ipc.regions import Region, RegionAllocator, required_bytes
 from luced.ipc.shm import Segment, ShmOwner
 from luced.runtime.draft import Draft, project_with_target_head
+from luced.runtime.draft_backend import draft_seed
 from luced.runtime.model import Model
 from luced.runtime.sampler import Sampler, probs
 from luced.sampling_params import SamplingParams
@@ -191,7 +193,9 @@ def test_draft_in_the_target_worker(
     params = SamplingParams(**SAMPLING)
     q = torch.from_numpy(io.a("probs").copy())
     torch.testing.assert_close(q, probs(logits, params), rtol=1e-5, atol=1e-7)
-    drawn = Sampler(params).sample(logits).tokens.tolist()
+    # The draft's generator is seeded apart from the target's (see draft_seed).
+    drafts = dataclasses.replace(params, seed=draft_seed(params.seed))
+    drawn = Sampler(drafts).sample(logits).tokens.tolist()
     ids = io.a("ids").tolist()
     assert ids == [29, *drawn]
     assert all(q[j, ids[j + 1]] > 0 for j in range(BLOCK - 1))  # each drawn from its row

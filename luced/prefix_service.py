@@ -1,0 +1,146 @@
+"""The daemon's prefix cache as operators see it: built from the config, served to lucectl.
+
+    cache = await open_prefix_cache(config, runner, owner, model_path, template)
+    handlers = snapshot_handlers(lambda: engine.prefix_cache, tokenizer)   # admin verbs
+
+A file of the disk tier is only restored by a daemon with the same identity: the same
+model file (fingerprint: size + SHA-256 of its first and last MiB, which hold the GGUF
+header, tensor table and the end of the weights, so that no multi-GB read is needed at
+start), the same chat template (cut points depend on it), the same placement (devices and
+layer ranges) and the same KV dtype.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from luced.admin import CommandError
+from luced.config import Config
+from luced.ipc.shm import ShmOwner
+from luced.prefix_cache import PrefixCache
+from luced.runner import TargetRunner
+from luced.snapshot_arena import SnapshotArena
+from luced.snapshot_disk import DiskIdentity, SnapshotDirError, SnapshotDisk
+from luced.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+_EDGE = 1 << 20  # bytes hashed at each end of the model file
+PREVIEW_TOKENS = 24  # tokens detokenized for `snapshot list`
+
+
+def model_fingerprint(path: str | Path) -> str:
+    p = Path(path)
+    size = p.stat().st_size
+    h = hashlib.sha256(str(size).encode())
+    with p.open("rb") as f:
+        h.update(f.read(_EDGE))
+        if size > _EDGE:
+            f.seek(max(_EDGE, size - _EDGE))
+            h.update(f.read(_EDGE))
+    return h.hexdigest()[:32]
+
+
+def placement_key(runner: TargetRunner) -> str:
+    """Shards in layer order: `cpu[0,15);cpu:1[15,30)`."""
+    return ";".join(
+        f"{s['devices'][0]}[{s['layers'][0]},{s['layers'][1]})"
+        for s in runner.describe()
+        if not isinstance(s["layers"], str)  # the draft's worker holds no target layers
+    )
+
+
+async def open_prefix_cache(
+    config: Config, runner: TargetRunner, owner: ShmOwner, model_path: str, template: Any
+) -> PrefixCache | None:
+    """The prefix cache the config asks for (None: --prefix-cache-bytes 0). Raises
+    ValueError naming the option when the directory cannot be used."""
+    if config.prefix_cache_bytes <= 0:
+        return None
+    layout = await runner.kv_layout()
+    disk = None
+    if config.kv_cache_dir is not None:
+        source = getattr(template, "source", "") or ""
+        identity = DiskIdentity(
+            fingerprint=model_fingerprint(model_path),
+            template_hash=hashlib.sha256(source.encode()).hexdigest()[:32],
+            placement=placement_key(runner),
+            dtype=config.dtype,
+        )
+        try:
+            disk = SnapshotDisk(config.kv_cache_dir, identity, layout)
+        except (OSError, SnapshotDirError) as exc:
+            raise ValueError(f"{config.label('kv_cache_dir')}: {exc}") from exc
+    arena = SnapshotArena(owner, config.prefix_cache_bytes)
+    t0 = time.monotonic()
+    cache = PrefixCache(layout, arena, disk, disk_budget=config.kv_cache_budget)
+    stats = cache.stats()
+    log.info(
+        "prefix cache: %d MiB arena%s",
+        config.prefix_cache_bytes >> 20,
+        f"; {stats.disk_entries} snapshot(s) ({stats.disk_bytes >> 20} MiB) on disk in "
+        f"{config.kv_cache_dir}, indexed in {time.monotonic() - t0:.2f} s"
+        if disk is not None
+        else "",
+    )
+    return cache
+
+
+def snapshot_handlers(
+    get_cache: Callable[[], PrefixCache | None], tokenizer: Tokenizer
+) -> dict[str, Callable]:
+    """Admin verbs: snapshot_list, snapshot_drop, snapshot_save, cache_clear."""
+
+    def cache() -> PrefixCache:
+        c = get_cache()
+        if c is None:
+            raise CommandError("the prefix cache is off (--prefix-cache-bytes 0) or not loaded")
+        return c
+
+    async def snapshot_list(_: dict) -> dict:
+        c = get_cache()
+        if c is None:
+            return {"snapshots": []}
+        return {
+            "snapshots": [
+                {
+                    "id": e.id,
+                    "tokens": e.n_tokens,
+                    "bytes": e.nbytes,
+                    "disk_bytes": e.disk_bytes,
+                    "tier": e.tier,
+                    "hits": e.hits,
+                    "last_used": e.last_used,
+                    "in_use": e.pinned,
+                    "prefix": tokenizer.decode(e.tokens[:PREVIEW_TOKENS].tolist()),
+                }
+                for e in c.entries()
+            ]
+        }
+
+    async def snapshot_drop(req: dict) -> dict:
+        entry_id = str(req.get("id", ""))
+        if not await cache().drop(entry_id):
+            raise CommandError(f"no snapshot {entry_id!r} (see `lucectl snapshot list`)")
+        return {"dropped": entry_id}
+
+    async def snapshot_save(_: dict) -> dict:
+        c = cache()
+        if c.disk is None:
+            raise CommandError("no disk tier: start luced with --kv-cache-dir DIR")
+        return {"saved": await c.save_all()}
+
+    async def cache_clear(req: dict) -> dict:
+        return {"cleared": await cache().clear(disk=bool(req.get("disk")))}
+
+    return {
+        "snapshot_list": snapshot_list,
+        "snapshot_drop": snapshot_drop,
+        "snapshot_save": snapshot_save,
+        "cache_clear": cache_clear,
+    }

@@ -1,0 +1,144 @@
+"""The worker's KV snapshot verbs: ``kv_layout``, ``kv_export``, ``kv_import``.
+
+A snapshot of this worker is one shared-memory region per KV tensor of its layers (see
+the "KV snapshots" section of ``luced.ipc.frames``)::
+
+    "k.{layer}", "v.{layer}"   [n_kv_heads, >= n, head_dim]   cache dtype (bfloat16 regions
+                                                              are uint16 bits daemon-side)
+
+Export copies each layer's committed rows ``[0, n)`` from the cache into its region;
+import replaces the cache of every shard by rows ``[0, n)`` of the regions (a longer
+snapshot restores any shorter prefix) and sets the token history from ``tokens``. The
+copies are ``copy_`` between the cache (on its device) and the torch view of the region
+(host memory): device -> host and host -> device on a GPU, a memcpy on the CPU.
+
+Both verbs resolve and check every region (names, shapes, dtypes, segment) before the
+first copy, so a rejected request changes nothing. A copy that fails after that (an
+import only) leaves the worker empty, as a ``reset`` does: never half a prefix.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+
+import torch
+
+from luced.ipc import frames as F
+from luced.ipc.regions import Region
+from luced.runtime.backend import Backend, Loaded, Shard, WorkerError
+from luced.runtime.kv_cache import ContextOverflow
+
+# layer -> (its shard, K view, V view): the resolved regions of one request
+_Resolved = dict[int, tuple[Shard, torch.Tensor, torch.Tensor]]
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def layout(backend: Backend, req: F.KVLayout) -> F.KVLayoutReply:
+    m = backend._model("kv_layout")
+    tensors = []
+    for shard in m.shards:
+        cache = shard.cache
+        for layer in cache.layers:
+            for kind, t in (("k", cache.k[layer]), ("v", cache.v[layer])):
+                tensors.append((f"{kind}.{layer}", t.shape[0], t.shape[2]))
+    dtype = dtype_name(m.shards[0].cache.dtype)
+    return F.KVLayoutReply(tensors=tuple(tensors), dtype=dtype)  # type: ignore[arg-type]
+
+
+@torch.inference_mode()  # the cache tensors are inference tensors: writes need this mode
+def export(backend: Backend, req: F.KVExport) -> F.KVExportReply:
+    m = backend._model("kv_export")
+    n = req.position
+    if n > m.position:
+        raise WorkerError(f"kv_export of {n} positions, but the KV holds {m.position}")
+    t0 = time.perf_counter()
+    resolved = _resolve(backend, m, req.regions, n)
+    for layer, (shard, k, v) in resolved.items():
+        shard.cache.export_rows(layer, n, k, v)
+    elapsed = time.perf_counter() - t0
+    backend.busy_s += elapsed
+    return F.KVExportReply(position=n, elapsed_us=int(elapsed * 1e6))
+
+
+@torch.inference_mode()
+def import_(backend: Backend, req: F.KVImport) -> F.KVImportReply:
+    m = backend._model("kv_import")
+    n = req.position
+    if n > m.reply.kv_capacity:
+        raise ContextOverflow(
+            f"kv_import of {n} positions exceeds the KV capacity of {m.reply.kv_capacity} tokens"
+        )
+    t0 = time.perf_counter()
+    resolved = _resolve(backend, m, req.regions, n)
+    ids = backend._tensor(req.tokens)[:n]
+    if n:
+        lo, hi = (int(x) for x in torch.aminmax(ids))
+        if lo < 0 or hi >= m.reply.vocab:
+            raise WorkerError(f"token ids must lie in [0, {m.reply.vocab}), got [{lo}, {hi}]")
+    history = ids.tolist()  # copied now: the daemon may reuse the region after the reply
+    # Checked: from here on the old state goes.
+    try:
+        for shard in m.shards:
+            rows = {layer: (k, v) for layer, (s, k, v) in resolved.items() if s is shard}
+            shard.cache.import_rows(n, rows)
+    except BaseException:
+        m.truncate(0)  # all shards empty, no history: never half a prefix
+        raise
+    finally:
+        # Like reset: a kept sampler (its generator, its map) belongs to the old sequence.
+        m.sampler = m.sampling = None
+        if backend.draft is not None:
+            backend.draft.sampler = backend.draft.sampling = None
+    m.tokens[:] = history
+    elapsed = time.perf_counter() - t0
+    backend.busy_s += elapsed
+    return F.KVImportReply(position=m.position, elapsed_us=int(elapsed * 1e6))
+
+
+def _resolve(backend: Backend, m: Loaded, regions: Mapping[str, Region], n: int) -> _Resolved:
+    """Every layer's K and V region as torch views, all checked (no copy yet)."""
+    expected: dict[str, tuple[Shard, int]] = {}
+    for shard in m.shards:
+        for layer in shard.cache.layers:
+            expected[f"k.{layer}"] = expected[f"v.{layer}"] = (shard, layer)
+    missing, unknown = expected.keys() - regions.keys(), regions.keys() - expected.keys()
+    if missing or unknown:
+        a, b = m.reply.layers
+        raise WorkerError(
+            f"snapshot regions must name exactly this worker's tensors (layers [{a}, {b})): "
+            f"missing {_sorted(missing)}, unknown {_sorted(unknown)}"
+        )
+    views: dict[str, torch.Tensor] = {}
+    for name, region in regions.items():
+        shard, layer = expected[name]
+        cache = shard.cache
+        ref = cache.k[layer] if name[0] == "k" else cache.v[layer]
+        heads, dim, dtype = ref.shape[0], ref.shape[2], dtype_name(cache.dtype)
+        shape = region.shape
+        if region.dtype != dtype or len(shape) != 3 or (shape[0], shape[2]) != (heads, dim):
+            raise WorkerError(
+                f"region {name} must be {dtype} [{heads}, >= {n}, {dim}], "
+                f"got {region.dtype} {list(shape)}"
+            )
+        if shape[1] < n:
+            raise WorkerError(f"region {name} holds {shape[1]} positions, fewer than {n}")
+        views[name] = backend._tensor(region)  # attaches: a bad segment fails here, too
+    out: _Resolved = {}
+    for name, (shard, layer) in expected.items():
+        if name[0] == "k":
+            out[layer] = (shard, views[name], views[f"v.{layer}"])
+    return out
+
+
+def _sorted(names: set[str]) -> list[str]:
+    """Names in layer order (k.2 before k.10)."""
+
+    def key(name: str) -> tuple[int, str]:
+        layer = name.partition(".")[2]
+        return (int(layer) if layer.isdigit() else -1, name)
+
+    return sorted(names, key=key)

@@ -1,0 +1,45 @@
+"""What one prefix-cache snapshot holds: a list of named tensors with a token axis.
+
+The runner describes its snapshot layout (``TargetRunner.kv_layout``) as ``TensorSpec``s;
+the snapshot store sizes arena regions and disk tensors from them. A spec's ``shape`` is
+per token: the token axis is sized 1, and a snapshot of n tokens has n there::
+
+    "k.{layer}" / "v.{layer}"   (n_kv_heads, 1, head_dim)   token_axis 1   cache dtype
+    "ring"                      (1, n_capture, hidden)      token_axis 0   the ring's dtype
+
+Daemon side: no torch here (``tests/test_layering.py``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from luced.ipc.regions import numpy_dtype
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    shape: tuple[int, ...]  # per token: shape[token_axis] == 1
+    dtype: str  # a wire dtype name (luced.ipc.regions.DTYPES), e.g. "bfloat16"
+    token_axis: int
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.token_axis < len(self.shape) or self.shape[self.token_axis] != 1:
+            raise ValueError(f"{self.name}: shape {self.shape} needs size 1 at {self.token_axis}")
+        numpy_dtype(self.dtype)  # raises on an unknown name
+
+    def shape_for(self, n_tokens: int) -> tuple[int, ...]:
+        """The tensor's shape holding ``n_tokens`` positions."""
+        shape = list(self.shape)
+        shape[self.token_axis] = n_tokens
+        return tuple(shape)
+
+    @property
+    def bytes_per_token(self) -> int:
+        return math.prod(self.shape) * numpy_dtype(self.dtype).itemsize
+
+    def nbytes(self, n_tokens: int) -> int:
+        """Bytes of the tensor holding ``n_tokens`` positions."""
+        return self.bytes_per_token * n_tokens

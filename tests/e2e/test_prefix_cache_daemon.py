@@ -1,0 +1,215 @@
+"""The prefix cache through the real daemon: HTTP usage, lucectl, restarts, bad files.
+
+Correctness oracle everywhere: the same greedy request answered by a daemon (or a run)
+that computed the whole prompt; a restored prefix must not change a token.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+from pathlib import Path
+
+import make_tiny_gguf
+import pytest
+from daemon_proc import DaemonProcess
+from test_daemon import client, raw_post
+
+PROMPT = "The printing press changed how people shared ideas across Europe. " * 4
+
+
+def complete(d: DaemonProcess, prompt: str = PROMPT, max_tokens: int = 12) -> dict:
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+    status, _, reply = raw_post(d, "/v1/completions", json.dumps(body).encode())
+    assert status == 200, reply
+    return reply
+
+
+def cached(reply: dict) -> int:
+    return reply["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+def text(reply: dict) -> str:
+    return reply["choices"][0]["text"]
+
+
+def snapshots(d: DaemonProcess) -> list[dict]:
+    return d.lucectl_json("snapshot", "list")["snapshots"]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("kv")
+    out = {}
+    for name, family, seed in (("a", "llama", 5), ("b", "qwen3", 6)):
+        out[name] = root / f"tiny-{name}.gguf"
+        make_tiny_gguf.build(family, out[name], seed=seed, layers=4, context=2048)
+    return out
+
+
+# -- memory tier, over HTTP and lucectl, on the bundled chat model -------------------------
+
+
+@pytest.mark.real_model
+def test_two_turn_chat_lucectl_and_worker_kill(smollm2_gguf, tmp_path) -> None:
+    d = DaemonProcess(smollm2_gguf, tmp_path).start()
+    try:
+        oa = client(d)
+        messages = [
+            {"role": "system", "content": "You are a concise assistant. " * 8},
+            {"role": "user", "content": "Name three colors."},
+        ]
+        first = oa.chat.completions.create(
+            model=d.model_name, messages=messages, temperature=0, max_tokens=16
+        )
+        assert first.usage.prompt_tokens_details.cached_tokens == 0
+        messages += [
+            {"role": "assistant", "content": first.choices[0].message.content},
+            {"role": "user", "content": "And three animals?"},
+        ]
+        second = oa.chat.completions.create(
+            model=d.model_name, messages=messages, temperature=0, max_tokens=16
+        )
+        hit = second.usage.prompt_tokens_details.cached_tokens
+        # The whole first prompt (system + first user turn + the assistant header) is reused.
+        assert first.usage.prompt_tokens - 1 <= hit < second.usage.prompt_tokens
+        totals = d.lucectl_json("status")["totals"]
+        assert totals["cached_prompt_tokens"] == hit
+        computed = totals["prompt_tokens"] - totals["cached_prompt_tokens"]
+        assert computed == first.usage.prompt_tokens + second.usage.prompt_tokens - hit
+        assert d.metric("luced:prefix_cache_hits_total") == hit
+        assert d.metric("luced:prefix_cache_queries_total") == totals["prompt_tokens"]
+        assert d.metric("luced:prefix_cache_bytes", 'tier="memory"') > 0
+
+        # The second prompt's snapshot holds the first one's tokens: it superseded it.
+        (listed,) = snapshots(d)
+        assert listed["tier"] == "memory" and listed["tokens"] == second.usage.prompt_tokens
+        assert listed["bytes"] > 0 and "concise assistant" in listed["prefix"]
+        table = d.lucectl("snapshot", "list").stdout
+        assert "ID" in table and listed["id"] in table
+
+        # A worker killed -9: the arena is the daemon's, the snapshots survive.
+        pid = d.worker_pid()
+        os.kill(pid, signal.SIGKILL)
+        d.wait_health(503, 10)
+        d.wait_health(200, 60)
+        assert d.worker_pid() != pid
+        again = oa.chat.completions.create(
+            model=d.model_name, messages=messages, temperature=0, max_tokens=16
+        )
+        assert again.usage.prompt_tokens_details.cached_tokens == second.usage.prompt_tokens - 1
+        assert again.choices[0].message.content == second.choices[0].message.content
+
+        # drop, save without a disk tier, clear.
+        victim = listed["id"]
+        assert d.lucectl_json("snapshot", "drop", victim) == {"dropped": victim, "ok": True}
+        assert snapshots(d) == []
+        bad = d.lucectl("snapshot", "drop", "nosuchid", check=False)
+        assert bad.returncode == 1 and "no snapshot 'nosuchid'" in bad.stderr
+        no_disk = d.lucectl("snapshot", "save", check=False)
+        assert no_disk.returncode == 1 and "--kv-cache-dir" in no_disk.stderr
+        unconfirmed = d.lucectl("cache", "clear", check=False)
+        assert unconfirmed.returncode == 2 and "--yes" in unconfirmed.stderr
+        oa.chat.completions.create(
+            model=d.model_name, messages=messages[:2], temperature=0, max_tokens=2
+        )
+        assert d.lucectl_json("cache", "clear", "--yes")["cleared"] == 1
+        assert snapshots(d) == []
+    finally:
+        assert d.stop() == 0
+    assert d.segments() == []
+
+
+# -- disk tier: restarts and bad files, on tiny models --------------------------------------
+
+
+@pytest.mark.parametrize("devices", ["cpu", "cpu,cpu:1"], ids=["unsplit", "split"])
+def test_restart_serves_from_disk(tiny, devices, tmp_path) -> None:
+    kv = tmp_path / "kv"
+    args = ("--kv-cache-dir", str(kv), "--target-devices", devices)
+    d = DaemonProcess(tiny["a"], tmp_path / "one", *args).start()
+    try:
+        expected = complete(d)
+        assert cached(expected) == 0
+        assert d.lucectl_json("snapshot", "save")["saved"] >= 0  # waits for the writes
+        assert {s["tier"] for s in snapshots(d)} == {"both"}
+    finally:
+        assert d.stop() == 0
+    files = list(kv.glob("*.safetensors"))
+    assert len(files) == 1 and not list(kv.glob("*.tmp"))
+
+    d = DaemonProcess(tiny["a"], tmp_path / "two", *args).start()
+    try:
+        (entry,) = snapshots(d)
+        assert entry["tier"] == "disk" and entry["hits"] == 0
+        reply = complete(d)
+        assert cached(reply) == reply["usage"]["prompt_tokens"] - 1  # a disk hit
+        assert text(reply) == text(expected)
+        (entry,) = snapshots(d)
+        assert entry["tier"] == "both" and entry["hits"] == 1
+        # cache clear --disk removes the files too.
+        assert d.lucectl_json("cache", "clear", "--disk", "--yes")["cleared"] == 1
+        assert snapshots(d) == [] and not list(kv.glob("*.safetensors"))
+    finally:
+        assert d.stop() == 0
+    assert d.segments() == []
+
+
+def _one_file(model: Path, tmp: Path, *args: str) -> Path:
+    """Run a daemon once on `model` with its own cache dir; the snapshot file it wrote."""
+    kv = tmp / "kv"
+    d = DaemonProcess(model, tmp, "--kv-cache-dir", str(kv), *args).start()
+    try:
+        complete(d)
+    finally:
+        assert d.stop() == 0  # shutdown waits for the background write
+    (path,) = kv.glob("*.safetensors")
+    return path
+
+
+def test_bad_files_are_quarantined_and_requests_still_succeed(tiny, tmp_path) -> None:
+    good = _one_file(tiny["a"], tmp_path / "good")
+    foreign_model = _one_file(tiny["b"], tmp_path / "model")
+    foreign_placement = _one_file(tiny["a"], tmp_path / "split", "--target-devices", "cpu,cpu:1")
+    kv = tmp_path / "kv"
+    kv.mkdir()
+    data = good.read_bytes()
+    (kv / "aaaa0001.safetensors").write_bytes(data[: len(data) // 2])  # truncated
+    flipped = bytearray(data)
+    for i in range(len(flipped) - 4000, len(flipped) - 3000):  # inside the K/V data
+        flipped[i] ^= 0xFF
+    (kv / "aaaa0002.safetensors").write_bytes(bytes(flipped))
+    shutil.copy(foreign_model, kv / "aaaa0003.safetensors")
+    shutil.copy(foreign_placement, kv / "aaaa0004.safetensors")
+    (kv / "aaaa0005.safetensors.tmp").write_bytes(data[:100])  # a crashed write
+
+    plain = DaemonProcess(tiny["a"], tmp_path / "plain", "--prefix-cache-bytes", "0").start()
+    try:
+        expected = text(complete(plain))
+        assert snapshots(plain) == []
+    finally:
+        assert plain.stop() == 0
+
+    d = DaemonProcess(tiny["a"], tmp_path / "d", "--kv-cache-dir", str(kv)).start()
+    try:
+        # Scan: truncated, foreign model and foreign placement out; flipped bytes pass the
+        # header checks and are caught by the CRC at restore time.
+        quarantined = sorted(p.name for p in (kv / "quarantine").iterdir())
+        assert quarantined == [f"aaaa000{i}.safetensors" for i in (1, 3, 4)]
+        assert not list(kv.glob("*.tmp"))
+        log = d.log()
+        for name in quarantined:
+            assert f"{name}" in log and "quarantine" in log
+        assert [s["id"] for s in snapshots(d)] == ["aaaa0002"]
+        reply = complete(d)
+        assert text(reply) == expected and cached(reply) == 0  # prefilled instead
+        assert (kv / "quarantine" / "aaaa0002.safetensors").exists()
+        assert d.health()[0] == 200
+        # The request's own snapshot replaced it; the next one is a hit.
+        again = complete(d)
+        assert text(again) == expected and cached(again) > 0
+    finally:
+        assert d.stop() == 0
+    assert d.segments() == []

@@ -1,0 +1,126 @@
+"""Prefix cache: TTFT cold vs memory hit vs disk hit, in one run.
+
+    python tools/bench_prefix.py [--model smollm2|gemma3|PATH] [--prefix 2048]
+                                 [--rounds 3] [--threads N] [--dtype float32]
+
+A real TargetRunner (worker subprocess, shared memory, frames) and Engine with a prefix
+cache (arena + a disk tier in a temporary directory). Every request shares a ~`prefix`
+token document and ends in its own question, as a chat over one long context does:
+
+    cold    nothing cached (the cache is cleared first): prefill of the whole prompt
+    memory  the document's snapshot is in the arena: restore + prefill of the question
+    disk    the memory tier was dropped, the file remains: read into the arena, restore,
+            prefill of the question
+
+TTFT = submit -> first token out of the engine (includes the snapshot of the new prompt
+taken after its prefill). Medians over rounds; the three are interleaved per round.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+from luced.engine import Engine, GenerationRequest
+from luced.gguf_file import GGUFFile
+from luced.ipc.shm import ShmOwner
+from luced.models import gemma3_path, smollm2_path
+from luced.prefix_cache import PrefixCache
+from luced.prefix_service import placement_key
+from luced.runner import TargetPlacement, TargetRunner
+from luced.sampling_params import SamplingParams
+from luced.snapshot_arena import SnapshotArena
+from luced.snapshot_disk import DiskIdentity, SnapshotDisk
+from luced.tokenizer import Tokenizer
+from luced.workers import WorkerSpec
+
+MODELS = {"smollm2": smollm2_path, "gemma3": gemma3_path}
+
+
+async def ttft(engine: Engine, prompt: list[int]) -> tuple[float, int]:
+    req = GenerationRequest("bench", prompt, SamplingParams(temperature=0), 2, ignore_eos=True)
+    t0 = time.perf_counter()
+    handle = engine.submit(req)
+    first = None
+    async for _ in handle:
+        first = first or time.perf_counter()
+    assert first is not None and handle.finish_reason == "length", handle.error
+    return first - t0, handle.cached_tokens
+
+
+async def bench(args: argparse.Namespace) -> None:
+    model = MODELS[args.model]() if args.model in MODELS else Path(args.model)
+    gguf = GGUFFile(model)
+    tokenizer = Tokenizer.from_gguf(gguf)
+    doc = " ".join(f"Paragraph {i}: the printing press spread ideas quickly." for i in range(400))
+    prefix = tokenizer.encode(doc)[: args.prefix]
+    questions = [tokenizer.encode(f" Question {i}: what happened next?") for i in range(99)]
+    placement = TargetPlacement(
+        model=str(model),
+        n_layers=int(gguf.require(f"{gguf.arch}.block_count")),
+        dtype=args.dtype,
+        kv_capacity=args.prefix + 256,
+        max_batch_tokens=512,
+        worker=WorkerSpec("cpu", ("cpu",), threads=args.threads),
+    )
+    rows: dict[str, list[float]] = {"cold": [], "memory": [], "disk": []}
+    with tempfile.TemporaryDirectory() as tmp, ShmOwner() as owner:
+        runner = TargetRunner(owner, placement)
+        engine = Engine(runner, tokenizer, None, model_name="bench", context_length=4096)
+        await runner.start()
+        layout = await runner.kv_layout()
+        identity = DiskIdentity("bench", "", placement_key(runner), args.dtype)
+        disk = SnapshotDisk(tmp, identity, layout)
+        cache = PrefixCache(layout, SnapshotArena(owner, 2 << 30), disk)
+        engine.prefix_cache = cache
+        engine.start()
+        try:
+            q = iter(questions)
+            for _ in range(args.rounds):
+                await cache.clear(disk=True)
+                t, n = await ttft(engine, prefix + next(q))
+                assert n == 0
+                rows["cold"].append(t)
+                await cache.flush()  # the disk copy is written in the background
+                t, n = await ttft(engine, prefix + next(q))
+                assert n >= len(prefix)
+                rows["memory"].append(t)
+                await cache.flush()
+                await cache.clear(disk=False)  # only the files remain
+                t, n = await ttft(engine, prefix + next(q))
+                assert n >= len(prefix), n
+                rows["disk"].append(t)
+            snapshot_bytes = cache.layout_bytes(len(prefix))
+        finally:
+            await engine.stop()
+            await cache.close()
+            await runner.close()
+    cold = statistics.median(rows["cold"])
+    print(
+        f"\n{model.name} ({args.dtype}, {args.threads} threads): shared prefix "
+        f"{len(prefix)} tokens, snapshot {snapshot_bytes / 2**20:.0f} MiB, "
+        f"medians of {args.rounds} rounds\n"
+    )
+    print(f"{'':8s}{'TTFT ms':>10s}{'of cold':>10s}")
+    for name, ts in rows.items():
+        t = statistics.median(ts)
+        print(f"{name:8s}{t * 1e3:10.1f}{t / cold:10.1%}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--prefix", type=int, default=2048)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) - 1))
+    asyncio.run(bench(ap.parse_args()))
+
+
+if __name__ == "__main__":
+    main()

@@ -337,8 +337,8 @@ OPTIONS: tuple[Option, ...] = (
     Option(
         "draft", "path", None,
         "DFlash draft (GGUF file or safetensors directory): requests decode "
-        "speculatively, a block at a time (sampled ones by exact rejection sampling; "
-        "requests with penalties or logprobs decode plainly).",
+        "speculatively, a block at a time, with output exactly as plain decoding's "
+        "(greedy token for token; sampled by rejection sampling).",
         nullable=True, default_doc="none (plain decoding)",
         example="/var/lib/luced/models/draft.gguf",
     ),

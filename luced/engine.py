@@ -24,7 +24,7 @@ from typing import Any
 from luced.detokenize import IncrementalDetokenizer
 from luced.prefix_cache import PrefixCache
 from luced.runner import Sampled, TargetRunner
-from luced.runtime.speculative import clip, speculative_supported, verify_greedy
+from luced.runtime.speculative import clip, verify_greedy
 from luced.sampling_params import SamplingParams
 from luced.stops import StopMatcher
 from luced.tokenizer import Tokenizer
@@ -173,7 +173,6 @@ class Engine:
             "errors": 0,
             "spec_drafts": 0,
             "spec_accepted_tokens": 0,
-            "spec_fallbacks": 0,
         }
         self._wakeup = asyncio.Event()
         self._idle = asyncio.Event()
@@ -299,10 +298,7 @@ class Engine:
         k = req.params.logprobs  # None: no logprobs; k: chosen token's + top k
         stops = set(req.stop_token_ids) | (set() if req.ignore_eos else self.tokenizer.eos_ids)
         out = _Output(self.tokenizer, req.stop, want_logprobs=req.params.logprobs is not None)
-        speculate = self.runner.draft is not None and _speculative_ok(req.params)
-        if self.runner.draft is not None and not speculate:
-            self.totals["spec_fallbacks"] += 1
-            self._observe("spec_fallback", 1)
+        speculate = self.runner.draft is not None
         try:
             await self.runner.reset()
             handle.cached_tokens = cached = await self._restore_prefix(req.prompt)
@@ -317,7 +313,7 @@ class Engine:
             self._observe("prompt_tokens", handle.prompt_tokens)
             await self._save_prefix(req.prompt)
             if speculate:
-                await self._decode_speculative(handle, out, stops, sampled.token, sampling)
+                await self._decode_speculative(handle, out, stops, sampled, sampling, k)
             else:
                 await self._decode_plain(handle, out, stops, sampled, sampling, k)
         except (WorkerDied, WorkerError) as exc:
@@ -410,7 +406,13 @@ class Engine:
                     await ahead
 
     async def _decode_speculative(
-        self, handle: RequestHandle, out: _Output, stops: set, anchor: int, sampling: dict
+        self,
+        handle: RequestHandle,
+        out: _Output,
+        stops: set,
+        first: Sampled,
+        sampling: dict,
+        k: int | None,
     ) -> None:
         """DFlash: draft a block after the anchor, verify it in one target forward, emit the
         accepted proposals and the target's own next token, roll the KV back to what was
@@ -418,35 +420,49 @@ class Engine:
 
         Greedy requests accept by comparing with the target's argmax (here); sampled ones
         by rejection sampling in the head's worker, which holds the target's distributions
-        and the request's generator (the draft's q rows wait there in shared memory)."""
-        if self._emit(handle, out, Sampled(anchor), stops):
+        and the request's generator (the draft's q rows wait there in shared memory). Either
+        way the target's rows carry the request's penalties (each row its own history) and
+        logprobs, so the output is exactly what plain decoding would produce."""
+        if self._emit(handle, out, first, stops):
             return
-        size = self.block_size
+        anchor = first.token
         greedy = handle.request.params.greedy
         while not handle.cancelled:
+            budget = handle.max_tokens - handle.completion_tokens
+            # A step emits at most `size` tokens: drafting past the budget is wasted work
+            # (and could run the KV past the context the request was admitted with).
+            size = min(self.block_size, budget)
+            if size < 2:  # one token left: a plain step
+                if self._emit(handle, out, await self.runner.step(anchor, sampling, k), stops):
+                    return
+                continue
             block = await self.runner.draft_block(anchor, size, None if greedy else sampling)
             start = self.runner.position
-            budget = handle.max_tokens - handle.completion_tokens
             if greedy:
-                target = await self.runner.verify(block)
-                result = verify_greedy(block, target, budget=budget, eos_ids=stops)
+                rows = await self.runner.verify(block, sampling, k)
+                result = verify_greedy(block, [r.token for r in rows], budget=budget, eos_ids=stops)
             else:
-                tokens, accepted = await self.runner.verify_sampled(block, sampling)
-                result = clip(tokens, accepted, budget, stops)
+                rows, accepted = await self.runner.verify_sampled(block, sampling, k)
+                result = clip([r.token for r in rows], accepted, budget, stops)
             await self.runner.truncate(start + result.num_kept)
-            handle.spec["drafts"] += 1
-            handle.spec["draft_tokens"] += size - 1
-            handle.spec["accepted_tokens"] += result.num_accepted
-            self.totals["spec_drafts"] += 1
-            self.totals["spec_accepted_tokens"] += result.num_accepted
-            if self.metrics is not None:
-                accepted = [1] * result.num_accepted + [0] * (size - 1 - result.num_accepted)
-                self.metrics.observe_spec_decode(size - 1, accepted)
-            for token in result.tokens:
-                if self._emit(handle, out, Sampled(token), stops):
+            self._count_draft(handle, size - 1, result.num_accepted)
+            # Emitted token j follows block[0..j]: it is row j's (an accepted proposal
+            # equals that row's choice; the last is the target's own).
+            for row in rows[: len(result.tokens)]:
+                if self._emit(handle, out, row, stops):
                     return
             anchor = result.tokens[-1]
         handle._finish("abort")
+
+    def _count_draft(self, handle: RequestHandle, proposed: int, accepted: int) -> None:
+        handle.spec["drafts"] += 1
+        handle.spec["draft_tokens"] += proposed
+        handle.spec["accepted_tokens"] += accepted
+        self.totals["spec_drafts"] += 1
+        self.totals["spec_accepted_tokens"] += accepted
+        if self.metrics is not None:
+            per_pos = [1] * accepted + [0] * (proposed - accepted)
+            self.metrics.observe_spec_decode(proposed, per_pos)
 
     # -- observability --------------------------------------------------------------------
 
@@ -502,13 +518,6 @@ class Engine:
 
     def workers(self) -> list[dict]:
         return self.runner.describe()
-
-
-def _speculative_ok(params: SamplingParams) -> bool:
-    """Requests decode speculatively unless they use penalties (see
-    `speculative_supported`) or logprobs (a verify pass does not report them yet): those
-    fall back to plain decoding, counted in spec_decode_fallbacks_total."""
-    return params.logprobs is None and speculative_supported(params)
 
 
 def _sampling_map(params: SamplingParams) -> dict:

@@ -481,27 +481,39 @@ class TargetRunner:
         )
         return self._arrays["draft_ids"][:block_size].tolist()
 
-    async def verify(self, block: list[int]) -> list[int]:
-        """Feed the block; the target's greedy next token after each of its positions."""
-        n = len(block)
-        outputs = {"ids": self._regions["ids"].rows(0, n)}
+    async def verify(
+        self, block: list[int], sampling: dict | None = None, logprobs: int | None = None
+    ) -> list[Sampled]:
+        """Feed the block; the target's greedy next token after each of its positions (row i
+        penalized with its own history when `sampling` has penalties), with logprobs."""
+        n, k = len(block), min(logprobs or 0, MAX_TOP_LOGPROBS)
+        greedy = {**(sampling or {}), "temperature": 0.0}
+        outputs = self._row_outputs(n, logprobs)
         await self._forward(
-            block, "sample", outputs, positions="all", sampling={"temperature": 0.0}
+            block, "sample", outputs, positions="all", sampling=greedy, top_logprobs=k
         )
-        return self._arrays["ids"][:n].tolist()
+        return self._read_rows(n, outputs)
 
-    async def verify_sampled(self, block: list[int], sampling: dict) -> tuple[list[int], int]:
+    async def verify_sampled(
+        self, block: list[int], sampling: dict, logprobs: int | None = None
+    ) -> tuple[list[Sampled], int]:
         """Feed a block drafted with `sampling`; the head's worker accepts or rejects its
         proposals against the draft's q (rejection sampling with the request's generator).
         Returns (the step's tokens: accepted proposals + the target's own, accepted)."""
-        n = len(block)
-        outputs = {"ids": self._regions["ids"].rows(0, n)}
+        n, k = len(block), min(logprobs or 0, MAX_TOP_LOGPROBS)
+        outputs = self._row_outputs(n, logprobs)
         q = self._regions["draft_probs"].rows(0, n - 1)
         reply = await self._forward(
-            block, "verify", outputs, positions="all", sampling=sampling, draft_probs=q
+            block,
+            "verify",
+            outputs,
+            positions="all",
+            sampling=sampling,
+            top_logprobs=k,
+            draft_probs=q,
         )
         assert reply.accepted is not None
-        return self._arrays["ids"][: reply.accepted + 1].tolist(), reply.accepted
+        return self._read_rows(reply.accepted + 1, outputs), reply.accepted
 
     # -- forwards ------------------------------------------------------------------------
 
@@ -541,24 +553,35 @@ class TargetRunner:
     async def _sample(
         self, ids: list[int], sampling: dict, logprobs: int | None, sample: bool
     ) -> Sampled | None:
-        outputs = {"ids": self._regions["ids"].rows(0, 1)}
+        outputs = self._row_outputs(1, logprobs)
+        k = min(logprobs or 0, MAX_TOP_LOGPROBS)
+        await self._forward(ids, "sample", outputs, sampling=sampling, top_logprobs=k)
+        return self._read_rows(1, outputs)[0] if sample else None
+
+    def _row_outputs(self, n: int, logprobs: int | None) -> dict[str, Region]:
+        """Output regions for n rows of ids, and logprobs + top k when asked."""
+        outputs = {"ids": self._regions["ids"].rows(0, n)}
         k = min(logprobs or 0, MAX_TOP_LOGPROBS)
         if logprobs is not None:
-            outputs["logprobs"] = self._regions["logprobs"].rows(0, 1)
+            outputs["logprobs"] = self._regions["logprobs"].rows(0, n)
         if k:
-            outputs["topk_ids"] = self._topk_region("topk_ids", k)
-            outputs["topk_logprobs"] = self._topk_region("topk_logprobs", k)
-        await self._forward(ids, "sample", outputs, sampling=sampling, top_logprobs=k)
-        if not sample:
-            return None
-        token = int(self._arrays["ids"][0])
-        logprob = float(self._arrays["logprobs"][0]) if "logprobs" in outputs else None
-        top: tuple[tuple[int, float], ...] = ()
-        if k:
-            top_ids = self._arrays["topk_ids"][:k]
-            top_lp = self._arrays["topk_logprobs"][:k]
-            top = tuple((int(i), float(lp)) for i, lp in zip(top_ids, top_lp, strict=True))
-        return Sampled(token, logprob, top)
+            outputs["topk_ids"] = self._topk_region("topk_ids", n, k)
+            outputs["topk_logprobs"] = self._topk_region("topk_logprobs", n, k)
+        return outputs
+
+    def _read_rows(self, n: int, outputs: dict[str, Region]) -> list[Sampled]:
+        """The first n rows the last worker wrote into `outputs`."""
+        ids = self._arrays["ids"][:n].tolist()
+        if "logprobs" not in outputs:
+            return [Sampled(t) for t in ids]
+        lps = self._arrays["logprobs"][:n].tolist()
+        k = outputs["topk_ids"].shape[1] if "topk_ids" in outputs else 0
+        top_ids = self._arrays["topk_ids"][: n * k].reshape(n, k).tolist()
+        top_lps = self._arrays["topk_logprobs"][: n * k].reshape(n, k).tolist()
+        return [
+            Sampled(t, lp, tuple(zip(ti, tl, strict=True)))
+            for t, lp, ti, tl in zip(ids, lps, top_ids, top_lps, strict=True)
+        ]
 
     async def _forward(
         self,
@@ -622,9 +645,10 @@ class TargetRunner:
     def _boundary(self, k: int, n: int) -> Region:
         return self._regions[f"boundary-{k}"].rows(0, n)
 
-    def _topk_region(self, name: str, k: int) -> Region:
+    def _topk_region(self, name: str, n: int, k: int) -> Region:
+        """n rows of k, packed (the region is max_batch_tokens * MAX_TOP_LOGPROBS long)."""
         base = self._regions[name]
-        return Region(base.segment, base.offset, (1, k), base.dtype)
+        return Region(base.segment, base.offset, (n, k), base.dtype)
 
     async def project(self, hidden: np.ndarray, want: str = "logits") -> np.ndarray:
         """Final norm + LM head of the head's worker over hidden [n, hidden] (no KV change):

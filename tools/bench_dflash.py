@@ -36,7 +36,7 @@ from luced.engine import Engine, GenerationRequest
 from luced.gguf_file import GGUFFile
 from luced.ipc.shm import ShmOwner
 from luced.models import gemma3_path, smollm2_path
-from luced.runner import TargetPlacement, TargetRunner
+from luced.runner import Sampled, TargetPlacement, TargetRunner
 from luced.sampling_params import SamplingParams
 from luced.tokenizer import Tokenizer
 from luced.workers import WorkerSpec
@@ -77,9 +77,9 @@ class CountingRunner(TargetRunner):
         self.draft_us.append((time.perf_counter() - t0) * 1e6)
         return out
 
-    async def verify(self, block: list[int]) -> list[int]:
+    async def verify(self, *args: Any, **kw: Any) -> list[Sampled]:
         t0 = time.perf_counter()
-        out = await super().verify(block)
+        out = await super().verify(*args, **kw)
         self.verify_us.append((time.perf_counter() - t0) * 1e6)
         return out
 

@@ -132,12 +132,6 @@ class Metrics:
             "Accepted tokens per draft position.",
             ["position"],
         )
-        self.spec_decode_fallbacks = family(
-            Counter,
-            "spec_decode_fallbacks",
-            "Requests decoded without the draft because the speculative path cannot honour "
-            "them exactly (penalties, logprobs).",
-        )
         # vLLM's names and meaning: prompt tokens looked up, and those found cached.
         self.prefix_cache_queries = family(
             Counter, "prefix_cache_queries", "Prefix cache queries, in queried prompt tokens."
@@ -156,7 +150,6 @@ class Metrics:
             "generation_tokens": self.generation_tokens.inc,
             "queue": self.num_requests_waiting.set,
             "running": self.num_requests_running.set,
-            "spec_fallback": self.spec_decode_fallbacks.inc,
             "prefix_queries": self.prefix_cache_queries.inc,
             "prefix_hits": self.prefix_cache_hits.inc,
         }

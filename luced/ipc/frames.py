@@ -230,14 +230,15 @@ Positions = Literal["last", "all"]
 # want="verify" (DFlash, temperature > 0): the fed tokens are a drafted block [anchor,
 # proposals...]; the worker runs rejection sampling (``speculative.verify_sampled``) of the
 # proposals against ``draft_probs`` with the request's sampler and writes the step's tokens
-# (accepted proposals, then the target's own token) to ``ids``; the reply's ``accepted``
-# counts the accepted proposals, so ``accepted + 1`` rows of ids are valid.
+# (accepted proposals, then the target's own token) to ``ids`` (and their logprobs, as
+# "sample" reports them); the reply's ``accepted`` counts the accepted proposals, so
+# ``accepted + 1`` rows are valid. Penalties apply per row, each with its own history.
 OUTPUTS: dict[str, tuple[frozenset[str], frozenset[str]]] = {
     "sample": (frozenset({"ids"}), frozenset({"logprobs", "topk_ids", "topk_logprobs"})),
     "logits": (frozenset({"logits"}), frozenset()),
     "topk": (frozenset({"topk_ids", "topk_logprobs"}), frozenset({"logprobs"})),
     "hidden": (frozenset({"hidden"}), frozenset()),
-    "verify": (frozenset({"ids"}), frozenset()),
+    "verify": (frozenset({"ids"}), frozenset({"logprobs", "topk_ids", "topk_logprobs"})),
 }
 _OUTPUT_DTYPES = {
     "ids": ("int32",),
@@ -327,7 +328,7 @@ class Forward(Request):
         names = set(self.outputs)
         if self.top_logprobs < 0:
             raise self._fail(f"top_logprobs must be >= 0, got {self.top_logprobs}")
-        if self.want == "sample" and self.top_logprobs:
+        if self.want in ("sample", "verify") and self.top_logprobs:
             required = required | {"topk_ids", "topk_logprobs"}
         if self.want == "topk" and not self.top_logprobs:
             raise self._fail('want="topk" needs top_logprobs >= 1')
@@ -381,8 +382,6 @@ class Forward(Request):
         if q.dtype != "float32" or len(q.shape) != 2 or q.shape[0] < self.n_tokens - 1:
             got = f"{q.dtype} {list(q.shape)}"
             raise self._fail(f"draft_probs must be float32 [>= {self.n_tokens - 1}, vocab], {got}")
-        if self.top_logprobs:
-            raise self._fail('want="verify" returns no logprobs')
 
 
 def _check_sampling_map(frame: Forward | DraftBlock) -> None:
@@ -503,9 +502,10 @@ class DraftBlock(Request):
     draft config's.
 
     Greedy (``sampling`` empty, or temperature 0): proposals are the argmax of each row.
-    With temperature > 0 (penalties unsupported) proposals are drawn from the draft's
-    processed distributions q (``sampler.probs`` with these parameters; seeded by
-    ``sampling.seed``), and ``outputs["probs"]`` (float32 ``[>= B-1, vocab]``) gets q:
+    With temperature > 0 proposals are drawn from the draft's processed distributions q
+    (``sampler.probs`` with these parameters minus any penalties, which the draft has no
+    history for and rejection sampling does not need: any q is exact; seeded apart from
+    the target by ``sampling.seed``), and ``outputs["probs"]`` (float32 ``[>= B-1, vocab]``) gets q:
     row j is the distribution proposal j + 1 was drawn from (draft output row j + 1; the
     draft's row 0, its guess for the anchor, is dropped), as ``verify_sampled`` takes it.
     """

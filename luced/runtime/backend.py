@@ -48,7 +48,7 @@ from luced.ipc import frames as F
 from luced.ipc.regions import Attachments, Region
 from luced.runtime.kv_cache import ContextOverflow, KVCache
 from luced.runtime.model import Model
-from luced.runtime.sampler import Sampler, sample
+from luced.runtime.sampler import SampleOutput, Sampler, sample, token_logprobs
 from luced.runtime.speculative import verify_sampled
 from luced.sampling_params import SamplingParams
 
@@ -305,15 +305,7 @@ class Backend:
                 outputs["hidden"][:n].copy_(hidden)
             elif q is not None:
                 assert sampler is not None and ids is not None
-                result = verify_sampled(
-                    ids,
-                    sampler.probs(last.logits(hidden)),
-                    q.to(last.device),
-                    sampler.generator(last.device),
-                    budget=n,
-                )
-                outputs["ids"][: len(result.tokens)].copy_(torch.tensor(result.tokens))
-                accepted = result.num_accepted
+                accepted = self._verify(m, last.logits(hidden), ids, q, outputs, sampler, fed)
             else:
                 rows = hidden[-1:] if req.positions == "last" else hidden
                 self._head_outputs(req, m, last.logits(rows), outputs, sampler, fed)
@@ -402,25 +394,35 @@ class Backend:
             out["logits"][:n_out].copy_(logits)
             return
         if sampler is not None:
-            history = None
-            if sampler.params.has_penalties:
-                # Row i predicts position start + i + 1, so its history is everything fed
-                # up to and including position start + i (the last row: all of it).
-                seen = m.tokens + fed
-                end = len(seen)
-                history = [seen[: end - n_out + 1 + i] for i in range(n_out)]
-            result = sampler.sample(logits, history)
+            result = sampler.sample(logits, _histories(sampler, m, fed, n_out))
         else:  # want="topk": the model's own distribution, chosen = argmax, no draw
             result = sample(logits, SamplingParams(temperature=0, logprobs=req.top_logprobs))
-        pairs = (
-            ("ids", result.tokens),
-            ("logprobs", result.logprobs),
-            ("topk_ids", result.top_ids),
-            ("topk_logprobs", result.top_logprobs),
-        )
-        for name, value in pairs:
-            if name in out and value is not None:
-                out[name][:n_out].copy_(value)  # casts int64 -> int32; device -> host
+        _write_rows(out, result)
+
+    def _verify(
+        self,
+        m: Loaded,
+        logits: torch.Tensor,  # [n, vocab] float32: every position of the block
+        block: torch.Tensor,
+        q: torch.Tensor,
+        out: dict[str, torch.Tensor],
+        sampler: Sampler,
+        fed: list[int],
+    ) -> int:
+        """want="verify": rejection sampling of the block's proposals against q; the step's
+        tokens (and their logprobs) to `out`; returns the proposals accepted."""
+        n = logits.shape[0]
+        history = _histories(sampler, m, fed, n)
+        p = sampler.probs(logits, history)
+        result = verify_sampled(block, p, q.to(p.device), sampler.generator(p.device), budget=n)
+        k = len(result.tokens)  # rows 0..k-1: token j follows block[0..j]
+        tokens = torch.tensor(result.tokens, device=logits.device)
+        if sampler.params.logprobs is None:
+            out["ids"][:k].copy_(tokens)
+        else:
+            rows = history[:k] if history is not None else None
+            _write_rows(out, token_logprobs(logits[:k], sampler.params, tokens, rows))
+        return result.num_accepted
 
     def _sampler(self, req: F.Forward, m: Loaded) -> Sampler:
         """The kept sampler, or a new one when none exists or the sampling map changed."""
@@ -443,8 +445,8 @@ class Backend:
         assert req.draft_probs is not None and sampler is not None
         if req.tokens is None:
             raise WorkerError('want="verify" needs the block\'s token ids (tokens)')
-        if sampler.params.greedy or sampler.params.has_penalties:
-            raise WorkerError('want="verify" needs temperature > 0 and no penalties')
+        if sampler.params.greedy:
+            raise WorkerError('want="verify" needs temperature > 0 (greedy blocks: "sample")')
         self._check_width("draft_probs", req.draft_probs, m.reply.vocab)
         return self._tensor(req.draft_probs)[: req.n_tokens - 1]
 
@@ -518,6 +520,31 @@ class Backend:
         if self.loaded is None:
             raise WorkerError(f"{op} before load: no model is loaded")
         return self.loaded
+
+
+def _histories(sampler: Sampler, m: Loaded, fed: list[int], n_out: int) -> list | None:
+    """Each output row's penalty history (None without penalties): row i predicts position
+    start + i + 1, so its history is everything fed up to and including start + i (the
+    last row: all of it)."""
+    if not sampler.params.has_penalties:
+        return None
+    seen = m.tokens + fed
+    end = len(seen)
+    return [seen[: end - n_out + 1 + i] for i in range(n_out)]
+
+
+def _write_rows(out: dict[str, torch.Tensor], result: SampleOutput) -> None:
+    """A SampleOutput's rows into the output regions the frame named."""
+    pairs = (
+        ("ids", result.tokens),
+        ("logprobs", result.logprobs),
+        ("topk_ids", result.top_ids),
+        ("topk_logprobs", result.top_logprobs),
+    )
+    n = result.tokens.shape[0]
+    for name, value in pairs:
+        if name in out and value is not None:
+            out[name][:n].copy_(value)  # casts int64 -> int32; device -> host
 
 
 def check_load(req: F.Load, model: Model) -> None:

@@ -39,6 +39,8 @@ from luced.runtime.sampler import Sampler, probs
 from luced.runtime.weights import WeightLoader, parse_dtype
 from luced.sampling_params import SamplingParams
 
+_PENALTIES = ("repetition_penalty", "frequency_penalty", "presence_penalty", "penalty_window")
+
 
 def draft_seed(seed: int) -> int:
     """The draft's generator seed for a request seeded with `seed` (a different stream)."""
@@ -179,12 +181,10 @@ def _params(req: F.DraftBlock) -> SamplingParams | None:
     """The request's sampling parameters when it samples, None when greedy."""
     if not req.sampled:
         return None
-    params = SamplingParams(**{k: v for k, v in req.sampling.items() if v is not None})
-    if params.has_penalties:
-        # Penalties make q depend on per-row histories the draft does not have; the
-        # daemon decodes such requests plainly (speculative_supported).
-        raise WorkerError("the draft cannot sample with penalties")
-    return params
+    # Penalties would make q depend on per-row histories the draft does not keep; q without
+    # them is still a proposal distribution, and the target's verify applies them to p.
+    given = {k: v for k, v in req.sampling.items() if v is not None and k not in _PENALTIES}
+    return SamplingParams(**given)
 
 
 def _sampler(state: DraftState, req: F.DraftBlock, params: SamplingParams) -> Sampler:

@@ -230,10 +230,25 @@ def sample(
         tokens = pick if cand.ids is None else cand.ids.gather(1, pick[:, None]).squeeze(1)
     if params.logprobs is None:
         return SampleOutput(tokens)
+    return _with_logprobs(x, tokens, params.logprobs)
+
+
+def token_logprobs(
+    logits: torch.Tensor,
+    params: SamplingParams,
+    tokens: torch.Tensor,
+    history: History | None = None,
+) -> SampleOutput:
+    """The logprobs `sample` would report had it drawn `tokens` [n] (params.logprobs = k):
+    for tokens chosen elsewhere, e.g. by speculative verification."""
+    return _with_logprobs(_processed(logits, params, history), tokens, params.logprobs or 0)
+
+
+def _with_logprobs(x: torch.Tensor, tokens: torch.Tensor, k: int) -> SampleOutput:
+    """Chosen tokens' and the top k's log-probabilities under processed logits x."""
     lse = torch.logsumexp(x, dim=-1, keepdim=True)
     chosen = x.gather(1, tokens[:, None]).squeeze(1) - lse.squeeze(1)
-    k = min(params.logprobs, x.shape[-1])
-    top_vals, top_ids = torch.topk(x, k, dim=-1)
+    top_vals, top_ids = torch.topk(x, min(k, x.shape[-1]), dim=-1)
     return SampleOutput(tokens, chosen, top_ids, top_vals - lse)
 
 

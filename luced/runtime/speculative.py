@@ -38,7 +38,12 @@ must be the *processed* distributions (`luced.runtime.sampler.probs` with the re
 SamplingParams: temperature, top_k, top_p, min_p), so "exact" means exactly what plain decoding
 with the same parameters would sample from.
 
-The greedy rule, the clipping and `speculative_supported` are plain Python, and torch is
+Penalties make row i's distribution depend on the tokens before it, which inside a block
+include the proposals d[1..i]: the worker penalizes each of the B rows with its own history
+(prompt + output + d[1..i]) for the target's argmax / p, so greedy and sampled speculation
+stay exact with penalties too (the draft's q may ignore them: any q is exact).
+
+The greedy rule and the clipping are plain Python, and torch is
 imported only inside `verify_sampled`: the daemon (which never imports torch) may run the
 greedy rule on the argmax ids a worker returns.
 """
@@ -49,8 +54,6 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
-from luced.sampling_params import SamplingParams
-
 if TYPE_CHECKING:
     import torch
 
@@ -58,7 +61,6 @@ __all__ = [
     "VerifyResult",
     "clip",
     "residual_distribution",
-    "speculative_supported",
     "verify_greedy",
     "verify_sampled",
 ]
@@ -90,23 +92,6 @@ class VerifyResult:
     def has_bonus(self) -> bool:
         """True when the last token is the target's own rather than an accepted proposal."""
         return len(self.tokens) == self.num_accepted + 1
-
-
-def speculative_supported(params: SamplingParams) -> bool:
-    """Whether the speculative path reproduces plain decoding's distribution for `params`.
-
-    Temperature, top_k, top_p and min_p only reshape each row's distribution, and p and q are
-    both built with them, so rejection sampling stays exact (greedy: exact token for token).
-
-    Penalties are the exception: they make row i's distribution depend on the tokens before it,
-    and inside a block those include the proposals d[1..i] that no earlier step has seen. The
-    verify pass would have to penalize each of the B rows with its own history
-    (prompt + output + d[1..i]) for both the target's argmax / p and the bonus; the loop keeps
-    one history per request, so such requests fall back to plain decoding (and the daemon
-    counts them). Lifting this means passing per-row histories to `sampler.probs`, which
-    already accepts one history per row.
-    """
-    return not params.has_penalties
 
 
 def verify_greedy(

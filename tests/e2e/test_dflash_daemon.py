@@ -57,7 +57,7 @@ def test_speculative_greedy_equals_plain(tiny_pair, plain_texts, block_size, tmp
             reply = complete(d, prompt, max_tokens=40)
             assert reply["choices"][0]["text"] == plain
             spec = reply["usage"]["speculative"]
-            assert spec["draft_tokens"] == spec["drafts"] * (block_size - 1)
+            assert spec["draft_tokens"] <= spec["drafts"] * (block_size - 1)
             assert 0 <= spec["accepted_tokens"] <= spec["draft_tokens"]
         # max_tokens landing inside a block: exactly that many tokens, a prefix of plain.
         short = complete(d, PROMPTS[0], max_tokens=7)
@@ -72,18 +72,17 @@ def test_speculative_greedy_equals_plain(tiny_pair, plain_texts, block_size, tmp
         # The draft was used: one draft per verify step, block_size - 1 tokens each.
         drafts = d.metric("luced:spec_decode_num_drafts_total")
         assert drafts > 0
-        assert d.metric("luced:spec_decode_num_draft_tokens_total") == drafts * (block_size - 1)
+        assert d.metric("luced:spec_decode_num_draft_tokens_total") <= drafts * (block_size - 1)
         status = d.lucectl_json("status")
         assert status["mean_acceptance_length"] >= 1
         # Sampled requests decode speculatively (rejection sampling), seeded = repeatable.
         sampled = [complete(d, PROMPTS[0], max_tokens=12, temperature=0.7, seed=1) for _ in "ab"]
         assert sampled[0]["choices"][0]["text"] == sampled[1]["choices"][0]["text"]
         assert sampled[0]["usage"]["speculative"]["drafts"] > 0
-        assert d.metric("luced:spec_decode_fallbacks_total") == 0
-        # Logprobs are not reported by a verify pass: plain decoding, counted.
-        with_logprobs = complete(d, PROMPTS[0], max_tokens=3, logprobs=2)
-        assert len(with_logprobs["choices"][0]["logprobs"]["token_logprobs"]) == 3
-        assert d.metric("luced:spec_decode_fallbacks_total") == 1
+        # Logprobs and penalties are honoured inside blocks too: still speculative.
+        with_logprobs = complete(d, PROMPTS[0], max_tokens=9, logprobs=2, frequency_penalty=0.5)
+        assert len(with_logprobs["choices"][0]["logprobs"]["token_logprobs"]) == 9
+        assert with_logprobs["usage"]["speculative"]["drafts"] > 0
     finally:
         assert d.stop() == 0
     assert d.segments() == []

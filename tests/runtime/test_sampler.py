@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from luced.runtime import sampler as sampler_module
-from luced.runtime.sampler import Sampler, apply_penalties, probs, sample
+from luced.runtime.sampler import Sampler, apply_penalties, probs, sample, token_logprobs
 from luced.sampling_params import SamplingParams
 
 # Chi-square critical values at alpha = 0.001, by degrees of freedom.
@@ -334,6 +334,11 @@ def test_logprobs_are_log_softmax_of_processed_logits() -> None:
     ref = torch.log_softmax(logits, dim=-1)
     torch.testing.assert_close(greedy.logprobs, ref.max(dim=-1).values)
     torch.testing.assert_close(greedy.top_logprobs, ref.topk(3, dim=-1).values)
+
+    # The same numbers for tokens chosen elsewhere (speculative verification).
+    again = token_logprobs(logits, params, out.tokens, history)
+    torch.testing.assert_close(again.logprobs, out.logprobs)
+    assert torch.equal(again.top_ids, out.top_ids)
 
     # 0 = chosen token only; None = nothing.
     only = sample(logits, SamplingParams(temperature=0.0, logprobs=0))

@@ -17,7 +17,6 @@ from luced.runtime.sampler import Sampler, probs, sample
 from luced.runtime.speculative import (
     VerifyResult,
     residual_distribution,
-    speculative_supported,
     verify_greedy,
     verify_sampled,
 )
@@ -356,31 +355,14 @@ def test_sampled_validation() -> None:
         verify_sampled([0, 1, 2], p, q0, g, budget=3)
 
 
-# ---------------------------------------------------------------- support and layering
-
-
-@pytest.mark.parametrize(
-    ("kwargs", "supported"),
-    [
-        ({}, True),
-        ({"temperature": 0.0}, True),
-        ({"temperature": 0.7, "top_k": 20, "top_p": 0.9, "min_p": 0.05, "seed": 1}, True),
-        ({"logprobs": 3}, True),
-        ({"repetition_penalty": 1.1}, False),
-        ({"temperature": 0.0, "frequency_penalty": 0.5}, False),
-        ({"presence_penalty": -0.5}, False),
-        ({"repetition_penalty": 1.3, "penalty_window": 0}, True),  # a window of 0: no penalty
-    ],
-)
-def test_speculative_supported(kwargs: dict, supported: bool) -> None:
-    assert speculative_supported(SamplingParams(**kwargs)) is supported
+# ---------------------------------------------------------------- layering
 
 
 def test_greedy_rule_imports_without_torch() -> None:
-    # The daemon never imports torch; it may run the greedy rule and the support check.
+    # The daemon never imports torch; it runs the greedy rule and the clipping.
     code = (
         "import sys\n"
-        "from luced.runtime.speculative import verify_greedy, speculative_supported\n"
+        "from luced.runtime.speculative import clip, verify_greedy\n"
         "assert verify_greedy([1, 2], [2, 3], budget=5).tokens == (2, 3)\n"
         "assert 'torch' not in sys.modules\n"
     )

@@ -261,9 +261,12 @@ def test_draft_only_worker(
             w.call(draft_req(io, outputs=short))  # the config's block: checked by the worker
         with pytest.raises(RemoteError, match=r"anchor 5000 outside the target's vocabulary"):
             w.call(draft_req(io, anchor=5000))
+        # Penalties are the target's business: the draft's q is the one without them.
         pen = {"ids": io.r["ids"], "probs": io.r["probs"]}
-        with pytest.raises(RemoteError, match="cannot sample with penalties"):
-            w.call(draft_req(io, outputs=pen, sampling={"repetition_penalty": 1.2}))
+        w.call(draft_req(io, outputs=pen, sampling={"temperature": 0.7}))
+        q = io.a("probs").copy()
+        w.call(draft_req(io, outputs=pen, sampling={"temperature": 0.7, "repetition_penalty": 2.0}))
+        np.testing.assert_array_equal(io.a("probs"), q)
         assert greedy(w, io)[0] == want
         w.call(F.Reset())  # a draft-only worker resets too (its draft's sampler)
     finally:

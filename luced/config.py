@@ -362,7 +362,8 @@ OPTIONS: tuple[Option, ...] = (
         "prefix_cache_bytes", "bytes", 2**30,
         "Size of the prefix cache's shared-memory arena of KV snapshots (e.g. `512M`, "
         "`4G`; 0 turns the prefix cache off). SmolLM2-135M in float32 needs 45 KiB per "
-        "cached token, so the default holds about 23k tokens.",
+        "cached token, so the default holds about 23k tokens. Capped, with a warning, at "
+        "half the free space of /dev/shm.",
         minimum=0, default_doc="1G", example="4G",
     ),
     Option(

@@ -235,6 +235,23 @@ def _counts(t: Any) -> str:
     return ", ".join(f"{fmt(v)} {k.replace('_', ' ')}" for k, v in t.items())
 
 
+def _prefix_cache(c: Any) -> str:
+    """The engine's prefix_cache status as one line ("off" when it is null)."""
+    if c is None:
+        return "off"
+    if not isinstance(c, dict):
+        return fmt(c)
+    disk = ""
+    if c.get("disk_budget") is not None:
+        disk = f", disk {human_bytes(c.get('disk_bytes'))} of {human_bytes(c.get('disk_budget'))}"
+    return (
+        f"{fmt(c.get('entries'))} snapshots ({fmt(c.get('memory_entries'))} in memory, "
+        f"{fmt(c.get('disk_entries'))} on disk), memory {human_bytes(c.get('memory_bytes'))} "
+        f"of {human_bytes(c.get('memory_capacity'))}{disk}; {fmt(c.get('hits'))} hits "
+        f"({fmt(c.get('hit_tokens'))} tokens) in {fmt(c.get('queries'))} lookups"
+    )
+
+
 def render_status(reply: Mapping[str, Any]) -> str:
     rows: list[tuple[str, str]] = []
     body = {k: v for k, v in reply.items() if k != "ok"}
@@ -258,6 +275,7 @@ def render_status(reply: Mapping[str, Any]) -> str:
         "tokens": _counts,
         "totals": _counts,
         "requests": _counts,
+        "prefix_cache": _prefix_cache,
     }
     for key, show in named.items():
         if key in body:

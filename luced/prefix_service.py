@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -21,7 +22,7 @@ from typing import Any
 
 from luced.admin import CommandError
 from luced.config import Config
-from luced.ipc.shm import ShmOwner
+from luced.ipc.shm import SHM_DIR, ShmOwner
 from luced.prefix_cache import PrefixCache
 from luced.runner import TargetRunner
 from luced.snapshot_arena import SnapshotArena
@@ -55,6 +56,25 @@ def placement_key(runner: TargetRunner) -> str:
     )
 
 
+def arena_bytes(wanted: int, shm_dir: Path = SHM_DIR) -> int:
+    """The arena size to create: `wanted`, capped at half of the free space in /dev/shm.
+    The segment is sparse, so creating it always works, but a write past what tmpfs can
+    hold kills the daemon with SIGBUS (Docker's default /dev/shm is 64 MiB)."""
+    st = os.statvfs(shm_dir)
+    room = st.f_bavail * st.f_frsize // 2
+    if wanted > room:
+        log.warning(
+            "prefix cache: --prefix-cache-bytes %d MiB exceeds half of the free space in %s; "
+            "using %d MiB (enlarge %s to cache more)",
+            wanted >> 20,
+            shm_dir,
+            room >> 20,
+            shm_dir,
+        )
+        return room
+    return wanted
+
+
 async def open_prefix_cache(
     config: Config, runner: TargetRunner, owner: ShmOwner, model_path: str, template: Any
 ) -> PrefixCache | None:
@@ -76,9 +96,10 @@ async def open_prefix_cache(
             disk = SnapshotDisk(config.kv_cache_dir, identity, layout)
         except (OSError, SnapshotDirError) as exc:
             raise ValueError(f"{config.label('kv_cache_dir')}: {exc}") from exc
-    arena = SnapshotArena(owner, config.prefix_cache_bytes)
+    arena = SnapshotArena(owner, arena_bytes(config.prefix_cache_bytes))
     t0 = time.monotonic()
-    cache = PrefixCache(layout, arena, disk, disk_budget=config.kv_cache_budget)
+    budget = config.kv_cache_budget if disk is not None else None
+    cache = PrefixCache(layout, arena, disk, disk_budget=budget)
     stats = cache.stats()
     log.info(
         "prefix cache: %d MiB arena%s",

@@ -295,6 +295,18 @@ STATUS = {
     },
     "totals": {"requests": 12, "prompt_tokens": 1234, "generation_tokens": 5678, "errors": 0},
     "placement": WORKERS,
+    "prefix_cache": {
+        "entries": 3,
+        "memory_entries": 2,
+        "disk_entries": 2,
+        "memory_bytes": 3 * 2**20,
+        "memory_capacity": 2**30,
+        "disk_bytes": 5 * 2**20,
+        "disk_budget": 8 * 2**30,
+        "queries": 40,
+        "hits": 7,
+        "hit_tokens": 3500,
+    },
 }
 SNAPSHOTS = [
     {
@@ -396,6 +408,8 @@ def test_lucectl_status_table(daemon: FakeDaemon, capsys: pytest.CaptureFixture[
         "queue": "1 running, 2 waiting (max 16), 340 prompt tokens waiting (max 32768)",
         "totals": "12 requests, 1234 prompt tokens, 5678 generation tokens, 0 errors",
         "context_length": "8192",
+        "prefix_cache": "3 snapshots (2 in memory, 2 on disk), memory 3.0 MiB of 1.0 GiB, disk "
+        "5.0 MiB of 8.0 GiB; 7 hits (3500 tokens) in 40 lookups",
     }
     # values are aligned in one column
     lines = head.splitlines()

@@ -192,6 +192,7 @@ class TargetRunner:
         self._regions: dict[str, Region] = {}
         self._arrays: dict[str, np.ndarray] = {}
         self._position = 0
+        self._ring_floor = 0  # no ring row below this position is valid (after a restore)
         self._in_sync = True  # False after a worker restart: every shard must reset
         self.draft: LoadDraftReply | None = None  # the DFlash draft, when one is loaded
         self._draft_path: str | None = None
@@ -353,6 +354,7 @@ class TargetRunner:
     async def reset(self) -> None:
         await asyncio.gather(*(w.call(Reset()) for w in self._workers()))
         self._position = 0
+        self._ring_floor = 0
         self._in_sync = True
 
     async def truncate(self, position: int) -> None:
@@ -474,8 +476,11 @@ class TargetRunner:
                 block_size=block_size,
                 mask_token_id=self.draft.mask_token_id,
                 # A verify feeds up to B positions past the committed ones and rolls back:
-                # their slots overwrote the oldest B rows of the ring, so those stay unread.
-                ctx_window=self.ring.ring_cap - block_size,
+                # their slots overwrote the oldest B rows of the ring, so those stay unread;
+                # nor are rows below the floor a restored snapshot left valid.
+                ctx_window=max(
+                    1, min(self.ring.ring_cap - block_size, self._position - self._ring_floor)
+                ),
                 sampling=sampling,
             )
         )
@@ -768,6 +773,9 @@ class TargetRunner:
             raise
         self._position = n
         self._in_sync = True
+        if self.ring is not None:
+            # A snapshot of N positions holds valid ring rows only from N - ring_cap on.
+            self._ring_floor = max(0, regions["ring"].shape[0] - self.ring.ring_cap)
 
     async def _kv_layouts(self) -> list[list[TensorSpec]]:
         """Each worker's K/V specs, in pipeline order."""

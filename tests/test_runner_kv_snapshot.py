@@ -13,6 +13,7 @@ from __future__ import annotations
 import secrets
 from pathlib import Path
 
+import make_tiny_draft
 import numpy as np
 import pytest
 from test_runner_split import KV, PROMPT, THREADS, split_runner, tiny  # noqa: F401 (fixture)
@@ -213,3 +214,29 @@ async def test_bad_regions_change_nothing(tiny: dict[str, Path]) -> None:  # noq
             await runner.import_kv(N, {**arena.regions, **late}, arena.tokens)
         assert runner.position == 0 and await kv_positions(runner) == [0, 0]
         assert np.array_equal(await runner.logits(PROMPT), prompt_logits)  # healthy
+
+
+async def test_draft_reads_no_ring_row_below_a_restored_snapshot_floor(
+    tiny: dict[str, Path],  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    """A snapshot of 20 positions with a ring of 8 holds valid ring rows for [12, 20) only.
+    Restored to 15, the draft's context must stay inside [12, 15): poisoning the ring rows
+    of the positions below (7..11, still in the ring's slots) changes nothing."""
+    _, draft, _ = make_tiny_draft.build(tiny["gemma3"], tmp_path / "d", seed=1, captures=2)
+    prompt = PROMPT * 2
+    async with split_runner(tiny["gemma3"], ("cpu",)) as runner:
+        await runner.load_draft(str(draft), ring_cap=8, block_size=4)
+        for start in range(0, len(prompt), 8):  # a forward may not outrun the ring
+            await runner.prefill(prompt[start : start + 8], {"temperature": 0}, None)
+        arena = Arena(runner, await runner.kv_layout(), len(prompt))
+        await runner.export_kv(len(prompt), arena.regions)
+        await runner.reset()
+        await runner.import_kv(15, arena.regions, arena.tokens)
+        assert runner.ring is not None
+        below = np.arange(7, 12) % 8
+        proposals = []
+        for poison in (np.nan, 0.0):
+            runner.ring.array[below] = poison
+            proposals.append(await runner.draft_block(prompt[15], 4))
+        assert proposals[0] == proposals[1]

@@ -5,6 +5,7 @@
       3f9a0c12d4e1.safetensors one snapshot, named by its entry id
       3f9a0c12d4e1.safetensors.tmp   a write in progress (deleted by ``scan`` after a crash)
       quarantine/              files that failed validation, moved aside with a warning
+                               (the newest QUARANTINE_KEEP are kept)
 
 A file is a plain safetensors file: the snapshot's tensors (the model layout with the token
 axis sized n; bfloat16 stored as BF16, read back as uint16 bits) plus ``tokens`` (int32
@@ -58,6 +59,7 @@ FORMAT_VERSION = 1
 SUFFIX = ".safetensors"
 TMP_SUFFIX = ".tmp"
 QUARANTINE = "quarantine"
+QUARANTINE_KEEP = 16  # newest quarantined files kept for inspection; older ones are deleted
 LOCK_NAME = ".lock"
 _MAX_HEADER = 100 << 20  # safetensors' own header limit
 _ID_RE = re.compile(r"^[0-9a-f]{1,32}$")
@@ -306,6 +308,8 @@ class SnapshotDisk:
                 dest = qdir / f"{path.name}.{i}"
                 i += 1
             os.replace(path, dest)
+            os.utime(dest)  # its quarantine time: the pruning below keeps the newest
+            _prune(qdir, QUARANTINE_KEEP)
         except OSError as e:
             log.warning(
                 "prefix cache: skipping snapshot file %s (%s); cannot quarantine it: %s",
@@ -491,6 +495,15 @@ class SnapshotDisk:
             os.fsync(fd)
         finally:
             os.close(fd)
+
+
+def _prune(qdir: Path, keep: int) -> None:
+    """Delete all but the `keep` most recently quarantined files (the directory would
+    otherwise grow without bound outside the budget, e.g. when models alternate)."""
+    files = sorted(qdir.iterdir(), key=lambda p: (p.stat().st_mtime_ns, p.name), reverse=True)
+    for old in files[keep:]:
+        with contextlib.suppress(OSError):
+            old.unlink()
 
 
 def _bytes_of(a: np.ndarray) -> memoryview:

@@ -15,6 +15,7 @@ import safetensors
 
 from luced.snapshot_disk import (
     QUARANTINE,
+    QUARANTINE_KEEP,
     DiskIdentity,
     SnapshotDirError,
     SnapshotDisk,
@@ -182,6 +183,13 @@ def test_scan_quarantines_every_bad_file_with_a_warning(
     again = disk.write("0002", arrays(6)).path
     disk.quarantine(again, "test")
     assert (disk.dir / QUARANTINE / "0002.safetensors.1").exists()
+
+
+def test_quarantine_keeps_only_the_newest_files(disk: SnapshotDisk) -> None:
+    for i in range(QUARANTINE_KEEP + 5):
+        disk.quarantine(disk.write(f"{i:04x}", arrays(4)).path, "test")
+    kept = sorted(p.name for p in (disk.dir / QUARANTINE).iterdir())
+    assert kept == [f"{i:04x}.safetensors" for i in range(5, QUARANTINE_KEEP + 5)]
 
 
 def test_read_detects_flipped_data_and_wrong_destinations(disk: SnapshotDisk) -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from collections import deque
@@ -502,19 +503,7 @@ class Engine:
     def _cache_status(self) -> dict | None:
         if self.prefix_cache is None:
             return None
-        s = self.prefix_cache.stats()
-        return {
-            "entries": s.entries,
-            "memory_entries": s.memory_entries,
-            "disk_entries": s.disk_entries,
-            "memory_bytes": s.memory_bytes,
-            "memory_capacity": s.memory_capacity,
-            "disk_bytes": s.disk_bytes,
-            "disk_budget": s.disk_budget,
-            "queries": s.queries,
-            "hits": s.hits,
-            "hit_tokens": s.hit_tokens,
-        }
+        return dataclasses.asdict(self.prefix_cache.stats())
 
     def workers(self) -> list[dict]:
         return self.runner.describe()

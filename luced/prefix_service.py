@@ -49,11 +49,12 @@ def model_fingerprint(path: str | Path) -> str:
 
 def placement_key(runner: TargetRunner) -> str:
     """Shards in layer order: `cpu[0,15);cpu:1[15,30)`."""
-    return ";".join(
-        f"{s['devices'][0]}[{s['layers'][0]},{s['layers'][1]})"
-        for s in runner.describe()
-        if not isinstance(s["layers"], str)  # the draft's worker holds no target layers
-    )
+    shards = []
+    for slot in runner.slots:  # the pipeline's workers (a draft's own worker is not one)
+        assert slot.plan is not None
+        for device, (a, b) in zip(slot.plan.devices, slot.plan.shard_ranges(), strict=True):
+            shards.append(f"{device}[{a},{b})")
+    return ";".join(shards)
 
 
 def arena_bytes(wanted: int, shm_dir: Path = SHM_DIR) -> int:

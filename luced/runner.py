@@ -193,6 +193,10 @@ class TargetRunner:
         self._arrays: dict[str, np.ndarray] = {}
         self._position = 0
         self._ring_floor = 0  # no ring row below this position is valid (after a restore)
+        # KV snapshots: each worker's tensors (fixed by its plan, so asked once) and the
+        # snapshot arena's mapping here (for the ring rows), kept for the runner's life.
+        self._kv_specs: list[list[TensorSpec]] | None = None
+        self._snapshot_maps = Attachments()
         self._in_sync = True  # False after a worker restart: every shard must reset
         self.draft: LoadDraftReply | None = None  # the DFlash draft, when one is loaded
         self._draft_path: str | None = None
@@ -341,6 +345,7 @@ class TargetRunner:
                 with contextlib.suppress(asyncio.CancelledError):
                     await slot.restart_task
         await asyncio.gather(*(s.handle.stop() for s in slots if s.handle is not None))
+        self._snapshot_maps.close()
 
     def _workers(self) -> list[WorkerHandle]:
         handles = [s.handle for s in self.slots]
@@ -778,13 +783,17 @@ class TargetRunner:
             self._ring_floor = max(0, regions["ring"].shape[0] - self.ring.ring_cap)
 
     async def _kv_layouts(self) -> list[list[TensorSpec]]:
-        """Each worker's K/V specs, in pipeline order."""
-        replies = await asyncio.gather(*(w.call(KVLayout()) for w in self._workers()))
-        out = []
-        for reply in replies:
-            assert isinstance(reply, KVLayoutReply)
-            out.append([TensorSpec(nm, (h, 1, d), reply.dtype, 1) for nm, h, d in reply.tensors])
-        return out
+        """Each worker's K/V specs, in pipeline order (asked once: a worker restarted
+        later serves the same layers in the same dtype)."""
+        if self._kv_specs is None:
+            replies = await asyncio.gather(*(w.call(KVLayout()) for w in self._workers()))
+            out = []
+            for reply in replies:
+                assert isinstance(reply, KVLayoutReply)
+                specs = [TensorSpec(nm, (h, 1, d), reply.dtype, 1) for nm, h, d in reply.tensors]
+                out.append(specs)
+            self._kv_specs = out
+        return self._kv_specs
 
     def _ring_spec(self) -> list[TensorSpec]:
         if self.ring is None:
@@ -828,15 +837,14 @@ class TargetRunner:
         """Ring slots of positions [max(0, n - ring_cap), n) <-> the same rows of `region`."""
         assert self.ring is not None
         ring, cap = self.ring.array, self.ring.ring_cap
-        with Attachments() as segments:  # the arena may be any segment of ours: map it here
-            rows = segments.view(region)
-            p = max(0, n - cap)
-            while p < n:  # at most two runs: the slots wrap once
-                slot = p % cap
-                k = min(n - p, cap - slot)
-                if into_ring:
-                    ring[slot : slot + k] = rows[p : p + k]
-                else:
-                    rows[p : p + k] = ring[slot : slot + k]
-                p += k
-            del rows  # before the mapping closes
+        rows = self._snapshot_maps.view(region)  # the arena: mapped on first use
+        p = max(0, n - cap)
+        while p < n:  # at most two runs: the slots wrap once
+            slot = p % cap
+            k = min(n - p, cap - slot)
+            if into_ring:
+                ring[slot : slot + k] = rows[p : p + k]
+            else:
+                rows[p : p + k] = ring[slot : slot + k]
+            p += k
+        del rows  # no view may outlive the mapping, which close() unmaps

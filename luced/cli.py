@@ -22,11 +22,11 @@ def main(argv: list[str] | None = None) -> int:
     if argv[0] != "serve":
         print(f"luced: unknown command {argv[0]!r} (try `luced serve --help`)", file=sys.stderr)
         return 2
-    from luced.config import ConfigError, load_config
-    from luced.daemon import StartupError, run
+    from luced.engine.placement import PlacementError
     from luced.gguf_file import GGUFError
-    from luced.models import BundledModelMissing
-    from luced.placement import PlacementError
+    from luced.serve.bundled import BundledModelMissing
+    from luced.serve.config import ConfigError, load_config
+    from luced.serve.daemon import StartupError, run
 
     try:
         return run(load_config(argv[1:]))

@@ -17,13 +17,13 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 @pytest.fixture(scope="session")
 def smollm2_gguf() -> Path:
-    from luced.models import smollm2_path
+    from luced.serve.bundled import smollm2_path
 
     return smollm2_path()
 
 
 @pytest.fixture(scope="session")
 def gemma3_gguf() -> Path:
-    from luced.models import gemma3_path
+    from luced.serve.bundled import gemma3_path
 
     return gemma3_path()

@@ -7,13 +7,13 @@ import contextlib
 from collections.abc import AsyncIterator
 from pathlib import Path
 
-from luced.engine import Engine
+from luced.cache.arena import SnapshotArena
+from luced.cache.prefix_cache import PrefixCache
+from luced.engine.core import Engine
+from luced.engine.target import TargetPlacement, TargetRunner
 from luced.gguf_file import GGUFFile
 from luced.ipc.shm import ShmOwner
-from luced.prefix_cache import PrefixCache
-from luced.runner import TargetPlacement, TargetRunner
-from luced.snapshot_arena import SnapshotArena
-from luced.tokenizer import Tokenizer
+from luced.text.tokenizer import Tokenizer
 
 
 @contextlib.asynccontextmanager

@@ -20,9 +20,12 @@ def daemon_side_modules() -> list[str]:
 
 
 def test_there_are_daemon_modules_to_check() -> None:
-    assert {"luced.engine", "luced.daemon", "luced.tokenizer", "luced.ipc.frames"} <= set(
-        daemon_side_modules()
-    )
+    assert {
+        "luced.engine.core",
+        "luced.serve.daemon",
+        "luced.text.tokenizer",
+        "luced.ipc.frames",
+    } <= set(daemon_side_modules())
 
 
 def test_daemon_side_never_imports_torch() -> None:
@@ -41,5 +44,5 @@ def test_daemon_side_never_imports_torch() -> None:
 def test_ipc_does_not_import_daemon_or_runtime() -> None:
     for path in (PACKAGE / "ipc").glob("*.py"):
         text = path.read_text()
-        for banned in ("luced.runtime", "luced.engine", "luced.api", "luced.daemon"):
+        for banned in ("luced.runtime", "luced.engine.core", "luced.api", "luced.serve.daemon"):
             assert banned not in text, f"{path.name} imports {banned}"

@@ -32,14 +32,14 @@ from typing import Any, ClassVar
 
 import make_tiny_draft
 
-from luced.engine import Engine, GenerationRequest
+from luced.engine.core import Engine, GenerationRequest
+from luced.engine.executor import WorkerSpec
+from luced.engine.target import Sampled, TargetPlacement, TargetRunner
 from luced.gguf_file import GGUFFile
 from luced.ipc.shm import ShmOwner
-from luced.models import gemma3_path, smollm2_path
-from luced.runner import Sampled, TargetPlacement, TargetRunner
 from luced.sampling_params import SamplingParams
-from luced.tokenizer import Tokenizer
-from luced.workers import WorkerSpec
+from luced.serve.bundled import gemma3_path, smollm2_path
+from luced.text.tokenizer import Tokenizer
 
 MODELS = {"smollm2": smollm2_path, "gemma3": gemma3_path}
 

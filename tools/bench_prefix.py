@@ -26,18 +26,18 @@ import tempfile
 import time
 from pathlib import Path
 
-from luced.engine import Engine, GenerationRequest
+from luced.cache.arena import SnapshotArena
+from luced.cache.disk import DiskIdentity, SnapshotDisk
+from luced.cache.prefix_cache import PrefixCache
+from luced.engine.core import Engine, GenerationRequest
+from luced.engine.executor import WorkerSpec
+from luced.engine.target import TargetPlacement, TargetRunner
 from luced.gguf_file import GGUFFile
 from luced.ipc.shm import ShmOwner
-from luced.models import gemma3_path, smollm2_path
-from luced.prefix_cache import PrefixCache
-from luced.prefix_service import placement_key
-from luced.runner import TargetPlacement, TargetRunner
 from luced.sampling_params import SamplingParams
-from luced.snapshot_arena import SnapshotArena
-from luced.snapshot_disk import DiskIdentity, SnapshotDisk
-from luced.tokenizer import Tokenizer
-from luced.workers import WorkerSpec
+from luced.serve.bundled import gemma3_path, smollm2_path
+from luced.serve.prefix_setup import placement_key
+from luced.text.tokenizer import Tokenizer
 
 MODELS = {"smollm2": smollm2_path, "gemma3": gemma3_path}
 

@@ -111,8 +111,8 @@ def main() -> int:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from luced.models import gemma3_path, smollm2_path
     from luced.runtime.model import Model
+    from luced.serve.bundled import gemma3_path, smollm2_path
 
     paths = {"smollm2": smollm2_path, "gemma3": gemma3_path}
     rows = []

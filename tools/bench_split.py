@@ -32,10 +32,10 @@ import statistics
 import time
 from pathlib import Path
 
+from luced.engine.target import TargetPlacement, TargetRunner
 from luced.gguf_file import GGUFFile
 from luced.ipc.shm import ShmOwner
-from luced.models import gemma3_path, smollm2_path
-from luced.runner import TargetPlacement, TargetRunner
+from luced.serve.bundled import gemma3_path, smollm2_path
 
 MODELS = {"smollm2": smollm2_path, "gemma3": gemma3_path}
 

@@ -41,13 +41,13 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO if not args.json else logging.WARNING, stream=sys.stderr)
     import torch
 
-    from luced.chat_template import ChatTemplate
-    from luced.detokenize import IncrementalDetokenizer
-    from luced.models import default_model_path
     from luced.runtime.generate import generate
     from luced.runtime.model import Model
     from luced.sampling_params import SamplingParams
-    from luced.tokenizer import Tokenizer
+    from luced.serve.bundled import default_model_path
+    from luced.text.chat_template import ChatTemplate
+    from luced.text.detokenize import IncrementalDetokenizer
+    from luced.text.tokenizer import Tokenizer
 
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -30,7 +30,7 @@ import gguf
 import numpy as np
 
 from luced.gguf_file import GGUFFile
-from luced.runtime.draft_loader import reference_capture_layers
+from luced.runtime.dflash.loader import reference_capture_layers
 
 GGUF_ARCH = "qwen35-dflash-draft"
 NP_DTYPES = {"f32": np.float32, "f16": np.float16}

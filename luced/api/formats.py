@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 from luced.api.openai import APIError
 
 if TYPE_CHECKING:
-    from luced.engine import Delta, TokenLogprob
+    from luced.engine.core import Delta, TokenLogprob
 
 MIN_LOGPROB = -9999.0  # vLLM's floor: -inf is not JSON
 

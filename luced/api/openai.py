@@ -44,13 +44,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from luced.chat_template import ChatTemplateError
-from luced.engine import GenerationRequest
+from luced.engine.core import GenerationRequest
 from luced.sampling_params import SamplingParams
+from luced.text.chat_template import ChatTemplateError
 
 if TYPE_CHECKING:
-    from luced.chat_template import ChatTemplate
-    from luced.tokenizer import Tokenizer
+    from luced.text.chat_template import ChatTemplate
+    from luced.text.tokenizer import Tokenizer
 
 MAX_STOP = 16
 MAX_STOP_CHARS = 256

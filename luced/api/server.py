@@ -4,7 +4,7 @@
     POST /v1/completions         legacy completions, streaming or not
     GET  /v1/models              the served model; GET /v1/models/{id} one model card
     GET  /health                 200 {"status": "ok"} when ready, else 503 {"status": state}
-    GET  /metrics                Prometheus text (luced.api.metrics)
+    GET  /metrics                Prometheus text (luced.engine.metrics)
 
 A request's trace: the handler reads the body, `luced.api.openai` validates it (a 400
 naming the field, or 404 for another model), the chat template and tokenizer run in a
@@ -43,7 +43,6 @@ from luced.api.formats import (
     finish_error,
     sse,
 )
-from luced.api.metrics import CONTENT_TYPE, Metrics
 from luced.api.openai import (
     APIError,
     Options,
@@ -54,7 +53,8 @@ from luced.api.openai import (
     parse_chat,
     parse_completion,
 )
-from luced.engine import Engine, EngineError, RequestHandle
+from luced.engine.core import Engine, EngineError, RequestHandle
+from luced.engine.metrics import CONTENT_TYPE, Metrics
 
 log = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ State per loaded model::
               ``sampling`` map changes) and kept, so a seeded request's draws continue
               one generator across steps and truncations
 
-A DFlash draft (``load_draft``, ``draft``; ``luced.runtime.draft_backend``) may sit beside
+A DFlash draft (``load_draft``, ``draft``; ``luced.runtime.dflash.verbs``) may sit beside
 the target or alone in a worker; ``load`` drops it with the target it may lean on.
 
 Shared memory: regions are attached lazily by segment name (``Attachments``) and viewed
@@ -46,14 +46,14 @@ import torch
 
 from luced.ipc import frames as F
 from luced.ipc.regions import Attachments, Region
+from luced.runtime.dflash.verify import verify_sampled
 from luced.runtime.kv_cache import ContextOverflow, KVCache
 from luced.runtime.model import Model
 from luced.runtime.sampler import SampleOutput, Sampler, sample, token_logprobs
-from luced.runtime.speculative import verify_sampled
 from luced.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from luced.runtime.draft_backend import DraftState
+    from luced.runtime.dflash.verbs import DraftState
 
 log = logging.getLogger(__name__)
 
@@ -344,14 +344,16 @@ class Backend:
         return F.ProjectReply(n_out=n, elapsed_us=int(elapsed * 1e6))
 
     def load_draft(self, req: F.LoadDraft) -> F.LoadDraftReply:
-        from luced.runtime import draft_backend
+        from luced.runtime.dflash import verbs as draft_backend
 
         self.draft = None  # first: the old draft's memory may be needed for the new one
         self.draft = draft_backend.load(self, req)
         return self.draft.reply
 
     def draft_block(self, req: F.DraftBlock) -> F.DraftBlockReply:
-        from luced.runtime import draft_backend  # imports this module: imported on use
+        from luced.runtime.dflash import (
+            verbs as draft_backend,  # imports this module: imported on use
+        )
 
         if self.draft is None:
             raise WorkerError("draft before load_draft: no draft is loaded")

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from luced.chat_template import ChatTemplate
-from luced.tokenizer import Tokenizer
+from luced.text.chat_template import ChatTemplate
+from luced.text.tokenizer import Tokenizer
 
 
 @pytest.fixture(scope="session")

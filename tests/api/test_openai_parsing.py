@@ -19,9 +19,9 @@ from luced.api.openai import (
     parse_chat,
     parse_completion,
 )
-from luced.chat_template import ChatTemplate
 from luced.sampling_params import SamplingParams
-from luced.tokenizer import Tokenizer
+from luced.text.chat_template import ChatTemplate
+from luced.text.tokenizer import Tokenizer
 
 MODEL = "smol"
 VOCAB = 49152  # SmolLM2's vocabulary size

@@ -19,15 +19,15 @@ from aiohttp.test_utils import TestClient, TestServer
 from openai import AsyncOpenAI
 from prometheus_client.parser import text_string_to_metric_families
 
-from luced.api.metrics import Metrics
 from luced.api.server import make_app
-from luced.chat_template import GEMMA_TEMPLATE, ChatTemplate
-from luced.engine import Engine
+from luced.engine.core import Engine
+from luced.engine.executor import WorkerSpec
+from luced.engine.metrics import Metrics
+from luced.engine.target import TargetPlacement, TargetRunner
 from luced.gguf_file import GGUFFile
 from luced.ipc.shm import ShmOwner, scan
-from luced.runner import TargetPlacement, TargetRunner
-from luced.tokenizer import Tokenizer
-from luced.workers import WorkerSpec
+from luced.text.chat_template import GEMMA_TEMPLATE, ChatTemplate
+from luced.text.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 

@@ -103,7 +103,7 @@ class DaemonProcess:
             [
                 sys.executable,
                 "-m",
-                "luced.lucectl",
+                "luced.serve.lucectl",
                 "--socket",
                 str(self.admin_socket),
                 "--json",
@@ -137,7 +137,14 @@ class DaemonProcess:
     def lucectl(self, *args: str, check: bool = True) -> subprocess.CompletedProcess:
         """`lucectl --socket <this daemon's> ARGS`, text output captured."""
         return subprocess.run(
-            [sys.executable, "-m", "luced.lucectl", "--socket", str(self.admin_socket), *args],
+            [
+                sys.executable,
+                "-m",
+                "luced.serve.lucectl",
+                "--socket",
+                str(self.admin_socket),
+                *args,
+            ],
             capture_output=True,
             text=True,
             check=check,

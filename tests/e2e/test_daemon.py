@@ -205,7 +205,14 @@ def test_gemma3_http_equals_generate_tool(gemma3_gguf, tmp_path) -> None:
 def test_lucectl_status_and_workers(smol) -> None:
     def lucectl(*args: str) -> subprocess.CompletedProcess:
         return subprocess.run(
-            [sys.executable, "-m", "luced.lucectl", "--socket", str(smol.admin_socket), *args],
+            [
+                sys.executable,
+                "-m",
+                "luced.serve.lucectl",
+                "--socket",
+                str(smol.admin_socket),
+                *args,
+            ],
             capture_output=True,
             text=True,
         )

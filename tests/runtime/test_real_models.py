@@ -81,10 +81,10 @@ def test_gemma3_matches_transformers(gemma3_gguf: Path) -> None:
 
 
 def test_smollm2_answers_a_chat_question(smollm2_gguf: Path) -> None:
-    from luced.chat_template import ChatTemplate
     from luced.runtime.generate import generate
     from luced.sampling_params import SamplingParams
-    from luced.tokenizer import Tokenizer
+    from luced.text.chat_template import ChatTemplate
+    from luced.text.tokenizer import Tokenizer
 
     tokenizer = Tokenizer.from_gguf(smollm2_gguf)
     template = ChatTemplate.from_gguf(smollm2_gguf, "llama")

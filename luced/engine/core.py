@@ -1,0 +1,568 @@
+"""The engine: a bounded request queue and the generation loop, owned by the event loop.
+
+    handle = engine.submit(GenerationRequest(...))   # raises EngineError (429/400/503)
+    async for delta in handle: ...                    # text deltas, token ids, logprobs
+    handle.finish_reason                              # "stop" | "length" | "abort" | "error"
+
+One generation runs at a time. Each step of it is one small command to the target
+runner (a frame round trip); between steps the loop checks cancellation, so a client
+that disconnects stops its work within one step (prefill: within one chunk). Text is
+detokenized incrementally and matched against stop strings here, in the daemon.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from luced.cache.prefix_cache import PrefixCache
+from luced.engine.executor import WorkerDied, WorkerError
+from luced.engine.target import Sampled, TargetRunner
+from luced.runtime.dflash.verify import clip, verify_greedy
+from luced.sampling_params import SamplingParams
+from luced.text.detokenize import IncrementalDetokenizer
+from luced.text.stops import StopMatcher
+from luced.text.tokenizer import Tokenizer
+from luced.text.turns import TurnMarker
+
+log = logging.getLogger(__name__)
+
+
+class EngineError(Exception):
+    status = 500
+    code = "internal_error"
+
+    def __init__(self, message: str, retry_after: float | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.retry_after = retry_after
+
+
+class QueueFull(EngineError):
+    status = 429
+    code = "queue_full"
+
+
+class ContextTooLong(EngineError):
+    status = 400
+    code = "context_length_exceeded"
+
+
+class Unavailable(EngineError):
+    status = 503
+    code = "unavailable"
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    request_id: str
+    prompt: list[int]
+    params: SamplingParams
+    max_tokens: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    token: str
+    logprob: float
+    bytes: list[int]
+    top: list[tuple[str, float, list[int]]] = field(default_factory=list)
+
+
+@dataclass
+class Delta:
+    text: str
+    token_ids: list[int]
+    logprobs: list[TokenLogprob] | None = None
+
+
+_END = object()
+
+
+class RequestHandle:
+    def __init__(self, req: GenerationRequest, max_tokens: int) -> None:
+        self.request = req
+        self.request_id = req.request_id
+        self.prompt_tokens = len(req.prompt)
+        self.max_tokens = max_tokens
+        self.completion_tokens = 0
+        self.finish_reason: str | None = None
+        self.error: str | None = None
+        self.cancelled = False
+        self.on_cancel: Callable[[RequestHandle], None] | None = None
+        self.submitted_at = time.monotonic()
+        self.first_token_at: float | None = None
+        self.last_token_at: float | None = None
+        # DFlash counts for this request (reported in usage).
+        self.spec = {"drafts": 0, "draft_tokens": 0, "accepted_tokens": 0}
+        self.cached_tokens = 0  # prompt tokens restored from the prefix cache
+        self._events: asyncio.Queue[Any] = asyncio.Queue()
+
+    def cancel(self) -> None:
+        """The client went away: leave the queue now, or stop at the next step."""
+        if not self.cancelled:
+            self.cancelled = True
+            if self.on_cancel is not None:
+                self.on_cancel(self)
+
+    def _emit_if(self, delta: Delta | None) -> None:
+        if delta is not None:
+            self._events.put_nowait(delta)
+
+    def _finish(self, reason: str, error: str | None = None) -> None:
+        if self.finish_reason is None:
+            self.finish_reason, self.error = reason, error
+            self._events.put_nowait(_END)
+
+    async def __aiter__(self) -> AsyncIterator[Delta]:
+        while True:
+            item = await self._events.get()
+            if item is _END:
+                return
+            yield item
+
+
+class Engine:
+    def __init__(
+        self,
+        runner: TargetRunner,
+        tokenizer: Tokenizer,
+        chat_template: Any,
+        *,
+        model_name: str,
+        context_length: int,
+        max_queue: int = 16,
+        max_queued_tokens: int = 32768,
+        default_max_tokens: int | None = None,
+        block_size: int = 16,
+        metrics: Any = None,
+        prefix_cache: PrefixCache | None = None,
+    ) -> None:
+        self.runner = runner
+        self.tokenizer = tokenizer
+        self.chat_template = chat_template
+        self.model_name = model_name
+        self.context_length = context_length
+        self.max_queue = max_queue
+        self.max_queued_tokens = max_queued_tokens
+        self.default_max_tokens = default_max_tokens
+        self.block_size = block_size
+        self.metrics = metrics
+        self.prefix_cache = prefix_cache
+        self.turns = TurnMarker.learn(chat_template, tokenizer)  # the cache's cut points
+        self.started_at = time.time()
+        self.draining = False
+        self.loaded_once = False
+        self.waiting: deque[RequestHandle] = deque()
+        self.active: RequestHandle | None = None
+        self.totals = {
+            "requests": 0,
+            "prompt_tokens": 0,
+            "cached_prompt_tokens": 0,
+            "generation_tokens": 0,
+            "errors": 0,
+            "spec_drafts": 0,
+            "spec_accepted_tokens": 0,
+        }
+        self._wakeup = asyncio.Event()
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._loop_task: asyncio.Task | None = None
+
+    # -- state ----------------------------------------------------------------------------
+
+    @property
+    def state(self) -> str:
+        if self.draining:
+            return "draining"
+        if self.runner.ready:
+            self.loaded_once = True
+            return "ready"
+        return "degraded" if self.loaded_once else "loading"
+
+    def queued_tokens(self) -> int:
+        return sum(h.prompt_tokens for h in self.waiting)
+
+    # -- submission -----------------------------------------------------------------------
+
+    def submit(self, req: GenerationRequest) -> RequestHandle:
+        state = self.state
+        if state != "ready":
+            raise Unavailable(f"luced is {state}; try again later", retry_after=1.0)
+        n = len(req.prompt)
+        if n == 0:
+            raise ContextTooLong("the prompt is empty")
+        if n >= self.context_length:
+            raise ContextTooLong(
+                f"the prompt has {n} tokens; the context holds {self.context_length} "
+                "(prompt plus at least one generated token)"
+            )
+        room = self.context_length - n
+        if req.max_tokens is not None and req.max_tokens > room:
+            raise ContextTooLong(
+                f"prompt ({n} tokens) + max_tokens ({req.max_tokens}) exceeds the context "
+                f"length {self.context_length}"
+            )
+        max_tokens = req.max_tokens or min(room, self.default_max_tokens or room)
+        if len(self.waiting) >= self.max_queue or (
+            self.waiting and self.queued_tokens() + n > self.max_queued_tokens
+        ):
+            raise QueueFull(
+                f"the queue is full ({len(self.waiting)} requests, {self.queued_tokens()} "
+                "prompt tokens waiting)",
+                retry_after=self._retry_after(),
+            )
+        handle = RequestHandle(req, max_tokens)
+        handle.on_cancel = self._drop_if_queued
+        self.waiting.append(handle)
+        self.totals["requests"] += 1
+        self._observe("queue", len(self.waiting))
+        self._wakeup.set()
+        return handle
+
+    def _drop_if_queued(self, handle: RequestHandle) -> None:
+        """A queued request whose client left frees its place at once."""
+        if handle in self.waiting:
+            self.waiting.remove(handle)
+            self._observe("queue", len(self.waiting))
+            handle._finish("abort")
+            self._observe_finish(handle)
+            if not self.waiting and self.active is None:
+                self._idle.set()
+
+    def _retry_after(self) -> float:
+        return float(max(1, len(self.waiting)))
+
+    # -- the loop -------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._loop_task = asyncio.get_running_loop().create_task(self._run(), name="engine")
+
+    async def stop(self) -> None:
+        """End everything still queued or running with an error, then stop the loop."""
+        unfinished = [*self.waiting, *([self.active] if self.active else [])]
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._loop_task
+        for handle in unfinished:
+            handle._finish("error", "luced is shutting down")
+            self._observe_finish(handle)
+        self.waiting.clear()
+
+    async def drain(self, timeout: float | None = None) -> bool:
+        """Stop accepting; wait (up to timeout) until queued and running work is done."""
+        self.draining = True
+        try:
+            async with asyncio.timeout(timeout):
+                while self.waiting or self.active is not None:
+                    self._idle.clear()
+                    await self._idle.wait()
+            return True
+        except TimeoutError:
+            return False
+
+    async def _run(self) -> None:
+        while True:
+            while not self.waiting:
+                self._wakeup.clear()
+                await self._wakeup.wait()
+            handle = self.waiting.popleft()
+            self._observe("queue", len(self.waiting))
+            self.active = handle
+            self._observe("running", 1)
+            try:
+                await self._generate(handle)
+            except Exception as exc:  # never let one request kill the loop
+                log.exception("request %s failed", handle.request_id)
+                handle._finish("error", f"internal error: {exc}")
+            finally:
+                self.active = None
+                self._observe("running", 0)
+                self._observe_finish(handle)
+                self._idle.set()
+
+    async def _generate(self, handle: RequestHandle) -> None:
+        req = handle.request
+        sampling = _sampling_map(req.params)
+        k = req.params.logprobs  # None: no logprobs; k: chosen token's + top k
+        stops = set(req.stop_token_ids) | (set() if req.ignore_eos else self.tokenizer.eos_ids)
+        out = _Output(self.tokenizer, req.stop, want_logprobs=req.params.logprobs is not None)
+        speculate = self.runner.draft is not None
+        try:
+            await self.runner.reset()
+            handle.cached_tokens = cached = await self._restore_prefix(req.prompt)
+            sampled = await self.runner.prefill(
+                req.prompt[cached:], sampling, k, cancelled=lambda: handle.cancelled
+            )
+            if sampled is None:  # cancelled during the prefill
+                handle._finish("abort")
+                return
+            self.totals["prompt_tokens"] += handle.prompt_tokens
+            self.totals["cached_prompt_tokens"] += cached  # restored, not computed
+            self._observe("prompt_tokens", handle.prompt_tokens)
+            await self._save_prefix(req.prompt)
+            if speculate:
+                await self._decode_speculative(handle, out, stops, sampled, sampling, k)
+            else:
+                await self._decode_plain(handle, out, stops, sampled, sampling, k)
+        except (WorkerDied, WorkerError) as exc:
+            self.totals["errors"] += 1
+            handle._finish("error", f"the model worker failed: {exc}")
+
+    async def _restore_prefix(self, prompt: list[int]) -> int:
+        """Restore the longest cached prefix into the (reset) target; tokens restored."""
+        cache = self.prefix_cache
+        if cache is None:
+            return 0
+        self._observe("prefix_queries", len(prompt))
+        hit = cache.lookup(prompt)
+        if hit is None:
+            return 0
+        try:
+            restored = await cache.restore(hit, self.runner)
+        except WorkerError as exc:  # a refused import changes nothing: prefill it all
+            log.warning("prefix cache: restoring %s failed (%s); prefilling", hit.entry_id, exc)
+            await self.runner.reset()
+            return 0
+        self._observe("prefix_hits", restored)
+        return restored
+
+    async def _save_prefix(self, prompt: list[int]) -> None:
+        """Snapshot the prompt's KV (the target holds exactly the prompt now); the cut
+        points are its chat-turn boundaries. The disk copy is written in the background."""
+        if self.prefix_cache is None:
+            return
+        cuts = self.turns.cuts(prompt) if self.turns is not None else []
+        try:
+            await self.prefix_cache.save(prompt, len(prompt), self.runner, cuts)
+        except WorkerError as exc:  # the request goes on; only the snapshot is lost
+            log.warning("prefix cache: snapshot of %d tokens failed: %s", len(prompt), exc)
+
+    def _emit(self, handle: RequestHandle, out: _Output, sampled: Sampled, stops: set) -> bool:
+        """Emit one generated token; True when it ended the request (EOS, stop string,
+        max_tokens)."""
+        now = time.monotonic()
+        if handle.first_token_at is None:
+            handle.first_token_at = now
+            self._observe("ttft", now - handle.submitted_at)
+        elif handle.last_token_at is not None:
+            self._observe("itl", now - handle.last_token_at)
+        handle.last_token_at = now
+        if sampled.token in stops:
+            handle._emit_if(out.flush())
+            handle._finish("stop")
+            return True
+        handle.completion_tokens += 1
+        self.totals["generation_tokens"] += 1
+        self._observe("generation_tokens", 1)
+        delta, hit = out.push(sampled)
+        handle._emit_if(delta)
+        if hit:
+            handle._finish("stop")
+            return True
+        if handle.completion_tokens >= handle.max_tokens:
+            handle._emit_if(out.flush())
+            handle._finish("length")
+            return True
+        return False
+
+    async def _decode_plain(
+        self,
+        handle: RequestHandle,
+        out: _Output,
+        stops: set,
+        sampled: Sampled,
+        sampling: dict,
+        k: int | None,
+    ) -> None:
+        ahead: asyncio.Future | None = None
+        try:
+            while not handle.cancelled:
+                # Send the next step before detokenizing and streaming this token, so the
+                # worker computes while the daemon formats (if this token ends the request,
+                # that one step is wasted).
+                if sampled.token not in stops and handle.completion_tokens + 1 < handle.max_tokens:
+                    ahead = asyncio.ensure_future(self.runner.step(sampled.token, sampling, k))
+                if self._emit(handle, out, sampled, stops):
+                    return
+                assert ahead is not None
+                sampled = await ahead
+                ahead = None
+            handle._finish("abort")
+        finally:
+            if ahead is not None:  # let a step that ran past the end land first
+                with contextlib.suppress(Exception):
+                    await ahead
+
+    async def _decode_speculative(
+        self,
+        handle: RequestHandle,
+        out: _Output,
+        stops: set,
+        first: Sampled,
+        sampling: dict,
+        k: int | None,
+    ) -> None:
+        """DFlash: draft a block after the anchor, verify it in one target forward, emit the
+        accepted proposals and the target's own next token, roll the KV back to what was
+        accepted; that last token is the next anchor (emitted, not yet fed).
+
+        Greedy requests accept by comparing with the target's argmax (here); sampled ones
+        by rejection sampling in the head's worker, which holds the target's distributions
+        and the request's generator (the draft's q rows wait there in shared memory). Either
+        way the target's rows carry the request's penalties (each row its own history) and
+        logprobs, so the output is exactly what plain decoding would produce."""
+        if self._emit(handle, out, first, stops):
+            return
+        anchor = first.token
+        greedy = handle.request.params.greedy
+        while not handle.cancelled:
+            budget = handle.max_tokens - handle.completion_tokens
+            # A step emits at most `size` tokens: drafting past the budget is wasted work
+            # (and could run the KV past the context the request was admitted with).
+            size = min(self.block_size, budget)
+            if size < 2:  # one token left: a plain step
+                if self._emit(handle, out, await self.runner.step(anchor, sampling, k), stops):
+                    return
+                continue
+            block = await self.runner.draft_block(anchor, size, None if greedy else sampling)
+            start = self.runner.position
+            if greedy:
+                rows = await self.runner.verify(block, sampling, k)
+                result = verify_greedy(block, [r.token for r in rows], budget=budget, eos_ids=stops)
+            else:
+                rows, accepted = await self.runner.verify_sampled(block, sampling, k)
+                result = clip([r.token for r in rows], accepted, budget, stops)
+            await self.runner.truncate(start + result.num_kept)
+            self._count_draft(handle, size - 1, result.num_accepted)
+            # Emitted token j follows block[0..j]: it is row j's (an accepted proposal
+            # equals that row's choice; the last is the target's own).
+            for row in rows[: len(result.tokens)]:
+                if self._emit(handle, out, row, stops):
+                    return
+            anchor = result.tokens[-1]
+        handle._finish("abort")
+
+    def _count_draft(self, handle: RequestHandle, proposed: int, accepted: int) -> None:
+        handle.spec["drafts"] += 1
+        handle.spec["draft_tokens"] += proposed
+        handle.spec["accepted_tokens"] += accepted
+        self.totals["spec_drafts"] += 1
+        self.totals["spec_accepted_tokens"] += accepted
+        if self.metrics is not None:
+            per_pos = [1] * accepted + [0] * (proposed - accepted)
+            self.metrics.observe_spec_decode(proposed, per_pos)
+
+    # -- observability --------------------------------------------------------------------
+
+    def _observe(self, what: str, value: float) -> None:
+        if self.metrics is not None:
+            self.metrics.observe(what, value)
+
+    def _observe_finish(self, handle: RequestHandle) -> None:
+        if self.metrics is not None and handle.finish_reason is not None:
+            self.metrics.observe("e2e", time.monotonic() - handle.submitted_at)
+            self.metrics.finished(handle.finish_reason)
+
+    def status(self) -> dict:
+        return {
+            "model": self.model_name,
+            "state": self.state,
+            "context_length": self.context_length,
+            "uptime_s": round(time.time() - self.started_at, 1),
+            "queue": {
+                "waiting": len(self.waiting),
+                "queued_tokens": self.queued_tokens(),
+                "running": int(self.active is not None),
+                "max_queue": self.max_queue,
+                "max_queued_tokens": self.max_queued_tokens,
+            },
+            "totals": dict(self.totals),
+            # DFlash: tokens committed per verify step (1 + accepted / drafts).
+            "mean_acceptance_length": (
+                round(1 + self.totals["spec_accepted_tokens"] / self.totals["spec_drafts"], 3)
+                if self.totals["spec_drafts"]
+                else None
+            ),
+            "placement": self.workers(),
+            "prefix_cache": self._cache_status(),
+        }
+
+    def _cache_status(self) -> dict | None:
+        if self.prefix_cache is None:
+            return None
+        return dataclasses.asdict(self.prefix_cache.stats())
+
+    def workers(self) -> list[dict]:
+        return self.runner.describe()
+
+
+def _sampling_map(params: SamplingParams) -> dict:
+    """The frame's sampling map: only the fields that differ from the defaults."""
+    defaults = SamplingParams()
+    out = {}
+    for key in (
+        "temperature",
+        "top_k",
+        "top_p",
+        "min_p",
+        "repetition_penalty",
+        "frequency_penalty",
+        "presence_penalty",
+        "penalty_window",
+        "seed",
+    ):
+        value = getattr(params, key)
+        if value != getattr(defaults, key):
+            out[key] = value
+    return out
+
+
+class _Output:
+    """Turns sampled tokens into deltas: incremental text, stop strings, logprobs."""
+
+    def __init__(self, tokenizer: Tokenizer, stop: tuple[str, ...], want_logprobs: bool) -> None:
+        self.tokenizer = tokenizer
+        self.detok = IncrementalDetokenizer(tokenizer)
+        self.stops = StopMatcher(stop)
+        self.want_logprobs = want_logprobs
+        self._pending_ids: list[int] = []
+        self._pending_lp: list[TokenLogprob] = []
+
+    def _entry(self, token: int, logprob: float) -> tuple[str, float, list[int]]:
+        raw = self.tokenizer.token_bytes(token)
+        return raw.decode("utf-8", errors="replace"), logprob, list(raw)
+
+    def push(self, sampled: Sampled) -> tuple[Delta | None, bool]:
+        self._pending_ids.append(sampled.token)
+        if self.want_logprobs:
+            text, lp, raw = self._entry(sampled.token, sampled.logprob or 0.0)
+            top = [self._entry(i, p) for i, p in sampled.top]
+            self._pending_lp.append(TokenLogprob(sampled.token, text, lp, raw, top))
+        text, hit = self.stops.push(self.detok.push(sampled.token))
+        if not text and not hit:
+            return None, False  # nothing releasable yet: keep the ids for the next delta
+        return self._take(text), hit
+
+    def flush(self) -> Delta | None:
+        text = self.stops.push(self.detok.flush())[0] + self.stops.flush()
+        if not text and not self._pending_ids:
+            return None
+        return self._take(text)
+
+    def _take(self, text: str) -> Delta:
+        delta = Delta(text, self._pending_ids, self._pending_lp if self.want_logprobs else None)
+        self._pending_ids, self._pending_lp = [], []
+        return delta

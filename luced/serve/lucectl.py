@@ -1,0 +1,409 @@
+"""lucectl: ask a running luced about itself over the admin socket.
+
+    lucectl [--socket PATH] [--json] [--timeout S] COMMAND
+
+    status | workers | drain | snapshot list | snapshot drop ID | snapshot save
+    | cache clear [--disk] --yes
+
+The socket: ``--socket``, else ``$LUCED_ADMIN_SOCKET``, else the daemon's default
+(``luced.serve.config.default_admin_socket``); when that does not exist but the systemd
+unit's ``/run/luced/admin.sock`` does, that one. Tables by default; ``--json`` prints
+the daemon's reply line as it came.
+
+Exit status: 0 done; 1 the daemon answered with an error (or not in time);
+2 the daemon could not be reached (not running, permission denied) or bad usage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import socket
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from luced.serve.config import default_admin_socket
+
+SYSTEMD_SOCKET = Path("/run/luced/admin.sock")  # RuntimeDirectory=luced in luced.service
+DEFAULT_TIMEOUT = 10.0
+
+EXIT_FAILED = 1
+EXIT_UNREACHABLE = 2
+
+
+class Unreachable(Exception):
+    """No daemon to talk to at the socket path."""
+
+
+class Failed(Exception):
+    """The daemon was reached but gave no usable answer."""
+
+
+def resolve_socket(arg: str | None, env: Mapping[str, str] | None = None) -> Path:
+    env = os.environ if env is None else env
+    if arg:
+        return Path(arg)
+    if env.get("LUCED_ADMIN_SOCKET"):
+        return Path(env["LUCED_ADMIN_SOCKET"])
+    path = default_admin_socket(env)
+    if not path.exists() and SYSTEMD_SOCKET.exists():
+        return SYSTEMD_SOCKET
+    return path
+
+
+def request(path: Path, cmd: str, timeout: float | None, **args: Any) -> tuple[bytes, dict]:
+    """One request -> (the reply line, its parsed JSON)."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(timeout)
+        try:
+            sock.connect(str(path))
+        except FileNotFoundError:
+            raise Unreachable(f"luced is not running (no socket at {path})") from None
+        except ConnectionRefusedError:
+            raise Unreachable(f"luced is not running (nothing listens on {path})") from None
+        except PermissionError:
+            raise Unreachable(
+                f"permission denied connecting to {path} (run as the daemon's user or as root)"
+            ) from None
+        except OSError as exc:
+            raise Unreachable(f"cannot connect to {path}: {exc.strerror or exc}") from None
+        # If the daemon hung up at once, its refusal line is still to be read.
+        with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+            sock.sendall(json.dumps({"cmd": cmd, **args}).encode() + b"\n")
+        buf = b""
+        try:
+            while b"\n" not in buf:
+                chunk = sock.recv(65536)
+                if not chunk:
+                    break
+                buf += chunk
+        except TimeoutError:
+            raise Failed(f"luced did not answer {cmd!r} within {timeout:g} s") from None
+        except ConnectionResetError:
+            pass
+    line = buf.split(b"\n", 1)[0]
+    if not line:
+        raise Failed("luced closed the connection without a reply")
+    try:
+        reply = json.loads(line)
+    except json.JSONDecodeError:
+        raise Failed(f"luced sent a reply that is not JSON: {line[:200]!r}") from None
+    if not isinstance(reply, dict):
+        raise Failed(f"luced sent a reply that is not an object: {line[:200]!r}")
+    return line, reply
+
+
+# --- formatting --------------------------------------------------------------------------
+
+
+def human_bytes(n: Any) -> str:
+    if not isinstance(n, int | float):
+        return fmt(n)
+    size = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(size) < 1024 or unit == "TiB":
+            return f"{int(size)} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    raise AssertionError("unreachable")
+
+
+def human_duration(seconds: Any) -> str:
+    if not isinstance(seconds, int | float):
+        return fmt(seconds)
+    s = int(seconds)
+    d, s = divmod(s, 86400)
+    h, s = divmod(s, 3600)
+    m, s = divmod(s, 60)
+    if d:
+        return f"{d}d {h}h {m:02d}m"
+    if h:
+        return f"{h}h {m:02d}m {s:02d}s"
+    if m:
+        return f"{m}m {s:02d}s"
+    return f"{s}s"
+
+
+def human_age(unix_time: Any, now: float) -> str:
+    if not isinstance(unix_time, int | float):
+        return fmt(unix_time)
+    return human_duration(max(0.0, now - unix_time)) + " ago"
+
+
+def short_text(text: Any, width: int = 40) -> str:
+    s = fmt(text).replace("\r", "\\r").replace("\n", "\\n").replace("\t", "\\t")
+    return s if len(s) <= width else s[: width - 1] + "…"
+
+
+def fmt(value: Any) -> str:
+    """A JSON value as one table cell."""
+    if value is None:
+        return "-"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, float):
+        return f"{value:.3g}" if abs(value) < 1000 else f"{value:.0f}"
+    if isinstance(value, list):
+        return ",".join(fmt(v) for v in value)
+    if isinstance(value, dict):
+        return ", ".join(f"{k}={fmt(v)}" for k, v in value.items())
+    return str(value)
+
+
+def _numeric(cell: str) -> bool:
+    return cell.replace(".", "", 1).isdigit() or cell == "-"
+
+
+def table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    """Columns two spaces apart; numeric columns right-aligned."""
+    widths = [max([len(h), *(len(r[i]) for r in rows)]) for i, h in enumerate(header)]
+    right = [bool(rows) and all(_numeric(r[i]) for r in rows) for i in range(len(header))]
+
+    def line(cells: Sequence[str]) -> str:
+        parts = [
+            c.rjust(w) if r else c.ljust(w) for c, w, r in zip(cells, widths, right, strict=True)
+        ]
+        return "  ".join(parts).rstrip()
+
+    return "\n".join([line(header), *(line(r) for r in rows)])
+
+
+def _layers(value: Any) -> str:
+    if isinstance(value, list) and len(value) == 2:
+        return f"[{value[0]}, {value[1]})"  # half-open, as in the frames
+    return fmt(value)
+
+
+WORKER_COLUMNS = ("group", "pid", "state", "devices", "layers", "restarts")
+
+
+def workers_table(workers: Sequence[Mapping[str, Any]]) -> str:
+    if not workers:
+        return "(no workers)"
+    keys = list(WORKER_COLUMNS)
+    for w in workers:  # extra fields the daemon reports become extra columns
+        keys += [k for k in w if k not in keys]
+    keys = [k for k in keys if any(k in w for w in workers)]
+
+    def cell(w: Mapping[str, Any], k: str) -> str:
+        if k == "layers":
+            return _layers(w.get(k))
+        if k.endswith("bytes"):
+            return human_bytes(w.get(k))
+        if k.endswith("_s"):
+            return human_duration(w.get(k))
+        return fmt(w.get(k))
+
+    header = [k.removesuffix("_s").upper() for k in keys]
+    return table(header, [[cell(w, k) for k in keys] for w in workers])
+
+
+def _placement(value: Any) -> str:
+    if not isinstance(value, list):
+        return fmt(value)
+    parts = []
+    for p in value:
+        if isinstance(p, dict):
+            parts.append(f"{p.get('group')} [{fmt(p.get('devices'))}]: {_layers(p.get('layers'))}")
+        else:
+            parts.append(fmt(p))
+    return "; ".join(parts)
+
+
+def _queue(q: Any) -> str:
+    if not isinstance(q, dict):
+        return fmt(q)
+    text = f"{q.get('running', 0)} running, {q.get('waiting', 0)} waiting"
+    if "max_queue" in q:
+        text += f" (max {q['max_queue']})"
+    tokens = q.get("queued_tokens", q.get("waiting_tokens"))
+    if tokens is not None:
+        text += f", {tokens} prompt tokens waiting"
+        if "max_queued_tokens" in q:
+            text += f" (max {q['max_queued_tokens']})"
+    return text
+
+
+def _counts(t: Any) -> str:
+    """{"prompt_tokens": 5, "errors": 0} -> "5 prompt tokens, 0 errors"."""
+    if not isinstance(t, dict):
+        return fmt(t)
+    return ", ".join(f"{fmt(v)} {k.replace('_', ' ')}" for k, v in t.items())
+
+
+def _prefix_cache(c: Any) -> str:
+    """The engine's prefix_cache status as one line ("off" when it is null)."""
+    if c is None:
+        return "off"
+    if not isinstance(c, dict):
+        return fmt(c)
+    disk = ""
+    if c.get("disk_budget") is not None:
+        disk = f", disk {human_bytes(c.get('disk_bytes'))} of {human_bytes(c.get('disk_budget'))}"
+    return (
+        f"{fmt(c.get('entries'))} snapshots ({fmt(c.get('memory_entries'))} in memory, "
+        f"{fmt(c.get('disk_entries'))} on disk), memory {human_bytes(c.get('memory_bytes'))} "
+        f"of {human_bytes(c.get('memory_capacity'))}{disk}; {fmt(c.get('hits'))} hits "
+        f"({fmt(c.get('hit_tokens'))} tokens) in {fmt(c.get('queries'))} lookups"
+    )
+
+
+def render_status(reply: Mapping[str, Any]) -> str:
+    rows: list[tuple[str, str]] = []
+    body = {k: v for k, v in reply.items() if k != "ok"}
+    model = body.pop("model", None)
+    path = body.pop("model_path", None)
+    if model is not None or path is not None:
+        rows.append(("model", fmt(model) + (f"  ({path})" if path else "")))
+    workers = body.pop("workers", None)
+    placement = body.get("placement")
+    if (
+        workers is None
+        and isinstance(placement, list)
+        and all(isinstance(p, dict) and "pid" in p for p in placement)
+    ):
+        workers = placement  # the placement lists the worker processes themselves
+    named = {
+        "state": fmt,
+        "placement": _placement,
+        "uptime_s": human_duration,
+        "queue": _queue,
+        "tokens": _counts,
+        "totals": _counts,
+        "requests": _counts,
+        "prefix_cache": _prefix_cache,
+    }
+    for key, show in named.items():
+        if key in body:
+            rows.append((key.removesuffix("_s"), show(body.pop(key))))
+    rows += [(k, fmt(v)) for k, v in body.items()]
+    width = max((len(k) for k, _ in rows), default=0)
+    out = "\n".join(f"{k.ljust(width)}  {v}" for k, v in rows)
+    if workers is not None:
+        out += "\n\nworkers\n" + workers_table(workers)
+    return out
+
+
+SNAPSHOT_HEADER = ("ID", "TOKENS", "BYTES", "TIER", "HITS", "LAST USE", "PREFIX")
+
+
+def render_snapshots(reply: Mapping[str, Any], now: float | None = None) -> str:
+    now = time.time() if now is None else now
+    snaps = reply.get("snapshots") or []
+    rows = [
+        [
+            fmt(s.get("id")),
+            fmt(s.get("tokens")),
+            human_bytes(s.get("bytes")),
+            fmt(s.get("tier")),
+            fmt(s.get("hits")),
+            human_age(s.get("last_used"), now),
+            short_text(s.get("prefix")),
+        ]
+        for s in snaps
+    ]
+    text = table(SNAPSHOT_HEADER, rows)
+    return text + "\n(no snapshots)" if not rows else text
+
+
+def render_plain(reply: Mapping[str, Any]) -> str:
+    body = {k: v for k, v in reply.items() if k != "ok"}
+    if not body:
+        return "ok"
+    width = max(len(k) for k in body)
+    return "\n".join(f"{k.ljust(width)}  {fmt(v)}" for k, v in body.items())
+
+
+def render(cmd: str, reply: Mapping[str, Any]) -> str:
+    if cmd == "status":
+        return render_status(reply)
+    if cmd == "workers":
+        return workers_table(reply.get("workers") or [])
+    if cmd == "snapshot_list":
+        return render_snapshots(reply)
+    return render_plain(reply)
+
+
+# --- command line --------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="lucectl", description="Control a running luced.")
+    parser.add_argument(
+        "--socket",
+        metavar="PATH",
+        help="admin socket (default: $LUCED_ADMIN_SOCKET, else the daemon's default)",
+    )
+    parser.add_argument("--json", action="store_true", help="print the daemon's raw JSON reply")
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        metavar="S",
+        help=f"seconds to wait for the reply (default {DEFAULT_TIMEOUT:g}; drain waits)",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    sub.add_parser("status", help="model, state, placement, queue, uptime, token counts")
+    sub.add_parser("workers", help="the backend worker processes")
+    sub.add_parser("drain", help="stop accepting requests and let running ones finish")
+    snap = sub.add_parser("snapshot", help="prefix-cache snapshots")
+    snap_sub = snap.add_subparsers(dest="snapshot_command", required=True, metavar="COMMAND")
+    snap_sub.add_parser("list", help="list the snapshots")
+    drop = snap_sub.add_parser("drop", help="remove one snapshot from memory and disk")
+    drop.add_argument("id", help="a snapshot id from `snapshot list`")
+    snap_sub.add_parser("save", help="write every memory snapshot to the disk tier now")
+    cache = sub.add_parser("cache", help="the prefix cache as a whole")
+    cache_sub = cache.add_subparsers(dest="cache_command", required=True, metavar="COMMAND")
+    clear = cache_sub.add_parser("clear", help="drop the memory tier (and the disk tier)")
+    clear.add_argument("--disk", action="store_true", help="delete the snapshot files too")
+    clear.add_argument("--yes", action="store_true", help="confirm (required)")
+    return parser
+
+
+def command(args: argparse.Namespace) -> tuple[str, dict[str, Any]]:
+    """The admin command and its arguments for parsed command-line args."""
+    if args.command == "snapshot":
+        extra = {"id": args.id} if args.snapshot_command == "drop" else {}
+        return f"snapshot_{args.snapshot_command}", extra
+    if args.command == "cache":
+        return "cache_clear", {"disk": args.disk}
+    return args.command, {}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command == "cache" and not args.yes:
+        parser.error("cache clear drops snapshots for good: add --yes to confirm")
+    cmd, extra = command(args)
+    timeout = args.timeout
+    if timeout is None and cmd not in ("drain", "snapshot_save"):  # these may take long
+        timeout = DEFAULT_TIMEOUT
+    path = resolve_socket(args.socket)
+    try:
+        raw, reply = request(path, cmd, timeout, **extra)
+    except Unreachable as exc:
+        print(f"lucectl: {exc}", file=sys.stderr)
+        return EXIT_UNREACHABLE
+    except Failed as exc:
+        print(f"lucectl: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+    try:
+        if args.json:
+            print(raw.decode())
+        elif reply.get("ok") is True:
+            print(render(cmd, reply))
+        sys.stdout.flush()
+    except BrokenPipeError:  # `lucectl status | head`: the reader left, which is fine
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    if reply.get("ok") is not True:
+        print(f"lucectl: luced: {reply.get('error', 'unknown error')}", file=sys.stderr)
+        return EXIT_FAILED
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,168 @@
+"""The daemon's prefix cache as operators see it: built from the config, served to lucectl.
+
+    cache = await open_prefix_cache(config, runner, owner, model_path, template)
+    handlers = snapshot_handlers(lambda: engine.prefix_cache, tokenizer)   # admin verbs
+
+A file of the disk tier is only restored by a daemon with the same identity: the same
+model file (fingerprint: size + SHA-256 of its first and last MiB, which hold the GGUF
+header, tensor table and the end of the weights, so that no multi-GB read is needed at
+start), the same chat template (cut points depend on it), the same placement (devices and
+layer ranges) and the same KV dtype.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from luced.cache.arena import SnapshotArena
+from luced.cache.disk import DiskIdentity, SnapshotDirError, SnapshotDisk
+from luced.cache.prefix_cache import PrefixCache
+from luced.engine.target import TargetRunner
+from luced.ipc.shm import SHM_DIR, ShmOwner
+from luced.serve.admin import CommandError
+from luced.serve.config import Config
+from luced.text.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+_EDGE = 1 << 20  # bytes hashed at each end of the model file
+PREVIEW_TOKENS = 24  # tokens detokenized for `snapshot list`
+
+
+def model_fingerprint(path: str | Path) -> str:
+    p = Path(path)
+    size = p.stat().st_size
+    h = hashlib.sha256(str(size).encode())
+    with p.open("rb") as f:
+        h.update(f.read(_EDGE))
+        if size > _EDGE:
+            f.seek(max(_EDGE, size - _EDGE))
+            h.update(f.read(_EDGE))
+    return h.hexdigest()[:32]
+
+
+def placement_key(runner: TargetRunner) -> str:
+    """Shards in layer order: `cpu[0,15);cpu:1[15,30)`."""
+    shards = []
+    for slot in runner.slots:  # the pipeline's workers (a draft's own worker is not one)
+        assert slot.plan is not None
+        for device, (a, b) in zip(slot.plan.devices, slot.plan.shard_ranges(), strict=True):
+            shards.append(f"{device}[{a},{b})")
+    return ";".join(shards)
+
+
+def arena_bytes(wanted: int, shm_dir: Path = SHM_DIR) -> int:
+    """The arena size to create: `wanted`, capped at half of the free space in /dev/shm.
+    The segment is sparse, so creating it always works, but a write past what tmpfs can
+    hold kills the daemon with SIGBUS (Docker's default /dev/shm is 64 MiB)."""
+    st = os.statvfs(shm_dir)
+    room = st.f_bavail * st.f_frsize // 2
+    if wanted > room:
+        log.warning(
+            "prefix cache: --prefix-cache-bytes %d MiB exceeds half of the free space in %s; "
+            "using %d MiB (enlarge %s to cache more)",
+            wanted >> 20,
+            shm_dir,
+            room >> 20,
+            shm_dir,
+        )
+        return room
+    return wanted
+
+
+async def open_prefix_cache(
+    config: Config, runner: TargetRunner, owner: ShmOwner, model_path: str, template: Any
+) -> PrefixCache | None:
+    """The prefix cache the config asks for (None: --prefix-cache-bytes 0). Raises
+    ValueError naming the option when the directory cannot be used."""
+    if config.prefix_cache_bytes <= 0:
+        return None
+    layout = await runner.kv_layout()
+    disk = None
+    if config.kv_cache_dir is not None:
+        source = getattr(template, "source", "") or ""
+        identity = DiskIdentity(
+            fingerprint=model_fingerprint(model_path),
+            template_hash=hashlib.sha256(source.encode()).hexdigest()[:32],
+            placement=placement_key(runner),
+            dtype=config.dtype,
+        )
+        try:
+            disk = SnapshotDisk(config.kv_cache_dir, identity, layout)
+        except (OSError, SnapshotDirError) as exc:
+            raise ValueError(f"{config.label('kv_cache_dir')}: {exc}") from exc
+    arena = SnapshotArena(owner, arena_bytes(config.prefix_cache_bytes))
+    t0 = time.monotonic()
+    budget = config.kv_cache_budget if disk is not None else None
+    cache = PrefixCache(layout, arena, disk, disk_budget=budget)
+    stats = cache.stats()
+    log.info(
+        "prefix cache: %d MiB arena%s",
+        config.prefix_cache_bytes >> 20,
+        f"; {stats.disk_entries} snapshot(s) ({stats.disk_bytes >> 20} MiB) on disk in "
+        f"{config.kv_cache_dir}, indexed in {time.monotonic() - t0:.2f} s"
+        if disk is not None
+        else "",
+    )
+    return cache
+
+
+def snapshot_handlers(
+    get_cache: Callable[[], PrefixCache | None], tokenizer: Tokenizer
+) -> dict[str, Callable]:
+    """Admin verbs: snapshot_list, snapshot_drop, snapshot_save, cache_clear."""
+
+    def cache() -> PrefixCache:
+        c = get_cache()
+        if c is None:
+            raise CommandError("the prefix cache is off (--prefix-cache-bytes 0) or not loaded")
+        return c
+
+    async def snapshot_list(_: dict) -> dict:
+        c = get_cache()
+        if c is None:
+            return {"snapshots": []}
+        return {
+            "snapshots": [
+                {
+                    "id": e.id,
+                    "tokens": e.n_tokens,
+                    "bytes": e.nbytes,
+                    "disk_bytes": e.disk_bytes,
+                    "tier": e.tier,
+                    "hits": e.hits,
+                    "last_used": e.last_used,
+                    "in_use": e.pinned,
+                    "prefix": tokenizer.decode(e.tokens[:PREVIEW_TOKENS].tolist()),
+                }
+                for e in c.entries()
+            ]
+        }
+
+    async def snapshot_drop(req: dict) -> dict:
+        entry_id = str(req.get("id", ""))
+        if not await cache().drop(entry_id):
+            raise CommandError(f"no snapshot {entry_id!r} (see `lucectl snapshot list`)")
+        return {"dropped": entry_id}
+
+    async def snapshot_save(_: dict) -> dict:
+        c = cache()
+        if c.disk is None:
+            raise CommandError("no disk tier: start luced with --kv-cache-dir DIR")
+        return {"saved": await c.save_all()}
+
+    async def cache_clear(req: dict) -> dict:
+        return {"cleared": await cache().clear(disk=bool(req.get("disk")))}
+
+    return {
+        "snapshot_list": snapshot_list,
+        "snapshot_drop": snapshot_drop,
+        "snapshot_save": snapshot_save,
+        "cache_clear": cache_clear,
+    }

@@ -1,0 +1,250 @@
+"""Disk tier: durable safetensors files, validation + quarantine, checksums, LRU budget."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import struct
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import safetensors
+
+from luced.cache.disk import (
+    QUARANTINE,
+    QUARANTINE_KEEP,
+    DiskIdentity,
+    SnapshotDirError,
+    SnapshotDisk,
+    SnapshotFileError,
+)
+from luced.cache.layout import TensorSpec
+
+LAYOUT = [
+    TensorSpec("k.0", (2, 1, 8), "bfloat16", 1),
+    TensorSpec("v.0", (2, 1, 8), "bfloat16", 1),
+    TensorSpec("ring", (1, 3, 4), "float32", 0),
+]
+IDENT = DiskIdentity("model-sha-1", "tmpl-1", "cpu:[0,2)", "bfloat16")
+
+
+def arrays(n: int, seed: int = 0, layout: list[TensorSpec] = LAYOUT) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    out: dict[str, np.ndarray] = {}
+    for s in layout:
+        shape = list(s.shape)
+        shape[s.token_axis] = n
+        if s.dtype == "bfloat16":  # any 16-bit pattern, NaN payloads included
+            out[s.name] = rng.integers(0, 1 << 16, size=shape, dtype=np.uint16)
+        else:
+            out[s.name] = rng.standard_normal(shape).astype(np.float32)
+    out["tokens"] = rng.integers(0, 50_000, size=n, dtype=np.int32)
+    return out
+
+
+def empty_like(src: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    return {k: np.zeros_like(v) for k, v in src.items()}
+
+
+def spans(path: Path) -> tuple[int, dict[str, tuple[int, int]]]:
+    """(data start, name -> [begin, end) relative to it) from the file's header."""
+    raw = path.read_bytes()
+    (hlen,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8 : 8 + hlen])
+    header.pop("__metadata__")
+    return 8 + hlen, {k: tuple(v["data_offsets"]) for k, v in header.items()}
+
+
+def flip(path: Path, offset: int, to: int | None = None) -> None:
+    data = bytearray(path.read_bytes())
+    data[offset] = data[offset] ^ 0x10 if to is None else to
+    path.write_bytes(bytes(data))
+
+
+@pytest.fixture
+def disk(tmp_path: Path) -> Iterator[SnapshotDisk]:
+    d = SnapshotDisk(tmp_path / "kv", IDENT, LAYOUT)
+    yield d
+    d.close()
+
+
+def test_write_then_scan_and_read_round_trips_bytes(disk: SnapshotDisk) -> None:
+    src = arrays(7, seed=1)
+    entry = disk.write("ab12", src, cuts=[3, 99])
+    assert entry.path == disk.dir / "ab12.safetensors" and entry.cuts == (3, 7)
+    assert entry.nbytes == entry.path.stat().st_size
+    assert sorted(p.name for p in disk.dir.iterdir()) == [".lock", "ab12.safetensors"]
+    found = disk.scan()
+    assert [e.entry_id for e in found] == ["ab12"]
+    assert found[0].tokens.tolist() == src["tokens"].tolist() and found[0].cuts == (3, 7)
+    dest = empty_like(src)
+    disk.read_into(entry.path, dest)
+    for k in src:
+        assert dest[k].dtype == src[k].dtype and dest[k].tobytes() == src[k].tobytes(), k
+    assert disk.used == entry.nbytes
+
+
+def test_files_are_standard_safetensors_with_bf16(disk: SnapshotDisk) -> None:
+    torch = pytest.importorskip("torch")
+    from safetensors.torch import load_file
+
+    src = arrays(5, seed=2)
+    entry = disk.write("cafe", src)
+    with safetensors.safe_open(entry.path, framework="numpy") as f:
+        meta = f.metadata()
+        assert np.array_equal(f.get_tensor("ring"), src["ring"])
+    assert meta["fingerprint"] == IDENT.fingerprint and meta["placement"] == IDENT.placement
+    assert (meta["n_tokens"], meta["format_version"], meta["dtype"]) == ("5", "1", "bfloat16")
+    loaded = load_file(entry.path)
+    assert loaded["k.0"].dtype == torch.bfloat16 and tuple(loaded["k.0"].shape) == (2, 5, 8)
+    assert np.array_equal(loaded["k.0"].view(torch.int16).numpy().view(np.uint16), src["k.0"])
+    assert loaded["tokens"].tolist() == src["tokens"].tolist()
+
+
+def test_a_failed_write_leaves_no_file(disk: SnapshotDisk, monkeypatch: pytest.MonkeyPatch) -> None:
+    real = safetensors.serialize_file
+
+    def half_then_fail(specs: object, filename: str, metadata: object) -> None:
+        real(specs, filename, metadata)
+        with open(filename, "r+b") as f:
+            f.truncate(100)
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(safetensors, "serialize_file", half_then_fail)
+    with pytest.raises(OSError, match="No space"):
+        disk.write("dead", arrays(4))
+    assert sorted(p.name for p in disk.dir.iterdir()) == [".lock"]
+    assert disk.entries() == []
+
+
+def foreign_file(tmp_path: Path, name: str, ident: DiskIdentity, layout: list[TensorSpec]) -> Path:
+    other = SnapshotDisk(tmp_path / f"other-{name}", ident, layout)
+    try:
+        return other.write(name, arrays(6, layout=layout)).path
+    finally:
+        other.close()
+
+
+def test_scan_quarantines_every_bad_file_with_a_warning(
+    disk: SnapshotDisk, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    good = disk.write("0001", arrays(6, seed=1)).path
+    trunc = disk.write("0002", arrays(6, seed=2)).path
+    with trunc.open("r+b") as f:
+        f.truncate(trunc.stat().st_size - 3)
+    bad_tokens = disk.write("0003", arrays(6, seed=3)).path
+    start, sp = spans(bad_tokens)
+    flip(bad_tokens, start + sp["tokens"][0] + 5)
+    bad_header = disk.write("0004", arrays(6, seed=4)).path
+    flip(bad_header, 8, to=ord("X"))  # the JSON header's opening brace
+    cases = {
+        "0005": DiskIdentity("model-sha-2", "tmpl-1", "cpu:[0,2)", "bfloat16"),
+        "0006": DiskIdentity("model-sha-1", "tmpl-1", "cpu:[0,1) cpu:1:[1,2)", "bfloat16"),
+        "0007": DiskIdentity("model-sha-1", "tmpl-2", "cpu:[0,2)", "bfloat16"),
+    }
+    for name, ident in cases.items():
+        os.replace(foreign_file(tmp_path, name, ident, LAYOUT), disk.dir / f"{name}.safetensors")
+    wider = [TensorSpec("k.0", (4, 1, 8), "bfloat16", 1), *LAYOUT[1:]]  # another head count
+    os.replace(foreign_file(tmp_path, "0008", IDENT, wider), disk.dir / "0008.safetensors")
+    (disk.dir / "0009.safetensors").write_bytes(b"\x05\x00")  # no header at all
+    (disk.dir / "NotHex.safetensors").write_bytes(good.read_bytes())
+    (disk.dir / "000a.safetensors.tmp").write_bytes(b"half a write")
+    (disk.dir / "README.txt").write_text("not ours: left alone")
+
+    with caplog.at_level(logging.WARNING, logger="luced.cache.disk"):
+        found = disk.scan()
+    assert [e.entry_id for e in found] == ["0001"]
+    quarantined = sorted(p.name for p in (disk.dir / QUARANTINE).iterdir())
+    assert quarantined == [f"000{i}.safetensors" for i in range(2, 10)] + ["NotHex.safetensors"]
+    assert sorted(p.name for p in disk.dir.iterdir()) == [
+        ".lock",
+        "0001.safetensors",
+        "README.txt",
+        QUARANTINE,
+    ]
+    text = caplog.text
+    for needle in (
+        "0002.safetensors (truncated",
+        "0003.safetensors (tensor tokens fails its checksum",
+        "0004.safetensors (header is not JSON",
+        "0005.safetensors (fingerprint 'model-sha-2' is not this daemon's 'model-sha-1'",
+        "0006.safetensors (placement",
+        "0007.safetensors (template_hash",
+        "0008.safetensors (tensor k.0",
+        "0009.safetensors (truncated",
+        "NotHex.safetensors (not a snapshot name",
+        "000a.safetensors.tmp, a write interrupted by a crash",
+    ):
+        assert needle in text, needle
+    # Quarantining the same name twice keeps both files.
+    again = disk.write("0002", arrays(6)).path
+    disk.quarantine(again, "test")
+    assert (disk.dir / QUARANTINE / "0002.safetensors.1").exists()
+
+
+def test_quarantine_keeps_only_the_newest_files(disk: SnapshotDisk) -> None:
+    for i in range(QUARANTINE_KEEP + 5):
+        disk.quarantine(disk.write(f"{i:04x}", arrays(4)).path, "test")
+    kept = sorted(p.name for p in (disk.dir / QUARANTINE).iterdir())
+    assert kept == [f"{i:04x}.safetensors" for i in range(5, QUARANTINE_KEEP + 5)]
+
+
+def test_read_detects_flipped_data_and_wrong_destinations(disk: SnapshotDisk) -> None:
+    src = arrays(6, seed=5)
+    path = disk.write("beef", src).path
+    start, sp = spans(path)
+    flip(path, start + sp["v.0"][0] + 17)
+    assert [e.entry_id for e in disk.scan()] == ["beef"]  # shapes are fine: scan cannot tell
+    with pytest.raises(SnapshotFileError, match=r"tensor v\.0 fails its checksum"):
+        disk.read_into(path, empty_like(src))
+    path = disk.write("f00d", src).path
+    short = empty_like(arrays(5))
+    with pytest.raises(SnapshotFileError, match=r"k\.0 must be"):
+        disk.read_into(path, short)
+    dest = empty_like(src)
+    del dest["ring"]
+    with pytest.raises(SnapshotFileError, match="missing"):
+        disk.read_into(path, dest)
+    path.unlink()
+    with pytest.raises(SnapshotFileError, match="cannot read"):
+        disk.read_into(path, empty_like(src))
+
+
+def test_evict_to_removes_least_recently_used_first(tmp_path: Path) -> None:
+    disk = SnapshotDisk(tmp_path / "kv", IDENT, LAYOUT)
+    for i, eid in enumerate(["a1", "a2", "a3", "a4"]):
+        disk.write(eid, arrays(8, seed=i))
+        disk.touch(eid, 1000.0 + i)
+    disk.touch("a1", 2000.0)  # a1 is now the most recent; a2 the least
+    size = disk.get("a1").nbytes  # type: ignore[union-attr]
+    assert disk.plan_eviction(4 * size, lambda _: False) == []
+    assert disk.evict_to(2 * size, in_use=lambda i: i == "a2") == ["a3", "a4"]
+    assert sorted(e.entry_id for e in disk.entries()) == ["a1", "a2"]
+    assert not (disk.dir / "a3.safetensors").exists()
+    disk.close()
+    # The order survives a restart: last use is the file's mtime.
+    disk = SnapshotDisk(tmp_path / "kv", IDENT, LAYOUT)
+    assert {e.entry_id: e.last_used for e in disk.scan()} == {"a1": 2000.0, "a2": 1001.0}
+    assert disk.evict_to(size) == ["a2"]
+    disk.close()
+
+
+def test_one_daemon_per_directory(disk: SnapshotDisk) -> None:
+    with pytest.raises(SnapshotDirError, match="in use"):
+        SnapshotDisk(disk.dir, IDENT, LAYOUT)
+    disk.close()
+    again = SnapshotDisk(disk.dir, IDENT, LAYOUT)
+    again.close()
+
+
+def test_bad_ids_and_arrays_are_refused(disk: SnapshotDisk) -> None:
+    with pytest.raises(ValueError, match="bad snapshot id"):
+        disk.write("../x", arrays(3))
+    bad = arrays(3)
+    bad["k.0"] = bad["k.0"].astype(np.float32)
+    with pytest.raises(ValueError, match=r"k\.0 must be"):
+        disk.write("abc", bad)
+    assert sorted(p.name for p in disk.dir.iterdir()) == [".lock"]

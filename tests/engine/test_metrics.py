@@ -1,0 +1,119 @@
+"""The Prometheus exposition, read back with prometheus_client's own text parser."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from luced.engine.metrics import CONTENT_TYPE, FINISH_REASONS, Metrics
+
+# The issue's list: vLLM's names under our namespace.
+VLLM_NAMES = {
+    "luced:time_to_first_token_seconds": "histogram",
+    "luced:inter_token_latency_seconds": "histogram",
+    "luced:e2e_request_latency_seconds": "histogram",
+    "luced:num_requests_running": "gauge",
+    "luced:num_requests_waiting": "gauge",
+    "luced:prompt_tokens": "counter",
+    "luced:generation_tokens": "counter",
+    "luced:request_success": "counter",
+}
+
+
+def samples(m: Metrics) -> dict[tuple[str, tuple], float]:
+    """{(sample name, sorted labels minus model_name): value}"""
+    out = {}
+    for family in text_string_to_metric_families(m.exposition().decode()):
+        for s in family.samples:
+            labels = tuple(sorted((k, v) for k, v in s.labels.items() if k != "model_name"))
+            out[s.name, labels] = s.value
+    return out
+
+
+def test_vllm_names_and_types_are_exported() -> None:
+    text = Metrics().exposition().decode()
+    types = {f.name: f.type for f in text_string_to_metric_families(text)}
+    assert VLLM_NAMES.items() <= types.items()
+    # Counters appear with the _total suffix, as in vLLM's exposition.
+    for name in ("prompt_tokens_total", "generation_tokens_total", "request_success_total"):
+        assert re.search(rf"^luced:{name}[ {{]", text, re.MULTILINE), name
+    assert "spec_decode_num_accepted_tokens_total" in text
+    assert "_created" not in text  # the timestamp series are filtered out
+    assert CONTENT_TYPE.startswith("text/plain; version=0.0.4")
+
+
+def test_observations_show_up() -> None:
+    m = Metrics("smol")
+    m.observe("ttft", 0.05)
+    m.observe("itl", 0.02)
+    m.observe("itl", 0.03)
+    m.observe("e2e", 1.2)
+    m.observe("prompt_tokens", 12)
+    m.observe("generation_tokens", 1)
+    m.observe("generation_tokens", 1)
+    m.observe("queue", 3)
+    m.observe("running", 1)
+    m.finished("length")
+    s = samples(m)
+    ttft = "luced:time_to_first_token_seconds"
+    assert s[f"{ttft}_bucket", (("le", "0.04"),)] == 0
+    assert s[f"{ttft}_bucket", (("le", "0.06"),)] == 1
+    assert (s[f"{ttft}_count", ()], s[f"{ttft}_sum", ()]) == (1, 0.05)
+    assert s["luced:inter_token_latency_seconds_count", ()] == 2
+    assert s["luced:inter_token_latency_seconds_sum", ()] == pytest.approx(0.05)
+    assert s["luced:e2e_request_latency_seconds_bucket", (("le", "1.5"),)] == 1
+    assert s["luced:prompt_tokens_total", ()] == 12
+    assert s["luced:request_prompt_tokens_sum", ()] == 12
+    assert s["luced:generation_tokens_total", ()] == 2
+    assert s["luced:num_requests_waiting", ()] == 3
+    assert s["luced:num_requests_running", ()] == 1
+    reasons = {
+        r: s["luced:request_success_total", (("finished_reason", r),)] for r in FINISH_REASONS
+    }
+    assert reasons == {"stop": 0, "length": 1, "abort": 0, "error": 0}
+
+
+def test_model_name_label_only_when_named() -> None:
+    text = Metrics("SmolLM2-135M").exposition().decode()
+    assert 'luced:num_requests_running{model_name="SmolLM2-135M"} 0.0' in text
+    assert 'luced:request_success_total{finished_reason="stop",model_name="SmolLM2-135M"}' in text
+    text = Metrics().exposition().decode()
+    assert "\nluced:num_requests_running 0.0\n" in text
+    assert '\nluced:request_success_total{finished_reason="stop"} 0.0\n' in text
+    assert "model_name" not in text
+
+
+def test_refresh_sets_gauges_from_engine_status() -> None:
+    m = Metrics()
+    m.observe("queue", 9)  # stale: the status wins on scrape
+    m.refresh({"state": "ready", "queue": {"waiting": 2, "running": 1, "max_queue": 16}})
+    s = samples(m)
+    assert (s["luced:num_requests_waiting", ()], s["luced:num_requests_running", ()]) == (2, 1)
+
+
+def test_spec_decode_counters() -> None:
+    m = Metrics()
+    m.observe_spec_decode(4, [1, 1, 0, 0])
+    m.observe_spec_decode(4, [1, 0, 0, 0])
+    s = samples(m)
+    assert s["luced:spec_decode_num_drafts_total", ()] == 2
+    assert s["luced:spec_decode_num_draft_tokens_total", ()] == 8
+    assert s["luced:spec_decode_num_accepted_tokens_total", ()] == 3
+    per_pos = "luced:spec_decode_num_accepted_tokens_per_pos_total"
+    assert (s[per_pos, (("position", "0"),)], s[per_pos, (("position", "1"),)]) == (2, 1)
+
+
+def test_unknown_names_fail_loudly() -> None:
+    m = Metrics()
+    with pytest.raises(ValueError, match="unknown metric 'tfft'"):
+        m.observe("tfft", 1.0)
+    with pytest.raises(ValueError, match="unknown finish reason 'done'"):
+        m.finished("done")
+
+
+def test_each_instance_has_its_own_registry() -> None:
+    a, b = Metrics(), Metrics()  # would raise "Duplicated timeseries" on a shared registry
+    a.observe("generation_tokens", 5)
+    assert samples(b)["luced:generation_tokens_total", ()] == 0

@@ -1,0 +1,536 @@
+"""Admin socket server and lucectl: real unix sockets, real SO_PEERCRED, real processes."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import re
+import shutil
+import socket
+import stat
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import uvloop
+
+from luced.serve import lucectl
+from luced.serve.admin import (
+    AdminSocketError,
+    peer_credentials,
+    same_uid_or_root,
+    start_admin_server,
+)
+from luced.serve.config import default_admin_socket
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def sock_path() -> Iterator[Path]:
+    # Short: unix socket paths are limited to 107 bytes, pytest's tmp_path can be longer.
+    d = Path(tempfile.mkdtemp(prefix="luced-adm-"))
+    yield d / "admin.sock"
+    shutil.rmtree(d, ignore_errors=True)
+
+
+async def ask(path: Path, *requests: bytes) -> list[dict[str, Any]]:
+    """Send request lines on one connection; one parsed reply per line."""
+    reader, writer = await asyncio.open_unix_connection(str(path))
+    try:
+        out = []
+        for line in requests:
+            writer.write(line + b"\n")
+            await writer.drain()
+            out.append(json.loads(await asyncio.wait_for(reader.readline(), 5)))
+        return out
+    finally:
+        writer.close()
+        await writer.wait_closed()
+
+
+def cmd(name: str, **args: Any) -> bytes:
+    return json.dumps({"cmd": name, **args}).encode()
+
+
+# --- the server ---------------------------------------------------------------------------
+
+
+async def test_socket_mode_is_0600_whatever_the_umask(sock_path: Path) -> None:
+    old = os.umask(0)  # the most permissive umask must not leak into the socket's mode
+    try:
+        server = await start_admin_server(sock_path, {"status": lambda a: {}})
+    finally:
+        os.umask(old)
+    async with server:
+        st = sock_path.lstat()
+        assert stat.S_ISSOCK(st.st_mode)
+        assert stat.S_IMODE(st.st_mode) == 0o600
+        assert st.st_uid == os.getuid()
+    assert not sock_path.exists(), "close() must remove the socket file"
+
+
+async def test_missing_directory_is_created_private(sock_path: Path) -> None:
+    path = sock_path.parent / "run" / "luced" / "admin.sock"
+    async with await start_admin_server(path, {}):
+        assert stat.S_IMODE(path.parent.stat().st_mode) == 0o700
+
+
+async def test_unsafe_directory_is_refused(sock_path: Path) -> None:
+    d = sock_path.parent / "open"
+    d.mkdir()
+    d.chmod(0o777)  # anyone could swap our socket here
+    with pytest.raises(AdminSocketError, match="writable by others"):
+        await start_admin_server(d / "admin.sock", {})
+    d.chmod(0o1777)  # sticky, like /tmp: fine
+    async with await start_admin_server(d / "admin.sock", {}):
+        pass
+
+
+async def test_protocol_replies_and_errors(sock_path: Path) -> None:
+    seen: list[dict[str, Any]] = []
+
+    async def status(args: dict[str, Any]) -> dict[str, Any]:
+        seen.append(args)
+        return {"state": "ready", "model": "m", "path": Path("/x.gguf")}
+
+    def workers(args: dict[str, Any]) -> dict[str, Any]:  # plain functions are fine too
+        return {"workers": [{"group": "cpu", "pid": 7}]}
+
+    async def broken(args: dict[str, Any]) -> dict[str, Any]:
+        raise RuntimeError("engine exploded")
+
+    handlers = {"status": status, "workers": workers, "broken": broken, "bad": lambda a: [1]}
+    async with await start_admin_server(sock_path, handlers):
+        replies = await ask(
+            sock_path,
+            cmd("status", verbose=True),
+            cmd("nope"),
+            b"{not json",
+            b"[1, 2]",
+            cmd("broken"),
+            cmd("bad"),
+            cmd("workers"),  # the connection survived every error above
+        )
+    assert replies[0] == {"ok": True, "state": "ready", "model": "m", "path": "/x.gguf"}
+    assert seen == [{"verbose": True}]
+    assert replies[1]["ok"] is False
+    assert replies[1]["error"] == "unknown command 'nope' (known: bad, broken, status, workers)"
+    assert replies[2]["ok"] is False and replies[2]["error"].startswith("malformed JSON")
+    assert replies[3] == {"ok": False, "error": 'a request is a JSON object with a string "cmd"'}
+    assert replies[4] == {"ok": False, "error": "broken failed: engine exploded"}
+    assert replies[5] == {"ok": False, "error": "bad returned list, not a mapping"}
+    assert replies[6] == {"ok": True, "workers": [{"group": "cpu", "pid": 7}]}
+
+
+async def test_overlong_request_is_refused(sock_path: Path) -> None:
+    async with await start_admin_server(sock_path, {"status": lambda a: {}}):
+        [reply] = await ask(sock_path, cmd("status", pad="x" * 70_000))
+    assert reply == {"ok": False, "error": "request longer than 65536 bytes"}
+
+
+async def test_concurrent_connections_do_not_wait_for_a_slow_command(sock_path: Path) -> None:
+    release = asyncio.Event()
+
+    async def drain(args: dict[str, Any]) -> dict[str, Any]:
+        await release.wait()
+        return {"state": "drained"}
+
+    async with await start_admin_server(sock_path, {"drain": drain, "status": lambda a: {}}):
+        slow = asyncio.create_task(ask(sock_path, cmd("drain")))
+        assert await asyncio.wait_for(ask(sock_path, cmd("status")), 5) == [{"ok": True}]
+        assert not slow.done()
+        release.set()
+        assert await asyncio.wait_for(slow, 5) == [{"ok": True, "state": "drained"}]
+
+
+def test_peer_credentials_come_from_the_kernel() -> None:
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    with a, b:
+        assert peer_credentials(a) == (os.getpid(), os.getuid(), os.getgid())
+    assert same_uid_or_root(os.getuid()) and same_uid_or_root(0)
+    assert not same_uid_or_root(os.getuid() + 4242) or os.getuid() + 4242 == 0
+
+
+async def test_same_uid_peer_is_served(sock_path: Path) -> None:
+    # The real rule judges the uid the kernel reports; the wrapper only records it.
+    judged: list[int] = []
+
+    def check(uid: int) -> bool:
+        judged.append(uid)
+        return same_uid_or_root(uid)
+
+    async with await start_admin_server(sock_path, {"status": lambda a: {}}, peer_allowed=check):
+        assert await ask(sock_path, cmd("status")) == [{"ok": True}]
+    assert judged == [os.getuid()]
+
+
+async def test_foreign_uid_peer_is_refused(sock_path: Path) -> None:
+    called = []
+    only_someone_else = os.getuid() + 1000  # stands in for "the daemon's user"
+    async with await start_admin_server(
+        sock_path,
+        {"status": lambda a: called.append(1) or {}},
+        peer_allowed=lambda uid: uid == only_someone_else,
+    ):
+        reader, writer = await asyncio.open_unix_connection(str(sock_path))
+        writer.write(cmd("status") + b"\n")
+        reply = json.loads(await asyncio.wait_for(reader.readline(), 5))
+        assert await asyncio.wait_for(reader.read(), 5) == b"", "connection must be closed"
+        writer.close()
+    assert reply["ok"] is False
+    assert reply["error"].startswith(f"permission denied: uid {os.getuid()} may not use")
+    assert called == [], "a refused peer's command must never run"
+
+
+def _nobody_python() -> str | None:
+    """An interpreter the nobody user can run (root only; the venv may sit under /root)."""
+    if os.getuid() != 0:
+        return None
+    for exe in (sys.executable, shutil.which("python3"), "/usr/bin/python3"):
+        if not exe:
+            continue
+        with contextlib.suppress(OSError, subprocess.SubprocessError):
+            r = subprocess.run(
+                [exe, "-c", "pass"], user=65534, group=65534, extra_groups=[], timeout=10
+            )
+            if r.returncode == 0:
+                return exe
+    return None
+
+
+CLIENT = """
+import json, socket, sys
+s = socket.socket(socket.AF_UNIX)
+try:
+    s.connect(sys.argv[1])
+except OSError as e:
+    print(type(e).__name__); sys.exit()
+s.sendall(b'{"cmd": "status"}\\n')
+print(s.makefile().readline().strip())
+"""
+
+
+async def test_a_real_foreign_user_cannot_get_in(sock_path: Path) -> None:
+    python = _nobody_python()
+    if python is None:
+        pytest.skip("needs root and an interpreter the nobody user can run")
+    sock_path.parent.chmod(0o755)  # let nobody reach the socket file itself
+
+    async def as_nobody() -> str:
+        proc = await asyncio.create_subprocess_exec(
+            python, "-c", CLIENT, str(sock_path),
+            stdout=subprocess.PIPE, user=65534, group=65534, extra_groups=[],
+        )  # fmt: skip
+        out, _ = await asyncio.wait_for(proc.communicate(), 10)
+        return out.decode().strip()
+
+    async with await start_admin_server(sock_path, {"status": lambda a: {"state": "ready"}}):
+        # Mode 0600 alone keeps other users out ...
+        assert await as_nobody() == "PermissionError"
+        # ... and were the mode wrong, SO_PEERCRED would still refuse them.
+        sock_path.chmod(0o666)
+        reply = json.loads(await as_nobody())
+    assert reply == {
+        "ok": False,
+        "error": f"permission denied: uid 65534 may not use this socket (only uid {os.getuid()} "
+        "and root)",
+    }
+
+
+async def test_stale_socket_is_replaced_live_one_is_not(sock_path: Path) -> None:
+    sock_path.parent.mkdir(exist_ok=True)
+    dead = socket.socket(socket.AF_UNIX)
+    dead.bind(str(sock_path))
+    dead.close()  # the file stays: a daemon killed with -9 leaves exactly this
+    assert sock_path.exists()
+    async with await start_admin_server(sock_path, {"status": lambda a: {"n": 1}}):
+        assert await ask(sock_path, cmd("status")) == [{"ok": True, "n": 1}]
+        with pytest.raises(AdminSocketError, match="another luced is listening"):
+            await start_admin_server(sock_path, {})
+        assert await ask(sock_path, cmd("status")) == [{"ok": True, "n": 1}]
+
+
+async def test_non_socket_file_is_never_replaced(sock_path: Path) -> None:
+    sock_path.write_text("precious")
+    with pytest.raises(AdminSocketError, match="not a socket"):
+        await start_admin_server(sock_path, {})
+    assert sock_path.read_text() == "precious"
+
+
+# --- lucectl against a server on a uvloop in a background thread ----------------------------
+
+# Shaped like luced.engine.core.Engine.status() / workers().
+WORKERS = [
+    {
+        "group": "cpu",
+        "devices": ["cpu"],
+        "pid": 41234,
+        "state": "ready",
+        "layers": [0, 30],
+        "uptime_s": 3720.1,
+        "python": "/usr/bin/python3",
+        "restarts": 1,
+    }
+]
+STATUS = {
+    "model": "SmolLM2-135M-Instruct.Q4_1",
+    "state": "ready",
+    "context_length": 8192,
+    "uptime_s": 3723.5,
+    "queue": {
+        "waiting": 2,
+        "queued_tokens": 340,
+        "running": 1,
+        "max_queue": 16,
+        "max_queued_tokens": 32768,
+    },
+    "totals": {"requests": 12, "prompt_tokens": 1234, "generation_tokens": 5678, "errors": 0},
+    "placement": WORKERS,
+    "prefix_cache": {
+        "entries": 3,
+        "memory_entries": 2,
+        "disk_entries": 2,
+        "memory_bytes": 3 * 2**20,
+        "memory_capacity": 2**30,
+        "disk_bytes": 5 * 2**20,
+        "disk_budget": 8 * 2**30,
+        "queries": 40,
+        "hits": 7,
+        "hit_tokens": 3500,
+    },
+}
+SNAPSHOTS = [
+    {
+        "id": "a1b2c3",
+        "tokens": 512,
+        "bytes": 3 * 2**20,
+        "tier": "memory",
+        "hits": 4,
+        "last_used_ago": 75,  # seconds; made absolute when the handler answers
+        "prefix": "<|im_start|>system\nYou are a helpful AI assistant named SmolLM",
+    }
+]
+
+
+class FakeDaemon:
+    """An admin server with realistic handlers, served from a uvloop in another thread."""
+
+    def __init__(self, path: Path, snapshots: list[dict[str, Any]]) -> None:
+        self.path = path
+        self.calls: list[str] = []
+        self.snapshots = snapshots
+
+    def handlers(self) -> dict[str, Any]:
+        async def status(args: dict[str, Any]) -> dict[str, Any]:
+            self.calls.append("status")
+            return STATUS
+
+        async def workers(args: dict[str, Any]) -> dict[str, Any]:
+            self.calls.append("workers")
+            return {"workers": WORKERS}
+
+        async def drain(args: dict[str, Any]) -> dict[str, Any]:
+            self.calls.append("drain")
+            await asyncio.sleep(0.05)
+            return {"state": "draining", "in_flight": 1}
+
+        async def snapshot_list(args: dict[str, Any]) -> dict[str, Any]:
+            self.calls.append("snapshot_list")
+            # Last use is relative to the moment of the call, so the age printed is stable.
+            now = time.time()
+            return {
+                "snapshots": [
+                    {k: v for k, v in s.items() if k != "last_used_ago"}
+                    | {"last_used": now - s["last_used_ago"]}
+                    for s in self.snapshots
+                ]
+            }
+
+        return {
+            "status": status,
+            "workers": workers,
+            "drain": drain,
+            "snapshot_list": snapshot_list,
+        }
+
+
+def _serve(path: Path, snapshots: list[dict[str, Any]], **kwargs: Any) -> Iterator[FakeDaemon]:
+    fake = FakeDaemon(path, snapshots)
+    loop = uvloop.new_event_loop()
+    server = loop.run_until_complete(start_admin_server(path, fake.handlers(), **kwargs))
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    try:
+        yield fake
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(5)
+        server.close()
+        loop.run_until_complete(server.wait_closed())
+        loop.close()
+
+
+@pytest.fixture
+def daemon(sock_path: Path) -> Iterator[FakeDaemon]:
+    yield from _serve(sock_path, [])
+
+
+@pytest.fixture
+def daemon_with_snapshots(sock_path: Path) -> Iterator[FakeDaemon]:
+    yield from _serve(sock_path, SNAPSHOTS)
+
+
+def run_ctl(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    code = lucectl.main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_lucectl_status_table(daemon: FakeDaemon, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run_ctl(capsys, "--socket", str(daemon.path), "status")
+    assert (code, err) == (0, "")
+    head, workers = out.split("\n\nworkers\n")
+    fields = dict(re.split(r"\s{2,}", line, maxsplit=1) for line in head.splitlines())
+    assert fields == {
+        "model": "SmolLM2-135M-Instruct.Q4_1",
+        "state": "ready",
+        "placement": "cpu [cpu]: [0, 30)",
+        "uptime": "1h 02m 03s",
+        "queue": "1 running, 2 waiting (max 16), 340 prompt tokens waiting (max 32768)",
+        "totals": "12 requests, 1234 prompt tokens, 5678 generation tokens, 0 errors",
+        "context_length": "8192",
+        "prefix_cache": "3 snapshots (2 in memory, 2 on disk), memory 3.0 MiB of 1.0 GiB, disk "
+        "5.0 MiB of 8.0 GiB; 7 hits (3500 tokens) in 40 lookups",
+    }
+    # values are aligned in one column
+    lines = head.splitlines()
+    assert len({ln.index(v) for ln, v in zip(lines, fields.values(), strict=True)}) == 1
+    header, row = workers.splitlines()
+    assert header.split() == [
+        "GROUP", "PID", "STATE", "DEVICES", "LAYERS", "RESTARTS", "UPTIME", "PYTHON",
+    ]  # fmt: skip
+    assert row.split() == [
+        "cpu", "41234", "ready", "cpu", "[0,", "30)", "1", "1h", "02m", "00s", "/usr/bin/python3",
+    ]  # fmt: skip
+    assert daemon.calls == ["status"]
+
+
+def test_lucectl_workers_table_is_aligned(
+    daemon: FakeDaemon, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, out, _ = run_ctl(capsys, "--socket", str(daemon.path), "workers")
+    assert code == 0
+    header, row = out.splitlines()
+    assert header == "GROUP    PID  STATE  DEVICES  LAYERS   RESTARTS  UPTIME      PYTHON"
+    # text columns start under their header, numeric ones end under it
+    assert row.index("ready") == header.index("STATE")
+    assert row.index("41234") + len("41234") == header.index("PID") + len("PID")
+    assert row.index("[0, 30)") == header.index("LAYERS")
+
+
+def test_lucectl_json_is_the_raw_reply(
+    daemon: FakeDaemon, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("LUCED_ADMIN_SOCKET", str(daemon.path))  # no --socket: the env var
+    code, out, _ = run_ctl(capsys, "--json", "status")
+    assert code == 0
+    assert json.loads(out) == {**STATUS, "ok": True}
+    code, out, _ = run_ctl(capsys, "--json", "snapshot", "list")
+    assert json.loads(out) == {"ok": True, "snapshots": []}
+
+
+def test_lucectl_snapshot_list_empty(
+    daemon: FakeDaemon, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, out, _ = run_ctl(capsys, "--socket", str(daemon.path), "snapshot", "list")
+    assert code == 0
+    assert out.splitlines() == ["ID  TOKENS  BYTES  TIER  HITS  LAST USE  PREFIX", "(no snapshots)"]
+    assert daemon.calls == ["snapshot_list"]
+
+
+def test_lucectl_snapshot_list_rows(
+    daemon_with_snapshots: FakeDaemon, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, out, _ = run_ctl(capsys, "--socket", str(daemon_with_snapshots.path), "snapshot", "list")
+    assert code == 0
+    header, row = out.splitlines()
+    assert header.split() == ["ID", "TOKENS", "BYTES", "TIER", "HITS", "LAST", "USE", "PREFIX"]
+    assert row.startswith("a1b2c3     512  3.0 MiB  memory     4  1m 15s ago  ")
+    prefix = row[header.index("PREFIX") :]
+    assert prefix == "<|im_start|>system\\nYou are a helpful A…"
+    assert len(prefix) == 40
+
+
+def test_lucectl_drain(daemon: FakeDaemon, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run_ctl(capsys, "--socket", str(daemon.path), "drain")
+    assert code == 0
+    assert out.splitlines() == ["state      draining", "in_flight  1"]
+    assert daemon.calls == ["drain"]
+
+
+def test_lucectl_error_reply_exits_1(sock_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    for _ in _serve(sock_path, []):
+        with pytest.raises(SystemExit) as exc:  # a usage error is never sent
+            lucectl.main(["--socket", str(sock_path), "snapshot", "drop"])  # no id
+        assert exc.value.code == 2
+        assert "the following arguments are required: id" in capsys.readouterr().err
+        code, out, err = run_ctl(capsys, "--socket", str(sock_path), "--json", "status")
+        assert code == 0
+    for _ in _serve(sock_path, [], peer_allowed=lambda uid: False):
+        code, out, err = run_ctl(capsys, "--socket", str(sock_path), "status")
+    assert (code, out) == (1, "")
+    assert err.startswith(f"lucectl: luced: permission denied: uid {os.getuid()} may not use")
+
+
+def test_lucectl_when_not_running(sock_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run_ctl(capsys, "--socket", str(sock_path), "status")
+    assert (code, out) == (2, "")
+    assert err == f"lucectl: luced is not running (no socket at {sock_path})\n"
+
+    dead = socket.socket(socket.AF_UNIX)
+    dead.bind(str(sock_path))  # a stale socket: the file exists, nobody listens
+    dead.close()
+    code, _, err = run_ctl(capsys, "--socket", str(sock_path), "status")
+    assert code == 2
+    assert err == f"lucectl: luced is not running (nothing listens on {sock_path})\n"
+
+
+def test_lucectl_process_exit_code_when_not_running(sock_path: Path) -> None:
+    env = {**os.environ, "LUCED_ADMIN_SOCKET": str(sock_path)}
+    r = subprocess.run(
+        [sys.executable, "-m", "luced.serve.lucectl", "status"],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        timeout=30,
+    )
+    assert r.returncode == 2
+    assert r.stdout == ""
+    assert r.stderr == f"lucectl: luced is not running (no socket at {sock_path})\n"
+
+
+def test_lucectl_default_socket_follows_the_daemons_default(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(lucectl, "SYSTEMD_SOCKET", tmp_path / "absent.sock")
+    env = {"XDG_RUNTIME_DIR": str(tmp_path)}
+    assert lucectl.resolve_socket(None, env) == default_admin_socket(env)
+    assert default_admin_socket(env) == tmp_path / "luced" / "admin.sock"
+    assert lucectl.resolve_socket(None, {"RUNTIME_DIRECTORY": "/run/luced"}) == Path(
+        "/run/luced/admin.sock"
+    )
+    assert lucectl.resolve_socket(None, {"LUCED_RUNTIME_DIR": "/srv/rt"}) == Path(
+        "/srv/rt/admin.sock"
+    )
+    assert lucectl.resolve_socket(None, {"LUCED_ADMIN_SOCKET": "/a.sock"}) == Path("/a.sock")
+    assert lucectl.resolve_socket("/b.sock", {"LUCED_ADMIN_SOCKET": "/a.sock"}) == Path("/b.sock")

@@ -1,0 +1,322 @@
+"""Configuration: precedence of the four layers, types, errors naming their source, docs."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import sys
+import tomllib
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from luced.serve.config import (
+    CONTEXT_CAP,
+    OPTIONS,
+    Config,
+    ConfigError,
+    build_parser,
+    default_runtime_dir,
+    example_toml,
+    load_config,
+    options_markdown,
+)
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def load(
+    argv: list[str] | None = None,
+    env: dict[str, str] | None = None,
+    toml: str | None = None,
+    tmp_path: Path | None = None,
+) -> Config:
+    """load_config with an isolated environment and, if given, a config file."""
+    argv = list(argv or [])
+    if toml is not None:
+        assert tmp_path is not None
+        path = tmp_path / "luced.toml"
+        path.write_text(toml)
+        argv = ["--config", str(path), *argv]
+    return load_config(argv, env=dict(env or {}), default_config_path=None)
+
+
+# One sample per option: (flag/env text, TOML text, expected typed value), all different
+# from the defaults. A new option without a sample fails test_every_option_* below.
+SAMPLES: dict[str, tuple[str, str, Any]] = {
+    "model": ("/m/x.gguf", '"/m/x.gguf"', Path("/m/x.gguf")),
+    "host": ("0.0.0.0", '"0.0.0.0"', "0.0.0.0"),
+    "port": ("9001", "9001", 9001),
+    "api_key": ("sk-test", '"sk-test"', "sk-test"),
+    "model_name": ("smol", '"smol"', "smol"),
+    "dtype": ("bfloat16", '"bfloat16"', "bfloat16"),
+    "threads": ("3", "3", 3),
+    "context_length": ("4096", "4096", 4096),
+    "max_queue": ("0", "0", 0),
+    "max_queued_tokens": ("1000", "1000", 1000),
+    "max_batch_tokens": ("64", "64", 64),
+    "default_max_tokens": ("256", "256", 256),
+    "shutdown_timeout": ("2.5", "2.5", 2.5),
+    "runtime_dir": ("/srv/rt", '"/srv/rt"', Path("/srv/rt")),
+    "admin_socket": ("/srv/a.sock", '"/srv/a.sock"', Path("/srv/a.sock")),
+    "backend_python": ("hip=/r/py", '{ hip = "/r/py" }', (("hip", Path("/r/py")),)),
+    "target_devices": ("cpu:1", '["cpu:1"]', ("cpu:1",)),
+    "target_layer_split": ("3", "[3]", (3.0,)),
+    "draft": ("/m/d.gguf", '"/m/d.gguf"', Path("/m/d.gguf")),
+    "draft_device": ("cpu:1", '"cpu:1"', "cpu:1"),
+    "block_size": ("4", "4", 4),
+    "prefix_cache_bytes": ("512M", '"512M"', 512 * 2**20),
+    "kv_cache_dir": ("/srv/kv", '"/srv/kv"', Path("/srv/kv")),
+    "kv_cache_budget": ("1.5G", "1610612736", 1610612736),
+    "log_level": ("debug", '"debug"', "debug"),
+}  # fmt: skip
+
+
+def test_every_option_has_a_sample() -> None:
+    assert sorted(SAMPLES) == sorted(o.name for o in OPTIONS)
+
+
+@pytest.mark.parametrize("opt", OPTIONS, ids=lambda o: o.name)
+def test_every_option_reaches_config_by_each_route(opt: Any, tmp_path: Path) -> None:
+    text, toml_text, expected = SAMPLES[opt.name]
+    default = getattr(load(env={}), opt.name)
+    assert default != expected, "the sample must differ from the default"
+    by_flag = load([text] if opt.positional else [opt.flag, text])
+    by_env = load(env={opt.env: text})
+    by_file = load(toml=f"{opt.name} = {toml_text}\n", tmp_path=tmp_path)
+    for config, source in ((by_flag, opt.flag), (by_env, opt.env)):
+        assert getattr(config, opt.name) == expected
+        assert config.sources[opt.name] == source
+    assert getattr(by_file, opt.name) == expected
+    assert by_file.sources[opt.name] == f"{tmp_path / 'luced.toml'}: {opt.name}"
+
+
+@pytest.mark.parametrize(
+    ("name", "flag", "env", "file", "default"),
+    [
+        ("port", "1111", "2222", "3333", 8000),
+        ("log_level", "debug", "warning", '"error"', "info"),
+        ("shutdown_timeout", "1.5", "2", "3", 30.0),
+        ("max_queue", "1", "2", "3", 16),
+        ("host", "::1", "10.0.0.1", '"192.168.0.1"', "127.0.0.1"),
+    ],
+)
+def test_precedence_flags_env_file_defaults(
+    name: str, flag: str, env: str, file: str, default: Any, tmp_path: Path
+) -> None:
+    opt = next(o for o in OPTIONS if o.name == name)
+    toml = f"{name} = {file}\n"
+    conv = type(default)
+    flag_v, env_v, file_v = conv(flag), conv(env), conv(tomllib.loads(toml)[name])
+    assert len({flag_v, env_v, file_v, default}) == 4
+
+    def value(argv: list[str], environ: dict[str, str], with_file: bool) -> Any:
+        config = load(argv, environ, toml if with_file else None, tmp_path)
+        return getattr(config, name)
+
+    f, e = [opt.flag, flag], {opt.env: env}
+    assert value(f, e, True) == flag_v
+    assert value([], e, True) == env_v
+    assert value([], {}, True) == file_v
+    assert value([], {}, False) == default
+    assert value(f, {}, True) == flag_v
+    assert value(f, e, False) == flag_v
+    # typed, not text: "2" from the environment is a float for a float option, etc.
+    assert type(value([], e, True)) is conv
+
+
+def test_layers_combine_per_option(tmp_path: Path) -> None:
+    config = load(
+        ["--port", "1", "/m/a.gguf"],
+        {"LUCED_PORT": "2", "LUCED_DTYPE": "bfloat16", "LUCED_MODEL": "/m/env.gguf"},
+        'port = 3\ndtype = "float16"\nmax_queue = 5\nmodel = "/m/file.gguf"\n',
+        tmp_path,
+    )
+    assert (config.port, config.dtype, config.max_queue) == (1, "bfloat16", 5)
+    assert config.model == Path("/m/a.gguf")
+    assert config.sources["port"] == "--port"
+    assert config.sources["model"] == "MODEL"
+    assert config.sources["dtype"] == "LUCED_DTYPE"
+    assert config.sources["max_queue"].endswith("luced.toml: max_queue")
+    assert config.sources["host"] == "default"
+
+
+def test_repeatable_backend_python(tmp_path: Path) -> None:
+    config = load(["--backend-python", "cuda=/a/py", "--backend-python", "hip=/b/py"])
+    assert config.backend_python == (("cuda", Path("/a/py")), ("hip", Path("/b/py")))
+    assert config.worker_python("hip") == "/b/py"
+    assert config.worker_python("cpu") == sys.executable
+    env = load(env={"LUCED_BACKEND_PYTHON": "cuda=/a/py, hip=/b/py"})
+    assert env.backend_python == config.backend_python
+    listed = load(toml='backend_python = ["cuda=/a/py", "hip=/b/py"]\n', tmp_path=tmp_path)
+    assert listed.backend_python == config.backend_python
+    # a higher layer replaces the list as a whole
+    both = load(["--backend-python", "cpu=/c/py"], {"LUCED_BACKEND_PYTHON": "cuda=/a/py"})
+    assert both.backend_python == (("cpu", Path("/c/py")),)
+
+
+@pytest.mark.parametrize(
+    ("argv", "env", "toml", "message"),
+    [
+        ([], {"LUCED_PORT": "x"}, None, "LUCED_PORT: not an integer: 'x'"),
+        (["--port", "x"], {}, None, "--port: not an integer: 'x'"),
+        ([], {}, 'port = "x"', "{file}: port: not an integer: 'x'"),
+        ([], {}, "port = 80.5", "{file}: port: not an integer: 80.5"),
+        ([], {}, "port = true", "{file}: port: not an integer: True"),
+        (["--port", "70000"], {}, None, "--port: must be <= 65535, got 70000"),
+        ([], {"LUCED_THREADS": "0"}, None, "LUCED_THREADS: must be >= 1, got 0"),
+        ([], {"LUCED_DTYPE": "f8"}, None, "LUCED_DTYPE: not one of float32, bfloat16, float16"),
+        ([], {}, "shutdown_timeout = -1", "{file}: shutdown_timeout: must be >= 0, got -1.0"),
+        (["--shutdown-timeout", "nan"], {}, None, "--shutdown-timeout: not a finite number: 'nan'"),
+        ([], {}, "host = 1", "{file}: host: not a string: 1"),
+        ([], {}, 'model = ""', "{file}: model: empty string"),
+        (["--backend-python", "cuda"], {}, None, "--backend-python: not GROUP=PATH: 'cuda'"),
+        ([], {"LUCED_BACKEND_PYTHON": "a=/x,a=/y"}, None, "LUCED_BACKEND_PYTHON: group 'a' given"),
+        ([], {}, "prot = 1", "{file}: unknown option 'prot' (did you mean 'port'?)"),
+        ([], {}, "max-queue = 1", "{file}: unknown option 'max-queue' (did you mean 'max_queue'?)"),
+        ([], {}, "port = ", "{file}: invalid TOML: "),
+        (
+            ["--context-length", "100"], {"LUCED_DEFAULT_MAX_TOKENS": "200"}, None,
+            "LUCED_DEFAULT_MAX_TOKENS: 200 exceeds context_length 100",
+        ),
+    ],
+)  # fmt: skip
+def test_errors_name_the_option_and_its_source(
+    argv: list[str], env: dict[str, str], toml: str | None, message: str, tmp_path: Path
+) -> None:
+    expected = message.format(file=tmp_path / "luced.toml")
+    with pytest.raises(ConfigError) as exc:
+        load(argv, env, toml, tmp_path)
+    assert str(exc.value).startswith(expected)
+
+
+def test_config_file_discovery(tmp_path: Path) -> None:
+    default = tmp_path / "etc.toml"
+    default.write_text("port = 1\n")
+    other = tmp_path / "other.toml"
+    other.write_text("port = 2\n")
+    assert load_config([], env={}, default_config_path=default).port == 1
+    absent = tmp_path / "absent.toml"
+    assert load_config([], env={}, default_config_path=absent).port == 8000
+    env = {"LUCED_CONFIG": str(other)}
+    assert load_config([], env=env, default_config_path=default).port == 2
+    assert load_config(["--config", str(default)], env=env).port == 1
+    with pytest.raises(ConfigError, match=f"config file not found: {absent}"):
+        load_config(["--config", str(absent)], env={})
+
+
+def test_defaults_and_derived_values(tmp_path: Path) -> None:
+    config = load(env={"XDG_RUNTIME_DIR": str(tmp_path)})
+    assert config.model is None and config.api_key is None and config.model_name is None
+    assert config.port == 8000 and config.host == "127.0.0.1"
+    assert config.threads is None  # the daemon shares the usable cores among its workers
+    assert config.runtime_dir == tmp_path / "luced"
+    assert config.admin_socket == tmp_path / "luced" / "admin.sock"
+    moved = load(["--runtime-dir", "/srv/rt"])
+    assert moved.admin_socket == Path("/srv/rt/admin.sock")
+    assert load(["--runtime-dir", "/srv/rt", "--admin-socket", "/x.sock"]).admin_socket == Path(
+        "/x.sock"
+    )
+
+
+def test_default_runtime_dir() -> None:
+    assert default_runtime_dir({"RUNTIME_DIRECTORY": "/run/luced:/run/other"}) == Path("/run/luced")
+    assert default_runtime_dir({"XDG_RUNTIME_DIR": "/run/user/7"}) == Path("/run/user/7/luced")
+    assert re.fullmatch(r"/tmp/luced-\d+", str(default_runtime_dir({})))
+
+
+def test_lazy_model_resolution(smollm2_gguf: Path) -> None:
+    config = load()
+    assert config.model is None  # nothing resolved at load time
+    assert config.model_path() == smollm2_gguf
+    assert config.served_model_name() == "SmolLM2-135M-Instruct.Q4_1"
+    named = load(["/models/qwen3-0.6b.gguf"])
+    assert named.served_model_name() == "qwen3-0.6b"
+    assert load(["/m/x.gguf", "--model-name", "x"]).served_model_name() == "x"
+
+
+def test_effective_context_length() -> None:
+    assert load().effective_context_length(2048) == 2048
+    assert load().effective_context_length(131072) == CONTEXT_CAP
+    assert load(["--context-length", "1000"]).effective_context_length(2048) == 1000
+    with pytest.raises(ConfigError, match="LUCED_CONTEXT_LENGTH: 4096 exceeds the model's"):
+        load(env={"LUCED_CONTEXT_LENGTH": "4096"}).effective_context_length(2048)
+
+
+def test_config_is_frozen_and_validated_on_construction() -> None:
+    config = Config.from_values({"port": "9000"}, env={})
+    assert config.port == 9000
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.port = 1  # type: ignore[misc]
+    with pytest.raises(ConfigError, match=r"^port: must be >= 0, got -1$"):
+        Config.from_values({"port": -1}, env={})
+    with pytest.raises(ConfigError, match=r"^port: must be >= 0, got -1$"):
+        dataclasses.replace(config, port=-1)  # construction itself validates
+    with pytest.raises(ConfigError, match="unknown option"):
+        Config.from_values({"colour": "red"}, env={})
+
+
+def test_api_key_stays_out_of_repr() -> None:
+    config = load(["--api-key", "sk-secret-123"])
+    assert config.api_key == "sk-secret-123"
+    assert "sk-secret-123" not in repr(config)
+
+
+def test_help_names_every_flag_and_env_var() -> None:
+    text = build_parser().format_help()
+    for opt in OPTIONS:
+        assert opt.flag in text and opt.env in text, opt.name
+
+
+def test_bad_flag_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        load(["--no-such-flag"])
+    assert exc.value.code == 2
+    assert "unrecognized arguments: --no-such-flag" in capsys.readouterr().err
+
+
+# --- generated documentation ---------------------------------------------------------------
+
+
+def test_readme_options_table_is_current() -> None:
+    readme = ROOT / "README.md"
+    text = readme.read_text() if readme.exists() else ""
+    m = re.search(r"<!-- options:begin -->\n(.*?)<!-- options:end -->", text, re.S)
+    assert m, (
+        "README.md needs the options table between <!-- options:begin --> and "
+        "<!-- options:end --> (each marker on its own line): paste "
+        "`python -m luced.serve.config markdown`"
+    )
+    assert m.group(1).strip() == options_markdown().strip(), (
+        "README options table is stale: paste `python -m luced.serve.config markdown`"
+    )
+
+
+def test_markdown_table_has_every_option() -> None:
+    rows = options_markdown().splitlines()
+    assert rows[0].count("|") == rows[1].count("|") == 6
+    for opt in OPTIONS:
+        [row] = [r for r in rows if r.startswith(f"| `{opt.name}` |")]
+        assert row.count("|") - row.count("\\|") == 6, row
+        assert f"`{opt.env}`" in row
+
+
+EXAMPLE = ROOT / "systemd" / "luced.toml.example"
+
+
+def test_example_toml_is_current_and_lists_every_option() -> None:
+    text = EXAMPLE.read_text()
+    for opt in OPTIONS:
+        assert re.search(rf"^#{opt.name} = ", text, re.M), f"{opt.name} missing from {EXAMPLE}"
+    assert text == example_toml(), "regenerate: python -m luced.serve.config toml > " + str(EXAMPLE)
+
+
+def test_example_toml_values_are_valid(tmp_path: Path) -> None:
+    # Uncomment every setting: the result must be valid TOML and a valid configuration.
+    text = re.sub(r"^#(\w+ = )", r"\1", EXAMPLE.read_text(), flags=re.M)
+    path = tmp_path / "luced.toml"
+    path.write_text(text)
+    config = load_config(["--config", str(path)], env={}, default_config_path=None)
+    assert config.admin_socket == Path("/run/luced/admin.sock")
+    assert all(src.startswith(str(path)) for src in config.sources.values())

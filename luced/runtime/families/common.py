@@ -20,7 +20,7 @@ Keys of the weight dict are `tok_embd`, `out_norm`, `head` and `{layer}.{name}`
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -37,7 +37,17 @@ from luced.runtime.layers import (
 
 if TYPE_CHECKING:
     from luced.runtime.kv_cache import KVCache
-    from luced.runtime.model import Model
+
+
+class ModelParts(Protocol):
+    """What a family reads from a loaded model (``luced.runtime.model.Model``): the
+    families take this, so they never import the module that imports them."""
+
+    cfg: Any  # the family's ModelConfig subclass
+    weights: dict[str, torch.Tensor]
+    ropes: dict[int, Rope]
+    dtype: torch.dtype
+    device: torch.device
 
 
 @dataclass(frozen=True)
@@ -129,7 +139,7 @@ def layer_plan(
     }
 
 
-def embed_rows(model: Model, ids: torch.Tensor) -> torch.Tensor:
+def embed_rows(model: ModelParts, ids: torch.Tensor) -> torch.Tensor:
     """Embedding rows for ids ([n] int64) -> [n, hidden] in the compute dtype."""
     w = model.weights
     if "tok_embd" in w:
@@ -138,7 +148,7 @@ def embed_rows(model: Model, ids: torch.Tensor) -> torch.Tensor:
 
 
 def self_attention(
-    model: Model,
+    model: ModelParts,
     layer: int,
     x: torch.Tensor,
     start: int,

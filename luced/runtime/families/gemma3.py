@@ -18,11 +18,11 @@ import torch
 
 from luced.gguf_file import GGUFFile
 from luced.runtime.families import common
+from luced.runtime.families.common import ModelParts
 from luced.runtime.layers import Rope, geglu_tanh, linear, rms_norm, rope_inv_freq
 
 if TYPE_CHECKING:
     from luced.runtime.kv_cache import KVCache
-    from luced.runtime.model import Model
 
 ARCH = "gemma3"
 
@@ -113,14 +113,16 @@ def ropes(cfg: Gemma3Config, weights: dict[str, torch.Tensor], device: torch.dev
     return {i: local if sliding else global_ for i, sliding in enumerate(cfg.sliding_layers)}
 
 
-def embed(model: Model, ids: torch.Tensor) -> torch.Tensor:
+def embed(model: ModelParts, ids: torch.Tensor) -> torch.Tensor:
     rows = common.embed_rows(model, ids)
     # The scale is rounded to the compute dtype first, as the reference does.
     scale = torch.tensor(math.sqrt(model.cfg.hidden), dtype=rows.dtype)
     return rows * scale
 
 
-def block(model: Model, layer: int, x: torch.Tensor, start: int, cache: KVCache) -> torch.Tensor:
+def block(
+    model: ModelParts, layer: int, x: torch.Tensor, start: int, cache: KVCache
+) -> torch.Tensor:
     cfg: Gemma3Config = model.cfg
     w, eps = model.weights, cfg.rms_eps
     window = cfg.sliding_window if cfg.sliding_layers[layer] else None
@@ -134,7 +136,7 @@ def block(model: Model, layer: int, x: torch.Tensor, start: int, cache: KVCache)
     return x + rms_norm(h, w[f"{layer}.post_ffn_norm"], eps)
 
 
-def project(model: Model, h: torch.Tensor) -> torch.Tensor:
+def project(model: ModelParts, h: torch.Tensor) -> torch.Tensor:
     """Normed hidden -> float32 logits: the head matrix, then the final softcap if any."""
     cfg: Gemma3Config = model.cfg
     logits = linear(h, model.weights["head"]).float()
@@ -143,5 +145,5 @@ def project(model: Model, h: torch.Tensor) -> torch.Tensor:
     return logits
 
 
-def head(model: Model, x: torch.Tensor) -> torch.Tensor:
+def head(model: ModelParts, x: torch.Tensor) -> torch.Tensor:
     return project(model, rms_norm(x, model.weights["out_norm"], model.cfg.rms_eps))

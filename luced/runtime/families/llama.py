@@ -14,6 +14,7 @@ import torch
 
 from luced.gguf_file import GGUFFile
 from luced.runtime.families import common
+from luced.runtime.families.common import ModelParts
 from luced.runtime.layers import (
     Rope,
     linear,
@@ -26,7 +27,6 @@ from luced.runtime.layers import (
 
 if TYPE_CHECKING:
     from luced.runtime.kv_cache import KVCache
-    from luced.runtime.model import Model
 
 ARCH = "llama"
 
@@ -101,11 +101,13 @@ def ropes(cfg: LlamaConfig, weights: dict[str, torch.Tensor], device: torch.devi
     return dict.fromkeys(range(cfg.n_layers), rope)
 
 
-def embed(model: Model, ids: torch.Tensor) -> torch.Tensor:
+def embed(model: ModelParts, ids: torch.Tensor) -> torch.Tensor:
     return common.embed_rows(model, ids)
 
 
-def block(model: Model, layer: int, x: torch.Tensor, start: int, cache: KVCache) -> torch.Tensor:
+def block(
+    model: ModelParts, layer: int, x: torch.Tensor, start: int, cache: KVCache
+) -> torch.Tensor:
     w, eps = model.weights, model.cfg.rms_eps
     h = rms_norm(x, w[f"{layer}.attn_norm"], eps)
     x = x + common.self_attention(model, layer, h, start, cache, model.ropes[layer])
@@ -113,10 +115,10 @@ def block(model: Model, layer: int, x: torch.Tensor, start: int, cache: KVCache)
     return x + swiglu(h, w[f"{layer}.ffn_gate"], w[f"{layer}.ffn_up"], w[f"{layer}.ffn_down"])
 
 
-def project(model: Model, h: torch.Tensor) -> torch.Tensor:
+def project(model: ModelParts, h: torch.Tensor) -> torch.Tensor:
     """Normed hidden -> float32 logits: the head matrix alone (no logit scaling)."""
     return linear(h, model.weights["head"]).float()
 
 
-def head(model: Model, x: torch.Tensor) -> torch.Tensor:
+def head(model: ModelParts, x: torch.Tensor) -> torch.Tensor:
     return project(model, rms_norm(x, model.weights["out_norm"], model.cfg.rms_eps))

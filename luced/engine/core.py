@@ -22,10 +22,10 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from luced.acceptance import clip, verify_greedy
 from luced.cache.prefix_cache import PrefixCache
 from luced.engine.executor import WorkerDied, WorkerError
 from luced.engine.target import Sampled, TargetRunner
-from luced.runtime.dflash.verify import clip, verify_greedy
 from luced.sampling_params import SamplingParams
 from luced.text.detokenize import IncrementalDetokenizer
 from luced.text.stops import StopMatcher

@@ -32,7 +32,6 @@ by the daemon, attached by the workers, unlinked by the daemon)::
          topk_ids       int32   [max_batch_tokens * 20]   last worker: top-k ids (k <= 20)
          topk_logprobs  float32 [max_batch_tokens * 20]   last worker: their logprobs
     act  boundary-k     dtype   [max_batch_tokens, hidden]  worker k writes, worker k+1 reads
-         project        dtype   [max_batch_tokens, hidden]  daemon writes (projection input)
          logits         float32 [logit_rows, vocab]         last worker writes
     ring (optional)     see feature_ring.py
 
@@ -68,8 +67,6 @@ from luced.ipc.frames import (
     Load,
     LoadDraft,
     LoadDraftReply,
-    Project,
-    ProjectReply,
     Reset,
     Stats,
     StatsReply,
@@ -103,7 +100,7 @@ class TargetPlacement:
     max_batch_tokens: int
     worker: WorkerSpec | None = None
     workers: tuple[tuple[WorkerSpec, WorkerPlan], ...] = ()
-    logit_rows: int = 16  # rows of the logits region (logits / projection outputs)
+    logit_rows: int = 16  # rows of the logits region
 
     def __post_init__(self) -> None:
         if not self.workers:
@@ -261,7 +258,6 @@ class TargetRunner:
     def _make_act(self) -> None:
         n, dt = self.placement.max_batch_tokens, self.placement.dtype
         specs = {f"boundary-{k}": ([n, self.hidden], dt) for k in range(len(self.slots) - 1)}
-        specs["project"] = ([n, self.hidden], dt)
         specs["logits"] = ([self.placement.logit_rows, self.vocab], "float32")
         self._carve("act", specs)
 
@@ -659,23 +655,6 @@ class TargetRunner:
         """n rows of k, packed (the region is max_batch_tokens * MAX_TOP_LOGPROBS long)."""
         base = self._regions[name]
         return Region(base.segment, base.offset, (n, k), base.dtype)
-
-    async def project(self, hidden: np.ndarray, want: str = "logits") -> np.ndarray:
-        """Final norm + LM head of the head's worker over hidden [n, hidden] (no KV change):
-        a copy of the logits [n, vocab] (n <= logit_rows) or argmax ids [n] (n <= max_batch)."""
-        worker = self._workers()[-1]
-        n = hidden.shape[0]
-        limit = self.placement.logit_rows if want == "logits" else self.placement.max_batch_tokens
-        if hidden.ndim != 2 or hidden.shape[1] != self.hidden or not 0 < n <= limit:
-            raise ValueError(f"project takes [1..{limit}, {self.hidden}], got {list(hidden.shape)}")
-        region = self._regions["project"].rows(0, n)
-        self._arrays["project"][:n] = hidden  # numpy casts to the region dtype
-        name = "logits" if want == "logits" else "ids"
-        out = {name: self._regions[name].rows(0, n)}
-        frame = Project(n_tokens=n, hidden=region, want=want, outputs=out)  # type: ignore[arg-type]
-        reply = await worker.call(frame)
-        assert isinstance(reply, ProjectReply)
-        return self._arrays[name][:n].copy()
 
     # -- status --------------------------------------------------------------------------
 

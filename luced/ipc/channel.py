@@ -8,7 +8,7 @@ Framing on the stream, one frame after another::
 
 ``length`` <= ``MAX_FRAME_BYTES``: the sender refuses bigger payloads and the receiver
 refuses a bigger prefix (``FrameTooLargeError``; the stream cannot be resynchronised
-after that, so close the channel). Payloads are the msgpack maps of ``frames.py``.
+after that, so close the channel). Payloads are the msgpack maps of ``codec.py``.
 
 Calls are one at a time per channel (the daemon sends a step's command, awaits its
 reply). The async ``call`` is cancellation-safe: a reply to a call that was cancelled
@@ -26,15 +26,9 @@ from collections.abc import Callable
 from types import TracebackType
 from typing import Self
 
-from luced.ipc.frames import (
+from luced.ipc.codec import (
     MAX_FRAME_BYTES,
-    REPLIES,
-    ErrorReply,
-    FrameError,
     FrameTooLargeError,
-    Reply,
-    Request,
-    Shutdown,
     decode_reply,
     decode_request,
     encode_reply,
@@ -42,6 +36,7 @@ from luced.ipc.frames import (
     reply_from_wire,
     unpack_reply,
 )
+from luced.ipc.frames import REPLIES, ErrorReply, FrameError, Reply, Request, Shutdown
 
 _LEN = struct.Struct("<I")
 

@@ -1,7 +1,8 @@
 """Every control frame between the daemon and its workers, with its fields.
 
 Wire format: one msgpack map per frame (``use_bin_type=True`` / ``raw=False``, strict
-types, no extension types, no pickle), sent length-prefixed by ``channel.py``::
+types, no extension types, no pickle; ``codec.py``), sent length-prefixed by
+``channel.py``::
 
     request   {"op": str, "seq": int, ...fields of the op}
     reply     {"seq": int, "ok": true, ...fields of the op's reply}
@@ -9,7 +10,7 @@ types, no extension types, no pickle), sent length-prefixed by ``channel.py``::
 
 ``seq`` is chosen by the sender of a request and echoed in its reply. Bulk data never
 travels in a frame: fields carry ``Region`` maps (segment, offset, shape, dtype) naming
-shared memory (see ``regions.py``). A frame is at most ``MAX_FRAME_BYTES``.
+shared memory (see ``regions.py``). A frame is at most ``codec.MAX_FRAME_BYTES``.
 
 The ops (request fields -> reply fields):
 
@@ -20,7 +21,6 @@ The ops (request fields -> reply fields):
     forward   n_tokens, start_pos, tokens | hidden_in, want, outputs, positions,
               sampling, top_logprobs, capture, ring
                                             -> n_out, position, elapsed_us
-    project   n_tokens, hidden, want, outputs -> n_out, elapsed_us
     load_draft path, dtype, device, target  -> capture_layers, block_size, mask_token_id,
                                                hidden, load_s
     draft     ring, committed, anchor, outputs, block_size, mask_token_id, ctx_window,
@@ -37,7 +37,7 @@ The daemon opens with ``hello``; both sides check ``protocol == PROTOCOL_VERSION
 mismatch raises ``ProtocolVersionError`` naming both versions). Any change to a field
 bumps ``PROTOCOL_VERSION`` (2: ``project``; ``tokens`` may ride along ``hidden_in``;
 3: ``load_draft`` and ``draft``; 4: ``forward`` want="verify";
-5: ``kv_layout``, ``kv_export``, ``kv_import``).
+5: ``kv_layout``, ``kv_export``, ``kv_import``; 6: ``project`` removed).
 Later verbs (expert compute) are added here, each as one
 request class and one reply class.
 
@@ -54,24 +54,16 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar, Literal, Self, TypeVar
 
-import msgpack
-
 from luced.ipc.regions import Region
 from luced.ipc.typed import FrameError, Record
 
-PROTOCOL_VERSION = 5
-MAX_FRAME_BYTES = 16 * 1024 * 1024
+PROTOCOL_VERSION = 6
 
 _ENVELOPE = frozenset({"op", "seq", "ok", "error"})  # no op may use these as fields
-_SEQ_MAX = 2**63 - 1
 
 
 class ProtocolVersionError(FrameError):
     """The peer speaks another protocol version."""
-
-
-class FrameTooLargeError(FrameError):
-    """A frame exceeds ``MAX_FRAME_BYTES``."""
 
 
 @dataclass(frozen=True)
@@ -404,56 +396,6 @@ class ForwardReply(Reply):
     accepted: int | None = None  # want="verify": proposals accepted (ids rows: accepted + 1)
 
 
-# -- project --------------------------------------------------------------------------------
-
-ProjectWant = Literal["logits", "argmax"]
-
-
-@_op("project", REQUESTS)
-@dataclass(frozen=True)
-class Project(Request):
-    """Project ``n_tokens`` hidden states through the final norm and LM head.
-
-    Served by the worker whose last shard owns the head (the draft's verb: its hidden
-    states become target-vocabulary logits / greedy ids). ``hidden`` is ``[>= n_tokens,
-    hidden]`` in shared memory, written by the caller before the frame; the worker writes
-    rows ``[0, n_tokens)`` of ``outputs["logits"]`` (float32 ``[n, vocab]``, want="logits")
-    or ``outputs["ids"]`` (int32 ``[n]``, want="argmax") before replying. No KV changes.
-    """
-
-    n_tokens: int
-    hidden: Region
-    want: ProjectWant
-    outputs: dict[str, Region]
-
-    def _check(self) -> None:
-        if self.n_tokens < 1:
-            raise self._fail(f"need n_tokens >= 1, got {self.n_tokens}")
-        h = self.hidden
-        if h.dtype not in COMPUTE_DTYPES or len(h.shape) != 2 or h.shape[0] < self.n_tokens:
-            got = f"{h.dtype} {list(h.shape)}"
-            raise self._fail(f"hidden must be float [>= {self.n_tokens}, hidden], got {got}")
-        name = "logits" if self.want == "logits" else "ids"
-        if set(self.outputs) != {name}:
-            raise self._fail(
-                f'want="{self.want}" needs outputs ["{name}"], got {sorted(self.outputs)}'
-            )
-        r = self.outputs[name]
-        ndim = _OUTPUT_NDIM[name]
-        if r.dtype != _OUTPUT_DTYPES[name][0] or len(r.shape) != ndim or r.shape[0] < self.n_tokens:
-            raise self._fail(
-                f"outputs.{name} must be {_OUTPUT_DTYPES[name][0]} with {ndim} dim(s) and "
-                f">= {self.n_tokens} rows, got {r.dtype} {list(r.shape)}"
-            )
-
-
-@_op("project", REPLIES)
-@dataclass(frozen=True)
-class ProjectReply(Reply):
-    n_out: int  # rows written
-    elapsed_us: int
-
-
 # -- load_draft, draft ---------------------------------------------------------------------
 
 
@@ -721,101 +663,3 @@ class Shutdown(Request):
 @dataclass(frozen=True)
 class ShutdownReply(Reply):
     pass
-
-
-# -- encode / decode ------------------------------------------------------------------------
-
-
-def _pack(obj: dict[str, Any]) -> bytes:
-    try:
-        data = msgpack.packb(obj, use_bin_type=True, strict_types=True)
-    except (TypeError, ValueError, OverflowError) as e:  # fields were checked: a bug here
-        raise FrameError(f"cannot encode frame as msgpack: {e}", obj.get("seq")) from None
-    if len(data) > MAX_FRAME_BYTES:
-        raise FrameTooLargeError(
-            f"frame of {len(data)} bytes exceeds MAX_FRAME_BYTES={MAX_FRAME_BYTES} "
-            "(bulk data belongs in shared memory)",
-            obj.get("seq"),
-        )
-    return data
-
-
-def _unpack(payload: bytes) -> dict[str, Any]:
-    if len(payload) > MAX_FRAME_BYTES:
-        raise FrameTooLargeError(
-            f"frame of {len(payload)} bytes exceeds MAX_FRAME_BYTES={MAX_FRAME_BYTES}"
-        )
-    try:
-        obj = msgpack.unpackb(payload, raw=False, use_list=True, strict_map_key=True)
-    except (ValueError, TypeError, msgpack.UnpackException) as e:
-        raise FrameError(f"malformed msgpack frame ({len(payload)} bytes): {e}") from None
-    if not isinstance(obj, dict):
-        raise FrameError(f"a frame must be a msgpack map, got {type(obj).__name__}")
-    return obj
-
-
-def _seq(obj: dict[str, Any]) -> int:
-    seq = obj.get("seq")
-    if type(seq) is not int or not 0 <= seq <= _SEQ_MAX:
-        raise FrameError(f"frame seq must be an int in [0, 2**63), got {seq!r}")
-    return seq
-
-
-def encode_request(seq: int, req: Request) -> bytes:
-    """The msgpack payload of ``req`` (no length prefix)."""
-    _seq({"seq": seq})
-    return _pack({"op": req.OP, "seq": seq, **req.to_wire()})
-
-
-def decode_request(payload: bytes) -> tuple[int, Request]:
-    """Parse a request payload; raises FrameError (with ``seq`` when it was readable)."""
-    obj = _unpack(payload)
-    seq = _seq(obj)
-    op = obj.pop("op", None)
-    del obj["seq"]
-    cls = REQUESTS.get(op) if isinstance(op, str) else None
-    if cls is None:
-        raise FrameError(f"unknown op {op!r}; known: {sorted(REQUESTS)}", seq)
-    try:
-        return seq, cls.from_wire(obj)
-    except FrameError as e:
-        e.seq = seq
-        raise
-
-
-def encode_reply(seq: int, reply: Reply | ErrorReply) -> bytes:
-    _seq({"seq": seq})
-    if isinstance(reply, ErrorReply):
-        return _pack({"seq": seq, "ok": False, "error": reply.error})
-    return _pack({"seq": seq, "ok": True, **reply.to_wire()})
-
-
-def unpack_reply(payload: bytes) -> tuple[int, dict[str, Any]]:
-    """First half of ``decode_reply``: the seq and the raw map, to route a reply by seq."""
-    obj = _unpack(payload)
-    seq = _seq(obj)
-    del obj["seq"]
-    return seq, obj
-
-
-def reply_from_wire(seq: int, obj: dict[str, Any], op: str) -> Reply | ErrorReply:
-    """Second half of ``decode_reply``: the typed reply to a request of ``op``."""
-    ok = obj.pop("ok", None)
-    if ok is False:
-        if set(obj) != {"error"} or not isinstance(obj["error"], str):
-            got = repr(obj)[:80]
-            raise FrameError(f"a failure reply carries exactly a string 'error', got {got}", seq)
-        return ErrorReply(obj["error"])
-    if ok is not True:
-        raise FrameError(f"reply field 'ok' must be true or false, got {ok!r}", seq)
-    try:
-        return REPLIES[op].from_wire(obj)
-    except FrameError as e:
-        e.seq = seq
-        raise
-
-
-def decode_reply(payload: bytes, op: str) -> tuple[int, Reply | ErrorReply]:
-    """Parse the reply to a request of ``op``."""
-    seq, obj = unpack_reply(payload)
-    return seq, reply_from_wire(seq, obj, op)

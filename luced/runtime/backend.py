@@ -37,23 +37,20 @@ import platform
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from luced.ipc import frames as F
-from luced.ipc.regions import Attachments, Region
+from luced.runtime import kv_snapshot
+from luced.runtime.dflash import verbs as draft_verbs
 from luced.runtime.dflash.verify import verify_sampled
-from luced.runtime.kv_cache import ContextOverflow, KVCache
+from luced.runtime.kv_cache import ContextOverflow
 from luced.runtime.model import Model
 from luced.runtime.sampler import SampleOutput, Sampler, sample, token_logprobs
+from luced.runtime.state import Loaded, Shard, WorkerError, WorkerState, torch_device
 from luced.sampling_params import SamplingParams
-
-if TYPE_CHECKING:
-    from luced.runtime.dflash.verbs import DraftState
 
 log = logging.getLogger(__name__)
 
@@ -72,77 +69,11 @@ TORCH_DTYPES: dict[str, torch.dtype] = {
 }
 
 
-class WorkerError(Exception):
-    """A request this worker cannot serve in its current state (sent back as the error)."""
-
-
-def torch_device(name: str) -> torch.device:
-    """The torch device behind a luced device name; raises WorkerError when unusable.
-
-    ``cpu:N`` names a CPU group (several workers on one CPU) and is plain ``cpu`` to
-    torch; ``hip:N`` is ``cuda:N`` in a ROCm build of torch.
-    """
-    kind, _, index = name.partition(":")
-    if index and not index.isdigit():
-        raise WorkerError(f"bad device name {name!r}: want KIND or KIND:INDEX")
-    if kind == "cpu":
-        return torch.device("cpu")
-    if kind in ("cuda", "hip"):
-        # A ROCm torch drives HIP devices through the torch.cuda API.
-        if torch.version.hip is None and (kind == "hip" or torch.version.cuda is None):
-            build = "CUDA" if torch.version.cuda else "CPU-only"
-            raise WorkerError(f"device {name}: this torch is a {build} build")
-        n = torch.cuda.device_count()
-        i = int(index or 0)
-        if i >= n:
-            raise WorkerError(f"device {name}: this torch sees {n} GPU(s)")
-        return torch.device("cuda", i)
-    if kind == "mps":
-        if not torch.backends.mps.is_available():
-            raise WorkerError("device mps: not available in this torch")
-        return torch.device("mps")
-    raise WorkerError(f"unknown device kind in {name!r} (cpu, cuda, hip, mps)")
-
-
-@dataclass
-class Shard:
-    model: Model  # layers [a, b) on one device
-    cache: KVCache
-
-
-@dataclass
-class Loaded:
-    path: Path
-    shards: list[Shard]
-    reply: F.LoadReply
-    tokens: list[int] = field(default_factory=list)  # id fed at each KV position
-    sampler: Sampler | None = None
-    sampling: dict[str, int | float | None] | None = None  # the map `sampler` was built from
-
-    @property
-    def position(self) -> int:
-        return self.shards[0].cache.pos
-
-    def truncate(self, position: int) -> None:
-        for shard in self.shards:
-            shard.cache.truncate(position)
-        del self.tokens[position:]
-
-
-class Backend:
+class Backend(WorkerState):
     """The state of one worker process and its verbs (see the module docstring)."""
 
     def __init__(self, group: str, devices: tuple[str, ...]) -> None:
-        self.group = group
-        self.devices = devices
-        self.instance: str | None = None  # the daemon's, from hello
-        self.loaded: Loaded | None = None
-        self.draft: DraftState | None = None
-        self.attachments = Attachments()
-        self.forward_count = 0
-        self.tokens_processed = 0
-        self.busy_s = 0.0
-        self.started = time.monotonic()
+        super().__init__(group, devices)
         self.device_problem: str | None = None
         try:  # checked now, reported by hello: the daemon learns it with a clear message
             self.torch_devices = tuple(torch_device(d) for d in devices)
@@ -153,7 +84,6 @@ class Backend:
             F.Hello: self.hello,
             F.Load: self.load,
             F.Forward: self.forward,
-            F.Project: self.project,
             F.LoadDraft: self.load_draft,
             F.DraftBlock: self.draft_block,
             F.Truncate: self.truncate,
@@ -222,7 +152,7 @@ class Backend:
         return reply
 
     def truncate(self, req: F.Truncate) -> F.TruncateReply:
-        m = self._model("truncate")
+        m = self.model("truncate")
         if req.position > m.position:
             raise WorkerError(
                 f"cannot truncate to {req.position}: the KV holds {m.position} positions"
@@ -231,30 +161,21 @@ class Backend:
         return F.TruncateReply(position=m.position)
 
     def reset(self, req: F.Reset) -> F.ResetReply:
-        if self.draft is not None:  # a draft-only worker has nothing else to reset
-            self.draft.sampler = self.draft.sampling = None
-            if self.loaded is None:
-                return F.ResetReply()
-        m = self._model("reset")
-        m.truncate(0)
-        m.sampler = m.sampling = None
+        self.drop_samplers()
+        if self.draft is not None and self.loaded is None:
+            return F.ResetReply()  # a draft-only worker has nothing else to reset
+        self.model("reset").truncate(0)
         return F.ResetReply()
 
     # KV snapshots (prefix cache): luced.runtime.kv_snapshot has the copies.
 
     def kv_layout(self, req: F.KVLayout) -> F.KVLayoutReply:
-        from luced.runtime import kv_snapshot  # imports this module: imported on use
-
         return kv_snapshot.layout(self, req)
 
     def kv_export(self, req: F.KVExport) -> F.KVExportReply:
-        from luced.runtime import kv_snapshot
-
         return kv_snapshot.export(self, req)
 
     def kv_import(self, req: F.KVImport) -> F.KVImportReply:
-        from luced.runtime import kv_snapshot
-
         return kv_snapshot.import_(self, req)
 
     def stats(self, req: F.Stats) -> F.StatsReply:
@@ -280,7 +201,7 @@ class Backend:
 
     @torch.inference_mode()
     def forward(self, req: F.Forward) -> F.ForwardReply:
-        m = self._model("forward")
+        m = self.model("forward")
         t0 = time.perf_counter()
         start, n = req.start_pos, req.n_tokens
         # Everything is checked and resolved before any compute: a bad request changes nothing.
@@ -321,43 +242,15 @@ class Backend:
             n_out=req.n_out, position=m.position, elapsed_us=int(elapsed * 1e6), accepted=accepted
         )
 
-    @torch.inference_mode()
-    def project(self, req: F.Project) -> F.ProjectReply:
-        """Final norm + LM head over given hidden states (no KV, no sampler state)."""
-        m = self._model("project")
-        head = m.shards[-1].model
-        if not head.owns_head:
-            raise WorkerError("project needs the LM head; this worker has no head")
-        t0 = time.perf_counter()
-        n = req.n_tokens
-        self._check_width("hidden", req.hidden, m.reply.hidden)
-        if "logits" in req.outputs:
-            self._check_width("outputs.logits", req.outputs["logits"], m.reply.vocab)
-        out = {name: self._tensor(r) for name, r in req.outputs.items()}
-        logits = head.logits(self._tensor(req.hidden)[:n].to(head.device, head.dtype))
-        if req.want == "logits":
-            out["logits"][:n].copy_(logits)
-        else:
-            out["ids"][:n].copy_(logits.argmax(dim=-1))
-        elapsed = time.perf_counter() - t0
-        self.busy_s += elapsed
-        return F.ProjectReply(n_out=n, elapsed_us=int(elapsed * 1e6))
-
     def load_draft(self, req: F.LoadDraft) -> F.LoadDraftReply:
-        from luced.runtime.dflash import verbs as draft_backend
-
         self.draft = None  # first: the old draft's memory may be needed for the new one
-        self.draft = draft_backend.load(self, req)
+        self.draft = draft_verbs.load(self, req)
         return self.draft.reply
 
     def draft_block(self, req: F.DraftBlock) -> F.DraftBlockReply:
-        from luced.runtime.dflash import (
-            verbs as draft_backend,  # imports this module: imported on use
-        )
-
         if self.draft is None:
             raise WorkerError("draft before load_draft: no draft is loaded")
-        return draft_backend.run(self, self.draft, req)
+        return draft_verbs.run(self, self.draft, req)
 
     # -- forward helpers -----------------------------------------------------------------
 
@@ -449,8 +342,8 @@ class Backend:
             raise WorkerError('want="verify" needs the block\'s token ids (tokens)')
         if sampler.params.greedy:
             raise WorkerError('want="verify" needs temperature > 0 (greedy blocks: "sample")')
-        self._check_width("draft_probs", req.draft_probs, m.reply.vocab)
-        return self._tensor(req.draft_probs)[: req.n_tokens - 1]
+        self.check_width("draft_probs", req.draft_probs, m.reply.vocab)
+        return self.tensor(req.draft_probs)[: req.n_tokens - 1]
 
     def _inputs(self, req: F.Forward, m: Loaded) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """(token ids or None, hidden rows or None): [n] int32 / [n, hidden] views; the
@@ -469,7 +362,7 @@ class Backend:
         owns_embed = m.shards[0].model.owns_embed
         ids = None
         if req.tokens is not None:
-            ids = self._tensor(req.tokens)[:n]
+            ids = self.tensor(req.tokens)[:n]
             lo, hi = (int(v) for v in torch.aminmax(ids))
             if lo < 0 or hi >= m.reply.vocab:
                 raise WorkerError(f"token ids must lie in [0, {m.reply.vocab}), got [{lo}, {hi}]")
@@ -479,9 +372,9 @@ class Backend:
             return ids, None
         if owns_embed:
             raise WorkerError("this worker owns the embedding: send tokens, not hidden_in")
-        self._check_width("hidden_in", req.hidden_in, m.reply.hidden)
+        self.check_width("hidden_in", req.hidden_in, m.reply.hidden)
         # Tokens beside hidden_in are only the history of this shard's sampler.
-        return ids, self._tensor(req.hidden_in)[:n]
+        return ids, self.tensor(req.hidden_in)[:n]
 
     def _ring(self, req: F.Forward, m: Loaded) -> torch.Tensor | None:
         if req.ring is None:
@@ -489,39 +382,16 @@ class Backend:
         if req.ring.shape[2] != m.reply.hidden:
             got = list(req.ring.shape)
             raise WorkerError(f"ring rows must be {m.reply.hidden} wide, got {got}")
-        return self._tensor(req.ring)
+        return self.tensor(req.ring)
 
     def _outputs(self, req: F.Forward, m: Loaded) -> dict[str, torch.Tensor]:
         if req.want != "hidden" and not m.shards[-1].model.owns_head:
             raise WorkerError(f'want="{req.want}" needs the LM head; this worker has no head')
         if "logits" in req.outputs:
-            self._check_width("outputs.logits", req.outputs["logits"], m.reply.vocab)
+            self.check_width("outputs.logits", req.outputs["logits"], m.reply.vocab)
         if "hidden" in req.outputs:
-            self._check_width("outputs.hidden", req.outputs["hidden"], m.reply.hidden)
-        return {name: self._tensor(r) for name, r in req.outputs.items()}
-
-    @staticmethod
-    def _check_width(what: str, region: Region, width: int) -> None:
-        if region.shape[1] != width:
-            raise WorkerError(f"{what} must have {width} columns, got {list(region.shape)}")
-
-    def _tensor(self, region: Region) -> torch.Tensor:
-        """A torch view of a shared-memory region (no copy; host memory)."""
-        prefix = f"/luced-{self.instance}-"
-        if not region.segment.startswith(prefix):
-            raise WorkerError(
-                f"region segment {region.segment} does not belong to daemon instance "
-                f"{self.instance}"
-            )
-        array = self.attachments.view(region)  # attaches on first use; checks bounds
-        if region.dtype == "bfloat16":  # numpy holds the raw bits as uint16
-            return torch.from_numpy(array).view(torch.bfloat16)
-        return torch.from_numpy(array)
-
-    def _model(self, op: str) -> Loaded:
-        if self.loaded is None:
-            raise WorkerError(f"{op} before load: no model is loaded")
-        return self.loaded
+            self.check_width("outputs.hidden", req.outputs["hidden"], m.reply.hidden)
+        return {name: self.tensor(r) for name, r in req.outputs.items()}
 
 
 def _histories(sampler: Sampler, m: Loaded, fed: list[int], n_out: int) -> list | None:

@@ -26,8 +26,8 @@ import torch
 
 from luced.ipc import frames as F
 from luced.ipc.regions import Region
-from luced.runtime.backend import Backend, Loaded, Shard, WorkerError
 from luced.runtime.kv_cache import ContextOverflow
+from luced.runtime.state import Loaded, Shard, WorkerError, WorkerState
 
 # layer -> (its shard, K view, V view): the resolved regions of one request
 _Resolved = dict[int, tuple[Shard, torch.Tensor, torch.Tensor]]
@@ -37,8 +37,8 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def layout(backend: Backend, req: F.KVLayout) -> F.KVLayoutReply:
-    m = backend._model("kv_layout")
+def layout(worker: WorkerState, req: F.KVLayout) -> F.KVLayoutReply:
+    m = worker.model("kv_layout")
     tensors = []
     for shard in m.shards:
         cache = shard.cache
@@ -50,31 +50,31 @@ def layout(backend: Backend, req: F.KVLayout) -> F.KVLayoutReply:
 
 
 @torch.inference_mode()  # the cache tensors are inference tensors: writes need this mode
-def export(backend: Backend, req: F.KVExport) -> F.KVExportReply:
-    m = backend._model("kv_export")
+def export(worker: WorkerState, req: F.KVExport) -> F.KVExportReply:
+    m = worker.model("kv_export")
     n = req.position
     if n > m.position:
         raise WorkerError(f"kv_export of {n} positions, but the KV holds {m.position}")
     t0 = time.perf_counter()
-    resolved = _resolve(backend, m, req.regions, n)
+    resolved = _resolve(worker, m, req.regions, n)
     for layer, (shard, k, v) in resolved.items():
         shard.cache.export_rows(layer, n, k, v)
     elapsed = time.perf_counter() - t0
-    backend.busy_s += elapsed
+    worker.busy_s += elapsed
     return F.KVExportReply(position=n, elapsed_us=int(elapsed * 1e6))
 
 
 @torch.inference_mode()
-def import_(backend: Backend, req: F.KVImport) -> F.KVImportReply:
-    m = backend._model("kv_import")
+def import_(worker: WorkerState, req: F.KVImport) -> F.KVImportReply:
+    m = worker.model("kv_import")
     n = req.position
     if n > m.reply.kv_capacity:
         raise ContextOverflow(
             f"kv_import of {n} positions exceeds the KV capacity of {m.reply.kv_capacity} tokens"
         )
     t0 = time.perf_counter()
-    resolved = _resolve(backend, m, req.regions, n)
-    ids = backend._tensor(req.tokens)[:n]
+    resolved = _resolve(worker, m, req.regions, n)
+    ids = worker.tensor(req.tokens)[:n]
     if n:
         lo, hi = (int(x) for x in torch.aminmax(ids))
         if lo < 0 or hi >= m.reply.vocab:
@@ -89,17 +89,14 @@ def import_(backend: Backend, req: F.KVImport) -> F.KVImportReply:
         m.truncate(0)  # all shards empty, no history: never half a prefix
         raise
     finally:
-        # Like reset: a kept sampler (its generator, its map) belongs to the old sequence.
-        m.sampler = m.sampling = None
-        if backend.draft is not None:
-            backend.draft.sampler = backend.draft.sampling = None
+        worker.drop_samplers()  # like reset: they belong to the old sequence
     m.tokens[:] = history
     elapsed = time.perf_counter() - t0
-    backend.busy_s += elapsed
+    worker.busy_s += elapsed
     return F.KVImportReply(position=m.position, elapsed_us=int(elapsed * 1e6))
 
 
-def _resolve(backend: Backend, m: Loaded, regions: Mapping[str, Region], n: int) -> _Resolved:
+def _resolve(worker: WorkerState, m: Loaded, regions: Mapping[str, Region], n: int) -> _Resolved:
     """Every layer's K and V region as torch views, all checked (no copy yet)."""
     expected: dict[str, tuple[Shard, int]] = {}
     for shard in m.shards:
@@ -126,7 +123,7 @@ def _resolve(backend: Backend, m: Loaded, regions: Mapping[str, Region], n: int)
             )
         if shape[1] < n:
             raise WorkerError(f"region {name} holds {shape[1]} positions, fewer than {n}")
-        views[name] = backend._tensor(region)  # attaches: a bad segment fails here, too
+        views[name] = worker.tensor(region)  # attaches: a bad segment fails here, too
     out: _Resolved = {}
     for name, (shard, layer) in expected.items():
         if name[0] == "k":

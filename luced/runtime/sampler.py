@@ -172,7 +172,7 @@ def _sorted_prefix(
     return torch.sort(x, dim=-1, descending=True)
 
 
-def _draw(p: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+def draw(p: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
     """One column index per row of p [n, m], column j with probability p[:, j] / sum(p)."""
     if p.device.type == "mps":  # no float64 on MPS: the exponential race needs none
         race = torch.empty_like(p).exponential_(generator=generator).clamp_min_(1e-30)
@@ -224,9 +224,9 @@ def sample(
         tokens = x.argmax(dim=-1)
     else:
         cand = _truncate(x, params)
-        # Rows of x have max 0, and truncation keeps the max: exp cannot overflow, and _draw
+        # Rows of x have max 0, and truncation keeps the max: exp cannot overflow, and draw
         # normalizes by the CDF total, so no softmax pass is needed.
-        pick = _draw(torch.exp(cand.logits), generator)  # [n] column in cand
+        pick = draw(torch.exp(cand.logits), generator)  # [n] column in cand
         tokens = pick if cand.ids is None else cand.ids.gather(1, pick[:, None]).squeeze(1)
     if params.logprobs is None:
         return SampleOutput(tokens)

@@ -109,12 +109,6 @@ def sample_requests() -> dict[str, F.Request]:
             capture=(1, 14, 27),
             ring=region(4096, (64, 3, 576), "float32"),
         ),
-        "project": F.Project(
-            n_tokens=16,
-            hidden=region(4096, (16, 576), "float32"),
-            want="logits",
-            outputs={"logits": region(64, (16, 49152), "float32")},
-        ),
         "load_draft": F.LoadDraft(
             path="/models/draft", dtype="bfloat16", device="cuda:1", target="/models/x.gguf"
         ),
@@ -173,7 +167,6 @@ def sample_replies() -> dict[str, F.Reply]:
             load_s=1.25,
         ),
         "forward": F.ForwardReply(n_out=16, position=116, elapsed_us=8123),
-        "project": F.ProjectReply(n_out=16, elapsed_us=310),
         "load_draft": F.LoadDraftReply(
             capture_layers=(1, 10, 19, 28),
             block_size=16,

@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterator
 import msgpack
 import pytest
 
+from luced.ipc import codec
 from luced.ipc import frames as F
 from luced.ipc.channel import AsyncChannel, BlockingChannel, ChannelClosedError, RemoteError
 
@@ -45,10 +46,10 @@ def serve_in_thread(
 def test_blocking_frames_roundtrip_every_op(pair, sample_requests, sample_replies) -> None:
     a, b = BlockingChannel(pair[0]), BlockingChannel(pair[1])
     for seq, (op, req) in enumerate(sample_requests.items()):
-        a.send(F.encode_request(seq, req))
+        a.send(codec.encode_request(seq, req))
         assert b.recv_request() == (seq, req)
         b.reply(seq, sample_replies[op])
-        assert F.decode_reply(a.recv(), op) == (seq, sample_replies[op])
+        assert codec.decode_reply(a.recv(), op) == (seq, sample_replies[op])
 
 
 def test_blocking_call_and_serve(pair, sample_requests, sample_replies) -> None:
@@ -68,10 +69,10 @@ async def test_async_frames_roundtrip_every_op(pair, sample_requests, sample_rep
     a = await AsyncChannel.from_socket(pair[0])
     b = await AsyncChannel.from_socket(pair[1])
     for seq, (op, req) in enumerate(sample_requests.items()):
-        await a.send(F.encode_request(seq, req))
+        await a.send(codec.encode_request(seq, req))
         assert await b.recv_request() == (seq, req)
         await b.reply(seq, sample_replies[op])
-        assert F.decode_reply(await a.recv(), op) == (seq, sample_replies[op])
+        assert codec.decode_reply(await a.recv(), op) == (seq, sample_replies[op])
     server = asyncio.create_task(b.serve(replier(sample_replies)))
     for req in sample_requests.values():
         assert await a.call(req) == sample_replies[req.OP]
@@ -102,7 +103,7 @@ async def test_version_mismatch_through_the_channel(pair, sample_replies) -> Non
     daemon = await AsyncChannel.from_socket(pair[0])
     # A daemon from another build says hello with protocol 999: the worker refuses.
     await daemon.send(msgpack.packb({"op": "hello", "seq": 1, "protocol": 999, "instance": "x"}))
-    seq, rep = F.decode_reply(await daemon.recv(), "hello")
+    seq, rep = codec.decode_reply(await daemon.recv(), "hello")
     assert seq == 1 and isinstance(rep, F.ErrorReply)
     want = f"protocol version mismatch: the peer speaks 999, this side speaks {F.PROTOCOL_VERSION}"
     assert want in rep.error
@@ -128,19 +129,19 @@ async def test_version_mismatch_through_the_channel(pair, sample_replies) -> Non
 def test_oversized_frames(pair) -> None:
     a = BlockingChannel(pair[0], max_frame=1024)
     b = BlockingChannel(pair[1], max_frame=1024)
-    with pytest.raises(F.FrameTooLargeError, match="refusing to send a frame of 1025 bytes"):
+    with pytest.raises(codec.FrameTooLargeError, match="refusing to send a frame of 1025 bytes"):
         a.send(bytes(1025))
     a.send(bytes(1024))  # the limit itself is fine
     assert b.recv() == bytes(1024)
     pair[0].sendall(struct.pack("<I", 1025))  # a peer that ignores the limit
-    with pytest.raises(F.FrameTooLargeError, match="announces 1025 bytes"):
+    with pytest.raises(codec.FrameTooLargeError, match="announces 1025 bytes"):
         b.recv()
 
 
 async def test_oversized_frame_async(pair) -> None:
     b = await AsyncChannel.from_socket(pair[1])
-    pair[0].sendall(struct.pack("<I", F.MAX_FRAME_BYTES + 1))
-    with pytest.raises(F.FrameTooLargeError, match="announces 16777217 bytes"):
+    pair[0].sendall(struct.pack("<I", codec.MAX_FRAME_BYTES + 1))
+    with pytest.raises(codec.FrameTooLargeError, match="announces 16777217 bytes"):
         await b.recv()
     await b.close()
 
@@ -160,7 +161,7 @@ def test_malformed_frames_in_serve(pair, sample_replies) -> None:
     t.start()
     # Readable seq, bad field: answered with an error, serving goes on.
     client.send(msgpack.packb({"op": "truncate", "seq": 4, "position": -2}))
-    seq, rep = F.decode_reply(client.recv(), "truncate")
+    seq, rep = codec.decode_reply(client.recv(), "truncate")
     assert seq == 4 and isinstance(rep, F.ErrorReply) and "position must be >= 0" in rep.error
     assert client.call(F.Truncate(position=2)) == sample_replies["truncate"]
     # Not msgpack at all: nobody to answer; serve() raises for the caller to close.

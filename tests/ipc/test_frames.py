@@ -15,6 +15,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from luced.ipc import codec
 from luced.ipc import frames as F
 from luced.ipc.regions import Region
 
@@ -32,23 +33,23 @@ def raw(obj: object) -> bytes:
 def test_samples_cover_every_op(sample_requests: dict, sample_replies: dict) -> None:
     assert set(sample_requests) == set(F.REQUESTS) == set(F.REPLIES) == set(sample_replies)
     assert set(F.REQUESTS) >= {"hello", "load", "forward", "truncate", "reset", "stats", "shutdown"}
-    assert {"project", "load_draft", "draft"} <= set(F.REQUESTS)
+    assert {"load_draft", "draft"} <= set(F.REQUESTS)
 
 
 def test_every_request_and_reply_roundtrips(sample_requests: dict, sample_replies: dict) -> None:
     for i, (op, req) in enumerate(sample_requests.items()):
-        payload = F.encode_request(1000 + i, req)
+        payload = codec.encode_request(1000 + i, req)
         assert msgpack.unpackb(payload, raw=False)["op"] == op
-        assert F.decode_request(payload) == (1000 + i, req)
+        assert codec.decode_request(payload) == (1000 + i, req)
         rep = sample_replies[op]
-        assert F.decode_reply(F.encode_reply(7, rep), op) == (7, rep)
-    failed = F.encode_reply(9, F.ErrorReply("out of memory"))
+        assert codec.decode_reply(codec.encode_reply(7, rep), op) == (7, rep)
+    failed = codec.encode_reply(9, F.ErrorReply("out of memory"))
     assert msgpack.unpackb(failed, raw=False) == {"seq": 9, "ok": False, "error": "out of memory"}
-    assert F.decode_reply(failed, "forward") == (9, F.ErrorReply("out of memory"))
+    assert codec.decode_reply(failed, "forward") == (9, F.ErrorReply("out of memory"))
 
 
 def test_wire_shape_of_a_forward(sample_requests: dict) -> None:
-    wire = msgpack.unpackb(F.encode_request(3, sample_requests["forward"]), raw=False)
+    wire = msgpack.unpackb(codec.encode_request(3, sample_requests["forward"]), raw=False)
     assert wire["op"] == "forward" and wire["seq"] == 3
     assert wire["tokens"] == {"segment": SEG, "offset": 960, "shape": [512], "dtype": "int32"}
     assert wire["capture"] == [1, 14, 27] and wire["hidden_in"] is None
@@ -136,30 +137,6 @@ def test_forward_accepts_the_intended_shapes() -> None:
     assert ring.capture == (0, 2)
     both = forward(hidden_in=h_in)  # a later shard: tokens are only its sampler's history
     assert both.tokens is not None and both.hidden_in is not None
-
-
-@pytest.mark.parametrize(
-    ("kw", "match"),
-    [
-        ({"n_tokens": 0}, "n_tokens >= 1"),
-        ({"hidden": R(64, (2, 8), "float32")}, r"hidden must be float \[>= 4, hidden\]"),
-        ({"hidden": R(64, (4, 8), "int32")}, "hidden must be float"),
-        ({"want": "sample"}, "want: expected one of"),
-        ({"want": "argmax"}, r'want="argmax" needs outputs \["ids"\]'),
-        ({"outputs": {"logits": R(64, (3, 9), "float32")}}, ">= 4 rows"),
-        ({"want": "argmax", "outputs": {"ids": R(64, (4,), "int64")}}, "ids must be int32"),
-    ],
-)
-def test_project_validation(kw: dict, match: str) -> None:
-    base: dict[str, object] = {
-        "n_tokens": 4,
-        "hidden": R(64, (8, 16), "float32"),
-        "want": "logits",
-        "outputs": {"logits": R(1024, (4, 9), "float32")},
-    }
-    base.update(kw)
-    with pytest.raises(F.FrameError, match=match):
-        F.Project(**base)  # type: ignore[arg-type]
 
 
 def draft_block(**kw: object) -> F.DraftBlock:
@@ -251,7 +228,7 @@ def test_load_validation(kw: dict, match: str) -> None:
 
 
 def test_decode_errors_name_the_problem_and_keep_the_seq(sample_requests: dict) -> None:
-    good = msgpack.unpackb(F.encode_request(5, sample_requests["truncate"]), raw=False)
+    good = msgpack.unpackb(codec.encode_request(5, sample_requests["truncate"]), raw=False)
     cases = [
         ({**good, "position": "x"}, "truncate request: position: expected int, got str"),
         ({k: v for k, v in good.items() if k != "position"}, r"missing field\(s\) \['position'\]"),
@@ -261,21 +238,21 @@ def test_decode_errors_name_the_problem_and_keep_the_seq(sample_requests: dict) 
     ]
     for obj, match in cases:
         with pytest.raises(F.FrameError, match=match) as info:
-            F.decode_request(raw(obj))
+            codec.decode_request(raw(obj))
         assert info.value.seq == 5
     for seq in (-1, "5", None, 2**64 - 1):
         with pytest.raises(F.FrameError, match="seq must be an int") as info:
-            F.decode_request(raw({**good, "seq": seq}))
+            codec.decode_request(raw({**good, "seq": seq}))
         assert info.value.seq is None
 
 
 def test_reply_envelope_errors() -> None:
     with pytest.raises(F.FrameError, match="'ok' must be true or false"):
-        F.decode_reply(raw({"seq": 1, "ok": 1, "position": 3}), "truncate")
+        codec.decode_reply(raw({"seq": 1, "ok": 1, "position": 3}), "truncate")
     with pytest.raises(F.FrameError, match="exactly a string 'error'"):
-        F.decode_reply(raw({"seq": 1, "ok": False}), "truncate")
+        codec.decode_reply(raw({"seq": 1, "ok": False}), "truncate")
     with pytest.raises(F.FrameError, match=r"truncate reply: missing field\(s\)"):
-        F.decode_reply(raw({"seq": 1, "ok": True}), "truncate")
+        codec.decode_reply(raw({"seq": 1, "ok": True}), "truncate")
 
 
 def test_protocol_version_mismatch_is_clear() -> None:
@@ -284,31 +261,31 @@ def test_protocol_version_mismatch_is_clear() -> None:
     with pytest.raises(
         F.ProtocolVersionError, match=f"peer speaks 999, this side speaks {F.PROTOCOL_VERSION}"
     ):
-        F.decode_request(payload)
+        codec.decode_request(payload)
     reply = raw({"seq": 1, "ok": True, "protocol": F.PROTOCOL_VERSION + 1, "pid": 1})
     with pytest.raises(F.ProtocolVersionError, match="protocol version mismatch"):
-        F.decode_reply(reply, "hello")
+        codec.decode_reply(reply, "hello")
     with pytest.raises(F.ProtocolVersionError):
         F.Hello(instance="x", protocol=F.PROTOCOL_VERSION + 1)
     with pytest.raises(F.ProtocolVersionError):  # no version at all is a mismatch too
-        F.decode_request(raw({"op": "hello", "seq": 1, "instance": "x"}))
+        codec.decode_request(raw({"op": "hello", "seq": 1, "instance": "x"}))
 
 
 def test_unencodable_values_fail_at_the_sender() -> None:
     with pytest.raises(F.FrameError, match="outside the 64-bit integer range"):
         F.Truncate(position=2**64)
     with pytest.raises(F.FrameError, match="seq must be an int"):
-        F.encode_request(2**64, F.Reset())
+        codec.encode_request(2**64, F.Reset())
     with pytest.raises(F.FrameError, match="seq must be an int"):
-        F.encode_reply(-1, F.ResetReply())
+        codec.encode_reply(-1, F.ResetReply())
 
 
 def test_oversized_frames_are_refused() -> None:
-    huge = F.Load("m" * (F.MAX_FRAME_BYTES + 1), (0, 1), "float32", ("cpu",), 1, True, True)
-    with pytest.raises(F.FrameTooLargeError, match="exceeds MAX_FRAME_BYTES=16777216"):
-        F.encode_request(1, huge)
-    with pytest.raises(F.FrameTooLargeError, match="exceeds"):
-        F.decode_request(bytes(F.MAX_FRAME_BYTES + 1))
+    huge = F.Load("m" * (codec.MAX_FRAME_BYTES + 1), (0, 1), "float32", ("cpu",), 1, True, True)
+    with pytest.raises(codec.FrameTooLargeError, match="exceeds MAX_FRAME_BYTES=16777216"):
+        codec.encode_request(1, huge)
+    with pytest.raises(codec.FrameTooLargeError, match="exceeds"):
+        codec.decode_request(bytes(codec.MAX_FRAME_BYTES + 1))
 
 
 @pytest.mark.parametrize(
@@ -326,14 +303,14 @@ def test_oversized_frames_are_refused() -> None:
 )
 def test_malformed_msgpack(payload: bytes, match: str) -> None:
     with pytest.raises(F.FrameError, match=match):
-        F.decode_request(payload)
+        codec.decode_request(payload)
 
 
 @settings(max_examples=300, deadline=None)
 @given(st.binary(max_size=200))
 def test_random_bytes_only_raise_frame_error(payload: bytes) -> None:
     with contextlib.suppress(F.FrameError):  # anything else is a bug
-        F.decode_request(payload)
+        codec.decode_request(payload)
 
 
 _values = st.recursive(
@@ -354,7 +331,7 @@ _keys = st.sampled_from(sorted(_field_names | {"op", "seq", "segment", "offset",
 def test_random_maps_only_raise_frame_error(obj: dict, op: str) -> None:
     obj = {"op": op, "seq": 1, **obj}
     with contextlib.suppress(F.FrameError):
-        F.decode_request(raw(obj))
+        codec.decode_request(raw(obj))
 
 
 def test_frames_are_frozen(sample_requests: dict) -> None:

@@ -23,9 +23,10 @@ from luced.ipc import frames as F
 from luced.ipc.regions import Region, RegionAllocator, required_bytes
 from luced.ipc.shm import SegmentNotFoundError, ShmOwner
 from luced.ipc.typed import FrameError
-from luced.runtime.backend import Backend, Loaded, WorkerError
+from luced.runtime.backend import Backend
 from luced.runtime.kv_cache import ContextOverflow, KVCache
 from luced.runtime.model import Model
+from luced.runtime.state import Loaded, WorkerError
 
 KV = 64
 ROWS = 32

@@ -21,6 +21,7 @@ import posix_ipc
 import pytest
 import torch
 
+from luced.ipc import codec
 from luced.ipc import frames as F
 from luced.ipc.channel import BlockingChannel, RemoteError
 from luced.ipc.regions import Region, RegionAllocator, required_bytes
@@ -247,7 +248,7 @@ def test_handshake(spawn, owner: ShmOwner) -> None:
     # A daemon of another build: the worker answers with both versions named.
     payload = {"op": "hello", "seq": 7, "instance": owner.instance, "protocol": 99}
     w.chan.send(msgpack.packb(payload))
-    seq, rep = F.decode_reply(w.chan.recv(), "hello")
+    seq, rep = codec.decode_reply(w.chan.recv(), "hello")
     assert seq == 7 and isinstance(rep, F.ErrorReply)
     assert "protocol version mismatch" in rep.error and "99" in rep.error
     rep = w.call(F.Hello(instance=owner.instance))

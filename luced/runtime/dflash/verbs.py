@@ -24,18 +24,17 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from luced.gguf_file import GGUFFile
 from luced.ipc import frames as F
-from luced.runtime.backend import Backend, WorkerError, torch_device
 from luced.runtime.dflash.draft import Draft, project_with_target_head
 from luced.runtime.families import family_for
 from luced.runtime.model import Model
 from luced.runtime.sampler import Sampler, probs
+from luced.runtime.state import DraftState, WorkerError, WorkerState, torch_device
 from luced.runtime.weights import WeightLoader, parse_dtype
 from luced.sampling_params import SamplingParams
 
@@ -45,20 +44,6 @@ _PENALTIES = ("repetition_penalty", "frequency_penalty", "presence_penalty", "pe
 def draft_seed(seed: int) -> int:
     """The draft's generator seed for a request seeded with `seed` (a different stream)."""
     return (seed ^ 0x5DEECE66D) % 2**63  # any constant: the streams only have to differ
-
-
-@dataclass
-class DraftState:
-    draft: Draft
-    embedder: Model  # holds the target's token embedding
-    head: Model  # holds the target's LM head
-    reply: F.LoadDraftReply
-    sampler: Sampler | None = None  # kept across calls while the sampling map is unchanged
-    sampling: dict[str, int | float | None] | None = None
-
-    @property
-    def vocab(self) -> int:
-        return self.head.cfg.vocab
 
 
 def load_target_edges(path: str | Path, dtype: torch.dtype, device: torch.device) -> Model:
@@ -75,14 +60,14 @@ def load_target_edges(path: str | Path, dtype: torch.dtype, device: torch.device
     return model
 
 
-def load(backend: Backend, req: F.LoadDraft) -> DraftState:
-    if req.device not in backend.devices:
+def load(worker: WorkerState, req: F.LoadDraft) -> DraftState:
+    if req.device not in worker.devices:
         raise WorkerError(
-            f"load_draft names device {req.device}; this worker drives {backend.devices}"
+            f"load_draft names device {req.device}; this worker drives {worker.devices}"
         )
     device = torch_device(req.device)
     t0 = time.monotonic()
-    m = backend.loaded
+    m = worker.loaded
     holds_ends = m is not None and m.shards[0].model.owns_embed and m.shards[-1].model.owns_head
     same_file = req.target is None or (m is not None and Path(req.target) == m.path)
     if m is not None and holds_ends and same_file:
@@ -116,7 +101,7 @@ def load(backend: Backend, req: F.LoadDraft) -> DraftState:
 
 
 @torch.inference_mode()
-def run(backend: Backend, state: DraftState, req: F.DraftBlock) -> F.DraftBlockReply:
+def run(worker: WorkerState, state: DraftState, req: F.DraftBlock) -> F.DraftBlockReply:
     """One draft step; every input is checked before any compute."""
     t0 = time.perf_counter()
     draft, cfg = state.draft, state.draft.cfg
@@ -133,19 +118,19 @@ def run(backend: Backend, state: DraftState, req: F.DraftBlock) -> F.DraftBlockR
             f"ring rows must be [{n_cap}, {cfg.hidden}] (captures, hidden), "
             f"got {list(req.ring.shape)}"
         )
-    ids_out = backend._tensor(req.outputs["ids"])
+    ids_out = worker.tensor(req.outputs["ids"])
     if ids_out.shape[0] < block:
         raise WorkerError(f"outputs.ids holds {ids_out.shape[0]} rows, block_size is {block}")
     params = _params(req)
     probs_out = None
     if params is not None:
-        probs_out = backend._tensor(req.outputs["probs"])
+        probs_out = worker.tensor(req.outputs["probs"])
         if probs_out.shape[0] < block - 1 or probs_out.shape[1] != state.vocab:
             raise WorkerError(
                 f"outputs.probs must be [>= {block - 1}, {state.vocab}], "
                 f"got {list(probs_out.shape)}"
             )
-    ring = backend._tensor(req.ring)  # [ring_cap, n_capture, hidden], in place
+    ring = worker.tensor(req.ring)  # [ring_cap, n_capture, hidden], in place
 
     ctx = min(req.committed, req.ctx_window, ring.shape[0])
     start = req.committed - ctx
@@ -164,7 +149,7 @@ def run(backend: Backend, state: DraftState, req: F.DraftBlock) -> F.DraftBlockR
     ids_out[0] = req.anchor
     ids_out[1:block].copy_(proposals)  # int64 -> int32; device -> host
     elapsed = time.perf_counter() - t0
-    backend.busy_s += elapsed
+    worker.busy_s += elapsed
     return F.DraftBlockReply(n=block - 1, ctx=ctx, elapsed_us=int(elapsed * 1e6))
 
 

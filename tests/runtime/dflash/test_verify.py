@@ -13,12 +13,8 @@ from dataclasses import replace
 import pytest
 import torch
 
-from luced.runtime.dflash.verify import (
-    VerifyResult,
-    residual_distribution,
-    verify_greedy,
-    verify_sampled,
-)
+from luced.acceptance import VerifyResult, verify_greedy
+from luced.runtime.dflash.verify import residual_distribution, verify_sampled
 from luced.runtime.sampler import Sampler, probs, sample
 from luced.sampling_params import SamplingParams
 
@@ -362,7 +358,7 @@ def test_greedy_rule_imports_without_torch() -> None:
     # The daemon never imports torch; it runs the greedy rule and the clipping.
     code = (
         "import sys\n"
-        "from luced.runtime.dflash.verify import clip, verify_greedy\n"
+        "from luced.acceptance import clip, verify_greedy\n"
         "assert verify_greedy([1, 2], [2, 3], budget=5).tokens == (2, 3)\n"
         "assert 'torch' not in sys.modules\n"
     )

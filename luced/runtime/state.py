@@ -1,0 +1,149 @@
+"""What a worker's verb modules share: its loaded shards, its draft, its region views.
+
+``WorkerState`` is the state of one worker process; ``luced.runtime.backend.Backend``
+extends it with the core verbs and the frame dispatch, and the verb modules beside it
+(``kv_snapshot``, ``dflash.verbs``) take a ``WorkerState``, so no module needs another's
+private methods and none imports the dispatcher.
+
+    loaded    the target's shards: one (Model, KVCache) per device, layers [a, b) cut at
+              device_splits, the token history, the kept sampler
+    draft     a DFlash draft, beside the target or alone in the worker
+    regions   shared-memory regions viewed as tensors, attached lazily by segment name;
+              only segments of the daemon instance that said hello
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from luced.ipc import frames as F
+from luced.ipc.regions import Attachments, Region
+from luced.runtime.dflash.draft import Draft
+from luced.runtime.kv_cache import KVCache
+from luced.runtime.model import Model
+from luced.runtime.sampler import Sampler
+
+
+class WorkerError(Exception):
+    """A request this worker cannot serve in its current state (sent back as the error).
+
+    The daemon sees it as ``luced.engine.executor.WorkerReplyError``: the worker lives on.
+    """
+
+
+def torch_device(name: str) -> torch.device:
+    """The torch device behind a luced device name; raises WorkerError when unusable.
+
+    ``cpu:N`` names a CPU group (several workers on one CPU) and is plain ``cpu`` to
+    torch; ``hip:N`` is ``cuda:N`` in a ROCm build of torch.
+    """
+    kind, _, index = name.partition(":")
+    if index and not index.isdigit():
+        raise WorkerError(f"bad device name {name!r}: want KIND or KIND:INDEX")
+    if kind == "cpu":
+        return torch.device("cpu")
+    if kind in ("cuda", "hip"):
+        # A ROCm torch drives HIP devices through the torch.cuda API.
+        if torch.version.hip is None and (kind == "hip" or torch.version.cuda is None):
+            build = "CUDA" if torch.version.cuda else "CPU-only"
+            raise WorkerError(f"device {name}: this torch is a {build} build")
+        n = torch.cuda.device_count()
+        i = int(index or 0)
+        if i >= n:
+            raise WorkerError(f"device {name}: this torch sees {n} GPU(s)")
+        return torch.device("cuda", i)
+    if kind == "mps":
+        if not torch.backends.mps.is_available():
+            raise WorkerError("device mps: not available in this torch")
+        return torch.device("mps")
+    raise WorkerError(f"unknown device kind in {name!r} (cpu, cuda, hip, mps)")
+
+
+@dataclass
+class Shard:
+    model: Model  # layers [a, b) on one device
+    cache: KVCache
+
+
+@dataclass
+class Loaded:
+    path: Path
+    shards: list[Shard]
+    reply: F.LoadReply
+    tokens: list[int] = field(default_factory=list)  # id fed at each KV position
+    sampler: Sampler | None = None
+    sampling: dict[str, int | float | None] | None = None  # the map `sampler` was built from
+
+    @property
+    def position(self) -> int:
+        return self.shards[0].cache.pos
+
+    def truncate(self, position: int) -> None:
+        for shard in self.shards:
+            shard.cache.truncate(position)
+        del self.tokens[position:]
+
+
+@dataclass
+class DraftState:
+    draft: Draft
+    embedder: Model  # holds the target's token embedding
+    head: Model  # holds the target's LM head
+    reply: F.LoadDraftReply
+    sampler: Sampler | None = None  # kept across calls while the sampling map is unchanged
+    sampling: dict[str, int | float | None] | None = None
+
+    @property
+    def vocab(self) -> int:
+        return self.head.cfg.vocab
+
+
+class WorkerState:
+    """One worker's loaded target, draft, region views and counters (module docstring)."""
+
+    def __init__(self, group: str, devices: tuple[str, ...]) -> None:
+        self.group = group
+        self.devices = devices
+        self.instance: str | None = None  # the daemon's, from hello
+        self.loaded: Loaded | None = None
+        self.draft: DraftState | None = None
+        self.attachments = Attachments()
+        self.forward_count = 0
+        self.tokens_processed = 0
+        self.busy_s = 0.0
+        self.started = time.monotonic()
+
+    def model(self, op: str) -> Loaded:
+        """The loaded target; WorkerError naming `op` when none is."""
+        if self.loaded is None:
+            raise WorkerError(f"{op} before load: no model is loaded")
+        return self.loaded
+
+    def tensor(self, region: Region) -> torch.Tensor:
+        """A torch view of a shared-memory region (no copy; host memory)."""
+        prefix = f"/luced-{self.instance}-"
+        if not region.segment.startswith(prefix):
+            raise WorkerError(
+                f"region segment {region.segment} does not belong to daemon instance "
+                f"{self.instance}"
+            )
+        array = self.attachments.view(region)  # attaches on first use; checks bounds
+        if region.dtype == "bfloat16":  # numpy holds the raw bits as uint16
+            return torch.from_numpy(array).view(torch.bfloat16)
+        return torch.from_numpy(array)
+
+    @staticmethod
+    def check_width(what: str, region: Region, width: int) -> None:
+        if region.shape[1] != width:
+            raise WorkerError(f"{what} must have {width} columns, got {list(region.shape)}")
+
+    def drop_samplers(self) -> None:
+        """A kept sampler (its generator, its map) belongs to the sequence it drew for."""
+        if self.loaded is not None:
+            self.loaded.sampler = self.loaded.sampling = None
+        if self.draft is not None:
+            self.draft.sampler = self.draft.sampling = None

@@ -232,7 +232,3 @@ class GGUFFile:
             return self.tensors[name]
         except KeyError:
             raise GGUFError(f"{self.path}: missing tensor {name!r}") from None
-
-    def metadata_digest_source(self) -> bytes:
-        """The header bytes (metadata + tensor table): cheap to hash, identifies the model."""
-        return bytes(self._map[: self.data_offset])

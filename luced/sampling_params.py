@@ -9,7 +9,8 @@ model distribution at temperature 1.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, fields, replace
 
 # torch.Generator.manual_seed accepts [-2**63, 2**64); OpenAI's `seed` is an int64.
 _SEED_MIN = -(2**63)
@@ -77,6 +78,30 @@ class SamplingParams:
         if self.logprobs is not None and _integer("logprobs", self.logprobs) < 0:
             raise ValueError(f"logprobs must be None or >= 0, got {self.logprobs}")
 
+    def to_wire(self) -> dict[str, int | float]:
+        """The frames' ``sampling`` map: only the fields that differ from their defaults."""
+        return {
+            f.name: getattr(self, f.name)
+            for f in fields(self)
+            if getattr(self, f.name) != f.default
+        }
+
+    @classmethod
+    def from_wire(cls, wire: Mapping[str, object]) -> SamplingParams:
+        """The inverse of ``to_wire`` (a None value is the default); ValueError naming the
+        first bad key."""
+        unknown = sorted(set(wire) - WIRE_KEYS)
+        if unknown:
+            raise ValueError(f"unknown sampling key(s) {unknown}; known: {sorted(WIRE_KEYS)}")
+        return cls(**{k: v for k, v in wire.items() if v is not None})  # type: ignore[arg-type]
+
+    def without_penalties(self) -> SamplingParams:
+        """The same draw with no penalties and no logprobs: a DFlash draft's proposal
+        distribution q (any q keeps speculative sampling exact; the target applies the
+        penalties to p)."""
+        off = {f.name: f.default for f in fields(self) if f.name in PENALTY_FIELDS}
+        return replace(self, logprobs=None, **off)
+
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
@@ -88,6 +113,10 @@ class SamplingParams:
             or self.frequency_penalty != 0.0
             or self.presence_penalty != 0.0
         )
+
+
+WIRE_KEYS = frozenset(f.name for f in fields(SamplingParams))
+PENALTY_FIELDS = ("repetition_penalty", "frequency_penalty", "presence_penalty", "penalty_window")
 
 
 def _real(name: str, value: object) -> float:

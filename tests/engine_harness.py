@@ -1,4 +1,4 @@
-"""A real Engine over a real TargetRunner (worker subprocesses, shared memory) for
+"""A real Engine over a real Target (worker subprocesses, shared memory) for
 loop-level tests: `async with engine_for(model, devices, ...) as engine`."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from pathlib import Path
 from luced.cache.arena import SnapshotArena
 from luced.cache.prefix_cache import PrefixCache
 from luced.engine.core import Engine
-from luced.engine.target import TargetPlacement, TargetRunner
+from luced.engine.target import Target, TargetPlacement
 from luced.gguf_file import GGUFFile
 from luced.ipc.shm import ShmOwner
 from luced.text.tokenizer import Tokenizer
@@ -23,7 +23,7 @@ async def engine_for(
     *,
     draft: Path | None = None,
     draft_device: str | None = None,
-    runner_cls: type[TargetRunner] = TargetRunner,
+    target_cls: type[Target] = Target,
     context: int = 512,
     block_size: int = 16,
     prefix_cache_bytes: int = 0,
@@ -41,22 +41,22 @@ async def engine_for(
             devices=devices,
             threads=1,
         )
-        runner = runner_cls(owner, placement)
+        target = target_cls(owner, placement)
         tokenizer = Tokenizer.from_gguf(gguf)
         engine = Engine(
-            runner, tokenizer, None, model_name="t", context_length=context, block_size=block_size
+            target, tokenizer, None, model_name="t", context_length=context, block_size=block_size
         )
         try:
-            await runner.start()
+            await target.start()
             if draft is not None:
-                await runner.load_draft(str(draft), device=draft_device, block_size=16)
+                await target.load_draft(str(draft), device=draft_device, block_size=16)
             if prefix_cache_bytes:
                 arena = SnapshotArena(owner, prefix_cache_bytes)
-                engine.prefix_cache = PrefixCache(await runner.kv_layout(), arena)
+                engine.prefix_cache = PrefixCache(await target.kv_layout(), arena)
             engine.start()
             yield engine
         finally:
             await engine.stop()
             if engine.prefix_cache is not None:
                 await engine.prefix_cache.close()
-            await runner.close()
+            await target.close()

@@ -3,7 +3,7 @@
     python tools/bench_dflash.py [--model smollm2|gemma3|PATH] [--block-size 16]
                                  [--prompt 64] [--tokens 128] [--rounds 3] [--threads N]
 
-Three engines over real TargetRunners (worker subprocesses, shared memory, frames), all
+Three engines over real Targets (worker subprocesses, shared memory, frames), all
 loaded at once and measured interleaved so drift on a shared machine hits them alike:
 
     plain     no draft: one target forward per token
@@ -11,12 +11,12 @@ loaded at once and measured interleaved so drift on a shared machine hits them a
               acceptance ~ 0, so every step costs a draft + a B-token verify and yields
               one token: the overhead of speculation
     oracle    the same draft loaded (captures on, same frames) but its proposals replaced
-              by the target's own greedy continuation (`OracleRunner`): every proposal is
+              by the target's own greedy continuation (`OracleTarget`): every proposal is
               accepted, B tokens per verify: the ceiling of the loop
 
 Reported per engine (medians over rounds): decode tok/s (after the first token), tokens
 per target forward, mean acceptance length (1 + accepted / drafts), and the cost of one
-draft step and one verify step (wall µs, measured around the runner calls).
+draft step and one verify step (wall µs, measured around the target calls).
 """
 
 from __future__ import annotations
@@ -33,8 +33,8 @@ from typing import Any, ClassVar
 import make_tiny_draft
 
 from luced.engine.core import Engine, GenerationRequest
-from luced.engine.executor import WorkerSpec
-from luced.engine.target import Sampled, TargetPlacement, TargetRunner
+from luced.engine.placement import WorkerSpec
+from luced.engine.target import Sampled, Target, TargetPlacement
 from luced.gguf_file import GGUFFile
 from luced.ipc.shm import ShmOwner
 from luced.sampling_params import SamplingParams
@@ -44,8 +44,8 @@ from luced.text.tokenizer import Tokenizer
 MODELS = {"smollm2": smollm2_path, "gemma3": gemma3_path}
 
 
-class OracleRunner(TargetRunner):
-    """A runner whose draft proposes `script[pos + 1 : pos + B]`: the continuation the target
+class OracleTarget(Target):
+    """A target whose draft proposes `script[pos + 1 : pos + B]`: the continuation the target
     itself produces greedily (computed beforehand with plain decoding). This perfect draft
     shows the ceiling of the speculative loop: everything else is real (verify forwards,
     captures into the ring, acceptance, KV rollback); only the draft forward is skipped."""
@@ -62,7 +62,7 @@ class OracleRunner(TargetRunner):
         return [anchor, *ahead, *[anchor] * (block_size - 1 - len(ahead))]
 
 
-class CountingRunner(TargetRunner):
+class CountingTarget(Target):
     """Times the draft and verify calls of the loop (wall µs)."""
 
     def __init__(self, *args: Any, **kw: Any) -> None:
@@ -88,13 +88,11 @@ class CountingRunner(TargetRunner):
         return await super()._forward(*args, **kw)
 
 
-class TimedOracle(OracleRunner, CountingRunner):
+class TimedOracle(OracleTarget, CountingTarget):
     pass
 
 
-def make_runner(
-    cls: type[TargetRunner], owner: ShmOwner, model: Path, threads: int, name: str
-) -> TargetRunner:
+def make_target(cls: type[Target], owner: ShmOwner, model: Path, threads: int, name: str) -> Target:
     gguf = GGUFFile(model)
     placement = TargetPlacement(
         model=str(model),
@@ -129,19 +127,19 @@ async def bench(args: argparse.Namespace) -> None:
     prompt = tokenizer.encode(words)[: args.prompt]
     with tempfile.TemporaryDirectory() as tmp, ShmOwner() as owner:
         _, draft, _ = make_tiny_draft.build(model, Path(tmp), seed=1, block_size=args.block_size)
-        runners = {
-            "plain": make_runner(CountingRunner, owner, model, args.threads, "plain"),
-            "random": make_runner(CountingRunner, owner, model, args.threads, "random"),
-            "oracle": make_runner(TimedOracle, owner, model, args.threads, "oracle"),
+        targets = {
+            "plain": make_target(CountingTarget, owner, model, args.threads, "plain"),
+            "random": make_target(CountingTarget, owner, model, args.threads, "random"),
+            "oracle": make_target(TimedOracle, owner, model, args.threads, "oracle"),
         }
         engines = {}
         try:
-            for name, runner in runners.items():
-                await runner.start()
+            for name, target in targets.items():
+                await target.start()
                 if name != "plain":
-                    await runner.load_draft(str(draft), block_size=args.block_size)
+                    await target.load_draft(str(draft), block_size=args.block_size)
                 engines[name] = Engine(
-                    runner,
+                    target,
                     tokenizer,
                     None,
                     model_name=name,
@@ -157,8 +155,8 @@ async def bench(args: argparse.Namespace) -> None:
             rows: dict[str, list[dict]] = {name: [] for name in engines}
             for _ in range(args.rounds):
                 for name, engine in engines.items():
-                    r = runners[name]
-                    assert isinstance(r, CountingRunner)
+                    r = targets[name]
+                    assert isinstance(r, CountingTarget)
                     r.draft_us.clear()
                     r.verify_us.clear()
                     before = r.forwards
@@ -180,8 +178,8 @@ async def bench(args: argparse.Namespace) -> None:
         finally:
             for engine in engines.values():
                 await engine.stop()
-            for runner in runners.values():
-                await runner.close()
+            for target in targets.values():
+                await target.close()
     print(
         f"\n{model.name}: prompt {len(prompt)} tokens, {args.tokens} generated, block "
         f"{args.block_size}, {args.threads} threads, medians of {args.rounds} rounds\n"

@@ -3,7 +3,7 @@
     python tools/bench_prefix.py [--model smollm2|gemma3|PATH] [--prefix 2048]
                                  [--rounds 3] [--threads N] [--dtype float32]
 
-A real TargetRunner (worker subprocess, shared memory, frames) and Engine with a prefix
+A real Target (worker subprocess, shared memory, frames) and Engine with a prefix
 cache (arena + a disk tier in a temporary directory). Every request shares a ~`prefix`
 token document and ends in its own question, as a chat over one long context does:
 
@@ -30,8 +30,8 @@ from luced.cache.arena import SnapshotArena
 from luced.cache.disk import DiskIdentity, SnapshotDisk
 from luced.cache.prefix_cache import PrefixCache
 from luced.engine.core import Engine, GenerationRequest
-from luced.engine.executor import WorkerSpec
-from luced.engine.target import TargetPlacement, TargetRunner
+from luced.engine.placement import WorkerSpec
+from luced.engine.target import Target, TargetPlacement
 from luced.gguf_file import GGUFFile
 from luced.ipc.shm import ShmOwner
 from luced.sampling_params import SamplingParams
@@ -70,11 +70,11 @@ async def bench(args: argparse.Namespace) -> None:
     )
     rows: dict[str, list[float]] = {"cold": [], "memory": [], "disk": []}
     with tempfile.TemporaryDirectory() as tmp, ShmOwner() as owner:
-        runner = TargetRunner(owner, placement)
-        engine = Engine(runner, tokenizer, None, model_name="bench", context_length=4096)
-        await runner.start()
-        layout = await runner.kv_layout()
-        identity = DiskIdentity("bench", "", placement_key(runner), args.dtype)
+        target = Target(owner, placement)
+        engine = Engine(target, tokenizer, None, model_name="bench", context_length=4096)
+        await target.start()
+        layout = await target.kv_layout()
+        identity = DiskIdentity("bench", "", placement_key(target), args.dtype)
         disk = SnapshotDisk(tmp, identity, layout)
         cache = PrefixCache(layout, SnapshotArena(owner, 2 << 30), disk)
         engine.prefix_cache = cache
@@ -99,7 +99,7 @@ async def bench(args: argparse.Namespace) -> None:
         finally:
             await engine.stop()
             await cache.close()
-            await runner.close()
+            await target.close()
     cold = statistics.median(rows["cold"])
     print(
         f"\n{model.name} ({args.dtype}, {args.threads} threads): shared prefix "

@@ -3,7 +3,7 @@
     python tools/bench_split.py [--models smollm2,gemma3] [--prompt 64] [--tokens 64]
                                 [--rounds 3] [--cores N]
 
-Every placement is a real TargetRunner (worker subprocesses, shared memory, frames), all
+Every placement is a real Target (worker subprocesses, shared memory, frames), all
 loaded at once and measured interleaved (round 1: A B C .., round 2: A B C ..), so
 drift on a shared machine hits them alike; the table shows medians over rounds.
 Placements (float32, greedy):
@@ -32,7 +32,7 @@ import statistics
 import time
 from pathlib import Path
 
-from luced.engine.target import TargetPlacement, TargetRunner
+from luced.engine.target import Target, TargetPlacement
 from luced.gguf_file import GGUFFile
 from luced.ipc.shm import ShmOwner
 from luced.serve.bundled import gemma3_path, smollm2_path
@@ -50,17 +50,17 @@ def placements(cores: int) -> list[tuple[str, tuple[str, ...], int]]:
     ]
 
 
-async def one_run(runner: TargetRunner, prompt: list[int], n: int) -> dict[str, float]:
+async def one_run(target: Target, prompt: list[int], n: int) -> dict[str, float]:
     greedy = {"temperature": 0}
     t0 = time.perf_counter()
-    await runner.reset()
-    s = await runner.prefill(prompt, greedy, None)
+    await target.reset()
+    s = await target.prefill(prompt, greedy, None)
     ttft = time.perf_counter() - t0
     token, orch = s.token, []
     t1 = time.perf_counter()
     for _ in range(n - 1):
-        token = (await runner.step(token, greedy, None)).token
-        orch.append(runner.last_wall_us - runner.last_compute_us)
+        token = (await target.step(token, greedy, None)).token
+        orch.append(target.last_wall_us - target.last_compute_us)
     decode = time.perf_counter() - t1
     return {"ttft_ms": ttft * 1e3, "tok_s": (n - 1) / decode, "orch_us": statistics.mean(orch)}
 
@@ -72,7 +72,7 @@ async def bench_model(name: str, path: Path, args: argparse.Namespace) -> list[l
     prompt = [(97 + 31 * i) % vocab for i in range(args.prompt)]
     rows: list[list[str]] = []
     with ShmOwner() as owner:
-        runners: list[tuple[str, TargetRunner]] = []
+        targets: list[tuple[str, Target]] = []
         try:
             for label, devices, threads in placements(args.cores):
                 placement = TargetPlacement.split(
@@ -84,21 +84,21 @@ async def bench_model(name: str, path: Path, args: argparse.Namespace) -> list[l
                     devices=devices,
                     threads=threads,
                 )
-                runner = TargetRunner(owner, placement, name=f"r{len(runners)}")
-                runners.append((label, runner))
-                await runner.start()
-            results: dict[str, list[dict[str, float]]] = {label: [] for label, _ in runners}
+                target = Target(owner, placement, name=f"r{len(targets)}")
+                targets.append((label, target))
+                await target.start()
+            results: dict[str, list[dict[str, float]]] = {label: [] for label, _ in targets}
             for _ in range(args.rounds):
-                for label, runner in runners:
-                    results[label].append(await one_run(runner, prompt, args.tokens))
+                for label, target in targets:
+                    results[label].append(await one_run(target, prompt, args.tokens))
             base = statistics.median(r["tok_s"] for r in results["unsplit"])
-            for (label, runner), (_, devices, threads) in zip(
-                runners, placements(args.cores), strict=True
+            for (label, target), (_, devices, threads) in zip(
+                targets, placements(args.cores), strict=True
             ):
                 med = {
                     k: statistics.median(r[k] for r in results[label]) for k in results[label][0]
                 }
-                ranges = " ".join(f"[{s['layers'][0]},{s['layers'][1]})" for s in runner.describe())
+                ranges = " ".join(f"[{s['layers'][0]},{s['layers'][1]})" for s in target.describe())
                 rows.append(
                     [
                         name,
@@ -112,8 +112,8 @@ async def bench_model(name: str, path: Path, args: argparse.Namespace) -> list[l
                     ]
                 )
         finally:
-            for _, runner in runners:
-                await runner.close()
+            for _, target in targets:
+                await target.close()
     return rows
 
 

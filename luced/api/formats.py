@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 from luced.api.openai import APIError
 
 if TYPE_CHECKING:
-    from luced.engine.core import Delta, TokenLogprob
+    from luced.engine.output import Delta, TokenLogprob
 
 MIN_LOGPROB = -9999.0  # vLLM's floor: -inf is not JSON
 
@@ -112,7 +112,7 @@ def completion_logprobs(
     return out, offset
 
 
-class ResponseFormat:
+class OutputFormat:
     """Shapes one request's output. Streaming: start(), chunk(delta)..., end(...)."""
 
     object_name = ""
@@ -167,7 +167,7 @@ class ResponseFormat:
         raise NotImplementedError
 
 
-class ChatFormat(ResponseFormat):
+class ChatFormat(OutputFormat):
     object_name = "chat.completion"
     chunk_object_name = "chat.completion.chunk"
 
@@ -219,7 +219,7 @@ class ChatFormat(ResponseFormat):
         return {"delta": {}, "logprobs": None, "finish_reason": finish_reason}
 
 
-class CompletionFormat(ResponseFormat):
+class CompletionFormat(OutputFormat):
     object_name = "text_completion"
     chunk_object_name = "text_completion"
 

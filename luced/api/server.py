@@ -38,7 +38,7 @@ from luced.api.formats import (
     SSE_DONE,
     ChatFormat,
     CompletionFormat,
-    ResponseFormat,
+    OutputFormat,
     dumps,
     finish_error,
     sse,
@@ -184,7 +184,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
 
 
 async def _generate(
-    request: web.Request, fmt: ResponseFormat, options: Options, prompt: list[int]
+    request: web.Request, fmt: OutputFormat, options: Options, prompt: list[int]
 ) -> web.StreamResponse:
     handle = request.app[ENGINE].submit(generation_request(fmt.id, options, prompt))
     if options.stream:
@@ -214,7 +214,7 @@ def usage_extra(handle: RequestHandle) -> dict:
 
 
 async def _stream(
-    request: web.Request, fmt: ResponseFormat, handle: RequestHandle
+    request: web.Request, fmt: OutputFormat, handle: RequestHandle
 ) -> web.StreamResponse:
     resp = web.StreamResponse(
         headers={

@@ -1,6 +1,6 @@
 """What one prefix-cache snapshot holds: a list of named tensors with a token axis.
 
-The runner describes its snapshot layout (``TargetRunner.kv_layout``) as ``TensorSpec``s;
+The target describes its snapshot layout (``Target.kv_layout``) as ``TensorSpec``s;
 the snapshot store sizes arena regions and disk tensors from them. A spec's ``shape`` is
 per token: the token axis is sized 1, and a snapshot of n tokens has n there::
 

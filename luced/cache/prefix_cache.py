@@ -3,9 +3,9 @@
 The engine's view (one event loop owns all of it; file I/O runs in worker threads)::
 
     hit = cache.lookup(prompt)                  # radix index, tokens compared
-    done = await cache.restore(hit, runner) if hit else 0
+    done = await cache.restore(hit, target) if hit else 0
     ... prefill prompt[done:] at position done ...
-    await cache.save(prompt, n, runner)         # after the prefill (n = a cut point)
+    await cache.save(prompt, n, target)         # after the prefill (n = a cut point)
 
 Tiers. Memory: a daemon-owned shared-memory arena (``SnapshotArena``); workers export
 their layers' K/V rows ``[0, n)`` into a block and import them back (``KVMover``), so a
@@ -55,7 +55,7 @@ MEMORY, DISK, BOTH = "memory", "disk", "both"
 
 
 class KVMover(Protocol):
-    """What the cache needs from the model (the runner implements it over all shards)."""
+    """What the cache needs from the model (the target implements it over all shards)."""
 
     async def kv_layout(self) -> list[TensorSpec]:
         """The snapshot tensors, token axis sized 1 (asked once, before building the cache)."""

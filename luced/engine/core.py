@@ -5,9 +5,10 @@
     handle.finish_reason                              # "stop" | "length" | "abort" | "error"
 
 One generation runs at a time. Each step of it is one small command to the target
-runner (a frame round trip); between steps the loop checks cancellation, so a client
+(a frame round trip); between steps the loop checks cancellation, so a client
 that disconnects stops its work within one step (prefill: within one chunk). Text is
-detokenized incrementally and matched against stop strings here, in the daemon.
+detokenized incrementally and matched against stop strings in the daemon
+(``output.py``).
 """
 
 from __future__ import annotations
@@ -19,16 +20,15 @@ import logging
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from luced.acceptance import clip, verify_greedy
 from luced.cache.prefix_cache import PrefixCache
-from luced.engine.executor import WorkerDied, WorkerError
-from luced.engine.target import Sampled, TargetRunner
+from luced.engine.executor import WorkerDied, WorkerReplyError
+from luced.engine.output import Delta, OutputBuilder
+from luced.engine.target import Sampled, Target
 from luced.sampling_params import SamplingParams
-from luced.text.detokenize import IncrementalDetokenizer
-from luced.text.stops import StopMatcher
 from luced.text.tokenizer import Tokenizer
 from luced.text.turns import TurnMarker
 
@@ -69,22 +69,6 @@ class GenerationRequest:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
-
-
-@dataclass
-class TokenLogprob:
-    token_id: int
-    token: str
-    logprob: float
-    bytes: list[int]
-    top: list[tuple[str, float, list[int]]] = field(default_factory=list)
-
-
-@dataclass
-class Delta:
-    text: str
-    token_ids: list[int]
-    logprobs: list[TokenLogprob] | None = None
 
 
 _END = object()
@@ -136,7 +120,7 @@ class RequestHandle:
 class Engine:
     def __init__(
         self,
-        runner: TargetRunner,
+        target: Target,
         tokenizer: Tokenizer,
         chat_template: Any,
         *,
@@ -149,7 +133,7 @@ class Engine:
         metrics: Any = None,
         prefix_cache: PrefixCache | None = None,
     ) -> None:
-        self.runner = runner
+        self.target = target
         self.tokenizer = tokenizer
         self.chat_template = chat_template
         self.model_name = model_name
@@ -186,7 +170,7 @@ class Engine:
     def state(self) -> str:
         if self.draining:
             return "draining"
-        if self.runner.ready:
+        if self.target.ready:
             self.loaded_once = True
             return "ready"
         return "degraded" if self.loaded_once else "loading"
@@ -295,15 +279,15 @@ class Engine:
 
     async def _generate(self, handle: RequestHandle) -> None:
         req = handle.request
-        sampling = _sampling_map(req.params)
+        sampling = req.params.to_wire()
         k = req.params.logprobs  # None: no logprobs; k: chosen token's + top k
         stops = set(req.stop_token_ids) | (set() if req.ignore_eos else self.tokenizer.eos_ids)
-        out = _Output(self.tokenizer, req.stop, want_logprobs=req.params.logprobs is not None)
-        speculate = self.runner.draft is not None
+        out = OutputBuilder(self.tokenizer, req.stop, want_logprobs=req.params.logprobs is not None)
+        speculate = self.target.draft is not None
         try:
-            await self.runner.reset()
+            await self.target.reset()
             handle.cached_tokens = cached = await self._restore_prefix(req.prompt)
-            sampled = await self.runner.prefill(
+            sampled = await self.target.prefill(
                 req.prompt[cached:], sampling, k, cancelled=lambda: handle.cancelled
             )
             if sampled is None:  # cancelled during the prefill
@@ -317,7 +301,7 @@ class Engine:
                 await self._decode_speculative(handle, out, stops, sampled, sampling, k)
             else:
                 await self._decode_plain(handle, out, stops, sampled, sampling, k)
-        except (WorkerDied, WorkerError) as exc:
+        except (WorkerDied, WorkerReplyError) as exc:
             self.totals["errors"] += 1
             handle._finish("error", f"the model worker failed: {exc}")
 
@@ -331,10 +315,10 @@ class Engine:
         if hit is None:
             return 0
         try:
-            restored = await cache.restore(hit, self.runner)
-        except WorkerError as exc:  # a refused import changes nothing: prefill it all
+            restored = await cache.restore(hit, self.target)
+        except WorkerReplyError as exc:  # a refused import changes nothing: prefill it all
             log.warning("prefix cache: restoring %s failed (%s); prefilling", hit.entry_id, exc)
-            await self.runner.reset()
+            await self.target.reset()
             return 0
         self._observe("prefix_hits", restored)
         return restored
@@ -346,11 +330,13 @@ class Engine:
             return
         cuts = self.turns.cuts(prompt) if self.turns is not None else []
         try:
-            await self.prefix_cache.save(prompt, len(prompt), self.runner, cuts)
-        except WorkerError as exc:  # the request goes on; only the snapshot is lost
+            await self.prefix_cache.save(prompt, len(prompt), self.target, cuts)
+        except WorkerReplyError as exc:  # the request goes on; only the snapshot is lost
             log.warning("prefix cache: snapshot of %d tokens failed: %s", len(prompt), exc)
 
-    def _emit(self, handle: RequestHandle, out: _Output, sampled: Sampled, stops: set) -> bool:
+    def _emit(
+        self, handle: RequestHandle, out: OutputBuilder, sampled: Sampled, stops: set
+    ) -> bool:
         """Emit one generated token; True when it ended the request (EOS, stop string,
         max_tokens)."""
         now = time.monotonic()
@@ -381,7 +367,7 @@ class Engine:
     async def _decode_plain(
         self,
         handle: RequestHandle,
-        out: _Output,
+        out: OutputBuilder,
         stops: set,
         sampled: Sampled,
         sampling: dict,
@@ -394,7 +380,7 @@ class Engine:
                 # worker computes while the daemon formats (if this token ends the request,
                 # that one step is wasted).
                 if sampled.token not in stops and handle.completion_tokens + 1 < handle.max_tokens:
-                    ahead = asyncio.ensure_future(self.runner.step(sampled.token, sampling, k))
+                    ahead = asyncio.ensure_future(self.target.step(sampled.token, sampling, k))
                 if self._emit(handle, out, sampled, stops):
                     return
                 assert ahead is not None
@@ -409,7 +395,7 @@ class Engine:
     async def _decode_speculative(
         self,
         handle: RequestHandle,
-        out: _Output,
+        out: OutputBuilder,
         stops: set,
         first: Sampled,
         sampling: dict,
@@ -434,18 +420,18 @@ class Engine:
             # (and could run the KV past the context the request was admitted with).
             size = min(self.block_size, budget)
             if size < 2:  # one token left: a plain step
-                if self._emit(handle, out, await self.runner.step(anchor, sampling, k), stops):
+                if self._emit(handle, out, await self.target.step(anchor, sampling, k), stops):
                     return
                 continue
-            block = await self.runner.draft_block(anchor, size, None if greedy else sampling)
-            start = self.runner.position
+            block = await self.target.draft_block(anchor, size, None if greedy else sampling)
+            start = self.target.position
             if greedy:
-                rows = await self.runner.verify(block, sampling, k)
+                rows = await self.target.verify(block, sampling, k)
                 result = verify_greedy(block, [r.token for r in rows], budget=budget, eos_ids=stops)
             else:
-                rows, accepted = await self.runner.verify_sampled(block, sampling, k)
+                rows, accepted = await self.target.verify_sampled(block, sampling, k)
                 result = clip([r.token for r in rows], accepted, budget, stops)
-            await self.runner.truncate(start + result.num_kept)
+            await self.target.truncate(start + result.num_kept)
             self._count_draft(handle, size - 1, result.num_accepted)
             # Emitted token j follows block[0..j]: it is row j's (an accepted proposal
             # equals that row's choice; the last is the target's own).
@@ -506,63 +492,4 @@ class Engine:
         return dataclasses.asdict(self.prefix_cache.stats())
 
     def workers(self) -> list[dict]:
-        return self.runner.describe()
-
-
-def _sampling_map(params: SamplingParams) -> dict:
-    """The frame's sampling map: only the fields that differ from the defaults."""
-    defaults = SamplingParams()
-    out = {}
-    for key in (
-        "temperature",
-        "top_k",
-        "top_p",
-        "min_p",
-        "repetition_penalty",
-        "frequency_penalty",
-        "presence_penalty",
-        "penalty_window",
-        "seed",
-    ):
-        value = getattr(params, key)
-        if value != getattr(defaults, key):
-            out[key] = value
-    return out
-
-
-class _Output:
-    """Turns sampled tokens into deltas: incremental text, stop strings, logprobs."""
-
-    def __init__(self, tokenizer: Tokenizer, stop: tuple[str, ...], want_logprobs: bool) -> None:
-        self.tokenizer = tokenizer
-        self.detok = IncrementalDetokenizer(tokenizer)
-        self.stops = StopMatcher(stop)
-        self.want_logprobs = want_logprobs
-        self._pending_ids: list[int] = []
-        self._pending_lp: list[TokenLogprob] = []
-
-    def _entry(self, token: int, logprob: float) -> tuple[str, float, list[int]]:
-        raw = self.tokenizer.token_bytes(token)
-        return raw.decode("utf-8", errors="replace"), logprob, list(raw)
-
-    def push(self, sampled: Sampled) -> tuple[Delta | None, bool]:
-        self._pending_ids.append(sampled.token)
-        if self.want_logprobs:
-            text, lp, raw = self._entry(sampled.token, sampled.logprob or 0.0)
-            top = [self._entry(i, p) for i, p in sampled.top]
-            self._pending_lp.append(TokenLogprob(sampled.token, text, lp, raw, top))
-        text, hit = self.stops.push(self.detok.push(sampled.token))
-        if not text and not hit:
-            return None, False  # nothing releasable yet: keep the ids for the next delta
-        return self._take(text), hit
-
-    def flush(self) -> Delta | None:
-        text = self.stops.push(self.detok.flush())[0] + self.stops.flush()
-        if not text and not self._pending_ids:
-            return None
-        return self._take(text)
-
-    def _take(self, text: str) -> Delta:
-        delta = Delta(text, self._pending_ids, self._pending_lp if self.want_logprobs else None)
-        self._pending_ids, self._pending_lp = [], []
-        return delta
+        return self.target.describe()

@@ -1,10 +1,15 @@
-"""Backend worker processes as the daemon sees them: spawn, handshake, call, supervise.
+"""The target's worker processes as the daemon sees them: spawn, handshake, call, supervise.
 
 Each worker is `python -m luced.runtime.worker` holding a socketpair end inherited by fd
 (no socket file to clean up). The daemon talks to it only through `luced.ipc` frames;
 bulk data lives in daemon-owned shared memory. A watcher task notices the process
 exit: the handle turns `dead`, any call in flight fails with `WorkerDied`, and the
-supervisor (`on_exit`) decides about a restart.
+`Executor` that owns it starts a replacement with the same share.
+
+    Executor   the pool: one Slot per pipeline worker (layer order) + the draft's own
+               worker when it has one; start, restart with backoff, close, describe
+    Slot       a fixed share (WorkerSpec + WorkerPlan) and whichever process serves it now
+    WorkerHandle   one process: start + hello, load, call, stop
 """
 
 from __future__ import annotations
@@ -14,11 +19,10 @@ import contextlib
 import logging
 import os
 import socket
-import sys
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable
 
+from luced.engine.placement import WorkerPlan, WorkerSpec
 from luced.ipc.channel import AsyncChannel, ChannelClosedError, RemoteError
 from luced.ipc.frames import (
     Hello,
@@ -39,16 +43,8 @@ class WorkerDied(RuntimeError):
     """The worker process exited (or its socket closed) before answering."""
 
 
-class WorkerError(RuntimeError):
-    """The worker answered a request with an error."""
-
-
-@dataclass(frozen=True)
-class WorkerSpec:
-    group: str  # backend group name: "cpu", "cpu:1", "cuda", ...
-    devices: tuple[str, ...]
-    python: str = sys.executable  # a group may bring its own interpreter (ROCm torch)
-    threads: int | None = None
+class WorkerReplyError(RuntimeError):
+    """The worker answered a request with an error (it lives on; the request failed)."""
 
 
 def _worker_env() -> dict[str, str]:
@@ -126,14 +122,14 @@ class WorkerHandle:
         return reply
 
     async def call(self, req: Request) -> Reply:
-        """One request, one reply. Raises WorkerDied / WorkerError."""
+        """One request, one reply. Raises WorkerDied / WorkerReplyError."""
         if self.state == "dead" or self.channel is None:
             raise WorkerDied(f"worker {self.spec.group} is not running")
         async with self._call_lock:
             try:
                 return await self.channel.call(req)
             except RemoteError as exc:
-                raise WorkerError(exc.error) from None
+                raise WorkerReplyError(exc.error) from None
             except (ChannelClosedError, ConnectionError, asyncio.IncompleteReadError) as exc:
                 self.state = "dead"
                 raise WorkerDied(f"worker {self.spec.group} (pid {self.pid}) died") from exc
@@ -177,3 +173,164 @@ class WorkerHandle:
             "uptime_s": round(time.time() - self.started_at, 1),
             "python": self.spec.python,
         }
+
+
+class Slot:
+    """One worker's fixed share, and whichever process serves it now. The draft's own
+    worker (``plan`` None) is a slot outside the pipeline."""
+
+    def __init__(self, index: int, spec: WorkerSpec, plan: WorkerPlan | None) -> None:
+        self.index = index
+        self.spec = spec
+        self.plan = plan
+        self.handle: WorkerHandle | None = None
+        self.restarts = 0
+        self.restart_task: asyncio.Task | None = None
+
+    @property
+    def share(self) -> str:
+        return "the draft" if self.plan is None else "layers [{}, {})".format(*self.plan.layers)
+
+
+# Loads a freshly started worker with its slot's share (the target's layers, or the draft).
+Loader = Callable[[Slot, WorkerHandle], Awaitable[object]]
+
+
+class Executor:
+    """The target's worker pool: starts each slot's process and loads it (``loader``),
+    restarts a dead one in the background with the same share, stops them all.
+
+    ``in_sync`` turns False when a pipeline worker dies: the survivors' KV no longer
+    matches the restarted one's, so the target must reset every shard before the next
+    forward (it sets ``in_sync`` again)."""
+
+    def __init__(
+        self,
+        instance: str,
+        workers: tuple[tuple[WorkerSpec, WorkerPlan], ...],
+        loader: Loader,
+        on_state_change: Callable[[], None] | None = None,
+    ) -> None:
+        self.instance = instance
+        self.slots = [Slot(i, spec, plan) for i, (spec, plan) in enumerate(workers)]
+        self.draft_slot: Slot | None = None  # the draft's own worker, when it has one
+        self.loader = loader
+        self.on_state_change = on_state_change
+        self.in_sync = True
+        self._closing = False
+
+    @property
+    def ready(self) -> bool:
+        return all(s.handle is not None and s.handle.state == "ready" for s in self._all_slots())
+
+    def _all_slots(self) -> list[Slot]:
+        return [*self.slots, *([self.draft_slot] if self.draft_slot else [])]
+
+    def workers(self) -> list[WorkerHandle]:
+        """The pipeline's handles in layer order; WorkerDied when one is not ready."""
+        handles = [s.handle for s in self.slots]
+        for slot, h in zip(self.slots, handles, strict=True):
+            if h is None or h.state != "ready":
+                raise WorkerDied(f"the model worker {slot.spec.group} is not ready")
+        return handles  # type: ignore[return-value]
+
+    def draft_worker(self) -> WorkerHandle:
+        """The draft's own worker when it has one, else the (only) target worker."""
+        if self.draft_slot is None:
+            return self.workers()[0]
+        h = self.draft_slot.handle
+        if h is None or h.state != "ready":
+            raise WorkerDied(f"the draft worker {self.draft_slot.spec.group} is not ready")
+        return h
+
+    async def start(self) -> None:
+        """Start and load every pipeline worker, concurrently; the first error is raised."""
+        results = await asyncio.gather(
+            *(self.start_slot(s) for s in self.slots), return_exceptions=True
+        )
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors:
+            raise errors[0]
+
+    async def add_draft_slot(self, spec: WorkerSpec) -> object:
+        """Start the draft's own worker; returns what the loader answered."""
+        self.draft_slot = Slot(len(self.slots), spec, None)
+        return await self.start_slot(self.draft_slot)
+
+    async def start_slot(self, slot: Slot) -> object:
+        worker = WorkerHandle(slot.spec, self.instance, on_exit=self._exit_handler(slot))
+        slot.handle = worker
+        self._notify()
+        await worker.start()
+        result = await self.loader(slot, worker)
+        self._notify()
+        return result
+
+    def _notify(self) -> None:
+        if self.on_state_change is not None:
+            self.on_state_change()
+
+    def _exit_handler(self, slot: Slot) -> Callable[[WorkerHandle, int], None]:
+        def on_exit(worker: WorkerHandle, code: int) -> None:
+            if slot.plan is not None:  # (the draft keeps no state across calls)
+                self.in_sync = False
+            self._notify()
+            if not self._closing and slot.restart_task is None and worker is slot.handle:
+                loop = asyncio.get_running_loop()
+                slot.restart_task = loop.create_task(self._restart(slot))
+
+        return on_exit
+
+    async def _restart(self, slot: Slot) -> None:
+        """Replace one dead worker with the same share; the others keep their weights."""
+        delay = 0.5
+        try:
+            while not self._closing:
+                slot.restarts += 1
+                log.warning(
+                    "restarting worker %s, %s (restart #%d)",
+                    slot.spec.group,
+                    slot.share,
+                    slot.restarts,
+                )
+                try:
+                    await self.start_slot(slot)
+                    return
+                except Exception as exc:  # keep trying: a transient failure must not stick
+                    log.error("worker restart failed: %s", exc)
+                    if slot.handle is not None:
+                        await slot.handle.stop()
+                    await asyncio.sleep(delay)
+                    delay = min(delay * 2, 30.0)
+        finally:
+            slot.restart_task = None
+
+    async def close(self) -> None:
+        self._closing = True
+        slots = self._all_slots()
+        for slot in slots:
+            if slot.restart_task is not None:
+                slot.restart_task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await slot.restart_task
+        await asyncio.gather(*(s.handle.stop() for s in slots if s.handle is not None))
+
+    def describe(self) -> list[dict]:
+        """One entry per shard: group, devices, layer range, worker pid and state."""
+        out = []
+        for slot in self.slots:
+            if slot.handle is None:
+                continue
+            assert slot.plan is not None
+            info = slot.handle.describe()
+            for device, layers in zip(slot.plan.devices, slot.plan.shard_ranges(), strict=True):
+                shard = dict(info)
+                shard["devices"] = [device]
+                shard["layers"] = list(layers)
+                shard["restarts"] = slot.restarts
+                out.append(shard)
+        d = self.draft_slot
+        if d is not None and d.handle is not None:
+            info = {**d.handle.describe(), "devices": list(d.spec.devices), "layers": "draft"}
+            out.append({**info, "role": "draft", "restarts": d.restarts})
+        return out

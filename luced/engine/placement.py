@@ -26,6 +26,7 @@ from __future__ import annotations
 import math
 import os
 import re
+import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -171,3 +172,75 @@ def check_interpreters(plans: Sequence[WorkerPlan], pythons: Mapping[str, str]) 
                 f"{DEVICES_FLAG}: group {p.group!r} runs under {exe}, which is not an "
                 "executable file (see --backend-python)"
             )
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """How to start one worker process."""
+
+    group: str  # backend group name: "cpu", "cpu:1", "cuda", ...
+    devices: tuple[str, ...]
+    python: str = sys.executable  # a group may bring its own interpreter (ROCm torch)
+    threads: int | None = None
+
+
+@dataclass(frozen=True)
+class TargetPlacement:
+    """The target model and where its layers run. Give ``worker`` (one worker holding every
+    layer) or ``workers`` (the split, in layer order; see ``TargetPlacement.split``)."""
+
+    model: str
+    n_layers: int  # from the GGUF header, read by the daemon before any worker starts
+    dtype: str
+    kv_capacity: int
+    max_batch_tokens: int
+    worker: WorkerSpec | None = None
+    workers: tuple[tuple[WorkerSpec, WorkerPlan], ...] = ()
+    logit_rows: int = 16  # rows of the logits region
+
+    def __post_init__(self) -> None:
+        if not self.workers:
+            if self.worker is None:
+                raise ValueError("a placement needs worker or workers")
+            w = self.worker
+            plan = WorkerPlan(w.group, w.devices[:1], (0, self.n_layers), (), self.n_layers)
+            object.__setattr__(self, "workers", ((w, plan),))
+
+    @classmethod
+    def split(
+        cls,
+        *,
+        model: str,
+        n_layers: int,
+        dtype: str,
+        kv_capacity: int,
+        max_batch_tokens: int,
+        devices: Sequence[str],
+        weights: Sequence[float] = (),
+        pythons: Mapping[str, str] | None = None,
+        threads: int | None = None,
+        cores: int = 1,
+        logit_rows: int = 16,
+    ) -> TargetPlacement:
+        """--target-devices / --target-layer-split -> workers; raises PlacementError.
+        `threads` None shares `cores` among the workers."""
+        plans = plan_workers(devices, weights, n_layers)
+        if threads is None:
+            threads = max(1, cores // len(plans))
+        pythons = dict(pythons or {})
+        check_interpreters(plans, pythons)
+        workers = []
+        for p in plans:
+            spec = WorkerSpec(p.group, p.devices, threads=threads)
+            if p.group in pythons:
+                spec = WorkerSpec(p.group, p.devices, python=pythons[p.group], threads=threads)
+            workers.append((spec, p))
+        return cls(
+            model=model,
+            n_layers=n_layers,
+            dtype=dtype,
+            kv_capacity=kv_capacity,
+            max_batch_tokens=max_batch_tokens,
+            workers=tuple(workers),
+            logit_rows=logit_rows,
+        )

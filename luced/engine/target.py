@@ -1,7 +1,7 @@
 """The daemon's handle on the target model: next tokens out of worker frames.
 
-The engine asks for `prefill(prompt)` and `step(token)`; the runner turns those into
-`forward` frames to the target's workers and keeps them alive. The target may be split
+The engine asks for `prefill(prompt)` and `step(token)`; the target turns those into
+`forward` frames to its workers (``executor.py`` keeps them alive). The target may be split
 (``placement.py``): one worker per backend group, in layer order, each holding a
 contiguous layer range as one or more shards (one per device). The engine never sees
 the split. One forward of n tokens is a pipeline of frames::
@@ -18,10 +18,10 @@ the split. One forward of n tokens is a pipeline of frames::
 
 Every worker also gets the token ids (its sampler history for penalties; only worker 0
 embeds them) and, when captures are on, the capture list and the feature ring (see
-``feature_ring.py``). Every shard keeps the KV of its own layers; the runner keeps all
+``feature_ring.py``). Every shard keeps the KV of its own layers; the target keeps all
 of them at one committed position: a forward that fails part-way truncates the workers
 that already advanced, `truncate` and `reset` go to every worker, and a worker restarted
-after a crash starts empty, so the runner demands a `reset` before the next forward.
+after a crash starts empty, so the target demands a `reset` before the next forward.
 
 Segments ``<name>-io``, ``<name>-act``, ``<name>-ring`` (name "target" by default; created
 by the daemon, attached by the workers, unlinked by the daemon)::
@@ -47,23 +47,20 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from luced.cache.layout import TensorSpec
-from luced.engine.executor import WorkerDied, WorkerError, WorkerHandle, WorkerSpec
+from luced.engine.executor import Executor, Slot, WorkerDied, WorkerHandle, WorkerReplyError
 from luced.engine.feature_ring import FeatureRing
-from luced.engine.placement import WorkerPlan, check_interpreters, parse_device, plan_workers
+from luced.engine.kv_transfer import KVTransfer
+from luced.engine.placement import TargetPlacement, WorkerSpec, parse_device
 from luced.ipc.frames import (
     DraftBlock,
     Forward,
     ForwardReply,
-    KVExport,
-    KVImport,
-    KVLayout,
-    KVLayoutReply,
     Load,
     LoadDraft,
     LoadDraftReply,
@@ -72,7 +69,7 @@ from luced.ipc.frames import (
     StatsReply,
     Truncate,
 )
-from luced.ipc.regions import Attachments, Region, RegionAllocator, required_bytes, view
+from luced.ipc.regions import Region, RegionAllocator, required_bytes, view
 from luced.ipc.shm import Segment, ShmOwner
 
 log = logging.getLogger(__name__)
@@ -88,94 +85,22 @@ class Sampled:
     top: tuple[tuple[int, float], ...] = ()  # (id, logprob), most likely first
 
 
-@dataclass(frozen=True)
-class TargetPlacement:
-    """The target model and where its layers run. Give ``worker`` (one worker holding every
-    layer) or ``workers`` (the split, in layer order; see ``TargetPlacement.split``)."""
+class Target:
+    """The target model behind its workers: the shared regions, the forward pipeline,
+    the committed position, the draft; the engine's only handle on the model."""
 
-    model: str
-    n_layers: int  # from the GGUF header, read by the daemon before any worker starts
-    dtype: str
-    kv_capacity: int
-    max_batch_tokens: int
-    worker: WorkerSpec | None = None
-    workers: tuple[tuple[WorkerSpec, WorkerPlan], ...] = ()
-    logit_rows: int = 16  # rows of the logits region
-
-    def __post_init__(self) -> None:
-        if not self.workers:
-            if self.worker is None:
-                raise ValueError("a placement needs worker or workers")
-            w = self.worker
-            plan = WorkerPlan(w.group, w.devices[:1], (0, self.n_layers), (), self.n_layers)
-            object.__setattr__(self, "workers", ((w, plan),))
-
-    @classmethod
-    def split(
-        cls,
-        *,
-        model: str,
-        n_layers: int,
-        dtype: str,
-        kv_capacity: int,
-        max_batch_tokens: int,
-        devices: Sequence[str],
-        weights: Sequence[float] = (),
-        pythons: Mapping[str, str] | None = None,
-        threads: int | None = None,
-        cores: int = 1,
-        logit_rows: int = 16,
-    ) -> TargetPlacement:
-        """--target-devices / --target-layer-split -> workers; raises PlacementError.
-        `threads` None shares `cores` among the workers."""
-        plans = plan_workers(devices, weights, n_layers)
-        if threads is None:
-            threads = max(1, cores // len(plans))
-        pythons = dict(pythons or {})
-        check_interpreters(plans, pythons)
-        workers = []
-        for p in plans:
-            spec = WorkerSpec(p.group, p.devices, threads=threads)
-            if p.group in pythons:
-                spec = WorkerSpec(p.group, p.devices, python=pythons[p.group], threads=threads)
-            workers.append((spec, p))
-        return cls(
-            model=model,
-            n_layers=n_layers,
-            dtype=dtype,
-            kv_capacity=kv_capacity,
-            max_batch_tokens=max_batch_tokens,
-            workers=tuple(workers),
-            logit_rows=logit_rows,
-        )
-
-
-class _Slot:
-    """One worker of the pipeline: its fixed share, and whichever process serves it now.
-    The draft's own worker (``plan`` None) is a slot outside the pipeline."""
-
-    def __init__(self, index: int, spec: WorkerSpec, plan: WorkerPlan | None) -> None:
-        self.index = index
-        self.spec = spec
-        self.plan = plan
-        self.handle: WorkerHandle | None = None
-        self.restarts = 0
-        self.restart_task: asyncio.Task | None = None
-
-
-class TargetRunner:
     def __init__(
         self,
         owner: ShmOwner,
         placement: TargetPlacement,
         on_state_change: Callable[[], None] | None = None,
-        name: str = "target",  # segment name prefix: several runners may share one owner
+        name: str = "target",  # segment name prefix: several targets may share one owner
     ) -> None:
         self.owner = owner
         self.name = name
         self.placement = placement
-        self.on_state_change = on_state_change
-        self.slots = [_Slot(i, s, p) for i, (s, p) in enumerate(placement.workers)]
+        self.executor = Executor(owner.instance, placement.workers, self._load, on_state_change)
+        self.kv = KVTransfer(self.executor, owner.instance)
         self.load_s = 0.0
         self.n_layers = 0
         self.hidden = 0
@@ -185,38 +110,19 @@ class TargetRunner:
         # difference is the orchestration cost (frames, wakeups, waits).
         self.last_wall_us = 0
         self.last_compute_us = 0
-        self._closing = False
         self._regions: dict[str, Region] = {}
         self._arrays: dict[str, np.ndarray] = {}
         self._position = 0
         self._ring_floor = 0  # no ring row below this position is valid (after a restore)
-        # KV snapshots: each worker's tensors (fixed by its plan, so asked once) and the
-        # snapshot arena's mapping here (for the ring rows), kept for the runner's life.
-        self._kv_specs: list[list[TensorSpec]] | None = None
-        self._snapshot_maps = Attachments()
-        self._in_sync = True  # False after a worker restart: every shard must reset
         self.draft: LoadDraftReply | None = None  # the DFlash draft, when one is loaded
         self._draft_path: str | None = None
         self._draft_device = ""
-        self.draft_slot: _Slot | None = None  # the draft's own worker, when it has one
 
     # -- lifecycle -----------------------------------------------------------------------
 
     @property
-    def worker(self) -> WorkerHandle | None:
-        """The first worker (the only one when the target is not split)."""
-        return self.slots[0].handle
-
-    @property
-    def restarts(self) -> int:
-        return sum(s.restarts for s in self.slots)
-
-    @property
     def ready(self) -> bool:
-        return all(s.handle is not None and s.handle.state == "ready" for s in self._all_slots())
-
-    def _all_slots(self) -> list[_Slot]:
-        return [*self.slots, *([self.draft_slot] if self.draft_slot else [])]
+        return self.executor.ready
 
     @property
     def position(self) -> int:
@@ -225,13 +131,12 @@ class TargetRunner:
     async def start(self) -> None:
         """Start and load every worker (concurrently), then carve the shared regions."""
         self._make_io()
-        results = await asyncio.gather(
-            *(self._start_worker(s) for s in self.slots), return_exceptions=True
-        )
-        errors = [r for r in results if isinstance(r, BaseException)]
-        if errors:
-            raise errors[0]
+        await self.executor.start()
         self._make_act()
+
+    async def close(self) -> None:
+        await self.executor.close()
+        self.kv.close()
 
     def _carve(self, name: str, specs: dict[str, tuple[list[int], str]]) -> Segment:
         segment = self.owner.create(f"{self.name}-{name}", required_bytes(specs.values()))
@@ -257,21 +162,17 @@ class TargetRunner:
 
     def _make_act(self) -> None:
         n, dt = self.placement.max_batch_tokens, self.placement.dtype
-        specs = {f"boundary-{k}": ([n, self.hidden], dt) for k in range(len(self.slots) - 1)}
+        n_boundaries = len(self.executor.slots) - 1
+        specs = {f"boundary-{k}": ([n, self.hidden], dt) for k in range(n_boundaries)}
         specs["logits"] = ([self.placement.logit_rows, self.vocab], "float32")
         self._carve("act", specs)
 
-    async def _start_worker(self, slot: _Slot) -> LoadDraftReply | None:
-        """Start and load one worker; the draft's own worker answers its draft's reply."""
+    async def _load(self, slot: Slot, worker: WorkerHandle) -> LoadDraftReply | None:
+        """The executor's loader: a pipeline slot gets its layers (and the draft back after
+        a restart); the draft's own worker its draft and the target's edges."""
         p, plan = self.placement, slot.plan
-        worker = WorkerHandle(slot.spec, self.owner.instance, on_exit=self._exit_handler(slot))
-        slot.handle = worker
-        self._notify()
-        await worker.start()
-        if plan is None:  # the draft's own worker: the draft and the target's edges only
-            reply = await self._load_draft_into(worker, target=p.model)
-            self._notify()
-            return reply
+        if plan is None:
+            return await self._load_draft_into(worker, target=p.model)
         reply = await worker.load(
             Load(
                 model=p.model,
@@ -286,83 +187,25 @@ class TargetRunner:
         )
         self.load_s = max(self.load_s, reply.load_s)
         self.n_layers, self.hidden, self.vocab = reply.n_layers, reply.hidden, reply.vocab
-        if self._draft_path is not None and self.draft_slot is None:
+        if self._draft_path is not None and self.executor.draft_slot is None:
             await self._load_draft_into(worker)  # a restarted worker gets its draft back
-        self._notify()
         return None
-
-    def _notify(self) -> None:
-        if self.on_state_change is not None:
-            self.on_state_change()
-
-    def _exit_handler(self, slot: _Slot) -> Callable[[WorkerHandle, int], None]:
-        def on_exit(worker: WorkerHandle, code: int) -> None:
-            if slot.plan is not None:  # (the draft keeps no state across calls)
-                self._in_sync = False  # the survivors' KV no longer matches the restarted one
-            self._notify()
-            if not self._closing and slot.restart_task is None and worker is slot.handle:
-                loop = asyncio.get_running_loop()
-                slot.restart_task = loop.create_task(self._restart(slot))
-
-        return on_exit
-
-    async def _restart(self, slot: _Slot) -> None:
-        """Replace one dead worker with the same share; the others keep their weights."""
-        delay = 0.5
-        try:
-            while not self._closing:
-                slot.restarts += 1
-                share = (
-                    "the draft"
-                    if slot.plan is None
-                    else "layers [{}, {})".format(*slot.plan.layers)
-                )
-                log.warning(
-                    "restarting worker %s, %s (restart #%d)", slot.spec.group, share, slot.restarts
-                )
-                try:
-                    await self._start_worker(slot)
-                    return
-                except Exception as exc:  # keep trying: a transient failure must not stick
-                    log.error("worker restart failed: %s", exc)
-                    if slot.handle is not None:
-                        await slot.handle.stop()
-                    await asyncio.sleep(delay)
-                    delay = min(delay * 2, 30.0)
-        finally:
-            slot.restart_task = None
-
-    async def close(self) -> None:
-        self._closing = True
-        slots = self._all_slots()
-        for slot in slots:
-            if slot.restart_task is not None:
-                slot.restart_task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await slot.restart_task
-        await asyncio.gather(*(s.handle.stop() for s in slots if s.handle is not None))
-        self._snapshot_maps.close()
-
-    def _workers(self) -> list[WorkerHandle]:
-        handles = [s.handle for s in self.slots]
-        for slot, h in zip(self.slots, handles, strict=True):
-            if h is None or h.state != "ready":
-                raise WorkerDied(f"the model worker {slot.spec.group} is not ready")
-        return handles  # type: ignore[return-value]
 
     # -- KV position ---------------------------------------------------------------------
 
     async def reset(self) -> None:
-        await asyncio.gather(*(w.call(Reset()) for w in self._workers()))
+        await asyncio.gather(*(w.call(Reset()) for w in self.executor.workers()))
         self._position = 0
         self._ring_floor = 0
-        self._in_sync = True
+        self.executor.in_sync = True
 
     async def truncate(self, position: int) -> None:
         """Roll every shard's KV back to `position` committed tokens."""
         if not 0 <= position <= self._position:
             raise ValueError(f"cannot truncate to {position}: {self._position} are committed")
-        await asyncio.gather(*(w.call(Truncate(position=position)) for w in self._workers()))
+        await asyncio.gather(
+            *(w.call(Truncate(position=position)) for w in self.executor.workers())
+        )
         self._position = position
 
     # -- captures ------------------------------------------------------------------------
@@ -374,7 +217,7 @@ class TargetRunner:
         if self.ring is not None:
             raise RuntimeError("captures are already enabled")
         if not self.hidden:
-            raise RuntimeError("start the runner first (the ring width is the model's)")
+            raise RuntimeError("start the target first (the ring width is the model's)")
         bad = [layer for layer in layers if not 0 <= layer < self.n_layers]
         if bad:
             raise ValueError(f"capture layers {bad} outside the model's {self.n_layers} layers")
@@ -405,22 +248,22 @@ class TargetRunner:
         if not 2 <= block_size <= MAX_BLOCK:
             raise ValueError(f"block size {block_size} outside [2, {MAX_BLOCK}]")
         self._draft_path = path
-        first = self.slots[0]
+        slots = self.executor.slots
+        first = slots[0]
         assert first.plan is not None
-        if device is None and len(self.slots) == 1:
+        if device is None and len(slots) == 1:
             device = first.plan.devices[0]
-        device = device or self.slots[-1].plan.devices[-1]  # type: ignore[union-attr]
+        device = device or slots[-1].plan.devices[-1]  # type: ignore[union-attr]
         group = parse_device(device)[1]
         self._draft_device = device
-        if len(self.slots) == 1 and device in first.plan.devices and group == first.spec.group:
-            reply = await self._load_draft_into(self._workers()[0])
+        if len(slots) == 1 and device in first.plan.devices and group == first.spec.group:
+            reply = await self._load_draft_into(self.executor.workers()[0])
         else:
             spec = WorkerSpec(
                 group, (device,), python=python or first.spec.python, threads=first.spec.threads
             )
-            self.draft_slot = _Slot(len(self.slots), spec, None)
-            started = await self._start_worker(self.draft_slot)
-            assert started is not None
+            started = await self.executor.add_draft_slot(spec)
+            assert isinstance(started, LoadDraftReply)
             reply = started
         if reply.mask_token_id is None:
             raise ValueError(f"{path}: the draft config names no mask_token_id")
@@ -445,14 +288,6 @@ class TargetRunner:
             )
         )
 
-    def _draft_worker(self) -> WorkerHandle:
-        if self.draft_slot is None:
-            return self._workers()[0]
-        h = self.draft_slot.handle
-        if h is None or h.state != "ready":
-            raise WorkerDied(f"the draft worker {self.draft_slot.spec.group} is not ready")
-        return h
-
     async def draft_block(
         self, anchor: int, block_size: int, sampling: dict | None = None
     ) -> list[int]:
@@ -468,7 +303,7 @@ class TargetRunner:
         sampling = sampling or {}
         if sampling and sampling.get("temperature", 1.0) != 0:  # as DraftBlock.sampled
             outputs["probs"] = self._regions["draft_probs"].rows(0, block_size - 1)
-        await self._draft_worker().call(
+        await self.executor.draft_worker().call(
             DraftBlock(
                 ring=self.ring.region,
                 committed=self._position,
@@ -600,8 +435,8 @@ class TargetRunner:
         draft_probs: Region | None = None,
     ) -> ForwardReply:
         """One pipeline pass of `ids` through every worker; outputs from the last one."""
-        workers = self._workers()
-        if not self._in_sync:
+        workers = self.executor.workers()
+        if not self.executor.in_sync:
             raise WorkerDied("a model worker was restarted; the request must start over")
         t0 = time.perf_counter()
         start, n = self._position, len(ids)
@@ -633,7 +468,7 @@ class TargetRunner:
                 advanced.append(worker)
                 compute_us += reply.elapsed_us
                 if reply.position != start + n:
-                    raise WorkerError(
+                    raise WorkerReplyError(
                         f"worker {worker.spec.group} is at position {reply.position}, "
                         f"expected {start + n}: the shards disagree"
                     )
@@ -660,170 +495,50 @@ class TargetRunner:
 
     async def stats(self) -> dict:
         """The first worker's stats, plus every worker's under "workers"."""
-        replies = await asyncio.gather(*(w.call(Stats()) for w in self._workers()))
+        replies = await asyncio.gather(*(w.call(Stats()) for w in self.executor.workers()))
         per = [dict(r.stats) for r in replies if isinstance(r, StatsReply)]
         return {**per[0], "workers": per}
 
     def describe(self) -> list[dict]:
-        """One entry per shard: group, devices, layer range, worker pid and state."""
-        out = []
-        for slot in self.slots:
-            if slot.handle is None:
-                continue
-            assert slot.plan is not None
-            info = slot.handle.describe()
-            for device, layers in zip(slot.plan.devices, slot.plan.shard_ranges(), strict=True):
-                shard = dict(info)
-                shard["devices"] = [device]
-                shard["layers"] = list(layers)
-                shard["restarts"] = slot.restarts
-                out.append(shard)
-        d = self.draft_slot
-        if d is not None and d.handle is not None:
-            info = {**d.handle.describe(), "devices": list(d.spec.devices), "layers": "draft"}
-            out.append({**info, "role": "draft", "restarts": d.restarts})
-        return out
+        return self.executor.describe()
 
-    # -- KV snapshots --------------------------------------------------------------------
-    #
-    # A snapshot of the target at n tokens (prefix cache, DESIGN §6) is one region per
-    # TensorSpec of `kv_layout`, in a daemon-owned segment (the arena), n along the token
-    # axis (or more: a longer snapshot restores any shorter prefix):
-    #
-    #   "k.{l}", "v.{l}"  [Hkv, >= n, D]  cache dtype   exported / imported by the worker
-    #                                                   holding layer l (frames kv_export /
-    #                                                   kv_import), all workers concurrently
-    #   "ring"            [>= n, n_capture, hidden]     copied here with numpy, from / to
-    #                                                   the feature ring (captures on only)
-    #
-    # Ring rows: the ring holds the last ring_cap positions, so a snapshot carries ring rows
-    # only for its positions [max(0, n - ring_cap), n); rows before that are left as they
-    # were (a restore of a prefix m must not trust ring rows below n - ring_cap). And slot
-    # p % ring_cap holds position p only until a later position p + k * ring_cap is fed,
-    # even one rolled back since: with h the highest position fed (exclusive) since p was,
-    # ring row p is right iff p >= h - ring_cap. Export right after the forward that reached
-    # n (h == n) and every exported ring row is right; exporting n < h copies stale rows.
+    # -- KV snapshots (the copies: kv_transfer.py) ---------------------------------------
 
     async def kv_layout(self) -> list[TensorSpec]:
         """Every tensor of a snapshot: each worker's K/V in layer order, then the ring."""
-        per_worker = await self._kv_layouts()
-        return [spec for specs in per_worker for spec in specs] + self._ring_spec()
+        return await self.kv.layout(self.ring)
 
     async def export_kv(self, n: int, regions: dict[str, Region]) -> None:
         """Copy the snapshot of positions [0, n) (n <= position) into `regions`, one per
-        spec of `kv_layout`. Nothing is written before every region checked out; when a
-        worker fails the others have finished too (the regions are free again) and the
-        first error is raised. The KV is never changed."""
-        if not self._in_sync:
+        spec of `kv_layout`; all or nothing. The KV is never changed."""
+        if not self.executor.in_sync:
             raise WorkerDied("a model worker was restarted; its KV is gone")
         if not 0 <= n <= self._position:
             raise ValueError(f"cannot export {n} positions: {self._position} are committed")
-        per_worker = await self._kv_layouts()
-        self._check_snapshot(per_worker, regions, n)
-        frames = [
-            KVExport(position=n, regions={s.name: regions[s.name] for s in specs})
-            for specs in per_worker
-        ]
-        await self._kv_call(frames)
-        if self.ring is not None:
-            self._copy_ring(regions["ring"], n, into_ring=False)
+        await self.kv.export(n, regions, self.ring)
 
     async def import_kv(self, n: int, regions: dict[str, Region], tokens: Region) -> None:
         """Restore positions [0, n) from a snapshot (its token axis may be longer than n);
         `tokens` (int32 [>= n]) are the ids at those positions (the workers' history for
         penalties). All or nothing: regions are checked first (a bad one changes nothing);
         if a worker fails after that, every worker is reset, position 0, and the first
-        error is raised. Also restores the ring's slots of [max(0, n - ring_cap), n)."""
+        error is raised."""
         if not 0 <= n <= self.placement.kv_capacity:
             cap = self.placement.kv_capacity
             raise ValueError(f"cannot import {n} positions into a KV of {cap}")
         if tokens.dtype != "int32" or len(tokens.shape) != 1 or tokens.shape[0] < n:
             raise ValueError(f"tokens must be int32 [>= {n}], got {tokens.dtype} {tokens.shape}")
-        per_worker = await self._kv_layouts()
-        self._check_snapshot(per_worker, regions, n)
-        frames = [
-            KVImport(position=n, regions={s.name: regions[s.name] for s in specs}, tokens=tokens)
-            for specs in per_worker
-        ]
-        self._in_sync = False  # the shards may disagree until every one has imported
+        frames = await self.kv.import_frames(n, regions, tokens, self.ring)
+        self.executor.in_sync = False  # the shards may disagree until every one has imported
         try:
-            await self._kv_call(frames)
-            if self.ring is not None:
-                self._copy_ring(regions["ring"], n, into_ring=True)
+            await self.kv.import_(frames, regions.get("ring"), self.ring)
         except BaseException:
             self._position = 0
             with contextlib.suppress(Exception):
                 await self.reset()  # in sync again (empty) unless a worker is gone
             raise
         self._position = n
-        self._in_sync = True
+        self.executor.in_sync = True
         if self.ring is not None:
             # A snapshot of N positions holds valid ring rows only from N - ring_cap on.
             self._ring_floor = max(0, regions["ring"].shape[0] - self.ring.ring_cap)
-
-    async def _kv_layouts(self) -> list[list[TensorSpec]]:
-        """Each worker's K/V specs, in pipeline order (asked once: a worker restarted
-        later serves the same layers in the same dtype)."""
-        if self._kv_specs is None:
-            replies = await asyncio.gather(*(w.call(KVLayout()) for w in self._workers()))
-            out = []
-            for reply in replies:
-                assert isinstance(reply, KVLayoutReply)
-                specs = [TensorSpec(nm, (h, 1, d), reply.dtype, 1) for nm, h, d in reply.tensors]
-                out.append(specs)
-            self._kv_specs = out
-        return self._kv_specs
-
-    def _ring_spec(self) -> list[TensorSpec]:
-        if self.ring is None:
-            return []
-        shape = (1, len(self.ring.layers), self.ring.hidden)
-        return [TensorSpec("ring", shape, self.ring.region.dtype, token_axis=0)]
-
-    async def _kv_call(self, frames: list[KVExport] | list[KVImport]) -> None:
-        """One frame per worker, concurrently; waits for all, then raises the first error."""
-        calls = (w.call(f) for w, f in zip(self._workers(), frames, strict=True))
-        results = await asyncio.gather(*calls, return_exceptions=True)
-        for r in results:
-            if isinstance(r, BaseException):
-                raise r
-
-    def _check_snapshot(
-        self, per_worker: list[list[TensorSpec]], regions: Mapping[str, Region], n: int
-    ) -> None:
-        specs = [s for specs in per_worker for s in specs] + self._ring_spec()
-        names = {s.name for s in specs}
-        missing, unknown = names - regions.keys(), regions.keys() - names
-        if missing or unknown:
-            raise ValueError(
-                f"snapshot regions must match kv_layout: missing {sorted(missing)}, "
-                f"unknown {sorted(unknown)}"
-            )
-        for spec in specs:
-            r = regions[spec.name]
-            axis = spec.token_axis
-            ok = len(r.shape) == len(spec.shape) and r.dtype == spec.dtype and r.shape[axis] >= n
-            if not ok or spec.shape_for(r.shape[axis]) != r.shape:
-                want = list(spec.shape_for(n))
-                raise ValueError(
-                    f"snapshot region {spec.name} must be {spec.dtype} {want} (or longer on "
-                    f"axis {axis}), got {r.dtype} {list(r.shape)}"
-                )
-            if not r.segment.startswith(f"/luced-{self.owner.instance}-"):
-                raise ValueError(f"snapshot region {spec.name} is not in this daemon's memory")
-
-    def _copy_ring(self, region: Region, n: int, into_ring: bool) -> None:
-        """Ring slots of positions [max(0, n - ring_cap), n) <-> the same rows of `region`."""
-        assert self.ring is not None
-        ring, cap = self.ring.array, self.ring.ring_cap
-        rows = self._snapshot_maps.view(region)  # the arena: mapped on first use
-        p = max(0, n - cap)
-        while p < n:  # at most two runs: the slots wrap once
-            slot = p % cap
-            k = min(n - p, cap - slot)
-            if into_ring:
-                ring[slot : slot + k] = rows[p : p + k]
-            else:
-                rows[p : p + k] = ring[slot : slot + k]
-            p += k
-        del rows  # no view may outlive the mapping, which close() unmaps

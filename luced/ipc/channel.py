@@ -92,16 +92,6 @@ class BlockingChannel:
         self.max_frame = max_frame
         self._seq = 0
 
-    @classmethod
-    def connect(cls, path: str) -> BlockingChannel:
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            sock.connect(path)
-        except BaseException:
-            sock.close()
-            raise
-        return cls(sock)
-
     def send(self, payload: bytes) -> None:
         self.sock.sendall(_frame_bytes(payload, self.max_frame))
 
@@ -189,11 +179,6 @@ class AsyncChannel:
         self._lock = asyncio.Lock()
         self._outstanding: dict[int, str] = {}  # seq -> op of calls sent, not yet answered
         self._pending_len: int | None = None  # length read, body not yet (cancelled read)
-
-    @classmethod
-    async def connect(cls, path: str) -> AsyncChannel:
-        reader, writer = await asyncio.open_unix_connection(path)
-        return cls(reader, writer)
 
     @classmethod
     async def from_socket(cls, sock: socket.socket) -> AsyncChannel:

@@ -48,7 +48,6 @@ fails at the sender as well as at the receiver, with the field's path in the mes
 from __future__ import annotations
 
 import itertools
-import math
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
@@ -56,6 +55,7 @@ from typing import Any, ClassVar, Literal, Self, TypeVar
 
 from luced.ipc.regions import Region
 from luced.ipc.typed import FrameError, Record
+from luced.sampling_params import SamplingParams
 
 PROTOCOL_VERSION = 6
 
@@ -220,7 +220,7 @@ Positions = Literal["last", "all"]
 #   hidden         float   [n_tokens, hidden]  boundary activations for the next shard
 # n_out = 1 for positions="last", n_tokens for positions="all".
 # want="verify" (DFlash, temperature > 0): the fed tokens are a drafted block [anchor,
-# proposals...]; the worker runs rejection sampling (``speculative.verify_sampled``) of the
+# proposals...]; the worker runs rejection sampling (``runtime/dflash/verify.py``) of the
 # proposals against ``draft_probs`` with the request's sampler and writes the step's tokens
 # (accepted proposals, then the target's own token) to ``ids`` (and their logprobs, as
 # "sample" reports them); the reply's ``accepted`` counts the accepted proposals, so
@@ -241,12 +241,6 @@ _OUTPUT_DTYPES = {
     "hidden": COMPUTE_DTYPES,
 }
 _OUTPUT_NDIM = {"ids": 1, "logprobs": 1, "topk_ids": 2, "topk_logprobs": 2, "logits": 2}
-
-# Sampling map keys; the int-valued ones must be ints. Absent key = the sampler's default.
-_SAMPLING_INTS = frozenset({"top_k", "seed", "penalty_window"})
-_SAMPLING_FLOATS = frozenset({"temperature", "top_p", "min_p"})
-_PENALTIES = frozenset({"repetition_penalty", "frequency_penalty", "presence_penalty"})
-SAMPLING_KEYS = _SAMPLING_INTS | _SAMPLING_FLOATS | _PENALTIES
 
 
 @_op("forward", REQUESTS)
@@ -377,14 +371,12 @@ class Forward(Request):
 
 
 def _check_sampling_map(frame: Forward | DraftBlock) -> None:
-    unknown = set(frame.sampling) - SAMPLING_KEYS
-    if unknown:
-        raise frame._fail(
-            f"unknown sampling key(s) {sorted(unknown)}; known: {sorted(SAMPLING_KEYS)}"
-        )
-    for k, v in frame.sampling.items():
-        if isinstance(v, float) and (k in _SAMPLING_INTS or not math.isfinite(v)):
-            raise frame._fail(f"sampling.{k} must be a finite number (int for {k}), got {v}")
+    """The map must be a ``SamplingParams`` wire form (the one definition of the fields)."""
+    try:
+        SamplingParams.from_wire(frame.sampling)
+    except ValueError as e:
+        where = "" if str(e).startswith("unknown") else "sampling."
+        raise frame._fail(f"{where}{e}") from None
 
 
 @_op("forward", REPLIES)

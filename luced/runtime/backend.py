@@ -322,8 +322,7 @@ class Backend(WorkerState):
     def _sampler(self, req: F.Forward, m: Loaded) -> Sampler:
         """The kept sampler, or a new one when none exists or the sampling map changed."""
         if m.sampler is None or m.sampling != req.sampling:
-            given = {k: v for k, v in req.sampling.items() if v is not None}
-            m.sampler = Sampler(SamplingParams(**given))
+            m.sampler = Sampler(SamplingParams.from_wire(req.sampling))
             m.sampling = dict(req.sampling)
         k = req.top_logprobs if {"logprobs", "topk_ids"} & req.outputs.keys() else None
         if m.sampler.params.logprobs != k:

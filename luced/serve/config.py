@@ -370,7 +370,7 @@ OPTIONS: tuple[Option, ...] = (
         "kv_cache_dir", "path", None,
         "Directory of the prefix cache's disk tier: snapshots are written there as "
         "safetensors files in the background and found again after a restart.",
-        nullable=True, default_doc="none (memory only)", example="/var/cache/luced/kv",
+        nullable=True, default_doc="none (memory only)", example="/var/lib/luced/kv",
     ),
     Option(
         "kv_cache_budget", "bytes", 8 * 2**30,

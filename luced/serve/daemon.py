@@ -24,9 +24,9 @@ from aiohttp import web
 
 from luced.api.server import make_app
 from luced.engine.core import Engine
-from luced.engine.executor import WorkerError
+from luced.engine.executor import WorkerReplyError
 from luced.engine.metrics import Metrics
-from luced.engine.target import TargetPlacement, TargetRunner
+from luced.engine.target import Target, TargetPlacement
 from luced.gguf_file import GGUFFile
 from luced.ipc.shm import ShmOwner, cleanup_stale
 from luced.serve import sdnotify
@@ -49,7 +49,7 @@ class Daemon:
         self.stopping = asyncio.Event()
         self.owner = ShmOwner()
         self.engine: Engine | None = None
-        self.runner: TargetRunner | None = None
+        self.target: Target | None = None
         self.template: ChatTemplate | None = None
         self.tokenizer: Tokenizer | None = None
 
@@ -98,9 +98,9 @@ class Daemon:
             cores=max(1, usable_cores() - 1),
         )
         metrics = Metrics()
-        self.runner = TargetRunner(self.owner, placement)
+        self.target = Target(self.owner, placement)
         self.engine = engine = Engine(
-            self.runner,
+            self.target,
             tokenizer,
             template,
             model_name=cfg.served_model_name(),
@@ -131,7 +131,7 @@ class Daemon:
                 load.result()
                 engine.start()
                 log.info("ready: %s (%d layers, context %d)", engine.model_name, n_layers, context)
-                for shard in self.runner.describe():
+                for shard in self.target.describe():
                     layers = shard["layers"]
                     share = (
                         layers if isinstance(layers, str) else f"layers [{layers[0]}, {layers[1]})"
@@ -156,24 +156,24 @@ class Daemon:
                 await admin.wait_closed()
             if engine.prefix_cache is not None:  # pending disk writes land first
                 await engine.prefix_cache.close()
-            await self.runner.close()
+            await self.target.close()
             await http.cleanup()
         log.info("stopped")
         return 0
 
     async def _start_model(self) -> None:
-        assert self.runner is not None
-        await self.runner.start()
+        assert self.target is not None
+        await self.target.start()
         draft = self.config.draft
         if draft is not None:
             try:
-                reply = await self.runner.load_draft(
+                reply = await self.target.load_draft(
                     str(draft),
                     device=self.config.draft_device,
                     block_size=self.config.block_size,
                     python=self.config.draft_python(),
                 )
-            except (WorkerError, ValueError) as exc:
+            except (WorkerReplyError, ValueError) as exc:
                 raise StartupError(f"--draft {draft}: {exc}") from exc
             log.info(
                 "draft %s: captures target layers %s, block size %d",
@@ -184,7 +184,7 @@ class Daemon:
         assert self.engine is not None
         try:
             self.engine.prefix_cache = await open_prefix_cache(
-                self.config, self.runner, self.owner, str(self.config.model_path()), self.template
+                self.config, self.target, self.owner, str(self.config.model_path()), self.template
             )
         except ValueError as exc:
             raise StartupError(str(exc)) from exc

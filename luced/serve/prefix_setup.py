@@ -1,6 +1,6 @@
 """The daemon's prefix cache as operators see it: built from the config, served to lucectl.
 
-    cache = await open_prefix_cache(config, runner, owner, model_path, template)
+    cache = await open_prefix_cache(config, target, owner, model_path, template)
     handlers = snapshot_handlers(lambda: engine.prefix_cache, tokenizer)   # admin verbs
 
 A file of the disk tier is only restored by a daemon with the same identity: the same
@@ -23,7 +23,7 @@ from typing import Any
 from luced.cache.arena import SnapshotArena
 from luced.cache.disk import DiskIdentity, SnapshotDirError, SnapshotDisk
 from luced.cache.prefix_cache import PrefixCache
-from luced.engine.target import TargetRunner
+from luced.engine.target import Target
 from luced.ipc.shm import SHM_DIR, ShmOwner
 from luced.serve.admin import CommandError
 from luced.serve.config import Config
@@ -47,12 +47,11 @@ def model_fingerprint(path: str | Path) -> str:
     return h.hexdigest()[:32]
 
 
-def placement_key(runner: TargetRunner) -> str:
+def placement_key(target: Target) -> str:
     """Shards in layer order: `cpu[0,15);cpu:1[15,30)`."""
     shards = []
-    for slot in runner.slots:  # the pipeline's workers (a draft's own worker is not one)
-        assert slot.plan is not None
-        for device, (a, b) in zip(slot.plan.devices, slot.plan.shard_ranges(), strict=True):
+    for _, plan in target.placement.workers:  # the pipeline (a draft's own worker is not one)
+        for device, (a, b) in zip(plan.devices, plan.shard_ranges(), strict=True):
             shards.append(f"{device}[{a},{b})")
     return ";".join(shards)
 
@@ -77,20 +76,20 @@ def arena_bytes(wanted: int, shm_dir: Path = SHM_DIR) -> int:
 
 
 async def open_prefix_cache(
-    config: Config, runner: TargetRunner, owner: ShmOwner, model_path: str, template: Any
+    config: Config, target: Target, owner: ShmOwner, model_path: str, template: Any
 ) -> PrefixCache | None:
     """The prefix cache the config asks for (None: --prefix-cache-bytes 0). Raises
     ValueError naming the option when the directory cannot be used."""
     if config.prefix_cache_bytes <= 0:
         return None
-    layout = await runner.kv_layout()
+    layout = await target.kv_layout()
     disk = None
     if config.kv_cache_dir is not None:
         source = getattr(template, "source", "") or ""
         identity = DiskIdentity(
             fingerprint=model_fingerprint(model_path),
             template_hash=hashlib.sha256(source.encode()).hexdigest()[:32],
-            placement=placement_key(runner),
+            placement=placement_key(target),
             dtype=config.dtype,
         )
         try:

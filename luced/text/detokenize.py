@@ -12,7 +12,6 @@ equal `Tokenizer.decode` of all ids, in O(1) per token.
 from __future__ import annotations
 
 import codecs
-from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -48,9 +47,6 @@ class IncrementalDetokenizer:
             if self._strip and data[:1] == b" ":
                 data = data[1:]
         return self._utf8.decode(data)
-
-    def push_many(self, token_ids: Iterable[int]) -> str:
-        return "".join(self.push(i) for i in token_ids)
 
     def flush(self) -> str:
         """End of stream: an unfinished character becomes U+FFFD. The detokenizer can go on."""

@@ -22,7 +22,6 @@ from typing import Any
 import tokenizers
 
 from luced.gguf_file import GGUFFile
-from luced.text.detokenize import IncrementalDetokenizer  # re-exported: callers import it from here
 from luced.text.vocab import (
     SPIECE_SPACE,
     TokenizerError,
@@ -32,7 +31,6 @@ from luced.text.vocab import (
 )
 
 __all__ = [
-    "IncrementalDetokenizer",
     "Tokenizer",
     "TokenizerError",
     "TokenizerSpec",
@@ -210,9 +208,6 @@ class Tokenizer:
         if token_id < len(self._spec.tokens):
             return self._spec.tokens[token_id]
         return self._backend.id_to_token(token_id) or ""
-
-    def is_special(self, token_id: int) -> bool:
-        return token_id in self.special_ids
 
     def __repr__(self) -> str:
         return (

@@ -20,7 +20,7 @@ from luced.api.formats import (
     finish_error,
     sse,
 )
-from luced.engine.core import Delta, TokenLogprob
+from luced.engine.output import Delta, TokenLogprob
 
 
 def lp(token: str, logprob: float, top: list[tuple[str, float]] = ()) -> TokenLogprob:

@@ -21,9 +21,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from luced.api.server import make_app
 from luced.engine.core import Engine
-from luced.engine.executor import WorkerSpec
 from luced.engine.metrics import Metrics
-from luced.engine.target import TargetPlacement, TargetRunner
+from luced.engine.placement import WorkerSpec
+from luced.engine.target import Target, TargetPlacement
 from luced.gguf_file import GGUFFile
 from luced.ipc.shm import ShmOwner, scan
 from luced.text.chat_template import GEMMA_TEMPLATE, ChatTemplate
@@ -38,7 +38,7 @@ USER = [{"role": "user", "content": "Name three colors."}]
 
 def make_engine(
     path: Path, tokenizer: Tokenizer, template: ChatTemplate, metrics: Metrics, **kw
-) -> tuple[Engine, TargetRunner, ShmOwner]:
+) -> tuple[Engine, Target, ShmOwner]:
     gguf = GGUFFile(path)
     owner = ShmOwner()
     placement = TargetPlacement(
@@ -49,9 +49,9 @@ def make_engine(
         max_batch_tokens=128,
         worker=WorkerSpec("cpu", ("cpu",), threads=1),  # 2 cores, shared with other tests
     )
-    runner = TargetRunner(owner, placement)
+    target = Target(owner, placement)
     engine = Engine(
-        runner,
+        target,
         tokenizer,
         template,
         model_name=MODEL,
@@ -59,7 +59,7 @@ def make_engine(
         metrics=metrics,
         **kw,
     )
-    return engine, runner, owner
+    return engine, target, owner
 
 
 async def error_of(resp, status: int) -> dict:
@@ -192,19 +192,19 @@ async def served(
     smollm2_gguf: Path, smol_tokenizer: Tokenizer, smol_template: ChatTemplate
 ) -> AsyncIterator[Served]:
     metrics = Metrics(MODEL)
-    engine, runner, owner = make_engine(
+    engine, target, owner = make_engine(
         smollm2_gguf, smol_tokenizer, smol_template, metrics, max_queue=1
     )
     try:
         async with TestClient(TestServer(make_app(engine, metrics))) as client:
-            await runner.start()
+            await target.start()
             engine.start()
             served = Served(client, engine)
             yield served
             await served.openai.close()
             await engine.stop()
     finally:
-        await runner.close()
+        await target.close()
         owner.unlink_all()
     assert not [i.name for i in scan() if i.header and i.header.instance == owner.instance]
 
@@ -298,7 +298,7 @@ async def test_disconnects_cancel_the_work_and_a_full_queue_is_429(served: Serve
 
 @pytest.mark.real_model
 async def test_worker_death_mid_stream_ends_it_with_an_error_event(served: Served) -> None:
-    # Last in the module: the runner restarts the worker, which takes a few seconds.
+    # Last in the module: the target restarts the worker, which takes a few seconds.
     stream = await served.openai.chat.completions.create(
         **{**GREEDY, "max_tokens": 400}, stream=True, extra_body={"ignore_eos": True}
     )
@@ -307,7 +307,7 @@ async def test_worker_death_mid_stream_ends_it_with_an_error_event(served: Serve
         async for chunk in stream:
             got.append(chunk)
             if len(got) == 2:  # the role chunk and one token
-                os.kill(served.engine.runner.worker.pid, signal.SIGKILL)
+                os.kill(served.engine.target.executor.slots[0].handle.pid, signal.SIGKILL)
     assert "worker" in info.value.message
     assert info.value.body["type"] == "server_error"
     deadline = time.monotonic() + 60

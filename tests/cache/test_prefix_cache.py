@@ -1,6 +1,6 @@
 """Prefix cache end to end over a numpy "model": restored == fresh prefill, tiers, LRU, disk.
 
-``NumpyModel`` stands in for the runner: its KV is one array per layout tensor whose row at
+``NumpyModel`` stands in for the target: its KV is one array per layout tensor whose row at
 position i depends on all tokens [0, i] (like real K/V), and it moves rows in and out of the
 arena through ``Attachments`` exactly as a worker does. So every restore is checked byte for
 byte against a fresh prefill of the same prompt.

@@ -1,8 +1,8 @@
-"""Prefix-cache snapshots through the real TargetRunner: worker subprocesses, an arena segment.
+"""Prefix-cache snapshots through the real Target: worker subprocesses, an arena segment.
 
 `export_kv` / `import_kv` move every shard's K/V (and the feature ring) between the workers
-and daemon-owned shared memory. Oracle: the runner's own computation. After a restore the
-runner continues exactly like the run the snapshot came from (bitwise, f32 and bf16, unsplit
+and daemon-owned shared memory. Oracle: the target's own computation. After a restore the
+target continues exactly like the run the snapshot came from (bitwise, f32 and bf16, unsplit
 and 2-worker split), a shorter prefix continues like a fresh prefill of it, the ring holds
 the same rows, and a bad region is refused with nothing changed (or, when a worker fails
 after another one imported, every worker is reset).
@@ -16,11 +16,11 @@ from pathlib import Path
 import make_tiny_draft
 import numpy as np
 import pytest
-from test_runner_split import KV, PROMPT, THREADS, split_runner, tiny  # noqa: F401 (fixture)
+from test_target_split import KV, PROMPT, THREADS, split_target, tiny  # noqa: F401 (fixture)
 
 from luced.cache.layout import TensorSpec
-from luced.engine.executor import WorkerError
-from luced.engine.target import TargetRunner
+from luced.engine.executor import WorkerReplyError
+from luced.engine.target import Target
 from luced.ipc.frames import KVExport, KVImport
 from luced.ipc.regions import Region, RegionAllocator, required_bytes, view
 from luced.runtime.model import Model
@@ -31,13 +31,13 @@ SAMPLED = {"temperature": 0.9, "seed": 11, "repetition_penalty": 1.5}
 
 class Arena:
     """A daemon-owned segment with one region per spec, `rows` positions long, and token ids
-    (what the snapshot store's arena hands the runner)."""
+    (what the snapshot store's arena hands the target)."""
 
-    def __init__(self, runner: TargetRunner, specs: list[TensorSpec], rows: int) -> None:
+    def __init__(self, target: Target, specs: list[TensorSpec], rows: int) -> None:
         shapes = {s.name: (s.shape_for(rows), s.dtype) for s in specs}
         shapes["tokens"] = ((rows,), "int32")
         name = f"arena-{secrets.token_hex(3)}"
-        self.seg = runner.owner.create(name, required_bytes(shapes.values()))
+        self.seg = target.owner.create(name, required_bytes(shapes.values()))
         alloc = RegionAllocator.for_segment(self.seg)
         every = {k: alloc.alloc(k, shape, dt) for k, (shape, dt) in shapes.items()}
         self.tokens = every.pop("tokens")
@@ -48,31 +48,31 @@ class Arena:
         return view(self.seg, self.tokens if name == "tokens" else self.regions[name])
 
 
-async def greedy(runner: TargetRunner, token: int, steps: int) -> tuple[list[int], np.ndarray]:
+async def greedy(target: Target, token: int, steps: int) -> tuple[list[int], np.ndarray]:
     """Feed token, then each argmax, one at a time: (tokens fed, their logits)."""
     fed, rows = [], []
     for _ in range(steps):
-        logits = (await runner.logits([token]))[0]
+        logits = (await target.logits([token]))[0]
         fed.append(token)
         rows.append(logits)
         token = int(logits.argmax())
     return fed, np.stack(rows)
 
 
-async def sampled(runner: TargetRunner, token: int, steps: int) -> list[int]:
+async def sampled(target: Target, token: int, steps: int) -> list[int]:
     out = []
     for _ in range(steps):
-        token = (await runner.step(token, SAMPLED, None)).token
+        token = (await target.step(token, SAMPLED, None)).token
         out.append(token)
     return out
 
 
-async def kv_positions(runner: TargetRunner) -> list[int]:
-    return [w["kv_position"] for w in (await runner.stats())["workers"]]
+async def kv_positions(target: Target) -> list[int]:
+    return [w["kv_position"] for w in (await target.stats())["workers"]]
 
 
-def check_layout(runner: TargetRunner, specs: list[TensorSpec], dtype: str) -> None:
-    cfg = Model.load(runner.placement.model, layers=(0, 1)).cfg
+def check_layout(target: Target, specs: list[TensorSpec], dtype: str) -> None:
+    cfg = Model.load(target.placement.model, layers=(0, 1)).cfg
     kv = [s for s in specs if s.name != "ring"]
     assert [s.name for s in kv] == [f"{c}.{i}" for i in range(cfg.n_layers) for c in "kv"]
     assert {(s.shape, s.dtype, s.token_axis) for s in kv} == {
@@ -85,54 +85,54 @@ def check_layout(runner: TargetRunner, specs: list[TensorSpec], dtype: str) -> N
     [("llama", ("cpu",)), ("llama", ("cpu", "cpu:1")), ("gemma3", ("cpu", "cpu:1"))],
 )
 async def test_restore_equals_fresh(tiny: dict[str, Path], family: str, devices) -> None:  # noqa: F811
-    async with split_runner(tiny[family], devices) as runner:
-        specs = await runner.kv_layout()
-        check_layout(runner, specs, "float32")
-        first = int((await runner.logits(PROMPT))[-1].argmax())
-        arena = Arena(runner, specs, N + 3)
-        await runner.export_kv(N, arena.regions)
-        assert runner.position == N
-        want = await greedy(runner, first, 5)  # this state *is* a fresh prefill of PROMPT
+    async with split_target(tiny[family], devices) as target:
+        specs = await target.kv_layout()
+        check_layout(target, specs, "float32")
+        first = int((await target.logits(PROMPT))[-1].argmax())
+        arena = Arena(target, specs, N + 3)
+        await target.export_kv(N, arena.regions)
+        assert target.position == N
+        want = await greedy(target, first, 5)  # this state *is* a fresh prefill of PROMPT
         m = 6
-        await runner.truncate(m)  # the same rows as a restored prefix of m: bitwise oracle
-        want_m = await greedy(runner, PROMPT[m], 5)
-        await runner.reset()
-        await runner.logits(PROMPT[:m])  # a fresh prefill of m: rows from a batch of m
-        fresh_m = await greedy(runner, PROMPT[m], 5)
-        await runner.reset()
-        await runner.logits(PROMPT[:m])
-        want_sampled = await sampled(runner, PROMPT[m], 8)  # penalties read the history
+        await target.truncate(m)  # the same rows as a restored prefix of m: bitwise oracle
+        want_m = await greedy(target, PROMPT[m], 5)
+        await target.reset()
+        await target.logits(PROMPT[:m])  # a fresh prefill of m: rows from a batch of m
+        fresh_m = await greedy(target, PROMPT[m], 5)
+        await target.reset()
+        await target.logits(PROMPT[:m])
+        want_sampled = await sampled(target, PROMPT[m], 8)  # penalties read the history
 
-        await runner.reset()
-        await runner.logits([1, 2, 3, 4])  # something else in the KV: import replaces it
-        await runner.import_kv(N, arena.regions, arena.tokens)
-        assert runner.position == N and await kv_positions(runner) == [N] * len(devices)
-        got = await greedy(runner, first, 5)
+        await target.reset()
+        await target.logits([1, 2, 3, 4])  # something else in the KV: import replaces it
+        await target.import_kv(N, arena.regions, arena.tokens)
+        assert target.position == N and await kv_positions(target) == [N] * len(devices)
+        got = await greedy(target, first, 5)
         assert got[0] == want[0]
         assert np.array_equal(got[1], want[1])
 
-        await runner.import_kv(m, arena.regions, arena.tokens)  # a prefix of the snapshot
-        assert await kv_positions(runner) == [m] * len(devices)
-        got_m = await greedy(runner, PROMPT[m], 5)
+        await target.import_kv(m, arena.regions, arena.tokens)  # a prefix of the snapshot
+        assert await kv_positions(target) == [m] * len(devices)
+        got_m = await greedy(target, PROMPT[m], 5)
         assert got_m[0] == want_m[0] == fresh_m[0]
         assert np.array_equal(got_m[1], want_m[1])
         np.testing.assert_allclose(got_m[1], fresh_m[1], rtol=1e-5, atol=1e-5)
-        await runner.import_kv(m, arena.regions, arena.tokens)
-        assert await sampled(runner, PROMPT[m], 8) == want_sampled
+        await target.import_kv(m, arena.regions, arena.tokens)
+        assert await sampled(target, PROMPT[m], 8) == want_sampled
 
 
 async def test_bfloat16_split(tiny: dict[str, Path]) -> None:  # noqa: F811
-    async with split_runner(tiny["llama"], ("cpu", "cpu:1"), dtype="bfloat16") as runner:
-        specs = await runner.kv_layout()
-        check_layout(runner, specs, "bfloat16")
-        first = int((await runner.logits(PROMPT))[-1].argmax())
-        arena = Arena(runner, specs, N)
-        await runner.export_kv(N, arena.regions)
+    async with split_target(tiny["llama"], ("cpu", "cpu:1"), dtype="bfloat16") as target:
+        specs = await target.kv_layout()
+        check_layout(target, specs, "bfloat16")
+        first = int((await target.logits(PROMPT))[-1].argmax())
+        arena = Arena(target, specs, N)
+        await target.export_kv(N, arena.regions)
         assert arena.a("k.0").dtype == np.uint16 and arena.a("k.0").any()
-        want = await greedy(runner, first, 5)
-        await runner.reset()
-        await runner.import_kv(N, arena.regions, arena.tokens)
-        got = await greedy(runner, first, 5)
+        want = await greedy(target, first, 5)
+        await target.reset()
+        await target.import_kv(N, arena.regions, arena.tokens)
+        got = await greedy(target, first, 5)
         assert got[0] == want[0]
         assert np.array_equal(got[1], want[1])
 
@@ -141,79 +141,79 @@ async def test_ring_rows_restored(tiny: dict[str, Path]) -> None:  # noqa: F811
     """ring_cap < N: the snapshot carries ring rows of its last ring_cap positions (the slots
     wrap once); after an import the ring holds what the fresh prefill left there."""
     cap = 8
-    async with split_runner(tiny["llama"], ("cpu", "cpu:1")) as runner:
-        b = runner.slots[1].plan.layers[0]
-        ring = runner.enable_capture((0, b - 1, b, runner.n_layers - 1), ring_cap=cap)
-        specs = await runner.kv_layout()
-        assert specs[-1] == TensorSpec("ring", (1, 4, runner.hidden), "float32", 0)
-        await runner.logits(PROMPT[:5])  # a forward feeds at most ring_cap tokens
-        first = int((await runner.logits(PROMPT[5:]))[-1].argmax())
+    async with split_target(tiny["llama"], ("cpu", "cpu:1")) as target:
+        b = target.executor.slots[1].plan.layers[0]
+        ring = target.enable_capture((0, b - 1, b, target.n_layers - 1), ring_cap=cap)
+        specs = await target.kv_layout()
+        assert specs[-1] == TensorSpec("ring", (1, 4, target.hidden), "float32", 0)
+        await target.logits(PROMPT[:5])  # a forward feeds at most ring_cap tokens
+        first = int((await target.logits(PROMPT[5:]))[-1].argmax())
         fresh_rows = ring.rows(N - cap, N)
-        arena = Arena(runner, specs, N)
+        arena = Arena(target, specs, N)
         arena.a("ring")[:] = -1.0
-        await runner.export_kv(N, arena.regions)
+        await target.export_kv(N, arena.regions)
         assert np.array_equal(arena.a("ring")[N - cap :], fresh_rows)
         assert (arena.a("ring")[: N - cap] == -1.0).all()  # older positions: not in the ring
-        want = await greedy(runner, first, 4)
+        want = await greedy(target, first, 4)
         want_rows = ring.rows(N + 4 - cap, N + 4)
 
-        await runner.reset()
+        await target.reset()
         for chunk in ([20, 21, 22, 23, 24], [25, 26, 27, 28, 29]):
-            await runner.logits(chunk)  # other features in every slot
+            await target.logits(chunk)  # other features in every slot
         assert not np.array_equal(ring.rows(N - cap, N), fresh_rows)
-        await runner.import_kv(N, arena.regions, arena.tokens)
+        await target.import_kv(N, arena.regions, arena.tokens)
         assert np.array_equal(ring.rows(N - cap, N), fresh_rows)
-        got = await greedy(runner, first, 4)
+        got = await greedy(target, first, 4)
         assert got[0] == want[0] and np.array_equal(got[1], want[1])
         assert np.array_equal(ring.rows(N + 4 - cap, N + 4), want_rows)
 
 
 async def test_bad_regions_change_nothing(tiny: dict[str, Path]) -> None:  # noqa: F811
-    async with split_runner(tiny["llama"], ("cpu", "cpu:1")) as runner:
-        specs = await runner.kv_layout()
-        prompt_logits = await runner.logits(PROMPT)
+    async with split_target(tiny["llama"], ("cpu", "cpu:1")) as target:
+        specs = await target.kv_layout()
+        prompt_logits = await target.logits(PROMPT)
         first = int(prompt_logits[-1].argmax())
-        arena = Arena(runner, specs, N)
-        await runner.export_kv(N, arena.regions)
-        want = await greedy(runner, first, 4)
-        await runner.truncate(N)
+        arena = Arena(target, specs, N)
+        await target.export_kv(N, arena.regions)
+        want = await greedy(target, first, 4)
+        await target.truncate(N)
         k3 = arena.regions["k.3"]
         short = Region(k3.segment, k3.offset, (k3.shape[0], N - 1, k3.shape[2]), k3.dtype)
         wide = Region(k3.segment, k3.offset, (k3.shape[0] + 1, N, k3.shape[2]), k3.dtype)
         no_v3 = {k: r for k, r in arena.regions.items() if k != "v.3"}
 
-        # The runner checks every region against the layout before any worker moves.
+        # The target checks every region against the layout before any worker moves.
         with pytest.raises(ValueError, match=r"missing \['v.3'\]"):
-            await runner.import_kv(N, no_v3, arena.tokens)
+            await target.import_kv(N, no_v3, arena.tokens)
         widened = r"k.3 must be float32 \[2, 10, 16\] .*got float32 \[3, 10, 16\]"
         with pytest.raises(ValueError, match=widened):
-            await runner.import_kv(N, {**arena.regions, "k.3": wide}, arena.tokens)
+            await target.import_kv(N, {**arena.regions, "k.3": wide}, arena.tokens)
         with pytest.raises(ValueError, match=r"region k.3 must be .*got float32 \[2, 9, 16\]"):
-            await runner.export_kv(N, {**arena.regions, "k.3": short})
+            await target.export_kv(N, {**arena.regions, "k.3": short})
         with pytest.raises(ValueError, match="cannot export 11 positions: 10 are committed"):
-            await runner.export_kv(N + 1, arena.regions)
+            await target.export_kv(N + 1, arena.regions)
         # A worker asked directly checks too, and refuses with nothing changed.
-        w1 = runner.slots[1].handle
-        assert w1 is not None and runner.slots[1].plan.layers == (2, 4)
+        w1 = target.executor.slots[1].handle
+        assert w1 is not None and target.executor.slots[1].plan.layers == (2, 4)
         theirs = {k: r for k, r in arena.regions.items() if int(k[2:]) >= 2}
-        with pytest.raises(WorkerError, match=r"region k.3 must be float32 \[2, >= 10, 16\]"):
+        with pytest.raises(WorkerReplyError, match=r"region k.3 must be float32 \[2, >= 10, 16\]"):
             frame = KVImport(position=N, regions={**theirs, "k.3": wide}, tokens=arena.tokens)
             await w1.call(frame)
-        with pytest.raises(WorkerError, match=r"missing \['v.3'\], unknown \['k.0'\]"):
+        with pytest.raises(WorkerReplyError, match=r"missing \['v.3'\], unknown \['k.0'\]"):
             bad = {**theirs, "k.0": arena.regions["k.0"]}
             bad.pop("v.3")
             await w1.call(KVExport(position=N, regions=bad))
-        assert runner.position == N and await kv_positions(runner) == [N, N]
-        got = await greedy(runner, first, 4)
+        assert target.position == N and await kv_positions(target) == [N, N]
+        got = await greedy(target, first, 4)
         assert got[0] == want[0] and np.array_equal(got[1], want[1])
 
         # Worker 0 imports, worker 1 cannot map its regions: all or nothing, so all reset.
-        gone = f"/luced-{runner.owner.instance}-gone"
+        gone = f"/luced-{target.owner.instance}-gone"
         late = {k: Region(gone, r.offset, r.shape, r.dtype) for k, r in theirs.items()}
-        with pytest.raises(WorkerError, match="does not exist"):
-            await runner.import_kv(N, {**arena.regions, **late}, arena.tokens)
-        assert runner.position == 0 and await kv_positions(runner) == [0, 0]
-        assert np.array_equal(await runner.logits(PROMPT), prompt_logits)  # healthy
+        with pytest.raises(WorkerReplyError, match="does not exist"):
+            await target.import_kv(N, {**arena.regions, **late}, arena.tokens)
+        assert target.position == 0 and await kv_positions(target) == [0, 0]
+        assert np.array_equal(await target.logits(PROMPT), prompt_logits)  # healthy
 
 
 async def test_draft_reads_no_ring_row_below_a_restored_snapshot_floor(
@@ -225,18 +225,18 @@ async def test_draft_reads_no_ring_row_below_a_restored_snapshot_floor(
     of the positions below (7..11, still in the ring's slots) changes nothing."""
     _, draft, _ = make_tiny_draft.build(tiny["gemma3"], tmp_path / "d", seed=1, captures=2)
     prompt = PROMPT * 2
-    async with split_runner(tiny["gemma3"], ("cpu",)) as runner:
-        await runner.load_draft(str(draft), ring_cap=8, block_size=4)
+    async with split_target(tiny["gemma3"], ("cpu",)) as target:
+        await target.load_draft(str(draft), ring_cap=8, block_size=4)
         for start in range(0, len(prompt), 8):  # a forward may not outrun the ring
-            await runner.prefill(prompt[start : start + 8], {"temperature": 0}, None)
-        arena = Arena(runner, await runner.kv_layout(), len(prompt))
-        await runner.export_kv(len(prompt), arena.regions)
-        await runner.reset()
-        await runner.import_kv(15, arena.regions, arena.tokens)
-        assert runner.ring is not None
+            await target.prefill(prompt[start : start + 8], {"temperature": 0}, None)
+        arena = Arena(target, await target.kv_layout(), len(prompt))
+        await target.export_kv(len(prompt), arena.regions)
+        await target.reset()
+        await target.import_kv(15, arena.regions, arena.tokens)
+        assert target.ring is not None
         below = np.arange(7, 12) % 8
         proposals = []
         for poison in (np.nan, 0.0):
-            runner.ring.array[below] = poison
-            proposals.append(await runner.draft_block(prompt[15], 4))
+            target.ring.array[below] = poison
+            proposals.append(await target.draft_block(prompt[15], 4))
         assert proposals[0] == proposals[1]

@@ -1,4 +1,4 @@
-"""The prefix cache through the real Engine and TargetRunner (worker subprocesses, the
+"""The prefix cache through the real Engine and Target (worker subprocesses, the
 daemon-owned arena, kv_export / kv_import frames): restore-then-generate == fresh.
 
 For each target (tiny llama / qwen3 / gemma3, both bundled real models), placement

@@ -1,4 +1,4 @@
-"""The DFlash loop through the real Engine and TargetRunner (worker subprocesses, shared
+"""The DFlash loop through the real Engine and Target (worker subprocesses, shared
 memory, frames) on a tiny qwen3 target with a random draft.
 
 Oracles: plain greedy decoding of the same target (speculative greedy must equal it token
@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import pytest_asyncio
 import torch
-from bench_dflash import OracleRunner
+from bench_dflash import OracleTarget
 from engine_harness import engine_for
 
 from luced.engine.core import Engine, GenerationRequest
@@ -133,24 +133,24 @@ async def test_sampled_verify_follows_the_target_not_the_draft(tiny) -> None:
     sampling = {"temperature": 2.0, "top_k": 4, "repetition_penalty": 1.5}
     params = SamplingParams(**sampling)
     async with engine_for(tiny[0], draft=tiny[1]) as engine:
-        runner = engine.runner
-        await runner.reset()
-        anchor = (await runner.prefill(PROMPT, {"temperature": 0}, None)).token
-        start = runner.position
-        logits = torch.from_numpy(await runner.logits([anchor]))
+        target = engine.target
+        await target.reset()
+        anchor = (await target.prefill(PROMPT, {"temperature": 0}, None)).token
+        start = target.position
+        logits = torch.from_numpy(await target.logits([anchor]))
         # Penalized with the history of the verify's row 0: the prompt and the anchor.
         p = probs(logits, params, [[*PROMPT, anchor]])[0].numpy()
-        await runner.truncate(start)
+        await target.truncate(start)
         trials = 600
         counts = np.zeros_like(p)
         q_first = np.zeros_like(p)
         for seed in range(trials):
             s = {**sampling, "seed": seed}
-            block = await runner.draft_block(anchor, 3, s)
+            block = await target.draft_block(anchor, 3, s)
             q_first[block[1]] += 1
-            tokens, _ = await runner.verify_sampled(block, s)
+            tokens, _ = await target.verify_sampled(block, s)
             counts[tokens[0].token] += 1
-            await runner.truncate(start)
+            await target.truncate(start)
     support = np.flatnonzero(p)
     assert set(np.flatnonzero(counts)) <= set(support)  # never outside the target's top_k
     freq = counts / trials
@@ -165,8 +165,8 @@ async def test_oracle_draft_accepts_every_proposal(tiny, plain) -> None:
     """Proposals forced to the target's own greedy tokens: every step accepts B - 1 and
     commits B tokens, and the counters say so."""
     block = 4
-    OracleRunner.script = PROMPT + plain
-    async with engine_for(tiny[0], draft=tiny[1], runner_cls=OracleRunner) as engine:
+    OracleTarget.script = PROMPT + plain
+    async with engine_for(tiny[0], draft=tiny[1], target_cls=OracleTarget) as engine:
         engine.block_size = block
         # N - 1 tokens after the first (from the prefill) = whole blocks of B: no clipping.
         n = 1 + block * 6

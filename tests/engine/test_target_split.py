@@ -1,4 +1,4 @@
-"""The layer split through the real TargetRunner: worker subprocesses, shared memory, frames.
+"""The layer split through the real Target: worker subprocesses, shared memory, frames.
 
 Oracle: the whole model in this process (`Model`, `generate`) on CPU float32 with the
 same thread count as the workers, i.e. the unsplit result. A split must reproduce it
@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 
-from luced.engine.target import TargetPlacement, TargetRunner
+from luced.engine.target import Target, TargetPlacement
 from luced.ipc.shm import ShmOwner
 from luced.runtime.generate import generate
 from luced.runtime.model import Model
@@ -44,13 +44,13 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 @contextlib.asynccontextmanager
-async def split_runner(
+async def split_target(
     path: Path,
     devices: tuple[str, ...],
     weights: tuple[float, ...] = (),
     rows: int = 16,
     dtype: str = "float32",
-) -> AsyncIterator[TargetRunner]:
+) -> AsyncIterator[Target]:
     n_layers = Model.load(path, layers=(0, 1)).cfg.n_layers
     with ShmOwner() as owner:
         placement = TargetPlacement.split(
@@ -64,12 +64,12 @@ async def split_runner(
             threads=THREADS,
             logit_rows=rows,
         )
-        runner = TargetRunner(owner, placement)
+        target = Target(owner, placement)
         try:
-            await runner.start()
-            yield runner
+            await target.start()
+            yield target
         finally:
-            await runner.close()
+            await target.close()
 
 
 def ref_forward(ref: Model, cache, ids: list[int], start: int, capture) -> tuple:
@@ -77,20 +77,20 @@ def ref_forward(ref: Model, cache, ids: list[int], start: int, capture) -> tuple
     return ref.logits(h), caps
 
 
-async def run_tokens(runner: TargetRunner, sampling: dict, n: int, logprobs=None) -> list[int]:
-    await runner.reset()
-    s = await runner.prefill(PROMPT, sampling, logprobs)
+async def run_tokens(target: Target, sampling: dict, n: int, logprobs=None) -> list[int]:
+    await target.reset()
+    s = await target.prefill(PROMPT, sampling, logprobs)
     out = [s.token]
     while len(out) < n:
-        out.append((await runner.step(out[-1], sampling, logprobs)).token)
+        out.append((await target.step(out[-1], sampling, logprobs)).token)
     return out
 
 
 async def check_split_equals_unsplit(path: Path, devices: tuple[str, ...]) -> None:
     ref = Model.load(path)
     n_layers = ref.cfg.n_layers
-    async with split_runner(path, devices) as runner:
-        shards = runner.describe()
+    async with split_target(path, devices) as target:
+        shards = target.describe()
         assert len(shards) == len(devices)
         assert [s["devices"] for s in shards] == [[d] for d in devices]
         assert len({s["pid"] for s in shards}) == len(set(devices))  # one worker per group
@@ -99,12 +99,12 @@ async def check_split_equals_unsplit(path: Path, devices: tuple[str, ...]) -> No
         assert all(a[1] == b[0] and a[0] < a[1] for a, b in itertools.pairwise(ranges))
         b = ranges[1][0]  # the first boundary: capture a layer on either side of it
         capture = tuple(sorted({0, b - 1, b, n_layers - 1}))
-        ring = runner.enable_capture(capture, ring_cap=32)
+        ring = target.enable_capture(capture, ring_cap=32)
 
         # Prompt logits, every position, bitwise; captures land in the ring bitwise.
         cache = ref.new_cache(KV)
         want, caps = ref_forward(ref, cache, PROMPT, 0, capture)
-        got = await runner.logits(PROMPT)
+        got = await target.logits(PROMPT)
         assert np.array_equal(got, want.numpy())
         n = len(PROMPT)
         expect_ring = torch.stack([caps[layer] for layer in capture], dim=1)  # [n, cap, hidden]
@@ -113,11 +113,11 @@ async def check_split_equals_unsplit(path: Path, devices: tuple[str, ...]) -> No
         # Truncate, then continue: equal to a fresh run that never saw the rolled-back tokens.
         # (Kept positions come in the same chunks as the fresh run's: a K/V row computed
         # in a batch of 3 may differ in the last bit from one computed alone.)
-        await runner.logits([11])
-        await runner.logits([12, 13])
-        await runner.truncate(n + 1)
-        assert runner.position == n + 1
-        got = await runner.logits([21, 22])
+        await target.logits([11])
+        await target.logits([12, 13])
+        await target.truncate(n + 1)
+        assert target.position == n + 1
+        got = await target.logits([21, 22])
         fresh = ref.new_cache(KV)
         ref_forward(ref, fresh, PROMPT, 0, ())
         ref_forward(ref, fresh, [11], n, ())
@@ -131,7 +131,7 @@ async def check_split_equals_unsplit(path: Path, devices: tuple[str, ...]) -> No
         for sampling in ({"temperature": 0}, SAMPLED):
             params = SamplingParams(**sampling)
             expect = generate(ref, PROMPT, params, 12).tokens
-            assert await run_tokens(runner, sampling, 12, logprobs=2) == expect
+            assert await run_tokens(target, sampling, 12, logprobs=2) == expect
 
 
 @pytest.mark.parametrize(
@@ -152,7 +152,7 @@ async def test_split_equals_unsplit_tiny(tiny: dict[str, Path], family: str, dev
 
 
 async def test_weights_place_the_boundaries(tiny: dict[str, Path]) -> None:
-    async with split_runner(tiny["gemma3"], ("cpu", "cpu", "cpu:1"), weights=(1, 3, 2)) as r:
+    async with split_target(tiny["gemma3"], ("cpu", "cpu", "cpu:1"), weights=(1, 3, 2)) as r:
         assert [s["layers"] for s in r.describe()] == [[0, 1], [1, 4], [4, 6]]
         ref = Model.load(tiny["gemma3"])
         want = ref.forward(torch.tensor(PROMPT), ref.new_cache(KV), 0)
@@ -167,8 +167,8 @@ async def test_split_equals_unsplit_smollm2(smollm2_gguf: Path) -> None:
 @pytest.mark.real_model
 async def test_split_equals_unsplit_gemma3(gemma3_gguf: Path) -> None:
     ref = Model.load(gemma3_gguf)
-    async with split_runner(gemma3_gguf, ("cpu", "cpu:1")) as runner:
+    async with split_target(gemma3_gguf, ("cpu", "cpu:1")) as target:
         want = ref.forward(torch.tensor(PROMPT), ref.new_cache(KV), 0)
-        assert np.array_equal(await runner.logits(PROMPT), want.numpy())
+        assert np.array_equal(await target.logits(PROMPT), want.numpy())
         expect = generate(ref, PROMPT, SamplingParams(temperature=0), 8).tokens
-        assert await run_tokens(runner, {"temperature": 0}, 8) == expect
+        assert await run_tokens(target, {"temperature": 0}, 8) == expect

@@ -17,7 +17,7 @@ import make_tiny_gguf
 import numpy as np
 import pytest
 import torch
-from test_worker import TAG, no_segments_left  # noqa: F401 - module fixture
+from worker_harness import TAG, no_segments_left  # noqa: F401 - module fixture
 
 from luced.ipc import frames as F
 from luced.ipc.regions import Region, RegionAllocator, required_bytes

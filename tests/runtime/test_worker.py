@@ -4,12 +4,9 @@ in-process Model / generate() as the oracle."""
 
 from __future__ import annotations
 
-import contextlib
 import os
 import secrets
 import signal
-import socket
-import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -17,15 +14,15 @@ from pathlib import Path
 
 import msgpack
 import numpy as np
-import posix_ipc
 import pytest
 import torch
+from worker_harness import TAG, THREADS, WorkerProc, no_segments_left  # noqa: F401 - fixture
 
 from luced.ipc import codec
 from luced.ipc import frames as F
-from luced.ipc.channel import BlockingChannel, RemoteError
+from luced.ipc.channel import RemoteError
 from luced.ipc.regions import Region, RegionAllocator, required_bytes
-from luced.ipc.shm import SHM_DIR, Segment, ShmOwner, scan
+from luced.ipc.shm import SHM_DIR, Segment, ShmOwner
 from luced.runtime.generate import generate
 from luced.runtime.model import Model
 from luced.runtime.sampler import Sampler
@@ -41,59 +38,6 @@ LOGIT_ROWS = 16
 TOPK_COLS = 20
 RING = 16
 CAPTURE = (3, 17)
-THREADS = torch.get_num_threads()  # same as in-process, so the float math is identical
-
-TAG = secrets.token_hex(3)  # instance ids of this module start with it
-
-
-@pytest.fixture(scope="module", autouse=True)
-def no_segments_left() -> Iterator[None]:
-    """After the module, no segment of ours remains in /dev/shm (as tests/ipc checks)."""
-    yield
-    leaked = [info for info in scan() if info.name.startswith(f"/luced-{TAG}")]
-    for info in leaked:
-        with contextlib.suppress(posix_ipc.Error):
-            posix_ipc.unlink_shared_memory(info.name)
-    assert not leaked, f"shared-memory segments left behind: {[i.name for i in leaked]}"
-
-
-class WorkerProc:
-    """A worker subprocess and the daemon's end of its socket."""
-
-    def __init__(self, log_dir: Path, group: str = "cpu", devices: str = "cpu") -> None:
-        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.log_path = log_dir / f"worker-{group}-{secrets.token_hex(2)}.log"
-        argv = ["--fd", str(theirs.fileno()), "--group", group, "--devices", devices]
-        with self.log_path.open("wb") as log:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "luced.runtime.worker", *argv, "--threads", str(THREADS)],
-                pass_fds=[theirs.fileno()],
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=log,
-            )
-        theirs.close()  # else our own copy would keep the worker's end open
-        ours.settimeout(60)  # a hung worker fails the test instead of hanging it
-        self.chan = BlockingChannel(ours)
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
-
-    def call(self, req: F.Request) -> F.Reply:
-        return self.chan.call(req)
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def stop(self) -> None:
-        self.chan.close()
-        try:
-            self.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-        print(f"--- {self.log_path.name} ---\n{self.log()}")  # shown when a test fails
 
 
 @pytest.fixture(scope="module")
@@ -493,7 +437,9 @@ def test_error_replies_leave_the_worker_serving(
     fails("must have 49152 columns", want="logits", outputs={"logits": bad_logits})
     fails(r"token ids must lie in \[0, 49152\)", ids=[49152])
     fails("start_pos 3, but the KV holds 12 positions", start=3)
-    fails("temperature must be >= 0", sampling={"temperature": -1.0})
+    # A sampling map SamplingParams refuses is refused by the frame itself, at either end.
+    with pytest.raises(F.FrameError, match="temperature must be >= 0"):
+        fwd(worker, io, PROMPT[:1], n, sampling={"temperature": -1.0})
     fails("hidden_in", hidden_in=io.r["hidden"], tokens=None)
     with pytest.raises(RemoteError, match="cannot truncate to 13: the KV holds 12"):
         worker.call(F.Truncate(position=13))

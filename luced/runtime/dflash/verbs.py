@@ -38,8 +38,6 @@ from luced.runtime.state import DraftState, WorkerError, WorkerState, torch_devi
 from luced.runtime.weights import WeightLoader, parse_dtype
 from luced.sampling_params import SamplingParams
 
-_PENALTIES = ("repetition_penalty", "frequency_penalty", "presence_penalty", "penalty_window")
-
 
 def draft_seed(seed: int) -> int:
     """The draft's generator seed for a request seeded with `seed` (a different stream)."""
@@ -168,8 +166,7 @@ def _params(req: F.DraftBlock) -> SamplingParams | None:
         return None
     # Penalties would make q depend on per-row histories the draft does not keep; q without
     # them is still a proposal distribution, and the target's verify applies them to p.
-    given = {k: v for k, v in req.sampling.items() if v is not None and k not in _PENALTIES}
-    return SamplingParams(**given)
+    return SamplingParams.from_wire(req.sampling).without_penalties()
 
 
 def _sampler(state: DraftState, req: F.DraftBlock, params: SamplingParams) -> Sampler:

@@ -14,7 +14,7 @@ import make_tiny_gguf as mtg
 import numpy as np
 import pytest
 import torch
-from test_worker import TAG, WorkerProc, no_segments_left  # noqa: F401 - module fixture
+from worker_harness import TAG, WorkerProc, no_segments_left  # noqa: F401 - module fixture
 
 from luced.ipc import frames as F
 from luced.ipc.channel import RemoteError

@@ -1,0 +1,161 @@
+"""Snapshots of the target's KV: copies between the workers' caches and daemon-owned regions.
+
+A snapshot of the target at n tokens (the prefix cache, docs/design.md) is one region per
+``TensorSpec`` of ``layout``, in a daemon-owned segment (the snapshot arena), n along the
+token axis (or more: a longer snapshot restores any shorter prefix)::
+
+    "k.{l}", "v.{l}"  [Hkv, >= n, D]  cache dtype   exported / imported by the worker
+                                                    holding layer l (frames kv_export /
+                                                    kv_import), all workers concurrently
+    "ring"            [>= n, n_capture, hidden]     copied here with numpy, from / to
+                                                    the feature ring (captures on only)
+
+Ring rows: the ring holds the last ring_cap positions, so a snapshot carries ring rows
+only for its positions [max(0, n - ring_cap), n); rows before that are left as they
+were (a restore of a prefix m must not trust ring rows below n - ring_cap). And slot
+p % ring_cap holds position p only until a later position p + k * ring_cap is fed,
+even one rolled back since: with h the highest position fed (exclusive) since p was,
+ring row p is right iff p >= h - ring_cap. Export right after the forward that reached
+n (h == n) and every exported ring row is right; exporting n < h copies stale rows.
+
+The target (``target.py``) keeps the committed position and the shards' agreement; this
+module only checks regions and moves bytes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping
+
+from luced.cache.layout import TensorSpec
+from luced.engine.executor import Executor
+from luced.engine.feature_ring import FeatureRing
+from luced.ipc.frames import KVExport, KVImport, KVLayout, KVLayoutReply
+from luced.ipc.regions import Attachments, Region
+
+
+class KVTransfer:
+    def __init__(self, executor: Executor, instance: str) -> None:
+        self.executor = executor
+        self.instance = instance
+        # Each worker's tensors (fixed by its plan, so asked once) and the snapshot arena's
+        # mapping here (for the ring rows), kept for the target's life.
+        self._specs: list[list[TensorSpec]] | None = None
+        self._maps = Attachments()
+
+    def close(self) -> None:
+        self._maps.close()
+
+    async def layout(self, ring: FeatureRing | None) -> list[TensorSpec]:
+        """Every tensor of a snapshot: each worker's K/V in layer order, then the ring."""
+        per_worker = await self._worker_layouts()
+        return [spec for specs in per_worker for spec in specs] + _ring_spec(ring)
+
+    async def export(self, n: int, regions: dict[str, Region], ring: FeatureRing | None) -> None:
+        """Copy positions [0, n) into `regions`, one per spec of `layout`. Nothing is
+        written before every region checked out; when a worker fails the others have
+        finished too (the regions are free again) and the first error is raised."""
+        per_worker = await self._worker_layouts()
+        self._check(per_worker, ring, regions, n)
+        frames = [
+            KVExport(position=n, regions={s.name: regions[s.name] for s in specs})
+            for specs in per_worker
+        ]
+        await self._call_all(frames)
+        if ring is not None:
+            self._copy_ring(ring, regions["ring"], n, into_ring=False)
+
+    async def import_frames(
+        self, n: int, regions: dict[str, Region], tokens: Region, ring: FeatureRing | None
+    ) -> list[KVImport]:
+        """Each worker's import of positions [0, n), every region checked first: a bad
+        one raises here, before anything changes."""
+        per_worker = await self._worker_layouts()
+        self._check(per_worker, ring, regions, n)
+        return [
+            KVImport(position=n, regions={s.name: regions[s.name] for s in specs}, tokens=tokens)
+            for specs in per_worker
+        ]
+
+    async def import_(
+        self, frames: list[KVImport], region: Region | None, ring: FeatureRing | None
+    ) -> None:
+        """Run checked imports on every worker, then restore the ring's slots of
+        [max(0, n - ring_cap), n) from `region`; raises once every worker has answered."""
+        await self._call_all(frames)
+        if ring is not None:
+            assert region is not None
+            self._copy_ring(ring, region, frames[0].position, into_ring=True)
+
+    async def _worker_layouts(self) -> list[list[TensorSpec]]:
+        """Each worker's K/V specs, in pipeline order (asked once: a worker restarted
+        later serves the same layers in the same dtype)."""
+        if self._specs is None:
+            workers = self.executor.workers()
+            replies = await asyncio.gather(*(w.call(KVLayout()) for w in workers))
+            out = []
+            for reply in replies:
+                assert isinstance(reply, KVLayoutReply)
+                specs = [TensorSpec(nm, (h, 1, d), reply.dtype, 1) for nm, h, d in reply.tensors]
+                out.append(specs)
+            self._specs = out
+        return self._specs
+
+    async def _call_all(self, frames: list[KVExport] | list[KVImport]) -> None:
+        """One frame per worker, concurrently; waits for all, then raises the first error."""
+        workers = self.executor.workers()
+        calls = (w.call(f) for w, f in zip(workers, frames, strict=True))
+        results = await asyncio.gather(*calls, return_exceptions=True)
+        for r in results:
+            if isinstance(r, BaseException):
+                raise r
+
+    def _check(
+        self,
+        per_worker: list[list[TensorSpec]],
+        ring: FeatureRing | None,
+        regions: Mapping[str, Region],
+        n: int,
+    ) -> None:
+        specs = [s for specs in per_worker for s in specs] + _ring_spec(ring)
+        names = {s.name for s in specs}
+        missing, unknown = names - regions.keys(), regions.keys() - names
+        if missing or unknown:
+            raise ValueError(
+                f"snapshot regions must match kv_layout: missing {sorted(missing)}, "
+                f"unknown {sorted(unknown)}"
+            )
+        for spec in specs:
+            r = regions[spec.name]
+            axis = spec.token_axis
+            ok = len(r.shape) == len(spec.shape) and r.dtype == spec.dtype and r.shape[axis] >= n
+            if not ok or spec.shape_for(r.shape[axis]) != r.shape:
+                want = list(spec.shape_for(n))
+                raise ValueError(
+                    f"snapshot region {spec.name} must be {spec.dtype} {want} (or longer on "
+                    f"axis {axis}), got {r.dtype} {list(r.shape)}"
+                )
+            if not r.segment.startswith(f"/luced-{self.instance}-"):
+                raise ValueError(f"snapshot region {spec.name} is not in this daemon's memory")
+
+    def _copy_ring(self, ring: FeatureRing, region: Region, n: int, into_ring: bool) -> None:
+        """Ring slots of positions [max(0, n - ring_cap), n) <-> the same rows of `region`."""
+        slots, cap = ring.array, ring.ring_cap
+        rows = self._maps.view(region)  # the arena: mapped on first use
+        p = max(0, n - cap)
+        while p < n:  # at most two runs: the slots wrap once
+            slot = p % cap
+            k = min(n - p, cap - slot)
+            if into_ring:
+                slots[slot : slot + k] = rows[p : p + k]
+            else:
+                rows[p : p + k] = slots[slot : slot + k]
+            p += k
+        del rows  # no view may outlive the mapping, which close() unmaps
+
+
+def _ring_spec(ring: FeatureRing | None) -> list[TensorSpec]:
+    if ring is None:
+        return []
+    shape = (1, len(ring.layers), ring.hidden)
+    return [TensorSpec("ring", shape, ring.region.dtype, token_axis=0)]

@@ -1,0 +1,72 @@
+"""A worker subprocess driven by hand (the test plays the daemon), shared by the runtime tests."""
+
+from __future__ import annotations
+
+import contextlib
+import secrets
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import posix_ipc
+import pytest
+import torch
+
+from luced.ipc import frames as F
+from luced.ipc.channel import BlockingChannel
+from luced.ipc.shm import scan
+
+THREADS = torch.get_num_threads()  # same as in-process, so the float math is identical
+TAG = secrets.token_hex(3)  # instance ids of this module start with it
+
+
+@pytest.fixture(scope="module", autouse=True)
+def no_segments_left() -> Iterator[None]:
+    """After the module, no segment of ours remains in /dev/shm (as tests/ipc checks)."""
+    yield
+    leaked = [info for info in scan() if info.name.startswith(f"/luced-{TAG}")]
+    for info in leaked:
+        with contextlib.suppress(posix_ipc.Error):
+            posix_ipc.unlink_shared_memory(info.name)
+    assert not leaked, f"shared-memory segments left behind: {[i.name for i in leaked]}"
+
+
+class WorkerProc:
+    """A worker subprocess and the daemon's end of its socket."""
+
+    def __init__(self, log_dir: Path, group: str = "cpu", devices: str = "cpu") -> None:
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.log_path = log_dir / f"worker-{group}-{secrets.token_hex(2)}.log"
+        argv = ["--fd", str(theirs.fileno()), "--group", group, "--devices", devices]
+        with self.log_path.open("wb") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "luced.runtime.worker", *argv, "--threads", str(THREADS)],
+                pass_fds=[theirs.fileno()],
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=log,
+            )
+        theirs.close()  # else our own copy would keep the worker's end open
+        ours.settimeout(60)  # a hung worker fails the test instead of hanging it
+        self.chan = BlockingChannel(ours)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def call(self, req: F.Request) -> F.Reply:
+        return self.chan.call(req)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def stop(self) -> None:
+        self.chan.close()
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        print(f"--- {self.log_path.name} ---\n{self.log()}")  # shown when a test fails

@@ -244,9 +244,8 @@ def expert_mix(
     """Σ_i weights[t, i] · experts(ids[t, i], x[t]) for every token t: x [n, hidden], ids and
     weights [n, k]; ids index `experts`, -1 = held elsewhere (contributes nothing here).
     Returns [n, hidden] in x's dtype; each expert runs once, on the rows that chose it."""
-    if (
-        ids.shape[0] == 1
-    ):  # decode: k experts on one row, in turn (sorting costs more than it saves)
+    # Decode (one row): its k experts in turn; sorting would cost more than it saves.
+    if ids.shape[0] == 1:
         return _mix_one(x, ids[0].tolist(), weights[0].to(x.dtype).tolist(), experts)
     k = ids.shape[1]
     flat = ids.reshape(-1)
@@ -274,7 +273,7 @@ def _mix_one(
     for expert, weight in zip(ids, weights, strict=True):
         if expert >= 0:
             y = experts(expert, x)
-            total = y.mul_(weight) if total is None else total.add_(y, alpha=weight)
+            total = y * weight if total is None else total.add_(y, alpha=weight)
     return torch.zeros_like(x) if total is None else total
 
 

@@ -1,8 +1,9 @@
 """Tiny random-weight GGUF models, written as llama.cpp's converter would, plus the HF twin.
 
-`build(family, path)` writes a deterministic (seeded) GGUF for `llama`, `qwen3` or `gemma3` and
-returns a `TinyModel` with the matching transformers config and state dict, so parity tests run
-luced and transformers on the very same weights:
+`build(family, path)` writes a deterministic (seeded) GGUF for `llama`, `qwen3`, `gemma3` or the
+MoE families `qwen3moe` and `laguna` (their conventions live in tools/tiny_moe.py) and returns a
+`TinyModel` with the matching transformers config and state dict, so parity tests run luced and
+transformers on the very same weights:
 
     tiny = build("gemma3", tmp_path / "g.gguf", seed=1, qtype="Q8_0")
     ref = tiny.hf_model()                      # Gemma3ForCausalLM, eval, float32, eager attention
@@ -51,12 +52,13 @@ from typing import Any
 
 import gguf
 import numpy as np
+import tiny_moe
 import torch
 from gguf import GGMLQuantizationType as Q
 from gguf import LlamaFileType as FT
 from gguf import TokenType as TT
 
-FAMILIES = ("llama", "qwen3", "gemma3")
+FAMILIES = ("llama", "qwen3", "gemma3", *tiny_moe.FAMILIES)
 # qtype -> (ggml type, general.file_type, block size in elements)
 QTYPES: dict[str, tuple[Q, FT, int]] = {
     "F32": (Q.F32, FT.ALL_F32, 1),
@@ -77,7 +79,10 @@ GGUF_LOADER_GAPS = {
     "llama": ("rope_parameters",),  # rope_freqs.weight / Llama-3 scaling is ignored
     "qwen3": ("head_dim",),  # qwen3.attention.key_length is not mapped
     "gemma3": ("query_pre_attn_scalar",),  # not stored; HF defaults to 256
-}
+    "qwen3moe": ("moe_intermediate_size",),  # qwen3moe.expert_feed_forward_length is not mapped
+}  # (transformers' GGUF loader has no laguna at all)
+# The converter keeps routers (FFN_GATE_INP, FFN_GATE_INP_SHEXP) in F32 whatever the file type.
+ALWAYS_F32 = (".mlp.gate.weight", ".mlp.shared_expert_gate.weight")
 
 _TURNS = (
     "{%- for message in messages -%}"
@@ -141,8 +146,21 @@ class TinySpec:
     rope_factor: float = 8.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
-    sliding_window: int = 8  # gemma3 only
+    sliding_window: int = 8  # gemma3, laguna (0: every layer full)
     name: str = ""
+    # MoE families (tools/tiny_moe.py)
+    experts: int = 0
+    experts_used: int = 0
+    expert_ffn: int = 0
+    shared_ffn: int = 0  # laguna's shared expert
+    routed_scale: float = 1.0
+    dense_layers: int = 0  # laguna: leading dense layers
+    swa_heads: int = 0  # laguna: query heads of sliding layers
+    gating: str = "per-head"  # laguna's attention gate: or "per-element"
+    partial_rotary: float = 1.0  # laguna: rotary fraction of full layers
+    yarn_factor: float = 1.0
+    yarn_original_context: int = 0
+    swa_rope_base: float = 10000.0
 
 
 _BASE = dict(hidden=64, layers=2, heads=4, kv_heads=2, head_dim=16, ffn=128, vocab_size=512)
@@ -153,7 +171,7 @@ DEFAULTS: dict[str, dict[str, Any]] = {
     "llama": _BASE | dict(rope_base=10000.0, rms_eps=1e-5, tied=True),
     "qwen3": _BASE | dict(head_dim=32, rope_base=1e6, rms_eps=1e-6, tied=False),
     "gemma3": _BASE | _GEMMA3 | dict(tied=True),
-}
+} | tiny_moe.DEFAULTS
 KQUANT_DEFAULTS = {"hidden": 256, "ffn": 512, "head_dim": 64}
 
 
@@ -165,6 +183,7 @@ def _make_spec(family: str, qtype: str, seed: int, overrides: dict[str, Any]) ->
     values = dict(DEFAULTS[family])
     if QTYPES[qtype][2] == 256:
         values.update(KQUANT_DEFAULTS, head_dim=128 if family == "qwen3" else 64)
+        values.update(tiny_moe.KQUANT_DEFAULTS.get(family, {}))
     values.update(overrides)
     if values.get("rope_scaling") == "llama3" and "context" not in overrides:
         values["context"] = 2 * LLAMA3_ORIGINAL_CONTEXT  # HF wants it above the original context
@@ -175,6 +194,9 @@ def _make_spec(family: str, qtype: str, seed: int, overrides: dict[str, Any]) ->
     spec = TinySpec(family=family, qtype=qtype, seed=seed, **values)
     block = QTYPES[qtype][2]
     rows = {"hidden": spec.hidden, "ffn": spec.ffn, "heads * head_dim": spec.heads * spec.head_dim}
+    if family in tiny_moe.FAMILIES:
+        rows |= tiny_moe.row_sizes(spec)
+        tiny_moe.validate(spec)
     for what, n in rows.items():
         if n % block:
             raise ValueError(f"{qtype} needs rows that are multiples of {block}: {what} = {n}")
@@ -325,7 +347,9 @@ def _spm_vocab(size: int) -> Vocab:
 
 
 def _hf_shapes(spec: TinySpec) -> dict[str, tuple[int, ...]]:
-    """HF parameter name -> shape, for the family's *ForCausalLM."""
+    """HF parameter name -> shape, for the family's *ForCausalLM (MoE: the converter's names)."""
+    if spec.family in tiny_moe.FAMILIES:
+        return tiny_moe.hf_shapes(spec)
     h, f, d, v = spec.hidden, spec.ffn, spec.head_dim, spec.vocab_size
     q, kv = spec.heads * d, spec.kv_heads * d
     shapes = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,)}
@@ -364,12 +388,14 @@ def _convention(spec: TinySpec, hf_name: str) -> tuple[str, int]:
 def _random_hf(spec: TinySpec, hf_name: str, shape: tuple[int, ...]) -> np.ndarray:
     # One stream per tensor, so a tensor's values depend only on (seed, name, shape).
     rng = np.random.default_rng([spec.seed, zlib.crc32(hf_name.encode())])
+    if len(shape) == 1 and "norm" not in hf_name:  # MoE score biases
+        return tiny_moe.random_bias(rng, shape)
     if len(shape) == 1:  # norm weights near their identity value (1, or 0 in Gemma's 1 + w form)
         base = 0.0 if spec.family == "gemma3" else 1.0
         return (base + rng.uniform(-0.3, 0.3, shape)).astype(np.float32)
     # Unit-scale embeddings and 1/sqrt(fan_in) projections keep activations O(1) and logits
     # well separated, so greedy continuations are not decided by rounding.
-    std = 1.0 if "embed_tokens" in hf_name or "lm_head" in hf_name else shape[1] ** -0.5
+    std = 1.0 if "embed_tokens" in hf_name or "lm_head" in hf_name else shape[-1] ** -0.5
     return (rng.standard_normal(shape) * std).astype(np.float32)
 
 
@@ -377,7 +403,7 @@ def _kquant_blocks(
     qtype: Q, shape: tuple[int, ...], std: float, rng: np.random.Generator
 ) -> np.ndarray:
     """Random but valid K-quant blocks whose dequantized values have roughly `std`."""
-    n = shape[0] * shape[1] // 256
+    n = math.prod(shape) // 256
     f16 = lambda x: np.full((n, 1), x, np.float16).view(np.uint8)  # noqa: E731
     u8 = lambda lo, hi, k: rng.integers(lo, hi, (n, k), dtype=np.uint8)  # noqa: E731
     if qtype == Q.Q6_K:  # ql[128] qh[64] scales:int8[16] d:f16 -> d * sc * (q - 32)
@@ -398,13 +424,13 @@ def _kquant_blocks(
         blocks = [f16(d), f16(d), scales.astype(np.uint8)]
         blocks += [u8(0, 256, 32)] if qtype == Q.Q5_K else []
         blocks += [u8(0, 256, 128)]
-    return np.concatenate(blocks, axis=1).reshape(shape[0], -1)
+    return np.concatenate(blocks, axis=1).reshape(*shape[:-1], -1)
 
 
 def _encode(spec: TinySpec, hf_name: str, w: np.ndarray) -> tuple[np.ndarray, Q]:
     """GGUF-layout float tensor -> (stored array, ggml type), as the converter would store it."""
     qtype = QTYPES[spec.qtype][0]
-    if w.ndim == 1 or qtype == Q.F32:
+    if w.ndim == 1 or qtype == Q.F32 or hf_name.endswith(ALWAYS_F32):
         return w, Q.F32
     if qtype == Q.F16:
         return w.astype(np.float16), Q.F16
@@ -464,6 +490,8 @@ def _write_metadata(w: gguf.GGUFWriter, spec: TinySpec, vocab: Vocab) -> None:
         w.add_rope_dimension_count(spec.head_dim)
     if spec.family == "gemma3":  # Gemma3Model.set_gguf_parameters (no final softcap in Gemma 3)
         w.add_sliding_window(spec.sliding_window)
+    if spec.family in tiny_moe.FAMILIES:
+        tiny_moe.write_metadata(w, spec)
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
     # Vocabulary (TextModel._set_vocab_gpt2 / _set_vocab_sentencepiece + gguf.SpecialVocab).
     w.add_tokenizer_model(vocab.model)
@@ -507,6 +535,8 @@ def _hf_config(spec: TinySpec, vocab: Vocab) -> Any:
         pad_token_id=vocab.ids["pad"],
     )
     rope = {"rope_type": "default", "rope_theta": _f32(spec.rope_base)}
+    if spec.family in tiny_moe.FAMILIES:
+        return tiny_moe.hf_config(spec, common, rope)
     if spec.family == "llama":
         if spec.rope_scaling == "llama3":
             rope = dict(
@@ -567,13 +597,19 @@ class TinyModel:
         save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
 
 
+def _gguf_name(spec: TinySpec, hf_name: str) -> str | None:
+    if spec.family in tiny_moe.FAMILIES:
+        return tiny_moe.gguf_name(spec, hf_name)
+    tensor_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH[spec.family.upper()], spec.layers)
+    return tensor_map.get_name(hf_name, try_suffixes=(".weight",))
+
+
 def build(
     family: str, path: Path, *, seed: int = 0, qtype: str = "F32", **overrides: Any
 ) -> TinyModel:
     """Write the tiny GGUF to `path`; return it with its transformers twin (see module doc)."""
     spec = _make_spec(family, qtype, seed, overrides)
-    vocab = _vocab(family, spec.vocab_size)
-    tensor_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH[family.upper()], spec.layers)
+    vocab = _vocab(tiny_moe.VOCAB if family in tiny_moe.FAMILIES else family, spec.vocab_size)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     writer = gguf.GGUFWriter(path, family)
@@ -584,7 +620,7 @@ def build(
         writer.add_tensor("rope_freqs.weight", _llama3_rope_factors(spec))
     # Sorted like safetensors stores them, so blk.10 follows blk.1 as in converted files.
     for hf_name, shape in sorted(_hf_shapes(spec).items()):
-        gguf_name = tensor_map.get_name(hf_name, try_suffixes=(".weight",))
+        gguf_name = _gguf_name(spec, hf_name)
         if gguf_name is None:
             raise AssertionError(f"gguf-py has no name for {hf_name}")
         # HF -> GGUF as the converter does it. With random sources this only fixes value ranges
@@ -606,6 +642,8 @@ def build(
         elif kind == "shift":
             back = back - np.float32(arg)  # exact: stored values lie in [0.5, 2] (Sterbenz)
         state_dict[hf_name] = torch.from_numpy(np.ascontiguousarray(back))
+    if spec.family in tiny_moe.FAMILIES:
+        state_dict = tiny_moe.hf_state_dict(spec, state_dict)
     if spec.tied:
         state_dict["lm_head.weight"] = state_dict["model.embed_tokens.weight"]
     writer.write_header_to_file()

@@ -1,10 +1,10 @@
 """Per-layer K/V storage with a fill position, for the layers one shard owns.
 
 Layout per layer: K and V are `[Hkv, capacity, D]` so a prefix `[:, :end]` is a
-view SDPA reads directly. Positions `[0, pos)` are committed; `truncate(pos)`
-rolls back (a rejected draft) by moving the fill position: stale rows past it
-are overwritten by the next write and never attended, because attention only
-reads `[0, start + n)`.
+view SDPA reads directly; Hkv may differ between layers (per-layer head counts).
+Positions `[0, pos)` are committed; `truncate(pos)` rolls back (a rejected draft)
+by moving the fill position: stale rows past it are overwritten by the next write
+and never attended, because attention only reads `[0, start + n)`.
 
 Sliding-window layers keep every position too. Their attention masks keys
 outside the window, so results equal full attention within the window; keeping
@@ -31,7 +31,7 @@ class KVCache:
     def __init__(
         self,
         layers: range,
-        n_kv_heads: int,
+        n_kv_heads: int | Mapping[int, int],  # one count, or one per layer
         head_dim: int,
         capacity: int,
         dtype: torch.dtype,
@@ -39,7 +39,11 @@ class KVCache:
         initial: int = 256,
     ) -> None:
         self.layers = layers
-        self.n_kv_heads = n_kv_heads
+        self.kv_heads = (
+            dict.fromkeys(layers, n_kv_heads)
+            if isinstance(n_kv_heads, int)
+            else {i: n_kv_heads[i] for i in layers}
+        )
         self.head_dim = head_dim
         self.capacity = capacity
         self.dtype = dtype
@@ -53,8 +57,8 @@ class KVCache:
     def _grow(self, size: int, keep: int | None = None) -> None:
         """Reallocate every layer to `size` rows, keeping rows [0, keep) (default: all)."""
         keep = self._allocated if keep is None else keep
-        shape = (self.n_kv_heads, size, self.head_dim)
         for i in self.layers:
+            shape = (self.kv_heads[i], size, self.head_dim)
             k = torch.zeros(shape, dtype=self.dtype, device=self.device)
             v = torch.zeros(shape, dtype=self.dtype, device=self.device)
             if keep:
@@ -115,8 +119,8 @@ class KVCache:
             raise ContextOverflow(f"{n} positions exceed the KV capacity {self.capacity}")
         if set(rows) != set(self.layers):
             raise ValueError(f"import needs layers {list(self.layers)}, got {sorted(rows)}")
-        want = (self.n_kv_heads, self.head_dim)
         for layer, pair in rows.items():
+            want = (self.kv_heads[layer], self.head_dim)
             for t in pair:
                 if t.dim() != 3 or (t.shape[0], t.shape[2]) != want or t.shape[1] < n:
                     raise ValueError(

@@ -8,23 +8,26 @@ one row against the 49152 x 576 SmolLM2 head): float32 weights are stored
 transposed, `[in, out]`, and multiplied with `matmul` (3.5 ms vs 6.3 ms for
 `F.linear`); bfloat16 / float16 weights keep `[out, in]` for `F.linear` (1.6 ms vs
 3.9 ms for the transposed layout). `store_matrix` / `matrix_rows` / `linear` are the
-only places that know this.
+only places that know this. A stack of matrices (MoE experts, `[E, out, in]`) is stored
+the same way per matrix, so `w[e]` is a matrix `linear` takes.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.nn.functional as F
 
 
 def store_matrix(rows: torch.Tensor) -> torch.Tensor:
-    """An [out, in] weight in the layout `linear` reads for its dtype."""
-    return rows.t().contiguous() if rows.dtype == torch.float32 else rows.contiguous()
+    """An [out, in] weight (or a [..., out, in] stack) in the layout `linear` reads."""
+    return rows.mT.contiguous() if rows.dtype == torch.float32 else rows.contiguous()
 
 
 def matrix_rows(w: torch.Tensor) -> torch.Tensor:
-    """The [out, in] view of a stored matrix (a view: no copy)."""
-    return w.t() if w.dtype == torch.float32 else w
+    """The [out, in] ([..., out, in]) view of a stored matrix (a view: no copy)."""
+    return w.mT if w.dtype == torch.float32 else w
 
 
 def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -43,11 +46,13 @@ class Rope:
     """Rotate-half (NEOX-style) rotary embedding with a cached cos/sin table.
 
     `inv_freq` already holds any frequency factors (Llama-3 scaling, linear
-    scaling); positions index the table directly.
+    scaling, YaRN); positions index the table directly. `scale` multiplies cos and
+    sin (YaRN's magnitude correction), so it scales the rotated dimensions only.
     """
 
-    def __init__(self, inv_freq: torch.Tensor, capacity: int = 4096) -> None:
+    def __init__(self, inv_freq: torch.Tensor, capacity: int = 4096, scale: float = 1.0) -> None:
         self.inv_freq = inv_freq.float()
+        self.scale = scale
         self.cos = self.sin = torch.empty(0)
         self._grow(capacity)
 
@@ -55,7 +60,7 @@ class Rope:
         pos = torch.arange(capacity, dtype=torch.float32, device=self.inv_freq.device)
         freqs = torch.outer(pos, self.inv_freq)  # [capacity, D/2]
         emb = torch.cat([freqs, freqs], dim=-1)  # [capacity, D]
-        self.cos, self.sin = emb.cos(), emb.sin()
+        self.cos, self.sin = emb.cos() * self.scale, emb.sin() * self.scale
 
     def tables(self, start: int, n: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         if start + n > self.cos.shape[0]:
@@ -76,6 +81,37 @@ def rope_inv_freq(
     if factors is not None:
         inv = inv / factors.float().to(inv.device)
     return inv / linear_scale
+
+
+def yarn_inv_freq(
+    dim: int,
+    base: float,
+    factor: float,
+    original_context: int,
+    beta_fast: float = 32.0,
+    beta_slow: float = 1.0,
+) -> torch.Tensor:
+    """YaRN inverse frequencies: interpolated (divided by `factor`) for the slow dimensions,
+    extrapolated (kept) for the fast ones, blended linearly between the dimensions that turn
+    `beta_fast` and `beta_slow` times over `original_context` positions (ggml's
+    rope_yarn_corr_dims, with the same floor/ceil)."""
+
+    def turning_dim(rotations: float) -> float:
+        return dim * math.log(original_context / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low = max(math.floor(turning_dim(beta_fast)), 0)
+    high = min(math.ceil(turning_dim(beta_slow)), dim - 1)
+    powers = base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)
+    extrapolated, interpolated = 1.0 / powers, 1.0 / (factor * powers)
+    pair = torch.arange(dim // 2, dtype=torch.float32)
+    span = high - low if high != low else 0.001
+    keep = 1 - ((pair - low) / span).clamp(0, 1)  # 1: extrapolate, 0: interpolate
+    return interpolated * (1 - keep) + extrapolated * keep
+
+
+def yarn_mscale(factor: float) -> float:
+    """YaRN's cos/sin magnitude correction for a context stretched `factor` times."""
+    return 1.0 if factor <= 1 else 0.1 * math.log(factor) + 1.0
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

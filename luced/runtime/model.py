@@ -90,7 +90,7 @@ class Model:
     def new_cache(self, capacity: int | None = None) -> KVCache:
         return KVCache(
             self.layers,
-            self.cfg.n_kv_heads,
+            {i: self.cfg.kv_heads(i) for i in self.layers},
             self.cfg.head_dim,
             capacity or self.cfg.context_length,
             self.dtype,

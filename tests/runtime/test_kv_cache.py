@@ -53,3 +53,30 @@ def test_bounds(smollm2: Model) -> None:
         smollm2.forward(torch.arange(1), cache, 7)
     with pytest.raises(ValueError, match="cannot truncate to 6"):
         cache.truncate(6)
+
+
+def test_per_layer_kv_heads() -> None:
+    """Layers may hold different KV head counts; rows move in and out per layer's shape."""
+    heads = {2: 1, 3: 4, 4: 2}
+    cache = KVCache(range(2, 5), heads, 8, capacity=32, dtype=torch.float32, initial=4)
+    for layer, h in heads.items():
+        cache.write(layer, 0, torch.randn(3, h, 8), torch.randn(3, h, 8))
+    cache.commit(3)
+    cache.reserve(3, 10)  # grows every layer to 13 rows, each in its own shape
+    assert {i: tuple(cache.k[i].shape) for i in heads} == {
+        2: (1, 13, 8),
+        3: (4, 13, 8),
+        4: (2, 13, 8),
+    }
+    rows = {}
+    for layer, h in heads.items():
+        k, v = torch.empty(h, 3, 8), torch.empty(h, 3, 8)
+        cache.export_rows(layer, 3, k, v)
+        rows[layer] = (k, v)
+    fresh = KVCache(range(2, 5), heads, 8, capacity=32, dtype=torch.float32)
+    fresh.import_rows(3, rows)
+    for layer in heads:
+        assert torch.equal(fresh.k[layer][:, :3], cache.k[layer][:, :3])
+    rows[3] = rows[4]
+    with pytest.raises(ValueError, match=r"layer 3: rows must be \[4, >= 3, 8\], got \[2, 3, 8\]"):
+        fresh.import_rows(3, rows)

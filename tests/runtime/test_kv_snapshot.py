@@ -37,11 +37,13 @@ SAMPLED = {"temperature": 0.9, "seed": 11, "repetition_penalty": 1.5}
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """llama with 4 layers; gemma3 with its 6 (sliding-window and global layers)."""
+    """llama with 4 layers; gemma3 with its 6 (sliding-window and global layers); laguna (MoE,
+    per-layer query heads, sliding windows)."""
     d = tmp_path_factory.mktemp("kvsnap")
     make_tiny_gguf.build("llama", d / "llama.gguf", seed=3, layers=4)
     make_tiny_gguf.build("gemma3", d / "gemma3.gguf", seed=3)
-    return {"llama": d / "llama.gguf", "gemma3": d / "gemma3.gguf"}
+    make_tiny_gguf.build("laguna", d / "laguna.gguf", seed=3)
+    return {f: d / f"{f}.gguf" for f in ("llama", "gemma3", "laguna")}
 
 
 @pytest.fixture
@@ -226,7 +228,13 @@ def test_layout_lists_every_layer_in_order(owner: ShmOwner, tiny, devices) -> No
 
 
 @pytest.mark.parametrize(
-    ("family", "devices"), [("llama", ("cpu",)), ("llama", ("cpu", "cpu")), ("gemma3", ("cpu",))]
+    ("family", "devices"),
+    [
+        ("llama", ("cpu",)),
+        ("llama", ("cpu", "cpu")),
+        ("gemma3", ("cpu",)),
+        ("laguna", ("cpu", "cpu")),
+    ],
 )
 def test_restore_continues_like_the_fresh_prefill(owner: ShmOwner, tiny, family, devices) -> None:
     d = Daemon(owner, tiny[family], devices=devices)

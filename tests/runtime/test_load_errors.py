@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import re
+import struct
 from pathlib import Path
 
+import make_tiny_gguf
 import pytest
 from gguf import GGMLQuantizationType
 from gguf_samples import write_gguf
@@ -46,3 +49,38 @@ def test_truncated_real_model(tmp_path: Path, smollm2_gguf: Path) -> None:
 def test_bad_layer_range(smollm2_gguf: Path) -> None:
     with pytest.raises(ValueError, match=r"layer range \[20, 40\) outside the model's 30 layers"):
         Model.load(smollm2_gguf, layers=(20, 40))
+
+
+def _patched(tiny_path: Path, old: bytes, new: bytes) -> Path:
+    """The file with one header byte string replaced by another of the same length."""
+    data = tiny_path.read_bytes()
+    assert data.count(old) == 1 and len(old) == len(new)
+    out = tiny_path.with_name("bad-" + tiny_path.name)
+    out.write_bytes(data.replace(old, new))
+    return out
+
+
+def test_expert_count_disagreeing_with_the_expert_tensors(tmp_path: Path) -> None:
+    tiny = make_tiny_gguf.build("qwen3moe", tmp_path / "moe.gguf")  # 8 experts, hidden 64
+    key = b"qwen3moe.expert_count"
+    u32, eight, six = struct.pack("<I", 4), struct.pack("<I", 8), struct.pack("<I", 6)
+    path = _patched(tiny.path, key + u32 + eight, key + u32 + six)
+    with pytest.raises(
+        GGUFError,
+        match=r"bad-moe\.gguf: tensor 'blk\.0\.ffn_gate_inp\.weight' has shape \[8, 64\], "
+        r"expected \[6, 64\] \(expert_count 6",
+    ):
+        Model.load(path)
+
+
+@pytest.mark.parametrize(
+    ("family", "tensor"),
+    [("qwen3moe", "blk.1.ffn_up_exps.weight"), ("laguna", "blk.2.exp_probs_b.bias")],
+)
+def test_missing_expert_tensor(tmp_path: Path, family: str, tensor: str) -> None:
+    tiny = make_tiny_gguf.build(family, tmp_path / f"{family}.gguf")
+    path = _patched(tiny.path, tensor.encode(), tensor.encode()[:-1] + b"X")
+    with pytest.raises(
+        GGUFError, match=rf"bad-{family}\.gguf: missing tensor '{re.escape(tensor)}'"
+    ):
+        Model.load(path, layers=(0, 1))  # checked for every layer, even by a shard without it

@@ -10,6 +10,7 @@ import gguf
 import make_tiny_gguf as mtg
 import numpy as np
 import pytest
+import tiny_moe
 import torch
 from gguf import GGMLQuantizationType as Q
 
@@ -18,7 +19,12 @@ VARIANTS = {
     "llama3-untied": ("llama", {"rope_scaling": "llama3", "tied": False}),
     "qwen3": ("qwen3", {}),
     "gemma3": ("gemma3", {}),
+    "qwen3moe": ("qwen3moe", {}),
+    "laguna": ("laguna", {}),
+    "laguna-m1": ("laguna", {"sliding_window": 0, "gating": "per-element", "dense_layers": 2}),
 }
+# transformers' GGUF loader has no laguna: its twin is checked against the file directly.
+TRANSFORMERS_READS = [f for f in mtg.FAMILIES if f in mtg.GGUF_LOADER_GAPS]
 # 16 positions: longer than gemma3's sliding window of 8.
 IDS = torch.tensor([[2, 5, 17, 200, 33, 9, 100, 250, 7, 8, 44, 300, 12, 13, 400, 3]])
 
@@ -44,6 +50,11 @@ def _reader(tiny: mtg.TinyModel) -> gguf.GGUFReader:
     return gguf.GGUFReader(tiny.path)
 
 
+def _needs_transformers_gguf(tiny: mtg.TinyModel) -> None:
+    if tiny.family not in TRANSFORMERS_READS:
+        pytest.skip(f"transformers cannot read {tiny.family} GGUF files")
+
+
 def _tensor(reader: gguf.GGUFReader, name: str) -> np.ndarray:
     t = next(t for t in reader.tensors if t.name == name)
     return gguf.quants.dequantize(t.data, t.tensor_type).reshape(tuple(reversed(t.shape.tolist())))
@@ -56,6 +67,7 @@ def variant(request, tmp_path_factory) -> mtg.TinyModel:
 
 
 def test_transformers_reads_our_weights_and_logits(variant):
+    _needs_transformers_gguf(variant)
     loaded = _from_gguf(variant)
     theirs = loaded.state_dict()
     assert sorted(theirs) == sorted(variant.state_dict)
@@ -76,6 +88,7 @@ CONFIG_FIELDS = """vocab_size hidden_size intermediate_size num_hidden_layers nu
 def test_transformers_reads_our_config_from_metadata(variant):
     from transformers import AutoConfig
 
+    _needs_transformers_gguf(variant)
     read = AutoConfig.from_pretrained(variant.path.parent, gguf_file=variant.path.name)
     ours = variant.hf_config
     fields = CONFIG_FIELDS.split()
@@ -83,6 +96,8 @@ def test_transformers_reads_our_config_from_metadata(variant):
         fields += ["sliding_window", "layer_types", "rope_parameters", "head_dim"]
     if variant.family == "llama":
         fields += ["head_dim"]
+    if variant.family == "qwen3moe":
+        fields += ["head_dim", "num_experts", "num_experts_per_tok", "norm_topk_prob"]
     for name in fields:
         assert getattr(read, name) == getattr(ours, name), name
     if variant.family != "gemma3":
@@ -110,13 +125,40 @@ EXPECTED_KEYS = {
     "gemma3": """gemma3.attention.sliding_window gemma3.rope.freq_base_swa tokenizer.ggml.scores
         tokenizer.ggml.unknown_token_id tokenizer.ggml.add_eos_token
         tokenizer.ggml.add_space_prefix""",
+    "qwen3moe": """qwen3moe.expert_count qwen3moe.expert_used_count
+        qwen3moe.expert_feed_forward_length tokenizer.ggml.merges tokenizer.chat_template""",
+    "laguna": """laguna.expert_count laguna.expert_used_count laguna.rope.scaling.type
+        laguna.rope.scaling.factor laguna.rope.scaling.original_context_length laguna.vocab_size
+        laguna.expert_feed_forward_length laguna.expert_shared_feed_forward_length
+        laguna.expert_weights_norm laguna.expert_weights_scale laguna.expert_gating_func
+        laguna.leading_dense_block_count laguna.rope.dimension_count tokenizer.ggml.merges
+        tokenizer.chat_template""",
 }
+LAGUNA_SWA_KEYS = """laguna.rope.freq_base_swa laguna.attention.sliding_window
+    laguna.rope.dimension_count_swa"""
 _LLAMA_LAYER = "attn_norm attn_q attn_k attn_v attn_output ffn_norm ffn_gate ffn_up ffn_down"
+_EXPERTS = "ffn_gate_inp ffn_gate_exps ffn_up_exps ffn_down_exps"
+_LAGUNA_ATTN = (
+    "attn_norm attn_q attn_k attn_v attn_output attn_q_norm attn_k_norm attn_gate ffn_norm"
+)
 LAYER_TENSORS = {
     "llama": _LLAMA_LAYER,
     "qwen3": _LLAMA_LAYER + " attn_q_norm attn_k_norm",
     "gemma3": _LLAMA_LAYER + " attn_q_norm attn_k_norm post_attention_norm post_ffw_norm",
+    "qwen3moe": "attn_norm attn_q attn_k attn_v attn_output attn_q_norm attn_k_norm ffn_norm "
+    + _EXPERTS,
 }
+
+
+def _layer_tensors(spec: mtg.TinySpec, layer: int) -> set[str]:
+    if spec.family != "laguna":
+        return {f"{t}.weight" for t in LAYER_TENSORS[spec.family].split()}
+    if layer < spec.dense_layers:
+        names = f"{_LAGUNA_ATTN} ffn_gate ffn_up ffn_down"
+    else:
+        names = f"{_LAGUNA_ATTN} {_EXPERTS} ffn_gate_shexp ffn_up_shexp ffn_down_shexp"
+    tensors = {f"{t}.weight" for t in names.split()}
+    return tensors if layer < spec.dense_layers else tensors | {"exp_probs_b.bias"}
 
 
 def test_metadata_keys_and_tensor_names(variant):
@@ -124,13 +166,13 @@ def test_metadata_keys_and_tensor_names(variant):
     fam = variant.family
     keys = {k for k in reader.fields if not k.startswith("GGUF.")}
     expected = {k.format(a=fam) for k in f"{EXPECTED_KEYS['common']} {EXPECTED_KEYS[fam]}".split()}
+    if fam == "laguna" and variant.spec.sliding_window:
+        expected |= set(LAGUNA_SWA_KEYS.split())
     assert keys == expected
     names = {t.name for t in reader.tensors}
     want = {"token_embd.weight", "output_norm.weight"}
     want |= {
-        f"blk.{i}.{t}.weight"
-        for i in range(variant.spec.layers)
-        for t in LAYER_TENSORS[fam].split()
+        f"blk.{i}.{t}" for i in range(variant.spec.layers) for t in _layer_tensors(variant.spec, i)
     }
     if not variant.spec.tied:
         want.add("output.weight")  # llama.cpp omits it when the head is tied
@@ -138,7 +180,7 @@ def test_metadata_keys_and_tensor_names(variant):
         want.add("rope_freqs.weight")
     assert names == want
     for t in reader.tensors:  # 1-D tensors (norms, rope factors) stay F32 whatever the qtype
-        assert t.tensor_type == Q.F32 or len(t.shape) == 2, t.name
+        assert t.tensor_type == Q.F32 or len(t.shape) >= 2, t.name
 
 
 def test_llama_qk_rows_are_permuted_like_llama_cpp(tmp_path):
@@ -246,7 +288,7 @@ def test_kquant_rows_must_be_multiples_of_256(tmp_path):
         _build(tmp_path, "qwen3", qtype="Q8_0", ffn=100)
 
 
-@pytest.mark.parametrize("family", mtg.FAMILIES)
+@pytest.mark.parametrize("family", TRANSFORMERS_READS)
 def test_transformers_tokenizer_from_gguf(tmp_path, family):
     from transformers import AutoTokenizer
 
@@ -295,3 +337,104 @@ def test_cli_writes_gguf_and_hf_dir(tmp_path):
     assert model.config.layer_types[5:] == ["full_attention", "sliding_attention"]
     for name, w in model.state_dict().items():
         assert torch.equal(w, again.state_dict[name]), name
+
+
+# ---------------------------------------------------------------- MoE families
+
+
+def _file_state_dict(tiny: mtg.TinyModel) -> dict[str, torch.Tensor]:
+    """The twin's state dict rebuilt from the file alone: every tensor dequantized under its
+    converter name, then experts joined as transformers keeps them."""
+    reader = _reader(tiny)
+    converted = {}
+    for hf_name in tiny_moe.hf_shapes(tiny.spec):
+        stored = _tensor(reader, tiny_moe.gguf_name(tiny.spec, hf_name))
+        converted[hf_name] = torch.from_numpy(np.array(stored, dtype=np.float32))
+    out = tiny_moe.hf_state_dict(tiny.spec, converted)
+    if tiny.spec.tied:
+        out["lm_head.weight"] = out["model.embed_tokens.weight"]
+    return out
+
+
+@pytest.mark.parametrize("family", tiny_moe.FAMILIES)
+@pytest.mark.parametrize("qtype", [q for q in mtg.QTYPES if q != "F32"])
+def test_moe_qtypes_store_experts_and_state_dict_is_the_file(tmp_path, family, qtype):
+    tiny = _build(tmp_path, family, qtype=qtype, seed=2)
+    reader = _reader(tiny)
+    ggml_type, file_type, _ = mtg.QTYPES[qtype]
+    assert reader.fields["general.file_type"].contents() == int(file_type)
+    for t in reader.tensors:
+        router = t.name.endswith("ffn_gate_inp.weight")  # the converter keeps routers in F32
+        want = Q.F32 if len(t.shape) == 1 or router else ggml_type
+        assert t.tensor_type == want, t.name
+        assert len(t.shape) == (3 if "_exps." in t.name else len(t.shape)), t.name
+    ours = tiny.state_dict
+    theirs = _file_state_dict(tiny)
+    assert sorted(theirs) == sorted(ours)
+    for name, w in ours.items():
+        assert torch.isfinite(w).all(), name
+        assert torch.equal(theirs[name], w), name
+    assert sorted(ours) == sorted(tiny.hf_model().state_dict())  # the twin takes them all
+    if family in TRANSFORMERS_READS:
+        loaded = _from_gguf(tiny).state_dict()
+        for name, w in ours.items():
+            assert torch.equal(loaded[name], w), name
+
+
+def test_moe_experts_are_split_like_the_converter(tmp_path):
+    tiny = _build(tmp_path, "qwen3moe")
+    reader, sd, f = _reader(tiny), tiny.state_dict, tiny.spec.expert_ffn
+    gate_up = sd["model.layers.1.mlp.experts.gate_up_proj"]  # [E, 2 ff, hidden], gate first
+    assert gate_up.shape == (8, 2 * f, 64)
+    np.testing.assert_array_equal(_tensor(reader, "blk.1.ffn_gate_exps.weight"), gate_up[:, :f])
+    np.testing.assert_array_equal(_tensor(reader, "blk.1.ffn_up_exps.weight"), gate_up[:, f:])
+    np.testing.assert_array_equal(
+        _tensor(reader, "blk.1.ffn_down_exps.weight"), sd["model.layers.1.mlp.experts.down_proj"]
+    )
+    np.testing.assert_array_equal(
+        _tensor(reader, "blk.1.ffn_gate_inp.weight"), sd["model.layers.1.mlp.gate.weight"]
+    )
+
+
+def test_laguna_layout(tmp_path):
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    tiny = _build(tmp_path, "laguna")
+    reader, cfg = _reader(tiny), tiny.hf_config
+    assert list(reader.fields["laguna.attention.head_count"].contents()) == [4, 8, 8, 8]
+    assert cfg.num_attention_heads_per_layer == [4, 8, 8, 8]
+    # llama.cpp's default pattern (no key is written): full attention iff i % 4 == 0
+    assert cfg.layer_types == ["full_attention"] + ["sliding_attention"] * 3
+    assert cfg.mlp_layer_types == ["dense", "sparse", "sparse", "sparse"]
+    assert cfg.sliding_window == 8 < IDS.shape[1]
+    assert _tensor(reader, "blk.1.attn_gate.weight").shape == (8, 64)  # one gate per head
+    bias = _tensor(reader, "blk.2.exp_probs_b.bias")
+    np.testing.assert_array_equal(
+        bias, tiny.state_dict["model.layers.2.mlp.gate.e_score_correction_bias"]
+    )
+    assert bias.std() > 0.02  # large enough to change some choices
+    # YaRN on the full layers: pairs extrapolated (kept), blended and interpolated (/ factor)
+    inv, scale = ROPE_INIT_FUNCTIONS["yarn"](cfg, "cpu", layer_type="full_attention")
+    d = reader.fields["laguna.rope.dimension_count"].contents()
+    assert d == 16 == len(inv) * 2
+    base = 1.0 / (500000.0 ** (np.arange(0, d, 2, dtype=np.float32) / d))
+    ratio = inv.numpy() / base
+    assert np.isclose(ratio, 1).any() and np.isclose(ratio, 1 / 32).any()
+    assert ((ratio > 1 / 32 + 1e-3) & (ratio < 1 - 1e-3)).any()
+    assert scale == pytest.approx(0.1 * np.log(32) + 1)
+
+
+def test_cli_writes_moe_gguf_and_hf_dir(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    out, hf_dir = tmp_path / "cli.gguf", tmp_path / "hf"
+    mtg.main(["laguna", str(out), "--seed", "4", "--hf-dir", str(hf_dir), "--set", "experts=4"])
+    again = _build(tmp_path / "again", "laguna", seed=4, experts=4)
+    assert out.read_bytes() == again.path.read_bytes()
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    assert type(model).__name__ == "LagunaForCausalLM"
+    assert model.config.num_experts == 4
+    state = model.state_dict()
+    assert sorted(state) == sorted(again.state_dict)
+    for name, w in again.state_dict.items():
+        assert torch.equal(state[name], w), name

@@ -19,9 +19,11 @@ Keys of the weight dict are `tok_embd`, `out_norm`, `head` and `{layer}.{name}`
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
+import numpy as np
 import torch
 
 from luced.gguf_file import GGUFError, GGUFFile
@@ -55,7 +57,7 @@ class ModelConfig:
     arch: str
     n_layers: int
     hidden: int
-    n_heads: int
+    n_heads: int  # the largest per-layer count when they vary
     n_kv_heads: int
     head_dim: int
     ffn: int
@@ -65,13 +67,39 @@ class ModelConfig:
     rope_dims: int
     context_length: int
     tied_head: bool
+    # Per-layer head counts when the GGUF stores arrays (e.g. laguna); empty = uniform.
+    layer_heads: tuple[int, ...] = ()
+    layer_kv_heads: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         for field in ("n_layers", "hidden", "n_heads", "n_kv_heads", "head_dim", "ffn", "vocab"):
             if getattr(self, field) <= 0:
                 raise ValueError(f"{self.arch} config: {field} must be positive")
-        if self.n_heads % self.n_kv_heads:
-            raise ValueError(f"{self.arch} config: {self.n_heads} heads not divisible by kv heads")
+        for name, counts in (("head", self.layer_heads), ("kv head", self.layer_kv_heads)):
+            if counts and (len(counts) != self.n_layers or min(counts) <= 0):
+                raise ValueError(f"{self.arch} config: bad per-layer {name} counts {counts}")
+        for layer in range(self.n_layers):
+            if self.heads(layer) % self.kv_heads(layer):
+                raise ValueError(
+                    f"{self.arch} config: layer {layer}: {self.heads(layer)} heads not "
+                    f"divisible by {self.kv_heads(layer)} kv heads"
+                )
+
+    def heads(self, layer: int) -> int:
+        return self.layer_heads[layer] if self.layer_heads else self.n_heads
+
+    def kv_heads(self, layer: int) -> int:
+        return self.layer_kv_heads[layer] if self.layer_kv_heads else self.n_kv_heads
+
+
+def _per_layer(value: Any, n_layers: int, what: str) -> tuple[int, ...]:
+    """A count llama.cpp reads with get_key_or_arr: one number, or one per layer."""
+    if isinstance(value, int | float):
+        return (int(value),) * n_layers
+    counts = tuple(int(v) for v in value)
+    if len(counts) != n_layers:
+        raise GGUFError(f"{what} has {len(counts)} entries for {n_layers} layers")
+    return counts
 
 
 def base_fields(gguf: GGUFFile) -> dict[str, Any]:
@@ -81,21 +109,26 @@ def base_fields(gguf: GGUFFile) -> dict[str, Any]:
     def key(name: str) -> str:
         return f"{arch}.{name}"
 
-    n_heads = int(gguf.require(key("attention.head_count")))
+    n_layers = int(gguf.require(key("block_count")))
+    try:
+        heads = _per_layer(gguf.require(key("attention.head_count")), n_layers, "head_count")
+        kv = gguf.get(key("attention.head_count_kv"))
+        kv_heads = heads if kv is None else _per_layer(kv, n_layers, "head_count_kv")
+    except GGUFError as exc:
+        raise GGUFError(f"{gguf.path}: {arch}.attention.{exc}") from None
     hidden = int(gguf.require(key("embedding_length")))
-    n_kv = gguf.get(key("attention.head_count_kv"), n_heads)
-    if not isinstance(n_kv, int | float):
-        raise GGUFError(f"{gguf.path}: per-layer {key('attention.head_count_kv')} unsupported")
-    head_dim = int(gguf.get(key("attention.key_length"), hidden // n_heads))
+    head_dim = int(gguf.get(key("attention.key_length"), hidden // heads[0]))
     vocab = gguf.get(key("vocab_size"))
     if vocab is None:
         vocab = gguf.info("token_embd.weight").shape[0]
     return {
         "arch": arch,
-        "n_layers": int(gguf.require(key("block_count"))),
+        "n_layers": n_layers,
         "hidden": hidden,
-        "n_heads": n_heads,
-        "n_kv_heads": int(n_kv),
+        "n_heads": max(heads),
+        "n_kv_heads": max(kv_heads),
+        "layer_heads": heads if len(set(heads)) > 1 else (),
+        "layer_kv_heads": kv_heads if len(set(kv_heads)) > 1 else (),
         "head_dim": head_dim,
         "ffn": int(gguf.require(key("feed_forward_length"))),
         "vocab": int(vocab),
@@ -129,7 +162,7 @@ def edge_plan(cfg: ModelConfig, owns_embed: bool, owns_head: bool) -> dict[str, 
 
 
 def layer_plan(
-    layers: range, names: dict[str, str], matrices: set[str]
+    layers: Iterable[int], names: dict[str, str], matrices: set[str]
 ) -> dict[str, tuple[str, bool]]:
     """names: our key -> GGUF suffix (`attn_q` -> `attn_q.weight`); `matrices` feed linear."""
     return {
@@ -147,6 +180,37 @@ def embed_rows(model: ModelParts, ids: torch.Tensor) -> torch.Tensor:
     return matrix_rows(w["head"])[ids]  # tied: rows of the head
 
 
+def attend(
+    model: ModelParts,
+    layer: int,
+    x: torch.Tensor,
+    start: int,
+    cache: KVCache,
+    rope: Rope,
+    *,
+    window: int | None = None,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Q/K/V projections, optional per-head Q/K RMSNorm, RoPE, cached attention.
+    x: [n, hidden] (already normed) -> the heads' outputs [n, H*D], before the output
+    projection (gated families scale them first). Head counts come from the weights, so
+    layers may differ in them."""
+    cfg: ModelConfig = model.cfg
+    w = model.weights
+    n, d = x.shape[0], cfg.head_dim
+    q = linear(x, w[f"{layer}.attn_q"]).view(n, -1, d)  # [n, H, D]
+    k = linear(x, w[f"{layer}.attn_k"]).view(n, -1, d)  # [n, Hkv, D]
+    v = linear(x, w[f"{layer}.attn_v"]).view(n, -1, d)
+    if f"{layer}.attn_q_norm" in w:
+        q = rms_norm(q, w[f"{layer}.attn_q_norm"], cfg.rms_eps)
+        k = rms_norm(k, w[f"{layer}.attn_k_norm"], cfg.rms_eps)
+    cos, sin = rope.tables(start, n, q.dtype)
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    keys, values = cache.write(layer, start, k, v)
+    mask = attention_mask(start, n, start + n, window, x.device)
+    return attention(q, keys, values, mask, scale if scale is not None else d**-0.5)
+
+
 def self_attention(
     model: ModelParts,
     layer: int,
@@ -158,20 +222,24 @@ def self_attention(
     window: int | None = None,
     scale: float | None = None,
 ) -> torch.Tensor:
-    """Q/K/V projections, optional per-head Q/K RMSNorm, RoPE, cached attention, output
-    projection. x: [n, hidden] (already normed) -> [n, hidden]."""
-    cfg: ModelConfig = model.cfg
-    w = model.weights
-    n = x.shape[0]
-    q = linear(x, w[f"{layer}.attn_q"]).view(n, cfg.n_heads, cfg.head_dim)
-    k = linear(x, w[f"{layer}.attn_k"]).view(n, cfg.n_kv_heads, cfg.head_dim)
-    v = linear(x, w[f"{layer}.attn_v"]).view(n, cfg.n_kv_heads, cfg.head_dim)
-    if f"{layer}.attn_q_norm" in w:
-        q = rms_norm(q, w[f"{layer}.attn_q_norm"], cfg.rms_eps)
-        k = rms_norm(k, w[f"{layer}.attn_k_norm"], cfg.rms_eps)
-    cos, sin = rope.tables(start, n, q.dtype)
-    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    keys, values = cache.write(layer, start, k, v)
-    mask = attention_mask(start, n, start + n, window, x.device)
-    out = attention(q, keys, values, mask, scale if scale is not None else cfg.head_dim**-0.5)
-    return linear(out, w[f"{layer}.attn_output"])
+    """`attend`, then the output projection: x [n, hidden] (already normed) -> [n, hidden]."""
+    out = attend(model, layer, x, start, cache, rope, window=window, scale=scale)
+    return linear(out, model.weights[f"{layer}.attn_output"])
+
+
+def sliding_layers(
+    gguf: GGUFFile, n_layers: int, default_period: int, *, full_first: bool
+) -> tuple[bool, ...]:
+    """Which layers use a sliding window (True), from `{arch}.attention.sliding_window_pattern`:
+    explicit per-layer flags, or a period whose one full-attention layer comes last in each
+    period (gemma) or first (`full_first`, laguna), as llama.cpp's set_swa_pattern. Period 0:
+    every layer slides."""
+    pattern = gguf.get(f"{gguf.arch}.attention.sliding_window_pattern", default_period)
+    if isinstance(pattern, np.ndarray | list):
+        flags = tuple(bool(p) for p in pattern)
+        if len(flags) != n_layers:
+            raise ValueError(f"sliding_window_pattern has {len(flags)} entries for {n_layers}")
+        return flags
+    period = int(pattern)
+    full_at = 0 if full_first else period - 1
+    return tuple(period <= 0 or i % period != full_at for i in range(n_layers))

@@ -7,8 +7,9 @@ applies; `prepare` undoes that so every family shares one rotate-half RoPE.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -50,16 +51,18 @@ class LlamaConfig(common.ModelConfig):
     has_rope_factors: bool = False
 
 
-def config_from_gguf(gguf: GGUFFile) -> LlamaConfig:
+def config_from_gguf(gguf: GGUFFile, cls: type[LlamaConfig] = LlamaConfig, **extra: Any) -> Any:
+    """The Llama fields; families built on the Llama block pass their subclass and fields."""
     arch = gguf.arch
     scale = 1.0
     if gguf.get(f"{arch}.rope.scaling.type") == "linear":
         scale = float(gguf.get(f"{arch}.rope.scaling.factor", 1.0))
     return common.make_config(
-        LlamaConfig,
+        cls,
         gguf,
         rope_linear_scale=scale,
         has_rope_factors="rope_freqs.weight" in gguf.tensors,
+        **extra,
     )
 
 
@@ -105,14 +108,27 @@ def embed(model: ModelParts, ids: torch.Tensor) -> torch.Tensor:
     return common.embed_rows(model, ids)
 
 
+def dense_ffn(model: ModelParts, layer: int, h: torch.Tensor) -> torch.Tensor:
+    w = model.weights
+    return swiglu(h, w[f"{layer}.ffn_gate"], w[f"{layer}.ffn_up"], w[f"{layer}.ffn_down"])
+
+
+FFN = Callable[[ModelParts, int, torch.Tensor], torch.Tensor]
+
+
 def block(
-    model: ModelParts, layer: int, x: torch.Tensor, start: int, cache: KVCache
+    model: ModelParts,
+    layer: int,
+    x: torch.Tensor,
+    start: int,
+    cache: KVCache,
+    ffn: FFN = dense_ffn,
 ) -> torch.Tensor:
+    """Pre-norm attention, then pre-norm `ffn` (families swap in an MoE FFN), residuals."""
     w, eps = model.weights, model.cfg.rms_eps
     h = rms_norm(x, w[f"{layer}.attn_norm"], eps)
     x = x + common.self_attention(model, layer, h, start, cache, model.ropes[layer])
-    h = rms_norm(x, w[f"{layer}.ffn_norm"], eps)
-    return x + swiglu(h, w[f"{layer}.ffn_gate"], w[f"{layer}.ffn_up"], w[f"{layer}.ffn_down"])
+    return x + ffn(model, layer, rms_norm(x, w[f"{layer}.ffn_norm"], eps))
 
 
 def project(model: ModelParts, h: torch.Tensor) -> torch.Tensor:

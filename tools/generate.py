@@ -1,11 +1,13 @@
 #!/usr/bin/env python3
 """Generate text in-process with luced's runtime (no daemon): measures the runtime alone.
 
-    python tools/generate.py --model PATH --prompt TEXT [--chat] [--max-tokens N]
-        [--temperature T] [--seed S] [--dtype float32|bfloat16] [--threads N] [--json]
+    python tools/generate.py --model PATH (--prompt TEXT [--chat] | --prompt-ids 1,2,3)
+        [--max-tokens N] [--temperature T] [--seed S] [--dtype float32|bfloat16]
+        [--threads N] [--json]
 
-Without --json the text streams to stdout; with --json one object is printed:
-{"tokens", "text", "prompt_tokens", "ttft_s", "decode_tok_s", "finish_reason", "load_s"}.
+--prompt-ids feeds token ids as they are (no tokenizer, no BOS). Without --json the text
+streams to stdout; with --json one object is printed: {"tokens" (the generated ids),
+"text", "prompt_tokens", "ttft_s", "decode_tok_s", "finish_reason", "load_s"}.
 """
 
 from __future__ import annotations
@@ -22,7 +24,9 @@ T_START = time.perf_counter()
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--model", help="GGUF file (default: the bundled SmolLM2-135M-Instruct)")
-    p.add_argument("--prompt", required=True)
+    given = p.add_mutually_exclusive_group(required=True)
+    given.add_argument("--prompt", help="prompt text")
+    given.add_argument("--prompt-ids", type=_ids, help="prompt token ids, comma-separated")
     p.add_argument("--chat", action="store_true", help="apply the chat template (one user turn)")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0)
@@ -34,6 +38,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ignore-eos", action="store_true", help="generate max-tokens tokens")
     p.add_argument("--json", action="store_true", help="print one JSON object at the end")
     return p.parse_args(argv)
+
+
+def _ids(text: str) -> list[int]:
+    try:
+        ids = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"want comma-separated token ids, got {text!r}") from None
+    if not ids or min(ids) < 0:
+        raise argparse.ArgumentTypeError(f"want one or more ids >= 0, got {text!r}")
+    return ids
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -54,7 +68,11 @@ def main(argv: list[str] | None = None) -> int:
     path = args.model or str(default_model_path())
     model = Model.load(path, dtype=args.dtype)
     tokenizer = Tokenizer.from_gguf(path)
-    if args.chat:
+    if args.prompt_ids is not None:
+        prompt = args.prompt_ids
+        if max(prompt) >= model.cfg.vocab:
+            sys.exit(f"--prompt-ids: ids must be < the vocabulary size {model.cfg.vocab}")
+    elif args.chat:
         template = ChatTemplate.from_gguf(path, model.cfg.arch)
         text = template.render([{"role": "user", "content": args.prompt}])
         # As transformers' apply_chat_template: the template writes any BOS itself.

@@ -38,7 +38,7 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 def layout(backend: Backend, req: F.KVLayout) -> F.KVLayoutReply:
-    m = backend._model("kv_layout")
+    m = _rows_only(backend._model("kv_layout"))
     tensors = []
     for shard in m.shards:
         cache = shard.cache
@@ -51,7 +51,7 @@ def layout(backend: Backend, req: F.KVLayout) -> F.KVLayoutReply:
 
 @torch.inference_mode()  # the cache tensors are inference tensors: writes need this mode
 def export(backend: Backend, req: F.KVExport) -> F.KVExportReply:
-    m = backend._model("kv_export")
+    m = _rows_only(backend._model("kv_export"))
     n = req.position
     if n > m.position:
         raise WorkerError(f"kv_export of {n} positions, but the KV holds {m.position}")
@@ -66,7 +66,7 @@ def export(backend: Backend, req: F.KVExport) -> F.KVExportReply:
 
 @torch.inference_mode()
 def import_(backend: Backend, req: F.KVImport) -> F.KVImportReply:
-    m = backend._model("kv_import")
+    m = _rows_only(backend._model("kv_import"))
     n = req.position
     if n > m.reply.kv_capacity:
         raise ContextOverflow(
@@ -97,6 +97,19 @@ def import_(backend: Backend, req: F.KVImport) -> F.KVImportReply:
     elapsed = time.perf_counter() - t0
     backend.busy_s += elapsed
     return F.KVImportReply(position=m.position, elapsed_us=int(elapsed * 1e6))
+
+
+def _rows_only(m: Loaded) -> Loaded:
+    """The model, if all its state is K/V rows: a recurrent layer's state is not (yet) part
+    of a snapshot, and a prefix restored without it would be wrong."""
+    for shard in m.shards:
+        if shard.cache.recurrent is not None:
+            layers = sorted(shard.cache.recurrent.shapes)
+            raise WorkerError(
+                f"KV snapshots do not cover recurrent layers yet (layers {layers} of this "
+                "model keep a recurrent state): turn the prefix cache off for it"
+            )
+    return m
 
 
 def _resolve(backend: Backend, m: Loaded, regions: Mapping[str, Region], n: int) -> _Resolved:

@@ -1,8 +1,9 @@
 """Tiny random-weight GGUF models, written as llama.cpp's converter would, plus the HF twin.
 
-`build(family, path)` writes a deterministic (seeded) GGUF for `llama`, `qwen3` or `gemma3` and
-returns a `TinyModel` with the matching transformers config and state dict, so parity tests run
-luced and transformers on the very same weights:
+`build(family, path)` writes a deterministic (seeded) GGUF for `llama`, `qwen3`, `gemma3` or
+`qwen35` (its pieces live in `tiny_qwen35.py`) and returns a `TinyModel` with the matching
+transformers config and state dict, so parity tests run luced and transformers on the very same
+weights:
 
     tiny = build("gemma3", tmp_path / "g.gguf", seed=1, qtype="Q8_0")
     ref = tiny.hf_model()                      # Gemma3ForCausalLM, eval, float32, eager attention
@@ -51,12 +52,13 @@ from typing import Any
 
 import gguf
 import numpy as np
+import tiny_qwen35
 import torch
 from gguf import GGMLQuantizationType as Q
 from gguf import LlamaFileType as FT
 from gguf import TokenType as TT
 
-FAMILIES = ("llama", "qwen3", "gemma3")
+FAMILIES = ("llama", "qwen3", "gemma3", "qwen35")
 # qtype -> (ggml type, general.file_type, block size in elements)
 QTYPES: dict[str, tuple[Q, FT, int]] = {
     "F32": (Q.F32, FT.ALL_F32, 1),
@@ -77,6 +79,7 @@ GGUF_LOADER_GAPS = {
     "llama": ("rope_parameters",),  # rope_freqs.weight / Llama-3 scaling is ignored
     "qwen3": ("head_dim",),  # qwen3.attention.key_length is not mapped
     "gemma3": ("query_pre_attn_scalar",),  # not stored; HF defaults to 256
+    "qwen35": (),  # transformers has no qwen35 GGUF loader at all
 }
 
 _TURNS = (
@@ -93,6 +96,7 @@ _NO_THINK = (
 CHAT_TEMPLATES = {
     "llama": _TURNS + _PROMPT.replace("{THINK}", ""),
     "qwen3": _TURNS + _PROMPT.replace("{THINK}", _NO_THINK),
+    "qwen35": _TURNS + _PROMPT.replace("{THINK}", _NO_THINK),
 }
 
 # Training text for the merges (ours); enough pairs for a few hundred merges.
@@ -143,6 +147,14 @@ class TinySpec:
     high_freq_factor: float = 4.0
     sliding_window: int = 8  # gemma3 only
     name: str = ""
+    # qwen35 only (tiny_qwen35.py): DeltaNet heads and sizes, layer pattern, partial RoPE
+    linear_k_heads: int = 2
+    linear_v_heads: int = 2
+    linear_k_dim: int = 16
+    linear_v_dim: int = 16
+    conv_kernel: int = 4
+    full_attention_interval: int = 4
+    partial_rotary: float = 0.25
 
 
 _BASE = dict(hidden=64, layers=2, heads=4, kv_heads=2, head_dim=16, ffn=128, vocab_size=512)
@@ -153,6 +165,7 @@ DEFAULTS: dict[str, dict[str, Any]] = {
     "llama": _BASE | dict(rope_base=10000.0, rms_eps=1e-5, tied=True),
     "qwen3": _BASE | dict(head_dim=32, rope_base=1e6, rms_eps=1e-6, tied=False),
     "gemma3": _BASE | _GEMMA3 | dict(tied=True),
+    "qwen35": _BASE | tiny_qwen35.DEFAULTS,
 }
 KQUANT_DEFAULTS = {"hidden": 256, "ffn": 512, "head_dim": 64}
 
@@ -165,6 +178,8 @@ def _make_spec(family: str, qtype: str, seed: int, overrides: dict[str, Any]) ->
     values = dict(DEFAULTS[family])
     if QTYPES[qtype][2] == 256:
         values.update(KQUANT_DEFAULTS, head_dim=128 if family == "qwen3" else 64)
+        if family == "qwen35":
+            values.update(tiny_qwen35.KQUANT_DEFAULTS)
     values.update(overrides)
     if values.get("rope_scaling") == "llama3" and "context" not in overrides:
         values["context"] = 2 * LLAMA3_ORIGINAL_CONTEXT  # HF wants it above the original context
@@ -184,6 +199,8 @@ def _make_spec(family: str, qtype: str, seed: int, overrides: dict[str, Any]) ->
         raise ValueError("rope_scaling='llama3' exists for the llama family only")
     if family == "gemma3" and spec.hidden % spec.heads:
         raise ValueError("Gemma3TextConfig needs hidden to be a multiple of heads")
+    if family == "qwen35":
+        tiny_qwen35.check(spec, block)
     return spec
 
 
@@ -326,6 +343,8 @@ def _spm_vocab(size: int) -> Vocab:
 
 def _hf_shapes(spec: TinySpec) -> dict[str, tuple[int, ...]]:
     """HF parameter name -> shape, for the family's *ForCausalLM."""
+    if spec.family == "qwen35":
+        return tiny_qwen35.hf_shapes(spec)
     h, f, d, v = spec.hidden, spec.ffn, spec.head_dim, spec.vocab_size
     q, kv = spec.heads * d, spec.kv_heads * d
     shapes = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,)}
@@ -358,12 +377,19 @@ def _convention(spec: TinySpec, hf_name: str) -> tuple[str, int]:
         return "permute", spec.heads if "q_proj" in hf_name else spec.kv_heads
     if spec.family == "gemma3" and hf_name.endswith("norm.weight"):
         return "shift", 1
+    if spec.family == "qwen35":
+        return "qwen35", 0  # tiny_qwen35.to_gguf / from_gguf
     return "", 0
 
 
 def _random_hf(spec: TinySpec, hf_name: str, shape: tuple[int, ...]) -> np.ndarray:
     # One stream per tensor, so a tensor's values depend only on (seed, name, shape).
     rng = np.random.default_rng([spec.seed, zlib.crc32(hf_name.encode())])
+    if (
+        spec.family == "qwen35"
+        and (w := tiny_qwen35.random_hf(spec, hf_name, shape, rng)) is not None
+    ):
+        return w
     if len(shape) == 1:  # norm weights near their identity value (1, or 0 in Gemma's 1 + w form)
         base = 0.0 if spec.family == "gemma3" else 1.0
         return (base + rng.uniform(-0.3, 0.3, shape)).astype(np.float32)
@@ -404,7 +430,7 @@ def _kquant_blocks(
 def _encode(spec: TinySpec, hf_name: str, w: np.ndarray) -> tuple[np.ndarray, Q]:
     """GGUF-layout float tensor -> (stored array, ggml type), as the converter would store it."""
     qtype = QTYPES[spec.qtype][0]
-    if w.ndim == 1 or qtype == Q.F32:
+    if w.ndim == 1 or qtype == Q.F32 or hf_name.endswith("conv1d.weight"):  # SSM_CONV1D: F32
         return w, Q.F32
     if qtype == Q.F16:
         return w.astype(np.float16), Q.F16
@@ -464,6 +490,8 @@ def _write_metadata(w: gguf.GGUFWriter, spec: TinySpec, vocab: Vocab) -> None:
         w.add_rope_dimension_count(spec.head_dim)
     if spec.family == "gemma3":  # Gemma3Model.set_gguf_parameters (no final softcap in Gemma 3)
         w.add_sliding_window(spec.sliding_window)
+    if spec.family == "qwen35":  # Qwen3NextModel.set_gguf_parameters, M-RoPE sections
+        tiny_qwen35.write_metadata(w, spec)
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
     # Vocabulary (TextModel._set_vocab_gpt2 / _set_vocab_sentencepiece + gguf.SpecialVocab).
     w.add_tokenizer_model(vocab.model)
@@ -520,6 +548,8 @@ def _hf_config(spec: TinySpec, vocab: Vocab) -> Any:
         return transformers.LlamaConfig(**common, rope_parameters=rope)
     if spec.family == "qwen3":
         return transformers.Qwen3Config(**common, rope_parameters=rope)
+    if spec.family == "qwen35":
+        return tiny_qwen35.hf_config(spec, common, rope)
     local = {"rope_type": "default", "rope_theta": GEMMA3_LOCAL_ROPE_BASE}
     return transformers.Gemma3TextConfig(
         **common,
@@ -584,7 +614,8 @@ def build(
         writer.add_tensor("rope_freqs.weight", _llama3_rope_factors(spec))
     # Sorted like safetensors stores them, so blk.10 follows blk.1 as in converted files.
     for hf_name, shape in sorted(_hf_shapes(spec).items()):
-        gguf_name = tensor_map.get_name(hf_name, try_suffixes=(".weight",))
+        source = tiny_qwen35.source_name(hf_name) if family == "qwen35" else hf_name
+        gguf_name = tensor_map.get_name(source, try_suffixes=(".weight", ".bias"))
         if gguf_name is None:
             raise AssertionError(f"gguf-py has no name for {hf_name}")
         # HF -> GGUF as the converter does it. With random sources this only fixes value ranges
@@ -595,6 +626,8 @@ def build(
             w = _permute_qk(w, arg)
         elif kind == "shift":
             w = w + np.float32(arg)
+        elif kind == "qwen35":
+            w = tiny_qwen35.to_gguf(spec, hf_name, w)
         stored, ggml_type = _encode(spec, hf_name, w)
         writer.add_tensor(
             gguf_name, stored, raw_dtype=None if ggml_type in (Q.F32, Q.F16) else ggml_type
@@ -605,6 +638,8 @@ def build(
             back = _permute_qk(back, arg, inverse=True)
         elif kind == "shift":
             back = back - np.float32(arg)  # exact: stored values lie in [0.5, 2] (Sterbenz)
+        elif kind == "qwen35":
+            back = tiny_qwen35.from_gguf(spec, hf_name, back)
         state_dict[hf_name] = torch.from_numpy(np.ascontiguousarray(back))
     if spec.tied:
         state_dict["lm_head.weight"] = state_dict["model.embed_tokens.weight"]

@@ -20,6 +20,8 @@ VARIANTS = {
     "llama3-rope": ("llama", {"rope_scaling": "llama3", "tied": False}),
     "qwen3": ("qwen3", {}),
     "gemma3": ("gemma3", {}),
+    "qwen35": ("qwen35", {}),  # 3 DeltaNet layers, then full attention
+    "qwen35-kv": ("qwen35", {"linear_v_heads": 4, "tied": True}),  # V heads reordered
 }
 # Gemma's tiny window is 8: the 24-token prompt runs well past it.
 PROMPTS = [[1, 5, 9, 200, 300], list(range(40, 64)), [7] * 3 + list(range(100, 112))]

@@ -47,8 +47,10 @@ from luced.runtime.layers import (
     attention,
     attention_mask,
     linear,
+    matrix_rows,
     rms_norm,
     rope_inv_freq,
+    store_matrix,
     swiglu,
 )
 
@@ -88,6 +90,7 @@ MATRICES = {
     "ssm_qkv", "ssm_z", "ssm_beta", "ssm_alpha", "ssm_out",
 }  # fmt: skip
 
+_IN_PROJECTIONS = ("ssm_qkv", "ssm_z", "ssm_beta", "ssm_alpha")  # stacked by `prepare`
 CHUNK = 64  # tokens per chunk of the chunked delta rule
 L2_EPS = 1e-6  # q/k l2 normalisation, as the reference kernels
 
@@ -155,8 +158,9 @@ def weight_plan(
 
 
 def prepare(cfg: Qwen35Config, weights: dict[str, torch.Tensor]) -> None:
-    """Check the DeltaNet vectors and conv against the metadata; the conv weight becomes
-    [channels, 1, K], the depthwise layout of F.conv1d."""
+    """Check the DeltaNet vectors and conv against the metadata, and stack each DeltaNet
+    layer's four input projections into one matrix `ssm_in` (one matmul per step, not four):
+    rows [qkv | z | beta | alpha]."""
     want = {
         "ssm_a": (cfg.linear_v_heads,),
         "ssm_dt": (cfg.linear_v_heads,),
@@ -173,8 +177,10 @@ def prepare(cfg: Qwen35Config, weights: dict[str, torch.Tensor]) -> None:
                 f"tensor 'blk.{layer}.{DELTA_NET_TENSORS[name]}' is {list(shape)}, the "
                 f"metadata wants {list(want[name])}"
             )
-        if name == "ssm_conv":
-            weights[key] = weights[key].unsqueeze(1).contiguous()
+    for key in [k for k in weights if k.endswith(".ssm_qkv")]:
+        layer = key.partition(".")[0]
+        parts = [weights.pop(f"{layer}.{name}") for name in _IN_PROJECTIONS]
+        weights[f"{layer}.ssm_in"] = store_matrix(torch.cat([matrix_rows(p) for p in parts]))
 
 
 def recurrent_shapes(cfg: Qwen35Config, layers: range) -> dict[int, RecurrentShape]:
@@ -238,19 +244,21 @@ def delta_net(model: ModelParts, layer: int, x: torch.Tensor, cache: KVCache) ->
     n = x.shape[0]
     hk, hv, dk, dv = cfg.linear_k_heads, cfg.linear_v_heads, cfg.linear_k_dim, cfg.linear_v_dim
     conv_state, state = cache.recurrent_state(layer)
+    qkv, z, b, a = linear(x, w[f"{layer}.ssm_in"]).split(
+        [cfg.conv_channels, hv * dv, hv, hv], dim=-1
+    )
 
-    # Causal depthwise conv over the window [K-1 earlier inputs, this forward's n].
-    window = torch.cat([conv_state, linear(x, w[f"{layer}.ssm_qkv"])])  # [K-1+n, channels]
-    mixed = F.conv1d(window.t().unsqueeze(0), w[f"{layer}.ssm_conv"], groups=window.shape[1])
-    mixed = F.silu(mixed[0].t())  # [n, channels]
+    # Causal depthwise conv over the window [K-1 earlier inputs, this forward's n]: token t
+    # sees window rows t..t+K-1. (A product and a sum: F.conv1d costs ~100x more per step.)
+    window = torch.cat([conv_state, qkv])  # [K-1+n, channels]
+    taps = window.unfold(0, cfg.conv_kernel, 1)  # [n, channels, K] view
+    mixed = F.silu((taps * w[f"{layer}.ssm_conv"]).sum(-1))  # [n, channels]
     q, k, v = mixed.split([hk * dk, hk * dk, hv * dv], dim=-1)
 
-    beta = torch.sigmoid(linear(x, w[f"{layer}.ssm_beta"])).float()  # [n, Hv]
-    a = linear(x, w[f"{layer}.ssm_alpha"]).float() + w[f"{layer}.ssm_dt"].float()
-    g = w[f"{layer}.ssm_a"].float() * F.softplus(a)  # [n, Hv] log-decay, <= 0
-    # Value head j reads key head j % Hk (tiled order, see the module docstring).
-    q = _l2norm(q.float().view(n, hk, dk)).repeat(1, hv // hk, 1) * dk**-0.5
-    k = _l2norm(k.float().view(n, hk, dk)).repeat(1, hv // hk, 1)
+    beta = torch.sigmoid(b).float()  # [n, Hv]
+    g = w[f"{layer}.ssm_a"].float() * F.softplus(a.float() + w[f"{layer}.ssm_dt"].float())
+    q = _to_value_heads(_l2norm(q.float().view(n, hk, dk)), hv) * dk**-0.5
+    k = _to_value_heads(_l2norm(k.float().view(n, hk, dk)), hv)
     v = v.float().view(n, hv, dv)
     if n == 1:
         o, state = _delta_rule_step(q[0], k[0], v[0], g[0], beta[0], state)
@@ -260,14 +268,19 @@ def delta_net(model: ModelParts, layer: int, x: torch.Tensor, cache: KVCache) ->
     cache.stage_state(layer, window[n:].clone(), state)
 
     # Gated RMSNorm per value head, in float32.
-    z = linear(x, w[f"{layer}.ssm_z"]).float().view(n, hv, dv)
     o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + cfg.rms_eps)
-    o = o * w[f"{layer}.ssm_norm"].float() * F.silu(z)
+    o = o * w[f"{layer}.ssm_norm"].float() * F.silu(z.float().view(n, hv, dv))
     return linear(o.reshape(n, hv * dv).to(x.dtype), w[f"{layer}.ssm_out"])
 
 
 def _l2norm(x: torch.Tensor) -> torch.Tensor:
     return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + L2_EPS)
+
+
+def _to_value_heads(x: torch.Tensor, hv: int) -> torch.Tensor:
+    """[n, Hk, D] -> [n, Hv, D]: value head j reads key head j % Hk (llama.cpp's tiled
+    order, see the module docstring)."""
+    return x if x.shape[1] == hv else x.repeat(1, hv // x.shape[1], 1)
 
 
 def _delta_rule_step(

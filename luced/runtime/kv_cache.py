@@ -39,6 +39,11 @@ fill position) therefore needs the state *at* p, one of:
 Anything else raises `RecurrentRollback` and changes nothing. `restore_state(snap)`
 rewinds to a saved snapshot. Rewinding to p drops the kept states past p: the rows they
 summarise are about to be rewritten.
+
+What this leaves for later: a speculative verify that accepts k of n tokens rewinds to its
+start (the previous commit) and re-feeds the k; a prefix snapshot copies a
+`RecurrentSnapshot`'s tensors out (immutable, so any time) beside the rows [0, pos).
+Until then `import_rows` refuses a cache with recurrent layers.
 """
 
 from __future__ import annotations

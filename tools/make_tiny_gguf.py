@@ -1,9 +1,9 @@
 """Tiny random-weight GGUF models, written as llama.cpp's converter would, plus the HF twin.
 
-`build(family, path)` writes a deterministic (seeded) GGUF for `llama`, `qwen3`, `gemma3` or the
-MoE families `qwen3moe` and `laguna` (their conventions live in tools/tiny_moe.py) and returns a
-`TinyModel` with the matching transformers config and state dict, so parity tests run luced and
-transformers on the very same weights:
+`build(family, path)` writes a deterministic (seeded) GGUF for `llama`, `qwen3`, `gemma3`,
+the hybrid `qwen35` (its pieces live in tools/tiny_qwen35.py) or the MoE families `qwen3moe`
+and `laguna` (tools/tiny_moe.py) and returns a `TinyModel` with the matching transformers
+config and state dict, so parity tests run luced and transformers on the very same weights:
 
     tiny = build("gemma3", tmp_path / "g.gguf", seed=1, qtype="Q8_0")
     ref = tiny.hf_model()                      # Gemma3ForCausalLM, eval, float32, eager attention
@@ -53,12 +53,13 @@ from typing import Any
 import gguf
 import numpy as np
 import tiny_moe
+import tiny_qwen35
 import torch
 from gguf import GGMLQuantizationType as Q
 from gguf import LlamaFileType as FT
 from gguf import TokenType as TT
 
-FAMILIES = ("llama", "qwen3", "gemma3", *tiny_moe.FAMILIES)
+FAMILIES = ("llama", "qwen3", "gemma3", "qwen35", *tiny_moe.FAMILIES)
 # qtype -> (ggml type, general.file_type, block size in elements)
 QTYPES: dict[str, tuple[Q, FT, int]] = {
     "F32": (Q.F32, FT.ALL_F32, 1),
@@ -80,9 +81,11 @@ GGUF_LOADER_GAPS = {
     "qwen3": ("head_dim",),  # qwen3.attention.key_length is not mapped
     "gemma3": ("query_pre_attn_scalar",),  # not stored; HF defaults to 256
     "qwen3moe": ("moe_intermediate_size",),  # qwen3moe.expert_feed_forward_length is not mapped
-}  # (transformers' GGUF loader has no laguna at all)
-# The converter keeps routers (FFN_GATE_INP, FFN_GATE_INP_SHEXP) in F32 whatever the file type.
-ALWAYS_F32 = (".mlp.gate.weight", ".mlp.shared_expert_gate.weight")
+    "qwen35": (),  # transformers has no qwen35 GGUF loader at all
+}  # (nor any laguna)
+# The converter keeps routers (FFN_GATE_INP, FFN_GATE_INP_SHEXP) and SSM_CONV1D in F32
+# whatever the file type.
+ALWAYS_F32 = (".mlp.gate.weight", ".mlp.shared_expert_gate.weight", "conv1d.weight")
 
 _TURNS = (
     "{%- for message in messages -%}"
@@ -98,6 +101,7 @@ _NO_THINK = (
 CHAT_TEMPLATES = {
     "llama": _TURNS + _PROMPT.replace("{THINK}", ""),
     "qwen3": _TURNS + _PROMPT.replace("{THINK}", _NO_THINK),
+    "qwen35": _TURNS + _PROMPT.replace("{THINK}", _NO_THINK),
 }
 
 # Training text for the merges (ours); enough pairs for a few hundred merges.
@@ -157,10 +161,17 @@ class TinySpec:
     dense_layers: int = 0  # laguna: leading dense layers
     swa_heads: int = 0  # laguna: query heads of sliding layers
     gating: str = "per-head"  # laguna's attention gate: or "per-element"
-    partial_rotary: float = 1.0  # laguna: rotary fraction of full layers
+    partial_rotary: float = 1.0  # laguna (full layers), qwen35: rotary fraction
     yarn_factor: float = 1.0
     yarn_original_context: int = 0
     swa_rope_base: float = 10000.0
+    # qwen35 only (tiny_qwen35.py): DeltaNet heads and sizes, layer pattern
+    linear_k_heads: int = 2
+    linear_v_heads: int = 2
+    linear_k_dim: int = 16
+    linear_v_dim: int = 16
+    conv_kernel: int = 4
+    full_attention_interval: int = 4
 
 
 _BASE = dict(hidden=64, layers=2, heads=4, kv_heads=2, head_dim=16, ffn=128, vocab_size=512)
@@ -171,6 +182,7 @@ DEFAULTS: dict[str, dict[str, Any]] = {
     "llama": _BASE | dict(rope_base=10000.0, rms_eps=1e-5, tied=True),
     "qwen3": _BASE | dict(head_dim=32, rope_base=1e6, rms_eps=1e-6, tied=False),
     "gemma3": _BASE | _GEMMA3 | dict(tied=True),
+    "qwen35": _BASE | tiny_qwen35.DEFAULTS,
 } | tiny_moe.DEFAULTS
 KQUANT_DEFAULTS = {"hidden": 256, "ffn": 512, "head_dim": 64}
 
@@ -184,6 +196,8 @@ def _make_spec(family: str, qtype: str, seed: int, overrides: dict[str, Any]) ->
     if QTYPES[qtype][2] == 256:
         values.update(KQUANT_DEFAULTS, head_dim=128 if family == "qwen3" else 64)
         values.update(tiny_moe.KQUANT_DEFAULTS.get(family, {}))
+        if family == "qwen35":
+            values.update(tiny_qwen35.KQUANT_DEFAULTS)
     values.update(overrides)
     if values.get("rope_scaling") == "llama3" and "context" not in overrides:
         values["context"] = 2 * LLAMA3_ORIGINAL_CONTEXT  # HF wants it above the original context
@@ -206,6 +220,8 @@ def _make_spec(family: str, qtype: str, seed: int, overrides: dict[str, Any]) ->
         raise ValueError("rope_scaling='llama3' exists for the llama family only")
     if family == "gemma3" and spec.hidden % spec.heads:
         raise ValueError("Gemma3TextConfig needs hidden to be a multiple of heads")
+    if family == "qwen35":
+        tiny_qwen35.check(spec, block)
     return spec
 
 
@@ -350,6 +366,8 @@ def _hf_shapes(spec: TinySpec) -> dict[str, tuple[int, ...]]:
     """HF parameter name -> shape, for the family's *ForCausalLM (MoE: the converter's names)."""
     if spec.family in tiny_moe.FAMILIES:
         return tiny_moe.hf_shapes(spec)
+    if spec.family == "qwen35":
+        return tiny_qwen35.hf_shapes(spec)
     h, f, d, v = spec.hidden, spec.ffn, spec.head_dim, spec.vocab_size
     q, kv = spec.heads * d, spec.kv_heads * d
     shapes = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,)}
@@ -382,14 +400,21 @@ def _convention(spec: TinySpec, hf_name: str) -> tuple[str, int]:
         return "permute", spec.heads if "q_proj" in hf_name else spec.kv_heads
     if spec.family == "gemma3" and hf_name.endswith("norm.weight"):
         return "shift", 1
+    if spec.family == "qwen35":
+        return "qwen35", 0  # tiny_qwen35.to_gguf / from_gguf
     return "", 0
 
 
 def _random_hf(spec: TinySpec, hf_name: str, shape: tuple[int, ...]) -> np.ndarray:
     # One stream per tensor, so a tensor's values depend only on (seed, name, shape).
     rng = np.random.default_rng([spec.seed, zlib.crc32(hf_name.encode())])
-    if len(shape) == 1 and "norm" not in hf_name:  # MoE score biases
-        return tiny_moe.random_bias(rng, shape)
+    if len(shape) == 1 and "norm" not in hf_name and spec.family in tiny_moe.FAMILIES:
+        return tiny_moe.random_bias(rng, shape)  # MoE score biases
+    if (
+        spec.family == "qwen35"
+        and (w := tiny_qwen35.random_hf(spec, hf_name, shape, rng)) is not None
+    ):
+        return w
     if len(shape) == 1:  # norm weights near their identity value (1, or 0 in Gemma's 1 + w form)
         base = 0.0 if spec.family == "gemma3" else 1.0
         return (base + rng.uniform(-0.3, 0.3, shape)).astype(np.float32)
@@ -492,6 +517,8 @@ def _write_metadata(w: gguf.GGUFWriter, spec: TinySpec, vocab: Vocab) -> None:
         w.add_sliding_window(spec.sliding_window)
     if spec.family in tiny_moe.FAMILIES:
         tiny_moe.write_metadata(w, spec)
+    if spec.family == "qwen35":  # Qwen3NextModel.set_gguf_parameters, M-RoPE sections
+        tiny_qwen35.write_metadata(w, spec)
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
     # Vocabulary (TextModel._set_vocab_gpt2 / _set_vocab_sentencepiece + gguf.SpecialVocab).
     w.add_tokenizer_model(vocab.model)
@@ -550,6 +577,8 @@ def _hf_config(spec: TinySpec, vocab: Vocab) -> Any:
         return transformers.LlamaConfig(**common, rope_parameters=rope)
     if spec.family == "qwen3":
         return transformers.Qwen3Config(**common, rope_parameters=rope)
+    if spec.family == "qwen35":
+        return tiny_qwen35.hf_config(spec, common, rope)
     local = {"rope_type": "default", "rope_theta": GEMMA3_LOCAL_ROPE_BASE}
     return transformers.Gemma3TextConfig(
         **common,
@@ -601,7 +630,8 @@ def _gguf_name(spec: TinySpec, hf_name: str) -> str | None:
     if spec.family in tiny_moe.FAMILIES:
         return tiny_moe.gguf_name(spec, hf_name)
     tensor_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH[spec.family.upper()], spec.layers)
-    return tensor_map.get_name(hf_name, try_suffixes=(".weight",))
+    source = tiny_qwen35.source_name(hf_name) if spec.family == "qwen35" else hf_name
+    return tensor_map.get_name(source, try_suffixes=(".weight", ".bias"))
 
 
 def build(
@@ -631,6 +661,8 @@ def build(
             w = _permute_qk(w, arg)
         elif kind == "shift":
             w = w + np.float32(arg)
+        elif kind == "qwen35":
+            w = tiny_qwen35.to_gguf(spec, hf_name, w)
         stored, ggml_type = _encode(spec, hf_name, w)
         writer.add_tensor(
             gguf_name, stored, raw_dtype=None if ggml_type in (Q.F32, Q.F16) else ggml_type
@@ -641,6 +673,8 @@ def build(
             back = _permute_qk(back, arg, inverse=True)
         elif kind == "shift":
             back = back - np.float32(arg)  # exact: stored values lie in [0.5, 2] (Sterbenz)
+        elif kind == "qwen35":
+            back = tiny_qwen35.from_gguf(spec, hf_name, back)
         state_dict[hf_name] = torch.from_numpy(np.ascontiguousarray(back))
     if spec.family in tiny_moe.FAMILIES:
         state_dict = tiny_moe.hf_state_dict(spec, state_dict)

@@ -14,17 +14,164 @@ Storage grows by doubling up to `capacity`, so short chats stay small.
 Prefix snapshots: `export_rows` copies a layer's committed rows [0, n) out (into
 shared memory, device -> host on a GPU); `import_rows` replaces the whole cache by
 the first n rows of given tensors and commits n.
+
+Recurrent layers (Gated DeltaNet): such a layer keeps no rows, only a state that sums
+up every committed position, held by the cache's `RecurrentState`::
+
+    conv   [kernel - 1, channels]      the layer's last kernel-1 conv1d inputs, oldest first
+    delta  [heads, key_dim, value_dim]  float32: the delta-rule matrix (keys -> values)
+
+`is_recurrent(layer)` tells them apart; attention layers keep K/V as above. A forward
+reads a layer's committed state (`recurrent_state`, the state at `start`) and stages its
+successor (`stage_state`); `commit` swaps every staged state in at once, so a forward
+that fails before its commit leaves the committed state untouched. States are never
+written in place: a snapshot is a set of references and costs nothing.
+
+A recurrence cannot be rewound. `truncate(p)` (and a `reserve` that starts before the
+fill position) therefore needs the state *at* p, one of:
+
+    position 0              the zero state, always;
+    the previous commit     each commit keeps the state it replaced, so the last forward
+                            can be undone (a failed step, a rejected draft re-fed);
+    a saved state           `save_state()` keeps the state at the fill position until
+                            `release_state`, `reset` or a rewind below it.
+
+Anything else raises `RecurrentRollback` and changes nothing. `restore_state(snap)`
+rewinds to a saved snapshot. Rewinding to p drops the kept states past p: the rows they
+summarise are about to be rewritten.
+
+What this leaves for later: a speculative verify that accepts k of n tokens rewinds to its
+start (the previous commit) and re-feeds the k; a prefix snapshot copies a
+`RecurrentSnapshot`'s tensors out (immutable, so any time) beside the rows [0, pos).
+Until then `import_rows` refuses a cache with recurrent layers.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 import torch
 
 
 class ContextOverflow(ValueError):
     """A forward would write past the cache's capacity."""
+
+
+class RecurrentRollback(ValueError):
+    """A truncation would rewind a recurrent layer to a position whose state was not kept."""
+
+
+@dataclass(frozen=True)
+class RecurrentShape:
+    """The state sizes of one recurrent (Gated DeltaNet) layer."""
+
+    conv_channels: int
+    conv_kernel: int
+    heads: int
+    key_dim: int
+    value_dim: int
+
+
+LayerState = tuple[torch.Tensor, torch.Tensor]  # (conv window, delta matrix)
+
+
+@dataclass(frozen=True)
+class RecurrentSnapshot:
+    """Every recurrent layer's state after `pos` committed positions (references)."""
+
+    pos: int
+    states: Mapping[int, LayerState]
+
+
+class RecurrentState:
+    """The recurrent layers' committed states, the staged ones of a running forward, and
+    the states kept for rewinding (see the module docstring)."""
+
+    def __init__(
+        self, shapes: Mapping[int, RecurrentShape], dtype: torch.dtype, device: torch.device
+    ) -> None:
+        self.shapes = dict(shapes)
+        self._zero = RecurrentSnapshot(
+            0,
+            {
+                layer: (
+                    torch.zeros(s.conv_kernel - 1, s.conv_channels, dtype=dtype, device=device),
+                    torch.zeros(s.heads, s.key_dim, s.value_dim, device=device),
+                )
+                for layer, s in self.shapes.items()
+            },
+        )
+        self.current = self._zero
+        self._staged: dict[int, LayerState] = {}
+        self._undo: RecurrentSnapshot | None = None  # the state the last commit replaced
+        self._saved: dict[int, RecurrentSnapshot] = {}
+
+    def stage(self, layer: int, conv: torch.Tensor, delta: torch.Tensor) -> None:
+        if layer not in self.shapes:
+            raise KeyError(f"layer {layer} is not a recurrent layer of this cache")
+        self._staged[layer] = (conv, delta)
+
+    def commit(self, end: int) -> None:
+        if end == self.current.pos and not self._staged:
+            return
+        missing = self.shapes.keys() - self._staged.keys()
+        if missing:
+            raise RuntimeError(f"commit to {end} without a new state for layers {sorted(missing)}")
+        self._undo = self.current
+        self.current = RecurrentSnapshot(end, self._staged)
+        self._staged = {}
+
+    def kept_positions(self) -> list[int]:
+        kept = {0, self.current.pos, *self._saved}
+        if self._undo is not None:
+            kept.add(self._undo.pos)
+        return sorted(kept)
+
+    def rewind(self, pos: int) -> None:
+        """Make the state at `pos` (<= the committed position) current, or raise and change
+        nothing. Drops any staged state: its forward did not commit."""
+        if pos == self.current.pos:
+            self._staged = {}
+            return
+        if pos == 0:
+            target = self._zero
+        elif self._undo is not None and self._undo.pos == pos:
+            target = self._undo
+        elif pos in self._saved:
+            target = self._saved[pos]
+        else:
+            raise RecurrentRollback(
+                f"cannot rewind the recurrent layers {sorted(self.shapes)} from position "
+                f"{self.current.pos} to {pos}: their state is kept only at positions "
+                f"{self.kept_positions()} (save_state() keeps more)"
+            )
+        self.current, self._staged = target, {}
+        if self._undo is not None and self._undo.pos >= pos:
+            self._undo = None
+        self._saved = {p: snap for p, snap in self._saved.items() if p <= pos}
+
+    def save(self) -> RecurrentSnapshot:
+        self._saved[self.current.pos] = self.current
+        return self.current
+
+    def is_kept(self, snap: RecurrentSnapshot) -> bool:
+        return (
+            snap is self._zero
+            or snap is self.current
+            or snap is self._undo
+            or self._saved.get(snap.pos) is snap
+        )
+
+    def release(self, snap: RecurrentSnapshot) -> None:
+        if self._saved.get(snap.pos) is snap:
+            del self._saved[snap.pos]
+
+    def reset(self) -> None:
+        self.current, self._staged, self._undo, self._saved = self._zero, {}, None, {}
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for s in self.current.states.values() for t in s)
 
 
 class KVCache:
@@ -37,12 +184,18 @@ class KVCache:
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
         initial: int = 256,
+        recurrent: Mapping[int, RecurrentShape] | None = None,
     ) -> None:
+        """`recurrent`: the layers (of `layers`) that keep a recurrent state, not K/V."""
         self.layers = layers
+        self.attention_layers = tuple(i for i in layers if i not in (recurrent or {}))
+        self.recurrent = (
+            RecurrentState(recurrent, dtype, torch.device(device)) if recurrent else None
+        )
         self.kv_heads = (
-            dict.fromkeys(layers, n_kv_heads)
+            dict.fromkeys(self.attention_layers, n_kv_heads)
             if isinstance(n_kv_heads, int)
-            else {i: n_kv_heads[i] for i in layers}
+            else {i: n_kv_heads[i] for i in self.attention_layers}
         )
         self.head_dim = head_dim
         self.capacity = capacity
@@ -57,7 +210,7 @@ class KVCache:
     def _grow(self, size: int, keep: int | None = None) -> None:
         """Reallocate every layer to `size` rows, keeping rows [0, keep) (default: all)."""
         keep = self._allocated if keep is None else keep
-        for i in self.layers:
+        for i in self.attention_layers:
             shape = (self.kv_heads[i], size, self.head_dim)
             k = torch.zeros(shape, dtype=self.dtype, device=self.device)
             v = torch.zeros(shape, dtype=self.dtype, device=self.device)
@@ -78,6 +231,8 @@ class KVCache:
             raise ContextOverflow(
                 f"context of {end} tokens exceeds the KV capacity {self.capacity}"
             )
+        if self.recurrent is not None:
+            self.truncate(start)  # the recurrent layers continue from the state at start
         if end > self._allocated:
             self._grow(min(self.capacity, max(end, 2 * self._allocated)))
 
@@ -92,16 +247,59 @@ class KVCache:
         return self.k[layer][:, :end], self.v[layer][:, :end]
 
     def commit(self, end: int) -> None:
+        if self.recurrent is not None:
+            self.recurrent.commit(end)
         self.pos = end
 
     def truncate(self, pos: int) -> None:
-        """Roll back to `pos` committed tokens (pos <= current fill position)."""
+        """Roll back to `pos` committed tokens (pos <= current fill position). With recurrent
+        layers only to a position whose state is kept (else RecurrentRollback, no change)."""
         if not 0 <= pos <= self.pos:
             raise ValueError(f"cannot truncate to {pos}: fill position is {self.pos}")
+        if self.recurrent is not None:
+            self.recurrent.rewind(pos)
         self.pos = pos
 
     def reset(self) -> None:
+        if self.recurrent is not None:
+            self.recurrent.reset()
         self.pos = 0
+
+    # -- recurrent layers (see the module docstring) --------------------------------------
+
+    def is_recurrent(self, layer: int) -> bool:
+        return self.recurrent is not None and layer in self.recurrent.shapes
+
+    def recurrent_state(self, layer: int) -> LayerState:
+        """`layer`'s committed (conv window, delta matrix): the state at the fill position."""
+        return self._recurrent().current.states[layer]
+
+    def stage_state(self, layer: int, conv: torch.Tensor, delta: torch.Tensor) -> None:
+        """`layer`'s state after the running forward; `commit` makes it current."""
+        self._recurrent().stage(layer, conv, delta)
+
+    def save_state(self) -> RecurrentSnapshot:
+        """Keep the recurrent state at the fill position, so `truncate` can come back to it."""
+        return self._recurrent().save()
+
+    def restore_state(self, snap: RecurrentSnapshot) -> None:
+        """Rewind to a kept snapshot (its rows [0, snap.pos) are still in the cache)."""
+        rec = self._recurrent()
+        if not rec.is_kept(snap) or snap.pos > self.pos:
+            raise RecurrentRollback(
+                f"the snapshot at position {snap.pos} is no longer kept "
+                f"(fill position {self.pos}, kept {rec.kept_positions()})"
+            )
+        self.truncate(snap.pos)
+
+    def release_state(self, snap: RecurrentSnapshot) -> None:
+        """Stop keeping a snapshot of `save_state` (its tensors are freed with the last user)."""
+        self._recurrent().release(snap)
+
+    def _recurrent(self) -> RecurrentState:
+        if self.recurrent is None:
+            raise RuntimeError("this cache has no recurrent layers")
+        return self.recurrent
 
     def export_rows(self, layer: int, n: int, k_out: torch.Tensor, v_out: torch.Tensor) -> None:
         """Copy `layer`'s committed rows [0, n) into k_out / v_out ([Hkv, >= n, D], the cache
@@ -117,6 +315,11 @@ class KVCache:
         before anything changes. A copy failing part-way leaves the cache empty (pos 0)."""
         if n > self.capacity:
             raise ContextOverflow(f"{n} positions exceed the KV capacity {self.capacity}")
+        if self.recurrent is not None:
+            raise ValueError(
+                f"cannot import K/V rows alone: layers {sorted(self.recurrent.shapes)} keep a "
+                "recurrent state, which rows do not restore"
+            )
         if set(rows) != set(self.layers):
             raise ValueError(f"import needs layers {list(self.layers)}, got {sorted(rows)}")
         for layer, pair in rows.items():
@@ -138,4 +341,5 @@ class KVCache:
         self.pos = n
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (*self.k.values(), *self.v.values()))
+        kv = sum(t.numel() * t.element_size() for t in (*self.k.values(), *self.v.values()))
+        return kv + (self.recurrent.nbytes() if self.recurrent is not None else 0)

@@ -38,7 +38,7 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 def layout(worker: WorkerState, req: F.KVLayout) -> F.KVLayoutReply:
-    m = worker.model("kv_layout")
+    m = _rows_only(worker.model("kv_layout"))
     tensors = []
     for shard in m.shards:
         cache = shard.cache
@@ -51,7 +51,7 @@ def layout(worker: WorkerState, req: F.KVLayout) -> F.KVLayoutReply:
 
 @torch.inference_mode()  # the cache tensors are inference tensors: writes need this mode
 def export(worker: WorkerState, req: F.KVExport) -> F.KVExportReply:
-    m = worker.model("kv_export")
+    m = _rows_only(worker.model("kv_export"))
     n = req.position
     if n > m.position:
         raise WorkerError(f"kv_export of {n} positions, but the KV holds {m.position}")
@@ -66,7 +66,7 @@ def export(worker: WorkerState, req: F.KVExport) -> F.KVExportReply:
 
 @torch.inference_mode()
 def import_(worker: WorkerState, req: F.KVImport) -> F.KVImportReply:
-    m = worker.model("kv_import")
+    m = _rows_only(worker.model("kv_import"))
     n = req.position
     if n > m.reply.kv_capacity:
         raise ContextOverflow(
@@ -94,6 +94,19 @@ def import_(worker: WorkerState, req: F.KVImport) -> F.KVImportReply:
     elapsed = time.perf_counter() - t0
     worker.busy_s += elapsed
     return F.KVImportReply(position=m.position, elapsed_us=int(elapsed * 1e6))
+
+
+def _rows_only(m: Loaded) -> Loaded:
+    """The model, if all its state is K/V rows: a recurrent layer's state is not (yet) part
+    of a snapshot, and a prefix restored without it would be wrong."""
+    for shard in m.shards:
+        if shard.cache.recurrent is not None:
+            layers = sorted(shard.cache.recurrent.shapes)
+            raise WorkerError(
+                f"KV snapshots do not cover recurrent layers yet (layers {layers} of this "
+                "model keep a recurrent state): turn the prefix cache off for it"
+            )
+    return m
 
 
 def _resolve(worker: WorkerState, m: Loaded, regions: Mapping[str, Region], n: int) -> _Resolved:

@@ -22,7 +22,7 @@ from types import ModuleType
 
 import torch
 
-from luced.gguf_file import GGUFFile
+from luced.gguf_file import GGUFError, GGUFFile
 from luced.runtime.families import family_for
 from luced.runtime.families.common import ModelConfig
 from luced.runtime.kv_cache import KVCache
@@ -73,7 +73,10 @@ class Model:
         torch_dtype, torch_device = parse_dtype(dtype), torch.device(device)
         plan = family.weight_plan(cfg, span, a == 0, b == cfg.n_layers)
         weights = WeightLoader(gguf, torch_dtype, torch_device).load_all(plan)
-        family.prepare(cfg, weights)
+        try:
+            family.prepare(cfg, weights)
+        except ValueError as exc:  # a tensor that contradicts the metadata
+            raise GGUFError(f"{gguf.path}: {exc}") from exc
         model = cls(family, cfg, weights, span, torch_dtype, torch_device, gguf.path)
         log.info(
             "loaded %s (%s, layers [%d, %d) of %d, %s) in %.1f s",
@@ -88,6 +91,9 @@ class Model:
         return model
 
     def new_cache(self, capacity: int | None = None) -> KVCache:
+        """K/V for the attention layers; a recurrent state for the layers the family's
+        optional `recurrent_shapes(cfg, layers)` names."""
+        shapes = getattr(self.family, "recurrent_shapes", None)
         return KVCache(
             self.layers,
             {i: self.cfg.kv_heads(i) for i in self.layers},
@@ -95,6 +101,7 @@ class Model:
             capacity or self.cfg.context_length,
             self.dtype,
             self.device,
+            recurrent=shapes(self.cfg, self.layers) if shapes is not None else None,
         )
 
     @torch.inference_mode()

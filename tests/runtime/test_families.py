@@ -25,6 +25,8 @@ VARIANTS = {
     "laguna": ("laguna", {}),
     # Laguna-M.1's shape: no sliding window, one gate per element, more leading dense layers
     "laguna-m1": ("laguna", {"sliding_window": 0, "gating": "per-element", "dense_layers": 2}),
+    "qwen35": ("qwen35", {}),  # 3 DeltaNet layers, then full attention
+    "qwen35-kv": ("qwen35", {"linear_v_heads": 4, "tied": True}),  # V heads reordered
 }
 # Gemma's and Laguna's tiny windows are 8: the 24-token prompt runs well past them.
 PROMPTS = [[1, 5, 9, 200, 300], list(range(40, 64)), [7] * 3 + list(range(100, 112))]

@@ -1,4 +1,5 @@
-"""KV cache: rollback by truncation equals recomputing from scratch; bounds are enforced."""
+"""KV cache: rollback by truncation equals recomputing from scratch; bounds are enforced;
+recurrent layers rewind only to kept states (the previous commit, saved ones, zero)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from luced.runtime.kv_cache import ContextOverflow, KVCache
+from luced.runtime.kv_cache import ContextOverflow, KVCache, RecurrentRollback
 from luced.runtime.model import Model
 
 
@@ -80,3 +81,129 @@ def test_per_layer_kv_heads() -> None:
     rows[3] = rows[4]
     with pytest.raises(ValueError, match=r"layer 3: rows must be \[4, >= 3, 8\], got \[2, 3, 8\]"):
         fresh.import_rows(3, rows)
+
+
+# -- recurrent layers (a tiny qwen35: DeltaNet layers 0-2, attention layer 3) -----------------
+
+PROMPT = torch.tensor([5, 9, 200, 31, 7, 400, 12, 13, 64, 99, 3])
+DRAFT = torch.tensor([300, 301, 302, 303])
+ACCEPTED = torch.tensor([44, 45, 46])
+
+
+@pytest.fixture(scope="module")
+def hybrid(tmp_path_factory: pytest.TempPathFactory) -> Model:
+    import make_tiny_gguf
+
+    path = tmp_path_factory.mktemp("hybrid") / "q.gguf"
+    return Model.load(make_tiny_gguf.build("qwen35", path, seed=2, linear_v_heads=4).path)
+
+
+def fresh_logits(model: Model, *pieces: torch.Tensor) -> torch.Tensor:
+    """The last piece's logits after feeding the pieces in order to a new cache (the same
+    forwards, so the same chunking of the delta rule: bitwise comparable)."""
+    cache, start = model.new_cache(64), 0
+    for piece in pieces:
+        logits = model.forward(piece, cache, start)
+        start += len(piece)
+    return logits
+
+
+def test_undo_of_the_last_forward(hybrid: Model) -> None:
+    """Each commit keeps the state it replaced: a rejected draft is undone by truncation,
+    by a forward that starts over it, and a failed forward leaves the state as it was."""
+    n = len(PROMPT)
+    expected = fresh_logits(hybrid, PROMPT, ACCEPTED)
+    cache = hybrid.new_cache(64)
+    hybrid.forward(PROMPT, cache, 0)
+    hybrid.forward(DRAFT, cache, n)
+    cache.truncate(n)
+    torch.testing.assert_close(hybrid.forward(ACCEPTED, cache, n), expected, rtol=0, atol=0)
+
+    cache.truncate(n)  # the undo state survives a truncation to it...
+    hybrid.forward(DRAFT, cache, n)
+    # ...and a forward may start over the last one without a truncate
+    torch.testing.assert_close(hybrid.forward(ACCEPTED, cache, n), expected, rtol=0, atol=0)
+
+
+def test_failed_forward_leaves_the_committed_state(
+    hybrid: Model, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    n = len(PROMPT)
+    expected = fresh_logits(hybrid, PROMPT, ACCEPTED)
+    cache = hybrid.new_cache(64)
+    hybrid.forward(PROMPT, cache, 0)
+    block = hybrid.family.block
+
+    def fails_in_layer_2(model, layer, x, start, c):
+        if layer == 2:
+            raise RuntimeError("boom")
+        return block(model, layer, x, start, c)
+
+    monkeypatch.setattr(hybrid.family, "block", fails_in_layer_2)
+    with pytest.raises(RuntimeError, match="boom"):
+        hybrid.forward(DRAFT, cache, n)  # layers 0 and 1 staged new states
+    monkeypatch.undo()
+    assert cache.pos == n
+    cache.truncate(n)  # what the worker does after a failed forward: drops the staged states
+    torch.testing.assert_close(hybrid.forward(ACCEPTED, cache, n), expected, rtol=0, atol=0)
+
+
+def test_truncation_needs_a_kept_state(hybrid: Model) -> None:
+    n = len(PROMPT)
+    cache = hybrid.new_cache(64)
+    hybrid.forward(PROMPT, cache, 0)
+    hybrid.forward(DRAFT[:1], cache, n)
+    hybrid.forward(DRAFT[1:2], cache, n + 1)
+    assert cache.recurrent is not None
+    assert cache.recurrent.kept_positions() == [0, n + 1, n + 2]
+    before = cache.recurrent_state(0)
+    with pytest.raises(
+        RecurrentRollback,
+        match=rf"from position {n + 2} to {n}: their state is kept only at positions "
+        rf"\[0, {n + 1}, {n + 2}\]",
+    ):
+        cache.truncate(n)
+    assert cache.pos == n + 2 and cache.recurrent_state(0) is before  # nothing changed
+    with pytest.raises(RecurrentRollback):
+        hybrid.forward(ACCEPTED, cache, n)  # a forward over older positions, too
+    assert cache.pos == n + 2
+    cache.truncate(0)  # the zero state is always kept
+    torch.testing.assert_close(
+        hybrid.forward(PROMPT, cache, 0), fresh_logits(hybrid, PROMPT), rtol=0, atol=0
+    )
+
+
+def test_saved_state_restores(hybrid: Model) -> None:
+    n = len(PROMPT)
+    expected = fresh_logits(hybrid, PROMPT, ACCEPTED)
+    cache = hybrid.new_cache(64)
+    hybrid.forward(PROMPT, cache, 0)
+    snap = cache.save_state()
+    assert snap.pos == n
+    for i, token in enumerate(DRAFT):  # four commits: the undo state alone would be n + 3
+        hybrid.forward(token[None], cache, n + i)
+    cache.restore_state(snap)
+    assert cache.pos == n
+    torch.testing.assert_close(hybrid.forward(ACCEPTED, cache, n), expected, rtol=0, atol=0)
+
+    cache.truncate(0)  # a rewind below the snapshot drops it: its rows are to be rewritten
+    hybrid.forward(PROMPT[:3], cache, 0)
+    with pytest.raises(RecurrentRollback, match=f"snapshot at position {n} is no longer kept"):
+        cache.restore_state(snap)
+
+    cache.reset()
+    hybrid.forward(PROMPT, cache, 0)
+    snap = cache.save_state()
+    hybrid.forward(DRAFT, cache, n)
+    cache.release_state(snap)
+    hybrid.forward(ACCEPTED, cache, n + len(DRAFT))
+    with pytest.raises(RecurrentRollback, match=f"snapshot at position {n} is no longer kept"):
+        cache.restore_state(snap)
+
+
+def test_hybrid_cache_refuses_row_imports(hybrid: Model) -> None:
+    cache = hybrid.new_cache(16)
+    k = torch.zeros(hybrid.cfg.n_kv_heads, 4, hybrid.cfg.head_dim)
+    with pytest.raises(ValueError, match=r"layers \[0, 1, 2\] keep a recurrent state"):
+        cache.import_rows(4, {3: (k, k)})
+    assert cache.nbytes() > 0 and cache.is_recurrent(0) and not cache.is_recurrent(3)

@@ -388,6 +388,28 @@ def test_before_load(owner: ShmOwner) -> None:
         b.handle(F.KVLayout())
 
 
+def test_recurrent_layers_are_refused(owner: ShmOwner, tmp_path: Path) -> None:
+    """A qwen35's DeltaNet state is not in the snapshot: no layout, so no half-restored prefix."""
+    path = make_tiny_gguf.build("qwen35", tmp_path / "q.gguf").path
+    b = Backend("cpu", ("cpu",))
+    b.handle(F.Hello(instance=owner.instance))
+    b.handle(
+        F.Load(
+            model=str(path),
+            layers=(0, 4),
+            dtype="float32",
+            devices=("cpu",),
+            kv_capacity=KV,
+            owns_embed=True,
+            owns_head=True,
+        )
+    )
+    with pytest.raises(
+        WorkerError, match=r"do not cover recurrent layers yet \(layers \[0, 1, 2\]"
+    ):
+        b.handle(F.KVLayout())
+
+
 # -- KVCache helpers ------------------------------------------------------------------------
 
 

@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import struct
 from pathlib import Path
 
 import make_tiny_gguf
 import pytest
+import tiny_qwen35
 from gguf import GGMLQuantizationType
 from gguf_samples import write_gguf
 
 from luced.gguf_file import GGUFError, GGUFFile
+from luced.ipc import frames as F
+from luced.runtime.backend import Backend
 from luced.runtime.model import Model
 from luced.runtime.weights import dequantize_tensor
 
@@ -84,3 +88,51 @@ def test_missing_expert_tensor(tmp_path: Path, family: str, tensor: str) -> None
         GGUFError, match=rf"bad-{family}\.gguf: missing tensor '{re.escape(tensor)}'"
     ):
         Model.load(path, layers=(0, 1))  # checked for every layer, even by a shard without it
+
+
+def _load_req(path: Path, n_layers: int) -> F.Load:
+    return F.Load(
+        model=str(path),
+        layers=(0, n_layers),
+        dtype="float32",
+        devices=("cpu",),
+        kv_capacity=64,
+        owns_embed=True,
+        owns_head=True,
+    )
+
+
+def test_worker_rejects_a_qwen35_without_an_ssm_tensor(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The converter's file minus layer 1's ssm_a: the worker's load names the tensor."""
+    shapes = tiny_qwen35.hf_shapes
+    monkeypatch.setattr(
+        tiny_qwen35,
+        "hf_shapes",
+        lambda spec: {
+            k: v for k, v in shapes(spec).items() if not k.endswith("1.linear_attn.A_log")
+        },
+    )
+    path = make_tiny_gguf.build("qwen35", tmp_path / "no-a.gguf").path
+    with pytest.raises(GGUFError, match=r"no-a\.gguf: missing tensor 'blk\.1\.ssm_a'"):
+        Backend("cpu", ("cpu",)).load(_load_req(path, 4))
+
+
+def test_worker_rejects_a_qwen35_whose_conv_contradicts_the_metadata(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Metadata saying kernel 3 beside conv weights of kernel 4."""
+    write = tiny_qwen35.write_metadata
+    monkeypatch.setattr(
+        tiny_qwen35,
+        "write_metadata",
+        lambda w, spec: write(w, dataclasses.replace(spec, conv_kernel=3)),
+    )
+    path = make_tiny_gguf.build("qwen35", tmp_path / "conv.gguf").path
+    with pytest.raises(
+        GGUFError,
+        match=r"conv\.gguf: tensor 'blk\.0\.ssm_conv1d\.weight' is \[96, 4\], "
+        r"the metadata wants \[96, 3\]",
+    ):
+        Backend("cpu", ("cpu",)).load(_load_req(path, 4))

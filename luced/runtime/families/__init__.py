@@ -5,9 +5,11 @@ from __future__ import annotations
 from types import ModuleType
 
 from luced.gguf_file import GGUFError, GGUFFile
-from luced.runtime.families import gemma3, laguna, llama, qwen3, qwen3moe
+from luced.runtime.families import gemma3, laguna, llama, qwen3, qwen3moe, qwen35
 
-FAMILIES: dict[str, ModuleType] = {m.ARCH: m for m in (llama, qwen3, gemma3, qwen3moe, laguna)}
+FAMILIES: dict[str, ModuleType] = {
+    m.ARCH: m for m in (llama, qwen3, gemma3, qwen3moe, laguna, qwen35)
+}
 
 
 def family_for(gguf: GGUFFile) -> ModuleType:

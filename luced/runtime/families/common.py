@@ -12,6 +12,8 @@ A family module provides::
     block(model, layer, x, start, cache) -> [n, hidden]
     head(model, x) -> [n, vocab] float32 logits      final norm, then project
     project(model, h) -> [n, vocab] float32 logits   head matrix + logit scaling / softcap
+    recurrent_shapes(cfg, layers) -> {layer: RecurrentShape}   optional: the layers that keep
+                                                a recurrent state instead of K/V (kv_cache)
 
 Keys of the weight dict are `tok_embd`, `out_norm`, `head` and `{layer}.{name}`
 (e.g. `3.attn_q`); matrices are stored in `layers.linear`'s layout for their dtype.

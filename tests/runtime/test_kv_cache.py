@@ -53,3 +53,28 @@ def test_bounds(smollm2: Model) -> None:
         smollm2.forward(torch.arange(1), cache, 7)
     with pytest.raises(ValueError, match="cannot truncate to 6"):
         cache.truncate(6)
+
+
+def test_sharing_layers_read_their_source_and_store_nothing() -> None:
+    """Gemma 4's layout: per-layer shapes, layers 4 and 5 reading 3 and 2."""
+    shapes = {0: (2, 8), 1: (2, 8), 2: (1, 16), 3: (2, 8), 4: (2, 8), 5: (1, 16)}
+    cache = KVCache(
+        range(6), 2, 8, 32, torch.float32, initial=4, shapes=shapes, sources={4: 3, 5: 2}
+    )
+    assert cache.stored == (0, 1, 2, 3) and set(cache.k) == {0, 1, 2, 3}
+    assert cache.k[2].shape == (1, 4, 16) and cache.v[0].shape == (2, 4, 8)
+    k, v = torch.randn(6, 1, 16), torch.randn(6, 1, 16)
+    cache.reserve(0, 6)  # grows past `initial`, keeping each layer's shape
+    cache.write(2, 0, k, v)
+    keys, values = cache.read(5, 6)
+    assert keys.data_ptr() == cache.k[2].data_ptr()  # a view of layer 2's rows, no copy
+    torch.testing.assert_close(keys, k.transpose(0, 1))
+    torch.testing.assert_close(values, v.transpose(0, 1))
+    cache.commit(6)
+    rows = {i: (cache.k[i], cache.v[i]) for i in cache.stored}
+    with pytest.raises(ValueError, match=r"import needs layers \[0, 1, 2, 3\]"):
+        cache.import_rows(6, {**rows, 5: rows[2]})
+    with pytest.raises(ValueError, match=r"layer 2: rows must be \[1, >= 6, 16\]"):
+        cache.import_rows(6, {**rows, 2: rows[0]})
+    with pytest.raises(ValueError, match="layer 5 cannot read the KV of layer 2"):
+        KVCache(range(3, 6), 2, 8, 32, torch.float32, sources={4: 3, 5: 2})

@@ -13,7 +13,6 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-import numpy as np
 import torch
 
 from luced.gguf_file import GGUFFile
@@ -57,17 +56,6 @@ class Gemma3Config(common.ModelConfig):
     final_softcap: float | None = None
 
 
-def _sliding_layers(gguf: GGUFFile, n_layers: int) -> tuple[bool, ...]:
-    pattern = gguf.get(f"{gguf.arch}.attention.sliding_window_pattern", DEFAULT_SWA_PATTERN)
-    if isinstance(pattern, np.ndarray | list):  # explicit per-layer flags
-        flags = tuple(bool(p) for p in pattern)
-        if len(flags) != n_layers:
-            raise ValueError(f"sliding_window_pattern has {len(flags)} entries for {n_layers}")
-        return flags
-    period = int(pattern)
-    return tuple(period <= 0 or (i + 1) % period != 0 for i in range(n_layers))
-
-
 def config_from_gguf(gguf: GGUFFile) -> Gemma3Config:
     arch = gguf.arch
     base = common.base_fields(gguf)
@@ -86,7 +74,7 @@ def config_from_gguf(gguf: GGUFFile) -> Gemma3Config:
         Gemma3Config,
         gguf,
         sliding_window=int(gguf.get(f"{arch}.attention.sliding_window", 512)),
-        sliding_layers=_sliding_layers(gguf, base["n_layers"]),
+        sliding_layers=gguf.sliding_layers(DEFAULT_SWA_PATTERN),
         local_rope_base=float(gguf.get(f"{arch}.rope.freq_base_swa", DEFAULT_LOCAL_ROPE_BASE)),
         global_rope_scale=scale,
         attn_scale=attn_scale,
@@ -131,6 +119,12 @@ def block(
         model, layer, h, start, cache, model.ropes[layer], window=window, scale=cfg.attn_scale
     )
     x = x + rms_norm(h, w[f"{layer}.post_attn_norm"], eps)
+    return ffn(model, layer, x)
+
+
+def ffn(model: ModelParts, layer: int, x: torch.Tensor) -> torch.Tensor:
+    """The FFN half of a Gemma block: x + post_norm(GeGLU(pre_norm(x)))."""
+    w, eps = model.weights, model.cfg.rms_eps
     h = rms_norm(x, w[f"{layer}.ffn_norm"], eps)
     h = geglu_tanh(h, w[f"{layer}.ffn_gate"], w[f"{layer}.ffn_up"], w[f"{layer}.ffn_down"])
     return x + rms_norm(h, w[f"{layer}.post_ffn_norm"], eps)

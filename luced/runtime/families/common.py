@@ -9,12 +9,21 @@ A family module provides::
     prepare(cfg, weights) -> None               post-load fix-ups (e.g. un-permute Q/K)
     ropes(cfg, weights, device) -> {layer: Rope}
     embed(model, ids) -> [n, hidden]
-    block(model, layer, x, start, cache) -> [n, hidden]
+    block(model, layer, x, start, cache, **inputs) -> [n, hidden]
     head(model, x) -> [n, vocab] float32 logits      final norm, then project
     project(model, h) -> [n, vocab] float32 logits   head matrix + logit scaling / softcap
 
+and optionally::
+
+    layer_inputs(model, ids) -> {name: value}   per-token inputs every block of a shard
+                                                 reads besides the hidden state (Gemma 4's
+                                                 per-layer embeddings), once per forward;
+                                                 passed to `block` as keyword arguments
+
 Keys of the weight dict are `tok_embd`, `out_norm`, `head` and `{layer}.{name}`
 (e.g. `3.attn_q`); matrices are stored in `layers.linear`'s layout for their dtype.
+The config says each layer's K/V shape and, for KV-sharing layers, which layer's K/V
+it reads (`kv_shape`, `kv_source`); the model builds its cache from them.
 """
 
 from __future__ import annotations
@@ -73,9 +82,19 @@ class ModelConfig:
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"{self.arch} config: {self.n_heads} heads not divisible by kv heads")
 
+    def kv_shape(self, layer: int) -> tuple[int, int]:
+        """(kv heads, head dim) of a layer's K/V; the same for every layer unless overridden."""
+        return self.n_kv_heads, self.head_dim
 
-def base_fields(gguf: GGUFFile) -> dict[str, Any]:
-    """The fields every family reads, from `{arch}.*` keys (llama.cpp names)."""
+    def kv_source(self, layer: int) -> int:
+        """The layer whose K/V `layer` attends to: itself unless it shares another's."""
+        return layer
+
+
+def base_fields(gguf: GGUFFile, **known: Any) -> dict[str, Any]:
+    """The fields every family reads, from `{arch}.*` keys (llama.cpp names). `known`
+    fields are taken as given and their keys not read (e.g. a per-layer array the
+    family resolves itself)."""
     arch = gguf.arch
 
     def key(name: str) -> str:
@@ -83,13 +102,14 @@ def base_fields(gguf: GGUFFile) -> dict[str, Any]:
 
     n_heads = int(gguf.require(key("attention.head_count")))
     hidden = int(gguf.require(key("embedding_length")))
-    n_kv = gguf.get(key("attention.head_count_kv"), n_heads)
+    n_kv = known.get("n_kv_heads", gguf.get(key("attention.head_count_kv"), n_heads))
     if not isinstance(n_kv, int | float):
         raise GGUFError(f"{gguf.path}: per-layer {key('attention.head_count_kv')} unsupported")
-    head_dim = int(gguf.get(key("attention.key_length"), hidden // n_heads))
+    head_dim = int(known.get("head_dim", gguf.get(key("attention.key_length"), hidden // n_heads)))
     vocab = gguf.get(key("vocab_size"))
     if vocab is None:
         vocab = gguf.info("token_embd.weight").shape[0]
+    ffn = known["ffn"] if "ffn" in known else gguf.require(key("feed_forward_length"))
     return {
         "arch": arch,
         "n_layers": int(gguf.require(key("block_count"))),
@@ -97,7 +117,7 @@ def base_fields(gguf: GGUFFile) -> dict[str, Any]:
         "n_heads": n_heads,
         "n_kv_heads": int(n_kv),
         "head_dim": head_dim,
-        "ffn": int(gguf.require(key("feed_forward_length"))),
+        "ffn": int(ffn),
         "vocab": int(vocab),
         "rms_eps": float(gguf.require(key("attention.layer_norm_rms_epsilon"))),
         "rope_base": float(gguf.get(key("rope.freq_base"), 10000.0)),
@@ -107,9 +127,12 @@ def base_fields(gguf: GGUFFile) -> dict[str, Any]:
     }
 
 
-def make_config(cls: type, gguf: GGUFFile, **extra: Any) -> Any:
+def make_config(
+    cls: type, gguf: GGUFFile, known: dict[str, Any] | None = None, **extra: Any
+) -> Any:
+    """cls(base fields, extra fields), errors named after the file; `known` as in base_fields."""
     try:
-        return cls(**base_fields(gguf), **extra)
+        return cls(**base_fields(gguf, **(known or {})), **extra)
     except (TypeError, ValueError) as exc:
         raise GGUFError(f"{gguf.path}: bad {gguf.arch} metadata: {exc}") from exc
 
@@ -171,7 +194,29 @@ def self_attention(
         k = rms_norm(k, w[f"{layer}.attn_k_norm"], cfg.rms_eps)
     cos, sin = rope.tables(start, n, q.dtype)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    keys, values = cache.write(layer, start, k, v)
-    mask = attention_mask(start, n, start + n, window, x.device)
-    out = attention(q, keys, values, mask, scale if scale is not None else cfg.head_dim**-0.5)
-    return linear(out, w[f"{layer}.attn_output"])
+    scale = scale if scale is not None else cfg.head_dim**-0.5
+    return attend(model, layer, q, start, cache, (k, v), window=window, scale=scale)
+
+
+def attend(
+    model: ModelParts,
+    layer: int,
+    q: torch.Tensor,
+    start: int,
+    cache: KVCache,
+    kv: tuple[torch.Tensor, torch.Tensor] | None,
+    *,
+    window: int | None,
+    scale: float,
+) -> torch.Tensor:
+    """Cached attention and output projection of one layer. q: [n, H, D] (roped); kv:
+    this layer's new (k, v) [n, Hkv, D] to store, or None for a KV-sharing layer, which
+    attends to its source layer's rows. -> [n, hidden]"""
+    n = q.shape[0]
+    if kv is None:
+        keys, values = cache.read(layer, start + n)
+    else:
+        keys, values = cache.write(layer, start, *kv)
+    mask = attention_mask(start, n, start + n, window, q.device)
+    out = attention(q, keys, values, mask, scale)
+    return linear(out, model.weights[f"{layer}.attn_output"])

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
+import make_tiny_gguf
 import pytest
 from gguf import GGMLQuantizationType
 from gguf_samples import write_gguf
@@ -46,3 +48,14 @@ def test_truncated_real_model(tmp_path: Path, smollm2_gguf: Path) -> None:
 def test_bad_layer_range(smollm2_gguf: Path) -> None:
     with pytest.raises(ValueError, match=r"layer range \[20, 40\) outside the model's 30 layers"):
         Model.load(smollm2_gguf, layers=(20, 40))
+
+
+@pytest.mark.parametrize("name", ["per_layer_token_embd.weight", "blk.3.attn_k.weight"])
+def test_gemma4_missing_tensor_is_named(tmp_path: Path, name: str) -> None:
+    tiny = make_tiny_gguf.build("gemma4", tmp_path / "g4.gguf", seed=1)
+    data = tiny.path.read_bytes()
+    assert data.count(name.encode()) == 1
+    cut = tmp_path / "g4-cut.gguf"  # the tensor renamed in the header: the file lacks it
+    cut.write_bytes(data.replace(name.encode(), name[:-1].encode() + b"X"))
+    with pytest.raises(GGUFError, match=rf"g4-cut\.gguf: missing tensor '{re.escape(name)}'"):
+        Model.load(cut)

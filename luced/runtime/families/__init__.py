@@ -5,9 +5,9 @@ from __future__ import annotations
 from types import ModuleType
 
 from luced.gguf_file import GGUFError, GGUFFile
-from luced.runtime.families import gemma3, llama, qwen3
+from luced.runtime.families import gemma3, gemma4, llama, qwen3
 
-FAMILIES: dict[str, ModuleType] = {m.ARCH: m for m in (llama, qwen3, gemma3)}
+FAMILIES: dict[str, ModuleType] = {m.ARCH: m for m in (llama, qwen3, gemma3, gemma4)}
 
 
 def family_for(gguf: GGUFFile) -> ModuleType:

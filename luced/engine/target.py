@@ -124,14 +124,16 @@ class TargetPlacement:
         max_batch_tokens: int,
         devices: Sequence[str],
         weights: Sequence[float] = (),
+        kv_sources: Mapping[int, int] | None = None,
         pythons: Mapping[str, str] | None = None,
         threads: int | None = None,
         cores: int = 1,
         logit_rows: int = 16,
     ) -> TargetPlacement:
         """--target-devices / --target-layer-split -> workers; raises PlacementError.
+        `kv_sources` (the GGUF's KV-sharing layers) keeps sharing layers with their sources;
         `threads` None shares `cores` among the workers."""
-        plans = plan_workers(devices, weights, n_layers)
+        plans = plan_workers(devices, weights, n_layers, kv_sources)
         if threads is None:
             threads = max(1, cores // len(plans))
         pythons = dict(pythons or {})

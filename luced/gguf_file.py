@@ -220,6 +220,57 @@ class GGUFFile:
             raise GGUFError(f"{self.path}: missing metadata key {key!r}")
         return self.metadata[key]
 
+    def sliding_layers(
+        self, default_period: int = 6, *, full_first: bool = False
+    ) -> tuple[bool, ...]:
+        """Per layer: True = sliding-window attention, from
+        `{arch}.attention.sliding_window_pattern`: per-layer flags (Gemma 3n / 4), or a period
+        p whose one global layer comes last in each period, i.e. layer i is global iff
+        (i + 1) % p == 0 (gemma), or first, i % p == 0 (`full_first`: laguna), as llama.cpp's
+        set_swa_pattern; p <= 0: all sliding. Absent means `default_period` (llama.cpp's
+        Gemma default, 5 sliding then 1 global)."""
+        n_layers = int(self.require(f"{self.arch}.block_count"))
+        pattern = self.get(f"{self.arch}.attention.sliding_window_pattern", default_period)
+        if isinstance(pattern, np.ndarray | list):
+            flags = tuple(bool(p) for p in pattern)
+            if len(flags) != n_layers:
+                raise GGUFError(
+                    f"{self.path}: sliding_window_pattern has {len(flags)} entries "
+                    f"for {n_layers} layers"
+                )
+            return flags
+        period = int(pattern)
+        full_at = 0 if full_first else period - 1
+        return tuple(period <= 0 or i % period != full_at for i in range(n_layers))
+
+    def kv_sources(self) -> dict[int, int]:
+        """KV sharing (Gemma 3n / 4): layer -> the earlier layer whose K/V it attends to.
+
+        The last `{arch}.attention.shared_kv_layers` layers compute no K/V; each reads the
+        last non-shared layer of its own kind (sliding or full), as transformers'
+        `Gemma4TextConfig.kv_sharing_modes` ("reuse" / "store") defines it. Empty when the
+        file shares nothing. Torch-free: the daemon plans layer splits from it."""
+        arch = self.arch
+        n_shared = int(self.get(f"{arch}.attention.shared_kv_layers", 0))
+        if n_shared == 0:
+            return {}
+        n_layers = int(self.require(f"{arch}.block_count"))
+        first = n_layers - n_shared
+        if not 0 < first < n_layers:
+            raise GGUFError(f"{self.path}: {n_shared} KV-shared layers of {n_layers}")
+        sliding = self.sliding_layers()
+        sources = {}
+        for layer in range(first, n_layers):
+            kind = sliding[layer]
+            source = next((j for j in range(first - 1, -1, -1) if sliding[j] == kind), None)
+            if source is None:
+                raise GGUFError(
+                    f"{self.path}: KV-shared layer {layer} ({'sliding' if kind else 'full'}) "
+                    "has no earlier layer of its kind to read from"
+                )
+            sources[layer] = source
+        return sources
+
     def raw(self, name: str) -> np.ndarray:
         """The stored bytes of a tensor as a zero-copy uint8 view (rows kept whole)."""
         info = self.info(name)

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from gguf import GGUFReader
+from gguf import GGUFReader, GGUFWriter
 from gguf_samples import write_gguf
 
 from luced.gguf_file import GGUFError, GGUFFile
@@ -67,3 +67,37 @@ def test_unknown_type_id(tmp_path: Path) -> None:
         GGUFError, match=r"m\.gguf: tensor .token_embd\.weight. has unknown ggml type id 99"
     ):
         GGUFFile(path)
+
+
+def _sharing_gguf(path: Path, n_layers: int, shared: int, pattern: list[bool] | int) -> Path:
+    writer = GGUFWriter(str(path), "gemma4")
+    writer.add_block_count(n_layers)
+    writer.add_shared_kv_layers(shared)
+    writer.add_sliding_window_pattern(pattern)  # type: ignore[arg-type] # an int is a period
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.close()
+    return path
+
+
+@pytest.mark.parametrize(
+    ("n", "shared", "pattern", "want"),
+    [
+        # Gemma 4 E2B's shape, shrunk: 4 sliding then 1 full; the last 4 layers share.
+        (10, 4, [(i + 1) % 5 != 0 for i in range(10)], {6: 5, 7: 5, 8: 5, 9: 4}),
+        (6, 2, [True, True, False, True, True, False], {4: 3, 5: 2}),
+        (6, 2, 3, {4: 3, 5: 2}),  # the same pattern as a period
+        (6, 0, 3, {}),
+    ],
+)
+def test_kv_sources(tmp_path: Path, n: int, shared: int, pattern, want: dict) -> None:
+    assert GGUFFile(_sharing_gguf(tmp_path / "s.gguf", n, shared, pattern)).kv_sources() == want
+
+
+def test_kv_sources_errors(tmp_path: Path) -> None:
+    path = _sharing_gguf(tmp_path / "s.gguf", 4, 1, [True, True, True, False])
+    with pytest.raises(GGUFError, match=r"s\.gguf: KV-shared layer 3 \(full\) has no earlier"):
+        GGUFFile(path).kv_sources()
+    path = _sharing_gguf(tmp_path / "s.gguf", 4, 1, [True, False])
+    with pytest.raises(GGUFError, match="sliding_window_pattern has 2 entries for 4 layers"):
+        GGUFFile(path).kv_sources()

@@ -1,9 +1,10 @@
 """Tiny random-weight GGUF models, written as llama.cpp's converter would, plus the HF twin.
 
 `build(family, path)` writes a deterministic (seeded) GGUF for `llama`, `qwen3`, `gemma3`,
-the hybrid `qwen35` (its pieces live in tools/tiny_qwen35.py) or the MoE families `qwen3moe`
-and `laguna` (tools/tiny_moe.py) and returns a `TinyModel` with the matching transformers
-config and state dict, so parity tests run luced and transformers on the very same weights:
+the hybrid `qwen35` (its pieces live in tools/tiny_qwen35.py), the MoE families `qwen3moe`
+and `laguna` (tools/tiny_moe.py) or `gemma4` (built whole by tools/tiny_gemma4.py, see
+`MODULE_FAMILIES`) and returns a `TinyModel` with the matching transformers config and state
+dict, so parity tests run luced and transformers on the very same weights:
 
     tiny = build("gemma3", tmp_path / "g.gguf", seed=1, qtype="Q8_0")
     ref = tiny.hf_model()                      # Gemma3ForCausalLM, eval, float32, eager attention
@@ -41,6 +42,7 @@ import argparse
 import ast
 import copy
 import functools
+import importlib
 import itertools
 import math
 import re
@@ -59,7 +61,9 @@ from gguf import GGMLQuantizationType as Q
 from gguf import LlamaFileType as FT
 from gguf import TokenType as TT
 
-FAMILIES = ("llama", "qwen3", "gemma3", "qwen35", *tiny_moe.FAMILIES)
+FAMILIES = ("llama", "qwen3", "gemma3", "qwen35", *tiny_moe.FAMILIES, "gemma4")
+# Families whose builder is a module beside this one: its build(path, seed=, qtype=, **overrides).
+MODULE_FAMILIES = {"gemma4": "tiny_gemma4"}
 # qtype -> (ggml type, general.file_type, block size in elements)
 QTYPES: dict[str, tuple[Q, FT, int]] = {
     "F32": (Q.F32, FT.ALL_F32, 1),
@@ -230,8 +234,8 @@ def _make_spec(family: str, qtype: str, seed: int, overrides: dict[str, Any]) ->
 
 @dataclass
 class Vocab:
-    model: str  # tokenizer.ggml.model: "gpt2" or "llama"
-    pre: str
+    model: str  # tokenizer.ggml.model: "gpt2", "llama" or "gemma4"
+    pre: str | None
     tokens: list[str]
     types: list[int]
     scores: list[float] | None
@@ -283,7 +287,9 @@ def _learn_merges(words: Counter[tuple[str, ...]], count: int) -> list[tuple[str
 
 @functools.cache
 def _vocab(family: str, size: int) -> Vocab:
-    return _spm_vocab(size) if family == "gemma3" else _bpe_vocab(family, size)
+    if family in ("gemma3", "gemma4"):
+        return _spm_vocab(size, "gemma4" if family == "gemma4" else "llama")
+    return _bpe_vocab(family, size)
 
 
 def _bpe_vocab(family: str, size: int) -> Vocab:
@@ -329,7 +335,9 @@ def _bpe_vocab(family: str, size: int) -> Vocab:
     )
 
 
-def _spm_vocab(size: int) -> Vocab:
+def _spm_vocab(size: int, model: str = "llama") -> Vocab:
+    """Gemma's SentencePiece vocabulary. `model` "gemma4" is how llama.cpp's converter writes
+    Gemma 4's (the same pieces from tokenizer.json): with its merges, and no pre-tokenizer."""
     control = ["<pad>", "<eos>", "<bos>", "<unk>", "<mask>", "<start_of_turn>", "<end_of_turn>"]
     user = ["\n", "\n\n"]  # Gemma stores newline runs as user-defined tokens, matched whole
     chars = ["▁", *(chr(c) for c in range(0x21, 0x7F))]
@@ -347,12 +355,12 @@ def _spm_vocab(size: int) -> Vocab:
     tokens += [(p, TT.NORMAL, -float(i)) for i, p in enumerate(pieces)]
     tokens += [(f"[PAD{len(tokens) + i}]", TT.UNUSED, -1000.0) for i in range(size - len(tokens))]
     return Vocab(
-        model="llama",
-        pre="default",
+        model=model,
+        pre="default" if model == "llama" else None,
         tokens=[t[0] for t in tokens],
         types=[int(t[1]) for t in tokens],
         scores=[t[2] for t in tokens],
-        merges=None,
+        merges=[f"{a} {b}" for a, b in merges] if model == "gemma4" else None,
         ids=dict(bos=2, eos=1, unk=3, pad=0),
         add_bos=True,
         extra={"add_space_prefix": False},
@@ -520,9 +528,14 @@ def _write_metadata(w: gguf.GGUFWriter, spec: TinySpec, vocab: Vocab) -> None:
     if spec.family == "qwen35":  # Qwen3NextModel.set_gguf_parameters, M-RoPE sections
         tiny_qwen35.write_metadata(w, spec)
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
-    # Vocabulary (TextModel._set_vocab_gpt2 / _set_vocab_sentencepiece + gguf.SpecialVocab).
+    _write_vocab(w, vocab)
+
+
+def _write_vocab(w: gguf.GGUFWriter, vocab: Vocab) -> None:
+    # TextModel._set_vocab_gpt2 / _set_vocab_sentencepiece (Gemma4Model.set_vocab) + SpecialVocab.
     w.add_tokenizer_model(vocab.model)
-    w.add_tokenizer_pre(vocab.pre)
+    if vocab.pre is not None:
+        w.add_tokenizer_pre(vocab.pre)
     w.add_token_list(vocab.tokens)
     if vocab.scores is not None:
         w.add_token_scores(vocab.scores)
@@ -532,7 +545,7 @@ def _write_metadata(w: gguf.GGUFWriter, spec: TinySpec, vocab: Vocab) -> None:
     for role, token_id in vocab.ids.items():  # add_bos_token_id, add_eos_token_id, ...
         getattr(w, f"add_{role}_token_id")(token_id)
     w.add_add_bos_token(vocab.add_bos)
-    if vocab.model == "llama":
+    if vocab.model in ("llama", "gemma4"):
         w.add_add_eos_token(False)
     if "add_space_prefix" in vocab.extra:
         w.add_add_space_prefix(vocab.extra["add_space_prefix"])
@@ -638,6 +651,9 @@ def build(
     family: str, path: Path, *, seed: int = 0, qtype: str = "F32", **overrides: Any
 ) -> TinyModel:
     """Write the tiny GGUF to `path`; return it with its transformers twin (see module doc)."""
+    if family in MODULE_FAMILIES:
+        module = importlib.import_module(MODULE_FAMILIES[family])
+        return module.build(Path(path), seed=seed, qtype=qtype, **overrides)
     spec = _make_spec(family, qtype, seed, overrides)
     vocab = _vocab(tiny_moe.VOCAB if family in tiny_moe.FAMILIES else family, spec.vocab_size)
     path = Path(path)

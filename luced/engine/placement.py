@@ -18,11 +18,22 @@ Layer ranges (pure integers, deterministic): with weights w (equal when not give
 ``begin_{i+1} = end_i`` and the last shard ends at ``n_layers``. Examples (64 layers):
 ``1,1`` -> [0, 32), [32, 64); ``1,3`` -> [0, 16), [16, 64).
 
+KV sharing (Gemma 4, ``GGUFFile.kv_sources``): a layer that attends to an earlier layer's
+K/V must sit in that layer's shard, so a boundary b is legal only if no sharing pair
+(source s, layer l) has s < b <= l. A proportional boundary that is not legal moves to the
+nearest legal one (down on a tie), keeping every shard non-empty, and the move is logged.
+Gemma 4's shared layers are its last ones and read layers just before them, so the tail
+from the first source on stays in the last shard::
+
+    layers 0 1 2 3 4 5, 4 reads 3, 5 reads 2:  legal boundaries 1, 2;  1,1 -> [0, 2), [2, 6)
+
 Errors are `PlacementError`s naming the flag, raised at start-up before any worker runs.
 """
 
 from __future__ import annotations
 
+import bisect
+import logging
 import math
 import os
 import re
@@ -34,6 +45,8 @@ DEVICE_KINDS = ("cpu", "cuda", "hip", "mps")
 DEVICES_FLAG = "--target-devices"
 SPLIT_FLAG = "--target-layer-split"
 _DEVICE_RE = re.compile(r"(?P<kind>[a-z]+)(?::(?P<index>\d+))?")
+
+log = logging.getLogger(__name__)
 
 
 class PlacementError(ValueError):
@@ -112,9 +125,13 @@ def parse_weights(text: str | Sequence[float | int | str]) -> tuple[float, ...]:
 
 
 def layer_ranges(
-    n_layers: int, n_shards: int, weights: Sequence[float] = ()
+    n_layers: int,
+    n_shards: int,
+    weights: Sequence[float] = (),
+    kv_sources: Mapping[int, int] | None = None,
 ) -> list[tuple[int, int]]:
-    """Contiguous [begin, end) per shard, in proportion to the weights (module docstring)."""
+    """Contiguous [begin, end) per shard, in proportion to the weights, with no KV-sharing
+    layer cut off from its source (`kv_sources`: layer -> source; module docstring)."""
     if n_shards < 1:
         raise PlacementError(f"{DEVICES_FLAG}: no devices")
     if n_shards > n_layers:
@@ -135,15 +152,56 @@ def layer_ranges(
         end = max(begin + 1, min(end, n_layers - (n_shards - 1 - i)))
         ranges.append((begin, end))
         begin = end
+    if kv_sources:
+        ranges = _keep_kv_sources(ranges, n_layers, kv_sources)
     return ranges
 
 
+def _keep_kv_sources(
+    ranges: list[tuple[int, int]], n_layers: int, kv_sources: Mapping[int, int]
+) -> list[tuple[int, int]]:
+    """Move each boundary that separates a KV-sharing layer from its source to the nearest
+    legal boundary, in order, leaving room for the boundaries after it."""
+    legal = [
+        b
+        for b in range(1, n_layers)
+        if not any(src < b <= layer for layer, src in kv_sources.items())
+    ]
+    wanted = [end for _, end in ranges[:-1]]
+    if len(legal) < len(wanted):
+        raise PlacementError(
+            f"{DEVICES_FLAG}: {len(ranges)} shards for a model whose KV-sharing layers allow "
+            f"only {len(legal) + 1} (legal boundaries: {legal})"
+        )
+    bounds: list[int] = []
+    lo = 0  # index into legal of the lowest choice left
+    for i, b in enumerate(wanted):
+        hi = len(legal) - (len(wanted) - i)  # leave one legal boundary per later shard
+        j = min(max(bisect.bisect_left(legal, b), lo), hi)  # legal[j] >= b, or the cap
+        if j > lo and b - legal[j - 1] <= legal[j] - b:
+            j -= 1  # the one below is as near or nearer
+        if legal[j] != b:
+            log.warning(
+                "layer split: moved a shard boundary from layer %d to %d so KV-sharing "
+                "layers stay with the layers whose KV they read",
+                b,
+                legal[j],
+            )
+        bounds.append(legal[j])
+        lo = j + 1
+    edges = [0, *bounds, n_layers]
+    return [(edges[i], edges[i + 1]) for i in range(len(ranges))]
+
+
 def plan_workers(
-    devices: Sequence[str], weights: Sequence[float], n_layers: int
+    devices: Sequence[str],
+    weights: Sequence[float],
+    n_layers: int,
+    kv_sources: Mapping[int, int] | None = None,
 ) -> list[WorkerPlan]:
     """The workers, in layer order: consecutive devices of one group form one worker."""
     devices = parse_devices(list(devices))
-    ranges = layer_ranges(n_layers, len(devices), weights)
+    ranges = layer_ranges(n_layers, len(devices), weights, kv_sources)
     plans: list[WorkerPlan] = []
     run: list[int] = []  # shard indices of the current group
     for i, d in enumerate(devices):
@@ -217,14 +275,16 @@ class TargetPlacement:
         max_batch_tokens: int,
         devices: Sequence[str],
         weights: Sequence[float] = (),
+        kv_sources: Mapping[int, int] | None = None,
         pythons: Mapping[str, str] | None = None,
         threads: int | None = None,
         cores: int = 1,
         logit_rows: int = 16,
     ) -> TargetPlacement:
         """--target-devices / --target-layer-split -> workers; raises PlacementError.
+        `kv_sources` (the GGUF's KV-sharing layers) keeps sharing layers with their sources;
         `threads` None shares `cores` among the workers."""
-        plans = plan_workers(devices, weights, n_layers)
+        plans = plan_workers(devices, weights, n_layers, kv_sources)
         if threads is None:
             threads = max(1, cores // len(plans))
         pythons = dict(pythons or {})

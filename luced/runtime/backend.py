@@ -221,7 +221,7 @@ class Backend(WorkerState):
         fed = ids.tolist() if ids is not None else []  # copied before the daemon reuses it
         accepted = None
         try:
-            hidden = self._run(m, hidden, start, req.capture, ring)
+            hidden = self._run(m, hidden, start, req.capture, ring, ids)
             if req.want == "hidden":
                 outputs["hidden"][:n].copy_(hidden)
             elif q is not None:
@@ -261,11 +261,13 @@ class Backend(WorkerState):
         start: int,
         capture: tuple[int, ...],
         ring: torch.Tensor | None,
+        ids: torch.Tensor | None,
     ) -> torch.Tensor:
-        """Every shard's layers in order; captured layer outputs go to their ring slots."""
+        """Every shard's layers in order; captured layer outputs go to their ring slots.
+        `ids` (the fed tokens) reach every shard: Gemma 4's layers read per-token inputs."""
         for shard in m.shards:
             hidden, caps = shard.model.forward_layers(
-                hidden.to(shard.model.device), shard.cache, start, capture
+                hidden.to(shard.model.device), shard.cache, start, capture, ids=ids
             )
             if ring is not None:
                 # Slot of position p is p % ring_cap; this worker writes only its layers.

@@ -11,6 +11,12 @@ outside the window, so results equal full attention within the window; keeping
 the rows makes truncation and prefix snapshots uniform across layer kinds.
 Storage grows by doubling up to `capacity`, so short chats stay small.
 
+Layers may differ in shape (`shapes`: Gemma 4's full layers have other head counts
+and dims than its sliding ones), and a KV-sharing layer (`sources`: layer -> the
+earlier layer whose K/V it attends to) has no storage of its own: it reads its
+source's rows with `read`. The source must live in the same cache (the same shard);
+`stored` lists the layers that own storage, the ones snapshots copy.
+
 Prefix snapshots: `export_rows` copies a layer's committed rows [0, n) out (into
 shared memory, device -> host on a GPU); `import_rows` replaces the whole cache by
 the first n rows of given tensors and commits n.
@@ -178,29 +184,39 @@ class KVCache:
     def __init__(
         self,
         layers: range,
-        n_kv_heads: int | Mapping[int, int],  # one count, or one per layer
+        n_kv_heads: int,
         head_dim: int,
         capacity: int,
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
         initial: int = 256,
+        *,
+        shapes: Mapping[int, tuple[int, int]] | None = None,
+        sources: Mapping[int, int] | None = None,
         recurrent: Mapping[int, RecurrentShape] | None = None,
     ) -> None:
-        """`recurrent`: the layers (of `layers`) that keep a recurrent state, not K/V."""
+        """shapes: layer -> (Hkv, D) where it differs from (n_kv_heads, head_dim);
+        sources: KV-sharing layer -> the layer of this cache whose K/V it reads;
+        recurrent: the layers that keep a recurrent state instead of K/V."""
         self.layers = layers
-        self.attention_layers = tuple(i for i in layers if i not in (recurrent or {}))
-        self.recurrent = (
-            RecurrentState(recurrent, dtype, torch.device(device)) if recurrent else None
-        )
-        self.kv_heads = (
-            dict.fromkeys(self.attention_layers, n_kv_heads)
-            if isinstance(n_kv_heads, int)
-            else {i: n_kv_heads[i] for i in self.attention_layers}
-        )
         self.head_dim = head_dim
         self.capacity = capacity
         self.dtype = dtype
         self.device = torch.device(device)
+        self.recurrent = RecurrentState(recurrent, dtype, self.device) if recurrent else None
+        self.sources = dict(sources or {})
+        for layer, source in self.sources.items():
+            if layer not in layers or source not in layers or source in self.sources:
+                raise ValueError(
+                    f"layer {layer} cannot read the KV of layer {source}: both must be in "
+                    f"[{layers.start}, {layers.stop}) and the source must store its own"
+                )
+        # The layers that hold K/V rows of their own.
+        self.stored = tuple(
+            i for i in layers if i not in self.sources and i not in (recurrent or {})
+        )
+        self.shapes = {i: (n_kv_heads, head_dim) for i in self.stored}
+        self.shapes.update((i, s) for i, s in (shapes or {}).items() if i in self.shapes)
         self.pos = 0
         self._allocated = 0
         self.k: dict[int, torch.Tensor] = {}
@@ -208,12 +224,12 @@ class KVCache:
         self._grow(min(capacity, initial))
 
     def _grow(self, size: int, keep: int | None = None) -> None:
-        """Reallocate every layer to `size` rows, keeping rows [0, keep) (default: all)."""
+        """Reallocate every stored layer to `size` rows, keeping rows [0, keep) (default: all)."""
         keep = self._allocated if keep is None else keep
-        for i in self.attention_layers:
-            shape = (self.kv_heads[i], size, self.head_dim)
-            k = torch.zeros(shape, dtype=self.dtype, device=self.device)
-            v = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        for i in self.stored:
+            heads, dim = self.shapes[i]
+            k = torch.zeros((heads, size, dim), dtype=self.dtype, device=self.device)
+            v = torch.zeros((heads, size, dim), dtype=self.dtype, device=self.device)
             if keep:
                 k[:, :keep] = self.k[i][:, :keep]
                 v[:, :keep] = self.v[i][:, :keep]
@@ -245,6 +261,12 @@ class KVCache:
         self.k[layer][:, start:end] = k.transpose(0, 1)
         self.v[layer][:, start:end] = v.transpose(0, 1)
         return self.k[layer][:, :end], self.v[layer][:, :end]
+
+    def read(self, layer: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K, V over [0, end) of the layer `layer` reads ([Hkv, L, D] views): its source's
+        for a KV-sharing layer, which must have written them earlier in the forward."""
+        source = self.sources.get(layer, layer)
+        return self.k[source][:, :end], self.v[source][:, :end]
 
     def commit(self, end: int) -> None:
         if self.recurrent is not None:
@@ -311,7 +333,7 @@ class KVCache:
 
     def import_rows(self, n: int, rows: Mapping[int, tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Replace the cache by rows [0, n) of each layer's (k, v) ([Hkv, >= n, D], the cache
-        dtype, any device) and commit n. Every layer must be given; the shapes are checked
+        dtype, any device) and commit n. Every stored layer must be given; the shapes are checked
         before anything changes. A copy failing part-way leaves the cache empty (pos 0)."""
         if n > self.capacity:
             raise ContextOverflow(f"{n} positions exceed the KV capacity {self.capacity}")
@@ -320,10 +342,10 @@ class KVCache:
                 f"cannot import K/V rows alone: layers {sorted(self.recurrent.shapes)} keep a "
                 "recurrent state, which rows do not restore"
             )
-        if set(rows) != set(self.layers):
-            raise ValueError(f"import needs layers {list(self.layers)}, got {sorted(rows)}")
+        if set(rows) != set(self.stored):
+            raise ValueError(f"import needs layers {list(self.stored)}, got {sorted(rows)}")
         for layer, pair in rows.items():
-            want = (self.kv_heads[layer], self.head_dim)
+            want = self.shapes[layer]
             for t in pair:
                 if t.dim() != 3 or (t.shape[0], t.shape[2]) != want or t.shape[1] < n:
                     raise ValueError(

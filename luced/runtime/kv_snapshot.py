@@ -6,6 +6,10 @@ the "KV snapshots" section of ``luced.ipc.frames``)::
     "k.{layer}", "v.{layer}"   [n_kv_heads, >= n, head_dim]   cache dtype (bfloat16 regions
                                                               are uint16 bits daemon-side)
 
+for every layer that stores K/V: a KV-sharing layer (Gemma 4) reads its source layer's
+tensors and has no region of its own, so nothing is copied twice; heads and head_dim
+may differ per layer.
+
 Export copies each layer's committed rows ``[0, n)`` from the cache into its region;
 import replaces the cache of every shard by rows ``[0, n)`` of the regions (a longer
 snapshot restores any shorter prefix) and sets the token history from ``tokens``. The
@@ -42,7 +46,7 @@ def layout(worker: WorkerState, req: F.KVLayout) -> F.KVLayoutReply:
     tensors = []
     for shard in m.shards:
         cache = shard.cache
-        for layer in cache.layers:
+        for layer in cache.stored:  # a KV-sharing layer has no tensors of its own
             for kind, t in (("k", cache.k[layer]), ("v", cache.v[layer])):
                 tensors.append((f"{kind}.{layer}", t.shape[0], t.shape[2]))
     dtype = dtype_name(m.shards[0].cache.dtype)
@@ -113,7 +117,7 @@ def _resolve(worker: WorkerState, m: Loaded, regions: Mapping[str, Region], n: i
     """Every layer's K and V region as torch views, all checked (no copy yet)."""
     expected: dict[str, tuple[Shard, int]] = {}
     for shard in m.shards:
-        for layer in shard.cache.layers:
+        for layer in shard.cache.stored:
             expected[f"k.{layer}"] = expected[f"v.{layer}"] = (shard, layer)
     missing, unknown = expected.keys() - regions.keys(), regions.keys() - expected.keys()
     if missing or unknown:

@@ -35,11 +35,12 @@ def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return torch.matmul(x, w) if w.dtype == torch.float32 else F.linear(x, w)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm computed in float32 (as the reference implementations do), cast back."""
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """RMSNorm computed in float32 (as the reference implementations do), cast back;
+    `weight` None normalizes without a scale (Gemma 4's v-norm)."""
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return (xf * weight.float()).to(x.dtype)
+    return (xf if weight is None else xf * weight.float()).to(x.dtype)
 
 
 class Rope:

@@ -3,12 +3,16 @@
     model = Model.load(path, layers=(0, 15), dtype="float32")
     cache = model.new_cache(capacity=4096)
     h = model.embed(ids)                                  # first shard only
-    h, caps = model.forward_layers(h, cache, start, capture={3, 9})
+    h, caps = model.forward_layers(h, cache, start, capture={3, 9}, ids=ids)
     logits = model.logits(h[-1:])                         # last shard only
 
 A shard owns layers [a, b); the first shard owns the embedding, the last the final
 norm and head. `forward_layers` writes K/V at [start, start + n) and then commits
-the cache's fill position to start + n.
+the cache's fill position to start + n. Families with per-token layer inputs (Gemma 4's
+per-layer embeddings) need the token ids in every shard, not only the first.
+
+A KV-sharing layer must sit in the same shard as the layer whose K/V it reads
+(`cfg.kv_source`); `load` refuses a range that separates them.
 """
 
 from __future__ import annotations
@@ -70,6 +74,13 @@ class Model:
         if not 0 <= a < b <= cfg.n_layers:
             raise ValueError(f"layer range [{a}, {b}) outside the model's {cfg.n_layers} layers")
         span = range(a, b)
+        for layer in span:
+            source = cfg.kv_source(layer)
+            if source not in span:
+                raise ValueError(
+                    f"layer range [{a}, {b}) separates layer {layer} from layer {source}, "
+                    "whose KV it reads; they must share a shard"
+                )
         torch_dtype, torch_device = parse_dtype(dtype), torch.device(device)
         plan = family.weight_plan(cfg, span, a == 0, b == cfg.n_layers)
         weights = WeightLoader(gguf, torch_dtype, torch_device).load_all(plan)
@@ -91,17 +102,21 @@ class Model:
         return model
 
     def new_cache(self, capacity: int | None = None) -> KVCache:
-        """K/V for the attention layers; a recurrent state for the layers the family's
-        optional `recurrent_shapes(cfg, layers)` names."""
-        shapes = getattr(self.family, "recurrent_shapes", None)
+        """K/V for the attention layers (each in its own shape; a KV-sharing layer reads its
+        source's), and a recurrent state for the layers the family's optional
+        `recurrent_shapes(cfg, layers)` names."""
+        cfg = self.cfg
+        recurrent = getattr(self.family, "recurrent_shapes", None)
         return KVCache(
             self.layers,
-            {i: self.cfg.kv_heads(i) for i in self.layers},
-            self.cfg.head_dim,
-            capacity or self.cfg.context_length,
+            cfg.n_kv_heads,
+            cfg.head_dim,
+            capacity or cfg.context_length,
             self.dtype,
             self.device,
-            recurrent=shapes(self.cfg, self.layers) if shapes is not None else None,
+            shapes={i: cfg.kv_shape(i) for i in self.layers},
+            sources={i: s for i in self.layers if (s := cfg.kv_source(i)) != i},
+            recurrent=recurrent(cfg, self.layers) if recurrent is not None else None,
         )
 
     @torch.inference_mode()
@@ -117,18 +132,24 @@ class Model:
         cache: KVCache,
         start: int,
         capture: Iterable[int] = (),
+        ids: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         """Run this shard's layers over hidden ([n, hidden]) at positions start..start+n-1.
+        `ids` ([n] token ids of those positions) feed families with per-token layer inputs.
 
         Returns the output and, for each requested layer in range, that layer's output
         (the residual stream after its FFN; HF's hidden_states[layer + 1])."""
         wanted = set(capture)
         n = hidden.shape[0]
+        layer_inputs = getattr(self.family, "layer_inputs", None)
+        inputs = {}
+        if layer_inputs is not None and self.layers:
+            inputs = layer_inputs(self, None if ids is None else ids.to(self.device, torch.int64))
         cache.reserve(start, n)
         captures: dict[int, torch.Tensor] = {}
         x = hidden.to(self.dtype)
         for layer in self.layers:
-            x = self.family.block(self, layer, x, start, cache)
+            x = self.family.block(self, layer, x, start, cache, **inputs)
             if layer in wanted:
                 captures[layer] = x
         cache.commit(start + n)
@@ -142,5 +163,5 @@ class Model:
 
     def forward(self, ids: torch.Tensor, cache: KVCache, start: int) -> torch.Tensor:
         """Whole-model convenience: token ids -> float32 logits for every position."""
-        h, _ = self.forward_layers(self.embed(ids), cache, start)
+        h, _ = self.forward_layers(self.embed(ids), cache, start, ids=ids)
         return self.logits(h)

@@ -76,6 +76,7 @@ class Daemon:
         template = ChatTemplate.from_gguf(gguf, gguf.arch)
         self.template, self.tokenizer = template, tokenizer
         n_layers = int(gguf.require(f"{gguf.arch}.block_count"))
+        kv_sources = gguf.kv_sources()  # a layer split keeps these layers with their sources
         context = cfg.effective_context_length(int(gguf.require(f"{gguf.arch}.context_length")))
         del gguf
 
@@ -89,6 +90,7 @@ class Daemon:
             max_batch_tokens=cfg.max_batch_tokens,
             devices=cfg.target_devices,
             weights=cfg.target_layer_split or (),
+            kv_sources=kv_sources,
             pythons={g: str(p) for g, p in cfg.backend_python},
             # Only one worker computes at a time, but idle workers' OpenMP threads still
             # contend: sharing the cores measured faster than every worker using all. One

@@ -66,6 +66,61 @@ def test_groups_become_workers() -> None:
     ]
 
 
+# Gemma 4's tiny model: layer 4 reads layer 3's KV, layer 5 layer 2's: boundaries 1 and 2 only.
+TINY_GEMMA4 = {4: 3, 5: 2}
+
+
+@pytest.mark.parametrize(
+    ("n", "g", "w", "sources", "want"),
+    [
+        (6, 2, (), TINY_GEMMA4, [(0, 2), (2, 6)]),  # 3 would cut 4 from 3 and 5 from 2
+        (6, 2, (1, 5), TINY_GEMMA4, [(0, 1), (1, 6)]),  # already legal: unchanged
+        (6, 3, (), TINY_GEMMA4, [(0, 1), (1, 2), (2, 6)]),  # 2, 4 -> 1 (room for one more), 2
+        (6, 2, (5, 1), TINY_GEMMA4, [(0, 2), (2, 6)]),
+        (6, 2, (), {}, [(0, 3), (3, 6)]),
+        # Sharing in the middle (not Gemma's, but the rule is general): 3 reads 1.
+        (8, 2, (), {3: 1}, [(0, 4), (4, 8)]),
+        (8, 4, (), {3: 1}, [(0, 1), (1, 4), (4, 6), (6, 8)]),  # 2 -> 1, nearer than 4
+    ],
+)
+def test_layer_ranges_keep_kv_sharing_layers_with_their_source(
+    n: int, g: int, w: tuple, sources: dict, want: list
+) -> None:
+    ranges = layer_ranges(n, g, w, kv_sources=sources)
+    assert ranges == want
+    assert all(a <= sources[i] < b for a, b in ranges for i in range(a, b) if i in sources)
+
+
+def test_a_moved_boundary_is_logged(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level("WARNING", logger="luced.engine.placement"):
+        plans = plan_workers(["cpu", "cpu:1"], (), 6, kv_sources=TINY_GEMMA4)
+    assert [p.layers for p in plans] == [(0, 2), (2, 6)]
+    assert "moved a shard boundary from layer 3 to 2" in caplog.text
+    with pytest.raises(PlacementError, match="--target-devices: 4 shards for a model whose KV"):
+        layer_ranges(6, 4, kv_sources=TINY_GEMMA4)
+
+
+def test_split_plans_come_from_the_gguf_header(tmp_path: Path) -> None:
+    """The daemon's path: the sharing pattern read torch-free from the file."""
+    from luced.engine.target import TargetPlacement
+    from luced.gguf_file import GGUFFile
+
+    model = tmp_path / "g4.gguf"
+    make_tiny_gguf.build("gemma4", model)
+    sources = GGUFFile(model).kv_sources()
+    assert sources == TINY_GEMMA4
+    p = TargetPlacement.split(
+        model=str(model),
+        n_layers=6,
+        dtype="float32",
+        kv_capacity=64,
+        max_batch_tokens=8,
+        devices=["cpu", "cpu:1"],
+        kv_sources=sources,
+    )
+    assert [plan.layers for _, plan in p.workers] == [(0, 2), (2, 6)]
+
+
 @pytest.mark.parametrize(
     ("call", "match"),
     [

@@ -12,6 +12,8 @@ import make_tiny_gguf
 import pytest
 import torch
 
+from luced.engine.placement import layer_ranges
+from luced.gguf_file import GGUFFile
 from luced.runtime.model import Model
 
 VARIANTS = {
@@ -27,6 +29,19 @@ VARIANTS = {
     "laguna-m1": ("laguna", {"sliding_window": 0, "gating": "per-element", "dense_layers": 2}),
     "qwen35": ("qwen35", {}),  # 3 DeltaNet layers, then full attention
     "qwen35-kv": ("qwen35", {"linear_v_heads": 4, "tied": True}),  # V heads reordered
+    # S S F S S F; layer 4 reads layer 3's KV, layer 5 layer 2's; K = V on full layers, PLE.
+    "gemma4": ("gemma4", {}),
+    # Three shared layers (3, 4 read 1; 5 reads 2) with double-wide MLPs, V projected, untied.
+    "gemma4-kv": (
+        "gemma4",
+        {"k_eq_v": False, "double_wide": True, "shared_layers": 3, "tied": False},
+    ),
+    # Nothing shared, no per-layer embeddings, no softcap. (transformers' generate fails on
+    # KV sharing without PLE: _maybe_slice_kv_shared_inputs slices per_layer_inputs = None.)
+    "gemma4-plain": (
+        "gemma4",
+        {"swa_period": 2, "layers": 5, "shared_layers": 0, "ple_dim": 0, "final_softcap": None},
+    ),
 }
 # Gemma's and Laguna's tiny windows are 8: the 24-token prompt runs well past them.
 PROMPTS = [[1, 5, 9, 200, 300], list(range(40, 64)), [7] * 3 + list(range(100, 112))]
@@ -82,19 +97,22 @@ def test_greedy_matches_transformers(tiny) -> None:
 
 
 def test_layer_ranges_chain_to_the_whole_model(tiny) -> None:
-    """Shards loaded by range hold only their tensors and chain to the unsplit result."""
+    """Shards loaded by range hold only their tensors and chain to the unsplit result. The
+    cut is the planner's for two equal shards: it keeps KV-sharing layers with their sources."""
     whole = Model.load(tiny.path)
     n = whole.cfg.n_layers
-    cut = n // 2
+    (_, cut), _ = layer_ranges(n, 2, kv_sources=GGUFFile(tiny.path).kv_sources())
     first, second = Model.load(tiny.path, layers=(0, cut)), Model.load(tiny.path, layers=(cut, n))
     assert first.owns_embed and not first.owns_head
     assert not second.owns_embed and second.owns_head
     assert all(k.split(".")[0] not in {str(i) for i in range(cut, n)} for k in first.weights)
-    assert "head" not in first.weights and "tok_embd" not in second.weights
+    assert "head" not in first.weights
+    if not getattr(whole.cfg, "ple_dim", 0):  # per-layer embeddings read the token embedding
+        assert "tok_embd" not in second.weights
     ids = torch.tensor(PROMPTS[1])
     c1, c2 = first.new_cache(64), second.new_cache(64)
-    h, _ = first.forward_layers(first.embed(ids), c1, 0)
-    h, _ = second.forward_layers(h, c2, 0)
+    h, _ = first.forward_layers(first.embed(ids), c1, 0, ids=ids)
+    h, _ = second.forward_layers(h, c2, 0, ids=ids)
     torch.testing.assert_close(
         second.logits(h), whole.forward(ids, whole.new_cache(64), 0), rtol=0, atol=0
     )
@@ -105,7 +123,8 @@ def test_captures_are_layer_outputs(tiny) -> None:
     model = Model.load(tiny.path)
     last = model.cfg.n_layers - 1
     ids = torch.tensor(PROMPTS[0])
-    _, caps = model.forward_layers(model.embed(ids), model.new_cache(64), 0, capture={0, last})
+    cache = model.new_cache(64)
+    _, caps = model.forward_layers(model.embed(ids), cache, 0, capture={0, last}, ids=ids)
     with torch.no_grad():
         states = tiny.hf_model()(ids[None], output_hidden_states=True).hidden_states
     torch.testing.assert_close(caps[0], states[1][0], rtol=1e-4, atol=1e-5)
@@ -154,3 +173,55 @@ def test_reduced_precision_stays_close(family: str, dtype: str, tmp_path: Path) 
     b = half.forward(ids, half.new_cache(32), 0)
     assert max_rel_err(b, a) < 0.05
     assert (a.argmax(-1) == b.argmax(-1)).float().mean() > 0.8
+
+
+# -- gemma4 ------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def gemma4(tmp_path_factory) -> make_tiny_gguf.TinyModel:
+    return make_tiny_gguf.build("gemma4", tmp_path_factory.mktemp("g4") / "g4.gguf", seed=3)
+
+
+def test_gemma4_tiny_has_every_layer_kind(gemma4) -> None:
+    cfg = Model.load(gemma4.path).cfg
+    assert cfg.sliding_layers == (True, True, False, True, True, False)
+    assert [cfg.kv_source(i) for i in range(6)] == [0, 1, 2, 3, 3, 2]  # HF: store 2, 3; reuse 4, 5
+    assert gemma4.hf_config.kv_sharing_modes == [None, None, "store", "store", "reuse", "reuse"]
+    assert [cfg.kv_shape(i) for i in (0, 2)] == [(2, 16), (1, 32)]
+    assert cfg.k_eq_v == (False, False, True, False, False, False)
+    assert cfg.ple_dim == 32 and cfg.final_softcap == 30.0
+    cache = Model.load(gemma4.path).new_cache(16)
+    assert cache.stored == (0, 1, 2, 3) and cache.sources == {4: 3, 5: 2}
+
+
+def test_gemma4_refuses_a_range_that_separates_sharing_layers(gemma4) -> None:
+    with pytest.raises(ValueError, match=r"\[3, 6\) separates layer 5 from layer 2"):
+        Model.load(gemma4.path, layers=(3, 6))
+    shard = Model.load(gemma4.path, layers=(2, 6))  # legal: 2 and 3 come along
+    assert "4.attn_k" not in shard.weights and "2.attn_v" not in shard.weights  # shared; K = V
+    with pytest.raises(ValueError, match="need the token ids in every shard"):
+        shard.forward_layers(torch.zeros(3, 64), shard.new_cache(8), 0)
+
+
+def test_gemma4_decode_steps_match_one_prefill(gemma4) -> None:
+    """Shared layers read rows their source wrote in the same forward, and older ones."""
+    model, ids = Model.load(gemma4.path), torch.tensor(PROMPTS[1])
+    whole = model.forward(ids, model.new_cache(32), 0)
+    cache = model.new_cache(32)
+    steps = [model.forward(ids[:16], cache, 0)]
+    steps += [model.forward(ids[i : i + 1], cache, i) for i in range(16, len(ids))]
+    torch.testing.assert_close(torch.cat(steps), whole, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "qtype", ["F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q4_K", "Q5_K", "Q6_K"]
+)
+def test_gemma4_quant_types(qtype: str, tmp_path: Path) -> None:
+    tiny = make_tiny_gguf.build("gemma4", tmp_path / f"{qtype}.gguf", seed=1, qtype=qtype)
+    ids = PROMPTS[1]
+    with torch.no_grad():
+        ref = tiny.hf_model()(torch.tensor([ids])).logits[0].float()
+    ours = Model.load(tiny.path)
+    got = ours.forward(torch.tensor(ids), ours.new_cache(32), 0)
+    assert max_rel_err(got, ref) <= 1e-4

@@ -59,7 +59,8 @@ def test_bounds(smollm2: Model) -> None:
 def test_per_layer_kv_heads() -> None:
     """Layers may hold different KV head counts; rows move in and out per layer's shape."""
     heads = {2: 1, 3: 4, 4: 2}
-    cache = KVCache(range(2, 5), heads, 8, capacity=32, dtype=torch.float32, initial=4)
+    shapes = {i: (h, 8) for i, h in heads.items()}
+    cache = KVCache(range(2, 5), 2, 8, 32, torch.float32, initial=4, shapes=shapes)
     for layer, h in heads.items():
         cache.write(layer, 0, torch.randn(3, h, 8), torch.randn(3, h, 8))
     cache.commit(3)
@@ -74,7 +75,7 @@ def test_per_layer_kv_heads() -> None:
         k, v = torch.empty(h, 3, 8), torch.empty(h, 3, 8)
         cache.export_rows(layer, 3, k, v)
         rows[layer] = (k, v)
-    fresh = KVCache(range(2, 5), heads, 8, capacity=32, dtype=torch.float32)
+    fresh = KVCache(range(2, 5), 2, 8, 32, torch.float32, shapes=shapes)
     fresh.import_rows(3, rows)
     for layer in heads:
         assert torch.equal(fresh.k[layer][:, :3], cache.k[layer][:, :3])
@@ -207,3 +208,28 @@ def test_hybrid_cache_refuses_row_imports(hybrid: Model) -> None:
     with pytest.raises(ValueError, match=r"layers \[0, 1, 2\] keep a recurrent state"):
         cache.import_rows(4, {3: (k, k)})
     assert cache.nbytes() > 0 and cache.is_recurrent(0) and not cache.is_recurrent(3)
+
+
+def test_sharing_layers_read_their_source_and_store_nothing() -> None:
+    """Gemma 4's layout: per-layer shapes, layers 4 and 5 reading 3 and 2."""
+    shapes = {0: (2, 8), 1: (2, 8), 2: (1, 16), 3: (2, 8), 4: (2, 8), 5: (1, 16)}
+    cache = KVCache(
+        range(6), 2, 8, 32, torch.float32, initial=4, shapes=shapes, sources={4: 3, 5: 2}
+    )
+    assert cache.stored == (0, 1, 2, 3) and set(cache.k) == {0, 1, 2, 3}
+    assert cache.k[2].shape == (1, 4, 16) and cache.v[0].shape == (2, 4, 8)
+    k, v = torch.randn(6, 1, 16), torch.randn(6, 1, 16)
+    cache.reserve(0, 6)  # grows past `initial`, keeping each layer's shape
+    cache.write(2, 0, k, v)
+    keys, values = cache.read(5, 6)
+    assert keys.data_ptr() == cache.k[2].data_ptr()  # a view of layer 2's rows, no copy
+    torch.testing.assert_close(keys, k.transpose(0, 1))
+    torch.testing.assert_close(values, v.transpose(0, 1))
+    cache.commit(6)
+    rows = {i: (cache.k[i], cache.v[i]) for i in cache.stored}
+    with pytest.raises(ValueError, match=r"import needs layers \[0, 1, 2, 3\]"):
+        cache.import_rows(6, {**rows, 5: rows[2]})
+    with pytest.raises(ValueError, match=r"layer 2: rows must be \[1, >= 6, 16\]"):
+        cache.import_rows(6, {**rows, 2: rows[0]})
+    with pytest.raises(ValueError, match="layer 5 cannot read the KV of layer 2"):
+        KVCache(range(3, 6), 2, 8, 32, torch.float32, sources={4: 3, 5: 2})

@@ -38,12 +38,14 @@ SAMPLED = {"temperature": 0.9, "seed": 11, "repetition_penalty": 1.5}
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """llama with 4 layers; gemma3 with its 6 (sliding-window and global layers); laguna (MoE,
-    per-layer query heads, sliding windows)."""
+    per-layer query heads, sliding windows); gemma4 with its 6, of two shapes, layers 4 and 5
+    sharing the KV of 3 and 2."""
     d = tmp_path_factory.mktemp("kvsnap")
     make_tiny_gguf.build("llama", d / "llama.gguf", seed=3, layers=4)
     make_tiny_gguf.build("gemma3", d / "gemma3.gguf", seed=3)
     make_tiny_gguf.build("laguna", d / "laguna.gguf", seed=3)
-    return {f: d / f"{f}.gguf" for f in ("llama", "gemma3", "laguna")}
+    make_tiny_gguf.build("gemma4", d / "gemma4.gguf", seed=3)
+    return {f: d / f"{f}.gguf" for f in ("llama", "gemma3", "laguna", "gemma4")}
 
 
 @pytest.fixture
@@ -188,7 +190,7 @@ class Daemon:
         kv = [
             (c.k[layer][:, : m.position].clone(), c.v[layer][:, : m.position].clone())
             for c in (s.cache for s in m.shards)
-            for layer in c.layers
+            for layer in c.stored
         ]
         return m.position, list(m.tokens), m.sampler, m.sampling, kv
 
@@ -222,6 +224,12 @@ def test_layout_lists_every_layer_in_order(owner: ShmOwner, tiny, devices) -> No
         assert [t[0] for t in layout.tensors] == names
         assert {t[1:] for t in layout.tensors} == {(heads, dim)}
         assert layout.dtype == "float32"
+    d = Daemon(owner, tiny["gemma4"], devices=devices)
+    # Layers 4 and 5 read the KV of 3 and 2: no tensors of their own, nothing exported twice.
+    shapes = {0: (2, 16), 1: (2, 16), 2: (1, 32), 3: (2, 16)}
+    assert d.layout().tensors == tuple(
+        (f"{kind}.{i}", *shape) for i, shape in shapes.items() for kind in "kv"
+    )
 
 
 # -- restore == fresh -----------------------------------------------------------------------
@@ -234,6 +242,7 @@ def test_layout_lists_every_layer_in_order(owner: ShmOwner, tiny, devices) -> No
         ("llama", ("cpu", "cpu")),
         ("gemma3", ("cpu",)),
         ("laguna", ("cpu", "cpu")),
+        ("gemma4", ("cpu", "cpu")),  # shards [0, 1) and [1, 6): the second embeds for its PLE
     ],
 )
 def test_restore_continues_like_the_fresh_prefill(owner: ShmOwner, tiny, family, devices) -> None:

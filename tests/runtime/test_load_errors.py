@@ -136,3 +136,14 @@ def test_worker_rejects_a_qwen35_whose_conv_contradicts_the_metadata(
         r"the metadata wants \[96, 3\]",
     ):
         Backend("cpu", ("cpu",)).load(_load_req(path, 4))
+
+
+@pytest.mark.parametrize("name", ["per_layer_token_embd.weight", "blk.3.attn_k.weight"])
+def test_gemma4_missing_tensor_is_named(tmp_path: Path, name: str) -> None:
+    tiny = make_tiny_gguf.build("gemma4", tmp_path / "g4.gguf", seed=1)
+    data = tiny.path.read_bytes()
+    assert data.count(name.encode()) == 1
+    cut = tmp_path / "g4-cut.gguf"  # the tensor renamed in the header: the file lacks it
+    cut.write_bytes(data.replace(name.encode(), name[:-1].encode() + b"X"))
+    with pytest.raises(GGUFError, match=rf"g4-cut\.gguf: missing tensor '{re.escape(name)}'"):
+        Model.load(cut)

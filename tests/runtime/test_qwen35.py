@@ -36,7 +36,7 @@ def test_layer_pattern_and_cache_kinds(tiny) -> None:
     assert [model.cfg.is_recurrent(i) for i in range(4)] == [True, True, True, False]
     cache = model.new_cache(32)
     assert [cache.is_recurrent(i) for i in range(4)] == [True, True, True, False]
-    assert cache.attention_layers == (3,) and set(cache.k) == {3}
+    assert cache.stored == (3,) and set(cache.k) == {3}
     conv, delta = cache.recurrent_state(0)
     assert conv.shape == (3, model.cfg.conv_channels)  # kernel 4: three inputs kept
     assert delta.shape == (tiny.spec.linear_v_heads, 16, 16) and delta.dtype == torch.float32

@@ -292,15 +292,19 @@ def test_kquant_rows_must_be_multiples_of_256(tmp_path):
 def test_transformers_tokenizer_from_gguf(tmp_path, family):
     from transformers import AutoTokenizer
 
-    tiny = _build(tmp_path, family)
+    # transformers' GGUF config reader takes no per-layer head_count_kv (gemma4 with K = V).
+    tiny = _build(tmp_path, family, **({"k_eq_v": False} if family == "gemma4" else {}))
     tok = AutoTokenizer.from_pretrained(tmp_path, gguf_file=tiny.path.name)
     text = "Hello world! The quick brown fox, 42 tokens.\n  def f(x): return x * 2"
     ids = tok.encode(text)
     assert len(tok) == tiny.spec.vocab_size
     assert 0 < len(ids) < len(text.encode())  # merges fire
     assert tok.decode(ids, skip_special_tokens=True) == text
-    assert (ids[0] == tiny.hf_config.bos_token_id) == (family == "gemma3")  # add_bos only there
-    if family == "gemma3":
+    # add_bos only there: gemma4 files say add_bos too, but transformers follows the reference
+    # tokenizer (the chat template writes <bos>), while llama.cpp forces BOS on.
+    assert (ids[0] == tiny.hf_config.bos_token_id) == (family == "gemma3")
+    gemma = family in ("gemma3", "gemma4")
+    if gemma:
         assert tok.convert_tokens_to_ids(["<start_of_turn>", "<end_of_turn>"]) == [5, 6]
         assert tok.encode("é", add_special_tokens=False) == [9 + 0xC3, 9 + 0xA9]  # byte fallback
     else:
@@ -438,3 +442,109 @@ def test_cli_writes_moe_gguf_and_hf_dir(tmp_path):
     assert sorted(state) == sorted(again.state_dict)
     for name, w in again.state_dict.items():
         assert torch.equal(state[name], w), name
+
+
+# -- gemma4 (tools/tiny_gemma4.py) ----------------------------------------------------------
+# transformers' GGUF loader reads too little of a gemma4 file (layer types, shared layers, PLE
+# width, head dims) to load it back; the twin is built from the state dict instead.
+
+GEMMA4_KEYS = """general.architecture general.type general.name general.file_type
+    general.quantization_version gemma4.block_count gemma4.context_length
+    gemma4.embedding_length gemma4.feed_forward_length gemma4.attention.head_count
+    gemma4.attention.head_count_kv gemma4.rope.freq_base gemma4.rope.freq_base_swa
+    gemma4.attention.layer_norm_rms_epsilon gemma4.attention.key_length
+    gemma4.attention.value_length gemma4.attention.key_length_swa
+    gemma4.attention.value_length_swa gemma4.final_logit_softcapping
+    gemma4.attention.sliding_window gemma4.attention.shared_kv_layers
+    gemma4.embedding_length_per_layer_input gemma4.attention.sliding_window_pattern
+    gemma4.rope.dimension_count gemma4.rope.dimension_count_swa tokenizer.ggml.model
+    tokenizer.ggml.tokens tokenizer.ggml.scores tokenizer.ggml.token_type tokenizer.ggml.merges
+    tokenizer.ggml.bos_token_id tokenizer.ggml.eos_token_id tokenizer.ggml.unknown_token_id
+    tokenizer.ggml.padding_token_id tokenizer.ggml.add_bos_token tokenizer.ggml.add_eos_token
+    tokenizer.ggml.add_space_prefix"""
+GEMMA4_LAYER = """attn_norm attn_q attn_q_norm attn_output post_attention_norm ffn_norm ffn_gate
+    ffn_up ffn_down post_ffw_norm layer_output_scale inp_gate proj post_norm"""
+
+
+def test_gemma4_file_follows_the_converter(tmp_path):
+    tiny = _build(tmp_path, "gemma4")
+    reader = _reader(tiny)
+    assert {k for k in reader.fields if not k.startswith("GGUF.")} == set(GEMMA4_KEYS.split())
+    field = lambda k: reader.fields[f"gemma4.{k}"].contents()  # noqa: E731
+    assert field("attention.head_count_kv") == [2, 2, 1, 2, 2, 1]  # num_global_key_value_heads
+    assert field("attention.sliding_window_pattern") == [True, True, False, True, True, False]
+    assert (field("attention.key_length"), field("attention.key_length_swa")) == (32, 16)
+    assert field("attention.shared_kv_layers") == 2
+    assert reader.fields["tokenizer.ggml.model"].contents() == "gemma4"
+
+    names = {t.name for t in reader.tensors}
+    want = {"rope_freqs.weight", "token_embd.weight", "output_norm.weight"}
+    want |= {f"per_layer_{n}.weight" for n in ("token_embd", "model_proj", "proj_norm")}
+    want |= {f"blk.{i}.{t}.weight" for i in range(6) for t in GEMMA4_LAYER.split()}
+    want |= {f"blk.{i}.attn_{t}.weight" for i in range(4) for t in ("k", "k_norm")}
+    want |= {f"blk.{i}.attn_v.weight" for i in (0, 1, 3)}  # full layer 2: K = V; 4, 5 share
+    assert names == want  # tied: no output.weight
+
+    freqs = _tensor(reader, "rope_freqs.weight")  # proportional RoPE, partial 0.25 of 32
+    np.testing.assert_array_equal(freqs, np.float32([1.0] * 4 + [1e30] * 12))
+    np.testing.assert_array_equal(  # norms stored as they act: no + 1 in Gemma 4
+        _tensor(reader, "blk.0.post_norm.weight"),
+        tiny.state_dict["model.layers.0.post_per_layer_input_norm.weight"].numpy(),
+    )
+    np.testing.assert_array_equal(
+        _tensor(reader, "blk.3.layer_output_scale.weight"),
+        tiny.state_dict["model.layers.3.layer_scalar"].numpy(),
+    )
+    assert _tensor(reader, "per_layer_token_embd.weight").shape == (640, 6 * 32)
+
+
+def test_gemma4_overrides_reach_file_and_twin(tmp_path):
+    tiny = _build(tmp_path, "gemma4", k_eq_v=False, double_wide=True, tied=False, layers=7)
+    reader = _reader(tiny)
+    assert reader.fields["gemma4.attention.head_count_kv"].contents() == 2  # one value again
+    assert reader.fields["gemma4.feed_forward_length"].contents() == [128] * 5 + [256] * 2
+    assert tiny.hf_config.layer_types == [
+        "sliding_attention",
+        "sliding_attention",
+        "full_attention",
+    ] * 2 + [
+        "full_attention"  # transformers forces the last layer full
+    ]
+    assert tiny.state_dict["model.layers.6.mlp.up_proj.weight"].shape == (256, 64)
+    assert "output.weight" in {t.name for t in reader.tensors}
+    with pytest.raises(ValueError, match="every kind of KV-shared layer needs"):
+        _build(tmp_path, "gemma4", swa_period=6, layers=6, shared_layers=1)
+    with pytest.raises(ValueError, match="multiples of 32: ple_dim = 16"):
+        _build(tmp_path, "gemma4", qtype="Q8_0", ple_dim=16)
+
+
+@pytest.mark.parametrize("qtype", list(mtg.QTYPES))
+def test_gemma4_every_qtype(tmp_path, qtype):
+    tiny = _build(tmp_path, "gemma4", qtype=qtype)
+    reader = _reader(tiny)
+    ggml_type = mtg.QTYPES[qtype][0]
+    for t in reader.tensors:
+        assert t.tensor_type == (ggml_type if len(t.shape) == 2 else Q.F32), t.name
+    for name, ours in tiny.state_dict.items():
+        assert torch.isfinite(ours).all(), name
+    model = tiny.hf_model()  # strict: every parameter and buffer of transformers' model
+    assert sum(p.numel() for p in model.parameters()) > 0
+
+
+def test_gemma4_cli_hf_dir_loads_with_from_pretrained(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    out, hf_dir = tmp_path / "cli.gguf", tmp_path / "hf"
+    mtg.main(
+        ["gemma4", str(out), "--seed", "5", "--hf-dir", str(hf_dir), "--set", "shared_layers=3"]
+    )
+    again = _build(tmp_path / "again", "gemma4", seed=5, shared_layers=3)
+    assert out.read_bytes() == again.path.read_bytes()
+    model = AutoModelForCausalLM.from_pretrained(
+        hf_dir, dtype=torch.float32, attn_implementation="eager"
+    ).eval()
+    assert model.config.kv_sharing_modes == [None, "store", "store", "reuse", "reuse", "reuse"]
+    for name, w in model.state_dict().items():
+        assert torch.equal(w, again.state_dict[name]), name
+    with torch.no_grad():
+        torch.testing.assert_close(model(IDS).logits, again.hf_model()(IDS).logits, rtol=0, atol=0)

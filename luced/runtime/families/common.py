@@ -9,14 +9,23 @@ A family module provides::
     prepare(cfg, weights) -> None               post-load fix-ups (e.g. un-permute Q/K)
     ropes(cfg, weights, device) -> {layer: Rope}
     embed(model, ids) -> [n, hidden]
-    block(model, layer, x, start, cache) -> [n, hidden]
+    block(model, layer, x, start, cache, **inputs) -> [n, hidden]
     head(model, x) -> [n, vocab] float32 logits      final norm, then project
     project(model, h) -> [n, vocab] float32 logits   head matrix + logit scaling / softcap
-    recurrent_shapes(cfg, layers) -> {layer: RecurrentShape}   optional: the layers that keep
-                                                a recurrent state instead of K/V (kv_cache)
+
+and optionally::
+
+    recurrent_shapes(cfg, layers) -> {layer: RecurrentShape}   the layers that keep a
+                                                recurrent state instead of K/V (kv_cache)
+    layer_inputs(model, ids) -> {name: value}   per-token inputs every block of a shard
+                                                 reads besides the hidden state (Gemma 4's
+                                                 per-layer embeddings), once per forward;
+                                                 passed to `block` as keyword arguments
 
 Keys of the weight dict are `tok_embd`, `out_norm`, `head` and `{layer}.{name}`
 (e.g. `3.attn_q`); matrices are stored in `layers.linear`'s layout for their dtype.
+The config says each layer's K/V shape and, for KV-sharing layers, which layer's K/V
+it reads (`kv_shape`, `kv_source`); the model builds its cache from them.
 """
 
 from __future__ import annotations
@@ -25,7 +34,6 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
-import numpy as np
 import torch
 
 from luced.gguf_file import GGUFError, GGUFFile
@@ -93,8 +101,16 @@ class ModelConfig:
     def kv_heads(self, layer: int) -> int:
         return self.layer_kv_heads[layer] if self.layer_kv_heads else self.n_kv_heads
 
+    def kv_shape(self, layer: int) -> tuple[int, int]:
+        """(kv heads, head dim) of a layer's K/V."""
+        return self.kv_heads(layer), self.head_dim
 
-def _per_layer(value: Any, n_layers: int, what: str) -> tuple[int, ...]:
+    def kv_source(self, layer: int) -> int:
+        """The layer whose K/V `layer` attends to: itself unless it shares another's."""
+        return layer
+
+
+def per_layer(value: Any, n_layers: int, what: str) -> tuple[int, ...]:
     """A count llama.cpp reads with get_key_or_arr: one number, or one per layer."""
     if isinstance(value, int | float):
         return (int(value),) * n_layers
@@ -104,8 +120,10 @@ def _per_layer(value: Any, n_layers: int, what: str) -> tuple[int, ...]:
     return counts
 
 
-def base_fields(gguf: GGUFFile) -> dict[str, Any]:
-    """The fields every family reads, from `{arch}.*` keys (llama.cpp names)."""
+def base_fields(gguf: GGUFFile, **known: Any) -> dict[str, Any]:
+    """The fields every family reads, from `{arch}.*` keys (llama.cpp names). `known`
+    fields are taken as given and their keys not read (e.g. a per-layer array the
+    family resolves itself)."""
     arch = gguf.arch
 
     def key(name: str) -> str:
@@ -113,13 +131,14 @@ def base_fields(gguf: GGUFFile) -> dict[str, Any]:
 
     n_layers = int(gguf.require(key("block_count")))
     try:
-        heads = _per_layer(gguf.require(key("attention.head_count")), n_layers, "head_count")
+        heads = per_layer(gguf.require(key("attention.head_count")), n_layers, "head_count")
         kv = gguf.get(key("attention.head_count_kv"))
-        kv_heads = heads if kv is None else _per_layer(kv, n_layers, "head_count_kv")
+        kv_heads = heads if kv is None else per_layer(kv, n_layers, "head_count_kv")
     except GGUFError as exc:
         raise GGUFError(f"{gguf.path}: {arch}.attention.{exc}") from None
     hidden = int(gguf.require(key("embedding_length")))
-    head_dim = int(gguf.get(key("attention.key_length"), hidden // heads[0]))
+    head_dim = int(known.get("head_dim", gguf.get(key("attention.key_length"), hidden // heads[0])))
+    ffn = known["ffn"] if "ffn" in known else gguf.require(key("feed_forward_length"))
     vocab = gguf.get(key("vocab_size"))
     if vocab is None:
         vocab = gguf.info("token_embd.weight").shape[0]
@@ -132,19 +151,22 @@ def base_fields(gguf: GGUFFile) -> dict[str, Any]:
         "layer_heads": heads if len(set(heads)) > 1 else (),
         "layer_kv_heads": kv_heads if len(set(kv_heads)) > 1 else (),
         "head_dim": head_dim,
-        "ffn": int(gguf.require(key("feed_forward_length"))),
+        "ffn": int(ffn),
         "vocab": int(vocab),
         "rms_eps": float(gguf.require(key("attention.layer_norm_rms_epsilon"))),
         "rope_base": float(gguf.get(key("rope.freq_base"), 10000.0)),
         "rope_dims": int(gguf.get(key("rope.dimension_count"), head_dim)),
         "context_length": int(gguf.get(key("context_length"), 2048)),
         "tied_head": "output.weight" not in gguf.tensors,
-    }
+    } | known
 
 
-def make_config(cls: type, gguf: GGUFFile, **extra: Any) -> Any:
+def make_config(
+    cls: type, gguf: GGUFFile, known: dict[str, Any] | None = None, **extra: Any
+) -> Any:
+    """cls(base fields, extra fields), errors named after the file; `known` as in base_fields."""
     try:
-        return cls(**base_fields(gguf), **extra)
+        return cls(**base_fields(gguf, **(known or {})), **extra)
     except (TypeError, ValueError) as exc:
         raise GGUFError(f"{gguf.path}: bad {gguf.arch} metadata: {exc}") from exc
 
@@ -208,9 +230,8 @@ def attend(
         k = rms_norm(k, w[f"{layer}.attn_k_norm"], cfg.rms_eps)
     cos, sin = rope.tables(start, n, q.dtype)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    keys, values = cache.write(layer, start, k, v)
-    mask = attention_mask(start, n, start + n, window, x.device)
-    return attention(q, keys, values, mask, scale if scale is not None else d**-0.5)
+    scale = scale if scale is not None else d**-0.5
+    return cached_attention(layer, q, start, cache, (k, v), window=window, scale=scale)
 
 
 def self_attention(
@@ -229,19 +250,23 @@ def self_attention(
     return linear(out, model.weights[f"{layer}.attn_output"])
 
 
-def sliding_layers(
-    gguf: GGUFFile, n_layers: int, default_period: int, *, full_first: bool
-) -> tuple[bool, ...]:
-    """Which layers use a sliding window (True), from `{arch}.attention.sliding_window_pattern`:
-    explicit per-layer flags, or a period whose one full-attention layer comes last in each
-    period (gemma) or first (`full_first`, laguna), as llama.cpp's set_swa_pattern. Period 0:
-    every layer slides."""
-    pattern = gguf.get(f"{gguf.arch}.attention.sliding_window_pattern", default_period)
-    if isinstance(pattern, np.ndarray | list):
-        flags = tuple(bool(p) for p in pattern)
-        if len(flags) != n_layers:
-            raise ValueError(f"sliding_window_pattern has {len(flags)} entries for {n_layers}")
-        return flags
-    period = int(pattern)
-    full_at = 0 if full_first else period - 1
-    return tuple(period <= 0 or i % period != full_at for i in range(n_layers))
+def cached_attention(
+    layer: int,
+    q: torch.Tensor,
+    start: int,
+    cache: KVCache,
+    kv: tuple[torch.Tensor, torch.Tensor] | None,
+    *,
+    window: int | None,
+    scale: float,
+) -> torch.Tensor:
+    """Attention of one layer over its cache. q: [n, H, D] (roped); kv: this layer's new
+    (k, v) [n, Hkv, D] to store, or None for a KV-sharing layer, which reads its source
+    layer's rows. -> the heads' outputs [n, H*D], before the output projection."""
+    n = q.shape[0]
+    if kv is None:
+        keys, values = cache.read(layer, start + n)
+    else:
+        keys, values = cache.write(layer, start, *kv)
+    mask = attention_mask(start, n, start + n, window, q.device)
+    return attention(q, keys, values, mask, scale)

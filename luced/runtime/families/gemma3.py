@@ -74,9 +74,7 @@ def config_from_gguf(gguf: GGUFFile) -> Gemma3Config:
         Gemma3Config,
         gguf,
         sliding_window=int(gguf.get(f"{arch}.attention.sliding_window", 512)),
-        sliding_layers=common.sliding_layers(
-            gguf, base["n_layers"], DEFAULT_SWA_PATTERN, full_first=False
-        ),
+        sliding_layers=gguf.sliding_layers(DEFAULT_SWA_PATTERN),
         local_rope_base=float(gguf.get(f"{arch}.rope.freq_base_swa", DEFAULT_LOCAL_ROPE_BASE)),
         global_rope_scale=scale,
         attn_scale=attn_scale,
@@ -121,6 +119,12 @@ def block(
         model, layer, h, start, cache, model.ropes[layer], window=window, scale=cfg.attn_scale
     )
     x = x + rms_norm(h, w[f"{layer}.post_attn_norm"], eps)
+    return ffn(model, layer, x)
+
+
+def ffn(model: ModelParts, layer: int, x: torch.Tensor) -> torch.Tensor:
+    """The FFN half of a Gemma block: x + post_norm(GeGLU(pre_norm(x)))."""
+    w, eps = model.weights, model.cfg.rms_eps
     h = rms_norm(x, w[f"{layer}.ffn_norm"], eps)
     h = geglu_tanh(h, w[f"{layer}.ffn_gate"], w[f"{layer}.ffn_up"], w[f"{layer}.ffn_down"])
     return x + rms_norm(h, w[f"{layer}.post_ffn_norm"], eps)

@@ -84,11 +84,7 @@ def config_from_gguf(gguf: GGUFFile) -> LagunaConfig:
     base = common.base_fields(gguf)
     n_layers = base["n_layers"]
     window = int(get("attention.sliding_window", 0))
-    sliding = (
-        common.sliding_layers(gguf, n_layers, SWA_PERIOD, full_first=True)
-        if window
-        else (False,) * n_layers
-    )
+    sliding = gguf.sliding_layers(SWA_PERIOD, full_first=True) if window else (False,) * n_layers
     dense = int(get("leading_dense_block_count", 0))
     yarn = get("rope.scaling.type") == "yarn"
     experts = moe.config_from_gguf(gguf, gating="sigmoid", selection_bias=True)

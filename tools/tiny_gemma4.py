@@ -1,0 +1,238 @@
+"""The tiny `gemma4` model of make_tiny_gguf.py: a GGUF as llama.cpp's converter writes it
+(`Gemma4Model` in conversion/gemma.py) and the `Gemma4ForCausalLM` twin holding the same weights.
+
+    tiny = make_tiny_gguf.build("gemma4", path, seed=3, shared_layers=2, k_eq_v=False)
+
+Default shape (6 layers, sliding window 8): layer i is full attention iff (i + 1) % swa_period
+== 0 (period 3: S S F S S F; transformers forces the last layer full), the last `shared_layers`
+(2) layers reuse the KV of the last non-shared layer of their kind (layer 4 reads 3, layer 5
+reads 2), full layers have head dim `global_head_dim` and, with `k_eq_v`, K = V and
+`global_kv_heads` KV heads; per-layer embeddings of width `ple_dim`; final softcap 30.
+
+What the converter does, and so this file: norms stored as they are (no + 1); the full
+layers' head dim in `attention.key_length`, the sliding layers' in `key_length_swa`;
+`head_count_kv` a per-layer array when num_global_key_value_heads is set (with k_eq_v),
+`feed_forward_length` one when the shared layers' MLP is double wide; `sliding_window_pattern`
+per-layer flags; `rope_freqs.weight` = 1 for the rotated pairs of proportional RoPE and 1e30
+for the rest (full layers); `layer_scalar` becomes `layer_output_scale.weight`; no `attn_v`
+where K = V, no K/V tensors in KV-shared layers (transformers has none). The vocabulary is
+Gemma's SentencePiece one, as `tokenizer.ggml.model = gemma4` with merges.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+import gguf
+import make_tiny_gguf as mtg
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType as Q
+
+FAMILY = "gemma4"
+LOCAL_ROPE_BASE = 10000.0  # rope_parameters["sliding_attention"]
+
+
+@dataclass(frozen=True)
+class Gemma4Spec(mtg.TinySpec):
+    """TinySpec's fields describe the sliding layers; these the rest of Gemma 4."""
+
+    swa_period: int = 3  # layer i is full iff (i + 1) % swa_period == 0, and the last one
+    global_head_dim: int = 32
+    global_kv_heads: int = 1  # KV heads of full layers; only with k_eq_v
+    k_eq_v: bool = True  # attention_k_eq_v: full layers have no v_proj
+    shared_layers: int = 2  # num_kv_shared_layers
+    ple_dim: int = 32  # hidden_size_per_layer_input; 0 = no per-layer embeddings
+    double_wide: bool = False  # use_double_wide_mlp: KV-shared layers have 2 * ffn
+    final_softcap: float | None = 30.0
+    partial_rotary: float = 0.25  # of the full layers' proportional RoPE
+
+    @property
+    def layer_types(self) -> list[str]:
+        full = [(i + 1) % self.swa_period == 0 or i == self.layers - 1 for i in range(self.layers)]
+        return ["full_attention" if f else "sliding_attention" for f in full]
+
+
+DEFAULTS: dict[str, Any] = dict(
+    hidden=64,
+    layers=6,
+    heads=4,
+    kv_heads=2,
+    head_dim=16,
+    ffn=128,
+    vocab_size=640,
+    context=512,
+    rope_base=1e6,
+    rms_eps=1e-6,
+    tied=True,
+    sliding_window=8,
+)
+KQUANT_DEFAULTS = dict(hidden=256, ffn=512, head_dim=64, global_head_dim=128, ple_dim=256)
+
+
+def make_spec(qtype: str, seed: int, overrides: dict[str, Any]) -> Gemma4Spec:
+    if qtype not in mtg.QTYPES:
+        raise ValueError(f"unknown qtype {qtype!r}; choose one of {tuple(mtg.QTYPES)}")
+    values = dict(DEFAULTS, name=f"tiny-{FAMILY}")
+    if mtg.QTYPES[qtype][2] == 256:
+        values.update(KQUANT_DEFAULTS)
+    values.update(overrides)
+    unknown = set(values) - {f.name for f in fields(Gemma4Spec)} - {"family", "qtype", "seed"}
+    if unknown:
+        raise ValueError(f"unknown overrides {sorted(unknown)}")
+    spec = Gemma4Spec(family=FAMILY, qtype=qtype, seed=seed, **values)
+    block = mtg.QTYPES[qtype][2]
+    rows = {
+        "hidden": spec.hidden,
+        "ffn": spec.ffn,
+        "heads * head_dim": spec.heads * spec.head_dim,
+        "heads * global_head_dim": spec.heads * spec.global_head_dim,
+        "ple_dim": spec.ple_dim,
+    }
+    for what, n in rows.items():
+        if n % block:
+            raise ValueError(f"{qtype} needs rows that are multiples of {block}: {what} = {n}")
+    kv = (spec.kv_heads, spec.global_kv_heads if spec.k_eq_v else spec.kv_heads)
+    if any(spec.heads % k for k in kv) or spec.head_dim % 2 or spec.global_head_dim % 2:
+        raise ValueError("heads must be a multiple of the kv heads, head dims even")
+    if not 0 <= spec.shared_layers < spec.layers:
+        raise ValueError(f"shared_layers must lie in [0, {spec.layers})")
+    first_shared = spec.layers - spec.shared_layers
+    if spec.shared_layers and set(spec.layer_types[first_shared:]) - set(
+        spec.layer_types[:first_shared]
+    ):
+        raise ValueError("every kind of KV-shared layer needs a non-shared layer of its kind")
+    return spec
+
+
+def hf_config(spec: Gemma4Spec, vocab: mtg.Vocab) -> Any:
+    import transformers
+
+    extra = {"num_global_key_value_heads": spec.global_kv_heads} if spec.k_eq_v else {}
+    return transformers.Gemma4TextConfig(
+        vocab_size=spec.vocab_size,
+        hidden_size=spec.hidden,
+        intermediate_size=spec.ffn,
+        num_hidden_layers=spec.layers,
+        num_attention_heads=spec.heads,
+        num_key_value_heads=spec.kv_heads,
+        head_dim=spec.head_dim,
+        global_head_dim=spec.global_head_dim,
+        attention_k_eq_v=spec.k_eq_v,
+        max_position_embeddings=spec.context,
+        rms_norm_eps=mtg._f32(spec.rms_eps),
+        tie_word_embeddings=spec.tied,
+        bos_token_id=vocab.ids["bos"],
+        eos_token_id=vocab.ids["eos"],
+        pad_token_id=vocab.ids["pad"],
+        hidden_activation="gelu_pytorch_tanh",
+        rope_parameters={
+            "sliding_attention": {"rope_type": "default", "rope_theta": LOCAL_ROPE_BASE},
+            "full_attention": {
+                "rope_type": "proportional",
+                "partial_rotary_factor": spec.partial_rotary,
+                "rope_theta": mtg._f32(spec.rope_base),
+            },
+        },
+        sliding_window=spec.sliding_window,
+        layer_types=spec.layer_types,
+        final_logit_softcapping=spec.final_softcap,
+        num_kv_shared_layers=spec.shared_layers,
+        hidden_size_per_layer_input=spec.ple_dim,
+        vocab_size_per_layer_input=spec.vocab_size,
+        use_double_wide_mlp=spec.double_wide,
+        **extra,
+    )
+
+
+def _hf_shapes(config: Any, tied: bool) -> dict[str, tuple[int, ...]]:
+    """Parameter (and persistent buffer) name -> shape of the transformers model, built on
+    the meta device: the names and shapes are transformers' own."""
+    import transformers
+
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    if tied:
+        del shapes["lm_head.weight"]
+    return shapes
+
+
+def _write_metadata(w: gguf.GGUFWriter, spec: Gemma4Spec, vocab: mtg.Vocab) -> None:
+    """The keys TextModel, Gemma3Model and Gemma4Model.set_gguf_parameters leave, in order."""
+    sliding = [t == "sliding_attention" for t in spec.layer_types]
+    first_shared = spec.layers - spec.shared_layers
+    w.add_type(gguf.GGUFType.MODEL)
+    w.add_name(spec.name)
+    w.add_block_count(spec.layers)
+    w.add_context_length(spec.context)
+    w.add_embedding_length(spec.hidden)
+    if spec.double_wide:
+        w.add_feed_forward_length(
+            [spec.ffn if i < first_shared else 2 * spec.ffn for i in range(spec.layers)]
+        )
+    else:
+        w.add_feed_forward_length(spec.ffn)
+    w.add_head_count(spec.heads)
+    if spec.k_eq_v:  # num_global_key_value_heads is set
+        w.add_head_count_kv([spec.kv_heads if s else spec.global_kv_heads for s in sliding])
+    else:
+        w.add_head_count_kv(spec.kv_heads)
+    w.add_rope_freq_base(spec.rope_base)
+    w.add_rope_freq_base_swa(LOCAL_ROPE_BASE)
+    w.add_layer_norm_rms_eps(spec.rms_eps)
+    w.add_key_length(spec.global_head_dim)
+    w.add_value_length(spec.global_head_dim)
+    w.add_file_type(mtg.QTYPES[spec.qtype][1])
+    if spec.final_softcap:
+        w.add_final_logit_softcapping(spec.final_softcap)
+    w.add_sliding_window(spec.sliding_window)
+    w.add_shared_kv_layers(spec.shared_layers)
+    w.add_embedding_length_per_layer_input(spec.ple_dim)
+    w.add_sliding_window_pattern(sliding)
+    w.add_key_length_swa(spec.head_dim)
+    w.add_value_length_swa(spec.head_dim)
+    w.add_rope_dimension_count(spec.global_head_dim)  # proportional: rope_freqs does the rest
+    w.add_rope_dimension_count_swa(spec.head_dim)
+    w.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    mtg._write_vocab(w, vocab)
+
+
+def rope_freqs(spec: Gemma4Spec) -> np.ndarray:
+    """Gemma4Model.generate_extra_tensors: 1 for the rotated pairs, 1e30 for the others."""
+    n_rot = int(spec.global_head_dim * spec.partial_rotary / 2)
+    return np.array([1.0] * n_rot + [1e30] * (spec.global_head_dim // 2 - n_rot), np.float32)
+
+
+def build(path: Path, *, seed: int = 0, qtype: str = "F32", **overrides: Any) -> mtg.TinyModel:
+    spec = make_spec(qtype, seed, overrides)
+    vocab = mtg._vocab(FAMILY, spec.vocab_size)
+    config = hf_config(spec, vocab)
+    tensor_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH.GEMMA4, spec.layers)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    writer = gguf.GGUFWriter(path, FAMILY)
+    _write_metadata(writer, spec, vocab)
+    writer.add_tensor("rope_freqs.weight", rope_freqs(spec))  # generate_extra_tensors: first
+
+    state_dict: dict[str, torch.Tensor] = {}
+    for hf_name, shape in sorted(_hf_shapes(config, spec.tied).items()):
+        # filter_tensors: `layer_scalar` (a buffer) gets a ".weight" to map as layer_output_scale
+        suffixed = hf_name if hf_name.endswith(".weight") else f"{hf_name}.weight"
+        gguf_name = tensor_map.get_name(suffixed, try_suffixes=(".weight",))
+        if gguf_name is None:
+            raise AssertionError(f"gguf-py has no name for {hf_name}")
+        stored, ggml_type = mtg._encode(spec, hf_name, mtg._random_hf(spec, hf_name, shape))
+        writer.add_tensor(
+            gguf_name, stored, raw_dtype=None if ggml_type in (Q.F32, Q.F16) else ggml_type
+        )
+        back = gguf.quants.dequantize(stored, ggml_type).astype(np.float32).reshape(shape)
+        state_dict[hf_name] = torch.from_numpy(np.ascontiguousarray(back))
+    if spec.tied:
+        state_dict["lm_head.weight"] = state_dict["model.embed_tokens.weight"]
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return mtg.TinyModel(path, FAMILY, spec, config, state_dict)

@@ -47,6 +47,7 @@ from typing import TYPE_CHECKING, Any
 from luced.engine.core import GenerationRequest
 from luced.sampling_params import SamplingParams
 from luced.text.chat_template import ChatTemplateError
+from luced.text.prompt import chat_ids
 
 if TYPE_CHECKING:
     from luced.text.chat_template import ChatTemplate
@@ -470,18 +471,23 @@ def _prompt(value: Any, vocab_size: int) -> str | tuple[int, ...]:
 
 
 def chat_prompt(req: ChatRequest, template: ChatTemplate, tokenizer: Tokenizer) -> list[int]:
-    """Render the messages with the model's chat template and tokenize the result."""
+    """Render the messages with the model's chat template and tokenize the result.
+
+    As transformers' apply_chat_template, the template writes any BOS itself and the
+    control tokens it writes are tokens; unlike it, message text is only ever text
+    (`luced.text.prompt`), so `<|im_end|>` in a message cannot close a turn."""
     try:
-        text = template.render(list(req.messages), add_generation_prompt=True)
+        return chat_ids(template, tokenizer, req.messages, add_generation_prompt=True)
     except ChatTemplateError as exc:
         raise _bad("messages", str(exc)) from None
-    # As transformers' apply_chat_template (and tools/generate.py --chat): the template
-    # writes any BOS itself, and control tokens it writes are tokens, not text.
-    return tokenizer.encode(text, add_bos=False, allow_special=True)
 
 
 def completion_prompt(req: CompletionRequest, tokenizer: Tokenizer) -> list[int]:
-    """Token ids of the prompt: ids as given, or the text with the file's BOS rule."""
+    """Token ids of the prompt: ids as given, or the text with the file's BOS rule.
+
+    No chat template runs: the caller owns the whole prompt. A string is tokenized as
+    it always was, special-token parsing off (`<|im_start|>` in it is text); a caller who
+    wants control tokens sends the prompt as token ids."""
     ids = tokenizer.encode(req.prompt) if isinstance(req.prompt, str) else list(req.prompt)
     if not ids:
         raise _bad("prompt", "prompt must not be empty")

@@ -34,6 +34,7 @@ from typing import Any
 
 from aiohttp import web
 
+from luced.api.fields import APIError, decode_body
 from luced.api.formats import (
     SSE_DONE,
     ChatFormat,
@@ -44,11 +45,9 @@ from luced.api.formats import (
     sse,
 )
 from luced.api.openai import (
-    APIError,
     Options,
     chat_prompt,
     completion_prompt,
-    decode_body,
     generation_request,
     parse_chat,
     parse_completion,

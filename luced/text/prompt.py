@@ -35,12 +35,10 @@ _OPEN, _CLOSE = "\ue000", "\ue001"  # private-use characters: no tokenizer gives
 
 
 class _Escaper:
-    def __init__(self, specials: Sequence[str]) -> None:
+    def __init__(self, specials: Sequence[str], find: re.Pattern[str]) -> None:
         self.specials = list(specials)
         self.nonce = str(secrets.randbelow(10**16)).zfill(16)
-        # Longest first, as the tokenizer matches them.
-        order = sorted(range(len(self.specials)), key=lambda j: -len(self.specials[j]))
-        self._find = re.compile("|".join(re.escape(self.specials[j]) for j in order) or "(?!)")
+        self._find = find  # the special strings, leftmost-longest
         self._index = {s: j for j, s in enumerate(self.specials)}
         self._back = re.compile(f"{_OPEN}{self.nonce}(\\d+){_CLOSE}")
 
@@ -73,7 +71,7 @@ def chat_ids(
     """Token ids of messages rendered by template, message text never read as control
     tokens. kwargs are template variables (escaped like the messages: they come from the
     request too). Raises ChatTemplateError when the template fails."""
-    escaper = _Escaper(tokenizer.special_strings)
+    escaper = _Escaper(tokenizer.special_strings, tokenizer.special_pattern)
     text = template.render(
         escaper.escape(list(messages)),
         add_generation_prompt=add_generation_prompt,

@@ -140,3 +140,16 @@ def test_sentencepiece_stretch_after_a_marker_gets_no_prefix_space(tmp_path: Pat
         # Without a leading marker too: the first stretch keeps its prefix space.
         text = "hello <start_of_turn>the world"
         assert tok.encode_markup(text) == tok.encode(text, add_bos=False, allow_special=True)
+
+
+def test_special_pattern_is_leftmost_longest() -> None:
+    import re
+
+    from luced.text.tokenizer import _trie_regex
+
+    words = ["<a>", "<ab>", "<a", "x", "<|im_start|>", "<|im_end|>", "<|im"]
+    plain = re.compile("|".join(re.escape(w) for w in sorted(words, key=len, reverse=True)))
+    trie = re.compile(_trie_regex(words))
+    text = "<ab> <a> <a x <abc <|im_end|><|im_start|><|imx <|i"
+    assert [m.span() for m in trie.finditer(text)] == [m.span() for m in plain.finditer(text)]
+    assert [m.group() for m in trie.finditer(text)][:3] == ["<ab>", "<a>", "<a"]

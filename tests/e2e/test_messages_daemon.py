@@ -100,7 +100,9 @@ def test_stream_equals_non_stream(smol) -> None:
 
 
 def test_stream_event_sequence_over_raw_http(smol) -> None:
-    body = {"model": MODEL, "max_tokens": 8, "messages": QUESTION, "stream": True}
+    story = [{"role": "user", "content": "Tell a long story about a dragon."}]
+    # Greedy, so the reply is surely longer than 8 tokens (sampled, it may end sooner).
+    body = {"model": MODEL, "max_tokens": 8, "messages": story, "stream": True, "temperature": 0}
     status, headers, raw = post(smol, "/v1/messages", body)
     assert status == 200 and headers["Content-Type"].startswith("text/event-stream")
     evs = events(raw)
@@ -119,7 +121,10 @@ def test_stream_event_sequence_over_raw_http(smol) -> None:
 def test_max_tokens_stop_sequences_and_sampling(smol) -> None:
     c = claude(smol)
     capped = c.messages.create(
-        model=MODEL, max_tokens=5, messages=[{"role": "user", "content": "Tell a long story."}]
+        model=MODEL,
+        max_tokens=5,
+        messages=[{"role": "user", "content": "Tell a long story."}],
+        **GREEDY,
     )
     assert (capped.stop_reason, capped.usage.output_tokens) == ("max_tokens", 5)
     free = c.messages.create(model=MODEL, max_tokens=30, messages=QUESTION, **GREEDY)

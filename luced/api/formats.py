@@ -19,7 +19,7 @@ import json
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from luced.api.openai import APIError
+from luced.api.fields import APIError
 
 if TYPE_CHECKING:
     from luced.engine.output import Delta, TokenLogprob

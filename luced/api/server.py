@@ -2,6 +2,9 @@
 
     POST /v1/chat/completions    chat, streaming (SSE) or not
     POST /v1/completions         legacy completions, streaming or not
+    POST /v1/messages            Anthropic Messages, streaming or not (luced.api.anthropic)
+    POST /v1/messages/count_tokens   the prompt's token count for a Messages body
+    POST /tokenize, /detokenize  llama-server's token utilities
     GET  /v1/models              the served model; GET /v1/models/{id} one model card
     GET  /health                 200 {"status": "ok"} when ready, else 503 {"status": state}
     GET  /metrics                Prometheus text (luced.engine.metrics)
@@ -16,8 +19,10 @@ that goes away while its request waits in the queue, in prefill or in decode can
 handler, and the handler cancels the engine's work (`RequestHandle.cancel`). Without it,
 aiohttp lets the handler run on, and only a stream notices, at its next write.
 
-With an api_key, every /v1/ route wants `Authorization: Bearer KEY` (401 otherwise);
-/health and /metrics stay open for probes and scrapers.
+With an api_key, every /v1/ route and /tokenize, /detokenize want `Authorization: Bearer
+KEY` or Anthropic's `x-api-key: KEY` (401 otherwise); /health and /metrics stay open for
+probes and scrapers. Errors are shaped by the API a path belongs to: Anthropic's under
+/v1/messages, OpenAI's everywhere else.
 """
 
 from __future__ import annotations
@@ -34,6 +39,8 @@ from typing import Any
 
 from aiohttp import web
 
+from luced.api import anthropic
+from luced.api.fields import APIError, as_int, decode_body, json_kind, read_bool, read_text
 from luced.api.formats import (
     SSE_DONE,
     ChatFormat,
@@ -44,11 +51,9 @@ from luced.api.formats import (
     sse,
 )
 from luced.api.openai import (
-    APIError,
     Options,
     chat_prompt,
     completion_prompt,
-    decode_body,
     generation_request,
     parse_chat,
     parse_completion,
@@ -85,6 +90,10 @@ def make_app(
         [
             web.post("/v1/chat/completions", chat_completions),
             web.post("/v1/completions", completions),
+            web.post("/v1/messages", messages),
+            web.post("/v1/messages/count_tokens", count_tokens),
+            web.post("/tokenize", tokenize),
+            web.post("/detokenize", detokenize),
             web.get("/v1/models", list_models),
             web.get("/v1/models/{model:.+}", get_model),
             web.get("/health", health),
@@ -103,17 +112,20 @@ async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
     try:
         return await handler(request)
     except APIError as exc:
-        return error_response(exc)
+        return error_response(exc, request)
     except EngineError as exc:
         return error_response(
-            APIError(exc.status, exc.message, code=exc.code, retry_after=exc.retry_after)
+            APIError(exc.status, exc.message, code=exc.code, retry_after=exc.retry_after),
+            request,
         )
     except web.HTTPException as exc:  # aiohttp's own: unknown route, 405, body too large
         if exc.status < 400:
             raise
         text = exc.text or ""
         message = exc.reason if text.startswith(f"{exc.status}:") or not text else text
-        resp = error_response(APIError(exc.status, f"{request.method} {request.path}: {message}"))
+        resp = error_response(
+            APIError(exc.status, f"{request.method} {request.path}: {message}"), request
+        )
         if "Allow" in exc.headers:
             resp.headers["Allow"] = exc.headers["Allow"]
         return resp
@@ -121,31 +133,48 @@ async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
         raise  # the client is gone; nothing to answer
     except Exception as exc:
         log.exception("unhandled error in %s %s", request.method, request.path)
-        return error_response(APIError(500, f"internal error: {type(exc).__name__}: {exc}"))
+        return error_response(
+            APIError(500, f"internal error: {type(exc).__name__}: {exc}"), request
+        )
 
 
 @web.middleware
 async def _auth(request: web.Request, handler: Handler) -> web.StreamResponse:
     key = request.app[API_KEY]
-    if key and request.path.startswith("/v1/"):
+    if key and request.path.startswith(_KEYED):
         scheme, _, token = request.headers.get("Authorization", "").partition(" ")
-        given = token.strip().encode("utf-8", "surrogateescape")
+        given = token.strip() if scheme.lower() == "bearer" else None
+        if "x-api-key" in request.headers:  # Anthropic's clients send this instead
+            given = request.headers["x-api-key"].strip()
         # compare_digest: the time taken does not tell how much of the key matched.
-        if scheme.lower() != "bearer" or not hmac.compare_digest(given, key.encode()):
+        if given is None or not hmac.compare_digest(
+            given.encode("utf-8", "surrogateescape"), key.encode()
+        ):
             raise APIError(
                 401,
-                "missing or wrong API key; send the header Authorization: Bearer KEY",
+                "missing or wrong API key; send the header Authorization: Bearer KEY"
+                " (or x-api-key: KEY)",
                 code="invalid_api_key",
             )
     return await handler(request)
 
 
-def error_response(exc: APIError) -> web.Response:
+_KEYED = ("/v1/", "/tokenize", "/detokenize")
+
+
+def error_response(exc: APIError, request: web.Request | None = None) -> web.Response:
     headers = {}
     if exc.retry_after is not None:
         # Retry-After is whole seconds; never 0, which would invite a tight retry loop.
         headers["Retry-After"] = str(max(1, math.ceil(exc.retry_after)))
-    return web.json_response(exc.body(), status=exc.status, headers=headers, dumps=dumps)
+    body = exc.body()
+    if request is not None and _is_anthropic(request):
+        body = anthropic.error_body(exc)
+    return web.json_response(body, status=exc.status, headers=headers, dumps=dumps)
+
+
+def _is_anthropic(request: web.Request) -> bool:
+    return request.path == "/v1/messages" or request.path.startswith("/v1/messages/")
 
 
 # --- generation --------------------------------------------------------------------------
@@ -183,6 +212,89 @@ async def completions(request: web.Request) -> web.StreamResponse:
     return await _generate(request, fmt, req.options, prompt)
 
 
+async def messages(request: web.Request) -> web.StreamResponse:
+    """Anthropic's POST /v1/messages, on the same engine path as chat completions."""
+    engine = request.app[ENGINE]
+    body = decode_body(await request.read())
+    req = anthropic.parse_messages(body, model_name=engine.model_name)
+    prompt = await asyncio.to_thread(
+        anthropic.message_prompt, req, engine.chat_template, engine.tokenizer
+    )
+    fmt = anthropic.MessageFormat(f"msg_{uuid.uuid4().hex}", engine.model_name)
+    handle = engine.submit(generation_request(fmt.id, req.options, prompt))
+    if req.options.stream:
+        return await _stream_messages(request, fmt, handle)
+    try:
+        text = "".join([delta.text async for delta in handle])
+    except BaseException:  # cancelled (the client went away) or the engine broke
+        handle.cancel()
+        raise
+    if (err := finish_error(handle.finish_reason, handle.error)) is not None:
+        raise err
+    body = fmt.response(
+        text, handle.finish_reason or "stop", handle.stop_string, _anthropic_usage(handle)
+    )
+    return web.json_response(body, dumps=dumps)
+
+
+def _anthropic_usage(handle: RequestHandle) -> dict[str, int]:
+    return anthropic.usage(handle.prompt_tokens, handle.cached_tokens, handle.completion_tokens)
+
+
+async def _stream_messages(
+    request: web.Request, fmt: anthropic.MessageFormat, handle: RequestHandle
+) -> web.StreamResponse:
+    resp = _event_stream()
+    try:
+        await resp.prepare(request)
+        for ev in fmt.start(handle.prompt_tokens):
+            await resp.write(ev)
+        async for delta in handle:
+            if delta.text:
+                await resp.write(fmt.delta(delta.text))
+        if (err := finish_error(handle.finish_reason, handle.error)) is not None:
+            await resp.write(anthropic.event("error", anthropic.error_body(err)))
+        else:
+            reason = handle.finish_reason or "stop"
+            for ev in fmt.end(reason, handle.stop_string, _anthropic_usage(handle)):
+                await resp.write(ev)
+    except ConnectionResetError:
+        handle.cancel()
+    except asyncio.CancelledError:
+        handle.cancel()
+        raise
+    except Exception as exc:
+        handle.cancel()
+        if not resp.prepared:
+            raise
+        log.exception("stream %s failed", fmt.id)
+        with contextlib.suppress(ConnectionResetError):
+            body = anthropic.error_body(APIError(500, f"internal error: {exc}"))
+            await resp.write(anthropic.event("error", body))
+    return resp
+
+
+async def count_tokens(request: web.Request) -> web.Response:
+    """Anthropic's POST /v1/messages/count_tokens: the prompt a Messages body would make."""
+    engine = request.app[ENGINE]
+    body = decode_body(await request.read())
+    req = anthropic.parse_messages(body, model_name=engine.model_name, count_only=True)
+    prompt = await asyncio.to_thread(
+        anthropic.message_prompt, req, engine.chat_template, engine.tokenizer
+    )
+    return web.json_response({"input_tokens": len(prompt)}, dumps=dumps)
+
+
+def _event_stream() -> web.StreamResponse:
+    return web.StreamResponse(
+        headers={
+            "Content-Type": "text/event-stream; charset=utf-8",
+            "Cache-Control": "no-cache",
+            "X-Accel-Buffering": "no",  # a proxy must not hold the tokens back
+        }
+    )
+
+
 async def _generate(
     request: web.Request, fmt: OutputFormat, options: Options, prompt: list[int]
 ) -> web.StreamResponse:
@@ -216,13 +328,7 @@ def usage_extra(handle: RequestHandle) -> dict:
 async def _stream(
     request: web.Request, fmt: OutputFormat, handle: RequestHandle
 ) -> web.StreamResponse:
-    resp = web.StreamResponse(
-        headers={
-            "Content-Type": "text/event-stream; charset=utf-8",
-            "Cache-Control": "no-cache",
-            "X-Accel-Buffering": "no",  # a proxy must not hold the tokens back
-        }
-    )
+    resp = _event_stream()
     try:
         await resp.prepare(request)
         for chunk in fmt.start():
@@ -255,6 +361,59 @@ async def _stream(
             await resp.write(sse(APIError(500, f"internal error: {exc}").body()))
             await resp.write(SSE_DONE)
     return resp
+
+
+# --- llama-server's token utilities ------------------------------------------------------
+
+
+async def tokenize(request: web.Request) -> web.Response:
+    """{"content", "add_special" (BOS, default false), "parse_special" (control tokens
+    written in content are tokens, default true), "with_pieces"} -> {"tokens": [...]};
+    with_pieces, each token is {"id", "piece"} (piece: text, or a byte list when the
+    token is not whole UTF-8)."""
+    tokenizer = request.app[ENGINE].tokenizer
+    body = decode_body(await request.read())
+    content = read_text("content", body.get("content"))
+    add_bos = read_bool(body, "add_special")
+    special = read_bool(body, "parse_special", default=True)
+    with_pieces = read_bool(body, "with_pieces")
+    ids = await asyncio.to_thread(
+        tokenizer.encode, content, add_bos=add_bos, allow_special=special, add_eos=False
+    )
+    if not with_pieces:
+        return web.json_response({"tokens": ids}, dumps=dumps)
+    out = []
+    for i in ids:
+        raw = tokenizer.token_bytes(i)
+        try:
+            piece: str | list[int] = raw.decode("utf-8")
+        except UnicodeDecodeError:
+            piece = list(raw)
+        out.append({"id": i, "piece": piece})
+    return web.json_response({"tokens": out}, dumps=dumps)
+
+
+async def detokenize(request: web.Request) -> web.Response:
+    """{"tokens": [ids]} -> {"content": text}; control tokens appear as their text, so
+    detokenize inverts tokenize."""
+    tokenizer = request.app[ENGINE].tokenizer
+    body = decode_body(await request.read())
+    tokens = body.get("tokens")
+    if not isinstance(tokens, list):
+        raise APIError(
+            400, f"tokens must be an array of token ids, got {json_kind(tokens)}", param="tokens"
+        )
+    ids = []
+    for i, t in enumerate(tokens):
+        n = as_int(f"tokens[{i}]", t)
+        if not 0 <= n < tokenizer.vocab_size:
+            raise APIError(
+                400,
+                f"tokens[{i}]: token id {n} is not in [0, {tokenizer.vocab_size})",
+                param=f"tokens[{i}]",
+            )
+        ids.append(n)
+    return web.json_response({"content": tokenizer.decode(ids, skip_special=False)}, dumps=dumps)
 
 
 # --- models, health, metrics -------------------------------------------------------------

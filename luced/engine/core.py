@@ -82,6 +82,7 @@ class RequestHandle:
         self.max_tokens = max_tokens
         self.completion_tokens = 0
         self.finish_reason: str | None = None
+        self.stop_string: str | None = None  # the stop string that ended it, if one did
         self.error: str | None = None
         self.cancelled = False
         self.on_cancel: Callable[[RequestHandle], None] | None = None
@@ -356,6 +357,7 @@ class Engine:
         delta, hit = out.push(sampled)
         handle._emit_if(delta)
         if hit:
+            handle.stop_string = out.stops.matched
             handle._finish("stop")
             return True
         if handle.completion_tokens >= handle.max_tokens:

@@ -255,7 +255,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("port", "int", 8000, "HTTP port (0 picks a free one).", minimum=0, maximum=65535),
     Option(
         "api_key", "str", None,
-        "If set, /v1/* requests must send `Authorization: Bearer KEY`.",
+        "If set, /v1/* requests (and /tokenize, /detokenize) must send "
+        "`Authorization: Bearer KEY` or `x-api-key: KEY`.",
         nullable=True, default_doc="unset (no key)", example="change-me",
     ),
     Option(

@@ -1,6 +1,6 @@
 """lucectl: ask a running luced about itself over the admin socket.
 
-    lucectl [--socket PATH] [--json] [--timeout S] COMMAND
+    lucectl [--socket PATH] [--json] [--timeout S] COMMAND [--json]
 
     status | workers | drain | snapshot list | snapshot drop ID | snapshot save
     | cache clear [--disk] --yes
@@ -345,19 +345,29 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="S",
         help=f"seconds to wait for the reply (default {DEFAULT_TIMEOUT:g}; drain waits)",
     )
+    # --json is also accepted after the subcommand (`lucectl status --json`); SUPPRESS
+    # keeps a subparser from resetting the value given before it.
+    late = argparse.ArgumentParser(add_help=False)
+    late.add_argument(
+        "--json", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS
+    )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    sub.add_parser("status", help="model, state, placement, queue, uptime, token counts")
-    sub.add_parser("workers", help="the backend worker processes")
-    sub.add_parser("drain", help="stop accepting requests and let running ones finish")
-    snap = sub.add_parser("snapshot", help="prefix-cache snapshots")
+
+    def add(group: Any, name: str, help: str) -> argparse.ArgumentParser:
+        return group.add_parser(name, help=help, parents=[late])
+
+    add(sub, "status", "model, state, placement, queue, uptime, token counts")
+    add(sub, "workers", "the backend worker processes")
+    add(sub, "drain", "stop accepting requests and let running ones finish")
+    snap = add(sub, "snapshot", "prefix-cache snapshots")
     snap_sub = snap.add_subparsers(dest="snapshot_command", required=True, metavar="COMMAND")
-    snap_sub.add_parser("list", help="list the snapshots")
-    drop = snap_sub.add_parser("drop", help="remove one snapshot from memory and disk")
+    add(snap_sub, "list", "list the snapshots")
+    drop = add(snap_sub, "drop", "remove one snapshot from memory and disk")
     drop.add_argument("id", help="a snapshot id from `snapshot list`")
-    snap_sub.add_parser("save", help="write every memory snapshot to the disk tier now")
-    cache = sub.add_parser("cache", help="the prefix cache as a whole")
+    add(snap_sub, "save", "write every memory snapshot to the disk tier now")
+    cache = add(sub, "cache", "the prefix cache as a whole")
     cache_sub = cache.add_subparsers(dest="cache_command", required=True, metavar="COMMAND")
-    clear = cache_sub.add_parser("clear", help="drop the memory tier (and the disk tier)")
+    clear = add(cache_sub, "clear", "drop the memory tier (and the disk tier)")
     clear.add_argument("--disk", action="store_true", help="delete the snapshot files too")
     clear.add_argument("--yes", action="store_true", help="confirm (required)")
     return parser

@@ -11,15 +11,18 @@ so `decode` and `luced.text.detokenize.IncrementalDetokenizer` share one definit
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
+import re
 import threading
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
 import tokenizers
+from tokenizers import pre_tokenizers
 
 from luced.gguf_file import GGUFFile
 from luced.text.vocab import (
@@ -187,6 +190,68 @@ class Tokenizer:
         wrote_bos = self.bos_token is not None and prompt.startswith(self.bos_token)
         return self.encode(prompt, add_bos=self.add_bos and not wrote_bos, allow_special=True)
 
+    def encode_markup(self, text: str, literal: Callable[[str], str] = str) -> list[int]:
+        """Ids of a rendered chat prompt whose control tokens all come from the template.
+
+        Every special-token string in text becomes its token; every stretch between them
+        goes through `literal` (which puts back what was escaped before rendering, see
+        `luced.text.prompt`) and is tokenized with special-token parsing off, exactly as
+        the tokenizer treats a stretch between two control tokens. No BOS is added (the
+        template writes its own). With `literal` the identity this equals
+        `encode(text, add_bos=False, allow_special=True)`.
+        """
+        ids: list[int] = []
+        at = 0
+        for match in self.special_pattern.finditer(text):
+            if match.start() > at:
+                ids += self._encode_literal(literal(text[at : match.start()]), first=at == 0)
+            ids.append(self._special_by_text[match.group()])
+            at = match.end()
+        if at < len(text):
+            ids += self._encode_literal(literal(text[at:]), first=at == 0)
+        return ids
+
+    def _encode_literal(self, text: str, first: bool) -> list[int]:
+        twin = None if first else self._inner_backend
+        if twin is None:  # the tokenizer's own rules, specials off
+            return self.encode(text, add_bos=False, add_eos=False)
+        # After a control token the tokenizer does not prepend SentencePiece's space
+        # ("first" scheme), but a stretch encoded alone would get one: encode it with a
+        # twin that never prepends. Other backends treat every stretch alike (twin None).
+        with self._lock:
+            return twin.encode(text, add_special_tokens=False).ids
+
+    @property
+    def special_strings(self) -> list[str]:
+        """The text of every special token (what `allow_special=True` matches)."""
+        return list(self._special_by_text)
+
+    @functools.cached_property
+    def _special_by_text(self) -> dict[str, int]:
+        out = {}
+        for i in sorted(self.special_ids):
+            piece = self._backend.id_to_token(i)
+            if piece:
+                out.setdefault(piece, i)
+        return out
+
+    @functools.cached_property
+    def special_pattern(self) -> re.Pattern[str]:
+        """A regex matching special-token strings leftmost-longest, as the tokenizer does."""
+        return re.compile(_trie_regex(list(self._special_by_text)) or "(?!)")
+
+    @functools.cached_property
+    def _inner_backend(self) -> tokenizers.Tokenizer | None:
+        pre = self._backend.pre_tokenizer
+        if not (isinstance(pre, pre_tokenizers.Metaspace) and pre.prepend_scheme == "first"):
+            return None
+        twin = tokenizers.Tokenizer.from_str(self._backend.to_str())
+        twin.pre_tokenizer = pre_tokenizers.Metaspace(
+            replacement=pre.replacement, prepend_scheme="never", split=pre.split
+        )
+        twin.encode_special_tokens = True  # the twin only ever sees literal text
+        return twin
+
     def decode(self, ids: Iterable[int], skip_special: bool = True) -> str:
         """Text of ids; bytes that do not form UTF-8 become U+FFFD."""
         skip = self.special_ids if skip_special else frozenset()
@@ -214,6 +279,30 @@ class Tokenizer:
             f"Tokenizer({self._spec.source!r}, {self._spec.model}, vocab={self.vocab_size}, "
             f"bos={self.bos_id}, eos={sorted(self.eos_ids)})"
         )
+
+
+def _trie_regex(words: list[str]) -> str:
+    """One regex for many literal strings, as a trie: a plain alternation of Gemma's 6k
+    control tokens tries each at every position (~3x slower than tokenizing). Greedy
+    optional tails give the longest match first."""
+    trie: dict = {}
+    for word in words:
+        node = trie
+        for ch in word:
+            node = node.setdefault(ch, {})
+        node[""] = True
+
+    def walk(node: dict) -> str:
+        end = "" in node
+        alts = [re.escape(ch) + walk(child) for ch, child in sorted(node.items()) if ch]
+        if not alts:
+            return ""
+        body = alts[0] if len(alts) == 1 else "(?:" + "|".join(alts) + ")"
+        if end:
+            return f"(?:{body})?" if len(alts) > 1 or len(body) > 1 else body + "?"
+        return body
+
+    return walk(trie)
 
 
 def _token_bytes_table(

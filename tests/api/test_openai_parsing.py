@@ -8,13 +8,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from luced.api.fields import APIError, decode_body
 from luced.api.openai import (
     COMPLETIONS_DEFAULT_MAX_TOKENS,
     MAX_STOP,
-    APIError,
     chat_prompt,
     completion_prompt,
-    decode_body,
     generation_request,
     parse_chat,
     parse_completion,

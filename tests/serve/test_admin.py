@@ -446,6 +446,16 @@ def test_lucectl_json_is_the_raw_reply(
     assert json.loads(out) == {**STATUS, "ok": True}
     code, out, _ = run_ctl(capsys, "--json", "snapshot", "list")
     assert json.loads(out) == {"ok": True, "snapshots": []}
+    # --json after the subcommand too, at any depth
+    for args in (
+        ["status", "--json"],
+        ["snapshot", "--json", "list"],
+        ["snapshot", "list", "--json"],
+    ):
+        code, out, _ = run_ctl(capsys, *args)
+        assert code == 0 and json.loads(out)["ok"] is True, args
+    code, out, _ = run_ctl(capsys, "status")
+    assert code == 0 and not out.startswith("{")  # without it, still a table
 
 
 def test_lucectl_snapshot_list_empty(

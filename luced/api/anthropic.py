@@ -1,0 +1,302 @@
+"""Anthropic Messages API: request bodies -> validated requests, engine output -> Anthropic's
+response shapes and stream events. Pure functions, no I/O; the routes are in
+`luced.api.server` (`POST /v1/messages`, `POST /v1/messages/count_tokens`).
+
+Field policy:
+
+* Honoured: model, messages, system (a string or text blocks), max_tokens (required; not
+  for count_tokens), stop_sequences, temperature, top_p, top_k, stream.
+* Content is a string or a list of blocks; only {"type": "text"} blocks are understood
+  (other keys of a block, like cache_control and citations, are ignored). Blocks of one
+  message, and consecutive messages of one role (Anthropic merges them too), are joined
+  with "\\n". A last assistant message is a prefill: the reply continues its text.
+* Rejected with a 400 when set: tools (unless empty or tool_choice {"type": "none"}),
+  thinking {"type": "enabled"}, any other block type. Other fields (metadata,
+  service_tier, ...) and unknown ones are ignored, as on the OpenAI routes.
+* `model` may be omitted (the served model); another name is a 404 not_found_error.
+
+Errors: `error_body` gives {"type": "error", "error": {"type", "message"}}; the message
+starts with the field's path in Anthropic's dotted style (`messages.0.content.1.type`).
+
+Stream (`MessageFormat`), each event `event: NAME` + `data: {...}`:
+
+    message_start  content_block_start  ping  content_block_delta*  content_block_stop
+    message_delta (stop_reason, stop_sequence, usage)  message_stop
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from luced.api.fields import (
+    APIError,
+    bad,
+    json_kind,
+    read_bool,
+    read_int,
+    read_number,
+    read_text,
+)
+from luced.api.formats import dumps
+from luced.api.openai import MAX_STOP, MAX_STOP_CHARS, Options
+from luced.sampling_params import SamplingParams
+from luced.text.chat_template import ChatTemplate, ChatTemplateError
+from luced.text.prompt import chat_ids
+from luced.text.tokenizer import Tokenizer
+
+_ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+}
+
+STOP_REASONS = {"stop": "end_turn", "length": "max_tokens"}
+
+
+def error_body(exc: APIError) -> dict[str, Any]:
+    kind = _ERROR_TYPES.get(exc.status)
+    if kind is None:
+        kind = "api_error" if exc.status >= 500 else "invalid_request_error"
+    return {"type": "error", "error": {"type": kind, "message": exc.message}}
+
+
+# --- requests ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class MessagesRequest:
+    options: Options
+    messages: tuple[dict[str, str], ...]  # as the chat template reads them; system first
+    prefill: str = ""  # the text of a last assistant message, which the reply continues
+
+
+def parse_messages(
+    body: Mapping[str, Any], *, model_name: str, count_only: bool = False
+) -> MessagesRequest:
+    """A validated Messages request, or APIError (400, or 404 for an unknown model).
+    count_only: the count_tokens route, where max_tokens and sampling are not read."""
+    model = body.get("model")
+    if model is not None and read_text("model", model) != model_name:
+        raise APIError(
+            404,
+            f"model: {model!r} does not exist; this server serves {model_name!r}",
+            param="model",
+        )
+    _reject_unsupported(body)
+    chat = _conversation(body)
+    prefill = ""
+    if chat[-1]["role"] == "assistant":
+        prefill = chat.pop()["content"]
+        if not chat:
+            raise bad("messages", "messages: a lone assistant message has nothing to answer")
+    if count_only:
+        options = Options(model_name, False, False, SamplingParams(), None)
+        return MessagesRequest(options, tuple(chat), prefill)
+    if body.get("max_tokens") is None:
+        raise bad("max_tokens", "max_tokens: Field required")
+    options = Options(
+        model=model_name,
+        stream=read_bool(body, "stream"),
+        include_usage=False,
+        params=_sampling(body),
+        max_tokens=read_int(body, "max_tokens", 1),
+        stop=_stop_sequences(body.get("stop_sequences")),
+    )
+    return MessagesRequest(options, tuple(chat), prefill)
+
+
+def _sampling(body: Mapping[str, Any]) -> SamplingParams:
+    fields: dict[str, Any] = {}
+    for name in ("temperature", "top_p"):
+        if (x := read_number(body, name, 0.0, 1.0)) is not None:
+            fields[name] = x
+    if (k := read_int(body, "top_k", 0)) is not None:
+        fields["top_k"] = k
+    try:
+        return SamplingParams(**fields)
+    except (ValueError, TypeError) as exc:
+        raise APIError(400, str(exc)) from None
+
+
+def _stop_sequences(value: Any) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    if not isinstance(value, list):
+        raise bad("stop_sequences", f"stop_sequences: expected an array, got {json_kind(value)}")
+    if len(value) > MAX_STOP:
+        raise bad("stop_sequences", f"stop_sequences: at most {MAX_STOP}, got {len(value)}")
+    out: list[str] = []
+    for i, item in enumerate(value):
+        text = read_text(f"stop_sequences.{i}", item)
+        if len(text) > MAX_STOP_CHARS:
+            raise bad("stop_sequences", f"stop_sequences.{i}: longer than {MAX_STOP_CHARS}")
+        if text and text not in out:
+            out.append(text)
+    return tuple(out)
+
+
+def _reject_unsupported(body: Mapping[str, Any]) -> None:
+    tools, choice = body.get("tools"), body.get("tool_choice")
+    if tools and not (isinstance(choice, dict) and choice.get("type") == "none"):
+        raise bad("tools", "tools: tool use is not supported yet; send no tools")
+    thinking = body.get("thinking")
+    if thinking is not None:
+        if not isinstance(thinking, dict):
+            raise bad("thinking", f"thinking: expected an object, got {json_kind(thinking)}")
+        if thinking.get("type") != "disabled":
+            raise bad("thinking", 'thinking: only {"type": "disabled"} is supported')
+
+
+def _conversation(body: Mapping[str, Any]) -> list[dict[str, str]]:
+    chat: list[dict[str, str]] = []
+    system = body.get("system")
+    if system is not None:
+        text = _text_of("system", system)
+        if text:
+            chat.append({"role": "system", "content": text})
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        got = "an empty array" if messages == [] else json_kind(messages)
+        raise bad("messages", f"messages: expected a non-empty array of messages, got {got}")
+    turns: list[dict[str, str]] = []
+    for i, m in enumerate(messages):
+        p = f"messages.{i}"
+        if not isinstance(m, dict):
+            raise bad(p, f"{p}: expected an object, got {json_kind(m)}")
+        role = m.get("role")
+        if role not in ("user", "assistant"):
+            raise bad(f"{p}.role", f"{p}.role: expected 'user' or 'assistant', got {role!r}")
+        text = _text_of(f"{p}.content", m.get("content"))
+        if turns and turns[-1]["role"] == role:
+            turns[-1]["content"] += "\n" + text
+        else:
+            turns.append({"role": role, "content": text})
+    return chat + turns
+
+
+def _text_of(param: str, value: Any) -> str:
+    if isinstance(value, str):
+        return read_text(param, value)
+    if not isinstance(value, list):
+        raise bad(
+            param, f"{param}: expected a string or an array of blocks, got {json_kind(value)}"
+        )
+    texts = []
+    for j, block in enumerate(value):
+        pb = f"{param}.{j}"
+        if not isinstance(block, dict):
+            raise bad(pb, f"{pb}: expected an object, got {json_kind(block)}")
+        kind = block.get("type")
+        if kind != "text":
+            raise bad(f"{pb}.type", f"{pb}.type: {kind!r} blocks are not supported (only 'text')")
+        texts.append(read_text(f"{pb}.text", block.get("text")))
+    return "\n".join(texts)
+
+
+def message_prompt(req: MessagesRequest, template: ChatTemplate, tokenizer: Tokenizer) -> list[int]:
+    """The conversation through the chat template (message text never becomes control
+    tokens), then the prefill, if any, as plain text after the generation prompt."""
+    try:
+        ids = chat_ids(template, tokenizer, req.messages, add_generation_prompt=True)
+    except ChatTemplateError as exc:
+        raise bad("messages", f"messages: {exc}") from None
+    if req.prefill:
+        ids += tokenizer.encode(req.prefill, add_bos=False)
+    return ids
+
+
+# --- responses ---------------------------------------------------------------------------
+
+
+def event(name: str, data: dict[str, Any]) -> bytes:
+    """One server-sent event the way Anthropic names them."""
+    return f"event: {name}\ndata: {dumps(data)}\n\n".encode()
+
+
+def stop_fields(finish_reason: str, stop_string: str | None) -> dict[str, Any]:
+    if finish_reason == "stop" and stop_string is not None:
+        return {"stop_reason": "stop_sequence", "stop_sequence": stop_string}
+    return {"stop_reason": STOP_REASONS.get(finish_reason, "end_turn"), "stop_sequence": None}
+
+
+def usage(prompt_tokens: int, cached_tokens: int, output_tokens: int) -> dict[str, int]:
+    """Anthropic's input_tokens leaves out what was read from the cache."""
+    return {
+        "input_tokens": prompt_tokens - cached_tokens,
+        "cache_creation_input_tokens": 0,
+        "cache_read_input_tokens": cached_tokens,
+        "output_tokens": output_tokens,
+    }
+
+
+class MessageFormat:
+    """Shapes one request's output: `response(...)`, or `start`, `delta`..., `end` events."""
+
+    def __init__(self, message_id: str, model: str) -> None:
+        self.id = message_id
+        self.model = model
+
+    def _message(self, content: list[dict[str, Any]], **rest: Any) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "type": "message",
+            "role": "assistant",
+            "model": self.model,
+            "content": content,
+            **rest,
+        }
+
+    def response(
+        self, text: str, finish_reason: str, stop_string: str | None, usage: dict[str, int]
+    ) -> dict[str, Any]:
+        return self._message(
+            [{"type": "text", "text": text}], **stop_fields(finish_reason, stop_string), usage=usage
+        )
+
+    def start(self, prompt_tokens: int) -> list[bytes]:
+        message = self._message(
+            [], stop_reason=None, stop_sequence=None, usage=usage(prompt_tokens, 0, 0)
+        )
+        return [
+            event("message_start", {"type": "message_start", "message": message}),
+            event(
+                "content_block_start",
+                {"type": "content_block_start", "index": 0, "content_block": _EMPTY_TEXT},
+            ),
+            event("ping", {"type": "ping"}),
+        ]
+
+    def delta(self, text: str) -> bytes:
+        return event(
+            "content_block_delta",
+            {
+                "type": "content_block_delta",
+                "index": 0,
+                "delta": {"type": "text_delta", "text": text},
+            },
+        )
+
+    def end(
+        self, finish_reason: str, stop_string: str | None, usage: dict[str, int]
+    ) -> list[bytes]:
+        return [
+            event("content_block_stop", {"type": "content_block_stop", "index": 0}),
+            event(
+                "message_delta",
+                {
+                    "type": "message_delta",
+                    "delta": stop_fields(finish_reason, stop_string),
+                    "usage": usage,
+                },
+            ),
+            event("message_stop", {"type": "message_stop"}),
+        ]
+
+
+_EMPTY_TEXT = {"type": "text", "text": ""}

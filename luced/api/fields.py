@@ -1,0 +1,156 @@
+"""What every API route shares at the HTTP edge: the error type and JSON field readers.
+
+`APIError` carries a status, a message and the offending field (`param`); each API shapes
+it its own way (OpenAI's {"error": {...}} by `APIError.body`, Anthropic's
+{"type": "error", ...} by `luced.api.anthropic.error_body`). The readers take a JSON
+object and a field name and return the value checked, or raise a 400 naming the field.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from typing import Any
+
+_ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "invalid_request_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+    503: "service_unavailable_error",
+}
+
+
+# --- errors ------------------------------------------------------------------------------
+
+
+class APIError(Exception):
+    """An error response: HTTP status plus OpenAI's {"error": {...}} body."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        type: str | None = None,
+        retry_after: float | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.type = type or _ERROR_TYPES.get(
+            status, "server_error" if status >= 500 else "invalid_request_error"
+        )
+        self.retry_after = retry_after
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, self.type, self.param, self.code)
+
+
+def error_body(
+    message: str, type: str, param: str | None = None, code: str | None = None
+) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def bad(param: str, message: str) -> APIError:
+    return APIError(400, message, param=param)
+
+
+# --- JSON in ----------------------------------------------------------------------------
+
+
+def decode_body(raw: bytes) -> dict[str, Any]:
+    """The request body as a JSON object, or a 400."""
+    try:
+        body = json.loads(raw)
+    except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
+        raise APIError(400, f"the request body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise APIError(400, f"the request body must be a JSON object, got {json_kind(body)}")
+    return body
+
+
+# --- field readers -----------------------------------------------------------------------
+
+
+def json_kind(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, int):
+        return "integer"
+    if isinstance(value, float):
+        return "number"
+    if isinstance(value, str):
+        return "string"
+    if isinstance(value, list):
+        return "array"
+    return "object" if isinstance(value, dict) else type(value).__name__
+
+
+def read_bool(body: Mapping[str, Any], name: str, default: bool = False) -> bool:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise bad(name, f"{name} must be a boolean, got {json_kind(value)}")
+    return value
+
+
+def as_int(param: str, value: Any) -> int:
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise bad(param, f"{param} must be an integer, got {json_kind(value)}")
+    return value
+
+
+def read_int(
+    body: Mapping[str, Any], name: str, lo: int | None = None, hi: int | None = None
+) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    n = as_int(name, value)
+    if (lo is not None and n < lo) or (hi is not None and n > hi):
+        bounds = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
+        raise bad(name, f"{name} must be {bounds}, got {n}")
+    return n
+
+
+def read_number(
+    body: Mapping[str, Any], name: str, lo: float | None = None, hi: float | None = None
+) -> float | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise bad(name, f"{name} must be a number, got {json_kind(value)}")
+    try:
+        x = float(value)
+    except OverflowError:  # an integer beyond float range
+        x = math.inf
+    if not math.isfinite(x):
+        raise bad(name, f"{name} must be a finite number")
+    if (lo is not None and x < lo) or (hi is not None and x > hi):
+        raise bad(name, f"{name} must be in [{lo}, {hi}], got {x}")
+    return x
+
+
+def read_text(param: str, value: Any) -> str:
+    if not isinstance(value, str):
+        raise bad(param, f"{param} must be a string, got {json_kind(value)}")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:  # JSON allows "\ud800"; no tokenizer does
+        raise bad(param, f"{param} contains a lone UTF-16 surrogate") from None
+    return value

@@ -1,0 +1,178 @@
+"""luced.api.anthropic: Messages bodies -> requests, and the response / event shapes."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from luced.api.anthropic import (
+    MessageFormat,
+    error_body,
+    message_prompt,
+    parse_messages,
+    stop_fields,
+    usage,
+)
+from luced.api.fields import APIError
+from luced.text.chat_template import ChatTemplate
+from luced.text.tokenizer import Tokenizer
+
+MODEL = "smol"
+USER = [{"role": "user", "content": "Hi"}]
+
+
+def parse(**body):
+    return parse_messages({"max_tokens": 8, "messages": USER, **body}, model_name=MODEL)
+
+
+def rejected(**body) -> APIError:
+    with pytest.raises(APIError) as info:
+        parse_messages(body, model_name=MODEL)
+    return info.value
+
+
+def test_fields_are_read() -> None:
+    req = parse(
+        model=MODEL,
+        system=[{"type": "text", "text": "A"}, {"type": "text", "text": "B", "cache_control": {}}],
+        stop_sequences=["x", "", "x", "y"],
+        temperature=0.5,
+        top_p=0.9,
+        top_k=3,
+        stream=True,
+        metadata={"user_id": "u"},
+    )
+    o = req.options
+    assert (o.max_tokens, o.stop, o.stream) == (8, ("x", "y"), True)
+    assert (o.params.temperature, o.params.top_p, o.params.top_k) == (0.5, 0.9, 3)
+    assert req.messages == (
+        {"role": "system", "content": "A\nB"},
+        {"role": "user", "content": "Hi"},
+    )
+    assert req.prefill == ""
+
+
+def test_turns_merge_and_a_last_assistant_turn_is_a_prefill() -> None:
+    req = parse(
+        messages=[
+            {"role": "user", "content": "a"},
+            {"role": "user", "content": [{"type": "text", "text": "b"}]},
+            {"role": "assistant", "content": "c"},
+            {"role": "user", "content": "d"},
+            {"role": "assistant", "content": "The answer is"},
+        ]
+    )
+    assert [m["content"] for m in req.messages] == ["a\nb", "c", "d"]
+    assert req.prefill == "The answer is"
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "where"),
+    [
+        ({"messages": USER}, 400, "max_tokens"),
+        ({"max_tokens": 0, "messages": USER}, 400, "max_tokens"),
+        ({"max_tokens": 1, "messages": []}, 400, "messages"),
+        (
+            {"max_tokens": 1, "messages": [{"role": "system", "content": "x"}]},
+            400,
+            "messages.0.role",
+        ),
+        (
+            {"max_tokens": 1, "messages": [{"role": "user", "content": [{"type": "image"}]}]},
+            400,
+            "messages.0.content.0.type",
+        ),
+        (
+            {"max_tokens": 1, "messages": [{"role": "user", "content": 3}]},
+            400,
+            "messages.0.content",
+        ),
+        ({"max_tokens": 1, "messages": USER, "system": [1]}, 400, "system.0"),
+        ({"max_tokens": 1, "messages": USER, "temperature": 1.5}, 400, "temperature"),
+        ({"max_tokens": 1, "messages": USER, "top_k": -1}, 400, "top_k"),
+        ({"max_tokens": 1, "messages": USER, "stop_sequences": "x"}, 400, "stop_sequences"),
+        ({"max_tokens": 1, "messages": USER, "tools": [{"name": "f"}]}, 400, "tools"),
+        ({"max_tokens": 1, "messages": USER, "thinking": {"type": "enabled"}}, 400, "thinking"),
+        ({"max_tokens": 1, "messages": [{"role": "assistant", "content": "x"}]}, 400, "messages"),
+        ({"max_tokens": 1, "messages": USER, "model": "claude"}, 404, "model"),
+    ],
+)
+def test_bad_bodies(body: dict, status: int, where: str) -> None:
+    err = rejected(**body)
+    assert err.status == status
+    assert err.message.startswith(where), err.message
+    shaped = error_body(err)
+    assert shaped["type"] == "error"
+    assert shaped["error"]["type"] == (
+        "not_found_error" if status == 404 else "invalid_request_error"
+    )
+
+
+def test_count_only_needs_no_max_tokens() -> None:
+    req = parse_messages({"messages": USER}, model_name=MODEL, count_only=True)
+    assert req.messages == ({"role": "user", "content": "Hi"},)
+
+
+def test_error_types_follow_the_status() -> None:
+    kinds = {s: error_body(APIError(s, "m"))["error"]["type"] for s in (401, 413, 429, 500, 503)}
+    assert kinds == {
+        401: "authentication_error",
+        413: "request_too_large",
+        429: "rate_limit_error",
+        500: "api_error",
+        503: "overloaded_error",
+    }
+
+
+def test_stop_reasons() -> None:
+    assert stop_fields("stop", None) == {"stop_reason": "end_turn", "stop_sequence": None}
+    assert stop_fields("stop", "###") == {"stop_reason": "stop_sequence", "stop_sequence": "###"}
+    assert stop_fields("length", None) == {"stop_reason": "max_tokens", "stop_sequence": None}
+
+
+def test_response_and_events() -> None:
+    fmt = MessageFormat("msg_1", MODEL)
+    body = fmt.response("Hello", "length", None, usage(10, 4, 2))
+    assert body == {
+        "id": "msg_1",
+        "type": "message",
+        "role": "assistant",
+        "model": MODEL,
+        "content": [{"type": "text", "text": "Hello"}],
+        "stop_reason": "max_tokens",
+        "stop_sequence": None,
+        "usage": {
+            "input_tokens": 6,
+            "cache_creation_input_tokens": 0,
+            "cache_read_input_tokens": 4,
+            "output_tokens": 2,
+        },
+    }
+    raw = b"".join([*fmt.start(10), fmt.delta("He"), *fmt.end("stop", None, usage(10, 0, 1))])
+    names = [block.split("\n")[0] for block in raw.decode().strip().split("\n\n")]
+    assert names == [
+        "event: message_start",
+        "event: content_block_start",
+        "event: ping",
+        "event: content_block_delta",
+        "event: content_block_stop",
+        "event: message_delta",
+        "event: message_stop",
+    ]
+    delta = json.loads(raw.decode().split("\n\n")[3].split("data: ", 1)[1])
+    assert delta == {
+        "type": "content_block_delta",
+        "index": 0,
+        "delta": {"type": "text_delta", "text": "He"},
+    }
+
+
+def test_prompt_with_prefill(smol_tokenizer: Tokenizer, smol_template: ChatTemplate) -> None:
+    plain = message_prompt(parse(), smol_template, smol_tokenizer)
+    filled = parse(messages=[*USER, {"role": "assistant", "content": "Sure<|im_end|>"}])
+    ids = message_prompt(filled, smol_template, smol_tokenizer)
+    # The prefill follows the generation prompt as text (its marker spelled out too).
+    assert ids[: len(plain)] == plain
+    assert ids[len(plain) :] == smol_tokenizer.encode("Sure<|im_end|>", add_bos=False)
+    assert smol_tokenizer.eos_id not in ids[len(plain) :]

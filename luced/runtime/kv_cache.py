@@ -19,12 +19,35 @@ the first n rows of given tensors and commits n.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Protocol
 
 import torch
+
+from luced.runtime.layers import attention_mask
 
 
 class ContextOverflow(ValueError):
     """A forward would write past the cache's capacity."""
+
+
+class KVStore(Protocol):
+    """What the families and `Model.forward_layers` use of a cache: `KVCache` (context
+    rows) and `kv_pool.PooledKVCache` (KV Flash pool rows) both provide it."""
+
+    layers: range
+    pos: int
+
+    def reserve(self, start: int, n: int) -> None: ...
+
+    def write(
+        self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def mask(
+        self, start: int, n: int, window: int | None, device: torch.device
+    ) -> torch.Tensor | None: ...
+
+    def commit(self, end: int) -> None: ...
 
 
 class KVCache:
@@ -90,6 +113,12 @@ class KVCache:
         self.k[layer][:, start:end] = k.transpose(0, 1)
         self.v[layer][:, start:end] = v.transpose(0, 1)
         return self.k[layer][:, :end], self.v[layer][:, :end]
+
+    def mask(
+        self, start: int, n: int, window: int | None, device: torch.device
+    ) -> torch.Tensor | None:
+        """The attention mask over the keys `write` returned ([0, start + n))."""
+        return attention_mask(start, n, start + n, window, device)
 
     def commit(self, end: int) -> None:
         self.pos = end

@@ -31,14 +31,13 @@ from luced.runtime.layers import (
     Rope,
     apply_rope,
     attention,
-    attention_mask,
     linear,
     matrix_rows,
     rms_norm,
 )
 
 if TYPE_CHECKING:
-    from luced.runtime.kv_cache import KVCache
+    from luced.runtime.kv_cache import KVStore
 
 
 class ModelParts(Protocol):
@@ -185,7 +184,7 @@ def attend(
     layer: int,
     x: torch.Tensor,
     start: int,
-    cache: KVCache,
+    cache: KVStore,
     rope: Rope,
     *,
     window: int | None = None,
@@ -207,7 +206,7 @@ def attend(
     cos, sin = rope.tables(start, n, q.dtype)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     keys, values = cache.write(layer, start, k, v)
-    mask = attention_mask(start, n, start + n, window, x.device)
+    mask = cache.mask(start, n, window, x.device)
     return attention(q, keys, values, mask, scale if scale is not None else d**-0.5)
 
 
@@ -216,7 +215,7 @@ def self_attention(
     layer: int,
     x: torch.Tensor,
     start: int,
-    cache: KVCache,
+    cache: KVStore,
     rope: Rope,
     *,
     window: int | None = None,

@@ -56,8 +56,11 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
+
+from luced.runtime.layers import attention_mask
 
 
 class ContextOverflow(ValueError):
@@ -180,6 +183,26 @@ class RecurrentState:
         return sum(t.numel() * t.element_size() for s in self.current.states.values() for t in s)
 
 
+class KVStore(Protocol):
+    """What the families and `Model.forward_layers` use of a cache: `KVCache` (context
+    rows) and `kv_pool.PooledKVCache` (KV Flash pool rows) both provide it."""
+
+    layers: range
+    pos: int
+
+    def reserve(self, start: int, n: int) -> None: ...
+
+    def write(
+        self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def mask(
+        self, start: int, n: int, window: int | None, device: torch.device
+    ) -> torch.Tensor | None: ...
+
+    def commit(self, end: int) -> None: ...
+
+
 class KVCache:
     def __init__(
         self,
@@ -267,6 +290,12 @@ class KVCache:
         for a KV-sharing layer, which must have written them earlier in the forward."""
         source = self.sources.get(layer, layer)
         return self.k[source][:, :end], self.v[source][:, :end]
+
+    def mask(
+        self, start: int, n: int, window: int | None, device: torch.device
+    ) -> torch.Tensor | None:
+        """The attention mask over the keys `write` returned ([0, start + n))."""
+        return attention_mask(start, n, start + n, window, device)
 
     def commit(self, end: int) -> None:
         if self.recurrent is not None:

@@ -29,7 +29,8 @@ import torch
 from luced.gguf_file import GGUFError, GGUFFile
 from luced.runtime.families import family_for
 from luced.runtime.families.common import ModelConfig
-from luced.runtime.kv_cache import KVCache
+from luced.runtime.kv_cache import KVCache, KVStore
+from luced.runtime.kv_pool import PooledKVCache
 from luced.runtime.weights import WeightLoader, parse_dtype
 
 log = logging.getLogger(__name__)
@@ -119,6 +120,18 @@ class Model:
             recurrent=recurrent(cfg, self.layers) if recurrent is not None else None,
         )
 
+    def new_pool_cache(self, pool: int, capacity: int | None = None) -> PooledKVCache:
+        """KV Flash: `pool` rows per layer; the pager's plan is given by `set_step`."""
+        return PooledKVCache(
+            self.layers,
+            {i: self.cfg.kv_heads(i) for i in self.layers},
+            self.cfg.head_dim,
+            pool,
+            self.dtype,
+            self.device,
+            capacity=capacity or self.cfg.context_length,
+        )
+
     @torch.inference_mode()
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         if not self.owns_embed:
@@ -129,7 +142,7 @@ class Model:
     def forward_layers(
         self,
         hidden: torch.Tensor,
-        cache: KVCache,
+        cache: KVStore,
         start: int,
         capture: Iterable[int] = (),
         ids: torch.Tensor | None = None,
@@ -161,7 +174,7 @@ class Model:
             raise RuntimeError("this shard does not own the output head")
         return self.family.head(self, hidden)
 
-    def forward(self, ids: torch.Tensor, cache: KVCache, start: int) -> torch.Tensor:
+    def forward(self, ids: torch.Tensor, cache: KVStore, start: int) -> torch.Tensor:
         """Whole-model convenience: token ids -> float32 logits for every position."""
         h, _ = self.forward_layers(self.embed(ids), cache, start, ids=ids)
         return self.logits(h)

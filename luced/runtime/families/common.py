@@ -41,14 +41,13 @@ from luced.runtime.layers import (
     Rope,
     apply_rope,
     attention,
-    attention_mask,
     linear,
     matrix_rows,
     rms_norm,
 )
 
 if TYPE_CHECKING:
-    from luced.runtime.kv_cache import KVCache
+    from luced.runtime.kv_cache import KVStore
 
 
 class ModelParts(Protocol):
@@ -209,7 +208,7 @@ def attend(
     layer: int,
     x: torch.Tensor,
     start: int,
-    cache: KVCache,
+    cache: KVStore,
     rope: Rope,
     *,
     window: int | None = None,
@@ -239,7 +238,7 @@ def self_attention(
     layer: int,
     x: torch.Tensor,
     start: int,
-    cache: KVCache,
+    cache: KVStore,
     rope: Rope,
     *,
     window: int | None = None,
@@ -254,7 +253,7 @@ def cached_attention(
     layer: int,
     q: torch.Tensor,
     start: int,
-    cache: KVCache,
+    cache: KVStore,
     kv: tuple[torch.Tensor, torch.Tensor] | None,
     *,
     window: int | None,
@@ -268,5 +267,5 @@ def cached_attention(
         keys, values = cache.read(layer, start + n)
     else:
         keys, values = cache.write(layer, start, *kv)
-    mask = attention_mask(start, n, start + n, window, q.device)
+    mask = cache.mask(start, n, window, q.device)
     return attention(q, keys, values, mask, scale)

@@ -21,7 +21,7 @@ from luced.runtime.families.common import ModelParts
 from luced.runtime.layers import Rope, geglu_tanh, linear, rms_norm, rope_inv_freq
 
 if TYPE_CHECKING:
-    from luced.runtime.kv_cache import KVCache
+    from luced.runtime.kv_cache import KVStore
 
 ARCH = "gemma3"
 
@@ -109,7 +109,7 @@ def embed(model: ModelParts, ids: torch.Tensor) -> torch.Tensor:
 
 
 def block(
-    model: ModelParts, layer: int, x: torch.Tensor, start: int, cache: KVCache
+    model: ModelParts, layer: int, x: torch.Tensor, start: int, cache: KVStore
 ) -> torch.Tensor:
     cfg: Gemma3Config = model.cfg
     w, eps = model.weights, cfg.rms_eps

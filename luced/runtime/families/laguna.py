@@ -32,7 +32,7 @@ from luced.runtime.families.common import ModelParts
 from luced.runtime.layers import Rope, linear, rms_norm, rope_inv_freq, yarn_inv_freq, yarn_mscale
 
 if TYPE_CHECKING:
-    from luced.runtime.kv_cache import KVCache
+    from luced.runtime.kv_cache import KVStore
 
 ARCH = "laguna"
 
@@ -146,7 +146,7 @@ def ropes(cfg: LagunaConfig, weights: dict[str, torch.Tensor], device: torch.dev
 
 
 def _gated_attention(
-    model: ModelParts, layer: int, h: torch.Tensor, start: int, cache: KVCache
+    model: ModelParts, layer: int, h: torch.Tensor, start: int, cache: KVStore
 ) -> torch.Tensor:
     """Attention whose head outputs are scaled by softplus(h @ attn_gate) before the output
     projection: one gate per head, or one per element when the gate is that wide."""
@@ -164,7 +164,7 @@ def _gated_attention(
 
 
 def block(
-    model: ModelParts, layer: int, x: torch.Tensor, start: int, cache: KVCache
+    model: ModelParts, layer: int, x: torch.Tensor, start: int, cache: KVStore
 ) -> torch.Tensor:
     cfg: LagunaConfig = model.cfg
     w, eps = model.weights, cfg.rms_eps

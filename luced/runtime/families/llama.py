@@ -27,7 +27,7 @@ from luced.runtime.layers import (
 )
 
 if TYPE_CHECKING:
-    from luced.runtime.kv_cache import KVCache
+    from luced.runtime.kv_cache import KVStore
 
 ARCH = "llama"
 
@@ -121,7 +121,7 @@ def block(
     layer: int,
     x: torch.Tensor,
     start: int,
-    cache: KVCache,
+    cache: KVStore,
     ffn: FFN = dense_ffn,
 ) -> torch.Tensor:
     """Pre-norm attention, then pre-norm `ffn` (families swap in an MoE FFN), residuals."""

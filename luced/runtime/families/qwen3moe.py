@@ -19,7 +19,7 @@ from luced.runtime.families import common, llama, qwen3
 from luced.runtime.families.common import ModelParts
 
 if TYPE_CHECKING:
-    from luced.runtime.kv_cache import KVCache
+    from luced.runtime.kv_cache import KVStore
 
 ARCH = "qwen3moe"
 
@@ -59,7 +59,7 @@ def moe_ffn(model: ModelParts, layer: int, h: torch.Tensor) -> torch.Tensor:
 
 
 def block(
-    model: ModelParts, layer: int, x: torch.Tensor, start: int, cache: KVCache
+    model: ModelParts, layer: int, x: torch.Tensor, start: int, cache: KVStore
 ) -> torch.Tensor:
     return llama.block(model, layer, x, start, cache, ffn=moe_ffn)
 

@@ -1,0 +1,246 @@
+"""KV Flash in the worker: K/V over a fixed pool of rows, and the host-tier copies.
+
+Each layer's K and V are `[Hkv, pool, D]` (pool rows, not context rows: this is where
+the memory bound comes from). Rows are cut into blocks of `chunk` (64) rows; the
+daemon's pager (`luced.engine.kvflash`) decides which chunk of the sequence sits in
+which block and tells the worker, per step, with `set_step`:
+
+    write_slots     [n]     int   pool row of position start + i
+    slot_positions  [pool]  int   position each row holds, -1 = none
+
+A query at position q sees row s iff 0 <= slot_positions[s] < start, or s is one of
+the step's write slots and slot_positions[s] <= q; sliding layers also need
+q - slot_positions[s] < window. K is stored after RoPE, so a row's slot carries no
+meaning and a chunk may be paged back into any block.
+
+Attention gathers the visible rows in logical (position) order and runs the same SDPA
+as the plain `KVCache`. When every position [0, start + n) is visible the gathered
+keys are exactly the plain cache's keys with the plain mask, so the logits are
+bit-identical, whatever the block order; in the identity layout the gather is a view.
+With rows hidden, the keys are the visible rows only (a shorter SDPA, equal to a
+masked full-length one up to float rounding).
+
+Host tier record of one chunk (`page_out` / `page_in`), `chunk_nbytes` bytes:
+
+    for each layer in cache.layers order:  K rows [Hkv, chunk, D] | V rows [Hkv, chunk, D]
+    (the cache dtype's raw bytes, C order, no padding)
+
+The copies are byte-exact. A paged-out block is not zeroed: the mask hides it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from luced.runtime.kv_cache import ContextOverflow
+from luced.runtime.layers import attention_mask
+
+
+@dataclass
+class _Step:
+    start: int
+    n: int
+    slots: torch.Tensor  # [n] int64 write rows
+    rows: torch.Tensor  # [L] int64 visible rows, in position order
+    positions: torch.Tensor  # [L] int64 their positions
+    complete: bool  # rows hold exactly positions 0..start+n-1
+    masks: dict[int | None, torch.Tensor | None] = field(default_factory=dict)
+
+
+class PooledKVCache:
+    """The `KVCache` surface (reserve, write, mask, commit, truncate, reset) over pool rows.
+
+    `capacity` is the logical bound (the context length); `pool` the rows allocated."""
+
+    def __init__(
+        self,
+        layers: range,
+        n_kv_heads: int | Mapping[int, int],
+        head_dim: int,
+        pool: int,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+        *,
+        capacity: int,
+        chunk: int = 64,
+    ) -> None:
+        if pool <= 0 or pool % chunk:
+            raise ValueError(f"a pool of {pool} rows is not a positive multiple of {chunk}")
+        self.layers = layers
+        self.kv_heads = (
+            dict.fromkeys(layers, n_kv_heads)
+            if isinstance(n_kv_heads, int)
+            else {i: n_kv_heads[i] for i in layers}
+        )
+        self.head_dim = head_dim
+        self.pool = pool
+        self.chunk = chunk
+        self.capacity = capacity
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self.pos = 0
+        self.k: dict[int, torch.Tensor] = {}
+        self.v: dict[int, torch.Tensor] = {}
+        for i in layers:
+            shape = (self.kv_heads[i], pool, head_dim)
+            self.k[i] = torch.zeros(shape, dtype=dtype, device=self.device)
+            self.v[i] = torch.zeros(shape, dtype=dtype, device=self.device)
+        self._step: _Step | None = None
+        self._arange = torch.arange(pool, device=self.device)
+
+    def set_step(
+        self,
+        start: int,
+        write_slots: Sequence[int] | torch.Tensor,
+        slot_positions: Sequence[int] | torch.Tensor,
+    ) -> None:
+        """The next forward's rows (see the module doc); checked against each other."""
+        slots = torch.as_tensor(write_slots, dtype=torch.int64, device=self.device)
+        held = torch.as_tensor(slot_positions, dtype=torch.int64, device=self.device)
+        n, end = slots.shape[0], start + slots.shape[0]
+        if held.shape != (self.pool,):
+            raise ValueError(f"slot map of shape {list(held.shape)} for a pool of {self.pool}")
+        if n == 0 or not torch.equal(held[slots], self._arange[:n] + start):
+            raise ValueError(f"write slots do not hold positions [{start}, {end}) in the map")
+        own = torch.zeros(self.pool, dtype=torch.bool, device=self.device)
+        own[slots] = True
+        visible = ((held >= 0) & (held < start)) | own
+        rows = visible.nonzero().squeeze(1)
+        positions, order = held[rows].sort()
+        rows = rows[order]
+        complete = positions.shape[0] == end and torch.equal(positions, self._arange[:end])
+        self._step = _Step(start, n, slots, rows, positions, complete)
+
+    def reserve(self, start: int, n: int) -> None:
+        step = self._step
+        if step is None or (step.start, step.n) != (start, n):
+            raise ValueError(f"no pool rows set for positions [{start}, {start + n})")
+        if start > self.pos:
+            raise ValueError(f"KV write at {start} would leave a gap after position {self.pos}")
+        if start + n > self.capacity:
+            raise ContextOverflow(
+                f"context of {start + n} tokens exceeds the KV capacity {self.capacity}"
+            )
+
+    def write(
+        self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store k, v ([n, Hkv, D]) at the step's slots; return the visible K, V in position
+        order as [Hkv, L, D] (views when they are pool rows 0..L-1)."""
+        step = self._step
+        assert step is not None, "reserve() checks the step first"
+        self.k[layer].index_copy_(1, step.slots, k.transpose(0, 1))
+        self.v[layer].index_copy_(1, step.slots, v.transpose(0, 1))
+        count = step.rows.shape[0]
+        if step.complete and torch.equal(step.rows, self._arange[:count]):
+            return self.k[layer][:, :count], self.v[layer][:, :count]
+        return self.k[layer].index_select(1, step.rows), self.v[layer].index_select(1, step.rows)
+
+    def mask(
+        self, start: int, n: int, window: int | None, device: torch.device
+    ) -> torch.Tensor | None:
+        """[n, L] bool over the keys `write` returned: causal by position, and the window."""
+        step = self._step
+        assert step is not None
+        if window not in step.masks:
+            if step.complete:  # the plain cache's very mask: same numbers
+                mask = attention_mask(start, n, start + n, window, device)
+            else:
+                q = torch.arange(start, start + n, device=device)[:, None]
+                p = step.positions.to(device)[None, :]
+                allowed = p <= q
+                if window is not None:
+                    allowed &= (q - p) < window
+                mask = None if n == 1 and bool(allowed.all()) else allowed
+            step.masks[window] = mask
+        return step.masks[window]
+
+    def commit(self, end: int) -> None:
+        self.pos = end
+        self._step = None
+
+    def truncate(self, pos: int) -> None:
+        """Roll back to `pos`; stale rows stay until overwritten (the slot map hides them)."""
+        if not 0 <= pos <= self.pos:
+            raise ValueError(f"cannot truncate to {pos}: fill position is {self.pos}")
+        self.pos = pos
+
+    def reset(self) -> None:
+        self.pos = 0
+        self._step = None
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (*self.k.values(), *self.v.values()))
+
+
+# ---------------------------------------------------------------------- host tier
+
+
+def chunk_nbytes(cache: PooledKVCache) -> int:
+    """Bytes of one chunk's rows over every layer, K and V: one host-tier record."""
+    item = cache.dtype.itemsize
+    return sum(2 * cache.kv_heads[i] * cache.chunk * cache.head_dim * item for i in cache.layers)
+
+
+def _segments(cache: PooledKVCache, block: int) -> Iterable[torch.Tensor]:
+    rows = slice(block * cache.chunk, (block + 1) * cache.chunk)
+    for i in cache.layers:
+        yield cache.k[i][:, rows]  # [Hkv, chunk, D]
+        yield cache.v[i][:, rows]
+
+
+def _record_views(cache: PooledKVCache, record: torch.Tensor) -> Iterable[torch.Tensor]:
+    """The record's bytes viewed as the segments of `_segments`, in the same order."""
+    if record.dtype != torch.uint8 or record.shape != (chunk_nbytes(cache),):
+        raise ValueError(f"a host record is uint8 [{chunk_nbytes(cache)}]")
+    offset = 0
+    for i in cache.layers:
+        shape = (cache.kv_heads[i], cache.chunk, cache.head_dim)
+        size = shape[0] * shape[1] * shape[2] * cache.dtype.itemsize
+        for _ in ("k", "v"):
+            yield record[offset : offset + size].view(cache.dtype).view(shape)
+            offset += size
+
+
+def page_out(cache: PooledKVCache, block: int, record: torch.Tensor) -> None:
+    """Copy block `block`'s rows of every layer into `record` (byte-exact)."""
+    for dst, src in zip(_record_views(cache, record), _segments(cache, block), strict=True):
+        dst.copy_(src)
+
+
+def page_in(cache: PooledKVCache, block: int, record: torch.Tensor) -> None:
+    """Copy a record written by `page_out` into block `block` (any block)."""
+    for src, dst in zip(_record_views(cache, record), _segments(cache, block), strict=True):
+        dst.copy_(src)
+
+
+class HostTier:
+    """An in-process host tier: record id -> uint8 buffer, made on first use.
+
+    Stands in for the daemon-owned shared-memory arena of part 2, where a record id is
+    an offset into a segment and survives a worker crash."""
+
+    def __init__(self, record_bytes: int) -> None:
+        self.record_bytes = record_bytes
+        self.records: dict[int, torch.Tensor] = {}
+
+    def record(self, record: int) -> torch.Tensor:
+        if record not in self.records:
+            self.records[record] = torch.empty(self.record_bytes, dtype=torch.uint8)
+        return self.records[record]
+
+
+def apply_moves(
+    cache: PooledKVCache, moves: Iterable[tuple[str, int, int, int]], host: HostTier
+) -> None:
+    """Run a step's host-tier moves, in order: (kind "out"/"in", chunk, block, record)."""
+    for kind, _chunk, block, record in moves:
+        if kind == "out":
+            page_out(cache, block, host.record(record))
+        elif kind == "in":
+            page_in(cache, block, host.record(record))
+        else:
+            raise ValueError(f"unknown move {kind!r}")

@@ -92,12 +92,10 @@ class HidingCache(KVCache):
 
 
 def run_plain(model: Model, ids: torch.Tensor, steps: list[int], visible: list[set[int]]):
+    cfg = model.cfg
+    shapes = {i: cfg.kv_shape(i) for i in model.layers}
     cache = HidingCache(
-        model.layers,
-        {i: model.cfg.kv_heads(i) for i in model.layers},
-        model.cfg.head_dim,
-        CONTEXT,
-        model.dtype,
+        model.layers, cfg.n_kv_heads, cfg.head_dim, CONTEXT, model.dtype, shapes=shapes
     )
     logits, start = [], 0
     for i, n in enumerate(steps):

@@ -1,10 +1,10 @@
 """Tiny random-weight GGUF models, written as llama.cpp's converter would, plus the HF twin.
 
 `build(family, path)` writes a deterministic (seeded) GGUF for `llama`, `qwen3`, `gemma3`,
-the hybrid `qwen35` (its pieces live in tools/tiny_qwen35.py), the MoE families `qwen3moe`
-and `laguna` (tools/tiny_moe.py) or `gemma4` (built whole by tools/tiny_gemma4.py, see
-`MODULE_FAMILIES`) and returns a `TinyModel` with the matching transformers config and state
-dict, so parity tests run luced and transformers on the very same weights:
+the hybrids `qwen35` and `qwen35moe` (their pieces live in tools/tiny_qwen35.py), the MoE
+families `qwen3moe` and `laguna` (tools/tiny_moe.py) or `gemma4` (built whole by
+tools/tiny_gemma4.py, see `MODULE_FAMILIES`) and returns a `TinyModel` with the matching
+transformers config and state dict, so parity tests run luced and transformers on the same weights:
 
     tiny = build("gemma3", tmp_path / "g.gguf", seed=1, qtype="Q8_0")
     ref = tiny.hf_model()                      # Gemma3ForCausalLM, eval, float32, eager attention
@@ -61,7 +61,7 @@ from gguf import GGMLQuantizationType as Q
 from gguf import LlamaFileType as FT
 from gguf import TokenType as TT
 
-FAMILIES = ("llama", "qwen3", "gemma3", "qwen35", *tiny_moe.FAMILIES, "gemma4")
+FAMILIES = ("llama", "qwen3", "gemma3", *tiny_qwen35.FAMILIES, *tiny_moe.FAMILIES, "gemma4")
 # Families whose builder is a module beside this one: its build(path, seed=, qtype=, **overrides).
 MODULE_FAMILIES = {"gemma4": "tiny_gemma4"}
 # qtype -> (ggml type, general.file_type, block size in elements)
@@ -86,6 +86,7 @@ GGUF_LOADER_GAPS = {
     "gemma3": ("query_pre_attn_scalar",),  # not stored; HF defaults to 256
     "qwen3moe": ("moe_intermediate_size",),  # qwen3moe.expert_feed_forward_length is not mapped
     "qwen35": (),  # transformers has no qwen35 GGUF loader at all
+    "qwen35moe": (),
 }  # (nor any laguna)
 # The converter keeps routers (FFN_GATE_INP, FFN_GATE_INP_SHEXP) and SSM_CONV1D in F32
 # whatever the file type.
@@ -106,6 +107,7 @@ CHAT_TEMPLATES = {
     "llama": _TURNS + _PROMPT.replace("{THINK}", ""),
     "qwen3": _TURNS + _PROMPT.replace("{THINK}", _NO_THINK),
     "qwen35": _TURNS + _PROMPT.replace("{THINK}", _NO_THINK),
+    "qwen35moe": _TURNS + _PROMPT.replace("{THINK}", _NO_THINK),
 }
 
 # Training text for the merges (ours); enough pairs for a few hundred merges.
@@ -187,6 +189,7 @@ DEFAULTS: dict[str, dict[str, Any]] = {
     "qwen3": _BASE | dict(head_dim=32, rope_base=1e6, rms_eps=1e-6, tied=False),
     "gemma3": _BASE | _GEMMA3 | dict(tied=True),
     "qwen35": _BASE | tiny_qwen35.DEFAULTS,
+    "qwen35moe": _BASE | tiny_qwen35.DEFAULTS | tiny_qwen35.MOE_DEFAULTS,
 } | tiny_moe.DEFAULTS
 KQUANT_DEFAULTS = {"hidden": 256, "ffn": 512, "head_dim": 64}
 
@@ -200,8 +203,10 @@ def _make_spec(family: str, qtype: str, seed: int, overrides: dict[str, Any]) ->
     if QTYPES[qtype][2] == 256:
         values.update(KQUANT_DEFAULTS, head_dim=128 if family == "qwen3" else 64)
         values.update(tiny_moe.KQUANT_DEFAULTS.get(family, {}))
-        if family == "qwen35":
+        if family in tiny_qwen35.FAMILIES:
             values.update(tiny_qwen35.KQUANT_DEFAULTS)
+        if family == "qwen35moe":
+            values.update(tiny_qwen35.MOE_KQUANT_DEFAULTS)
     values.update(overrides)
     if values.get("rope_scaling") == "llama3" and "context" not in overrides:
         values["context"] = 2 * LLAMA3_ORIGINAL_CONTEXT  # HF wants it above the original context
@@ -224,7 +229,7 @@ def _make_spec(family: str, qtype: str, seed: int, overrides: dict[str, Any]) ->
         raise ValueError("rope_scaling='llama3' exists for the llama family only")
     if family == "gemma3" and spec.hidden % spec.heads:
         raise ValueError("Gemma3TextConfig needs hidden to be a multiple of heads")
-    if family == "qwen35":
+    if family in tiny_qwen35.FAMILIES:
         tiny_qwen35.check(spec, block)
     return spec
 
@@ -374,7 +379,7 @@ def _hf_shapes(spec: TinySpec) -> dict[str, tuple[int, ...]]:
     """HF parameter name -> shape, for the family's *ForCausalLM (MoE: the converter's names)."""
     if spec.family in tiny_moe.FAMILIES:
         return tiny_moe.hf_shapes(spec)
-    if spec.family == "qwen35":
+    if spec.family in tiny_qwen35.FAMILIES:
         return tiny_qwen35.hf_shapes(spec)
     h, f, d, v = spec.hidden, spec.ffn, spec.head_dim, spec.vocab_size
     q, kv = spec.heads * d, spec.kv_heads * d
@@ -408,7 +413,7 @@ def _convention(spec: TinySpec, hf_name: str) -> tuple[str, int]:
         return "permute", spec.heads if "q_proj" in hf_name else spec.kv_heads
     if spec.family == "gemma3" and hf_name.endswith("norm.weight"):
         return "shift", 1
-    if spec.family == "qwen35":
+    if spec.family in tiny_qwen35.FAMILIES:
         return "qwen35", 0  # tiny_qwen35.to_gguf / from_gguf
     return "", 0
 
@@ -419,7 +424,7 @@ def _random_hf(spec: TinySpec, hf_name: str, shape: tuple[int, ...]) -> np.ndarr
     if len(shape) == 1 and "norm" not in hf_name and spec.family in tiny_moe.FAMILIES:
         return tiny_moe.random_bias(rng, shape)  # MoE score biases
     if (
-        spec.family == "qwen35"
+        spec.family in tiny_qwen35.FAMILIES
         and (w := tiny_qwen35.random_hf(spec, hf_name, shape, rng)) is not None
     ):
         return w
@@ -508,7 +513,8 @@ def _write_metadata(w: gguf.GGUFWriter, spec: TinySpec, vocab: Vocab) -> None:
     w.add_block_count(spec.layers)
     w.add_context_length(spec.context)
     w.add_embedding_length(spec.hidden)
-    w.add_feed_forward_length(spec.ffn)
+    if spec.family != "qwen35moe":  # no dense FFN, no intermediate_size to write
+        w.add_feed_forward_length(spec.ffn)
     w.add_head_count(spec.heads)
     w.add_head_count_kv(spec.kv_heads)
     w.add_rope_freq_base(spec.rope_base)
@@ -525,7 +531,7 @@ def _write_metadata(w: gguf.GGUFWriter, spec: TinySpec, vocab: Vocab) -> None:
         w.add_sliding_window(spec.sliding_window)
     if spec.family in tiny_moe.FAMILIES:
         tiny_moe.write_metadata(w, spec)
-    if spec.family == "qwen35":  # Qwen3NextModel.set_gguf_parameters, M-RoPE sections
+    if spec.family in tiny_qwen35.FAMILIES:  # Qwen3NextModel.set_gguf_parameters, M-RoPE
         tiny_qwen35.write_metadata(w, spec)
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
     _write_vocab(w, vocab)
@@ -590,7 +596,7 @@ def _hf_config(spec: TinySpec, vocab: Vocab) -> Any:
         return transformers.LlamaConfig(**common, rope_parameters=rope)
     if spec.family == "qwen3":
         return transformers.Qwen3Config(**common, rope_parameters=rope)
-    if spec.family == "qwen35":
+    if spec.family in tiny_qwen35.FAMILIES:
         return tiny_qwen35.hf_config(spec, common, rope)
     local = {"rope_type": "default", "rope_theta": GEMMA3_LOCAL_ROPE_BASE}
     return transformers.Gemma3TextConfig(
@@ -643,7 +649,7 @@ def _gguf_name(spec: TinySpec, hf_name: str) -> str | None:
     if spec.family in tiny_moe.FAMILIES:
         return tiny_moe.gguf_name(spec, hf_name)
     tensor_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH[spec.family.upper()], spec.layers)
-    source = tiny_qwen35.source_name(hf_name) if spec.family == "qwen35" else hf_name
+    source = tiny_qwen35.source_name(hf_name) if spec.family in tiny_qwen35.FAMILIES else hf_name
     return tensor_map.get_name(source, try_suffixes=(".weight", ".bias"))
 
 
@@ -692,7 +698,7 @@ def build(
         elif kind == "qwen35":
             back = tiny_qwen35.from_gguf(spec, hf_name, back)
         state_dict[hf_name] = torch.from_numpy(np.ascontiguousarray(back))
-    if spec.family in tiny_moe.FAMILIES:
+    if spec.family in (*tiny_moe.FAMILIES, "qwen35moe"):  # join the split expert stacks
         state_dict = tiny_moe.hf_state_dict(spec, state_dict)
     if spec.tied:
         state_dict["lm_head.weight"] = state_dict["model.embed_tokens.weight"]

@@ -19,6 +19,13 @@ ssm_a exactly (found for every value so far), so both sides decay by the same nu
 Keys besides the common ones (Qwen3NextModel.set_gguf_parameters and the M-RoPE mixin):
 ssm.{conv_kernel, state_size, group_count, time_step_rank, inner_size}, full_attention_interval,
 rope.dimension_count (head_dim * partial_rotary) and rope.dimension_sections ([t, h, w, 0]).
+`qwen35moe` (Qwen3.5-MoE, `Qwen3_5MoeTextConfig` -> `Qwen3_5MoeForCausalLM`) is the same stack
+with an expert FFN in every layer: router `mlp.gate`, experts, `mlp.shared_expert` and its
+`mlp.shared_expert_gate` [1, hidden]. The converter (Qwen2MoeModel.modify_tensors) splits
+`mlp.experts.gate_up_proj` into ffn_gate_exps + ffn_up_exps, so the random weights are drawn
+under the split names and tiny_moe.hf_state_dict joins them back; it writes the expert_* keys
+and no feed_forward_length (the HF config has no intermediate_size).
+
 This module imports nothing from make_tiny_gguf; make_tiny_gguf calls it.
 """
 
@@ -47,6 +54,9 @@ DEFAULTS: dict[str, Any] = dict(
     partial_rotary=0.25,
 )
 KQUANT_DEFAULTS: dict[str, Any] = dict(head_dim=64, linear_v_dim=128)  # 256-wide rows
+FAMILIES = ("qwen35", "qwen35moe")
+MOE_DEFAULTS: dict[str, Any] = dict(experts=8, experts_used=2, expert_ffn=32, shared_ffn=32)
+MOE_KQUANT_DEFAULTS: dict[str, Any] = dict(expert_ffn=256, shared_ffn=256)
 
 
 def check(spec: Any, block: int) -> None:
@@ -58,6 +68,12 @@ def check(spec: Any, block: int) -> None:
             f"{spec.qtype} needs rows that are multiples of {block}: "
             f"linear_v_heads * linear_v_dim = {spec.linear_v_heads * spec.linear_v_dim}"
         )
+    if spec.family == "qwen35moe":
+        if not 0 < spec.experts_used <= spec.experts or spec.shared_ffn <= 0:
+            raise ValueError("qwen35moe needs 0 < experts_used <= experts and a shared_ffn")
+        for what in ("expert_ffn", "shared_ffn"):
+            if getattr(spec, what) % block:
+                raise ValueError(f"{spec.qtype} needs rows that are multiples of {block}: {what}")
     dims = rope_dims(spec)
     if dims < 2 or dims % 2:
         raise ValueError(f"head_dim * partial_rotary = {dims} rotary dims: want an even number")
@@ -93,13 +109,12 @@ def hf_shapes(spec: Any) -> dict[str, tuple[int, ...]]:
     shapes = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,)}
     if not spec.tied:
         shapes["lm_head.weight"] = (v, h)
-    ffn = {
-        "input_layernorm.weight": (h,),
-        "post_attention_layernorm.weight": (h,),
-        "mlp.gate_proj.weight": (f, h),
-        "mlp.up_proj.weight": (f, h),
-        "mlp.down_proj.weight": (h, f),
-    }
+    ffn = {"input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,)}
+    if spec.family == "qwen35moe":
+        ffn |= _moe_shapes(spec)
+    else:
+        ffn |= {"mlp.gate_proj.weight": (f, h), "mlp.up_proj.weight": (f, h)}
+        ffn["mlp.down_proj.weight"] = (h, f)
     attention = {
         "self_attn.q_proj.weight": (2 * spec.heads * d, h),  # query and gate per head
         "self_attn.k_proj.weight": (spec.kv_heads * d, h),
@@ -123,6 +138,21 @@ def hf_shapes(spec: Any) -> dict[str, tuple[int, ...]]:
         mixer = attention if kind == "full_attention" else delta_net
         shapes |= {f"model.layers.{i}.{name}": shape for name, shape in (ffn | mixer).items()}
     return shapes
+
+
+def _moe_shapes(spec: Any) -> dict[str, tuple[int, ...]]:
+    """One qwen35moe layer's FFN under the converter's names (experts split, see module doc)."""
+    h, e, f, s = spec.hidden, spec.experts, spec.expert_ffn, spec.shared_ffn
+    return {
+        "mlp.gate.weight": (e, h),
+        "mlp.experts.gate_proj.weight": (e, f, h),
+        "mlp.experts.up_proj.weight": (e, f, h),
+        "mlp.experts.down_proj.weight": (e, h, f),
+        "mlp.shared_expert.gate_proj.weight": (s, h),
+        "mlp.shared_expert.up_proj.weight": (s, h),
+        "mlp.shared_expert.down_proj.weight": (h, s),
+        "mlp.shared_expert_gate.weight": (1, h),
+    }
 
 
 def random_hf(
@@ -170,6 +200,11 @@ def from_gguf(spec: Any, hf_name: str, stored: np.ndarray) -> np.ndarray:
 
 
 def write_metadata(w: gguf.GGUFWriter, spec: Any) -> None:
+    if spec.family == "qwen35moe":  # TextModel, then Qwen2MoeModel.set_gguf_parameters
+        w.add_expert_count(spec.experts)
+        w.add_expert_used_count(spec.experts_used)
+        w.add_expert_feed_forward_length(spec.expert_ffn)
+        w.add_expert_shared_feed_forward_length(spec.shared_ffn)
     w.add_rope_dimension_sections([*rope_sections(spec), 0])
     w.add_ssm_conv_kernel(spec.conv_kernel)
     w.add_ssm_state_size(spec.linear_k_dim)
@@ -183,7 +218,20 @@ def write_metadata(w: gguf.GGUFWriter, spec: Any) -> None:
 def hf_config(spec: Any, common: dict[str, Any], rope: dict[str, Any]) -> Any:
     import transformers
 
-    return transformers.Qwen3_5TextConfig(
+    if spec.family == "qwen35moe":
+        common = {k: v for k, v in common.items() if k != "intermediate_size"}
+        common |= dict(
+            num_experts=spec.experts,
+            num_experts_per_tok=spec.experts_used,
+            moe_intermediate_size=spec.expert_ffn,
+            shared_expert_intermediate_size=spec.shared_ffn,
+        )
+    config = (
+        transformers.Qwen3_5MoeTextConfig
+        if spec.family == "qwen35moe"
+        else transformers.Qwen3_5TextConfig
+    )
+    return config(
         **common,
         linear_conv_kernel_dim=spec.conv_kernel,
         linear_key_head_dim=spec.linear_k_dim,

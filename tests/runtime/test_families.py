@@ -29,6 +29,9 @@ VARIANTS = {
     "laguna-m1": ("laguna", {"sliding_window": 0, "gating": "per-element", "dense_layers": 2}),
     "qwen35": ("qwen35", {}),  # 3 DeltaNet layers, then full attention
     "qwen35-kv": ("qwen35", {"linear_v_heads": 4, "tied": True}),  # V heads reordered
+    # The same hybrid stack, experts + gated shared expert in every layer (8 experts, top 2)
+    "qwen35moe": ("qwen35moe", {}),
+    "qwen35moe-kv": ("qwen35moe", {"linear_v_heads": 4, "experts_used": 3, "layers": 5}),
     # S S F S S F; layer 4 reads layer 3's KV, layer 5 layer 2's; K = V on full layers, PLE.
     "gemma4": ("gemma4", {}),
     # Three shared layers (3, 4 read 1; 5 reads 2) with double-wide MLPs, V projected, untied.
@@ -146,7 +149,14 @@ def test_quant_types_dequantize_like_transformers(qtype: str, tmp_path: Path) ->
 
 @pytest.mark.parametrize(
     ("family", "qtype"),
-    [("qwen3moe", "Q8_0"), ("qwen3moe", "Q5_K"), ("laguna", "Q4_1"), ("laguna", "Q4_K")],
+    [
+        ("qwen3moe", "Q8_0"),
+        ("qwen3moe", "Q5_K"),
+        ("laguna", "Q4_1"),
+        ("laguna", "Q4_K"),
+        ("qwen35moe", "Q8_0"),
+        ("qwen35moe", "Q4_K"),
+    ],
 )
 def test_quantized_experts_dequantize_like_transformers(family, qtype, tmp_path: Path) -> None:
     """3-D expert stacks load from quantized blocks as the twin holds them."""

@@ -64,9 +64,10 @@ def _patched(tiny_path: Path, old: bytes, new: bytes) -> Path:
     return out
 
 
-def test_expert_count_disagreeing_with_the_expert_tensors(tmp_path: Path) -> None:
-    tiny = make_tiny_gguf.build("qwen3moe", tmp_path / "moe.gguf")  # 8 experts, hidden 64
-    key = b"qwen3moe.expert_count"
+@pytest.mark.parametrize("family", ["qwen3moe", "qwen35moe"])
+def test_expert_count_disagreeing_with_the_expert_tensors(tmp_path: Path, family: str) -> None:
+    tiny = make_tiny_gguf.build(family, tmp_path / "moe.gguf")  # 8 experts, hidden 64
+    key = f"{family}.expert_count".encode()
     u32, eight, six = struct.pack("<I", 4), struct.pack("<I", 8), struct.pack("<I", 6)
     path = _patched(tiny.path, key + u32 + eight, key + u32 + six)
     with pytest.raises(
@@ -79,7 +80,11 @@ def test_expert_count_disagreeing_with_the_expert_tensors(tmp_path: Path) -> Non
 
 @pytest.mark.parametrize(
     ("family", "tensor"),
-    [("qwen3moe", "blk.1.ffn_up_exps.weight"), ("laguna", "blk.2.exp_probs_b.bias")],
+    [
+        ("qwen3moe", "blk.1.ffn_up_exps.weight"),
+        ("laguna", "blk.2.exp_probs_b.bias"),
+        ("qwen35moe", "blk.3.ffn_gate_inp_shexp.weight"),  # the shared expert's gate
+    ],
 )
 def test_missing_expert_tensor(tmp_path: Path, family: str, tensor: str) -> None:
     tiny = make_tiny_gguf.build(family, tmp_path / f"{family}.gguf")

@@ -182,3 +182,51 @@ def test_bad_specs(tmp_path: Path) -> None:
         mtg.build("qwen35", tmp_path / "a.gguf", linear_v_heads=3)
     with pytest.raises(ValueError, match=r"multiples of 256: linear_v_heads \* linear_v_dim"):
         mtg.build("qwen35", tmp_path / "b.gguf", qtype="Q4_K", linear_v_dim=16)
+
+
+# -- qwen35moe: the same stack, experts in every layer ----------------------------------------
+
+MOE_FFN = """attn_norm post_attention_norm ffn_gate_inp ffn_gate_exps ffn_up_exps ffn_down_exps
+    ffn_gate_shexp ffn_up_shexp ffn_down_shexp ffn_gate_inp_shexp"""
+MOE_KEYS = """{a}.expert_count {a}.expert_used_count {a}.expert_feed_forward_length
+    {a}.expert_shared_feed_forward_length"""
+
+
+def test_qwen35moe_file_follows_the_converter(tmp_path) -> None:
+    tiny = mtg.build("qwen35moe", tmp_path / "m.gguf", qtype="Q8_0", seed=4, **KV_DIFFER)
+    reader = gguf.GGUFReader(tiny.path)
+    keys = set((KEYS + " " + MOE_KEYS).format(a="qwen35moe").split())
+    keys.remove("qwen35moe.feed_forward_length")  # no dense FFN, no intermediate_size
+    assert set(reader.fields) - {f for f in reader.fields if f.startswith("GGUF.")} == keys
+    stored, sd, f = _stored(reader), tiny.state_dict, tiny.spec.expert_ffn
+    for i, kind in enumerate(["DN", "DN", "DN", "FULL"]):
+        mixer = DELTA_NET if kind == "DN" else ATTENTION
+        want = {f"blk.{i}.{n}.weight" for n in (MOE_FFN + " " + mixer).split()}
+        want |= {f"blk.{i}.ssm_a", f"blk.{i}.ssm_dt.bias"} if kind == "DN" else set()
+        assert {n for n in stored if n.startswith(f"blk.{i}.")} == want
+    gate_up = sd["model.layers.1.mlp.experts.gate_up_proj"]  # [E, 2 ff, hidden], gate first
+    assert gate_up.shape == (8, 2 * f, 64)
+    w, t = stored["blk.1.ffn_gate_exps.weight"]
+    assert t == Q.Q8_0 and np.array_equal(w, gate_up[:, :f])
+    assert np.array_equal(stored["blk.1.ffn_up_exps.weight"][0], gate_up[:, f:])
+    for name in ("ffn_gate_inp", "ffn_gate_inp_shexp"):  # routers stay F32
+        assert stored[f"blk.1.{name}.weight"][1] == Q.F32
+    shexp_gate = sd["model.layers.1.mlp.shared_expert_gate.weight"]
+    assert shexp_gate.shape == (1, 64)
+    assert np.array_equal(stored["blk.1.ffn_gate_inp_shexp.weight"][0], shexp_gate)
+
+
+def test_qwen35moe_cli_hf_dir_loads_with_from_pretrained(tmp_path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    out, hf_dir = tmp_path / "cli.gguf", tmp_path / "hf"
+    mtg.main(["qwen35moe", str(out), "--seed", "5", "--hf-dir", str(hf_dir), "--set", "experts=4"])
+    again = mtg.build("qwen35moe", tmp_path / "again.gguf", seed=5, experts=4)
+    assert out.read_bytes() == again.path.read_bytes()
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    assert type(model).__name__ == "Qwen3_5MoeForCausalLM"
+    assert model.config.model_type == "qwen3_5_moe_text" and model.config.num_experts == 4
+    state = model.state_dict()
+    assert sorted(state) == sorted(again.state_dict)
+    for name, w in again.state_dict.items():
+        assert torch.equal(state[name], w), name

@@ -5,10 +5,19 @@ from __future__ import annotations
 from types import ModuleType
 
 from luced.gguf_file import GGUFError, GGUFFile
-from luced.runtime.families import gemma3, gemma4, laguna, llama, qwen3, qwen3moe, qwen35
+from luced.runtime.families import (
+    gemma3,
+    gemma4,
+    laguna,
+    llama,
+    qwen3,
+    qwen3moe,
+    qwen35,
+    qwen35moe,
+)
 
 FAMILIES: dict[str, ModuleType] = {
-    m.ARCH: m for m in (llama, qwen3, gemma3, gemma4, qwen3moe, laguna, qwen35)
+    m.ARCH: m for m in (llama, qwen3, gemma3, gemma4, qwen3moe, laguna, qwen35, qwen35moe)
 }
 
 

@@ -30,8 +30,9 @@ we compute in the stored (tiled) order, so nothing is reordered back.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -59,14 +60,13 @@ if TYPE_CHECKING:
 
 ARCH = "qwen35"
 
-_FFN = {
-    "attn_norm": "attn_norm.weight",
-    "post_attn_norm": "post_attention_norm.weight",
+_NORMS = {"attn_norm": "attn_norm.weight", "post_attn_norm": "post_attention_norm.weight"}
+DENSE_FFN_TENSORS = {
     "ffn_gate": "ffn_gate.weight",
     "ffn_up": "ffn_up.weight",
     "ffn_down": "ffn_down.weight",
 }
-ATTENTION_TENSORS = _FFN | {
+ATTENTION_TENSORS = _NORMS | {
     "attn_q": "attn_q.weight",  # [H * 2D, hidden]: per head D query rows, then D gate rows
     "attn_k": "attn_k.weight",
     "attn_v": "attn_v.weight",
@@ -74,7 +74,7 @@ ATTENTION_TENSORS = _FFN | {
     "attn_k_norm": "attn_k_norm.weight",
     "attn_output": "attn_output.weight",
 }
-DELTA_NET_TENSORS = _FFN | {
+DELTA_NET_TENSORS = _NORMS | {
     "ssm_qkv": "attn_qkv.weight",  # [2 Hk Dk + Hv Dv, hidden]
     "ssm_z": "attn_gate.weight",  # [Hv Dv, hidden]
     "ssm_beta": "ssm_beta.weight",  # [Hv, hidden]
@@ -86,8 +86,8 @@ DELTA_NET_TENSORS = _FFN | {
     "ssm_out": "ssm_out.weight",  # [hidden, Hv Dv]
 }
 MATRICES = {
-    "attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down",
-    "ssm_qkv", "ssm_z", "ssm_beta", "ssm_alpha", "ssm_out",
+    "attn_q", "attn_k", "attn_v", "attn_output", "ssm_qkv", "ssm_z", "ssm_beta", "ssm_alpha",
+    "ssm_out",
 }  # fmt: skip
 
 _IN_PROJECTIONS = ("ssm_qkv", "ssm_z", "ssm_beta", "ssm_alpha")  # stacked by `prepare`
@@ -125,7 +125,15 @@ class Qwen35Config(common.ModelConfig):
         return 2 * self.linear_k_heads * self.linear_k_dim + self.linear_v_heads * self.linear_v_dim
 
 
-def config_from_gguf(gguf: GGUFFile) -> Qwen35Config:
+def config_from_gguf(
+    gguf: GGUFFile,
+    cls: type = Qwen35Config,
+    known: dict[str, Any] | None = None,
+    **extra: Any,
+) -> Any:
+    """The hybrid stack's config; `cls`, `known` and `extra` as in common.make_config (a
+    subclass adds its FFN's fields, e.g. qwen35moe's experts)."""
+
     def key(name: str) -> str:
         return f"{gguf.arch}.{name}"
 
@@ -135,8 +143,9 @@ def config_from_gguf(gguf: GGUFFile) -> Qwen35Config:
         raise GGUFError(f"{gguf.path}: ssm.inner_size {inner} not a multiple of {v_heads} heads")
     sections = gguf.get(key("rope.dimension_sections"), ())
     return common.make_config(
-        Qwen35Config,
+        cls,
         gguf,
+        known,
         full_attention_interval=int(gguf.get(key("full_attention_interval"), 4)),
         conv_kernel=int(gguf.require(key("ssm.conv_kernel"))),
         linear_k_heads=int(gguf.require(key("ssm.group_count"))),
@@ -144,17 +153,24 @@ def config_from_gguf(gguf: GGUFFile) -> Qwen35Config:
         linear_k_dim=int(gguf.require(key("ssm.state_size"))),
         linear_v_dim=inner // v_heads,
         rope_sections=tuple(int(s) for s in np.asarray(sections).ravel()),
+        **extra,
     )
+
+
+def mixer_plan(cfg: Qwen35Config, layers: range) -> dict[str, tuple[str, bool]]:
+    """Each layer's norms and token mixer (DeltaNet or gated attention), without its FFN."""
+    plan: dict[str, tuple[str, bool]] = {}
+    for i in layers:
+        names = DELTA_NET_TENSORS if cfg.is_recurrent(i) else ATTENTION_TENSORS
+        plan |= common.layer_plan(range(i, i + 1), names, MATRICES)
+    return plan
 
 
 def weight_plan(
     cfg: Qwen35Config, layers: range, owns_embed: bool, owns_head: bool
 ) -> dict[str, tuple[str, bool]]:
-    plan = common.edge_plan(cfg, owns_embed, owns_head)
-    for i in layers:
-        names = DELTA_NET_TENSORS if cfg.is_recurrent(i) else ATTENTION_TENSORS
-        plan |= common.layer_plan(range(i, i + 1), names, MATRICES)
-    return plan
+    plan = common.edge_plan(cfg, owns_embed, owns_head) | mixer_plan(cfg, layers)
+    return plan | common.layer_plan(layers, DENSE_FFN_TENSORS, set(DENSE_FFN_TENSORS))
 
 
 def prepare(cfg: Qwen35Config, weights: dict[str, torch.Tensor]) -> None:
@@ -204,9 +220,20 @@ def embed(model: ModelParts, ids: torch.Tensor) -> torch.Tensor:
     return common.embed_rows(model, ids)
 
 
+def dense_ffn(model: ModelParts, layer: int, h: torch.Tensor) -> torch.Tensor:
+    w = model.weights
+    return swiglu(h, w[f"{layer}.ffn_gate"], w[f"{layer}.ffn_up"], w[f"{layer}.ffn_down"])
+
+
 def block(
-    model: ModelParts, layer: int, x: torch.Tensor, start: int, cache: KVCache
+    model: ModelParts,
+    layer: int,
+    x: torch.Tensor,
+    start: int,
+    cache: KVCache,
+    ffn: Callable[[ModelParts, int, torch.Tensor], torch.Tensor] = dense_ffn,
 ) -> torch.Tensor:
+    """x + mixer(norm x), then + ffn(norm x); `ffn` is the dense SwiGLU or qwen35moe's experts."""
     cfg: Qwen35Config = model.cfg
     w, eps = model.weights, cfg.rms_eps
     h = rms_norm(x, w[f"{layer}.attn_norm"], eps)
@@ -214,8 +241,7 @@ def block(
         x = x + delta_net(model, layer, h, cache)
     else:
         x = x + gated_attention(model, layer, h, start, cache)
-    h = rms_norm(x, w[f"{layer}.post_attn_norm"], eps)
-    return x + swiglu(h, w[f"{layer}.ffn_gate"], w[f"{layer}.ffn_up"], w[f"{layer}.ffn_down"])
+    return x + ffn(model, layer, rms_norm(x, w[f"{layer}.post_attn_norm"], eps))
 
 
 def gated_attention(

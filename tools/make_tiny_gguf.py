@@ -90,7 +90,12 @@ GGUF_LOADER_GAPS = {
 }  # (nor any laguna)
 # The converter keeps routers (FFN_GATE_INP, FFN_GATE_INP_SHEXP) and SSM_CONV1D in F32
 # whatever the file type.
-ALWAYS_F32 = (".mlp.gate.weight", ".mlp.shared_expert_gate.weight", "conv1d.weight")
+ALWAYS_F32 = (
+    ".mlp.gate.weight",
+    ".mlp.shared_expert_gate.weight",
+    ".router.proj.weight",
+    "conv1d.weight",
+)
 
 _TURNS = (
     "{%- for message in messages -%}"

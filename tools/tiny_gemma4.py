@@ -15,7 +15,10 @@ layers' head dim in `attention.key_length`, the sliding layers' in `key_length_s
 `feed_forward_length` one when the shared layers' MLP is double wide; `sliding_window_pattern`
 per-layer flags; `rope_freqs.weight` = 1 for the rotated pairs of proportional RoPE and 1e30
 for the rest (full layers); `layer_scalar` becomes `layer_output_scale.weight`; no `attn_v`
-where K = V, no K/V tensors in KV-shared layers (transformers has none). The vocabulary is
+where K = V, no K/V tensors in KV-shared layers (transformers has none). With `experts` > 0 the
+MoE block is on (enable_moe_block): `router.scale` becomes `ffn_gate_inp.scale`,
+`router.per_expert_scale` `ffn_down_exps.scale`, the experts stay fused (`ffn_gate_up_exps`),
+the router `ffn_gate_inp` stays F32, and the expert_* keys are written. The vocabulary is
 Gemma's SentencePiece one, as `tokenizer.ggml.model = gemma4` with merges.
 """
 
@@ -32,6 +35,7 @@ import torch
 from gguf import GGMLQuantizationType as Q
 
 FAMILY = "gemma4"
+_MOE_SCALES = {"scale": "ffn_gate_inp.scale", "per_expert_scale": "ffn_down_exps.scale"}
 LOCAL_ROPE_BASE = 10000.0  # rope_parameters["sliding_attention"]
 
 
@@ -48,6 +52,7 @@ class Gemma4Spec(mtg.TinySpec):
     double_wide: bool = False  # use_double_wide_mlp: KV-shared layers have 2 * ffn
     final_softcap: float | None = 30.0
     partial_rotary: float = 0.25  # of the full layers' proportional RoPE
+    # experts / experts_used / expert_ffn (TinySpec's): experts > 0 turns the MoE block on
 
     @property
     def layer_types(self) -> list[str]:
@@ -90,6 +95,7 @@ def make_spec(qtype: str, seed: int, overrides: dict[str, Any]) -> Gemma4Spec:
         "heads * head_dim": spec.heads * spec.head_dim,
         "heads * global_head_dim": spec.heads * spec.global_head_dim,
         "ple_dim": spec.ple_dim,
+        "expert_ffn": spec.expert_ffn,
     }
     for what, n in rows.items():
         if n % block:
@@ -111,6 +117,13 @@ def hf_config(spec: Gemma4Spec, vocab: mtg.Vocab) -> Any:
     import transformers
 
     extra = {"num_global_key_value_heads": spec.global_kv_heads} if spec.k_eq_v else {}
+    if spec.experts:
+        extra |= dict(
+            enable_moe_block=True,
+            num_experts=spec.experts,
+            top_k_experts=spec.experts_used,
+            moe_intermediate_size=spec.expert_ffn,
+        )
     return transformers.Gemma4TextConfig(
         vocab_size=spec.vocab_size,
         hidden_size=spec.hidden,
@@ -196,6 +209,10 @@ def _write_metadata(w: gguf.GGUFWriter, spec: Gemma4Spec, vocab: mtg.Vocab) -> N
     w.add_value_length_swa(spec.head_dim)
     w.add_rope_dimension_count(spec.global_head_dim)  # proportional: rope_freqs does the rest
     w.add_rope_dimension_count_swa(spec.head_dim)
+    if spec.experts:
+        w.add_expert_count(spec.experts)
+        w.add_expert_used_count(spec.experts_used)
+        w.add_expert_feed_forward_length(spec.expert_ffn)
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
     mtg._write_vocab(w, vocab)
 
@@ -220,7 +237,11 @@ def build(path: Path, *, seed: int = 0, qtype: str = "F32", **overrides: Any) ->
     for hf_name, shape in sorted(_hf_shapes(config, spec.tied).items()):
         # filter_tensors: `layer_scalar` (a buffer) gets a ".weight" to map as layer_output_scale
         suffixed = hf_name if hf_name.endswith(".weight") else f"{hf_name}.weight"
-        gguf_name = tensor_map.get_name(suffixed, try_suffixes=(".weight",))
+        gguf_name = _MOE_SCALES.get(hf_name.rsplit(".", 1)[-1])  # modify_tensors' renames
+        if gguf_name is not None:
+            gguf_name = f"blk.{hf_name.split('.')[2]}.{gguf_name}"
+        else:
+            gguf_name = tensor_map.get_name(suffixed, try_suffixes=(".weight",))
         if gguf_name is None:
             raise AssertionError(f"gguf-py has no name for {hf_name}")
         stored, ggml_type = mtg._encode(spec, hf_name, mtg._random_hf(spec, hf_name, shape))

@@ -78,6 +78,7 @@ class MoeConfig:
     selection_bias: bool = False  # exp_probs_b: biases the choice, not the weights
     shared_ffn: int = 0  # 0: no shared expert
     shared_gate: bool = False  # sigmoid gate on the shared expert (qwen35moe)
+    fused_gate_up: bool = False  # the file stores ffn_gate_up_exps, not gate and up (gemma4)
 
     def __post_init__(self) -> None:
         if self.gating not in GATING.values():
@@ -95,6 +96,7 @@ def config_from_gguf(
     normalize: bool | None = None,
     selection_bias: bool = False,
     shared_gate: bool = False,
+    fused_gate_up: bool = False,
 ) -> MoeConfig:
     """The `{arch}.expert_*` keys as llama.cpp reads them. The family says what its graph
     has: `gating` when the file has no expert_gating_func, `normalize` to override
@@ -121,6 +123,7 @@ def config_from_gguf(
             selection_bias=selection_bias,
             shared_ffn=int(gguf.get(key("expert_shared_feed_forward_length"), 0)),
             shared_gate=shared_gate,
+            fused_gate_up=fused_gate_up,
         )
     except ValueError as exc:
         raise GGUFError(f"{gguf.path}: bad {gguf.arch} expert metadata: {exc}") from exc
@@ -129,6 +132,9 @@ def config_from_gguf(
 def layer_tensors(cfg: MoeConfig) -> tuple[dict[str, str], set[str]]:
     """Our key -> GGUF suffix for one MoE layer's FFN, and which of them are matrices."""
     names = dict(ROUTED)
+    if cfg.fused_gate_up:
+        del names["ffn_gate_exps"], names["ffn_up_exps"]
+        names["ffn_gate_up_exps"] = "ffn_gate_up_exps.weight"  # [E, 2·ff, hidden], gate first
     if cfg.selection_bias:
         names |= SELECTION_BIAS
     if cfg.shared_ffn:
@@ -144,6 +150,7 @@ def _expected_shapes(cfg: MoeConfig, hidden: int) -> dict[str, tuple[int, ...]]:
         "ffn_gate_inp": (e, hidden),
         "ffn_gate_exps": (e, f, hidden),
         "ffn_up_exps": (e, f, hidden),
+        "ffn_gate_up_exps": (e, 2 * f, hidden),
         "ffn_down_exps": (e, hidden, f),
         "exp_probs_b": (e,),
         "ffn_gate_shexp": (s, hidden),
@@ -175,7 +182,8 @@ def check_tensors(gguf: GGUFFile, cfg: MoeConfig, hidden: int, layers: Iterable[
 
 
 def prepare_layers(weights: dict[str, torch.Tensor], layers: Iterable[int]) -> None:
-    """Fuse each loaded MoE layer's gate and up stacks into `ffn_gate_up_exps`."""
+    """Fuse each loaded MoE layer's gate and up stacks into `ffn_gate_up_exps` (a layer the
+    file already stores fused is left as it is)."""
     for layer in layers:
         gate, up = f"{layer}.ffn_gate_exps", f"{layer}.ffn_up_exps"
         if gate in weights:

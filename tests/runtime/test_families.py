@@ -39,6 +39,8 @@ VARIANTS = {
         "gemma4",
         {"k_eq_v": False, "double_wide": True, "shared_layers": 3, "tied": False},
     ),
+    # The MoE block beside every dense MLP: 8 GeGLU experts, top 2, per-expert scales
+    "gemma4-moe": ("gemma4", {"experts": 8, "experts_used": 2, "expert_ffn": 32}),
     # Nothing shared, no per-layer embeddings, no softcap. (transformers' generate fails on
     # KV sharing without PLE: _maybe_slice_kv_shared_inputs slices per_layer_inputs = None.)
     "gemma4-plain": (

@@ -12,8 +12,19 @@ sandwich, plus:
   a layer adds post_norm(proj(gelu(gate(x)) * input)) to its residual;
 - a learned scalar on each layer's output, final logit softcapping.
 
-transformers' `Gemma4TextModel` is the reference. Its optional MoE block (a router and
-experts in parallel with the dense MLP) is not implemented: such files are refused.
+- the optional MoE block (`enable_moe_block`), in parallel with the dense MLP in every
+  layer; with x the residual after attention::
+
+      mlp = post_ffw_norm_1(GeGLU(ffn_norm(x)))
+      ids, w = top-k of softmax(ffn_gate_inp(rms_norm(x) * ffn_gate_inp.scale / sqrt(hidden))),
+               renormalised, times ffn_down_exps.scale[ids]        (per-expert scale)
+      moe = post_ffw_norm_2(Σ w · expert(pre_ffw_norm_2(x)))      GeGLU experts (tanh GELU)
+      x  += post_ffw_norm(mlp + moe)
+
+  on `luced.runtime.moe`'s `route` and `expert_mix`; the file stores the experts' gate and
+  up stacks fused (ffn_gate_up_exps), as transformers holds them.
+
+transformers' `Gemma4TextModel` is the reference.
 
 GGUF conventions (llama.cpp's converter): norms are stored as they are (Gemma 4's RMSNorm
 multiplies by w, not 1 + w); `attention.key_length` is the full layers' head dim,
@@ -26,16 +37,17 @@ for rotated pairs and 1e30 for the rest, so their frequencies vanish (full layer
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 
-from luced.gguf_file import GGUFError, GGUFFile
+from luced.gguf_file import GGUFFile
+from luced.runtime import moe
 from luced.runtime.families import common, gemma3
 from luced.runtime.families.common import ModelParts
-from luced.runtime.layers import Rope, apply_rope, linear, rms_norm, rope_inv_freq
+from luced.runtime.layers import Rope, apply_rope, geglu_tanh, linear, rms_norm, rope_inv_freq
 
 if TYPE_CHECKING:
     from luced.runtime.kv_cache import KVCache
@@ -73,6 +85,15 @@ MATRICES = {
     "ple_proj",
 }
 
+# The MoE block's tensors besides moe.layer_tensors' (router, experts): vectors.
+MOE_TENSORS = {
+    "moe_router_scale": "ffn_gate_inp.scale",  # [hidden]
+    "moe_expert_scale": "ffn_down_exps.scale",  # [E]: per_expert_scale
+    "moe_pre_norm": "pre_ffw_norm_2.weight",
+    "mlp_post_norm": "post_ffw_norm_1.weight",
+    "moe_post_norm": "post_ffw_norm_2.weight",
+}
+
 DEFAULT_LOCAL_ROPE_BASE = 10000.0
 
 
@@ -92,13 +113,14 @@ class Gemma4Config(common.ModelConfig):
     ple_dim: int = 0  # per-layer embedding width P; 0 = no PLE
     has_rope_factors: bool = False
     final_softcap: float | None = None
+    moe: moe.MoeConfig = field(default_factory=moe.MoeConfig)  # n_experts 0: no MoE block
 
     def __post_init__(self) -> None:
         super().__post_init__()
         per_layer = ("sliding_layers", "layer_head_dims", "layer_ffn")
-        for field in (*per_layer, "kv_sources", "k_eq_v"):
-            if len(getattr(self, field)) != self.n_layers:
-                raise ValueError(f"{field} has {len(getattr(self, field))} entries")
+        for name in (*per_layer, "kv_sources", "k_eq_v"):
+            if len(getattr(self, name)) != self.n_layers:
+                raise ValueError(f"{name} has {len(getattr(self, name))} entries")
 
     def kv_shape(self, layer: int) -> tuple[int, int]:
         return self.kv_heads(layer), self.layer_head_dims[layer]
@@ -113,8 +135,9 @@ def config_from_gguf(gguf: GGUFFile) -> Gemma4Config:
     def get(name: str, default: Any = None) -> Any:
         return gguf.get(f"{arch}.{name}", default)
 
+    experts = moe.MoeConfig()
     if get("expert_count") or any(n.endswith("ffn_gate_inp.weight") for n in gguf.tensors):
-        raise GGUFError(f"{gguf.path}: gemma4 MoE layers are not supported yet")
+        experts = moe.config_from_gguf(gguf, gating="softmax", normalize=True, fused_gate_up=True)
     n_layers = int(gguf.require(f"{arch}.block_count"))
     sliding = gguf.sliding_layers()
     full_dim = int(gguf.require(f"{arch}.attention.key_length"))
@@ -129,7 +152,7 @@ def config_from_gguf(gguf: GGUFFile) -> Gemma4Config:
         for i in range(n_layers)
     )
     softcap = get("final_logit_softcapping")
-    return common.make_config(
+    cfg = common.make_config(
         Gemma4Config,
         gguf,
         known={"head_dim": head_dims[0], "ffn": ffn[0]},
@@ -144,7 +167,11 @@ def config_from_gguf(gguf: GGUFFile) -> Gemma4Config:
         ple_dim=int(get("embedding_length_per_layer_input", 0)),
         has_rope_factors="rope_freqs.weight" in gguf.tensors,
         final_softcap=float(softcap) if softcap else None,
+        moe=experts,
     )
+    if experts.n_experts:
+        moe.check_tensors(gguf, experts, cfg.hidden, range(n_layers))
+    return cfg
 
 
 def weight_plan(
@@ -162,7 +189,12 @@ def weight_plan(
                 names["attn_v"] = "attn_v.weight"
         if cfg.ple_dim:
             names |= PLE_TENSORS
-        plan |= common.layer_plan(range(i, i + 1), names, MATRICES)
+        matrices = MATRICES
+        if cfg.moe.n_experts:
+            moe_names, moe_matrices = moe.layer_tensors(cfg.moe)
+            names |= moe_names | MOE_TENSORS
+            matrices = MATRICES | moe_matrices
+        plan |= common.layer_plan(range(i, i + 1), names, matrices)
     if ple:
         plan["ple_tok"] = ("per_layer_token_embd.weight", False)  # gathered rows, like tok_embd
         plan["ple_model_proj"] = ("per_layer_model_proj.weight", True)
@@ -242,8 +274,27 @@ def block(
     w, eps = model.weights, model.cfg.rms_eps
     h = _attention(model, layer, rms_norm(x, w[f"{layer}.attn_norm"], eps), start, cache)
     x = x + rms_norm(h, w[f"{layer}.post_attn_norm"], eps)
-    x = gemma3.ffn(model, layer, x)
+    x = _moe_ffn(model, layer, x) if model.cfg.moe.n_experts else gemma3.ffn(model, layer, x)
     if ple is not None:
         g = F.gelu(linear(x, w[f"{layer}.ple_gate"]), approximate="tanh") * ple[:, layer]
         x = x + rms_norm(linear(g, w[f"{layer}.ple_proj"]), w[f"{layer}.ple_post_norm"], eps)
     return x * w[f"{layer}.out_scale"]
+
+
+def _moe_ffn(model: ModelParts, layer: int, x: torch.Tensor) -> torch.Tensor:
+    """The FFN half with the MoE block beside the dense MLP (module docstring)."""
+    cfg: Gemma4Config = model.cfg
+    w, eps, p = model.weights, cfg.rms_eps, f"{layer}."
+    h = rms_norm(x, w[p + "ffn_norm"], eps)
+    mlp = geglu_tanh(h, w[p + "ffn_gate"], w[p + "ffn_up"], w[p + "ffn_down"])
+    router_in = rms_norm(x, None, eps) * w[p + "moe_router_scale"] * cfg.hidden**-0.5
+    ids, mix = moe.route(linear(router_in, w[p + "ffn_gate_inp"]), cfg.moe)
+    mix = mix * w[p + "moe_expert_scale"].float()[ids]
+    experts = moe.StackedExperts(w[p + "ffn_gate_up_exps"], w[p + "ffn_down_exps"], _gelu_tanh)
+    routed = moe.expert_mix(rms_norm(x, w[p + "moe_pre_norm"], eps), ids, mix, experts)
+    h = rms_norm(mlp, w[p + "mlp_post_norm"], eps) + rms_norm(routed, w[p + "moe_post_norm"], eps)
+    return x + rms_norm(h, w[p + "post_ffn_norm"], eps)
+
+
+def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x, approximate="tanh")

@@ -108,6 +108,13 @@ _NO_THINK = (
     "{%- if enable_thinking is defined and enable_thinking is false -%}"
     "{{- '<think>\\n\\n</think>\\n\\n' -}}{%- endif -%}"
 )
+# Gemma's turns, for the tiny gemma4 vocabulary (which has Gemma 3's turn tokens).
+GEMMA_TURNS = (
+    "{{- bos_token -}}{%- for message in messages -%}"
+    "{{- '<start_of_turn>' + ('model' if message['role'] == 'assistant' else message['role'])"
+    " + '\n' + message['content'] + '<end_of_turn>\n' -}}{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<start_of_turn>model\n' -}}{%- endif -%}"
+)
 CHAT_TEMPLATES = {
     "llama": _TURNS + _PROMPT.replace("{THINK}", ""),
     "qwen3": _TURNS + _PROMPT.replace("{THINK}", _NO_THINK),
@@ -373,6 +380,7 @@ def _spm_vocab(size: int, model: str = "llama") -> Vocab:
         merges=[f"{a} {b}" for a, b in merges] if model == "gemma4" else None,
         ids=dict(bos=2, eos=1, unk=3, pad=0),
         add_bos=True,
+        chat_template=GEMMA_TURNS if model == "gemma4" else None,
         extra={"add_space_prefix": False},
     )
 

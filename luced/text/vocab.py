@@ -9,6 +9,9 @@ special ids as metadata under llama.cpp's key names. We rebuild the tokenizer wi
     tokenizer.ggml.model = "llama"  SentencePiece BPE with byte fallback (<0xNN> tokens); no
                                     merges in the file, so they are derived from the vocabulary:
                                     by score, or for Gemma by file order
+    tokenizer.ggml.model = "gemma4" Gemma 4's SentencePiece BPE as llama.cpp's converter writes
+                                    it: merges in the file, byte fallback, no pre-tokenizer
+                                    key; text is one BPE word with " " read as "▁" (as Gemma)
 
 Control tokens (type 3) become special added tokens: matched whole in text only when the caller
 allows special tokens, and dropped by `decode(skip_special=True)`. User-defined tokens (type 4,
@@ -121,9 +124,9 @@ class TokenizerSpec:
         model = get("model")
         if model is None:
             raise TokenizerError(f"{source}: no tokenizer.ggml.model in metadata")
-        if model not in ("gpt2", "llama"):
+        if model not in ("gpt2", "llama", "gemma4"):
             raise TokenizerError(
-                f"{source}: unsupported tokenizer type {model!r} (supported: gpt2, llama)"
+                f"{source}: unsupported tokenizer type {model!r} (supported: gpt2, llama, gemma4)"
             )
         tokens = get("tokens")
         if not isinstance(tokens, list) or not tokens:
@@ -136,8 +139,8 @@ class TokenizerSpec:
         merges = get("merges")
         if len(types) != n or (scores is not None and len(scores) != n):
             raise TokenizerError(f"{source}: token_type/scores length differs from tokens ({n})")
-        if model == "gpt2" and not merges:
-            raise TokenizerError(f"{source}: byte-level BPE vocabulary without merges")
+        if model in ("gpt2", "gemma4") and not merges:
+            raise TokenizerError(f"{source}: {model} BPE vocabulary without merges")
         if model == "llama" and not merges and scores is None:
             raise TokenizerError(
                 f"{source}: SentencePiece vocabulary with neither merges nor scores"
@@ -175,6 +178,11 @@ class TokenizerSpec:
     @property
     def is_gemma(self) -> bool:
         return self.model == "llama" and self.arch in _GEMMA_ARCHES
+
+    @property
+    def whole_text_word(self) -> bool:
+        """Gemma's SentencePiece: no pre-split, spaces read as "▁" by a normalizer."""
+        return self.is_gemma or self.model == "gemma4"
 
     @property
     def strips_leading_space(self) -> bool:
@@ -289,7 +297,7 @@ def _sentencepiece(spec: TokenizerSpec) -> tokenizers.Tokenizer:
         decoders.ByteFallback(),
         decoders.Fuse(),
     ]
-    if spec.is_gemma:
+    if spec.whole_text_word:
         # No prefix space, no pre-split: the whole text is one BPE word, as in SentencePiece.
         backend.normalizer = normalizers.Replace(" ", SPIECE_SPACE)
     else:

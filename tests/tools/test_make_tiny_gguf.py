@@ -124,7 +124,7 @@ EXPECTED_KEYS = {
     "qwen3": "tokenizer.ggml.merges tokenizer.chat_template",
     "gemma3": """gemma3.attention.sliding_window gemma3.rope.freq_base_swa tokenizer.ggml.scores
         tokenizer.ggml.unknown_token_id tokenizer.ggml.add_eos_token
-        tokenizer.ggml.add_space_prefix""",
+        tokenizer.ggml.add_space_prefix tokenizer.chat_template""",
     "qwen3moe": """qwen3moe.expert_count qwen3moe.expert_used_count
         qwen3moe.expert_feed_forward_length tokenizer.ggml.merges tokenizer.chat_template""",
     "laguna": """laguna.expert_count laguna.expert_used_count laguna.rope.scaling.type

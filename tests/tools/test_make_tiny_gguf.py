@@ -124,7 +124,7 @@ EXPECTED_KEYS = {
     "qwen3": "tokenizer.ggml.merges tokenizer.chat_template",
     "gemma3": """gemma3.attention.sliding_window gemma3.rope.freq_base_swa tokenizer.ggml.scores
         tokenizer.ggml.unknown_token_id tokenizer.ggml.add_eos_token
-        tokenizer.ggml.add_space_prefix tokenizer.chat_template""",
+        tokenizer.ggml.add_space_prefix""",
     "qwen3moe": """qwen3moe.expert_count qwen3moe.expert_used_count
         qwen3moe.expert_feed_forward_length tokenizer.ggml.merges tokenizer.chat_template""",
     "laguna": """laguna.expert_count laguna.expert_used_count laguna.rope.scaling.type
@@ -461,7 +461,7 @@ GEMMA4_KEYS = """general.architecture general.type general.name general.file_typ
     tokenizer.ggml.tokens tokenizer.ggml.scores tokenizer.ggml.token_type tokenizer.ggml.merges
     tokenizer.ggml.bos_token_id tokenizer.ggml.eos_token_id tokenizer.ggml.unknown_token_id
     tokenizer.ggml.padding_token_id tokenizer.ggml.add_bos_token tokenizer.ggml.add_eos_token
-    tokenizer.ggml.add_space_prefix"""
+    tokenizer.ggml.add_space_prefix tokenizer.chat_template"""
 GEMMA4_LAYER = """attn_norm attn_q attn_q_norm attn_output post_attention_norm ffn_norm ffn_gate
     ffn_up ffn_down post_ffw_norm layer_output_scale inp_gate proj post_norm"""
 

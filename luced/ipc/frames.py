@@ -17,7 +17,7 @@ The ops (request fields -> reply fields):
     hello     instance, protocol            -> protocol, pid, group, devices, versions
     load      model, layers=[a, b), dtype, devices, kv_capacity, owns_embed, owns_head,
               device_splits                 -> n_layers, hidden, vocab, layers, dtype,
-                                               kv_capacity, load_s
+                                               kv_capacity, load_s, recurrent
     forward   n_tokens, start_pos, tokens | hidden_in, want, outputs, positions,
               sampling, top_logprobs, capture, ring
                                             -> n_out, position, elapsed_us
@@ -37,7 +37,8 @@ The daemon opens with ``hello``; both sides check ``protocol == PROTOCOL_VERSION
 mismatch raises ``ProtocolVersionError`` naming both versions). Any change to a field
 bumps ``PROTOCOL_VERSION`` (2: ``project``; ``tokens`` may ride along ``hidden_in``;
 3: ``load_draft`` and ``draft``; 4: ``forward`` want="verify";
-5: ``kv_layout``, ``kv_export``, ``kv_import``; 6: ``project`` removed).
+5: ``kv_layout``, ``kv_export``, ``kv_import``; 6: ``project`` removed;
+7: ``load`` replies ``recurrent``, the loaded layers that keep a recurrent state).
 Later verbs (expert compute) are added here, each as one
 request class and one reply class.
 
@@ -57,7 +58,7 @@ from luced.ipc.regions import Region
 from luced.ipc.typed import FrameError, Record
 from luced.sampling_params import SamplingParams
 
-PROTOCOL_VERSION = 6
+PROTOCOL_VERSION = 7
 
 _ENVELOPE = frozenset({"op", "seq", "ok", "error"})  # no op may use these as fields
 
@@ -204,6 +205,9 @@ class LoadReply(Reply):
     dtype: ComputeDtype
     kv_capacity: int
     load_s: float
+    # The loaded layers that keep a recurrent state (Gated DeltaNet) instead of K/V rows:
+    # such a state cannot be truncated, only rewound to a kept one (the daemon replays).
+    recurrent: tuple[int, ...] = ()
 
 
 # -- forward --------------------------------------------------------------------------------

@@ -82,6 +82,12 @@ async def open_prefix_cache(
     ValueError naming the option when the directory cannot be used."""
     if config.prefix_cache_bytes <= 0:
         return None
+    if target.recurrent:
+        log.warning(
+            "prefix cache: off for %s: its recurrent layers' state is not part of a snapshot",
+            Path(model_path).name,
+        )
+        return None
     layout = await target.kv_layout()
     disk = None
     if config.kv_cache_dir is not None:

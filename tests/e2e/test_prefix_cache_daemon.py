@@ -213,3 +213,20 @@ def test_bad_files_are_quarantined_and_requests_still_succeed(tiny, tmp_path) ->
     finally:
         assert d.stop() == 0
     assert d.segments() == []
+
+
+# -- a hybrid (recurrent layers) with the defaults ------------------------------------------
+
+
+def test_hybrid_serves_with_defaults(tmp_path) -> None:
+    """A qwen35 GGUF (Gated DeltaNet layers) starts with the prefix cache on by default and
+    answers; a repeated prompt gives the same greedy reply."""
+    model = tmp_path / "tiny-qwen35.gguf"
+    make_tiny_gguf.build("qwen35", model, seed=5, layers=4, context=2048)
+    d = DaemonProcess(model, tmp_path).start()
+    try:
+        first, second = complete(d), complete(d)
+        assert text(first) == text(second) and first["usage"]["completion_tokens"] == 12
+        assert "prefix cache: off for tiny-qwen35.gguf" in d.log()
+    finally:
+        assert d.stop() == 0

@@ -25,7 +25,7 @@ The ops (request fields -> reply fields):
                                                hidden, load_s
     draft     ring, committed, anchor, outputs, block_size, mask_token_id, ctx_window,
               sampling                      -> n, ctx, elapsed_us
-    kv_layout                               -> tensors, dtype
+    kv_layout                               -> tensors, dtype, states
     kv_export position, regions             -> position, elapsed_us
     kv_import position, regions, tokens     -> position, elapsed_us
     truncate  position                      -> position
@@ -38,7 +38,8 @@ mismatch raises ``ProtocolVersionError`` naming both versions). Any change to a 
 bumps ``PROTOCOL_VERSION`` (2: ``project``; ``tokens`` may ride along ``hidden_in``;
 3: ``load_draft`` and ``draft``; 4: ``forward`` want="verify";
 5: ``kv_layout``, ``kv_export``, ``kv_import``; 6: ``project`` removed;
-7: ``load`` replies ``recurrent``, the loaded layers that keep a recurrent state).
+7: ``load`` replies ``recurrent``, the loaded layers that keep a recurrent state;
+``kv_layout`` replies ``states`` and snapshots carry them as "conv.l" / "delta.l").
 Later verbs (expert compute) are added here, each as one
 request class and one reply class.
 
@@ -507,16 +508,27 @@ class DraftBlockReply(Reply):
 # cache dtype, in a daemon-owned segment (the snapshot arena). Rows [0, n) along the token
 # axis (axis 1) are the K / V of positions [0, n). The worker copies straight between its
 # cache and those regions (device <-> host on a GPU); nothing is serialized.
+#
+# A recurrent layer (Gated DeltaNet) has no rows but a state at the snapshot's end, one
+# region each, without a token axis: "conv.{layer}" [kernel - 1, channels] cache dtype,
+# "delta.{layer}" [heads, key_dim, value_dim] float32. A state sums up every position, so
+# it restores only the whole snapshot: position == the snapshot's length (tokens' rows).
 
 _KV_NAME = re.compile(r"^[kv]\.(0|[1-9][0-9]{0,5})$")
+_STATE_NAME = re.compile(r"^(conv|delta)\.(0|[1-9][0-9]{0,5})$")
 
 
 def _check_kv_regions(frame: KVExport | KVImport) -> None:
     if not frame.regions:
         raise frame._fail("regions is empty")
     for name, r in frame.regions.items():
+        if _STATE_NAME.match(name):
+            continue  # a recurrent state: any shape, checked against the layer by the worker
         if not _KV_NAME.match(name):
-            raise frame._fail(f'region name {name!r} is not "k.<layer>" or "v.<layer>"')
+            raise frame._fail(
+                f'region name {name!r} is not "k.<layer>", "v.<layer>", "conv.<layer>" '
+                'or "delta.<layer>"'
+            )
         if len(r.shape) != 3 or r.dtype not in COMPUTE_DTYPES or r.shape[1] < frame.position:
             raise frame._fail(
                 f"regions.{name} must be float [n_kv_heads, >= {frame.position}, head_dim], "
@@ -537,6 +549,9 @@ class KVLayoutReply(Reply):
     # every shard, in layer order. One token of a tensor is n_kv_heads * head_dim values.
     tensors: tuple[tuple[str, int, int], ...]
     dtype: ComputeDtype  # the cache dtype (= the load dtype)
+    # (name, shape, dtype) per recurrent state tensor: "conv.{layer}", "delta.{layer}" for
+    # every recurrent layer, in layer order (no token axis; see the section comment).
+    states: tuple[tuple[str, tuple[int, ...], str], ...] = ()
 
 
 @_op("kv_export", REQUESTS)

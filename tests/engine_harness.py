@@ -52,7 +52,9 @@ async def engine_for(
                 await target.load_draft(str(draft), device=draft_device, block_size=16)
             if prefix_cache_bytes:
                 arena = SnapshotArena(owner, prefix_cache_bytes)
-                engine.prefix_cache = PrefixCache(await target.kv_layout(), arena)
+                engine.prefix_cache = PrefixCache(
+                    await target.kv_layout(), arena, exact_cuts=target.recurrent
+                )
             engine.start()
             yield engine
         finally:

@@ -8,10 +8,10 @@
                                (the newest QUARANTINE_KEEP are kept)
 
 A file is a plain safetensors file: the snapshot's tensors (the model layout with the token
-axis sized n; bfloat16 stored as BF16, read back as uint16 bits) plus ``tokens`` (int32
-``[n]``), and string metadata::
+axis sized n; a recurrent layer's state, which has none, at its own shape; bfloat16 stored
+as BF16, read back as uint16 bits) plus ``tokens`` (int32 ``[n]``), and string metadata::
 
-    format "luced-kv-snapshot"   format_version "1"   n_tokens   created (unix s)
+    format "luced-kv-snapshot"   format_version "2"   n_tokens   created (unix s)
     fingerprint   template_hash   placement   dtype   (must equal this daemon's identity)
     cuts   JSON list of restore points      crc32   JSON {tensor name: crc32 of its bytes}
 
@@ -55,7 +55,7 @@ from luced.ipc.regions import numpy_dtype
 log = logging.getLogger(__name__)
 
 FORMAT = "luced-kv-snapshot"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: recurrent states ("conv.l", "delta.l", no token axis)
 SUFFIX = ".safetensors"
 TMP_SUFFIX = ".tmp"
 QUARANTINE = "quarantine"

@@ -6,6 +6,11 @@ per token: the token axis is sized 1, and a snapshot of n tokens has n there::
 
     "k.{layer}" / "v.{layer}"   (n_kv_heads, 1, head_dim)   token_axis 1   cache dtype
     "ring"                      (1, n_capture, hidden)      token_axis 0   the ring's dtype
+    "conv.{layer}"              (kernel - 1, channels)      None           cache dtype
+    "delta.{layer}"             (heads, key_dim, value_dim) None           float32
+
+A spec without a token axis (a recurrent layer's state at the snapshot's end) has the
+same shape whatever n is.
 
 Daemon side: no torch here (``tests/test_layering.py``).
 """
@@ -21,17 +26,20 @@ from luced.ipc.regions import numpy_dtype
 @dataclass(frozen=True)
 class TensorSpec:
     name: str
-    shape: tuple[int, ...]  # per token: shape[token_axis] == 1
+    shape: tuple[int, ...]  # per token: shape[token_axis] == 1 (else the whole tensor)
     dtype: str  # a wire dtype name (luced.ipc.regions.DTYPES), e.g. "bfloat16"
-    token_axis: int
+    token_axis: int | None  # None: a fixed-size tensor (a recurrent state)
 
     def __post_init__(self) -> None:
-        if not 0 <= self.token_axis < len(self.shape) or self.shape[self.token_axis] != 1:
+        axis = self.token_axis
+        if axis is not None and (not 0 <= axis < len(self.shape) or self.shape[axis] != 1):
             raise ValueError(f"{self.name}: shape {self.shape} needs size 1 at {self.token_axis}")
         numpy_dtype(self.dtype)  # raises on an unknown name
 
     def shape_for(self, n_tokens: int) -> tuple[int, ...]:
         """The tensor's shape holding ``n_tokens`` positions."""
+        if self.token_axis is None:
+            return self.shape
         shape = list(self.shape)
         shape[self.token_axis] = n_tokens
         return tuple(shape)
@@ -42,4 +50,6 @@ class TensorSpec:
 
     def nbytes(self, n_tokens: int) -> int:
         """Bytes of the tensor holding ``n_tokens`` positions."""
+        if self.token_axis is None:
+            return self.bytes_per_token  # the whole tensor, whatever n
         return self.bytes_per_token * n_tokens

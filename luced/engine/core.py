@@ -329,7 +329,10 @@ class Engine:
         points are its chat-turn boundaries. The disk copy is written in the background."""
         if self.prefix_cache is None:
             return
-        cuts = self.turns.cuts(prompt) if self.turns is not None else []
+        # A recurrent model's state exists only at the prompt's end (exact-cut mode): the
+        # turn boundaries inside the prompt are no restore points for it.
+        turns = self.turns if not self.target.recurrent else None
+        cuts = turns.cuts(prompt) if turns is not None else []
         try:
             await self.prefix_cache.save(prompt, len(prompt), self.target, cuts)
         except WorkerReplyError as exc:  # the request goes on; only the snapshot is lost

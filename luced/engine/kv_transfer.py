@@ -9,6 +9,9 @@ token axis (or more: a longer snapshot restores any shorter prefix)::
                                                     kv_import), all workers concurrently
     "ring"            [>= n, n_capture, hidden]     copied here with numpy, from / to
                                                     the feature ring (captures on only)
+    "conv.{l}",       the state of recurrent layer l at the snapshot's end (no token
+    "delta.{l}"       axis): exported / imported by its worker; restorable only at n ==
+                      the snapshot's length (the prefix cache's exact-cut mode)
 
 Ring rows: the ring holds the last ring_cap positions, so a snapshot carries ring rows
 only for its positions [max(0, n - ring_cap), n); rows before that are left as they
@@ -97,6 +100,7 @@ class KVTransfer:
             for reply in replies:
                 assert isinstance(reply, KVLayoutReply)
                 specs = [TensorSpec(nm, (h, 1, d), reply.dtype, 1) for nm, h, d in reply.tensors]
+                specs += [TensorSpec(nm, shape, dt, None) for nm, shape, dt in reply.states]
                 out.append(specs)
             self._specs = out
         return self._specs
@@ -128,8 +132,9 @@ class KVTransfer:
         for spec in specs:
             r = regions[spec.name]
             axis = spec.token_axis
-            ok = len(r.shape) == len(spec.shape) and r.dtype == spec.dtype and r.shape[axis] >= n
-            if not ok or spec.shape_for(r.shape[axis]) != r.shape:
+            rows = n if axis is None else r.shape[axis]
+            ok = len(r.shape) == len(spec.shape) and r.dtype == spec.dtype and rows >= n
+            if not ok or spec.shape_for(rows) != r.shape:
                 want = list(spec.shape_for(n))
                 raise ValueError(
                     f"snapshot region {spec.name} must be {spec.dtype} {want} (or longer on "

@@ -113,6 +113,10 @@ class Target:
         self._regions: dict[str, Region] = {}
         self._arrays: dict[str, np.ndarray] = {}
         self._position = 0
+        # Recurrent layers of each pipeline worker's load, by its layer range: a model with
+        # any is rolled back by rewinding to the last forward's start and replaying.
+        self._recurrent: dict[tuple[int, int], tuple[int, ...]] = {}
+        self._last_fed: tuple[int, list[int]] = (0, [])  # (start, ids) of the last forward
         self._ring_floor = 0  # no ring row below this position is valid (after a restore)
         self.draft: LoadDraftReply | None = None  # the DFlash draft, when one is loaded
         self._draft_path: str | None = None
@@ -186,6 +190,7 @@ class Target:
             )
         )
         self.load_s = max(self.load_s, reply.load_s)
+        self._recurrent[plan.layers] = reply.recurrent
         self.n_layers, self.hidden, self.vocab = reply.n_layers, reply.hidden, reply.vocab
         if self._draft_path is not None and self.executor.draft_slot is None:
             await self._load_draft_into(worker)  # a restarted worker gets its draft back
@@ -196,17 +201,39 @@ class Target:
     async def reset(self) -> None:
         await asyncio.gather(*(w.call(Reset()) for w in self.executor.workers()))
         self._position = 0
+        self._last_fed = (0, [])
         self._ring_floor = 0
         self.executor.in_sync = True
 
+    @property
+    def recurrent(self) -> bool:
+        """Whether some layer keeps a recurrent state (a hybrid such as qwen35): its KV
+        cannot be cut at any position, and a prefix snapshot does not cover it."""
+        return any(self._recurrent.values())
+
     async def truncate(self, position: int) -> None:
-        """Roll every shard's KV back to `position` committed tokens."""
+        """Roll every shard's KV back to `position` committed tokens.
+
+        A recurrent state cannot be cut: it is kept at the last forward's start (the state
+        that forward replaced), so a cut inside the last forward (a verify that accepted
+        part of its block) rewinds there and replays the kept tokens through the pipeline,
+        asking the head for one row of logits, which touches no sampler state."""
         if not 0 <= position <= self._position:
             raise ValueError(f"cannot truncate to {position}: {self._position} are committed")
-        await asyncio.gather(
-            *(w.call(Truncate(position=position)) for w in self.executor.workers())
-        )
-        self._position = position
+        start, fed = self._last_fed
+        replay = fed[: position - start] if self.recurrent and position > start else []
+        if self.recurrent and position < start:
+            raise ValueError(
+                f"cannot truncate a recurrent model to {position}: its state is kept only at "
+                f"{start}, the start of the last forward"
+            )
+        if position == self._position:
+            return
+        cut = start if replay else position
+        await asyncio.gather(*(w.call(Truncate(position=cut)) for w in self.executor.workers()))
+        self._position = cut
+        if replay:
+            await self._forward(replay, "logits", {"logits": self._regions["logits"].rows(0, 1)})
 
     # -- captures ------------------------------------------------------------------------
 
@@ -479,6 +506,7 @@ class Target:
                     await worker.call(Truncate(position=start))
             raise
         self._position = start + n
+        self._last_fed = (start, list(ids))
         self.last_wall_us = int((time.perf_counter() - t0) * 1e6)
         self.last_compute_us = compute_us
         return reply
@@ -538,6 +566,7 @@ class Target:
                 await self.reset()  # in sync again (empty) unless a worker is gone
             raise
         self._position = n
+        self._last_fed = (n, [])
         self.executor.in_sync = True
         if self.ring is not None:
             # A snapshot of N positions holds valid ring rows only from N - ring_cap on.

@@ -17,7 +17,7 @@ The ops (request fields -> reply fields):
     hello     instance, protocol            -> protocol, pid, group, devices, versions
     load      model, layers=[a, b), dtype, devices, kv_capacity, owns_embed, owns_head,
               device_splits                 -> n_layers, hidden, vocab, layers, dtype,
-                                               kv_capacity, load_s
+                                               kv_capacity, load_s, recurrent
     forward   n_tokens, start_pos, tokens | hidden_in, want, outputs, positions,
               sampling, top_logprobs, capture, ring
                                             -> n_out, position, elapsed_us
@@ -25,7 +25,7 @@ The ops (request fields -> reply fields):
                                                hidden, load_s
     draft     ring, committed, anchor, outputs, block_size, mask_token_id, ctx_window,
               sampling                      -> n, ctx, elapsed_us
-    kv_layout                               -> tensors, dtype
+    kv_layout                               -> tensors, dtype, states
     kv_export position, regions             -> position, elapsed_us
     kv_import position, regions, tokens     -> position, elapsed_us
     truncate  position                      -> position
@@ -37,7 +37,9 @@ The daemon opens with ``hello``; both sides check ``protocol == PROTOCOL_VERSION
 mismatch raises ``ProtocolVersionError`` naming both versions). Any change to a field
 bumps ``PROTOCOL_VERSION`` (2: ``project``; ``tokens`` may ride along ``hidden_in``;
 3: ``load_draft`` and ``draft``; 4: ``forward`` want="verify";
-5: ``kv_layout``, ``kv_export``, ``kv_import``; 6: ``project`` removed).
+5: ``kv_layout``, ``kv_export``, ``kv_import``; 6: ``project`` removed;
+7: ``load`` replies ``recurrent``, the loaded layers that keep a recurrent state;
+``kv_layout`` replies ``states`` and snapshots carry them as "conv.l" / "delta.l").
 Later verbs (expert compute) are added here, each as one
 request class and one reply class.
 
@@ -57,7 +59,7 @@ from luced.ipc.regions import Region
 from luced.ipc.typed import FrameError, Record
 from luced.sampling_params import SamplingParams
 
-PROTOCOL_VERSION = 6
+PROTOCOL_VERSION = 7
 
 _ENVELOPE = frozenset({"op", "seq", "ok", "error"})  # no op may use these as fields
 
@@ -204,6 +206,9 @@ class LoadReply(Reply):
     dtype: ComputeDtype
     kv_capacity: int
     load_s: float
+    # The loaded layers that keep a recurrent state (Gated DeltaNet) instead of K/V rows:
+    # such a state cannot be truncated, only rewound to a kept one (the daemon replays).
+    recurrent: tuple[int, ...] = ()
 
 
 # -- forward --------------------------------------------------------------------------------
@@ -503,16 +508,27 @@ class DraftBlockReply(Reply):
 # cache dtype, in a daemon-owned segment (the snapshot arena). Rows [0, n) along the token
 # axis (axis 1) are the K / V of positions [0, n). The worker copies straight between its
 # cache and those regions (device <-> host on a GPU); nothing is serialized.
+#
+# A recurrent layer (Gated DeltaNet) has no rows but a state at the snapshot's end, one
+# region each, without a token axis: "conv.{layer}" [kernel - 1, channels] cache dtype,
+# "delta.{layer}" [heads, key_dim, value_dim] float32. A state sums up every position, so
+# it restores only the whole snapshot: position == the snapshot's length (tokens' rows).
 
 _KV_NAME = re.compile(r"^[kv]\.(0|[1-9][0-9]{0,5})$")
+_STATE_NAME = re.compile(r"^(conv|delta)\.(0|[1-9][0-9]{0,5})$")
 
 
 def _check_kv_regions(frame: KVExport | KVImport) -> None:
     if not frame.regions:
         raise frame._fail("regions is empty")
     for name, r in frame.regions.items():
+        if _STATE_NAME.match(name):
+            continue  # a recurrent state: any shape, checked against the layer by the worker
         if not _KV_NAME.match(name):
-            raise frame._fail(f'region name {name!r} is not "k.<layer>" or "v.<layer>"')
+            raise frame._fail(
+                f'region name {name!r} is not "k.<layer>", "v.<layer>", "conv.<layer>" '
+                'or "delta.<layer>"'
+            )
         if len(r.shape) != 3 or r.dtype not in COMPUTE_DTYPES or r.shape[1] < frame.position:
             raise frame._fail(
                 f"regions.{name} must be float [n_kv_heads, >= {frame.position}, head_dim], "
@@ -533,6 +549,9 @@ class KVLayoutReply(Reply):
     # every shard, in layer order. One token of a tensor is n_kv_heads * head_dim values.
     tensors: tuple[tuple[str, int, int], ...]
     dtype: ComputeDtype  # the cache dtype (= the load dtype)
+    # (name, shape, dtype) per recurrent state tensor: "conv.{layer}", "delta.{layer}" for
+    # every recurrent layer, in layer order (no token axis; see the section comment).
+    states: tuple[tuple[str, tuple[int, ...], str], ...] = ()
 
 
 @_op("kv_export", REQUESTS)

@@ -147,6 +147,9 @@ class Backend(WorkerState):
             dtype=req.dtype,
             kv_capacity=req.kv_capacity,
             load_s=time.monotonic() - t0,
+            recurrent=tuple(
+                layer for s in shards if s.cache.recurrent for layer in s.cache.recurrent.shapes
+            ),
         )
         self.loaded = Loaded(Path(req.model), shards, reply)
         return reply

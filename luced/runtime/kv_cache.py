@@ -46,10 +46,10 @@ Anything else raises `RecurrentRollback` and changes nothing. `restore_state(sna
 rewinds to a saved snapshot. Rewinding to p drops the kept states past p: the rows they
 summarise are about to be rewritten.
 
-What this leaves for later: a speculative verify that accepts k of n tokens rewinds to its
-start (the previous commit) and re-feeds the k; a prefix snapshot copies a
-`RecurrentSnapshot`'s tensors out (immutable, so any time) beside the rows [0, pos).
-Until then `import_rows` refuses a cache with recurrent layers.
+A speculative verify that accepts k of n tokens rewinds to its start (the previous
+commit) and re-feeds the k (the daemon's `Target.truncate`). A prefix snapshot copies the
+committed state out beside the rows [0, pos) (`kv_snapshot.export`); `import_rows` takes
+the states back with the rows and makes them the state at n (nothing else kept).
 """
 
 from __future__ import annotations
@@ -178,6 +178,35 @@ class RecurrentState:
 
     def reset(self) -> None:
         self.current, self._staged, self._undo, self._saved = self._zero, {}, None, {}
+
+    def load(self, pos: int, states: Mapping[int, LayerState]) -> None:
+        """Make copies of `states` (every layer's (conv, delta), any device) the state at
+        `pos`, keeping nothing else. Shapes are checked before anything changes."""
+        if set(states) != set(self.shapes):
+            raise ValueError(
+                f"states needed for layers {sorted(self.shapes)}, got {sorted(states)}"
+            )
+        for layer, (conv, delta) in states.items():
+            zc, zd = self._zero.states[layer]
+            if conv.shape != zc.shape or delta.shape != zd.shape:
+                raise ValueError(
+                    f"layer {layer}: state must be conv {list(zc.shape)}, delta "
+                    f"{list(zd.shape)}; got {list(conv.shape)}, {list(delta.shape)}"
+                )
+        copied = {
+            layer: (
+                conv.to(zc.device, zc.dtype, copy=True),
+                delta.to(zd.device, zd.dtype, copy=True),
+            )
+            for layer, (conv, delta) in states.items()
+            for zc, zd in (self._zero.states[layer],)
+        }
+        self.reset()
+        self.current = RecurrentSnapshot(pos, copied) if pos else self._zero
+
+    def reference(self, layer: int) -> LayerState:
+        """The zero state of `layer`: the shapes, dtypes and device of its state."""
+        return self._zero.states[layer]
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for s in self.current.states.values() for t in s)
@@ -360,13 +389,21 @@ class KVCache:
         k_out[:, :n].copy_(self.k[layer][:, :n])
         v_out[:, :n].copy_(self.v[layer][:, :n])
 
-    def import_rows(self, n: int, rows: Mapping[int, tuple[torch.Tensor, torch.Tensor]]) -> None:
+    def import_rows(
+        self,
+        n: int,
+        rows: Mapping[int, tuple[torch.Tensor, torch.Tensor]],
+        states: Mapping[int, LayerState] | None = None,
+    ) -> None:
         """Replace the cache by rows [0, n) of each layer's (k, v) ([Hkv, >= n, D], the cache
-        dtype, any device) and commit n. Every stored layer must be given; the shapes are checked
+        dtype, any device) and, for recurrent layers, `states` (each the layer's state at n),
+        then commit n. Every stored and recurrent layer must be given; the shapes are checked
         before anything changes. A copy failing part-way leaves the cache empty (pos 0)."""
         if n > self.capacity:
             raise ContextOverflow(f"{n} positions exceed the KV capacity {self.capacity}")
-        if self.recurrent is not None:
+        if self.recurrent is None and states:
+            raise ValueError(f"states for layers {sorted(states)}: no layer here is recurrent")
+        if self.recurrent is not None and states is None:
             raise ValueError(
                 f"cannot import K/V rows alone: layers {sorted(self.recurrent.shapes)} keep a "
                 "recurrent state, which rows do not restore"
@@ -384,6 +421,9 @@ class KVCache:
                 if t.dtype != self.dtype:
                     raise ValueError(f"layer {layer}: rows are {t.dtype}, the cache {self.dtype}")
         self.pos = 0
+        if self.recurrent is not None:
+            assert states is not None
+            self.recurrent.load(n, states)  # checks the states' shapes first
         if n > self._allocated:  # nothing to keep: the old rows are being replaced
             self._grow(min(self.capacity, max(n, 2 * self._allocated)), keep=0)
         for layer, (k, v) in rows.items():

@@ -8,7 +8,14 @@ the "KV snapshots" section of ``luced.ipc.frames``)::
 
 for every layer that stores K/V: a KV-sharing layer (Gemma 4) reads its source layer's
 tensors and has no region of its own, so nothing is copied twice; heads and head_dim
-may differ per layer.
+may differ per layer. A recurrent layer (Gated DeltaNet) keeps no rows but a state::
+
+    "conv.{layer}"    [kernel - 1, channels]          cache dtype   the state at the
+    "delta.{layer}"   [heads, key_dim, value_dim]     float32       snapshot's end
+
+A state sums up every position before it, so export needs n == the committed position
+(the state held) and import n == the snapshot's length (the rows of ``tokens``): a hybrid
+restores whole snapshots only (the prefix cache's exact-cut mode).
 
 Export copies each layer's committed rows ``[0, n)`` from the cache into its region;
 import replaces the cache of every shard by rows ``[0, n)`` of the regions (a longer
@@ -33,7 +40,8 @@ from luced.ipc.regions import Region
 from luced.runtime.kv_cache import ContextOverflow
 from luced.runtime.state import Loaded, Shard, WorkerError, WorkerState
 
-# layer -> (its shard, K view, V view): the resolved regions of one request
+# layer -> (its shard, K view, V view) for K/V layers, (its shard, conv view, delta view)
+# for recurrent ones: the resolved regions of one request
 _Resolved = dict[int, tuple[Shard, torch.Tensor, torch.Tensor]]
 
 
@@ -42,27 +50,43 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 def layout(worker: WorkerState, req: F.KVLayout) -> F.KVLayoutReply:
-    m = _rows_only(worker.model("kv_layout"))
-    tensors = []
+    m = worker.model("kv_layout")
+    tensors, states = [], []
     for shard in m.shards:
         cache = shard.cache
         for layer in cache.stored:  # a KV-sharing layer has no tensors of its own
             for kind, t in (("k", cache.k[layer]), ("v", cache.v[layer])):
                 tensors.append((f"{kind}.{layer}", t.shape[0], t.shape[2]))
+        for name, (_, t) in _state_refs(shard).items():
+            states.append((name, tuple(t.shape), dtype_name(t.dtype)))
     dtype = dtype_name(m.shards[0].cache.dtype)
-    return F.KVLayoutReply(tensors=tuple(tensors), dtype=dtype)  # type: ignore[arg-type]
+    return F.KVLayoutReply(
+        tensors=tuple(tensors),
+        dtype=dtype,  # type: ignore[arg-type]
+        states=tuple(states),  # type: ignore[arg-type]
+    )
 
 
 @torch.inference_mode()  # the cache tensors are inference tensors: writes need this mode
 def export(worker: WorkerState, req: F.KVExport) -> F.KVExportReply:
-    m = _rows_only(worker.model("kv_export"))
+    m = worker.model("kv_export")
     n = req.position
     if n > m.position:
         raise WorkerError(f"kv_export of {n} positions, but the KV holds {m.position}")
+    if n != m.position and _recurrent(m):
+        raise WorkerError(
+            f"kv_export of {n} positions: the recurrent state is held at {m.position} only"
+        )
     t0 = time.perf_counter()
     resolved = _resolve(worker, m, req.regions, n)
-    for layer, (shard, k, v) in resolved.items():
-        shard.cache.export_rows(layer, n, k, v)
+    for layer, (shard, a, b) in resolved.items():
+        cache = shard.cache
+        if cache.is_recurrent(layer):
+            conv, delta = cache.recurrent_state(layer)
+            a.copy_(conv)
+            b.copy_(delta)
+        else:
+            cache.export_rows(layer, n, a, b)
     elapsed = time.perf_counter() - t0
     worker.busy_s += elapsed
     return F.KVExportReply(position=n, elapsed_us=int(elapsed * 1e6))
@@ -70,8 +94,13 @@ def export(worker: WorkerState, req: F.KVExport) -> F.KVExportReply:
 
 @torch.inference_mode()
 def import_(worker: WorkerState, req: F.KVImport) -> F.KVImportReply:
-    m = _rows_only(worker.model("kv_import"))
+    m = worker.model("kv_import")
     n = req.position
+    if _recurrent(m) and n != req.tokens.shape[0]:
+        raise WorkerError(
+            f"kv_import of {n} positions from a snapshot of {req.tokens.shape[0]}: a recurrent "
+            "state restores only the snapshot's end"
+        )
     if n > m.reply.kv_capacity:
         raise ContextOverflow(
             f"kv_import of {n} positions exceeds the KV capacity of {m.reply.kv_capacity} tokens"
@@ -87,8 +116,11 @@ def import_(worker: WorkerState, req: F.KVImport) -> F.KVImportReply:
     # Checked: from here on the old state goes.
     try:
         for shard in m.shards:
-            rows = {layer: (k, v) for layer, (s, k, v) in resolved.items() if s is shard}
-            shard.cache.import_rows(n, rows)
+            cache = shard.cache
+            mine = {layer: (a, b) for layer, (s, a, b) in resolved.items() if s is shard}
+            rows = {layer: p for layer, p in mine.items() if not cache.is_recurrent(layer)}
+            states = {layer: p for layer, p in mine.items() if cache.is_recurrent(layer)}
+            cache.import_rows(n, rows, states if cache.recurrent is not None else None)
     except BaseException:
         m.truncate(0)  # all shards empty, no history: never half a prefix
         raise
@@ -100,25 +132,32 @@ def import_(worker: WorkerState, req: F.KVImport) -> F.KVImportReply:
     return F.KVImportReply(position=m.position, elapsed_us=int(elapsed * 1e6))
 
 
-def _rows_only(m: Loaded) -> Loaded:
-    """The model, if all its state is K/V rows: a recurrent layer's state is not (yet) part
-    of a snapshot, and a prefix restored without it would be wrong."""
-    for shard in m.shards:
-        if shard.cache.recurrent is not None:
-            layers = sorted(shard.cache.recurrent.shapes)
-            raise WorkerError(
-                f"KV snapshots do not cover recurrent layers yet (layers {layers} of this "
-                "model keep a recurrent state): turn the prefix cache off for it"
-            )
-    return m
+def _recurrent(m: Loaded) -> bool:
+    return any(shard.cache.recurrent is not None for shard in m.shards)
+
+
+def _state_refs(shard: Shard) -> dict[str, tuple[int, torch.Tensor]]:
+    """Region name -> (layer, a reference tensor of its shape and dtype) for every recurrent
+    layer of the shard: "conv.l" and "delta.l" (the zero state's tensors have the shapes)."""
+    rec = shard.cache.recurrent
+    if rec is None:
+        return {}
+    out = {}
+    for layer in sorted(rec.shapes):
+        conv, delta = rec.reference(layer)
+        out[f"conv.{layer}"], out[f"delta.{layer}"] = (layer, conv), (layer, delta)
+    return out
 
 
 def _resolve(worker: WorkerState, m: Loaded, regions: Mapping[str, Region], n: int) -> _Resolved:
     """Every layer's K and V region as torch views, all checked (no copy yet)."""
     expected: dict[str, tuple[Shard, int]] = {}
+    refs: dict[str, torch.Tensor] = {}  # state regions: exact shape and dtype
     for shard in m.shards:
         for layer in shard.cache.stored:
             expected[f"k.{layer}"] = expected[f"v.{layer}"] = (shard, layer)
+        for name, (layer, ref) in _state_refs(shard).items():
+            expected[name], refs[name] = (shard, layer), ref
     missing, unknown = expected.keys() - regions.keys(), regions.keys() - expected.keys()
     if missing or unknown:
         a, b = m.reply.layers
@@ -129,6 +168,14 @@ def _resolve(worker: WorkerState, m: Loaded, regions: Mapping[str, Region], n: i
     views: dict[str, torch.Tensor] = {}
     for name, region in regions.items():
         shard, layer = expected[name]
+        if name in refs:
+            want, dt = list(refs[name].shape), dtype_name(refs[name].dtype)
+            if region.dtype != dt or list(region.shape) != want:
+                raise WorkerError(
+                    f"region {name} must be {dt} {want}, got {region.dtype} {list(region.shape)}"
+                )
+            views[name] = worker.tensor(region)
+            continue
         cache = shard.cache
         ref = cache.k[layer] if name[0] == "k" else cache.v[layer]
         heads, dim, dtype = ref.shape[0], ref.shape[2], dtype_name(cache.dtype)
@@ -145,6 +192,8 @@ def _resolve(worker: WorkerState, m: Loaded, regions: Mapping[str, Region], n: i
     for name, (shard, layer) in expected.items():
         if name[0] == "k":
             out[layer] = (shard, views[name], views[f"v.{layer}"])
+        elif name.startswith("conv."):
+            out[layer] = (shard, views[name], views[f"delta.{layer}"])
     return out
 
 

@@ -82,6 +82,12 @@ async def open_prefix_cache(
     ValueError naming the option when the directory cannot be used."""
     if config.prefix_cache_bytes <= 0:
         return None
+    if target.recurrent:
+        log.info(
+            "prefix cache: exact-cut mode for %s: its recurrent layers' state is saved at "
+            "each prompt's end, and only there can a snapshot be restored",
+            Path(model_path).name,
+        )
     layout = await target.kv_layout()
     disk = None
     if config.kv_cache_dir is not None:
@@ -99,7 +105,7 @@ async def open_prefix_cache(
     arena = SnapshotArena(owner, arena_bytes(config.prefix_cache_bytes))
     t0 = time.monotonic()
     budget = config.kv_cache_budget if disk is not None else None
-    cache = PrefixCache(layout, arena, disk, disk_budget=budget)
+    cache = PrefixCache(layout, arena, disk, disk_budget=budget, exact_cuts=target.recurrent)
     stats = cache.stats()
     log.info(
         "prefix cache: %d MiB arena%s",

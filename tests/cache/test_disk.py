@@ -35,8 +35,7 @@ def arrays(n: int, seed: int = 0, layout: list[TensorSpec] = LAYOUT) -> dict[str
     rng = np.random.default_rng(seed)
     out: dict[str, np.ndarray] = {}
     for s in layout:
-        shape = list(s.shape)
-        shape[s.token_axis] = n
+        shape = list(s.shape_for(n))
         if s.dtype == "bfloat16":  # any 16-bit pattern, NaN payloads included
             out[s.name] = rng.integers(0, 1 << 16, size=shape, dtype=np.uint16)
         else:
@@ -97,11 +96,53 @@ def test_files_are_standard_safetensors_with_bf16(disk: SnapshotDisk) -> None:
         meta = f.metadata()
         assert np.array_equal(f.get_tensor("ring"), src["ring"])
     assert meta["fingerprint"] == IDENT.fingerprint and meta["placement"] == IDENT.placement
-    assert (meta["n_tokens"], meta["format_version"], meta["dtype"]) == ("5", "1", "bfloat16")
+    assert (meta["n_tokens"], meta["format_version"], meta["dtype"]) == ("5", "2", "bfloat16")
     loaded = load_file(entry.path)
     assert loaded["k.0"].dtype == torch.bfloat16 and tuple(loaded["k.0"].shape) == (2, 5, 8)
     assert np.array_equal(loaded["k.0"].view(torch.int16).numpy().view(np.uint16), src["k.0"])
     assert loaded["tokens"].tolist() == src["tokens"].tolist()
+
+
+HYBRID = [
+    TensorSpec("k.3", (2, 1, 8), "bfloat16", 1),
+    TensorSpec("v.3", (2, 1, 8), "bfloat16", 1),
+    TensorSpec("conv.0", (3, 12), "bfloat16", None),  # a recurrent state: no token axis
+    TensorSpec("delta.0", (2, 4, 4), "float32", None),
+]
+
+
+def test_recurrent_states_round_trip_at_their_own_shape(tmp_path: Path) -> None:
+    d = SnapshotDisk(tmp_path / "kv", IDENT, HYBRID)
+    try:
+        src = arrays(9, seed=4, layout=HYBRID)
+        assert src["conv.0"].shape == (3, 12) and src["k.3"].shape == (2, 9, 8)
+        entry = d.write("beef", src)
+        assert [e.entry_id for e in d.scan()] == ["beef"]
+        dest = empty_like(src)
+        d.read_into(entry.path, dest)
+        assert all(dest[k].tobytes() == src[k].tobytes() for k in src)
+    finally:
+        d.close()
+
+
+def test_files_of_the_old_format_version_are_quarantined(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Version 1 files predate recurrent states: never read, moved aside with a warning."""
+    import luced.cache.disk as disk_mod
+
+    d = SnapshotDisk(tmp_path / "kv", IDENT, LAYOUT)
+    try:
+        monkeypatch.setattr(disk_mod, "FORMAT_VERSION", 1)
+        old = d.write("0123", arrays(4)).path
+        monkeypatch.undo()
+        with caplog.at_level(logging.WARNING):
+            assert d.scan() == []
+        assert not old.exists()
+        assert [p.name for p in (d.dir / QUARANTINE).iterdir()] == ["0123.safetensors"]
+        assert "format version 1, this build reads 2" in caplog.text
+    finally:
+        d.close()
 
 
 def test_a_failed_write_leaves_no_file(disk: SnapshotDisk, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -56,7 +56,11 @@ def prompts(vocab: int) -> list[list[int]]:
     return [first, turn2, branch, first]
 
 
-async def check_restore_equals_fresh(path: Path, devices, draft: Path | None) -> None:
+async def check_restore_equals_fresh(
+    path: Path, devices, draft: Path | None, exact_cut: bool = False
+) -> None:
+    """exact_cut (a hybrid): a snapshot restores only at its end, so of the prompts only
+    the second turn (which extends the whole first prompt) restores anything."""
     vocab = Tokenizer.from_gguf(GGUFFile(path)).vocab_size
     ps = prompts(vocab)
     async with engine_with(path, devices, draft, cache=False) as fresh:
@@ -65,6 +69,10 @@ async def check_restore_equals_fresh(path: Path, devices, draft: Path | None) ->
         got = [await run(cached, p) for p in ps]
         stats = cached.prefix_cache.stats()
     assert [tokens for tokens, _ in got] == expected
+    if exact_cut:
+        assert [n for _, n in got] == [0, 150, 0, 0]
+        assert stats.hits == 1 and stats.hit_tokens == 150
+        return
     assert [n for _, n in got] == [0, 150, 90, 149]
     assert stats.hits == 3 and stats.hit_tokens == 150 + 90 + 149
 
@@ -73,7 +81,7 @@ async def check_restore_equals_fresh(path: Path, devices, draft: Path | None) ->
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Path]]:
     root = tmp_path_factory.mktemp("prefix")
     out = {}
-    for family in ("llama", "qwen3", "gemma3"):
+    for family in ("llama", "qwen3", "gemma3", "qwen35"):
         target = root / f"{family}.gguf"
         extra = {} if family == "gemma3" else {"layers": 8}
         make_tiny_gguf.build(family, target, seed=5, context=1024, **extra)
@@ -94,6 +102,18 @@ async def test_tiny_restore_with_a_draft_equals_fresh(tiny, devices) -> None:
     the same features and the speculative output (== plain) is unchanged."""
     target, draft = tiny["qwen3"]
     await check_restore_equals_fresh(target, devices, draft)
+
+
+@pytest.mark.parametrize(
+    ("devices", "with_draft"),
+    [(("cpu",), False), (("cpu", "cpu:1"), False), (("cpu", "cpu:1"), True)],
+    ids=["unsplit", "split", "split+draft"],
+)
+async def test_hybrid_restore_at_exact_cuts_equals_fresh(tiny, devices, with_draft) -> None:
+    """qwen35 (Gated DeltaNet + attention): snapshots carry each recurrent layer's state at
+    the prompt's end; a restore there, then plain or speculative decoding, == fresh."""
+    target, draft = tiny["qwen35"]
+    await check_restore_equals_fresh(target, devices, draft if with_draft else None, True)
 
 
 @pytest.mark.real_model

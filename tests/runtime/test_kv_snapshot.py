@@ -59,6 +59,7 @@ class Snapshot:
 
     def __init__(self, owner: ShmOwner, layout: F.KVLayoutReply, rows: int) -> None:
         specs = {name: ((h, rows, d), layout.dtype) for name, h, d in layout.tensors}
+        specs.update((name, (shape, dt)) for name, shape, dt in layout.states)
         specs["tokens"] = ((rows,), "int32")
         self.seg = owner.create(f"snap-{secrets.token_hex(3)}", required_bytes(specs.values()))
         alloc = RegionAllocator.for_segment(self.seg)
@@ -397,26 +398,36 @@ def test_before_load(owner: ShmOwner) -> None:
         b.handle(F.KVLayout())
 
 
-def test_recurrent_layers_are_refused(owner: ShmOwner, tmp_path: Path) -> None:
-    """A qwen35's DeltaNet state is not in the snapshot: no layout, so no half-restored prefix."""
-    path = make_tiny_gguf.build("qwen35", tmp_path / "q.gguf").path
-    b = Backend("cpu", ("cpu",))
-    b.handle(F.Hello(instance=owner.instance))
-    b.handle(
-        F.Load(
-            model=str(path),
-            layers=(0, 4),
-            dtype="float32",
-            devices=("cpu",),
-            kv_capacity=KV,
-            owns_embed=True,
-            owns_head=True,
-        )
-    )
-    with pytest.raises(
-        WorkerError, match=r"do not cover recurrent layers yet \(layers \[0, 1, 2\]"
-    ):
-        b.handle(F.KVLayout())
+@pytest.mark.parametrize("devices", [("cpu",), ("cpu", "cpu")])
+def test_recurrent_state_restores_at_the_snapshot_end(
+    owner: ShmOwner, tmp_path: Path, devices
+) -> None:
+    """A qwen35 (DeltaNet layers 0-2, attention layer 3): the snapshot carries each DeltaNet
+    layer's conv window and delta matrix; restoring it == the fresh prefill, bitwise. A
+    state sums up every position, so exports and imports short of it are refused."""
+    path = make_tiny_gguf.build("qwen35", tmp_path / "q.gguf", seed=3).path
+    d = Daemon(owner, path, devices=devices)
+    layout = d.layout()
+    assert [t[0] for t in layout.tensors] == ["k.3", "v.3"]
+    assert [(name, dt) for name, _, dt in layout.states] == [
+        (f"{kind}.{i}", dt)
+        for i in range(3)
+        for kind, dt in (("conv", "float32"), ("delta", "float32"))
+    ]
+    first = int(d.feed(PROMPT)[-1].argmax())
+    snap = d.snapshot(N)
+    with pytest.raises(WorkerError, match=f"recurrent state is held at {N} only"):
+        d.export(N - 1, snap)
+    d.export(N, snap)
+    fresh = d.greedy(first, 6)
+
+    d.feed([100, 101, 102])
+    with pytest.raises(WorkerError, match="restores only the snapshot's end"):
+        d.import_(N - 1, snap, PROMPT)
+    assert d.import_(N, snap, PROMPT) == N
+    restored = d.greedy(first, 6)
+    assert restored[0] == fresh[0]
+    assert np.array_equal(restored[1], fresh[1])
 
 
 # -- KVCache helpers ------------------------------------------------------------------------

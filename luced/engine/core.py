@@ -329,6 +329,13 @@ class Engine:
         points are its chat-turn boundaries. The disk copy is written in the background."""
         if self.prefix_cache is None:
             return
+        if not self.target.identity_layout:
+            log.debug(
+                "prefix cache: no snapshot of %d tokens: KV Flash paged chunks out "
+                "(snapshots need the identity layout; page-table serialization is not done)",
+                len(prompt),
+            )
+            return
         cuts = self.turns.cuts(prompt) if self.turns is not None else []
         try:
             await self.prefix_cache.save(prompt, len(prompt), self.target, cuts)
@@ -486,6 +493,7 @@ class Engine:
             ),
             "placement": self.workers(),
             "prefix_cache": self._cache_status(),
+            "kv_flash": self.target.flash_status(),
         }
 
     def _cache_status(self) -> dict | None:

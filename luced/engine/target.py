@@ -539,6 +539,12 @@ class Target:
 
     # -- status --------------------------------------------------------------------------
 
+    @property
+    def identity_layout(self) -> bool:
+        """Whether position p sits in row p of every layer (always, without KV Flash): the
+        only layout a prefix snapshot may copy."""
+        return self.flash is None or self.flash.is_identity
+
     def flash_status(self) -> dict | None:
         """KV Flash counters (pool, resident / paged-out chunks, evictions, recalls, host
         bytes), or None when the target has no pool."""

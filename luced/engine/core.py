@@ -329,6 +329,13 @@ class Engine:
         points are its chat-turn boundaries. The disk copy is written in the background."""
         if self.prefix_cache is None:
             return
+        if not self.target.identity_layout:
+            log.debug(
+                "prefix cache: no snapshot of %d tokens: KV Flash paged chunks out "
+                "(snapshots need the identity layout; page-table serialization is not done)",
+                len(prompt),
+            )
+            return
         # A recurrent model's state exists only at the prompt's end (exact-cut mode): the
         # turn boundaries inside the prompt are no restore points for it.
         turns = self.turns if not self.target.recurrent else None
@@ -489,6 +496,7 @@ class Engine:
             ),
             "placement": self.workers(),
             "prefix_cache": self._cache_status(),
+            "kv_flash": self.target.flash_status(),
         }
 
     def _cache_status(self) -> dict | None:

@@ -20,6 +20,9 @@ process do not collide.
     luced:spec_decode_num_accepted_tokens_total    counter  tokens accepted, and accepted
     luced:spec_decode_num_accepted_tokens_per_pos_total     counter per draft position
                                                             (label position)
+    luced:kv_flash_evictions_total      counter    KV Flash chunks paged out of the pool
+    luced:kv_flash_recalls_total        counter    KV Flash chunks paged back in
+    luced:kv_flash_host_bytes           gauge      bytes of paged-out chunks in the host tier
 
 The engine reports through `observe(what, value)` and `finished(reason)`; the HTTP
 layer refreshes the two gauges from `Engine.status()` on every scrape, so they are
@@ -142,6 +145,16 @@ class Metrics:
         self._prefix_cache_bytes = family(
             Gauge, "prefix_cache_bytes", "Bytes of prefix-cache snapshots per tier.", ["tier"]
         )
+        self.kv_flash_evictions = family(
+            Counter, "kv_flash_evictions", "KV Flash chunks paged out of the pool."
+        )
+        self.kv_flash_recalls = family(
+            Counter, "kv_flash_recalls", "KV Flash chunks paged back into the pool."
+        )
+        self._kv_flash_host_bytes = family(
+            Gauge, "kv_flash_host_bytes", "Bytes of KV Flash chunks in the host tier."
+        )
+        self._kv_flash_seen = {"evictions": 0, "recalls": 0}  # the pager's running totals
         self._observers = {
             "ttft": self.time_to_first_token.observe,
             "itl": self.inter_token_latency.observe,
@@ -209,6 +222,18 @@ class Metrics:
             self._prefix_cache_bytes.labels(**self._base, tier=tier).set(
                 int(cache.get(f"{tier}_bytes", 0))
             )
+        flash = status.get("kv_flash") or {}
+        # The pager keeps running totals; the counters advance by what is new since the
+        # last scrape.
+        for key, counter in (
+            ("evictions", self.kv_flash_evictions),
+            ("recalls", self.kv_flash_recalls),
+        ):
+            total = int(flash.get(key, 0))
+            if total > self._kv_flash_seen[key]:
+                counter.inc(total - self._kv_flash_seen[key])
+                self._kv_flash_seen[key] = total
+        self._kv_flash_host_bytes.set(int(flash.get("host_bytes", 0)))
 
     # -- exposition ---------------------------------------------------------------------------
 

@@ -35,6 +35,11 @@ by the daemon, attached by the workers, unlinked by the daemon)::
          logits         float32 [logit_rows, vocab]         last worker writes
     ring (optional)     see feature_ring.py
 
+With KV Flash (`kv_flash`), the workers hold a fixed pool of K/V rows and the target's
+pager (``kvflash/transport.py``: segments ``<name>-kvflash``, ``<name>-kvhost``) plans
+every forward before its first frame; each frame names the same plan. A prompt longer
+than the pool is prefilled in steps the pool can hold, evicting as it goes.
+
 ``act`` is sized from the first load reply (hidden, vocab) and kept across restarts.
 Write ordering: a region's writer writes before the frame (daemon) or before its reply
 (worker); its reader reads only after that. Frames are sent one at a time, in order,
@@ -45,6 +50,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -56,6 +62,8 @@ from luced.cache.layout import TensorSpec
 from luced.engine.executor import Executor, Slot, WorkerDied, WorkerHandle, WorkerReplyError
 from luced.engine.feature_ring import FeatureRing
 from luced.engine.kv_transfer import KVTransfer
+from luced.engine.kvflash.pager import PagerConfig
+from luced.engine.kvflash.transport import KVFlash
 from luced.engine.placement import TargetPlacement, WorkerSpec, parse_device
 from luced.ipc.frames import (
     DraftBlock,
@@ -95,8 +103,12 @@ class Target:
         placement: TargetPlacement,
         on_state_change: Callable[[], None] | None = None,
         name: str = "target",  # segment name prefix: several targets may share one owner
+        kv_flash: PagerConfig | None = None,  # pool rows and policy; chunk_bytes filled in
     ) -> None:
         self.owner = owner
+        self.flash_cfg = kv_flash
+        self.flash: KVFlash | None = None
+        self._record_bytes: dict[tuple[int, int], int] = {}  # worker layers -> host record
         self.name = name
         self.placement = placement
         self.executor = Executor(owner.instance, placement.workers, self._load, on_state_change)
@@ -137,6 +149,17 @@ class Target:
         self._make_io()
         await self.executor.start()
         self._make_act()
+        if self.flash_cfg is not None:
+            self._make_flash(self.flash_cfg)
+
+    def _make_flash(self, cfg: PagerConfig) -> None:
+        records = [
+            self._record_bytes[s.plan.layers] for s in self.executor.slots if s.plan is not None
+        ]
+        cfg = dataclasses.replace(cfg, chunk_bytes=sum(records))
+        p = self.placement
+        max_step = max(p.max_batch_tokens, p.logit_rows, MAX_BLOCK)
+        self.flash = KVFlash(self.owner, self.name, cfg, p.kv_capacity, max_step, records)
 
     async def close(self) -> None:
         await self.executor.close()
@@ -187,8 +210,16 @@ class Target:
                 owns_embed=plan.owns_embed,
                 owns_head=plan.owns_head,
                 device_splits=plan.device_splits,
+                kv_pool=self.flash_cfg.pool_tokens if self.flash_cfg else 0,
             )
         )
+        if self.flash_cfg is not None:
+            if reply.kv_pool != self.flash_cfg.pool_tokens:
+                raise WorkerReplyError(
+                    f"worker {slot.spec.group} pooled {reply.kv_pool} rows, "
+                    f"not {self.flash_cfg.pool_tokens}"
+                )
+            self._record_bytes[plan.layers] = reply.kv_chunk_bytes
         self.load_s = max(self.load_s, reply.load_s)
         self._recurrent[plan.layers] = reply.recurrent
         self.n_layers, self.hidden, self.vocab = reply.n_layers, reply.hidden, reply.vocab
@@ -203,6 +234,8 @@ class Target:
         self._position = 0
         self._last_fed = (0, [])
         self._ring_floor = 0
+        if self.flash is not None:
+            self.flash.reset()
         self.executor.in_sync = True
 
     @property
@@ -232,6 +265,8 @@ class Target:
         cut = start if replay else position
         await asyncio.gather(*(w.call(Truncate(position=cut)) for w in self.executor.workers()))
         self._position = cut
+        if self.flash is not None:
+            self.flash.truncate(cut)  # the plan hides the rest anyway; tidy
         if replay:
             await self._forward(replay, "logits", {"logits": self._regions["logits"].rows(0, 1)})
 
@@ -395,6 +430,8 @@ class Target:
         """Feed the prompt in chunks of max_batch_tokens; sample after the last one.
         Returns None when `cancelled()` turned true between chunks."""
         chunk = self.placement.max_batch_tokens
+        if self.flash is not None:
+            chunk = min(chunk, self.flash.step_limit)  # each step's chunks fit the pool
         for start in range(0, len(prompt), chunk):
             if cancelled():
                 return None
@@ -472,6 +509,9 @@ class Target:
         capture = {}
         if self.ring is not None:
             capture = {"capture": self.ring.layers, "ring": self.ring.region}
+        # KV Flash: one plan, written once, applied by every worker (raises before any frame
+        # when the step cannot be resident: nothing changed).
+        flash = self.flash.plan(start, n) if self.flash is not None else [{}] * len(workers)
         advanced: list[WorkerHandle] = []
         compute_us = 0
         try:
@@ -489,6 +529,7 @@ class Target:
                     top_logprobs=top_logprobs if last else 0,
                     draft_probs=draft_probs if last else None,
                     **capture,
+                    **flash[k],
                 )
                 reply = await worker.call(frame)
                 assert isinstance(reply, ForwardReply)
@@ -504,6 +545,11 @@ class Target:
             for worker in advanced:
                 with contextlib.suppress(Exception):
                     await worker.call(Truncate(position=start))
+            if self.flash is not None:
+                # Some workers may have run this plan's host-tier moves and others not: the
+                # pool contents disagree, so the sequence must start over.
+                self.flash.truncate(start)
+                self.executor.in_sync = False
             raise
         self._position = start + n
         self._last_fed = (start, list(ids))
@@ -520,6 +566,17 @@ class Target:
         return Region(base.segment, base.offset, (n, k), base.dtype)
 
     # -- status --------------------------------------------------------------------------
+
+    @property
+    def identity_layout(self) -> bool:
+        """Whether position p sits in row p of every layer (always, without KV Flash): the
+        only layout a prefix snapshot may copy."""
+        return self.flash is None or self.flash.is_identity
+
+    def flash_status(self) -> dict | None:
+        """KV Flash counters (pool, resident / paged-out chunks, evictions, recalls, host
+        bytes), or None when the target has no pool."""
+        return self.flash.status() if self.flash is not None else None
 
     async def stats(self) -> dict:
         """The first worker's stats, plus every worker's under "workers"."""
@@ -543,6 +600,8 @@ class Target:
             raise WorkerDied("a model worker was restarted; its KV is gone")
         if not 0 <= n <= self._position:
             raise ValueError(f"cannot export {n} positions: {self._position} are committed")
+        if self.flash is not None and not self.flash.is_identity:
+            raise ValueError("KV Flash: a snapshot needs the identity layout (prompt <= pool)")
         await self.kv.export(n, regions, self.ring)
 
     async def import_kv(self, n: int, regions: dict[str, Region], tokens: Region) -> None:
@@ -554,6 +613,8 @@ class Target:
         if not 0 <= n <= self.placement.kv_capacity:
             cap = self.placement.kv_capacity
             raise ValueError(f"cannot import {n} positions into a KV of {cap}")
+        if self.flash is not None and n > self.flash.pool:
+            raise WorkerReplyError(f"a snapshot of {n} positions exceeds the KV Flash pool")
         if tokens.dtype != "int32" or len(tokens.shape) != 1 or tokens.shape[0] < n:
             raise ValueError(f"tokens must be int32 [>= {n}], got {tokens.dtype} {tokens.shape}")
         frames = await self.kv.import_frames(n, regions, tokens, self.ring)
@@ -568,6 +629,8 @@ class Target:
         self._position = n
         self._last_fed = (n, [])
         self.executor.in_sync = True
+        if self.flash is not None:
+            self.flash.sync_identity(n)  # the workers hold rows [0, n) in rows [0, n)
         if self.ring is not None:
             # A snapshot of N positions holds valid ring rows only from N - ring_cap on.
             self._ring_floor = max(0, regions["ring"].shape[0] - self.ring.ring_cap)

@@ -16,10 +16,11 @@ The ops (request fields -> reply fields):
 
     hello     instance, protocol            -> protocol, pid, group, devices, versions
     load      model, layers=[a, b), dtype, devices, kv_capacity, owns_embed, owns_head,
-              device_splits                 -> n_layers, hidden, vocab, layers, dtype,
-                                               kv_capacity, load_s, recurrent
+              device_splits, kv_pool        -> n_layers, hidden, vocab, layers, dtype,
+                                               kv_capacity, load_s, recurrent, kv_pool,
+                                               kv_chunk_bytes
     forward   n_tokens, start_pos, tokens | hidden_in, want, outputs, positions,
-              sampling, top_logprobs, capture, ring
+              sampling, top_logprobs, capture, ring, kv_slots, kv_map, kv_moves, kv_host
                                             -> n_out, position, elapsed_us
     load_draft path, dtype, device, target  -> capture_layers, block_size, mask_token_id,
                                                hidden, load_s
@@ -39,7 +40,10 @@ bumps ``PROTOCOL_VERSION`` (2: ``project``; ``tokens`` may ride along ``hidden_i
 3: ``load_draft`` and ``draft``; 4: ``forward`` want="verify";
 5: ``kv_layout``, ``kv_export``, ``kv_import``; 6: ``project`` removed;
 7: ``load`` replies ``recurrent``, the loaded layers that keep a recurrent state;
-``kv_layout`` replies ``states`` and snapshots carry them as "conv.l" / "delta.l").
+``kv_layout`` replies ``states`` and snapshots carry them as "conv.l" / "delta.l"; and
+KV Flash: ``load`` ``kv_pool`` and its reply's ``kv_pool`` / ``kv_chunk_bytes``,
+``forward`` ``kv_slots`` / ``kv_map`` / ``kv_moves`` / ``kv_host``: a pooled worker
+cannot serve a forward without the pager's plan, so an old daemon must not drive it).
 Later verbs (expert compute) are added here, each as one
 request class and one reply class.
 
@@ -160,6 +164,7 @@ class HelloReply(Reply):
 # -- load -----------------------------------------------------------------------------------
 
 COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
+KV_CHUNK = 64  # KV Flash: positions per chunk, rows per pool block
 ComputeDtype = Literal["float32", "bfloat16", "float16"]
 
 
@@ -175,6 +180,9 @@ class Load(Request):
     owns_head: bool  # holds the final norm + LM head (can sample / return logits)
     # Layer indices in (a, b) where the next device's shard starts; len(devices) - 1 of them.
     device_splits: tuple[int, ...] = ()
+    # KV Flash: rows of K/V per attention layer (a multiple of KV_CHUNK); 0 = a plain cache
+    # of kv_capacity rows. A pooled worker needs the pager's plan in every forward.
+    kv_pool: int = 0
 
     def _check(self) -> None:
         a, b = self.layers
@@ -194,6 +202,8 @@ class Load(Request):
         bounds = (a, *self.device_splits, b)
         if any(lo >= hi for lo, hi in itertools.pairwise(bounds)):
             raise self._fail(f"device_splits must increase strictly inside {list(self.layers)}")
+        if self.kv_pool < 0 or self.kv_pool % KV_CHUNK:
+            raise self._fail(f"kv_pool must be 0 or a multiple of {KV_CHUNK}, got {self.kv_pool}")
 
 
 @_op("load", REPLIES)
@@ -209,6 +219,8 @@ class LoadReply(Reply):
     # The loaded layers that keep a recurrent state (Gated DeltaNet) instead of K/V rows:
     # such a state cannot be truncated, only rewound to a kept one (the daemon replays).
     recurrent: tuple[int, ...] = ()
+    kv_pool: int = 0  # pool rows per layer; 0: a plain cache
+    kv_chunk_bytes: int = 0  # one host-tier record of this worker (all its shards' layers)
 
 
 # -- forward --------------------------------------------------------------------------------
@@ -285,6 +297,12 @@ class Forward(Request):
     capture: tuple[int, ...] = ()
     ring: Region | None = None
     draft_probs: Region | None = None  # want="verify": float32 [>= n_tokens - 1, vocab]
+    # KV Flash (a worker loaded with kv_pool): the pager's plan for this step, in the
+    # daemon's `kvflash` segment (layout: ``luced/engine/kvflash/transport.py``).
+    kv_slots: Region | None = None  # int64 [>= n_tokens]: pool row of position start_pos + i
+    kv_map: Region | None = None  # int64 [pool]: position each row holds, -1 = none
+    kv_moves: Region | None = None  # int64 [m, 4]: (0 out | 1 in, chunk, block, record)
+    kv_host: Region | None = None  # uint8 [records, kv_chunk_bytes]: this worker's host tier
 
     @property
     def n_out(self) -> int:
@@ -299,6 +317,7 @@ class Forward(Request):
         self._check_sampling()
         self._check_capture()
         self._check_verify()
+        self._check_kv_flash()
 
     def _check_input(self) -> None:
         if self.tokens is None and self.hidden_in is None:
@@ -373,6 +392,31 @@ class Forward(Request):
         if q.dtype != "float32" or len(q.shape) != 2 or q.shape[0] < self.n_tokens - 1:
             got = f"{q.dtype} {list(q.shape)}"
             raise self._fail(f"draft_probs must be float32 [>= {self.n_tokens - 1}, vocab], {got}")
+
+    def _check_kv_flash(self) -> None:
+        slots, table, moves, host = self.kv_slots, self.kv_map, self.kv_moves, self.kv_host
+        if (slots is None) != (table is None):
+            raise self._fail("kv_slots and kv_map come together")
+        if moves is not None and (table is None or host is None):
+            raise self._fail("kv_moves needs kv_map and kv_host")
+        if slots is not None and (
+            slots.dtype != "int64" or len(slots.shape) != 1 or slots.shape[0] < self.n_tokens
+        ):
+            got = f"{slots.dtype} {list(slots.shape)}"
+            raise self._fail(f"kv_slots must be int64 [>= {self.n_tokens}], got {got}")
+        if table is not None and (
+            table.dtype != "int64" or len(table.shape) != 1 or table.shape[0] % KV_CHUNK
+        ):
+            got = f"{table.dtype} {list(table.shape)}"
+            raise self._fail(f"kv_map must be int64 [pool], pool a multiple of {KV_CHUNK}; {got}")
+        if moves is not None and (
+            moves.dtype != "int64" or len(moves.shape) != 2 or moves.shape[1] != 4
+        ):
+            got = f"{moves.dtype} {list(moves.shape)}"
+            raise self._fail(f"kv_moves must be int64 [m, 4], got {got}")
+        if host is not None and (host.dtype != "uint8" or len(host.shape) != 2):
+            got = f"{host.dtype} {list(host.shape)}"
+            raise self._fail(f"kv_host must be uint8 [records, bytes], got {got}")
 
 
 def _check_sampling_map(frame: Forward | DraftBlock) -> None:

@@ -46,13 +46,16 @@ from luced.ipc import frames as F
 from luced.runtime import kv_snapshot
 from luced.runtime.dflash import verbs as draft_verbs
 from luced.runtime.dflash.verify import verify_sampled
-from luced.runtime.kv_cache import ContextOverflow
+from luced.runtime.kv_cache import ContextOverflow, KVCache
+from luced.runtime.kv_pool import PooledKVCache, SharedHostTier, apply_moves, chunk_nbytes
 from luced.runtime.model import Model
 from luced.runtime.sampler import SampleOutput, Sampler, sample, token_logprobs
 from luced.runtime.state import Loaded, Shard, WorkerError, WorkerState, torch_device
 from luced.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
+
+_MOVE_KINDS = {0: "out", 1: "in"}  # kv_moves column 0
 
 TORCH_DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -137,8 +140,15 @@ class Backend(WorkerState):
             )
             if i == 0:
                 check_load(req, model)
-            shards.append(Shard(model, model.new_cache(req.kv_capacity)))
+            if req.kv_pool:
+                check_poolable(model)
+                pool = min(req.kv_pool, -(-req.kv_capacity // F.KV_CHUNK) * F.KV_CHUNK)
+                cache: KVCache | PooledKVCache = model.new_pool_cache(pool, req.kv_capacity)
+            else:
+                cache = model.new_cache(req.kv_capacity)
+            shards.append(Shard(model, cache))
         cfg = shards[0].model.cfg
+        pooled = [s.cache for s in shards if isinstance(s.cache, PooledKVCache)]
         reply = F.LoadReply(
             n_layers=cfg.n_layers,
             hidden=cfg.hidden,
@@ -150,6 +160,8 @@ class Backend(WorkerState):
             recurrent=tuple(
                 layer for s in shards if s.cache.recurrent for layer in s.cache.recurrent.shapes
             ),
+            kv_pool=pooled[0].pool if pooled else 0,
+            kv_chunk_bytes=sum(chunk_nbytes(c) for c in pooled),
         )
         self.loaded = Loaded(Path(req.model), shards, reply)
         return reply
@@ -215,6 +227,7 @@ class Backend(WorkerState):
         if sampler is not None and sampler.params.has_penalties and len(m.tokens) != start:
             raise WorkerError("penalties need the token history; this shard was fed hidden_in")
         q = self._draft_probs(req, m, sampler)
+        self._kv_flash(req, m)  # host-tier copies and the step's rows, before any K/V write
         first, last = m.shards[0].model, m.shards[-1].model
         if hidden_in is None:
             assert ids is not None
@@ -349,6 +362,39 @@ class Backend(WorkerState):
         self.check_width("draft_probs", req.draft_probs, m.reply.vocab)
         return self.tensor(req.draft_probs)[: req.n_tokens - 1]
 
+    def _kv_flash(self, req: F.Forward, m: Loaded) -> None:
+        """KV Flash: run the plan's host-tier moves, in order, on every shard, then give each
+        shard the step's write slots and slot map (the same table for all of them)."""
+        if not m.reply.kv_pool:
+            if req.kv_slots is not None:
+                raise WorkerError("kv_slots sent to a worker loaded without kv_pool")
+            return
+        if req.kv_slots is None or req.kv_map is None:
+            raise WorkerError("a KV Flash worker needs the pager's plan (kv_slots, kv_map)")
+        if req.kv_map.shape[0] != m.reply.kv_pool:
+            got, pool = req.kv_map.shape[0], m.reply.kv_pool
+            raise WorkerError(f"kv_map of {got} rows for a pool of {pool}")
+        slots = self.tensor(req.kv_slots)[: req.n_tokens]
+        table = self.tensor(req.kv_map)
+        moves = self.tensor(req.kv_moves).tolist() if req.kv_moves is not None else []
+        if moves:
+            assert req.kv_host is not None  # the frame checks it
+            if req.kv_host.shape[1] != m.reply.kv_chunk_bytes:
+                got, want = req.kv_host.shape[1], m.reply.kv_chunk_bytes
+                raise WorkerError(f"host records of {got} bytes, this worker's are {want}")
+            records = self.tensor(req.kv_host)
+            offset = 0
+            for shard in m.shards:
+                cache = shard.cache
+                assert isinstance(cache, PooledKVCache)
+                host = SharedHostTier(records, offset, chunk_nbytes(cache))
+                apply_moves(cache, [(_MOVE_KINDS[k], c, b, r) for k, c, b, r in moves], host)
+                offset += host.record_bytes
+        for shard in m.shards:
+            cache = shard.cache
+            assert isinstance(cache, PooledKVCache)
+            cache.set_step(req.start_pos, slots, table)
+
     def _inputs(self, req: F.Forward, m: Loaded) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """(token ids or None, hidden rows or None): [n] int32 / [n, hidden] views; the
         embedding owner gets ids only, a later shard hidden rows (and maybe the ids)."""
@@ -421,6 +467,18 @@ def _write_rows(out: dict[str, torch.Tensor], result: SampleOutput) -> None:
     for name, value in pairs:
         if name in out and value is not None:
             out[name][:n].copy_(value)  # casts int64 -> int32; device -> host
+
+
+def check_poolable(model: Model) -> None:
+    """KV Flash pools attention layers that keep their own K/V: not yet recurrent state
+    (DeltaNet) or layers reading another layer's K/V (Gemma 4 sharing)."""
+    cfg = model.cfg
+    shared = [i for i in model.layers if cfg.kv_source(i) != i]
+    if getattr(model.family, "recurrent_shapes", None) is not None or shared:
+        raise WorkerError(
+            f"KV Flash does not pool this model yet ({cfg.arch}: recurrent or KV-sharing "
+            "layers); serve it without --kv-flash"
+        )
 
 
 def check_load(req: F.Load, model: Model) -> None:

@@ -82,6 +82,9 @@ class PooledKVCache:
         self.dtype = dtype
         self.device = torch.device(device)
         self.pos = 0
+        self.stored = tuple(layers)  # every layer keeps its own rows (snapshots copy these)
+        self.shapes = {i: (self.kv_heads[i], head_dim) for i in layers}
+        self.recurrent = None  # recurrent (DeltaNet) state is never pooled: not supported here
         self.k: dict[int, torch.Tensor] = {}
         self.v: dict[int, torch.Tensor] = {}
         for i in layers:
@@ -90,6 +93,7 @@ class PooledKVCache:
             self.v[i] = torch.zeros(shape, dtype=dtype, device=self.device)
         self._step: _Step | None = None
         self._arange = torch.arange(pool, device=self.device)
+        self._held = torch.full((pool,), -1, dtype=torch.int64, device=self.device)  # last map
 
     def set_step(
         self,
@@ -113,6 +117,7 @@ class PooledKVCache:
         rows = rows[order]
         complete = positions.shape[0] == end and torch.equal(positions, self._arange[:end])
         self._step = _Step(start, n, slots, rows, positions, complete)
+        self._held = held
 
     def reserve(self, start: int, n: int) -> None:
         step = self._step
@@ -175,6 +180,40 @@ class PooledKVCache:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (*self.k.values(), *self.v.values()))
 
+    # Prefix snapshots: only in the identity layout (position p in row p), which the daemon
+    # checks with its pager; the rows' map is checked here too.
+
+    def export_rows(self, layer: int, n: int, k_out: torch.Tensor, v_out: torch.Tensor) -> None:
+        """Copy positions [0, n) of `layer` into k_out / v_out ([Hkv, >= n, D]); the rows must
+        be in the identity layout."""
+        if not 0 <= n <= min(self.pos, self.pool):
+            raise ValueError(f"cannot export {n} rows: fill position {self.pos}, pool {self.pool}")
+        if not torch.equal(self._held[:n], self._arange[:n]):
+            raise ValueError("KV Flash: a snapshot needs the identity layout (row p holds p)")
+        k_out[:, :n].copy_(self.k[layer][:, :n])
+        v_out[:, :n].copy_(self.v[layer][:, :n])
+
+    def import_rows(self, n: int, rows: Mapping[int, tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Rows [0, n) of each layer's (k, v) into pool rows [0, n) (the identity layout the
+        daemon's pager then syncs to) and commit n."""
+        if n > self.pool:
+            raise ContextOverflow(f"{n} positions exceed the KV Flash pool of {self.pool} rows")
+        if set(rows) != set(self.stored):
+            raise ValueError(f"import needs layers {list(self.stored)}, got {sorted(rows)}")
+        for layer, (k, v) in rows.items():
+            want = self.shapes[layer]
+            for t in (k, v):
+                if t.dim() != 3 or (t.shape[0], t.shape[2]) != want or t.shape[1] < n:
+                    raise ValueError(f"layer {layer}: rows must be [{want[0]}, >= {n}, {want[1]}]")
+                if t.dtype != self.dtype:
+                    raise ValueError(f"layer {layer}: rows are {t.dtype}, the cache {self.dtype}")
+        self.reset()
+        for layer, (k, v) in rows.items():
+            self.k[layer][:, :n].copy_(k[:, :n])
+            self.v[layer][:, :n].copy_(v[:, :n])
+        self._held = torch.where(self._arange < n, self._arange, -1)
+        self.pos = n
+
 
 # ---------------------------------------------------------------------- host tier
 
@@ -234,7 +273,9 @@ class HostTier:
 
 
 def apply_moves(
-    cache: PooledKVCache, moves: Iterable[tuple[str, int, int, int]], host: HostTier
+    cache: PooledKVCache,
+    moves: Iterable[tuple[str, int, int, int]],
+    host: HostTier | SharedHostTier,
 ) -> None:
     """Run a step's host-tier moves, in order: (kind "out"/"in", chunk, block, record)."""
     for kind, _chunk, block, record in moves:
@@ -244,3 +285,22 @@ def apply_moves(
             page_in(cache, block, host.record(record))
         else:
             raise ValueError(f"unknown move {kind!r}")
+
+
+class SharedHostTier:
+    """The worker's view of its host tier in the daemon's shared memory: `records` is
+    uint8 [n_records, record_bytes], record r at row r (the pager's record id). A worker
+    holding several shards (devices) stores them side by side in each record, shard by
+    shard, each in `chunk_nbytes` layout, so one record id covers all of them."""
+
+    def __init__(self, records: torch.Tensor, offset: int, record_bytes: int) -> None:
+        if records.dim() != 2 or offset + record_bytes > records.shape[1]:
+            raise ValueError(f"host records {list(records.shape)} too narrow for this shard")
+        self.records = records
+        self.offset = offset
+        self.record_bytes = record_bytes
+
+    def record(self, record: int) -> torch.Tensor:
+        if not 0 <= record < self.records.shape[0]:
+            raise ValueError(f"host record {record} outside [0, {self.records.shape[0]})")
+        return self.records[record, self.offset : self.offset + self.record_bytes]

@@ -6,7 +6,8 @@ extends it with the core verbs and the frame dispatch, and the verb modules besi
 private methods and none imports the dispatcher.
 
     loaded    the target's shards: one (Model, KVCache) per device, layers [a, b) cut at
-              device_splits, the token history, the kept sampler
+              device_splits, the token history, the kept sampler; with KV Flash
+              (load kv_pool) each cache is a PooledKVCache driven by the daemon's pager
     draft     a DFlash draft, beside the target or alone in the worker
     regions   shared-memory regions viewed as tensors, attached lazily by segment name;
               only segments of the daemon instance that said hello
@@ -24,6 +25,7 @@ from luced.ipc import frames as F
 from luced.ipc.regions import Attachments, Region
 from luced.runtime.dflash.draft import Draft
 from luced.runtime.kv_cache import KVCache
+from luced.runtime.kv_pool import PooledKVCache
 from luced.runtime.model import Model
 from luced.runtime.sampler import Sampler
 
@@ -66,7 +68,7 @@ def torch_device(name: str) -> torch.device:
 @dataclass
 class Shard:
     model: Model  # layers [a, b) on one device
-    cache: KVCache
+    cache: KVCache | PooledKVCache  # pooled when load asked for kv_pool (KV Flash)
 
 
 @dataclass

@@ -119,6 +119,16 @@ def _to_float(v: Any) -> float:
     return x
 
 
+def _to_pool(v: Any) -> int | str:
+    """KV Flash pool: a token count, or "auto"."""
+    if isinstance(v, str) and v.strip().lower() == "auto":
+        return "auto"
+    n = _to_int(v)
+    if n < 1:
+        raise ValueError(f"a pool needs tokens (or auto), got {n}")
+    return n
+
+
 def _to_str(v: Any) -> str:
     if not isinstance(v, str):
         raise ValueError(f"not a string: {v!r}")
@@ -181,6 +191,7 @@ _CONVERTERS: dict[str, Callable[[Any], Any]] = {
     "device": _unflagged(lambda v: parse_device(str(v).strip())[0]),
     "weights": _unflagged(parse_weights),
     "int": _to_int,
+    "pool": _to_pool,
     "bytes": _to_bytes,
     "float": _to_float,
     "str": _to_str,
@@ -379,6 +390,33 @@ OPTIONS: tuple[Option, ...] = (
         minimum=0, default_doc="8G", example="64G",
     ),
     Option(
+        "kv_flash", "pool", None,
+        "KV Flash: keep at most this many tokens of K/V per attention layer in the "
+        "workers (a pool of 64-token blocks; rounded up to a multiple of 256, clamped to "
+        "the context); older 64-token chunks are paged out to a shared-memory host tier "
+        "and attention skips them. `auto` sizes the pool from free memory, capped by "
+        "kv_flash_max_pool. Lossless while the sequence fits the pool.",
+        nullable=True, default_doc="off (every worker keeps the whole context)", example="auto",
+    ),
+    Option(
+        "kv_flash_policy", "str", "qk",
+        "Which chunk KV Flash evicts when the pool is full. `lru`: the least recently "
+        "written (StreamingLLM: sinks + recency). `qk`: the lowest query-key score; until "
+        "the worker-side scorer lands every chunk is unscored and `qk` evicts as `lru`.",
+        choices=("lru", "qk"),
+    ),
+    Option(
+        "kv_flash_tau", "int", 64,
+        "KV Flash reselection interval floor in generated tokens (max(tau, history/45)).",
+        minimum=1,
+    ),
+    Option(
+        "kv_flash_max_pool", "int", 16384,
+        "Largest pool `--kv-flash auto` picks (tokens): attention cost per step grows "
+        "with it.",
+        minimum=512,
+    ),
+    Option(
         "log_level", "str", "info", "Log level.",
         choices=("debug", "info", "warning", "error"),
     ),
@@ -415,6 +453,10 @@ class Config:
     prefix_cache_bytes: int
     kv_cache_dir: Path | None
     kv_cache_budget: int
+    kv_flash: int | str | None  # None: off; tokens or "auto" (see luced.engine.kvflash)
+    kv_flash_policy: str
+    kv_flash_tau: int
+    kv_flash_max_pool: int
     log_level: str
     # option name -> where its value came from ("--port", "LUCED_PORT", "FILE: port", ...)
     sources: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False)
@@ -540,6 +582,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             kwargs["metavar"] = "{" + ",".join(opt.choices) + "}"
         elif opt.type in ("devices", "weights"):
             kwargs["metavar"] = "LIST"
+        elif opt.type == "pool":
+            kwargs["metavar"] = "TOKENS|auto"
         else:
             kwargs["metavar"] = opt.name.upper()
         parser.add_argument(opt.flag, **kwargs)

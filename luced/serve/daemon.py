@@ -25,6 +25,13 @@ from aiohttp import web
 from luced.api.server import make_app
 from luced.engine.core import Engine
 from luced.engine.executor import WorkerReplyError
+from luced.engine.kvflash.pager import PagerConfig
+from luced.engine.kvflash.transport import (
+    KVFlashSettings,
+    model_bytes_per_token,
+    pager_config,
+    resolve_pool,
+)
 from luced.engine.metrics import Metrics
 from luced.engine.target import Target, TargetPlacement
 from luced.gguf_file import GGUFFile
@@ -37,6 +44,8 @@ from luced.text.chat_template import ChatTemplate
 from luced.text.tokenizer import Tokenizer
 
 log = logging.getLogger("luced")
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 class StartupError(RuntimeError):
@@ -79,6 +88,7 @@ class Daemon:
         n_layers = int(gguf.require(f"{gguf.arch}.block_count"))
         kv_sources = gguf.kv_sources()  # a layer split keeps these layers with their sources
         context = cfg.effective_context_length(int(gguf.require(f"{gguf.arch}.context_length")))
+        kv_flash = self._kv_flash(gguf, context)
         del gguf
 
         # Placement errors (bad devices, more shards than layers, a missing interpreter)
@@ -101,7 +111,7 @@ class Daemon:
             cores=max(1, usable_cores() - 1),
         )
         metrics = Metrics()
-        self.target = Target(self.owner, placement)
+        self.target = Target(self.owner, placement, kv_flash=kv_flash)
         self.engine = engine = Engine(
             self.target,
             tokenizer,
@@ -163,6 +173,29 @@ class Daemon:
             await http.cleanup()
         log.info("stopped")
         return 0
+
+    def _kv_flash(self, gguf: GGUFFile, context: int) -> PagerConfig | None:
+        """The KV Flash pager's config (--kv-flash), or None when it is off."""
+        cfg = self.config
+        if cfg.kv_flash is None:
+            return None
+        settings = KVFlashSettings(
+            cfg.kv_flash, cfg.kv_flash_policy, cfg.kv_flash_tau, cfg.kv_flash_max_pool
+        )
+        per_token = model_bytes_per_token(gguf, DTYPE_BYTES[cfg.dtype])
+        pool = resolve_pool(settings, context, per_token)
+        try:
+            pager = pager_config(settings, pool, gguf)
+        except ValueError as exc:  # PoolTooSmall: the sinks, tail and window need more
+            raise StartupError(f"{cfg.label('kv_flash')}: {exc}") from exc
+        log.info(
+            "KV Flash: pool of %d tokens (%s), policy %s, %d KiB of K/V per token",
+            pool,
+            cfg.kv_flash,
+            cfg.kv_flash_policy,
+            per_token // 1024,
+        )
+        return pager
 
     async def _start_model(self) -> None:
         assert self.target is not None

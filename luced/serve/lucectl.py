@@ -252,6 +252,20 @@ def _prefix_cache(c: Any) -> str:
     )
 
 
+def _kv_flash(f: Any) -> str:
+    """The engine's kv_flash status as one line ("off" when it is null)."""
+    if f is None:
+        return "off"
+    if not isinstance(f, dict):
+        return fmt(f)
+    return (
+        f"pool {fmt(f.get('pool_tokens'))} tokens ({fmt(f.get('policy'))}), "
+        f"{fmt(f.get('resident_chunks'))} chunks resident, "
+        f"{fmt(f.get('paged_out_chunks'))} paged out ({human_bytes(f.get('host_bytes'))}); "
+        f"{fmt(f.get('evictions'))} evictions, {fmt(f.get('recalls'))} recalls"
+    )
+
+
 def render_status(reply: Mapping[str, Any]) -> str:
     rows: list[tuple[str, str]] = []
     body = {k: v for k, v in reply.items() if k != "ok"}
@@ -276,6 +290,7 @@ def render_status(reply: Mapping[str, Any]) -> str:
         "totals": _counts,
         "requests": _counts,
         "prefix_cache": _prefix_cache,
+        "kv_flash": _kv_flash,
     }
     for key, show in named.items():
         if key in body:

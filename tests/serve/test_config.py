@@ -69,8 +69,22 @@ SAMPLES: dict[str, tuple[str, str, Any]] = {
     "prefix_cache_bytes": ("512M", '"512M"', 512 * 2**20),
     "kv_cache_dir": ("/srv/kv", '"/srv/kv"', Path("/srv/kv")),
     "kv_cache_budget": ("1.5G", "1610612736", 1610612736),
+    "kv_flash": ("2048", "2048", 2048),
+    "kv_flash_policy": ("lru", '"lru"', "lru"),
+    "kv_flash_tau": ("128", "128", 128),
+    "kv_flash_max_pool": ("4096", "4096", 4096),
     "log_level": ("debug", '"debug"', "debug"),
 }  # fmt: skip
+
+
+def test_kv_flash_takes_tokens_or_auto() -> None:
+    assert load(["--kv-flash", "auto"]).kv_flash == "auto"
+    assert load(env={"LUCED_KV_FLASH": "AUTO"}).kv_flash == "auto"
+    assert load().kv_flash is None  # off by default
+    with pytest.raises(ConfigError, match="--kv-flash"):
+        load(["--kv-flash", "0"])
+    with pytest.raises(ConfigError, match="not an integer"):
+        load(["--kv-flash", "lots"])
 
 
 def test_every_option_has_a_sample() -> None:

@@ -1,0 +1,52 @@
+"""KV Flash through the real daemon: a prompt six times the pool, over HTTP and lucectl."""
+
+from __future__ import annotations
+
+import pytest
+from daemon_proc import DaemonProcess
+from test_daemon import client
+
+FILLER = (
+    "The museum opened a new wing for maritime history, with models of sailing ships, "
+    "old charts of the northern coast and the logbook of a whaling captain. "
+)
+
+
+@pytest.mark.real_model
+def test_long_prompt_over_a_small_pool(smollm2_gguf, tmp_path) -> None:
+    d = DaemonProcess(
+        smollm2_gguf, tmp_path, "--kv-flash", "512", "--kv-flash-policy", "lru",
+        env={"LUCED_LOG_LEVEL": "debug"},
+    ).start()  # fmt: skip
+    try:
+        oa = client(d)
+        question = "\n\nQuestion: What is the capital of France? Answer in one word."
+        content = FILLER * 100 + question
+        reply = oa.chat.completions.create(
+            model="SmolLM2-135M-Instruct.Q4_1",
+            messages=[{"role": "user", "content": content}],
+            temperature=0,
+            max_tokens=16,
+        )
+        assert reply.usage.prompt_tokens >= 3000
+        text = reply.choices[0].message.content
+        assert "paris" in text.lower(), text
+
+        status = d.lucectl_json("status")
+        flash = status["kv_flash"]
+        assert flash["pool_tokens"] == 512 and flash["resident_chunks"] == 8
+        assert flash["evictions"] >= 3000 // 64 - 8 and flash["paged_out_chunks"] > 0
+        assert flash["host_bytes"] > 0
+        assert "evictions" in d.lucectl("status").stdout
+        evictions = [
+            float(line.split()[-1])
+            for line in d.metrics().splitlines()
+            if line.startswith("luced:kv_flash_evictions_total")
+        ]
+        assert evictions and evictions[0] == flash["evictions"]
+        # The pool left the identity layout: no prefix snapshot, a debug line instead.
+        assert d.lucectl_json("snapshot", "list")["snapshots"] == []
+        assert "no snapshot of" in d.log()
+    finally:
+        assert d.stop() == 0
+    assert d.segments() == []  # no /dev/shm leftovers

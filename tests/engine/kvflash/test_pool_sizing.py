@@ -1,0 +1,76 @@
+"""`--kv-flash TOKENS|auto` -> pool rows, and the plan fields of the forward frame."""
+
+from __future__ import annotations
+
+import pytest
+
+from luced.engine.kvflash.transport import KVFlashSettings, resolve_pool
+from luced.ipc.frames import Forward, FrameError, Load
+from luced.ipc.regions import Region
+
+MIB = 2**20
+
+
+@pytest.mark.parametrize(
+    ("pool", "context", "want"),
+    [
+        (512, 8192, 512),
+        (500, 8192, 512),  # rounded up to 256
+        (1000, 8192, 1024),
+        (9000, 8192, 8192),  # clamped to the context
+        (300, 1000, 512),
+        (2000, 1000, 1024),  # the context rounded up to a chunk
+    ],
+)
+def test_tokens_round_up_and_clamp(pool: int, context: int, want: int) -> None:
+    assert resolve_pool(KVFlashSettings(pool), context, 46080) == want
+
+
+def test_auto_sizes_from_free_memory_with_a_cap() -> None:
+    auto = KVFlashSettings("auto", max_pool=16384)
+    per_token = 46080  # SmolLM2-135M f32
+    # Half of 100 MiB / 45 KiB = 1137 tokens -> 1280.
+    assert resolve_pool(auto, 8192, per_token, free_bytes=100 * MIB) == 1280
+    assert resolve_pool(auto, 8192, per_token, free_bytes=64 << 30) == 8192  # the context
+    assert resolve_pool(auto, 32768, per_token, free_bytes=64 << 30) == 16384  # the cap
+    with pytest.raises(ValueError, match="positive"):
+        KVFlashSettings(0)
+
+
+def region(shape: tuple[int, ...], dtype: str) -> Region:
+    return Region("/luced-x-kvflash", 64, shape, dtype)
+
+
+def test_forward_plan_fields_are_checked() -> None:
+    base = dict(
+        n_tokens=4,
+        start_pos=0,
+        want="hidden",
+        outputs={"hidden": region((4, 8), "float32")},
+        tokens=region((4,), "int32"),
+    )
+    Forward(**base, kv_slots=region((4,), "int64"), kv_map=region((512,), "int64"))
+    with pytest.raises(FrameError, match="together"):
+        Forward(**base, kv_slots=region((4,), "int64"))
+    with pytest.raises(FrameError, match="kv_slots must be int64"):
+        Forward(**base, kv_slots=region((3,), "int64"), kv_map=region((512,), "int64"))
+    with pytest.raises(FrameError, match="kv_map"):
+        Forward(**base, kv_slots=region((4,), "int64"), kv_map=region((500,), "int64"))
+    with pytest.raises(FrameError, match="kv_moves needs"):
+        Forward(
+            **base,
+            kv_slots=region((4,), "int64"),
+            kv_map=region((512,), "int64"),
+            kv_moves=region((1, 4), "int64"),
+        )
+    with pytest.raises(FrameError, match="kv_pool"):
+        Load(
+            model="m",
+            layers=(0, 1),
+            dtype="float32",
+            devices=("cpu",),
+            kv_capacity=512,
+            owns_embed=True,
+            owns_head=True,
+            kv_pool=100,
+        )

@@ -1,0 +1,150 @@
+"""KV Flash through the real Target: worker subprocesses, the plan in shared memory.
+
+Oracles: with pool >= prompt + completion, greedy output equals the plain cache's
+(in-process `generate`, which the split tests tie bitwise to the plain Target), unsplit
+and split across workers; under eviction, the Target equals the same pager and pooled
+cache run in this process (the plan and the host-tier copies cross processes unchanged).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import make_tiny_gguf
+import pytest
+import torch
+
+from luced.engine.kvflash import Pager
+from luced.engine.kvflash.transport import KVFlashSettings, pager_config
+from luced.engine.target import Target, TargetPlacement
+from luced.gguf_file import GGUFFile
+from luced.ipc.shm import ShmOwner, scan
+from luced.runtime.generate import generate
+from luced.runtime.kv_pool import HostTier, apply_moves, chunk_nbytes
+from luced.runtime.model import Model
+from luced.sampling_params import SamplingParams
+
+THREADS = torch.get_num_threads()
+GREEDY = {"temperature": 0}
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    d = tmp_path_factory.mktemp("kvflash")
+    out = {}
+    for family in ("llama", "qwen3", "gemma3"):
+        extra = {} if family == "gemma3" else {"layers": 4}
+        make_tiny_gguf.build(family, d / f"{family}.gguf", seed=5, **extra)
+        out[family] = d / f"{family}.gguf"
+    make_tiny_gguf.build("llama", d / "long.gguf", seed=5, layers=3, context=1024)
+    out["long"] = d / "long.gguf"
+    return out
+
+
+@contextlib.asynccontextmanager
+async def flash_target(
+    path: Path, devices: tuple[str, ...], pool: int, context: int, policy: str = "lru"
+) -> AsyncIterator[Target]:
+    gguf = GGUFFile(path)
+    cfg = pager_config(KVFlashSettings(pool, policy=policy), pool, gguf)
+    with ShmOwner() as owner:
+        placement = TargetPlacement.split(
+            model=str(path),
+            n_layers=int(gguf.require(f"{gguf.arch}.block_count")),
+            dtype="float32",
+            kv_capacity=context,
+            max_batch_tokens=32,
+            devices=devices,
+            threads=THREADS,
+        )
+        target = Target(owner, placement, kv_flash=cfg)
+        try:
+            await target.start()
+            yield target
+        finally:
+            await target.close()
+        instance = owner.instance
+    assert not [s for s in scan() if instance in s.name]  # every segment unlinked
+
+
+async def greedy(target: Target, prompt: list[int], n: int) -> list[int]:
+    await target.reset()
+    s = await target.prefill(prompt, GREEDY, None)
+    out = [s.token]
+    while len(out) < n:
+        out.append((await target.step(out[-1], GREEDY, None)).token)
+    return out
+
+
+PROMPT = [(7 * i + 3) % 97 + 2 for i in range(150)]  # spans 3 chunks, 5 prefill steps
+
+
+@pytest.mark.parametrize(
+    ("family", "devices"),
+    [
+        ("llama", ("cpu",)),
+        ("llama", ("cpu", "cpu:1")),
+        ("qwen3", ("cpu",)),
+        ("qwen3", ("cpu", "cpu:1")),
+        ("gemma3", ("cpu",)),
+        ("gemma3", ("cpu", "cpu:1")),
+    ],
+)
+async def test_pool_covering_the_sequence_equals_the_plain_cache(
+    tiny: dict[str, Path], family: str, devices: tuple[str, ...]
+) -> None:
+    ref = Model.load(tiny[family])
+    want = generate(ref, PROMPT, SamplingParams(temperature=0), 20).tokens
+    async with flash_target(tiny[family], devices, pool=512, context=512) as target:
+        assert await greedy(target, PROMPT, 20) == want
+        assert target.flash is not None and target.flash.is_identity
+        status = target.flash_status()
+        assert status is not None and status["evictions"] == 0
+        assert status["resident_chunks"] == 3  # positions 0..169
+
+
+def in_process(path: Path, prompt: list[int], n: int, pool: int, step: int) -> list[int]:
+    """The same pager and pooled cache, in this process: the oracle for the transport."""
+    gguf = GGUFFile(path)
+    model = Model.load(path)
+    cache = model.new_pool_cache(pool, 1024)
+    pager = Pager(pager_config(KVFlashSettings(pool, policy="lru"), pool, gguf))
+    host = HostTier(chunk_nbytes(cache))
+
+    @torch.inference_mode()
+    def feed(ids: list[int], start: int) -> int:
+        plan = pager.plan(start, len(ids))
+        apply_moves(cache, plan.moves, host)
+        cache.set_step(
+            start, plan.write_slots, torch.frombuffer(plan.slot_positions, dtype=torch.int64)
+        )
+        h, _ = model.forward_layers(model.embed(torch.tensor(ids)), cache, start)
+        return int(model.logits(h[-1:]).argmax())
+
+    for start in range(0, len(prompt), step):
+        token = feed(prompt[start : start + step], start)
+    out = [token]
+    while len(out) < n:
+        out.append(feed([out[-1]], len(prompt) + len(out) - 1))
+    return out
+
+
+@pytest.mark.parametrize("devices", [("cpu",), ("cpu", "cpu:1")])
+async def test_eviction_across_processes_equals_the_in_process_pager(
+    tiny: dict[str, Path], devices: tuple[str, ...]
+) -> None:
+    prompt = [(13 * i + 5) % 97 + 2 for i in range(700)]
+    want = in_process(tiny["long"], prompt, 12, pool=512, step=32)
+    async with flash_target(tiny["long"], devices, pool=512, context=1024) as target:
+        assert await greedy(target, prompt, 12) == want
+        status = target.flash_status()
+        assert status is not None
+        assert status["evictions"] >= 3 and status["paged_out_chunks"] >= 3
+        assert status["resident_chunks"] == 8 and status["host_bytes"] > 0
+        assert not target.flash.is_identity
+        # A second request starts from a fresh identity layout.
+        assert await greedy(target, prompt[:100], 3) == in_process(
+            tiny["long"], prompt[:100], 3, pool=512, step=32
+        )

@@ -32,7 +32,12 @@ from luced.ipc.shm import ShmOwner, cleanup_stale
 from luced.serve import sdnotify
 from luced.serve.admin import start_admin_server
 from luced.serve.config import Config, usable_cores
-from luced.serve.prefix_setup import open_prefix_cache, snapshot_handlers
+from luced.serve.prefix_setup import (
+    DiskReservation,
+    open_prefix_cache,
+    reserve_disk_dir,
+    snapshot_handlers,
+)
 from luced.text.chat_template import ChatTemplate
 from luced.text.tokenizer import Tokenizer
 
@@ -52,6 +57,7 @@ class Daemon:
         self.target: Target | None = None
         self.template: ChatTemplate | None = None
         self.tokenizer: Tokenizer | None = None
+        self.disk_reservation = DiskReservation()
 
     async def run(self) -> int:
         removed = cleanup_stale()
@@ -100,6 +106,12 @@ class Daemon:
             threads=cfg.threads,
             cores=max(1, usable_cores() - 1),
         )
+        # Exclusive resources before the slow load: the cache directory's lock here, the
+        # port and the admin socket below, each a one-line StartupError when taken.
+        try:
+            self.disk_reservation = reserve_disk_dir(cfg, model_path)
+        except ValueError as exc:
+            raise StartupError(str(exc)) from exc
         metrics = Metrics()
         self.target = Target(self.owner, placement)
         self.engine = engine = Engine(
@@ -161,6 +173,7 @@ class Daemon:
                 await engine.prefix_cache.close()
             await self.target.close()
             await http.cleanup()
+            self.disk_reservation.release()
         log.info("stopped")
         return 0
 
@@ -187,7 +200,12 @@ class Daemon:
         assert self.engine is not None
         try:
             self.engine.prefix_cache = await open_prefix_cache(
-                self.config, self.target, self.owner, str(self.config.model_path()), self.template
+                self.config,
+                self.target,
+                self.owner,
+                str(self.config.model_path()),
+                self.template,
+                self.disk_reservation,
             )
         except ValueError as exc:
             raise StartupError(str(exc)) from exc

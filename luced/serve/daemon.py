@@ -22,7 +22,7 @@ from pathlib import Path
 
 from aiohttp import web
 
-from luced.api.server import make_app
+from luced.api.server import Guard, make_app
 from luced.engine.core import Engine
 from luced.engine.executor import WorkerReplyError
 from luced.engine.metrics import Metrics
@@ -31,7 +31,7 @@ from luced.gguf_file import GGUFFile
 from luced.ipc.shm import ShmOwner, cleanup_stale
 from luced.serve import sdnotify
 from luced.serve.admin import start_admin_server
-from luced.serve.config import Config, usable_cores
+from luced.serve.config import Config, ConfigError, usable_cores
 from luced.serve.prefix_setup import (
     DiskReservation,
     open_prefix_cache,
@@ -126,7 +126,12 @@ class Daemon:
             block_size=cfg.block_size,
             metrics=metrics,
         )
-        app = make_app(engine, metrics, api_key=cfg.api_key)
+        try:
+            api_key = cfg.effective_api_key()
+        except ConfigError as exc:
+            raise StartupError(str(exc)) from exc
+        guard = Guard(cfg.host, cfg.allowed_hosts, cfg.allowed_origins, cfg.metrics_public)
+        app = make_app(engine, metrics, api_key=api_key, guard=guard)
         http = web.AppRunner(app, handle_signals=False, access_log=None, handler_cancellation=True)
         await http.setup()
         site = web.TCPSite(http, cfg.host, cfg.port)

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from luced.api.fields import (
+    INT_RANGES,
     APIError,
     bad,
     json_kind,
@@ -105,7 +106,7 @@ def parse_messages(
         stream=read_bool(body, "stream"),
         include_usage=False,
         params=_sampling(body),
-        max_tokens=read_int(body, "max_tokens", 1),
+        max_tokens=read_int(body, "max_tokens", *INT_RANGES["max_tokens"]),
         stop=_stop_sequences(body.get("stop_sequences")),
     )
     return MessagesRequest(options, tuple(chat), prefill)
@@ -116,12 +117,14 @@ def _sampling(body: Mapping[str, Any]) -> SamplingParams:
     for name in ("temperature", "top_p"):
         if (x := read_number(body, name, 0.0, 1.0)) is not None:
             fields[name] = x
-    if (k := read_int(body, "top_k", 0)) is not None:
+    if (k := read_int(body, "top_k", 0, INT_RANGES["top_k"][1])) is not None:
         fields["top_k"] = k
     try:
         return SamplingParams(**fields)
     except (ValueError, TypeError) as exc:
-        raise APIError(400, str(exc)) from None
+        # SamplingParams' messages start with the field's name ("top_p must be ...").
+        name = str(exc).split(" ", 1)[0]
+        raise APIError(400, f"{name}: {exc}", param=name if name in body else None) from None
 
 
 def _stop_sequences(value: Any) -> tuple[str, ...]:

@@ -78,6 +78,35 @@ def decode_body(raw: bytes) -> dict[str, Any]:
     return body
 
 
+# --- numeric ranges ---------------------------------------------------------------------
+
+# Every numeric request field has an inclusive range at the API, so that a value the worker
+# cannot use (top_k 1e30, temperature 1e-300) is a 400 naming the field, never a 500. Each
+# range lies inside what `SamplingParams` accepts, and the sampler is property-tested safe
+# over all of SamplingParams' range (tests/runtime/test_sampler.py), so these bounds are
+# about sense, not safety. Anthropic's routes narrow temperature and top_p to [0, 1].
+INT32_MAX = 2**31 - 1
+MAX_TOP_LOGPROBS = 20  # the worker returns at most 20 alternatives per token
+NUMBER_RANGES: dict[str, tuple[float, float]] = {
+    "temperature": (0.0, 100.0),  # OpenAI documents [0, 2]; vLLM takes any value >= 0
+    "top_p": (0.0, 1.0),  # SamplingParams refuses 0 itself: (0, 1]
+    "min_p": (0.0, 1.0),
+    "repetition_penalty": (0.01, 100.0),  # 1 = off; llama.cpp's useful range is ~[0.5, 2]
+    "frequency_penalty": (-2.0, 2.0),
+    "presence_penalty": (-2.0, 2.0),
+}
+INT_RANGES: dict[str, tuple[int, int]] = {
+    "top_k": (-1, INT32_MAX),  # -1 and 0 = off
+    "seed": (-(2**63), 2**64 - 1),  # what torch.Generator.manual_seed takes
+    "max_tokens": (1, INT32_MAX),
+    "max_completion_tokens": (1, INT32_MAX),
+    "n": (1, INT32_MAX),
+    "best_of": (1, INT32_MAX),
+    "logprobs": (0, MAX_TOP_LOGPROBS),
+    "top_logprobs": (0, MAX_TOP_LOGPROBS),
+}
+
+
 # --- field readers -----------------------------------------------------------------------
 
 
@@ -123,7 +152,8 @@ def read_int(
     n = as_int(name, value)
     if (lo is not None and n < lo) or (hi is not None and n > hi):
         bounds = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
-        raise bad(name, f"{name} must be {bounds}, got {n}")
+        shown = str(n) if abs(n) < 10**30 else f"an integer of {len(str(abs(n)))} digits"
+        raise bad(name, f"{name} must be {bounds}, got {shown}")
     return n
 
 
@@ -141,8 +171,8 @@ def read_number(
         x = math.inf
     if not math.isfinite(x):
         raise bad(name, f"{name} must be a finite number")
-    if (lo is not None and x < lo) or (hi is not None and x > hi):
-        raise bad(name, f"{name} must be in [{lo}, {hi}], got {x}")
+    if lo is not None and hi is not None and not lo <= x <= hi:
+        raise bad(name, f"{name} must be in [{lo:g}, {hi:g}], got {x:g}")
     return x
 
 

@@ -43,6 +43,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from luced.api.fields import (
+    INT_RANGES,
+    NUMBER_RANGES,
     APIError,
     as_int,
     bad,
@@ -63,7 +65,6 @@ if TYPE_CHECKING:
 
 MAX_STOP = 16
 MAX_STOP_CHARS = 256
-MAX_TOP_LOGPROBS = 20  # the worker returns at most 20 alternatives per token
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 ROLES = {
     "system": "system",
@@ -111,15 +112,15 @@ def parse_chat(body: Mapping[str, Any], *, model_name: str, vocab_size: int) -> 
     """A validated chat request, or APIError (400, or 404 for an unknown model)."""
     _reject_unsupported(body, chat=True)
     if read_bool(body, "logprobs"):
-        top = read_int(body, "top_logprobs", 0, MAX_TOP_LOGPROBS)
+        top = read_int(body, "top_logprobs", *INT_RANGES["top_logprobs"])
         logprobs: int | None = 0 if top is None else top
     else:
         if body.get("top_logprobs") is not None:
             raise bad("top_logprobs", "top_logprobs requires logprobs: true")
         logprobs = None
-    max_tokens = read_int(body, "max_completion_tokens", 1)
+    max_tokens = read_int(body, "max_completion_tokens", *INT_RANGES["max_completion_tokens"])
     if max_tokens is None:
-        max_tokens = read_int(body, "max_tokens", 1)
+        max_tokens = read_int(body, "max_tokens", *INT_RANGES["max_tokens"])
     options = _options(body, model_name, vocab_size, logprobs, max_tokens)
     return ChatRequest(options, _messages(body.get("messages")))
 
@@ -129,8 +130,8 @@ def parse_completion(
 ) -> CompletionRequest:
     """A validated completions request, or APIError (400, or 404 for an unknown model)."""
     _reject_unsupported(body, chat=False)
-    logprobs = read_int(body, "logprobs", 0, MAX_TOP_LOGPROBS)
-    max_tokens = read_int(body, "max_tokens", 1)
+    logprobs = read_int(body, "logprobs", *INT_RANGES["logprobs"])
+    max_tokens = read_int(body, "max_tokens", *INT_RANGES["max_tokens"])
     if max_tokens is None:
         max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS
     options = _options(body, model_name, vocab_size, logprobs, max_tokens)
@@ -180,16 +181,13 @@ def _options(
 
 def _sampling(body: Mapping[str, Any], logprobs: int | None) -> SamplingParams:
     fields: dict[str, Any] = {"logprobs": logprobs}
-    for name in ("temperature", "top_p", "min_p", "repetition_penalty"):
-        if (x := read_number(body, name)) is not None:
+    for name, (lo, hi) in NUMBER_RANGES.items():
+        if (x := read_number(body, name, lo, hi)) is not None:
             fields[name] = x
-    for name in ("frequency_penalty", "presence_penalty"):
-        if (x := read_number(body, name, -2.0, 2.0)) is not None:
-            fields[name] = x
-    top_k = read_int(body, "top_k")
+    top_k = read_int(body, "top_k", *INT_RANGES["top_k"])
     if top_k is not None:
         fields["top_k"] = 0 if top_k == -1 else top_k  # vLLM spells "off" -1
-    fields["seed"] = read_int(body, "seed")
+    fields["seed"] = read_int(body, "seed", *INT_RANGES["seed"])
     try:
         return SamplingParams(**fields)
     except (ValueError, TypeError, OverflowError) as exc:
@@ -234,7 +232,7 @@ def _token_ids(param: str, value: Any, vocab_size: int, allow_empty: bool) -> tu
 
 
 def _reject_unsupported(body: Mapping[str, Any], chat: bool) -> None:
-    n = read_int(body, "n", 1)
+    n = read_int(body, "n", *INT_RANGES["n"])
     if n is not None and n > 1:
         raise bad("n", "n > 1 is not supported")
     if logit_bias := body.get("logit_bias"):
@@ -256,7 +254,7 @@ def _reject_unsupported(body: Mapping[str, Any], chat: bool) -> None:
     else:
         if read_bool(body, "echo"):
             raise bad("echo", "echo is not supported")
-        best_of = read_int(body, "best_of", 1)
+        best_of = read_int(body, "best_of", *INT_RANGES["best_of"])
         if best_of is not None and best_of > 1:
             raise bad("best_of", "best_of > 1 is not supported")
         if suffix := body.get("suffix"):

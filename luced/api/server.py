@@ -19,10 +19,21 @@ that goes away while its request waits in the queue, in prefill or in decode can
 handler, and the handler cancels the engine's work (`RequestHandle.cancel`). Without it,
 aiohttp lets the handler run on, and only a stream notices, at its next write.
 
-With an api_key, every /v1/ route and /tokenize, /detokenize want `Authorization: Bearer
-KEY` or Anthropic's `x-api-key: KEY` (401 otherwise); /health and /metrics stay open for
-probes and scrapers. Errors are shaped by the API a path belongs to: Anthropic's under
-/v1/messages, OpenAI's everywhere else.
+With an api_key, every /v1/ route and /tokenize, /detokenize (and /metrics unless
+metrics_public) want `Authorization: Bearer KEY` or Anthropic's `x-api-key: KEY` (401
+otherwise); /health stays open for probes. Errors are shaped by the API a path belongs to:
+Anthropic's under /v1/messages, OpenAI's everywhere else.
+
+A web page must not drive a local daemon (`_guard`): a POST needs `Content-Type:
+application/json` (415 otherwise), which a cross-site form or fetch cannot send without a
+CORS preflight; preflights are refused (403) unless the Origin is in allowed_origins; and
+the Host header must name the bound address (a loopback name when bound to loopback) or
+one of allowed_hosts (403 otherwise), which defeats DNS rebinding.
+
+Bodies: a body with a bad Content-Encoding is a 400; bodies over 1 MiB are decoded in a
+thread; prompt text longer than MAX_CHARS_PER_TOKEN characters per context token is a 400
+before any tokenizing (the tokenizer holds the GIL, so a 30 MB prompt would stall every
+client), and tokenizing runs in a thread.
 """
 
 from __future__ import annotations
@@ -35,9 +46,12 @@ import math
 import time
 import uuid
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp.web_protocol import RequestPayloadError
 
 from luced.api import anthropic
 from luced.api.fields import APIError, as_int, decode_body, json_kind, read_bool, read_text
@@ -69,9 +83,43 @@ DEFAULT_MAX_BODY = 32 * 1024 * 1024
 ENGINE = web.AppKey("engine", Engine)
 METRICS = web.AppKey("metrics", Metrics)
 API_KEY = web.AppKey("api_key", str)  # "" = no key required
+GUARD = web.AppKey("guard", "Guard")
 STARTED = web.AppKey("started", int)  # unix time, the model card's "created"
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+# No token is this long; a prompt longer than this per context token cannot fit anyway.
+MAX_CHARS_PER_TOKEN = 32
+_LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1", "[::1]"})
+_ANY_ADDRESS = frozenset({"0.0.0.0", "::", "[::]", ""})
+
+
+@dataclass(frozen=True)
+class Guard:
+    """Who may drive the API from a browser: see the module docstring."""
+
+    bound_host: str = "127.0.0.1"
+    allowed_hosts: tuple[str, ...] = ()
+    allowed_origins: tuple[str, ...] = ()
+    metrics_public: bool = False
+
+    def host_ok(self, host_header: str | None) -> bool:
+        if host_header is None:
+            return False
+        host = host_header.strip().lower()
+        if host.startswith("["):  # [::1]:8000
+            host = host[: host.find("]") + 1]
+        elif host.count(":") == 1:
+            host = host.rsplit(":", 1)[0]
+        allowed = {h.lower() for h in self.allowed_hosts}
+        bound = self.bound_host.lower()
+        if bound in _ANY_ADDRESS and not allowed:
+            return True
+        if bound in _LOOPBACK_NAMES or bound.startswith("127."):
+            allowed |= _LOOPBACK_NAMES
+        allowed |= {bound, f"[{bound}]"}
+        return host in allowed
 
 
 def make_app(
@@ -80,8 +128,10 @@ def make_app(
     *,
     api_key: str | None = None,
     client_max_size: int = DEFAULT_MAX_BODY,
+    guard: Guard | None = None,
 ) -> web.Application:
-    app = web.Application(middlewares=[_errors, _auth], client_max_size=client_max_size)
+    app = web.Application(middlewares=[_errors, _guard, _auth], client_max_size=client_max_size)
+    app[GUARD] = guard or Guard()
     app[ENGINE] = engine
     app[METRICS] = metrics
     app[API_KEY] = api_key or ""
@@ -139,9 +189,47 @@ async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
 
 
 @web.middleware
+async def _guard(request: web.Request, handler: Handler) -> web.StreamResponse:
+    guard = request.app[GUARD]
+    if not guard.host_ok(request.headers.get("Host")):
+        raise APIError(
+            403, f"Host {request.headers.get('Host')!r} is not allowed (--allowed-hosts)"
+        )
+    origin = request.headers.get("Origin")
+    origin_ok = origin is not None and origin in guard.allowed_origins
+    if request.method == "OPTIONS":
+        if not origin_ok:
+            raise APIError(
+                403, f"cross-origin requests from {origin!r} are not allowed (--allowed-origins)"
+            )
+        return web.Response(
+            status=204,
+            headers={
+                "Access-Control-Allow-Origin": origin or "",
+                "Access-Control-Allow-Methods": "GET, POST",
+                "Access-Control-Allow-Headers": (
+                    "Authorization, Content-Type, x-api-key, anthropic-version"
+                ),
+                "Access-Control-Max-Age": "600",
+                "Vary": "Origin",
+            },
+        )
+    if request.method == "POST" and request.content_type != "application/json":
+        raise APIError(415, f"Content-Type must be application/json, got {request.content_type!r}")
+    resp = await handler(request)
+    if origin_ok and not resp.prepared:
+        resp.headers["Access-Control-Allow-Origin"] = origin or ""
+        resp.headers["Vary"] = "Origin"
+    return resp
+
+
+@web.middleware
 async def _auth(request: web.Request, handler: Handler) -> web.StreamResponse:
     key = request.app[API_KEY]
-    if key and request.path.startswith(_KEYED):
+    keyed = request.path.startswith(_KEYED) or (
+        request.path == "/metrics" and not request.app[GUARD].metrics_public
+    )
+    if key and keyed:
         scheme, _, token = request.headers.get("Authorization", "").partition(" ")
         given = token.strip() if scheme.lower() == "bearer" else None
         if "x-api-key" in request.headers:  # Anthropic's clients send this instead
@@ -177,13 +265,44 @@ def _is_anthropic(request: web.Request) -> bool:
     return request.path == "/v1/messages" or request.path.startswith("/v1/messages/")
 
 
+async def read_json(request: web.Request) -> dict[str, Any]:
+    """The body as a JSON object: 400 for a bad Content-Encoding (corrupt gzip) or bad
+    JSON; a large body is parsed in a thread so that other clients are not held up."""
+    try:
+        raw = await request.read()
+    except (RequestPayloadError, HttpProcessingError, ValueError, OSError) as exc:
+        if isinstance(exc, ConnectionResetError):
+            raise
+        raise APIError(400, f"the request body cannot be decoded: {exc}") from None
+    if len(raw) > 1 << 20:
+        return await asyncio.to_thread(decode_body, raw)
+    return decode_body(raw)
+
+
+def check_chars(request: web.Request, n_chars: int, param: str) -> None:
+    """A 400 for prompt text that cannot fit the context, before any tokenizing."""
+    limit = request.app[ENGINE].context_length * MAX_CHARS_PER_TOKEN
+    if n_chars > limit:
+        raise APIError(
+            400,
+            f"{param}: {n_chars} characters cannot fit the context of "
+            f"{request.app[ENGINE].context_length} tokens (at most {limit} characters)",
+            param=param,
+        )
+
+
+def _text_chars(messages: Any) -> int:
+    return sum(len(v) for m in messages for v in m.values() if isinstance(v, str))
+
+
 # --- generation --------------------------------------------------------------------------
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     engine = request.app[ENGINE]
-    body = decode_body(await request.read())
+    body = await read_json(request)
     req = parse_chat(body, model_name=engine.model_name, vocab_size=engine.tokenizer.vocab_size)
+    check_chars(request, _text_chars(req.messages), "messages")
     prompt = await asyncio.to_thread(chat_prompt, req, engine.chat_template, engine.tokenizer)
     fmt = ChatFormat(
         f"chatcmpl-{uuid.uuid4().hex}",
@@ -197,10 +316,12 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 
 async def completions(request: web.Request) -> web.StreamResponse:
     engine = request.app[ENGINE]
-    body = decode_body(await request.read())
+    body = await read_json(request)
     req = parse_completion(
         body, model_name=engine.model_name, vocab_size=engine.tokenizer.vocab_size
     )
+    if isinstance(req.prompt, str):
+        check_chars(request, len(req.prompt), "prompt")
     prompt = await asyncio.to_thread(completion_prompt, req, engine.tokenizer)
     fmt = CompletionFormat(
         f"cmpl-{uuid.uuid4().hex}",
@@ -215,8 +336,9 @@ async def completions(request: web.Request) -> web.StreamResponse:
 async def messages(request: web.Request) -> web.StreamResponse:
     """Anthropic's POST /v1/messages, on the same engine path as chat completions."""
     engine = request.app[ENGINE]
-    body = decode_body(await request.read())
+    body = await read_json(request)
     req = anthropic.parse_messages(body, model_name=engine.model_name)
+    check_chars(request, _text_chars(req.messages) + len(req.prefill), "messages")
     prompt = await asyncio.to_thread(
         anthropic.message_prompt, req, engine.chat_template, engine.tokenizer
     )
@@ -277,8 +399,9 @@ async def _stream_messages(
 async def count_tokens(request: web.Request) -> web.Response:
     """Anthropic's POST /v1/messages/count_tokens: the prompt a Messages body would make."""
     engine = request.app[ENGINE]
-    body = decode_body(await request.read())
+    body = await read_json(request)
     req = anthropic.parse_messages(body, model_name=engine.model_name, count_only=True)
+    check_chars(request, _text_chars(req.messages) + len(req.prefill), "messages")
     prompt = await asyncio.to_thread(
         anthropic.message_prompt, req, engine.chat_template, engine.tokenizer
     )
@@ -372,8 +495,9 @@ async def tokenize(request: web.Request) -> web.Response:
     with_pieces, each token is {"id", "piece"} (piece: text, or a byte list when the
     token is not whole UTF-8)."""
     tokenizer = request.app[ENGINE].tokenizer
-    body = decode_body(await request.read())
+    body = await read_json(request)
     content = read_text("content", body.get("content"))
+    check_chars(request, len(content), "content")
     add_bos = read_bool(body, "add_special")
     special = read_bool(body, "parse_special", default=True)
     with_pieces = read_bool(body, "with_pieces")
@@ -397,7 +521,7 @@ async def detokenize(request: web.Request) -> web.Response:
     """{"tokens": [ids]} -> {"content": text}; control tokens appear as their text, so
     detokenize inverts tokenize."""
     tokenizer = request.app[ENGINE].tokenizer
-    body = decode_body(await request.read())
+    body = await read_json(request)
     tokens = body.get("tokens")
     if not isinstance(tokens, list):
         raise APIError(

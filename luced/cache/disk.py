@@ -1,11 +1,24 @@
 """The prefix cache's disk tier: one safetensors file per snapshot in ``--kv-cache-dir``.
 
-    DIR/
-      .lock                    flock: one daemon per directory
-      3f9a0c12d4e1.safetensors one snapshot, named by its entry id
-      3f9a0c12d4e1.safetensors.tmp   a write in progress (deleted by ``scan`` after a crash)
-      quarantine/              files that failed validation, moved aside with a warning
+    DIR/                       --kv-cache-dir, shared by every model served from it
+      <fingerprint>/           one model's snapshots (``model_dir_name``); other models'
+                               directories are never read, moved or deleted
+        .lock                  flock: one daemon per model directory
+        3f9a0c12d4e1.safetensors       one snapshot, named by its entry id
+        3f9a0c12d4e1.safetensors.tmp   a write in progress (deleted by ``scan`` after a crash)
+        quarantine/            files that failed validation, moved aside with a warning
                                (the newest QUARANTINE_KEEP are kept)
+
+Files of the old flat layout (``DIR/<id>.safetensors``) are moved into the directory of the
+model their header names on first open (``migrate_flat``); one whose header cannot be read
+goes to this model's ``quarantine/``.
+
+Hostile contents: every file is read through ``_open_regular`` (``O_NOFOLLOW``, must be a
+regular file), directories are checked with ``lstat`` (a symlinked ``quarantine/`` or model
+directory is refused, never followed), headers are bounded (``_MAX_HEADER``) and parsed by
+``_json``, which refuses nesting deeper than ``_MAX_DEPTH``, NaN / Infinity and numbers past
+float range, so no byte pattern raises anything but ``SnapshotFileError`` and ``scan``
+quarantines on any failure.
 
 A file is a plain safetensors file: the snapshot's tensors (the model layout with the token
 axis sized n; a recurrent layer's state, which has none, at its own shape; bfloat16 stored
@@ -32,10 +45,13 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import hashlib
 import json
 import logging
+import math
 import os
 import re
+import stat
 import struct
 import threading
 import time
@@ -61,7 +77,12 @@ TMP_SUFFIX = ".tmp"
 QUARANTINE = "quarantine"
 QUARANTINE_KEEP = 16  # newest quarantined files kept for inspection; older ones are deleted
 LOCK_NAME = ".lock"
-_MAX_HEADER = 100 << 20  # safetensors' own header limit
+# Our headers hold ~2 entries per layer plus the cut list: tens of KiB. safetensors itself
+# allows 100 MiB, which json would parse into ~1 GB of objects.
+_MAX_HEADER = 8 << 20
+_MAX_DEPTH = 8  # our header nests 3 deep ({name: {"shape": [...]}})
+_STRINGS = re.compile(rb'"(?:[^"\\]|\\.)*"')
+_DIR_NAME_RE = re.compile(r"^[0-9A-Za-z][0-9A-Za-z._-]{0,63}$")
 _ID_RE = re.compile(r"^[0-9a-f]{1,32}$")
 _IDENTITY = ("fingerprint", "template_hash", "placement", "dtype")
 _METADATA = ("format", "format_version", "n_tokens", "created", "cuts", "crc32", *_IDENTITY)
@@ -87,7 +108,69 @@ class SnapshotFileError(Exception):
 
 
 class SnapshotDirError(Exception):
-    """The cache directory cannot be used (e.g. another daemon holds it)."""
+    """The cache directory cannot be used (unwritable, a symlink where a directory should
+    be, ...): the daemon serves with the memory tier only."""
+
+
+class SnapshotDirBusy(SnapshotDirError):
+    """Another daemon holds this model's cache directory: a start-up error."""
+
+
+def model_dir_name(fingerprint: str) -> str:
+    """The subdirectory of one model: its fingerprint when that is a plain name (luced's
+    are 32 hex digits), else a hash of it."""
+    if _DIR_NAME_RE.match(fingerprint) and fingerprint != QUARANTINE:
+        return fingerprint
+    return hashlib.sha256(fingerprint.encode()).hexdigest()[:32]
+
+
+def _real_dir(path: Path, create: bool) -> None:
+    """Make sure ``path`` is a directory and not a symlink (created 0700 if asked)."""
+    if create:
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(path, 0o700)
+    st = os.lstat(path)
+    if not stat.S_ISDIR(st.st_mode):
+        kind = "a symlink" if stat.S_ISLNK(st.st_mode) else "not a directory"
+        raise SnapshotDirError(f"{path} is {kind}; the cache does not follow it")
+
+
+def _open_regular(path: Path, flags: int = os.O_RDONLY) -> int:
+    """An fd of ``path``, which must be a regular file and not a symlink (O_NOFOLLOW; a FIFO
+    is refused without blocking)."""
+    fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise SnapshotFileError(f"{path.name}: not a regular file")
+    return fd
+
+
+def _reject_constant(name: str) -> object:
+    raise ValueError(f"{name} is not a number JSON allows")
+
+
+def _finite_float(text: str) -> float:
+    x = float(text)
+    if not math.isfinite(x):
+        raise ValueError(f"number {text[:20]} is out of range")
+    return x
+
+
+def _json(raw: bytes | str) -> object:
+    """json.loads for untrusted bytes: ValueError (never RecursionError / OverflowError) for
+    nesting deeper than _MAX_DEPTH, NaN / Infinity, floats past range, huge integers."""
+    data = raw.encode("utf-8", "surrogatepass") if isinstance(raw, str) else raw
+    # Depth without recursion: drop string bodies, then a running sum of brackets. An
+    # unterminated string leaves its brackets counted, which can only over-count.
+    marks = np.frombuffer(_STRINGS.sub(b'""', data), dtype=np.uint8)
+    step = np.isin(marks, (ord("["), ord("{"))).astype(np.int32)
+    step -= np.isin(marks, (ord("]"), ord("}")))
+    if step.size and int(np.cumsum(step).max()) > _MAX_DEPTH:
+        raise ValueError(f"JSON nested deeper than {_MAX_DEPTH}")
+    try:
+        return json.loads(data, parse_constant=_reject_constant, parse_float=_finite_float)
+    except RecursionError:  # cannot happen past the depth check; kept as the invariant
+        raise ValueError("JSON nested too deeply") from None
 
 
 @dataclass(frozen=True)
@@ -121,28 +204,89 @@ class _Parsed:
     size: int
 
 
+def lock_model_dir(root: str | Path, fingerprint: str) -> int:
+    """Create DIR/<model>/ (0700, never through a symlink) and take its lock; returns the
+    lock's fd (closing it releases the lock). Cheap, so the daemon calls it before the slow
+    model load too. SnapshotDirBusy when another daemon holds it, SnapshotDirError when the
+    directory cannot be used."""
+    root = Path(root)
+    model_dir = root / model_dir_name(fingerprint)
+    try:
+        root.mkdir(parents=True, exist_ok=True)  # the operator's path: symlinks allowed
+        _real_dir(model_dir, create=True)
+        fd = os.open(
+            model_dir / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600
+        )
+    except OSError as e:
+        raise SnapshotDirError(f"{model_dir}: {e.strerror or e}") from e
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise SnapshotDirBusy(f"{model_dir} is in use by another luced daemon") from None
+    if not os.access(model_dir, os.W_OK | os.X_OK):
+        os.close(fd)
+        raise SnapshotDirError(f"{model_dir} is not writable")
+    return fd
+
+
 class SnapshotDisk:
-    """The files of one cache directory (see the module docstring)."""
+    """The files of one model's cache directory (see the module docstring)."""
 
     def __init__(
-        self, directory: str | Path, identity: DiskIdentity, layout: Sequence[TensorSpec]
+        self,
+        directory: str | Path,
+        identity: DiskIdentity,
+        layout: Sequence[TensorSpec],
+        *,
+        lock_fd: int | None = None,
     ) -> None:
+        """lock_fd: the lock `lock_model_dir` took already (the daemon takes it before the
+        model load); this object owns it from here on."""
         check_layout(layout)
         if any(s.name == TOKENS for s in layout):
             raise ValueError(f"a layout tensor may not be called {TOKENS!r}")
         self.specs: tuple[TensorSpec, ...] = (*layout, TOKENS_SPEC)
         self.identity = identity
-        self.dir = Path(directory)
-        self.dir.mkdir(parents=True, exist_ok=True)
-        self._lock_fd: int | None = os.open(self.dir / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(self._lock_fd)
-            self._lock_fd = None
-            raise SnapshotDirError(f"{self.dir} is in use by another luced daemon") from None
+        self.root = Path(directory)
+        self.dir = self.root / model_dir_name(identity.fingerprint)
+        if lock_fd is None:
+            lock_fd = lock_model_dir(self.root, identity.fingerprint)
+        self._lock_fd: int | None = lock_fd
         self._files: dict[str, DiskEntry] = {}
         self._mutex = threading.Lock()
+        try:
+            self.migrate_flat()
+        except BaseException:
+            self.close()
+            raise
+
+    def migrate_flat(self) -> None:
+        """Move snapshot files of the old flat layout (DIR/<id>.safetensors) into the
+        directory of the model their header names; unreadable ones to our quarantine."""
+        try:
+            names = sorted(os.listdir(self.root))
+        except OSError as e:
+            raise SnapshotDirError(f"{self.root}: cannot list: {e}") from e
+        for name in names:
+            p = self.root / name
+            if not name.endswith(SUFFIX) or not stat.S_ISREG(os.lstat(p).st_mode):
+                continue
+            try:
+                meta = _read_header(p)[0].get("__metadata__")
+                fingerprint = meta.get("fingerprint") if isinstance(meta, dict) else None
+                if not isinstance(fingerprint, str) or not fingerprint:
+                    raise SnapshotFileError(f"{name}: no fingerprint in its metadata")
+                dest_dir = self.root / model_dir_name(fingerprint)
+                _real_dir(dest_dir, create=True)
+                if os.path.lexists(dest_dir / name):
+                    raise SnapshotFileError(f"{name}: {dest_dir / name} exists already")
+                os.rename(p, dest_dir / name)
+                log.info("prefix cache: moved %s of the flat layout to %s/", name, dest_dir)
+            except FileNotFoundError:
+                continue  # another daemon moved it first
+            except (SnapshotFileError, SnapshotDirError, OSError) as e:
+                self.quarantine(p, str(e))
 
     def path(self, entry_id: str) -> Path:
         if not _ID_RE.match(entry_id):
@@ -172,12 +316,16 @@ class SnapshotDisk:
         """
         found: dict[str, DiskEntry] = {}
         for p in sorted(self.dir.iterdir()):
-            if p.name.endswith(SUFFIX + TMP_SUFFIX) and p.is_file():
+            try:
+                mode = os.lstat(p).st_mode
+            except OSError:
+                continue
+            if p.name.endswith(SUFFIX + TMP_SUFFIX) and not stat.S_ISDIR(mode):
                 log.warning("prefix cache: deleting %s, a write interrupted by a crash", p)
                 with contextlib.suppress(OSError):
-                    p.unlink()
+                    p.unlink()  # a symlink is removed itself, never its target
                 continue
-            if not p.name.endswith(SUFFIX) or not p.is_file():
+            if not p.name.endswith(SUFFIX) or stat.S_ISDIR(mode):
                 continue  # quarantine/, the lock, files that are not ours
             entry_id = p.name[: -len(SUFFIX)]
             try:
@@ -185,9 +333,12 @@ class SnapshotDisk:
                     raise SnapshotFileError(
                         f"{p.name}: not a snapshot name (want <hex id>{SUFFIX})"
                     )
+                if not stat.S_ISREG(mode):
+                    raise SnapshotFileError(f"{p.name}: not a regular file (a symlink?)")
                 found[entry_id] = self._load_entry(entry_id, p)
-            except SnapshotFileError as e:
-                self.quarantine(p, str(e))
+            except Exception as e:  # any byte pattern: quarantine, never stop the start-up
+                reason = str(e) if isinstance(e, SnapshotFileError) else repr(e)[:200]
+                self.quarantine(p, reason)
         with self._mutex:
             self._files = found
         return list(found.values())
@@ -196,7 +347,7 @@ class SnapshotDisk:
         parsed, mtime = self._parse(path), 0.0
         begin, end = parsed.spans[TOKENS]
         try:
-            with path.open("rb") as f:
+            with os.fdopen(_open_regular(path), "rb") as f:
                 f.seek(begin)
                 raw = f.read(end - begin)
                 mtime = os.fstat(f.fileno()).st_mtime
@@ -246,9 +397,11 @@ class SnapshotDisk:
             for s in self.specs
         }
         tmp = final.with_name(final.name + TMP_SUFFIX)
+        with contextlib.suppress(FileNotFoundError):
+            tmp.unlink()  # so that a planted symlink is not written through
         try:
             safetensors.serialize_file(specs, str(tmp), metadata)
-            fd = os.open(tmp, os.O_RDONLY)
+            fd = _open_regular(tmp)
             try:
                 os.fsync(fd)
             finally:
@@ -279,7 +432,7 @@ class SnapshotDisk:
         # A file replaced since the scan may no longer fit the arrays sized from it.
         self._check_arrays(dest, parsed.n, path.name, SnapshotFileError)
         try:
-            with path.open("rb", buffering=0) as f:
+            with os.fdopen(_open_regular(path), "rb", buffering=0) as f:
                 for name, (begin, _) in sorted(parsed.spans.items(), key=lambda kv: kv[1]):
                     buf = _bytes_of(dest[name])
                     f.seek(begin)
@@ -301,16 +454,18 @@ class SnapshotDisk:
                 if e.path == path:
                     del self._files[entry_id]
         try:
-            qdir.mkdir(exist_ok=True)
+            _real_dir(qdir, create=True)  # a symlinked quarantine/ is never followed
             dest = qdir / path.name
             i = 1
-            while dest.exists():
+            while os.path.lexists(dest):
                 dest = qdir / f"{path.name}.{i}"
                 i += 1
             os.replace(path, dest)
-            os.utime(dest)  # its quarantine time: the pruning below keeps the newest
+            os.utime(
+                dest, follow_symlinks=False
+            )  # its quarantine time: the pruning below keeps the newest
             _prune(qdir, QUARANTINE_KEEP)
-        except OSError as e:
+        except (OSError, SnapshotDirError) as e:
             log.warning(
                 "prefix cache: skipping snapshot file %s (%s); cannot quarantine it: %s",
                 path,
@@ -336,7 +491,7 @@ class SnapshotDisk:
                 return
             e.last_used = when
         with contextlib.suppress(OSError):
-            os.utime(e.path, (when, when))
+            os.utime(e.path, (when, when), follow_symlinks=False)
 
     def plan_eviction(self, budget: int, in_use: Callable[[str], bool]) -> list[str]:
         """Ids to delete, least recently used first, until the files fit ``budget`` bytes.
@@ -389,27 +544,7 @@ class SnapshotDisk:
     def _parse(self, path: Path) -> _Parsed:
         """Header, metadata, identity, tensor table, file size; raises SnapshotFileError."""
         name = path.name
-        try:
-            with path.open("rb") as f:
-                size = os.fstat(f.fileno()).st_size
-                head = f.read(8)
-                if len(head) < 8:
-                    raise SnapshotFileError(f"{name}: truncated ({size} bytes, no header)")
-                (hlen,) = struct.unpack("<Q", head)
-                if hlen > min(_MAX_HEADER, size - 8):
-                    raise SnapshotFileError(
-                        f"{name}: truncated or not safetensors (header of {hlen} bytes, "
-                        f"file of {size})"
-                    )
-                raw = f.read(hlen)
-        except OSError as e:
-            raise SnapshotFileError(f"{name}: cannot read: {e}") from e
-        try:
-            header = json.loads(raw)
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise SnapshotFileError(f"{name}: header is not JSON ({e})") from None
-        if not isinstance(header, dict):
-            raise SnapshotFileError(f"{name}: header is not a JSON object")
+        header, hlen, size = _read_header(path)
         meta = header.pop("__metadata__", None)
         n, cuts, created, crcs = self._check_metadata(name, meta)
         spans = self._check_tensors(name, header, n, 8 + hlen, size)
@@ -437,11 +572,21 @@ class SnapshotDisk:
                     f"{name}: {k} {_short(meta[k])!r} is not this daemon's {_short(ours)!r}"
                 )
         try:
+            if not re.fullmatch(r"[0-9]{1,9}", meta["n_tokens"]):
+                raise ValueError(f"n_tokens {_short(meta['n_tokens'], 20)!r}")
             n = int(meta["n_tokens"])
-            cuts = tuple(int(c) for c in json.loads(meta["cuts"]))
-            created = float(meta["created"])
-            crcs = {str(k): int(v) for k, v in json.loads(meta["crc32"]).items()}
-        except (ValueError, TypeError, AttributeError) as e:
+            cut_list = _json(meta["cuts"])
+            if not isinstance(cut_list, list) or not all(type(c) is int for c in cut_list):
+                raise ValueError("cuts is not a list of integers")
+            cuts = tuple(cut_list)
+            created = _finite_float(meta["created"])
+            crc_map = _json(meta["crc32"])
+            if not isinstance(crc_map, dict) or not all(
+                type(v) is int and 0 <= v < 1 << 32 for v in crc_map.values()
+            ):
+                raise ValueError("crc32 is not a map of 32-bit checksums")
+            crcs = dict(crc_map)
+        except (ValueError, TypeError, OverflowError) as e:
             raise SnapshotFileError(f"{name}: malformed metadata ({e})") from None
         if n < 1 or not cuts or not all(0 < c <= n for c in cuts) or n not in cuts:
             raise SnapshotFileError(f"{name}: bad token count {n} or cuts {list(cuts)}")
@@ -490,17 +635,53 @@ class SnapshotDisk:
         return spans
 
     def _fsync_dir(self) -> None:
-        fd = os.open(self.dir, os.O_RDONLY | os.O_DIRECTORY)
+        fd = os.open(self.dir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
         try:
             os.fsync(fd)
         finally:
             os.close(fd)
 
 
+def _read_header(path: Path) -> tuple[dict, int, int]:
+    """(header object, header length, file size) of a safetensors file; SnapshotFileError
+    for anything else, whatever the bytes."""
+    name = path.name
+    try:
+        with os.fdopen(_open_regular(path), "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            head = f.read(8)
+            if len(head) < 8:
+                raise SnapshotFileError(f"{name}: truncated ({size} bytes, no header)")
+            (hlen,) = struct.unpack("<Q", head)
+            if hlen > min(_MAX_HEADER, size - 8):
+                raise SnapshotFileError(
+                    f"{name}: truncated, not safetensors or a header over {_MAX_HEADER >> 20} "
+                    f"MiB (header of {hlen} bytes, file of {size})"
+                )
+            raw = f.read(hlen)
+    except OSError as e:
+        raise SnapshotFileError(f"{name}: cannot read: {e}") from e
+    try:
+        header = _json(raw)
+    except ValueError as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        raise SnapshotFileError(f"{name}: header is not JSON we accept ({e})") from None
+    if not isinstance(header, dict):
+        raise SnapshotFileError(f"{name}: header is not a JSON object")
+    return header, hlen, size
+
+
 def _prune(qdir: Path, keep: int) -> None:
     """Delete all but the `keep` most recently quarantined files (the directory would
-    otherwise grow without bound outside the budget, e.g. when models alternate)."""
-    files = sorted(qdir.iterdir(), key=lambda p: (p.stat().st_mtime_ns, p.name), reverse=True)
+    otherwise grow without bound outside the budget). lstat and unlink: a symlink in
+    quarantine/ is removed itself, never what it points to."""
+
+    def key(p: Path) -> tuple[int, str]:
+        try:
+            return os.lstat(p).st_mtime_ns, p.name
+        except OSError:
+            return 0, p.name
+
+    files = sorted(qdir.iterdir(), key=key, reverse=True)
     for old in files[keep:]:
         with contextlib.suppress(OSError):
             old.unlink()

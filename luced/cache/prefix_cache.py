@@ -109,6 +109,7 @@ class CacheStats:
     disk_writes: int
     disk_write_errors: int
     restore_errors: int  # disk entries found corrupt on restore (quarantined)
+    disk_problem: str | None = None  # why --kv-cache-dir is not in use (memory tier only)
 
 
 @dataclass(eq=False)
@@ -158,6 +159,7 @@ class PrefixCache:
         self.arena = arena
         self.disk = disk
         self.disk_budget = disk_budget
+        self.disk_problem: str | None = None  # set by the daemon when the directory failed
         self.min_tokens = max(1, min_tokens)
         self.exact_cuts = exact_cuts
         self._clock = clock
@@ -364,6 +366,7 @@ class PrefixCache:
             disk_writes=self.disk_writes,
             disk_write_errors=self.disk_write_errors,
             restore_errors=self.restore_errors,
+            disk_problem=self.disk_problem,
         )
 
     async def flush(self) -> None:

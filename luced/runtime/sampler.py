@@ -60,6 +60,17 @@ History = Sequence[Sequence[int] | torch.Tensor]
 # 262144 on CPU: topk 1024 ~0.7 ms, topk 16384 ~2.5 ms, a full sort 20-40 ms per row.
 _TOP_P_PREFIXES = (1024, 16384)
 
+# Safety for every value SamplingParams accepts (tests/runtime/test_sampler.py checks it with
+# hypothesis). Logits are float32, so a Python float outside float32 range turns into 0 or
+# inf on the way in: temperature 1e-300 would divide by 0 (NaN at the row max), 1e308 by inf,
+# and repetition_penalty 5e-324 would make a logit inf (inf - inf = NaN at the shift). NaN
+# probabilities make the inverse-CDF draw return an id past the vocabulary. So penalized
+# logits are clamped to finite float32, and the temperature to a range where the
+# division neither overflows to NaN nor underflows: below 1e-30 the draw is greedy in all
+# but name; above 1e30 it is uniform over the survivors.
+_F32_MAX = torch.finfo(torch.float32).max
+_TEMPERATURE_RANGE = (1e-30, 1e30)
+
 
 @dataclass(frozen=True, slots=True)
 class SampleOutput:
@@ -124,10 +135,17 @@ def _processed(
     if logits.ndim != 2:
         raise ValueError(f"logits must be [n, vocab], got shape {tuple(logits.shape)}")
     x = apply_penalties(logits.float(), params, history)
+    if params.has_penalties:
+        # Extreme penalties overflow float32 (inf, or 0 * inf = NaN); keep every logit finite
+        # so the row max is finite and argmax never picks a NaN.
+        x = torch.nan_to_num(x, nan=-_F32_MAX, posinf=_F32_MAX, neginf=-_F32_MAX)
     if params.greedy:
         return x
+    lo, hi = _TEMPERATURE_RANGE
+    t = min(max(params.temperature, lo), hi)
     # Shift by the row max first: softmax is unchanged and a tiny temperature cannot overflow.
-    return (x - x.amax(dim=-1, keepdim=True)).div_(params.temperature)
+    # The max is finite, so every row keeps a 0 (probability 1 before normalizing).
+    return (x - x.amax(dim=-1, keepdim=True)).div_(t)
 
 
 def _truncate(x: torch.Tensor, params: SamplingParams) -> _Candidates:
@@ -147,7 +165,9 @@ def _truncate(x: torch.Tensor, params: SamplingParams) -> _Candidates:
         # prefix reaching top_p (HF: drop where the ascending cumsum <= 1 - top_p).
         before = torch.cumsum(p, dim=-1)
         before = torch.cat([torch.zeros_like(before[:, :1]), before[:, :-1]], dim=-1)
-        logits = logits.masked_fill(before >= params.top_p, -math.inf)
+        drop = before >= params.top_p
+        drop[:, 0] = False  # the top token always stays (a top_p below float32's tiny is 0)
+        logits = logits.masked_fill(drop, -math.inf)
     if params.min_p > 0.0:
         # p_i < min_p * p_max  <=>  logit_i < logit_max + log(min_p); renormalizing does not
         # change probability ratios, so this holds after the earlier truncations too.
@@ -187,7 +207,8 @@ def draw(p: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
     pick = torch.searchsorted(cdf, u * total, right=True)
     # u * total may round up to total; then take the last token with p > 0.
     last = torch.searchsorted(cdf, total, right=False)
-    return torch.minimum(pick, last).squeeze(1)
+    # The clamp is belt and braces: with a NaN row searchsorted answers m, past the row.
+    return torch.minimum(pick, last).clamp_(max=p.shape[-1] - 1).squeeze(1)
 
 
 def probs(

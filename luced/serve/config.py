@@ -137,6 +137,24 @@ def _to_str(v: Any) -> str:
     return v
 
 
+def _to_bool(v: Any) -> bool:
+    if isinstance(v, bool):
+        return v
+    if isinstance(v, str) and v.strip().lower() in ("1", "true", "yes", "on"):
+        return True
+    if isinstance(v, str) and v.strip().lower() in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"not a boolean (true / false): {v!r}")
+
+
+def _to_strs(v: Any) -> tuple[str, ...]:
+    """A list of names: "a,b" (flag, env) or a TOML array of strings."""
+    items = v.split(",") if isinstance(v, str) else v
+    if not isinstance(items, list | tuple):
+        raise ValueError(f"not a list of strings: {v!r}")
+    return tuple(_to_str(s.strip() if isinstance(s, str) else s) for s in items if s != "")
+
+
 def _to_path(v: Any) -> Path:
     if isinstance(v, Path):
         return v
@@ -197,6 +215,8 @@ _CONVERTERS: dict[str, Callable[[Any], Any]] = {
     "str": _to_str,
     "path": _to_path,
     "pairs": _to_pairs,
+    "bool": _to_bool,
+    "strs": _to_strs,
 }
 
 
@@ -266,9 +286,33 @@ OPTIONS: tuple[Option, ...] = (
     Option("port", "int", 8000, "HTTP port (0 picks a free one).", minimum=0, maximum=65535),
     Option(
         "api_key", "str", None,
-        "If set, /v1/* requests (and /tokenize, /detokenize) must send "
-        "`Authorization: Bearer KEY` or `x-api-key: KEY`.",
+        "If set, /v1/* requests (and /tokenize, /detokenize, and /metrics unless "
+        "metrics_public) must send `Authorization: Bearer KEY` or `x-api-key: KEY`. A flag "
+        "shows in `ps`: prefer the environment or api_key_file.",
         nullable=True, default_doc="unset (no key)", example="change-me",
+    ),
+    Option(
+        "api_key_file", "path", None,
+        "File whose first line is the API key (instead of api_key; keeps it out of `ps`).",
+        nullable=True, default_doc="unset", example="/etc/luced/api-key",
+    ),
+    Option(
+        "metrics_public", "bool", False,
+        "Serve /metrics without the API key.",
+        default_doc="false", example=True,
+    ),
+    Option(
+        "allowed_hosts", "strs", (),
+        "Host header values accepted besides the bound address (and localhost names when "
+        "bound to loopback); anything else is a 403, which stops DNS rebinding. Bound to "
+        "0.0.0.0 or :: with none given, any Host is accepted.",
+        default_doc="none", example=("luced.example.org",),
+    ),
+    Option(
+        "allowed_origins", "strs", (),
+        "Browser origins allowed to call the API (CORS); preflights from any other "
+        "origin are refused.",
+        default_doc="none (no cross-origin calls)", example=("http://localhost:3000",),
     ),
     Option(
         "model_name", "str", None, "Model id served on /v1/models and expected in requests.",
@@ -433,6 +477,10 @@ class Config:
     host: str
     port: int
     api_key: str | None = field(repr=False)  # kept out of logs
+    api_key_file: Path | None
+    metrics_public: bool
+    allowed_hosts: tuple[str, ...]
+    allowed_origins: tuple[str, ...]
     model_name: str | None  # None: the GGUF stem (see served_model_name)
     dtype: str
     threads: int
@@ -507,6 +555,18 @@ class Config:
                 sources.setdefault(opt.name, "default")
         return cls(**resolved, sources=sources)
 
+    def effective_api_key(self) -> str | None:
+        """api_key, else the first line of api_key_file (ConfigError if unreadable)."""
+        if self.api_key is not None or self.api_key_file is None:
+            return self.api_key
+        try:
+            key = self.api_key_file.read_text().splitlines()[0].strip()
+        except (OSError, UnicodeDecodeError, IndexError) as exc:
+            raise ConfigError(f"{self.label('api_key_file')}: cannot read a key: {exc}") from exc
+        if not key:
+            raise ConfigError(f"{self.label('api_key_file')}: the first line is empty")
+        return key
+
     def label(self, name: str) -> str:
         """How errors name an option: by its source, or by its name."""
         src = self.sources.get(name)
@@ -580,10 +640,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             kwargs.update(action="append", metavar="GROUP=PATH")
         elif opt.choices:
             kwargs["metavar"] = "{" + ",".join(opt.choices) + "}"
-        elif opt.type in ("devices", "weights"):
+        elif opt.type in ("devices", "weights", "strs"):
             kwargs["metavar"] = "LIST"
         elif opt.type == "pool":
             kwargs["metavar"] = "TOKENS|auto"
+        elif opt.type == "bool":
+            kwargs.update(nargs="?", const="true", metavar="BOOL")
         else:
             kwargs["metavar"] = opt.name.upper()
         parser.add_argument(opt.flag, **kwargs)

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from aiohttp import web
 
-from luced.api.server import make_app
+from luced.api.server import Guard, make_app
 from luced.engine.core import Engine
 from luced.engine.executor import WorkerReplyError
 from luced.engine.kvflash.pager import PagerConfig
@@ -38,8 +38,13 @@ from luced.gguf_file import GGUFFile
 from luced.ipc.shm import ShmOwner, cleanup_stale
 from luced.serve import sdnotify
 from luced.serve.admin import start_admin_server
-from luced.serve.config import Config, usable_cores
-from luced.serve.prefix_setup import open_prefix_cache, snapshot_handlers
+from luced.serve.config import Config, ConfigError, usable_cores
+from luced.serve.prefix_setup import (
+    DiskReservation,
+    open_prefix_cache,
+    reserve_disk_dir,
+    snapshot_handlers,
+)
 from luced.text.chat_template import ChatTemplate
 from luced.text.tokenizer import Tokenizer
 
@@ -61,6 +66,7 @@ class Daemon:
         self.target: Target | None = None
         self.template: ChatTemplate | None = None
         self.tokenizer: Tokenizer | None = None
+        self.disk_reservation = DiskReservation()
 
     async def run(self) -> int:
         removed = cleanup_stale()
@@ -110,6 +116,12 @@ class Daemon:
             threads=cfg.threads,
             cores=max(1, usable_cores() - 1),
         )
+        # Exclusive resources before the slow load: the cache directory's lock here, the
+        # port and the admin socket below, each a one-line StartupError when taken.
+        try:
+            self.disk_reservation = reserve_disk_dir(cfg, model_path)
+        except ValueError as exc:
+            raise StartupError(str(exc)) from exc
         metrics = Metrics()
         self.target = Target(self.owner, placement, kv_flash=kv_flash)
         self.engine = engine = Engine(
@@ -124,7 +136,12 @@ class Daemon:
             block_size=cfg.block_size,
             metrics=metrics,
         )
-        app = make_app(engine, metrics, api_key=cfg.api_key)
+        try:
+            api_key = cfg.effective_api_key()
+        except ConfigError as exc:
+            raise StartupError(str(exc)) from exc
+        guard = Guard(cfg.host, cfg.allowed_hosts, cfg.allowed_origins, cfg.metrics_public)
+        app = make_app(engine, metrics, api_key=api_key, guard=guard)
         http = web.AppRunner(app, handle_signals=False, access_log=None, handler_cancellation=True)
         await http.setup()
         site = web.TCPSite(http, cfg.host, cfg.port)
@@ -171,6 +188,7 @@ class Daemon:
                 await engine.prefix_cache.close()
             await self.target.close()
             await http.cleanup()
+            self.disk_reservation.release()
         log.info("stopped")
         return 0
 
@@ -220,7 +238,12 @@ class Daemon:
         assert self.engine is not None
         try:
             self.engine.prefix_cache = await open_prefix_cache(
-                self.config, self.target, self.owner, str(self.config.model_path()), self.template
+                self.config,
+                self.target,
+                self.owner,
+                str(self.config.model_path()),
+                self.template,
+                self.disk_reservation,
             )
         except ValueError as exc:
             raise StartupError(str(exc)) from exc

@@ -244,6 +244,8 @@ def _prefix_cache(c: Any) -> str:
     disk = ""
     if c.get("disk_budget") is not None:
         disk = f", disk {human_bytes(c.get('disk_bytes'))} of {human_bytes(c.get('disk_budget'))}"
+    if c.get("disk_problem"):
+        disk = f", disk tier OFF (memory only): {c.get('disk_problem')}"
     return (
         f"{fmt(c.get('entries'))} snapshots ({fmt(c.get('memory_entries'))} in memory, "
         f"{fmt(c.get('disk_entries'))} on disk), memory {human_bytes(c.get('memory_bytes'))} "

@@ -21,7 +21,13 @@ from pathlib import Path
 from typing import Any
 
 from luced.cache.arena import SnapshotArena
-from luced.cache.disk import DiskIdentity, SnapshotDirError, SnapshotDisk
+from luced.cache.disk import (
+    DiskIdentity,
+    SnapshotDirBusy,
+    SnapshotDirError,
+    SnapshotDisk,
+    lock_model_dir,
+)
 from luced.cache.prefix_cache import PrefixCache
 from luced.engine.target import Target
 from luced.ipc.shm import SHM_DIR, ShmOwner
@@ -75,11 +81,57 @@ def arena_bytes(wanted: int, shm_dir: Path = SHM_DIR) -> int:
     return wanted
 
 
+class DiskReservation:
+    """The disk tier's directory, locked before the slow model load so that a second daemon
+    on the same directory and model is refused at once; or why it cannot be used."""
+
+    def __init__(self, lock_fd: int | None = None, problem: str | None = None) -> None:
+        self.lock_fd = lock_fd
+        self.problem = problem
+
+    def take(self) -> int | None:
+        fd, self.lock_fd = self.lock_fd, None
+        return fd
+
+    def release(self) -> None:
+        if (fd := self.take()) is not None:
+            os.close(fd)
+
+
+def reserve_disk_dir(config: Config, model_path: str) -> DiskReservation:
+    """Lock DIR/<model fingerprint>/ of --kv-cache-dir. ValueError naming the option when
+    another daemon holds it; any other failure is a warning and the memory tier only."""
+    if config.kv_cache_dir is None or config.prefix_cache_bytes <= 0:
+        return DiskReservation()
+    try:
+        return DiskReservation(lock_model_dir(config.kv_cache_dir, model_fingerprint(model_path)))
+    except SnapshotDirBusy as exc:
+        raise ValueError(f"{config.label('kv_cache_dir')}: {exc}") from exc
+    except (OSError, SnapshotDirError) as exc:
+        return _unusable(config, exc)
+
+
+def _unusable(config: Config, exc: Exception) -> DiskReservation:
+    problem = f"{config.kv_cache_dir}: {exc}"
+    log.warning(
+        "prefix cache: %s cannot be used (%s); serving with the memory tier only",
+        config.label("kv_cache_dir"),
+        problem,
+    )
+    return DiskReservation(problem=problem)
+
+
 async def open_prefix_cache(
-    config: Config, target: Target, owner: ShmOwner, model_path: str, template: Any
+    config: Config,
+    target: Target,
+    owner: ShmOwner,
+    model_path: str,
+    template: Any,
+    reservation: DiskReservation | None = None,
 ) -> PrefixCache | None:
-    """The prefix cache the config asks for (None: --prefix-cache-bytes 0). Raises
-    ValueError naming the option when the directory cannot be used."""
+    """The prefix cache the config asks for (None: --prefix-cache-bytes 0). A directory
+    that cannot be used is a warning (memory tier only, `lucectl status` says why); one
+    held by another daemon is a ValueError naming the option."""
     if config.prefix_cache_bytes <= 0:
         return None
     if target.recurrent:
@@ -88,9 +140,12 @@ async def open_prefix_cache(
             "each prompt's end, and only there can a snapshot be restored",
             Path(model_path).name,
         )
+    if reservation is None:
+        reservation = reserve_disk_dir(config, model_path)
     layout = await target.kv_layout()
     disk = None
-    if config.kv_cache_dir is not None:
+    problem = reservation.problem
+    if config.kv_cache_dir is not None and problem is None:
         source = getattr(template, "source", "") or ""
         identity = DiskIdentity(
             fingerprint=model_fingerprint(model_path),
@@ -99,13 +154,28 @@ async def open_prefix_cache(
             dtype=config.dtype,
         )
         try:
-            disk = SnapshotDisk(config.kv_cache_dir, identity, layout)
-        except (OSError, SnapshotDirError) as exc:
+            disk = SnapshotDisk(config.kv_cache_dir, identity, layout, lock_fd=reservation.take())
+        except SnapshotDirBusy as exc:
             raise ValueError(f"{config.label('kv_cache_dir')}: {exc}") from exc
+        except (OSError, SnapshotDirError) as exc:
+            problem = _unusable(config, exc).problem
     arena = SnapshotArena(owner, arena_bytes(config.prefix_cache_bytes))
     t0 = time.monotonic()
-    budget = config.kv_cache_budget if disk is not None else None
-    cache = PrefixCache(layout, arena, disk, disk_budget=budget, exact_cuts=target.recurrent)
+    exact = bool(target.recurrent)
+    try:
+        cache = PrefixCache(
+            layout,
+            arena,
+            disk,
+            disk_budget=config.kv_cache_budget if disk else None,
+            exact_cuts=exact,
+        )
+    except OSError as exc:  # the scan could not list the directory
+        assert disk is not None
+        disk.close()
+        disk, problem = None, _unusable(config, exc).problem
+        cache = PrefixCache(layout, arena, None, exact_cuts=exact)
+    cache.disk_problem = problem
     stats = cache.stats()
     log.info(
         "prefix cache: %d MiB arena%s",

@@ -91,6 +91,10 @@ def test_turns_merge_and_a_last_assistant_turn_is_a_prefill() -> None:
         ({"max_tokens": 1, "messages": USER, "system": [1]}, 400, "system.0"),
         ({"max_tokens": 1, "messages": USER, "temperature": 1.5}, 400, "temperature"),
         ({"max_tokens": 1, "messages": USER, "top_k": -1}, 400, "top_k"),
+        ({"max_tokens": 1, "messages": USER, "top_k": 1e30}, 400, "top_k"),
+        ({"max_tokens": 1e30, "messages": USER}, 400, "max_tokens"),
+        ({"max_tokens": 1, "messages": USER, "top_p": 0}, 400, "top_p"),
+        ({"max_tokens": 1, "messages": USER, "temperature": 1e-400, "top_p": 5e-324}, 200, ""),
         ({"max_tokens": 1, "messages": USER, "stop_sequences": "x"}, 400, "stop_sequences"),
         ({"max_tokens": 1, "messages": USER, "tools": [{"name": "f"}]}, 400, "tools"),
         ({"max_tokens": 1, "messages": USER, "thinking": {"type": "enabled"}}, 400, "thinking"),
@@ -99,6 +103,9 @@ def test_turns_merge_and_a_last_assistant_turn_is_a_prefill() -> None:
     ],
 )
 def test_bad_bodies(body: dict, status: int, where: str) -> None:
+    if status == 200:  # extreme but valid: parsed, and the sampler is safe for it
+        assert parse(**body).options.params.top_p == 5e-324
+        return
     err = rejected(**body)
     assert err.status == status
     assert err.message.startswith(where), err.message

@@ -19,7 +19,7 @@ from aiohttp.test_utils import TestClient, TestServer
 from openai import AsyncOpenAI
 from prometheus_client.parser import text_string_to_metric_families
 
-from luced.api.server import make_app
+from luced.api.server import ENGINE, MAX_CHARS_PER_TOKEN, Guard, make_app
 from luced.engine.core import Engine
 from luced.engine.metrics import Metrics
 from luced.engine.placement import WorkerSpec
@@ -109,7 +109,8 @@ async def test_models(loading: TestClient) -> None:
 
 async def test_request_errors_are_openai_shaped(loading: TestClient) -> None:
     post = loading.post
-    err = await error_of(await post("/v1/chat/completions", data=b"{oops"), 400)
+    js = {"Content-Type": "application/json"}
+    err = await error_of(await post("/v1/chat/completions", data=b"{oops", headers=js), 400)
     assert "not valid JSON" in err["message"]
     err = await error_of(await post("/v1/chat/completions", json={"messages": USER, "n": 3}), 400)
     assert (err["param"], err["message"]) == ("n", "n > 1 is not supported")
@@ -160,7 +161,9 @@ async def test_body_size_limit_and_api_key(smollm2_gguf: Path, smol_tokenizer: T
         ok = {"Authorization": "Bearer sekret"}
         assert (await client.get("/v1/models", headers=ok)).status == 200
         assert (await client.get("/health")).status == 503  # open, just not ready
-        assert (await client.get("/metrics")).status == 200
+        # /metrics wants the key too, unless --metrics-public
+        await error_of(await client.get("/metrics"), 401)
+        assert (await client.get("/metrics", headers=ok)).status == 200
         big = {"messages": [{"role": "user", "content": "x" * 2000}]}
         await error_of(await client.post("/v1/chat/completions", json=big, headers=ok), 413)
     owner.unlink_all()
@@ -317,3 +320,45 @@ async def test_worker_death_mid_stream_ends_it_with_an_error_event(served: Serve
         await asyncio.sleep(0.1)
     after = await served.openai.chat.completions.create(**GREEDY)
     assert after.choices[0].message.content
+
+
+async def test_a_web_page_cannot_drive_it(loading: TestClient) -> None:
+    """text/plain POSTs (a cross-site form), foreign Host headers (DNS rebinding) and CORS
+    preflights from unknown origins are refused, each in the API's error shape."""
+    body = b'{"messages": [{"role": "user", "content": "Hi"}]}'
+    for path in ("/v1/chat/completions", "/v1/completions", "/tokenize"):
+        resp = await loading.post(path, data=body, headers={"Content-Type": "text/plain"})
+        assert "application/json" in (await error_of(resp, 415))["message"]
+    resp = await loading.post("/v1/messages", data=body, headers={"Content-Type": "text/plain"})
+    assert resp.status == 415 and (await resp.json())["type"] == "error"
+    resp = await loading.get("/v1/models", headers={"Host": "evil.example:8000"})
+    assert "Host" in (await error_of(resp, 403))["message"]
+    assert (await loading.get("/v1/models", headers={"Host": "localhost:8000"})).status == 200
+    pre = {"Origin": "https://evil.example", "Access-Control-Request-Method": "POST"}
+    await error_of(await loading.options("/v1/chat/completions", headers=pre), 403)
+
+
+async def test_allowed_hosts_and_origins(loading: TestClient) -> None:
+    engine = loading.app[ENGINE]
+    guard = Guard("127.0.0.1", ("luced.lan",), ("http://app.lan",), metrics_public=True)
+    app = make_app(engine, Metrics(), api_key="k", guard=guard)
+    async with TestClient(TestServer(app)) as client:
+        assert (await client.get("/metrics", headers={"Host": "luced.lan"})).status == 200
+        pre = {"Origin": "http://app.lan", "Access-Control-Request-Method": "POST"}
+        resp = await client.options("/v1/chat/completions", headers=pre)
+        assert resp.status == 204
+        assert resp.headers["Access-Control-Allow-Origin"] == "http://app.lan"
+
+
+async def test_bad_encodings_and_huge_prompts_are_400s(loading: TestClient) -> None:
+    engine = loading.app[ENGINE]
+    huge = "x" * (engine.context_length * MAX_CHARS_PER_TOKEN + 1)
+    resp = await loading.post("/v1/completions", json={"prompt": huge})
+    assert (await error_of(resp, 400))["param"] == "prompt"
+    resp = await loading.post(
+        "/v1/messages", json={"max_tokens": 1, "messages": [{"role": "user", "content": huge}]}
+    )
+    assert resp.status == 400 and (await resp.json())["type"] == "error"
+    js = {"Content-Type": "application/json", "Content-Encoding": "gzip"}
+    resp = await loading.post("/v1/chat/completions", data=b"not gzip at all", headers=js)
+    assert "cannot be decoded" in (await error_of(resp, 400))["message"]

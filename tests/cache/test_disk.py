@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import struct
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,9 +18,11 @@ from luced.cache.disk import (
     QUARANTINE,
     QUARANTINE_KEEP,
     DiskIdentity,
+    SnapshotDirBusy,
     SnapshotDirError,
     SnapshotDisk,
     SnapshotFileError,
+    model_dir_name,
 )
 from luced.cache.layout import TensorSpec
 
@@ -29,6 +32,7 @@ LAYOUT = [
     TensorSpec("ring", (1, 3, 4), "float32", 0),
 ]
 IDENT = DiskIdentity("model-sha-1", "tmpl-1", "cpu:[0,2)", "bfloat16")
+OTHER_MODEL = DiskIdentity("model-sha-2", "tmpl-1", "cpu:[0,2)", "bfloat16")
 
 
 def arrays(n: int, seed: int = 0, layout: list[TensorSpec] = LAYOUT) -> dict[str, np.ndarray]:
@@ -273,11 +277,13 @@ def test_evict_to_removes_least_recently_used_first(tmp_path: Path) -> None:
     disk.close()
 
 
-def test_one_daemon_per_directory(disk: SnapshotDisk) -> None:
-    with pytest.raises(SnapshotDirError, match="in use"):
-        SnapshotDisk(disk.dir, IDENT, LAYOUT)
+def test_one_daemon_per_model_directory(disk: SnapshotDisk) -> None:
+    with pytest.raises(SnapshotDirBusy, match="in use"):
+        SnapshotDisk(disk.root, IDENT, LAYOUT)
+    other = SnapshotDisk(disk.root, OTHER_MODEL, LAYOUT)  # another model shares the root
+    other.close()
     disk.close()
-    again = SnapshotDisk(disk.dir, IDENT, LAYOUT)
+    again = SnapshotDisk(disk.root, IDENT, LAYOUT)
     again.close()
 
 
@@ -289,3 +295,140 @@ def test_bad_ids_and_arrays_are_refused(disk: SnapshotDisk) -> None:
     with pytest.raises(ValueError, match=r"k\.0 must be"):
         disk.write("abc", bad)
     assert sorted(p.name for p in disk.dir.iterdir()) == [".lock"]
+
+
+# --- hostile directories (issue 19 item 3) ------------------------------------------------
+
+
+def with_header(path: Path, edit) -> None:
+    """Rewrite the JSON header of a snapshot file with edit(header text) -> text."""
+    raw = path.read_bytes()
+    (hlen,) = struct.unpack("<Q", raw[:8])
+    text = edit(raw[8 : 8 + hlen].decode()).encode()
+    path.write_bytes(struct.pack("<Q", len(text)) + text + raw[8 + hlen :])
+
+
+HOSTILE = {
+    # the whole header nested 100k deep: json.loads raised RecursionError
+    "0010": lambda h: "[" * 100_000 + "]" * 100_000,
+    # a deep value inside the metadata map
+    "0011": lambda h: h.replace(
+        '"__metadata__":{', '"__metadata__":{"x":' + "[" * 50_000 + "]" * 50_000 + ",", 1
+    ),
+    # 1e999 in the cut list: int(inf) raised OverflowError
+    "0012": lambda h: re.sub(r'"cuts":"\[[^"]*\]"', '"cuts":"[1e999]"', h),
+    "0013": lambda h: re.sub(r'"cuts":"\[[^"]*\]"', '"cuts":"[NaN]"', h),
+    "0014": lambda h: re.sub(r'"cuts":"\[[^"]*\]"', '"cuts":"{\\"a\\": 1}"', h),
+    "0015": lambda h: h.replace('"crc32":"{', '"crc32":"{\\"x\\": -1, ', 1),
+    "0016": lambda h: re.sub(r'"n_tokens":"\d+"', '"n_tokens":"' + "9" * 5000 + '"', h),
+    "0017": lambda h: re.sub(r'"created":"[^"]*"', '"created":"1e999"', h),
+    "0018": lambda h: re.sub(r'"cuts":"\[[^"]*\]"', '"cuts":"[' + "1" * 5000 + ']"', h),
+}
+
+
+def test_scan_survives_hostile_headers(
+    disk: SnapshotDisk, caplog: pytest.LogCaptureFixture
+) -> None:
+    for name, edit in HOSTILE.items():
+        with_header(disk.write(name, arrays(6)).path, edit)
+    (disk.dir / "0019.safetensors").write_bytes(struct.pack("<Q", 1 << 40) + b"{}")
+    with caplog.at_level(logging.WARNING, logger="luced.cache.disk"):
+        assert disk.scan() == []
+    quarantined = sorted(p.name for p in (disk.dir / QUARANTINE).iterdir())
+    assert quarantined == [f"{n}.safetensors" for n in [*HOSTILE, "0019"]]
+    # and a restart does not meet them again
+    assert disk.scan() == []
+
+
+def test_scan_survives_random_bytes(disk: SnapshotDisk) -> None:
+    rng = np.random.default_rng(0)
+    good = disk.write("0001", arrays(6)).path.read_bytes()
+    for i in range(40):
+        data = bytearray(good)
+        for _ in range(int(rng.integers(1, 6))):  # flip a few bytes of the header
+            data[int(rng.integers(0, 400))] = int(rng.integers(0, 256))
+        (disk.dir / f"{0x100 + i:04x}.safetensors").write_bytes(bytes(data))
+    found = disk.scan()  # never raises; every file is either valid or quarantined
+    names = {p.name for p in disk.dir.iterdir() if p.name.endswith(".safetensors")}
+    assert names == {f"{e.entry_id}.safetensors" for e in found}
+
+
+def test_a_symlinked_quarantine_is_never_followed(disk: SnapshotDisk, tmp_path: Path) -> None:
+    victim_dir = tmp_path / "victim"
+    victim_dir.mkdir()
+    for i in range(QUARANTINE_KEEP + 4):
+        (victim_dir / f"precious-{i}").write_text("keep me")
+    (disk.dir / QUARANTINE).symlink_to(victim_dir)
+    (disk.dir / "0009.safetensors").write_bytes(b"\x05\x00")
+    assert disk.scan() == []
+    assert len(list(victim_dir.iterdir())) == QUARANTINE_KEEP + 4  # nothing deleted or added
+
+
+def test_symlinked_snapshot_files_are_not_read(disk: SnapshotDisk, tmp_path: Path) -> None:
+    outside = tmp_path / "outside.safetensors"
+    outside.write_bytes(disk.write("0001", arrays(6)).path.read_bytes())
+    disk.remove("0001")
+    (disk.dir / "0002.safetensors").symlink_to(outside)
+    (disk.dir / "0003.safetensors.tmp").symlink_to(outside)
+    assert disk.scan() == []
+    assert outside.exists() and len(outside.read_bytes()) > 100  # neither read nor deleted
+    assert (disk.dir / QUARANTINE / "0002.safetensors").is_symlink()
+
+
+def test_a_symlinked_model_directory_is_refused(tmp_path: Path) -> None:
+    root = tmp_path / "kv"
+    root.mkdir()
+    (tmp_path / "elsewhere").mkdir()
+    (root / model_dir_name(IDENT.fingerprint)).symlink_to(tmp_path / "elsewhere")
+    with pytest.raises(SnapshotDirError, match="symlink"):
+        SnapshotDisk(root, IDENT, LAYOUT)
+
+
+def test_a_read_only_directory_is_a_dir_error(tmp_path: Path) -> None:
+    root = tmp_path / "kv"
+    root.mkdir()
+    root.chmod(0o500)
+    try:
+        if os.access(root, os.W_OK):
+            pytest.skip("running as root: permissions do not apply")
+        with pytest.raises(SnapshotDirError):
+            SnapshotDisk(root, IDENT, LAYOUT)
+    finally:
+        root.chmod(0o700)
+
+
+def test_a_file_where_the_directory_should_be_is_a_dir_error(tmp_path: Path) -> None:
+    (tmp_path / "kv").write_text("not a directory")
+    with pytest.raises(SnapshotDirError):
+        SnapshotDisk(tmp_path / "kv", IDENT, LAYOUT)
+
+
+def test_other_models_keep_their_snapshots(tmp_path: Path) -> None:
+    """A, then B, then A again: A's snapshots are still there, nothing quarantined."""
+    a = SnapshotDisk(tmp_path / "kv", IDENT, LAYOUT)
+    a.write("0a", arrays(6))
+    a.close()
+    b = SnapshotDisk(tmp_path / "kv", OTHER_MODEL, LAYOUT)
+    b.write("0b", arrays(6))
+    assert [e.entry_id for e in b.scan()] == ["0b"]
+    b.close()
+    a = SnapshotDisk(tmp_path / "kv", IDENT, LAYOUT)
+    assert [e.entry_id for e in a.scan()] == ["0a"]
+    assert not (a.dir / QUARANTINE).exists() and not (b.dir / QUARANTINE).exists()
+    a.close()
+
+
+def test_flat_layout_files_move_to_their_model(tmp_path: Path) -> None:
+    root = tmp_path / "kv"
+    mine = foreign_file(tmp_path, "0001", IDENT, LAYOUT)
+    theirs = foreign_file(tmp_path, "0002", OTHER_MODEL, LAYOUT)
+    root.mkdir()
+    os.replace(mine, root / "0001.safetensors")  # as the flat layout kept them
+    os.replace(theirs, root / "0002.safetensors")
+    (root / "0003.safetensors").write_bytes(b"junk")
+    disk = SnapshotDisk(root, IDENT, LAYOUT)
+    assert [e.entry_id for e in disk.scan()] == ["0001"]
+    assert (root / model_dir_name(OTHER_MODEL.fingerprint) / "0002.safetensors").exists()
+    assert [p.name for p in (disk.dir / QUARANTINE).iterdir()] == ["0003.safetensors"]
+    assert not list(root.glob("*.safetensors"))
+    disk.close()

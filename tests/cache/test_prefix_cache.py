@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from luced.cache.arena import TOKENS_SPEC, SnapshotArena, layout_bytes
-from luced.cache.disk import QUARANTINE, DiskIdentity, SnapshotDisk
+from luced.cache.disk import QUARANTINE, DiskIdentity, SnapshotDisk, model_dir_name
 from luced.cache.layout import TensorSpec
 from luced.cache.prefix_cache import PrefixCache
 from luced.ipc.regions import Attachments, Region, numpy_dtype
@@ -133,6 +133,11 @@ def owner() -> Iterator[ShmOwner]:
     yield own
     own.close_all()
     assert not list(Path("/dev/shm").glob(f"luced-{own.instance}-*"))
+
+
+def files_of(root: Path) -> Path:
+    """The model's directory inside --kv-cache-dir, where its snapshot files live."""
+    return root / model_dir_name(IDENT.fingerprint)
 
 
 def make(
@@ -298,7 +303,7 @@ async def test_disk_tier_survives_a_restart(owner: ShmOwner, tmp_path: Path) -> 
     await cache.flush()
     (e,) = cache.entries()
     assert e.tier == "both" and e.disk_bytes > 0
-    assert sorted(p.name for p in kv.iterdir()) == [".lock", f"{e.id}.safetensors"]
+    assert sorted(p.name for p in files_of(kv).iterdir()) == [".lock", f"{e.id}.safetensors"]
     await cache.close()
 
     cache = make(owner, disk_dir=kv, name="prefix-arena-2")  # a restarted daemon
@@ -321,7 +326,7 @@ async def test_corrupt_file_on_restore_is_quarantined_and_prefill_still_works(
     a = toks((1, 100))
     await serve(cache, a)
     await cache.close()
-    (path,) = kv.glob("*.safetensors")
+    (path,) = files_of(kv).glob("*.safetensors")
     data = bytearray(path.read_bytes())
     data[-500] ^= 0xFF  # inside the K/V data: only the checksum can tell
     path.write_bytes(bytes(data))
@@ -333,7 +338,7 @@ async def test_corrupt_file_on_restore_is_quarantined_and_prefill_still_works(
     assert model.computed == 100
     assert "fails its checksum" in caplog.text and path.name in caplog.text
     assert cache.entries() == [] and cache.stats().restore_errors == 1
-    assert (kv / QUARANTINE / path.name).exists() and not path.exists()
+    assert (files_of(kv) / QUARANTINE / path.name).exists() and not path.exists()
     assert cache.arena.used == 0
     await cache.close()
 
@@ -359,7 +364,7 @@ async def test_disk_budget_evicts_lru_files_and_keeps_pinned(
     await cache.flush()
     tiers = {int(e.tokens[0]): e.tier for e in cache.entries()}
     assert tiers == {ps[0][0]: "both", ps[1][0]: "memory", ps[2][0]: "both"}
-    assert len(list(kv.glob("*.safetensors"))) == 2
+    assert len(list(files_of(kv).glob("*.safetensors"))) == 2
     assert cache.stats().disk_bytes <= 2 * file_size + 10
     # Entry 0 is now the LRU file, but a restore holds it: the next write evicts entry 2.
     model = NumpyModel()
@@ -390,7 +395,7 @@ async def test_restart_indexes_only_valid_files(
     await cache.flush()
     ids = {int(e.tokens[0]): e.id for e in cache.entries()}
     await cache.close()
-    with (kv / f"{ids[trunc[0]]}.safetensors").open("r+b") as f:
+    with (files_of(kv) / f"{ids[trunc[0]]}.safetensors").open("r+b") as f:
         f.truncate(1000)
     other = SnapshotDisk(
         tmp_path / "other", DiskIdentity("fp", "tmpl", "cpu:[0,1) cpu:1:[1,2)", "bfloat16"), LAYOUT
@@ -398,18 +403,18 @@ async def test_restart_indexes_only_valid_files(
     arrays = {
         s.name: np.zeros(s.shape_for(20), numpy_dtype(s.dtype)) for s in (*LAYOUT, TOKENS_SPEC)
     }
-    other.write("0bad", arrays).path.rename(kv / "0bad.safetensors")
+    other.write("0bad", arrays).path.rename(files_of(kv) / "0bad.safetensors")
     other.close()
-    (kv / "0dead.safetensors.tmp").write_bytes(b"crash")
+    (files_of(kv) / "0dead.safetensors.tmp").write_bytes(b"crash")
 
     with caplog.at_level(logging.WARNING):
         cache = make(owner, disk_dir=kv, name="prefix-arena-2")
     assert [e.id for e in cache.entries()] == [ids[good[0]]]
-    assert sorted(p.name for p in (kv / QUARANTINE).iterdir()) == sorted(
+    assert sorted(p.name for p in (files_of(kv) / QUARANTINE).iterdir()) == sorted(
         ["0bad.safetensors", f"{ids[trunc[0]]}.safetensors"]
     )
     assert "placement" in caplog.text and "truncated" in caplog.text and "0dead" in caplog.text
-    assert not list(kv.glob("*.tmp"))
+    assert not list(files_of(kv).glob("*.tmp"))
     assert (await serve(cache, trunc, save=False)).computed == 60  # no hit: a full prefill
     assert (await serve(cache, good, save=False)).computed == 1  # a disk hit
     await cache.close()
@@ -445,7 +450,7 @@ async def test_writes_run_in_the_background(
         await cache.flush()
     assert "No space left" in caplog.text and cache.stats().disk_write_errors == 1
     assert {e.tier for e in cache.entries()} == {"both", "memory"}
-    assert not list((tmp_path / "kv").glob("*.tmp"))
+    assert not list(files_of(tmp_path / "kv").glob("*.tmp"))
     await cache.close()
 
 
@@ -462,7 +467,7 @@ async def test_redundant_files_go_once_the_longer_snapshot_is_written(
     await cache.flush()
     (e,) = cache.entries()
     assert e.n_tokens == 60 and e.tier == "both"
-    assert [p.name for p in kv.glob("*.safetensors")] == [f"{e.id}.safetensors"]
+    assert [p.name for p in files_of(kv).glob("*.safetensors")] == [f"{e.id}.safetensors"]
     await cache.close()
 
 
@@ -478,15 +483,17 @@ async def test_admin_drop_clear_save_all(owner: ShmOwner, tmp_path: Path) -> Non
     assert {e.tier for e in cache.entries()} == {"memory"}
     cache.disk.write = real_write  # type: ignore[method-assign]
     assert await cache.save_all() == 3
-    assert {e.tier for e in cache.entries()} == {"both"} and len(list(kv.glob("*.sa*"))) == 3
+    assert {e.tier for e in cache.entries()} == {"both"} and len(
+        list(files_of(kv).glob("*.sa*"))
+    ) == 3
     first = cache.entries()[-1]
     assert await cache.drop(first.id) and not await cache.drop(first.id)
-    assert not (kv / f"{first.id}.safetensors").exists() and len(cache.entries()) == 2
+    assert not (files_of(kv) / f"{first.id}.safetensors").exists() and len(cache.entries()) == 2
     assert await cache.clear(disk=False) == 2
     assert {e.tier for e in cache.entries()} == {"disk"} and cache.arena.used == 0
     await serve(cache, toks((2, 40)), save=False)  # still served, from disk
     assert await cache.clear(disk=True) == 2
-    assert cache.entries() == [] and not list(kv.glob("*.safetensors"))
+    assert cache.entries() == [] and not list(files_of(kv).glob("*.safetensors"))
     st = cache.stats()
     assert (st.entries, st.memory_bytes, st.disk_bytes) == (0, 0, 0)
     await cache.close()

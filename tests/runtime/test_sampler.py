@@ -8,6 +8,8 @@ from dataclasses import replace
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from luced.runtime import sampler as sampler_module
 from luced.runtime.sampler import Sampler, apply_penalties, probs, sample, token_logprobs
@@ -387,3 +389,82 @@ def test_valid_params_and_frozen() -> None:
 def test_bad_logits_shape() -> None:
     with pytest.raises(ValueError, match=r"logits must be \[n, vocab\]"):
         sample(torch.zeros(10), SamplingParams(temperature=0.0))
+
+
+# --- extreme values (issue 19 item 2) ----------------------------------------------------
+
+# Floats SamplingParams accepts, weighted to the edges: subnormals, float32 under/overflow,
+# the ends of float64.
+_EXTREME = [5e-324, 1e-300, 1e-45, 1e-38, 1e-30, 1e-8, 0.5, 1.0, 2.0, 1e30, 1e38, 1e39, 1e308]
+
+
+def _positive() -> st.SearchStrategy[float]:
+    return st.one_of(st.sampled_from(_EXTREME), st.floats(5e-324, 1.7e308, allow_nan=False))
+
+
+def _signed() -> st.SearchStrategy[float]:
+    return st.one_of(
+        st.sampled_from([0.0, *_EXTREME, *(-x for x in _EXTREME)]),
+        st.floats(-1.7e308, 1.7e308, allow_nan=False, allow_infinity=False),
+    )
+
+
+_params = st.builds(
+    SamplingParams,
+    temperature=st.one_of(st.just(0.0), _positive()),
+    top_k=st.one_of(st.just(0), st.integers(1, 2**63)),
+    top_p=st.one_of(
+        st.just(1.0), st.sampled_from([5e-324, 1e-300, 1e-8, 0.5]), st.floats(5e-324, 1.0)
+    ),
+    min_p=st.one_of(st.just(0.0), st.sampled_from([5e-324, 1e-300, 1.0]), st.floats(0.0, 1.0)),
+    repetition_penalty=_positive(),
+    frequency_penalty=_signed(),
+    presence_penalty=_signed(),
+    penalty_window=st.sampled_from([-1, 0, 4, 64]),
+    seed=st.integers(-(2**63), 2**64 - 1),
+    logprobs=st.one_of(st.none(), st.integers(0, 20)),
+)
+
+
+@settings(max_examples=300, deadline=None, derandomize=True)
+@given(
+    params=_params,
+    scale=st.sampled_from([0.0, 1.0, 30.0, 1e4, 1e30, 1e37]),
+    history=st.lists(st.integers(0, 7), max_size=12),
+)
+def test_sampler_is_safe_for_every_valid_value(
+    params: SamplingParams, scale: float, history: list[int]
+) -> None:
+    """No value SamplingParams accepts gives a NaN probability or a token outside the
+    vocabulary (temperature 1e-300, repetition_penalty 5e-324 and temperature 1e308 with
+    logprobs 20 once did)."""
+    vocab = 8
+    logits = _random_logits(2, vocab, seed=3) * scale
+    hist = [history, history[:3]]
+    out = Sampler(params).sample(logits, hist)
+    assert out.tokens.shape == (2,)
+    assert bool(((out.tokens >= 0) & (out.tokens < vocab)).all()), out.tokens
+    p = probs(logits, params, hist)
+    assert bool(torch.isfinite(p).all()) and bool((p >= 0).all())
+    torch.testing.assert_close(p.sum(dim=-1), torch.ones(2), atol=1e-5, rtol=0)
+    if params.logprobs is not None:
+        assert out.logprobs is not None and out.top_logprobs is not None
+        assert not bool(out.logprobs.isnan().any()) and not bool(out.top_logprobs.isnan().any())
+        assert bool(((out.top_ids >= 0) & (out.top_ids < vocab)).all())
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"temperature": 1e-300},
+        {"repetition_penalty": 5e-324},
+        {"temperature": 1e308, "logprobs": 20},
+        {"temperature": 1e308},
+        {"frequency_penalty": 1e308, "penalty_window": -1},
+    ],
+)
+def test_issue_extremes(kwargs: dict) -> None:
+    logits = _random_logits(1, 16, seed=1)
+    out = Sampler(SamplingParams(**kwargs)).sample(logits, [list(range(16))])
+    assert 0 <= int(out.tokens[0]) < 16
+    assert bool(torch.isfinite(probs(logits, SamplingParams(**kwargs), [list(range(16))])).all())

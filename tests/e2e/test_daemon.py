@@ -269,13 +269,15 @@ def send_raw(d: DaemonProcess, body: dict, read_bytes: int = 0) -> socket.socket
     payload = json.dumps(body).encode()
     s = socket.create_connection(("127.0.0.1", d.port))
     s.sendall(
-        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-        + f"Content-Length: {len(payload)}\r\n\r\n".encode()
+        b"POST /v1/completions HTTP/1.1\r\nContent-Type: application/json\r\n"
+        + f"Host: 127.0.0.1:{d.port}\r\nContent-Length: {len(payload)}\r\n\r\n".encode()
         + payload
     )
     got = b""
     while len(got) < read_bytes:
-        got += s.recv(4096)
+        chunk = s.recv(4096)
+        assert chunk, f"the daemon closed the connection after {got[:200]!r}"
+        got += chunk
     return s
 
 

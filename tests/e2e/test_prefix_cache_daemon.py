@@ -137,8 +137,8 @@ def test_restart_serves_from_disk(tiny, devices, tmp_path) -> None:
         assert {s["tier"] for s in snapshots(d)} == {"both"}
     finally:
         assert d.stop() == 0
-    files = list(kv.glob("*.safetensors"))
-    assert len(files) == 1 and not list(kv.glob("*.tmp"))
+    files = list(kv.glob("*/*.safetensors"))  # one directory per model
+    assert len(files) == 1 and not list(kv.glob("*/*.tmp"))
 
     d = DaemonProcess(tiny["a"], tmp_path / "two", *args).start()
     try:
@@ -151,7 +151,7 @@ def test_restart_serves_from_disk(tiny, devices, tmp_path) -> None:
         assert entry["tier"] == "both" and entry["hits"] == 1
         # cache clear --disk removes the files too.
         assert d.lucectl_json("cache", "clear", "--disk", "--yes")["cleared"] == 1
-        assert snapshots(d) == [] and not list(kv.glob("*.safetensors"))
+        assert snapshots(d) == [] and not list(kv.glob("*/*.safetensors"))
     finally:
         assert d.stop() == 0
     assert d.segments() == []
@@ -165,7 +165,7 @@ def _one_file(model: Path, tmp: Path, *args: str) -> Path:
         complete(d)
     finally:
         assert d.stop() == 0  # shutdown waits for the background write
-    (path,) = kv.glob("*.safetensors")
+    (path,) = kv.glob("*/*.safetensors")  # kv/<model fingerprint>/<id>.safetensors
     return path
 
 
@@ -173,8 +173,9 @@ def test_bad_files_are_quarantined_and_requests_still_succeed(tiny, tmp_path) ->
     good = _one_file(tiny["a"], tmp_path / "good")
     foreign_model = _one_file(tiny["b"], tmp_path / "model")
     foreign_placement = _one_file(tiny["a"], tmp_path / "split", "--target-devices", "cpu,cpu:1")
-    kv = tmp_path / "kv"
-    kv.mkdir()
+    # The bad files go where this model's snapshots live: its own directory.
+    kv = tmp_path / "kv" / good.parent.name
+    kv.mkdir(parents=True)
     data = good.read_bytes()
     (kv / "aaaa0001.safetensors").write_bytes(data[: len(data) // 2])  # truncated
     flipped = bytearray(data)
@@ -192,7 +193,7 @@ def test_bad_files_are_quarantined_and_requests_still_succeed(tiny, tmp_path) ->
     finally:
         assert plain.stop() == 0
 
-    d = DaemonProcess(tiny["a"], tmp_path / "d", "--kv-cache-dir", str(kv)).start()
+    d = DaemonProcess(tiny["a"], tmp_path / "d", "--kv-cache-dir", str(kv.parent)).start()
     try:
         # Scan: truncated, foreign model and foreign placement out; flipped bytes pass the
         # header checks and are caught by the CRC at restore time.

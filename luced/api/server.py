@@ -45,7 +45,7 @@ import logging
 import math
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -367,7 +367,11 @@ async def _stream_messages(
     request: web.Request, fmt: anthropic.MessageFormat, handle: RequestHandle
 ) -> web.StreamResponse:
     resp = _event_stream()
-    try:
+
+    def error_events(err: APIError) -> list[bytes]:
+        return [anthropic.event("error", anthropic.error_body(err))]
+
+    async with _stream_guard(handle, resp, fmt.id, error_events):
         await resp.prepare(request)
         for ev in fmt.start(handle.prompt_tokens):
             await resp.write(ev)
@@ -380,19 +384,6 @@ async def _stream_messages(
             reason = handle.finish_reason or "stop"
             for ev in fmt.end(reason, handle.stop_string, _anthropic_usage(handle)):
                 await resp.write(ev)
-    except ConnectionResetError:
-        handle.cancel()
-    except asyncio.CancelledError:
-        handle.cancel()
-        raise
-    except Exception as exc:
-        handle.cancel()
-        if not resp.prepared:
-            raise
-        log.exception("stream %s failed", fmt.id)
-        with contextlib.suppress(ConnectionResetError):
-            body = anthropic.error_body(APIError(500, f"internal error: {exc}"))
-            await resp.write(anthropic.event("error", body))
     return resp
 
 
@@ -452,7 +443,11 @@ async def _stream(
     request: web.Request, fmt: OutputFormat, handle: RequestHandle
 ) -> web.StreamResponse:
     resp = _event_stream()
-    try:
+
+    def error_events(err: APIError) -> list[bytes]:
+        return [sse(err.body()), SSE_DONE]
+
+    async with _stream_guard(handle, resp, fmt.id, error_events):
         await resp.prepare(request)
         for chunk in fmt.start():
             await resp.write(sse(chunk))
@@ -469,6 +464,20 @@ async def _stream(
         for event in tail:
             await resp.write(sse(event))
         await resp.write(SSE_DONE)
+    return resp
+
+
+@contextlib.asynccontextmanager
+async def _stream_guard(
+    handle: RequestHandle,
+    resp: web.StreamResponse,
+    stream_id: str,
+    error_events: Callable[[APIError], list[bytes]],
+) -> AsyncIterator[None]:
+    """Around a streamed reply: a client that went away cancels its request; an internal
+    failure after the headers went out ends the stream with the API's error event(s)."""
+    try:
+        yield
     except ConnectionResetError:  # the client went away mid-stream
         handle.cancel()
     except asyncio.CancelledError:
@@ -479,11 +488,10 @@ async def _stream(
         if not resp.prepared:
             raise
         # Headers are out, so no error status: end the stream with an error event.
-        log.exception("stream %s failed", fmt.id)
+        log.exception("stream %s failed", stream_id)
         with contextlib.suppress(ConnectionResetError):
-            await resp.write(sse(APIError(500, f"internal error: {exc}").body()))
-            await resp.write(SSE_DONE)
-    return resp
+            for event in error_events(APIError(500, f"internal error: {exc}")):
+                await resp.write(event)
 
 
 # --- llama-server's token utilities ------------------------------------------------------

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -303,3 +303,9 @@ def moe_ffn(
             shared = shared * torch.sigmoid(x @ w[p + "ffn_gate_inp_shexp"].reshape(-1, 1))
         out = out + shared
     return out
+
+
+def model_ffn(model: Any, layer: int, h: torch.Tensor) -> torch.Tensor:
+    """`moe_ffn` of one layer of a model whose config has a `moe` field: the `ffn` hook the
+    dense families' `block` takes (qwen3moe over llama, qwen35moe over qwen35)."""
+    return moe_ffn(h, model.weights, layer, model.cfg.moe)

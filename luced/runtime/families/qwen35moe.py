@@ -52,14 +52,10 @@ def prepare(cfg: Qwen35MoeConfig, weights: dict[str, torch.Tensor]) -> None:
     moe.prepare_layers(weights, range(cfg.n_layers))
 
 
-def moe_ffn(model: ModelParts, layer: int, h: torch.Tensor) -> torch.Tensor:
-    return moe.moe_ffn(h, model.weights, layer, model.cfg.moe)
-
-
 def block(
     model: ModelParts, layer: int, x: torch.Tensor, start: int, cache: KVCache
 ) -> torch.Tensor:
-    return qwen35.block(model, layer, x, start, cache, ffn=moe_ffn)
+    return qwen35.block(model, layer, x, start, cache, ffn=moe.model_ffn)
 
 
 recurrent_shapes = qwen35.recurrent_shapes

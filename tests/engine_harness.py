@@ -27,9 +27,12 @@ async def engine_for(
     context: int = 512,
     block_size: int = 16,
     prefix_cache_bytes: int = 0,
+    lookup_drafts: bool = False,
+    adaptive_blocks: bool = False,
 ) -> AsyncIterator[Engine]:
     """One worker thread each (2 cores, shared with the test); prompts longer than 64
-    tokens span several prefill chunks. A draft is loaded for blocks up to 16."""
+    tokens span several prefill chunks. A draft (or the n-gram lookup) is set up for
+    blocks up to 16; adaptive blocks are calibrated before the first request."""
     gguf = GGUFFile(path)
     with ShmOwner() as owner:
         placement = TargetPlacement.split(
@@ -44,12 +47,23 @@ async def engine_for(
         target = target_cls(owner, placement)
         tokenizer = Tokenizer.from_gguf(gguf)
         engine = Engine(
-            target, tokenizer, None, model_name="t", context_length=context, block_size=block_size
+            target,
+            tokenizer,
+            None,
+            model_name="t",
+            context_length=context,
+            block_size=block_size,
+            lookup_drafts=lookup_drafts,
+            adaptive_blocks=adaptive_blocks,
         )
         try:
             await target.start()
             if draft is not None:
                 await target.load_draft(str(draft), device=draft_device, block_size=16)
+            if lookup_drafts:
+                target.enable_lookup_drafts(16)
+            if adaptive_blocks:
+                await engine.calibrate()
             if prefix_cache_bytes:
                 arena = SnapshotArena(owner, prefix_cache_bytes)
                 engine.prefix_cache = PrefixCache(

@@ -30,6 +30,7 @@ import time
 from pathlib import Path
 from typing import Any, ClassVar
 
+import bench_prompts
 import make_tiny_draft
 
 from luced.engine.core import Engine, GenerationRequest
@@ -120,84 +121,135 @@ async def generate(engine: Engine, prompt: list[int], n: int) -> tuple[list[int]
     return tokens, time.perf_counter() - first, dict(handle.spec)
 
 
+# engine name -> (target class, drafter: "model" | "ngram" | None, adaptive block size)
+ENGINES: dict[str, tuple[type[Target], str | None, bool]] = {
+    "plain": (CountingTarget, None, False),
+    "random": (CountingTarget, "model", False),
+    "random-adaptive": (CountingTarget, "model", True),
+    "ngram": (CountingTarget, "ngram", False),
+    "ngram-adaptive": (CountingTarget, "ngram", True),
+    "oracle": (TimedOracle, "model", False),
+}
+
+
+async def start_engine(
+    name: str, owner: ShmOwner, model: Path, draft: Path, tokenizer: Tokenizer, args: Any
+) -> Engine:
+    cls, drafter, adaptive = ENGINES[name]
+    target = make_target(cls, owner, model, args.threads, name)
+    await target.start()
+    if drafter == "model":
+        await target.load_draft(str(draft), block_size=args.block_size)
+    elif drafter == "ngram":
+        target.enable_lookup_drafts(args.block_size)
+    engine = Engine(
+        target,
+        tokenizer,
+        None,
+        model_name=name,
+        context_length=2048,
+        block_size=args.block_size,
+        lookup_drafts=drafter == "ngram",
+        adaptive_blocks=adaptive,
+    )
+    if adaptive:
+        await engine.calibrate()
+    engine.start()
+    return engine
+
+
 async def bench(args: argparse.Namespace) -> None:
     model = MODELS[args.model]() if args.model in MODELS else Path(args.model)
-    tokenizer = Tokenizer.from_gguf(GGUFFile(model))
-    words = "The history of the printing press begins in the fifteenth century. " * 40
-    prompt = tokenizer.encode(words)[: args.prompt]
+    gguf = GGUFFile(model)
+    tokenizer = Tokenizer.from_gguf(gguf)
+    workloads = {w: bench_prompts.prompts(w, gguf, tokenizer, args) for w in args.workloads}
+    names = args.engines
     with tempfile.TemporaryDirectory() as tmp, ShmOwner() as owner:
         _, draft, _ = make_tiny_draft.build(model, Path(tmp), seed=1, block_size=args.block_size)
-        targets = {
-            "plain": make_target(CountingTarget, owner, model, args.threads, "plain"),
-            "random": make_target(CountingTarget, owner, model, args.threads, "random"),
-            "oracle": make_target(TimedOracle, owner, model, args.threads, "oracle"),
-        }
-        engines = {}
+        engines: dict[str, Engine] = {}
         try:
-            for name, target in targets.items():
-                await target.start()
-                if name != "plain":
-                    await target.load_draft(str(draft), block_size=args.block_size)
-                engines[name] = Engine(
-                    target,
-                    tokenizer,
-                    None,
-                    model_name=name,
-                    context_length=2048,
-                    block_size=args.block_size,
-                )
-                engines[name].start()
-            # The oracle's script: the target's greedy continuation, with room for a block.
-            script, _, _ = await generate(
-                engines["plain"], prompt, args.tokens + args.block_size + 1
-            )
-            TimedOracle.script = prompt + script
-            rows: dict[str, list[dict]] = {name: [] for name in engines}
-            for _ in range(args.rounds):
-                for name, engine in engines.items():
-                    r = targets[name]
-                    assert isinstance(r, CountingTarget)
-                    r.draft_us.clear()
-                    r.verify_us.clear()
-                    before = r.forwards
-                    tokens, decode_s, spec = await generate(engine, prompt, args.tokens)
-                    if tokens != script[: args.tokens]:
-                        raise AssertionError(f"{name}: output differs from plain greedy")
-                    fwd = r.forwards - before - (args.prompt + 255) // 256  # minus prefill
-                    rows[name].append(
-                        {
-                            "tok_s": (len(tokens) - 1) / decode_s,
-                            "tok_per_fwd": len(tokens) / max(1, fwd),
-                            "accept_len": 1 + spec["accepted_tokens"] / spec["drafts"]
-                            if spec["drafts"]
-                            else 1.0,
-                            "draft_us": statistics.median(r.draft_us) if r.draft_us else 0.0,
-                            "verify_us": statistics.median(r.verify_us) if r.verify_us else 0.0,
-                        }
+            for name in ["plain", *[n for n in names if n != "plain"]]:
+                engines[name] = await start_engine(name, owner, model, draft, tokenizer, args)
+            rows: dict[tuple[str, str], list[dict]] = {}
+            for workload, prompts in workloads.items():
+                for prompt in prompts:
+                    # Each engine must reproduce plain greedy; the oracle replays it.
+                    script, _, _ = await generate(
+                        engines["plain"], prompt, args.tokens + args.block_size + 1
                     )
+                    TimedOracle.script = prompt + script
+                    for _ in range(args.rounds):
+                        for name, engine in engines.items():
+                            row = await measure(engine, prompt, script, args)
+                            rows.setdefault((workload, name), []).append(row)
         finally:
             for engine in engines.values():
                 await engine.stop()
-            for target in targets.values():
-                await target.close()
+                await engine.target.close()
+    report(model, rows, args)
+
+
+async def measure(engine: Engine, prompt: list[int], script: list[int], args: Any) -> dict:
+    r = engine.target
+    assert isinstance(r, CountingTarget)
+    r.draft_us.clear()
+    r.verify_us.clear()
+    before, blocks_before = r.forwards, sum(engine.block_sizes.values())
+    block_tokens_before = sum(b * n for b, n in engine.block_sizes.items())
+    tokens, decode_s, spec = await generate(engine, prompt, args.tokens)
+    if tokens != script[: len(tokens)]:
+        raise AssertionError(f"{engine.model_name}: output differs from plain greedy")
+    fwd = r.forwards - before - (len(prompt) + 255) // 256  # minus prefill
+    steps = sum(engine.block_sizes.values()) - blocks_before
+    block_tokens = sum(b * n for b, n in engine.block_sizes.items()) - block_tokens_before
+    return {
+        "tok_s": (len(tokens) - 1) / decode_s,
+        "tok_per_fwd": len(tokens) / max(1, fwd),
+        "accept_len": 1 + spec["accepted_tokens"] / spec["drafts"] if spec["drafts"] else 1.0,
+        "block": block_tokens / steps if steps else 1.0,
+        "draft_us": statistics.median(r.draft_us) if r.draft_us else 0.0,
+        "verify_us": statistics.median(r.verify_us) if r.verify_us else 0.0,
+    }
+
+
+def report(model: Path, rows: dict[tuple[str, str], list[dict]], args: Any) -> None:
     print(
-        f"\n{model.name}: prompt {len(prompt)} tokens, {args.tokens} generated, block "
-        f"{args.block_size}, {args.threads} threads, medians of {args.rounds} rounds\n"
+        f"\n{model.name}: {args.tokens} generated per prompt, block {args.block_size}, "
+        f"{args.threads} threads, {args.rounds} round(s); means over prompts and rounds\n"
     )
-    cols = ("tok_s", "tok_per_fwd", "accept_len", "draft_us", "verify_us")
-    print(f"{'engine':8s}" + "".join(f"{c:>13s}" for c in cols))
-    for name, rs in rows.items():
-        med = {c: statistics.median(r[c] for r in rs) for c in cols}
-        print(f"{name:8s}" + "".join(f"{med[c]:13.1f}" for c in cols))
+    cols = ("tok_s", "vs_plain", "tok_per_fwd", "accept_len", "block", "draft_us", "verify_us")
+    print(f"{'workload':10s}{'engine':17s}" + "".join(f"{c:>12s}" for c in cols))
+    for (workload, name), rs in rows.items():
+        mean = {c: statistics.fmean(r[c] for r in rs) for c in cols if c != "vs_plain"}
+        # Per-prompt ratios against plain's run of the same prompt and round, averaged.
+        plain = rows[(workload, "plain")]
+        mean["vs_plain"] = statistics.fmean(
+            r["tok_s"] / p["tok_s"] for r, p in zip(rs, plain, strict=True)
+        )
+        print(f"{workload:10s}{name:17s}" + "".join(f"{mean[c]:12.2f}" for c in cols))
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--block-size", type=int, default=16)
-    ap.add_argument("--prompt", type=int, default=64)
+    ap.add_argument("--prompt", type=int, default=64, help="tokens of the `repeat` workload")
     ap.add_argument("--tokens", type=int, default=128)
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--prompts", type=int, default=3, help="prompts per workload")
+    ap.add_argument(
+        "--workloads",
+        nargs="+",
+        default=["chat", "code", "grounded"],
+        choices=bench_prompts.WORKLOADS,
+    )
+    ap.add_argument(
+        "--engines",
+        nargs="+",
+        default=list(ENGINES),
+        choices=list(ENGINES),
+        help="plain always runs: it is the baseline",
+    )
     ap.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) - 1))
     asyncio.run(bench(ap.parse_args()))
 

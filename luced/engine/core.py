@@ -18,14 +18,16 @@ import contextlib
 import dataclasses
 import logging
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
 from luced.acceptance import clip, verify_greedy
 from luced.cache.prefix_cache import PrefixCache
+from luced.engine.block_size import BlockSizer, StepCosts
 from luced.engine.executor import WorkerDied, WorkerReplyError
+from luced.engine.lookup import PromptLookup
 from luced.engine.output import Delta, OutputBuilder
 from luced.engine.target import Sampled, Target
 from luced.sampling_params import SamplingParams
@@ -131,6 +133,8 @@ class Engine:
         max_queued_tokens: int = 32768,
         default_max_tokens: int | None = None,
         block_size: int = 16,
+        lookup_drafts: bool = False,
+        adaptive_blocks: bool = False,
         metrics: Any = None,
         prefix_cache: PrefixCache | None = None,
     ) -> None:
@@ -143,6 +147,10 @@ class Engine:
         self.max_queued_tokens = max_queued_tokens
         self.default_max_tokens = default_max_tokens
         self.block_size = block_size
+        self.lookup_drafts = lookup_drafts  # --draft ngram: prompt lookup, no draft model
+        self.adaptive_blocks = adaptive_blocks
+        self.step_costs = StepCosts()  # the adaptive block size's cost model
+        self.block_sizes: Counter[int] = Counter()  # speculative steps by block (1: plain)
         self.metrics = metrics
         self.prefix_cache = prefix_cache
         self.turns = TurnMarker.learn(chat_template, tokenizer)  # the cache's cut points
@@ -284,7 +292,7 @@ class Engine:
         k = req.params.logprobs  # None: no logprobs; k: chosen token's + top k
         stops = set(req.stop_token_ids) | (set() if req.ignore_eos else self.tokenizer.eos_ids)
         out = OutputBuilder(self.tokenizer, req.stop, want_logprobs=req.params.logprobs is not None)
-        speculate = self.target.draft is not None
+        speculate = self.target.draft is not None or self.lookup_drafts
         try:
             await self.target.reset()
             handle.cached_tokens = cached = await self._restore_prefix(req.prompt)
@@ -421,21 +429,45 @@ class Engine:
         by rejection sampling in the head's worker, which holds the target's distributions
         and the request's generator (the draft's q rows wait there in shared memory). Either
         way the target's rows carry the request's penalties (each row its own history) and
-        logprobs, so the output is exactly what plain decoding would produce."""
+        logprobs, so the output is exactly what plain decoding would produce.
+
+        The drafter is the DFlash model, or with ``--draft ngram`` a prompt lookup in the
+        daemon (point-mass q). The block size adapts to the request's acceptance
+        (``block_size.py``); a block of 1, or a lookup that finds nothing, is a plain step.
+        """
+        greedy = handle.request.params.greedy
+        lookup = PromptLookup() if self.lookup_drafts else None
+        if lookup is not None:
+            lookup.extend(handle.request.prompt)
+            lookup.extend([first.token])
+        # A seeded sampled request keeps the fixed block: which uniforms its generator
+        # draws for what depends on the block sizes, and timing-driven sizes would make
+        # the same seed give other tokens. Greedy output does not depend on them at all.
+        params = handle.request.params
+        adapt = self.adaptive_blocks and (greedy or params.seed is None)
+        sizer = BlockSizer(self.step_costs, self.block_size) if adapt else None
         if self._emit(handle, out, first, stops):
             return
         anchor = first.token
-        greedy = handle.request.params.greedy
         while not handle.cancelled:
             budget = handle.max_tokens - handle.completion_tokens
             # A step emits at most `size` tokens: drafting past the budget is wasted work
             # (and could run the KV past the context the request was admitted with).
-            size = min(self.block_size, budget)
-            if size < 2:  # one token left: a plain step
-                if self._emit(handle, out, await self.target.step(anchor, sampling, k), stops):
+            size = min(sizer.next_block() if sizer else self.block_size, budget)
+            began = time.perf_counter()
+            block = await self._draft(lookup, anchor, size, None if greedy else sampling)
+            if len(block) < 2:  # a plain step
+                sampled = await self.target.step(anchor, sampling, k)
+                self.step_costs.observe(1, time.perf_counter() - began)
+                self._count_block(1)
+                if sizer is not None:
+                    sizer.plain_step()
+                if lookup is not None:
+                    lookup.extend([sampled.token])
+                if self._emit(handle, out, sampled, stops):
                     return
+                anchor = sampled.token
                 continue
-            block = await self.target.draft_block(anchor, size, None if greedy else sampling)
             start = self.target.position
             if greedy:
                 rows = await self.target.verify(block, sampling, k)
@@ -444,7 +476,13 @@ class Engine:
                 rows, accepted = await self.target.verify_sampled(block, sampling, k)
                 result = clip([r.token for r in rows], accepted, budget, stops)
             await self.target.truncate(start + result.num_kept)
-            self._count_draft(handle, size - 1, result.num_accepted)
+            self.step_costs.observe(len(block), time.perf_counter() - began)
+            self._count_block(len(block))
+            if sizer is not None:
+                sizer.observe(len(block) - 1, result.num_accepted)
+            self._count_draft(handle, len(block) - 1, result.num_accepted)
+            if lookup is not None:
+                lookup.extend(result.tokens)
             # Emitted token j follows block[0..j]: it is row j's (an accepted proposal
             # equals that row's choice; the last is the target's own).
             for row in rows[: len(result.tokens)]:
@@ -452,6 +490,53 @@ class Engine:
                     return
             anchor = result.tokens[-1]
         handle._finish("abort")
+
+    async def _draft(
+        self, lookup: PromptLookup | None, anchor: int, size: int, sampling: dict | None
+    ) -> list[int]:
+        """[anchor, proposals...]: size - 1 proposals from the model draft, up to that many
+        from the lookup (none when size < 2 or nothing matched)."""
+        if size < 2:
+            return [anchor]
+        if lookup is None:
+            return await self.target.draft_block(anchor, size, sampling)
+        proposals = lookup.propose(size - 1)
+        if proposals and sampling is not None:
+            self.target.set_point_mass_q(proposals)
+        return [anchor, *proposals]
+
+    def _count_block(self, size: int) -> None:
+        self.block_sizes[size] += 1
+        self._observe("block_size", size)
+
+    async def calibrate(self, sizes: tuple[int, ...] = (2, 4, 8, 16, 32)) -> dict[int, float]:
+        """Measure the adaptive block size's cost model on the loaded target before the
+        first request: plain steps against speculative steps of each block size (the
+        draft's work included), on a throwaway sequence; the target is reset after."""
+        target, costs = self.target, self.step_costs
+        sizes = tuple(sorted({b for b in sizes if b < self.block_size} | {self.block_size}))
+        greedy = {"temperature": 0.0}
+        await target.reset()
+        prompt = [self.tokenizer.bos_id or 0] * 8
+        anchor = (await target.prefill(prompt, greedy, None)).token
+        for measured in (False, True):  # a warm-up round first (first-call costs)
+            for size in (1, *sizes):
+                start, began = target.position, time.perf_counter()
+                if size == 1:
+                    await target.step(anchor, greedy, None)
+                else:
+                    # A lookup drafts in microseconds: its step is the verify alone.
+                    block = (
+                        [anchor] * size
+                        if self.lookup_drafts
+                        else await target.draft_block(anchor, size, None)
+                    )
+                    await target.verify(block, greedy, None)
+                await target.truncate(start)
+                if measured:
+                    costs.observe(size, time.perf_counter() - began)
+        await target.reset()
+        return costs.table()
 
     def _count_draft(self, handle: RequestHandle, proposed: int, accepted: int) -> None:
         handle.spec["drafts"] += 1
@@ -494,6 +579,8 @@ class Engine:
                 if self.totals["spec_drafts"]
                 else None
             ),
+            # Speculative steps by block size ("1": plain steps taken while speculating).
+            "block_sizes": {str(b): n for b, n in sorted(self.block_sizes.items())},
             "placement": self.workers(),
             "prefix_cache": self._cache_status(),
             "kv_flash": self.target.flash_status(),

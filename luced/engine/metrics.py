@@ -20,6 +20,8 @@ process do not collide.
     luced:spec_decode_num_accepted_tokens_total    counter  tokens accepted, and accepted
     luced:spec_decode_num_accepted_tokens_per_pos_total     counter per draft position
                                                             (label position)
+    luced:spec_decode_block_size        histogram  block of each speculative step
+                                                   (1 = a plain step while speculating)
     luced:kv_flash_evictions_total      counter    KV Flash chunks paged out of the pool
     luced:kv_flash_recalls_total        counter    KV Flash chunks paged back in
     luced:kv_flash_host_bytes           gauge      bytes of paged-out chunks in the host tier
@@ -59,6 +61,7 @@ REQUEST_LATENCY_BUCKETS = (
 )  # fmt: skip
 # Token counts: vLLM's 1-2-5 series (1, 2, 5, 10, 20, ... 5e6).
 TOKEN_COUNT_BUCKETS = tuple(m * 10**e for e in range(7) for m in (1, 2, 5))
+BLOCK_SIZE_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 
 
 class Metrics:
@@ -135,6 +138,11 @@ class Metrics:
             "Accepted tokens per draft position.",
             ["position"],
         )
+        self.spec_decode_block_size = histogram(
+            "spec_decode_block_size",
+            "Block sizes of speculative steps (anchor + proposals; 1 = a plain step).",
+            BLOCK_SIZE_BUCKETS,
+        )
         # vLLM's names and meaning: prompt tokens looked up, and those found cached.
         self.prefix_cache_queries = family(
             Counter, "prefix_cache_queries", "Prefix cache queries, in queried prompt tokens."
@@ -165,6 +173,7 @@ class Metrics:
             "running": self.num_requests_running.set,
             "prefix_queries": self.prefix_cache_queries.inc,
             "prefix_hits": self.prefix_cache_hits.inc,
+            "block_size": self.spec_decode_block_size.observe,
         }
 
     # -- what the engine calls ----------------------------------------------------------------
@@ -175,7 +184,8 @@ class Metrics:
         ttft, itl, e2e: seconds; prompt_tokens: one request's prompt length (counter and
         per-request histogram); generation_tokens: tokens just generated; queue, running:
         the current number of waiting / running requests; prefix_queries / prefix_hits:
-        prompt tokens looked up in / restored from the prefix cache.
+        prompt tokens looked up in / restored from the prefix cache; block_size: the
+        block of one speculative step.
         """
         try:
             observer = self._observers[what]

@@ -133,6 +133,7 @@ class Target:
         self.draft: LoadDraftReply | None = None  # the DFlash draft, when one is loaded
         self._draft_path: str | None = None
         self._draft_device = ""
+        self._point_mass_rows = 0  # q rows set_point_mass_q last wrote
 
     # -- lifecycle -----------------------------------------------------------------------
 
@@ -337,6 +338,23 @@ class Target:
             {"draft_ids": ([block_size], "int32"), "draft_probs": ([rows, self.vocab], "float32")},
         )
         return reply
+
+    def enable_lookup_drafts(self, block_size: int) -> None:
+        """Room for a model-free drafter's blocks (``--draft ngram``): its proposals are
+        point masses, whose q rows ``set_point_mass_q`` writes for ``verify_sampled``."""
+        if not 2 <= block_size <= MAX_BLOCK:
+            raise ValueError(f"block size {block_size} outside [2, {MAX_BLOCK}]")
+        self._carve("draft", {"draft_probs": ([block_size - 1, self.vocab], "float32")})
+        self._point_mass_rows = 0
+
+    def set_point_mass_q(self, proposals: list[int]) -> None:
+        """q row i = one-hot at proposal i: rejection sampling against a drafter that
+        proposes one token with certainty (exact: accept with probability p(x), else draw
+        from p without x)."""
+        q = self._arrays["draft_probs"]
+        q[: self._point_mass_rows] = 0.0  # only the rows the last block set are non-zero
+        q[np.arange(len(proposals)), proposals] = 1.0
+        self._point_mass_rows = len(proposals)
 
     async def _load_draft_into(
         self, worker: WorkerHandle, target: str | None = None

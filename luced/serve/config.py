@@ -392,9 +392,11 @@ OPTIONS: tuple[Option, ...] = (
     ),
     Option(
         "draft", "path", None,
-        "DFlash draft (GGUF file or safetensors directory): requests decode "
-        "speculatively, a block at a time, with output exactly as plain decoding's "
-        "(greedy token for token; sampled by rejection sampling).",
+        "DFlash draft (GGUF file or safetensors directory), or `ngram` for prompt-lookup "
+        "drafting without a model (proposals copied from earlier in the prompt and output; "
+        "pays on input-grounded work). Requests decode speculatively, a block at a time, "
+        "with output exactly as plain decoding's (greedy token for token; sampled by "
+        "rejection sampling). A file named ngram is `./ngram`.",
         nullable=True, default_doc="none (plain decoding)",
         example="/var/lib/luced/models/draft.gguf",
     ),
@@ -411,8 +413,18 @@ OPTIONS: tuple[Option, ...] = (
     ),
     Option(
         "block_size", "int", 16,
-        "Tokens per DFlash block: the last accepted token plus block_size - 1 proposals.",
+        "Tokens per speculative block: the last accepted token plus block_size - 1 "
+        "proposals. With --adaptive-block-size, the largest block and where each request "
+        "starts.",
         minimum=2, maximum=64,
+    ),
+    Option(
+        "adaptive_block_size", "bool", True,
+        "Each speculating request picks its block size from its own recent acceptance "
+        "and the step costs measured at start (a plain step against a verify of k "
+        "tokens), and decodes plainly while drafting does not pay. Output is the same "
+        "either way; only speed changes. Seeded sampled requests keep --block-size, so a "
+        "seed repeats its tokens.",
     ),
     Option(
         "prefix_cache_bytes", "bytes", 2**30,
@@ -498,6 +510,7 @@ class Config:
     draft: Path | None  # None: plain decoding
     draft_device: str | None
     block_size: int
+    adaptive_block_size: bool
     prefix_cache_bytes: int
     kv_cache_dir: Path | None
     kv_cache_budget: int
@@ -597,6 +610,11 @@ class Config:
     def worker_python(self, group: str) -> str:
         """The interpreter that runs a backend group's worker."""
         return str(dict(self.backend_python).get(group, sys.executable))
+
+    @property
+    def lookup_drafts(self) -> bool:
+        """--draft ngram: prompt-lookup drafting in the daemon, no draft model."""
+        return self.draft is not None and str(self.draft) == "ngram"
 
     def draft_python(self) -> str | None:
         """The interpreter of the draft's group when --draft-device names one."""

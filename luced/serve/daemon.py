@@ -134,6 +134,8 @@ class Daemon:
             max_queued_tokens=cfg.max_queued_tokens,
             default_max_tokens=cfg.default_max_tokens,
             block_size=cfg.block_size,
+            lookup_drafts=cfg.lookup_drafts,
+            adaptive_blocks=cfg.adaptive_block_size,
             metrics=metrics,
         )
         try:
@@ -219,7 +221,10 @@ class Daemon:
         assert self.target is not None
         await self.target.start()
         draft = self.config.draft
-        if draft is not None:
+        if self.config.lookup_drafts:
+            self.target.enable_lookup_drafts(self.config.block_size)
+            log.info("draft: n-gram prompt lookup, block size %d", self.config.block_size)
+        elif draft is not None:
             try:
                 reply = await self.target.load_draft(
                     str(draft),
@@ -236,6 +241,12 @@ class Daemon:
                 self.config.block_size,
             )
         assert self.engine is not None
+        if self.config.draft is not None and self.config.adaptive_block_size:
+            costs = await self.engine.calibrate()
+            log.info(
+                "adaptive block size: step costs %s ms",
+                {n: round(s * 1e3, 2) for n, s in costs.items()},
+            )
         try:
             self.engine.prefix_cache = await open_prefix_cache(
                 self.config,

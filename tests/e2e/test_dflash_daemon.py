@@ -136,3 +136,21 @@ def test_real_models_with_a_random_draft(model, request, tmp_path) -> None:
     finally:
         assert spec.stop() == 0
     assert spec.segments() == []
+
+
+def test_ngram_lookup_greedy_equals_plain(tiny_pair, plain_texts, tmp_path) -> None:
+    """--draft ngram: no draft model, no draft worker; adaptive block sizes (the default)
+    report what they used. The text is plain decoding's."""
+    target, _ = tiny_pair
+    d = DaemonProcess(target, tmp_path, "--draft", "ngram", "--block-size", "8").start()
+    try:
+        for prompt, plain in plain_texts.items():
+            assert complete(d, prompt, max_tokens=40)["choices"][0]["text"] == plain
+        status = d.lucectl_json("status")
+        assert [w.get("role") for w in status["placement"]].count("draft") == 0
+        assert sum(status["block_sizes"].values()) > 0
+        assert d.metric("luced:spec_decode_block_size_count") == sum(status["block_sizes"].values())
+        sampled = [complete(d, PROMPTS[0], max_tokens=12, temperature=0.7, seed=1) for _ in "ab"]
+        assert sampled[0]["choices"][0]["text"] == sampled[1]["choices"][0]["text"]
+    finally:
+        assert d.stop() == 0

@@ -1,0 +1,59 @@
+"""PromptLookup against a brute-force oracle: the continuation of the latest earlier
+occurrence of the longest matching tail n-gram (n from max down to min)."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from luced.engine.lookup import PromptLookup
+
+
+def brute_force(seq: list[int], k: int, max_n: int = 4, min_n: int = 1) -> list[int]:
+    for n in range(max_n, min_n - 1, -1):
+        if len(seq) < n:
+            continue
+        tail = seq[len(seq) - n :]
+        # Occurrences that end before the sequence does (so a continuation exists).
+        for end in range(len(seq) - 1, n - 1, -1):
+            if seq[end - n : end] == tail:
+                return seq[end : end + k]
+    return []
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    seq=st.lists(st.integers(0, 5), max_size=60),
+    k=st.integers(0, 8),
+    cut=st.integers(0, 60),
+)
+def test_matches_brute_force_however_the_sequence_arrives(seq, k, cut) -> None:
+    lookup = PromptLookup()
+    lookup.extend(seq[:cut])  # the prompt, then token by token as generated
+    for token in seq[cut:]:
+        lookup.extend([token])
+    assert lookup.tokens == seq
+    assert lookup.propose(k) == brute_force(seq, k)
+
+
+def test_prefers_the_longest_then_the_latest_match() -> None:
+    lookup = PromptLookup()
+    #            0  1  2  3  4  5  6  7  8  9
+    lookup.extend([1, 2, 3, 9, 2, 3, 8, 7, 2, 3])
+    # Tail (2, 3): latest earlier occurrence ends at 6, continuation 8, 7, 2...
+    assert lookup.propose(3) == [8, 7, 2]
+    lookup.extend([1, 2, 3])  # tail (1, 2, 3): occurred at the start, continuation 9
+    assert lookup.propose(2) == [9, 2]
+
+
+def test_no_match_proposes_nothing() -> None:
+    lookup = PromptLookup()
+    assert lookup.propose(4) == []
+    lookup.extend([5, 6, 7])
+    assert lookup.propose(4) == []
+
+
+def test_bad_sizes_are_refused() -> None:
+    with pytest.raises(ValueError, match="n-gram sizes"):
+        PromptLookup(max_ngram=2, min_ngram=3)

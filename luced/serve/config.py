@@ -396,7 +396,7 @@ OPTIONS: tuple[Option, ...] = (
         "drafting without a model (proposals copied from earlier in the prompt and output; "
         "pays on input-grounded work). Requests decode speculatively, a block at a time, "
         "with output exactly as plain decoding's (greedy token for token; sampled by "
-        "rejection sampling). A file named ngram is `./ngram`.",
+        "rejection sampling). A draft file named ngram is given with its directory.",
         nullable=True, default_doc="none (plain decoding)",
         example="/var/lib/luced/models/draft.gguf",
     ),

@@ -70,6 +70,7 @@ SAMPLES: dict[str, tuple[str, str, Any]] = {
     "draft": ("/m/d.gguf", '"/m/d.gguf"', Path("/m/d.gguf")),
     "draft_device": ("cpu:1", '"cpu:1"', "cpu:1"),
     "block_size": ("4", "4", 4),
+    "adaptive_block_size": ("false", "false", False),
     "prefix_cache_bytes": ("512M", '"512M"', 512 * 2**20),
     "kv_cache_dir": ("/srv/kv", '"/srv/kv"', Path("/srv/kv")),
     "kv_cache_budget": ("1.5G", "1610612736", 1610612736),
@@ -338,3 +339,10 @@ def test_example_toml_values_are_valid(tmp_path: Path) -> None:
     config = load_config(["--config", str(path)], env={}, default_config_path=None)
     assert config.admin_socket == Path("/run/luced/admin.sock")
     assert all(src.startswith(str(path)) for src in config.sources.values())
+
+
+def test_draft_ngram_is_the_lookup_drafter() -> None:
+    assert load(["--draft", "ngram"]).lookup_drafts
+    assert not load(["--draft", "/models/ngram"]).lookup_drafts  # a file of that name
+    assert not load().lookup_drafts
+    assert load().adaptive_block_size  # on by default

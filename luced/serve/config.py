@@ -355,6 +355,14 @@ OPTIONS: tuple[Option, ...] = (
         "Seconds SIGTERM waits for running streams before aborting them.", minimum=0,
     ),
     Option(
+        "worker_timeout", "float", 30.0,
+        "Seconds a worker call may take beyond 20× its expected time (the worker's "
+        "measured seconds per token × the call's tokens) before the worker counts as hung "
+        "(stopped, deadlocked): it is killed and restarted, the running request ends with "
+        "an error, queued ones wait for the restart. Loads have no deadline.",
+        minimum=0.1,
+    ),
+    Option(
         "runtime_dir", "path",
         lambda env, values: default_runtime_dir(env),
         "Directory for the admin socket.",
@@ -490,6 +498,7 @@ class Config:
     max_batch_tokens: int
     default_max_tokens: int | None
     shutdown_timeout: float
+    worker_timeout: float
     runtime_dir: Path
     admin_socket: Path
     backend_python: Pairs

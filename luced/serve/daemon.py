@@ -123,7 +123,9 @@ class Daemon:
         except ValueError as exc:
             raise StartupError(str(exc)) from exc
         metrics = Metrics()
-        self.target = Target(self.owner, placement, kv_flash=kv_flash)
+        self.target = Target(
+            self.owner, placement, kv_flash=kv_flash, worker_timeout=cfg.worker_timeout
+        )
         self.engine = engine = Engine(
             self.target,
             tokenizer,

@@ -7,6 +7,7 @@ queue, disconnect and failure paths; SmolLM2 covers the API surface with real te
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -352,6 +353,39 @@ def test_worker_killed_mid_stream(smollm2_gguf, tmp_path) -> None:
         )
         assert status == 200 and body["usage"]["completion_tokens"] == 4
     finally:
+        assert d.stop() == 0
+    assert d.segments() == []
+
+
+def test_stopped_worker_is_noticed_killed_and_restarted(smollm2_gguf, tmp_path) -> None:
+    """SIGSTOP: the worker neither answers nor exits. Its call misses the deadline, the
+    daemon kills it (SIGKILL ends a stopped process), the stream ends with an error,
+    /health says so, and the restarted worker serves the next request."""
+    d = DaemonProcess(smollm2_gguf, tmp_path, "--worker-timeout", "1").start()
+    try:
+        pid = d.worker_pid()
+        stream = long_stream(d)
+        it = iter(stream)
+        next(it)
+        os.kill(pid, signal.SIGSTOP)
+        stopped_at = time.monotonic()
+        with pytest.raises(openai.APIError):
+            for _ in it:
+                pass
+        noticed = time.monotonic() - stopped_at
+        # The deadline: 1 s + 20x a decode step; nowhere near the 60 s of no deadline.
+        assert noticed < 30, noticed
+        d.wait_health(200, 60)
+        assert d.worker_pid() != pid
+        assert not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text()
+        assert "missed its deadline" in d.log()
+        status, _, body = raw_post(
+            d, "/v1/completions", json.dumps({"prompt": "again", "max_tokens": 4}).encode()
+        )
+        assert status == 200 and body["usage"]["completion_tokens"] == 4
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGCONT)
         assert d.stop() == 0
     assert d.segments() == []
 

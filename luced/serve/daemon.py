@@ -37,7 +37,7 @@ from luced.engine.target import Target, TargetPlacement
 from luced.gguf_file import GGUFFile
 from luced.ipc.shm import ShmOwner, cleanup_stale
 from luced.serve import sdnotify
-from luced.serve.admin import start_admin_server
+from luced.serve.admin import AdminSocketError, start_admin_server
 from luced.serve.config import Config, ConfigError, usable_cores
 from luced.serve.prefix_setup import (
     DiskReservation,
@@ -122,7 +122,7 @@ class Daemon:
             self.disk_reservation = reserve_disk_dir(cfg, model_path)
         except ValueError as exc:
             raise StartupError(str(exc)) from exc
-        metrics = Metrics()
+        metrics = Metrics(cfg.served_model_name())  # vLLM's model_name label
         self.target = Target(
             self.owner, placement, kv_flash=kv_flash, worker_timeout=cfg.worker_timeout
         )
@@ -149,7 +149,12 @@ class Daemon:
         site = web.TCPSite(http, cfg.host, cfg.port)
         await site.start()
         log.info("listening on http://%s:%d", cfg.host, cfg.port)
-        admin = await start_admin_server(cfg.admin_socket, self._admin_handlers())
+        try:
+            admin = await start_admin_server(cfg.admin_socket, self._admin_handlers())
+        except AdminSocketError as exc:  # e.g. a second default instance: one line, no load
+            await http.cleanup()
+            self.disk_reservation.release()
+            raise StartupError(f"{exc} (choose another with --admin-socket)") from exc
         try:
             sdnotify.status(f"loading {Path(model_path).name}")
             load = asyncio.create_task(self._start_model())

@@ -256,12 +256,42 @@ def test_queue_overflow_is_429(smollm2_gguf, tmp_path) -> None:
         )
         assert status == 429 and body["error"]["code"] == "queue_full"
         assert float(headers["Retry-After"]) >= 1
+        # Counted by reason, with vLLM's model_name label on every series.
+        assert d.metric("luced:request_rejected_total", 'reason="max_queue"') == 1
+        assert d.metric("luced:request_rejected_total", 'reason="max_queued_tokens"') == 0
+        assert f'model_name="{d.model_name}"' in d.metrics()
+        assert d.lucectl_json("status")["rejected"] == {"max_queue": 1}
         running.close()
         queued.join(30)
         assert not queued.is_alive()
     finally:
         assert d.stop() == 0
     assert d.segments() == []
+
+
+def test_second_daemon_on_a_taken_admin_socket_says_so(tiny_gguf, tmp_path) -> None:
+    """Two instances with one admin socket (as two default instances on different ports
+    would have): the second exits 2 with one line, before loading anything; `lucectl
+    drain` then waits until the first has stopped."""
+    first = DaemonProcess(tiny_gguf, tmp_path / "a").start()
+    try:
+        second = DaemonProcess(tiny_gguf, tmp_path / "b")
+        second.args[second.args.index("--admin-socket") + 1] = str(first.admin_socket)
+        out = subprocess.run(second.args, capture_output=True, text=True, timeout=60)
+        assert out.returncode == 2
+        errors = [line for line in out.stderr.splitlines() if line.startswith("luced:")]
+        assert errors == [
+            f"luced: another luced is listening on {first.admin_socket} "
+            "(choose another with --admin-socket)"
+        ], out.stderr
+        assert "Traceback" not in out.stderr and "serving cpu" not in out.stderr  # no worker
+        assert first.health()[0] == 200  # the first one is untouched
+        drained = first.lucectl("drain")
+        assert drained.returncode == 0 and "luced stopped" in drained.stderr
+        assert first.proc.wait(30) == 0  # admin socket gone: drained, now exiting
+    finally:
+        assert first.stop() == 0
+    assert first.segments() == []
 
 
 def send_raw(d: DaemonProcess, body: dict, read_bytes: int = 0) -> socket.socket:

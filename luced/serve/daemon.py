@@ -39,6 +39,7 @@ from luced.ipc.shm import ShmOwner, cleanup_stale
 from luced.serve import sdnotify
 from luced.serve.admin import AdminSocketError, start_admin_server
 from luced.serve.config import Config, ConfigError, usable_cores
+from luced.serve.listener import LimitedSite
 from luced.serve.prefix_setup import (
     DiskReservation,
     open_prefix_cache,
@@ -143,10 +144,12 @@ class Daemon:
         except ConfigError as exc:
             raise StartupError(str(exc)) from exc
         guard = Guard(cfg.host, cfg.allowed_hosts, cfg.allowed_origins, cfg.metrics_public)
-        app = make_app(engine, metrics, api_key=api_key, guard=guard)
-        http = web.AppRunner(app, handle_signals=False, access_log=None, handler_cancellation=True)
+        app = make_app(engine, metrics, api_key=api_key, guard=guard, body_timeout=cfg.http_timeout)
+        # keepalive_timeout also bounds the wait for a first header (listener.py)
+        handler_args = {"access_log": None, "keepalive_timeout": cfg.http_timeout}
+        http = web.AppRunner(app, handle_signals=False, handler_cancellation=True, **handler_args)
         await http.setup()
-        site = web.TCPSite(http, cfg.host, cfg.port)
+        site = LimitedSite(http, cfg.host, cfg.port, cfg.max_connections, handler_args)
         await site.start()
         log.info("listening on http://%s:%d", cfg.host, cfg.port)
         try:

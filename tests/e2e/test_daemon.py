@@ -511,10 +511,21 @@ def tiny_daemon(tiny_gguf, tmp_path_factory):
     assert d.segments() == []
 
 
+# Every POST route; the bodies are chat-shaped, which the others must refuse cleanly.
+FUZZED_ROUTES = [
+    "/v1/chat/completions",
+    "/v1/completions",
+    "/v1/messages",
+    "/v1/messages/count_tokens",
+    "/tokenize",
+    "/detokenize",
+]
+
+
 @settings(
-    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+    max_examples=90, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
-@given(body=_body, path=st.sampled_from(["/v1/chat/completions", "/v1/completions"]))
+@given(body=_body, path=st.sampled_from(FUZZED_ROUTES))
 def test_fuzzed_bodies_never_5xx(tiny_daemon, body: dict, path: str) -> None:
     payload = json.dumps(body, allow_nan=True).encode()
     status, _, reply = raw_post_any(tiny_daemon, path, payload)

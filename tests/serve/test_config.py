@@ -63,6 +63,8 @@ SAMPLES: dict[str, tuple[str, str, Any]] = {
     "default_max_tokens": ("256", "256", 256),
     "shutdown_timeout": ("2.5", "2.5", 2.5),
     "worker_timeout": ("4.5", "4.5", 4.5),
+    "http_timeout": ("7.5", "7.5", 7.5),
+    "max_connections": ("64", "64", 64),
     "runtime_dir": ("/srv/rt", '"/srv/rt"', Path("/srv/rt")),
     "admin_socket": ("/srv/a.sock", '"/srv/a.sock"', Path("/srv/a.sock")),
     "backend_python": ("hip=/r/py", '{ hip = "/r/py" }', (("hip", Path("/r/py")),)),

@@ -405,6 +405,7 @@ def test_stopped_worker_is_noticed_killed_and_restarted(smollm2_gguf, tmp_path) 
         noticed = time.monotonic() - stopped_at
         # The deadline: 1 s + 20x a decode step; nowhere near the 60 s of no deadline.
         assert noticed < 30, noticed
+        d.wait_health(503, 10)  # health says so while the worker restarts
         d.wait_health(200, 60)
         assert d.worker_pid() != pid
         assert not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text()

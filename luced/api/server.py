@@ -85,6 +85,7 @@ METRICS = web.AppKey("metrics", Metrics)
 API_KEY = web.AppKey("api_key", str)  # "" = no key required
 GUARD = web.AppKey("guard", "Guard")
 STARTED = web.AppKey("started", int)  # unix time, the model card's "created"
+BODY_TIMEOUT = web.AppKey("body_timeout", float)  # seconds to receive a request body
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -129,9 +130,11 @@ def make_app(
     api_key: str | None = None,
     client_max_size: int = DEFAULT_MAX_BODY,
     guard: Guard | None = None,
+    body_timeout: float = 30.0,
 ) -> web.Application:
     app = web.Application(middlewares=[_errors, _guard, _auth], client_max_size=client_max_size)
     app[GUARD] = guard or Guard()
+    app[BODY_TIMEOUT] = body_timeout
     app[ENGINE] = engine
     app[METRICS] = metrics
     app[API_KEY] = api_key or ""
@@ -269,7 +272,12 @@ async def read_json(request: web.Request) -> dict[str, Any]:
     """The body as a JSON object: 400 for a bad Content-Encoding (corrupt gzip) or bad
     JSON; a large body is parsed in a thread so that other clients are not held up."""
     try:
-        raw = await request.read()
+        async with asyncio.timeout(request.app[BODY_TIMEOUT]):
+            raw = await request.read()
+    except TimeoutError:
+        raise APIError(
+            408, f"the request body did not arrive within {request.app[BODY_TIMEOUT]:g} s"
+        ) from None
     except (RequestPayloadError, HttpProcessingError, ValueError, OSError) as exc:
         if isinstance(exc, ConnectionResetError):
             raise

@@ -41,10 +41,13 @@ class EngineError(Exception):
     status = 500
     code = "internal_error"
 
-    def __init__(self, message: str, retry_after: float | None = None) -> None:
+    def __init__(
+        self, message: str, retry_after: float | None = None, reason: str | None = None
+    ) -> None:
         super().__init__(message)
         self.message = message
         self.retry_after = retry_after
+        self.reason = reason or self.code  # what the rejection counters call it
 
 
 class QueueFull(EngineError):
@@ -158,6 +161,7 @@ class Engine:
         self.draining = False
         self.loaded_once = False
         self.waiting: deque[RequestHandle] = deque()
+        self.rejected: Counter[str] = Counter()  # refused submissions by reason
         self.active: RequestHandle | None = None
         self.totals = {
             "requests": 0,
@@ -190,9 +194,20 @@ class Engine:
     # -- submission -----------------------------------------------------------------------
 
     def submit(self, req: GenerationRequest) -> RequestHandle:
+        """Queue a request; EngineError (429 / 400 / 503) when it cannot be, counted by
+        reason (`rejected` in the status, luced:request_rejected_total)."""
+        try:
+            return self._admit(req)
+        except EngineError as exc:
+            self.rejected[exc.reason] += 1
+            if self.metrics is not None:
+                self.metrics.rejected(exc.reason)
+            raise
+
+    def _admit(self, req: GenerationRequest) -> RequestHandle:
         state = self.state
         if state != "ready":
-            raise Unavailable(f"luced is {state}; try again later", retry_after=1.0)
+            raise Unavailable(f"luced is {state}; try again later", retry_after=1.0, reason=state)
         n = len(req.prompt)
         if n == 0:
             raise ContextTooLong("the prompt is empty")
@@ -208,13 +223,13 @@ class Engine:
                 f"length {self.context_length}"
             )
         max_tokens = req.max_tokens or min(room, self.default_max_tokens or room)
-        if len(self.waiting) >= self.max_queue or (
-            self.waiting and self.queued_tokens() + n > self.max_queued_tokens
-        ):
+        full = len(self.waiting) >= self.max_queue
+        if full or (self.waiting and self.queued_tokens() + n > self.max_queued_tokens):
             raise QueueFull(
                 f"the queue is full ({len(self.waiting)} requests, {self.queued_tokens()} "
                 "prompt tokens waiting)",
                 retry_after=self._retry_after(),
+                reason="max_queue" if full else "max_queued_tokens",
             )
         handle = RequestHandle(req, max_tokens)
         handle.on_cancel = self._drop_if_queued
@@ -573,6 +588,7 @@ class Engine:
                 "max_queued_tokens": self.max_queued_tokens,
             },
             "totals": dict(self.totals),
+            "rejected": dict(self.rejected),
             # DFlash: tokens committed per verify step (1 + accepted / drafts).
             "mean_acceptance_length": (
                 round(1 + self.totals["spec_accepted_tokens"] / self.totals["spec_drafts"], 3)

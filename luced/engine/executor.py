@@ -25,8 +25,12 @@ from collections.abc import Awaitable, Callable
 from luced.engine.placement import WorkerPlan, WorkerSpec
 from luced.ipc.channel import AsyncChannel, ChannelClosedError, RemoteError
 from luced.ipc.frames import (
+    DraftBlock,
+    Forward,
     Hello,
     HelloReply,
+    KVExport,
+    KVImport,
     Load,
     LoadDraft,
     LoadDraftReply,
@@ -54,16 +58,38 @@ def _worker_env() -> dict[str, str]:
     return env
 
 
+# A call may take this many times its expected duration (the worker's measured seconds
+# per token times the call's tokens) on top of the floor before the worker counts as hung.
+DEADLINE_SLACK = 20.0
+
+
+def call_tokens(req: Request) -> int:
+    """The tokens a call works on: what its duration scales with."""
+    if isinstance(req, Forward):
+        return req.n_tokens
+    if isinstance(req, DraftBlock):
+        return req.block_size
+    if isinstance(req, KVExport | KVImport):
+        return max(1, req.position)
+    return 1
+
+
 class WorkerHandle:
     def __init__(
         self,
         spec: WorkerSpec,
         instance: str,
         on_exit: Callable[[WorkerHandle, int], None] | None = None,
+        call_timeout: float = 30.0,
     ) -> None:
+        """call_timeout: the floor of every call's deadline (seconds); a worker that
+        misses a deadline is hung (stopped, deadlocked, swapping): it is killed, and its
+        slot restarts it like any dead worker."""
         self.spec = spec
         self.instance = instance
         self.on_exit = on_exit
+        self.call_timeout = call_timeout
+        self.seconds_per_token: float | None = None  # forwards, smoothed
         self.state = "starting"  # starting -> idle -> loading -> ready; dead at any time
         self.proc: asyncio.subprocess.Process | None = None
         self.channel: AsyncChannel | None = None
@@ -122,17 +148,57 @@ class WorkerHandle:
         return reply
 
     async def call(self, req: Request) -> Reply:
-        """One request, one reply. Raises WorkerDied / WorkerReplyError."""
+        """One request, one reply, within a deadline (none for loads: their length is
+        the model's, with progress in the worker's log). Raises WorkerDied /
+        WorkerReplyError."""
         if self.state == "dead" or self.channel is None:
             raise WorkerDied(f"worker {self.spec.group} is not running")
+        deadline = None if isinstance(req, Load | LoadDraft | Hello) else self.deadline(req)
         async with self._call_lock:
+            began = time.monotonic()
             try:
-                return await self.channel.call(req)
+                reply = await asyncio.wait_for(self.channel.call(req), deadline)
             except RemoteError as exc:
                 raise WorkerReplyError(exc.error) from None
             except (ChannelClosedError, ConnectionError, asyncio.IncompleteReadError) as exc:
                 self.state = "dead"
                 raise WorkerDied(f"worker {self.spec.group} (pid {self.pid}) died") from exc
+            except TimeoutError:
+                self._kill_hung(req, deadline)
+                raise WorkerDied(
+                    f"worker {self.spec.group} (pid {self.pid}) did not answer "
+                    f"{req.OP} within {deadline:.1f} s; it was killed and restarts"
+                ) from None
+        if isinstance(req, Forward):
+            self._observe_speed((time.monotonic() - began) / req.n_tokens)
+        return reply
+
+    def deadline(self, req: Request) -> float:
+        """Seconds the worker gets for `req`: the floor plus DEADLINE_SLACK times what
+        its size should take at this worker's measured speed (10 floors before any
+        forward was measured: a first call may warm caches up)."""
+        if self.seconds_per_token is None:
+            return 10 * self.call_timeout
+        expected = self.seconds_per_token * call_tokens(req)
+        return self.call_timeout + DEADLINE_SLACK * expected
+
+    def _observe_speed(self, seconds_per_token: float) -> None:
+        old = self.seconds_per_token
+        self.seconds_per_token = (
+            seconds_per_token if old is None else old + 0.1 * (seconds_per_token - old)
+        )
+
+    def _kill_hung(self, req: Request, deadline: float | None) -> None:
+        log.error(
+            "worker %s (pid %s) missed its deadline of %.1f s for %s: killing it",
+            self.spec.group,
+            self.pid,
+            deadline or 0.0,
+            req.OP,
+        )
+        self.state = "dead"
+        if self.proc is not None and self.proc.returncode is None:
+            self.proc.kill()  # SIGKILL ends a stopped process too; the watcher restarts it
 
     async def _watch(self) -> None:
         assert self.proc is not None
@@ -210,8 +276,10 @@ class Executor:
         workers: tuple[tuple[WorkerSpec, WorkerPlan], ...],
         loader: Loader,
         on_state_change: Callable[[], None] | None = None,
+        call_timeout: float = 30.0,
     ) -> None:
         self.instance = instance
+        self.call_timeout = call_timeout  # each worker's deadline floor (WorkerHandle)
         self.slots = [Slot(i, spec, plan) for i, (spec, plan) in enumerate(workers)]
         self.draft_slot: Slot | None = None  # the draft's own worker, when it has one
         self.loader = loader
@@ -258,7 +326,9 @@ class Executor:
         return await self.start_slot(self.draft_slot)
 
     async def start_slot(self, slot: Slot) -> object:
-        worker = WorkerHandle(slot.spec, self.instance, on_exit=self._exit_handler(slot))
+        worker = WorkerHandle(
+            slot.spec, self.instance, self._exit_handler(slot), call_timeout=self.call_timeout
+        )
         slot.handle = worker
         self._notify()
         await worker.start()

@@ -15,6 +15,10 @@ process do not collide.
     luced:generation_tokens_total       counter    tokens generated
     luced:request_success_total         counter    finished requests, label finished_reason
                                                    (stop | length | abort | error)
+    luced:request_rejected_total        counter    submissions refused, label reason
+                                                   (max_queue | max_queued_tokens: 429;
+                                                   context_length_exceeded: 400;
+                                                   loading | draining | degraded: 503)
     luced:spec_decode_num_drafts_total             counter  speculative decoding (DFlash):
     luced:spec_decode_num_draft_tokens_total       counter  drafts proposed, tokens drafted,
     luced:spec_decode_num_accepted_tokens_total    counter  tokens accepted, and accepted
@@ -62,6 +66,7 @@ REQUEST_LATENCY_BUCKETS = (
 # Token counts: vLLM's 1-2-5 series (1, 2, 5, 10, 20, ... 5e6).
 TOKEN_COUNT_BUCKETS = tuple(m * 10**e for e in range(7) for m in (1, 2, 5))
 BLOCK_SIZE_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+REJECT_REASONS = ("max_queue", "max_queued_tokens", "context_length_exceeded")
 
 
 class Metrics:
@@ -123,6 +128,15 @@ class Metrics:
         self.request_success = {
             r: success.labels(**base, finished_reason=r) for r in FINISH_REASONS
         }
+        rejected = family(
+            Counter,
+            "request_rejected",
+            "Requests refused before they were queued, by reason.",
+            ["reason"],
+        )
+        self._rejected = rejected
+        for reason in REJECT_REASONS:  # exported as 0 before they first happen
+            rejected.labels(**base, reason=reason)
         self.spec_decode_num_drafts = family(
             Counter, "spec_decode_num_drafts", "Number of spec decoding drafts."
         )
@@ -204,6 +218,11 @@ class Metrics:
             raise ValueError(
                 f"unknown finish reason {reason!r}; expected one of {FINISH_REASONS}"
             ) from None
+
+    def rejected(self, reason: str) -> None:
+        """A submission refused: max_queue | max_queued_tokens (429),
+        context_length_exceeded (400), loading | draining | degraded (503)."""
+        self._rejected.labels(**self._base, reason=reason).inc()
 
     def observe_spec_decode(self, num_draft_tokens: int, accepted_per_pos: Sequence[int]) -> None:
         """One speculative step: num_draft_tokens proposed; accepted_per_pos[i] is 1 if

@@ -104,6 +104,7 @@ class Target:
         on_state_change: Callable[[], None] | None = None,
         name: str = "target",  # segment name prefix: several targets may share one owner
         kv_flash: PagerConfig | None = None,  # pool rows and policy; chunk_bytes filled in
+        worker_timeout: float = 30.0,  # deadline floor of a worker call (a hung worker)
     ) -> None:
         self.owner = owner
         self.flash_cfg = kv_flash
@@ -111,7 +112,9 @@ class Target:
         self._record_bytes: dict[tuple[int, int], int] = {}  # worker layers -> host record
         self.name = name
         self.placement = placement
-        self.executor = Executor(owner.instance, placement.workers, self._load, on_state_change)
+        self.executor = Executor(
+            owner.instance, placement.workers, self._load, on_state_change, worker_timeout
+        )
         self.kv = KVTransfer(self.executor, owner.instance)
         self.load_s = 0.0
         self.n_layers = 0

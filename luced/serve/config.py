@@ -355,6 +355,27 @@ OPTIONS: tuple[Option, ...] = (
         "Seconds SIGTERM waits for running streams before aborting them.", minimum=0,
     ),
     Option(
+        "http_timeout", "float", 30.0,
+        "Seconds an HTTP client may take to send a whole request header, or its body, or "
+        "stay idle between requests on a kept-alive connection, before it is closed (a "
+        "slow body gets a 408).",
+        minimum=0.1,
+    ),
+    Option(
+        "max_connections", "int", 512,
+        "Concurrent HTTP connections; more are answered 503 and closed at once. Each "
+        "costs a file descriptor: keep it below the process's open-file limit.",
+        minimum=1,
+    ),
+    Option(
+        "worker_timeout", "float", 30.0,
+        "Seconds a worker call may take beyond 20× its expected time (the worker's "
+        "measured seconds per token × the call's tokens) before the worker counts as hung "
+        "(stopped, deadlocked): it is killed and restarted, the running request ends with "
+        "an error, queued ones wait for the restart. Loads have no deadline.",
+        minimum=0.1,
+    ),
+    Option(
         "runtime_dir", "path",
         lambda env, values: default_runtime_dir(env),
         "Directory for the admin socket.",
@@ -502,6 +523,9 @@ class Config:
     max_batch_tokens: int
     default_max_tokens: int | None
     shutdown_timeout: float
+    http_timeout: float
+    max_connections: int
+    worker_timeout: float
     runtime_dir: Path
     admin_socket: Path
     backend_python: Pairs

@@ -37,8 +37,9 @@ from luced.engine.target import Target, TargetPlacement
 from luced.gguf_file import GGUFFile
 from luced.ipc.shm import ShmOwner, cleanup_stale
 from luced.serve import sdnotify
-from luced.serve.admin import start_admin_server
+from luced.serve.admin import AdminSocketError, start_admin_server
 from luced.serve.config import Config, ConfigError, usable_cores
+from luced.serve.listener import LimitedSite
 from luced.serve.prefix_setup import (
     DiskReservation,
     open_prefix_cache,
@@ -122,8 +123,10 @@ class Daemon:
             self.disk_reservation = reserve_disk_dir(cfg, model_path)
         except ValueError as exc:
             raise StartupError(str(exc)) from exc
-        metrics = Metrics()
-        self.target = Target(self.owner, placement, kv_flash=kv_flash)
+        metrics = Metrics(cfg.served_model_name())  # vLLM's model_name label
+        self.target = Target(
+            self.owner, placement, kv_flash=kv_flash, worker_timeout=cfg.worker_timeout
+        )
         self.engine = engine = Engine(
             self.target,
             tokenizer,
@@ -143,13 +146,20 @@ class Daemon:
         except ConfigError as exc:
             raise StartupError(str(exc)) from exc
         guard = Guard(cfg.host, cfg.allowed_hosts, cfg.allowed_origins, cfg.metrics_public)
-        app = make_app(engine, metrics, api_key=api_key, guard=guard)
-        http = web.AppRunner(app, handle_signals=False, access_log=None, handler_cancellation=True)
+        app = make_app(engine, metrics, api_key=api_key, guard=guard, body_timeout=cfg.http_timeout)
+        # keepalive_timeout also bounds the wait for a first header (listener.py)
+        handler_args = {"access_log": None, "keepalive_timeout": cfg.http_timeout}
+        http = web.AppRunner(app, handle_signals=False, handler_cancellation=True, **handler_args)
         await http.setup()
-        site = web.TCPSite(http, cfg.host, cfg.port)
+        site = LimitedSite(http, cfg.host, cfg.port, cfg.max_connections, handler_args)
         await site.start()
         log.info("listening on http://%s:%d", cfg.host, cfg.port)
-        admin = await start_admin_server(cfg.admin_socket, self._admin_handlers())
+        try:
+            admin = await start_admin_server(cfg.admin_socket, self._admin_handlers())
+        except AdminSocketError as exc:  # e.g. a second default instance: one line, no load
+            await http.cleanup()
+            self.disk_reservation.release()
+            raise StartupError(f"{exc} (choose another with --admin-socket)") from exc
         try:
             sdnotify.status(f"loading {Path(model_path).name}")
             load = asyncio.create_task(self._start_model())

@@ -134,9 +134,10 @@ def human_age(unix_time: Any, now: float) -> str:
     return human_duration(max(0.0, now - unix_time)) + " ago"
 
 
-def short_text(text: Any, width: int = 40) -> str:
+def short_tail(text: Any, width: int = 40) -> str:
+    """The end of a text as one cell (…, then its last width - 1 characters)."""
     s = fmt(text).replace("\r", "\\r").replace("\n", "\\n").replace("\t", "\\t")
-    return s if len(s) <= width else s[: width - 1] + "…"
+    return s if len(s) <= width else "…" + s[-(width - 1) :]
 
 
 def fmt(value: Any) -> str:
@@ -305,7 +306,7 @@ def render_status(reply: Mapping[str, Any]) -> str:
     return out
 
 
-SNAPSHOT_HEADER = ("ID", "TOKENS", "BYTES", "TIER", "HITS", "LAST USE", "PREFIX")
+SNAPSHOT_HEADER = ("ID", "TOKENS", "BYTES", "TIER", "HITS", "LAST USE", "ENDS WITH")
 
 
 def render_snapshots(reply: Mapping[str, Any], now: float | None = None) -> str:
@@ -319,7 +320,7 @@ def render_snapshots(reply: Mapping[str, Any], now: float | None = None) -> str:
             fmt(s.get("tier")),
             fmt(s.get("hits")),
             human_age(s.get("last_used"), now),
-            short_text(s.get("prefix")),
+            short_tail(s.get("suffix")),
         ]
         for s in snaps
     ]
@@ -375,7 +376,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     add(sub, "status", "model, state, placement, queue, uptime, token counts")
     add(sub, "workers", "the backend worker processes")
-    add(sub, "drain", "stop accepting requests and let running ones finish")
+    drain = add(
+        sub, "drain", "stop accepting requests, let running ones finish; wait until it stops"
+    )
+    drain.add_argument(
+        "--no-wait", action="store_true", help="return once the daemon has started draining"
+    )
     snap = add(sub, "snapshot", "prefix-cache snapshots")
     snap_sub = snap.add_subparsers(dest="snapshot_command", required=True, metavar="COMMAND")
     add(snap_sub, "list", "list the snapshots")
@@ -429,7 +435,30 @@ def main(argv: Sequence[str] | None = None) -> int:
     if reply.get("ok") is not True:
         print(f"lucectl: luced: {reply.get('error', 'unknown error')}", file=sys.stderr)
         return EXIT_FAILED
+    if cmd == "drain" and not args.no_wait:
+        return wait_stopped(path, args.timeout)
     return 0
+
+
+def wait_stopped(path: Path, timeout: float | None) -> int:
+    """Poll the daemon until its admin socket goes away (drained and stopped), saying
+    what still runs; EXIT_FAILED if `timeout` passes first."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    last = ""
+    while deadline is None or time.monotonic() < deadline:
+        try:
+            _, status = request(path, "status", DEFAULT_TIMEOUT)
+        except (Unreachable, Failed):
+            print("luced stopped", file=sys.stderr)
+            return 0
+        queue = status.get("queue") or {}
+        line = f"draining: {queue.get('running', 0)} running, {queue.get('waiting', 0)} waiting"
+        if line != last:
+            print(line, file=sys.stderr)
+            last = line
+        time.sleep(0.25)
+    print(f"lucectl: luced still draining after {timeout:g} s", file=sys.stderr)
+    return EXIT_FAILED
 
 
 if __name__ == "__main__":

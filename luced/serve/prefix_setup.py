@@ -215,6 +215,9 @@ def snapshot_handlers(
                     "last_used": e.last_used,
                     "in_use": e.pinned,
                     "prefix": tokenizer.decode(e.tokens[:PREVIEW_TOKENS].tolist()),
+                    # Snapshots of one app share their start (the system prompt): the end
+                    # (the last turn) is what tells them apart.
+                    "suffix": tokenizer.decode(e.tokens[-PREVIEW_TOKENS:].tolist()),
                 }
                 for e in c.entries()
             ]

@@ -14,6 +14,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from prometheus_client.parser import text_string_to_metric_families
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -88,11 +90,14 @@ class DaemonProcess:
             return r.read().decode()
 
     def metric(self, name: str, labels: str = "") -> float:
-        """The value of one sample line of /metrics (0 when absent)."""
-        prefix = f"{name}{{{labels}}}" if labels else name
-        for line in self.metrics().splitlines():
-            if line.startswith(prefix + " "):
-                return float(line.split()[-1])
+        """The value of one /metrics sample (0 when absent): `name`, with the labels of
+        `labels` (e.g. 'tier="memory"') among its own; the daemon adds model_name."""
+        wanted = dict(kv.split("=", 1) for kv in labels.split(",") if kv)
+        wanted = {k.strip(): v.strip().strip('"') for k, v in wanted.items()}
+        for family in text_string_to_metric_families(self.metrics()):
+            for sample in family.samples:
+                if sample.name == name and wanted.items() <= sample.labels.items():
+                    return sample.value
         return 0.0
 
     def log(self) -> str:

@@ -7,6 +7,7 @@ queue, disconnect and failure paths; SmolLM2 covers the API surface with real te
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -255,12 +256,42 @@ def test_queue_overflow_is_429(smollm2_gguf, tmp_path) -> None:
         )
         assert status == 429 and body["error"]["code"] == "queue_full"
         assert float(headers["Retry-After"]) >= 1
+        # Counted by reason, with vLLM's model_name label on every series.
+        assert d.metric("luced:request_rejected_total", 'reason="max_queue"') == 1
+        assert d.metric("luced:request_rejected_total", 'reason="max_queued_tokens"') == 0
+        assert f'model_name="{d.model_name}"' in d.metrics()
+        assert d.lucectl_json("status")["rejected"] == {"max_queue": 1}
         running.close()
         queued.join(30)
         assert not queued.is_alive()
     finally:
         assert d.stop() == 0
     assert d.segments() == []
+
+
+def test_second_daemon_on_a_taken_admin_socket_says_so(tiny_gguf, tmp_path) -> None:
+    """Two instances with one admin socket (as two default instances on different ports
+    would have): the second exits 2 with one line, before loading anything; `lucectl
+    drain` then waits until the first has stopped."""
+    first = DaemonProcess(tiny_gguf, tmp_path / "a").start()
+    try:
+        second = DaemonProcess(tiny_gguf, tmp_path / "b")
+        second.args[second.args.index("--admin-socket") + 1] = str(first.admin_socket)
+        out = subprocess.run(second.args, capture_output=True, text=True, timeout=60)
+        assert out.returncode == 2
+        errors = [line for line in out.stderr.splitlines() if line.startswith("luced:")]
+        assert errors == [
+            f"luced: another luced is listening on {first.admin_socket} "
+            "(choose another with --admin-socket)"
+        ], out.stderr
+        assert "Traceback" not in out.stderr and "serving cpu" not in out.stderr  # no worker
+        assert first.health()[0] == 200  # the first one is untouched
+        drained = first.lucectl("drain")
+        assert drained.returncode == 0 and "luced stopped" in drained.stderr
+        assert first.proc.wait(30) == 0  # admin socket gone: drained, now exiting
+    finally:
+        assert first.stop() == 0
+    assert first.segments() == []
 
 
 def send_raw(d: DaemonProcess, body: dict, read_bytes: int = 0) -> socket.socket:
@@ -356,6 +387,40 @@ def test_worker_killed_mid_stream(smollm2_gguf, tmp_path) -> None:
     assert d.segments() == []
 
 
+def test_stopped_worker_is_noticed_killed_and_restarted(smollm2_gguf, tmp_path) -> None:
+    """SIGSTOP: the worker neither answers nor exits. Its call misses the deadline, the
+    daemon kills it (SIGKILL ends a stopped process), the stream ends with an error,
+    /health says so, and the restarted worker serves the next request."""
+    d = DaemonProcess(smollm2_gguf, tmp_path, "--worker-timeout", "1").start()
+    try:
+        pid = d.worker_pid()
+        stream = long_stream(d)
+        it = iter(stream)
+        next(it)
+        os.kill(pid, signal.SIGSTOP)
+        stopped_at = time.monotonic()
+        with pytest.raises(openai.APIError):
+            for _ in it:
+                pass
+        noticed = time.monotonic() - stopped_at
+        # The deadline: 1 s + 20x a decode step; nowhere near the 60 s of no deadline.
+        assert noticed < 30, noticed
+        d.wait_health(503, 10)  # health says so while the worker restarts
+        d.wait_health(200, 60)
+        assert d.worker_pid() != pid
+        assert not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text()
+        assert "missed its deadline" in d.log()
+        status, _, body = raw_post(
+            d, "/v1/completions", json.dumps({"prompt": "again", "max_tokens": 4}).encode()
+        )
+        assert status == 200 and body["usage"]["completion_tokens"] == 4
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGCONT)
+        assert d.stop() == 0
+    assert d.segments() == []
+
+
 def test_sigterm_lets_the_stream_finish(smollm2_gguf, tmp_path) -> None:
     d = DaemonProcess(smollm2_gguf, tmp_path).start()
     stream = long_stream(d, max_tokens=40)
@@ -447,10 +512,21 @@ def tiny_daemon(tiny_gguf, tmp_path_factory):
     assert d.segments() == []
 
 
+# Every POST route; the bodies are chat-shaped, which the others must refuse cleanly.
+FUZZED_ROUTES = [
+    "/v1/chat/completions",
+    "/v1/completions",
+    "/v1/messages",
+    "/v1/messages/count_tokens",
+    "/tokenize",
+    "/detokenize",
+]
+
+
 @settings(
-    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+    max_examples=90, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
-@given(body=_body, path=st.sampled_from(["/v1/chat/completions", "/v1/completions"]))
+@given(body=_body, path=st.sampled_from(FUZZED_ROUTES))
 def test_fuzzed_bodies_never_5xx(tiny_daemon, body: dict, path: str) -> None:
     payload = json.dumps(body, allow_nan=True).encode()
     status, _, reply = raw_post_any(tiny_daemon, path, payload)

@@ -317,6 +317,7 @@ SNAPSHOTS = [
         "hits": 4,
         "last_used_ago": 75,  # seconds; made absolute when the handler answers
         "prefix": "<|im_start|>system\nYou are a helpful AI assistant named SmolLM",
+        "suffix": "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n",
     }
 ]
 
@@ -463,7 +464,10 @@ def test_lucectl_snapshot_list_empty(
 ) -> None:
     code, out, _ = run_ctl(capsys, "--socket", str(daemon.path), "snapshot", "list")
     assert code == 0
-    assert out.splitlines() == ["ID  TOKENS  BYTES  TIER  HITS  LAST USE  PREFIX", "(no snapshots)"]
+    assert out.splitlines() == [
+        "ID  TOKENS  BYTES  TIER  HITS  LAST USE  ENDS WITH",
+        "(no snapshots)",
+    ]
     assert daemon.calls == ["snapshot_list"]
 
 
@@ -473,18 +477,31 @@ def test_lucectl_snapshot_list_rows(
     code, out, _ = run_ctl(capsys, "--socket", str(daemon_with_snapshots.path), "snapshot", "list")
     assert code == 0
     header, row = out.splitlines()
-    assert header.split() == ["ID", "TOKENS", "BYTES", "TIER", "HITS", "LAST", "USE", "PREFIX"]
+    assert header.split() == [
+        "ID", "TOKENS", "BYTES", "TIER", "HITS", "LAST", "USE", "ENDS", "WITH"
+    ]  # fmt: skip
     assert row.startswith("a1b2c3     512  3.0 MiB  memory     4  1m 15s ago  ")
-    prefix = row[header.index("PREFIX") :]
-    assert prefix == "<|im_start|>system\\nYou are a helpful A…"
-    assert len(prefix) == 40
+    # The end tells snapshots of one system prompt apart: the last turn.
+    tail = row[header.index("ENDS WITH") :]
+    assert tail == "…t is the capital of France?<|im_end|>\\n"
+    assert len(tail) == 40
 
 
 def test_lucectl_drain(daemon: FakeDaemon, capsys: pytest.CaptureFixture[str]) -> None:
-    code, out, _ = run_ctl(capsys, "--socket", str(daemon.path), "drain")
+    code, out, _ = run_ctl(capsys, "--socket", str(daemon.path), "drain", "--no-wait")
     assert code == 0
     assert out.splitlines() == ["state      draining", "in_flight  1"]
     assert daemon.calls == ["drain"]
+
+
+def test_lucectl_drain_waits_for_the_stop(
+    daemon: FakeDaemon, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """This daemon never stops: the wait polls status until the timeout, then fails."""
+    code, _, err = run_ctl(capsys, "--socket", str(daemon.path), "--timeout", "0.6", "drain")
+    assert code == 1
+    assert "still draining after 0.6 s" in err
+    assert daemon.calls[0] == "drain" and daemon.calls.count("status") >= 2
 
 
 def test_lucectl_error_reply_exits_1(sock_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -1,0 +1,109 @@
+"""The HTTP listener's limits on a real daemon: clients that open connections and send
+nothing whole, or trickle a body, or send a huge one, cannot hold the daemon or its
+other clients (the hardening issue's "bodies that stall everyone")."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+
+import make_tiny_gguf
+import pytest
+from daemon_proc import DaemonProcess
+from test_daemon import raw_post
+
+
+@pytest.fixture(scope="module")
+def limited(tmp_path_factory):
+    root = tmp_path_factory.mktemp("limits")
+    model = root / "tiny-llama.gguf"
+    make_tiny_gguf.build("llama", model, seed=5, context=4096)
+    d = DaemonProcess(model, root, "--http-timeout", "1.5", "--max-connections", "4").start()
+    yield d
+    assert d.stop() == 0
+    assert d.segments() == []
+
+
+def connect(d: DaemonProcess) -> socket.socket:
+    s = socket.create_connection(("127.0.0.1", d.port), timeout=20)
+    return s
+
+
+def read_all(s: socket.socket) -> bytes:
+    """Everything until the daemon closes the connection."""
+    got = b""
+    while True:
+        try:
+            chunk = s.recv(65536)
+        except ConnectionResetError:
+            return got
+        if not chunk:
+            return got
+        got += chunk
+
+
+def head(d: DaemonProcess, length: int) -> bytes:
+    return (
+        f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1:{d.port}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {length}\r\n\r\n"
+    ).encode()
+
+
+def test_half_headers_are_closed_and_extra_connections_refused(limited) -> None:
+    d = limited
+    half = [connect(d) for _ in range(4)]
+    for s in half:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Le")
+    time.sleep(0.2)
+    extra = connect(d)  # over --max-connections: a 503 in the API's shape, then closed
+    answer = read_all(extra)
+    assert answer.startswith(b"HTTP/1.1 503")
+    assert json.loads(answer.split(b"\r\n\r\n", 1)[1])["error"]["code"] == "too_many_connections"
+    # The half-sent headers are dropped after --http-timeout, not kept forever.
+    began = time.monotonic()
+    assert all(read_all(s) == b"" for s in half)
+    assert time.monotonic() - began < 15
+    status, _, body = raw_post(d, "/v1/completions", b'{"prompt": "ok", "max_tokens": 2}')
+    assert status == 200 and body["usage"]["completion_tokens"] == 2
+
+
+def test_a_trickled_body_gets_408(limited) -> None:
+    s = connect(limited)
+    s.sendall(head(limited, 1000) + b'{"prompt": ')  # and never the rest
+    answer = read_all(s)
+    assert answer.startswith(b"HTTP/1.1 408"), answer[:200]
+    error = json.loads(answer.split(b"\r\n\r\n", 1)[1])["error"]
+    assert "did not arrive within 1.5 s" in error["message"]
+
+
+def test_a_30mb_body_does_not_hold_up_a_small_request(limited) -> None:
+    d = limited
+    big = json.dumps({"prompt": "word " * 6_000_000, "max_tokens": 1}).encode()
+    result: dict = {}
+
+    def send_big() -> None:
+        result["big"] = raw_post(d, "/v1/completions", big)
+
+    t = threading.Thread(target=send_big)
+    t.start()
+    status, _, body = raw_post(d, "/v1/completions", b'{"prompt": "hi", "max_tokens": 2}')
+    assert status == 200 and body["usage"]["completion_tokens"] == 2
+    t.join(120)
+    status, _, body = result["big"]
+    assert status == 400 and body["error"]["param"] == "prompt"
+    assert d.health()[0] == 200
+
+
+def test_oversized_headers_are_a_json_400(limited) -> None:
+    s = connect(limited)
+    s.sendall(
+        f"GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1:{limited.port}\r\n".encode()
+        + b"X-Big: "
+        + b"a" * 20000
+        + b"\r\n\r\n"
+    )
+    answer = read_all(s)
+    assert answer.split(b" ", 2)[1] == b"400", answer[:300]  # (HTTP/1.0: it never parsed)
+    assert json.loads(answer.split(b"\r\n\r\n", 1)[1])["error"]["type"] == "invalid_request_error"

@@ -151,6 +151,7 @@ class Engine:
         self.default_max_tokens = default_max_tokens
         self.block_size = block_size
         self.lookup_drafts = lookup_drafts  # --draft ngram: prompt lookup, no draft model
+        self.lookup_ngrams = (4, 2)  # its longest and shortest n-gram (lookup.py)
         self.adaptive_blocks = adaptive_blocks
         self.step_costs = StepCosts()  # the adaptive block size's cost model
         self.block_sizes: Counter[int] = Counter()  # speculative steps by block (1: plain)
@@ -451,7 +452,7 @@ class Engine:
         (``block_size.py``); a block of 1, or a lookup that finds nothing, is a plain step.
         """
         greedy = handle.request.params.greedy
-        lookup = PromptLookup() if self.lookup_drafts else None
+        lookup = PromptLookup(*self.lookup_ngrams) if self.lookup_drafts else None
         if lookup is not None:
             lookup.extend(handle.request.prompt)
             lookup.extend([first.token])

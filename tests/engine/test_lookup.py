@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from luced.engine.lookup import PromptLookup
 
 
-def brute_force(seq: list[int], k: int, max_n: int = 4, min_n: int = 1) -> list[int]:
+def brute_force(seq: list[int], k: int, max_n: int, min_n: int) -> list[int]:
     for n in range(max_n, min_n - 1, -1):
         if len(seq) < n:
             continue
@@ -27,14 +27,15 @@ def brute_force(seq: list[int], k: int, max_n: int = 4, min_n: int = 1) -> list[
     seq=st.lists(st.integers(0, 5), max_size=60),
     k=st.integers(0, 8),
     cut=st.integers(0, 60),
+    sizes=st.sampled_from([(4, 2), (4, 1), (3, 3), (1, 1)]),
 )
-def test_matches_brute_force_however_the_sequence_arrives(seq, k, cut) -> None:
-    lookup = PromptLookup()
+def test_matches_brute_force_however_the_sequence_arrives(seq, k, cut, sizes) -> None:
+    lookup = PromptLookup(*sizes)
     lookup.extend(seq[:cut])  # the prompt, then token by token as generated
     for token in seq[cut:]:
         lookup.extend([token])
     assert lookup.tokens == seq
-    assert lookup.propose(k) == brute_force(seq, k)
+    assert lookup.propose(k) == brute_force(seq, k, *sizes)
 
 
 def test_prefers_the_longest_then_the_latest_match() -> None:
@@ -52,6 +53,9 @@ def test_no_match_proposes_nothing() -> None:
     assert lookup.propose(4) == []
     lookup.extend([5, 6, 7])
     assert lookup.propose(4) == []
+    lookup.extend([5, 8, 7])  # 7 occurred before, but a 1-gram is below the default min 2
+    assert lookup.propose(4) == []
+    assert PromptLookup(min_ngram=1).propose(4) == []
 
 
 def test_bad_sizes_are_refused() -> None:

@@ -54,7 +54,9 @@ class Placement:
 
     def __post_init__(self) -> None:
         for layer, ids in self.hot.items():
-            if list(ids) != sorted(set(ids)) or (ids and not 0 <= ids[0] <= ids[-1] < self.n_experts):
+            if list(ids) != sorted(set(ids)) or (
+                ids and not 0 <= ids[0] <= ids[-1] < self.n_experts
+            ):
                 raise ValueError(
                     f"layer {layer}: hot experts {list(ids)} must be ascending, unique ids "
                     f"below {self.n_experts}"
@@ -83,11 +85,16 @@ class Placement:
         return hashlib.sha256(json.dumps(doc).encode()).hexdigest()[:16]
 
     def to_wire(self) -> dict[str, Any]:
-        return {"n_experts": self.n_experts, "hot": [[l, list(self.hot[l])] for l in self.layers]}
+        return {
+            "n_experts": self.n_experts,
+            "hot": [[layer, list(self.hot[layer])] for layer in self.layers],
+        }
 
     @classmethod
     def from_wire(cls, d: Mapping[str, Any]) -> Placement:
-        return cls(int(d["n_experts"]), {int(l): tuple(int(e) for e in ids) for l, ids in d["hot"]})
+        return cls(
+            int(d["n_experts"]), {int(layer): tuple(int(e) for e in ids) for layer, ids in d["hot"]}
+        )
 
 
 def plan(
@@ -106,8 +113,14 @@ def plan(
     for layer in layers:
         counts = (profile or {}).get(layer)
         if counts is not None and len(counts) != n_experts:
-            raise ValueError(f"routing profile of layer {layer}: {len(counts)} counts for {n_experts} experts")
-        order = range(n_experts) if counts is None else sorted(range(n_experts), key=lambda e: (-counts[e], e))
+            raise ValueError(
+                f"routing profile of layer {layer}: {len(counts)} counts for {n_experts} experts"
+            )
+        order = (
+            range(n_experts)
+            if counts is None
+            else sorted(range(n_experts), key=lambda e: (-counts[e], e))
+        )
         chosen[layer] = tuple(sorted(order[:hot]))
     return Placement(n_experts, chosen)
 
@@ -115,10 +128,12 @@ def plan(
 def moe_layers(gguf: GGUFFile) -> tuple[int, ...]:
     """The layers with routed experts (laguna's leading layers are dense)."""
     n = int(gguf.require(f"{gguf.arch}.block_count"))
-    return tuple(l for l in range(n) if f"blk.{l}.ffn_down_exps.weight" in gguf.tensors)
+    return tuple(i for i in range(n) if f"blk.{i}.ffn_down_exps.weight" in gguf.tensors)
 
 
-def local_index(ids: Sequence[int], n_experts: int, device: torch.device | str = "cpu") -> torch.Tensor:
+def local_index(
+    ids: Sequence[int], n_experts: int, device: torch.device | str = "cpu"
+) -> torch.Tensor:
     """[E + 1] int64: global id -> its position in `ids`, -1 elsewhere; the extra last entry
     maps an id of -1 to -1 again."""
     table = torch.full((n_experts + 1,), -1, dtype=torch.int64)
@@ -156,10 +171,14 @@ def read_experts(
         name = f"blk.{layer}.{suffix}"
         info = gguf.info(name)
         if info.ggml_type not in SUPPORTED_TYPES:
-            raise GGUFError(f"{gguf.path}: tensor {name!r} uses unsupported quant type {info.type_name}")
+            raise GGUFError(
+                f"{gguf.path}: tensor {name!r} uses unsupported quant type {info.type_name}"
+            )
         _, out, inner = info.shape
         raw = gguf.raw(name)  # [E * out, bytes per row], a view of the mapping
-        parts = [dequantize_rows(raw[e * out : (e + 1) * out], info.ggml_type, (out, inner)) for e in ids]
+        parts = [
+            dequantize_rows(raw[e * out : (e + 1) * out], info.ggml_type, (out, inner)) for e in ids
+        ]
         stack = np.stack(parts) if parts else np.zeros((0, out, inner), np.float32)
         return torch.from_numpy(stack).to(device=device, dtype=dtype)
 
@@ -190,7 +209,9 @@ class LocalExperts:
     def experts(self, layer: int) -> StackedExperts:
         stacks = self.layers.get(layer)
         if stacks is None:
-            stacks = read_experts(self.gguf, layer, self.held[layer], self.cfg, self.dtype, self.device)
+            stacks = read_experts(
+                self.gguf, layer, self.held[layer], self.cfg, self.dtype, self.device
+            )
             self.layers[layer] = stacks
         return stacks
 
@@ -203,7 +224,9 @@ class LocalExperts:
         self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
     ) -> torch.Tensor:
         d = self.device
-        return expert_mix(x.to(d, self.dtype), ids.to(d, torch.int64), weights.to(d), self.experts(layer))
+        return expert_mix(
+            x.to(d, self.dtype), ids.to(d, torch.int64), weights.to(d), self.experts(layer)
+        )
 
 
 class Split:
@@ -220,10 +243,19 @@ class Split:
         fallback: ExpertCompute | None = None,
         required: bool = False,
     ) -> None:
-        self.placement, self.cold, self.fallback, self.required = placement, cold, fallback, required
+        self.placement, self.cold, self.fallback, self.required = (
+            placement,
+            cold,
+            fallback,
+            required,
+        )
         e = placement.n_experts
-        self.hot_local = {l: local_index(ids, e, device) for l, ids in placement.hot.items()}
-        self.cold_local = {l: local_index(placement.cold(l), e, device) for l in placement.layers}
+        self.hot_local = {
+            layer: local_index(ids, e, device) for layer, ids in placement.hot.items()
+        }
+        self.cold_local = {
+            layer: local_index(placement.cold(layer), e, device) for layer in placement.layers
+        }
         self.stats = {"cold_calls": 0, "fallbacks": 0}
 
     def mix(
@@ -284,8 +316,6 @@ def place(
     placement = plan(cfg.n_experts, moe_layers(gguf), hot, profile)
     if not placement.all_hot:
         local = LocalExperts(model.path, cfg, placement.inverted().hot, model.dtype)
-        split = Split(
-            placement, cold or local, model.device, fallback=local, required=required
-        )
+        split = Split(placement, cold or local, model.device, fallback=local, required=required)
         apply(model, placement, split)
     return placement

@@ -49,6 +49,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="comma-separated devices this worker drives, e.g. cuda:0,cuda:1",
     )
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument(
+        "--inbox",
+        type=int,
+        default=None,
+        help="inherited unix socket through which the daemon hands over worker-to-worker "
+        "links (MoE expert compute)",
+    )
     args = p.parse_args(argv)
     if not args.devices:
         p.error("--devices is empty")
@@ -82,7 +89,8 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    backend = Backend(args.group, args.devices)
+    inbox = socket.socket(fileno=args.inbox) if args.inbox is not None else None
+    backend = Backend(args.group, args.devices, inbox)
     if backend.device_problem:  # hello reports it to the daemon; log it here too
         log.error("%s", backend.device_problem)
     log.info("serving %s on fd %d (torch %s)", ",".join(args.devices), args.fd, torch.__version__)

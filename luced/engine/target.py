@@ -211,6 +211,7 @@ class Target:
                 owns_head=plan.owns_head,
                 device_splits=plan.device_splits,
                 kv_pool=self.flash_cfg.pool_tokens if self.flash_cfg else 0,
+                moe_hot=-1 if p.moe_hot is None else p.moe_hot,
             )
         )
         if self.flash_cfg is not None:

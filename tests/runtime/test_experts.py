@@ -118,3 +118,23 @@ def test_cold_experts_in_process_equal_all_local(tiny: Path, hot: int) -> None:
     torch.testing.assert_close(got_logits, want_logits, rtol=1e-4, atol=1e-4)
     assert got == want
     assert split.expert_split.stats["cold_calls"] > 0 and n > hot
+
+
+def test_load_frame_places_the_experts(tiny: Path) -> None:
+    from luced.ipc import frames as F
+    from luced.runtime.backend import Backend
+
+    gguf = GGUFFile(tiny)
+    n_layers = int(gguf.require(f"{gguf.arch}.block_count"))
+    backend = Backend("cpu", ("cpu",))
+    backend.hello(F.Hello(instance="t0"))
+    req = dict(model=str(tiny), layers=(0, n_layers), dtype="float32", devices=("cpu",))
+    req |= dict(kv_capacity=64, owns_embed=True, owns_head=True)
+    assert backend.load(F.Load(**req)).moe_fingerprint == ""  # default: all experts local
+    reply = backend.load(F.Load(**req, moe_hot=4))
+    layers = experts.moe_layers(gguf)
+    assert reply.moe_fingerprint == experts.plan(8, layers, 4).fingerprint()
+    model = backend.loaded.shards[0].model
+    assert model.weights[f"{layers[0]}.ffn_down_exps"].shape[0] == 4
+    assert backend.stats(F.Stats()).stats["moe_cold_calls"] == 0
+    backend.close()

@@ -51,7 +51,7 @@ Expert compute (``luced.runtime.expert_link``): an expert worker answers ``load_
 from the daemon, and ``expert_mix`` from target workers over direct worker-to-worker
 socketpairs that the daemon hands to both sides (SCM_RIGHTS over each worker's inbox)::
 
-    load_experts  model, dtype, device, n_experts, held -> n_layers, n_held, fingerprint, load_s
+    load_experts  model, dtype, device, hot       -> n_layers, n_held, fingerprint, load_s
     expert_mix    layer, x, ids, weights          -> elapsed_us   (x is overwritten with
                                                      the answer Σ w_i · expert_i(x))
 
@@ -460,14 +460,17 @@ class ForwardReply(Reply):
 @_op("load_experts", REQUESTS)
 @dataclass(frozen=True)
 class LoadExperts(Request):
-    """Hold the routed experts `held` names ((layer, ascending global ids) pairs: the
-    expert worker's side of ``runtime.experts.Placement``), read from the GGUF's mapping."""
+    """Hold the cold experts of a target that keeps `hot` per layer (planned as the target
+    plans it: ``runtime.experts.plan``), read from the GGUF's mapping."""
 
     model: str
     dtype: ComputeDtype
     device: str
-    n_experts: int
-    held: tuple[tuple[int, tuple[int, ...]], ...]
+    hot: int
+
+    def _check(self) -> None:
+        if self.hot < 0:
+            raise self._fail(f"hot must be >= 0, got {self.hot}")
 
 
 @_op("load_experts", REPLIES)
@@ -475,7 +478,7 @@ class LoadExperts(Request):
 class LoadExpertsReply(Reply):
     n_layers: int  # MoE layers with experts held here
     n_held: int  # experts held, over all layers
-    fingerprint: str
+    fingerprint: str  # of the target's placement it complements (load's moe_fingerprint)
     load_s: float
 
 

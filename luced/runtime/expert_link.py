@@ -12,18 +12,12 @@ Per MoE layer, per forward (a prefill chunk is one call, not one per token)::
     read y from the x rows               <----    {elapsed_us}  (or an error: bad header)
 
 The scratch is a region of a segment the daemon owns (one per target worker, sized for its
-largest batch); while a call is in flight only the expert worker touches it, otherwise only
-the target. Layout inside the scratch, each part 64-byte aligned::
-
-    +----------------+---------------+-------------------+
-    | x / y  [n, H]  | ids [n, k]    | weights [n, k]    |
-    | float32        | int32         | float32           |
-    +----------------+---------------+-------------------+
-
-Rows beyond what the scratch holds go in several calls. The connection is a socketpair the
-daemon hands to both workers (`luced.ipc.links`); the target picks up a new one before each
-call, so a restarted expert worker is used again as soon as the daemon links it. A closed
-or refusing peer raises `ExpertsUnavailable`, and `experts.Split` falls back.
+largest batch; layout in `luced.ipc.links.expert_layout`); while a call is in flight only the
+expert worker touches it, otherwise only the target. Rows beyond what the scratch holds go
+in several calls. The connection is a socketpair the daemon hands to both workers
+(`luced.ipc.links`); the target picks up a new one before each call, so a restarted expert
+worker is used again as soon as the daemon links it. A closed or refusing peer raises
+`ExpertsUnavailable`, and `experts.Split` falls back.
 """
 
 from __future__ import annotations
@@ -40,8 +34,9 @@ from luced.gguf_file import GGUFFile
 from luced.ipc import frames as F
 from luced.ipc import links
 from luced.ipc.channel import BlockingChannel, ChannelClosedError, RemoteError
-from luced.ipc.regions import Region, align_up
-from luced.runtime.experts import ExpertsUnavailable, LocalExperts, Placement
+from luced.ipc.links import expert_layout, scratch_rows
+from luced.ipc.regions import Region
+from luced.runtime.experts import ExpertsUnavailable, LocalExperts, moe_layers, plan
 from luced.runtime.families import family_for
 from luced.runtime.state import torch_device
 from luced.runtime.weights import parse_dtype
@@ -49,24 +44,6 @@ from luced.runtime.weights import parse_dtype
 log = logging.getLogger(__name__)
 
 View = Callable[[Region], torch.Tensor]  # WorkerState.tensor: a region viewed in place
-
-
-def layout(scratch: Region, n: int, hidden: int, k: int) -> tuple[Region, Region, Region]:
-    """x, ids and weights of an n-row call in `scratch` (the docstring's picture)."""
-    x = Region(scratch.segment, scratch.offset, (n, hidden), "float32")
-    at = align_up(x.offset + x.nbytes)
-    ids = Region(scratch.segment, at, (n, k), "int32")
-    weights = Region(scratch.segment, align_up(at + ids.nbytes), (n, k), "float32")
-    return x, ids, weights
-
-
-def scratch_rows(nbytes: int, hidden: int, k: int) -> int:
-    """How many rows one call fits in a scratch of `nbytes` (alignment slack included)."""
-    return max(0, (nbytes - 128) // (4 * hidden + 8 * k))
-
-
-def scratch_bytes(rows: int, hidden: int, k: int) -> int:
-    return rows * (4 * hidden + 8 * k) + 128
 
 
 class RemoteExperts:
@@ -118,7 +95,7 @@ class RemoteExperts:
         self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
     ) -> torch.Tensor:
         assert self.channel is not None
-        rx, rids, rw = layout(self.scratch, x.shape[0], x.shape[1], ids.shape[1])
+        rx, rids, rw = expert_layout(self.scratch, x.shape[0], x.shape[1], ids.shape[1])
         vx = self.view(rx)
         vx.copy_(x)
         self.view(rids).copy_(ids)
@@ -154,15 +131,18 @@ class ExpertServer:
         t0 = time.monotonic()
         gguf = GGUFFile(req.model)
         cfg = family_for(gguf).config_from_gguf(gguf)
-        placement = Placement(req.n_experts, dict(req.held))
-        if req.n_experts != cfg.moe.n_experts:
-            raise ValueError(f"{req.model} has {cfg.moe.n_experts} experts, not {req.n_experts}")
+        if not cfg.moe.n_experts or req.hot >= cfg.moe.n_experts:
+            raise ValueError(
+                f"{req.model}: no cold experts with {req.hot} hot of {cfg.moe.n_experts}"
+            )
+        target = plan(cfg.moe.n_experts, moe_layers(gguf), req.hot)  # as the target plans it
+        placement = target.inverted()
         dtype, device = parse_dtype(req.dtype), torch_device(req.device)
         experts = LocalExperts(req.model, cfg.moe, placement.hot, dtype, device)
         experts.load_all()
         with self.lock:
             self.experts, self.hidden, self.n_used = experts, cfg.hidden, cfg.moe.n_used
-            self.fingerprint = placement.fingerprint()
+            self.fingerprint = target.fingerprint()
         log.info(
             "holding %d experts of %d layers",
             sum(map(len, placement.hot.values())),

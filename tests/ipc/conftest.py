@@ -99,8 +99,7 @@ def sample_requests() -> dict[str, F.Request]:
             model="/models/x.gguf",
             dtype="float32",
             device="cpu:1",
-            n_experts=8,
-            held=((4, (1, 5, 7)), (5, (0,))),
+            hot=4,
         ),
         "expert_mix": F.ExpertMix(
             layer=4,

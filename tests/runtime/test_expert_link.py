@@ -18,10 +18,11 @@ from luced.gguf_file import GGUFFile
 from luced.ipc import frames as F
 from luced.ipc import links
 from luced.ipc.channel import BlockingChannel, RemoteError
+from luced.ipc.links import expert_layout, scratch_bytes
 from luced.ipc.regions import Attachments, Region
 from luced.ipc.shm import HEADER_SIZE, ShmOwner
 from luced.runtime import experts
-from luced.runtime.expert_link import RemoteExperts, layout, scratch_bytes
+from luced.runtime.expert_link import RemoteExperts
 from luced.runtime.model import Model
 from tests.runtime.test_experts import PROMPT, greedy
 from tests.worker_harness import TAG, WorkerProc, no_segments_left  # noqa: F401
@@ -57,15 +58,8 @@ class Daemon:
         return w
 
     def load_experts(self, placement: experts.Placement) -> F.LoadExpertsReply:
-        remote = placement.inverted()
-        held = tuple((layer, remote.hot[layer]) for layer in remote.layers)
-        req = F.LoadExperts(
-            model=str(self.model),
-            dtype="float32",
-            device="cpu",
-            n_experts=remote.n_experts,
-            held=held,
-        )
+        hot = len(placement.hot[placement.layers[0]])
+        req = F.LoadExperts(model=str(self.model), dtype="float32", device="cpu", hot=hot)
         reply = self.worker.call(req)
         assert isinstance(reply, F.LoadExpertsReply)
         return reply
@@ -111,7 +105,7 @@ def test_remote_equals_in_process_equals_all_local(daemon: Daemon) -> None:
     split = Model.load(daemon.model)
     remote = daemon.remote()
     placement = experts.place(split, HOT, cold=remote, required=True)
-    assert daemon.load_experts(placement).fingerprint == placement.inverted().fingerprint()
+    assert daemon.load_experts(placement).fingerprint == placement.fingerprint()
     daemon.link(daemon.inbox)
     got_logits, got = greedy(split, PROMPT, 8)
     torch.testing.assert_close(got_logits, inproc_logits, rtol=1e-5, atol=1e-5)
@@ -159,7 +153,7 @@ def test_bad_headers_are_refused_and_the_worker_keeps_serving(daemon: Daemon) ->
     daemon.link(theirs)
     chan = BlockingChannel(links.take(mine, block=False))
     s, h, k, n = daemon.scratch, cfg.hidden, cfg.moe.n_used, 3
-    x, ids, weights = layout(s, n, h, k)
+    x, ids, weights = expert_layout(s, n, h, k)
     daemon.attachments.view(ids)[:] = 0
     layer = placement.layers[0]
     bad = {

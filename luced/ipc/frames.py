@@ -452,6 +452,11 @@ class ForwardReply(Reply):
     position: int  # committed KV length after the forward
     elapsed_us: int  # worker-side compute time
     accepted: int | None = None  # want="verify": proposals accepted (ids rows: accepted + 1)
+    # MoE cold experts in this forward: calls to the expert worker, calls redone in process
+    # after it failed, bytes through the scratch (both ways)
+    moe_remote_calls: int = 0
+    moe_fallbacks: int = 0
+    moe_remote_bytes: int = 0
 
 
 # -- load_experts, expert_mix ---------------------------------------------------------------

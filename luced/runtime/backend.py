@@ -281,6 +281,7 @@ class Backend(WorkerState):
             hidden = hidden_in.to(first.device)
         fed = ids.tolist() if ids is not None else []  # copied before the daemon reuses it
         accepted = None
+        moe_before = self._moe_counts()
         try:
             hidden = self._run(m, hidden, start, req.capture, ring, ids)
             if req.want == "hidden":
@@ -299,9 +300,22 @@ class Backend(WorkerState):
         self.forward_count += 1
         self.tokens_processed += n
         self.busy_s += elapsed
+        moe = {k: v - moe_before[k] for k, v in self._moe_counts().items()}
         return F.ForwardReply(
-            n_out=req.n_out, position=m.position, elapsed_us=int(elapsed * 1e6), accepted=accepted
+            n_out=req.n_out,
+            position=m.position,
+            elapsed_us=int(elapsed * 1e6),
+            accepted=accepted,
+            **moe,
         )
+
+    def _moe_counts(self) -> dict[str, int]:
+        remote = self.remote.stats if self.remote else {}
+        return {
+            "moe_remote_calls": remote.get("remote_calls", 0),
+            "moe_fallbacks": sum(s["fallbacks"] for s in self._splits()),
+            "moe_remote_bytes": remote.get("remote_bytes", 0),
+        }
 
     def load_draft(self, req: F.LoadDraft) -> F.LoadDraftReply:
         self.draft = None  # first: the old draft's memory may be needed for the new one

@@ -257,6 +257,7 @@ class Split:
             layer: local_index(placement.cold(layer), e, device) for layer in placement.layers
         }
         self.stats = {"cold_calls": 0, "fallbacks": 0}
+        self._falling_back = False
 
     def mix(
         self,
@@ -279,13 +280,19 @@ class Split:
         ids, weights = ids.to(torch.int32), weights.float()
         self.stats["cold_calls"] += 1
         try:
-            return self.cold.mix(layer, x, ids, weights)
+            out = self.cold.mix(layer, x, ids, weights)
         except ExpertsUnavailable as exc:
             if self.required or self.fallback is None:
                 raise
             self.stats["fallbacks"] += 1
-            log.warning("layer %d: cold experts computed in process: %s", layer, exc)
+            if not self._falling_back:  # once per outage, not per layer and step
+                log.warning("cold experts computed in process: %s", exc)
+                self._falling_back = True
             return self.fallback.mix(layer, x, ids, weights)
+        if self._falling_back:
+            log.info("cold experts computed by the expert worker again")
+            self._falling_back = False
+        return out
 
 
 def apply(model: Any, placement: Placement, split: Split) -> None:

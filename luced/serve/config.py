@@ -479,6 +479,19 @@ OPTIONS: tuple[Option, ...] = (
         nullable=True, default_doc="all (every expert in the target's workers)", example=4,
     ),
     Option(
+        "moe_expert_device", "device", None,
+        "MoE models with --moe-hot-experts: compute the cold experts in an expert worker "
+        "on this device (`cpu:1`, `cuda:1`, ...), which holds exactly them; target workers "
+        "call it directly over shared memory, one call per MoE layer per step. While it is "
+        "down (it is restarted) they compute them in process.",
+        nullable=True, default_doc="none (cold experts in process)", example="cpu:1",
+    ),
+    Option(
+        "moe_expert_required", "bool", False,
+        "With --moe-expert-device: a step whose expert worker fails is an error instead of "
+        "being computed in process.",
+    ),
+    Option(
         "log_level", "str", "info", "Log level.",
         choices=("debug", "info", "warning", "error"),
     ),
@@ -524,6 +537,8 @@ class Config:
     kv_flash_tau: int
     kv_flash_max_pool: int
     moe_hot_experts: int | None  # None: all
+    moe_expert_device: str | None  # None: cold experts in process
+    moe_expert_required: bool
     log_level: str
     # option name -> where its value came from ("--port", "LUCED_PORT", "FILE: port", ...)
     sources: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False)

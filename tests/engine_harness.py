@@ -27,6 +27,8 @@ async def engine_for(
     context: int = 512,
     block_size: int = 16,
     prefix_cache_bytes: int = 0,
+    moe_hot: int | None = None,
+    moe_expert_device: str | None = None,
 ) -> AsyncIterator[Engine]:
     """One worker thread each (2 cores, shared with the test); prompts longer than 64
     tokens span several prefill chunks. A draft is loaded for blocks up to 16."""
@@ -40,6 +42,12 @@ async def engine_for(
             max_batch_tokens=64,
             devices=devices,
             threads=1,
+            moe_hot=moe_hot,
+            moe_expert_device=moe_expert_device,
+            moe_dims=(
+                int(gguf.get(f"{gguf.arch}.embedding_length", 0)),
+                int(gguf.get(f"{gguf.arch}.expert_used_count", 0)),
+            ),
         )
         target = target_cls(owner, placement)
         tokenizer = Tokenizer.from_gguf(gguf)

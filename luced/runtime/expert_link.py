@@ -52,7 +52,9 @@ class RemoteExperts:
     def __init__(self, inbox: socket.socket, scratch: Region, view: View) -> None:
         self.inbox, self.scratch, self.view = inbox, scratch, view
         self.channel: BlockingChannel | None = None
-        self.stats = {"remote_calls": 0, "remote_bytes": 0, "remote_us": 0}
+        # remote_us: round trips as the target sees them; remote_compute_us: the expert
+        # worker's own time in them (the difference is what the link costs)
+        self.stats = {"remote_calls": 0, "remote_bytes": 0, "remote_us": 0, "remote_compute_us": 0}
 
     def _pick_up(self) -> None:
         while (sock := links.take(self.inbox, block=False)) is not None:
@@ -102,7 +104,7 @@ class RemoteExperts:
         self.view(rw).copy_(weights)
         t0 = time.perf_counter()
         try:
-            self.channel.call(F.ExpertMix(layer=layer, x=rx, ids=rids, weights=rw))
+            reply = self.channel.call(F.ExpertMix(layer=layer, x=rx, ids=rids, weights=rw))
         except RemoteError as exc:  # refused: the call is redone elsewhere
             raise self._drop(f"the expert worker refused layer {layer}: {exc.error}") from None
         except (ChannelClosedError, ConnectionError, OSError) as exc:
@@ -110,6 +112,8 @@ class RemoteExperts:
         self.stats["remote_calls"] += 1
         self.stats["remote_bytes"] += 2 * rx.nbytes + rids.nbytes + rw.nbytes
         self.stats["remote_us"] += int((time.perf_counter() - t0) * 1e6)
+        assert isinstance(reply, F.ExpertMixReply)
+        self.stats["remote_compute_us"] += reply.elapsed_us
         return vx.clone()
 
 

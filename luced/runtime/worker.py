@@ -1,6 +1,7 @@
 """The backend worker process: one per backend group, started and owned by the daemon.
 
     python -m luced.runtime.worker --fd N --group NAME --devices cpu[,cpu...] [--threads N]
+                                   [--inbox M]
 
 The daemon makes a unix socketpair, passes one end as fd N (``pass_fds``) and speaks the
 frames of ``luced.ipc.frames`` over it; the verbs themselves live in
@@ -11,6 +12,10 @@ frames of ``luced.ipc.frames`` over it; the verbs themselves live in
     send {"op": "forward", tokens, outputs, ...}  ->  view "tokens" in place, run the layers,
                                                       write ids / logits into the regions
     read the regions                          <-  {"ok": true, "n_out", "position", ...}
+
+``--inbox M`` (MoE expert compute): a second inherited socket through which the daemon
+hands over direct worker-to-worker links (``luced.ipc.links``): a target worker's link to
+the expert worker, or, in the expert worker, one per target worker.
 
 Lifecycle: the daemon owns it. SIGINT and SIGTERM are ignored (a Ctrl-C in the terminal
 or systemd's stop signal to the whole cgroup must not kill a worker mid-step: the daemon

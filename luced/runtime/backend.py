@@ -119,6 +119,8 @@ class Backend(WorkerState):
 
     def close(self) -> None:
         self.loaded = self.draft = None
+        if self.remote is not None:
+            self.remote.close()
         self.attachments.close()  # unmap only; the daemon unlinks
 
     # -- verbs ---------------------------------------------------------------------------
@@ -145,7 +147,9 @@ class Backend(WorkerState):
         bounds = (a, *req.device_splits, b)
         shards = []
         fingerprint = ""
-        self.remote = None
+        if self.remote is not None:  # its link goes too: the daemon links after this load
+            self.remote.close()
+            self.remote = None
         if req.moe_scratch is not None and self.inbox is not None:
             self.remote = RemoteExperts(self.inbox, req.moe_scratch, self.tensor)
         for i, name in enumerate(req.devices):

@@ -16,7 +16,9 @@ from luced.runtime import experts
 from luced.runtime.model import Model
 from tools import make_tiny_gguf
 
-MOE_FAMILIES = ["qwen3moe", "qwen35moe", "laguna"]
+MOE_FAMILIES = ["qwen3moe", "qwen35moe", "laguna", "gemma4"]
+# gemma4's MoE block is optional: on, with the other families' tiny expert sizes
+OVERRIDES = {"gemma4": {"experts": 8, "experts_used": 2, "expert_ffn": 32}}
 PROMPT = [5, 17, 42, 99, 3, 250, 7, 64, 128, 11, 300, 2]
 
 
@@ -80,7 +82,9 @@ def test_bad_input_is_refused() -> None:
 @pytest.fixture(scope="module", params=MOE_FAMILIES)
 def tiny(request, tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp(request.param) / "m.gguf"
-    make_tiny_gguf.build(request.param, path, seed=5, qtype="Q8_0")
+    make_tiny_gguf.build(
+        request.param, path, seed=5, qtype="Q8_0", **OVERRIDES.get(request.param, {})
+    )
     return path
 
 

@@ -29,6 +29,8 @@ async def engine_for(
     prefix_cache_bytes: int = 0,
     lookup_drafts: bool = False,
     adaptive_blocks: bool = False,
+    moe_hot: int | None = None,
+    moe_expert_device: str | None = None,
 ) -> AsyncIterator[Engine]:
     """One worker thread each (2 cores, shared with the test); prompts longer than 64
     tokens span several prefill chunks. A draft (or the n-gram lookup) is set up for
@@ -43,6 +45,12 @@ async def engine_for(
             max_batch_tokens=64,
             devices=devices,
             threads=1,
+            moe_hot=moe_hot,
+            moe_expert_device=moe_expert_device,
+            moe_dims=(
+                int(gguf.get(f"{gguf.arch}.embedding_length", 0)),
+                int(gguf.get(f"{gguf.arch}.expert_used_count", 0)),
+            ),
         )
         target = target_cls(owner, placement)
         tokenizer = Tokenizer.from_gguf(gguf)

@@ -36,19 +36,28 @@ def no_segments_left() -> Iterator[None]:
 class WorkerProc:
     """A worker subprocess and the daemon's end of its socket."""
 
-    def __init__(self, log_dir: Path, group: str = "cpu", devices: str = "cpu") -> None:
+    def __init__(
+        self, log_dir: Path, group: str = "cpu", devices: str = "cpu", *, inbox: bool = False
+    ) -> None:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         self.log_path = log_dir / f"worker-{group}-{secrets.token_hex(2)}.log"
         argv = ["--fd", str(theirs.fileno()), "--group", group, "--devices", devices]
+        fds = [theirs]
+        self.inbox: socket.socket | None = None  # the daemon's end (links are handed over)
+        if inbox:
+            self.inbox, their_inbox = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+            argv += ["--inbox", str(their_inbox.fileno())]
+            fds.append(their_inbox)
         with self.log_path.open("wb") as log:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "luced.runtime.worker", *argv, "--threads", str(THREADS)],
-                pass_fds=[theirs.fileno()],
+                pass_fds=[s.fileno() for s in fds],
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=log,
             )
-        theirs.close()  # else our own copy would keep the worker's end open
+        for s in fds:
+            s.close()  # else our own copy would keep the worker's end open
         ours.settimeout(60)  # a hung worker fails the test instead of hanging it
         self.chan = BlockingChannel(ours)
 
@@ -64,6 +73,8 @@ class WorkerProc:
 
     def stop(self) -> None:
         self.chan.close()
+        if self.inbox is not None:
+            self.inbox.close()
         try:
             self.proc.wait(timeout=10)
         except subprocess.TimeoutExpired:

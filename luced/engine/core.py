@@ -601,6 +601,7 @@ class Engine:
             "placement": self.workers(),
             "prefix_cache": self._cache_status(),
             "kv_flash": self.target.flash_status(),
+            "moe_experts": self.target.moe_status(),
         }
 
     def _cache_status(self) -> dict | None:

@@ -23,6 +23,7 @@ import time
 from collections.abc import Awaitable, Callable
 
 from luced.engine.placement import WorkerPlan, WorkerSpec
+from luced.ipc import links
 from luced.ipc.channel import AsyncChannel, ChannelClosedError, RemoteError
 from luced.ipc.frames import (
     DraftBlock,
@@ -34,6 +35,8 @@ from luced.ipc.frames import (
     Load,
     LoadDraft,
     LoadDraftReply,
+    LoadExperts,
+    LoadExpertsReply,
     LoadReply,
     Reply,
     Request,
@@ -81,11 +84,17 @@ class WorkerHandle:
         instance: str,
         on_exit: Callable[[WorkerHandle, int], None] | None = None,
         call_timeout: float = 30.0,
+        *,
+        inbox: bool = False,
     ) -> None:
         """call_timeout: the floor of every call's deadline (seconds); a worker that
         misses a deadline is hung (stopped, deadlocked, swapping): it is killed, and its
         slot restarts it like any dead worker."""
         self.spec = spec
+        self.wants_inbox = inbox
+        # Our end of the worker's inbox: worker-to-worker links are handed over through it
+        # (luced.ipc.links); None for a worker that takes part in none.
+        self.inbox: socket.socket | None = None
         self.instance = instance
         self.on_exit = on_exit
         self.call_timeout = call_timeout
@@ -110,18 +119,25 @@ class WorkerHandle:
         cmd += ["--group", self.spec.group, "--devices", ",".join(self.spec.devices)]
         if self.spec.threads:
             cmd += ["--threads", str(self.spec.threads)]
+        passed = [theirs]
+        if self.wants_inbox:
+            self.inbox, their_inbox = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+            cmd += ["--inbox", str(their_inbox.fileno())]
+            passed.append(their_inbox)
         try:
             self.proc = await asyncio.create_subprocess_exec(
                 *cmd,
-                pass_fds=(theirs.fileno(),),
+                pass_fds=tuple(s.fileno() for s in passed),
                 stdin=asyncio.subprocess.DEVNULL,
                 env=_worker_env(),
             )
         except OSError as exc:
             ours.close()
+            self._close_inbox()
             raise WorkerDied(f"cannot start worker {self.spec.group}: {exc}") from exc
         finally:
-            theirs.close()
+            for s in passed:
+                s.close()
         self.channel = await AsyncChannel.from_socket(ours)
         self._watcher = asyncio.create_task(self._watch(), name=f"watch-{self.spec.group}")
         reply = await asyncio.wait_for(self.call(Hello(instance=self.instance)), timeout)
@@ -147,13 +163,22 @@ class WorkerHandle:
         self.state = "ready"
         return reply
 
+    async def load_experts(self, req: LoadExperts) -> LoadExpertsReply:
+        """Load the MoE expert worker's experts; it is ready once it holds them."""
+        self.state = "loading"
+        reply = await self.call(req)
+        assert isinstance(reply, LoadExpertsReply)
+        self.state = "ready"
+        return reply
+
     async def call(self, req: Request) -> Reply:
         """One request, one reply, within a deadline (none for loads: their length is
         the model's, with progress in the worker's log). Raises WorkerDied /
         WorkerReplyError."""
         if self.state == "dead" or self.channel is None:
             raise WorkerDied(f"worker {self.spec.group} is not running")
-        deadline = None if isinstance(req, Load | LoadDraft | Hello) else self.deadline(req)
+        loads = Load | LoadDraft | LoadExperts | Hello
+        deadline = None if isinstance(req, loads) else self.deadline(req)
         async with self._call_lock:
             began = time.monotonic()
             try:
@@ -206,12 +231,18 @@ class WorkerHandle:
         self.exit_code = code
         was_stopping = self.state == "stopping"
         self.state = "dead"
+        self._close_inbox()
         if self.channel is not None:
             await self.channel.close()
         if not was_stopping:
             log.error("worker %s (pid %d) exited with code %s", self.spec.group, self.pid, code)
             if self.on_exit is not None:
                 self.on_exit(self, code)
+
+    def _close_inbox(self) -> None:
+        if self.inbox is not None:
+            self.inbox.close()
+            self.inbox = None
 
     async def stop(self, timeout: float = 5.0) -> None:
         """Ask the worker to exit; kill it if it does not within `timeout`."""
@@ -243,19 +274,26 @@ class WorkerHandle:
 
 class Slot:
     """One worker's fixed share, and whichever process serves it now. The draft's own
-    worker (``plan`` None) is a slot outside the pipeline."""
+    worker and the MoE expert worker (``plan`` None, ``role`` "draft" / "experts") are
+    slots outside the pipeline."""
 
-    def __init__(self, index: int, spec: WorkerSpec, plan: WorkerPlan | None) -> None:
+    def __init__(
+        self, index: int, spec: WorkerSpec, plan: WorkerPlan | None, role: str = "pipeline"
+    ) -> None:
         self.index = index
         self.spec = spec
         self.plan = plan
+        self.role = role
         self.handle: WorkerHandle | None = None
         self.restarts = 0
         self.restart_task: asyncio.Task | None = None
+        self.detail: dict = {}  # what the loader wants `describe` to show (the experts held)
 
     @property
     def share(self) -> str:
-        return "the draft" if self.plan is None else "layers [{}, {})".format(*self.plan.layers)
+        if self.plan is None:
+            return "the draft" if self.role == "draft" else "the cold experts"
+        return "layers [{}, {})".format(*self.plan.layers)
 
 
 # Loads a freshly started worker with its slot's share (the target's layers, or the draft).
@@ -277,11 +315,15 @@ class Executor:
         loader: Loader,
         on_state_change: Callable[[], None] | None = None,
         call_timeout: float = 30.0,
+        *,
+        inboxes: bool = False,  # pipeline workers get an inbox (they link to the experts)
     ) -> None:
         self.instance = instance
         self.call_timeout = call_timeout  # each worker's deadline floor (WorkerHandle)
         self.slots = [Slot(i, spec, plan) for i, (spec, plan) in enumerate(workers)]
         self.draft_slot: Slot | None = None  # the draft's own worker, when it has one
+        self.expert_slot: Slot | None = None  # the MoE expert worker, when there is one
+        self.inboxes = inboxes
         self.loader = loader
         self.on_state_change = on_state_change
         self.in_sync = True
@@ -289,10 +331,34 @@ class Executor:
 
     @property
     def ready(self) -> bool:
-        return all(s.handle is not None and s.handle.state == "ready" for s in self._all_slots())
+        """Every pipeline worker and the draft's (the expert worker is not needed: its
+        layers fall back in process while it restarts)."""
+        slots = [*self.slots, *([self.draft_slot] if self.draft_slot else [])]
+        return all(s.handle is not None and s.handle.state == "ready" for s in slots)
 
     def _all_slots(self) -> list[Slot]:
-        return [*self.slots, *([self.draft_slot] if self.draft_slot else [])]
+        extra = [s for s in (self.draft_slot, self.expert_slot) if s is not None]
+        return [*self.slots, *extra]
+
+    def expert_worker(self) -> WorkerHandle | None:
+        """The expert worker when it is ready, else None."""
+        h = self.expert_slot.handle if self.expert_slot else None
+        return h if h is not None and h.state == "ready" else None
+
+    def link_experts(self, target: WorkerHandle) -> bool:
+        """Hand a fresh worker-to-worker link to a pipeline worker and the expert worker;
+        False when either is not there to take it."""
+        experts = self.expert_worker()
+        if experts is None or experts.inbox is None or target.inbox is None:
+            return False
+        caller, server = links.link_pair()
+        try:
+            links.hand_over(target.inbox, caller)
+            links.hand_over(experts.inbox, server)
+        except OSError as exc:  # one of them just died: its restart links again
+            log.warning("cannot link worker %s to the expert worker: %s", target.spec.group, exc)
+            return False
+        return True
 
     def workers(self) -> list[WorkerHandle]:
         """The pipeline's handles in layer order; WorkerDied when one is not ready."""
@@ -322,12 +388,22 @@ class Executor:
 
     async def add_draft_slot(self, spec: WorkerSpec) -> object:
         """Start the draft's own worker; returns what the loader answered."""
-        self.draft_slot = Slot(len(self.slots), spec, None)
+        self.draft_slot = Slot(len(self.slots), spec, None, "draft")
         return await self.start_slot(self.draft_slot)
 
+    async def add_expert_slot(self, spec: WorkerSpec) -> object:
+        """Start the MoE expert worker; returns what the loader answered."""
+        self.expert_slot = Slot(len(self.slots) + 1, spec, None, "experts")
+        return await self.start_slot(self.expert_slot)
+
     async def start_slot(self, slot: Slot) -> object:
+        inbox = slot.role == "experts" or (slot.role == "pipeline" and self.inboxes)
         worker = WorkerHandle(
-            slot.spec, self.instance, self._exit_handler(slot), call_timeout=self.call_timeout
+            slot.spec,
+            self.instance,
+            self._exit_handler(slot),
+            call_timeout=self.call_timeout,
+            inbox=inbox,
         )
         slot.handle = worker
         self._notify()
@@ -342,7 +418,7 @@ class Executor:
 
     def _exit_handler(self, slot: Slot) -> Callable[[WorkerHandle, int], None]:
         def on_exit(worker: WorkerHandle, code: int) -> None:
-            if slot.plan is not None:  # (the draft keeps no state across calls)
+            if slot.role == "pipeline":  # (the draft and the experts keep no sequence state)
                 self.in_sync = False
             self._notify()
             if not self._closing and slot.restart_task is None and worker is slot.handle:
@@ -403,4 +479,8 @@ class Executor:
         if d is not None and d.handle is not None:
             info = {**d.handle.describe(), "devices": list(d.spec.devices), "layers": "draft"}
             out.append({**info, "role": "draft", "restarts": d.restarts})
+        x = self.expert_slot
+        if x is not None and x.handle is not None:
+            info = {**x.handle.describe(), "devices": list(x.spec.devices), "layers": "experts"}
+            out.append({**info, **x.detail, "role": "experts", "restarts": x.restarts})
         return out

@@ -177,6 +177,20 @@ class Metrics:
             Gauge, "kv_flash_host_bytes", "Bytes of KV Flash chunks in the host tier."
         )
         self._kv_flash_seen = {"evictions": 0, "recalls": 0}  # the pager's running totals
+        self._moe = {
+            "remote_calls": family(
+                Counter, "moe_remote_calls", "MoE layer calls answered by the expert worker."
+            ),
+            "fallbacks": family(
+                Counter,
+                "moe_fallbacks",
+                "MoE layer calls computed in process because the expert worker failed.",
+            ),
+            "remote_bytes": family(
+                Counter, "moe_remote_bytes", "Bytes through the expert scratch, both ways."
+            ),
+        }
+        self._moe_seen = dict.fromkeys(self._moe, 0)
         self._observers = {
             "ttft": self.time_to_first_token.observe,
             "itl": self.inter_token_latency.observe,
@@ -252,17 +266,20 @@ class Metrics:
                 int(cache.get(f"{tier}_bytes", 0))
             )
         flash = status.get("kv_flash") or {}
-        # The pager keeps running totals; the counters advance by what is new since the
-        # last scrape.
-        for key, counter in (
-            ("evictions", self.kv_flash_evictions),
-            ("recalls", self.kv_flash_recalls),
-        ):
-            total = int(flash.get(key, 0))
-            if total > self._kv_flash_seen[key]:
-                counter.inc(total - self._kv_flash_seen[key])
-                self._kv_flash_seen[key] = total
+        # The pager keeps running totals (as do the MoE expert counters).
+        flash_counters = {"evictions": self.kv_flash_evictions, "recalls": self.kv_flash_recalls}
+        self._advance(flash, flash_counters, self._kv_flash_seen)
         self._kv_flash_host_bytes.set(int(flash.get("host_bytes", 0)))
+        self._advance(status.get("moe_experts") or {}, self._moe, self._moe_seen)
+
+    @staticmethod
+    def _advance(totals: Mapping[str, Any], counters: Mapping[str, Any], seen: dict) -> None:
+        """Counters from running totals: each advances by what is new since the last scrape."""
+        for key, counter in counters.items():
+            total = int(totals.get(key, 0))
+            if total > seen[key]:
+                counter.inc(total - seen[key])
+                seen[key] = total
 
     # -- exposition ---------------------------------------------------------------------------
 

@@ -242,6 +242,12 @@ class WorkerSpec:
     threads: int | None = None
 
 
+def expert_spec(device: str, pythons: Mapping[str, str], threads: int | None) -> WorkerSpec:
+    """The MoE expert worker on `device` (a group of its own, like the draft's worker)."""
+    group = parse_device(device)[1]
+    return WorkerSpec(group, (device,), python=pythons.get(group, sys.executable), threads=threads)
+
+
 @dataclass(frozen=True)
 class TargetPlacement:
     """The target model and where its layers run. Give ``worker`` (one worker holding every
@@ -255,6 +261,10 @@ class TargetPlacement:
     worker: WorkerSpec | None = None
     workers: tuple[tuple[WorkerSpec, WorkerPlan], ...] = ()
     logit_rows: int = 16  # rows of the logits region
+    moe_hot: int | None = None  # routed experts each worker keeps per layer; None: all
+    moe_expert: WorkerSpec | None = None  # the worker of the cold experts; None: in process
+    moe_required: bool = False  # a forward fails rather than compute cold experts in process
+    moe_dims: tuple[int, int] = (0, 0)  # (hidden, experts per token): sizes the scratch
 
     def __post_init__(self) -> None:
         if not self.workers:
@@ -280,6 +290,10 @@ class TargetPlacement:
         threads: int | None = None,
         cores: int = 1,
         logit_rows: int = 16,
+        moe_hot: int | None = None,
+        moe_expert_device: str | None = None,
+        moe_required: bool = False,
+        moe_dims: tuple[int, int] = (0, 0),
     ) -> TargetPlacement:
         """--target-devices / --target-layer-split -> workers; raises PlacementError.
         `kv_sources` (the GGUF's KV-sharing layers) keeps sharing layers with their sources;
@@ -303,4 +317,10 @@ class TargetPlacement:
             max_batch_tokens=max_batch_tokens,
             workers=tuple(workers),
             logit_rows=logit_rows,
+            moe_hot=moe_hot,
+            moe_expert=expert_spec(moe_expert_device, pythons, threads)
+            if moe_expert_device
+            else None,
+            moe_required=moe_required,
+            moe_dims=moe_dims,
         )

@@ -60,6 +60,7 @@ import numpy as np
 
 from luced.cache.layout import TensorSpec
 from luced.engine.executor import Executor, Slot, WorkerDied, WorkerHandle, WorkerReplyError
+from luced.engine.experts import ExpertWorker
 from luced.engine.feature_ring import FeatureRing
 from luced.engine.kv_transfer import KVTransfer
 from luced.engine.kvflash.pager import PagerConfig
@@ -113,7 +114,15 @@ class Target:
         self.name = name
         self.placement = placement
         self.executor = Executor(
-            owner.instance, placement.workers, self._load, on_state_change, worker_timeout
+            owner.instance,
+            placement.workers,
+            self._load,
+            on_state_change,
+            worker_timeout,
+            inboxes=placement.moe_expert is not None,
+        )
+        self.experts = (
+            ExpertWorker(owner, name, placement, self.executor) if placement.moe_expert else None
         )
         self.kv = KVTransfer(self.executor, owner.instance)
         self.load_s = 0.0
@@ -151,6 +160,9 @@ class Target:
     async def start(self) -> None:
         """Start and load every worker (concurrently), then carve the shared regions."""
         self._make_io()
+        if self.experts is not None:
+            self.experts.carve()
+            await self.experts.start()  # first: the pipeline workers link as they load
         await self.executor.start()
         self._make_act()
         if self.flash_cfg is not None:
@@ -202,6 +214,10 @@ class Target:
         """The executor's loader: a pipeline slot gets its layers (and the draft back after
         a restart); the draft's own worker its draft and the target's edges."""
         p, plan = self.placement, slot.plan
+        if slot.role == "experts":
+            assert self.experts is not None
+            await self.experts.load(slot, worker)
+            return None
         if plan is None:
             return await self._load_draft_into(worker, target=p.model)
         reply = await worker.load(
@@ -215,8 +231,12 @@ class Target:
                 owns_head=plan.owns_head,
                 device_splits=plan.device_splits,
                 kv_pool=self.flash_cfg.pool_tokens if self.flash_cfg else 0,
+                moe_hot=-1 if p.moe_hot is None else p.moe_hot,
+                **(self.experts.load_fields(slot) if self.experts else {}),
             )
         )
+        if self.experts is not None:
+            await self.experts.pipeline_loaded(worker, reply)
         if self.flash_cfg is not None:
             if reply.kv_pool != self.flash_cfg.pool_tokens:
                 raise WorkerReplyError(
@@ -556,6 +576,8 @@ class Target:
                 assert isinstance(reply, ForwardReply)
                 advanced.append(worker)
                 compute_us += reply.elapsed_us
+                if self.experts is not None:
+                    self.experts.account(reply)
                 if reply.position != start + n:
                     raise WorkerReplyError(
                         f"worker {worker.spec.group} is at position {reply.position}, "
@@ -607,6 +629,10 @@ class Target:
 
     def describe(self) -> list[dict]:
         return self.executor.describe()
+
+    def moe_status(self) -> dict | None:
+        """Expert-worker counters (remote calls, in-process fallbacks, bytes), or None."""
+        return dict(self.experts.totals) if self.experts is not None else None
 
     # -- KV snapshots (the copies: kv_transfer.py) ---------------------------------------
 

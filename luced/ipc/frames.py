@@ -43,9 +43,17 @@ bumps ``PROTOCOL_VERSION`` (2: ``project``; ``tokens`` may ride along ``hidden_i
 ``kv_layout`` replies ``states`` and snapshots carry them as "conv.l" / "delta.l"; and
 KV Flash: ``load`` ``kv_pool`` and its reply's ``kv_pool`` / ``kv_chunk_bytes``,
 ``forward`` ``kv_slots`` / ``kv_map`` / ``kv_moves`` / ``kv_host``: a pooled worker
-cannot serve a forward without the pager's plan, so an old daemon must not drive it).
-Later verbs (expert compute) are added here, each as one
-request class and one reply class.
+cannot serve a forward without the pager's plan, so an old daemon must not drive it);
+8: MoE expert compute: ``load`` ``moe_hot`` / ``moe_scratch`` / ``moe_required``, its reply's
+``moe_fingerprint``; ``load_experts``; ``expert_mix`` (worker to worker, see below).
+
+Expert compute (``luced.runtime.expert_link``): an expert worker answers ``load_experts``
+from the daemon, and ``expert_mix`` from target workers over direct worker-to-worker
+socketpairs that the daemon hands to both sides (SCM_RIGHTS over each worker's inbox)::
+
+    load_experts  model, dtype, device, hot       -> n_layers, n_held, fingerprint, load_s
+    expert_mix    layer, x, ids, weights          -> elapsed_us   (x is overwritten with
+                                                     the answer Σ w_i · expert_i(x))
 
 Each class validates on construction (types, then the op's own rules), so a bad frame
 fails at the sender as well as at the receiver, with the field's path in the message.
@@ -63,7 +71,7 @@ from luced.ipc.regions import Region
 from luced.ipc.typed import FrameError, Record
 from luced.sampling_params import SamplingParams
 
-PROTOCOL_VERSION = 7
+PROTOCOL_VERSION = 8
 
 _ENVELOPE = frozenset({"op", "seq", "ok", "error"})  # no op may use these as fields
 
@@ -183,8 +191,16 @@ class Load(Request):
     # KV Flash: rows of K/V per attention layer (a multiple of KV_CHUNK); 0 = a plain cache
     # of kv_capacity rows. A pooled worker needs the pager's plan in every forward.
     kv_pool: int = 0
+    # MoE: routed experts kept per layer (-1: all); the rest are cold, computed by the
+    # expert worker through `moe_scratch` (uint8 bytes of a daemon-owned segment) when
+    # the daemon links one, else in process. `moe_required`: no in-process fallback.
+    moe_hot: int = -1
+    moe_scratch: Region | None = None
+    moe_required: bool = False
 
     def _check(self) -> None:
+        if self.moe_hot < -1:
+            raise self._fail(f"moe_hot must be -1 (all) or >= 0, got {self.moe_hot}")
         a, b = self.layers
         if not 0 <= a < b:
             raise self._fail(f"layers must be [a, b) with 0 <= a < b, got {list(self.layers)}")
@@ -221,6 +237,7 @@ class LoadReply(Reply):
     recurrent: tuple[int, ...] = ()
     kv_pool: int = 0  # pool rows per layer; 0: a plain cache
     kv_chunk_bytes: int = 0  # one host-tier record of this worker (all its shards' layers)
+    moe_fingerprint: str = ""  # the expert placement (runtime.experts.Placement); "": none
 
 
 # -- forward --------------------------------------------------------------------------------
@@ -435,6 +452,66 @@ class ForwardReply(Reply):
     position: int  # committed KV length after the forward
     elapsed_us: int  # worker-side compute time
     accepted: int | None = None  # want="verify": proposals accepted (ids rows: accepted + 1)
+    # MoE cold experts in this forward: calls to the expert worker, calls redone in process
+    # after it failed, bytes through the scratch (both ways)
+    moe_remote_calls: int = 0
+    moe_fallbacks: int = 0
+    moe_remote_bytes: int = 0
+
+
+# -- load_experts, expert_mix ---------------------------------------------------------------
+
+
+@_op("load_experts", REQUESTS)
+@dataclass(frozen=True)
+class LoadExperts(Request):
+    """Hold the cold experts of a target that keeps `hot` per layer (planned as the target
+    plans it: ``runtime.experts.plan``), read from the GGUF's mapping."""
+
+    model: str
+    dtype: ComputeDtype
+    device: str
+    hot: int
+
+    def _check(self) -> None:
+        if self.hot < 0:
+            raise self._fail(f"hot must be >= 0, got {self.hot}")
+
+
+@_op("load_experts", REPLIES)
+@dataclass(frozen=True)
+class LoadExpertsReply(Reply):
+    n_layers: int  # MoE layers with experts held here
+    n_held: int  # experts held, over all layers
+    fingerprint: str  # of the target's placement it complements (load's moe_fingerprint)
+    load_s: float
+
+
+@_op("expert_mix", REQUESTS)
+@dataclass(frozen=True)
+class ExpertMix(Request):
+    """One MoE layer's cold experts for n rows: x [n, hidden], ids [n, k] int32 (this
+    worker's local indices, -1 skipped), weights [n, k] float32. The answer overwrites x."""
+
+    layer: int
+    x: Region
+    ids: Region
+    weights: Region
+
+    def _check(self) -> None:
+        n = self.x.shape[0] if len(self.x.shape) == 2 else -1
+        if n < 0 or self.ids.shape != self.weights.shape or len(self.ids.shape) != 2:
+            raise self._fail("x must be [n, hidden], ids and weights the same [n, k]")
+        if self.ids.shape[0] != n:
+            raise self._fail(f"{n} rows of x but {self.ids.shape[0]} of ids")
+        if self.ids.dtype != "int32" or self.weights.dtype != "float32":
+            raise self._fail("ids must be int32 and weights float32")
+
+
+@_op("expert_mix", REPLIES)
+@dataclass(frozen=True)
+class ExpertMixReply(Reply):
+    elapsed_us: int
 
 
 # -- load_draft, draft ---------------------------------------------------------------------

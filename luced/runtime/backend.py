@@ -34,6 +34,7 @@ import importlib.metadata
 import logging
 import os
 import platform
+import socket
 import sys
 import time
 from collections.abc import Callable
@@ -43,9 +44,10 @@ import numpy as np
 import torch
 
 from luced.ipc import frames as F
-from luced.runtime import kv_snapshot
+from luced.runtime import experts, kv_snapshot
 from luced.runtime.dflash import verbs as draft_verbs
 from luced.runtime.dflash.verify import verify_sampled
+from luced.runtime.expert_link import ExpertServer, RemoteExperts
 from luced.runtime.kv_cache import ContextOverflow, KVCache
 from luced.runtime.kv_pool import PooledKVCache, SharedHostTier, apply_moves, chunk_nbytes
 from luced.runtime.model import Model
@@ -75,8 +77,15 @@ TORCH_DTYPES: dict[str, torch.dtype] = {
 class Backend(WorkerState):
     """The state of one worker process and its verbs (see the module docstring)."""
 
-    def __init__(self, group: str, devices: tuple[str, ...]) -> None:
+    def __init__(
+        self, group: str, devices: tuple[str, ...], inbox: socket.socket | None = None
+    ) -> None:
         super().__init__(group, devices)
+        # Worker-to-worker links arrive here (luced.ipc.links): a target worker's to the
+        # expert worker, or, in the expert worker, one per target worker.
+        self.inbox = inbox
+        self.remote: RemoteExperts | None = None
+        self.expert_server = ExpertServer(self.tensor)
         self.device_problem: str | None = None
         try:  # checked now, reported by hello: the daemon learns it with a clear message
             self.torch_devices = tuple(torch_device(d) for d in devices)
@@ -88,6 +97,7 @@ class Backend(WorkerState):
             F.Load: self.load,
             F.Forward: self.forward,
             F.LoadDraft: self.load_draft,
+            F.LoadExperts: self.load_experts,
             F.DraftBlock: self.draft_block,
             F.Truncate: self.truncate,
             F.Reset: self.reset,
@@ -109,6 +119,8 @@ class Backend(WorkerState):
 
     def close(self) -> None:
         self.loaded = self.draft = None
+        if self.remote is not None:
+            self.remote.close()
         self.attachments.close()  # unmap only; the daemon unlinks
 
     # -- verbs ---------------------------------------------------------------------------
@@ -134,12 +146,19 @@ class Backend(WorkerState):
         log.info("loading %s layers [%d, %d) on %s", req.model, a, b, ",".join(req.devices))
         bounds = (a, *req.device_splits, b)
         shards = []
+        fingerprint = ""
+        if self.remote is not None:  # its link goes too: the daemon links after this load
+            self.remote.close()
+            self.remote = None
+        if req.moe_scratch is not None and self.inbox is not None:
+            self.remote = RemoteExperts(self.inbox, req.moe_scratch, self.tensor)
         for i, name in enumerate(req.devices):
             model = Model.load(
                 req.model, layers=bounds[i : i + 2], dtype=req.dtype, device=torch_device(name)
             )
             if i == 0:
                 check_load(req, model)
+            fingerprint = self._place_experts(req, model) or fingerprint
             if req.kv_pool:
                 check_poolable(model)
                 pool = min(req.kv_pool, -(-req.kv_capacity // F.KV_CHUNK) * F.KV_CHUNK)
@@ -162,8 +181,29 @@ class Backend(WorkerState):
             ),
             kv_pool=pooled[0].pool if pooled else 0,
             kv_chunk_bytes=sum(chunk_nbytes(c) for c in pooled),
+            moe_fingerprint=fingerprint,
         )
         self.loaded = Loaded(Path(req.model), shards, reply)
+        return reply
+
+    def _place_experts(self, req: F.Load, model: Model) -> str:
+        """Keep `moe_hot` experts per layer in this shard; the cold ones go to the expert
+        worker when the daemon gave a scratch (and links one), else stay in process."""
+        moe_cfg = getattr(model.cfg, "moe", None)
+        if req.moe_hot < 0 or moe_cfg is None or not moe_cfg.n_experts:
+            return ""
+        if req.moe_hot > moe_cfg.n_experts:
+            raise WorkerError(
+                f"moe_hot {req.moe_hot} exceeds the model's {moe_cfg.n_experts} experts"
+            )
+        placement = experts.place(model, req.moe_hot, cold=self.remote, required=req.moe_required)
+        return placement.fingerprint()
+
+    def load_experts(self, req: F.LoadExperts) -> F.LoadExpertsReply:
+        if self.inbox is None:
+            raise WorkerError("load_experts needs a worker started with --inbox")
+        reply = self.expert_server.load(req)
+        self.expert_server.serve_inbox(self.inbox)
         return reply
 
     def truncate(self, req: F.Truncate) -> F.TruncateReply:
@@ -208,8 +248,17 @@ class Backend(WorkerState):
             "kv_capacity": m.reply.kv_capacity if m else 0,
             "kv_bytes": sum(s.cache.nbytes() for s in m.shards) if m else 0,
             "draft": str(self.draft.draft.path) if self.draft else "",
+            "expert_calls_served": self.expert_server.calls,
         }
+        for key in ("cold_calls", "fallbacks"):
+            stats[f"moe_{key}"] = sum(s.get(key, 0) for s in self._splits())
+        for key, value in (self.remote.stats if self.remote else {}).items():
+            stats[f"moe_{key}"] = value
         return F.StatsReply(stats=stats)
+
+    def _splits(self) -> list[dict[str, int]]:
+        shards = self.loaded.shards if self.loaded else []
+        return [sp.stats for s in shards if (sp := getattr(s.model, "expert_split", None))]
 
     def shutdown(self, req: F.Shutdown) -> F.ShutdownReply:
         return F.ShutdownReply()  # the serving loop ends after sending this
@@ -236,6 +285,7 @@ class Backend(WorkerState):
             hidden = hidden_in.to(first.device)
         fed = ids.tolist() if ids is not None else []  # copied before the daemon reuses it
         accepted = None
+        moe_before = self._moe_counts()
         try:
             hidden = self._run(m, hidden, start, req.capture, ring, ids)
             if req.want == "hidden":
@@ -254,9 +304,22 @@ class Backend(WorkerState):
         self.forward_count += 1
         self.tokens_processed += n
         self.busy_s += elapsed
+        moe = {k: v - moe_before[k] for k, v in self._moe_counts().items()}
         return F.ForwardReply(
-            n_out=req.n_out, position=m.position, elapsed_us=int(elapsed * 1e6), accepted=accepted
+            n_out=req.n_out,
+            position=m.position,
+            elapsed_us=int(elapsed * 1e6),
+            accepted=accepted,
+            **moe,
         )
+
+    def _moe_counts(self) -> dict[str, int]:
+        remote = self.remote.stats if self.remote else {}
+        return {
+            "moe_remote_calls": remote.get("remote_calls", 0),
+            "moe_fallbacks": sum(s["fallbacks"] for s in self._splits()),
+            "moe_remote_bytes": remote.get("remote_bytes", 0),
+        }
 
     def load_draft(self, req: F.LoadDraft) -> F.LoadDraftReply:
         self.draft = None  # first: the old draft's memory may be needed for the new one

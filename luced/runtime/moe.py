@@ -65,6 +65,17 @@ SHARED_GATE = {"ffn_gate_inp_shexp": "ffn_gate_inp_shexp.weight"}  # [hidden] (o
 VECTORS = {"exp_probs_b", "ffn_gate_inp_shexp"}  # everything else feeds `linear`
 
 
+def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x, approximate="tanh")
+
+
+# By name, so that a process holding experts for another (runtime.experts) can rebuild them.
+ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": F.silu,
+    "gelu_tanh": _gelu_tanh,
+}
+
+
 @dataclass(frozen=True)
 class MoeConfig:
     """One model's routed experts; n_experts = 0 means none (the dataclass default)."""
@@ -79,8 +90,11 @@ class MoeConfig:
     shared_ffn: int = 0  # 0: no shared expert
     shared_gate: bool = False  # sigmoid gate on the shared expert (qwen35moe)
     fused_gate_up: bool = False  # the file stores ffn_gate_up_exps, not gate and up (gemma4)
+    act: str = "silu"  # the experts' gate activation (ACTIVATIONS), gelu_tanh for gemma4
 
     def __post_init__(self) -> None:
+        if self.act not in ACTIVATIONS:
+            raise ValueError(f"unknown expert activation {self.act!r}")
         if self.gating not in GATING.values():
             raise ValueError(f"unknown expert gating {self.gating!r}")
         if self.n_experts and not 0 < self.n_used <= self.n_experts:
@@ -97,6 +111,7 @@ def config_from_gguf(
     selection_bias: bool = False,
     shared_gate: bool = False,
     fused_gate_up: bool = False,
+    act: str = "silu",
 ) -> MoeConfig:
     """The `{arch}.expert_*` keys as llama.cpp reads them. The family says what its graph
     has: `gating` when the file has no expert_gating_func, `normalize` to override
@@ -124,6 +139,7 @@ def config_from_gguf(
             shared_ffn=int(gguf.get(key("expert_shared_feed_forward_length"), 0)),
             shared_gate=shared_gate,
             fused_gate_up=fused_gate_up,
+            act=act,
         )
     except ValueError as exc:
         raise GGUFError(f"{gguf.path}: bad {gguf.arch} expert metadata: {exc}") from exc
@@ -288,15 +304,54 @@ def _mix_one(
 # ---------------------------------------------------------------- the block
 
 
+class ExpertSplit(Protocol):
+    """A layer's experts split between the hot ones held here (the weights' stacks) and cold
+    ones held elsewhere (`luced.runtime.experts.Split`); it maps the router's global ids."""
+
+    def mix(
+        self,
+        layer: int,
+        x: torch.Tensor,
+        ids: torch.Tensor,
+        weights: torch.Tensor,
+        hot: StackedExperts,
+    ) -> torch.Tensor:
+        """`expert_mix` over all experts: hot ones here, cold ones wherever they are."""
+        ...
+
+
+def routed_mix(
+    x: torch.Tensor,
+    ids: torch.Tensor,
+    weights: torch.Tensor,
+    stacks: Mapping[str, torch.Tensor],
+    layer: int,
+    cfg: MoeConfig,
+    split: ExpertSplit | None = None,
+) -> torch.Tensor:
+    """The routed experts of one layer for global ids [n, k] and final weights [n, k]: the
+    layer's stacks hold every expert, or (with a `split`) only its hot ones."""
+    p = f"{layer}."
+    hot = StackedExperts(
+        stacks[p + "ffn_gate_up_exps"], stacks[p + "ffn_down_exps"], ACTIVATIONS[cfg.act]
+    )
+    if split is None:
+        return expert_mix(x, ids, weights, hot)
+    return split.mix(layer, x, ids, weights, hot)
+
+
 def moe_ffn(
-    x: torch.Tensor, weights: Mapping[str, torch.Tensor], layer: int, cfg: MoeConfig
+    x: torch.Tensor,
+    weights: Mapping[str, torch.Tensor],
+    layer: int,
+    cfg: MoeConfig,
+    split: ExpertSplit | None = None,
 ) -> torch.Tensor:
     """One layer's MoE FFN on normed hidden states x [n, hidden] -> [n, hidden], reading the
     layer's tensors (after `prepare_layers`) from `weights` by our keys."""
     w, p = weights, f"{layer}."
     ids, mix = route(linear(x, w[p + "ffn_gate_inp"]), cfg, w.get(p + "exp_probs_b"))
-    experts = StackedExperts(w[p + "ffn_gate_up_exps"], w[p + "ffn_down_exps"])
-    out = expert_mix(x, ids, mix, experts)
+    out = routed_mix(x, ids, mix, w, layer, cfg, split)
     if cfg.shared_ffn:
         shared = swiglu(x, w[p + "ffn_gate_shexp"], w[p + "ffn_up_shexp"], w[p + "ffn_down_shexp"])
         if cfg.shared_gate:
@@ -305,7 +360,12 @@ def moe_ffn(
     return out
 
 
+def model_split(model: Any) -> ExpertSplit | None:
+    """The expert placement applied to a loaded model (`luced.runtime.experts.apply`)."""
+    return getattr(model, "expert_split", None)
+
+
 def model_ffn(model: Any, layer: int, h: torch.Tensor) -> torch.Tensor:
     """`moe_ffn` of one layer of a model whose config has a `moe` field: the `ffn` hook the
-    dense families' `block` takes (qwen3moe over llama, qwen35moe over qwen35)."""
-    return moe_ffn(h, model.weights, layer, model.cfg.moe)
+    dense families' `block` takes (qwen3moe over llama, qwen35moe over qwen35, laguna)."""
+    return moe_ffn(h, model.weights, layer, model.cfg.moe, model_split(model))

@@ -59,12 +59,16 @@ def dequantize_tensor(gguf: GGUFFile, name: str) -> np.ndarray:
         raise GGUFError(
             f"{gguf.path}: tensor {name!r} uses unsupported quant type {info.type_name}"
         )
-    raw = gguf.raw(name)
-    if info.ggml_type == Q.F32:
-        return raw.view(np.float32).reshape(info.shape)
-    if info.ggml_type == Q.F16:
-        return raw.view(np.float16).reshape(info.shape).astype(np.float32)
-    return dequantize(raw, info.ggml_type).reshape(info.shape)
+    return dequantize_rows(gguf.raw(name), info.ggml_type, info.shape)
+
+
+def dequantize_rows(raw: np.ndarray, ggml_type: Q, shape: tuple[int, ...]) -> np.ndarray:
+    """Stored rows (`GGUFFile.raw`, or a slice of it: one expert's) as float32 `shape`."""
+    if ggml_type == Q.F32:
+        return raw.view(np.float32).reshape(shape)
+    if ggml_type == Q.F16:
+        return raw.view(np.float16).reshape(shape).astype(np.float32)
+    return dequantize(raw, ggml_type).reshape(shape)
 
 
 class WeightLoader:

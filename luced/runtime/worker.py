@@ -1,6 +1,7 @@
 """The backend worker process: one per backend group, started and owned by the daemon.
 
     python -m luced.runtime.worker --fd N --group NAME --devices cpu[,cpu...] [--threads N]
+                                   [--inbox M]
 
 The daemon makes a unix socketpair, passes one end as fd N (``pass_fds``) and speaks the
 frames of ``luced.ipc.frames`` over it; the verbs themselves live in
@@ -11,6 +12,10 @@ frames of ``luced.ipc.frames`` over it; the verbs themselves live in
     send {"op": "forward", tokens, outputs, ...}  ->  view "tokens" in place, run the layers,
                                                       write ids / logits into the regions
     read the regions                          <-  {"ok": true, "n_out", "position", ...}
+
+``--inbox M`` (MoE expert compute): a second inherited socket through which the daemon
+hands over direct worker-to-worker links (``luced.ipc.links``): a target worker's link to
+the expert worker, or, in the expert worker, one per target worker.
 
 Lifecycle: the daemon owns it. SIGINT and SIGTERM are ignored (a Ctrl-C in the terminal
 or systemd's stop signal to the whole cgroup must not kill a worker mid-step: the daemon
@@ -49,6 +54,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="comma-separated devices this worker drives, e.g. cuda:0,cuda:1",
     )
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument(
+        "--inbox",
+        type=int,
+        default=None,
+        help="inherited unix socket through which the daemon hands over worker-to-worker "
+        "links (MoE expert compute)",
+    )
     args = p.parse_args(argv)
     if not args.devices:
         p.error("--devices is empty")
@@ -82,7 +94,8 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    backend = Backend(args.group, args.devices)
+    inbox = socket.socket(fileno=args.inbox) if args.inbox is not None else None
+    backend = Backend(args.group, args.devices, inbox)
     if backend.device_problem:  # hello reports it to the daemon; log it here too
         log.error("%s", backend.device_problem)
     log.info("serving %s on fd %d (torch %s)", ",".join(args.devices), args.fd, torch.__version__)

@@ -129,6 +129,16 @@ def _to_pool(v: Any) -> int | str:
     return n
 
 
+def _to_experts(v: Any) -> int | None:
+    """MoE hot experts per layer: a count, or "all" (None)."""
+    if isinstance(v, str) and v.strip().lower() == "all":
+        return None
+    n = _to_int(v)
+    if n < 0:
+        raise ValueError(f"a count of experts (or all), got {n}")
+    return n
+
+
 def _to_str(v: Any) -> str:
     if not isinstance(v, str):
         raise ValueError(f"not a string: {v!r}")
@@ -210,6 +220,7 @@ _CONVERTERS: dict[str, Callable[[Any], Any]] = {
     "weights": _unflagged(parse_weights),
     "int": _to_int,
     "pool": _to_pool,
+    "experts": _to_experts,
     "bytes": _to_bytes,
     "float": _to_float,
     "str": _to_str,
@@ -494,6 +505,26 @@ OPTIONS: tuple[Option, ...] = (
         minimum=512,
     ),
     Option(
+        "moe_hot_experts", "experts", None,
+        "MoE models: routed experts each target worker keeps per layer (the lowest ids); "
+        "the other (cold) experts of a token are computed in process on the CPU from the "
+        "mapped GGUF, and their sum added to the hot ones'. `all` keeps every expert.",
+        nullable=True, default_doc="all (every expert in the target's workers)", example=4,
+    ),
+    Option(
+        "moe_expert_device", "device", None,
+        "MoE models with --moe-hot-experts: compute the cold experts in an expert worker "
+        "on this device (`cpu:1`, `cuda:1`, ...), which holds exactly them; target workers "
+        "call it directly over shared memory, one call per MoE layer per step. While it is "
+        "down (it is restarted) they compute them in process.",
+        nullable=True, default_doc="none (cold experts in process)", example="cpu:1",
+    ),
+    Option(
+        "moe_expert_required", "bool", False,
+        "With --moe-expert-device: a step whose expert worker fails is an error instead of "
+        "being computed in process.",
+    ),
+    Option(
         "log_level", "str", "info", "Log level.",
         choices=("debug", "info", "warning", "error"),
     ),
@@ -542,6 +573,9 @@ class Config:
     kv_flash_policy: str
     kv_flash_tau: int
     kv_flash_max_pool: int
+    moe_hot_experts: int | None  # None: all
+    moe_expert_device: str | None  # None: cold experts in process
+    moe_expert_required: bool
     log_level: str
     # option name -> where its value came from ("--port", "LUCED_PORT", "FILE: port", ...)
     sources: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False)

@@ -91,6 +91,21 @@ def sample_requests() -> dict[str, F.Request]:
             owns_embed=False,
             owns_head=True,
             device_splits=(12,),
+            moe_hot=4,
+            moe_scratch=region(4096, (65536,), "uint8"),
+            moe_required=True,
+        ),
+        "load_experts": F.LoadExperts(
+            model="/models/x.gguf",
+            dtype="float32",
+            device="cpu:1",
+            hot=4,
+        ),
+        "expert_mix": F.ExpertMix(
+            layer=4,
+            x=region(4096, (3, 64), "float32"),
+            ids=region(8192, (3, 2), "int32"),
+            weights=region(8256, (3, 2), "float32"),
         ),
         "forward": F.Forward(
             n_tokens=16,
@@ -165,7 +180,10 @@ def sample_replies() -> dict[str, F.Reply]:
             dtype="bfloat16",
             kv_capacity=4096,
             load_s=1.25,
+            moe_fingerprint="0123456789abcdef",
         ),
+        "load_experts": F.LoadExpertsReply(n_layers=2, n_held=4, fingerprint="ab", load_s=0.1),
+        "expert_mix": F.ExpertMixReply(elapsed_us=120),
         "forward": F.ForwardReply(n_out=16, position=116, elapsed_us=8123),
         "load_draft": F.LoadDraftReply(
             capture_layers=(1, 10, 19, 28),

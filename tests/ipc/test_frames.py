@@ -358,3 +358,16 @@ def test_ipc_uses_no_pickle_and_no_torch() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     # pickle may be pulled in by the standard library itself; torch never.
     assert "torch" not in out.stdout
+
+
+def test_expert_mix_shapes_must_agree() -> None:
+    x, ids, w = R(4096, (3, 64), "float32"), R(8192, (3, 2), "int32"), R(8256, (3, 2), "float32")
+    F.ExpertMix(layer=1, x=x, ids=ids, weights=w)
+    with pytest.raises(F.FrameError, match="same"):
+        F.ExpertMix(layer=1, x=x, ids=ids, weights=R(8256, (3, 3), "float32"))
+    with pytest.raises(F.FrameError, match="rows"):
+        F.ExpertMix(layer=1, x=R(4096, (4, 64), "float32"), ids=ids, weights=w)
+    with pytest.raises(F.FrameError, match="int32"):
+        F.ExpertMix(layer=1, x=x, ids=R(8192, (3, 2), "int64"), weights=w)
+    with pytest.raises(F.FrameError, match="hot must be"):
+        F.LoadExperts(model="m.gguf", dtype="float32", device="cpu", hot=-1)

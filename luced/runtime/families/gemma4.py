@@ -137,7 +137,9 @@ def config_from_gguf(gguf: GGUFFile) -> Gemma4Config:
 
     experts = moe.MoeConfig()
     if get("expert_count") or any(n.endswith("ffn_gate_inp.weight") for n in gguf.tensors):
-        experts = moe.config_from_gguf(gguf, gating="softmax", normalize=True, fused_gate_up=True)
+        experts = moe.config_from_gguf(
+            gguf, gating="softmax", normalize=True, fused_gate_up=True, act="gelu_tanh"
+        )
     n_layers = int(gguf.require(f"{arch}.block_count"))
     sliding = gguf.sliding_layers()
     full_dim = int(gguf.require(f"{arch}.attention.key_length"))
@@ -290,11 +292,7 @@ def _moe_ffn(model: ModelParts, layer: int, x: torch.Tensor) -> torch.Tensor:
     router_in = rms_norm(x, None, eps) * w[p + "moe_router_scale"] * cfg.hidden**-0.5
     ids, mix = moe.route(linear(router_in, w[p + "ffn_gate_inp"]), cfg.moe)
     mix = mix * w[p + "moe_expert_scale"].float()[ids]
-    experts = moe.StackedExperts(w[p + "ffn_gate_up_exps"], w[p + "ffn_down_exps"], _gelu_tanh)
-    routed = moe.expert_mix(rms_norm(x, w[p + "moe_pre_norm"], eps), ids, mix, experts)
+    routed_in = rms_norm(x, w[p + "moe_pre_norm"], eps)
+    routed = moe.routed_mix(routed_in, ids, mix, w, layer, cfg.moe, moe.model_split(model))
     h = rms_norm(mlp, w[p + "mlp_post_norm"], eps) + rms_norm(routed, w[p + "moe_post_norm"], eps)
     return x + rms_norm(h, w[p + "post_ffn_norm"], eps)
-
-
-def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
-    return F.gelu(x, approximate="tanh")

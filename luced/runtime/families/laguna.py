@@ -172,7 +172,7 @@ def block(
     h = rms_norm(x, w[f"{layer}.ffn_norm"], eps)
     if layer < cfg.dense_layers:
         return x + llama.dense_ffn(model, layer, h)
-    return x + moe.moe_ffn(h, w, layer, cfg.moe)
+    return x + moe.model_ffn(model, layer, h)
 
 
 embed = llama.embed

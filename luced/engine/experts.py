@@ -1,0 +1,122 @@
+"""The daemon's side of MoE expert compute: the expert worker, the scratch regions, the links.
+
+With ``--moe-hot-experts N --moe-expert-device DEV`` every pipeline worker keeps N experts
+per MoE layer and the expert worker (one more ``luced.runtime.worker`` on DEV, a slot of
+the target's `Executor`) holds all the others. The daemon's part, never on the per-layer
+path (workers call each other directly; ``luced.runtime.expert_link``):
+
+    start      carve one scratch segment per pipeline worker (its largest batch of
+               x / ids / weights, ``ipc.links.scratch_bytes``), before the workers load:
+               ``load`` names it (``moe_scratch``)
+    load       the expert worker answers ``load_experts`` with the fingerprint of the
+               placement it complements; every pipeline worker whose ``load`` reported
+               the same fingerprint gets a link (a socketpair, one end through each inbox)
+    restart    a restarted pipeline worker is linked again when its fingerprint still
+               matches the running expert worker's (the experts are reused), else the
+               expert worker reloads first; a restarted expert worker relinks every one.
+               Meanwhile the pipeline workers compute cold experts in process (or fail
+               the forward with ``--moe-expert-required``)
+    account    each ``forward`` reply's moe_* deltas add up to /metrics' counters
+"""
+
+from __future__ import annotations
+
+import logging
+
+from luced.engine.executor import Executor, Slot, WorkerHandle
+from luced.engine.placement import TargetPlacement
+from luced.ipc.frames import ForwardReply, LoadExperts, LoadExpertsReply, LoadReply
+from luced.ipc.links import scratch_bytes
+from luced.ipc.regions import Region, RegionAllocator
+from luced.ipc.shm import ShmOwner
+
+log = logging.getLogger(__name__)
+
+
+class ExpertWorker:
+    def __init__(
+        self, owner: ShmOwner, name: str, placement: TargetPlacement, executor: Executor
+    ) -> None:
+        assert placement.moe_expert is not None and placement.moe_hot is not None
+        self.owner, self.name, self.placement, self.executor = owner, name, placement, executor
+        self.scratch: dict[int, Region] = {}  # pipeline slot index -> its scratch
+        self.fingerprint = ""  # of the placement the running expert worker complements
+        self.totals = {"remote_calls": 0, "fallbacks": 0, "remote_bytes": 0}
+
+    def carve(self) -> None:
+        hidden, k = self.placement.moe_dims
+        nbytes = scratch_bytes(self.placement.max_batch_tokens, hidden, k)
+        for slot in self.executor.slots:
+            seg = self.owner.create(f"{self.name}-moe-{slot.index}", nbytes)
+            alloc = RegionAllocator.for_segment(seg)
+            self.scratch[slot.index] = alloc.alloc("scratch", [nbytes], "uint8")
+
+    def load_fields(self, slot: Slot) -> dict:
+        """What a pipeline worker's ``load`` carries for its experts."""
+        return {
+            "moe_scratch": self.scratch.get(slot.index),
+            "moe_required": self.placement.moe_required,
+        }
+
+    async def start(self) -> None:
+        """Start the expert worker. Unless it is required, a failure only logs: the cold
+        experts run in process meanwhile, and a worker that died is restarted."""
+        spec = self.placement.moe_expert
+        assert spec is not None
+        try:
+            await self.executor.add_expert_slot(spec)
+        except Exception as exc:
+            if self.placement.moe_required:
+                raise
+            log.error(
+                "expert worker on %s did not start (%s): experts in process", spec.devices[0], exc
+            )
+
+    async def load(self, slot: Slot, worker: WorkerHandle) -> LoadExpertsReply:
+        """The executor's loader for the expert worker: its experts, then every link."""
+        p = self.placement
+        assert p.moe_hot is not None
+        device = slot.spec.devices[0]
+        req = LoadExperts(model=p.model, dtype=p.dtype, device=device, hot=p.moe_hot)  # type: ignore[arg-type]
+        reply = await worker.load_experts(req)
+        self.fingerprint = reply.fingerprint
+        slot.detail = {
+            "experts": f"{reply.n_held} cold experts of {reply.n_layers} MoE layers",
+            "fingerprint": reply.fingerprint,
+        }
+        log.info("expert worker holds %s (placement %s)", slot.detail["experts"], self.fingerprint)
+        for target in self.executor.slots:
+            h = target.handle
+            if h is not None and h.state == "ready" and h.loaded is not None:
+                self._link(h, h.loaded)
+        return reply
+
+    async def pipeline_loaded(self, worker: WorkerHandle, reply: LoadReply) -> None:
+        """A (re)loaded pipeline worker: link it to the running expert worker, reloading
+        the experts first when the placement changed."""
+        experts = self.executor.expert_worker()
+        if experts is None:
+            return  # not started yet, or restarting: its load links everyone
+        if reply.moe_fingerprint != self.fingerprint:
+            assert self.executor.expert_slot is not None
+            log.info("expert placement changed: reloading the expert worker")
+            await self.load(self.executor.expert_slot, experts)
+            return
+        self._link(worker, reply)
+
+    def _link(self, worker: WorkerHandle, reply: LoadReply) -> None:
+        if reply.moe_fingerprint != self.fingerprint:
+            log.error(
+                "worker %s placed experts as %s, the expert worker as %s: not linked "
+                "(its cold experts run in process)",
+                worker.spec.group,
+                reply.moe_fingerprint,
+                self.fingerprint,
+            )
+            return
+        self.executor.link_experts(worker)
+
+    def account(self, reply: ForwardReply) -> None:
+        self.totals["remote_calls"] += reply.moe_remote_calls
+        self.totals["fallbacks"] += reply.moe_fallbacks
+        self.totals["remote_bytes"] += reply.moe_remote_bytes

@@ -121,7 +121,10 @@ def _complete_items(text: str) -> Iterator[dict]:
             yield item
 
 
-def load_prompts(args: argparse.Namespace, gguf: GGUFFile, tok: Tokenizer) -> list[list[int]]:
+def load_prompts(
+    args: argparse.Namespace, gguf: GGUFFile, tok: Tokenizer
+) -> dict[str, list[list[int]]]:
+    """Token ids by source ("own", "chat", "code"), each shuffled with the seed."""
     template = None
 
     def chat(messages: list[dict]) -> list[int]:
@@ -130,41 +133,50 @@ def load_prompts(args: argparse.Namespace, gguf: GGUFFile, tok: Tokenizer) -> li
             template = ChatTemplate.from_gguf(gguf, gguf.arch)
         return chat_ids(template, tok, messages)
 
-    prompts: list[list[int]] = []
+    sources: dict[str, list[list[int]]] = {}
     if args.prompts_jsonl:
+        own = sources.setdefault("own", [])
         for n, line in enumerate(args.prompts_jsonl.read_text().splitlines(), 1):
             if not line.strip():
                 continue
             row = json.loads(line)
             if "ids" in row:
-                prompts.append([int(t) for t in row["ids"]])
+                own.append([int(t) for t in row["ids"]])
             elif "messages" in row:
-                prompts.append(chat(row["messages"]))
+                own.append(chat(row["messages"]))
             elif "prompt" in row:
-                prompts.append(tok.encode(row["prompt"]))
+                own.append(tok.encode(row["prompt"]))
             else:
                 raise SystemExit(f"{args.prompts_jsonl}:{n}: needs 'prompt', 'messages' or 'ids'")
     if args.sharegpt:
         turns = sharegpt_first_turns()
         random.Random(args.seed).shuffle(turns)
-        for text in turns[: args.sharegpt]:
-            prompts.append(chat([{"role": "user", "content": text}]))
+        sources["chat"] = [chat([{"role": "user", "content": t}]) for t in turns[: args.sharegpt]]
     if args.humaneval:
-        prompts += [tok.encode(p) for p in bench_prompts.humaneval_prompts()]
+        code = bench_prompts.humaneval_prompts()
+        random.Random(args.seed).shuffle(code)
+        sources["code"] = [tok.encode(p) for p in code[: args.humaneval]]
     vocab = int(gguf.get(f"{gguf.arch}.vocab_size") or gguf.info("token_embd.weight").shape[0])
+    return {name: _checked(name, ps, vocab, args) for name, ps in sources.items()}
+
+
+def _checked(
+    source: str, prompts: list[list[int]], vocab: int, args: argparse.Namespace
+) -> list[list[int]]:
     kept = [p for p in prompts if 0 < len(p) <= args.max_prompt_tokens]
     if any(not 0 <= t < vocab for p in kept for t in p):
-        raise SystemExit(f"a prompt holds token ids outside the target's vocabulary [0, {vocab})")
+        raise SystemExit(f"{source}: token ids outside the target's vocabulary [0, {vocab})")
     if len(kept) < len(prompts):
         log.info(
-            "skipped %d prompts longer than %d tokens",
+            "%s: skipped %d prompts longer than %d tokens",
+            source,
             len(prompts) - len(kept),
             args.max_prompt_tokens,
         )
     if len(kept) <= args.eval_prompts:
         raise SystemExit(
-            f"{len(kept)} prompts: give more (--prompts-jsonl, --sharegpt N, --humaneval) "
-            f"than the {args.eval_prompts} held out for evaluation"
+            f"{source}: {len(kept)} prompts; give more than the {args.eval_prompts} held out "
+            "for evaluation"
         )
     random.Random(args.seed).shuffle(kept)
     return kept
@@ -292,9 +304,11 @@ def train(
 ) -> list[float]:
     params = trainable(draft)
     opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.01, betas=(0.9, 0.95))
-    total = args.steps or args.epochs * len(files)
-    warmup = max(1, total // 30)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: cosine_lr(s, total, warmup))
+    # The schedule's length; with --minutes it is re-planned from the measured step time.
+    plan = {"total": args.steps or args.epochs * len(files)}
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: cosine_lr(s, plan["total"], max(1, plan["total"] // 30))
+    )
     gen = torch.Generator().manual_seed(args.seed)
     step, ckpt = 0, out / "checkpoint.pt"
     if args.resume and ckpt.exists():
@@ -305,19 +319,19 @@ def train(
         opt.load_state_dict(state["opt"])
         sched.load_state_dict(state["sched"])
         gen.set_state(state["gen"])
-        step = state["step"]
-        log.info("resumed at step %d of %d", step, total)
+        step, plan["total"] = state["step"], state["total"]
+        log.info("resumed at step %d of %d", step, plan["total"])
     bf16 = native_bf16() and not args.float32
     log.info(
         "training %d steps on %d sequences; %s",
-        total,
+        plan["total"],
         len(files),
         "bf16 autocast (native bf16 on this CPU)" if bf16 else "float32",
     )
     gamma = args.gamma or (4.0 if args.block_size <= 8 else 7.0)
     losses: list[float] = []
-    bar = progress(range(step, total), "train", total=total, initial=step)
     seen, tokens, t0 = 0, 0, time.perf_counter()
+    bar = progress(_steps(step, plan), "train", total=plan["total"], initial=step)
     recent: deque[tuple[float, float]] = deque(maxlen=50)  # (loss, acceptance)
     for step in bar:
         epoch, i = divmod(step, len(files))
@@ -341,8 +355,14 @@ def train(
                 f"loss {statistics.fmean(r[0] for r in recent):.3f} "
                 f"tau~{statistics.fmean(r[1] for r in recent):.2f} {tok_s:.0f} tok/s"
             )
-        if (step + 1) % args.save_every == 0 or step + 1 == total:
-            save_checkpoint(ckpt, draft, opt, sched, gen, step + 1)
+        if args.minutes and seen == 10 and not args.resume:
+            per_step = (time.perf_counter() - t0) / seen
+            plan["total"] = max(seen, int(args.minutes * 60 / per_step))
+            log.info("%.2f s/step: %d steps in %g min", per_step, plan["total"], args.minutes)
+            if hasattr(bar, "total"):
+                bar.total = plan["total"]
+        if (step + 1) % args.save_every == 0 or step + 1 == plan["total"]:
+            save_checkpoint(ckpt, draft, opt, sched, gen, step + 1, plan["total"])
     if seen:
         log.info(
             "trained %d steps, %d predicted tokens, %.0f tok/s",
@@ -353,13 +373,24 @@ def train(
     return losses
 
 
-def save_checkpoint(path: Path, draft: Draft, opt: Any, sched: Any, gen: Any, step: int) -> None:
+def _steps(first: int, plan: dict[str, int]) -> Iterator[int]:
+    """Step numbers up to plan["total"], read afresh each step (a time budget re-plans it)."""
+    step = first
+    while step < plan["total"]:
+        yield step
+        step += 1
+
+
+def save_checkpoint(
+    path: Path, draft: Draft, opt: Any, sched: Any, gen: Any, step: int, total: int
+) -> None:
     state = {
         "weights": {k: v.detach().clone() for k, v in draft.weights.items()},
         "opt": opt.state_dict(),
         "sched": sched.state_dict(),
         "gen": gen.get_state(),
         "step": step,
+        "total": total,
     }
     tmp = path.with_suffix(".tmp")
     torch.save(state, tmp)
@@ -376,18 +407,21 @@ def write_draft(spec: mtd.DraftSpec, draft: Draft, out: Path) -> Path:
 
 
 async def evaluate(
-    target: Path, drafts: dict[str, Path], prompts: list[list[int]], args: argparse.Namespace
-) -> dict[str, dict]:
+    target: Path,
+    drafts: dict[str, Path],
+    workloads: dict[str, list[list[int]]],
+    args: argparse.Namespace,
+) -> dict[str, dict[str, dict]]:
     """Plain and each draft through the Engine (worker processes), interleaved per prompt:
-    acceptance length, decode tok/s, and whether greedy output equals plain's."""
+    per workload and engine, acceptance length, decode tok/s (and its ratio to plain's on
+    the same prompts), and whether greedy output equals plain's."""
     gguf = GGUFFile(target)
     tok = Tokenizer.from_gguf(gguf)
-    names = ["plain", *drafts]
-    rows: dict[str, list[dict]] = {n: [] for n in names}
+    rows: dict[tuple[str, str], list[dict]] = {}
     with ShmOwner() as owner:
         engines = {}
         try:
-            for name in names:
+            for name in ["plain", *drafts]:
                 bench_args = SimpleNamespace(
                     threads=args.threads, block_size=args.block_size, trained_draft=drafts.get(name)
                 )
@@ -395,33 +429,33 @@ async def evaluate(
                 engines[name] = await bench_dflash.start_engine(
                     kind, owner, target, Path(), tok, bench_args, label=name
                 )
-            for prompt in prompts:
-                plain: list[int] = []
+            for workload, prompt in [(w, p) for w, ps in workloads.items() for p in ps]:
+                plain: list[int] | None = None
                 for name, engine in engines.items():
                     toks, decode_s, spec = await bench_dflash.generate(
                         engine, prompt, args.eval_tokens
                     )
-                    plain = plain or toks
-                    rows[name].append(
-                        {
-                            "tok_s": (len(toks) - 1) / decode_s if decode_s > 0 else 0.0,
-                            "drafts": spec.get("drafts", 0),
-                            "accepted": spec.get("accepted_tokens", 0),
-                            "equal": toks == plain,
-                        }
-                    )
+                    plain = toks if plain is None else plain
+                    row = {
+                        "tok_s": (len(toks) - 1) / decode_s if decode_s > 0 else 0.0,
+                        "drafts": spec.get("drafts", 0),
+                        "accepted": spec.get("accepted_tokens", 0),
+                        "equal": toks == plain,
+                    }
+                    rows.setdefault((workload, name), []).append(row)
         finally:
             for engine in engines.values():
                 await engine.stop()
                 await engine.target.close()
-    report = {}
-    for name, rs in rows.items():
-        drafts_n = sum(r["drafts"] for r in rs)
-        report[name] = {
-            "acceptance_length": 1 + sum(r["accepted"] for r in rs) / drafts_n if drafts_n else 1.0,
+    report: dict[str, dict[str, dict]] = {}
+    for (workload, name), rs in rows.items():
+        n_drafts = sum(r["drafts"] for r in rs)
+        plain_rs = rows[(workload, "plain")]
+        report.setdefault(workload, {})[name] = {
+            "acceptance_length": 1 + sum(r["accepted"] for r in rs) / n_drafts if n_drafts else 1.0,
             "decode_tok_s": statistics.fmean(r["tok_s"] for r in rs),
             "vs_plain": statistics.fmean(
-                r["tok_s"] / p["tok_s"] for r, p in zip(rs, rows["plain"], strict=True)
+                r["tok_s"] / p["tok_s"] for r, p in zip(rs, plain_rs, strict=True)
             ),
             "greedy_equals_plain": all(r["equal"] for r in rs),
         }
@@ -437,8 +471,11 @@ def run(args: argparse.Namespace) -> dict:
     torch.set_num_threads(args.threads)
     gguf = GGUFFile(args.target)
     tok = Tokenizer.from_gguf(gguf)
-    prompts = load_prompts(args, gguf, tok)
-    held_out, train_prompts = prompts[: args.eval_prompts], prompts[args.eval_prompts :]
+    sources = load_prompts(args, gguf, tok)
+    if not sources:
+        raise SystemExit("no prompts: give --prompts-jsonl, --sharegpt N and/or --humaneval")
+    held_out = {name: ps[: args.eval_prompts] for name, ps in sources.items()}
+    train_prompts = [p for ps in sources.values() for p in ps[args.eval_prompts :]]
     bf16 = native_bf16() and not args.float32
     model = Model.load(args.target, dtype="bfloat16" if bf16 else "float32")
     spec = make_spec(args.target, model, args)
@@ -457,7 +494,7 @@ def run(args: argparse.Namespace) -> dict:
         "draft": str(path),
         "spec": dataclasses.asdict(spec),
         "train_sequences": len(files),
-        "eval_prompts": len(held_out),
+        "eval_prompts": {name: len(ps) for name, ps in held_out.items()},
         "steps": len(losses),
         "train_s": train_s,
         "loss_first": statistics.fmean(losses[:10]) if losses else None,
@@ -478,9 +515,11 @@ def parser() -> argparse.ArgumentParser:
     src = ap.add_argument_group("prompts")
     src.add_argument("--prompts-jsonl", type=Path, help="{prompt|messages|ids} per line")
     src.add_argument("--sharegpt", type=int, default=0, metavar="N", help="N ShareGPT turns")
-    src.add_argument("--humaneval", action="store_true", help="HumanEval's 164 prompts")
+    src.add_argument(
+        "--humaneval", type=int, nargs="?", const=164, default=0, metavar="N", help="N of 164"
+    )
     src.add_argument("--max-prompt-tokens", type=int, default=512)
-    src.add_argument("--eval-prompts", type=int, default=8, help="held out for evaluation")
+    src.add_argument("--eval-prompts", type=int, default=4, help="per source, held out")
     gen = ap.add_argument_group("self-distillation")
     gen.add_argument("--answer-tokens", type=int, default=256)
     gen.add_argument("--temperature", type=float, default=0.0, help="0: greedy answers")
@@ -493,6 +532,7 @@ def parser() -> argparse.ArgumentParser:
     opt = ap.add_argument_group("training")
     opt.add_argument("--epochs", type=int, default=2)
     opt.add_argument("--steps", type=int, help="overrides --epochs (one sequence per step)")
+    opt.add_argument("--minutes", type=float, help="train this long (plans the schedule)")
     opt.add_argument("--anchors", type=int, default=64, help="blocks per sequence")
     opt.add_argument("--lr", type=float, default=6e-4)
     opt.add_argument("--gamma", type=float, help="loss decay (default 4 for B<=8, else 7)")

@@ -361,8 +361,12 @@ def train(
             log.info("%.2f s/step: %d steps in %g min", per_step, plan["total"], args.minutes)
             if hasattr(bar, "total"):
                 bar.total = plan["total"]
-        if (step + 1) % args.save_every == 0 or step + 1 == plan["total"]:
+        stop = args.stop_at is not None and step + 1 >= args.stop_at
+        if (step + 1) % args.save_every == 0 or step + 1 == plan["total"] or stop:
             save_checkpoint(ckpt, draft, opt, sched, gen, step + 1, plan["total"])
+        if stop:
+            log.info("stopped after step %d (--stop-at); --resume continues", step + 1)
+            break
     if seen:
         log.info(
             "trained %d steps, %d predicted tokens, %.0f tok/s",
@@ -539,6 +543,7 @@ def parser() -> argparse.ArgumentParser:
     opt.add_argument("--float32", action="store_true", help="no bf16 autocast")
     opt.add_argument("--save-every", type=int, default=200)
     opt.add_argument("--resume", action="store_true", help="continue OUT_DIR/checkpoint.pt")
+    opt.add_argument("--stop-at", type=int, help="checkpoint and stop after this step")
     opt.add_argument("--seed", type=int, default=0)
     ev = ap.add_argument_group("evaluation")
     ev.add_argument("--eval-tokens", type=int, default=128, help="0: skip the evaluation")

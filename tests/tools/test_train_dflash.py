@@ -14,6 +14,7 @@ import make_tiny_gguf
 import pytest
 import torch
 import train_dflash
+from safetensors.torch import load_file
 
 PROMPTS = 18
 
@@ -63,3 +64,21 @@ def test_trained_draft_beats_random_and_keeps_greedy_exact(trained) -> None:
     report = asyncio.run(train_dflash.evaluate(target, drafts, {"train": seen}, args))["train"]
     assert all(r["greedy_equals_plain"] for r in report.values())
     assert report["trained"]["acceptance_length"] > report["random"]["acceptance_length"] + 0.3
+
+
+def test_resume_continues_exactly(trained, tmp_path: Path) -> None:
+    # Stopped at step 10 and resumed, the run ends with the weights of an unbroken run.
+    target, out, _, _ = trained
+    common = [str(target), "--prompts-jsonl", str(out.parent / "prompts.jsonl")]
+    flags = "--answer-tokens 48 --eval-prompts 2 --block-size 4 --anchors 8 --steps 20"
+    common += [*flags.split(), "--eval-tokens", "0", "--threads", "1"]
+    whole, parts = tmp_path / "whole", tmp_path / "parts"
+    train_dflash.run(train_dflash.parser().parse_args([*common, str(whole)]))
+    train_dflash.run(train_dflash.parser().parse_args([*common, str(parts), "--stop-at", "10"]))
+    first = load_file(parts / "draft" / "model.safetensors")
+    train_dflash.run(train_dflash.parser().parse_args([*common, str(parts), "--resume"]))
+    a = load_file(whole / "draft" / "model.safetensors")
+    b = load_file(parts / "draft" / "model.safetensors")
+    assert a.keys() == b.keys()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert not all(torch.equal(a[k], first[k]) for k in a)  # the stop really was midway

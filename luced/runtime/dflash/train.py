@@ -34,7 +34,7 @@ from luced.runtime.model import Model
 def native_bf16() -> bool:
     """Whether this CPU multiplies bf16 natively (AVX512-BF16 or AMX): there bf16 autocast
     is ~4x float32 on GEMMs; elsewhere bf16 is emulated and slower than float32."""
-    if torch.backends.cpu.get_cpu_capability() == "AMX":  # torch names AMX-capable CPUs so
+    if torch.backends.cpu.get_cpu_capability() == "AMX":  # AMX implies bf16 tiles
         return True
     try:
         flags = Path("/proc/cpuinfo").read_text()
@@ -107,20 +107,20 @@ def block_loss(
     mask = draft.mask_token_id
     if mask is None:
         raise ValueError("the draft names no mask_token_id")
-    n_tok, n = ids.shape[0], anchors.shape[0]
-    block_ids = torch.full((n, b), mask, dtype=torch.long)
+    n_tok, n, dev = ids.shape[0], anchors.shape[0], ids.device
+    block_ids = torch.full((n, b), mask, dtype=torch.long, device=dev)
     block_ids[:, 0] = ids[anchors]
     # Frozen embedding: an inference tensor, cloned into one autograd may save.
     noise = draft.noise_embeddings(edges, block_ids.reshape(-1)).clone()
     hidden = draft.hidden_states(features, noise, 0, anchors).view(n, b, -1)[:, 1:]
-    label_pos = anchors[:, None] + torch.arange(1, b)  # [N, B-1]
+    label_pos = anchors[:, None] + torch.arange(1, b, device=dev)  # [N, B-1]
     valid = label_pos < n_tok
     labels = ids[label_pos.clamp(max=n_tok - 1)]
     logits = edges.family.project(edges, hidden[valid])  # frozen head, float32 logits
     ce = F.cross_entropy(logits.float(), labels[valid], reduction="none")
-    k = torch.arange(1, b, dtype=torch.float32)
+    k = torch.arange(1, b, dtype=torch.float32, device=dev)
     weight = torch.exp(-(k - 1) / gamma).expand(n, b - 1)[valid]
-    correct = torch.zeros(n, b - 1, dtype=torch.bool)
+    correct = torch.zeros(n, b - 1, dtype=torch.bool, device=dev)
     correct[valid] = logits.detach().argmax(dim=-1) == labels[valid]
     return BlockLoss((ce * weight).sum() / weight.sum(), int(valid.sum()), correct)
 

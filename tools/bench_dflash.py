@@ -266,8 +266,7 @@ def main() -> None:
         "--engines",
         nargs="+",
         choices=list(ENGINES),
-        help="plain always runs: it is the baseline (default: all; trained with "
-        "--trained-draft)",
+        help="plain always runs: it is the baseline (default: all; trained with --trained-draft)",
     )
     ap.add_argument(
         "--trained-draft",

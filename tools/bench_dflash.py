@@ -13,6 +13,7 @@ loaded at once and measured interleaved so drift on a shared machine hits them a
     oracle    the same draft loaded (captures on, same frames) but its proposals replaced
               by the target's own greedy continuation (`OracleTarget`): every proposal is
               accepted, B tokens per verify: the ceiling of the loop
+    trained   a draft from tools/train_dflash.py (--trained-draft PATH)
 
 Reported per engine (medians over rounds): decode tok/s (after the first token), tokens
 per target forward, mean acceptance length (1 + accepted / drafts), and the cost of one
@@ -93,13 +94,19 @@ class TimedOracle(OracleTarget, CountingTarget):
     pass
 
 
+def context_length(model: Path) -> int:
+    """2048 tokens, or less for a model that holds less (the tiny test models)."""
+    gguf = GGUFFile(model)
+    return min(2048, int(gguf.get(f"{gguf.arch}.context_length") or 2048))
+
+
 def make_target(cls: type[Target], owner: ShmOwner, model: Path, threads: int, name: str) -> Target:
     gguf = GGUFFile(model)
     placement = TargetPlacement(
         model=str(model),
         n_layers=int(gguf.require(f"{gguf.arch}.block_count")),
         dtype="float32",
-        kv_capacity=2048,
+        kv_capacity=context_length(model),
         max_batch_tokens=256,
         worker=WorkerSpec("cpu", ("cpu",), threads=threads),
     )
@@ -129,25 +136,35 @@ ENGINES: dict[str, tuple[type[Target], str | None, bool]] = {
     "ngram": (CountingTarget, "ngram", False),
     "ngram-adaptive": (CountingTarget, "ngram", True),
     "oracle": (TimedOracle, "model", False),
+    "trained": (CountingTarget, "trained", False),  # the draft --trained-draft names
 }
 
 
 async def start_engine(
-    name: str, owner: ShmOwner, model: Path, draft: Path, tokenizer: Tokenizer, args: Any
+    name: str,
+    owner: ShmOwner,
+    model: Path,
+    draft: Path,
+    tokenizer: Tokenizer,
+    args: Any,
+    label: str | None = None,
 ) -> Engine:
+    """An engine of kind `name` (ENGINES), called `label` (default: its kind)."""
     cls, drafter, adaptive = ENGINES[name]
-    target = make_target(cls, owner, model, args.threads, name)
+    label = label or name
+    target = make_target(cls, owner, model, args.threads, label)
     await target.start()
-    if drafter == "model":
-        await target.load_draft(str(draft), block_size=args.block_size)
+    if drafter in ("model", "trained"):
+        path = args.trained_draft if drafter == "trained" else draft
+        await target.load_draft(str(path), block_size=args.block_size)
     elif drafter == "ngram":
         target.enable_lookup_drafts(args.block_size)
     engine = Engine(
         target,
         tokenizer,
         None,
-        model_name=name,
-        context_length=2048,
+        model_name=label,
+        context_length=context_length(model),
         block_size=args.block_size,
         lookup_drafts=drafter == "ngram",
         adaptive_blocks=adaptive,
@@ -163,7 +180,9 @@ async def bench(args: argparse.Namespace) -> None:
     gguf = GGUFFile(model)
     tokenizer = Tokenizer.from_gguf(gguf)
     workloads = {w: bench_prompts.prompts(w, gguf, tokenizer, args) for w in args.workloads}
-    names = args.engines
+    names = args.engines or [n for n in ENGINES if n != "trained" or args.trained_draft]
+    if "trained" in names and not args.trained_draft:
+        raise SystemExit("the trained engine needs --trained-draft PATH")
     with tempfile.TemporaryDirectory() as tmp, ShmOwner() as owner:
         _, draft, _ = make_tiny_draft.build(model, Path(tmp), seed=1, block_size=args.block_size)
         engines: dict[str, Engine] = {}
@@ -246,9 +265,13 @@ def main() -> None:
     ap.add_argument(
         "--engines",
         nargs="+",
-        default=list(ENGINES),
         choices=list(ENGINES),
-        help="plain always runs: it is the baseline",
+        help="plain always runs: it is the baseline (default: all; trained with --trained-draft)",
+    )
+    ap.add_argument(
+        "--trained-draft",
+        type=Path,
+        help="a draft from tools/train_dflash.py (OUT_DIR/draft.gguf): the trained engine",
     )
     ap.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) - 1))
     asyncio.run(bench(ap.parse_args()))

@@ -129,6 +129,22 @@ class Draft:
     ) -> torch.Tensor:
         """ctx_features [C, n_capture*hidden] (captures concatenated in capture order),
         noise_embeddings [B, hidden] -> draft hidden [B, hidden] after the draft's final norm."""
+        return self.hidden_states(ctx_features, noise_embeddings, ctx_start)
+
+    def hidden_states(
+        self,
+        ctx_features: torch.Tensor,
+        noise_embeddings: torch.Tensor,
+        ctx_start: int,
+        anchors: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """The draft's math, differentiable (training calls it with trainable weights).
+
+        anchors None: one block right after the context (inference). anchors [N] (absolute
+        positions, training): noise holds N blocks of B rows, block j at positions
+        anchors[j] .. anchors[j]+B-1; it sees the context rows strictly before anchors[j]
+        and its own block, never another block (upstream's training layout: every block of
+        a sequence in one forward)."""
         cfg, w = self.cfg, self.weights
         ctx = ctx_features.to(device=self.device, dtype=self.dtype)
         h = noise_embeddings.to(device=self.device, dtype=self.dtype)
@@ -139,10 +155,16 @@ class Draft:
                 f"[B, {cfg.hidden}], got {tuple(ctx.shape)} and {tuple(h.shape)}"
             )
         fused = rms_norm(linear(ctx, w["fc"]), w["hidden_norm"], cfg.rms_eps)  # [C, hidden]
-        cos, sin = self.rope.tables(ctx_start, n_ctx + n_block, self.dtype)  # keys' positions
+        if anchors is None:
+            cos, sin = self.rope.tables(ctx_start, n_ctx + n_block, self.dtype)  # keys' positions
+            layout = None
+        else:
+            layout = _BlockLayout(anchors.to(self.device), n_block, ctx_start, n_ctx)
+            cos, sin = self.rope.tables(0, int(layout.k_pos.max()) + 1, self.dtype)
+            cos, sin = cos[layout.k_pos], sin[layout.k_pos]
         for i in range(cfg.n_layers):
             x = rms_norm(h, w[f"{i}.attn_norm"], cfg.rms_eps)
-            h = h + self._attention(i, x, fused, cos, sin)
+            h = h + self._attention(i, x, fused, cos, sin, layout)
             y = rms_norm(h, w[f"{i}.ffn_norm"], cfg.rms_eps)
             h = h + swiglu(y, w[f"{i}.ffn_gate"], w[f"{i}.ffn_up"], w[f"{i}.ffn_down"])
         return rms_norm(h, w["norm"], cfg.rms_eps)
@@ -154,36 +176,45 @@ class Draft:
         fused: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
+        layout: _BlockLayout | None,
     ) -> torch.Tensor:
         cfg, w = self.cfg, self.weights
         n_block, n_keys = x.shape[0], fused.shape[0] + x.shape[0]
         q = linear(x, w[f"{i}.attn_q"]).view(n_block, cfg.n_heads, cfg.head_dim)
-        kv_in = torch.cat([fused, x])  # [C + B, hidden]: context rows first
+        # context rows first; under autocast fused may be bf16 while x is float32
+        kv_in = torch.cat([fused.to(x.dtype), x])  # [C + B, hidden]
         k = linear(kv_in, w[f"{i}.attn_k"]).view(n_keys, cfg.n_kv_heads, cfg.head_dim)
         v = linear(kv_in, w[f"{i}.attn_v"]).view(n_keys, cfg.n_kv_heads, cfg.head_dim)
         q = rms_norm(q, w[f"{i}.attn_q_norm"], cfg.rms_eps)
         k = rms_norm(k, w[f"{i}.attn_k_norm"], cfg.rms_eps)
         q = apply_rope(q, cos[-n_block:], sin[-n_block:])  # queries sit at the block's positions
         k = apply_rope(k, cos, sin)
-        mask = self._mask(i, n_block, n_keys)
+        mask = self._mask(i, n_block, n_keys, layout)
         out = attention(q, k.transpose(0, 1), v.transpose(0, 1), mask, cfg.head_dim**-0.5)
         return linear(out, w[f"{i}.attn_output"])
 
-    def _mask(self, i: int, n_block: int, n_keys: int) -> torch.Tensor | None:
+    def _mask(
+        self, i: int, n_block: int, n_keys: int, layout: _BlockLayout | None = None
+    ) -> torch.Tensor | None:
         """[B, C+B] bool (True = attend), or None when every query sees every key.
 
         The reference's rule: a layer is causal iff it is a sliding layer (unless the config
         sets is_causal); a sliding layer sees keys with q_pos - k_pos < window (and, when not
-        causal, k_pos - q_pos < window too)."""
+        causal, k_pos - q_pos < window too). With several blocks (`layout`), a query also
+        sees only the context before its anchor and its own block."""
         cfg = self.cfg
         sliding = cfg.sliding_layers[i]
         causal = sliding if cfg.is_causal is None else cfg.is_causal
         window = cfg.sliding_window if sliding else None
-        if not causal and window is None:
+        if not causal and window is None and layout is None:
             return None
-        q_pos = torch.arange(n_keys - n_block, n_keys, device=self.device)[:, None]
-        k_pos = torch.arange(n_keys, device=self.device)[None, :]
-        visible = torch.ones(n_block, n_keys, dtype=torch.bool, device=self.device)
+        if layout is None:
+            q_pos = torch.arange(n_keys - n_block, n_keys, device=self.device)[:, None]
+            k_pos = torch.arange(n_keys, device=self.device)[None, :]
+            visible = torch.ones(n_block, n_keys, dtype=torch.bool, device=self.device)
+        else:
+            q_pos, k_pos = layout.k_pos[-n_block:, None], layout.k_pos[None, :]
+            visible = layout.visible.clone()
         if causal:
             visible &= k_pos <= q_pos
         if window is not None:
@@ -191,6 +222,25 @@ class Draft:
             if not causal:
                 visible &= (k_pos - q_pos) < window
         return visible
+
+
+class _BlockLayout:
+    """Positions and visibility of N blocks of B rows over C context rows (training)."""
+
+    def __init__(self, anchors: torch.Tensor, n_rows: int, ctx_start: int, n_ctx: int) -> None:
+        n = anchors.shape[0]
+        if n_rows % n:
+            raise ValueError(f"{n_rows} noise rows do not split into {n} blocks")
+        b, dev = n_rows // n, anchors.device
+        offsets = torch.arange(b, device=dev)
+        block_pos = (anchors[:, None] + offsets).reshape(-1)  # [N*B]
+        ctx_pos = torch.arange(ctx_start, ctx_start + n_ctx, device=dev)
+        self.k_pos = torch.cat([ctx_pos, block_pos])  # [C + N*B]
+        q_anchor = anchors.repeat_interleave(b)[:, None]  # [N*B, 1]
+        q_block = torch.arange(n, device=dev).repeat_interleave(b)
+        self.visible = torch.cat(
+            [ctx_pos[None, :] < q_anchor, q_block[:, None] == q_block[None, :]], dim=1
+        )
 
 
 @torch.inference_mode()

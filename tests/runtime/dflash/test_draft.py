@@ -110,6 +110,23 @@ def test_block_attention_is_not_causal(tmp_path: Path) -> None:
     assert not torch.allclose(a[0], b[0])
 
 
+@pytest.mark.parametrize("name", list(SPECS))
+def test_blocks_in_one_forward_equal_one_block_each(tmp_path: Path, name: str) -> None:
+    # Training's layout: N blocks over the whole sequence's features, each seeing the context
+    # before its anchor and itself only, must give what inference computes block by block.
+    spec = _spec(seed=12, **SPECS[name])
+    _, folder = _write(tmp_path, spec)
+    draft = _load(folder)
+    g = torch.Generator().manual_seed(1)
+    seq, block, anchors = 40, 8, torch.tensor([3, 9, 10, 31])
+    ctx = torch.randn(seq, spec.captures * spec.hidden, generator=g)
+    noise = torch.randn(len(anchors) * block, spec.hidden, generator=g)
+    got = draft.hidden_states(ctx, noise, 0, anchors).view(len(anchors), block, -1)
+    for j, a in enumerate(anchors.tolist()):
+        alone = draft.forward(ctx[:a], noise[j * block : (j + 1) * block], 0)
+        assert _rel_err(got[j], alone) <= 1e-5, j
+
+
 def test_positions_only_matter_relative(tmp_path: Path) -> None:
     spec = _spec(seed=4, layers=3, sliding_window=6, sliding_layers="TFT")
     gguf_path, _ = _write(tmp_path, spec)

@@ -551,6 +551,8 @@ class Target:
                 self.flash.truncate(start)
                 self.executor.in_sync = False
             raise
+        if self.flash is not None:
+            self.flash.after_step()  # qk: reselect; the copies ride with the next plan
         self._position = start + n
         self._last_fed = (start, list(ids))
         self.last_wall_us = int((time.perf_counter() - t0) * 1e6)

@@ -238,6 +238,8 @@ class Backend(WorkerState):
         accepted = None
         try:
             hidden = self._run(m, hidden, start, req.capture, ring, ids)
+            if req.kv_scores is not None:
+                self._kv_scores(m, self.tensor(req.kv_scores))
             if req.want == "hidden":
                 outputs["hidden"][:n].copy_(hidden)
             elif q is not None:
@@ -394,6 +396,19 @@ class Backend(WorkerState):
             cache = shard.cache
             assert isinstance(cache, PooledKVCache)
             cache.set_step(req.start_pos, slots, table)
+
+    @staticmethod
+    def _kv_scores(m: Loaded, out: torch.Tensor) -> None:
+        """KV Flash qk: per chunk, the sum over this worker's scored layers of the chunk's
+        best cosine with the step's last query (row 0) and how many layers scored it (row 1)."""
+        out.zero_()
+        for shard in m.shards:
+            cache = shard.cache
+            assert isinstance(cache, PooledKVCache)
+            sums, counts = cache.qk.scores()
+            n = min(out.shape[1], sums.shape[0])
+            out[0, :n] += sums[:n].to(out.device)
+            out[1, :n] += counts[:n].to(out.device)
 
     def _inputs(self, req: F.Forward, m: Loaded) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """(token ids or None, hidden rows or None): [n] int32 / [n, hidden] views; the

@@ -26,6 +26,10 @@ Host tier record of one chunk (`page_out` / `page_in`), `chunk_nbytes` bytes:
     (the cache dtype's raw bytes, C order, no padding)
 
 The copies are byte-exact. A paged-out block is not zeroed: the mask hides it.
+
+The `qk` scorer's state (`kv_qk.ChunkKeys`, `self.qk`) is kept here: a chunk is sealed
+by the step that writes its last position (its rows are then all in its block), and
+each full-attention layer's query is observed through `observe_query`.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from dataclasses import dataclass, field
 import torch
 
 from luced.runtime.kv_cache import ContextOverflow
+from luced.runtime.kv_qk import ChunkKeys
 from luced.runtime.layers import attention_mask
 
 
@@ -47,6 +52,8 @@ class _Step:
     rows: torch.Tensor  # [L] int64 visible rows, in position order
     positions: torch.Tensor  # [L] int64 their positions
     complete: bool  # rows hold exactly positions 0..start+n-1
+    seal_chunks: torch.Tensor  # [m] chunks whose last position this step writes
+    seal_blocks: torch.Tensor  # [m] their blocks
     masks: dict[int | None, torch.Tensor | None] = field(default_factory=dict)
 
 
@@ -94,6 +101,7 @@ class PooledKVCache:
         self._step: _Step | None = None
         self._arange = torch.arange(pool, device=self.device)
         self._held = torch.full((pool,), -1, dtype=torch.int64, device=self.device)  # last map
+        self.qk = ChunkKeys(self.kv_heads, head_dim, -(-capacity // chunk), chunk, self.device)
 
     def set_step(
         self,
@@ -116,7 +124,11 @@ class PooledKVCache:
         positions, order = held[rows].sort()
         rows = rows[order]
         complete = positions.shape[0] == end and torch.equal(positions, self._arange[:end])
-        self._step = _Step(start, n, slots, rows, positions, complete)
+        size = self.chunk
+        first = -(-(start + 1) // size) * size - 1  # the first chunk end at or after start
+        last = torch.arange(first, max(first, end), size, device=self.device)
+        seal_blocks = slots[last - start] // size
+        self._step = _Step(start, n, slots, rows, positions, complete, last // size, seal_blocks)
         self._held = held
 
     def reserve(self, start: int, n: int) -> None:
@@ -139,6 +151,9 @@ class PooledKVCache:
         assert step is not None, "reserve() checks the step first"
         self.k[layer].index_copy_(1, step.slots, k.transpose(0, 1))
         self.v[layer].index_copy_(1, step.slots, v.transpose(0, 1))
+        if step.seal_chunks.numel():
+            blocks = self.k[layer].view(self.kv_heads[layer], -1, self.chunk, self.head_dim)
+            self.qk.seal(layer, step.seal_chunks, blocks[:, step.seal_blocks])
         count = step.rows.shape[0]
         if step.complete and torch.equal(step.rows, self._arange[:count]):
             return self.k[layer][:, :count], self.v[layer][:, :count]
@@ -163,6 +178,12 @@ class PooledKVCache:
             step.masks[window] = mask
         return step.masks[window]
 
+    def observe_query(self, layer: int, q: torch.Tensor, window: int | None) -> None:
+        """The layer's queries [n, H, D] after RoPE: the last one scores chunks (qk);
+        sliding layers are not scored."""
+        if window is None:
+            self.qk.observe(layer, q)
+
     def commit(self, end: int) -> None:
         self.pos = end
         self._step = None
@@ -172,10 +193,12 @@ class PooledKVCache:
         if not 0 <= pos <= self.pos:
             raise ValueError(f"cannot truncate to {pos}: fill position is {self.pos}")
         self.pos = pos
+        self.qk.forget(pos)
 
     def reset(self) -> None:
         self.pos = 0
         self._step = None
+        self.qk.reset()
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (*self.k.values(), *self.v.values()))
@@ -213,6 +236,10 @@ class PooledKVCache:
             self.v[layer][:, :n].copy_(v[:, :n])
         self._held = torch.where(self._arange < n, self._arange, -1)
         self.pos = n
+        sealed = torch.arange(n // self.chunk, device=self.device)  # chunk c in block c
+        for layer in self.layers:
+            blocks = self.k[layer].view(self.kv_heads[layer], -1, self.chunk, self.head_dim)
+            self.qk.seal(layer, sealed, blocks[:, sealed])
 
 
 # ---------------------------------------------------------------------- host tier

@@ -10,6 +10,7 @@ from pathlib import Path
 from luced.cache.arena import SnapshotArena
 from luced.cache.prefix_cache import PrefixCache
 from luced.engine.core import Engine
+from luced.engine.kvflash import PagerConfig
 from luced.engine.target import Target, TargetPlacement
 from luced.gguf_file import GGUFFile
 from luced.ipc.shm import ShmOwner
@@ -27,6 +28,7 @@ async def engine_for(
     context: int = 512,
     block_size: int = 16,
     prefix_cache_bytes: int = 0,
+    kv_flash: PagerConfig | None = None,
 ) -> AsyncIterator[Engine]:
     """One worker thread each (2 cores, shared with the test); prompts longer than 64
     tokens span several prefill chunks. A draft is loaded for blocks up to 16."""
@@ -41,7 +43,7 @@ async def engine_for(
             devices=devices,
             threads=1,
         )
-        target = target_cls(owner, placement)
+        target = target_cls(owner, placement, kv_flash=kv_flash)
         tokenizer = Tokenizer.from_gguf(gguf)
         engine = Engine(
             target, tokenizer, None, model_name="t", context_length=context, block_size=block_size

@@ -430,10 +430,12 @@ class Engine:
             budget = handle.max_tokens - handle.completion_tokens
             # A step emits at most `size` tokens: drafting past the budget is wasted work
             # (and could run the KV past the context the request was admitted with).
-            size = min(self.block_size, budget)
-            if size < 2:  # one token left: a plain step
-                if self._emit(handle, out, await self.target.step(anchor, sampling, k), stops):
+            size = self.target.draft_room(min(self.block_size, budget))  # KV Flash: see there
+            if size < 2:  # one token left, or KV Flash's chunk edge: a plain step
+                sampled = await self.target.step(anchor, sampling, k)
+                if self._emit(handle, out, sampled, stops):
                     return
+                anchor = sampled.token
                 continue
             block = await self.target.draft_block(anchor, size, None if greedy else sampling)
             start = self.target.position

@@ -384,6 +384,11 @@ class Target:
         )
         return self._arrays["draft_ids"][:block_size].tolist()
 
+    def draft_room(self, want: int) -> int:
+        """How many positions a DFlash block may feed from here (at most `want`): with KV
+        Flash, no more than needs no eviction past the first chunk (`Pager.lookahead`)."""
+        return want if self.flash is None else self.flash.pager.lookahead(self._position, want)
+
     async def verify(
         self, block: list[int], sampling: dict | None = None, logprobs: int | None = None
     ) -> list[Sampled]:

@@ -485,14 +485,13 @@ def _write_rows(out: dict[str, torch.Tensor], result: SampleOutput) -> None:
 
 
 def check_poolable(model: Model) -> None:
-    """KV Flash pools attention layers that keep their own K/V: not yet recurrent state
-    (DeltaNet) or layers reading another layer's K/V (Gemma 4 sharing)."""
+    """KV Flash pools attention layers (a KV-sharing layer reads its source's pool rows);
+    not yet recurrent state (DeltaNet)."""
     cfg = model.cfg
-    shared = [i for i in model.layers if cfg.kv_source(i) != i]
-    if getattr(model.family, "recurrent_shapes", None) is not None or shared:
+    if getattr(model.family, "recurrent_shapes", None) is not None:
         raise WorkerError(
-            f"KV Flash does not pool this model yet ({cfg.arch}: recurrent or KV-sharing "
-            "layers); serve it without --kv-flash"
+            f"KV Flash does not pool this model yet ({cfg.arch}: recurrent layers); "
+            "serve it without --kv-flash"
         )
 
 

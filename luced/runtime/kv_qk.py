@@ -31,16 +31,15 @@ class ChunkKeys:
 
     def __init__(
         self,
-        kv_heads: Mapping[int, int],
-        head_dim: int,
+        shapes: Mapping[int, tuple[int, int]],  # stored layer -> (Hkv, D)
         n_chunks: int,
         chunk: int,
         device: torch.device,
     ) -> None:
         self.chunk = chunk
         self.keys = {
-            i: torch.zeros(n_chunks, h, head_dim, dtype=torch.float32, device=device)
-            for i, h in kv_heads.items()
+            i: torch.zeros(n_chunks, h, d, dtype=torch.float32, device=device)
+            for i, (h, d) in shapes.items()
         }
         self.sealed = torch.zeros(n_chunks, dtype=torch.bool, device=device)
         self.queries: dict[int, torch.Tensor] = {}  # layer -> [H, D] normalised

@@ -32,7 +32,7 @@ from luced.runtime.kv_pool import (
 )
 from luced.runtime.model import Model
 
-FAMILIES = ("llama", "qwen3", "gemma3", "qwen3moe", "laguna")
+FAMILIES = ("llama", "qwen3", "gemma3", "qwen3moe", "laguna", "gemma4")
 CONTEXT = 1024
 # Prefill in three batches, then decode-like steps of mixed sizes (draft blocks among them).
 STEPS = [128, 128, 44] + [1, 5, 1, 16, 1, 3, 32] * 6
@@ -89,6 +89,20 @@ def qk_scores(pager: Pager, cache: PooledKVCache) -> dict[int, float]:
     return mean_scores(sums.numpy()[None], counts.numpy()[None])
 
 
+def plain_geometry(model: Model) -> dict:
+    """The plain cache's arguments for `model` (per-layer shapes, KV-sharing sources)."""
+    cfg = model.cfg
+    return {
+        "layers": model.layers,
+        "n_kv_heads": cfg.n_kv_heads,
+        "head_dim": cfg.head_dim,
+        "capacity": CONTEXT,
+        "dtype": model.dtype,
+        "shapes": {i: cfg.kv_shape(i) for i in model.layers},
+        "sources": {i: s for i in model.layers if (s := cfg.kv_source(i)) != i},
+    }
+
+
 class HidingCache(KVCache):
     """A plain cache whose mask also hides every position outside `visible`."""
 
@@ -104,11 +118,7 @@ class HidingCache(KVCache):
 
 
 def run_plain(model: Model, ids: torch.Tensor, steps: list[int], visible: list[set[int]]):
-    cfg = model.cfg
-    shapes = {i: cfg.kv_shape(i) for i in model.layers}
-    cache = HidingCache(
-        model.layers, cfg.n_kv_heads, cfg.head_dim, CONTEXT, model.dtype, shapes=shapes
-    )
+    cache = HidingCache(**plain_geometry(model))
     logits, start = [], 0
     for i, n in enumerate(steps):
         cache.visible = frozenset(visible[i])
@@ -241,10 +251,7 @@ class QueryRecorder(KVCache):
 def test_qk_scores_equal_cosines_of_the_plain_caches_keys(model: Model) -> None:
     cfg = model.cfg
     ids = token_ids(330, cfg.vocab, seed=4)
-    shapes = {i: cfg.kv_shape(i) for i in model.layers}
-    plain = QueryRecorder(
-        model.layers, cfg.n_kv_heads, cfg.head_dim, CONTEXT, model.dtype, shapes=shapes
-    )
+    plain = QueryRecorder(**plain_geometry(model))
     plain.queries = {}
     pager = Pager(PagerConfig(pool_tokens=448), BlockPool(7, order=[3, 0, 6, 2, 5, 1, 4]))
     cache = model.new_pool_cache(448, capacity=CONTEXT)

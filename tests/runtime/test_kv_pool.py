@@ -301,3 +301,14 @@ def test_qk_reselection_keeps_the_top_chunks_and_is_idempotent(model: Model) -> 
     pager.reselect(scores)
     assert pager._pending == []  # the same scores move nothing
     assert again.keys() >= scores.keys()
+
+
+def test_pool_rows_do_not_grow_with_the_context(model: Model) -> None:
+    # The bound is in the allocation: K/V is pool rows whatever the context; only the qk
+    # chunk keys (one [Hkv, D] float32 row per 64 positions and layer) follow the context.
+    small = model.new_pool_cache(448, capacity=CONTEXT)
+    large = model.new_pool_cache(448, capacity=4 * CONTEXT)
+    assert small.nbytes() == large.nbytes()
+    assert all(t.shape[1] == 448 for t in (*large.k.values(), *large.v.values()))
+    keys = sum(t.numel() * 4 for t in large.qk.keys.values())
+    assert keys * 64 <= 4 * CONTEXT * large.nbytes() / 448  # 1/64 of a float32 K of the context

@@ -442,6 +442,8 @@ class Target:
                 return None
             piece = prompt[start : start + chunk]
             last = start + chunk >= len(prompt)
+            if last and self.flash is not None and len(prompt) > self.flash.pool:
+                self.flash.pager.ask_reselect()  # qk: select by the prompt's last query
             sampled = await self._sample(piece, sampling, logprobs, sample=last)
         return sampled
 

@@ -147,6 +147,7 @@ class Pager:
         self._host_free: list[int] = []
         self._host_next = 0
         self._since_reselect = 0
+        self._asked = False
 
     # ------------------------------------------------------------------ queries
 
@@ -196,7 +197,12 @@ class Pager:
     def reselect_due(self) -> bool:
         if self.cfg.policy == "lru":
             return False
-        return self._since_reselect >= max(self.cfg.tau, self.end // 45)
+        return self._asked or self._since_reselect >= max(self.cfg.tau, self.end // 45)
+
+    def ask_reselect(self) -> None:
+        """Make a reselection due now (the end of a prompt the pool could not hold: its
+        last query is the question, so the answer's tokens attend to what it asks for)."""
+        self._asked = True
 
     # ------------------------------------------------------------------ steps
 
@@ -252,6 +258,7 @@ class Pager:
             return
         self.scores = dict(scores)
         self._since_reselect = 0
+        self._asked = False
         blocks = self.table.blocks
 
         def rank(c: int) -> tuple[float, bool, int]:
@@ -281,6 +288,7 @@ class Pager:
         self._host_free = []
         self._host_next = 0
         self._since_reselect = 0
+        self._asked = False
 
     # ------------------------------------------------------------------ internals
 

@@ -220,3 +220,14 @@ def test_reselection_counts_kept_positions_not_rejected_drafts() -> None:
     assert not pager.reselect_due()  # 54 kept positions; 114 were planned
     pager.plan(54, 10)
     assert pager.reselect_due()  # 64 kept
+
+
+def test_a_reselection_can_be_asked_for_at_the_end_of_a_prompt() -> None:
+    for policy in ("qk", "lru"):
+        pager = Pager(PagerConfig(pool_tokens=448, policy=policy))
+        pager.plan(0, 10)
+        assert not pager.reselect_due()
+        pager.ask_reselect()
+        assert pager.reselect_due() == (policy == "qk")  # lru never reselects
+        pager.reselect({})
+        assert not pager.reselect_due()

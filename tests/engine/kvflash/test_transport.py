@@ -132,6 +132,8 @@ def in_process(
 
     for start in range(0, len(prompt), step):
         token = feed(prompt[start : start + step], start)
+    if len(prompt) > pool:
+        pager.ask_reselect()  # as Target.prefill: the last prefill step's query selects
     out = [token]
     while len(out) < n:
         out.append(feed([out[-1]], len(prompt) + len(out) - 1))

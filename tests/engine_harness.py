@@ -10,6 +10,7 @@ from pathlib import Path
 from luced.cache.arena import SnapshotArena
 from luced.cache.prefix_cache import PrefixCache
 from luced.engine.core import Engine
+from luced.engine.kvflash import PagerConfig
 from luced.engine.target import Target, TargetPlacement
 from luced.gguf_file import GGUFFile
 from luced.ipc.shm import ShmOwner
@@ -31,6 +32,7 @@ async def engine_for(
     adaptive_blocks: bool = False,
     moe_hot: int | None = None,
     moe_expert_device: str | None = None,
+    kv_flash: PagerConfig | None = None,
 ) -> AsyncIterator[Engine]:
     """One worker thread each (2 cores, shared with the test); prompts longer than 64
     tokens span several prefill chunks. A draft (or the n-gram lookup) is set up for
@@ -52,7 +54,7 @@ async def engine_for(
                 int(gguf.get(f"{gguf.arch}.expert_used_count", 0)),
             ),
         )
-        target = target_cls(owner, placement)
+        target = target_cls(owner, placement, kv_flash=kv_flash)
         tokenizer = Tokenizer.from_gguf(gguf)
         engine = Engine(
             target,

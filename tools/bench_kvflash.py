@@ -1,13 +1,24 @@
-"""KV Flash cost and memory: decode speed and worker RSS at long contexts, pool or none.
+"""KV Flash cost, memory and retrieval: decode speed and worker RSS at long contexts, pool
+or none; needle retrieval under `lru` and `qk` at ~9% residency.
 
     python tools/bench_kvflash.py [--contexts 1024,4096,8192] [--pool 1024] [--tokens 32]
                                   [--threads N] [--model PATH]
+                                  [--niah-context 8192] [--niah-pool 768]
+                                  [--niah-depths 0.1,0.5,0.9] [--skip-speed] [--skip-niah]
 
 For each context and each cache (plain, pool), a fresh Target (worker subprocess, shared
 memory, frames) on the bundled SmolLM2-135M in float32: prefill `context - tokens` random
 ids, then decode `tokens` greedy tokens. Reported: decode tok/s and the worker's RSS after
 the run (its K/V included; the host tier lives in the daemon's shared memory and is
 reported apart). Random ids: the speed and memory do not depend on the text.
+
+Needle in a haystack (upstream's teacher-forced probe, lucebox ``test_kvflash.cpp``): a
+context of real text (this repository's docs, tokenized, tiled) with 48 seeded random
+tokens at a depth; after the context the first 32 needle tokens are fed (the question:
+copy what follows), the pager reselects (a no-op under `lru`), then each of the last 16
+is fed in turn and counted when it was the model's greedy prediction. Run in process (the
+same Pager, PooledKVCache and host tier as the daemon), for a pool covering the context
+(the control) and for `--niah-pool` under `lru` and `qk`.
 """
 
 from __future__ import annotations
@@ -18,10 +29,16 @@ import random
 import time
 from pathlib import Path
 
-from luced.engine.kvflash.transport import KVFlashSettings, pager_config
+import torch
+
+from luced.engine.kvflash import Pager, PagerConfig
+from luced.engine.kvflash.transport import KVFlashSettings, mean_scores, pager_config
 from luced.engine.target import Target, TargetPlacement
 from luced.gguf_file import GGUFFile
 from luced.ipc.shm import ShmOwner
+from luced.runtime.kv_pool import HostTier, apply_moves, chunk_nbytes
+from luced.runtime.model import Model
+from luced.text.tokenizer import Tokenizer
 
 GREEDY = {"temperature": 0}
 
@@ -70,6 +87,84 @@ async def run_one(path: Path, context: int, pool: int, tokens: int, threads: int
     }
 
 
+NEEDLE, QUESTION = 48, 32  # needle tokens; the first QUESTION are fed, the rest probed
+
+
+def haystack(path: Path, n: int) -> list[int]:
+    """n tokens of real text: the repository's docs, tokenized, tiled (a language-like key
+    manifold; uniform random filler gives the scorer no contrast)."""
+    root = Path(__file__).resolve().parent.parent
+    text = "\n\n".join(p.read_text() for p in (root / "README.md", root / "docs" / "design.md"))
+    ids = Tokenizer.from_gguf(GGUFFile(path)).encode(text)
+    return (ids * (n // len(ids) + 1))[:n]
+
+
+@torch.inference_mode()
+def niah(model: Model, filler: list[int], pool: int, policy: str, depth: float) -> dict:
+    """One teacher-forced needle probe (module doc): needle tokens predicted of 16."""
+    rng = random.Random(0xDEADBEEF)
+    needle = [rng.randrange(1000, 40000) for _ in range(NEEDLE)]
+    context = len(filler)
+    at = int(depth * (context - 512)) // 32 * 32
+    prompt = filler[:at] + needle + filler[at + NEEDLE :]
+    pager = Pager(PagerConfig(pool_tokens=pool, policy=policy))  # type: ignore[arg-type]
+    cache = model.new_pool_cache(pool, capacity=context + NEEDLE)
+    host = HostTier(chunk_nbytes(cache))
+
+    def reselect() -> None:
+        sums, counts = cache.qk.scores()
+        pager.reselect(mean_scores(sums.numpy()[None], counts.numpy()[None]))
+
+    def feed(ids: list[int], start: int) -> int:
+        if pager.reselect_due():  # the daemon's schedule, scores of the last step
+            reselect()
+        plan = pager.plan(start, len(ids))
+        apply_moves(cache, plan.moves, host)
+        cache.set_step(
+            start, plan.write_slots, torch.frombuffer(plan.slot_positions, dtype=torch.int64)
+        )
+        h, _ = model.forward_layers(model.embed(torch.tensor(ids)), cache, start)
+        return int(model.logits(h[-1:]).argmax())
+
+    t0 = time.perf_counter()
+    for start in range(0, context, 256):
+        token = feed(prompt[start : start + 256], start)
+    pos = context
+    for t in needle[:QUESTION]:
+        token = feed([t], pos)
+        pos += 1
+    reselect()  # the question is asked: rank every chunk by its last query
+    hits = 0
+    for t in needle[QUESTION:]:
+        hits += token == t
+        token = feed([t], pos)
+        pos += 1
+    chunks = range(at // 64, (at + NEEDLE - 1) // 64 + 1)
+    return {
+        "policy": policy if pool < context else "full",
+        "pool": pool,
+        "depth": depth,
+        "hits": hits,
+        "needle_resident": sum(c in pager.table.blocks for c in chunks),
+        "needle_chunks": len(chunks),
+        "recalls": pager.recalls,
+        "seconds": time.perf_counter() - t0,
+    }
+
+
+def run_niah(path: Path, context: int, pool: int, depths: list[float]) -> list[dict]:
+    model = Model.load(path)
+    filler = haystack(path, context)
+    full = -(-(context + NEEDLE) // 256) * 256
+    rows = []
+    for depth in depths:
+        for arm_pool, policy in ((full, "lru"), (pool, "lru"), (pool, "qk")):
+            row = niah(model, filler, arm_pool, policy, depth)
+            rows.append(row)
+            print(row, flush=True)
+    return rows
+
+
 async def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--contexts", default="1024,4096,8192")
@@ -77,14 +172,42 @@ async def main() -> None:
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--model", type=Path, default=None)
+    ap.add_argument("--niah-context", type=int, default=8192)
+    ap.add_argument("--niah-pool", type=int, default=768)
+    ap.add_argument("--niah-depths", default="0.1,0.5,0.9")
+    ap.add_argument("--skip-speed", action="store_true")
+    ap.add_argument("--skip-niah", action="store_true")
+    ap.add_argument("--no-baseline", action="store_true", help="pooled runs only (RSS bound)")
     args = ap.parse_args()
     if args.model is None:
         from luced.serve.bundled import smollm2_path
 
         args.model = smollm2_path()
+    if not args.skip_niah:
+        torch.set_num_threads(args.threads)
+        depths = [float(d) for d in args.niah_depths.split(",")]
+        found = run_niah(args.model, args.niah_context, args.niah_pool, depths)
+        residency = args.niah_pool / args.niah_context
+        print()
+        print(
+            f"needle tokens predicted /16, context {args.niah_context}, pool {args.niah_pool}"
+            f" ({residency:.1%} residency)"
+        )
+        print("| depth | full cache | lru | qk | needle chunks resident (lru / qk) |")
+        print("|---|---|---|---|---|")
+        for i in range(0, len(found), 3):
+            full, lru, qk = found[i : i + 3]
+            print(
+                f"| {full['depth']:.0%} | {full['hits']}/16 | {lru['hits']}/16 | {qk['hits']}/16 "
+                f"| {lru['needle_resident']}/{lru['needle_chunks']} / "
+                f"{qk['needle_resident']}/{qk['needle_chunks']} |"
+            )
+        print()
+    if args.skip_speed:
+        return
     rows = []
     for context in (int(c) for c in args.contexts.split(",")):
-        for pool in (0, args.pool):
+        for pool in (args.pool,) if args.no_baseline else (0, args.pool):
             if pool and pool >= context:
                 continue  # the pool would hold everything: same as plain
             row = await run_one(args.model, context, pool, args.tokens, args.threads)
@@ -102,6 +225,22 @@ async def main() -> None:
             f"{r['decode_tok_s']:.1f} | {r['rss_mib']:.0f} | {r['kv_mib']:.0f} | "
             f"{r['host_mib']:.0f} |"
         )
+    rss_bound([r for r in rows if r["pool"] != "-"])
+
+
+def rss_bound(pooled: list[dict]) -> None:
+    """Memory is bounded: the worker's RSS at the longest context against the shortest,
+    same pool, minus the host tier the worker touched (the daemon's shared memory, mapped
+    and written by the worker, so it shows in its RSS)."""
+    if len(pooled) < 2:
+        return
+    short, long = pooled[0], pooled[-1]
+    ratio = (long["rss_mib"] - long["host_mib"]) / (short["rss_mib"] - short["host_mib"])
+    print(
+        f"\nworker RSS less host tier, context {long['context']} vs {short['context']} "
+        f"({long['context'] / short['context']:.0f}x) at pool {long['pool']}: "
+        f"x{ratio:.3f} (bound x1.10)"
+    )
 
 
 if __name__ == "__main__":

@@ -469,10 +469,11 @@ class Engine:
             budget = handle.max_tokens - handle.completion_tokens
             # A step emits at most `size` tokens: drafting past the budget is wasted work
             # (and could run the KV past the context the request was admitted with).
-            size = min(sizer.next_block() if sizer else self.block_size, budget)
+            wanted = sizer.next_block() if sizer else self.block_size
+            size = self.target.draft_room(min(wanted, budget))  # KV Flash: see there
             began = time.perf_counter()
             block = await self._draft(lookup, anchor, size, None if greedy else sampling)
-            if len(block) < 2:  # a plain step
+            if len(block) < 2:  # a plain step (block 1, no lookup match, a KV Flash edge)
                 sampled = await self.target.step(anchor, sampling, k)
                 self.step_costs.observe(1, time.perf_counter() - began)
                 self._count_block(1)

@@ -425,6 +425,11 @@ class Target:
         )
         return self._arrays["draft_ids"][:block_size].tolist()
 
+    def draft_room(self, want: int) -> int:
+        """How many positions a DFlash block may feed from here (at most `want`): with KV
+        Flash, no more than needs no eviction past the first chunk (`Pager.lookahead`)."""
+        return want if self.flash is None else self.flash.pager.lookahead(self._position, want)
+
     async def verify(
         self, block: list[int], sampling: dict | None = None, logprobs: int | None = None
     ) -> list[Sampled]:
@@ -478,6 +483,8 @@ class Target:
                 return None
             piece = prompt[start : start + chunk]
             last = start + chunk >= len(prompt)
+            if last and self.flash is not None and len(prompt) > self.flash.pool:
+                self.flash.pager.ask_reselect()  # qk: select by the prompt's last query
             sampled = await self._sample(piece, sampling, logprobs, sample=last)
         return sampled
 
@@ -594,6 +601,8 @@ class Target:
                 self.flash.truncate(start)
                 self.executor.in_sync = False
             raise
+        if self.flash is not None:
+            self.flash.after_step()  # qk: reselect; the copies ride with the next plan
         self._position = start + n
         self._last_fed = (start, list(ids))
         self.last_wall_us = int((time.perf_counter() - t0) * 1e6)

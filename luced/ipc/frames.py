@@ -44,7 +44,8 @@ bumps ``PROTOCOL_VERSION`` (2: ``project``; ``tokens`` may ride along ``hidden_i
 KV Flash: ``load`` ``kv_pool`` and its reply's ``kv_pool`` / ``kv_chunk_bytes``,
 ``forward`` ``kv_slots`` / ``kv_map`` / ``kv_moves`` / ``kv_host``: a pooled worker
 cannot serve a forward without the pager's plan, so an old daemon must not drive it);
-8: MoE expert compute: ``load`` ``moe_hot`` / ``moe_scratch`` / ``moe_required``, its reply's
+8: ``forward`` ``kv_scores`` (the KV Flash ``qk`` scores written back in shared memory);
+MoE expert compute: ``load`` ``moe_hot`` / ``moe_scratch`` / ``moe_required``, its reply's
 ``moe_fingerprint``; ``load_experts``; ``expert_mix`` (worker to worker, see below).
 
 Expert compute (``luced.runtime.expert_link``): an expert worker answers ``load_experts``
@@ -320,6 +321,9 @@ class Forward(Request):
     kv_map: Region | None = None  # int64 [pool]: position each row holds, -1 = none
     kv_moves: Region | None = None  # int64 [m, 4]: (0 out | 1 in, chunk, block, record)
     kv_host: Region | None = None  # uint8 [records, kv_chunk_bytes]: this worker's host tier
+    # float32 [2, chunks], written by the worker after the step (policy qk): per chunk, the
+    # sum over its scored layers of the chunk's best query-key cosine, and that layer count.
+    kv_scores: Region | None = None
 
     @property
     def n_out(self) -> int:
@@ -434,6 +438,14 @@ class Forward(Request):
         if host is not None and (host.dtype != "uint8" or len(host.shape) != 2):
             got = f"{host.dtype} {list(host.shape)}"
             raise self._fail(f"kv_host must be uint8 [records, bytes], got {got}")
+        scores = self.kv_scores
+        if scores is not None and table is None:
+            raise self._fail("kv_scores needs kv_map")
+        if scores is not None and (
+            scores.dtype != "float32" or len(scores.shape) != 2 or scores.shape[0] != 2
+        ):
+            got = f"{scores.dtype} {list(scores.shape)}"
+            raise self._fail(f"kv_scores must be float32 [2, chunks], got {got}")
 
 
 def _check_sampling_map(frame: Forward | DraftBlock) -> None:

@@ -288,6 +288,8 @@ class Backend(WorkerState):
         moe_before = self._moe_counts()
         try:
             hidden = self._run(m, hidden, start, req.capture, ring, ids)
+            if req.kv_scores is not None:
+                self._kv_scores(m, self.tensor(req.kv_scores))
             if req.want == "hidden":
                 outputs["hidden"][:n].copy_(hidden)
             elif q is not None:
@@ -458,6 +460,19 @@ class Backend(WorkerState):
             assert isinstance(cache, PooledKVCache)
             cache.set_step(req.start_pos, slots, table)
 
+    @staticmethod
+    def _kv_scores(m: Loaded, out: torch.Tensor) -> None:
+        """KV Flash qk: per chunk, the sum over this worker's scored layers of the chunk's
+        best cosine with the step's last query (row 0) and how many layers scored it (row 1)."""
+        out.zero_()
+        for shard in m.shards:
+            cache = shard.cache
+            assert isinstance(cache, PooledKVCache)
+            sums, counts = cache.qk.scores()
+            n = min(out.shape[1], sums.shape[0])
+            out[0, :n] += sums[:n].to(out.device)
+            out[1, :n] += counts[:n].to(out.device)
+
     def _inputs(self, req: F.Forward, m: Loaded) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """(token ids or None, hidden rows or None): [n] int32 / [n, hidden] views; the
         embedding owner gets ids only, a later shard hidden rows (and maybe the ids)."""
@@ -533,14 +548,13 @@ def _write_rows(out: dict[str, torch.Tensor], result: SampleOutput) -> None:
 
 
 def check_poolable(model: Model) -> None:
-    """KV Flash pools attention layers that keep their own K/V: not yet recurrent state
-    (DeltaNet) or layers reading another layer's K/V (Gemma 4 sharing)."""
+    """KV Flash pools attention layers (a KV-sharing layer reads its source's pool rows);
+    not yet recurrent state (DeltaNet)."""
     cfg = model.cfg
-    shared = [i for i in model.layers if cfg.kv_source(i) != i]
-    if getattr(model.family, "recurrent_shapes", None) is not None or shared:
+    if getattr(model.family, "recurrent_shapes", None) is not None:
         raise WorkerError(
-            f"KV Flash does not pool this model yet ({cfg.arch}: recurrent or KV-sharing "
-            "layers); serve it without --kv-flash"
+            f"KV Flash does not pool this model yet ({cfg.arch}: recurrent layers); "
+            "serve it without --kv-flash"
         )
 
 

@@ -229,6 +229,8 @@ class KVStore(Protocol):
         self, start: int, n: int, window: int | None, device: torch.device
     ) -> torch.Tensor | None: ...
 
+    def observe_query(self, layer: int, q: torch.Tensor, window: int | None) -> None: ...
+
     def commit(self, end: int) -> None: ...
 
 
@@ -325,6 +327,9 @@ class KVCache:
     ) -> torch.Tensor | None:
         """The attention mask over the keys `write` returned ([0, start + n))."""
         return attention_mask(start, n, start + n, window, device)
+
+    def observe_query(self, layer: int, q: torch.Tensor, window: int | None) -> None:
+        """Queries matter only to KV Flash's scorer (`PooledKVCache`)."""
 
     def commit(self, end: int) -> None:
         if self.recurrent is not None:

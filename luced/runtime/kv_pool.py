@@ -22,10 +22,14 @@ masked full-length one up to float rounding).
 
 Host tier record of one chunk (`page_out` / `page_in`), `chunk_nbytes` bytes:
 
-    for each layer in cache.layers order:  K rows [Hkv, chunk, D] | V rows [Hkv, chunk, D]
+    for each stored layer in order:  K rows [Hkv, chunk, D] | V rows [Hkv, chunk, D]
     (the cache dtype's raw bytes, C order, no padding)
 
 The copies are byte-exact. A paged-out block is not zeroed: the mask hides it.
+
+The `qk` scorer's state (`kv_qk.ChunkKeys`, `self.qk`) is kept here: a chunk is sealed
+by the step that writes its last position (its rows are then all in its block), and
+each full-attention layer's query is observed through `observe_query`.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from dataclasses import dataclass, field
 import torch
 
 from luced.runtime.kv_cache import ContextOverflow
+from luced.runtime.kv_qk import ChunkKeys
 from luced.runtime.layers import attention_mask
 
 
@@ -47,6 +52,8 @@ class _Step:
     rows: torch.Tensor  # [L] int64 visible rows, in position order
     positions: torch.Tensor  # [L] int64 their positions
     complete: bool  # rows hold exactly positions 0..start+n-1
+    seal_chunks: torch.Tensor  # [m] chunks whose last position this step writes
+    seal_blocks: torch.Tensor  # [m] their blocks
     masks: dict[int | None, torch.Tensor | None] = field(default_factory=dict)
 
 
@@ -66,15 +73,24 @@ class PooledKVCache:
         *,
         capacity: int,
         chunk: int = 64,
+        shapes: Mapping[int, tuple[int, int]] | None = None,
+        sources: Mapping[int, int] | None = None,
     ) -> None:
+        """shapes: layer -> (Hkv, D) where it differs from (n_kv_heads, head_dim);
+        sources: KV-sharing layer -> the layer of this cache whose rows it reads (Gemma 4)."""
         if pool <= 0 or pool % chunk:
             raise ValueError(f"a pool of {pool} rows is not a positive multiple of {chunk}")
         self.layers = layers
-        self.kv_heads = (
-            dict.fromkeys(layers, n_kv_heads)
-            if isinstance(n_kv_heads, int)
-            else {i: n_kv_heads[i] for i in layers}
-        )
+        self.sources = dict(sources or {})
+        for layer, source in self.sources.items():
+            if layer not in layers or source not in layers or source in self.sources:
+                raise ValueError(f"layer {layer} cannot read the pooled rows of layer {source}")
+        # The layers that hold pool rows of their own (snapshots and host records copy these).
+        self.stored = tuple(i for i in layers if i not in self.sources)
+        heads = n_kv_heads if isinstance(n_kv_heads, Mapping) else dict.fromkeys(layers, n_kv_heads)
+        self.shapes = {i: (heads[i], head_dim) for i in self.stored}
+        self.shapes.update((i, s) for i, s in (shapes or {}).items() if i in self.shapes)
+        self.kv_heads = {i: h for i, (h, _) in self.shapes.items()}
         self.head_dim = head_dim
         self.pool = pool
         self.chunk = chunk
@@ -82,18 +98,17 @@ class PooledKVCache:
         self.dtype = dtype
         self.device = torch.device(device)
         self.pos = 0
-        self.stored = tuple(layers)  # every layer keeps its own rows (snapshots copy these)
-        self.shapes = {i: (self.kv_heads[i], head_dim) for i in layers}
         self.recurrent = None  # recurrent (DeltaNet) state is never pooled: not supported here
         self.k: dict[int, torch.Tensor] = {}
         self.v: dict[int, torch.Tensor] = {}
-        for i in layers:
-            shape = (self.kv_heads[i], pool, head_dim)
-            self.k[i] = torch.zeros(shape, dtype=dtype, device=self.device)
-            self.v[i] = torch.zeros(shape, dtype=dtype, device=self.device)
+        for i in self.stored:
+            h, d = self.shapes[i]
+            self.k[i] = torch.zeros((h, pool, d), dtype=dtype, device=self.device)
+            self.v[i] = torch.zeros((h, pool, d), dtype=dtype, device=self.device)
         self._step: _Step | None = None
         self._arange = torch.arange(pool, device=self.device)
         self._held = torch.full((pool,), -1, dtype=torch.int64, device=self.device)  # last map
+        self.qk = ChunkKeys(self.shapes, -(-capacity // chunk), chunk, self.device)
 
     def set_step(
         self,
@@ -116,7 +131,11 @@ class PooledKVCache:
         positions, order = held[rows].sort()
         rows = rows[order]
         complete = positions.shape[0] == end and torch.equal(positions, self._arange[:end])
-        self._step = _Step(start, n, slots, rows, positions, complete)
+        size = self.chunk
+        first = -(-(start + 1) // size) * size - 1  # the first chunk end at or after start
+        last = torch.arange(first, max(first, end), size, device=self.device)
+        seal_blocks = slots[last - start] // size
+        self._step = _Step(start, n, slots, rows, positions, complete, last // size, seal_blocks)
         self._held = held
 
     def reserve(self, start: int, n: int) -> None:
@@ -139,10 +158,28 @@ class PooledKVCache:
         assert step is not None, "reserve() checks the step first"
         self.k[layer].index_copy_(1, step.slots, k.transpose(0, 1))
         self.v[layer].index_copy_(1, step.slots, v.transpose(0, 1))
+        if step.seal_chunks.numel():
+            self.qk.seal(layer, step.seal_chunks, self._blocks(layer)[:, step.seal_blocks])
+        return self._visible(layer)
+
+    def read(self, layer: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A KV-sharing layer's keys and values: its source's visible rows, which the source
+        wrote earlier in this forward."""
+        assert self._step is not None and end == self._step.start + self._step.n
+        return self._visible(self.sources.get(layer, layer))
+
+    def _visible(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        step = self._step
+        assert step is not None
         count = step.rows.shape[0]
         if step.complete and torch.equal(step.rows, self._arange[:count]):
             return self.k[layer][:, :count], self.v[layer][:, :count]
         return self.k[layer].index_select(1, step.rows), self.v[layer].index_select(1, step.rows)
+
+    def _blocks(self, layer: int) -> torch.Tensor:
+        """`layer`'s K rows as [Hkv, n_blocks, chunk, D]."""
+        h, d = self.shapes[layer]
+        return self.k[layer].view(h, -1, self.chunk, d)
 
     def mask(
         self, start: int, n: int, window: int | None, device: torch.device
@@ -163,6 +200,12 @@ class PooledKVCache:
             step.masks[window] = mask
         return step.masks[window]
 
+    def observe_query(self, layer: int, q: torch.Tensor, window: int | None) -> None:
+        """The layer's queries [n, H, D] after RoPE: the last one scores chunks (qk);
+        sliding layers are not scored."""
+        if window is None:
+            self.qk.observe(layer, q)
+
     def commit(self, end: int) -> None:
         self.pos = end
         self._step = None
@@ -172,10 +215,12 @@ class PooledKVCache:
         if not 0 <= pos <= self.pos:
             raise ValueError(f"cannot truncate to {pos}: fill position is {self.pos}")
         self.pos = pos
+        self.qk.forget(pos)
 
     def reset(self) -> None:
         self.pos = 0
         self._step = None
+        self.qk.reset()
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (*self.k.values(), *self.v.values()))
@@ -213,6 +258,9 @@ class PooledKVCache:
             self.v[layer][:, :n].copy_(v[:, :n])
         self._held = torch.where(self._arange < n, self._arange, -1)
         self.pos = n
+        sealed = torch.arange(n // self.chunk, device=self.device)  # chunk c in block c
+        for layer in self.stored:
+            self.qk.seal(layer, sealed, self._blocks(layer)[:, sealed])
 
 
 # ---------------------------------------------------------------------- host tier
@@ -221,12 +269,12 @@ class PooledKVCache:
 def chunk_nbytes(cache: PooledKVCache) -> int:
     """Bytes of one chunk's rows over every layer, K and V: one host-tier record."""
     item = cache.dtype.itemsize
-    return sum(2 * cache.kv_heads[i] * cache.chunk * cache.head_dim * item for i in cache.layers)
+    return sum(2 * h * cache.chunk * d * item for h, d in cache.shapes.values())
 
 
 def _segments(cache: PooledKVCache, block: int) -> Iterable[torch.Tensor]:
     rows = slice(block * cache.chunk, (block + 1) * cache.chunk)
-    for i in cache.layers:
+    for i in cache.stored:
         yield cache.k[i][:, rows]  # [Hkv, chunk, D]
         yield cache.v[i][:, rows]
 
@@ -236,8 +284,8 @@ def _record_views(cache: PooledKVCache, record: torch.Tensor) -> Iterable[torch.
     if record.dtype != torch.uint8 or record.shape != (chunk_nbytes(cache),):
         raise ValueError(f"a host record is uint8 [{chunk_nbytes(cache)}]")
     offset = 0
-    for i in cache.layers:
-        shape = (cache.kv_heads[i], cache.chunk, cache.head_dim)
+    for i in cache.stored:
+        shape = (cache.shapes[i][0], cache.chunk, cache.shapes[i][1])
         size = shape[0] * shape[1] * shape[2] * cache.dtype.itemsize
         for _ in ("k", "v"):
             yield record[offset : offset + size].view(cache.dtype).view(shape)

@@ -121,15 +121,19 @@ class Model:
         )
 
     def new_pool_cache(self, pool: int, capacity: int | None = None) -> PooledKVCache:
-        """KV Flash: `pool` rows per layer; the pager's plan is given by `set_step`."""
+        """KV Flash: `pool` rows per layer that stores K/V (a KV-sharing layer reads its
+        source's); the pager's plan is given by `set_step`."""
+        cfg = self.cfg
         return PooledKVCache(
             self.layers,
-            {i: self.cfg.kv_heads(i) for i in self.layers},
-            self.cfg.head_dim,
+            cfg.n_kv_heads,
+            cfg.head_dim,
             pool,
             self.dtype,
             self.device,
-            capacity=capacity or self.cfg.context_length,
+            capacity=capacity or cfg.context_length,
+            shapes={i: cfg.kv_shape(i) for i in self.layers},
+            sources={i: s for i in self.layers if (s := cfg.kv_source(i)) != i},
         )
 
     @torch.inference_mode()

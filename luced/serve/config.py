@@ -489,8 +489,10 @@ OPTIONS: tuple[Option, ...] = (
     Option(
         "kv_flash_policy", "str", "qk",
         "Which chunk KV Flash evicts when the pool is full. `lru`: the least recently "
-        "written (StreamingLLM: sinks + recency). `qk`: the lowest query-key score; until "
-        "the worker-side scorer lands every chunk is unscored and `qk` evicts as `lru`.",
+        "written (StreamingLLM: sinks + recency, never recalled). `qk`: the lowest score "
+        "by the cosine of the current query with each chunk's mean key; every "
+        "max(tau, history/45) tokens the top-scored chunks are made resident, recalled "
+        "from the host tier.",
         choices=("lru", "qk"),
     ),
     Option(

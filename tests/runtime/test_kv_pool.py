@@ -5,7 +5,9 @@ rows in position order and runs the plain path's SDPA with the plain mask); (b) 
 same holds for a shuffled block order; (c) under eviction the logits equal a plain full
 cache whose mask hides exactly the positions the pager reports not resident, step by
 step (to float rounding: the pooled SDPA runs over the visible keys only); (d) host-tier
-copies are byte-exact.
+copies are byte-exact; (e) the `qk` scorer's chunk scores equal a direct computation
+from a plain cache's keys and queries, and its reselections (with recalls) keep the
+eviction oracle exact.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ import pytest
 import torch
 
 from luced.engine.kvflash import BlockPool, Pager, PagerConfig, StepPlan
+from luced.engine.kvflash.pager import UNSCORED
+from luced.engine.kvflash.transport import mean_scores
 from luced.runtime.kv_cache import KVCache
 from luced.runtime.kv_pool import (
     HostTier,
@@ -28,7 +32,7 @@ from luced.runtime.kv_pool import (
 )
 from luced.runtime.model import Model
 
-FAMILIES = ("llama", "qwen3", "gemma3", "qwen3moe", "laguna")
+FAMILIES = ("llama", "qwen3", "gemma3", "qwen3moe", "laguna", "gemma4")
 CONTEXT = 1024
 # Prefill in three batches, then decode-like steps of mixed sizes (draft blocks among them).
 STEPS = [128, 128, 44] + [1, 5, 1, 16, 1, 3, 32] * 6
@@ -53,13 +57,15 @@ def pooled_step(model: Model, cache: PooledKVCache, host: HostTier, plan: StepPl
 
 
 def run_pooled(model: Model, ids: torch.Tensor, steps: list[int], pager: Pager, scorer=None):
-    """Logits per step and, per step, the positions the pager left visible."""
+    """Logits per step and, per step, the positions the pager left visible. `scorer(pager,
+    cache)` gives the scores of each due reselection (before the next step, as the daemon
+    does with the scores of the step that made it due)."""
     cache = model.new_pool_cache(pager.pool.rows, capacity=CONTEXT)
     host = HostTier(chunk_nbytes(cache))
     logits, visible, start = [], [], 0
     for n in steps:
         if scorer is not None and pager.reselect_due():
-            pager.reselect(scorer(pager))
+            pager.reselect(scorer(pager, cache))
         plan = pager.plan(start, n)
         logits.append(pooled_step(model, cache, host, plan, ids[start : start + n]))
         visible.append({p for p in plan.slot_positions if p >= 0})
@@ -71,10 +77,30 @@ def random_scores(seed: int):
     """A stand-in scorer: a fresh random score for every materialised chunk."""
     rng = random.Random(seed)
 
-    def scorer(p: Pager) -> dict[int, float]:
+    def scorer(p: Pager, cache: PooledKVCache) -> dict[int, float]:
         return {c: rng.uniform(-1, 1) for c in (*p.resident(), *p.paged_out())}
 
     return scorer
+
+
+def qk_scores(pager: Pager, cache: PooledKVCache) -> dict[int, float]:
+    """The worker's qk scores, through the daemon's mean over layers."""
+    sums, counts = cache.qk.scores()
+    return mean_scores(sums.numpy()[None], counts.numpy()[None])
+
+
+def plain_geometry(model: Model) -> dict:
+    """The plain cache's arguments for `model` (per-layer shapes, KV-sharing sources)."""
+    cfg = model.cfg
+    return {
+        "layers": model.layers,
+        "n_kv_heads": cfg.n_kv_heads,
+        "head_dim": cfg.head_dim,
+        "capacity": CONTEXT,
+        "dtype": model.dtype,
+        "shapes": {i: cfg.kv_shape(i) for i in model.layers},
+        "sources": {i: s for i in model.layers if (s := cfg.kv_source(i)) != i},
+    }
 
 
 class HidingCache(KVCache):
@@ -92,11 +118,7 @@ class HidingCache(KVCache):
 
 
 def run_plain(model: Model, ids: torch.Tensor, steps: list[int], visible: list[set[int]]):
-    cfg = model.cfg
-    shapes = {i: cfg.kv_shape(i) for i in model.layers}
-    cache = HidingCache(
-        model.layers, cfg.n_kv_heads, cfg.head_dim, CONTEXT, model.dtype, shapes=shapes
-    )
+    cache = HidingCache(**plain_geometry(model))
     logits, start = [], 0
     for i, n in enumerate(steps):
         cache.visible = frozenset(visible[i])
@@ -159,7 +181,7 @@ def test_under_eviction_logits_equal_a_plain_cache_hiding_the_paged_out_chunks(
     for policy in ("qk", "lru") if model.cfg.arch == "llama" else ("qk",):
         ids = token_ids(sum(STEPS), model.cfg.vocab, seed=2)
         pager = Pager(PagerConfig(pool_tokens=448, policy=policy, tau=32))
-        pooled, visible = run_pooled(model, ids, STEPS, pager, random_scores(3))
+        pooled, visible = run_pooled(model, ids, STEPS, pager, qk_scores)
         stats = pager.stats()
         assert stats.evictions > 0 and stats.resident == 7
         assert (stats.recalls > 0) == (policy == "qk")
@@ -214,3 +236,79 @@ def test_visibility_in_slot_space() -> None:
         cache.set_step(5, [64, 66], held)
     with pytest.raises(ValueError, match=r"no pool rows set for positions \[7, 8\)"):
         cache.reserve(7, 1)
+
+
+class QueryRecorder(KVCache):
+    """A plain cache that keeps each full-attention layer's last query (the oracle's)."""
+
+    queries: dict
+
+    def observe_query(self, layer, q, window):
+        if window is None:
+            self.queries[layer] = q[-1].float()
+
+
+def test_qk_scores_equal_cosines_of_the_plain_caches_keys(model: Model) -> None:
+    cfg = model.cfg
+    ids = token_ids(330, cfg.vocab, seed=4)
+    plain = QueryRecorder(**plain_geometry(model))
+    plain.queries = {}
+    pager = Pager(PagerConfig(pool_tokens=448), BlockPool(7, order=[3, 0, 6, 2, 5, 1, 4]))
+    cache = model.new_pool_cache(448, capacity=CONTEXT)
+    host = HostTier(chunk_nbytes(cache))
+    for start, n in ((0, 100), (100, 100), (200, 129), (329, 1)):
+        model.forward(ids[start : start + n], plain, start)
+        pooled_step(model, cache, host, pager.plan(start, n), ids[start : start + n])
+    assert plain.queries, "every family has full-attention layers"
+    want = {}
+    for c in range(330 // 64):  # sealed chunks; the head chunk 5 is not
+        best = []
+        for layer, q in plain.queries.items():
+            k = plain.k[layer][:, 64 * c : 64 * c + 64].float().mean(1)  # [Hkv, D]
+            k = k / k.norm(dim=-1, keepdim=True)
+            group = q.shape[0] // k.shape[0]
+            cos = (q / q.norm(dim=-1, keepdim=True)) @ k.T  # [H, Hkv]
+            best.append(max(float(cos[h, h // group]) for h in range(q.shape[0])))
+        want[c] = sum(best) / len(best)
+    got = qk_scores(pager, cache)
+    assert got.keys() == want.keys()
+    for c in want:
+        assert abs(got[c] - want[c]) < 1e-5
+    # A rollback into chunk 4 unseals it (a rejected draft's rows are not its keys).
+    cache.truncate(300)
+    assert qk_scores(pager, cache).keys() == {0, 1, 2, 3}
+
+
+def test_qk_reselection_keeps_the_top_chunks_and_is_idempotent(model: Model) -> None:
+    ids = token_ids(sum(STEPS), model.cfg.vocab, seed=6)
+    pager = Pager(PagerConfig(pool_tokens=448, policy="qk", tau=32))
+    cache = model.new_pool_cache(448, capacity=CONTEXT)
+    host = HostTier(chunk_nbytes(cache))
+    start = 0
+    for n in STEPS:
+        pooled_step(model, cache, host, pager.plan(start, n), ids[start : start + n])
+        start += n
+    scores = qk_scores(pager, cache)
+    pager.reselect(scores)
+    chunks = [*pager.resident(), *pager.paged_out()]
+    free = [c for c in chunks if not pager.protected(c)]
+    keep = sorted(free, key=lambda c: scores.get(c, UNSCORED), reverse=True)[
+        : 7 - (len(chunks) - len(free))
+    ]
+    assert set(pager.resident()) == {c for c in chunks if pager.protected(c)} | set(keep)
+    pooled_step(model, cache, host, pager.plan(start, 1), ids[:1])  # runs the moves
+    again = qk_scores(pager, cache)
+    pager.reselect(scores)
+    assert pager._pending == []  # the same scores move nothing
+    assert again.keys() >= scores.keys()
+
+
+def test_pool_rows_do_not_grow_with_the_context(model: Model) -> None:
+    # The bound is in the allocation: K/V is pool rows whatever the context; only the qk
+    # chunk keys (one [Hkv, D] float32 row per 64 positions and layer) follow the context.
+    small = model.new_pool_cache(448, capacity=CONTEXT)
+    large = model.new_pool_cache(448, capacity=4 * CONTEXT)
+    assert small.nbytes() == large.nbytes()
+    assert all(t.shape[1] == 448 for t in (*large.k.values(), *large.v.values()))
+    keys = sum(t.numel() * 4 for t in large.qk.keys.values())
+    assert keys * 64 <= 4 * CONTEXT * large.nbytes() / 448  # 1/64 of a float32 K of the context

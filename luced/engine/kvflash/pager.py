@@ -147,6 +147,7 @@ class Pager:
         self._host_free: list[int] = []
         self._host_next = 0
         self._since_reselect = 0
+        self._asked = False
 
     # ------------------------------------------------------------------ queries
 
@@ -176,10 +177,32 @@ class Pager:
             host_bytes=len(self.table.host) * self.cfg.chunk_bytes,
         )
 
+    def lookahead(self, start: int, want: int) -> int:
+        """The longest step from `start` (at most `want` positions) whose chunks after the
+        first need no eviction. A DFlash block of that size evicts only what plain decoding
+        evicts at `start` (the first chunk's block), so its later rows, accepted or not,
+        change no residency plain decoding would not: speculative == plain, same pool."""
+        size = self.cfg.chunk
+        first = start // size
+        free = self.pool.n_free - (first not in self.table.blocks)
+        n, c = (first + 1) * size - start, first + 1
+        while n < want:
+            if c not in self.table.blocks:
+                if free <= 0:
+                    break
+                free -= 1
+            n, c = n + size, c + 1
+        return min(n, want)
+
     def reselect_due(self) -> bool:
         if self.cfg.policy == "lru":
             return False
-        return self._since_reselect >= max(self.cfg.tau, self.end // 45)
+        return self._asked or self._since_reselect >= max(self.cfg.tau, self.end // 45)
+
+    def ask_reselect(self) -> None:
+        """Make a reselection due now (the end of a prompt the pool could not hold: its
+        last query is the question, so the answer's tokens attend to what it asks for)."""
+        self._asked = True
 
     # ------------------------------------------------------------------ steps
 
@@ -223,6 +246,8 @@ class Pager:
         if not 0 <= length <= self.end:
             raise ValueError(f"cannot truncate to {length}: {self.end} positions planned")
         self._hide(length, self.end)
+        # Reselection counts kept positions, not a rejected draft's.
+        self._since_reselect = max(0, self._since_reselect - (self.end - length))
         self.end = length
 
     def reselect(self, scores: Mapping[int, float]) -> None:
@@ -233,6 +258,7 @@ class Pager:
             return
         self.scores = dict(scores)
         self._since_reselect = 0
+        self._asked = False
         blocks = self.table.blocks
 
         def rank(c: int) -> tuple[float, bool, int]:
@@ -262,6 +288,7 @@ class Pager:
         self._host_free = []
         self._host_next = 0
         self._since_reselect = 0
+        self._asked = False
 
     # ------------------------------------------------------------------ internals
 

@@ -9,10 +9,18 @@ by the workers, unlinked by the daemon):
     <name>-kvflash  slots   int64 [max_step]        pool row of position start + i
                     map     int64 [pool]            position each row holds, -1 = none
                     moves   int64 [max_moves, 4]    (0 out | 1 in, chunk, block, record)
+                    scores  float32 [2·workers, chunks]  worker k's qk scores in rows 2k, 2k+1:
+                                                      per chunk the sum over its layers of
+                                                      the best cosine, and the layer count
     <name>-kvhost   host-k  uint8 [records, bytes_k]  worker k's host tier: record r at
                                                       row r (the pager's record id), in
                                                       `kv_pool.chunk_nbytes` layout, one
                                                       shard after another
+
+Scores (policy `qk`): when a plan makes a reselection due, every worker's frame names
+its rows of `scores` (`kv_scores`); each writes them after its layers ran, and after the
+last reply the daemon takes the mean over all layers (`mean_scores`) and reselects: the
+copies ride with the next plan.
 
 Write ordering: the daemon writes slots, map and moves before the first worker's frame and
 does not touch them until the last worker replied (frames go one at a time). A worker runs
@@ -107,11 +115,13 @@ class KVFlash:
             "slots": ([max_step], "int64"),
             "map": ([cfg.pool_tokens], "int64"),
             "moves": ([self.max_moves, 4], "int64"),
+            "scores": ([2 * len(record_bytes), n_records], "float32"),
         }
         self.regions, self.arrays = _carve(owner, f"{name}-kvflash", specs)
         host = {f"host-{k}": ([n_records, b], "uint8") for k, b in enumerate(record_bytes)}
         self.host_regions, _ = _carve(owner, f"{name}-kvhost", host)
         self.last: StepPlan | None = None
+        self.scoring = False  # the last plan asked the workers for qk scores
 
     @property
     def pool(self) -> int:
@@ -144,13 +154,28 @@ class KVFlash:
             rows = [(MOVE_KIND[mv.kind], mv.chunk, mv.block, mv.record) for mv in plan.moves]
             self.arrays["moves"][:m] = rows
             fields["kv_moves"] = self.regions["moves"].rows(0, m)
-        return [{**fields, "kv_host": host} if m else fields for host in self.host_regions.values()]
+        self.scoring = self.pager.reselect_due()
+        out = []
+        for k, host in enumerate(self.host_regions.values()):
+            mine = {**fields, "kv_host": host} if m else dict(fields)
+            if self.scoring:
+                mine["kv_scores"] = self.regions["scores"].rows(2 * k, 2 * k + 2)
+            out.append(mine)
+        return out
+
+    def after_step(self) -> None:
+        """Every worker ran the last plan: reselect by their scores if it asked for them."""
+        if self.scoring:
+            self.scoring = False
+            scores = self.arrays["scores"]
+            self.pager.reselect(mean_scores(scores[0::2], scores[1::2]))
 
     def truncate(self, position: int) -> None:
         self.pager.truncate(min(position, self.pager.end))
 
     def reset(self) -> None:
         self.pager.reset()
+        self.scoring = False
 
     def sync_identity(self, n: int) -> None:
         """After a snapshot restore of positions [0, n) into rows [0, n): a fresh pager that
@@ -176,6 +201,15 @@ class KVFlash:
             "recalls": s.recalls,
             "host_bytes": s.host_bytes,
         }
+
+
+def mean_scores(sums: np.ndarray, counts: np.ndarray) -> dict[int, float]:
+    """The `qk` scores of `Pager.reselect` from the workers' replies: sums and counts
+    [workers, chunks] (each worker's sum over its layers of a chunk's best cosine, and how
+    many layers scored it) -> chunk -> mean over every layer; chunks no layer scored are
+    left out (the pager counts them unscored)."""
+    total, n = np.asarray(sums).sum(0), np.asarray(counts).sum(0)
+    return {int(c): float(total[c] / n[c]) for c in np.flatnonzero(n > 0)}
 
 
 def _carve(
@@ -222,6 +256,7 @@ __all__ = [
     "KVFlashSettings",
     "available_memory",
     "bytes_per_token",
+    "mean_scores",
     "model_bytes_per_token",
     "pager_config",
     "resolve_pool",

@@ -267,5 +267,6 @@ def cached_attention(
         keys, values = cache.read(layer, start + n)
     else:
         keys, values = cache.write(layer, start, *kv)
+        cache.observe_query(layer, q, window)  # KV Flash qk scores chunks by it
     mask = cache.mask(start, n, window, q.device)
     return attention(q, keys, values, mask, scale)

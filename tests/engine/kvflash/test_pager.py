@@ -198,3 +198,36 @@ def test_lru_never_recalls_and_reselection_is_due_every_tau() -> None:
     assert not qk.reselect_due()
     decode(qk, 4602)
     assert qk.reselect_due()
+
+
+def test_a_draft_block_evicts_no_further_than_its_first_chunk() -> None:
+    pager = Pager(PagerConfig(pool_tokens=448))
+    decode(pager, 300)  # chunks 0..4 in blocks 0..4; 2 blocks free
+    assert pager.lookahead(300, 16) == 16
+    assert pager.lookahead(380, 200) == 4 + 64  # chunk 5 and 6 take the free blocks, 7 would evict
+    decode(pager, 448)  # the pool is full
+    assert pager.lookahead(440, 16) == 8  # chunk 7's rest; chunk 7 would evict
+    assert pager.lookahead(448, 16) == 16  # its first chunk may evict: plain decoding would
+    assert pager.lookahead(500, 16) == 12
+
+
+def test_reselection_counts_kept_positions_not_rejected_drafts() -> None:
+    pager = Pager(PagerConfig(pool_tokens=448, tau=64))
+    pager.plan(0, 50)
+    for start in range(50, 54):  # four 16-token blocks, one position kept each
+        pager.plan(start, 16)
+        pager.truncate(start + 1)
+    assert not pager.reselect_due()  # 54 kept positions; 114 were planned
+    pager.plan(54, 10)
+    assert pager.reselect_due()  # 64 kept
+
+
+def test_a_reselection_can_be_asked_for_at_the_end_of_a_prompt() -> None:
+    for policy in ("qk", "lru"):
+        pager = Pager(PagerConfig(pool_tokens=448, policy=policy))
+        pager.plan(0, 10)
+        assert not pager.reselect_due()
+        pager.ask_reselect()
+        assert pager.reselect_due() == (policy == "qk")  # lru never reselects
+        pager.reselect({})
+        assert not pager.reselect_due()

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from luced.engine.kvflash import Pager
-from luced.engine.kvflash.transport import KVFlashSettings, pager_config
+from luced.engine.kvflash.transport import KVFlashSettings, mean_scores, pager_config
 from luced.engine.target import Target, TargetPlacement
 from luced.gguf_file import GGUFFile
 from luced.ipc.shm import ShmOwner, scan
@@ -34,8 +34,8 @@ GREEDY = {"temperature": 0}
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     d = tmp_path_factory.mktemp("kvflash")
     out = {}
-    for family in ("llama", "qwen3", "gemma3"):
-        extra = {} if family == "gemma3" else {"layers": 4}
+    for family in ("llama", "qwen3", "gemma3", "gemma4"):
+        extra = {} if family in ("gemma3", "gemma4") else {"layers": 4}
         make_tiny_gguf.build(family, d / f"{family}.gguf", seed=5, **extra)
         out[family] = d / f"{family}.gguf"
     make_tiny_gguf.build("llama", d / "long.gguf", seed=5, layers=3, context=1024)
@@ -90,6 +90,7 @@ PROMPT = [(7 * i + 3) % 97 + 2 for i in range(150)]  # spans 3 chunks, 5 prefill
         ("qwen3", ("cpu", "cpu:1")),
         ("gemma3", ("cpu",)),
         ("gemma3", ("cpu", "cpu:1")),
+        ("gemma4", ("cpu",)),
     ],
 )
 async def test_pool_covering_the_sequence_equals_the_plain_cache(
@@ -105,16 +106,22 @@ async def test_pool_covering_the_sequence_equals_the_plain_cache(
         assert status["resident_chunks"] == 3  # positions 0..169
 
 
-def in_process(path: Path, prompt: list[int], n: int, pool: int, step: int) -> list[int]:
-    """The same pager and pooled cache, in this process: the oracle for the transport."""
+def in_process(
+    path: Path, prompt: list[int], n: int, pool: int, step: int, policy: str = "lru"
+) -> list[int]:
+    """The same pager and pooled cache, in this process: the oracle for the transport (for
+    qk, the scores come straight from the cache, without shared memory)."""
     gguf = GGUFFile(path)
     model = Model.load(path)
     cache = model.new_pool_cache(pool, 1024)
-    pager = Pager(pager_config(KVFlashSettings(pool, policy="lru"), pool, gguf))
+    pager = Pager(pager_config(KVFlashSettings(pool, policy=policy), pool, gguf))
     host = HostTier(chunk_nbytes(cache))
 
     @torch.inference_mode()
     def feed(ids: list[int], start: int) -> int:
+        if pager.reselect_due():  # due since the last step: its scores
+            sums, counts = cache.qk.scores()
+            pager.reselect(mean_scores(sums.numpy()[None], counts.numpy()[None]))
         plan = pager.plan(start, len(ids))
         apply_moves(cache, plan.moves, host)
         cache.set_step(
@@ -125,6 +132,8 @@ def in_process(path: Path, prompt: list[int], n: int, pool: int, step: int) -> l
 
     for start in range(0, len(prompt), step):
         token = feed(prompt[start : start + step], start)
+    if len(prompt) > pool:
+        pager.ask_reselect()  # as Target.prefill: the last prefill step's query selects
     out = [token]
     while len(out) < n:
         out.append(feed([out[-1]], len(prompt) + len(out) - 1))
@@ -148,3 +157,18 @@ async def test_eviction_across_processes_equals_the_in_process_pager(
         assert await greedy(target, prompt[:100], 3) == in_process(
             tiny["long"], prompt[:100], 3, pool=512, step=32
         )
+
+
+@pytest.mark.parametrize("devices", [("cpu",), ("cpu", "cpu:1")])
+async def test_qk_scores_cross_processes_and_recall_as_in_process(
+    tiny: dict[str, Path], devices: tuple[str, ...]
+) -> None:
+    # Scores travel back in shared memory (split: each worker's layers, meaned in the
+    # daemon); the reselections they drive, recalls included, match the in-process run.
+    prompt = [(13 * i + 5) % 97 + 2 for i in range(700)]
+    want = in_process(tiny["long"], prompt, 80, pool=512, step=32, policy="qk")
+    async with flash_target(tiny["long"], devices, pool=512, context=1024, policy="qk") as target:
+        assert await greedy(target, prompt, 80) == want
+        status = target.flash_status()
+        assert status is not None and status["policy"] == "qk"
+        assert status["recalls"] > 0 and status["evictions"] > status["recalls"]

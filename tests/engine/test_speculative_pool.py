@@ -1,0 +1,69 @@
+"""DFlash on a KV Flash pool, through the real Engine and Target: verify writes the
+block's proposals into pool slots, and rejected ones are hidden by the slot map (no KV
+rollback). A tiny random draft rejects nearly every proposal, which keeps this sharp.
+
+Oracles: with the pool covering the sequence, speculative greedy == plain greedy with the
+plain cache; under eviction (lru), speculative greedy == plain greedy with the same pool,
+token for token and eviction for eviction (a block never evicts past its first chunk:
+`Pager.lookahead`), unsplit and split.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import make_tiny_draft
+import make_tiny_gguf
+import pytest
+from engine_harness import engine_for
+from test_speculative_loop import run
+
+from luced.engine.kvflash import PagerConfig
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+LONG = [(13 * i + 5) % 97 + 2 for i in range(560)]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp("spec-pool")
+    target = root / "qwen3.gguf"
+    make_tiny_gguf.build("qwen3", target, seed=7, layers=8, context=1024)
+    _, draft, _ = make_tiny_draft.build(target, root / "draft", seed=3, block_size=4)
+    return target, draft
+
+
+async def test_pool_covering_the_sequence_speculative_equals_plain(
+    tiny: tuple[Path, Path],
+) -> None:
+    target, draft = tiny
+    async with engine_for(target) as engine:
+        plain, _ = await run(engine)
+    pool = PagerConfig(pool_tokens=512, policy="lru")
+    async with engine_for(target, draft=draft, block_size=4, kv_flash=pool) as engine:
+        tokens, spec = await run(engine)
+        status = engine.target.flash_status()
+    assert tokens == plain
+    assert spec["drafts"] > 0 and spec["accepted_tokens"] < spec["draft_tokens"]
+    assert status is not None and status["evictions"] == 0
+
+
+@pytest.mark.parametrize("devices", [("cpu",), ("cpu", "cpu:1")])
+async def test_under_eviction_speculative_equals_plain_with_the_same_pool(
+    tiny: tuple[Path, Path], devices: tuple[str, ...]
+) -> None:
+    target, draft = tiny
+    pool = PagerConfig(pool_tokens=448, policy="lru")
+    async with engine_for(target, devices, context=1024, kv_flash=pool) as engine:
+        plain, _ = await run(engine, 70, prompt=LONG)
+        plain_status = engine.target.flash_status()
+    async with engine_for(
+        target, devices, draft=draft, block_size=4, context=1024, kv_flash=pool
+    ) as engine:
+        tokens, spec = await run(engine, 70, prompt=LONG)
+        status = engine.target.flash_status()
+    assert tokens == plain
+    assert spec["drafts"] > 0
+    assert plain_status is not None and status is not None
+    assert status["evictions"] == plain_status["evictions"] > 0

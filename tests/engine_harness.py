@@ -40,6 +40,7 @@ async def engine_for(
             max_batch_tokens=64,
             devices=devices,
             threads=1,
+            kv_sources=gguf.kv_sources(),  # as the daemon: a split keeps gemma4's pairs together
         )
         target = target_cls(owner, placement)
         tokenizer = Tokenizer.from_gguf(gguf)

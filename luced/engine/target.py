@@ -426,18 +426,27 @@ class Target:
         sampling: dict,
         logprobs: int | None,
         cancelled: Callable[[], bool] = lambda: False,
+        keep_at: Sequence[int] = (),
     ) -> Sampled | None:
         """Feed the prompt in chunks of max_batch_tokens; sample after the last one.
-        Returns None when `cancelled()` turned true between chunks."""
+        Returns None when `cancelled()` turned true between chunks.
+
+        `keep_at`: absolute positions inside the prompt where a recurrent model keeps its
+        state (prefix-cache cut points, `export_kv` `cuts`): a chunk ends at each, so the
+        state exists there."""
         chunk = self.placement.max_batch_tokens
         if self.flash is not None:
             chunk = min(chunk, self.flash.step_limit)  # each step's chunks fit the pool
-        for start in range(0, len(prompt), chunk):
+        base, end = self._position, self._position + len(prompt)
+        marks = {p for p in keep_at if base < p < end} if self.recurrent else set()
+        stops = sorted(set(range(base + chunk, end, chunk)) | marks | {end})  # gaps <= chunk
+        a = base
+        for b in stops:
             if cancelled():
                 return None
-            piece = prompt[start : start + chunk]
-            last = start + chunk >= len(prompt)
-            sampled = await self._sample(piece, sampling, logprobs, sample=last)
+            piece = prompt[a - base : b - base]
+            sampled = await self._sample(piece, sampling, logprobs, b == end, b in marks)
+            a = b
         return sampled
 
     async def step(self, token: int, sampling: dict, logprobs: int | None) -> Sampled:
@@ -456,11 +465,18 @@ class Target:
         return self._arrays["logits"][:n].copy()
 
     async def _sample(
-        self, ids: list[int], sampling: dict, logprobs: int | None, sample: bool
+        self,
+        ids: list[int],
+        sampling: dict,
+        logprobs: int | None,
+        sample: bool,
+        keep_state: bool = False,
     ) -> Sampled | None:
         outputs = self._row_outputs(1, logprobs)
         k = min(logprobs or 0, MAX_TOP_LOGPROBS)
-        await self._forward(ids, "sample", outputs, sampling=sampling, top_logprobs=k)
+        await self._forward(
+            ids, "sample", outputs, sampling=sampling, top_logprobs=k, keep_state=keep_state
+        )
         return self._read_rows(1, outputs)[0] if sample else None
 
     def _row_outputs(self, n: int, logprobs: int | None) -> dict[str, Region]:
@@ -497,8 +513,10 @@ class Target:
         sampling: dict | None = None,
         top_logprobs: int = 0,
         draft_probs: Region | None = None,
+        keep_state: bool = False,
     ) -> ForwardReply:
-        """One pipeline pass of `ids` through every worker; outputs from the last one."""
+        """One pipeline pass of `ids` through every worker; outputs from the last one.
+        `keep_state`: each worker keeps the recurrent state this pass reaches."""
         workers = self.executor.workers()
         if not self.executor.in_sync:
             raise WorkerDied("a model worker was restarted; the request must start over")
@@ -528,6 +546,7 @@ class Target:
                     sampling=(sampling or {}) if last else {},
                     top_logprobs=top_logprobs if last else 0,
                     draft_probs=draft_probs if last else None,
+                    keep_state=keep_state,
                     **capture,
                     **flash[k],
                 )
@@ -593,16 +612,18 @@ class Target:
         """Every tensor of a snapshot: each worker's K/V in layer order, then the ring."""
         return await self.kv.layout(self.ring)
 
-    async def export_kv(self, n: int, regions: dict[str, Region]) -> None:
+    async def export_kv(self, n: int, regions: dict[str, Region], cuts: Sequence[int] = ()) -> None:
         """Copy the snapshot of positions [0, n) (n <= position) into `regions`, one per
-        spec of `kv_layout`; all or nothing. The KV is never changed."""
+        spec of `kv_layout`; all or nothing. The KV is never changed. A recurrent model's
+        state regions get one slot per cut (ascending to n; the workers kept those states:
+        `prefill` `keep_at`, or the position a restore reached)."""
         if not self.executor.in_sync:
             raise WorkerDied("a model worker was restarted; its KV is gone")
         if not 0 <= n <= self._position:
             raise ValueError(f"cannot export {n} positions: {self._position} are committed")
         if self.flash is not None and not self.flash.is_identity:
             raise ValueError("KV Flash: a snapshot needs the identity layout (prompt <= pool)")
-        await self.kv.export(n, regions, self.ring)
+        await self.kv.export(n, regions, self.ring, tuple(cuts) if self.recurrent else ())
 
     async def import_kv(self, n: int, regions: dict[str, Region], tokens: Region) -> None:
         """Restore positions [0, n) from a snapshot (its token axis may be longer than n);

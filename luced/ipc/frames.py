@@ -27,7 +27,7 @@ The ops (request fields -> reply fields):
     draft     ring, committed, anchor, outputs, block_size, mask_token_id, ctx_window,
               sampling                      -> n, ctx, elapsed_us
     kv_layout                               -> tensors, dtype, states
-    kv_export position, regions             -> position, elapsed_us
+    kv_export position, regions, cuts       -> position, elapsed_us
     kv_import position, regions, tokens     -> position, elapsed_us
     truncate  position                      -> position
     reset                                   -> (nothing)
@@ -43,7 +43,9 @@ bumps ``PROTOCOL_VERSION`` (2: ``project``; ``tokens`` may ride along ``hidden_i
 ``kv_layout`` replies ``states`` and snapshots carry them as "conv.l" / "delta.l"; and
 KV Flash: ``load`` ``kv_pool`` and its reply's ``kv_pool`` / ``kv_chunk_bytes``,
 ``forward`` ``kv_slots`` / ``kv_map`` / ``kv_moves`` / ``kv_host``: a pooled worker
-cannot serve a forward without the pager's plan, so an old daemon must not drive it).
+cannot serve a forward without the pager's plan, so an old daemon must not drive it);
+8: ``forward`` ``keep_state`` and ``kv_export`` ``cuts``: a snapshot's recurrent states
+have a leading slot axis, one per cut point (an old worker would misread the regions).
 Later verbs (expert compute) are added here, each as one
 request class and one reply class.
 
@@ -63,7 +65,7 @@ from luced.ipc.regions import Region
 from luced.ipc.typed import FrameError, Record
 from luced.sampling_params import SamplingParams
 
-PROTOCOL_VERSION = 7
+PROTOCOL_VERSION = 8
 
 _ENVELOPE = frozenset({"op", "seq", "ok", "error"})  # no op may use these as fields
 
@@ -303,6 +305,9 @@ class Forward(Request):
     kv_map: Region | None = None  # int64 [pool]: position each row holds, -1 = none
     kv_moves: Region | None = None  # int64 [m, 4]: (0 out | 1 in, chunk, block, record)
     kv_host: Region | None = None  # uint8 [records, kv_chunk_bytes]: this worker's host tier
+    # Keep the recurrent state reached by this forward (a prefix-cache cut point: a later
+    # kv_export names it in ``cuts``) until reset, kv_import or a truncate below it.
+    keep_state: bool = False
 
     @property
     def n_out(self) -> int:
@@ -553,10 +558,12 @@ class DraftBlockReply(Reply):
 # axis (axis 1) are the K / V of positions [0, n). The worker copies straight between its
 # cache and those regions (device <-> host on a GPU); nothing is serialized.
 #
-# A recurrent layer (Gated DeltaNet) has no rows but a state at the snapshot's end, one
-# region each, without a token axis: "conv.{layer}" [kernel - 1, channels] cache dtype,
-# "delta.{layer}" [heads, key_dim, value_dim] float32. A state sums up every position, so
-# it restores only the whole snapshot: position == the snapshot's length (tokens' rows).
+# A recurrent layer (Gated DeltaNet) has no rows but a state per cut point, one region
+# each with a leading slot axis: "conv.{layer}" [slots, kernel - 1, channels] cache dtype,
+# "delta.{layer}" [slots, heads, key_dim, value_dim] float32. A state sums up every
+# position, so it exists only where a forward stopped: kv_export writes slot i from the
+# state at cuts[i]; kv_import reads one slot (the daemon passes the slot of the cut it
+# restores: a prefix cache in exact-cut mode restores only at an entry's cuts).
 
 _KV_NAME = re.compile(r"^[kv]\.(0|[1-9][0-9]{0,5})$")
 _STATE_NAME = re.compile(r"^(conv|delta)\.(0|[1-9][0-9]{0,5})$")
@@ -604,16 +611,27 @@ class KVExport(Request):
     """Copy K/V rows [0, position) of every layer into ``regions`` (see the section comment).
 
     ``regions`` names exactly the tensors of ``kv_layout``; ``position`` <= the committed KV
-    length. Everything is checked before the first copy; the KV is never changed. The worker
-    writes the regions before replying; nobody reads them before the reply.
+    length. A recurrent state's region is ``[len(cuts), *state]``: slot i gets the state at
+    ``cuts[i]`` (ascending, the last == ``position`` == the committed length; the others
+    kept by ``forward`` ``keep_state``); empty ``cuts`` means ``(position,)``. Everything
+    is checked before the first copy; the KV is never changed. The worker writes the
+    regions before replying; nobody reads them before the reply.
     """
 
     position: int
     regions: dict[str, Region]
+    cuts: tuple[int, ...] = ()
+
+    @property
+    def state_cuts(self) -> tuple[int, ...]:
+        return self.cuts or (self.position,)
 
     def _check(self) -> None:
         if self.position < 0:
             raise self._fail(f"position must be >= 0, got {self.position}")
+        cuts = list(self.state_cuts)
+        if cuts != sorted(set(cuts)) or cuts[-1] != self.position or (cuts[0] < 1 < len(cuts)):
+            raise self._fail(f"cuts must ascend to position {self.position}, got {cuts}")
         _check_kv_regions(self)
         spans = sorted(
             (r.segment, r.offset, r.offset + r.nbytes, name) for name, r in self.regions.items()

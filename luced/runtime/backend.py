@@ -249,6 +249,10 @@ class Backend(WorkerState):
         except BaseException:
             m.truncate(start)  # nothing of a failed forward stays in the KV
             raise
+        if req.keep_state:  # a prefix-cache cut point: kv_export reads it later
+            for shard in m.shards:
+                if shard.cache.recurrent is not None:
+                    shard.cache.save_state()
         m.tokens.extend(fed)
         elapsed = time.perf_counter() - t0
         self.forward_count += 1

@@ -164,6 +164,20 @@ class RecurrentState:
         self._saved[self.current.pos] = self.current
         return self.current
 
+    def at(self, pos: int) -> RecurrentSnapshot:
+        """The kept state at `pos` (current, saved, the previous commit or zero), or raise."""
+        if pos == self.current.pos:
+            return self.current
+        if pos in self._saved:
+            return self._saved[pos]
+        if self._undo is not None and self._undo.pos == pos:
+            return self._undo
+        if pos == 0:
+            return self._zero
+        raise RecurrentRollback(
+            f"no recurrent state kept at position {pos} (kept: {self.kept_positions()})"
+        )
+
     def is_kept(self, snap: RecurrentSnapshot) -> bool:
         return (
             snap is self._zero
@@ -361,6 +375,10 @@ class KVCache:
     def save_state(self) -> RecurrentSnapshot:
         """Keep the recurrent state at the fill position, so `truncate` can come back to it."""
         return self._recurrent().save()
+
+    def state_at(self, pos: int) -> RecurrentSnapshot:
+        """The kept recurrent state at `pos` (a prefix snapshot's cut), or RecurrentRollback."""
+        return self._recurrent().at(pos)
 
     def restore_state(self, snap: RecurrentSnapshot) -> None:
         """Rewind to a kept snapshot (its rows [0, snap.pos) are still in the cache)."""

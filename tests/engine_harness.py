@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 from luced.cache.arena import SnapshotArena
+from luced.cache.disk import DiskIdentity, SnapshotDisk
 from luced.cache.prefix_cache import PrefixCache
 from luced.engine.core import Engine
 from luced.engine.target import Target, TargetPlacement
@@ -27,6 +28,7 @@ async def engine_for(
     context: int = 512,
     block_size: int = 16,
     prefix_cache_bytes: int = 0,
+    kv_cache_dir: Path | None = None,
 ) -> AsyncIterator[Engine]:
     """One worker thread each (2 cores, shared with the test); prompts longer than 64
     tokens span several prefill chunks. A draft is loaded for blocks up to 16."""
@@ -53,9 +55,12 @@ async def engine_for(
                 await target.load_draft(str(draft), device=draft_device, block_size=16)
             if prefix_cache_bytes:
                 arena = SnapshotArena(owner, prefix_cache_bytes)
-                engine.prefix_cache = PrefixCache(
-                    await target.kv_layout(), arena, exact_cuts=target.recurrent
-                )
+                layout = await target.kv_layout()
+                disk = None
+                if kv_cache_dir is not None:  # a disk tier too
+                    ident = DiskIdentity(path.name, "none", f"{devices}", "float32")
+                    disk = SnapshotDisk(kv_cache_dir, ident, layout)
+                engine.prefix_cache = PrefixCache(layout, arena, disk, exact_cuts=target.recurrent)
             engine.start()
             yield engine
         finally:

@@ -134,6 +134,26 @@ async def test_newer_families_restore_with_a_draft_equals_fresh(tiny, family) ->
     await check_restore_equals_fresh(tiny[family][0], ("cpu",), tiny[family][1], NEWER[family])
 
 
+@pytest.mark.parametrize("family", ["llama", "gemma3", *NEWER, "qwen35"])
+async def test_restore_from_disk_equals_fresh(tiny, family, tmp_path) -> None:
+    """Every family's snapshot through the disk tier: written, the memory copy dropped,
+    read back into the arena and restored; then generation == fresh."""
+    path = tiny[family][0]
+    first, turn2 = prompts(Tokenizer.from_gguf(GGUFFile(path)).vocab_size)[:2]
+    async with engine_with(path, ("cpu",), None, cache=False) as fresh:
+        expected = (await run(fresh, turn2))[0]
+    async with engine_for(
+        path, context=1024, prefix_cache_bytes=64 << 20, kv_cache_dir=tmp_path
+    ) as cached:
+        cache = cached.prefix_cache
+        await run(cached, first)
+        await cache.flush()
+        assert await cache.clear() == 1  # memory dropped: the entry is on disk only
+        assert [e.tier for e in cache.entries()] == ["disk"]
+        assert await run(cached, turn2) == (expected, 150)
+        assert cache.stats().restore_errors == 0
+
+
 def turn_prompts(vocab: int) -> tuple[int, list[list[int]]]:
     """A turn marker (the token opening each message) and conversations: the first; one
     sharing its first two turns; one sharing its first turn; the first plus a turn; one

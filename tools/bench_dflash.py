@@ -1,18 +1,26 @@
 """DFlash cost and ceiling: plain vs speculative decoding on one target, in one run.
 
-    python tools/bench_dflash.py [--model smollm2|gemma3|PATH] [--block-size 16]
-                                 [--prompt 64] [--tokens 128] [--rounds 3] [--threads N]
+    python tools/bench_dflash.py [--model smollm2|gemma3|tiny-qwen35|tiny-qwen35moe|PATH]
+                                 [--block-size 16] [--prompt 64] [--tokens 128]
+                                 [--rounds 3] [--threads N] [--rollbacks select,replay]
 
-Three engines over real Targets (worker subprocesses, shared memory, frames), all
-loaded at once and measured interleaved so drift on a shared machine hits them alike:
+Engines over real Targets (worker subprocesses, shared memory, frames), all loaded at
+once and measured interleaved so drift on a shared machine hits them alike:
 
     plain     no draft: one target forward per token
     random    a random-weight draft sized for the target (tools/make_tiny_draft.py):
               acceptance ~ 0, so every step costs a draft + a B-token verify and yields
               one token: the overhead of speculation
-    oracle    the same draft loaded (captures on, same frames) but its proposals replaced
-              by the target's own greedy continuation (`OracleTarget`): every proposal is
-              accepted, B tokens per verify: the ceiling of the loop
+    half      the same draft loaded, its proposals replaced by the target's own greedy
+              continuation for the first half of the block and wrong after it
+              (`HalfOracle`): every block is cut in the middle
+    oracle    proposals all from the target's own greedy continuation (`OracleTarget`):
+              every proposal is accepted, B tokens per verify: the ceiling of the loop
+
+`--rollbacks`: for a hybrid target (recurrent state), one set of drafted engines per
+rollback of a rejected suffix (`Target.rollback`): "select" keeps the state after each
+verified position, "replay" rewinds to the block's start and re-feeds the accepted
+tokens. `tiny-qwen35` / `tiny-qwen35moe` build an 8-layer tiny random hybrid.
 
 Reported per engine (medians over rounds): decode tok/s (after the first token), tokens
 per target forward, mean acceptance length (1 + accepted / drafts), and the cost of one
@@ -31,10 +39,11 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 import make_tiny_draft
+import make_tiny_gguf
 
 from luced.engine.core import Engine, GenerationRequest
 from luced.engine.placement import WorkerSpec
-from luced.engine.target import Sampled, Target, TargetPlacement
+from luced.engine.target import ROLLBACK, Sampled, Target, TargetPlacement
 from luced.gguf_file import GGUFFile
 from luced.ipc.shm import ShmOwner
 from luced.sampling_params import SamplingParams
@@ -60,6 +69,19 @@ class OracleTarget(Target):
             raise AssertionError(f"oracle script disagrees with the anchor at {pos}")
         ahead = self.script[pos + 1 : pos + block_size]
         return [anchor, *ahead, *[anchor] * (block_size - 1 - len(ahead))]
+
+
+class HalfOracle(OracleTarget):
+    """The oracle's proposals for the first half of the block, wrong ones after it."""
+
+    vocab: ClassVar[int] = 1
+
+    async def draft_block(
+        self, anchor: int, block_size: int, sampling: dict | None = None
+    ) -> list[int]:
+        block = await super().draft_block(anchor, block_size, sampling)
+        keep = block_size // 2
+        return block[:keep] + [(t + 1) % self.vocab for t in block[keep:]]
 
 
 class CountingTarget(Target):
@@ -92,6 +114,23 @@ class TimedOracle(OracleTarget, CountingTarget):
     pass
 
 
+class TimedHalf(HalfOracle, CountingTarget):
+    pass
+
+
+DRAFTED = {"random": CountingTarget, "half": TimedHalf, "oracle": TimedOracle}
+
+
+def model_path(name: str, tmp: Path) -> Path:
+    if name in MODELS:
+        return MODELS[name]()
+    if name.startswith("tiny-"):
+        path = tmp / f"{name}.gguf"
+        make_tiny_gguf.build(name.removeprefix("tiny-"), path, seed=1, layers=8, context=2048)
+        return path
+    return Path(name)
+
+
 def make_target(cls: type[Target], owner: ShmOwner, model: Path, threads: int, name: str) -> Target:
     gguf = GGUFFile(model)
     placement = TargetPlacement(
@@ -121,17 +160,21 @@ async def generate(engine: Engine, prompt: list[int], n: int) -> tuple[list[int]
 
 
 async def bench(args: argparse.Namespace) -> None:
-    model = MODELS[args.model]() if args.model in MODELS else Path(args.model)
-    tokenizer = Tokenizer.from_gguf(GGUFFile(model))
-    words = "The history of the printing press begins in the fifteenth century. " * 40
-    prompt = tokenizer.encode(words)[: args.prompt]
     with tempfile.TemporaryDirectory() as tmp, ShmOwner() as owner:
-        _, draft, _ = make_tiny_draft.build(model, Path(tmp), seed=1, block_size=args.block_size)
-        targets = {
-            "plain": make_target(CountingTarget, owner, model, args.threads, "plain"),
-            "random": make_target(CountingTarget, owner, model, args.threads, "random"),
-            "oracle": make_target(TimedOracle, owner, model, args.threads, "oracle"),
-        }
+        model = model_path(args.model, Path(tmp))
+        tokenizer = Tokenizer.from_gguf(GGUFFile(model))
+        HalfOracle.vocab = tokenizer.vocab_size
+        words = "The history of the printing press begins in the fifteenth century. " * 40
+        prompt = tokenizer.encode(words)[: args.prompt]
+        _, draft, _ = make_tiny_draft.build(
+            model, Path(tmp) / "draft", seed=1, block_size=args.block_size
+        )
+        targets = {"plain": make_target(CountingTarget, owner, model, args.threads, "plain")}
+        for rollback in args.rollbacks.split(","):
+            for kind, cls in DRAFTED.items():
+                name = f"{kind}/{rollback}"
+                targets[name] = make_target(cls, owner, model, args.threads, name.replace("/", "-"))
+                targets[name].rollback = rollback
         engines = {}
         try:
             for name, target in targets.items():
@@ -151,7 +194,7 @@ async def bench(args: argparse.Namespace) -> None:
             script, _, _ = await generate(
                 engines["plain"], prompt, args.tokens + args.block_size + 1
             )
-            TimedOracle.script = prompt + script
+            OracleTarget.script = prompt + script  # read by every oracle subclass
             rows: dict[str, list[dict]] = {name: [] for name in engines}
             for _ in range(args.rounds):
                 for name, engine in engines.items():
@@ -185,10 +228,10 @@ async def bench(args: argparse.Namespace) -> None:
         f"{args.block_size}, {args.threads} threads, medians of {args.rounds} rounds\n"
     )
     cols = ("tok_s", "tok_per_fwd", "accept_len", "draft_us", "verify_us")
-    print(f"{'engine':8s}" + "".join(f"{c:>13s}" for c in cols))
+    print(f"{'engine':16s}" + "".join(f"{c:>13s}" for c in cols))
     for name, rs in rows.items():
         med = {c: statistics.median(r[c] for r in rs) for c in cols}
-        print(f"{name:8s}" + "".join(f"{med[c]:13.1f}" for c in cols))
+        print(f"{name:16s}" + "".join(f"{med[c]:13.1f}" for c in cols))
 
 
 def main() -> None:
@@ -199,6 +242,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) - 1))
+    ap.add_argument("--rollbacks", default=ROLLBACK, help="comma-separated: select,replay")
     asyncio.run(bench(ap.parse_args()))
 
 

@@ -82,6 +82,12 @@ from luced.ipc.shm import Segment, ShmOwner
 
 log = logging.getLogger(__name__)
 
+# DFlash rollback of a recurrent state (a hybrid target): "select" keeps the state after
+# each position of a verify block (the recurrent form) and a cut inside it picks the
+# accepted one; "replay" rewinds to the block's start and re-feeds the accepted tokens (one
+# more forward per rejected block). tools/bench_dflash.py --rollback measures both.
+ROLLBACK = "select"
+
 MAX_TOP_LOGPROBS = 20
 MAX_BLOCK = 64  # longest DFlash block a request may use
 
@@ -129,6 +135,9 @@ class Target:
         # any is rolled back by rewinding to the last forward's start and replaying.
         self._recurrent: dict[tuple[int, int], tuple[int, ...]] = {}
         self._last_fed: tuple[int, list[int]] = (0, [])  # (start, ids) of the last forward
+        self._last_block_states = False  # it kept a recurrent state per position
+        # How a DFlash verify's rejected suffix leaves a recurrent state (see `truncate`).
+        self.rollback: str = ROLLBACK
         self._ring_floor = 0  # no ring row below this position is valid (after a restore)
         self.draft: LoadDraftReply | None = None  # the DFlash draft, when one is loaded
         self._draft_path: str | None = None
@@ -233,6 +242,7 @@ class Target:
         await asyncio.gather(*(w.call(Reset()) for w in self.executor.workers()))
         self._position = 0
         self._last_fed = (0, [])
+        self._last_block_states = False
         self._ring_floor = 0
         if self.flash is not None:
             self.flash.reset()
@@ -244,17 +254,24 @@ class Target:
         cannot be cut at any position, and a prefix snapshot does not cover it."""
         return any(self._recurrent.values())
 
+    @property
+    def _select_rollback(self) -> bool:
+        return self.recurrent and self.rollback == "select"
+
     async def truncate(self, position: int) -> None:
         """Roll every shard's KV back to `position` committed tokens.
 
         A recurrent state cannot be cut: it is kept at the last forward's start (the state
         that forward replaced), so a cut inside the last forward (a verify that accepted
         part of its block) rewinds there and replays the kept tokens through the pipeline,
-        asking the head for one row of logits, which touches no sampler state."""
+        asking the head for one row of logits, which touches no sampler state. A verify
+        that kept a state per position (`rollback` "select") is cut like attention KV:
+        each worker selects the state at `position`."""
         if not 0 <= position <= self._position:
             raise ValueError(f"cannot truncate to {position}: {self._position} are committed")
         start, fed = self._last_fed
-        replay = fed[: position - start] if self.recurrent and position > start else []
+        replayed = self.recurrent and position > start and not self._last_block_states
+        replay = fed[: position - start] if replayed else []
         if self.recurrent and position < start:
             raise ValueError(
                 f"cannot truncate a recurrent model to {position}: its state is kept only at "
@@ -393,7 +410,13 @@ class Target:
         greedy = {**(sampling or {}), "temperature": 0.0}
         outputs = self._row_outputs(n, logprobs)
         await self._forward(
-            block, "sample", outputs, positions="all", sampling=greedy, top_logprobs=k
+            block,
+            "sample",
+            outputs,
+            positions="all",
+            sampling=greedy,
+            top_logprobs=k,
+            keep_block_states=self._select_rollback,
         )
         return self._read_rows(n, outputs)
 
@@ -414,6 +437,7 @@ class Target:
             sampling=sampling,
             top_logprobs=k,
             draft_probs=q,
+            keep_block_states=self._select_rollback,
         )
         assert reply.accepted is not None
         return self._read_rows(reply.accepted + 1, outputs), reply.accepted
@@ -514,6 +538,7 @@ class Target:
         top_logprobs: int = 0,
         draft_probs: Region | None = None,
         keep_state: bool = False,
+        keep_block_states: bool = False,
     ) -> ForwardReply:
         """One pipeline pass of `ids` through every worker; outputs from the last one.
         `keep_state`: each worker keeps the recurrent state this pass reaches."""
@@ -547,6 +572,7 @@ class Target:
                     top_logprobs=top_logprobs if last else 0,
                     draft_probs=draft_probs if last else None,
                     keep_state=keep_state,
+                    keep_block_states=keep_block_states,
                     **capture,
                     **flash[k],
                 )
@@ -572,6 +598,7 @@ class Target:
             raise
         self._position = start + n
         self._last_fed = (start, list(ids))
+        self._last_block_states = keep_block_states
         self.last_wall_us = int((time.perf_counter() - t0) * 1e6)
         self.last_compute_us = compute_us
         return reply
@@ -649,6 +676,7 @@ class Target:
             raise
         self._position = n
         self._last_fed = (n, [])
+        self._last_block_states = False
         self.executor.in_sync = True
         if self.flash is not None:
             self.flash.sync_identity(n)  # the workers hold rows [0, n) in rows [0, n)

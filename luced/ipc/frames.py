@@ -44,8 +44,9 @@ bumps ``PROTOCOL_VERSION`` (2: ``project``; ``tokens`` may ride along ``hidden_i
 KV Flash: ``load`` ``kv_pool`` and its reply's ``kv_pool`` / ``kv_chunk_bytes``,
 ``forward`` ``kv_slots`` / ``kv_map`` / ``kv_moves`` / ``kv_host``: a pooled worker
 cannot serve a forward without the pager's plan, so an old daemon must not drive it);
-8: ``forward`` ``keep_state`` and ``kv_export`` ``cuts``: a snapshot's recurrent states
-have a leading slot axis, one per cut point (an old worker would misread the regions).
+8: ``forward`` ``keep_state`` / ``keep_block_states`` and ``kv_export`` ``cuts``: a
+snapshot's recurrent states have a leading slot axis, one per cut point (an old worker
+would misread the regions), and a verify may keep a recurrent state per position.
 Later verbs (expert compute) are added here, each as one
 request class and one reply class.
 
@@ -308,6 +309,9 @@ class Forward(Request):
     # Keep the recurrent state reached by this forward (a prefix-cache cut point: a later
     # kv_export names it in ``cuts``) until reset, kv_import or a truncate below it.
     keep_state: bool = False
+    # Keep the recurrent state after every position of this forward (a DFlash verify
+    # block): a truncate inside it then selects the accepted one instead of a replay.
+    keep_block_states: bool = False
 
     @property
     def n_out(self) -> int:

@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 from luced.cache.arena import SnapshotArena
+from luced.cache.disk import DiskIdentity, SnapshotDisk
 from luced.cache.prefix_cache import PrefixCache
 from luced.engine.core import Engine
 from luced.engine.kvflash import PagerConfig
@@ -33,6 +34,7 @@ async def engine_for(
     moe_hot: int | None = None,
     moe_expert_device: str | None = None,
     kv_flash: PagerConfig | None = None,
+    kv_cache_dir: Path | None = None,
 ) -> AsyncIterator[Engine]:
     """One worker thread each (2 cores, shared with the test); prompts longer than 64
     tokens span several prefill chunks. A draft (or the n-gram lookup) is set up for
@@ -53,6 +55,7 @@ async def engine_for(
                 int(gguf.get(f"{gguf.arch}.embedding_length", 0)),
                 int(gguf.get(f"{gguf.arch}.expert_used_count", 0)),
             ),
+            kv_sources=gguf.kv_sources(),  # as the daemon: a split keeps gemma4's pairs together
         )
         target = target_cls(owner, placement, kv_flash=kv_flash)
         tokenizer = Tokenizer.from_gguf(gguf)
@@ -76,9 +79,12 @@ async def engine_for(
                 await engine.calibrate()
             if prefix_cache_bytes:
                 arena = SnapshotArena(owner, prefix_cache_bytes)
-                engine.prefix_cache = PrefixCache(
-                    await target.kv_layout(), arena, exact_cuts=target.recurrent
-                )
+                layout = await target.kv_layout()
+                disk = None
+                if kv_cache_dir is not None:  # a disk tier too
+                    ident = DiskIdentity(path.name, "none", f"{devices}", "float32")
+                    disk = SnapshotDisk(kv_cache_dir, ident, layout)
+                engine.prefix_cache = PrefixCache(layout, arena, disk, exact_cuts=target.recurrent)
             engine.start()
             yield engine
         finally:

@@ -1,10 +1,13 @@
-"""DFlash cost and ceiling: plain vs speculative decoding on one target, in one run.
+"""Speculative decoding's cost and ceiling: plain vs drafted decoding on one target.
 
-    python tools/bench_dflash.py [--model smollm2|gemma3|PATH] [--block-size 16]
-                                 [--prompt 64] [--tokens 128] [--rounds 3] [--threads N]
+    python tools/bench_dflash.py [--model smollm2|gemma3|tiny-FAMILY|PATH] [--block-size 16]
+        [--workloads chat code grounded repeat] [--engines NAME ...] [--prompts 3]
+        [--tokens 128] [--rounds 1] [--threads N] [--trained-draft PATH]
+        [--rollbacks select,replay]
 
-Three engines over real Targets (worker subprocesses, shared memory, frames), all
-loaded at once and measured interleaved so drift on a shared machine hits them alike:
+Engines over real Targets (worker subprocesses, shared memory, frames), all loaded at
+once and measured interleaved so drift on a shared machine hits them alike; each must
+reproduce plain greedy decoding token for token:
 
     plain     no draft: one target forward per token
     random    a random-weight draft sized for the target (tools/make_tiny_draft.py):
@@ -13,7 +16,16 @@ loaded at once and measured interleaved so drift on a shared machine hits them a
     oracle    the same draft loaded (captures on, same frames) but its proposals replaced
               by the target's own greedy continuation (`OracleTarget`): every proposal is
               accepted, B tokens per verify: the ceiling of the loop
+    half      the random draft's frames, its proposals the target's own greedy
+              continuation for the first half of the block and wrong after it
+              (`HalfOracle`): every block is cut in the middle
     trained   a draft from tools/train_dflash.py (--trained-draft PATH)
+
+`--rollbacks select,replay`: for a hybrid target (recurrent state), one engine per
+rollback of a rejected suffix (`Target.rollback`) for each drafted kind: "select" keeps
+the state after each verified position, "replay" rewinds to the block's start and
+re-feeds the accepted tokens. `--model tiny-qwen35` / `tiny-qwen35moe` (any
+tools/make_tiny_gguf.py family after `tiny-`) builds an 8-layer tiny random model.
 
 Reported per engine (medians over rounds): decode tok/s (after the first token), tokens
 per target forward, mean acceptance length (1 + accepted / drafts), and the cost of one
@@ -33,10 +45,11 @@ from typing import Any, ClassVar
 
 import bench_prompts
 import make_tiny_draft
+import make_tiny_gguf
 
 from luced.engine.core import Engine, GenerationRequest
 from luced.engine.placement import WorkerSpec
-from luced.engine.target import Sampled, Target, TargetPlacement
+from luced.engine.target import ROLLBACK, Sampled, Target, TargetPlacement
 from luced.gguf_file import GGUFFile
 from luced.ipc.shm import ShmOwner
 from luced.sampling_params import SamplingParams
@@ -62,6 +75,19 @@ class OracleTarget(Target):
             raise AssertionError(f"oracle script disagrees with the anchor at {pos}")
         ahead = self.script[pos + 1 : pos + block_size]
         return [anchor, *ahead, *[anchor] * (block_size - 1 - len(ahead))]
+
+
+class HalfOracle(OracleTarget):
+    """The oracle's proposals for the first half of the block, wrong ones after it."""
+
+    vocab: ClassVar[int] = 1
+
+    async def draft_block(
+        self, anchor: int, block_size: int, sampling: dict | None = None
+    ) -> list[int]:
+        block = await super().draft_block(anchor, block_size, sampling)
+        keep = block_size // 2
+        return block[:keep] + [(t + 1) % self.vocab for t in block[keep:]]
 
 
 class CountingTarget(Target):
@@ -92,6 +118,20 @@ class CountingTarget(Target):
 
 class TimedOracle(OracleTarget, CountingTarget):
     pass
+
+
+class TimedHalf(HalfOracle, CountingTarget):
+    pass
+
+
+def model_path(name: str, tmp: Path) -> Path:
+    if name in MODELS:
+        return MODELS[name]()
+    if name.startswith("tiny-"):
+        path = tmp / f"{name}.gguf"
+        make_tiny_gguf.build(name.removeprefix("tiny-"), path, seed=1, layers=8, context=2048)
+        return path
+    return Path(name)
 
 
 def context_length(model: Path) -> int:
@@ -135,6 +175,7 @@ ENGINES: dict[str, tuple[type[Target], str | None, bool]] = {
     "random-adaptive": (CountingTarget, "model", True),
     "ngram": (CountingTarget, "ngram", False),
     "ngram-adaptive": (CountingTarget, "ngram", True),
+    "half": (TimedHalf, "model", False),
     "oracle": (TimedOracle, "model", False),
     "trained": (CountingTarget, "trained", False),  # the draft --trained-draft names
 }
@@ -148,11 +189,14 @@ async def start_engine(
     tokenizer: Tokenizer,
     args: Any,
     label: str | None = None,
+    rollback: str = ROLLBACK,
 ) -> Engine:
-    """An engine of kind `name` (ENGINES), called `label` (default: its kind)."""
+    """An engine of kind `name` (ENGINES), called `label` (default: its kind), rolling a
+    hybrid's rejected suffix back by `rollback`."""
     cls, drafter, adaptive = ENGINES[name]
     label = label or name
-    target = make_target(cls, owner, model, args.threads, label)
+    target = make_target(cls, owner, model, args.threads, label.replace("/", "-"))
+    target.rollback = rollback
     await target.start()
     if drafter in ("model", "trained"):
         path = args.trained_draft if drafter == "trained" else draft
@@ -176,19 +220,28 @@ async def start_engine(
 
 
 async def bench(args: argparse.Namespace) -> None:
-    model = MODELS[args.model]() if args.model in MODELS else Path(args.model)
-    gguf = GGUFFile(model)
-    tokenizer = Tokenizer.from_gguf(gguf)
-    workloads = {w: bench_prompts.prompts(w, gguf, tokenizer, args) for w in args.workloads}
     names = args.engines or [n for n in ENGINES if n != "trained" or args.trained_draft]
     if "trained" in names and not args.trained_draft:
         raise SystemExit("the trained engine needs --trained-draft PATH")
+    rollbacks = args.rollbacks.split(",")
     with tempfile.TemporaryDirectory() as tmp, ShmOwner() as owner:
-        _, draft, _ = make_tiny_draft.build(model, Path(tmp), seed=1, block_size=args.block_size)
+        model = model_path(args.model, Path(tmp))
+        gguf = GGUFFile(model)
+        tokenizer = Tokenizer.from_gguf(gguf)
+        HalfOracle.vocab = tokenizer.vocab_size
+        workloads = {w: bench_prompts.prompts(w, gguf, tokenizer, args) for w in args.workloads}
+        _, draft, _ = make_tiny_draft.build(
+            model, Path(tmp) / "draft", seed=1, block_size=args.block_size
+        )
         engines: dict[str, Engine] = {}
         try:
-            for name in ["plain", *[n for n in names if n != "plain"]]:
-                engines[name] = await start_engine(name, owner, model, draft, tokenizer, args)
+            engines["plain"] = await start_engine("plain", owner, model, draft, tokenizer, args)
+            for name in [n for n in names if n != "plain"]:
+                for rb in rollbacks:  # one engine per rollback when several are compared
+                    label = f"{name}/{rb}" if len(rollbacks) > 1 else name
+                    engines[label] = await start_engine(
+                        name, owner, model, draft, tokenizer, args, label, rb
+                    )
             rows: dict[tuple[str, str], list[dict]] = {}
             for workload, prompts in workloads.items():
                 for prompt in prompts:
@@ -196,7 +249,7 @@ async def bench(args: argparse.Namespace) -> None:
                     script, _, _ = await generate(
                         engines["plain"], prompt, args.tokens + args.block_size + 1
                     )
-                    TimedOracle.script = prompt + script
+                    OracleTarget.script = prompt + script  # every oracle kind reads it
                     for _ in range(args.rounds):
                         for name, engine in engines.items():
                             row = await measure(engine, prompt, script, args)
@@ -250,7 +303,7 @@ def report(model: Path, rows: dict[tuple[str, str], list[dict]], args: Any) -> N
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--model", default="smollm2", help="smollm2 | gemma3 | tiny-FAMILY | PATH")
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--prompt", type=int, default=64, help="tokens of the `repeat` workload")
     ap.add_argument("--tokens", type=int, default=128)
@@ -274,6 +327,7 @@ def main() -> None:
         help="a draft from tools/train_dflash.py (OUT_DIR/draft.gguf): the trained engine",
     )
     ap.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) - 1))
+    ap.add_argument("--rollbacks", default=ROLLBACK, help="comma-separated: select,replay")
     asyncio.run(bench(ap.parse_args()))
 
 

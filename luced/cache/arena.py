@@ -51,9 +51,10 @@ def check_layout(specs: Iterable[TensorSpec]) -> None:
         names.add(s.name)
 
 
-def layout_bytes(specs: Iterable[TensorSpec], n: int) -> int:
-    """Bytes of a block holding ``specs`` for ``n`` tokens (each tensor 64-byte aligned)."""
-    return sum(align_up(s.nbytes(n)) for s in specs)
+def layout_bytes(specs: Iterable[TensorSpec], n: int, n_cuts: int = 1) -> int:
+    """Bytes of a block holding ``specs`` for ``n`` tokens and ``n_cuts`` recurrent-state
+    slots (each tensor 64-byte aligned)."""
+    return sum(align_up(s.nbytes(n, n_cuts)) for s in specs)
 
 
 @dataclass(frozen=True)
@@ -133,23 +134,29 @@ class SnapshotArena:
         """(offset, size) of every free span, by offset (tests, stats)."""
         return list(self._free)
 
-    def regions(self, block: Block, specs: Sequence[TensorSpec], n: int) -> dict[str, Region]:
-        """Each spec laid out in ``block`` with its token axis sized ``n``, in order."""
+    def regions(
+        self, block: Block, specs: Sequence[TensorSpec], n: int, n_cuts: int = 1
+    ) -> dict[str, Region]:
+        """Each spec laid out in ``block`` with its token axis sized ``n`` (a state's cut
+        axis ``n_cuts``), in order."""
         if self._used.get(block.offset) != block.nbytes:
             raise ValueError(f"{block} is not a live block of this arena")
-        need = layout_bytes(specs, n)
+        need = layout_bytes(specs, n, n_cuts)
         if need > block.nbytes:
             raise ValueError(f"{n} tokens of this layout need {need} bytes, {block} is smaller")
         out: dict[str, Region] = {}
         off = block.offset
         for s in specs:
-            out[s.name] = Region(self.segment.name, off, s.shape_for(n), s.dtype)
-            off += align_up(s.nbytes(n))
+            out[s.name] = Region(self.segment.name, off, s.shape_for(n, n_cuts), s.dtype)
+            off += align_up(s.nbytes(n, n_cuts))
         return out
 
-    def views(self, block: Block, specs: Sequence[TensorSpec], n: int) -> dict[str, np.ndarray]:
+    def views(
+        self, block: Block, specs: Sequence[TensorSpec], n: int, n_cuts: int = 1
+    ) -> dict[str, np.ndarray]:
         """Numpy views (no copy) of ``regions``; bfloat16 tensors are uint16 bits."""
-        return {k: view(self.segment, r) for k, r in self.regions(block, specs, n).items()}
+        regions = self.regions(block, specs, n, n_cuts)
+        return {k: view(self.segment, r) for k, r in regions.items()}
 
     def close(self) -> None:
         """Unlink and unmap the segment (attached workers keep their mapping until they unmap)."""

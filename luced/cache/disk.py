@@ -21,10 +21,11 @@ float range, so no byte pattern raises anything but ``SnapshotFileError`` and ``
 quarantines on any failure.
 
 A file is a plain safetensors file: the snapshot's tensors (the model layout with the token
-axis sized n; a recurrent layer's state, which has none, at its own shape; bfloat16 stored
-as BF16, read back as uint16 bits) plus ``tokens`` (int32 ``[n]``), and string metadata::
+axis sized n; a recurrent layer's state, which has none, with a leading axis of one slot
+per cut; bfloat16 stored as BF16, read back as uint16 bits) plus ``tokens`` (int32
+``[n]``), and string metadata::
 
-    format "luced-kv-snapshot"   format_version "2"   n_tokens   created (unix s)
+    format "luced-kv-snapshot"   format_version "3"   n_tokens   created (unix s)
     fingerprint   template_hash   placement   dtype   (must equal this daemon's identity)
     cuts   JSON list of restore points      crc32   JSON {tensor name: crc32 of its bytes}
 
@@ -71,7 +72,9 @@ from luced.ipc.regions import numpy_dtype
 log = logging.getLogger(__name__)
 
 FORMAT = "luced-kv-snapshot"
-FORMAT_VERSION = 2  # 2: recurrent states ("conv.l", "delta.l", no token axis)
+# 2: recurrent states ("conv.l", "delta.l", no token axis); 3: a state slot per cut point
+# (format-2 states hold the end only: read as format 3 they would be misplaced, so quarantine)
+FORMAT_VERSION = 3
 SUFFIX = ".safetensors"
 TMP_SUFFIX = ".tmp"
 QUARANTINE = "quarantine"
@@ -373,9 +376,9 @@ class SnapshotDisk:
         final = self.path(entry_id)
         tokens = np.asarray(arrays[TOKENS])
         n = len(tokens)
-        self._check_arrays(arrays, n, "write", ValueError)
-        crcs = {s.name: zlib.crc32(_bytes_of(arrays[s.name])) for s in self.specs}
         cut_list = sorted({int(c) for c in cuts if 0 < int(c) <= n} | {n})
+        self._check_arrays(arrays, n, len(cut_list), "write", ValueError)
+        crcs = {s.name: zlib.crc32(_bytes_of(arrays[s.name])) for s in self.specs}
         created = time.time()
         metadata = {
             "format": FORMAT,
@@ -430,7 +433,7 @@ class SnapshotDisk:
         path = Path(path)
         parsed = self._parse(path)
         # A file replaced since the scan may no longer fit the arrays sized from it.
-        self._check_arrays(dest, parsed.n, path.name, SnapshotFileError)
+        self._check_arrays(dest, parsed.n, len(parsed.cuts), path.name, SnapshotFileError)
         try:
             with os.fdopen(_open_regular(path), "rb", buffering=0) as f:
                 for name, (begin, _) in sorted(parsed.spans.items(), key=lambda kv: kv[1]):
@@ -526,7 +529,12 @@ class SnapshotDisk:
     # -- validation -----------------------------------------------------------------------
 
     def _check_arrays(
-        self, arrays: Mapping[str, np.ndarray], n: int, what: str, error: type[Exception]
+        self,
+        arrays: Mapping[str, np.ndarray],
+        n: int,
+        n_cuts: int,
+        what: str,
+        error: type[Exception],
     ) -> None:
         want = {s.name for s in self.specs}
         if set(arrays) != want:
@@ -534,7 +542,7 @@ class SnapshotDisk:
             raise error(f"{what}: tensors missing {missing}, unexpected {extra}")
         for s in self.specs:
             a = arrays[s.name]
-            shape, dt = s.shape_for(n), numpy_dtype(s.dtype)
+            shape, dt = s.shape_for(n, n_cuts), numpy_dtype(s.dtype)
             if a.shape != shape or a.dtype != dt or not a.flags.c_contiguous:
                 raise error(
                     f"{what}: tensor {s.name} must be C-contiguous {dt} {list(shape)}, "
@@ -547,7 +555,7 @@ class SnapshotDisk:
         header, hlen, size = _read_header(path)
         meta = header.pop("__metadata__", None)
         n, cuts, created, crcs = self._check_metadata(name, meta)
-        spans = self._check_tensors(name, header, n, 8 + hlen, size)
+        spans = self._check_tensors(name, header, n, len(cuts), 8 + hlen, size)
         if set(crcs) != set(spans):
             raise SnapshotFileError(f"{name}: checksums do not name exactly the tensors")
         return _Parsed(n, cuts, created, crcs, spans, size)
@@ -588,12 +596,19 @@ class SnapshotDisk:
             crcs = dict(crc_map)
         except (ValueError, TypeError, OverflowError) as e:
             raise SnapshotFileError(f"{name}: malformed metadata ({e})") from None
-        if n < 1 or not cuts or not all(0 < c <= n for c in cuts) or n not in cuts:
+        ordered = list(cuts) == sorted(set(cuts))  # slot i of a state is the i-th cut
+        if n < 1 or not cuts or not all(0 < c <= n for c in cuts) or cuts[-1] != n or not ordered:
             raise SnapshotFileError(f"{name}: bad token count {n} or cuts {list(cuts)}")
         return n, cuts, created, crcs
 
     def _check_tensors(
-        self, name: str, header: dict[str, object], n: int, data_start: int, size: int
+        self,
+        name: str,
+        header: dict[str, object],
+        n: int,
+        n_cuts: int,
+        data_start: int,
+        size: int,
     ) -> dict[str, tuple[int, int]]:
         want = {s.name: s for s in self.specs}
         if set(header) != set(want):
@@ -605,7 +620,7 @@ class SnapshotDisk:
         spans: dict[str, tuple[int, int]] = {}
         for tname, spec in want.items():
             info = header[tname]
-            shape = spec.shape_for(n)
+            shape = spec.shape_for(n, n_cuts)
             ok = (
                 isinstance(info, dict)
                 and info.get("dtype") == FILE_DTYPES[spec.dtype]
@@ -620,7 +635,7 @@ class SnapshotDisk:
                     f"{FILE_DTYPES[spec.dtype]} {list(shape)}"
                 )
             begin, end = info["data_offsets"]  # type: ignore[index]
-            if end - begin != spec.nbytes(n) or begin < 0:
+            if end - begin != spec.nbytes(n, n_cuts) or begin < 0:
                 raise SnapshotFileError(f"{name}: tensor {tname} has bad data offsets")
             spans[tname] = (data_start + begin, data_start + end)
         # The data must tile [data_start, size) exactly: no gap, no overlap, nothing missing.

@@ -9,8 +9,10 @@ per token: the token axis is sized 1, and a snapshot of n tokens has n there::
     "conv.{layer}"              (kernel - 1, channels)      None           cache dtype
     "delta.{layer}"             (heads, key_dim, value_dim) None           float32
 
-A spec without a token axis (a recurrent layer's state at the snapshot's end) has the
-same shape whatever n is.
+A spec without a token axis is a recurrent layer's state. A hybrid's snapshot holds it at
+each of its cut points (the recurrent state exists only where the prefill stopped), so
+its tensor has a leading cut axis: ``shape_for(n, n_cuts)`` is ``(n_cuts, *shape)``,
+slot i the state at the entry's i-th cut (ascending, the last one n).
 
 Daemon side: no torch here (``tests/test_layering.py``).
 """
@@ -36,10 +38,10 @@ class TensorSpec:
             raise ValueError(f"{self.name}: shape {self.shape} needs size 1 at {self.token_axis}")
         numpy_dtype(self.dtype)  # raises on an unknown name
 
-    def shape_for(self, n_tokens: int) -> tuple[int, ...]:
-        """The tensor's shape holding ``n_tokens`` positions."""
+    def shape_for(self, n_tokens: int, n_cuts: int = 1) -> tuple[int, ...]:
+        """The tensor's shape holding ``n_tokens`` positions (a state: ``n_cuts`` slots)."""
         if self.token_axis is None:
-            return self.shape
+            return (n_cuts, *self.shape)
         shape = list(self.shape)
         shape[self.token_axis] = n_tokens
         return tuple(shape)
@@ -48,8 +50,8 @@ class TensorSpec:
     def bytes_per_token(self) -> int:
         return math.prod(self.shape) * numpy_dtype(self.dtype).itemsize
 
-    def nbytes(self, n_tokens: int) -> int:
-        """Bytes of the tensor holding ``n_tokens`` positions."""
+    def nbytes(self, n_tokens: int, n_cuts: int = 1) -> int:
+        """Bytes of the tensor holding ``n_tokens`` positions (a state: ``n_cuts`` slots)."""
         if self.token_axis is None:
-            return self.bytes_per_token  # the whole tensor, whatever n
+            return self.bytes_per_token * n_cuts  # one whole state per cut, whatever n
         return self.bytes_per_token * n_tokens

@@ -19,14 +19,16 @@ dropping one defers its removal to its last unpin.
 
 Reuse rules. Attention-only models (default): K/V rows ``[0, m)`` of any snapshot are the
 K/V of its first m tokens, so any common prefix is reusable. ``exact_cuts`` (recurrent
-state): only an entry's cut points are restorable; a snapshot holds the state at its own
-end, so its cuts are ``[n]`` unless ``save`` is told of others. A restore always leaves at
-least one prompt token to compute (the model must produce logits), and a match shorter
-than ``min_tokens`` is not worth the copy.
+state): only an entry's cut points are restorable; a snapshot holds the state at each of
+its cuts (``save`` is told the positions where the model kept it, plus the end). A restore
+always leaves at least one prompt token to compute (the model must produce logits), and a
+match shorter than ``min_tokens`` is not worth the copy.
 
-A block holds the layout's tensors (token axis sized to the entry's length N) and
-``tokens`` (int32 ``[N]``). ``import_kv(n, regions, tokens)`` gets regions sized N >= n and
-reads the first n positions along each tensor's token axis.
+A block holds the layout's tensors (token axis sized to the entry's length N; a recurrent
+state's cut axis to its number of cuts C) and ``tokens`` (int32 ``[N]``).
+``export_kv(n, regions, cuts)`` fills state slot i with the state at ``cuts[i]``;
+``import_kv(n, regions, tokens)`` gets regions sized N >= n, reads the first n positions
+along each tensor's token axis, and each state from a one-slot region (the slot of cut n).
 """
 
 from __future__ import annotations
@@ -61,13 +63,15 @@ class KVMover(Protocol):
         """The snapshot tensors, token axis sized 1 (asked once, before building the cache)."""
         ...
 
-    async def export_kv(self, n: int, regions: dict[str, Region]) -> None:
-        """Copy the live KV positions ``[0, n)`` into ``regions`` (token axis sized n)."""
+    async def export_kv(self, n: int, regions: dict[str, Region], cuts: Sequence[int]) -> None:
+        """Copy the live KV positions ``[0, n)`` into ``regions`` (token axis sized n), and
+        each recurrent state at ``cuts[i]`` (ascending, the last one n) into its slot i."""
         ...
 
     async def import_kv(self, n: int, regions: dict[str, Region], tokens: Region) -> None:
-        """Make the live KV hold positions ``[0, n)`` from ``regions`` (token axis >= n);
-        ``tokens`` (int32, >= n) are the ids at those positions."""
+        """Make the live KV hold positions ``[0, n)`` from ``regions`` (token axis >= n; a
+        recurrent state one slot, the state at n); ``tokens`` (int32, >= n) are the ids at
+        those positions."""
         ...
 
 
@@ -176,7 +180,7 @@ class PrefixCache:
                     d.entry_id,
                     d.tokens,
                     d.cuts,
-                    self.layout_bytes(len(d.tokens)),
+                    self.layout_bytes(len(d.tokens), len(d.cuts)),
                     d.created,
                     d.last_used,
                     disk_bytes=d.nbytes,
@@ -186,9 +190,9 @@ class PrefixCache:
                 for entry_id in disk.evict_to(disk_budget):
                     self._forget(self._entries[entry_id])
 
-    def layout_bytes(self, n: int) -> int:
-        """Arena bytes of an entry of ``n`` tokens."""
-        return _layout_bytes(self.specs, n)
+    def layout_bytes(self, n: int, n_cuts: int = 1) -> int:
+        """Arena bytes of an entry of ``n`` tokens and ``n_cuts`` cut points."""
+        return _layout_bytes(self.specs, n, n_cuts)
 
     # -- the engine's calls -----------------------------------------------------------------
 
@@ -222,9 +226,9 @@ class PrefixCache:
             if e.block is None and not await self._load_from_disk(e):
                 return 0
             assert e.block is not None
-            regions = self.arena.regions(e.block, self.specs, len(e.tokens))
+            regions = self.arena.regions(e.block, self.specs, len(e.tokens), len(e.cuts))
             tokens = regions.pop(TOKENS)
-            await mover.import_kv(hit.n, regions, tokens)
+            await mover.import_kv(hit.n, self._state_slot(regions, e, hit.n), tokens)
         finally:
             self._unpin(e)
         e.hits += 1
@@ -245,9 +249,10 @@ class PrefixCache:
         Returns the id of the entry now covering ``tokens[:n]`` (an existing one is just
         touched), or None when skipped (shorter than ``min_tokens``, no arena room).
         ``cuts``: further positions < n where this snapshot may be restored with
-        ``exact_cuts`` (only if the mover's state is valid there; attention-only models
-        need none). Entries made redundant (their tokens a prefix of these, every cut
-        covered) leave memory now and disk once this entry is written. Starts the disk
+        ``exact_cuts`` (only where the mover kept its recurrent state: it exports one per
+        cut; attention-only models need none). Entries made redundant (their tokens a
+        prefix of these, every cut covered) leave memory now and disk once this entry is
+        written. Starts the disk
         write in the background; never waits for it. Errors of ``mover`` propagate.
         """
         toks = as_tokens(tokens)
@@ -260,20 +265,21 @@ class PrefixCache:
         if found is not None and found[1] == n:
             await self._touch(self._entries[found[0]])
             return found[0]
-        block = self._alloc(self.layout_bytes(n))
+        cut_list = tuple(sorted({int(c) for c in cuts if 0 < int(c) < n} | {n}))
+        nbytes = self.layout_bytes(n, len(cut_list))
+        block = self._alloc(nbytes)
         if block is None:
             log.info("prefix cache: no arena room for %d tokens; not saved", n)
             return None
         now = self._clock()
         saved = toks.copy()
         saved.flags.writeable = False
-        cut_list = tuple(sorted({int(c) for c in cuts if 0 < int(c) < n} | {n}))
-        e = _Entry(self._new_id(), saved, cut_list, self.layout_bytes(n), now, now, block)
+        e = _Entry(self._new_id(), saved, cut_list, nbytes, now, now, block)
         self._pin(e)  # not indexed before the export completes: no lookup can see it
         try:
-            regions = self.arena.regions(block, self.specs, n)
+            regions = self.arena.regions(block, self.specs, n, len(cut_list))
             view(self.arena.segment, regions.pop(TOKENS))[:] = saved
-            await mover.export_kv(n, regions)
+            await mover.export_kv(n, regions, cut_list)
         except BaseException:
             e.block = None
             self.arena.free(block)
@@ -386,6 +392,16 @@ class PrefixCache:
         e = self._entries[entry_id]
         return e.block is not None, e.last_used  # equal matches: memory first, then MRU
 
+    def _state_slot(self, regions: dict[str, Region], e: _Entry, n: int) -> dict[str, Region]:
+        """``regions`` with each recurrent state narrowed to its slot of cut ``n``."""
+        states = [s.name for s in self.specs if s.token_axis is None]
+        if not states:
+            return regions
+        if n not in e.cuts:  # the index only offers cuts in exact-cut mode
+            raise ValueError(f"entry {e.id} holds its recurrent state at {e.cuts}, not at {n}")
+        slot = e.cuts.index(n)
+        return {k: r.rows(slot, slot + 1) if k in states else r for k, r in regions.items()}
+
     def _new_id(self) -> str:
         while True:
             entry_id = secrets.token_hex(6)
@@ -482,7 +498,7 @@ class PrefixCache:
             return False
         path = self.disk.path(e.id)
         try:
-            views = self.arena.views(block, self.specs, len(e.tokens))
+            views = self.arena.views(block, self.specs, len(e.tokens), len(e.cuts))
             await asyncio.to_thread(self.disk.read_into, path, views)
             if not np.array_equal(views[TOKENS], e.tokens):
                 raise SnapshotFileError(f"{path.name}: token ids differ from the scanned ones")
@@ -511,7 +527,7 @@ class PrefixCache:
             async with self._write_lock:
                 if e.doomed or e.block is None:
                     return
-                views = self.arena.views(e.block, self.specs, len(e.tokens))
+                views = self.arena.views(e.block, self.specs, len(e.tokens), len(e.cuts))
 
                 def write() -> int:
                     d = disk.write(e.id, views, e.cuts)

@@ -36,6 +36,10 @@ from luced.text.turns import TurnMarker
 
 log = logging.getLogger(__name__)
 
+# Chat-turn boundaries whose recurrent state a hybrid's snapshot keeps besides its end (the
+# latest ones: a conversation that branches does so near its end). Each costs one state.
+MAX_STATE_CUTS = 4
+
 
 class EngineError(Exception):
     status = 500
@@ -312,8 +316,9 @@ class Engine:
         try:
             await self.target.reset()
             handle.cached_tokens = cached = await self._restore_prefix(req.prompt)
+            cuts = self._cut_points(req.prompt, cached)
             sampled = await self.target.prefill(
-                req.prompt[cached:], sampling, k, cancelled=lambda: handle.cancelled
+                req.prompt[cached:], sampling, k, lambda: handle.cancelled, keep_at=cuts
             )
             if sampled is None:  # cancelled during the prefill
                 handle._finish("abort")
@@ -321,7 +326,7 @@ class Engine:
             self.totals["prompt_tokens"] += handle.prompt_tokens
             self.totals["cached_prompt_tokens"] += cached  # restored, not computed
             self._observe("prompt_tokens", handle.prompt_tokens)
-            await self._save_prefix(req.prompt)
+            await self._save_prefix(req.prompt, cuts)
             if speculate:
                 await self._decode_speculative(handle, out, stops, sampled, sampling, k)
             else:
@@ -348,9 +353,22 @@ class Engine:
         self._observe("prefix_hits", restored)
         return restored
 
-    async def _save_prefix(self, prompt: list[int]) -> None:
-        """Snapshot the prompt's KV (the target holds exactly the prompt now); the cut
-        points are its chat-turn boundaries. The disk copy is written in the background."""
+    def _cut_points(self, prompt: list[int], cached: int) -> list[int]:
+        """Where the prompt's snapshot may be restored besides its end: the chat-turn
+        boundaries. A recurrent model's state exists only where its prefill stopped, so for
+        it these are the restored position and the latest MAX_STATE_CUTS boundaries past
+        it (the prefill stops and keeps the state at each: exact-cut mode)."""
+        if self.prefix_cache is None:
+            return []
+        cuts = self.turns.cuts(prompt) if self.turns is not None else []
+        if not self.target.recurrent:
+            return cuts
+        later = [c for c in cuts if cached < c < len(prompt)][-MAX_STATE_CUTS:]
+        return [cached, *later] if cached else later
+
+    async def _save_prefix(self, prompt: list[int], cuts: list[int]) -> None:
+        """Snapshot the prompt's KV (the target holds exactly the prompt now), restorable
+        at `cuts` (`_cut_points`) and the end. The disk copy is written in the background."""
         if self.prefix_cache is None:
             return
         if not self.target.identity_layout:
@@ -360,10 +378,6 @@ class Engine:
                 len(prompt),
             )
             return
-        # A recurrent model's state exists only at the prompt's end (exact-cut mode): the
-        # turn boundaries inside the prompt are no restore points for it.
-        turns = self.turns if not self.target.recurrent else None
-        cuts = turns.cuts(prompt) if turns is not None else []
         try:
             await self.prefix_cache.save(prompt, len(prompt), self.target, cuts)
         except WorkerReplyError as exc:  # the request goes on; only the snapshot is lost

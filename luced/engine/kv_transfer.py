@@ -9,9 +9,10 @@ token axis (or more: a longer snapshot restores any shorter prefix)::
                                                     kv_import), all workers concurrently
     "ring"            [>= n, n_capture, hidden]     copied here with numpy, from / to
                                                     the feature ring (captures on only)
-    "conv.{l}",       the state of recurrent layer l at the snapshot's end (no token
-    "delta.{l}"       axis): exported / imported by its worker; restorable only at n ==
-                      the snapshot's length (the prefix cache's exact-cut mode)
+    "conv.{l}",       the states of recurrent layer l at the snapshot's cut points, one
+    "delta.{l}"       slot each [len(cuts), *state] on export (the workers kept them,
+                      ``Target.prefill`` ``keep_at``); one slot [1, *state] on import,
+                      the state at n (the prefix cache's exact-cut mode picks it)
 
 Ring rows: the ring holds the last ring_cap positions, so a snapshot carries ring rows
 only for its positions [max(0, n - ring_cap), n); rows before that are left as they
@@ -54,14 +55,22 @@ class KVTransfer:
         per_worker = await self._worker_layouts()
         return [spec for specs in per_worker for spec in specs] + _ring_spec(ring)
 
-    async def export(self, n: int, regions: dict[str, Region], ring: FeatureRing | None) -> None:
-        """Copy positions [0, n) into `regions`, one per spec of `layout`. Nothing is
-        written before every region checked out; when a worker fails the others have
-        finished too (the regions are free again) and the first error is raised."""
+    async def export(
+        self,
+        n: int,
+        regions: dict[str, Region],
+        ring: FeatureRing | None,
+        cuts: tuple[int, ...] = (),
+    ) -> None:
+        """Copy positions [0, n) into `regions`, one per spec of `layout`, and each
+        recurrent state at cuts[i] (default (n,)) into its slot i. Nothing is written
+        before every region checked out; when a worker fails the others have finished too
+        (the regions are free again) and the first error is raised."""
         per_worker = await self._worker_layouts()
-        self._check(per_worker, ring, regions, n)
+        cuts = cuts or (n,)
+        self._check(per_worker, ring, regions, n, len(cuts))
         frames = [
-            KVExport(position=n, regions={s.name: regions[s.name] for s in specs})
+            KVExport(position=n, regions={s.name: regions[s.name] for s in specs}, cuts=cuts)
             for specs in per_worker
         ]
         await self._call_all(frames)
@@ -74,7 +83,7 @@ class KVTransfer:
         """Each worker's import of positions [0, n), every region checked first: a bad
         one raises here, before anything changes."""
         per_worker = await self._worker_layouts()
-        self._check(per_worker, ring, regions, n)
+        self._check(per_worker, ring, regions, n, 1)
         return [
             KVImport(position=n, regions={s.name: regions[s.name] for s in specs}, tokens=tokens)
             for specs in per_worker
@@ -120,6 +129,7 @@ class KVTransfer:
         ring: FeatureRing | None,
         regions: Mapping[str, Region],
         n: int,
+        slots: int,
     ) -> None:
         specs = [s for specs in per_worker for s in specs] + _ring_spec(ring)
         names = {s.name for s in specs}
@@ -133,9 +143,9 @@ class KVTransfer:
             r = regions[spec.name]
             axis = spec.token_axis
             rows = n if axis is None else r.shape[axis]
-            ok = len(r.shape) == len(spec.shape) and r.dtype == spec.dtype and rows >= n
-            if not ok or spec.shape_for(rows) != r.shape:
-                want = list(spec.shape_for(n))
+            ok = len(r.shape) == len(spec.shape_for(n, slots)) and r.dtype == spec.dtype
+            if not ok or rows < n or spec.shape_for(rows, slots) != r.shape:
+                want = list(spec.shape_for(n, slots))
                 raise ValueError(
                     f"snapshot region {spec.name} must be {spec.dtype} {want} (or longer on "
                     f"axis {axis}), got {r.dtype} {list(r.shape)}"

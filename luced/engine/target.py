@@ -83,6 +83,12 @@ from luced.ipc.shm import Segment, ShmOwner
 
 log = logging.getLogger(__name__)
 
+# DFlash rollback of a recurrent state (a hybrid target): "select" keeps the state after
+# each position of a verify block (the recurrent form) and a cut inside it picks the
+# accepted one; "replay" rewinds to the block's start and re-feeds the accepted tokens (one
+# more forward per rejected block). tools/bench_dflash.py --rollback measures both.
+ROLLBACK = "select"
+
 MAX_TOP_LOGPROBS = 20
 MAX_BLOCK = 64  # longest DFlash block a request may use
 
@@ -141,6 +147,9 @@ class Target:
         # any is rolled back by rewinding to the last forward's start and replaying.
         self._recurrent: dict[tuple[int, int], tuple[int, ...]] = {}
         self._last_fed: tuple[int, list[int]] = (0, [])  # (start, ids) of the last forward
+        self._last_block_states = False  # it kept a recurrent state per position
+        # How a DFlash verify's rejected suffix leaves a recurrent state (see `truncate`).
+        self.rollback: str = ROLLBACK
         self._ring_floor = 0  # no ring row below this position is valid (after a restore)
         self.draft: LoadDraftReply | None = None  # the DFlash draft, when one is loaded
         self._draft_path: str | None = None
@@ -257,6 +266,7 @@ class Target:
         await asyncio.gather(*(w.call(Reset()) for w in self.executor.workers()))
         self._position = 0
         self._last_fed = (0, [])
+        self._last_block_states = False
         self._ring_floor = 0
         if self.flash is not None:
             self.flash.reset()
@@ -268,17 +278,24 @@ class Target:
         cannot be cut at any position, and a prefix snapshot does not cover it."""
         return any(self._recurrent.values())
 
+    @property
+    def _select_rollback(self) -> bool:
+        return self.recurrent and self.rollback == "select"
+
     async def truncate(self, position: int) -> None:
         """Roll every shard's KV back to `position` committed tokens.
 
         A recurrent state cannot be cut: it is kept at the last forward's start (the state
         that forward replaced), so a cut inside the last forward (a verify that accepted
         part of its block) rewinds there and replays the kept tokens through the pipeline,
-        asking the head for one row of logits, which touches no sampler state."""
+        asking the head for one row of logits, which touches no sampler state. A verify
+        that kept a state per position (`rollback` "select") is cut like attention KV:
+        each worker selects the state at `position`."""
         if not 0 <= position <= self._position:
             raise ValueError(f"cannot truncate to {position}: {self._position} are committed")
         start, fed = self._last_fed
-        replay = fed[: position - start] if self.recurrent and position > start else []
+        replayed = self.recurrent and position > start and not self._last_block_states
+        replay = fed[: position - start] if replayed else []
         if self.recurrent and position < start:
             raise ValueError(
                 f"cannot truncate a recurrent model to {position}: its state is kept only at "
@@ -439,7 +456,13 @@ class Target:
         greedy = {**(sampling or {}), "temperature": 0.0}
         outputs = self._row_outputs(n, logprobs)
         await self._forward(
-            block, "sample", outputs, positions="all", sampling=greedy, top_logprobs=k
+            block,
+            "sample",
+            outputs,
+            positions="all",
+            sampling=greedy,
+            top_logprobs=k,
+            keep_block_states=self._select_rollback,
         )
         return self._read_rows(n, outputs)
 
@@ -460,6 +483,7 @@ class Target:
             sampling=sampling,
             top_logprobs=k,
             draft_probs=q,
+            keep_block_states=self._select_rollback,
         )
         assert reply.accepted is not None
         return self._read_rows(reply.accepted + 1, outputs), reply.accepted
@@ -472,20 +496,30 @@ class Target:
         sampling: dict,
         logprobs: int | None,
         cancelled: Callable[[], bool] = lambda: False,
+        keep_at: Sequence[int] = (),
     ) -> Sampled | None:
         """Feed the prompt in chunks of max_batch_tokens; sample after the last one.
-        Returns None when `cancelled()` turned true between chunks."""
+        Returns None when `cancelled()` turned true between chunks.
+
+        `keep_at`: absolute positions inside the prompt where a recurrent model keeps its
+        state (prefix-cache cut points, `export_kv` `cuts`): a chunk ends at each, so the
+        state exists there."""
         chunk = self.placement.max_batch_tokens
         if self.flash is not None:
             chunk = min(chunk, self.flash.step_limit)  # each step's chunks fit the pool
-        for start in range(0, len(prompt), chunk):
+        base, end = self._position, self._position + len(prompt)
+        marks = {p for p in keep_at if base < p < end} if self.recurrent else set()
+        stops = sorted(set(range(base + chunk, end, chunk)) | marks | {end})  # gaps <= chunk
+        a = base
+        for b in stops:
             if cancelled():
                 return None
-            piece = prompt[start : start + chunk]
-            last = start + chunk >= len(prompt)
+            piece = prompt[a - base : b - base]
+            last = b == end
             if last and self.flash is not None and len(prompt) > self.flash.pool:
                 self.flash.pager.ask_reselect()  # qk: select by the prompt's last query
-            sampled = await self._sample(piece, sampling, logprobs, sample=last)
+            sampled = await self._sample(piece, sampling, logprobs, last, b in marks)
+            a = b
         return sampled
 
     async def step(self, token: int, sampling: dict, logprobs: int | None) -> Sampled:
@@ -504,11 +538,18 @@ class Target:
         return self._arrays["logits"][:n].copy()
 
     async def _sample(
-        self, ids: list[int], sampling: dict, logprobs: int | None, sample: bool
+        self,
+        ids: list[int],
+        sampling: dict,
+        logprobs: int | None,
+        sample: bool,
+        keep_state: bool = False,
     ) -> Sampled | None:
         outputs = self._row_outputs(1, logprobs)
         k = min(logprobs or 0, MAX_TOP_LOGPROBS)
-        await self._forward(ids, "sample", outputs, sampling=sampling, top_logprobs=k)
+        await self._forward(
+            ids, "sample", outputs, sampling=sampling, top_logprobs=k, keep_state=keep_state
+        )
         return self._read_rows(1, outputs)[0] if sample else None
 
     def _row_outputs(self, n: int, logprobs: int | None) -> dict[str, Region]:
@@ -545,8 +586,11 @@ class Target:
         sampling: dict | None = None,
         top_logprobs: int = 0,
         draft_probs: Region | None = None,
+        keep_state: bool = False,
+        keep_block_states: bool = False,
     ) -> ForwardReply:
-        """One pipeline pass of `ids` through every worker; outputs from the last one."""
+        """One pipeline pass of `ids` through every worker; outputs from the last one.
+        `keep_state`: each worker keeps the recurrent state this pass reaches."""
         workers = self.executor.workers()
         if not self.executor.in_sync:
             raise WorkerDied("a model worker was restarted; the request must start over")
@@ -576,6 +620,8 @@ class Target:
                     sampling=(sampling or {}) if last else {},
                     top_logprobs=top_logprobs if last else 0,
                     draft_probs=draft_probs if last else None,
+                    keep_state=keep_state,
+                    keep_block_states=keep_block_states,
                     **capture,
                     **flash[k],
                 )
@@ -605,6 +651,7 @@ class Target:
             self.flash.after_step()  # qk: reselect; the copies ride with the next plan
         self._position = start + n
         self._last_fed = (start, list(ids))
+        self._last_block_states = keep_block_states
         self.last_wall_us = int((time.perf_counter() - t0) * 1e6)
         self.last_compute_us = compute_us
         return reply
@@ -649,16 +696,18 @@ class Target:
         """Every tensor of a snapshot: each worker's K/V in layer order, then the ring."""
         return await self.kv.layout(self.ring)
 
-    async def export_kv(self, n: int, regions: dict[str, Region]) -> None:
+    async def export_kv(self, n: int, regions: dict[str, Region], cuts: Sequence[int] = ()) -> None:
         """Copy the snapshot of positions [0, n) (n <= position) into `regions`, one per
-        spec of `kv_layout`; all or nothing. The KV is never changed."""
+        spec of `kv_layout`; all or nothing. The KV is never changed. A recurrent model's
+        state regions get one slot per cut (ascending to n; the workers kept those states:
+        `prefill` `keep_at`, or the position a restore reached)."""
         if not self.executor.in_sync:
             raise WorkerDied("a model worker was restarted; its KV is gone")
         if not 0 <= n <= self._position:
             raise ValueError(f"cannot export {n} positions: {self._position} are committed")
         if self.flash is not None and not self.flash.is_identity:
             raise ValueError("KV Flash: a snapshot needs the identity layout (prompt <= pool)")
-        await self.kv.export(n, regions, self.ring)
+        await self.kv.export(n, regions, self.ring, tuple(cuts) if self.recurrent else ())
 
     async def import_kv(self, n: int, regions: dict[str, Region], tokens: Region) -> None:
         """Restore positions [0, n) from a snapshot (its token axis may be longer than n);
@@ -684,6 +733,7 @@ class Target:
             raise
         self._position = n
         self._last_fed = (n, [])
+        self._last_block_states = False
         self.executor.in_sync = True
         if self.flash is not None:
             self.flash.sync_identity(n)  # the workers hold rows [0, n) in rows [0, n)

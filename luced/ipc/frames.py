@@ -27,7 +27,7 @@ The ops (request fields -> reply fields):
     draft     ring, committed, anchor, outputs, block_size, mask_token_id, ctx_window,
               sampling                      -> n, ctx, elapsed_us
     kv_layout                               -> tensors, dtype, states
-    kv_export position, regions             -> position, elapsed_us
+    kv_export position, regions, cuts       -> position, elapsed_us
     kv_import position, regions, tokens     -> position, elapsed_us
     truncate  position                      -> position
     reset                                   -> (nothing)
@@ -45,6 +45,9 @@ KV Flash: ``load`` ``kv_pool`` and its reply's ``kv_pool`` / ``kv_chunk_bytes``,
 ``forward`` ``kv_slots`` / ``kv_map`` / ``kv_moves`` / ``kv_host``: a pooled worker
 cannot serve a forward without the pager's plan, so an old daemon must not drive it);
 8: ``forward`` ``kv_scores`` (the KV Flash ``qk`` scores written back in shared memory);
+``forward`` ``keep_state`` / ``keep_block_states`` and ``kv_export`` ``cuts``: a
+snapshot's recurrent states have a leading slot axis, one per cut point (an old worker
+would misread the regions), and a verify may keep a recurrent state per position;
 MoE expert compute: ``load`` ``moe_hot`` / ``moe_scratch`` / ``moe_required``, its reply's
 ``moe_fingerprint``; ``load_experts``; ``expert_mix`` (worker to worker, see below).
 
@@ -324,6 +327,12 @@ class Forward(Request):
     # float32 [2, chunks], written by the worker after the step (policy qk): per chunk, the
     # sum over its scored layers of the chunk's best query-key cosine, and that layer count.
     kv_scores: Region | None = None
+    # Keep the recurrent state reached by this forward (a prefix-cache cut point: a later
+    # kv_export names it in ``cuts``) until reset, kv_import or a truncate below it.
+    keep_state: bool = False
+    # Keep the recurrent state after every position of this forward (a DFlash verify
+    # block): a truncate inside it then selects the accepted one instead of a replay.
+    keep_block_states: bool = False
 
     @property
     def n_out(self) -> int:
@@ -642,10 +651,12 @@ class DraftBlockReply(Reply):
 # axis (axis 1) are the K / V of positions [0, n). The worker copies straight between its
 # cache and those regions (device <-> host on a GPU); nothing is serialized.
 #
-# A recurrent layer (Gated DeltaNet) has no rows but a state at the snapshot's end, one
-# region each, without a token axis: "conv.{layer}" [kernel - 1, channels] cache dtype,
-# "delta.{layer}" [heads, key_dim, value_dim] float32. A state sums up every position, so
-# it restores only the whole snapshot: position == the snapshot's length (tokens' rows).
+# A recurrent layer (Gated DeltaNet) has no rows but a state per cut point, one region
+# each with a leading slot axis: "conv.{layer}" [slots, kernel - 1, channels] cache dtype,
+# "delta.{layer}" [slots, heads, key_dim, value_dim] float32. A state sums up every
+# position, so it exists only where a forward stopped: kv_export writes slot i from the
+# state at cuts[i]; kv_import reads one slot (the daemon passes the slot of the cut it
+# restores: a prefix cache in exact-cut mode restores only at an entry's cuts).
 
 _KV_NAME = re.compile(r"^[kv]\.(0|[1-9][0-9]{0,5})$")
 _STATE_NAME = re.compile(r"^(conv|delta)\.(0|[1-9][0-9]{0,5})$")
@@ -693,16 +704,27 @@ class KVExport(Request):
     """Copy K/V rows [0, position) of every layer into ``regions`` (see the section comment).
 
     ``regions`` names exactly the tensors of ``kv_layout``; ``position`` <= the committed KV
-    length. Everything is checked before the first copy; the KV is never changed. The worker
-    writes the regions before replying; nobody reads them before the reply.
+    length. A recurrent state's region is ``[len(cuts), *state]``: slot i gets the state at
+    ``cuts[i]`` (ascending, the last == ``position`` == the committed length; the others
+    kept by ``forward`` ``keep_state``); empty ``cuts`` means ``(position,)``. Everything
+    is checked before the first copy; the KV is never changed. The worker writes the
+    regions before replying; nobody reads them before the reply.
     """
 
     position: int
     regions: dict[str, Region]
+    cuts: tuple[int, ...] = ()
+
+    @property
+    def state_cuts(self) -> tuple[int, ...]:
+        return self.cuts or (self.position,)
 
     def _check(self) -> None:
         if self.position < 0:
             raise self._fail(f"position must be >= 0, got {self.position}")
+        cuts = list(self.state_cuts)
+        if cuts != sorted(set(cuts)) or cuts[-1] != self.position or (cuts[0] < 1 < len(cuts)):
+            raise self._fail(f"cuts must ascend to position {self.position}, got {cuts}")
         _check_kv_regions(self)
         spans = sorted(
             (r.segment, r.offset, r.offset + r.nbytes, name) for name, r in self.regions.items()

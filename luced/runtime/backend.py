@@ -286,7 +286,10 @@ class Backend(WorkerState):
         fed = ids.tolist() if ids is not None else []  # copied before the daemon reuses it
         accepted = None
         moe_before = self._moe_counts()
+        recurrent = [s.cache.recurrent for s in m.shards if s.cache.recurrent is not None]
         try:
+            for rec in recurrent:  # a verify block: a state per position, to cut inside it
+                rec.track_positions = req.keep_block_states
             hidden = self._run(m, hidden, start, req.capture, ring, ids)
             if req.kv_scores is not None:
                 self._kv_scores(m, self.tensor(req.kv_scores))
@@ -301,6 +304,13 @@ class Backend(WorkerState):
         except BaseException:
             m.truncate(start)  # nothing of a failed forward stays in the KV
             raise
+        finally:
+            for rec in recurrent:
+                rec.track_positions = False
+        if req.keep_state:  # a prefix-cache cut point: kv_export reads it later
+            for shard in m.shards:
+                if shard.cache.recurrent is not None:
+                    shard.cache.save_state()
         m.tokens.extend(fed)
         elapsed = time.perf_counter() - t0
         self.forward_count += 1

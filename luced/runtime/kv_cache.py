@@ -40,7 +40,10 @@ fill position) therefore needs the state *at* p, one of:
     the previous commit     each commit keeps the state it replaced, so the last forward
                             can be undone (a failed step, a rejected draft re-fed);
     a saved state           `save_state()` keeps the state at the fill position until
-                            `release_state`, `reset` or a rewind below it.
+                            `release_state`, `reset` or a rewind below it;
+    inside the last forward when that forward tracked positions (`track_positions`, a
+                            DFlash verify block): the recurrent form emitted the state
+                            after each token, so a cut inside the block selects one.
 
 Anything else raises `RecurrentRollback` and changes nothing. `restore_state(snap)`
 rewinds to a saved snapshot. Rewinding to p drops the kept states past p: the rows they
@@ -115,11 +118,25 @@ class RecurrentState:
         self._staged: dict[int, LayerState] = {}
         self._undo: RecurrentSnapshot | None = None  # the state the last commit replaced
         self._saved: dict[int, RecurrentSnapshot] = {}
+        # Per-position states of the last forward (a verify block, `track_positions`):
+        # position -> the state after it, so a cut inside the block selects one.
+        self.track_positions = False  # set by the worker around a forward that wants them
+        self._staged_steps: dict[int, list[LayerState]] = {}
+        self._inside: dict[int, RecurrentSnapshot] = {}
 
-    def stage(self, layer: int, conv: torch.Tensor, delta: torch.Tensor) -> None:
+    def stage(
+        self,
+        layer: int,
+        conv: torch.Tensor,
+        delta: torch.Tensor,
+        steps: list[LayerState] | None = None,
+    ) -> None:
+        """`steps`: the state after each token of the forward (the last == (conv, delta))."""
         if layer not in self.shapes:
             raise KeyError(f"layer {layer} is not a recurrent layer of this cache")
         self._staged[layer] = (conv, delta)
+        if steps is not None:
+            self._staged_steps[layer] = steps
 
     def commit(self, end: int) -> None:
         if end == self.current.pos and not self._staged:
@@ -127,12 +144,18 @@ class RecurrentState:
         missing = self.shapes.keys() - self._staged.keys()
         if missing:
             raise RuntimeError(f"commit to {end} without a new state for layers {sorted(missing)}")
+        start = self.current.pos
+        self._inside = {}
+        if self._staged_steps.keys() == self.shapes.keys():
+            for i in range(end - start - 1):  # the last step is the committed state itself
+                states = {layer: steps[i] for layer, steps in self._staged_steps.items()}
+                self._inside[start + i + 1] = RecurrentSnapshot(start + i + 1, states)
         self._undo = self.current
         self.current = RecurrentSnapshot(end, self._staged)
-        self._staged = {}
+        self._staged, self._staged_steps = {}, {}
 
     def kept_positions(self) -> list[int]:
-        kept = {0, self.current.pos, *self._saved}
+        kept = {0, self.current.pos, *self._saved, *self._inside}
         if self._undo is not None:
             kept.add(self._undo.pos)
         return sorted(kept)
@@ -141,7 +164,7 @@ class RecurrentState:
         """Make the state at `pos` (<= the committed position) current, or raise and change
         nothing. Drops any staged state: its forward did not commit."""
         if pos == self.current.pos:
-            self._staged = {}
+            self._staged, self._staged_steps = {}, {}
             return
         if pos == 0:
             target = self._zero
@@ -149,20 +172,39 @@ class RecurrentState:
             target = self._undo
         elif pos in self._saved:
             target = self._saved[pos]
+        elif pos in self._inside:
+            target = self._inside[pos]
         else:
             raise RecurrentRollback(
                 f"cannot rewind the recurrent layers {sorted(self.shapes)} from position "
                 f"{self.current.pos} to {pos}: their state is kept only at positions "
                 f"{self.kept_positions()} (save_state() keeps more)"
             )
-        self.current, self._staged = target, {}
+        self.current, self._staged, self._staged_steps = target, {}, {}
         if self._undo is not None and self._undo.pos >= pos:
             self._undo = None
         self._saved = {p: snap for p, snap in self._saved.items() if p <= pos}
+        self._inside = {p: snap for p, snap in self._inside.items() if p < pos}
 
     def save(self) -> RecurrentSnapshot:
         self._saved[self.current.pos] = self.current
         return self.current
+
+    def at(self, pos: int) -> RecurrentSnapshot:
+        """The kept state at `pos` (current, saved, the previous commit or zero), or raise."""
+        if pos == self.current.pos:
+            return self.current
+        if pos in self._saved:
+            return self._saved[pos]
+        if pos in self._inside:
+            return self._inside[pos]
+        if self._undo is not None and self._undo.pos == pos:
+            return self._undo
+        if pos == 0:
+            return self._zero
+        raise RecurrentRollback(
+            f"no recurrent state kept at position {pos} (kept: {self.kept_positions()})"
+        )
 
     def is_kept(self, snap: RecurrentSnapshot) -> bool:
         return (
@@ -178,6 +220,7 @@ class RecurrentState:
 
     def reset(self) -> None:
         self.current, self._staged, self._undo, self._saved = self._zero, {}, None, {}
+        self._staged_steps, self._inside = {}, {}
 
     def load(self, pos: int, states: Mapping[int, LayerState]) -> None:
         """Make copies of `states` (every layer's (conv, delta), any device) the state at
@@ -359,13 +402,28 @@ class KVCache:
         """`layer`'s committed (conv window, delta matrix): the state at the fill position."""
         return self._recurrent().current.states[layer]
 
-    def stage_state(self, layer: int, conv: torch.Tensor, delta: torch.Tensor) -> None:
-        """`layer`'s state after the running forward; `commit` makes it current."""
-        self._recurrent().stage(layer, conv, delta)
+    def stage_state(
+        self,
+        layer: int,
+        conv: torch.Tensor,
+        delta: torch.Tensor,
+        steps: list[LayerState] | None = None,
+    ) -> None:
+        """`layer`'s state after the running forward; `commit` makes it current. `steps`
+        (when `tracks_positions`): the state after each of its tokens."""
+        self._recurrent().stage(layer, conv, delta, steps)
+
+    def tracks_positions(self) -> bool:
+        """Whether the running forward keeps a state per position (a verify block)."""
+        return self.recurrent is not None and self.recurrent.track_positions
 
     def save_state(self) -> RecurrentSnapshot:
         """Keep the recurrent state at the fill position, so `truncate` can come back to it."""
         return self._recurrent().save()
+
+    def state_at(self, pos: int) -> RecurrentSnapshot:
+        """The kept recurrent state at `pos` (a prefix snapshot's cut), or RecurrentRollback."""
+        return self._recurrent().at(pos)
 
     def restore_state(self, snap: RecurrentSnapshot) -> None:
         """Rewind to a kept snapshot (its rows [0, snap.pos) are still in the cache)."""

@@ -10,12 +10,15 @@ for every layer that stores K/V: a KV-sharing layer (Gemma 4) reads its source l
 tensors and has no region of its own, so nothing is copied twice; heads and head_dim
 may differ per layer. A recurrent layer (Gated DeltaNet) keeps no rows but a state::
 
-    "conv.{layer}"    [kernel - 1, channels]          cache dtype   the state at the
-    "delta.{layer}"   [heads, key_dim, value_dim]     float32       snapshot's end
+    "conv.{layer}"    [slots, kernel - 1, channels]       cache dtype   the state at
+    "delta.{layer}"   [slots, heads, key_dim, value_dim]  float32       each cut
 
-A state sums up every position before it, so export needs n == the committed position
-(the state held) and import n == the snapshot's length (the rows of ``tokens``): a hybrid
-restores whole snapshots only (the prefix cache's exact-cut mode).
+A state sums up every position before it, so it exists only where a forward stopped:
+export needs n == the committed position and writes slot i from the state kept at
+``cuts[i]`` (``forward`` ``keep_state`` kept it; the last cut is n); import reads one
+slot, the state at n (the daemon picks the slot: a hybrid restores only at an entry's
+cuts, the prefix cache's exact-cut mode) and keeps it, so the next snapshot may name n
+as a cut again.
 
 Export copies each layer's committed rows ``[0, n)`` from the cache into its region;
 import replaces the cache of every shard by rows ``[0, n)`` of the regions (a longer
@@ -37,7 +40,7 @@ import torch
 
 from luced.ipc import frames as F
 from luced.ipc.regions import Region
-from luced.runtime.kv_cache import ContextOverflow
+from luced.runtime.kv_cache import ContextOverflow, RecurrentRollback
 from luced.runtime.state import Loaded, Shard, WorkerError, WorkerState
 
 # layer -> (its shard, K view, V view) for K/V layers, (its shard, conv view, delta view)
@@ -78,13 +81,23 @@ def export(worker: WorkerState, req: F.KVExport) -> F.KVExportReply:
             f"kv_export of {n} positions: the recurrent state is held at {m.position} only"
         )
     t0 = time.perf_counter()
-    resolved = _resolve(worker, m, req.regions, n)
+    cuts = req.state_cuts
+    resolved = _resolve(worker, m, req.regions, n, len(cuts))
+    try:  # every cut's state found before the first copy
+        kept = {
+            id(shard): [shard.cache.state_at(c) for c in cuts]
+            for shard in m.shards
+            if shard.cache.recurrent is not None
+        }
+    except RecurrentRollback as e:
+        raise WorkerError(f"kv_export at cuts {list(cuts)}: {e}") from None
     for layer, (shard, a, b) in resolved.items():
         cache = shard.cache
         if cache.is_recurrent(layer):
-            conv, delta = cache.recurrent_state(layer)
-            a.copy_(conv)
-            b.copy_(delta)
+            for slot, snap in enumerate(kept[id(shard)]):
+                conv, delta = snap.states[layer]
+                a[slot].copy_(conv)
+                b[slot].copy_(delta)
         else:
             cache.export_rows(layer, n, a, b)
     elapsed = time.perf_counter() - t0
@@ -96,17 +109,12 @@ def export(worker: WorkerState, req: F.KVExport) -> F.KVExportReply:
 def import_(worker: WorkerState, req: F.KVImport) -> F.KVImportReply:
     m = worker.model("kv_import")
     n = req.position
-    if _recurrent(m) and n != req.tokens.shape[0]:
-        raise WorkerError(
-            f"kv_import of {n} positions from a snapshot of {req.tokens.shape[0]}: a recurrent "
-            "state restores only the snapshot's end"
-        )
     if n > m.reply.kv_capacity:
         raise ContextOverflow(
             f"kv_import of {n} positions exceeds the KV capacity of {m.reply.kv_capacity} tokens"
         )
     t0 = time.perf_counter()
-    resolved = _resolve(worker, m, req.regions, n)
+    resolved = _resolve(worker, m, req.regions, n, 1)
     ids = worker.tensor(req.tokens)[:n]
     if n:
         lo, hi = (int(x) for x in torch.aminmax(ids))
@@ -119,8 +127,10 @@ def import_(worker: WorkerState, req: F.KVImport) -> F.KVImportReply:
             cache = shard.cache
             mine = {layer: (a, b) for layer, (s, a, b) in resolved.items() if s is shard}
             rows = {layer: p for layer, p in mine.items() if not cache.is_recurrent(layer)}
-            states = {layer: p for layer, p in mine.items() if cache.is_recurrent(layer)}
+            states = {layer: (a[0], b[0]) for layer, (a, b) in mine.items() if layer not in rows}
             cache.import_rows(n, rows, states if cache.recurrent is not None else None)
+            if cache.recurrent is not None:
+                cache.save_state()  # the restored cut stays a cut of the next snapshot
     except BaseException:
         m.truncate(0)  # all shards empty, no history: never half a prefix
         raise
@@ -149,8 +159,11 @@ def _state_refs(shard: Shard) -> dict[str, tuple[int, torch.Tensor]]:
     return out
 
 
-def _resolve(worker: WorkerState, m: Loaded, regions: Mapping[str, Region], n: int) -> _Resolved:
-    """Every layer's K and V region as torch views, all checked (no copy yet)."""
+def _resolve(
+    worker: WorkerState, m: Loaded, regions: Mapping[str, Region], n: int, slots: int
+) -> _Resolved:
+    """Every layer's K and V region as torch views, all checked (no copy yet); a state
+    region has ``slots`` states."""
     expected: dict[str, tuple[Shard, int]] = {}
     refs: dict[str, torch.Tensor] = {}  # state regions: exact shape and dtype
     for shard in m.shards:
@@ -169,7 +182,7 @@ def _resolve(worker: WorkerState, m: Loaded, regions: Mapping[str, Region], n: i
     for name, region in regions.items():
         shard, layer = expected[name]
         if name in refs:
-            want, dt = list(refs[name].shape), dtype_name(refs[name].dtype)
+            want, dt = [slots, *refs[name].shape], dtype_name(refs[name].dtype)
             if region.dtype != dt or list(region.shape) != want:
                 raise WorkerError(
                     f"region {name} must be {dt} {want}, got {region.dtype} {list(region.shape)}"

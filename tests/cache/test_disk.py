@@ -35,11 +35,13 @@ IDENT = DiskIdentity("model-sha-1", "tmpl-1", "cpu:[0,2)", "bfloat16")
 OTHER_MODEL = DiskIdentity("model-sha-2", "tmpl-1", "cpu:[0,2)", "bfloat16")
 
 
-def arrays(n: int, seed: int = 0, layout: list[TensorSpec] = LAYOUT) -> dict[str, np.ndarray]:
+def arrays(
+    n: int, seed: int = 0, layout: list[TensorSpec] = LAYOUT, n_cuts: int = 1
+) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(seed)
     out: dict[str, np.ndarray] = {}
     for s in layout:
-        shape = list(s.shape_for(n))
+        shape = list(s.shape_for(n, n_cuts))
         if s.dtype == "bfloat16":  # any 16-bit pattern, NaN payloads included
             out[s.name] = rng.integers(0, 1 << 16, size=shape, dtype=np.uint16)
         else:
@@ -100,7 +102,7 @@ def test_files_are_standard_safetensors_with_bf16(disk: SnapshotDisk) -> None:
         meta = f.metadata()
         assert np.array_equal(f.get_tensor("ring"), src["ring"])
     assert meta["fingerprint"] == IDENT.fingerprint and meta["placement"] == IDENT.placement
-    assert (meta["n_tokens"], meta["format_version"], meta["dtype"]) == ("5", "2", "bfloat16")
+    assert (meta["n_tokens"], meta["format_version"], meta["dtype"]) == ("5", "3", "bfloat16")
     loaded = load_file(entry.path)
     assert loaded["k.0"].dtype == torch.bfloat16 and tuple(loaded["k.0"].shape) == (2, 5, 8)
     assert np.array_equal(loaded["k.0"].view(torch.int16).numpy().view(np.uint16), src["k.0"])
@@ -115,16 +117,21 @@ HYBRID = [
 ]
 
 
-def test_recurrent_states_round_trip_at_their_own_shape(tmp_path: Path) -> None:
+def test_recurrent_states_round_trip_one_slot_per_cut(tmp_path: Path) -> None:
+    """A hybrid's entry holds each state at each cut: the slots travel in cut order, and a
+    file whose state slots do not match its cuts is refused."""
     d = SnapshotDisk(tmp_path / "kv", IDENT, HYBRID)
     try:
-        src = arrays(9, seed=4, layout=HYBRID)
-        assert src["conv.0"].shape == (3, 12) and src["k.3"].shape == (2, 9, 8)
-        entry = d.write("beef", src)
-        assert [e.entry_id for e in d.scan()] == ["beef"]
+        src = arrays(9, seed=4, layout=HYBRID, n_cuts=3)
+        assert src["conv.0"].shape == (3, 3, 12) and src["k.3"].shape == (2, 9, 8)
+        entry = d.write("beef", src, cuts=(2, 5))
+        assert entry.cuts == (2, 5, 9)
+        assert [(e.entry_id, e.cuts) for e in d.scan()] == [("beef", (2, 5, 9))]
         dest = empty_like(src)
         d.read_into(entry.path, dest)
         assert all(dest[k].tobytes() == src[k].tobytes() for k in src)
+        with pytest.raises(ValueError, match=r"conv.0 must be C-contiguous .* \[2, 3, 12\]"):
+            d.write("f00d", src, cuts=(5,))  # three slots, two cuts
     finally:
         d.close()
 
@@ -132,19 +139,20 @@ def test_recurrent_states_round_trip_at_their_own_shape(tmp_path: Path) -> None:
 def test_files_of_the_old_format_version_are_quarantined(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """Version 1 files predate recurrent states: never read, moved aside with a warning."""
+    """Version 2 files hold a hybrid's state at the end only, without a slot axis: never
+    read, moved aside with a warning."""
     import luced.cache.disk as disk_mod
 
     d = SnapshotDisk(tmp_path / "kv", IDENT, LAYOUT)
     try:
-        monkeypatch.setattr(disk_mod, "FORMAT_VERSION", 1)
+        monkeypatch.setattr(disk_mod, "FORMAT_VERSION", 2)
         old = d.write("0123", arrays(4)).path
         monkeypatch.undo()
         with caplog.at_level(logging.WARNING):
             assert d.scan() == []
         assert not old.exists()
         assert [p.name for p in (d.dir / QUARANTINE).iterdir()] == ["0123.safetensors"]
-        assert "format version 1, this build reads 2" in caplog.text
+        assert "format version 2, this build reads 3" in caplog.text
     finally:
         d.close()
 

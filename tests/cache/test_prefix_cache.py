@@ -13,7 +13,7 @@ import itertools
 import logging
 import secrets
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -75,8 +75,9 @@ class NumpyModel:
     async def kv_layout(self) -> list[TensorSpec]:
         return list(LAYOUT)
 
-    async def export_kv(self, n: int, regions: dict[str, Region]) -> None:
+    async def export_kv(self, n: int, regions: dict[str, Region], cuts: Sequence[int]) -> None:
         assert set(regions) == {s.name for s in LAYOUT} and n <= self.position
+        assert cuts[-1] == n
         if self.fail_export:
             raise RuntimeError("worker died")
         for s in LAYOUT:
@@ -512,4 +513,100 @@ async def test_exact_cuts_reuse_only_whole_snapshots(owner: ShmOwner) -> None:
     assert sorted(e.n_tokens for e in cache.entries()) == [40, 60]  # t1's cut is not in t2's
     m = await serve(cache, np.concatenate([t1, toks((4, 5))]), save=False)
     assert m.computed == 5
+    await cache.close()
+
+
+# -- a hybrid: recurrent states at cut points -------------------------------------------------
+
+HYBRID = [
+    TensorSpec("k.1", (2, 1, 4), "float32", 1),
+    TensorSpec("v.1", (2, 1, 4), "float32", 1),
+    TensorSpec("conv.0", (4, 8), "float32", None),  # states: one slot per cut
+    TensorSpec("delta.0", (16,), "float32", None),
+]
+
+
+def summary(prefix: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+    """A recurrent state: a function of every token of the prefix."""
+    h = float(np.sum(prefix.astype(np.int64) * np.arange(1, len(prefix) + 1)) % 65521)
+    return np.full(shape, h + len(prefix), np.float32)
+
+
+class StateModel:
+    """A hybrid stand-in: K/V rows (the token at each position) and a state that sums up
+    the prefix, which exists only where a prefill stopped (`keep`), as a real one."""
+
+    def __init__(self) -> None:
+        self.tokens = np.zeros(0, np.int32)
+        self.kept: dict[int, dict[str, np.ndarray]] = {}
+        self.att = Attachments()
+
+    def states(self, n: int) -> dict[str, np.ndarray]:
+        specs = [s for s in HYBRID if s.token_axis is None]
+        return {s.name: summary(self.tokens[:n], s.shape) for s in specs}
+
+    def prefill(self, prompt: np.ndarray, keep: Sequence[int] = ()) -> None:
+        for stop in [*keep, len(prompt)]:
+            self.tokens = np.asarray(prompt[:stop], np.int32)
+            self.kept[stop] = self.states(stop)
+
+    async def export_kv(self, n: int, regions: dict[str, Region], cuts: Sequence[int]) -> None:
+        assert n == len(self.tokens) == cuts[-1]
+        for s in HYBRID:
+            dst = self.att.view(regions[s.name])
+            if s.token_axis is None:
+                assert dst.shape == (len(cuts), *s.shape)
+                for i, c in enumerate(cuts):
+                    dst[i] = self.kept[c][s.name]  # KeyError: a cut whose state is gone
+            else:
+                dst[:] = self.tokens[None, :, None]
+
+    async def import_kv(self, n: int, regions: dict[str, Region], tokens: Region) -> None:
+        self.tokens = self.att.view(tokens)[:n].copy()
+        for s in HYBRID:
+            src = self.att.view(regions[s.name])
+            if s.token_axis is None:
+                assert src.shape == (1, *s.shape)
+                assert np.array_equal(src[0], self.states(n)[s.name]), "the state of another cut"
+            else:
+                assert np.array_equal(
+                    src[:, :n], np.broadcast_to(self.tokens[None, :, None], (2, n, 4))
+                )
+        self.kept = {n: self.states(n)}
+
+
+async def test_hybrid_restores_the_state_of_the_last_shared_cut(
+    owner: ShmOwner, tmp_path: Path
+) -> None:
+    """Two conversations share their first turn: the second restores at the first one's
+    turn cut, from memory and from disk, with that cut's state; a lookup never restores
+    a hybrid between cuts."""
+    arena = SnapshotArena(owner, 1 << 20)
+    disk = SnapshotDisk(tmp_path / "kv", IDENT, HYBRID)
+    cache = PrefixCache(HYBRID, arena, disk, exact_cuts=True, clock=ticking_clock())
+    turn1, turn2 = toks((1, 40)), toks((2, 30))
+    first = np.concatenate([turn1, turn2])
+    m = StateModel()
+    m.prefill(first, keep=[40])
+    await cache.save(first, len(first), m, cuts=[40])
+    (entry,) = cache.entries()
+    assert cache.layout_bytes(70, 2) == entry.nbytes > cache.layout_bytes(70)
+
+    other = np.concatenate([turn1, toks((3, 25))])
+    for tier in ("memory", "disk"):
+        hit = cache.lookup(other)
+        assert hit is not None and hit.n == 40 and hit.tier in (tier, "both")
+        m2 = StateModel()
+        assert await cache.restore(hit, m2) == 40  # import_kv checks the slot's state
+        await cache.flush()
+        await cache.clear()  # memory dropped: the next round reads the file
+    assert cache.stats().hits == 2
+
+    # Between cuts: the longest shared prefix (50) is no cut, so the turn cut (40) it is.
+    hit = cache.lookup(np.concatenate([first[:50], toks((4, 10))]))
+    assert hit is not None and hit.n == 40
+    assert cache.lookup(np.concatenate([turn1[:39], toks((5, 10))])) is None
+    # The end is a cut too: the next turn restores the whole first conversation.
+    hit = cache.lookup(np.concatenate([first, toks((6, 10))]))
+    assert hit is not None and hit.n == 70
     await cache.close()

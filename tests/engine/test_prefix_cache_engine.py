@@ -1,7 +1,7 @@
 """The prefix cache through the real Engine and Target (worker subprocesses, the
 daemon-owned arena, kv_export / kv_import frames): restore-then-generate == fresh.
 
-For each target (tiny llama / qwen3 / gemma3, both bundled real models), placement
+For each target (every tiny family, both bundled real models), placement
 (unsplit, 2-worker split) and decoding (plain, DFlash with a random draft), one engine
 with a prefix cache serves a prompt, then prompts that share all of it or part of it,
 and a fresh engine without a cache serves the same prompts: the greedy tokens must be
@@ -21,10 +21,14 @@ from luced.engine.core import Engine, GenerationRequest
 from luced.gguf_file import GGUFFile
 from luced.sampling_params import SamplingParams
 from luced.text.tokenizer import Tokenizer
+from luced.text.turns import TurnMarker
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
 N = 12  # tokens generated per request
+# The families beyond the first three: attention-only ones reuse any prefix, hybrids
+# (recurrent state) restore at cut points only.
+NEWER = {"gemma4": False, "qwen3moe": False, "laguna": False, "qwen35moe": True}
 
 
 def engine_with(path: Path, devices, draft: Path | None, cache: bool):
@@ -81,9 +85,9 @@ async def check_restore_equals_fresh(
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Path]]:
     root = tmp_path_factory.mktemp("prefix")
     out = {}
-    for family in ("llama", "qwen3", "gemma3", "qwen35"):
+    for family in ("llama", "qwen3", "gemma3", "qwen35", *NEWER):
         target = root / f"{family}.gguf"
-        extra = {} if family == "gemma3" else {"layers": 8}
+        extra = {} if family in ("gemma3", "gemma4") else {"layers": 8}
         make_tiny_gguf.build(family, target, seed=5, context=1024, **extra)
         _, draft, _ = make_tiny_draft.build(target, root / f"draft-{family}", seed=1)
         out[family] = (target, draft)
@@ -114,6 +118,87 @@ async def test_hybrid_restore_at_exact_cuts_equals_fresh(tiny, devices, with_dra
     the prompt's end; a restore there, then plain or speculative decoding, == fresh."""
     target, draft = tiny["qwen35"]
     await check_restore_equals_fresh(target, devices, draft if with_draft else None, True)
+
+
+@pytest.mark.parametrize("family", list(NEWER))
+@pytest.mark.parametrize("devices", [("cpu",), ("cpu", "cpu:1")], ids=["unsplit", "split"])
+async def test_newer_families_restore_equals_fresh(tiny, family, devices) -> None:
+    """gemma4 (sliding windows, KV-sharing layers, per-layer embeddings), the MoE families
+    and the qwen35moe hybrid: restore, then plain decoding, == fresh; split too (gemma4's
+    boundary moves to keep a sharing layer with its source)."""
+    await check_restore_equals_fresh(tiny[family][0], devices, None, NEWER[family])
+
+
+@pytest.mark.parametrize("family", list(NEWER))
+async def test_newer_families_restore_with_a_draft_equals_fresh(tiny, family) -> None:
+    await check_restore_equals_fresh(tiny[family][0], ("cpu",), tiny[family][1], NEWER[family])
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3", *NEWER, "qwen35"])
+async def test_restore_from_disk_equals_fresh(tiny, family, tmp_path) -> None:
+    """Every family's snapshot through the disk tier: written, the memory copy dropped,
+    read back into the arena and restored; then generation == fresh."""
+    path = tiny[family][0]
+    first, turn2 = prompts(Tokenizer.from_gguf(GGUFFile(path)).vocab_size)[:2]
+    async with engine_with(path, ("cpu",), None, cache=False) as fresh:
+        expected = (await run(fresh, turn2))[0]
+    async with engine_for(
+        path, context=1024, prefix_cache_bytes=64 << 20, kv_cache_dir=tmp_path
+    ) as cached:
+        cache = cached.prefix_cache
+        await run(cached, first)
+        await cache.flush()
+        assert await cache.clear() == 1  # memory dropped: the entry is on disk only
+        assert [e.tier for e in cache.entries()] == ["disk"]
+        assert await run(cached, turn2) == (expected, 150)
+        assert cache.stats().restore_errors == 0
+
+
+def turn_prompts(vocab: int) -> tuple[int, list[list[int]]]:
+    """A turn marker (the token opening each message) and conversations: the first; one
+    sharing its first two turns; one sharing its first turn; the first plus a turn; one
+    sharing part of the first turn only (no cut inside: nothing to restore)."""
+    marker = vocab - 1
+
+    def turn(seed: int, n: int) -> list[int]:
+        return [marker] + [(seed * i + 3) % marker for i in range(n)]
+
+    a, b = turn(7, 60), turn(11, 40)
+    first = a + b + turn(13, 30)
+    return marker, [
+        first,
+        a + b + turn(17, 25),
+        a + turn(19, 30),
+        first + turn(23, 20),
+        a[:50] + turn(29, 20),
+    ]
+
+
+@pytest.mark.parametrize(
+    ("family", "devices", "with_draft"),
+    [
+        ("qwen35", ("cpu",), False),
+        ("qwen35", ("cpu", "cpu:1"), True),
+        ("qwen35moe", ("cpu", "cpu:1"), False),
+    ],
+    ids=["qwen35", "qwen35-split+draft", "qwen35moe-split"],
+)
+async def test_hybrid_restores_at_the_last_shared_turn(tiny, family, devices, with_draft) -> None:
+    """A hybrid's prefill stops at each chat-turn boundary and keeps the recurrent state
+    there, so a conversation sharing the first turns of an earlier one (not its last)
+    restores at the last shared turn boundary, and generates exactly as fresh."""
+    target, draft = tiny[family]
+    marker, ps = turn_prompts(Tokenizer.from_gguf(GGUFFile(target)).vocab_size)
+    draft = draft if with_draft else None
+    async with engine_with(target, devices, draft, cache=False) as fresh:
+        expected = [(await run(fresh, p))[0] for p in ps]
+    async with engine_with(target, devices, draft, cache=True) as cached:
+        cached.turns = TurnMarker(marker)  # the template's marker (the harness has none)
+        got = [await run(cached, p) for p in ps]
+    assert [tokens for tokens, _ in got] == expected
+    # 102: the first two turns (61 + 41); 61: the first turn; 133: all of the first; the
+    # last shares 51 tokens, inside the first turn, where no state was kept.
+    assert [n for _, n in got] == [0, 102, 61, 133, 0]
 
 
 @pytest.mark.real_model

@@ -1,10 +1,12 @@
 """DFlash on a hybrid target (qwen35: Gated DeltaNet layers beside attention layers).
 
-A recurrent state cannot be cut inside a verified block: the target rewinds to the
-block's start (the state the verify replaced) and replays the accepted tokens
-(``Target.truncate``). Oracles: plain greedy decoding of the same target, unsplit and
-split over two workers; a seeded sampled run repeats itself. The random draft accepts
-almost nothing, so nearly every block is rolled back and replayed.
+A recurrent state cannot be cut inside a verified block: either the verify keeps the
+state after each of its positions and the cut selects one (rollback "select"), or the
+target rewinds to the block's start (the state the verify replaced) and replays the
+accepted tokens ("replay", ``Target.truncate``). Oracles: plain greedy decoding of the
+same target, unsplit and split over two workers, both rollbacks; a seeded sampled run
+repeats itself. The random draft accepts almost nothing, so nearly every block is
+rolled back.
 """
 
 from __future__ import annotations
@@ -38,9 +40,11 @@ async def plain(tiny: tuple[Path, Path]) -> list[int]:
         return (await run(engine))[0]
 
 
+@pytest.mark.parametrize("rollback", ["select", "replay"])
 @pytest.mark.parametrize("devices", [("cpu",), ("cpu", "cpu:1")], ids=["unsplit", "split"])
-async def test_greedy_speculative_equals_plain(tiny, plain, devices) -> None:
+async def test_greedy_speculative_equals_plain(tiny, plain, devices, rollback) -> None:
     async with engine_for(tiny[0], devices, draft=tiny[1]) as engine:
+        engine.target.rollback = rollback
         for block in (2, 4, 16):
             engine.block_size = block
             tokens, spec = await run(engine)
@@ -49,8 +53,10 @@ async def test_greedy_speculative_equals_plain(tiny, plain, devices) -> None:
         assert (await run(engine, max_tokens=7))[0] == plain[:7]
 
 
-async def test_sampled_speculative_is_seeded(tiny) -> None:
+@pytest.mark.parametrize("rollback", ["select", "replay"])
+async def test_sampled_speculative_is_seeded(tiny, rollback) -> None:
     async with engine_for(tiny[0], ("cpu", "cpu:1"), draft=tiny[1], block_size=4) as engine:
+        engine.target.rollback = rollback
         a, spec = await run(engine, temperature=0.8, top_k=20, seed=5)
         b, _ = await run(engine, temperature=0.8, top_k=20, seed=5)
         c, _ = await run(engine, temperature=0.8, top_k=20, seed=6)
@@ -58,11 +64,37 @@ async def test_sampled_speculative_is_seeded(tiny) -> None:
         assert spec["drafts"] > 0
 
 
+@pytest.mark.parametrize("devices", [("cpu",), ("cpu", "cpu:1")], ids=["unsplit", "split"])
+async def test_truncate_inside_a_verify_selects_the_kept_state(tiny, devices) -> None:
+    """rollback "select": a verify keeps the state after each position, so a cut anywhere
+    inside it continues like feeding only the kept tokens, with no forward replayed."""
+    async with engine_for(tiny[0], devices) as engine:
+        target = engine.target
+        target.rollback = "select"
+        await target.reset()
+        await target.prefill(PROMPT, {"temperature": 0}, None)
+        start = target.position
+        block = [11, 12, 13, 14, 15]
+        fresh = await target.logits(block)
+        for kept in (1, 3, 4):
+            await target.reset()
+            await target.prefill(PROMPT, {"temperature": 0}, None)
+            await target.verify(block)
+            calls = target.last_wall_us
+            await target.truncate(start + kept)
+            assert target.last_wall_us == calls  # no forward ran
+            after = await target.logits([block[kept]])
+            # recurrent form here, chunked form in `fresh`: float32 rounding apart
+            np.testing.assert_allclose(after[0], fresh[kept], rtol=1e-4, atol=1e-4)
+            assert after[0].argmax() == fresh[kept].argmax()
+
+
 async def test_truncate_inside_the_last_forward_replays(tiny) -> None:
     """Cutting a recurrent target inside its last forward equals feeding only the kept
     tokens; cutting before that forward's start is refused (its state is gone)."""
     async with engine_for(tiny[0]) as engine:
         target = engine.target
+        target.rollback = "replay"
         await target.reset()
         await target.prefill(PROMPT, {"temperature": 0}, None)
         start = target.position

@@ -202,6 +202,32 @@ def test_saved_state_restores(hybrid: Model) -> None:
         cache.restore_state(snap)
 
 
+def test_a_tracked_forward_keeps_a_state_per_position(hybrid: Model) -> None:
+    """A verify block (`track_positions`, DFlash rollback "select"): the recurrent form keeps
+    the state after each token, so a cut anywhere inside the block continues like a fresh
+    run of the kept tokens; an untracked forward keeps none, and the next commit drops them."""
+    n, d = len(PROMPT), len(DRAFT)
+    cache = hybrid.new_cache(64)
+    rec = cache.recurrent
+    assert rec is not None
+    hybrid.forward(PROMPT, cache, 0)
+    hybrid.forward(DRAFT, cache, n)
+    assert rec.kept_positions() == [0, n, n + d]
+    for k in range(1, d):
+        cache.reset()
+        hybrid.forward(PROMPT, cache, 0)
+        rec.track_positions = True
+        hybrid.forward(DRAFT, cache, n)
+        rec.track_positions = False
+        assert rec.kept_positions() == [0, *range(n, n + d + 1)]
+        cache.truncate(n + k)
+        got = hybrid.forward(ACCEPTED, cache, n + k)
+        # the recurrent form inside the block, the chunked one in the oracle: float32 apart
+        expected = fresh_logits(hybrid, PROMPT, DRAFT[:k], ACCEPTED)
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+        assert rec.kept_positions() == [0, n + k, n + k + len(ACCEPTED)]
+
+
 def test_hybrid_cache_refuses_row_imports(hybrid: Model) -> None:
     cache = hybrid.new_cache(16)
     k = torch.zeros(hybrid.cfg.n_kv_heads, 4, hybrid.cfg.head_dim)

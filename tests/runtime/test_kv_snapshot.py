@@ -55,17 +55,23 @@ def owner() -> Iterator[ShmOwner]:
 
 
 class Snapshot:
-    """Regions for every tensor of a layout, `rows` positions long, in a fresh segment."""
+    """Regions for every tensor of a layout, `rows` positions long (a recurrent state
+    `slots` cut points), in a fresh segment."""
 
-    def __init__(self, owner: ShmOwner, layout: F.KVLayoutReply, rows: int) -> None:
+    def __init__(self, owner: ShmOwner, layout: F.KVLayoutReply, rows: int, slots: int = 1) -> None:
         specs = {name: ((h, rows, d), layout.dtype) for name, h, d in layout.tensors}
-        specs.update((name, (shape, dt)) for name, shape, dt in layout.states)
+        specs.update((name, ((slots, *shape), dt)) for name, shape, dt in layout.states)
+        self.states = {name for name, _, _ in layout.states}
         specs["tokens"] = ((rows,), "int32")
         self.seg = owner.create(f"snap-{secrets.token_hex(3)}", required_bytes(specs.values()))
         alloc = RegionAllocator.for_segment(self.seg)
         self.all = {name: alloc.alloc(name, shape, dt) for name, (shape, dt) in specs.items()}
         self.regions = {k: r for k, r in self.all.items() if k != "tokens"}
         self.tokens = self.all["tokens"]
+
+    def slot(self, i: int) -> dict[str, Region]:
+        """The regions with each state narrowed to slot i (what an import reads)."""
+        return {k: r.rows(i, i + 1) if k in self.states else r for k, r in self.regions.items()}
 
     def a(self, name: str) -> np.ndarray:
         r = self.all[name]
@@ -125,7 +131,7 @@ class Daemon:
         r = self.r[name]
         return self.io.array(r.offset, r.shape, F_DTYPES[r.dtype])
 
-    def feed(self, ids: list[int]) -> np.ndarray:
+    def feed(self, ids: list[int], keep_state: bool = False) -> np.ndarray:
         """Feed ids at the current position; a copy of every position's logits."""
         n = len(ids)
         self._io("tokens")[:n] = ids
@@ -137,6 +143,7 @@ class Daemon:
                 outputs={"logits": self.r["logits"].rows(0, n)},
                 tokens=self.r["tokens"].rows(0, n),
                 positions="all",
+                keep_state=keep_state,
             )
         )
         return self._io("logits")[:n].copy()
@@ -170,18 +177,24 @@ class Daemon:
         assert isinstance(reply, F.KVLayoutReply)
         return reply
 
-    def snapshot(self, rows: int) -> Snapshot:
-        return Snapshot(self.owner, self.layout(), rows)
+    def snapshot(self, rows: int, slots: int = 1) -> Snapshot:
+        return Snapshot(self.owner, self.layout(), rows, slots)
 
-    def export(self, n: int, snap: Snapshot, **override: Region) -> F.KVExportReply:
-        reply = self.call(F.KVExport(position=n, regions={**snap.regions, **override}))
+    def export(
+        self, n: int, snap: Snapshot, cuts: tuple[int, ...] = (), **override: Region
+    ) -> F.KVExportReply:
+        regions = {**snap.regions, **override}
+        reply = self.call(F.KVExport(position=n, regions=regions, cuts=cuts))
         assert isinstance(reply, F.KVExportReply)
         return reply
 
-    def import_(self, n: int, snap: Snapshot, tokens: list[int] | None = None) -> int:
+    def import_(
+        self, n: int, snap: Snapshot, tokens: list[int] | None = None, slot: int = 0
+    ) -> int:
         if tokens is not None:
             snap.a("tokens")[: len(tokens)] = tokens
-        reply = self.call(F.KVImport(position=n, regions=snap.regions, tokens=snap.tokens))
+        frame = F.KVImport(position=n, regions=snap.slot(slot), tokens=snap.tokens)
+        reply = self.call(frame)
         assert isinstance(reply, F.KVImportReply)
         return reply.position
 
@@ -399,12 +412,12 @@ def test_before_load(owner: ShmOwner) -> None:
 
 
 @pytest.mark.parametrize("devices", [("cpu",), ("cpu", "cpu")])
-def test_recurrent_state_restores_at_the_snapshot_end(
-    owner: ShmOwner, tmp_path: Path, devices
-) -> None:
+def test_recurrent_states_restore_at_each_cut(owner: ShmOwner, tmp_path: Path, devices) -> None:
     """A qwen35 (DeltaNet layers 0-2, attention layer 3): the snapshot carries each DeltaNet
-    layer's conv window and delta matrix; restoring it == the fresh prefill, bitwise. A
-    state sums up every position, so exports and imports short of it are refused."""
+    layer's conv window and delta matrix at each cut point, slot by slot: the prompt's end
+    and a position where a forward stopped with keep_state. Restoring either == the fresh
+    prefill of that prefix, bitwise. A state exists only where it was kept: exporting any
+    other cut is refused, with nothing written."""
     path = make_tiny_gguf.build("qwen35", tmp_path / "q.gguf", seed=3).path
     d = Daemon(owner, path, devices=devices)
     layout = d.layout()
@@ -414,20 +427,40 @@ def test_recurrent_state_restores_at_the_snapshot_end(
         for i in range(3)
         for kind, dt in (("conv", "float32"), ("delta", "float32"))
     ]
-    first = int(d.feed(PROMPT)[-1].argmax())
-    snap = d.snapshot(N)
+    c = 5
+    first_c = int(d.feed(PROMPT[:c], keep_state=True)[-1].argmax())
+    fresh_c = d.greedy(first_c, 6)
+    d.call(F.Reset())
+    d.feed(PROMPT[:c], keep_state=True)
+    first = int(d.feed(PROMPT[c:])[-1].argmax())
+    snap = d.snapshot(N, slots=2)
     with pytest.raises(WorkerError, match=f"recurrent state is held at {N} only"):
-        d.export(N - 1, snap)
-    d.export(N, snap)
+        d.export(N - 1, snap, (c, N - 1))
+    for name in snap.states:
+        snap.a(name)[:] = 7.0
+    with pytest.raises(WorkerError, match="no recurrent state kept at position 4"):
+        d.export(N, snap, (4, N))
+    assert all((snap.a(name) == 7.0).all() for name in snap.states)  # nothing written
+    d.export(N, snap, (c, N))
     fresh = d.greedy(first, 6)
 
     d.feed([100, 101, 102])
-    with pytest.raises(WorkerError, match="restores only the snapshot's end"):
-        d.import_(N - 1, snap, PROMPT)
-    assert d.import_(N, snap, PROMPT) == N
+    assert d.import_(N, snap, PROMPT, slot=1) == N
     restored = d.greedy(first, 6)
     assert restored[0] == fresh[0]
     assert np.array_equal(restored[1], fresh[1])
+    assert d.import_(c, snap, PROMPT, slot=0) == c  # the turn-boundary cut, same entry
+    restored_c = d.greedy(first_c, 6)
+    assert restored_c[0] == fresh_c[0]
+    assert np.array_equal(restored_c[1], fresh_c[1])
+
+    # The restored cut is kept: a snapshot taken after more tokens names it again.
+    d.import_(c, snap, PROMPT, slot=0)
+    d.feed(PROMPT[c:])
+    again = d.snapshot(N, slots=2)
+    d.export(N, again, (c, N))
+    for name in snap.states:
+        assert np.array_equal(again.a(name), snap.a(name))
 
 
 # -- KVCache helpers ------------------------------------------------------------------------

@@ -288,12 +288,18 @@ def delta_net(model: ModelParts, layer: int, x: torch.Tensor, cache: KVCache) ->
     q = _to_value_heads(_l2norm(q.float().view(n, hk, dk)), hv) * dk**-0.5
     k = _to_value_heads(_l2norm(k.float().view(n, hk, dk)), hv)
     v = v.float().view(n, hv, dv)
+    steps = None
     if n == 1:
         o, state = _delta_rule_step(q[0], k[0], v[0], g[0], beta[0], state)
         o = o[None]
+    elif cache.tracks_positions():  # a verify block: keep the state after every token
+        o, deltas = _delta_rule_steps(q, k, v, g, beta, state)
+        state = deltas[-1]
+        # Token t's conv state is the window's rows t+1 .. t+K-1 (views of one tensor).
+        steps = [(window[t + 1 : t + cfg.conv_kernel], deltas[t]) for t in range(n)]
     else:
         o, state = _delta_rule_chunked(q, k, v, g, beta, state)
-    cache.stage_state(layer, window[n:].clone(), state)
+    cache.stage_state(layer, window[n:].clone(), state, steps)
 
     # Gated RMSNorm per value head, in float32.
     o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + cfg.rms_eps)
@@ -326,6 +332,23 @@ def _delta_rule_step(
     update = (v - predicted) * beta[:, None]
     s = torch.baddbmm(s, k[:, :, None], update[:, None, :])  # S + k update^T
     return torch.bmm(q[:, None, :], s)[:, 0], s
+
+
+def _delta_rule_steps(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """The recurrent form over n tokens: o [n, H, Dv] and the state after each token."""
+    outs, states = [], []
+    for t in range(q.shape[0]):
+        o, state = _delta_rule_step(q[t], k[t], v[t], g[t], beta[t], state)
+        outs.append(o)
+        states.append(state)
+    return torch.stack(outs), states
 
 
 def _delta_rule_chunked(

@@ -27,6 +27,7 @@ async def engine_for(
     context: int = 512,
     block_size: int = 16,
     prefix_cache_bytes: int = 0,
+    weights: str = "dequant",
 ) -> AsyncIterator[Engine]:
     """One worker thread each (2 cores, shared with the test); prompts longer than 64
     tokens span several prefill chunks. A draft is loaded for blocks up to 16."""
@@ -40,6 +41,7 @@ async def engine_for(
             max_batch_tokens=64,
             devices=devices,
             threads=1,
+            weights_mode=weights,
         )
         target = target_cls(owner, placement)
         tokenizer = Tokenizer.from_gguf(gguf)

@@ -255,6 +255,7 @@ class TargetPlacement:
     worker: WorkerSpec | None = None
     workers: tuple[tuple[WorkerSpec, WorkerPlan], ...] = ()
     logit_rows: int = 16  # rows of the logits region
+    weights_mode: str = "dequant"  # how workers hold matrices (frames.WEIGHT_MODES)
 
     def __post_init__(self) -> None:
         if not self.workers:
@@ -280,6 +281,7 @@ class TargetPlacement:
         threads: int | None = None,
         cores: int = 1,
         logit_rows: int = 16,
+        weights_mode: str = "dequant",
     ) -> TargetPlacement:
         """--target-devices / --target-layer-split -> workers; raises PlacementError.
         `kv_sources` (the GGUF's KV-sharing layers) keeps sharing layers with their sources;
@@ -303,4 +305,5 @@ class TargetPlacement:
             max_batch_tokens=max_batch_tokens,
             workers=tuple(workers),
             logit_rows=logit_rows,
+            weights_mode=weights_mode,
         )

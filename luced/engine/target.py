@@ -211,6 +211,7 @@ class Target:
                 owns_head=plan.owns_head,
                 device_splits=plan.device_splits,
                 kv_pool=self.flash_cfg.pool_tokens if self.flash_cfg else 0,
+                weights=p.weights_mode,
             )
         )
         if self.flash_cfg is not None:

@@ -166,6 +166,9 @@ class HelloReply(Reply):
 COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
 KV_CHUNK = 64  # KV Flash: positions per chunk, rows per pool block
 ComputeDtype = Literal["float32", "bfloat16", "float16"]
+# How a worker holds weight matrices (luced.runtime.qlinear): packed int4 / int8 for the
+# weight-only kernels, "auto" per tensor and CPU, "dequant" the exact float path.
+WEIGHT_MODES = ("auto", "int4", "int8", "dequant")
 
 
 @_op("load", REQUESTS)
@@ -183,9 +186,14 @@ class Load(Request):
     # KV Flash: rows of K/V per attention layer (a multiple of KV_CHUNK); 0 = a plain cache
     # of kv_capacity rows. A pooled worker needs the pager's plan in every forward.
     kv_pool: int = 0
+    weights: str = "dequant"  # one of WEIGHT_MODES
 
     def _check(self) -> None:
         a, b = self.layers
+        if self.weights not in WEIGHT_MODES:
+            raise self._fail(
+                f"weights must be one of {', '.join(WEIGHT_MODES)}, got {self.weights!r}"
+            )
         if not 0 <= a < b:
             raise self._fail(f"layers must be [a, b) with 0 <= a < b, got {list(self.layers)}")
         if not self.model:

@@ -136,7 +136,11 @@ class Backend(WorkerState):
         shards = []
         for i, name in enumerate(req.devices):
             model = Model.load(
-                req.model, layers=bounds[i : i + 2], dtype=req.dtype, device=torch_device(name)
+                req.model,
+                layers=bounds[i : i + 2],
+                dtype=req.dtype,
+                device=torch_device(name),
+                weights=req.weights,
             )
             if i == 0:
                 check_load(req, model)

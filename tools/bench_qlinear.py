@@ -47,7 +47,8 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     rows = [int(r) for r in args.rows.split(",")]
     dt = qlinear.dense_dtype("cpu")
-    print(f"cpu {torch.backends.cpu.get_cpu_capability()}, dense dtype {dt}, {args.threads} threads")
+    cpu = torch.backends.cpu.get_cpu_capability()
+    print(f"cpu {cpu}, dense dtype {dt}, {args.threads} threads")
     print("| shape | form | " + " | ".join(f"M={m} gemv / dense" for m in rows) + " | crossover |")
     print("|---|---|" + "---|" * (len(rows) + 1))
     for name, (n, k) in SHAPES.items():
@@ -58,12 +59,13 @@ def main() -> None:
             for m in rows:
                 x = torch.randn(m, k).to(torch.bfloat16)
                 reps = max(3, args.reps if n < 10000 else 3)
-                gemv = _time(lambda x=x: packed.gemv(x), reps)
-                dense = _time(lambda x=x: F.linear(x.to(dt), packed.dense(dt)), reps)
+                gemv = _time(lambda x=x, w=packed: w.gemv(x), reps)
+                dense = _time(lambda x=x, w=packed: F.linear(x.to(dt), w.dense(dt)), reps)
                 cells.append(f"{gemv:.2f} / {dense:.2f}")
                 if cross is None and dense < gemv:
                     cross = m
-            print(f"| {name} | {form} | " + " | ".join(cells) + f" | {cross or '>' + str(rows[-1])} |")
+            cross_text = cross or f">{rows[-1]}"
+            print(f"| {name} | {form} | " + " | ".join(cells) + f" | {cross_text} |")
 
 
 if __name__ == "__main__":

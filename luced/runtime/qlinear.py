@@ -43,9 +43,11 @@ from luced.ipc.frames import WEIGHT_MODES
 log = logging.getLogger(__name__)
 
 GROUP = 32  # int4 group width: GGUF's Q4_0 / Q4_1 block
-# Most rows a call runs on the packed kernel; more go dense. Measured crossover and the
-# DFlash bound: tools/bench_qlinear.py, docs/design.md "Compact weights".
-GEMV_MAX_ROWS = 16
+# Most rows a call runs on the packed kernel; more go dense. The measured crossover
+# (tools/bench_qlinear.py, docs/design.md "Compact weights") lies between 32 and 512 rows on
+# an AVX512-BF16 EPYC; 64 is also the largest DFlash block, so every verify takes the
+# packed path, as decode does, and greedy speculative output equals plain decoding's.
+GEMV_MAX_ROWS = 64
 _PACK_N = 64  # int4 packing pads rows to this (the AVX512 kernel's block of output rows)
 
 # GGUF types whose values sit on at most 16 levels per 32-wide group: int4 loses little.
@@ -261,9 +263,22 @@ class PackedLinear:
         """The whole matrix [out, in] dequantized into the shared scratch buffer (valid until
         the next call)."""
         n, k = self.shape
-        out = _Scratch.get(n, k, dtype, self.weight.device)
-        self._dequantize_into(torch.arange(n, device=self.weight.device), out)
-        return out
+        if self.form == "int8" or self._codes is not None:
+            out = _Scratch.get(n, k, dtype, self.weight.device)
+            self._dequantize_into(torch.arange(n, device=self.weight.device), out)
+            return out
+        # Whole pack blocks at once (no gather): row b·64 + h·32 + r is nibble h of byte
+        # [b, :, r]; padded rows are dequantized too and cut off.
+        padded = self.weight.shape[0]
+        out = _Scratch.get(padded, k, dtype, self.weight.device)
+        packed = self.weight.view(-1, k, _PACK_N // 2)
+        halves = out.view(-1, 2, _PACK_N // 2, k)
+        halves[:, 0].copy_((packed & 15).transpose(1, 2))
+        halves[:, 1].copy_((packed >> 4).transpose(1, 2))
+        groups = out.view(padded, k // GROUP, GROUP).sub_(8)
+        sz = self.scales_zeros.transpose(0, 1)  # [N, K / 32, 2]
+        groups.mul_(sz[..., 0:1]).add_(sz[..., 1:2])
+        return out[:n]
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Dequantized rows [len(ids), in] in the compute dtype: the embedding lookup of a

@@ -73,7 +73,7 @@ def test_requantization_error_is_within_half_a_step(
 
 
 @pytest.mark.parametrize("form", ["int4", "int8"])
-@pytest.mark.parametrize("m", [1, 5, GEMV_MAX_ROWS, GEMV_MAX_ROWS + 1, 70])
+@pytest.mark.parametrize("m", [1, 5, GEMV_MAX_ROWS, GEMV_MAX_ROWS + 1, 2 * GEMV_MAX_ROWS + 6])
 def test_packed_linear_equals_its_dequantized_matrix(
     files: dict[str, Path], form: str, m: int
 ) -> None:
@@ -147,13 +147,15 @@ def test_every_family_runs_packed(tmp_path: Path, family: str, weights: str) -> 
     path = make_tiny_gguf.build(family, tmp_path / "m.gguf", seed=5, qtype="Q4_0").path
     ids = torch.arange(3, 3 + GEMV_MAX_ROWS + 8)
     ref = Model.load(path)
-    want = ref.forward(ids, ref.new_cache(64), 0)
+    want = ref.forward(ids, ref.new_cache(128), 0)
     model = Model.load(path, weights=weights)
     assert any(isinstance(w, PackedLinear) for w in model.weights.values())
-    got = model.forward(ids, model.new_cache(64), 0)
-    assert (got - want).norm() / want.norm() < 0.1
+    got = model.forward(ids, model.new_cache(128), 0)
+    # int8 requantizes Q4_0 (about 1.4% per weight) and bf16 rounds every activation:
+    # through 72 positions of a recurrent family that reaches 12%; a wrong row order, 100%.
+    assert (got - want).norm() / want.norm() < 0.15
     assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.75
-    cache = model.new_cache(64)
+    cache = model.new_cache(128)
     model.forward(ids[:-2], cache, 0)
     step = torch.cat(
         [model.forward(ids[i : i + 1], cache, i) for i in (len(ids) - 2, len(ids) - 1)]

@@ -8,8 +8,9 @@ Forms (`--weights`):
              -> aten._weight_int8pack_mm (bf16 activations; AVX2 and AVX512 paths)
     dequant  a float tensor, as `layers.linear` always took (the exact float32 path)
 
-GGUF -> form: Q4_0 (w = (q - 8)·d) and Q4_1 (w = q·d + m) are int4 g32 block for block, exact
-up to rounding d and m + 8·d to bf16 (the kernel's scale dtype). Every other type is
+GGUF -> form: Q4_0 (w = (q - 8)·d), Q4_1 (w = q·d + m) and Q4_K (w = d·sc·q - dmin·m per
+32-wide group) are int4 g32 block for block, exact up to rounding the scales and zero points
+to bf16 (the kernel's scale dtype). Every other type is
 dequantized and requantized (int4: per-group min/max; int8: per-row absmax); the error is
 measured in tests/runtime/test_qlinear.py and by tools/perplexity.py.
 
@@ -36,6 +37,7 @@ from typing import ClassVar
 import numpy as np
 import torch
 import torch.nn.functional as F
+from gguf import quants as gguf_quants
 from gguf.constants import GGMLQuantizationType as Q
 
 from luced.ipc.frames import WEIGHT_MODES
@@ -152,12 +154,15 @@ class QuantRows:
         return ((q - 8) * scale + zero).view(n, k)
 
 
-EXACT_INT4 = frozenset({Q.Q4_0, Q.Q4_1})
+EXACT_INT4 = frozenset({Q.Q4_0, Q.Q4_1, Q.Q4_K})
 
 
 def int4_from_blocks(raw: np.ndarray, ggml_type: int, shape: tuple[int, int]) -> QuantRows:
-    """A Q4_0 or Q4_1 matrix (raw bytes, [N, bytes per row]) as int4 g32, block for block."""
+    """A Q4_0, Q4_1 or Q4_K matrix (raw bytes, [N, bytes per row]) as int4 g32, block for
+    block."""
     n, k = shape
+    if ggml_type == Q.Q4_K:
+        return _int4_from_q4_k(raw, n, k)
     head = 4 if ggml_type == Q.Q4_1 else 2  # d (and m), f16
     blocks = raw.reshape(n, k // GROUP, head + GROUP // 2)
     d = blocks[..., 0:2].copy().view(np.float16).astype(np.float32)[..., 0]
@@ -168,6 +173,26 @@ def int4_from_blocks(raw: np.ndarray, ggml_type: int, shape: tuple[int, int]) ->
     else:  # w = (q - 8)·d
         zeros = np.zeros_like(d)
     return QuantRows("int4", torch.from_numpy(codes), torch.from_numpy(d), torch.from_numpy(zeros))
+
+
+def _int4_from_q4_k(raw: np.ndarray, n: int, k: int) -> QuantRows:
+    """Q4_K: 256-wide super-blocks of eight 32-wide groups, w = d·sc·q - dmin·m with 6-bit
+    sc and m per group: int4 g32 with scale d·sc and zero 8·d·sc - dmin·m."""
+    blocks = raw.reshape(-1, 144)  # d, dmin (f16), 12 bytes of scales/mins, 128 of nibbles
+    d = blocks[:, 0:2].copy().view(np.float16).astype(np.float32)
+    dmin = blocks[:, 2:4].copy().view(np.float16).astype(np.float32)
+    sc, m = gguf_quants.Q4_K.get_scale_min(blocks[:, 4:16])  # [blocks, 8] each
+    scale, mins = d * sc.astype(np.float32), dmin * m.astype(np.float32)
+    # 32 bytes feed two groups: low nibbles the first, high nibbles the second.
+    qs = blocks[:, 16:].reshape(-1, 4, 1, 32) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)
+    codes = (qs & 15).reshape(n, k)
+    zeros = 8 * scale - mins
+    return QuantRows(
+        "int4",
+        torch.from_numpy(np.ascontiguousarray(codes)),
+        torch.from_numpy(scale.reshape(n, k // GROUP)),
+        torch.from_numpy(zeros.reshape(n, k // GROUP)),
+    )
 
 
 def quantize(w: torch.Tensor, form: str) -> QuantRows:

@@ -42,10 +42,10 @@ def _load(path: Path, mode: str, name: str = MATRIX) -> tuple[QuantRows, torch.T
     return rows, torch.from_numpy(dequantize_tensor(gguf, name).copy())
 
 
-@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1"])
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q4_K"])
 def test_q4_blocks_map_to_int4_exactly(files: dict[str, Path], qtype: str) -> None:
-    """Q4_0 / Q4_1 are int4 g32 block for block: with the file's (f16) scales unrounded, the
-    codes give back the GGUF dequantization exactly."""
+    """Q4_0 / Q4_1 / Q4_K are int4 g32 block for block: with the file's scales unrounded,
+    the codes give back the GGUF dequantization exactly."""
     rows, ref = _load(files[qtype], "int4")
     n, k = rows.shape
     q = rows.codes.float().view(n, -1, 32)

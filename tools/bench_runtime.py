@@ -45,7 +45,10 @@ def luced_run(model, ids: torch.Tensor) -> tuple[float, float]:
 
     cache = model.new_cache(PROMPT_TOKENS + 8)
     t = time.perf_counter()
-    model.forward(ids, cache, 0)
+    # Logits of the last position only, as a serving prefill (and llama-bench's pp) does.
+    with torch.inference_mode():
+        h, _ = model.forward_layers(model.embed(ids), cache, 0, ids=ids)
+        model.logits(h[-1:])
     prefill = PROMPT_TOKENS / (time.perf_counter() - t)
     gen = generate(model, ids[:16].tolist(), SamplingParams(temperature=0), DECODE_TOKENS + 1)
     return prefill, gen.decode_tok_s

@@ -35,6 +35,7 @@ async def engine_for(
     moe_expert_device: str | None = None,
     kv_flash: PagerConfig | None = None,
     kv_cache_dir: Path | None = None,
+    weights: str = "dequant",
 ) -> AsyncIterator[Engine]:
     """One worker thread each (2 cores, shared with the test); prompts longer than 64
     tokens span several prefill chunks. A draft (or the n-gram lookup) is set up for
@@ -56,6 +57,7 @@ async def engine_for(
                 int(gguf.get(f"{gguf.arch}.expert_used_count", 0)),
             ),
             kv_sources=gguf.kv_sources(),  # as the daemon: a split keeps gemma4's pairs together
+            weights_mode=weights,
         )
         target = target_cls(owner, placement, kv_flash=kv_flash)
         tokenizer = Tokenizer.from_gguf(gguf)

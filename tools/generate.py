@@ -3,7 +3,7 @@
 
     python tools/generate.py --model PATH (--prompt TEXT [--chat] | --prompt-ids 1,2,3)
         [--max-tokens N] [--temperature T] [--seed S] [--dtype float32|bfloat16]
-        [--threads N] [--json]
+        [--threads N] [--weights auto|int4|int8|dequant] [--json]
 
 --prompt-ids feeds token ids as they are (no tokenizer, no BOS). Without --json the text
 streams to stdout; with --json one object is printed: {"tokens" (the generated ids),
@@ -35,6 +35,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's)")
+    p.add_argument(
+        "--weights",
+        default="dequant",
+        choices=["auto", "int4", "int8", "dequant"],
+        help="how weight matrices are held (luced serve --weights; default: the exact path)",
+    )
     p.add_argument("--ignore-eos", action="store_true", help="generate max-tokens tokens")
     p.add_argument("--json", action="store_true", help="print one JSON object at the end")
     return p.parse_args(argv)
@@ -66,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     path = args.model or str(default_model_path())
-    model = Model.load(path, dtype=args.dtype)
+    model = Model.load(path, dtype=args.dtype, weights=args.weights)
     tokenizer = Tokenizer.from_gguf(path)
     if args.prompt_ids is not None:
         prompt = args.prompt_ids

@@ -265,6 +265,7 @@ class TargetPlacement:
     moe_expert: WorkerSpec | None = None  # the worker of the cold experts; None: in process
     moe_required: bool = False  # a forward fails rather than compute cold experts in process
     moe_dims: tuple[int, int] = (0, 0)  # (hidden, experts per token): sizes the scratch
+    weights_mode: str = "dequant"  # how workers hold matrices (frames.WEIGHT_MODES)
 
     def __post_init__(self) -> None:
         if not self.workers:
@@ -294,6 +295,7 @@ class TargetPlacement:
         moe_expert_device: str | None = None,
         moe_required: bool = False,
         moe_dims: tuple[int, int] = (0, 0),
+        weights_mode: str = "dequant",
     ) -> TargetPlacement:
         """--target-devices / --target-layer-split -> workers; raises PlacementError.
         `kv_sources` (the GGUF's KV-sharing layers) keeps sharing layers with their sources;
@@ -323,4 +325,5 @@ class TargetPlacement:
             else None,
             moe_required=moe_required,
             moe_dims=moe_dims,
+            weights_mode=weights_mode,
         )

@@ -242,6 +242,7 @@ class Target:
                 kv_pool=self.flash_cfg.pool_tokens if self.flash_cfg else 0,
                 moe_hot=-1 if p.moe_hot is None else p.moe_hot,
                 **(self.experts.load_fields(slot) if self.experts else {}),
+                weights=p.weights_mode,
             )
         )
         if self.experts is not None:

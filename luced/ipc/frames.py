@@ -178,6 +178,9 @@ class HelloReply(Reply):
 COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
 KV_CHUNK = 64  # KV Flash: positions per chunk, rows per pool block
 ComputeDtype = Literal["float32", "bfloat16", "float16"]
+# How a worker holds weight matrices (luced.runtime.qlinear): packed int4 / int8 for the
+# weight-only kernels, "auto" per tensor and CPU, "dequant" the exact float path.
+WEIGHT_MODES = ("auto", "int4", "int8", "dequant")
 
 
 @_op("load", REQUESTS)
@@ -201,11 +204,16 @@ class Load(Request):
     moe_hot: int = -1
     moe_scratch: Region | None = None
     moe_required: bool = False
+    weights: str = "dequant"  # one of WEIGHT_MODES
 
     def _check(self) -> None:
         if self.moe_hot < -1:
             raise self._fail(f"moe_hot must be -1 (all) or >= 0, got {self.moe_hot}")
         a, b = self.layers
+        if self.weights not in WEIGHT_MODES:
+            raise self._fail(
+                f"weights must be one of {', '.join(WEIGHT_MODES)}, got {self.weights!r}"
+            )
         if not 0 <= a < b:
             raise self._fail(f"layers must be [a, b) with 0 <= a < b, got {list(self.layers)}")
         if not self.model:

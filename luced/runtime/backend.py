@@ -154,7 +154,11 @@ class Backend(WorkerState):
             self.remote = RemoteExperts(self.inbox, req.moe_scratch, self.tensor)
         for i, name in enumerate(req.devices):
             model = Model.load(
-                req.model, layers=bounds[i : i + 2], dtype=req.dtype, device=torch_device(name)
+                req.model,
+                layers=bounds[i : i + 2],
+                dtype=req.dtype,
+                device=torch_device(name),
+                weights=req.weights,
             )
             if i == 0:
                 check_load(req, model)

@@ -10,6 +10,10 @@ transposed, `[in, out]`, and multiplied with `matmul` (3.5 ms vs 6.3 ms for
 3.9 ms for the transposed layout). `store_matrix` / `matrix_rows` / `linear` are the
 only places that know this. A stack of matrices (MoE experts, `[E, out, in]`) is stored
 the same way per matrix, so `w[e]` is a matrix `linear` takes.
+
+Under a compact weights mode (`--weights int4|int8|auto`) a matrix is a `qlinear.PackedLinear`
+instead (`QuantRows` while loading): `linear`, `matrix_row_select`, `take_rows` and `cat_rows`
+take either, so the families never ask which.
 """
 
 from __future__ import annotations
@@ -18,6 +22,10 @@ import math
 
 import torch
 import torch.nn.functional as F
+
+from luced.runtime.qlinear import PackedLinear, QuantRows, quantize
+
+Matrix = torch.Tensor | PackedLinear
 
 
 def store_matrix(rows: torch.Tensor) -> torch.Tensor:
@@ -30,9 +38,38 @@ def matrix_rows(w: torch.Tensor) -> torch.Tensor:
     return w.mT if w.dtype == torch.float32 else w
 
 
-def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """x @ W^T for a matrix stored by `store_matrix`."""
+def linear(x: torch.Tensor, w: Matrix) -> torch.Tensor:
+    """x @ W^T for a matrix stored by `store_matrix` or packed by `qlinear`."""
+    if isinstance(w, PackedLinear):
+        return w(x)
     return torch.matmul(x, w) if w.dtype == torch.float32 else F.linear(x, w)
+
+
+def matrix_row_select(w: Matrix, ids: torch.Tensor) -> torch.Tensor:
+    """Rows `ids` of a matrix's [out, in] form, dense (an embedding lookup in a tied head)."""
+    return w.rows(ids) if isinstance(w, PackedLinear) else matrix_rows(w)[ids]
+
+
+def take_rows(w: torch.Tensor | QuantRows, index: torch.Tensor) -> torch.Tensor | QuantRows:
+    """A loaded matrix (stored layout, or quantized rows) with its output rows reordered."""
+    return w.take(index) if isinstance(w, QuantRows) else store_matrix(matrix_rows(w)[index])
+
+
+def cat_rows(parts: list[torch.Tensor | QuantRows]) -> torch.Tensor | QuantRows:
+    """Loaded matrices stacked along their output rows (one matrix, one matmul). Parts
+    held in different forms (the file quantized them differently) meet in the widest:
+    dense if any part is, else int8."""
+    quant = [p for p in parts if isinstance(p, QuantRows)]
+    if len(quant) == len(parts) and len({p.form for p in quant}) == 1:
+        return QuantRows.cat(quant)
+    if len(quant) == len(parts):
+        return quantize(torch.cat([p.dequantize() for p in quant]), "int8")
+    dense = next(p for p in parts if not isinstance(p, QuantRows))
+    rows = [
+        p.dequantize().to(dense.dtype) if isinstance(p, QuantRows) else matrix_rows(p)
+        for p in parts
+    ]
+    return store_matrix(torch.cat(rows))
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:

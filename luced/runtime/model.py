@@ -31,6 +31,7 @@ from luced.runtime.families import family_for
 from luced.runtime.families.common import ModelConfig
 from luced.runtime.kv_cache import KVCache, KVStore
 from luced.runtime.kv_pool import PooledKVCache
+from luced.runtime.qlinear import pack_weights
 from luced.runtime.weights import WeightLoader, parse_dtype
 
 log = logging.getLogger(__name__)
@@ -54,6 +55,7 @@ class Model:
         self.dtype = dtype
         self.device = device
         self.path = path
+        self.weights_mode = "dequant"  # qlinear.WEIGHT_MODES; `load` sets it
         self.owns_embed = layers.start == 0
         self.owns_head = layers.stop == cfg.n_layers
         self.ropes = family.ropes(cfg, weights, device)
@@ -66,7 +68,10 @@ class Model:
         layers: tuple[int, int] | None = None,
         dtype: str | torch.dtype = "float32",
         device: str | torch.device = "cpu",
+        weights: str = "dequant",
     ) -> Model:
+        """`weights`: how matrices are held (qlinear.WEIGHT_MODES); "dequant" is the exact
+        float path, the others pack them for the weight-only kernels."""
         t0 = time.monotonic()
         gguf = GGUFFile(path)
         family = family_for(gguf)
@@ -84,20 +89,23 @@ class Model:
                 )
         torch_dtype, torch_device = parse_dtype(dtype), torch.device(device)
         plan = family.weight_plan(cfg, span, a == 0, b == cfg.n_layers)
-        weights = WeightLoader(gguf, torch_dtype, torch_device).load_all(plan)
+        tensors = WeightLoader(gguf, torch_dtype, torch_device, weights).load_all(plan)
         try:
-            family.prepare(cfg, weights)
+            family.prepare(cfg, tensors)
         except ValueError as exc:  # a tensor that contradicts the metadata
             raise GGUFError(f"{gguf.path}: {exc}") from exc
-        model = cls(family, cfg, weights, span, torch_dtype, torch_device, gguf.path)
+        pack_weights(tensors, torch_dtype)  # after prepare, which may reorder rows
+        model = cls(family, cfg, tensors, span, torch_dtype, torch_device, gguf.path)  # type: ignore[arg-type]
+        model.weights_mode = weights
         log.info(
-            "loaded %s (%s, layers [%d, %d) of %d, %s) in %.1f s",
+            "loaded %s (%s, layers [%d, %d) of %d, %s, weights %s) in %.1f s",
             gguf.path.name,
             cfg.arch,
             a,
             b,
             cfg.n_layers,
             str(torch_dtype).removeprefix("torch."),
+            weights,
             time.monotonic() - t0,
         )
         return model

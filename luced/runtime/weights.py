@@ -1,4 +1,5 @@
-"""Tensors out of a GGUF file: dequantized with the `gguf` package into a compute dtype.
+"""Tensors out of a GGUF file: dequantized with the `gguf` package into a compute dtype, or,
+for matrices under a compact weights mode, quantized rows for `qlinear` (see there).
 
 A family names the tensors it needs for a layer range; `WeightLoader` reads
 exactly those (a shard never touches the bytes of layers it does not own) and
@@ -18,7 +19,9 @@ from gguf.constants import GGMLQuantizationType as Q
 from gguf.quants import dequantize
 
 from luced.gguf_file import GGUFError, GGUFFile
+from luced.runtime import qlinear
 from luced.runtime.layers import store_matrix
+from luced.runtime.qlinear import QuantRows
 
 log = logging.getLogger(__name__)
 
@@ -74,25 +77,43 @@ def dequantize_rows(raw: np.ndarray, ggml_type: Q, shape: tuple[int, ...]) -> np
 class WeightLoader:
     """Loads named tensors into torch with progress output for long loads."""
 
-    def __init__(self, gguf: GGUFFile, dtype: torch.dtype, device: torch.device | str) -> None:
+    def __init__(
+        self,
+        gguf: GGUFFile,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        weights: str = "dequant",
+    ) -> None:
         self.gguf = gguf
         self.dtype = dtype
         self.device = torch.device(device)
+        self.weights = weights  # qlinear.WEIGHT_MODES: how matrices are held
+        self.forms: dict[str, int] = {}  # form -> matrices loaded in it
 
     def require(self, names: Iterable[str]) -> None:
         missing = [n for n in names if n not in self.gguf.tensors]
         if missing:
             raise GGUFError(f"{self.gguf.path}: missing tensor {missing[0]!r}")
 
-    def tensor(self, name: str, *, matrix: bool = False) -> torch.Tensor:
-        """The tensor in the compute dtype; a `matrix` goes into `linear`'s layout."""
+    def tensor(self, name: str, *, matrix: bool = False) -> torch.Tensor | QuantRows:
+        """The tensor in the compute dtype; a `matrix` goes into `linear`'s layout, or is
+        quantized rows when the weights mode holds it compact."""
+        info = self.gguf.info(name)
+        form = qlinear.choose_form(self.weights, info.ggml_type, info.shape, self.device)
+        if matrix:
+            self.forms[form] = self.forms.get(form, 0) + 1
+        compact = matrix and form != "dequant"
+        if compact and form == "int4" and info.ggml_type in qlinear.EXACT_INT4:
+            return qlinear.int4_from_blocks(self.gguf.raw(name), info.ggml_type, info.shape)
         arr = dequantize_tensor(self.gguf, name)
         # Copy when the array is a read-only view of the mapped file (F32 tensors).
         t = torch.from_numpy(arr if arr.flags.writeable else arr.copy())
+        if compact:
+            return qlinear.quantize(t, form)
         t = t.to(device=self.device, dtype=self.dtype)
         return store_matrix(t) if matrix else t.contiguous()
 
-    def load_all(self, plan: dict[str, tuple[str, bool]]) -> dict[str, torch.Tensor]:
+    def load_all(self, plan: dict[str, tuple[str, bool]]) -> dict[str, torch.Tensor | QuantRows]:
         """plan: key -> (tensor name, is a matrix). Returns key -> tensor."""
         self.require(name for name, _ in plan.values())
         total = sum(self.gguf.info(name).nbytes for name, _ in plan.values())
@@ -102,6 +123,8 @@ class WeightLoader:
             out[key] = self.tensor(name, matrix=matrix)
             progress.advance(self.gguf.info(name).nbytes)
         progress.close()
+        if set(self.forms) - {"dequant"}:
+            log.info("weights %s: matrices %s", self.weights, self.forms)
         return out
 
 

@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from luced.engine.placement import PlacementError, parse_device, parse_devices, parse_weights
+from luced.ipc.frames import WEIGHT_MODES
 
 DEFAULT_CONFIG_PATH = Path("/etc/luced/luced.toml")
 CONTEXT_CAP = 8192  # default context when the model's own is longer (KV memory)
@@ -334,6 +335,16 @@ OPTIONS: tuple[Option, ...] = (
         choices=("float32", "bfloat16", "float16"),
     ),
     Option(
+        "weights", "str", "auto",
+        "How the workers hold weight matrices. `int4` / `int8`: packed for torch's "
+        "weight-only kernels (4.5 / 8 bits per weight read per decoded token; GGUF Q4_0 "
+        "and Q4_1 map to int4 exactly, other types are requantized). `auto`: per tensor "
+        "(4-bit types int4, 5- to 8-bit types int8, float tensors exact) where the CPU has "
+        "the kernels' AVX2 / AVX512 paths, else `dequant`. `dequant`: every matrix "
+        "expanded to the compute dtype (the exact path; GPUs use it for now).",
+        choices=WEIGHT_MODES,
+    ),
+    Option(
         "threads", "int", None, "Torch threads per CPU worker.",
         minimum=1, nullable=True, example=4,
         default_doc="the usable CPU cores but one (kept for the daemon), shared among the "
@@ -549,6 +560,7 @@ class Config:
     allowed_origins: tuple[str, ...]
     model_name: str | None  # None: the GGUF stem (see served_model_name)
     dtype: str
+    weights: str
     threads: int
     context_length: int | None  # None: the model's, capped (see effective_context_length)
     max_queue: int

@@ -116,6 +116,7 @@ class Daemon:
             model=model_path,
             n_layers=n_layers,
             dtype=cfg.dtype,
+            weights_mode=cfg.weights,
             kv_capacity=context,
             max_batch_tokens=cfg.max_batch_tokens,
             devices=cfg.target_devices,

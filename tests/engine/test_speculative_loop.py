@@ -93,6 +93,31 @@ async def test_greedy_speculative_equals_plain(tiny, plain, placement: str) -> N
             assert (await run(engine, max_tokens=7))[0] == plain[:7]
 
 
+LONG_PROMPT = [(7 * i + 3) % 120 + 2 for i in range(40)]  # prefill in one chunk
+
+
+@pytest.fixture(scope="module")
+def tiny_q4(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """A Q4_0 target (float32 matrices stay exact in every weights mode)."""
+    root = tmp_path_factory.mktemp("spec-q4")
+    target = root / "qwen3.gguf"
+    make_tiny_gguf.build("qwen3", target, seed=7, layers=8, context=512, qtype="Q4_0")
+    _, draft, _ = make_tiny_draft.build(target, root / "draft", seed=3, block_size=4)
+    return target, draft
+
+
+@pytest.mark.parametrize("weights", ["int4", "int8", "auto", "dequant"])
+async def test_greedy_speculative_equals_plain_in_every_weights_mode(tiny_q4, weights) -> None:
+    """Compact weights: verify runs the same batch-invariant packed kernels as decode, so
+    speculative greedy still equals plain greedy token for token."""
+    async with engine_for(tiny_q4[0], weights=weights) as engine:
+        want = (await run_logprobs(engine, prompt=LONG_PROMPT))[0]
+    async with engine_for(tiny_q4[0], draft=tiny_q4[1], weights=weights) as engine:
+        for block in (4, 16):
+            engine.block_size = block
+            assert (await run_logprobs(engine, prompt=LONG_PROMPT))[0] == want, f"block {block}"
+
+
 GREEDY_EXTRAS = {"repetition_penalty": 1.3, "frequency_penalty": 0.4, "logprobs": 3}
 
 

@@ -55,6 +55,7 @@ SAMPLES: dict[str, tuple[str, str, Any]] = {
     "allowed_origins": ("http://x:1", '["http://x:1"]', ("http://x:1",)),
     "model_name": ("smol", '"smol"', "smol"),
     "dtype": ("bfloat16", '"bfloat16"', "bfloat16"),
+    "weights": ("int4", '"int4"', "int4"),
     "threads": ("3", "3", 3),
     "context_length": ("4096", "4096", 4096),
     "max_queue": ("0", "0", 0),

@@ -42,7 +42,7 @@ from luced.runtime.layers import (
     apply_rope,
     attention,
     linear,
-    matrix_rows,
+    matrix_row_select,
     rms_norm,
 )
 
@@ -200,7 +200,7 @@ def embed_rows(model: ModelParts, ids: torch.Tensor) -> torch.Tensor:
     w = model.weights
     if "tok_embd" in w:
         return w["tok_embd"][ids]
-    return matrix_rows(w["head"])[ids]  # tied: rows of the head
+    return matrix_row_select(w["head"], ids)  # tied: rows of the head
 
 
 def attend(

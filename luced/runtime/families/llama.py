@@ -22,9 +22,10 @@ from luced.runtime.layers import (
     matrix_rows,
     rms_norm,
     rope_inv_freq,
-    store_matrix,
     swiglu,
+    take_rows,
 )
+from luced.runtime.qlinear import QuantRows
 
 if TYPE_CHECKING:
     from luced.runtime.kv_cache import KVStore
@@ -77,12 +78,12 @@ def weight_plan(
 
 
 def _unpermute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
-    """Undo llama.cpp's Q/K row permutation on a stored matrix."""
-    rows = matrix_rows(w)
-    out_dim, in_dim = rows.shape
+    """Undo llama.cpp's Q/K row permutation on a loaded matrix: within each head, the rows
+    stored interleaved (pairs) go back to two halves."""
+    out_dim = w.shape[0] if isinstance(w, QuantRows) else matrix_rows(w).shape[0]
     head_dim = out_dim // n_heads
-    rows = rows.reshape(n_heads, head_dim // 2, 2, in_dim).transpose(1, 2)
-    return store_matrix(rows.reshape(out_dim, in_dim))
+    index = torch.arange(out_dim).view(n_heads, head_dim // 2, 2).transpose(1, 2)
+    return take_rows(w, index.reshape(-1))
 
 
 def prepare(cfg: LlamaConfig, weights: dict[str, torch.Tensor]) -> None:

@@ -47,11 +47,10 @@ from luced.runtime.layers import (
     apply_rope,
     attention,
     attention_mask,
+    cat_rows,
     linear,
-    matrix_rows,
     rms_norm,
     rope_inv_freq,
-    store_matrix,
     swiglu,
 )
 
@@ -196,7 +195,7 @@ def prepare(cfg: Qwen35Config, weights: dict[str, torch.Tensor]) -> None:
     for key in [k for k in weights if k.endswith(".ssm_qkv")]:
         layer = key.partition(".")[0]
         parts = [weights.pop(f"{layer}.{name}") for name in _IN_PROJECTIONS]
-        weights[f"{layer}.ssm_in"] = store_matrix(torch.cat([matrix_rows(p) for p in parts]))
+        weights[f"{layer}.ssm_in"] = cat_rows(parts)
 
 
 def recurrent_shapes(cfg: Qwen35Config, layers: range) -> dict[int, RecurrentShape]:

@@ -163,6 +163,8 @@ def generate_tool(model: Path, prompt: str, *extra: str) -> dict:
             "--threads",
             "1",
             "--json",
+            "--weights",  # as `luced serve` holds them by default (extra may override)
+            "auto",
             *extra,
         ],
         capture_output=True,

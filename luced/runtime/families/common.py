@@ -22,7 +22,7 @@ and optionally::
                                                  per-layer embeddings), once per forward;
                                                  passed to `block` as keyword arguments
 
-Keys of the weight dict are `tok_embd`, `out_norm`, `head` and `{layer}.{name}`
+Keys of the weight dict are `tok_embd` (or `tied_embd`), `out_norm`, `head` and `{layer}.{name}`
 (e.g. `3.attn_q`); matrices are stored in `layers.linear`'s layout for their dtype.
 The config says each layer's K/V shape and, for KV-sharing layers, which layer's K/V
 it reads (`kv_shape`, `kv_source`); the model builds its cache from them.
@@ -179,7 +179,11 @@ def edge_plan(cfg: ModelConfig, owns_embed: bool, owns_head: bool) -> dict[str, 
     if owns_head:
         plan["out_norm"] = ("output_norm.weight", False)
         plan["head"] = ("token_embd.weight" if cfg.tied_head else "output.weight", True)
-    if owns_embed and not (owns_head and cfg.tied_head):
+    if owns_embed and cfg.tied_head and not owns_head:
+        # The head's matrix, held as a head would hold it (packed under --weights), so a
+        # split model embeds exactly as the whole one does.
+        plan["tied_embd"] = ("token_embd.weight", True)
+    elif owns_embed and not cfg.tied_head:
         plan["tok_embd"] = ("token_embd.weight", False)
     return plan
 
@@ -200,7 +204,8 @@ def embed_rows(model: ModelParts, ids: torch.Tensor) -> torch.Tensor:
     w = model.weights
     if "tok_embd" in w:
         return w["tok_embd"][ids]
-    return matrix_row_select(w["head"], ids)  # tied: rows of the head
+    # Tied: rows of the head's matrix (a shard without the head holds it as "tied_embd").
+    return matrix_row_select(w["head"] if "head" in w else w["tied_embd"], ids)
 
 
 def attend(

@@ -27,17 +27,14 @@ from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
 from aiohttp.web_request import BaseRequest
 
+from luced.api.fields import error_body
+
 log = logging.getLogger(__name__)
 
 _BUSY_BODY = json.dumps(
-    {
-        "error": {
-            "message": "too many open connections; try again later",
-            "type": "server_error",
-            "param": None,
-            "code": "too_many_connections",
-        }
-    }
+    error_body(
+        "too many open connections; try again later", "server_error", None, "too_many_connections"
+    )
 ).encode()
 _BUSY = (
     b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
@@ -73,14 +70,7 @@ class JSONErrorHandler(RequestHandler):
         if status >= 500 or request.writer.output_size > 0:
             return super().handle_error(request, status, exc, message)
         log.debug("bad request from %s: %s", request.remote, message)
-        body = {
-            "error": {
-                "message": message or "bad request",
-                "type": "invalid_request_error",
-                "param": None,
-                "code": None,
-            }
-        }
+        body = error_body(message or "bad request", "invalid_request_error")
         response = web.json_response(body, status=status)
         response.force_close()
         return response
@@ -92,7 +82,7 @@ class LimitedSite(web.BaseSite):
     ``JSONErrorHandler``. ``handler_args`` are the runner's handler arguments (e.g.
     keepalive_timeout), which aiohttp would have passed to its own handler."""
 
-    __slots__ = ("_handler_args", "_host", "_max_connections", "_port", "refused")
+    __slots__ = ("_handler_args", "_host", "_max_connections", "_port")
 
     def __init__(
         self,
@@ -107,7 +97,6 @@ class LimitedSite(web.BaseSite):
         self._port = port
         self._max_connections = max_connections
         self._handler_args = handler_args
-        self.refused = 0
 
     @property
     def name(self) -> str:
@@ -122,7 +111,6 @@ class LimitedSite(web.BaseSite):
 
         def protocol() -> asyncio.BaseProtocol:
             if len(server.connections) >= self._max_connections:
-                self.refused += 1
                 return _Refuse()
             return JSONErrorHandler(server, loop=loop, **self._handler_args)
 

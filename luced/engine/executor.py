@@ -140,7 +140,8 @@ class WorkerHandle:
                 s.close()
         self.channel = await AsyncChannel.from_socket(ours)
         self._watcher = asyncio.create_task(self._watch(), name=f"watch-{self.spec.group}")
-        reply = await asyncio.wait_for(self.call(Hello(instance=self.instance)), timeout)
+        async with asyncio.timeout(timeout):
+            reply = await self.call(Hello(instance=self.instance))
         assert isinstance(reply, HelloReply)
         self.hello = reply
         self.state = "idle"
@@ -182,7 +183,10 @@ class WorkerHandle:
         async with self._call_lock:
             began = time.monotonic()
             try:
-                reply = await asyncio.wait_for(self.channel.call(req), deadline)
+                # asyncio.timeout, not wait_for: on 3.11 wait_for loses a cancel that
+                # lands as the reply arrives, and a cancelled decode loop runs on.
+                async with asyncio.timeout(deadline):
+                    reply = await self.channel.call(req)
             except RemoteError as exc:
                 raise WorkerReplyError(exc.error) from None
             except (ChannelClosedError, ConnectionError, asyncio.IncompleteReadError) as exc:
@@ -250,9 +254,11 @@ class WorkerHandle:
             return
         self.state = "stopping"
         with contextlib.suppress(Exception):
-            await asyncio.wait_for(self.channel.call(Shutdown()), timeout)
+            async with asyncio.timeout(timeout):
+                await self.channel.call(Shutdown())
         try:
-            await asyncio.wait_for(self.proc.wait(), timeout)
+            async with asyncio.timeout(timeout):
+                await self.proc.wait()
         except TimeoutError:
             self.proc.kill()
             await self.proc.wait()

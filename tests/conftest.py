@@ -27,3 +27,27 @@ def gemma3_gguf() -> Path:
     from luced.serve.bundled import gemma3_path
 
     return gemma3_path()
+
+
+def load_hf_tokenizer(path: Path):
+    """transformers' tokenizer read from the GGUF itself: the oracle for ours."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+
+
+@pytest.fixture(scope="session")
+def hf_tokenizer():
+    """The loader of transformers' tokenizer for any GGUF (tests build their own)."""
+    return load_hf_tokenizer
+
+
+# Session-wide, because transformers derives them slowly (Gemma 3: 515k merges, ~15 s).
+@pytest.fixture(scope="session")
+def hf_smol(smollm2_gguf: Path):
+    return load_hf_tokenizer(smollm2_gguf)
+
+
+@pytest.fixture(scope="session")
+def hf_gemma(gemma3_gguf: Path):
+    return load_hf_tokenizer(gemma3_gguf)

@@ -27,13 +27,6 @@ CONVERSATION = [
 
 
 @pytest.fixture(scope="module")
-def hf_smol(smollm2_gguf: Path):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(smollm2_gguf.parent), gguf_file=smollm2_gguf.name)
-
-
-@pytest.fixture(scope="module")
 def smol_template(smollm2_gguf: Path) -> ChatTemplate:
     return ChatTemplate.from_gguf(smollm2_gguf, "llama")
 

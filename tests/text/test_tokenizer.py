@@ -73,22 +73,6 @@ def gemma(gemma3_gguf: Path, tokenizer_cache: Path) -> Tokenizer:
     return Tokenizer.from_gguf(gemma3_gguf, cache_dir=tokenizer_cache)
 
 
-def _hf_tokenizer(path: Path):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-
-
-@pytest.fixture(scope="session")
-def hf_smol(smollm2_gguf: Path):
-    return _hf_tokenizer(smollm2_gguf)
-
-
-@pytest.fixture(scope="session")
-def hf_gemma(gemma3_gguf: Path):
-    return _hf_tokenizer(gemma3_gguf)  # ~10-40 s: transformers derives 515k merges
-
-
 @pytest.fixture(params=MODELS)
 def pair(request: pytest.FixtureRequest):
     """(ours, transformers') for one real model."""
@@ -403,8 +387,10 @@ def synthetic(tmp_path_factory, smollm2_gguf: Path, gemma3_gguf: Path) -> dict[s
 
 
 @pytest.mark.parametrize("kind", ["llama-bpe", "qwen2", "spm"])
-def test_other_vocabularies_match_transformers(synthetic, kind: str, tmp_path: Path) -> None:
-    hf = _hf_tokenizer(synthetic[kind])
+def test_other_vocabularies_match_transformers(
+    synthetic, kind: str, tmp_path: Path, hf_tokenizer
+) -> None:
+    hf = hf_tokenizer(synthetic[kind])
     ours = Tokenizer.from_gguf(synthetic[kind], cache_dir=tmp_path)
     _assert_same_model(ours, hf)
     for text in SYNTH_TEXTS:

@@ -287,7 +287,12 @@ class Engine:
             return False
 
     async def _run(self) -> None:
+        task = asyncio.current_task()
         while True:
+            # stop() waits for this loop to end: a cancel that awaited code swallowed (as
+            # wait_for can on 3.11) must still end it, not leave it to take the next request.
+            if task is not None and task.cancelling():
+                raise asyncio.CancelledError
             while not self.waiting:
                 self._wakeup.clear()
                 await self._wakeup.wait()

@@ -13,6 +13,7 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+from typing import ClassVar
 
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -24,6 +25,9 @@ def free_port() -> int:
 
 
 class DaemonProcess:
+    # Started and not yet stopped: tests/e2e/conftest.py stops what a failed test left.
+    running: ClassVar[set[DaemonProcess]] = set()
+
     def __init__(self, model: Path, tmp: Path, *extra: str, env: dict | None = None) -> None:
         self.port = free_port()
         self.model_name = model.name.removesuffix(".gguf")
@@ -59,6 +63,7 @@ class DaemonProcess:
         self.proc = subprocess.Popen(
             self.args, stdout=self._log, stderr=subprocess.STDOUT, env=self.env
         )
+        DaemonProcess.running.add(self)
         try:
             self.wait_health(200, timeout)
         except BaseException:
@@ -131,6 +136,7 @@ class DaemonProcess:
                 self.proc.wait()
         with contextlib.suppress(Exception):
             self._log.close()
+        DaemonProcess.running.discard(self)
         return self.proc.returncode
 
     def instance(self) -> str:

@@ -26,14 +26,14 @@ import time
 from pathlib import Path
 
 import numpy as np
+from bench_dflash import generate
 
 from luced.engine.constraint import Constraint
-from luced.engine.core import Engine, GenerationRequest
+from luced.engine.core import Engine
 from luced.engine.placement import WorkerSpec
 from luced.engine.target import Target, TargetPlacement
 from luced.gguf_file import GGUFFile
 from luced.ipc.shm import ShmOwner
-from luced.sampling_params import SamplingParams
 from luced.serve.bundled import gemma3_path, smollm2_path
 from luced.text.chat_template import ChatTemplate
 from luced.text.grammar import GrammarTokenizer, json_schema_grammar
@@ -68,19 +68,8 @@ async def decode(
     engine: Engine, prompt: list[int], n: int, grammar: str | None
 ) -> tuple[list[int], float]:
     """(tokens, decode seconds per token after the first)."""
-    req = GenerationRequest(
-        "bench", prompt, SamplingParams(temperature=0), n, ignore_eos=True, grammar=grammar
-    )
-    handle = engine.submit(req)
-    tokens: list[int] = []
-    first = 0.0
-    async for delta in handle:
-        if not tokens and delta.token_ids:
-            first = time.perf_counter()
-        tokens += delta.token_ids
-    if handle.finish_reason not in ("length", "stop"):
-        raise RuntimeError(f"generation ended with {handle.finish_reason}: {handle.error}")
-    return tokens, (time.perf_counter() - first) / max(1, len(tokens) - 1)
+    tokens, seconds, _ = await generate(engine, prompt, n, grammar)
+    return tokens, seconds / max(1, len(tokens) - 1)
 
 
 def mask_cost(vocab: GrammarTokenizer, grammar: str, tokens: list[int], stops: set[int]) -> float:

@@ -144,8 +144,8 @@ def _processed(
         # Extreme penalties overflow float32 (inf, or 0 * inf = NaN); keep every logit finite
         # so the row max is finite and argmax never picks a NaN.
         x = torch.nan_to_num(x, nan=-_F32_MAX, posinf=_F32_MAX, neginf=-_F32_MAX)
-    if allowed is not None:
-        x = x.masked_fill(~allowed.to(x.device), -math.inf)
+    if allowed is not None:  # out of place: x may be the caller's logits
+        x = torch.where(allowed.to(x.device), x, -math.inf)
     if params.greedy:
         return x
     lo, hi = _TEMPERATURE_RANGE

@@ -17,6 +17,7 @@ rejected speculative proposals.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -43,6 +44,12 @@ def json_schema_grammar(schema: Mapping[str, Any] | None) -> str:
 
     Raises GrammarError when the schema is not a JSON object or llguidance cannot compile
     it (an unknown type, a bad $ref, ...)."""
+    return f"start: {json_value(schema)}"
+
+
+def json_value(schema: Mapping[str, Any] | None) -> str:
+    """The Lark term (`%json{...}`) of one JSON value matching `schema`, checked as
+    `json_schema_grammar`; for composing, e.g. ``start: "<tool_call>" TERM "</tool_call>"``."""
     if schema is None:
         schema = ANY_OBJECT
     if not isinstance(schema, Mapping):
@@ -55,16 +62,19 @@ def json_schema_grammar(schema: Mapping[str, Any] | None) -> str:
         text = json.dumps(schema, allow_nan=False)
     except (TypeError, ValueError) as exc:
         raise GrammarError(f"the JSON schema is not plain JSON: {exc}") from None
-    grammar = f"start: %json{text}"
-    check_grammar(grammar)
-    return grammar
+    term = f"%json{text}"
+    try:
+        check_grammar(f"start: {term}")
+    except GrammarError as exc:  # the place in a grammar the caller never wrote: drop it
+        raise GrammarError(re.sub(r"^at \d+\(\d+\): ", "", str(exc))) from None
+    return term
 
 
 def check_grammar(grammar: str, tokenizer: llguidance.LLTokenizer | None = None) -> None:
     """GrammarError unless `grammar` compiles (with `tokenizer`: for that vocabulary)."""
-    error = llguidance.LLMatcher.validate_grammar(grammar, tokenizer)
-    if error:
-        raise GrammarError(_first_line(error))
+    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, tokenizer)
+    if is_error:
+        raise GrammarError(_first_line(messages[0]))
 
 
 def _first_line(error: str) -> str:

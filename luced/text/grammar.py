@@ -30,7 +30,8 @@ ANY_OBJECT: Mapping[str, Any] = {"type": "object"}
 
 # JSON is written on one line with json.dumps's separators. llguidance's default allows any
 # run of whitespace between tokens, and small models fall into emitting it forever (SmolLM2
-# and every tiny random model do). A schema's own "x-guidance" options win over these.
+# and every tiny random model do). A schema with its own "x-guidance" options keeps them
+# instead (llguidance's defaults under them).
 JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
@@ -54,10 +55,10 @@ def json_value(schema: Mapping[str, Any] | None) -> str:
         schema = ANY_OBJECT
     if not isinstance(schema, Mapping):
         raise GrammarError(f"a JSON schema must be an object, got {type(schema).__name__}")
-    options = schema.get("x-guidance", {})
+    options = schema.get("x-guidance", JSON_LAYOUT)
     if not isinstance(options, Mapping):
         raise GrammarError("x-guidance must be an object")
-    schema = {**schema, "x-guidance": {**JSON_LAYOUT, **options}}
+    schema = {**schema, "x-guidance": options}
     try:
         text = json.dumps(schema, allow_nan=False)
     except (TypeError, ValueError) as exc:

@@ -348,16 +348,15 @@ class Engine:
             handle.cached_tokens = cached = await self._restore_prefix(req.prompt)
             cuts = self._cut_points(req.prompt, cached)
             await self._constrain(handle, stops)
-            masked = handle.constraint is not None
             if handle.constraint is not None:
-                handle.constraint.fill(0)
+                handle.constraint.fill(0)  # the first token's mask
             sampled = await self.target.prefill(
                 req.prompt[cached:],
                 sampling,
                 k,
                 lambda: handle.cancelled,
                 keep_at=cuts,
-                masked=masked,
+                masked=handle.constraint is not None,
             )
             if sampled is None:  # cancelled during the prefill
                 handle._finish("abort")

@@ -8,7 +8,7 @@ default chain differs in applying temperature last, after the truncations):
          logit, multiply a negative one), then frequency / presence (OpenAI: subtract
          freq * count + presence * (count > 0)); all three count the last `penalty_window`
          tokens of prompt + output, as llama.cpp's `penalty_last_n` does
-      -> a grammar's mask (`allowed`, when given): every other token to -inf
+      -> a grammar's mask (`bias`, when given): -inf added to every token it refuses
       -> temperature: divide (0 = greedy: argmax here, nothing below applies)   = "processed"
       -> top_k -> top_p -> min_p: mask to -inf, each stage on the renormalized survivors of
          the previous one, as HF's warpers do                                    = "truncated"
@@ -133,10 +133,11 @@ def _processed(
     logits: torch.Tensor,
     params: SamplingParams,
     history: History | None,
-    allowed: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Penalized, masked logits divided by the temperature: [n, vocab] float32.
-    `allowed`: bool [n, vocab], False where a grammar forbids the token."""
+    `bias`: float32 [n, vocab], 0 where a grammar allows the token and -inf where it
+    does not (``luced.runtime.token_mask``)."""
     if logits.ndim != 2:
         raise ValueError(f"logits must be [n, vocab], got shape {tuple(logits.shape)}")
     x = apply_penalties(logits.float(), params, history)
@@ -144,8 +145,8 @@ def _processed(
         # Extreme penalties overflow float32 (inf, or 0 * inf = NaN); keep every logit finite
         # so the row max is finite and argmax never picks a NaN.
         x = torch.nan_to_num(x, nan=-_F32_MAX, posinf=_F32_MAX, neginf=-_F32_MAX)
-    if allowed is not None:  # out of place: x may be the caller's logits
-        x = torch.where(allowed.to(x.device), x, -math.inf)
+    if bias is not None:  # out of place: x may be the caller's logits
+        x = x + bias.to(x.device)
     if params.greedy:
         return x
     lo, hi = _TEMPERATURE_RANGE
@@ -222,13 +223,13 @@ def probs(
     logits: torch.Tensor,
     params: SamplingParams,
     history: History | None = None,
-    allowed: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The distribution `sample` draws from: [n, vocab] float32, rows sum to 1.
 
     Greedy rows are one-hot at the argmax of the penalized (masked) logits.
     """
-    x = _processed(logits, params, history, allowed)
+    x = _processed(logits, params, history, bias)
     if params.greedy:
         out = torch.zeros_like(x)
         return out.scatter_(1, x.argmax(dim=-1, keepdim=True), 1.0)
@@ -244,14 +245,14 @@ def sample(
     params: SamplingParams,
     history: History | None = None,
     generator: torch.Generator | None = None,
-    allowed: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
 ) -> SampleOutput:
     """Pick one token per row of logits [n, vocab].
 
     `generator` must live on the logits' device; None uses torch's global generator. For a
     request's stream of steps use `Sampler`, which owns a seeded generator.
     """
-    x = _processed(logits, params, history, allowed)
+    x = _processed(logits, params, history, bias)
     if params.greedy:
         tokens = x.argmax(dim=-1)
     else:
@@ -270,11 +271,11 @@ def token_logprobs(
     params: SamplingParams,
     tokens: torch.Tensor,
     history: History | None = None,
-    allowed: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
 ) -> SampleOutput:
     """The logprobs `sample` would report had it drawn `tokens` [n] (params.logprobs = k):
     for tokens chosen elsewhere, e.g. by speculative verification."""
-    x = _processed(logits, params, history, allowed)
+    x = _processed(logits, params, history, bias)
     return _with_logprobs(x, tokens, params.logprobs or 0)
 
 
@@ -319,16 +320,16 @@ class Sampler:
         self,
         logits: torch.Tensor,
         history: History | None = None,
-        allowed: torch.Tensor | None = None,
+        bias: torch.Tensor | None = None,
     ) -> SampleOutput:
         # Greedy: no randomness, so no generator is created at all.
         g = None if self.params.greedy else self.generator(logits.device)
-        return sample(logits, self.params, history, g, allowed)
+        return sample(logits, self.params, history, g, bias)
 
     def probs(
         self,
         logits: torch.Tensor,
         history: History | None = None,
-        allowed: torch.Tensor | None = None,
+        bias: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        return probs(logits, self.params, history, allowed)
+        return probs(logits, self.params, history, bias)

@@ -153,9 +153,14 @@ def make_target(cls: type[Target], owner: ShmOwner, model: Path, threads: int, n
     return cls(owner, placement, name=name)
 
 
-async def generate(engine: Engine, prompt: list[int], n: int) -> tuple[list[int], float, dict]:
-    """Greedy, EOS ignored; (tokens, decode seconds after the first token, spec counts)."""
-    req = GenerationRequest("bench", prompt, SamplingParams(temperature=0), n, ignore_eos=True)
+async def generate(
+    engine: Engine, prompt: list[int], n: int, grammar: str | None = None
+) -> tuple[list[int], float, dict]:
+    """Greedy, EOS ignored (a grammar still ends it); (tokens, decode seconds after the
+    first token, spec counts)."""
+    req = GenerationRequest(
+        "bench", prompt, SamplingParams(temperature=0), n, ignore_eos=True, grammar=grammar
+    )
     handle = engine.submit(req)
     tokens: list[int] = []
     first = 0.0

@@ -12,14 +12,15 @@ Field policy (OpenAI's Chat Completions and legacy Completions APIs):
   max_tokens, max_completion_tokens (wins over max_tokens), temperature, top_p, seed,
   frequency_penalty, presence_penalty, logprobs, top_logprobs (chat), logprobs (int,
   completions); and vLLM's extensions top_k (-1 or 0 = off), min_p,
-  repetition_penalty, stop_token_ids, ignore_eos.
+  repetition_penalty, stop_token_ids, ignore_eos; response_format (text, json_object,
+  json_schema; on completions too, as vLLM: `luced.api.response_format`).
 * Unknown fields are accepted and ignored, like vLLM and unlike OpenAI (which 400s):
   clients built for one server often send another's extras, and a field we do not know
   cannot change what we do. Known fields we cannot honour are rejected with a 400 when
   set to anything but their neutral value, because ignoring them would silently return
   something else than asked for: n > 1, best_of > 1, echo: true, a non-empty suffix, a
   non-empty logit_bias, tools / functions (unless tool_choice is "none"),
-  response_format other than {"type": "text"}, audio, modalities other than ["text"].
+  audio, modalities other than ["text"].
 * Known and ignored (they do not change the output): user, metadata, store,
   service_tier, parallel_tool_calls, reasoning_effort, prediction, tool_choice and
   stream_options when not streaming.
@@ -54,6 +55,7 @@ from luced.api.fields import (
     read_number,
     read_text,
 )
+from luced.api.response_format import response_format_grammar
 from luced.engine.core import GenerationRequest
 from luced.sampling_params import SamplingParams
 from luced.text.chat_template import ChatTemplateError
@@ -89,6 +91,7 @@ class Options:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    grammar: str | None = None  # from response_format
 
     @property
     def top_logprobs(self) -> int | None:
@@ -176,6 +179,7 @@ def _options(
             "stop_token_ids", body.get("stop_token_ids"), vocab_size, allow_empty=True
         ),
         ignore_eos=read_bool(body, "ignore_eos"),
+        grammar=response_format_grammar(body.get("response_format")),
     )
 
 
@@ -243,9 +247,6 @@ def _reject_unsupported(body: Mapping[str, Any], chat: bool) -> None:
                 raise bad(
                     tools, f'tool calling is not supported; send {choice}: "none" or no {tools}'
                 )
-        fmt = body.get("response_format")
-        if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
-            raise bad("response_format", 'only response_format {"type": "text"} is supported')
         if body.get("audio") is not None:
             raise bad("audio", "audio output is not supported")
         modalities = body.get("modalities")
@@ -367,4 +368,5 @@ def generation_request(request_id: str, options: Options, prompt: list[int]) -> 
         stop=options.stop,
         stop_token_ids=options.stop_token_ids,
         ignore_eos=options.ignore_eos,
+        grammar=options.grammar,
     )

@@ -8,7 +8,7 @@ One generation runs at a time. Each step of it is one small command to the targe
 (a frame round trip); between steps the loop checks cancellation, so a client
 that disconnects stops its work within one step (prefill: within one chunk). Text is
 detokenized incrementally and matched against stop strings in the daemon
-(``output.py``).
+(``output.py``). A request with a grammar is constrained by it (``constraint.py``).
 """
 
 from __future__ import annotations
@@ -26,11 +26,13 @@ from typing import Any
 from luced.acceptance import clip, verify_greedy
 from luced.cache.prefix_cache import PrefixCache
 from luced.engine.block_size import BlockSizer, StepCosts
+from luced.engine.constraint import Constraint
 from luced.engine.executor import WorkerDied, WorkerReplyError
 from luced.engine.lookup import PromptLookup
 from luced.engine.output import Delta, OutputBuilder
 from luced.engine.target import Sampled, Target
 from luced.sampling_params import SamplingParams
+from luced.text.grammar import GrammarError, GrammarTokenizer, check_grammar
 from luced.text.tokenizer import Tokenizer
 from luced.text.turns import TurnMarker
 
@@ -69,6 +71,11 @@ class Unavailable(EngineError):
     code = "unavailable"
 
 
+class InvalidGrammar(EngineError):
+    status = 400
+    code = "invalid_grammar"
+
+
 @dataclass(frozen=True)
 class GenerationRequest:
     request_id: str
@@ -78,6 +85,9 @@ class GenerationRequest:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    # llguidance Lark grammar (luced.text.grammar): every token is constrained by it, and
+    # the request stops ("stop") once the grammar is complete.
+    grammar: str | None = None
 
 
 _END = object()
@@ -101,6 +111,7 @@ class RequestHandle:
         # DFlash counts for this request (reported in usage).
         self.spec = {"drafts": 0, "draft_tokens": 0, "accepted_tokens": 0}
         self.cached_tokens = 0  # prompt tokens restored from the prefix cache
+        self.constraint: Constraint | None = None  # while generating under a grammar
         self._events: asyncio.Queue[Any] = asyncio.Queue()
 
     def cancel(self) -> None:
@@ -181,6 +192,7 @@ class Engine:
         self._idle = asyncio.Event()
         self._idle.set()
         self._loop_task: asyncio.Task | None = None
+        self._grammar_vocab: GrammarTokenizer | None = None  # built on the first grammar
 
     # -- state ----------------------------------------------------------------------------
 
@@ -228,6 +240,11 @@ class Engine:
                 f"length {self.context_length}"
             )
         max_tokens = req.max_tokens or min(room, self.default_max_tokens or room)
+        if req.grammar is not None:
+            try:
+                check_grammar(req.grammar)  # vocabulary-free: the matcher is built later
+            except GrammarError as exc:
+                raise InvalidGrammar(f"grammar: {exc}") from None
         full = len(self.waiting) >= self.max_queue
         if full or (self.waiting and self.queued_tokens() + n > self.max_queued_tokens):
             raise QueueFull(
@@ -243,6 +260,19 @@ class Engine:
         self._observe("queue", len(self.waiting))
         self._wakeup.set()
         return handle
+
+    async def _constrain(self, handle: RequestHandle, stops: set[int]) -> None:
+        """The request's grammar over this model's vocabulary, built off the event loop:
+        the vocabulary once (0.24 s for SmolLM2's 49k tokens, 2.9 s for Gemma's 262k),
+        the matcher per request (milliseconds for a JSON schema)."""
+        grammar = handle.request.grammar
+        if grammar is None:
+            return
+        if self._grammar_vocab is None:
+            self._grammar_vocab = await asyncio.to_thread(GrammarTokenizer, self.tokenizer)
+        vocab = self._grammar_vocab
+        matcher = await asyncio.to_thread(vocab.matcher, grammar)
+        handle.constraint = Constraint(matcher, vocab, stops, self.target.token_masks)
 
     def _drop_if_queued(self, handle: RequestHandle) -> None:
         """A queued request whose client left frees its place at once."""
@@ -322,8 +352,16 @@ class Engine:
             await self.target.reset()
             handle.cached_tokens = cached = await self._restore_prefix(req.prompt)
             cuts = self._cut_points(req.prompt, cached)
+            await self._constrain(handle, stops)
+            if handle.constraint is not None:
+                handle.constraint.fill(0)  # the first token's mask
             sampled = await self.target.prefill(
-                req.prompt[cached:], sampling, k, lambda: handle.cancelled, keep_at=cuts
+                req.prompt[cached:],
+                sampling,
+                k,
+                lambda: handle.cancelled,
+                keep_at=cuts,
+                masked=handle.constraint is not None,
             )
             if sampled is None:  # cancelled during the prefill
                 handle._finish("abort")
@@ -339,6 +377,8 @@ class Engine:
         except (WorkerDied, WorkerReplyError) as exc:
             self.totals["errors"] += 1
             handle._finish("error", f"the model worker failed: {exc}")
+        except GrammarError as exc:  # valid alone, but not over this vocabulary
+            handle._finish("error", f"grammar: {exc}")
 
     async def _restore_prefix(self, prompt: list[int]) -> int:
         """Restore the longest cached prefix into the (reset) target; tokens restored."""
@@ -404,6 +444,8 @@ class Engine:
             handle._emit_if(out.flush())
             handle._finish("stop")
             return True
+        if handle.constraint is not None:
+            handle.constraint.advance(sampled.token)
         handle.completion_tokens += 1
         self.totals["generation_tokens"] += 1
         self._observe("generation_tokens", 1)
@@ -411,6 +453,10 @@ class Engine:
         handle._emit_if(delta)
         if hit:
             handle.stop_string = out.stops.matched
+            handle._finish("stop")
+            return True
+        if handle.constraint is not None and handle.constraint.done:  # the grammar is complete
+            handle._emit_if(out.flush())
             handle._finish("stop")
             return True
         if handle.completion_tokens >= handle.max_tokens:
@@ -429,15 +475,22 @@ class Engine:
         k: int | None,
     ) -> None:
         ahead: asyncio.Future | None = None
+        constraint = handle.constraint
         try:
             while not handle.cancelled:
                 # Send the next step before detokenizing and streaming this token, so the
                 # worker computes while the daemon formats (if this token ends the request,
-                # that one step is wasted).
-                if sampled.token not in stops and handle.completion_tokens + 1 < handle.max_tokens:
+                # that one step is wasted). Under a grammar the token is consumed first
+                # (in _emit): the next step's mask depends on it.
+                last = sampled.token in stops or handle.completion_tokens + 1 >= handle.max_tokens
+                if constraint is None and not last:
                     ahead = asyncio.ensure_future(self.target.step(sampled.token, sampling, k))
                 if self._emit(handle, out, sampled, stops):
                     return
+                if constraint is not None:
+                    constraint.fill(0)
+                    step = self.target.step(sampled.token, sampling, k, masked=True)
+                    ahead = asyncio.ensure_future(step)
                 assert ahead is not None
                 sampled = await ahead
                 ahead = None
@@ -492,8 +545,12 @@ class Engine:
             size = self.target.draft_room(min(wanted, budget))  # KV Flash: see there
             began = time.perf_counter()
             block = await self._draft(lookup, anchor, size, None if greedy else sampling)
+            constraint = handle.constraint
+            if constraint is not None:  # fills every kept row's mask (constraint.py)
+                block = block[: constraint.walk(block)]
+            masked = constraint is not None
             if len(block) < 2:  # a plain step (block 1, no lookup match, a KV Flash edge)
-                sampled = await self.target.step(anchor, sampling, k)
+                sampled = await self.target.step(anchor, sampling, k, masked=masked)
                 self.step_costs.observe(1, time.perf_counter() - began)
                 self._count_block(1)
                 if sizer is not None:
@@ -506,11 +563,13 @@ class Engine:
                 continue
             start = self.target.position
             if greedy:
-                rows = await self.target.verify(block, sampling, k)
+                rows = await self.target.verify(block, sampling, k, masked)
                 result = verify_greedy(block, [r.token for r in rows], budget=budget, eos_ids=stops)
             else:
-                rows, accepted = await self.target.verify_sampled(block, sampling, k)
+                rows, accepted = await self.target.verify_sampled(block, sampling, k, masked)
                 result = clip([r.token for r in rows], accepted, budget, stops)
+            if constraint is not None:  # the walk's proposals; _emit consumes what is kept
+                constraint.rollback(len(block) - 1)
             await self.target.truncate(start + result.num_kept)
             self.step_costs.observe(len(block), time.perf_counter() - began)
             self._count_block(len(block))

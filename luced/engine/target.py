@@ -33,6 +33,8 @@ by the daemon, attached by the workers, unlinked by the daemon)::
          topk_logprobs  float32 [max_batch_tokens * 20]   last worker: their logprobs
     act  boundary-k     dtype   [max_batch_tokens, hidden]  worker k writes, worker k+1 reads
          logits         float32 [logit_rows, vocab]         last worker writes
+         allowed        int32   [MAX_BLOCK, ceil(vocab/32)] daemon writes a grammar's masks
+                                                            (a bit per id, constraint.py)
     ring (optional)     see feature_ring.py
 
 With KV Flash (`kv_flash`), the workers hold a fixed pool of K/V rows and the target's
@@ -217,6 +219,7 @@ class Target:
         n_boundaries = len(self.executor.slots) - 1
         specs = {f"boundary-{k}": ([n, self.hidden], dt) for k in range(n_boundaries)}
         specs["logits"] = ([self.placement.logit_rows, self.vocab], "float32")
+        specs["allowed"] = ([MAX_BLOCK, (self.vocab + 31) // 32], "int32")
         self._carve("act", specs)
 
     async def _load(self, slot: Slot, worker: WorkerHandle) -> LoadDraftReply | None:
@@ -448,11 +451,25 @@ class Target:
         Flash, no more than needs no eviction past the first chunk (`Pager.lookahead`)."""
         return want if self.flash is None else self.flash.pager.lookahead(self._position, want)
 
+    @property
+    def token_masks(self) -> np.ndarray:
+        """The ``allowed`` region: the daemon writes row i's mask before a forward that
+        samples row i with ``masked=True`` (``luced.engine.constraint``)."""
+        return self._arrays["allowed"]
+
+    def _allowed(self, masked: bool, rows: int) -> Region | None:
+        return self._regions["allowed"].rows(0, rows) if masked else None
+
     async def verify(
-        self, block: list[int], sampling: dict | None = None, logprobs: int | None = None
+        self,
+        block: list[int],
+        sampling: dict | None = None,
+        logprobs: int | None = None,
+        masked: bool = False,
     ) -> list[Sampled]:
         """Feed the block; the target's greedy next token after each of its positions (row i
-        penalized with its own history when `sampling` has penalties), with logprobs."""
+        penalized with its own history when `sampling` has penalties, and restricted to
+        `token_masks` row i when `masked`), with logprobs."""
         n, k = len(block), min(logprobs or 0, MAX_TOP_LOGPROBS)
         greedy = {**(sampling or {}), "temperature": 0.0}
         outputs = self._row_outputs(n, logprobs)
@@ -464,11 +481,12 @@ class Target:
             sampling=greedy,
             top_logprobs=k,
             keep_block_states=self._select_rollback,
+            allowed=self._allowed(masked, n),
         )
         return self._read_rows(n, outputs)
 
     async def verify_sampled(
-        self, block: list[int], sampling: dict, logprobs: int | None = None
+        self, block: list[int], sampling: dict, logprobs: int | None = None, masked: bool = False
     ) -> tuple[list[Sampled], int]:
         """Feed a block drafted with `sampling`; the head's worker accepts or rejects its
         proposals against the draft's q (rejection sampling with the request's generator).
@@ -485,6 +503,7 @@ class Target:
             top_logprobs=k,
             draft_probs=q,
             keep_block_states=self._select_rollback,
+            allowed=self._allowed(masked, n),
         )
         assert reply.accepted is not None
         return self._read_rows(reply.accepted + 1, outputs), reply.accepted
@@ -498,6 +517,7 @@ class Target:
         logprobs: int | None,
         cancelled: Callable[[], bool] = lambda: False,
         keep_at: Sequence[int] = (),
+        masked: bool = False,
     ) -> Sampled | None:
         """Feed the prompt in chunks of max_batch_tokens; sample after the last one.
         Returns None when `cancelled()` turned true between chunks.
@@ -519,13 +539,16 @@ class Target:
             last = b == end
             if last and self.flash is not None and len(prompt) > self.flash.pool:
                 self.flash.pager.ask_reselect()  # qk: select by the prompt's last query
-            sampled = await self._sample(piece, sampling, logprobs, last, b in marks)
+            sampled = await self._sample(piece, sampling, logprobs, last, b in marks, masked)
             a = b
         return sampled
 
-    async def step(self, token: int, sampling: dict, logprobs: int | None) -> Sampled:
-        """Feed one token, sample the next. logprobs: None, or k = chosen + top k."""
-        sampled = await self._sample([token], sampling, logprobs, sample=True)
+    async def step(
+        self, token: int, sampling: dict, logprobs: int | None, masked: bool = False
+    ) -> Sampled:
+        """Feed one token, sample the next (among `token_masks` row 0's when `masked`).
+        logprobs: None, or k = chosen + top k."""
+        sampled = await self._sample([token], sampling, logprobs, sample=True, masked=masked)
         assert sampled is not None
         return sampled
 
@@ -545,11 +568,18 @@ class Target:
         logprobs: int | None,
         sample: bool,
         keep_state: bool = False,
+        masked: bool = False,
     ) -> Sampled | None:
         outputs = self._row_outputs(1, logprobs)
         k = min(logprobs or 0, MAX_TOP_LOGPROBS)
         await self._forward(
-            ids, "sample", outputs, sampling=sampling, top_logprobs=k, keep_state=keep_state
+            ids,
+            "sample",
+            outputs,
+            sampling=sampling,
+            top_logprobs=k,
+            keep_state=keep_state,
+            allowed=self._allowed(masked and sample, 1),
         )
         return self._read_rows(1, outputs)[0] if sample else None
 
@@ -589,6 +619,7 @@ class Target:
         draft_probs: Region | None = None,
         keep_state: bool = False,
         keep_block_states: bool = False,
+        allowed: Region | None = None,
     ) -> ForwardReply:
         """One pipeline pass of `ids` through every worker; outputs from the last one.
         `keep_state`: each worker keeps the recurrent state this pass reaches."""
@@ -621,6 +652,7 @@ class Target:
                     sampling=(sampling or {}) if last else {},
                     top_logprobs=top_logprobs if last else 0,
                     draft_probs=draft_probs if last else None,
+                    allowed=allowed if last else None,
                     keep_state=keep_state,
                     keep_block_states=keep_block_states,
                     **capture,

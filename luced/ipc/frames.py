@@ -49,7 +49,8 @@ cannot serve a forward without the pager's plan, so an old daemon must not drive
 snapshot's recurrent states have a leading slot axis, one per cut point (an old worker
 would misread the regions), and a verify may keep a recurrent state per position;
 MoE expert compute: ``load`` ``moe_hot`` / ``moe_scratch`` / ``moe_required``, its reply's
-``moe_fingerprint``; ``load_experts``; ``expert_mix`` (worker to worker, see below).
+``moe_fingerprint``; ``load_experts``; ``expert_mix`` (worker to worker, see below);
+9: ``forward`` ``allowed`` (a grammar's allowed-token bitmask per sampled row).
 
 Expert compute (``luced.runtime.expert_link``): an expert worker answers ``load_experts``
 from the daemon, and ``expert_mix`` from target workers over direct worker-to-worker
@@ -75,7 +76,7 @@ from luced.ipc.regions import Region
 from luced.ipc.typed import FrameError, Record
 from luced.sampling_params import SamplingParams
 
-PROTOCOL_VERSION = 8
+PROTOCOL_VERSION = 9
 
 _ENVELOPE = frozenset({"op", "seq", "ok", "error"})  # no op may use these as fields
 
@@ -341,6 +342,10 @@ class Forward(Request):
     # Keep the recurrent state after every position of this forward (a DFlash verify
     # block): a truncate inside it then selects the accepted one instead of a replay.
     keep_block_states: bool = False
+    # want="sample" / "verify" under a grammar: int32 [>= n_out, ceil(vocab / 32)], bit
+    # i % 32 of word i // 32 of row r set when id i may be row r's token (written by the
+    # daemon before the frame); the others get -inf before sampling and logprobs.
+    allowed: Region | None = None
 
     @property
     def n_out(self) -> int:
@@ -355,6 +360,7 @@ class Forward(Request):
         self._check_sampling()
         self._check_capture()
         self._check_verify()
+        self._check_allowed()
         self._check_kv_flash()
 
     def _check_input(self) -> None:
@@ -430,6 +436,16 @@ class Forward(Request):
         if q.dtype != "float32" or len(q.shape) != 2 or q.shape[0] < self.n_tokens - 1:
             got = f"{q.dtype} {list(q.shape)}"
             raise self._fail(f"draft_probs must be float32 [>= {self.n_tokens - 1}, vocab], {got}")
+
+    def _check_allowed(self) -> None:
+        a = self.allowed
+        if a is None:
+            return
+        if self.want not in ("sample", "verify"):
+            raise self._fail('allowed is only for want="sample" / "verify"')
+        if a.dtype != "int32" or len(a.shape) != 2 or a.shape[0] < self.n_out:
+            got = f"{a.dtype} {list(a.shape)}"
+            raise self._fail(f"allowed must be int32 [>= {self.n_out}, words], got {got}")
 
     def _check_kv_flash(self) -> None:
         slots, table, moves, host = self.kv_slots, self.kv_map, self.kv_moves, self.kv_host

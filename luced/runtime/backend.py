@@ -44,7 +44,7 @@ import numpy as np
 import torch
 
 from luced.ipc import frames as F
-from luced.runtime import experts, kv_snapshot
+from luced.runtime import experts, kv_snapshot, token_mask
 from luced.runtime.dflash import verbs as draft_verbs
 from luced.runtime.dflash.verify import verify_sampled
 from luced.runtime.expert_link import ExpertServer, RemoteExperts
@@ -280,6 +280,7 @@ class Backend(WorkerState):
         if sampler is not None and sampler.params.has_penalties and len(m.tokens) != start:
             raise WorkerError("penalties need the token history; this shard was fed hidden_in")
         q = self._draft_probs(req, m, sampler)
+        bias = self._allowed(req, m)
         self._kv_flash(req, m)  # host-tier copies and the step's rows, before any K/V write
         first, last = m.shards[0].model, m.shards[-1].model
         if hidden_in is None:
@@ -301,10 +302,11 @@ class Backend(WorkerState):
                 outputs["hidden"][:n].copy_(hidden)
             elif q is not None:
                 assert sampler is not None and ids is not None
-                accepted = self._verify(m, last.logits(hidden), ids, q, outputs, sampler, fed)
+                logits = last.logits(hidden)
+                accepted = self._verify(m, logits, ids, q, outputs, sampler, fed, bias)
             else:
                 rows = hidden[-1:] if req.positions == "last" else hidden
-                self._head_outputs(req, m, last.logits(rows), outputs, sampler, fed)
+                self._head_outputs(req, m, last.logits(rows), outputs, sampler, fed, bias)
         except BaseException:
             m.truncate(start)  # nothing of a failed forward stays in the KV
             raise
@@ -380,13 +382,15 @@ class Backend(WorkerState):
         out: dict[str, torch.Tensor],
         sampler: Sampler | None,
         fed: list[int],
+        bias: torch.Tensor | None = None,
     ) -> None:
         n_out = logits.shape[0]
         if req.want == "logits":
             out["logits"][:n_out].copy_(logits)
             return
         if sampler is not None:
-            result = sampler.sample(logits, _histories(sampler, m, fed, n_out))
+            mask = None if bias is None else bias[:n_out]
+            result = sampler.sample(logits, _histories(sampler, m, fed, n_out), mask)
         else:  # want="topk": the model's own distribution, chosen = argmax, no draw
             result = sample(logits, SamplingParams(temperature=0, logprobs=req.top_logprobs))
         _write_rows(out, result)
@@ -400,12 +404,14 @@ class Backend(WorkerState):
         out: dict[str, torch.Tensor],
         sampler: Sampler,
         fed: list[int],
+        bias: torch.Tensor | None = None,
     ) -> int:
         """want="verify": rejection sampling of the block's proposals against q; the step's
         tokens (and their logprobs) to `out`; returns the proposals accepted."""
         n = logits.shape[0]
         history = _histories(sampler, m, fed, n)
-        p = sampler.probs(logits, history)
+        bias = None if bias is None else bias[:n]
+        p = sampler.probs(logits, history, bias)
         result = verify_sampled(block, p, q.to(p.device), sampler.generator(p.device), budget=n)
         k = len(result.tokens)  # rows 0..k-1: token j follows block[0..j]
         tokens = torch.tensor(result.tokens, device=logits.device)
@@ -413,7 +419,8 @@ class Backend(WorkerState):
             out["ids"][:k].copy_(tokens)
         else:
             rows = history[:k] if history is not None else None
-            _write_rows(out, token_logprobs(logits[:k], sampler.params, tokens, rows))
+            mask = None if bias is None else bias[:k]
+            _write_rows(out, token_logprobs(logits[:k], sampler.params, tokens, rows, mask))
         return result.num_accepted
 
     def _sampler(self, req: F.Forward, m: Loaded) -> Sampler:
@@ -426,6 +433,14 @@ class Backend(WorkerState):
             # Logprobs are computed beside the draw and never touch the generator.
             m.sampler.params = dataclasses.replace(m.sampler.params, logprobs=k)
         return m.sampler
+
+    def _allowed(self, req: F.Forward, m: Loaded) -> torch.Tensor | None:
+        """A grammar's mask as a logit bias [n_out, vocab], checked before any compute."""
+        if req.allowed is None:
+            return None
+        vocab = m.reply.vocab
+        self.check_width("allowed", req.allowed, (vocab + 31) // 32)
+        return token_mask.bias(self.tensor(req.allowed)[: req.n_out], vocab)
 
     def _draft_probs(
         self, req: F.Forward, m: Loaded, sampler: Sampler | None

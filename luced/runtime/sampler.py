@@ -8,6 +8,7 @@ default chain differs in applying temperature last, after the truncations):
          logit, multiply a negative one), then frequency / presence (OpenAI: subtract
          freq * count + presence * (count > 0)); all three count the last `penalty_window`
          tokens of prompt + output, as llama.cpp's `penalty_last_n` does
+      -> a grammar's mask (`bias`, when given): -inf added to every token it refuses
       -> temperature: divide (0 = greedy: argmax here, nothing below applies)   = "processed"
       -> top_k -> top_p -> min_p: mask to -inf, each stage on the renormalized survivors of
          the previous one, as HF's warpers do                                    = "truncated"
@@ -17,12 +18,12 @@ default chain differs in applying temperature last, after the truncations):
 distribution `sample()` draws from, which speculative rejection sampling needs for both the
 target and the draft.
 
-Logprobs are log_softmax of the *processed* logits (after penalties and temperature, before
-truncation; temperature counts as 1 when greedy). We chose this over the raw model
-distribution that OpenAI reports because it describes the distribution the token was
-actually drawn from, and over the truncated one because that gives -inf to most of the
-top-k alternatives. With the default parameters (temperature 1, no penalties) it is the raw
-model distribution, so OpenAI-style clients see the numbers they expect.
+Logprobs are log_softmax of the *processed* logits (after penalties, a grammar's mask and
+temperature, before truncation; temperature counts as 1 when greedy). We chose this over the
+raw model distribution that OpenAI reports because it describes the distribution the token
+was actually drawn from, and over the truncated one because that gives -inf to most of the
+top-k alternatives. With the default parameters (temperature 1, no penalties, no grammar) it
+is the raw model distribution, so OpenAI-style clients see the numbers they expect.
 
 Cost at vocab 262144 on CPU: no Python loop touches the vocabulary. With top_k set the
 truncations work on the top_k candidates from `torch.topk`, never a full sort. top_p without
@@ -129,9 +130,14 @@ def apply_penalties(
 
 
 def _processed(
-    logits: torch.Tensor, params: SamplingParams, history: History | None
+    logits: torch.Tensor,
+    params: SamplingParams,
+    history: History | None,
+    bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Penalized logits divided by the temperature: [n, vocab] float32."""
+    """Penalized, masked logits divided by the temperature: [n, vocab] float32.
+    `bias`: float32 [n, vocab], 0 where a grammar allows the token and -inf where it
+    does not (``luced.runtime.token_mask``)."""
     if logits.ndim != 2:
         raise ValueError(f"logits must be [n, vocab], got shape {tuple(logits.shape)}")
     x = apply_penalties(logits.float(), params, history)
@@ -139,12 +145,14 @@ def _processed(
         # Extreme penalties overflow float32 (inf, or 0 * inf = NaN); keep every logit finite
         # so the row max is finite and argmax never picks a NaN.
         x = torch.nan_to_num(x, nan=-_F32_MAX, posinf=_F32_MAX, neginf=-_F32_MAX)
+    if bias is not None:  # out of place: x may be the caller's logits
+        x = x + bias.to(x.device)
     if params.greedy:
         return x
     lo, hi = _TEMPERATURE_RANGE
     t = min(max(params.temperature, lo), hi)
     # Shift by the row max first: softmax is unchanged and a tiny temperature cannot overflow.
-    # The max is finite, so every row keeps a 0 (probability 1 before normalizing).
+    # The max is finite (a mask leaves at least one token), so every row keeps a 0.
     return (x - x.amax(dim=-1, keepdim=True)).div_(t)
 
 
@@ -212,13 +220,16 @@ def draw(p: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
 
 
 def probs(
-    logits: torch.Tensor, params: SamplingParams, history: History | None = None
+    logits: torch.Tensor,
+    params: SamplingParams,
+    history: History | None = None,
+    bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The distribution `sample` draws from: [n, vocab] float32, rows sum to 1.
 
-    Greedy rows are one-hot at the argmax of the penalized logits.
+    Greedy rows are one-hot at the argmax of the penalized (masked) logits.
     """
-    x = _processed(logits, params, history)
+    x = _processed(logits, params, history, bias)
     if params.greedy:
         out = torch.zeros_like(x)
         return out.scatter_(1, x.argmax(dim=-1, keepdim=True), 1.0)
@@ -234,13 +245,14 @@ def sample(
     params: SamplingParams,
     history: History | None = None,
     generator: torch.Generator | None = None,
+    bias: torch.Tensor | None = None,
 ) -> SampleOutput:
     """Pick one token per row of logits [n, vocab].
 
     `generator` must live on the logits' device; None uses torch's global generator. For a
     request's stream of steps use `Sampler`, which owns a seeded generator.
     """
-    x = _processed(logits, params, history)
+    x = _processed(logits, params, history, bias)
     if params.greedy:
         tokens = x.argmax(dim=-1)
     else:
@@ -259,10 +271,12 @@ def token_logprobs(
     params: SamplingParams,
     tokens: torch.Tensor,
     history: History | None = None,
+    bias: torch.Tensor | None = None,
 ) -> SampleOutput:
     """The logprobs `sample` would report had it drawn `tokens` [n] (params.logprobs = k):
     for tokens chosen elsewhere, e.g. by speculative verification."""
-    return _with_logprobs(_processed(logits, params, history), tokens, params.logprobs or 0)
+    x = _processed(logits, params, history, bias)
+    return _with_logprobs(x, tokens, params.logprobs or 0)
 
 
 def _with_logprobs(x: torch.Tensor, tokens: torch.Tensor, k: int) -> SampleOutput:
@@ -302,10 +316,20 @@ class Sampler:
             )
         return self._generator
 
-    def sample(self, logits: torch.Tensor, history: History | None = None) -> SampleOutput:
-        if self.params.greedy:  # no randomness: do not create a generator at all
-            return sample(logits, self.params, history)
-        return sample(logits, self.params, history, self.generator(logits.device))
+    def sample(
+        self,
+        logits: torch.Tensor,
+        history: History | None = None,
+        bias: torch.Tensor | None = None,
+    ) -> SampleOutput:
+        # Greedy: no randomness, so no generator is created at all.
+        g = None if self.params.greedy else self.generator(logits.device)
+        return sample(logits, self.params, history, g, bias)
 
-    def probs(self, logits: torch.Tensor, history: History | None = None) -> torch.Tensor:
-        return probs(logits, self.params, history)
+    def probs(
+        self,
+        logits: torch.Tensor,
+        history: History | None = None,
+        bias: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        return probs(logits, self.params, history, bias)

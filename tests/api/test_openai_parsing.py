@@ -304,7 +304,6 @@ def test_image_parts_are_rejected_by_name() -> None:
         ({"tools": [{"type": "function"}]}, "tools"),
         ({"tools": [{"type": "function"}], "tool_choice": "auto"}, "tools"),
         ({"functions": [{"name": "f"}]}, "functions"),
-        ({"response_format": {"type": "json_object"}}, "response_format"),
         ({"response_format": "text"}, "response_format"),
         ({"audio": {"voice": "alloy"}}, "audio"),
         ({"modalities": ["text", "audio"]}, "modalities"),
@@ -467,7 +466,13 @@ FIELDS |= {
     "logprobs": st.booleans() | NUMBERS | JSON,
     "tools": JSON,
     "tool_choice": st.sampled_from(["none", "auto"]) | JSON,
-    "response_format": st.just({"type": "text"}) | JSON,
+    "response_format": st.sampled_from(
+        [{"type": "text"}, {"type": "json_object"}, {"type": "json_schema"}, {"type": "xml"}]
+    )
+    | st.fixed_dictionaries(
+        {"type": st.just("json_schema"), "json_schema": st.fixed_dictionaries({"schema": JSON})}
+    )
+    | JSON,
     "echo": st.booleans() | JSON,
     "suffix": JSON,
     "logit_bias": JSON,

@@ -123,6 +123,7 @@ def sample_requests() -> dict[str, F.Request]:
             top_logprobs=5,
             capture=(1, 14, 27),
             ring=region(4096, (64, 3, 576), "float32"),
+            allowed=region(64, (64, 1536), "int32"),
         ),
         "load_draft": F.LoadDraft(
             path="/models/draft", dtype="bfloat16", device="cuda:1", target="/models/x.gguf"

@@ -120,6 +120,16 @@ def forward(**kw: object) -> F.Forward:
         ({"capture": (3, 3), "ring": R(256, (8, 2, 16), "float32")}, "distinct"),
         ({"capture": (3, 5), "ring": R(256, (8, 3, 16), "float32")}, r"ring must be float"),
         ({"capture": (3,), "ring": R(256, (2, 1, 16), "float32")}, "ring holds 2 positions"),
+        ({"allowed": R(256, (1, 2), "uint32")}, r"allowed must be int32 \[>= 1, words\]"),
+        ({"allowed": R(256, (3, 2), "int32"), "positions": "all"}, ">= 4, words"),
+        (
+            {
+                "allowed": R(256, (1, 2), "int32"),
+                "want": "logits",
+                "outputs": {"logits": R(64, (1, 9), "float32")},
+            },
+            'allowed is only for want="sample"',
+        ),
     ],
 )
 def test_forward_validation(kw: dict, match: str) -> None:
@@ -137,6 +147,8 @@ def test_forward_accepts_the_intended_shapes() -> None:
     assert ring.capture == (0, 2)
     both = forward(hidden_in=h_in)  # a later shard: tokens are only its sampler's history
     assert both.tokens is not None and both.hidden_in is not None
+    masked = forward(allowed=R(256, (64, 2), "int32"))  # the region may hold more rows
+    assert masked.allowed is not None and masked.allowed.shape == (64, 2)
 
 
 def draft_block(**kw: object) -> F.DraftBlock:

@@ -19,11 +19,12 @@ Field policy (OpenAI's Chat Completions and legacy Completions APIs):
   cannot change what we do. Known fields we cannot honour are rejected with a 400 when
   set to anything but their neutral value, because ignoring them would silently return
   something else than asked for: n > 1, best_of > 1, echo: true, a non-empty suffix, a
-  non-empty logit_bias, tools / functions (unless tool_choice is "none"),
-  audio, modalities other than ["text"].
+  non-empty logit_bias, the deprecated functions (unless function_call is "none"),
+  audio, modalities other than ["text"]. `tools` and `tool_choice` are honoured
+  (`luced.api.tools`, `luced.text.tool_calls`); not with a response_format grammar.
 * Known and ignored (they do not change the output): user, metadata, store,
-  service_tier, parallel_tool_calls, reasoning_effort, prediction, tool_choice and
-  stream_options when not streaming.
+  service_tier, parallel_tool_calls, reasoning_effort, prediction, and stream_options
+  when not streaming.
 * `model` may be omitted (the served model); any other name is a 404 model_not_found.
 * `stop`: a string or up to 16 strings (OpenAI allows 4; stop strings cost us a little per
   token, so a bound stays), each at most 256 characters; empty strings are dropped.
@@ -40,7 +41,7 @@ Field policy (OpenAI's Chat Completions and legacy Completions APIs):
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from luced.api.fields import (
@@ -56,10 +57,12 @@ from luced.api.fields import (
     read_text,
 )
 from luced.api.response_format import response_format_grammar
+from luced.api.tools import parse_tools
 from luced.engine.core import GenerationRequest
 from luced.sampling_params import SamplingParams
 from luced.text.chat_template import ChatTemplateError
 from luced.text.prompt import chat_ids
+from luced.text.tool_calls import Tool, ToolChoice, ToolFormat
 
 if TYPE_CHECKING:
     from luced.text.chat_template import ChatTemplate
@@ -75,6 +78,8 @@ ROLES = {
     "assistant": "assistant",
     "tool": "tool",
 }
+
+NO_TOOLS = ToolChoice("none")  # the choice of every request without tools
 
 # --- requests ----------------------------------------------------------------------------
 
@@ -103,6 +108,12 @@ class Options:
 class ChatRequest:
     options: Options
     messages: tuple[dict[str, Any], ...]  # as the chat template reads them
+    tools: tuple[Tool, ...] = ()
+    tool_choice: ToolChoice = NO_TOOLS
+
+    @property
+    def calls_tools(self) -> bool:
+        return self.tool_choice.mode != "none"
 
 
 @dataclass(frozen=True)
@@ -125,7 +136,14 @@ def parse_chat(body: Mapping[str, Any], *, model_name: str, vocab_size: int) -> 
     if max_tokens is None:
         max_tokens = read_int(body, "max_tokens", *INT_RANGES["max_tokens"])
     options = _options(body, model_name, vocab_size, logprobs, max_tokens)
-    return ChatRequest(options, _messages(body.get("messages")))
+    tools, tool_choice = parse_tools(body)
+    if tool_choice.mode != "none" and options.grammar is not None:
+        raise bad(
+            "response_format",
+            "response_format cannot be combined with tools (their calls have a grammar "
+            'of their own); send tool_choice: "none" or no response_format',
+        )
+    return ChatRequest(options, _messages(body.get("messages")), tools, tool_choice)
 
 
 def parse_completion(
@@ -242,11 +260,8 @@ def _reject_unsupported(body: Mapping[str, Any], chat: bool) -> None:
     if logit_bias := body.get("logit_bias"):
         raise bad("logit_bias", f"logit_bias is not supported (got {json_kind(logit_bias)})")
     if chat:
-        for tools, choice in (("tools", "tool_choice"), ("functions", "function_call")):
-            if body.get(tools) and body.get(choice) != "none":
-                raise bad(
-                    tools, f'tool calling is not supported; send {choice}: "none" or no {tools}'
-                )
+        if body.get("functions") and body.get("function_call") != "none":
+            raise bad("functions", "functions (deprecated) is not supported; send tools")
         if body.get("audio") is not None:
             raise bad("audio", "audio output is not supported")
         modalities = body.get("modalities")
@@ -335,16 +350,27 @@ def _prompt(value: Any, vocab_size: int) -> str | tuple[int, ...]:
 # --- prompts -----------------------------------------------------------------------------
 
 
-def chat_prompt(req: ChatRequest, template: ChatTemplate, tokenizer: Tokenizer) -> list[int]:
-    """Render the messages with the model's chat template and tokenize the result.
+def chat_prompt(
+    req: ChatRequest, template: ChatTemplate, tokenizer: Tokenizer, tools: ToolFormat | None = None
+) -> list[int]:
+    """Render the messages with the model's chat template and tokenize the result; with
+    `tools` (the template's tool format, when the request calls tools), as it shows them.
 
     As transformers' apply_chat_template, the template writes any BOS itself and the
     control tokens it writes are tokens; unlike it, message text is only ever text
     (`luced.text.prompt`), so `<|im_end|>` in a message cannot close a turn."""
+    messages, variables = list(req.messages), {}
+    if tools is not None:
+        messages, variables = tools.prepare(req.messages, req.tools)
     try:
-        return chat_ids(template, tokenizer, req.messages, add_generation_prompt=True)
+        return chat_ids(template, tokenizer, messages, add_generation_prompt=True, **variables)
     except ChatTemplateError as exc:
         raise bad("messages", str(exc)) from None
+
+
+def with_tool_grammar(req: ChatRequest, tools: ToolFormat) -> Options:
+    """The request's options, constrained to the calls `tool_choice` allows (if any)."""
+    return replace(req.options, grammar=tools.grammar(req.tools, req.tool_choice))
 
 
 def completion_prompt(req: CompletionRequest, tokenizer: Tokenizer) -> list[int]:

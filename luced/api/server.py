@@ -71,9 +71,12 @@ from luced.api.openai import (
     generation_request,
     parse_chat,
     parse_completion,
+    with_tool_grammar,
 )
+from luced.api.tools import ToolChatFormat
 from luced.engine.core import Engine, EngineError, RequestHandle
 from luced.engine.metrics import CONTENT_TYPE, Metrics
+from luced.text.tool_calls import tool_format
 
 log = logging.getLogger(__name__)
 
@@ -311,15 +314,16 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     body = await read_json(request)
     req = parse_chat(body, model_name=engine.model_name, vocab_size=engine.tokenizer.vocab_size)
     check_chars(request, _text_chars(req.messages), "messages")
-    prompt = await asyncio.to_thread(chat_prompt, req, engine.chat_template, engine.tokenizer)
-    fmt = ChatFormat(
-        f"chatcmpl-{uuid.uuid4().hex}",
-        engine.model_name,
-        int(time.time()),
-        top_logprobs=req.options.top_logprobs,
-        include_usage=req.options.include_usage,
+    tools = tool_format(engine.chat_template) if req.calls_tools else None
+    prompt = await asyncio.to_thread(
+        chat_prompt, req, engine.chat_template, engine.tokenizer, tools
     )
-    return await _generate(request, fmt, req.options, prompt)
+    head = (f"chatcmpl-{uuid.uuid4().hex}", engine.model_name, int(time.time()))
+    shape = {"top_logprobs": req.options.top_logprobs, "include_usage": req.options.include_usage}
+    if tools is None:
+        return await _generate(request, ChatFormat(*head, **shape), req.options, prompt)
+    fmt = ToolChatFormat(*head, tools=tools, **shape)
+    return await _generate(request, fmt, with_tool_grammar(req, tools), prompt)
 
 
 async def completions(request: web.Request) -> web.StreamResponse:

@@ -301,8 +301,6 @@ def test_image_parts_are_rejected_by_name() -> None:
 @pytest.mark.parametrize(
     ("fields", "param"),
     [
-        ({"tools": [{"type": "function"}]}, "tools"),
-        ({"tools": [{"type": "function"}], "tool_choice": "auto"}, "tools"),
         ({"functions": [{"name": "f"}]}, "functions"),
         ({"response_format": "text"}, "response_format"),
         ({"audio": {"voice": "alloy"}}, "audio"),
@@ -315,7 +313,7 @@ def test_chat_rejects_what_it_cannot_honour(fields: dict, param: str) -> None:
 
 def test_chat_accepts_the_neutral_values() -> None:
     chat(
-        tools=[{"type": "function"}],
+        tools=[{"type": "function", "function": {"name": "f"}}],
         tool_choice="none",
         response_format={"type": "text"},
         modalities=["text"],
@@ -323,6 +321,68 @@ def test_chat_accepts_the_neutral_values() -> None:
         logit_bias={},
         tools_extra=1,
     )
+
+
+# --- tools -------------------------------------------------------------------------------
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+    },
+}
+
+
+def test_tools_and_tool_choice() -> None:
+    req = chat(tools=[WEATHER])
+    assert req.tool_choice.mode == "auto" and req.calls_tools
+    (tool,) = req.tools
+    assert (tool.name, tool.description) == ("get_weather", "Weather in a city")
+    assert tool.parameters["properties"] == {"city": {"type": "string"}}
+    assert chat(tools=[WEATHER], tool_choice="required").tool_choice.mode == "required"
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    assert chat(tools=[WEATHER], tool_choice=named).tool_choice.name == "get_weather"
+    assert not chat(tools=[WEATHER], tool_choice="none").calls_tools
+    assert not chat(tool_choice="auto").calls_tools  # no tools: nothing to call
+    # A function without parameters takes an empty object.
+    bare = chat(tools=[{"type": "function", "function": {"name": "now"}}]).tools[0]
+    assert bare.parameters == {"type": "object", "properties": {}}
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"tools": {"type": "function"}}, "tools"),
+        ({"tools": [{"type": "function"}]}, "tools[0].function"),
+        ({"tools": [{"type": "retrieval"}]}, "tools[0].type"),
+        ({"tools": [{"type": "function", "function": {"name": "a b"}}]}, "tools[0].function.name"),
+        ({"tools": [WEATHER, WEATHER]}, "tools"),
+        (
+            {"tools": [{"type": "function", "function": {"name": "f", "parameters": []}}]},
+            "tools[0].function.parameters",
+        ),
+        (
+            {
+                "tools": [
+                    {"type": "function", "function": {"name": "f", "parameters": {"type": "blob"}}}
+                ]
+            },
+            "tools[0].function.parameters",
+        ),
+        ({"tools": [WEATHER], "tool_choice": "always"}, "tool_choice"),
+        ({"tool_choice": "required"}, "tool_choice"),
+        (
+            {"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "x"}}},
+            "tool_choice",
+        ),
+        ({"tools": [WEATHER], "response_format": {"type": "json_object"}}, "response_format"),
+    ],
+)
+def test_bad_tools_name_their_field(fields: dict, param: str) -> None:
+    err = rejected(chat, **fields)
+    assert (err.status, err.param) == (400, param), err.message
 
 
 @pytest.mark.parametrize(

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+import openai
 import pytest
 from daemon_proc import DaemonProcess
 
@@ -15,3 +16,18 @@ def stop_leftover_daemons() -> Iterator[None]:
     yield
     for daemon in DaemonProcess.running - before:
         daemon.stop(timeout=10)  # SIGTERM, then SIGKILL
+
+
+@pytest.fixture(scope="module")
+def smol(smollm2_gguf, tmp_path_factory):
+    """One SmolLM2 daemon with the default options, shared by a module's tests."""
+    d = DaemonProcess(smollm2_gguf, tmp_path_factory.mktemp("smol")).start()
+    yield d
+    assert d.stop() == 0
+    assert d.segments() == []
+
+
+@pytest.fixture(scope="module")
+def client(smol) -> openai.OpenAI:
+    """The official openai client of `smol`."""
+    return openai.OpenAI(base_url=smol.url + "/v1", api_key="none", max_retries=0, timeout=120)

@@ -35,14 +35,6 @@ def tiny_gguf(tmp_path_factory) -> Path:
     return path
 
 
-@pytest.fixture(scope="module")
-def smol(smollm2_gguf, tmp_path_factory):
-    d = DaemonProcess(smollm2_gguf, tmp_path_factory.mktemp("smol")).start()
-    yield d
-    assert d.stop() == 0
-    assert d.segments() == []
-
-
 def client(d: DaemonProcess) -> openai.OpenAI:
     return openai.OpenAI(base_url=d.url + "/v1", api_key="unused", max_retries=0, timeout=120)
 

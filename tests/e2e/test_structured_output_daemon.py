@@ -10,7 +10,6 @@ import json
 import jsonschema
 import openai
 import pytest
-from daemon_proc import DaemonProcess
 
 SCHEMA = {
     "type": "object",
@@ -29,18 +28,6 @@ FORMAT = {
 }
 MODEL = "SmolLM2-135M-Instruct.Q4_1"
 QUESTION = [{"role": "user", "content": "Describe France as JSON."}]
-
-
-@pytest.fixture(scope="module")
-def smol(smollm2_gguf, tmp_path_factory):
-    d = DaemonProcess(smollm2_gguf, tmp_path_factory.mktemp("smol-json")).start()
-    yield d
-    assert d.stop() == 0
-
-
-@pytest.fixture(scope="module")
-def client(smol) -> openai.OpenAI:
-    return openai.OpenAI(base_url=smol.url + "/v1", api_key="none", max_retries=0, timeout=120)
 
 
 def test_json_schema_reply_validates_streamed_or_not(client) -> None:

@@ -1,0 +1,156 @@
+"""OpenAI's `tools` and `tool_choice` -> `Tool`s and a `ToolChoice`, validated; and the
+`tool_calls` a reply carries (luced.text.tool_calls does the formats).
+
+    tools        [{"type": "function", "function": {"name", "description"?, "parameters"?}}]
+    tool_choice  "auto" (the default with tools) | "none" | "required"
+                 | {"type": "function", "function": {"name": ...}}
+
+A parameter schema llguidance cannot compile is a 400 naming
+`tools[i].function.parameters`, found when the request arrives rather than mid-stream.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from luced.api.fields import bad, json_kind, read_text
+from luced.api.formats import ChatFormat
+from luced.engine.output import Delta
+from luced.text.grammar import GrammarError, json_value
+from luced.text.tool_calls import Tool, ToolCall, ToolChoice, ToolFormat
+
+MAX_TOOLS = 128
+_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")  # OpenAI's rule for function names
+
+
+def parse_tools(body: Mapping[str, Any]) -> tuple[tuple[Tool, ...], ToolChoice]:
+    value = body.get("tools")
+    if value is None or value == []:
+        tools: tuple[Tool, ...] = ()
+    elif not isinstance(value, list):
+        raise bad("tools", f"tools must be an array of tools, got {json_kind(value)}")
+    elif len(value) > MAX_TOOLS:
+        raise bad("tools", f"tools takes at most {MAX_TOOLS} tools, got {len(value)}")
+    else:
+        tools = tuple(_tool(f"tools[{i}]", t) for i, t in enumerate(value))
+    names = [t.name for t in tools]
+    if len(set(names)) != len(names):
+        raise bad("tools", "tools must have distinct function names")
+    return tools, _choice(body.get("tool_choice"), tools)
+
+
+def _tool(param: str, value: Any) -> Tool:
+    if not isinstance(value, Mapping):
+        raise bad(param, f"{param} must be an object, got {json_kind(value)}")
+    if value.get("type") != "function":
+        raise bad(f"{param}.type", f'{param}.type must be "function", got {value.get("type")!r}')
+    fn = value.get("function")
+    if not isinstance(fn, Mapping):
+        raise bad(f"{param}.function", f"{param}.function must be an object, got {json_kind(fn)}")
+    name = read_text(f"{param}.function.name", fn.get("name"))
+    if not _NAME.match(name):
+        raise bad(
+            f"{param}.function.name",
+            f"{param}.function.name must be 1-64 letters, digits, '_', '.' or '-', got {name!r}",
+        )
+    description = fn.get("description")
+    description = (
+        "" if description is None else read_text(f"{param}.function.description", description)
+    )
+    parameters = fn.get("parameters")
+    if parameters is None:
+        parameters = {"type": "object", "properties": {}}
+    if not isinstance(parameters, Mapping):
+        got = json_kind(parameters)
+        raise bad(
+            f"{param}.function.parameters",
+            f"{param}.function.parameters must be a JSON schema object, got {got}",
+        )
+    try:
+        json_value(parameters)
+    except GrammarError as exc:
+        raise bad(f"{param}.function.parameters", f"{param}.function.parameters: {exc}") from None
+    return Tool(name, description, dict(parameters))
+
+
+def _choice(value: Any, tools: Sequence[Tool]) -> ToolChoice:
+    if value is None:
+        return ToolChoice("auto" if tools else "none")
+    if value in ("auto", "none", "required"):
+        if value == "required" and not tools:
+            raise bad("tool_choice", 'tool_choice "required" needs tools')
+        return ToolChoice(value if tools else "none")
+    if isinstance(value, Mapping) and value.get("type") == "function":
+        fn = value.get("function")
+        name = fn.get("name") if isinstance(fn, Mapping) else None
+        if not any(t.name == name for t in tools):
+            raise bad("tool_choice", f"tool_choice names {name!r}, which is not among the tools")
+        return ToolChoice("function", name)
+    raise bad(
+        "tool_choice",
+        'tool_choice must be "auto", "none", "required" or '
+        '{"type": "function", "function": {"name": ...}}',
+    )
+
+
+def openai_tool_calls(calls: Sequence[ToolCall]) -> list[dict[str, Any]]:
+    """A chat message's `tool_calls`."""
+    return [
+        {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+        for c in calls
+    ]
+
+
+class ToolChatFormat(ChatFormat):
+    """Chat output of a request that offered tools. The text is held back to the end (a
+    call is only known to be one once it parses), then sent as `content` and/or
+    `tool_calls`; finish_reason "tool_calls" when the model called."""
+
+    def __init__(self, *args: Any, tools: ToolFormat, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.tools = tools
+        self._text: list[str] = []
+
+    def response(
+        self,
+        deltas: Sequence[Delta],
+        finish_reason: str,
+        prompt_tokens: int,
+        completion_tokens: int,
+    ) -> dict[str, Any]:
+        body = super().response(deltas, finish_reason, prompt_tokens, completion_tokens)
+        (choice,) = body["choices"]
+        parsed = self.tools.parse(choice["message"]["content"])
+        choice["message"]["content"] = parsed.content
+        if parsed.calls:
+            choice["message"]["tool_calls"] = openai_tool_calls(parsed.calls)
+            choice["finish_reason"] = _finish(finish_reason)
+        return body
+
+    def chunk(self, delta: Delta) -> dict[str, Any] | None:
+        self._text.append(delta.text)
+        held = Delta("", delta.token_ids, delta.logprobs)  # logprobs still stream
+        return super().chunk(held)
+
+    def end(
+        self, finish_reason: str, prompt_tokens: int, completion_tokens: int
+    ) -> list[dict[str, Any]]:
+        parsed = self.tools.parse("".join(self._text))
+        chunks = []
+        if parsed.content:
+            chunks.append(self._delta({"content": parsed.content}))
+        if parsed.calls:
+            calls = [{"index": i, **c} for i, c in enumerate(openai_tool_calls(parsed.calls))]
+            chunks.append(self._delta({"tool_calls": calls}))
+            finish_reason = _finish(finish_reason)
+        return chunks + super().end(finish_reason, prompt_tokens, completion_tokens)
+
+    def _delta(self, delta: dict[str, Any]) -> dict[str, Any]:
+        return self._chunk({"delta": delta, "logprobs": None, "finish_reason": None})
+
+
+def _finish(reason: str) -> str:
+    # A call that ran into max_tokens did not parse, so "stop" is the only end to rename.
+    return "tool_calls" if reason == "stop" else reason

@@ -6,12 +6,13 @@ Field policy:
 
 * Honoured: model, messages, system (a string or text blocks), max_tokens (required; not
   for count_tokens), stop_sequences, temperature, top_p, top_k, stream.
-* Content is a string or a list of blocks; only {"type": "text"} blocks are understood
-  (other keys of a block, like cache_control and citations, are ignored). Blocks of one
-  message, and consecutive messages of one role (Anthropic merges them too), are joined
-  with "\\n". A last assistant message is a prefill: the reply continues its text.
-* Rejected with a 400 when set: tools (unless empty or tool_choice {"type": "none"}),
-  thinking {"type": "enabled"}, any other block type. Other fields (metadata,
+* Content is a string or a list of blocks: text blocks (other keys of a block, like
+  cache_control and citations, are ignored), and tool_use / tool_result blocks with
+  `tools` and `tool_choice` (`luced.api.anthropic_tools`). Text blocks of one message,
+  and consecutive text messages of one role (Anthropic merges them too), are joined with
+  "\\n". A last assistant message is a prefill: the reply continues its text.
+* Rejected with a 400 when set: thinking {"type": "enabled"}, server tools, any other
+  block type. Other fields (metadata,
   service_tier, ...) and unknown ones are ignored, as on the OpenAI routes.
 * `model` may be omitted (the served model); another name is a 404 not_found_error.
 
@@ -26,10 +27,12 @@ Stream (`MessageFormat`), each event `event: NAME` + `data: {...}`:
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from luced.api.anthropic_tools import assistant_turn, is_tool_block, parse_tools, tool_results
 from luced.api.fields import (
     INT_RANGES,
     APIError,
@@ -41,11 +44,12 @@ from luced.api.fields import (
     read_text,
 )
 from luced.api.formats import dumps
-from luced.api.openai import MAX_STOP, MAX_STOP_CHARS, Options
+from luced.api.openai import MAX_STOP, MAX_STOP_CHARS, NO_TOOLS, Options
 from luced.sampling_params import SamplingParams
 from luced.text.chat_template import ChatTemplate, ChatTemplateError
 from luced.text.prompt import chat_ids
 from luced.text.tokenizer import Tokenizer
+from luced.text.tool_calls import Tool, ToolChoice, ToolFormat
 
 _ERROR_TYPES = {
     400: "invalid_request_error",
@@ -73,8 +77,14 @@ def error_body(exc: APIError) -> dict[str, Any]:
 @dataclass(frozen=True)
 class MessagesRequest:
     options: Options
-    messages: tuple[dict[str, str], ...]  # as the chat template reads them; system first
+    messages: tuple[dict[str, Any], ...]  # as the chat template reads them; system first
     prefill: str = ""  # the text of a last assistant message, which the reply continues
+    tools: tuple[Tool, ...] = ()
+    tool_choice: ToolChoice = NO_TOOLS
+
+    @property
+    def calls_tools(self) -> bool:
+        return self.tool_choice.mode != "none"
 
 
 def parse_messages(
@@ -90,15 +100,20 @@ def parse_messages(
             param="model",
         )
     _reject_unsupported(body)
+    tools, tool_choice = parse_tools(body)
     chat = _conversation(body)
     prefill = ""
     if chat[-1]["role"] == "assistant":
-        prefill = chat.pop()["content"]
+        if chat[-1].get("tool_calls"):
+            raise bad("messages", "messages: a tool_use turn is answered by a user tool_result")
+        prefill = chat.pop()["content"] or ""
         if not chat:
             raise bad("messages", "messages: a lone assistant message has nothing to answer")
+        if prefill and tool_choice.mode != "none":
+            raise bad("messages", "messages: an assistant prefill cannot be combined with tools")
     if count_only:
         options = Options(model_name, False, False, SamplingParams(), None)
-        return MessagesRequest(options, tuple(chat), prefill)
+        return MessagesRequest(options, tuple(chat), prefill, tools, tool_choice)
     if body.get("max_tokens") is None:
         raise bad("max_tokens", "max_tokens: Field required")
     options = Options(
@@ -109,7 +124,7 @@ def parse_messages(
         max_tokens=read_int(body, "max_tokens", *INT_RANGES["max_tokens"]),
         stop=_stop_sequences(body.get("stop_sequences")),
     )
-    return MessagesRequest(options, tuple(chat), prefill)
+    return MessagesRequest(options, tuple(chat), prefill, tools, tool_choice)
 
 
 def _sampling(body: Mapping[str, Any]) -> SamplingParams:
@@ -145,9 +160,6 @@ def _stop_sequences(value: Any) -> tuple[str, ...]:
 
 
 def _reject_unsupported(body: Mapping[str, Any]) -> None:
-    tools, choice = body.get("tools"), body.get("tool_choice")
-    if tools and not (isinstance(choice, dict) and choice.get("type") == "none"):
-        raise bad("tools", "tools: tool use is not supported yet; send no tools")
     thinking = body.get("thinking")
     if thinking is not None:
         if not isinstance(thinking, dict):
@@ -156,8 +168,8 @@ def _reject_unsupported(body: Mapping[str, Any]) -> None:
             raise bad("thinking", 'thinking: only {"type": "disabled"} is supported')
 
 
-def _conversation(body: Mapping[str, Any]) -> list[dict[str, str]]:
-    chat: list[dict[str, str]] = []
+def _conversation(body: Mapping[str, Any]) -> list[dict[str, Any]]:
+    chat: list[dict[str, Any]] = []
     system = body.get("system")
     if system is not None:
         text = _text_of("system", system)
@@ -167,7 +179,7 @@ def _conversation(body: Mapping[str, Any]) -> list[dict[str, str]]:
     if not isinstance(messages, list) or not messages:
         got = "an empty array" if messages == [] else json_kind(messages)
         raise bad("messages", f"messages: expected a non-empty array of messages, got {got}")
-    turns: list[dict[str, str]] = []
+    turns: list[dict[str, Any]] = []
     for i, m in enumerate(messages):
         p = f"messages.{i}"
         if not isinstance(m, dict):
@@ -175,15 +187,27 @@ def _conversation(body: Mapping[str, Any]) -> list[dict[str, str]]:
         role = m.get("role")
         if role not in ("user", "assistant"):
             raise bad(f"{p}.role", f"{p}.role: expected 'user' or 'assistant', got {role!r}")
-        text = _text_of(f"{p}.content", m.get("content"))
-        if turns and turns[-1]["role"] == role:
-            turns[-1]["content"] += "\n" + text
+        content = m.get("content")
+        text = _text_of(f"{p}.content", content, skip_tool_blocks=True)
+        calls = (
+            [(j, b) for j, b in enumerate(content) if is_tool_block(b)]
+            if isinstance(content, list)
+            else []
+        )
+        if calls and role == "assistant":
+            turns.append(assistant_turn(f"{p}.content", text, calls))
+        elif calls:
+            turns += tool_results(f"{p}.content", calls)
+            if text:
+                turns.append({"role": "user", "content": text})
+        elif turns and turns[-1]["role"] == role and not turns[-1].get("tool_calls"):
+            turns[-1]["content"] = f"{turns[-1]['content'] or ''}\n{text}"
         else:
             turns.append({"role": role, "content": text})
     return chat + turns
 
 
-def _text_of(param: str, value: Any) -> str:
+def _text_of(param: str, value: Any, *, skip_tool_blocks: bool = False) -> str:
     if isinstance(value, str):
         return read_text(param, value)
     if not isinstance(value, list):
@@ -196,17 +220,28 @@ def _text_of(param: str, value: Any) -> str:
         if not isinstance(block, dict):
             raise bad(pb, f"{pb}: expected an object, got {json_kind(block)}")
         kind = block.get("type")
+        if skip_tool_blocks and is_tool_block(block):
+            continue
         if kind != "text":
             raise bad(f"{pb}.type", f"{pb}.type: {kind!r} blocks are not supported (only 'text')")
         texts.append(read_text(f"{pb}.text", block.get("text")))
     return "\n".join(texts)
 
 
-def message_prompt(req: MessagesRequest, template: ChatTemplate, tokenizer: Tokenizer) -> list[int]:
+def message_prompt(
+    req: MessagesRequest,
+    template: ChatTemplate,
+    tokenizer: Tokenizer,
+    tools: ToolFormat | None = None,
+) -> list[int]:
     """The conversation through the chat template (message text never becomes control
-    tokens), then the prefill, if any, as plain text after the generation prompt."""
+    tokens; with `tools`, as that format shows them), then the prefill, if any, as plain
+    text after the generation prompt."""
+    messages, variables = list(req.messages), {}
+    if tools is not None:
+        messages, variables = tools.prepare(req.messages, req.tools)
     try:
-        ids = chat_ids(template, tokenizer, req.messages, add_generation_prompt=True)
+        ids = chat_ids(template, tokenizer, messages, add_generation_prompt=True, **variables)
     except ChatTemplateError as exc:
         raise bad("messages", f"messages: {exc}") from None
     if req.prefill:
@@ -303,3 +338,79 @@ class MessageFormat:
 
 
 _EMPTY_TEXT = {"type": "text", "text": ""}
+
+
+class ToolMessageFormat(MessageFormat):
+    """A reply to a request that offered tools: the text is held back to the end (a call
+    is only a call once it parses), then sent as a text block and/or `tool_use` blocks,
+    with stop_reason "tool_use" when the model called."""
+
+    def __init__(self, message_id: str, model: str, tools: ToolFormat) -> None:
+        super().__init__(message_id, model)
+        self.tools = tools
+        self._text: list[str] = []
+
+    def _blocks(self, text: str) -> tuple[list[dict[str, Any]], bool]:
+        parsed = self.tools.parse(text)
+        blocks: list[dict[str, Any]] = []
+        if parsed.content:
+            blocks.append({"type": "text", "text": parsed.content})
+        for call in parsed.calls:
+            call_id = f"toolu_{call.id.removeprefix('call_')}"
+            arguments = json.loads(call.arguments)
+            blocks.append(
+                {"type": "tool_use", "id": call_id, "name": call.name, "input": arguments}
+            )
+        return blocks, bool(parsed.calls)
+
+    def response(
+        self, text: str, finish_reason: str, stop_string: str | None, usage: dict[str, int]
+    ) -> dict[str, Any]:
+        blocks, called = self._blocks(text)
+        return self._message(blocks, **self._stop(called, finish_reason, stop_string), usage=usage)
+
+    def start(self, prompt_tokens: int) -> list[bytes]:
+        return [ev for ev in super().start(prompt_tokens) if b"content_block_start" not in ev]
+
+    def delta(self, text: str) -> bytes:
+        self._text.append(text)
+        return b""
+
+    def end(
+        self, finish_reason: str, stop_string: str | None, usage: dict[str, int]
+    ) -> list[bytes]:
+        blocks, called = self._blocks("".join(self._text))
+        events = []
+        for i, block in enumerate(blocks):
+            if block["type"] == "text":
+                opened, delta = _EMPTY_TEXT, {"type": "text_delta", "text": block["text"]}
+            else:
+                opened = {**block, "input": {}}
+                delta = {"type": "input_json_delta", "partial_json": json.dumps(block["input"])}
+            events += [
+                event(
+                    "content_block_start",
+                    {"type": "content_block_start", "index": i, "content_block": opened},
+                ),
+                event(
+                    "content_block_delta",
+                    {"type": "content_block_delta", "index": i, "delta": delta},
+                ),
+                event("content_block_stop", {"type": "content_block_stop", "index": i}),
+            ]
+        message_delta = {
+            "type": "message_delta",
+            "delta": self._stop(called, finish_reason, stop_string),
+            "usage": usage,
+        }
+        return [
+            *events,
+            event("message_delta", message_delta),
+            event("message_stop", {"type": "message_stop"}),
+        ]
+
+    @staticmethod
+    def _stop(called: bool, finish_reason: str, stop_string: str | None) -> dict[str, Any]:
+        if called and finish_reason == "stop":
+            return {"stop_reason": "tool_use", "stop_sequence": None}
+        return stop_fields(finish_reason, stop_string)

@@ -41,7 +41,7 @@ Field policy (OpenAI's Chat Completions and legacy Completions APIs):
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from luced.api.fields import (
@@ -366,11 +366,6 @@ def chat_prompt(
         return chat_ids(template, tokenizer, messages, add_generation_prompt=True, **variables)
     except ChatTemplateError as exc:
         raise bad("messages", str(exc)) from None
-
-
-def with_tool_grammar(req: ChatRequest, tools: ToolFormat) -> Options:
-    """The request's options, constrained to the calls `tool_choice` allows (if any)."""
-    return replace(req.options, grammar=tools.grammar(req.tools, req.tool_choice))
 
 
 def completion_prompt(req: CompletionRequest, tokenizer: Tokenizer) -> list[int]:

@@ -46,7 +46,7 @@ import math
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from aiohttp import web
@@ -65,18 +65,18 @@ from luced.api.formats import (
     sse,
 )
 from luced.api.openai import (
+    ChatRequest,
     Options,
     chat_prompt,
     completion_prompt,
     generation_request,
     parse_chat,
     parse_completion,
-    with_tool_grammar,
 )
 from luced.api.tools import ToolChatFormat
 from luced.engine.core import Engine, EngineError, RequestHandle
 from luced.engine.metrics import CONTENT_TYPE, Metrics
-from luced.text.tool_calls import tool_format
+from luced.text.tool_calls import ToolFormat, has_tool_turns, tool_format
 
 log = logging.getLogger(__name__)
 
@@ -302,6 +302,14 @@ def check_chars(request: web.Request, n_chars: int, param: str) -> None:
         )
 
 
+def _tool_format(engine: Engine, req: ChatRequest | anthropic.MessagesRequest) -> ToolFormat | None:
+    """How the template shows tools, when the request offers some or its history holds
+    calls or results (a template without tools cannot render those as they came)."""
+    if req.calls_tools or has_tool_turns(req.messages):
+        return tool_format(engine.chat_template)
+    return None
+
+
 def _text_chars(messages: Any) -> int:
     return sum(len(v) for m in messages for v in m.values() if isinstance(v, str))
 
@@ -314,16 +322,17 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     body = await read_json(request)
     req = parse_chat(body, model_name=engine.model_name, vocab_size=engine.tokenizer.vocab_size)
     check_chars(request, _text_chars(req.messages), "messages")
-    tools = tool_format(engine.chat_template) if req.calls_tools else None
+    tools = _tool_format(engine, req)
     prompt = await asyncio.to_thread(
         chat_prompt, req, engine.chat_template, engine.tokenizer, tools
     )
     head = (f"chatcmpl-{uuid.uuid4().hex}", engine.model_name, int(time.time()))
     shape = {"top_logprobs": req.options.top_logprobs, "include_usage": req.options.include_usage}
-    if tools is None:
+    if tools is None or not req.calls_tools:
         return await _generate(request, ChatFormat(*head, **shape), req.options, prompt)
     fmt = ToolChatFormat(*head, tools=tools, **shape)
-    return await _generate(request, fmt, with_tool_grammar(req, tools), prompt)
+    options = replace(req.options, grammar=tools.grammar(req.tools, req.tool_choice))
+    return await _generate(request, fmt, options, prompt)
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
@@ -351,11 +360,18 @@ async def messages(request: web.Request) -> web.StreamResponse:
     body = await read_json(request)
     req = anthropic.parse_messages(body, model_name=engine.model_name)
     check_chars(request, _text_chars(req.messages) + len(req.prefill), "messages")
+    tools = _tool_format(engine, req)
     prompt = await asyncio.to_thread(
-        anthropic.message_prompt, req, engine.chat_template, engine.tokenizer
+        anthropic.message_prompt, req, engine.chat_template, engine.tokenizer, tools
     )
-    fmt = anthropic.MessageFormat(f"msg_{uuid.uuid4().hex}", engine.model_name)
-    handle = engine.submit(generation_request(fmt.id, req.options, prompt))
+    message_id = f"msg_{uuid.uuid4().hex}"
+    options = req.options
+    if tools is None or not req.calls_tools:
+        fmt = anthropic.MessageFormat(message_id, engine.model_name)
+    else:
+        fmt = anthropic.ToolMessageFormat(message_id, engine.model_name, tools)
+        options = replace(options, grammar=tools.grammar(req.tools, req.tool_choice))
+    handle = engine.submit(generation_request(fmt.id, options, prompt))
     if req.options.stream:
         return await _stream_messages(request, fmt, handle)
     try:
@@ -388,8 +404,8 @@ async def _stream_messages(
         for ev in fmt.start(handle.prompt_tokens):
             await resp.write(ev)
         async for delta in handle:
-            if delta.text:
-                await resp.write(fmt.delta(delta.text))
+            if delta.text and (ev := fmt.delta(delta.text)):
+                await resp.write(ev)
         if (err := finish_error(handle.finish_reason, handle.error)) is not None:
             await resp.write(anthropic.event("error", anthropic.error_body(err)))
         else:
@@ -406,7 +422,11 @@ async def count_tokens(request: web.Request) -> web.Response:
     req = anthropic.parse_messages(body, model_name=engine.model_name, count_only=True)
     check_chars(request, _text_chars(req.messages) + len(req.prefill), "messages")
     prompt = await asyncio.to_thread(
-        anthropic.message_prompt, req, engine.chat_template, engine.tokenizer
+        anthropic.message_prompt,
+        req,
+        engine.chat_template,
+        engine.tokenizer,
+        _tool_format(engine, req),
     )
     return web.json_response({"input_tokens": len(prompt)}, dumps=dumps)
 

@@ -49,30 +49,34 @@ def _tool(param: str, value: Any) -> Tool:
     fn = value.get("function")
     if not isinstance(fn, Mapping):
         raise bad(f"{param}.function", f"{param}.function must be an object, got {json_kind(fn)}")
-    name = read_text(f"{param}.function.name", fn.get("name"))
-    if not _NAME.match(name):
-        raise bad(
-            f"{param}.function.name",
-            f"{param}.function.name must be 1-64 letters, digits, '_', '.' or '-', got {name!r}",
-        )
+    name = check_tool_name(f"{param}.function.name", fn.get("name"))
     description = fn.get("description")
-    description = (
-        "" if description is None else read_text(f"{param}.function.description", description)
-    )
+    if description is not None:
+        description = read_text(f"{param}.function.description", description)
     parameters = fn.get("parameters")
     if parameters is None:
         parameters = {"type": "object", "properties": {}}
-    if not isinstance(parameters, Mapping):
-        got = json_kind(parameters)
-        raise bad(
-            f"{param}.function.parameters",
-            f"{param}.function.parameters must be a JSON schema object, got {got}",
-        )
+    return Tool(
+        name, description or "", checked_parameters(f"{param}.function.parameters", parameters)
+    )
+
+
+def check_tool_name(param: str, value: Any) -> str:
+    name = read_text(param, value)
+    if not _NAME.match(name):
+        raise bad(param, f"{param} must be 1-64 letters, digits, '_', '.' or '-', got {name!r}")
+    return name
+
+
+def checked_parameters(param: str, schema: Any) -> dict[str, Any]:
+    """A tool's JSON schema, once llguidance compiles it (else a 400 naming `param`)."""
+    if not isinstance(schema, Mapping):
+        raise bad(param, f"{param} must be a JSON schema object, got {json_kind(schema)}")
     try:
-        json_value(parameters)
+        json_value(schema)
     except GrammarError as exc:
-        raise bad(f"{param}.function.parameters", f"{param}.function.parameters: {exc}") from None
-    return Tool(name, description, dict(parameters))
+        raise bad(param, f"{param}: {exc}") from None
+    return dict(schema)
 
 
 def _choice(value: Any, tools: Sequence[Tool]) -> ToolChoice:

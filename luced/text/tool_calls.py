@@ -230,6 +230,11 @@ def _partial_response(text: str) -> str:
     return text
 
 
+def has_tool_turns(messages: Sequence[Message]) -> bool:
+    """Whether a conversation holds calls or results, which only a tool format renders."""
+    return any(m.get("tool_calls") or m.get("role") == "tool" for m in messages)
+
+
 def tool_format(template: ChatTemplate) -> ToolFormat:
     """Native when the template renders `tools` and Qwen's call blocks; generic otherwise."""
     source = template.source

@@ -96,7 +96,6 @@ def test_turns_merge_and_a_last_assistant_turn_is_a_prefill() -> None:
         ({"max_tokens": 1, "messages": USER, "top_p": 0}, 400, "top_p"),
         ({"max_tokens": 1, "messages": USER, "temperature": 1e-400, "top_p": 5e-324}, 200, ""),
         ({"max_tokens": 1, "messages": USER, "stop_sequences": "x"}, 400, "stop_sequences"),
-        ({"max_tokens": 1, "messages": USER, "tools": [{"name": "f"}]}, 400, "tools"),
         ({"max_tokens": 1, "messages": USER, "thinking": {"type": "enabled"}}, 400, "thinking"),
         ({"max_tokens": 1, "messages": [{"role": "assistant", "content": "x"}]}, 400, "messages"),
         ({"max_tokens": 1, "messages": USER, "model": "claude"}, 404, "model"),
@@ -183,3 +182,78 @@ def test_prompt_with_prefill(smol_tokenizer: Tokenizer, smol_template: ChatTempl
     assert ids[: len(plain)] == plain
     assert ids[len(plain) :] == smol_tokenizer.encode("Sure<|im_end|>", add_bos=False)
     assert smol_tokenizer.eos_id not in ids[len(plain) :]
+
+
+# --- tools ---------------------------------------------------------------------------------
+
+WEATHER = {
+    "name": "get_weather",
+    "description": "Weather in a city",
+    "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}},
+}
+
+
+def test_tools_and_tool_choice() -> None:
+    req = parse(tools=[WEATHER])
+    assert req.tool_choice.mode == "auto" and req.calls_tools
+    (tool,) = req.tools
+    assert (tool.name, tool.parameters) == ("get_weather", WEATHER["input_schema"])
+    modes = {"any": "required", "none": "none", "auto": "auto"}
+    for kind, mode in modes.items():
+        assert parse(tools=[WEATHER], tool_choice={"type": kind}).tool_choice.mode == mode
+    named = parse(tools=[WEATHER], tool_choice={"type": "tool", "name": "get_weather"})
+    assert (named.tool_choice.mode, named.tool_choice.name) == ("function", "get_weather")
+
+
+def test_tool_use_and_results_become_chat_turns() -> None:
+    use = {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Oslo"}}
+    result = {"type": "tool_result", "tool_use_id": "toolu_1", "content": "-3 C"}
+    failed = {"type": "tool_result", "tool_use_id": "toolu_2", "is_error": True}
+    failed["content"] = [{"type": "text", "text": "timeout"}]
+    messages = [
+        {"role": "user", "content": "Weather in Oslo?"},
+        {"role": "assistant", "content": [{"type": "text", "text": "Checking."}, use]},
+        {"role": "user", "content": [result, failed, {"type": "text", "text": "And?"}]},
+    ]
+    turns = parse(messages=messages, tools=[WEATHER]).messages
+    assert [t["role"] for t in turns] == ["user", "assistant", "tool", "tool", "user"]
+    (call,) = turns[1]["tool_calls"]
+    assert turns[1]["content"] == "Checking."
+    assert call["id"] == "toolu_1" and json.loads(call["function"]["arguments"]) == {"city": "Oslo"}
+    assert turns[2] == {"role": "tool", "tool_call_id": "toolu_1", "content": "-3 C"}
+    assert turns[3]["content"] == "Error: timeout" and turns[4]["content"] == "And?"
+
+
+@pytest.mark.parametrize(
+    ("body", "where"),
+    [
+        ({"tools": [{"name": "f"}]}, "tools.0.input_schema"),
+        ({"tools": [{"type": "web_search_20250305", "name": "s"}]}, "tools.0.type"),
+        ({"tools": [{**WEATHER, "name": "a b"}]}, "tools.0.name"),
+        ({"tools": [{**WEATHER, "input_schema": {"type": "blob"}}]}, "tools.0.input_schema"),
+        ({"tools": [WEATHER, WEATHER]}, "tools"),
+        ({"tools": [WEATHER], "tool_choice": {"type": "tool", "name": "x"}}, "tool_choice"),
+        ({"tool_choice": {"type": "any"}}, "tool_choice"),
+        ({"tools": [WEATHER], "tool_choice": "auto"}, "tool_choice"),
+        (
+            {
+                "messages": [
+                    *USER,
+                    {"role": "assistant", "content": [{"type": "tool_use", "name": "f"}]},
+                ]
+            },
+            "messages",
+        ),
+        (
+            {"messages": [*USER, {"role": "assistant", "content": "So"}], "tools": [WEATHER]},
+            "messages",
+        ),
+        (
+            {"messages": [{"role": "assistant", "content": [{"type": "tool_result"}]}, *USER]},
+            "messages.0.content.0.type",
+        ),
+    ],
+)
+def test_bad_tools(body: dict, where: str) -> None:
+    err = rejected(**{"max_tokens": 1, "messages": USER, **body})
+    assert (err.status, err.param) == (400, where), err.message

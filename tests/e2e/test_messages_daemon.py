@@ -342,3 +342,50 @@ def test_fuzzed_bodies_never_5xx(smol, path: str, body: dict) -> None:
             anthropic_error(status, raw)
         else:
             assert json.loads(raw)["error"]["message"]
+
+
+# --- tool use ------------------------------------------------------------------------------
+
+WEATHER = {
+    "name": "get_weather",
+    "description": "Weather in a city",
+    "input_schema": {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 40}},
+        "required": ["city"],
+    },
+}
+WEATHER_QUESTION = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+def test_tool_use_round_trip_streamed_or_not(smol) -> None:
+    c = claude(smol)
+    kw = {"model": MODEL, "max_tokens": 60, "tools": [WEATHER], **GREEDY}
+    forced = c.messages.create(messages=WEATHER_QUESTION, tool_choice={"type": "any"}, **kw)
+    assert forced.stop_reason == "tool_use"
+    (use,) = forced.content
+    assert use.type == "tool_use" and use.name == "get_weather" and use.id.startswith("toolu_")
+    assert isinstance(use.input["city"], str)
+    named = {"type": "tool", "name": "get_weather"}
+    with c.messages.stream(messages=WEATHER_QUESTION, tool_choice=named, **kw) as stream:
+        kinds = [event.type for event in stream]
+        streamed = stream.get_final_message()
+    assert kinds[0] == "message_start" and kinds[-1] == "message_stop"
+    assert "input_json" in kinds and streamed.stop_reason == "tool_use"
+    assert streamed.content[0].input == use.input
+    # The result goes back in a user turn; the model answers (or calls again).
+    history = [
+        *WEATHER_QUESTION,
+        {"role": "assistant", "content": forced.content},
+        {
+            "role": "user",
+            "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "18 C, sunny"}],
+        },
+    ]
+    answer = c.messages.create(messages=history, **kw)
+    assert answer.stop_reason in ("end_turn", "tool_use")
+    assert answer.content and answer.content[0].type in ("text", "tool_use")
+    counted = c.messages.count_tokens(model=MODEL, messages=history, tools=[WEATHER])
+    assert counted.input_tokens == answer.usage.input_tokens + (
+        answer.usage.cache_read_input_tokens or 0
+    )

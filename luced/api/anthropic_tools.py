@@ -1,0 +1,130 @@
+"""Anthropic's tool use, the request side: `tools` and `tool_choice` -> the shared `Tool`s
+and `ToolChoice` (luced.text.tool_calls does the formats), and a message's `tool_use` /
+`tool_result` blocks -> the chat turns those formats render, as OpenAI clients send them.
+
+    tools        [{"name", "description"?, "input_schema"}]   client tools; a server tool
+                                                              ({"type": "web_search_..."}) is a 400
+    tool_choice  {"type": "auto"} (the default with tools) | {"type": "any"} (= required)
+                 | {"type": "tool", "name": ...} | {"type": "none"}
+
+    assistant [text..., tool_use{id, name, input}...]  -> {"role": "assistant", "content",
+                                                           "tool_calls": [...]}
+    user [tool_result{tool_use_id, content}..., text...] -> {"role": "tool", ...} turns,
+                                                           then one user turn for the text
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import Any
+
+from luced.api.fields import bad, json_kind, read_text
+from luced.api.tools import check_tool_name, checked_parameters
+from luced.text.tool_calls import Tool, ToolChoice
+
+MAX_TOOLS = 128
+
+
+def parse_tools(body: Mapping[str, Any]) -> tuple[tuple[Tool, ...], ToolChoice]:
+    value = body.get("tools")
+    if value is None or value == []:
+        tools: tuple[Tool, ...] = ()
+    elif not isinstance(value, list):
+        raise bad("tools", f"tools: expected an array, got {json_kind(value)}")
+    elif len(value) > MAX_TOOLS:
+        raise bad("tools", f"tools: at most {MAX_TOOLS}, got {len(value)}")
+    else:
+        tools = tuple(_tool(f"tools.{i}", t) for i, t in enumerate(value))
+    if len({t.name for t in tools}) != len(tools):
+        raise bad("tools", "tools: tool names must be unique")
+    return tools, _choice(body.get("tool_choice"), tools)
+
+
+def _tool(param: str, value: Any) -> Tool:
+    if not isinstance(value, Mapping):
+        raise bad(param, f"{param}: expected an object, got {json_kind(value)}")
+    if value.get("type") not in (None, "custom"):
+        raise bad(
+            f"{param}.type", f"{param}.type: server tools ({value['type']!r}) are not supported"
+        )
+    name = check_tool_name(f"{param}.name", value.get("name"))
+    description = value.get("description")
+    description = "" if description is None else read_text(f"{param}.description", description)
+    schema = value.get("input_schema")
+    if schema is None:
+        raise bad(f"{param}.input_schema", f"{param}.input_schema: Field required")
+    return Tool(name, description, checked_parameters(f"{param}.input_schema", schema))
+
+
+def _choice(value: Any, tools: tuple[Tool, ...]) -> ToolChoice:
+    if value is None:
+        return ToolChoice("auto" if tools else "none")
+    kind = value.get("type") if isinstance(value, Mapping) else None
+    if kind == "none" or (kind == "auto" and tools):
+        return ToolChoice(kind)
+    if kind == "auto":
+        return ToolChoice("none")
+    if kind == "any":
+        if not tools:
+            raise bad("tool_choice", 'tool_choice: {"type": "any"} needs tools')
+        return ToolChoice("required")
+    if kind == "tool":
+        name = value.get("name")
+        if not any(t.name == name for t in tools):
+            raise bad("tool_choice", f"tool_choice.name: {name!r} is not among the tools")
+        return ToolChoice("function", name)
+    raise bad(
+        "tool_choice",
+        'tool_choice: expected {"type": "auto"}, {"type": "any"}, {"type": "none"} or '
+        '{"type": "tool", "name": ...}',
+    )
+
+
+def is_tool_block(block: Any) -> bool:
+    return isinstance(block, Mapping) and block.get("type") in ("tool_use", "tool_result")
+
+
+def assistant_turn(param: str, text: str, blocks: list[tuple[int, Mapping[str, Any]]]) -> dict:
+    """An assistant turn with its text and the calls of its `tool_use` blocks."""
+    calls = []
+    for j, block in blocks:
+        pb = f"{param}.{j}"
+        if block["type"] != "tool_use":
+            raise bad(f"{pb}.type", f"{pb}.type: tool_result blocks belong in a user message")
+        name = read_text(f"{pb}.name", block.get("name"))
+        arguments = block.get("input", {})
+        if not isinstance(arguments, Mapping):
+            raise bad(f"{pb}.input", f"{pb}.input: expected an object, got {json_kind(arguments)}")
+        call_id = read_text(f"{pb}.id", block.get("id", f"toolu_{j}"))
+        function = {"name": name, "arguments": json.dumps(arguments)}
+        calls.append({"id": call_id, "type": "function", "function": function})
+    return {"role": "assistant", "content": text or None, "tool_calls": calls}
+
+
+def tool_results(param: str, blocks: list[tuple[int, Mapping[str, Any]]]) -> list[dict]:
+    """The `tool` turns of a user message's `tool_result` blocks."""
+    turns = []
+    for j, block in blocks:
+        pb = f"{param}.{j}"
+        if block["type"] != "tool_result":
+            raise bad(f"{pb}.type", f"{pb}.type: tool_use blocks belong in an assistant message")
+        call_id = read_text(f"{pb}.tool_use_id", block.get("tool_use_id"))
+        content = _result_text(f"{pb}.content", block.get("content", ""))
+        if block.get("is_error"):
+            content = f"Error: {content}"
+        turns.append({"role": "tool", "tool_call_id": call_id, "content": content})
+    return turns
+
+
+def _result_text(param: str, value: Any) -> str:
+    if isinstance(value, str):
+        return value
+    if not isinstance(value, list):
+        raise bad(param, f"{param}: expected a string or text blocks, got {json_kind(value)}")
+    texts = []
+    for k, block in enumerate(value):
+        if not isinstance(block, Mapping) or block.get("type") != "text":
+            raise bad(f"{param}.{k}", f"{param}.{k}: only text blocks are supported in a result")
+        texts.append(read_text(f"{param}.{k}.text", block.get("text")))
+    return "\n".join(texts)

@@ -20,24 +20,12 @@ from collections.abc import Mapping
 from typing import Any
 
 from luced.api.fields import bad, json_kind, read_text
-from luced.api.tools import check_tool_name, checked_parameters
+from luced.api.tools import function_tool, read_tools
 from luced.text.tool_calls import Tool, ToolChoice
-
-MAX_TOOLS = 128
 
 
 def parse_tools(body: Mapping[str, Any]) -> tuple[tuple[Tool, ...], ToolChoice]:
-    value = body.get("tools")
-    if value is None or value == []:
-        tools: tuple[Tool, ...] = ()
-    elif not isinstance(value, list):
-        raise bad("tools", f"tools: expected an array, got {json_kind(value)}")
-    elif len(value) > MAX_TOOLS:
-        raise bad("tools", f"tools: at most {MAX_TOOLS}, got {len(value)}")
-    else:
-        tools = tuple(_tool(f"tools.{i}", t) for i, t in enumerate(value))
-    if len({t.name for t in tools}) != len(tools):
-        raise bad("tools", "tools: tool names must be unique")
+    tools = read_tools(body.get("tools"), _tool, lambda i: f"tools.{i}")
     return tools, _choice(body.get("tool_choice"), tools)
 
 
@@ -48,13 +36,9 @@ def _tool(param: str, value: Any) -> Tool:
         raise bad(
             f"{param}.type", f"{param}.type: server tools ({value['type']!r}) are not supported"
         )
-    name = check_tool_name(f"{param}.name", value.get("name"))
-    description = value.get("description")
-    description = "" if description is None else read_text(f"{param}.description", description)
-    schema = value.get("input_schema")
-    if schema is None:
+    if value.get("input_schema") is None:
         raise bad(f"{param}.input_schema", f"{param}.input_schema: Field required")
-    return Tool(name, description, checked_parameters(f"{param}.input_schema", schema))
+    return function_tool(param, value, "input_schema")
 
 
 def _choice(value: Any, tools: tuple[Tool, ...]) -> ToolChoice:

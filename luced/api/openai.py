@@ -159,6 +159,18 @@ def parse_completion(
     return CompletionRequest(options, _prompt(body.get("prompt"), vocab_size))
 
 
+def check_model(body: Mapping[str, Any], model_name: str) -> None:
+    """`model` may be omitted; any name but the served model's is a 404."""
+    model = body.get("model")
+    if model is not None and read_text("model", model) != model_name:
+        raise APIError(
+            404,
+            f"The model {model!r} does not exist; this server serves {model_name!r}",
+            param="model",
+            code="model_not_found",
+        )
+
+
 def _options(
     body: Mapping[str, Any],
     model_name: str,
@@ -166,16 +178,7 @@ def _options(
     logprobs: int | None,
     max_tokens: int | None,
 ) -> Options:
-    model = body.get("model")
-    if model is not None:
-        model = read_text("model", model)
-        if model != model_name:
-            raise APIError(
-                404,
-                f"The model {model!r} does not exist; this server serves {model_name!r}",
-                param="model",
-                code="model_not_found",
-            )
+    check_model(body, model_name)
     stream = read_bool(body, "stream")
     stream_options = body.get("stream_options")
     include_usage = False
@@ -190,7 +193,7 @@ def _options(
         model=model_name,
         stream=stream,
         include_usage=include_usage,
-        params=_sampling(body, logprobs),
+        params=sampling_params(body, logprobs),
         max_tokens=max_tokens,
         stop=_stop(body.get("stop")),
         stop_token_ids=_token_ids(
@@ -201,7 +204,7 @@ def _options(
     )
 
 
-def _sampling(body: Mapping[str, Any], logprobs: int | None) -> SamplingParams:
+def sampling_params(body: Mapping[str, Any], logprobs: int | None) -> SamplingParams:
     fields: dict[str, Any] = {"logprobs": logprobs}
     for name, (lo, hi) in NUMBER_RANGES.items():
         if (x := read_number(body, name, lo, hi)) is not None:

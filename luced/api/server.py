@@ -73,6 +73,8 @@ from luced.api.openai import (
     parse_chat,
     parse_completion,
 )
+from luced.api.responses import ResponseFormat, parse_responses
+from luced.api.responses import usage as responses_usage
 from luced.api.tools import ToolChatFormat
 from luced.engine.core import Engine, EngineError, RequestHandle
 from luced.engine.metrics import CONTENT_TYPE, Metrics
@@ -148,6 +150,7 @@ def make_app(
             web.post("/v1/completions", completions),
             web.post("/v1/messages", messages),
             web.post("/v1/messages/count_tokens", count_tokens),
+            web.post("/v1/responses", responses),
             web.post("/tokenize", tokenize),
             web.post("/detokenize", detokenize),
             web.get("/v1/models", list_models),
@@ -374,6 +377,59 @@ async def messages(request: web.Request) -> web.StreamResponse:
     handle = engine.submit(generation_request(fmt.id, options, prompt))
     if req.options.stream:
         return await _stream_messages(request, fmt, handle)
+    text = await _whole_text(handle)
+    body = fmt.response(
+        text, handle.finish_reason or "stop", handle.stop_string, _anthropic_usage(handle)
+    )
+    return web.json_response(body, dumps=dumps)
+
+
+async def responses(request: web.Request) -> web.StreamResponse:
+    """OpenAI's POST /v1/responses (stateless), on the chat completions path."""
+    engine = request.app[ENGINE]
+    body = await read_json(request)
+    req = parse_responses(body, model_name=engine.model_name)
+    check_chars(request, _text_chars(req.messages), "input")
+    tools = _tool_format(engine, req)
+    prompt = await asyncio.to_thread(
+        chat_prompt, req, engine.chat_template, engine.tokenizer, tools
+    )
+    options, offered = req.options, None
+    if tools is not None and req.calls_tools:
+        options = replace(options, grammar=tools.grammar(req.tools, req.tool_choice))
+        offered = tools
+    fmt = ResponseFormat(
+        f"resp_{uuid.uuid4().hex}", engine.model_name, int(time.time()), req, offered
+    )
+    handle = engine.submit(generation_request(fmt.id, options, prompt))
+
+    def used() -> dict[str, Any]:
+        return responses_usage(handle.prompt_tokens, handle.cached_tokens, handle.completion_tokens)
+
+    if not options.stream:
+        text = await _whole_text(handle)
+        return web.json_response(
+            fmt.response(text, handle.finish_reason or "stop", used()), dumps=dumps
+        )
+    resp = _event_stream()
+    async with _stream_guard(handle, resp, fmt.id, fmt.error_events):
+        await resp.prepare(request)
+        for ev in fmt.start():
+            await resp.write(ev)
+        async for delta in handle:
+            for ev in fmt.delta(delta.text) if delta.text else ():
+                await resp.write(ev)
+        if (err := finish_error(handle.finish_reason, handle.error)) is not None:
+            tail = fmt.error_events(err)
+        else:
+            tail = fmt.end(handle.finish_reason or "stop", used())
+        for ev in tail:
+            await resp.write(ev)
+    return resp
+
+
+async def _whole_text(handle: RequestHandle) -> str:
+    """A non-streamed request's text, once it ends; its error as an APIError."""
     try:
         text = "".join([delta.text async for delta in handle])
     except BaseException:  # cancelled (the client went away) or the engine broke
@@ -381,10 +437,7 @@ async def messages(request: web.Request) -> web.StreamResponse:
         raise
     if (err := finish_error(handle.finish_reason, handle.error)) is not None:
         raise err
-    body = fmt.response(
-        text, handle.finish_reason or "stop", handle.stop_string, _anthropic_usage(handle)
-    )
-    return web.json_response(body, dumps=dumps)
+    return text
 
 
 def _anthropic_usage(handle: RequestHandle) -> dict[str, int]:

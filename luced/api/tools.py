@@ -12,7 +12,7 @@ A parameter schema llguidance cannot compile is a 400 naming
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from luced.api.fields import bad, json_kind, read_text
@@ -26,19 +26,25 @@ _NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")  # OpenAI's rule for function name
 
 
 def parse_tools(body: Mapping[str, Any]) -> tuple[tuple[Tool, ...], ToolChoice]:
-    value = body.get("tools")
-    if value is None or value == []:
-        tools: tuple[Tool, ...] = ()
-    elif not isinstance(value, list):
-        raise bad("tools", f"tools must be an array of tools, got {json_kind(value)}")
-    elif len(value) > MAX_TOOLS:
-        raise bad("tools", f"tools takes at most {MAX_TOOLS} tools, got {len(value)}")
-    else:
-        tools = tuple(_tool(f"tools[{i}]", t) for i, t in enumerate(value))
-    names = [t.name for t in tools]
-    if len(set(names)) != len(names):
-        raise bad("tools", "tools must have distinct function names")
+    tools = read_tools(body.get("tools"), _tool, lambda i: f"tools[{i}]")
     return tools, _choice(body.get("tool_choice"), tools)
+
+
+def read_tools(
+    value: Any, read_one: Callable[[str, Any], Tool], path: Callable[[int], str]
+) -> tuple[Tool, ...]:
+    """A `tools` array, each entry read by `read_one(its path, entry)` (every API spells
+    a tool its own way; `path(i)` in its style); no tools for null or []."""
+    if value is None or value == []:
+        return ()
+    if not isinstance(value, list):
+        raise bad("tools", f"tools must be an array of tools, got {json_kind(value)}")
+    if len(value) > MAX_TOOLS:
+        raise bad("tools", f"tools takes at most {MAX_TOOLS} tools, got {len(value)}")
+    tools = tuple(read_one(path(i), t) for i, t in enumerate(value))
+    if len({t.name for t in tools}) != len(tools):
+        raise bad("tools", "tools must have distinct names")
+    return tools
 
 
 def _tool(param: str, value: Any) -> Tool:
@@ -49,16 +55,20 @@ def _tool(param: str, value: Any) -> Tool:
     fn = value.get("function")
     if not isinstance(fn, Mapping):
         raise bad(f"{param}.function", f"{param}.function must be an object, got {json_kind(fn)}")
-    name = check_tool_name(f"{param}.function.name", fn.get("name"))
-    description = fn.get("description")
+    return function_tool(f"{param}.function", fn)
+
+
+def function_tool(param: str, spec: Mapping[str, Any], schema_key: str = "parameters") -> Tool:
+    """A tool from its `name`, `description` and schema (`schema_key`; none: no arguments),
+    the fields named under `param`."""
+    name = check_tool_name(f"{param}.name", spec.get("name"))
+    description = spec.get("description")
     if description is not None:
-        description = read_text(f"{param}.function.description", description)
-    parameters = fn.get("parameters")
-    if parameters is None:
-        parameters = {"type": "object", "properties": {}}
-    return Tool(
-        name, description or "", checked_parameters(f"{param}.function.parameters", parameters)
-    )
+        description = read_text(f"{param}.description", description)
+    schema = spec.get(schema_key)
+    if schema is None:
+        schema = {"type": "object", "properties": {}}
+    return Tool(name, description or "", checked_parameters(f"{param}.{schema_key}", schema))
 
 
 def check_tool_name(param: str, value: Any) -> str:

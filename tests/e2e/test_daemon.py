@@ -473,6 +473,12 @@ _fields = [
     "presence_penalty",
     "repetition_penalty",
     "stream_options",
+    "input",
+    "instructions",
+    "max_output_tokens",
+    "tools",
+    "tool_choice",
+    "text",
 ]
 _message = st.fixed_dictionaries(
     {
@@ -512,13 +518,14 @@ FUZZED_ROUTES = [
     "/v1/completions",
     "/v1/messages",
     "/v1/messages/count_tokens",
+    "/v1/responses",
     "/tokenize",
     "/detokenize",
 ]
 
 
 @settings(
-    max_examples=90, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+    max_examples=105, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
 @given(body=_body, path=st.sampled_from(FUZZED_ROUTES))
 def test_fuzzed_bodies_never_5xx(tiny_daemon, body: dict, path: str) -> None:

@@ -14,6 +14,12 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+# Imported here, once, on the main thread before any test runs: a first import deep inside
+# a test (tools/make_tiny_gguf.py imports it lazily) can be re-entered by a finalizer that
+# imports in the middle of it, which Python 3.11's import locks turn into a KeyError (seen
+# in CI as "KeyError" from importlib._bootstrap while importing regex).
+import transformers  # noqa: E402, F401
+
 
 @pytest.fixture(scope="session")
 def smollm2_gguf() -> Path:

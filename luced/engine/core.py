@@ -200,7 +200,9 @@ class Engine:
     def state(self) -> str:
         if self.draining:
             return "draining"
-        if self.target.ready:
+        # Ready once the daemon has started the loop (after the draft and the prefix cache
+        # are set up), not as soon as the workers have loaded.
+        if self.target.ready and self._loop_task is not None:
             self.loaded_once = True
             return "ready"
         return "degraded" if self.loaded_once else "loading"

@@ -261,6 +261,7 @@ class KVStore(Protocol):
 
     layers: range
     pos: int
+    positional: bool  # key row i is position i (the rows `write` returns)
 
     def reserve(self, start: int, n: int) -> None: ...
 
@@ -278,6 +279,8 @@ class KVStore(Protocol):
 
 
 class KVCache:
+    positional = True
+
     def __init__(
         self,
         layers: range,

@@ -62,6 +62,8 @@ class PooledKVCache:
 
     `capacity` is the logical bound (the context length); `pool` the rows allocated."""
 
+    positional = False  # rows are pool slots, gathered per step
+
     def __init__(
         self,
         layers: range,

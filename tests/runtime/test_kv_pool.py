@@ -113,7 +113,7 @@ class HidingCache(KVCache):
         if base is None:
             base = torch.ones(n, start + n, dtype=torch.bool, device=device)
         seen = torch.zeros(start + n, dtype=torch.bool, device=device)
-        seen[sorted(self.visible)] = True
+        seen[sorted(p for p in self.visible if p < start + n)] = True  # a row's keys end at it
         return base & seen[None, :]
 
 

@@ -183,3 +183,32 @@ def test_smollm2_answers_in_auto(smollm2_gguf: Path) -> None:
         assert isinstance(layer, PackedLinear) and layer.form == "int4"
     result = generate(model, prompt, SamplingParams(temperature=0), 32, tokenizer.eos_ids)
     assert "Paris" in tokenizer.decode(result.tokens)
+
+
+# The families whose every op is row-invariant: MoE routing groups a call's tokens by expert
+# and Gated DeltaNet's chunked form is another order of sums, so those stay close, not equal.
+ROW_EXACT_FAMILIES = ["llama", "qwen3", "gemma3"]
+
+
+@pytest.mark.parametrize("family", ROW_EXACT_FAMILIES)
+def test_a_block_of_rows_gives_decodes_very_logits(tmp_path: Path, family: str) -> None:
+    """Under packed weights (bf16 activations) a call of up to GEMV_MAX_ROWS tokens gives
+    exactly the logits of decoding them one at a time: what greedy DFlash == plain and
+    restored == fresh rest on when the weights are compact."""
+    path = make_tiny_gguf.build(family, tmp_path / "m.gguf", seed=3, qtype="Q4_0").path
+    model = Model.load(path, weights="int4")
+    ids = torch.arange(5, 5 + 40)
+    prefix, block = 24, 16
+    cache = model.new_cache(64)
+    model.forward(ids[:prefix], cache, 0)
+    verify = model.forward(ids[prefix:], cache, prefix)
+    cache = model.new_cache(64)
+    model.forward(ids[:prefix], cache, 0)
+    steps = torch.cat([model.forward(ids[i : i + 1], cache, i) for i in range(prefix, 40)])
+    assert verify.shape[0] == block and torch.equal(verify, steps)
+    # A prompt restored up to its last token, then that token, against the fresh prompt.
+    fresh = model.forward(ids[:prefix], model.new_cache(64), 0)[-1]
+    cache = model.new_cache(64)
+    model.forward(ids[: prefix - 1], cache, 0)
+    restored = model.forward(ids[prefix - 1 : prefix], cache, prefix - 1)[-1]
+    assert torch.equal(fresh, restored)

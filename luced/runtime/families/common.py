@@ -45,6 +45,11 @@ from luced.runtime.layers import (
     matrix_row_select,
     rms_norm,
 )
+from luced.runtime.qlinear import GEMV_MAX_ROWS
+
+# Calls of up to this many tokens (verify blocks, short prefills) attend row by row: the
+# packed kernels' largest call, so every call they serve gives decode's numbers.
+ROW_EXACT_ROWS = GEMV_MAX_ROWS
 
 if TYPE_CHECKING:
     from luced.runtime.kv_cache import KVStore
@@ -273,5 +278,20 @@ def cached_attention(
     else:
         keys, values = cache.write(layer, start, *kv)
         cache.observe_query(layer, q, window)  # KV Flash qk scores chunks by it
+    if 1 < n <= ROW_EXACT_ROWS and cache.positional:
+        # Row by row, each query exactly as a decode step at its position runs: a verify
+        # (or a short prefill) then gives decode's very logits. One call over n queries
+        # differs from n calls in the last float bits, and the packed kernels' bf16
+        # activations grow those into different logits (0.6 on SmolLM2 under --weights auto).
+        return torch.cat([
+            attention(
+                q[i : i + 1],
+                keys[:, : start + i + 1],
+                values[:, : start + i + 1],
+                cache.mask(start + i, 1, window, q.device),
+                scale,
+            )
+            for i in range(n)
+        ])  # fmt: skip
     mask = cache.mask(start, n, window, q.device)
     return attention(q, keys, values, mask, scale)

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from luced.runtime.qlinear import PackedLinear, QuantRows, quantize
+from luced.runtime.ragged import Ragged
 
 Matrix = torch.Tensor | PackedLinear
 
@@ -100,9 +101,16 @@ class Rope:
         emb = torch.cat([freqs, freqs], dim=-1)  # [capacity, D]
         self.cos, self.sin = emb.cos() * self.scale, emb.sin() * self.scale
 
-    def tables(self, start: int, n: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        if start + n > self.cos.shape[0]:
-            self._grow(max(start + n, 2 * self.cos.shape[0]))
+    def tables(
+        self, start: int | Ragged, n: int, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [n, D] of positions start..start+n-1, or of a ragged batch's tokens."""
+        end = start.end if isinstance(start, Ragged) else start + n
+        if end > self.cos.shape[0]:
+            self._grow(max(end, 2 * self.cos.shape[0]))
+        if isinstance(start, Ragged):
+            at = start.positions.to(self.cos.device)
+            return self.cos[at].to(dtype), self.sin[at].to(dtype)
         return self.cos[start : start + n].to(dtype), self.sin[start : start + n].to(dtype)
 
 

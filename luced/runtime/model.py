@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from types import ModuleType
 
@@ -32,6 +32,7 @@ from luced.runtime.families.common import ModelConfig
 from luced.runtime.kv_cache import KVCache, KVStore
 from luced.runtime.kv_pool import PooledKVCache
 from luced.runtime.qlinear import pack_weights
+from luced.runtime.ragged import Ragged, Span
 from luced.runtime.weights import WeightLoader, parse_dtype
 
 log = logging.getLogger(__name__)
@@ -154,12 +155,13 @@ class Model:
     def forward_layers(
         self,
         hidden: torch.Tensor,
-        cache: KVStore,
-        start: int,
+        cache: KVStore | Ragged,
+        start: int | Ragged,
         capture: Iterable[int] = (),
         ids: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
-        """Run this shard's layers over hidden ([n, hidden]) at positions start..start+n-1.
+        """Run this shard's layers over hidden ([n, hidden]) at positions start..start+n-1,
+        or over a ragged batch of sequences (the same `Ragged` as `cache` and `start`).
         `ids` ([n] token ids of those positions) feed families with per-token layer inputs.
 
         Returns the output and, for each requested layer in range, that layer's output
@@ -170,14 +172,23 @@ class Model:
         inputs = {}
         if layer_inputs is not None and self.layers:
             inputs = layer_inputs(self, None if ids is None else ids.to(self.device, torch.int64))
-        cache.reserve(start, n)
+        if isinstance(cache, Ragged):
+            if start is not cache or cache.n != n:
+                raise ValueError("a ragged batch is both the cache and the start of its rows")
+            cache.reserve()
+        else:
+            assert isinstance(start, int)
+            cache.reserve(start, n)
         captures: dict[int, torch.Tensor] = {}
         x = hidden.to(self.dtype)
         for layer in self.layers:
             x = self.family.block(self, layer, x, start, cache, **inputs)
             if layer in wanted:
                 captures[layer] = x
-        cache.commit(start + n)
+        if isinstance(cache, Ragged):
+            cache.commit()
+        else:
+            cache.commit(start + n)
         return x, captures
 
     @torch.inference_mode()
@@ -190,3 +201,13 @@ class Model:
         """Whole-model convenience: token ids -> float32 logits for every position."""
         h, _ = self.forward_layers(self.embed(ids), cache, start, ids=ids)
         return self.logits(h)
+
+    def forward_batch(
+        self, ids: Sequence[torch.Tensor], caches: Sequence[KVStore], starts: Sequence[int]
+    ) -> list[torch.Tensor]:
+        """Whole-model ragged batch: sequence i feeds ids[i] at starts[i] into caches[i], all
+        in one pass; -> each sequence's float32 logits for every position it fed."""
+        batch = Ragged([Span(c, s, len(t)) for t, c, s in zip(ids, caches, starts, strict=True)])
+        flat = torch.cat(list(ids))
+        h, _ = self.forward_layers(self.embed(flat), batch, batch, ids=flat)
+        return list(self.logits(h).split(batch.sizes))

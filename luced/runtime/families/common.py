@@ -46,6 +46,7 @@ from luced.runtime.layers import (
     rms_norm,
 )
 from luced.runtime.qlinear import GEMV_MAX_ROWS
+from luced.runtime.ragged import Ragged, Span
 
 # Calls of up to this many tokens (verify blocks, short prefills) attend row by row: the
 # packed kernels' largest call, so every call they serve gives decode's numbers.
@@ -217,8 +218,8 @@ def attend(
     model: ModelParts,
     layer: int,
     x: torch.Tensor,
-    start: int,
-    cache: KVStore,
+    start: int | Ragged,
+    cache: KVStore | Ragged,
     rope: Rope,
     *,
     window: int | None = None,
@@ -247,8 +248,8 @@ def self_attention(
     model: ModelParts,
     layer: int,
     x: torch.Tensor,
-    start: int,
-    cache: KVStore,
+    start: int | Ragged,
+    cache: KVStore | Ragged,
     rope: Rope,
     *,
     window: int | None = None,
@@ -262,8 +263,8 @@ def self_attention(
 def cached_attention(
     layer: int,
     q: torch.Tensor,
-    start: int,
-    cache: KVStore,
+    start: int | Ragged,
+    cache: KVStore | Ragged,
     kv: tuple[torch.Tensor, torch.Tensor] | None,
     *,
     window: int | None,
@@ -271,7 +272,16 @@ def cached_attention(
 ) -> torch.Tensor:
     """Attention of one layer over its cache. q: [n, H, D] (roped); kv: this layer's new
     (k, v) [n, Hkv, D] to store, or None for a KV-sharing layer, which reads its source
-    layer's rows. -> the heads' outputs [n, H*D], before the output projection."""
+    layer's rows. -> the heads' outputs [n, H*D], before the output projection. A ragged
+    batch (as `start` and `cache`) attends each sequence over its own cache."""
+    if isinstance(cache, Ragged):  # each sequence attends over its own cache
+
+        def one(s: Span, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None):
+            own = None if k is None or v is None else (k, v)
+            return cached_attention(layer, q, s.start, s.cache, own, window=window, scale=scale)
+
+        return cache.per_sequence(one, q, *(kv or (None, None)))
+    assert isinstance(start, int)
     n = q.shape[0]
     if kv is None:
         keys, values = cache.read(layer, start + n)

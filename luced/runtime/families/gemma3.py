@@ -22,6 +22,7 @@ from luced.runtime.layers import Rope, geglu_tanh, linear, rms_norm, rope_inv_fr
 
 if TYPE_CHECKING:
     from luced.runtime.kv_cache import KVStore
+    from luced.runtime.ragged import Ragged
 
 ARCH = "gemma3"
 
@@ -109,7 +110,7 @@ def embed(model: ModelParts, ids: torch.Tensor) -> torch.Tensor:
 
 
 def block(
-    model: ModelParts, layer: int, x: torch.Tensor, start: int, cache: KVStore
+    model: ModelParts, layer: int, x: torch.Tensor, start: int | Ragged, cache: KVStore | Ragged
 ) -> torch.Tensor:
     cfg: Gemma3Config = model.cfg
     w, eps = model.weights, cfg.rms_eps

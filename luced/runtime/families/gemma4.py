@@ -51,6 +51,7 @@ from luced.runtime.layers import Rope, apply_rope, geglu_tanh, linear, rms_norm,
 
 if TYPE_CHECKING:
     from luced.runtime.kv_cache import KVCache
+    from luced.runtime.ragged import Ragged
 
 ARCH = "gemma4"
 
@@ -245,7 +246,7 @@ def layer_inputs(model: ModelParts, ids: torch.Tensor | None) -> dict[str, torch
 
 
 def _attention(
-    model: ModelParts, layer: int, x: torch.Tensor, start: int, cache: KVCache
+    model: ModelParts, layer: int, x: torch.Tensor, start: int | Ragged, cache: KVCache | Ragged
 ) -> torch.Tensor:
     cfg: Gemma4Config = model.cfg
     w, eps, n = model.weights, cfg.rms_eps, x.shape[0]
@@ -269,8 +270,8 @@ def block(
     model: ModelParts,
     layer: int,
     x: torch.Tensor,
-    start: int,
-    cache: KVCache,
+    start: int | Ragged,
+    cache: KVCache | Ragged,
     ple: torch.Tensor | None = None,
 ) -> torch.Tensor:
     w, eps = model.weights, model.cfg.rms_eps

@@ -33,6 +33,7 @@ from luced.runtime.layers import Rope, linear, rms_norm, rope_inv_freq, yarn_inv
 
 if TYPE_CHECKING:
     from luced.runtime.kv_cache import KVStore
+    from luced.runtime.ragged import Ragged
 
 ARCH = "laguna"
 
@@ -146,7 +147,7 @@ def ropes(cfg: LagunaConfig, weights: dict[str, torch.Tensor], device: torch.dev
 
 
 def _gated_attention(
-    model: ModelParts, layer: int, h: torch.Tensor, start: int, cache: KVStore
+    model: ModelParts, layer: int, h: torch.Tensor, start: int | Ragged, cache: KVStore | Ragged
 ) -> torch.Tensor:
     """Attention whose head outputs are scaled by softplus(h @ attn_gate) before the output
     projection: one gate per head, or one per element when the gate is that wide."""
@@ -164,7 +165,7 @@ def _gated_attention(
 
 
 def block(
-    model: ModelParts, layer: int, x: torch.Tensor, start: int, cache: KVStore
+    model: ModelParts, layer: int, x: torch.Tensor, start: int | Ragged, cache: KVStore | Ragged
 ) -> torch.Tensor:
     cfg: LagunaConfig = model.cfg
     w, eps = model.weights, cfg.rms_eps

@@ -29,6 +29,7 @@ from luced.runtime.qlinear import QuantRows
 
 if TYPE_CHECKING:
     from luced.runtime.kv_cache import KVStore
+    from luced.runtime.ragged import Ragged
 
 ARCH = "llama"
 
@@ -121,8 +122,8 @@ def block(
     model: ModelParts,
     layer: int,
     x: torch.Tensor,
-    start: int,
-    cache: KVStore,
+    start: int | Ragged,
+    cache: KVStore | Ragged,
     ffn: FFN = dense_ffn,
 ) -> torch.Tensor:
     """Pre-norm attention, then pre-norm `ffn` (families swap in an MoE FFN), residuals."""

@@ -45,14 +45,13 @@ from luced.runtime.kv_cache import RecurrentShape
 from luced.runtime.layers import (
     Rope,
     apply_rope,
-    attention,
-    attention_mask,
     cat_rows,
     linear,
     rms_norm,
     rope_inv_freq,
     swiglu,
 )
+from luced.runtime.ragged import Ragged
 
 if TYPE_CHECKING:
     from luced.runtime.kv_cache import KVCache
@@ -228,15 +227,17 @@ def block(
     model: ModelParts,
     layer: int,
     x: torch.Tensor,
-    start: int,
-    cache: KVCache,
+    start: int | Ragged,
+    cache: KVCache | Ragged,
     ffn: Callable[[ModelParts, int, torch.Tensor], torch.Tensor] = dense_ffn,
 ) -> torch.Tensor:
     """x + mixer(norm x), then + ffn(norm x); `ffn` is the dense SwiGLU or qwen35moe's experts."""
     cfg: Qwen35Config = model.cfg
     w, eps = model.weights, cfg.rms_eps
     h = rms_norm(x, w[f"{layer}.attn_norm"], eps)
-    if cfg.is_recurrent(layer):
+    if cfg.is_recurrent(layer) and isinstance(cache, Ragged):  # each sequence's own state
+        x = x + cache.per_sequence(lambda s, h: delta_net(model, layer, h, s.cache), h)
+    elif cfg.is_recurrent(layer):
         x = x + delta_net(model, layer, h, cache)
     else:
         x = x + gated_attention(model, layer, h, start, cache)
@@ -244,7 +245,7 @@ def block(
 
 
 def gated_attention(
-    model: ModelParts, layer: int, x: torch.Tensor, start: int, cache: KVCache
+    model: ModelParts, layer: int, x: torch.Tensor, start: int | Ragged, cache: KVCache | Ragged
 ) -> torch.Tensor:
     cfg: Qwen35Config = model.cfg
     w = model.weights
@@ -257,10 +258,8 @@ def gated_attention(
     v = linear(x, w[f"{layer}.attn_v"]).view(n, cfg.n_kv_heads, d)
     cos, sin = model.ropes[layer].tables(start, n, q.dtype)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    keys, values = cache.write(layer, start, k, v)
-    mask = attention_mask(start, n, start + n, None, x.device)
-    out = attention(q, keys, values, mask, d**-0.5) * torch.sigmoid(gate)
-    return linear(out, w[f"{layer}.attn_output"])
+    out = common.cached_attention(layer, q, start, cache, (k, v), window=None, scale=d**-0.5)
+    return linear(out * torch.sigmoid(gate), w[f"{layer}.attn_output"])
 
 
 def delta_net(model: ModelParts, layer: int, x: torch.Tensor, cache: KVCache) -> torch.Tensor:

@@ -23,6 +23,7 @@ from luced.runtime.families.common import ModelParts
 
 if TYPE_CHECKING:
     from luced.runtime.kv_cache import KVCache
+    from luced.runtime.ragged import Ragged
 
 ARCH = "qwen35moe"
 
@@ -53,7 +54,7 @@ def prepare(cfg: Qwen35MoeConfig, weights: dict[str, torch.Tensor]) -> None:
 
 
 def block(
-    model: ModelParts, layer: int, x: torch.Tensor, start: int, cache: KVCache
+    model: ModelParts, layer: int, x: torch.Tensor, start: int | Ragged, cache: KVCache | Ragged
 ) -> torch.Tensor:
     return qwen35.block(model, layer, x, start, cache, ffn=moe.model_ffn)
 

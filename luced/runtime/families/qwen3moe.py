@@ -20,6 +20,7 @@ from luced.runtime.families.common import ModelParts
 
 if TYPE_CHECKING:
     from luced.runtime.kv_cache import KVStore
+    from luced.runtime.ragged import Ragged
 
 ARCH = "qwen3moe"
 
@@ -55,7 +56,7 @@ def prepare(cfg: Qwen3MoeConfig, weights: dict[str, torch.Tensor]) -> None:
 
 
 def block(
-    model: ModelParts, layer: int, x: torch.Tensor, start: int, cache: KVStore
+    model: ModelParts, layer: int, x: torch.Tensor, start: int | Ragged, cache: KVStore | Ragged
 ) -> torch.Tensor:
     return llama.block(model, layer, x, start, cache, ffn=moe.model_ffn)
 

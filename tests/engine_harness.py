@@ -10,11 +10,12 @@ from pathlib import Path
 from luced.cache.arena import SnapshotArena
 from luced.cache.disk import DiskIdentity, SnapshotDisk
 from luced.cache.prefix_cache import PrefixCache
-from luced.engine.core import Engine
+from luced.engine.core import Engine, GenerationRequest, RequestHandle
 from luced.engine.kvflash import PagerConfig
 from luced.engine.target import Target, TargetPlacement
 from luced.gguf_file import GGUFFile
 from luced.ipc.shm import ShmOwner
+from luced.sampling_params import SamplingParams
 from luced.text.tokenizer import Tokenizer
 
 
@@ -36,6 +37,7 @@ async def engine_for(
     kv_flash: PagerConfig | None = None,
     kv_cache_dir: Path | None = None,
     weights: str = "dequant",
+    batch_invariant: bool = False,
 ) -> AsyncIterator[Engine]:
     """One worker thread each (2 cores, shared with the test); prompts longer than 64
     tokens span several prefill chunks. A draft (or the n-gram lookup) is set up for
@@ -58,6 +60,7 @@ async def engine_for(
             ),
             kv_sources=gguf.kv_sources(),  # as the daemon: a split keeps gemma4's pairs together
             weights_mode=weights,
+            batch_invariant=batch_invariant,
         )
         target = target_cls(owner, placement, kv_flash=kv_flash)
         tokenizer = Tokenizer.from_gguf(gguf)
@@ -94,3 +97,20 @@ async def engine_for(
             if engine.prefix_cache is not None:
                 await engine.prefix_cache.close()
             await target.close()
+
+
+async def generate(
+    engine: Engine, prompt: list[int], max_tokens: int, **params
+) -> tuple[list[int], RequestHandle, list]:
+    """Greedy unless params say otherwise, to max_tokens (EOS ignored): (tokens, the finished
+    handle, [(logprob, top ids)] per token when logprobs were asked)."""
+    req = GenerationRequest(
+        "r", prompt, SamplingParams(**{"temperature": 0, **params}), max_tokens, ignore_eos=True
+    )
+    handle = engine.submit(req)
+    tokens, lps = [], []
+    async for delta in handle:
+        tokens += delta.token_ids
+        lps += [(lp.logprob, [t[0] for t in lp.top]) for lp in delta.logprobs or []]
+    assert handle.finish_reason == "length", handle.error
+    return tokens, handle, lps

@@ -3,7 +3,7 @@
     python tools/bench_dflash.py [--model smollm2|gemma3|tiny-FAMILY|PATH] [--block-size 16]
         [--workloads chat code grounded repeat] [--engines NAME ...] [--prompts 3]
         [--tokens 128] [--rounds 1] [--threads N] [--trained-draft PATH]
-        [--rollbacks select,replay]
+        [--rollbacks select,replay] [--weights dequant] [--batch-invariant]
 
 Engines over real Targets (worker subprocesses, shared memory, frames), all loaded at
 once and measured interleaved so drift on a shared machine hits them alike; each must
@@ -140,7 +140,7 @@ def context_length(model: Path) -> int:
     return min(2048, int(gguf.get(f"{gguf.arch}.context_length") or 2048))
 
 
-def make_target(cls: type[Target], owner: ShmOwner, model: Path, threads: int, name: str) -> Target:
+def make_target(cls: type[Target], owner: ShmOwner, model: Path, args: Any, name: str) -> Target:
     gguf = GGUFFile(model)
     placement = TargetPlacement(
         model=str(model),
@@ -148,7 +148,9 @@ def make_target(cls: type[Target], owner: ShmOwner, model: Path, threads: int, n
         dtype="float32",
         kv_capacity=context_length(model),
         max_batch_tokens=256,
-        worker=WorkerSpec("cpu", ("cpu",), threads=threads),
+        worker=WorkerSpec("cpu", ("cpu",), threads=args.threads),
+        weights_mode=args.weights,
+        batch_invariant=args.batch_invariant,
     )
     return cls(owner, placement, name=name)
 
@@ -200,7 +202,7 @@ async def start_engine(
     hybrid's rejected suffix back by `rollback`."""
     cls, drafter, adaptive = ENGINES[name]
     label = label or name
-    target = make_target(cls, owner, model, args.threads, label.replace("/", "-"))
+    target = make_target(cls, owner, model, args, label.replace("/", "-"))
     target.rollback = rollback
     await target.start()
     if drafter in ("model", "trained"):
@@ -333,6 +335,10 @@ def main() -> None:
     )
     ap.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) - 1))
     ap.add_argument("--rollbacks", default=ROLLBACK, help="comma-separated: select,replay")
+    ap.add_argument("--weights", default="dequant", help="auto | int4 | int8 | dequant")
+    ap.add_argument(
+        "--batch-invariant", action="store_true", help="the workers in batch-invariant mode"
+    )
     asyncio.run(bench(ap.parse_args()))
 
 

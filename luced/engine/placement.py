@@ -266,6 +266,7 @@ class TargetPlacement:
     moe_required: bool = False  # a forward fails rather than compute cold experts in process
     moe_dims: tuple[int, int] = (0, 0)  # (hidden, experts per token): sizes the scratch
     weights_mode: str = "dequant"  # how workers hold matrices (frames.WEIGHT_MODES)
+    batch_invariant: bool = False  # logits independent of how tokens are grouped in calls
 
     def __post_init__(self) -> None:
         if not self.workers:
@@ -296,6 +297,7 @@ class TargetPlacement:
         moe_required: bool = False,
         moe_dims: tuple[int, int] = (0, 0),
         weights_mode: str = "dequant",
+        batch_invariant: bool = False,
     ) -> TargetPlacement:
         """--target-devices / --target-layer-split -> workers; raises PlacementError.
         `kv_sources` (the GGUF's KV-sharing layers) keeps sharing layers with their sources;
@@ -326,4 +328,5 @@ class TargetPlacement:
             moe_required=moe_required,
             moe_dims=moe_dims,
             weights_mode=weights_mode,
+            batch_invariant=batch_invariant,
         )

@@ -246,6 +246,7 @@ class Target:
                 moe_hot=-1 if p.moe_hot is None else p.moe_hot,
                 **(self.experts.load_fields(slot) if self.experts else {}),
                 weights=p.weights_mode,
+                batch_invariant=p.batch_invariant,
             )
         )
         if self.experts is not None:

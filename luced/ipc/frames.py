@@ -76,7 +76,7 @@ from luced.ipc.regions import Region
 from luced.ipc.typed import FrameError, Record
 from luced.sampling_params import SamplingParams
 
-PROTOCOL_VERSION = 9
+PROTOCOL_VERSION = 10
 
 _ENVELOPE = frozenset({"op", "seq", "ok", "error"})  # no op may use these as fields
 
@@ -206,6 +206,8 @@ class Load(Request):
     moe_scratch: Region | None = None
     moe_required: bool = False
     weights: str = "dequant"  # one of WEIGHT_MODES
+    # Logits independent of how tokens are grouped into calls (runtime.model.Model.load).
+    batch_invariant: bool = False
 
     def _check(self) -> None:
         if self.moe_hot < -1:

@@ -159,6 +159,7 @@ class Backend(WorkerState):
                 dtype=req.dtype,
                 device=torch_device(name),
                 weights=req.weights,
+                batch_invariant=req.batch_invariant,
             )
             if i == 0:
                 check_load(req, model)

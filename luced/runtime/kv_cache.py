@@ -261,7 +261,8 @@ class KVStore(Protocol):
 
     layers: range
     pos: int
-    positional: bool  # key row i is position i (the rows `write` returns)
+    # Attention runs row by row (batch-invariant mode); needs key row i to hold position i.
+    row_exact: bool
 
     def reserve(self, start: int, n: int) -> None: ...
 
@@ -279,8 +280,6 @@ class KVStore(Protocol):
 
 
 class KVCache:
-    positional = True
-
     def __init__(
         self,
         layers: range,
@@ -294,10 +293,13 @@ class KVCache:
         shapes: Mapping[int, tuple[int, int]] | None = None,
         sources: Mapping[int, int] | None = None,
         recurrent: Mapping[int, RecurrentShape] | None = None,
+        row_exact: bool = False,
     ) -> None:
         """shapes: layer -> (Hkv, D) where it differs from (n_kv_heads, head_dim);
         sources: KV-sharing layer -> the layer of this cache whose K/V it reads;
-        recurrent: the layers that keep a recurrent state instead of K/V."""
+        recurrent: the layers that keep a recurrent state instead of K/V;
+        row_exact: attention row by row, as each position's decode step (batch-invariant)."""
+        self.row_exact = row_exact
         self.layers = layers
         self.head_dim = head_dim
         self.capacity = capacity

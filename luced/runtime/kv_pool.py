@@ -62,7 +62,7 @@ class PooledKVCache:
 
     `capacity` is the logical bound (the context length); `pool` the rows allocated."""
 
-    positional = False  # rows are pool slots, gathered per step
+    row_exact = False  # rows are pool slots: KV Flash is not batch-invariant
 
     def __init__(
         self,

@@ -31,7 +31,7 @@ from luced.runtime.families import family_for
 from luced.runtime.families.common import ModelConfig
 from luced.runtime.kv_cache import KVCache, KVStore
 from luced.runtime.kv_pool import PooledKVCache
-from luced.runtime.qlinear import pack_weights
+from luced.runtime.qlinear import PackedLinear, pack_weights
 from luced.runtime.ragged import Ragged, Span
 from luced.runtime.weights import WeightLoader, parse_dtype
 
@@ -57,6 +57,7 @@ class Model:
         self.device = device
         self.path = path
         self.weights_mode = "dequant"  # qlinear.WEIGHT_MODES; `load` sets it
+        self.batch_invariant = False  # `load` sets it: row-exact caches, packed calls only
         self.owns_embed = layers.start == 0
         self.owns_head = layers.stop == cfg.n_layers
         self.ropes = family.ropes(cfg, weights, device)
@@ -70,9 +71,14 @@ class Model:
         dtype: str | torch.dtype = "float32",
         device: str | torch.device = "cpu",
         weights: str = "dequant",
+        batch_invariant: bool = False,
     ) -> Model:
         """`weights`: how matrices are held (qlinear.WEIGHT_MODES); "dequant" is the exact
-        float path, the others pack them for the weight-only kernels."""
+        float path, the others pack them for the weight-only kernels. `batch_invariant`: a
+        token's logits do not depend on the call it came in (a verify block, a prefill
+        chunk, a ragged batch) for the packed matrices and attention: every packed call
+        takes the kernel 64 rows at a time and attention runs row by row, at a cost
+        (README, "Batch-invariant mode")."""
         t0 = time.monotonic()
         gguf = GGUFFile(path)
         family = family_for(gguf)
@@ -98,8 +104,12 @@ class Model:
         pack_weights(tensors, torch_dtype)  # after prepare, which may reorder rows
         model = cls(family, cfg, tensors, span, torch_dtype, torch_device, gguf.path)  # type: ignore[arg-type]
         model.weights_mode = weights
+        model.batch_invariant = batch_invariant
+        for w in tensors.values():
+            if isinstance(w, PackedLinear):
+                w.invariant = batch_invariant
         log.info(
-            "loaded %s (%s, layers [%d, %d) of %d, %s, weights %s) in %.1f s",
+            "loaded %s (%s, layers [%d, %d) of %d, %s, weights %s%s) in %.1f s",
             gguf.path.name,
             cfg.arch,
             a,
@@ -107,6 +117,7 @@ class Model:
             cfg.n_layers,
             str(torch_dtype).removeprefix("torch."),
             weights,
+            ", batch-invariant" if batch_invariant else "",
             time.monotonic() - t0,
         )
         return model
@@ -127,6 +138,7 @@ class Model:
             shapes={i: cfg.kv_shape(i) for i in self.layers},
             sources={i: s for i in self.layers if (s := cfg.kv_source(i)) != i},
             recurrent=recurrent(cfg, self.layers) if recurrent is not None else None,
+            row_exact=self.batch_invariant,
         )
 
     def new_pool_cache(self, pool: int, capacity: int | None = None) -> PooledKVCache:

@@ -239,6 +239,9 @@ class PackedLinear:
         self.form = rows.form
         self.out_features, self.in_features = rows.shape
         self.dtype = dtype
+        # Batch-invariant mode (`Model.load(batch_invariant=True)`): calls of any size take
+        # the packed kernel, 64 rows at a time, so no row depends on how many came with it.
+        self.invariant = False
         self._codes: torch.Tensor | None = None  # kept only if the int4 layout is unknown
         if rows.form == "int8":
             self.weight = rows.codes.contiguous()
@@ -272,6 +275,8 @@ class PackedLinear:
         x2 = x.reshape(-1, k)
         if x2.shape[0] <= GEMV_MAX_ROWS:
             y = self.gemv(x2.to(torch.bfloat16))
+        elif self.invariant:
+            y = torch.cat([self.gemv(part) for part in x2.to(torch.bfloat16).split(GEMV_MAX_ROWS)])
         else:
             dt = dense_dtype(x.device.type)
             y = F.linear(x2.to(dt), self.dense(dt))

@@ -18,19 +18,25 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
-if TYPE_CHECKING:
-    from luced.runtime.kv_cache import KVStore
+
+class SequenceCache(Protocol):
+    """What a batch does with a sequence's cache itself (a `kv_cache.KVStore`); the layers
+    use the rest."""
+
+    def reserve(self, start: int, n: int) -> None: ...
+
+    def commit(self, end: int) -> None: ...
 
 
 @dataclass(frozen=True)
 class Span:
     """One sequence's tokens in a batch: `n` positions from `start`, in its own `cache`."""
 
-    cache: KVStore
+    cache: SequenceCache
     start: int
     n: int
 

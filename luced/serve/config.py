@@ -345,6 +345,15 @@ OPTIONS: tuple[Option, ...] = (
         choices=WEIGHT_MODES,
     ),
     Option(
+        "batch_invariant", "bool", False,
+        "Make every token's logits independent of how tokens are grouped into forwards: "
+        "greedy speculative decoding then equals plain decoding, and a prompt restored "
+        "from the prefix cache gives the fresh prompt's logits, bit for bit. Covers "
+        "matrices held packed (`--weights auto`, `int4`, `int8`) and attention; a "
+        "verify or prefill costs more (attention row by row, packed kernels 64 rows at a "
+        "time). Not covered: float-held matrices, MoE experts, Gated DeltaNet, KV Flash.",
+    ),
+    Option(
         "threads", "int", None, "Torch threads per CPU worker.",
         minimum=1, nullable=True, example=4,
         default_doc="the usable CPU cores but one (kept for the daemon), shared among the "
@@ -561,6 +570,7 @@ class Config:
     model_name: str | None  # None: the GGUF stem (see served_model_name)
     dtype: str
     weights: str
+    batch_invariant: bool
     threads: int
     context_length: int | None  # None: the model's, capped (see effective_context_length)
     max_queue: int

@@ -117,6 +117,7 @@ class Daemon:
             n_layers=n_layers,
             dtype=cfg.dtype,
             weights_mode=cfg.weights,
+            batch_invariant=cfg.batch_invariant,
             kv_capacity=context,
             max_batch_tokens=cfg.max_batch_tokens,
             devices=cfg.target_devices,

@@ -20,9 +20,9 @@ import pytest
 import pytest_asyncio
 import torch
 from bench_dflash import OracleTarget
-from engine_harness import engine_for
+from engine_harness import engine_for, generate
 
-from luced.engine.core import Engine, GenerationRequest
+from luced.engine.core import Engine
 from luced.runtime.sampler import probs
 from luced.sampling_params import SamplingParams
 
@@ -51,15 +51,7 @@ async def run_logprobs(
     engine: Engine, max_tokens: int = N, prompt: list[int] = PROMPT, **params
 ) -> tuple[list[int], dict, list]:
     """(tokens, spec counts, [(logprob, top ids)] per token when logprobs were asked)."""
-    req = GenerationRequest(
-        "r", prompt, SamplingParams(**{"temperature": 0, **params}), max_tokens, ignore_eos=True
-    )
-    handle = engine.submit(req)
-    tokens, lps = [], []
-    async for delta in handle:
-        tokens += delta.token_ids
-        lps += [(lp.logprob, [t[0] for t in lp.top]) for lp in delta.logprobs or []]
-    assert handle.finish_reason == "length", handle.error
+    tokens, handle, lps = await generate(engine, prompt, max_tokens, **params)
     return tokens, dict(handle.spec), lps
 
 

@@ -191,24 +191,34 @@ ROW_EXACT_FAMILIES = ["llama", "qwen3", "gemma3"]
 
 
 @pytest.mark.parametrize("family", ROW_EXACT_FAMILIES)
-def test_a_block_of_rows_gives_decodes_very_logits(tmp_path: Path, family: str) -> None:
-    """Under packed weights (bf16 activations) a call of up to GEMV_MAX_ROWS tokens gives
-    exactly the logits of decoding them one at a time: what greedy DFlash == plain and
-    restored == fresh rest on when the weights are compact."""
+def test_batch_invariant_mode_gives_decodes_very_logits(tmp_path: Path, family: str) -> None:
+    """Under packed weights (bf16 activations) and batch_invariant, a token's logits do not
+    depend on the call it came in: a 16-token verify block equals 16 decode steps, and a
+    100-token prompt (past the 64 rows of one packed call) prefilled fresh equals the same
+    prompt restored in pieces: what greedy DFlash == plain and restored == fresh rest on
+    when the weights are compact."""
     path = make_tiny_gguf.build(family, tmp_path / "m.gguf", seed=3, qtype="Q4_0").path
-    model = Model.load(path, weights="int4")
-    ids = torch.arange(5, 5 + 40)
-    prefix, block = 24, 16
-    cache = model.new_cache(64)
+    model = Model.load(path, weights="int4", batch_invariant=True)
+    ids = torch.arange(5, 5 + 100)
+    prefix, end = 24, 40
+    cache = model.new_cache(128)
     model.forward(ids[:prefix], cache, 0)
-    verify = model.forward(ids[prefix:], cache, prefix)
-    cache = model.new_cache(64)
+    verify = model.forward(ids[prefix:end], cache, prefix)
+    cache = model.new_cache(128)
     model.forward(ids[:prefix], cache, 0)
-    steps = torch.cat([model.forward(ids[i : i + 1], cache, i) for i in range(prefix, 40)])
-    assert verify.shape[0] == block and torch.equal(verify, steps)
-    # A prompt restored up to its last token, then that token, against the fresh prompt.
-    fresh = model.forward(ids[:prefix], model.new_cache(64), 0)[-1]
-    cache = model.new_cache(64)
-    model.forward(ids[: prefix - 1], cache, 0)
-    restored = model.forward(ids[prefix - 1 : prefix], cache, prefix - 1)[-1]
-    assert torch.equal(fresh, restored)
+    steps = torch.cat([model.forward(ids[i : i + 1], cache, i) for i in range(prefix, end)])
+    assert torch.equal(verify, steps)
+    fresh = model.forward(ids, model.new_cache(128), 0)
+    cache = model.new_cache(128)
+    pieces = [model.forward(ids[a:b], cache, a) for a, b in ((0, 37), (37, 99), (99, 100))]
+    assert torch.equal(fresh, torch.cat(pieces))
+
+
+def test_packed_calls_past_64_rows_are_batch_invariant_on_request(files: dict[str, Path]) -> None:
+    """Past GEMV_MAX_ROWS a call goes dense (bf16 or float32 rounding of its own) unless the
+    matrix is in batch-invariant mode, where every row takes the packed kernel."""
+    packed = PackedLinear(_load(files["Q4_0"], "int4")[0], torch.float32)
+    x = torch.randn(2 * GEMV_MAX_ROWS + 6, packed.in_features)
+    one_by_one = torch.cat([linear(x[i : i + 1], packed) for i in range(x.shape[0])])
+    packed.invariant = True
+    assert torch.equal(linear(x, packed), one_by_one)

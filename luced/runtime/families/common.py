@@ -45,12 +45,7 @@ from luced.runtime.layers import (
     matrix_row_select,
     rms_norm,
 )
-from luced.runtime.qlinear import GEMV_MAX_ROWS
 from luced.runtime.ragged import Ragged, Span
-
-# Calls of up to this many tokens (verify blocks, short prefills) attend row by row: the
-# packed kernels' largest call, so every call they serve gives decode's numbers.
-ROW_EXACT_ROWS = GEMV_MAX_ROWS
 
 if TYPE_CHECKING:
     from luced.runtime.kv_cache import KVStore
@@ -288,11 +283,11 @@ def cached_attention(
     else:
         keys, values = cache.write(layer, start, *kv)
         cache.observe_query(layer, q, window)  # KV Flash qk scores chunks by it
-    if 1 < n <= ROW_EXACT_ROWS and cache.positional:
-        # Row by row, each query exactly as a decode step at its position runs: a verify
-        # (or a short prefill) then gives decode's very logits. One call over n queries
-        # differs from n calls in the last float bits, and the packed kernels' bf16
-        # activations grow those into different logits (0.6 on SmolLM2 under --weights auto).
+    if n > 1 and cache.row_exact:
+        # Batch-invariant mode: each query attends exactly as a decode step at its position
+        # would. One SDPA call over n queries differs from n calls in the last float bits,
+        # and the packed kernels' bf16 activations grow that into different logits (0.66 on
+        # SmolLM2 under --weights auto); so a verify or a prefill gives decode's very logits.
         return torch.cat([
             attention(
                 q[i : i + 1],

@@ -1,0 +1,34 @@
+"""Batch-invariant mode on the bundled SmolLM2 under its served weights (`auto`: Q4_1 layers
+on the int4 kernel, the Q8_0 head on int8, bf16 activations): greedy speculative decoding
+and a prompt restored from the prefix cache give plain decoding's very logprobs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from engine_harness import engine_for, generate
+
+from luced.text.tokenizer import Tokenizer
+
+# Input-grounded, so prompt lookup proposes and the verify blocks accept; long enough
+# (> 64 tokens) that the prefill spans two calls.
+TEXT = (
+    "Copy this list exactly: apples, pears, plums, cherries, grapes, lemons, limes, figs, "
+    "dates, melons, peaches, apricots, oranges, kiwis, mangoes, papayas, guavas, quinces, "
+    "olives, berries, currants. Again, the same list: apples, pears, plums,"
+)
+
+
+async def test_speculative_and_restored_equal_plain_bit_for_bit(smollm2_gguf: Path) -> None:
+    prompt = Tokenizer.from_gguf(smollm2_gguf).encode(TEXT)
+    assert len(prompt) > 64
+    common = {"weights": "auto", "batch_invariant": True, "context": 256}
+    async with engine_for(smollm2_gguf, prefix_cache_bytes=64 << 20, **common) as engine:
+        plain, first, plain_lps = await generate(engine, prompt, 24, logprobs=2)
+        again, second, again_lps = await generate(engine, prompt, 24, logprobs=2)
+    assert (first.cached_tokens, second.cached_tokens) == (0, len(prompt) - 1)
+    assert (again, again_lps) == (plain, plain_lps)
+    async with engine_for(smollm2_gguf, lookup_drafts=True, **common) as engine:
+        spec, handle, spec_lps = await generate(engine, prompt, 24, logprobs=2)
+    assert handle.spec["accepted_tokens"] > 0
+    assert (spec, spec_lps) == (plain, plain_lps)

@@ -1,10 +1,10 @@
 """Expert placement: which routed experts a target worker keeps (hot) and where the others
 (cold) are computed, for every MoE family at once (they all mix experts in `moe.routed_mix`).
 
-    placement = plan(n_experts, moe_layers(gguf), hot=4)   # per layer: lowest ids, or the
-                                                           # most routed ones with a profile
-    cold = LocalExperts(path, cfg.moe, placement.inverted().hot, dtype)   # in-process, CPU
-    apply(model, placement, Split(placement, cold))        # the stacks keep hot rows only
+    placement = plan_for(path, hot=4)                 # per layer: the lowest ids, or the
+                                                      # most routed ones given a profile
+    model = Model.load(path, experts=placement.hot)   # reads only the hot experts' rows
+    place(model, placement)                           # cold: in process (LocalExperts)
 
 Per MoE layer the router runs once over all experts; `Split.mix` maps its global ids to
 each side's local index (-1 where that side does not hold the expert) and adds the parts::
@@ -31,13 +31,13 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-import numpy as np
 import torch
 
-from luced.gguf_file import GGUFError, GGUFFile
+from luced.gguf_file import GGUFFile
+from luced.runtime.families import family_for
 from luced.runtime.layers import store_matrix
 from luced.runtime.moe import ACTIVATIONS, MoeConfig, StackedExperts, expert_mix
-from luced.runtime.weights import SUPPORTED_TYPES, dequantize_rows
+from luced.runtime.weights import dequantize_experts
 
 log = logging.getLogger(__name__)
 
@@ -167,26 +167,15 @@ def read_experts(
     """The experts `ids` of one layer, read from the mapped file: only their rows are touched
     (an expert is a contiguous slice of each stacked tensor) and dequantized."""
 
-    def rows(suffix: str) -> torch.Tensor:
-        name = f"blk.{layer}.{suffix}"
-        info = gguf.info(name)
-        if info.ggml_type not in SUPPORTED_TYPES:
-            raise GGUFError(
-                f"{gguf.path}: tensor {name!r} uses unsupported quant type {info.type_name}"
-            )
-        _, out, inner = info.shape
-        raw = gguf.raw(name)  # [E * out, bytes per row], a view of the mapping
-        parts = [
-            dequantize_rows(raw[e * out : (e + 1) * out], info.ggml_type, (out, inner)) for e in ids
-        ]
-        stack = np.stack(parts) if parts else np.zeros((0, out, inner), np.float32)
-        return torch.from_numpy(stack).to(device=device, dtype=dtype)
+    def rows(stack: str) -> torch.Tensor:
+        arr = dequantize_experts(gguf, f"blk.{layer}.{stack}.weight", ids)
+        return torch.from_numpy(arr).to(device=device, dtype=dtype)
 
     if cfg.fused_gate_up:
-        gate_up = rows("ffn_gate_up_exps.weight")
+        gate_up = rows("ffn_gate_up_exps")
     else:
-        gate_up = torch.cat([rows("ffn_gate_exps.weight"), rows("ffn_up_exps.weight")], 1)
-    down = rows("ffn_down_exps.weight")
+        gate_up = torch.cat([rows("ffn_gate_exps"), rows("ffn_up_exps")], 1)
+    down = rows("ffn_down_exps")
     return StackedExperts(store_matrix(gate_up), store_matrix(down), ACTIVATIONS[cfg.act])
 
 
@@ -295,34 +284,43 @@ class Split:
         return out
 
 
-def apply(model: Any, placement: Placement, split: Split) -> None:
-    """Keep only the hot experts in a loaded model's stacks and route through `split`."""
-    for layer in placement.layers:
-        if layer not in model.layers:
-            continue
-        keep = torch.tensor(placement.hot[layer], dtype=torch.int64)
-        for key in (f"{layer}.ffn_gate_up_exps", f"{layer}.ffn_down_exps"):
-            stack = model.weights[key]
-            model.weights[key] = stack.index_select(0, keep.to(stack.device)).contiguous()
-    model.expert_split = split
+def model_moe(gguf: GGUFFile) -> MoeConfig:
+    """The routed experts of the model in `gguf` (n_experts 0: it has none)."""
+    return getattr(family_for(gguf).config_from_gguf(gguf), "moe", MoeConfig())
+
+
+def plan_for(
+    path: str | os.PathLike[str],
+    hot: int | None,
+    profile: Mapping[int, Sequence[float]] | None = None,
+) -> Placement | None:
+    """`plan` for the model at `path` before it is loaded (its `Model.load(experts=...)` is
+    then `placement.hot`), or None if it has no routed experts."""
+    gguf = GGUFFile(path)
+    cfg = model_moe(gguf)
+    if not cfg.n_experts:
+        return None
+    return plan(cfg.n_experts, moe_layers(gguf), hot, profile)
 
 
 def place(
     model: Any,
-    hot: int | None,
+    placement: Placement,
     *,
     cold: ExpertCompute | None = None,
     required: bool = False,
-    profile: Mapping[int, Sequence[float]] | None = None,
-) -> Placement:
-    """Keep `hot` experts per MoE layer (None: all) in a loaded model. The cold ones go
-    through `cold` (an expert worker) with the in-process `LocalExperts` as its fallback,
-    or through `LocalExperts` alone. Returns the whole model's placement."""
-    gguf = GGUFFile(model.path)
-    cfg: MoeConfig = model.cfg.moe
-    placement = plan(cfg.n_experts, moe_layers(gguf), hot, profile)
-    if not placement.all_hot:
-        local = LocalExperts(model.path, cfg, placement.inverted().hot, model.dtype)
-        split = Split(placement, cold or local, model.device, fallback=local, required=required)
-        apply(model, placement, split)
-    return placement
+) -> None:
+    """Route a model loaded with only `placement`'s hot experts (`Model.load(experts=
+    placement.hot)`) through a `Split`: the cold ones go through `cold` (an expert worker)
+    with the in-process `LocalExperts` as its fallback, or through `LocalExperts` alone."""
+    for layer in placement.layers:
+        stack = model.weights.get(f"{layer}.ffn_down_exps")
+        if stack is not None and stack.shape[0] != len(placement.hot[layer]):
+            raise ValueError(
+                f"layer {layer} holds {stack.shape[0]} experts, the placement keeps "
+                f"{len(placement.hot[layer])}: load it with experts=placement.hot"
+            )
+    local = LocalExperts(model.path, model.cfg.moe, placement.inverted().hot, model.dtype)
+    model.expert_split = Split(
+        placement, cold or local, model.device, fallback=local, required=required
+    )

@@ -36,7 +36,7 @@ projection, as GGUF stores them (`ffn_{gate,up,down}_exps`: [E, ff, hidden], [E,
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -63,6 +63,8 @@ SHARED = {
 }
 SHARED_GATE = {"ffn_gate_inp_shexp": "ffn_gate_inp_shexp.weight"}  # [hidden] (or [1, hidden])
 VECTORS = {"exp_probs_b", "ffn_gate_inp_shexp"}  # everything else feeds `linear`
+# The stacked expert tensors (dim 0: the expert), whose rows a placement divides.
+EXPERT_STACKS = ("ffn_gate_exps", "ffn_up_exps", "ffn_gate_up_exps", "ffn_down_exps")
 
 
 def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
@@ -195,6 +197,19 @@ def check_tensors(gguf: GGUFFile, cfg: MoeConfig, hidden: int, layers: Iterable[
                     f"{cfg.expert_ffn}, expert_shared_feed_forward_length {cfg.shared_ffn}, "
                     f"embedding_length {hidden})"
                 )
+
+
+def stack_experts(
+    held: Mapping[int, Sequence[int]], layers: Iterable[int]
+) -> dict[str, Sequence[int]]:
+    """GGUF name of each expert stack of `layers` -> the experts `held` keeps of it (for
+    `WeightLoader`'s `experts`); layers `held` does not name keep all."""
+    return {
+        f"blk.{layer}.{stack}.weight": held[layer]
+        for layer in layers
+        if layer in held
+        for stack in EXPERT_STACKS
+    }
 
 
 def prepare_layers(weights: dict[str, torch.Tensor], layers: Iterable[int]) -> None:
@@ -361,7 +376,7 @@ def moe_ffn(
 
 
 def model_split(model: Any) -> ExpertSplit | None:
-    """The expert placement applied to a loaded model (`luced.runtime.experts.apply`)."""
+    """The expert placement applied to a loaded model (`luced.runtime.experts.place`)."""
     return getattr(model, "expert_split", None)
 
 

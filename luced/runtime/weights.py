@@ -2,7 +2,8 @@
 for matrices under a compact weights mode, quantized rows for `qlinear` (see there).
 
 A family names the tensors it needs for a layer range; `WeightLoader` reads
-exactly those (a shard never touches the bytes of layers it does not own) and
+exactly those (a shard never touches the bytes of layers it does not own), and of a
+stacked expert tensor only the experts it is told to hold (MoE placement), and
 reports progress: a bar on a terminal, log lines otherwise.
 """
 
@@ -11,7 +12,7 @@ from __future__ import annotations
 import logging
 import sys
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -65,6 +66,26 @@ def dequantize_tensor(gguf: GGUFFile, name: str) -> np.ndarray:
     return dequantize_rows(gguf.raw(name), info.ggml_type, info.shape)
 
 
+def dequantize_experts(gguf: GGUFFile, name: str, ids: Sequence[int]) -> np.ndarray:
+    """Experts `ids` of a stacked expert tensor [E, out, inner] as float32 [len(ids), out,
+    inner]: an expert is a contiguous block of `out` stored rows, so only their bytes are
+    read from the mapping."""
+    info = gguf.info(name)
+    if info.ggml_type not in SUPPORTED_TYPES:
+        raise GGUFError(
+            f"{gguf.path}: tensor {name!r} uses unsupported quant type {info.type_name}"
+        )
+    n_experts, out, inner = info.shape
+    if any(not 0 <= e < n_experts for e in ids):
+        raise ValueError(f"{name}: experts {list(ids)} outside [0, {n_experts})")
+    raw = gguf.raw(name)  # [E * out, bytes per row], a view of the mapping
+    # filled in place: stacking per-expert parts would hold the held experts twice
+    out_arr = np.empty((len(ids), out, inner), np.float32)
+    for i, e in enumerate(ids):
+        out_arr[i] = dequantize_rows(raw[e * out : (e + 1) * out], info.ggml_type, (out, inner))
+    return out_arr
+
+
 def dequantize_rows(raw: np.ndarray, ggml_type: Q, shape: tuple[int, ...]) -> np.ndarray:
     """Stored rows (`GGUFFile.raw`, or a slice of it: one expert's) as float32 `shape`."""
     if ggml_type == Q.F32:
@@ -83,12 +104,15 @@ class WeightLoader:
         dtype: torch.dtype,
         device: torch.device | str,
         weights: str = "dequant",
+        experts: Mapping[str, Sequence[int]] | None = None,
     ) -> None:
         self.gguf = gguf
         self.dtype = dtype
         self.device = torch.device(device)
         self.weights = weights  # qlinear.WEIGHT_MODES: how matrices are held
         self.forms: dict[str, int] = {}  # form -> matrices loaded in it
+        # stacked expert tensor name -> the experts (dim 0) to hold; the others are not read
+        self.experts = dict(experts or {})
 
     def require(self, names: Iterable[str]) -> None:
         missing = [n for n in names if n not in self.gguf.tensors]
@@ -105,7 +129,12 @@ class WeightLoader:
         compact = matrix and form != "dequant"
         if compact and form == "int4" and info.ggml_type in qlinear.EXACT_INT4:
             return qlinear.int4_from_blocks(self.gguf.raw(name), info.ggml_type, info.shape)
-        arr = dequantize_tensor(self.gguf, name)
+        ids = self.experts.get(name)
+        arr = (
+            dequantize_tensor(self.gguf, name)
+            if ids is None
+            else dequantize_experts(self.gguf, name, ids)
+        )
         # Copy when the array is a read-only view of the mapped file (F32 tensors).
         t = torch.from_numpy(arr if arr.flags.writeable else arr.copy())
         if compact:
@@ -113,15 +142,21 @@ class WeightLoader:
         t = t.to(device=self.device, dtype=self.dtype)
         return store_matrix(t) if matrix else t.contiguous()
 
+    def nbytes(self, name: str) -> int:
+        """Stored bytes the loader reads of a tensor (of a stack: its held experts')."""
+        info = self.gguf.info(name)
+        ids = self.experts.get(name)
+        return info.nbytes if ids is None else info.nbytes // info.shape[0] * len(ids)
+
     def load_all(self, plan: dict[str, tuple[str, bool]]) -> dict[str, torch.Tensor | QuantRows]:
         """plan: key -> (tensor name, is a matrix). Returns key -> tensor."""
         self.require(name for name, _ in plan.values())
-        total = sum(self.gguf.info(name).nbytes for name, _ in plan.values())
+        total = sum(self.nbytes(name) for name, _ in plan.values())
         progress = _Progress(f"loading {self.gguf.path.name}", total)
         out = {}
         for key, (name, matrix) in plan.items():
             out[key] = self.tensor(name, matrix=matrix)
-            progress.advance(self.gguf.info(name).nbytes)
+            progress.advance(self.nbytes(name))
         progress.close()
         if set(self.forms) - {"dequant"}:
             log.info("weights %s: matrices %s", self.weights, self.forms)

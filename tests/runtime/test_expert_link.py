@@ -24,7 +24,7 @@ from luced.ipc.shm import HEADER_SIZE, ShmOwner
 from luced.runtime import experts
 from luced.runtime.expert_link import RemoteExperts
 from luced.runtime.model import Model
-from tests.runtime.test_experts import PROMPT, greedy
+from tests.runtime.test_experts import PROMPT, greedy, placed
 from tests.worker_harness import TAG, WorkerProc, no_segments_left  # noqa: F401
 from tools import make_tiny_gguf
 
@@ -98,13 +98,11 @@ def daemon(tiny: Path, tmp_path: Path) -> Iterator[Daemon]:
 def test_remote_equals_in_process_equals_all_local(daemon: Daemon) -> None:
     local = Model.load(daemon.model)
     want_logits, want = greedy(local, PROMPT, 8)
-    inproc = Model.load(daemon.model)
-    experts.place(inproc, HOT)
+    inproc, _ = placed(daemon.model, HOT)
     inproc_logits, inproc_tokens = greedy(inproc, PROMPT, 8)
 
-    split = Model.load(daemon.model)
     remote = daemon.remote()
-    placement = experts.place(split, HOT, cold=remote, required=True)
+    split, placement = placed(daemon.model, HOT, cold=remote, required=True)
     assert daemon.load_experts(placement).fingerprint == placement.fingerprint()
     daemon.link(daemon.inbox)
     got_logits, got = greedy(split, PROMPT, 8)
@@ -121,13 +119,9 @@ def test_layer_split_shards_share_the_expert_worker(daemon: Daemon) -> None:
     local = Model.load(daemon.model)
     n = local.cfg.n_layers
     _, want = greedy(local, PROMPT, 6)
-    first, second = (
-        Model.load(daemon.model, layers=(0, n // 2)),
-        Model.load(daemon.model, layers=(n // 2, n)),
-    )
     remote = daemon.remote()
-    placement = experts.place(first, HOT, cold=remote, required=True)
-    experts.place(second, HOT, cold=remote, required=True)
+    first, placement = placed(daemon.model, HOT, layers=(0, n // 2), cold=remote, required=True)
+    second, _ = placed(daemon.model, HOT, layers=(n // 2, n), cold=remote, required=True)
     daemon.load_experts(placement)
     daemon.link(daemon.inbox)
     c1, c2 = first.new_cache(64), second.new_cache(64)
@@ -195,9 +189,8 @@ def test_killed_expert_worker_falls_back_with_the_same_tokens(
 ) -> None:
     local = Model.load(daemon.model)
     _, want = greedy(local, PROMPT, 8)
-    split = Model.load(daemon.model)
     remote = daemon.remote()
-    placement = experts.place(split, HOT, cold=remote)
+    split, placement = placed(daemon.model, HOT, cold=remote)
     daemon.load_experts(placement)
     daemon.link(daemon.inbox)
     cache = split.new_cache(64)
@@ -221,8 +214,7 @@ def test_killed_expert_worker_falls_back_with_the_same_tokens(
 
 
 def test_required_remote_fails_cleanly_when_the_worker_dies(daemon: Daemon) -> None:
-    split = Model.load(daemon.model)
-    placement = experts.place(split, HOT, cold=daemon.remote(), required=True)
+    split, placement = placed(daemon.model, HOT, cold=daemon.remote(), required=True)
     daemon.load_experts(placement)
     daemon.link(daemon.inbox)
     os.kill(daemon.worker.pid, signal.SIGKILL)

@@ -5,6 +5,7 @@ experts cold (computed in process) gives the all-local logits and greedy tokens.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -20,6 +21,7 @@ MOE_FAMILIES = ["qwen3moe", "qwen35moe", "laguna", "gemma4"]
 # gemma4's MoE block is optional: on, with the other families' tiny expert sizes
 OVERRIDES = {"gemma4": {"experts": 8, "experts_used": 2, "expert_ffn": 32}}
 PROMPT = [5, 17, 42, 99, 3, 250, 7, 64, 128, 11, 300, 2]
+STACKS = ("ffn_gate_up_exps", "ffn_down_exps")  # a loaded MoE layer's (gate and up fused)
 
 
 @st.composite
@@ -99,6 +101,50 @@ def greedy(model: Model, ids: list[int], n: int) -> tuple[torch.Tensor, list[int
     return first, out
 
 
+def placed(
+    path: Path,
+    hot: int,
+    *,
+    layers: tuple[int, int] | None = None,
+    profile: dict[int, list[int]] | None = None,
+    **route: Any,
+) -> tuple[Model, experts.Placement]:
+    """A model (shard) loaded with only its `hot` experts per layer, the cold ones routed
+    as `route` (`experts.place`'s cold, required) says; and the placement."""
+    placement = experts.plan_for(path, hot, profile)
+    assert placement is not None
+    model = Model.load(path, layers=layers, experts=placement.hot)
+    experts.place(model, placement, **route)
+    return model, placement
+
+
+def test_hot_only_load_equals_a_full_load_cut_to_the_hot_experts(tiny: Path) -> None:
+    """The oracle: every expert loaded, then the stacks cut to the hot rows (index_select);
+    loading only the hot rows gives the same tensors and so the very same logits."""
+    first = experts.moe_layers(GGUFFile(tiny))[0]
+    split, placement = placed(tiny, 3, profile={first: [5, 0, 9, 1, 7, 7, 0, 2]})
+    assert placement.hot[first] == (2, 4, 5)  # the profile's, not the lowest ids
+    cut = Model.load(tiny)
+    assert split.weights.keys() == cut.weights.keys()
+    stacks = {f"{layer}.{s}": layer for layer in placement.layers for s in STACKS}
+    for key, tensor in cut.weights.items():
+        if key in stacks:
+            keep = torch.tensor(placement.hot[stacks[key]])
+            cut.weights[key] = tensor = tensor.index_select(0, keep).contiguous()
+        assert torch.equal(split.weights[key], tensor), key  # routers and the rest: whole
+    experts.place(cut, placement)
+    want_logits, want = greedy(cut, PROMPT, 4)
+    got_logits, got = greedy(split, PROMPT, 4)
+    assert torch.equal(got_logits, want_logits) and got == want
+
+
+def test_place_refuses_a_model_loaded_with_every_expert(tiny: Path) -> None:
+    placement = experts.plan_for(tiny, 4)
+    assert placement is not None
+    with pytest.raises(ValueError, match=r"experts=placement\.hot"):
+        experts.place(Model.load(tiny), placement)
+
+
 def test_read_experts_touches_only_the_named_rows(tiny: Path) -> None:
     model = Model.load(tiny)
     gguf = GGUFFile(tiny)
@@ -112,8 +158,7 @@ def test_read_experts_touches_only_the_named_rows(tiny: Path) -> None:
 @pytest.mark.parametrize("hot", [4, 0])
 def test_cold_experts_in_process_equal_all_local(tiny: Path, hot: int) -> None:
     local = Model.load(tiny)
-    split = Model.load(tiny)
-    placement = experts.place(split, hot)
+    split, placement = placed(tiny, hot)
     n = local.cfg.moe.n_experts
     assert not placement.all_hot and placement.layers
     assert split.weights[f"{placement.layers[0]}.ffn_gate_up_exps"].shape[0] == hot

@@ -50,13 +50,16 @@ snapshot's recurrent states have a leading slot axis, one per cut point (an old 
 would misread the regions), and a verify may keep a recurrent state per position;
 MoE expert compute: ``load`` ``moe_hot`` / ``moe_scratch`` / ``moe_required``, its reply's
 ``moe_fingerprint``; ``load_experts``; ``expert_mix`` (worker to worker, see below);
-9: ``forward`` ``allowed`` (a grammar's allowed-token bitmask per sampled row).
+9: ``forward`` ``allowed`` (a grammar's allowed-token bitmask per sampled row);
+10: ``load`` and ``load_experts`` ``moe_profile`` (a routing profile's counts: both sides
+must plan the same hot experts from it).
 
 Expert compute (``luced.runtime.expert_link``): an expert worker answers ``load_experts``
 from the daemon, and ``expert_mix`` from target workers over direct worker-to-worker
 socketpairs that the daemon hands to both sides (SCM_RIGHTS over each worker's inbox)::
 
-    load_experts  model, dtype, device, hot       -> n_layers, n_held, fingerprint, load_s
+    load_experts  model, dtype, device, hot,      -> n_layers, n_held, fingerprint, load_s
+                  moe_profile
     expert_mix    layer, x, ids, weights          -> elapsed_us   (x is overwritten with
                                                      the answer Σ w_i · expert_i(x))
 
@@ -76,7 +79,7 @@ from luced.ipc.regions import Region
 from luced.ipc.typed import FrameError, Record
 from luced.sampling_params import SamplingParams
 
-PROTOCOL_VERSION = 9
+PROTOCOL_VERSION = 10
 
 _ENVELOPE = frozenset({"op", "seq", "ok", "error"})  # no op may use these as fields
 
@@ -182,6 +185,9 @@ ComputeDtype = Literal["float32", "bfloat16", "float16"]
 # How a worker holds weight matrices (luced.runtime.qlinear): packed int4 / int8 for the
 # weight-only kernels, "auto" per tensor and CPU, "dequant" the exact float path.
 WEIGHT_MODES = ("auto", "int4", "int8", "dequant")
+# A MoE routing profile's counts (luced.serve.routing_profile): per MoE layer, how often
+# each expert was routed to, as ((layer, (count per expert, ...)), ...).
+MoeCounts = tuple[tuple[int, tuple[int, ...]], ...]
 
 
 @_op("load", REQUESTS)
@@ -205,6 +211,7 @@ class Load(Request):
     moe_hot: int = -1
     moe_scratch: Region | None = None
     moe_required: bool = False
+    moe_profile: MoeCounts = ()  # the most routed experts are the hot ones; (): lowest ids
     weights: str = "dequant"  # one of WEIGHT_MODES
 
     def _check(self) -> None:
@@ -517,6 +524,7 @@ class LoadExperts(Request):
     dtype: ComputeDtype
     device: str
     hot: int
+    moe_profile: MoeCounts = ()  # as the target's load has it
 
     def _check(self) -> None:
         if self.hot < 0:

@@ -199,7 +199,7 @@ class Backend(WorkerState):
         if req.moe_hot < 0:
             return None
         try:
-            return experts.plan_for(req.model, req.moe_hot)
+            return experts.plan_for(req.model, req.moe_hot, dict(req.moe_profile))
         except ValueError as exc:
             raise WorkerError(f"moe_hot: {exc}") from None
 

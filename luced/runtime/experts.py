@@ -125,12 +125,6 @@ def plan(
     return Placement(n_experts, chosen)
 
 
-def moe_layers(gguf: GGUFFile) -> tuple[int, ...]:
-    """The layers with routed experts (laguna's leading layers are dense)."""
-    n = int(gguf.require(f"{gguf.arch}.block_count"))
-    return tuple(i for i in range(n) if f"blk.{i}.ffn_down_exps.weight" in gguf.tensors)
-
-
 def local_index(
     ids: Sequence[int], n_experts: int, device: torch.device | str = "cpu"
 ) -> torch.Tensor:
@@ -300,7 +294,7 @@ def plan_for(
     cfg = model_moe(gguf)
     if not cfg.n_experts:
         return None
-    return plan(cfg.n_experts, moe_layers(gguf), hot, profile)
+    return plan(cfg.n_experts, gguf.moe_layers(), hot, profile)
 
 
 def place(

@@ -24,7 +24,7 @@ from luced.ipc.shm import HEADER_SIZE, ShmOwner
 from luced.runtime import experts
 from luced.runtime.expert_link import RemoteExperts
 from luced.runtime.model import Model
-from tests.runtime.test_experts import PROMPT, greedy, placed
+from tests.runtime.test_experts import PROMPT, greedy, highest_ids_most_routed, placed
 from tests.worker_harness import TAG, WorkerProc, no_segments_left  # noqa: F401
 from tools import make_tiny_gguf
 
@@ -57,9 +57,17 @@ class Daemon:
         w.call(F.Hello(instance=self.instance))
         return w
 
-    def load_experts(self, placement: experts.Placement) -> F.LoadExpertsReply:
+    def load_experts(
+        self, placement: experts.Placement, profile: dict[int, tuple[int, ...]] | None = None
+    ) -> F.LoadExpertsReply:
         hot = len(placement.hot[placement.layers[0]])
-        req = F.LoadExperts(model=str(self.model), dtype="float32", device="cpu", hot=hot)
+        req = F.LoadExperts(
+            model=str(self.model),
+            dtype="float32",
+            device="cpu",
+            hot=hot,
+            moe_profile=tuple((profile or {}).items()),
+        )
         reply = self.worker.call(req)
         assert isinstance(reply, F.LoadExpertsReply)
         return reply
@@ -101,9 +109,11 @@ def test_remote_equals_in_process_equals_all_local(daemon: Daemon) -> None:
     inproc, _ = placed(daemon.model, HOT)
     inproc_logits, inproc_tokens = greedy(inproc, PROMPT, 8)
 
-    remote = daemon.remote()
-    split, placement = placed(daemon.model, HOT, cold=remote, required=True)
-    assert daemon.load_experts(placement).fingerprint == placement.fingerprint()
+    # the hot experts by a routing profile: both sides plan the same ones from it
+    remote, profile = daemon.remote(), highest_ids_most_routed(daemon.model)
+    split, placement = placed(daemon.model, HOT, profile=profile, cold=remote, required=True)
+    assert placement.hot[placement.layers[0]] == (4, 5, 6, 7)
+    assert daemon.load_experts(placement, profile).fingerprint == placement.fingerprint()
     daemon.link(daemon.inbox)
     got_logits, got = greedy(split, PROMPT, 8)
     torch.testing.assert_close(got_logits, inproc_logits, rtol=1e-5, atol=1e-5)
@@ -141,7 +151,7 @@ def test_layer_split_shards_share_the_expert_worker(daemon: Daemon) -> None:
 
 def test_bad_headers_are_refused_and_the_worker_keeps_serving(daemon: Daemon) -> None:
     cfg = Model.load(daemon.model).cfg
-    placement = experts.plan(cfg.moe.n_experts, experts.moe_layers(GGUFFile(daemon.model)), HOT)
+    placement = experts.plan(cfg.moe.n_experts, GGUFFile(daemon.model).moe_layers(), HOT)
     daemon.load_experts(placement)
     mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     daemon.link(theirs)

@@ -25,7 +25,7 @@ STACKS = ("ffn_gate_up_exps", "ffn_down_exps")  # a loaded MoE layer's (gate and
 
 
 @st.composite
-def placements(draw) -> tuple[experts.Placement, int]:
+def placements(draw) -> tuple[experts.Placement, int, dict[int, list[int]]]:
     e = draw(st.integers(1, 40))
     layers = draw(st.lists(st.integers(0, 60), unique=True, max_size=6))
     hot = draw(st.integers(0, e))
@@ -33,12 +33,20 @@ def placements(draw) -> tuple[experts.Placement, int]:
     for layer in layers:
         if draw(st.booleans()):
             profile[layer] = draw(st.lists(st.integers(0, 5), min_size=e, max_size=e))
-    return experts.plan(e, layers, hot, profile), hot
+    return experts.plan(e, layers, hot, profile), hot, profile
+
+
+def highest_ids_most_routed(path: Path) -> dict[int, tuple[int, ...]]:
+    """A routing profile whose most routed experts are the highest ids (the opposite of the
+    default choice)."""
+    gguf = GGUFFile(path)
+    n = int(gguf.require(f"{gguf.arch}.expert_count"))
+    return {layer: tuple(range(n)) for layer in gguf.moe_layers()}
 
 
 @given(placements())
 def test_hot_and_cold_partition_the_experts_with_one_index_convention(case) -> None:
-    placement, hot = case
+    placement, hot, profile = case
     remote = placement.inverted()
     assert remote.inverted() == placement
     for layer in placement.layers:
@@ -53,6 +61,9 @@ def test_hot_and_cold_partition_the_experts_with_one_index_convention(case) -> N
         for i, e in enumerate(cold):
             assert int(table[e]) == i and remote.hot[layer][i] == e
         assert all(int(table[e]) == -1 for e in mine)
+        # the most routed are hot (an equal count: the lower id), else the lowest ids
+        counts = profile.get(layer, [-e for e in range(placement.n_experts)])
+        assert all((counts[h], -h) > (counts[c], -c) for h in mine for c in cold)
     assert experts.Placement.from_wire(placement.to_wire()) == placement
 
 
@@ -121,7 +132,7 @@ def placed(
 def test_hot_only_load_equals_a_full_load_cut_to_the_hot_experts(tiny: Path) -> None:
     """The oracle: every expert loaded, then the stacks cut to the hot rows (index_select);
     loading only the hot rows gives the same tensors and so the very same logits."""
-    first = experts.moe_layers(GGUFFile(tiny))[0]
+    first = GGUFFile(tiny).moe_layers()[0]
     split, placement = placed(tiny, 3, profile={first: [5, 0, 9, 1, 7, 7, 0, 2]})
     assert placement.hot[first] == (2, 4, 5)  # the profile's, not the lowest ids
     cut = Model.load(tiny)
@@ -148,7 +159,7 @@ def test_place_refuses_a_model_loaded_with_every_expert(tiny: Path) -> None:
 def test_read_experts_touches_only_the_named_rows(tiny: Path) -> None:
     model = Model.load(tiny)
     gguf = GGUFFile(tiny)
-    layer = experts.moe_layers(gguf)[-1]
+    layer = gguf.moe_layers()[-1]
     ids = [1, 4, 6]
     got = experts.read_experts(gguf, layer, ids, model.cfg.moe, torch.float32)
     torch.testing.assert_close(got.gate_up, model.weights[f"{layer}.ffn_gate_up_exps"][ids])
@@ -181,7 +192,7 @@ def test_load_frame_places_the_experts(tiny: Path) -> None:
     req |= dict(kv_capacity=64, owns_embed=True, owns_head=True)
     assert backend.load(F.Load(**req)).moe_fingerprint == ""  # default: all experts local
     reply = backend.load(F.Load(**req, moe_hot=4))
-    layers = experts.moe_layers(gguf)
+    layers = gguf.moe_layers()
     assert reply.moe_fingerprint == experts.plan(8, layers, 4).fingerprint()
     model = backend.loaded.shards[0].model
     assert model.weights[f"{layers[0]}.ffn_down_exps"].shape[0] == 4

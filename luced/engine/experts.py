@@ -83,6 +83,7 @@ class ExpertWorker:
             device=device,
             hot=p.moe_hot,
             moe_profile=p.moe_profile,
+            weights=p.weights_mode,
         )
         reply = await worker.load_experts(req)
         self.fingerprint = reply.fingerprint

@@ -52,14 +52,15 @@ MoE expert compute: ``load`` ``moe_hot`` / ``moe_scratch`` / ``moe_required``, i
 ``moe_fingerprint``; ``load_experts``; ``expert_mix`` (worker to worker, see below);
 9: ``forward`` ``allowed`` (a grammar's allowed-token bitmask per sampled row);
 10: ``load`` and ``load_experts`` ``moe_profile`` (a routing profile's counts: both sides
-must plan the same hot experts from it).
+must plan the same hot experts from it), ``load_experts`` ``weights`` (cold experts held
+as the target holds its matrices).
 
 Expert compute (``luced.runtime.expert_link``): an expert worker answers ``load_experts``
 from the daemon, and ``expert_mix`` from target workers over direct worker-to-worker
 socketpairs that the daemon hands to both sides (SCM_RIGHTS over each worker's inbox)::
 
     load_experts  model, dtype, device, hot,      -> n_layers, n_held, fingerprint, load_s
-                  moe_profile
+                  moe_profile, weights
     expert_mix    layer, x, ids, weights          -> elapsed_us   (x is overwritten with
                                                      the answer Σ w_i · expert_i(x))
 
@@ -190,6 +191,13 @@ WEIGHT_MODES = ("auto", "int4", "int8", "dequant")
 MoeCounts = tuple[tuple[int, tuple[int, ...]], ...]
 
 
+def _check_weights(frame: Load | LoadExperts) -> None:
+    if frame.weights not in WEIGHT_MODES:
+        raise frame._fail(
+            f"weights must be one of {', '.join(WEIGHT_MODES)}, got {frame.weights!r}"
+        )
+
+
 @_op("load", REQUESTS)
 @dataclass(frozen=True)
 class Load(Request):
@@ -218,10 +226,7 @@ class Load(Request):
         if self.moe_hot < -1:
             raise self._fail(f"moe_hot must be -1 (all) or >= 0, got {self.moe_hot}")
         a, b = self.layers
-        if self.weights not in WEIGHT_MODES:
-            raise self._fail(
-                f"weights must be one of {', '.join(WEIGHT_MODES)}, got {self.weights!r}"
-            )
+        _check_weights(self)
         if not 0 <= a < b:
             raise self._fail(f"layers must be [a, b) with 0 <= a < b, got {list(self.layers)}")
         if not self.model:
@@ -525,10 +530,12 @@ class LoadExperts(Request):
     device: str
     hot: int
     moe_profile: MoeCounts = ()  # as the target's load has it
+    weights: str = "dequant"  # as the target's load has it (one of WEIGHT_MODES)
 
     def _check(self) -> None:
         if self.hot < 0:
             raise self._fail(f"hot must be >= 0, got {self.hot}")
+        _check_weights(self)
 
 
 @_op("load_experts", REPLIES)

@@ -143,7 +143,7 @@ class ExpertServer:
         target = plan(cfg.moe.n_experts, gguf.moe_layers(), req.hot, dict(req.moe_profile))
         placement = target.inverted()
         dtype, device = parse_dtype(req.dtype), torch_device(req.device)
-        experts = LocalExperts(req.model, cfg.moe, placement.hot, dtype, device)
+        experts = LocalExperts(req.model, cfg.moe, placement.hot, dtype, device, req.weights)
         experts.load_all()
         with self.lock:
             self.experts, self.hidden, self.n_used = experts, cfg.hidden, cfg.moe.n_used

@@ -35,9 +35,16 @@ import torch
 
 from luced.gguf_file import GGUFFile
 from luced.runtime.families import family_for
-from luced.runtime.layers import store_matrix
-from luced.runtime.moe import ACTIVATIONS, MoeConfig, StackedExperts, expert_mix
-from luced.runtime.weights import dequantize_experts
+from luced.runtime.moe import (
+    ACTIVATIONS,
+    MoeConfig,
+    Stack,
+    StackedExperts,
+    expert_mix,
+    fuse_gate_up,
+)
+from luced.runtime.qlinear import pack
+from luced.runtime.weights import expert_stack
 
 log = logging.getLogger(__name__)
 
@@ -157,25 +164,29 @@ def read_experts(
     cfg: MoeConfig,
     dtype: torch.dtype,
     device: torch.device | str = "cpu",
+    weights: str = "dequant",
 ) -> StackedExperts:
     """The experts `ids` of one layer, read from the mapped file: only their rows are touched
-    (an expert is a contiguous slice of each stacked tensor) and dequantized."""
+    (an expert is a contiguous slice of each stacked tensor), held as the `weights` mode
+    holds the target's matrices (`weights.expert_stack`: dequantized, or packed)."""
+    device = torch.device(device)
 
-    def rows(stack: str) -> torch.Tensor:
-        arr = dequantize_experts(gguf, f"blk.{layer}.{stack}.weight", ids)
-        return torch.from_numpy(arr).to(device=device, dtype=dtype)
+    def stack(name: str) -> Stack:
+        return expert_stack(gguf, f"blk.{layer}.{name}.weight", ids, weights, dtype, device)
 
     if cfg.fused_gate_up:
-        gate_up = rows("ffn_gate_up_exps")
+        gate_up = stack("ffn_gate_up_exps")
     else:
-        gate_up = torch.cat([rows("ffn_gate_exps"), rows("ffn_up_exps")], 1)
-    down = rows("ffn_down_exps")
-    return StackedExperts(store_matrix(gate_up), store_matrix(down), ACTIVATIONS[cfg.act])
+        gate_up = fuse_gate_up(stack("ffn_gate_exps"), stack("ffn_up_exps"))
+    return StackedExperts(
+        pack(gate_up, dtype), pack(stack("ffn_down_exps"), dtype), ACTIVATIONS[cfg.act]
+    )
 
 
 class LocalExperts:
     """Experts held in this process: `held` (layer -> ascending global ids) read from the
-    GGUF at `path` on a layer's first call, or all at once with `load_all`."""
+    GGUF at `path` on a layer's first call, or all at once with `load_all`; `weights` as
+    `read_experts` takes it."""
 
     def __init__(
         self,
@@ -184,16 +195,19 @@ class LocalExperts:
         held: Mapping[int, Sequence[int]],
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
+        weights: str = "dequant",
     ) -> None:
         self.gguf = GGUFFile(path)
         self.cfg, self.held, self.dtype, self.device = cfg, dict(held), dtype, torch.device(device)
+        self.weights = weights
         self.layers: dict[int, StackedExperts] = {}
 
     def experts(self, layer: int) -> StackedExperts:
         stacks = self.layers.get(layer)
         if stacks is None:
+            held = self.held[layer]
             stacks = read_experts(
-                self.gguf, layer, self.held[layer], self.cfg, self.dtype, self.device
+                self.gguf, layer, held, self.cfg, self.dtype, self.device, self.weights
             )
             self.layers[layer] = stacks
         return stacks
@@ -309,12 +323,17 @@ def place(
     with the in-process `LocalExperts` as its fallback, or through `LocalExperts` alone."""
     for layer in placement.layers:
         stack = model.weights.get(f"{layer}.ffn_down_exps")
-        if stack is not None and stack.shape[0] != len(placement.hot[layer]):
+        if stack is not None and len(stack) != len(placement.hot[layer]):
             raise ValueError(
-                f"layer {layer} holds {stack.shape[0]} experts, the placement keeps "
+                f"layer {layer} holds {len(stack)} experts, the placement keeps "
                 f"{len(placement.hot[layer])}: load it with experts=placement.hot"
             )
-    local = LocalExperts(model.path, model.cfg.moe, placement.inverted().hot, model.dtype)
+    cold_ids = placement.inverted().hot
+    # the cold experts held as the model holds its matrices: hot + cold is what the
+    # all-local model computes
+    local = LocalExperts(
+        model.path, model.cfg.moe, cold_ids, model.dtype, weights=model.weights_mode
+    )
     model.expert_split = Split(
         placement, cold or local, model.device, fallback=local, required=required
     )

@@ -24,6 +24,7 @@ from luced.ipc.shm import HEADER_SIZE, ShmOwner
 from luced.runtime import experts
 from luced.runtime.expert_link import RemoteExperts
 from luced.runtime.model import Model
+from luced.runtime.qlinear import PackedLinear
 from tests.runtime.test_experts import PROMPT, greedy, highest_ids_most_routed, placed
 from tests.worker_harness import TAG, WorkerProc, no_segments_left  # noqa: F401
 from tools import make_tiny_gguf
@@ -58,7 +59,10 @@ class Daemon:
         return w
 
     def load_experts(
-        self, placement: experts.Placement, profile: dict[int, tuple[int, ...]] | None = None
+        self,
+        placement: experts.Placement,
+        profile: dict[int, tuple[int, ...]] | None = None,
+        weights: str = "dequant",
     ) -> F.LoadExpertsReply:
         hot = len(placement.hot[placement.layers[0]])
         req = F.LoadExperts(
@@ -67,6 +71,7 @@ class Daemon:
             device="cpu",
             hot=hot,
             moe_profile=tuple((profile or {}).items()),
+            weights=weights,
         )
         reply = self.worker.call(req)
         assert isinstance(reply, F.LoadExpertsReply)
@@ -123,6 +128,30 @@ def test_remote_equals_in_process_equals_all_local(daemon: Daemon) -> None:
     forwards, n_moe = 1 + 8, len(placement.layers)
     assert 0 < remote.stats["remote_calls"] <= forwards * n_moe
     assert split.expert_split.stats["fallbacks"] == 0
+
+
+def test_packed_cold_experts_remote_equal_in_process(daemon: Daemon) -> None:
+    """Under a compact weights mode the expert worker packs its experts as the target's
+    in-process fallback does: the same answer, bit for bit."""
+    placement = experts.plan_for(daemon.model, HOT)
+    assert placement is not None
+    daemon.load_experts(placement, weights="int4")
+    daemon.link(daemon.inbox)
+    remote = daemon.remote()
+    cfg = Model.load(daemon.model).cfg
+    local = experts.LocalExperts(
+        daemon.model, cfg.moe, placement.inverted().hot, torch.float32, weights="int4"
+    )
+    gen = torch.Generator().manual_seed(0)
+    for n in (1, 9):  # decode, prefill
+        x = torch.randn(n, cfg.hidden, generator=gen)
+        ids = torch.randint(-1, HOT, (n, cfg.moe.n_used), generator=gen, dtype=torch.int32)
+        weights = torch.rand(n, cfg.moe.n_used, generator=gen)
+        for layer in placement.layers:
+            assert torch.equal(
+                remote.mix(layer, x, ids, weights), local.mix(layer, x, ids, weights)
+            )
+    assert isinstance(local.experts(placement.layers[0]).down[0], PackedLinear)
 
 
 def test_layer_split_shards_share_the_expert_worker(daemon: Daemon) -> None:

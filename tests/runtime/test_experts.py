@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from luced.gguf_file import GGUFFile
 from luced.runtime import experts
 from luced.runtime.model import Model
+from luced.runtime.qlinear import PackedLinear
 from tools import make_tiny_gguf
 
 MOE_FAMILIES = ["qwen3moe", "qwen35moe", "laguna", "gemma4"]
@@ -118,13 +119,14 @@ def placed(
     *,
     layers: tuple[int, int] | None = None,
     profile: dict[int, list[int]] | None = None,
+    weights: str = "dequant",
     **route: Any,
 ) -> tuple[Model, experts.Placement]:
     """A model (shard) loaded with only its `hot` experts per layer, the cold ones routed
     as `route` (`experts.place`'s cold, required) says; and the placement."""
     placement = experts.plan_for(path, hot, profile)
     assert placement is not None
-    model = Model.load(path, layers=layers, experts=placement.hot)
+    model = Model.load(path, layers=layers, experts=placement.hot, weights=weights)
     experts.place(model, placement, **route)
     return model, placement
 
@@ -166,18 +168,36 @@ def test_read_experts_touches_only_the_named_rows(tiny: Path) -> None:
     torch.testing.assert_close(got.down, model.weights[f"{layer}.ffn_down_exps"][ids])
 
 
-@pytest.mark.parametrize("hot", [4, 0])
-def test_cold_experts_in_process_equal_all_local(tiny: Path, hot: int) -> None:
-    local = Model.load(tiny)
-    split, placement = placed(tiny, hot)
+@pytest.mark.parametrize(("hot", "weights"), [(4, "dequant"), (0, "dequant"), (4, "int8")])
+def test_cold_experts_in_process_equal_all_local(tiny: Path, hot: int, weights: str) -> None:
+    """Packed (int8) too: every expert packed alike on both sides, so hot + cold is the
+    packed all-local model's mix."""
+    local = Model.load(tiny, weights=weights)
+    split, placement = placed(tiny, hot, weights=weights)
     n = local.cfg.moe.n_experts
     assert not placement.all_hot and placement.layers
-    assert split.weights[f"{placement.layers[0]}.ffn_gate_up_exps"].shape[0] == hot
+    assert len(split.weights[f"{placement.layers[0]}.ffn_gate_up_exps"]) == hot
     want_logits, want = greedy(local, PROMPT, 8)
     got_logits, got = greedy(split, PROMPT, 8)
     torch.testing.assert_close(got_logits, want_logits, rtol=1e-4, atol=1e-4)
     assert got == want
     assert split.expert_split.stats["cold_calls"] > 0 and n > hot
+
+
+@pytest.mark.parametrize("weights", ["int4", "int8"])
+def test_packed_experts_stay_close_to_dequantized(tmp_path: Path, weights: str) -> None:
+    """Each expert's matrices packed for the weight-only kernels (Q4_0 blocks are int4 block
+    for block; int8 requantizes them) against the exact float experts."""
+    path = make_tiny_gguf.build("qwen3moe", tmp_path / "m.gguf", seed=5, qtype="Q4_0").path
+    gguf, cfg = GGUFFile(path), Model.load(path).cfg
+    layer, ids = gguf.moe_layers()[-1], [1, 4, 6]
+    exact = experts.read_experts(gguf, layer, ids, cfg.moe, torch.float32)
+    packed = experts.read_experts(gguf, layer, ids, cfg.moe, torch.float32, weights=weights)
+    assert all(isinstance(m, PackedLinear) for m in [*packed.gate_up, *packed.down])
+    x = torch.randn(5, cfg.hidden, generator=torch.Generator().manual_seed(0))
+    for e in range(len(ids)):
+        want, got = exact(e, x), packed(e, x)
+        assert (got - want).norm() / want.norm() < 0.03, (weights, e)
 
 
 def test_load_frame_places_the_experts(tiny: Path) -> None:

@@ -13,14 +13,13 @@ import logging
 import sys
 import time
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
 
 import numpy as np
 import torch
 from gguf.constants import GGMLQuantizationType as Q
 from gguf.quants import dequantize
 
-from luced.gguf_file import GGUFError, GGUFFile
+from luced.gguf_file import GGUFError, GGUFFile, TensorInfo
 from luced.runtime import qlinear
 from luced.runtime.layers import store_matrix
 from luced.runtime.qlinear import QuantRows
@@ -57,7 +56,8 @@ def parse_dtype(name: str | torch.dtype) -> torch.dtype:
         raise ValueError(f"unknown dtype {name!r}; choose one of {', '.join(DTYPES)}") from None
 
 
-def _supported(gguf: GGUFFile, name: str) -> Any:
+def _supported(gguf: GGUFFile, name: str) -> TensorInfo:
+    """The tensor's info, or a GGUFError if its quant type cannot be read."""
     info = gguf.info(name)
     if info.ggml_type not in SUPPORTED_TYPES:
         raise GGUFError(

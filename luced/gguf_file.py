@@ -243,6 +243,12 @@ class GGUFFile:
         full_at = 0 if full_first else period - 1
         return tuple(period <= 0 or i % period != full_at for i in range(n_layers))
 
+    def moe_layers(self) -> tuple[int, ...]:
+        """The layers with routed experts (laguna's leading layers are dense). Torch-free:
+        the daemon checks a routing profile against them."""
+        n = int(self.require(f"{self.arch}.block_count"))
+        return tuple(i for i in range(n) if f"blk.{i}.ffn_down_exps.weight" in self.tensors)
+
     def kv_sources(self) -> dict[int, int]:
         """KV sharing (Gemma 3n / 4): layer -> the earlier layer whose K/V it attends to.
 

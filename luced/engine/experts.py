@@ -77,7 +77,14 @@ class ExpertWorker:
         p = self.placement
         assert p.moe_hot is not None
         device = slot.spec.devices[0]
-        req = LoadExperts(model=p.model, dtype=p.dtype, device=device, hot=p.moe_hot)  # type: ignore[arg-type]
+        req = LoadExperts(
+            model=p.model,
+            dtype=p.dtype,  # type: ignore[arg-type]
+            device=device,
+            hot=p.moe_hot,
+            moe_profile=p.moe_profile,
+            weights=p.weights_mode,
+        )
         reply = await worker.load_experts(req)
         self.fingerprint = reply.fingerprint
         slot.detail = {

@@ -41,6 +41,8 @@ import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from luced.ipc.frames import MoeCounts
+
 DEVICE_KINDS = ("cpu", "cuda", "hip", "mps")
 DEVICES_FLAG = "--target-devices"
 SPLIT_FLAG = "--target-layer-split"
@@ -265,6 +267,7 @@ class TargetPlacement:
     moe_expert: WorkerSpec | None = None  # the worker of the cold experts; None: in process
     moe_required: bool = False  # a forward fails rather than compute cold experts in process
     moe_dims: tuple[int, int] = (0, 0)  # (hidden, experts per token): sizes the scratch
+    moe_profile: MoeCounts = ()  # a routing profile's counts: the most routed are hot
     weights_mode: str = "dequant"  # how workers hold matrices (frames.WEIGHT_MODES)
     batch_invariant: bool = False  # logits independent of how tokens are grouped in calls
 
@@ -296,6 +299,7 @@ class TargetPlacement:
         moe_expert_device: str | None = None,
         moe_required: bool = False,
         moe_dims: tuple[int, int] = (0, 0),
+        moe_profile: MoeCounts = (),
         weights_mode: str = "dequant",
         batch_invariant: bool = False,
     ) -> TargetPlacement:
@@ -327,6 +331,7 @@ class TargetPlacement:
             else None,
             moe_required=moe_required,
             moe_dims=moe_dims,
+            moe_profile=moe_profile,
             weights_mode=weights_mode,
             batch_invariant=batch_invariant,
         )

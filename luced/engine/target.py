@@ -244,6 +244,7 @@ class Target:
                 device_splits=plan.device_splits,
                 kv_pool=self.flash_cfg.pool_tokens if self.flash_cfg else 0,
                 moe_hot=-1 if p.moe_hot is None else p.moe_hot,
+                moe_profile=p.moe_profile,
                 **(self.experts.load_fields(slot) if self.experts else {}),
                 weights=p.weights_mode,
                 batch_invariant=p.batch_invariant,

@@ -50,13 +50,17 @@ snapshot's recurrent states have a leading slot axis, one per cut point (an old 
 would misread the regions), and a verify may keep a recurrent state per position;
 MoE expert compute: ``load`` ``moe_hot`` / ``moe_scratch`` / ``moe_required``, its reply's
 ``moe_fingerprint``; ``load_experts``; ``expert_mix`` (worker to worker, see below);
-9: ``forward`` ``allowed`` (a grammar's allowed-token bitmask per sampled row).
+9: ``forward`` ``allowed`` (a grammar's allowed-token bitmask per sampled row);
+10: ``load`` and ``load_experts`` ``moe_profile`` (a routing profile's counts: both sides
+must plan the same hot experts from it), ``load_experts`` ``weights`` (cold experts held
+as the target holds its matrices).
 
 Expert compute (``luced.runtime.expert_link``): an expert worker answers ``load_experts``
 from the daemon, and ``expert_mix`` from target workers over direct worker-to-worker
 socketpairs that the daemon hands to both sides (SCM_RIGHTS over each worker's inbox)::
 
-    load_experts  model, dtype, device, hot       -> n_layers, n_held, fingerprint, load_s
+    load_experts  model, dtype, device, hot,      -> n_layers, n_held, fingerprint, load_s
+                  moe_profile, weights
     expert_mix    layer, x, ids, weights          -> elapsed_us   (x is overwritten with
                                                      the answer Σ w_i · expert_i(x))
 
@@ -76,7 +80,7 @@ from luced.ipc.regions import Region
 from luced.ipc.typed import FrameError, Record
 from luced.sampling_params import SamplingParams
 
-PROTOCOL_VERSION = 10
+PROTOCOL_VERSION = 11
 
 _ENVELOPE = frozenset({"op", "seq", "ok", "error"})  # no op may use these as fields
 
@@ -182,6 +186,16 @@ ComputeDtype = Literal["float32", "bfloat16", "float16"]
 # How a worker holds weight matrices (luced.runtime.qlinear): packed int4 / int8 for the
 # weight-only kernels, "auto" per tensor and CPU, "dequant" the exact float path.
 WEIGHT_MODES = ("auto", "int4", "int8", "dequant")
+# A MoE routing profile's counts (luced.serve.routing_profile): per MoE layer, how often
+# each expert was routed to, as ((layer, (count per expert, ...)), ...).
+MoeCounts = tuple[tuple[int, tuple[int, ...]], ...]
+
+
+def _check_weights(frame: Load | LoadExperts) -> None:
+    if frame.weights not in WEIGHT_MODES:
+        raise frame._fail(
+            f"weights must be one of {', '.join(WEIGHT_MODES)}, got {frame.weights!r}"
+        )
 
 
 @_op("load", REQUESTS)
@@ -205,6 +219,7 @@ class Load(Request):
     moe_hot: int = -1
     moe_scratch: Region | None = None
     moe_required: bool = False
+    moe_profile: MoeCounts = ()  # the most routed experts are the hot ones; (): lowest ids
     weights: str = "dequant"  # one of WEIGHT_MODES
     # Logits independent of how tokens are grouped into calls (runtime.model.Model.load).
     batch_invariant: bool = False
@@ -213,10 +228,7 @@ class Load(Request):
         if self.moe_hot < -1:
             raise self._fail(f"moe_hot must be -1 (all) or >= 0, got {self.moe_hot}")
         a, b = self.layers
-        if self.weights not in WEIGHT_MODES:
-            raise self._fail(
-                f"weights must be one of {', '.join(WEIGHT_MODES)}, got {self.weights!r}"
-            )
+        _check_weights(self)
         if not 0 <= a < b:
             raise self._fail(f"layers must be [a, b) with 0 <= a < b, got {list(self.layers)}")
         if not self.model:
@@ -519,10 +531,13 @@ class LoadExperts(Request):
     dtype: ComputeDtype
     device: str
     hot: int
+    moe_profile: MoeCounts = ()  # as the target's load has it
+    weights: str = "dequant"  # as the target's load has it (one of WEIGHT_MODES)
 
     def _check(self) -> None:
         if self.hot < 0:
             raise self._fail(f"hot must be >= 0, got {self.hot}")
+        _check_weights(self)
 
 
 @_op("load_experts", REPLIES)

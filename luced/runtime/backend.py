@@ -146,12 +146,13 @@ class Backend(WorkerState):
         log.info("loading %s layers [%d, %d) on %s", req.model, a, b, ",".join(req.devices))
         bounds = (a, *req.device_splits, b)
         shards = []
-        fingerprint = ""
         if self.remote is not None:  # its link goes too: the daemon links after this load
             self.remote.close()
             self.remote = None
         if req.moe_scratch is not None and self.inbox is not None:
             self.remote = RemoteExperts(self.inbox, req.moe_scratch, self.tensor)
+        placement = self._plan_experts(req)
+        split = placement if placement is not None and not placement.all_hot else None
         for i, name in enumerate(req.devices):
             model = Model.load(
                 req.model,
@@ -160,10 +161,12 @@ class Backend(WorkerState):
                 device=torch_device(name),
                 weights=req.weights,
                 batch_invariant=req.batch_invariant,
+                experts=split.hot if split else None,  # read only the hot experts
             )
             if i == 0:
                 check_load(req, model)
-            fingerprint = self._place_experts(req, model) or fingerprint
+            if split:
+                experts.place(model, split, cold=self.remote, required=req.moe_required)
             if req.kv_pool:
                 check_poolable(model)
                 pool = min(req.kv_pool, -(-req.kv_capacity // F.KV_CHUNK) * F.KV_CHUNK)
@@ -186,23 +189,20 @@ class Backend(WorkerState):
             ),
             kv_pool=pooled[0].pool if pooled else 0,
             kv_chunk_bytes=sum(chunk_nbytes(c) for c in pooled),
-            moe_fingerprint=fingerprint,
+            moe_fingerprint=placement.fingerprint() if placement is not None else "",
         )
         self.loaded = Loaded(Path(req.model), shards, reply)
         return reply
 
-    def _place_experts(self, req: F.Load, model: Model) -> str:
-        """Keep `moe_hot` experts per layer in this shard; the cold ones go to the expert
-        worker when the daemon gave a scratch (and links one), else stay in process."""
-        moe_cfg = getattr(model.cfg, "moe", None)
-        if req.moe_hot < 0 or moe_cfg is None or not moe_cfg.n_experts:
-            return ""
-        if req.moe_hot > moe_cfg.n_experts:
-            raise WorkerError(
-                f"moe_hot {req.moe_hot} exceeds the model's {moe_cfg.n_experts} experts"
-            )
-        placement = experts.place(model, req.moe_hot, cold=self.remote, required=req.moe_required)
-        return placement.fingerprint()
+    def _plan_experts(self, req: F.Load) -> experts.Placement | None:
+        """`moe_hot` experts per layer for this worker's shards (None: every expert local,
+        or no routed experts)."""
+        if req.moe_hot < 0:
+            return None
+        try:
+            return experts.plan_for(req.model, req.moe_hot, dict(req.moe_profile))
+        except ValueError as exc:
+            raise WorkerError(f"moe_hot: {exc}") from None
 
     def load_experts(self, req: F.LoadExperts) -> F.LoadExpertsReply:
         if self.inbox is None:

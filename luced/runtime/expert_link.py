@@ -36,7 +36,7 @@ from luced.ipc import links
 from luced.ipc.channel import BlockingChannel, ChannelClosedError, RemoteError
 from luced.ipc.links import expert_layout, scratch_rows
 from luced.ipc.regions import Region
-from luced.runtime.experts import ExpertsUnavailable, LocalExperts, moe_layers, plan
+from luced.runtime.experts import ExpertsUnavailable, LocalExperts, plan
 from luced.runtime.families import family_for
 from luced.runtime.state import torch_device
 from luced.runtime.weights import parse_dtype
@@ -139,10 +139,11 @@ class ExpertServer:
             raise ValueError(
                 f"{req.model}: no cold experts with {req.hot} hot of {cfg.moe.n_experts}"
             )
-        target = plan(cfg.moe.n_experts, moe_layers(gguf), req.hot)  # as the target plans it
+        # as the target plans it (backend.load: experts.plan_for)
+        target = plan(cfg.moe.n_experts, gguf.moe_layers(), req.hot, dict(req.moe_profile))
         placement = target.inverted()
         dtype, device = parse_dtype(req.dtype), torch_device(req.device)
-        experts = LocalExperts(req.model, cfg.moe, placement.hot, dtype, device)
+        experts = LocalExperts(req.model, cfg.moe, placement.hot, dtype, device, req.weights)
         experts.load_all()
         with self.lock:
             self.experts, self.hidden, self.n_used = experts, cfg.hidden, cfg.moe.n_used

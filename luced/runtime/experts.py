@@ -1,10 +1,10 @@
 """Expert placement: which routed experts a target worker keeps (hot) and where the others
 (cold) are computed, for every MoE family at once (they all mix experts in `moe.routed_mix`).
 
-    placement = plan(n_experts, moe_layers(gguf), hot=4)   # per layer: lowest ids, or the
-                                                           # most routed ones with a profile
-    cold = LocalExperts(path, cfg.moe, placement.inverted().hot, dtype)   # in-process, CPU
-    apply(model, placement, Split(placement, cold))        # the stacks keep hot rows only
+    placement = plan_for(path, hot=4)                 # per layer: the lowest ids, or the
+                                                      # most routed ones given a profile
+    model = Model.load(path, experts=placement.hot)   # reads only the hot experts' rows
+    place(model, placement)                           # cold: in process (LocalExperts)
 
 Per MoE layer the router runs once over all experts; `Split.mix` maps its global ids to
 each side's local index (-1 where that side does not hold the expert) and adds the parts::
@@ -31,13 +31,20 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-import numpy as np
 import torch
 
-from luced.gguf_file import GGUFError, GGUFFile
-from luced.runtime.layers import store_matrix
-from luced.runtime.moe import ACTIVATIONS, MoeConfig, StackedExperts, expert_mix
-from luced.runtime.weights import SUPPORTED_TYPES, dequantize_rows
+from luced.gguf_file import GGUFFile
+from luced.runtime.families import family_for
+from luced.runtime.moe import (
+    ACTIVATIONS,
+    MoeConfig,
+    Stack,
+    StackedExperts,
+    expert_mix,
+    fuse_gate_up,
+)
+from luced.runtime.qlinear import pack
+from luced.runtime.weights import expert_stack
 
 log = logging.getLogger(__name__)
 
@@ -125,12 +132,6 @@ def plan(
     return Placement(n_experts, chosen)
 
 
-def moe_layers(gguf: GGUFFile) -> tuple[int, ...]:
-    """The layers with routed experts (laguna's leading layers are dense)."""
-    n = int(gguf.require(f"{gguf.arch}.block_count"))
-    return tuple(i for i in range(n) if f"blk.{i}.ffn_down_exps.weight" in gguf.tensors)
-
-
 def local_index(
     ids: Sequence[int], n_experts: int, device: torch.device | str = "cpu"
 ) -> torch.Tensor:
@@ -163,36 +164,29 @@ def read_experts(
     cfg: MoeConfig,
     dtype: torch.dtype,
     device: torch.device | str = "cpu",
+    weights: str = "dequant",
 ) -> StackedExperts:
     """The experts `ids` of one layer, read from the mapped file: only their rows are touched
-    (an expert is a contiguous slice of each stacked tensor) and dequantized."""
+    (an expert is a contiguous slice of each stacked tensor), held as the `weights` mode
+    holds the target's matrices (`weights.expert_stack`: dequantized, or packed)."""
+    device = torch.device(device)
 
-    def rows(suffix: str) -> torch.Tensor:
-        name = f"blk.{layer}.{suffix}"
-        info = gguf.info(name)
-        if info.ggml_type not in SUPPORTED_TYPES:
-            raise GGUFError(
-                f"{gguf.path}: tensor {name!r} uses unsupported quant type {info.type_name}"
-            )
-        _, out, inner = info.shape
-        raw = gguf.raw(name)  # [E * out, bytes per row], a view of the mapping
-        parts = [
-            dequantize_rows(raw[e * out : (e + 1) * out], info.ggml_type, (out, inner)) for e in ids
-        ]
-        stack = np.stack(parts) if parts else np.zeros((0, out, inner), np.float32)
-        return torch.from_numpy(stack).to(device=device, dtype=dtype)
+    def stack(name: str) -> Stack:
+        return expert_stack(gguf, f"blk.{layer}.{name}.weight", ids, weights, dtype, device)
 
     if cfg.fused_gate_up:
-        gate_up = rows("ffn_gate_up_exps.weight")
+        gate_up = stack("ffn_gate_up_exps")
     else:
-        gate_up = torch.cat([rows("ffn_gate_exps.weight"), rows("ffn_up_exps.weight")], 1)
-    down = rows("ffn_down_exps.weight")
-    return StackedExperts(store_matrix(gate_up), store_matrix(down), ACTIVATIONS[cfg.act])
+        gate_up = fuse_gate_up(stack("ffn_gate_exps"), stack("ffn_up_exps"))
+    return StackedExperts(
+        pack(gate_up, dtype), pack(stack("ffn_down_exps"), dtype), ACTIVATIONS[cfg.act]
+    )
 
 
 class LocalExperts:
     """Experts held in this process: `held` (layer -> ascending global ids) read from the
-    GGUF at `path` on a layer's first call, or all at once with `load_all`."""
+    GGUF at `path` on a layer's first call, or all at once with `load_all`; `weights` as
+    `read_experts` takes it."""
 
     def __init__(
         self,
@@ -201,16 +195,19 @@ class LocalExperts:
         held: Mapping[int, Sequence[int]],
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
+        weights: str = "dequant",
     ) -> None:
         self.gguf = GGUFFile(path)
         self.cfg, self.held, self.dtype, self.device = cfg, dict(held), dtype, torch.device(device)
+        self.weights = weights
         self.layers: dict[int, StackedExperts] = {}
 
     def experts(self, layer: int) -> StackedExperts:
         stacks = self.layers.get(layer)
         if stacks is None:
+            held = self.held[layer]
             stacks = read_experts(
-                self.gguf, layer, self.held[layer], self.cfg, self.dtype, self.device
+                self.gguf, layer, held, self.cfg, self.dtype, self.device, self.weights
             )
             self.layers[layer] = stacks
         return stacks
@@ -295,34 +292,48 @@ class Split:
         return out
 
 
-def apply(model: Any, placement: Placement, split: Split) -> None:
-    """Keep only the hot experts in a loaded model's stacks and route through `split`."""
-    for layer in placement.layers:
-        if layer not in model.layers:
-            continue
-        keep = torch.tensor(placement.hot[layer], dtype=torch.int64)
-        for key in (f"{layer}.ffn_gate_up_exps", f"{layer}.ffn_down_exps"):
-            stack = model.weights[key]
-            model.weights[key] = stack.index_select(0, keep.to(stack.device)).contiguous()
-    model.expert_split = split
+def model_moe(gguf: GGUFFile) -> MoeConfig:
+    """The routed experts of the model in `gguf` (n_experts 0: it has none)."""
+    return getattr(family_for(gguf).config_from_gguf(gguf), "moe", MoeConfig())
+
+
+def plan_for(
+    path: str | os.PathLike[str],
+    hot: int | None,
+    profile: Mapping[int, Sequence[float]] | None = None,
+) -> Placement | None:
+    """`plan` for the model at `path` before it is loaded (its `Model.load(experts=...)` is
+    then `placement.hot`), or None if it has no routed experts."""
+    gguf = GGUFFile(path)
+    cfg = model_moe(gguf)
+    if not cfg.n_experts:
+        return None
+    return plan(cfg.n_experts, gguf.moe_layers(), hot, profile)
 
 
 def place(
     model: Any,
-    hot: int | None,
+    placement: Placement,
     *,
     cold: ExpertCompute | None = None,
     required: bool = False,
-    profile: Mapping[int, Sequence[float]] | None = None,
-) -> Placement:
-    """Keep `hot` experts per MoE layer (None: all) in a loaded model. The cold ones go
-    through `cold` (an expert worker) with the in-process `LocalExperts` as its fallback,
-    or through `LocalExperts` alone. Returns the whole model's placement."""
-    gguf = GGUFFile(model.path)
-    cfg: MoeConfig = model.cfg.moe
-    placement = plan(cfg.n_experts, moe_layers(gguf), hot, profile)
-    if not placement.all_hot:
-        local = LocalExperts(model.path, cfg, placement.inverted().hot, model.dtype)
-        split = Split(placement, cold or local, model.device, fallback=local, required=required)
-        apply(model, placement, split)
-    return placement
+) -> None:
+    """Route a model loaded with only `placement`'s hot experts (`Model.load(experts=
+    placement.hot)`) through a `Split`: the cold ones go through `cold` (an expert worker)
+    with the in-process `LocalExperts` as its fallback, or through `LocalExperts` alone."""
+    for layer in placement.layers:
+        stack = model.weights.get(f"{layer}.ffn_down_exps")
+        if stack is not None and len(stack) != len(placement.hot[layer]):
+            raise ValueError(
+                f"layer {layer} holds {len(stack)} experts, the placement keeps "
+                f"{len(placement.hot[layer])}: load it with experts=placement.hot"
+            )
+    cold_ids = placement.inverted().hot
+    # the cold experts held as the model holds its matrices: hot + cold is what the
+    # all-local model computes
+    local = LocalExperts(
+        model.path, model.cfg.moe, cold_ids, model.dtype, weights=model.weights_mode
+    )
+    model.expert_split = Split(
+        placement, cold or local, model.device, fallback=local, required=required
+    )

@@ -9,7 +9,7 @@ transposed, `[in, out]`, and multiplied with `matmul` (3.5 ms vs 6.3 ms for
 `F.linear`); bfloat16 / float16 weights keep `[out, in]` for `F.linear` (1.6 ms vs
 3.9 ms for the transposed layout). `store_matrix` / `matrix_rows` / `linear` are the
 only places that know this. A stack of matrices (MoE experts, `[E, out, in]`) is stored
-the same way per matrix, so `w[e]` is a matrix `linear` takes.
+the same way per matrix, so `w[e]` is a matrix `linear` takes (packed: a list of them).
 
 Under a compact weights mode (`--weights int4|int8|auto`) a matrix is a `qlinear.PackedLinear`
 instead (`QuantRows` while loading): `linear`, `matrix_row_select`, `take_rows` and `cat_rows`

@@ -20,13 +20,14 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from types import ModuleType
 
 import torch
 
 from luced.gguf_file import GGUFError, GGUFFile
+from luced.runtime import moe
 from luced.runtime.families import family_for
 from luced.runtime.families.common import ModelConfig
 from luced.runtime.kv_cache import KVCache, KVStore
@@ -72,13 +73,16 @@ class Model:
         device: str | torch.device = "cpu",
         weights: str = "dequant",
         batch_invariant: bool = False,
+        experts: Mapping[int, Sequence[int]] | None = None,
     ) -> Model:
         """`weights`: how matrices are held (qlinear.WEIGHT_MODES); "dequant" is the exact
         float path, the others pack them for the weight-only kernels. `batch_invariant`: a
         token's logits do not depend on the call it came in (a verify block, a prefill
         chunk, a ragged batch) for the packed matrices and attention: every packed call
         takes the kernel 64 rows at a time and attention runs row by row, at a cost
-        (README, "Batch-invariant mode")."""
+        (README, "Batch-invariant mode"). `experts`: MoE layer -> the global ids of the
+        routed experts to hold (a placement's hot ones; the stacks then have only those,
+        in that order); other layers hold all."""
         t0 = time.monotonic()
         gguf = GGUFFile(path)
         family = family_for(gguf)
@@ -96,7 +100,8 @@ class Model:
                 )
         torch_dtype, torch_device = parse_dtype(dtype), torch.device(device)
         plan = family.weight_plan(cfg, span, a == 0, b == cfg.n_layers)
-        tensors = WeightLoader(gguf, torch_dtype, torch_device, weights).load_all(plan)
+        held = moe.stack_experts(experts or {}, span)
+        tensors = WeightLoader(gguf, torch_dtype, torch_device, weights, held).load_all(plan)
         try:
             family.prepare(cfg, tensors)
         except ValueError as exc:  # a tensor that contradicts the metadata

@@ -36,7 +36,7 @@ projection, as GGUF stores them (`ffn_{gate,up,down}_exps`: [E, ff, hidden], [E,
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -44,7 +44,8 @@ import torch
 import torch.nn.functional as F
 
 from luced.gguf_file import GGUFError, GGUFFile
-from luced.runtime.layers import linear, matrix_rows, store_matrix, swiglu
+from luced.runtime.layers import Matrix, cat_rows, linear, matrix_rows, store_matrix, swiglu
+from luced.runtime.qlinear import QuantRows
 
 # llama.cpp's llama_expert_gating_func_type values ({arch}.expert_gating_func)
 GATING = {1: "softmax", 2: "sigmoid"}
@@ -63,6 +64,11 @@ SHARED = {
 }
 SHARED_GATE = {"ffn_gate_inp_shexp": "ffn_gate_inp_shexp.weight"}  # [hidden] (or [1, hidden])
 VECTORS = {"exp_probs_b", "ffn_gate_inp_shexp"}  # everything else feeds `linear`
+# A layer's experts of one projection: a stored [E, out, in] stack, or under a compact
+# weights mode one matrix per expert (`QuantRows` while loading, then `PackedLinear`).
+Stack = torch.Tensor | Sequence[Matrix] | Sequence[QuantRows]
+# The stacked expert tensors (dim 0: the expert), whose rows a placement divides.
+EXPERT_STACKS = ("ffn_gate_exps", "ffn_up_exps", "ffn_gate_up_exps", "ffn_down_exps")
 
 
 def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
@@ -197,14 +203,36 @@ def check_tensors(gguf: GGUFFile, cfg: MoeConfig, hidden: int, layers: Iterable[
                 )
 
 
-def prepare_layers(weights: dict[str, torch.Tensor], layers: Iterable[int]) -> None:
+def stack_experts(
+    held: Mapping[int, Sequence[int]], layers: Iterable[int]
+) -> dict[str, Sequence[int]]:
+    """GGUF name of each expert stack of `layers` -> the experts `held` keeps of it (for
+    `WeightLoader`'s `experts`); layers `held` does not name keep all."""
+    return {
+        f"blk.{layer}.{stack}.weight": held[layer]
+        for layer in layers
+        if layer in held
+        for stack in EXPERT_STACKS
+    }
+
+
+def fuse_gate_up(gate: Stack, up: Stack) -> Stack:
+    """One [E, 2·ff, hidden] stack (gate rows first) of loaded gate and up stacks, so an
+    expert is two matmuls; compact stacks fuse expert by expert."""
+    if isinstance(gate, torch.Tensor):
+        assert isinstance(up, torch.Tensor)
+        return store_matrix(torch.cat([matrix_rows(gate), matrix_rows(up)], 1))
+    return [cat_rows([g, u]) for g, u in zip(gate, up, strict=True)]  # type: ignore[list-item]
+
+
+def prepare_layers(weights: dict[str, Any], layers: Iterable[int]) -> None:
     """Fuse each loaded MoE layer's gate and up stacks into `ffn_gate_up_exps` (a layer the
     file already stores fused is left as it is)."""
     for layer in layers:
         gate, up = f"{layer}.ffn_gate_exps", f"{layer}.ffn_up_exps"
         if gate in weights:
-            rows = torch.cat([matrix_rows(weights.pop(gate)), matrix_rows(weights.pop(up))], 1)
-            weights[f"{layer}.ffn_gate_up_exps"] = store_matrix(rows)  # [E, 2·ff, hidden]
+            fused = fuse_gate_up(weights.pop(gate), weights.pop(up))
+            weights[f"{layer}.ffn_gate_up_exps"] = fused
 
 
 # ---------------------------------------------------------------- routing
@@ -244,18 +272,19 @@ class Experts(Protocol):
 
 class StackedExperts:
     """Experts held here as stacked matrices in `linear`'s layout: gate_up [E, 2·ff, hidden]
-    (gate rows first) and down [E, hidden, ff] (as [out, in] per expert)."""
+    (gate rows first) and down [E, hidden, ff] (as [out, in] per expert), or, under a
+    compact weights mode, one packed matrix per expert."""
 
     def __init__(
         self,
-        gate_up: torch.Tensor,
-        down: torch.Tensor,
+        gate_up: Stack,
+        down: Stack,
         act: Callable[[torch.Tensor], torch.Tensor] = F.silu,
     ) -> None:
         self.gate_up, self.down, self.act = gate_up, down, act
 
     def __len__(self) -> int:
-        return self.gate_up.shape[0]
+        return len(self.gate_up)
 
     def __call__(self, expert: int, x: torch.Tensor) -> torch.Tensor:
         gate, up = linear(x, self.gate_up[expert]).chunk(2, dim=-1)
@@ -361,7 +390,7 @@ def moe_ffn(
 
 
 def model_split(model: Any) -> ExpertSplit | None:
-    """The expert placement applied to a loaded model (`luced.runtime.experts.apply`)."""
+    """The expert placement applied to a loaded model (`luced.runtime.experts.place`)."""
     return getattr(model, "expert_split", None)
 
 

@@ -15,8 +15,8 @@ dequantized and requantized (int4: per-group min/max; int8: per-row absmax); the
 measured in tests/runtime/test_qlinear.py and by tools/perplexity.py.
 
 Load: the loader yields `QuantRows` (codes and scales per row, so row operations such as
-llama's Q/K unpermute or stacking projections work on them); `pack_weights` turns each into a
-`PackedLinear` after the family's `prepare`.
+llama's Q/K unpermute or stacking projections work on them), and for a MoE expert stack one
+per expert; `pack_weights` turns each into a `PackedLinear` after the family's `prepare`.
 
 Dispatch by rows (M = tokens in the call): M <= GEMV_MAX_ROWS runs the packed kernel, which
 reads 4.5 or 8 bits per weight (decode is memory-bound); more rows dequantize the matrix into
@@ -340,8 +340,17 @@ def _unpack_int4(packed: torch.Tensor, ids: torch.Tensor, k: int) -> torch.Tenso
     return torch.where((r < half)[:, None], byte & 15, byte >> 4)
 
 
+def pack(value: object, dtype: torch.dtype) -> object:
+    """`QuantRows` as its `PackedLinear`, a list of them (a compact expert stack) as a list
+    of those; anything else as it is."""
+    if isinstance(value, QuantRows):
+        return PackedLinear(value, dtype)
+    if isinstance(value, list) and value and isinstance(value[0], QuantRows):
+        return [PackedLinear(rows, dtype) for rows in value]
+    return value
+
+
 def pack_weights(weights: dict[str, object], dtype: torch.dtype) -> None:
-    """Replace every `QuantRows` in a loaded weight dict by its `PackedLinear` (in place)."""
+    """Pack every `QuantRows` in a loaded weight dict (in place)."""
     for key, value in weights.items():
-        if isinstance(value, QuantRows):
-            weights[key] = PackedLinear(value, dtype)
+        weights[key] = pack(value, dtype)

@@ -528,10 +528,19 @@ OPTIONS: tuple[Option, ...] = (
     ),
     Option(
         "moe_hot_experts", "experts", None,
-        "MoE models: routed experts each target worker keeps per layer (the lowest ids); "
-        "the other (cold) experts of a token are computed in process on the CPU from the "
-        "mapped GGUF, and their sum added to the hot ones'. `all` keeps every expert.",
+        "MoE models: routed experts each target worker keeps per layer (the lowest ids, "
+        "or the most routed ones given --moe-routing-profile); the other (cold) experts of "
+        "a token are computed in process on the CPU from the mapped GGUF, and their sum "
+        "added to the hot ones'. `all` keeps every expert.",
         nullable=True, default_doc="all (every expert in the target's workers)", example=4,
+    ),
+    Option(
+        "moe_routing_profile", "path", None,
+        "With --moe-hot-experts: a routing profile of this model (per-layer expert "
+        "selection counts, JSON, recorded by tools/moe_profile.py); each layer keeps its "
+        "most-routed experts hot. A profile of another model is a start-up error.",
+        nullable=True, default_doc="none (the lowest ids are hot)",
+        example="/var/lib/luced/models/model.routing.json",
     ),
     Option(
         "moe_expert_device", "device", None,
@@ -598,6 +607,7 @@ class Config:
     kv_flash_tau: int
     kv_flash_max_pool: int
     moe_hot_experts: int | None  # None: all
+    moe_routing_profile: Path | None  # None: the lowest ids are hot
     moe_expert_device: str | None  # None: cold experts in process
     moe_expert_required: bool
     log_level: str

@@ -35,8 +35,9 @@ from luced.engine.kvflash.transport import (
 from luced.engine.metrics import Metrics
 from luced.engine.target import Target, TargetPlacement
 from luced.gguf_file import GGUFFile
+from luced.ipc.frames import MoeCounts
 from luced.ipc.shm import ShmOwner, cleanup_stale
-from luced.serve import sdnotify
+from luced.serve import routing_profile, sdnotify
 from luced.serve.admin import AdminSocketError, start_admin_server
 from luced.serve.config import Config, ConfigError, usable_cores
 from luced.serve.listener import LimitedSite
@@ -100,6 +101,7 @@ class Daemon:
             int(gguf.get(f"{gguf.arch}.embedding_length", 0)),
             int(gguf.get(f"{gguf.arch}.expert_used_count", 0)),
         )
+        moe_profile = self._moe_profile(gguf)
         del gguf
         if cfg.moe_expert_device is not None:
             if cfg.moe_hot_experts is None:
@@ -134,6 +136,7 @@ class Daemon:
             moe_expert_device=cfg.moe_expert_device,
             moe_required=cfg.moe_expert_required,
             moe_dims=moe_dims,
+            moe_profile=moe_profile,
         )
         # Exclusive resources before the slow load: the cache directory's lock here, the
         # port and the admin socket below, each a one-line StartupError when taken.
@@ -221,6 +224,22 @@ class Daemon:
             self.disk_reservation.release()
         log.info("stopped")
         return 0
+
+    def _moe_profile(self, gguf: GGUFFile) -> MoeCounts:
+        """--moe-routing-profile's counts, checked against the model; () without one."""
+        cfg = self.config
+        if cfg.moe_routing_profile is None:
+            return ()
+        label = cfg.label("moe_routing_profile")
+        if cfg.moe_hot_experts is None:
+            raise StartupError(
+                f"{label}: every expert is hot; give {cfg.label('moe_hot_experts')} a count "
+                "so that the profile chooses them"
+            )
+        try:
+            return routing_profile.load(cfg.moe_routing_profile, gguf).to_wire()
+        except routing_profile.ProfileError as exc:
+            raise StartupError(f"{label}: {exc}") from None
 
     def _kv_flash(self, gguf: GGUFFile, context: int) -> PagerConfig | None:
         """The KV Flash pager's config (--kv-flash), or None when it is off."""

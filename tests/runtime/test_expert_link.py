@@ -24,7 +24,8 @@ from luced.ipc.shm import HEADER_SIZE, ShmOwner
 from luced.runtime import experts
 from luced.runtime.expert_link import RemoteExperts
 from luced.runtime.model import Model
-from tests.runtime.test_experts import PROMPT, greedy
+from luced.runtime.qlinear import PackedLinear
+from tests.runtime.test_experts import PROMPT, greedy, highest_ids_most_routed, placed
 from tests.worker_harness import TAG, WorkerProc, no_segments_left  # noqa: F401
 from tools import make_tiny_gguf
 
@@ -57,9 +58,21 @@ class Daemon:
         w.call(F.Hello(instance=self.instance))
         return w
 
-    def load_experts(self, placement: experts.Placement) -> F.LoadExpertsReply:
+    def load_experts(
+        self,
+        placement: experts.Placement,
+        profile: dict[int, tuple[int, ...]] | None = None,
+        weights: str = "dequant",
+    ) -> F.LoadExpertsReply:
         hot = len(placement.hot[placement.layers[0]])
-        req = F.LoadExperts(model=str(self.model), dtype="float32", device="cpu", hot=hot)
+        req = F.LoadExperts(
+            model=str(self.model),
+            dtype="float32",
+            device="cpu",
+            hot=hot,
+            moe_profile=tuple((profile or {}).items()),
+            weights=weights,
+        )
         reply = self.worker.call(req)
         assert isinstance(reply, F.LoadExpertsReply)
         return reply
@@ -98,14 +111,14 @@ def daemon(tiny: Path, tmp_path: Path) -> Iterator[Daemon]:
 def test_remote_equals_in_process_equals_all_local(daemon: Daemon) -> None:
     local = Model.load(daemon.model)
     want_logits, want = greedy(local, PROMPT, 8)
-    inproc = Model.load(daemon.model)
-    experts.place(inproc, HOT)
+    inproc, _ = placed(daemon.model, HOT)
     inproc_logits, inproc_tokens = greedy(inproc, PROMPT, 8)
 
-    split = Model.load(daemon.model)
-    remote = daemon.remote()
-    placement = experts.place(split, HOT, cold=remote, required=True)
-    assert daemon.load_experts(placement).fingerprint == placement.fingerprint()
+    # the hot experts by a routing profile: both sides plan the same ones from it
+    remote, profile = daemon.remote(), highest_ids_most_routed(daemon.model)
+    split, placement = placed(daemon.model, HOT, profile=profile, cold=remote, required=True)
+    assert placement.hot[placement.layers[0]] == (4, 5, 6, 7)
+    assert daemon.load_experts(placement, profile).fingerprint == placement.fingerprint()
     daemon.link(daemon.inbox)
     got_logits, got = greedy(split, PROMPT, 8)
     torch.testing.assert_close(got_logits, inproc_logits, rtol=1e-5, atol=1e-5)
@@ -117,17 +130,37 @@ def test_remote_equals_in_process_equals_all_local(daemon: Daemon) -> None:
     assert split.expert_split.stats["fallbacks"] == 0
 
 
+def test_packed_cold_experts_remote_equal_in_process(daemon: Daemon) -> None:
+    """Under a compact weights mode the expert worker packs its experts as the target's
+    in-process fallback does: the same answer, bit for bit."""
+    placement = experts.plan_for(daemon.model, HOT)
+    assert placement is not None
+    daemon.load_experts(placement, weights="int4")
+    daemon.link(daemon.inbox)
+    remote = daemon.remote()
+    cfg = Model.load(daemon.model).cfg
+    local = experts.LocalExperts(
+        daemon.model, cfg.moe, placement.inverted().hot, torch.float32, weights="int4"
+    )
+    gen = torch.Generator().manual_seed(0)
+    for n in (1, 9):  # decode, prefill
+        x = torch.randn(n, cfg.hidden, generator=gen)
+        ids = torch.randint(-1, HOT, (n, cfg.moe.n_used), generator=gen, dtype=torch.int32)
+        weights = torch.rand(n, cfg.moe.n_used, generator=gen)
+        for layer in placement.layers:
+            assert torch.equal(
+                remote.mix(layer, x, ids, weights), local.mix(layer, x, ids, weights)
+            )
+    assert isinstance(local.experts(placement.layers[0]).down[0], PackedLinear)
+
+
 def test_layer_split_shards_share_the_expert_worker(daemon: Daemon) -> None:
     local = Model.load(daemon.model)
     n = local.cfg.n_layers
     _, want = greedy(local, PROMPT, 6)
-    first, second = (
-        Model.load(daemon.model, layers=(0, n // 2)),
-        Model.load(daemon.model, layers=(n // 2, n)),
-    )
     remote = daemon.remote()
-    placement = experts.place(first, HOT, cold=remote, required=True)
-    experts.place(second, HOT, cold=remote, required=True)
+    first, placement = placed(daemon.model, HOT, layers=(0, n // 2), cold=remote, required=True)
+    second, _ = placed(daemon.model, HOT, layers=(n // 2, n), cold=remote, required=True)
     daemon.load_experts(placement)
     daemon.link(daemon.inbox)
     c1, c2 = first.new_cache(64), second.new_cache(64)
@@ -147,7 +180,7 @@ def test_layer_split_shards_share_the_expert_worker(daemon: Daemon) -> None:
 
 def test_bad_headers_are_refused_and_the_worker_keeps_serving(daemon: Daemon) -> None:
     cfg = Model.load(daemon.model).cfg
-    placement = experts.plan(cfg.moe.n_experts, experts.moe_layers(GGUFFile(daemon.model)), HOT)
+    placement = experts.plan(cfg.moe.n_experts, GGUFFile(daemon.model).moe_layers(), HOT)
     daemon.load_experts(placement)
     mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     daemon.link(theirs)
@@ -195,9 +228,8 @@ def test_killed_expert_worker_falls_back_with_the_same_tokens(
 ) -> None:
     local = Model.load(daemon.model)
     _, want = greedy(local, PROMPT, 8)
-    split = Model.load(daemon.model)
     remote = daemon.remote()
-    placement = experts.place(split, HOT, cold=remote)
+    split, placement = placed(daemon.model, HOT, cold=remote)
     daemon.load_experts(placement)
     daemon.link(daemon.inbox)
     cache = split.new_cache(64)
@@ -221,8 +253,7 @@ def test_killed_expert_worker_falls_back_with_the_same_tokens(
 
 
 def test_required_remote_fails_cleanly_when_the_worker_dies(daemon: Daemon) -> None:
-    split = Model.load(daemon.model)
-    placement = experts.place(split, HOT, cold=daemon.remote(), required=True)
+    split, placement = placed(daemon.model, HOT, cold=daemon.remote(), required=True)
     daemon.load_experts(placement)
     daemon.link(daemon.inbox)
     os.kill(daemon.worker.pid, signal.SIGKILL)

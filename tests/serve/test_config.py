@@ -84,6 +84,7 @@ SAMPLES: dict[str, tuple[str, str, Any]] = {
     "kv_flash_tau": ("128", "128", 128),
     "kv_flash_max_pool": ("4096", "4096", 4096),
     "moe_hot_experts": ("4", "4", 4),
+    "moe_routing_profile": ("/m/p.json", '"/m/p.json"', Path("/m/p.json")),
     "moe_expert_device": ("cpu:1", '"cpu:1"', "cpu:1"),
     "moe_expert_required": ("true", "true", True),
     "log_level": ("debug", '"debug"', "debug"),

@@ -7,6 +7,8 @@ import contextlib
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import torch
+
 from luced.cache.arena import SnapshotArena
 from luced.cache.disk import DiskIdentity, SnapshotDisk
 from luced.cache.prefix_cache import PrefixCache
@@ -17,6 +19,39 @@ from luced.gguf_file import GGUFFile
 from luced.ipc.shm import ShmOwner
 from luced.sampling_params import SamplingParams
 from luced.text.tokenizer import Tokenizer
+
+
+@contextlib.asynccontextmanager
+async def split_target(
+    path: Path,
+    devices: tuple[str, ...],
+    weights: tuple[float, ...] = (),
+    rows: int = 16,
+    dtype: str = "float32",
+    kv_capacity: int = 64,
+    threads: int = torch.get_num_threads(),  # as in process: the float math is identical
+) -> AsyncIterator[Target]:
+    """A bare Target over `devices` (layers shared by `weights`), `threads` per worker."""
+    gguf = GGUFFile(path)
+    n_layers = int(gguf.require(f"{gguf.arch}.block_count"))
+    with ShmOwner() as owner:
+        placement = TargetPlacement.split(
+            model=str(path),
+            n_layers=n_layers,
+            dtype=dtype,
+            kv_capacity=kv_capacity,
+            max_batch_tokens=32,
+            devices=devices,
+            weights=weights,
+            threads=threads,
+            logit_rows=rows,
+        )
+        target = Target(owner, placement)
+        try:
+            await target.start()
+            yield target
+        finally:
+            await target.close()
 
 
 @contextlib.asynccontextmanager

@@ -10,13 +10,15 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import posix_ipc
 import pytest
 import torch
 
 from luced.ipc import frames as F
 from luced.ipc.channel import BlockingChannel
-from luced.ipc.shm import scan
+from luced.ipc.regions import Region, RegionAllocator, required_bytes
+from luced.ipc.shm import ShmOwner, scan
 
 THREADS = torch.get_num_threads()  # same as in-process, so the float math is identical
 TAG = secrets.token_hex(3)  # instance ids of this module start with it
@@ -81,3 +83,19 @@ class WorkerProc:
             self.proc.kill()
             self.proc.wait()
         print(f"--- {self.log_path.name} ---\n{self.log()}")  # shown when a test fails
+
+
+class Regions:
+    """The daemon's side of a test: named regions carved from one new segment of `owner`
+    (specs: name -> (shape, dtype)); `r[name]` for frames, `a(name)` to read and write."""
+
+    def __init__(self, owner: ShmOwner, segment: str, specs: dict[str, tuple]) -> None:
+        self.seg = owner.create(segment, required_bytes(specs.values()))
+        alloc = RegionAllocator.for_segment(self.seg)
+        self.r: dict[str, Region] = {
+            n: alloc.alloc(n, shape, dt) for n, (shape, dt) in specs.items()
+        }
+
+    def a(self, name: str) -> np.ndarray:
+        r = self.r[name]
+        return self.seg.array(r.offset, r.shape, r.dtype)

@@ -61,6 +61,7 @@ class KVTransfer:
         regions: dict[str, Region],
         ring: FeatureRing | None,
         cuts: tuple[int, ...] = (),
+        sequence: int = 0,
     ) -> None:
         """Copy positions [0, n) into `regions`, one per spec of `layout`, and each
         recurrent state at cuts[i] (default (n,)) into its slot i. Nothing is written
@@ -70,7 +71,12 @@ class KVTransfer:
         cuts = cuts or (n,)
         self._check(per_worker, ring, regions, n, len(cuts))
         frames = [
-            KVExport(position=n, regions={s.name: regions[s.name] for s in specs}, cuts=cuts)
+            KVExport(
+                position=n,
+                regions={s.name: regions[s.name] for s in specs},
+                cuts=cuts,
+                sequence=sequence,
+            )
             for specs in per_worker
         ]
         await self._call_all(frames)
@@ -78,14 +84,24 @@ class KVTransfer:
             self._copy_ring(ring, regions["ring"], n, into_ring=False)
 
     async def import_frames(
-        self, n: int, regions: dict[str, Region], tokens: Region, ring: FeatureRing | None
+        self,
+        n: int,
+        regions: dict[str, Region],
+        tokens: Region,
+        ring: FeatureRing | None,
+        sequence: int = 0,
     ) -> list[KVImport]:
         """Each worker's import of positions [0, n), every region checked first: a bad
         one raises here, before anything changes."""
         per_worker = await self._worker_layouts()
         self._check(per_worker, ring, regions, n, 1)
         return [
-            KVImport(position=n, regions={s.name: regions[s.name] for s in specs}, tokens=tokens)
+            KVImport(
+                position=n,
+                regions={s.name: regions[s.name] for s in specs},
+                tokens=tokens,
+                sequence=sequence,
+            )
             for specs in per_worker
         ]
 

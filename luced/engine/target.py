@@ -55,8 +55,8 @@ import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -71,6 +71,8 @@ from luced.engine.placement import TargetPlacement, WorkerSpec, parse_device
 from luced.ipc.frames import (
     DraftBlock,
     Forward,
+    ForwardBatch,
+    ForwardBatchReply,
     ForwardReply,
     Load,
     LoadDraft,
@@ -102,9 +104,42 @@ class Sampled:
     top: tuple[tuple[int, float], ...] = ()  # (id, logprob), most likely first
 
 
+@dataclass
+class _Lane:
+    """One sequence's daemon-side state (see `Target.lane`)."""
+
+    position: int = 0
+    last_fed: tuple[int, list[int]] = field(default_factory=lambda: (0, []))  # its last forward
+    last_block_states: bool = False
+    ring_floor: int = 0
+
+
+def _trimmed(sampled: Sampled, logprobs: int | None) -> Sampled:
+    """A batch row as the sequence's own step reports it: logprobs only when asked, and its
+    own top k (the batch computed the largest k any sequence asked)."""
+    if logprobs is None:
+        return Sampled(sampled.token)
+    return dataclasses.replace(sampled, top=sampled.top[:logprobs])
+
+
+@dataclass(frozen=True)
+class BatchStep:
+    """One sequence's decode step in `Target.step_batch`."""
+
+    sequence: int
+    token: int  # fed at the sequence's position
+    sampling: dict = field(default_factory=dict)
+    logprobs: int | None = None  # None, or k: the chosen token's and the top k
+
+
 class Target:
     """The target model behind its workers: the shared regions, the forward pipeline,
-    the committed position, the draft; the engine's only handle on the model."""
+    the committed position, the draft; the engine's only handle on the model.
+
+    Sequences (continuous batching): the workers hold several, by id. The methods that act
+    on one sequence (reset, prefill, step, truncate, the KV transfers...) act on the lane
+    selected by `lane(sequence)`, sequence 0 outside one; `step_batch` steps several in
+    one pass."""
 
     def __init__(
         self,
@@ -157,6 +192,9 @@ class Target:
         self._draft_path: str | None = None
         self._draft_device = ""
         self._point_mass_rows = 0  # q rows set_point_mass_q last wrote
+        self.lane_id = 0  # the sequence the single-sequence methods act on
+        self._lanes: dict[int, _Lane] = {}  # the other sequences' state, while not selected
+        self._lane_lock = asyncio.Lock()
 
     # -- lifecycle -----------------------------------------------------------------------
 
@@ -207,6 +245,7 @@ class Target:
             "io",
             {
                 "tokens": ([n], "int32"),
+                "batch": ([n, 3], "int32"),  # forward_batch: (sequence, start, n) per row
                 "ids": ([n], "int32"),
                 "logprobs": ([n], "float32"),
                 "topk_ids": ([n * MAX_TOP_LOGPROBS], "int32"),
@@ -266,10 +305,118 @@ class Target:
             await self._load_draft_into(worker)  # a restarted worker gets its draft back
         return None
 
+    # -- sequences (continuous batching) ---------------------------------------------------
+
+    @contextlib.asynccontextmanager
+    async def lane(self, sequence: int) -> AsyncIterator[None]:
+        """Act on `sequence` (a new one starts empty) for the body: reset, prefill, step,
+        truncate, the KV transfers address it. Lanes run one at a time (the io regions are
+        shared); sequence 0 is selected again after the body."""
+        async with self._lane_lock:
+            self._select(sequence)
+            try:
+                yield
+            finally:
+                self._select(0)
+
+    async def release(self, sequence: int) -> None:
+        """Forget `sequence` in every worker (its caches are freed) and here."""
+        if sequence == 0:
+            raise ValueError("sequence 0 is the default lane: reset it instead")
+        async with self._lane_lock:
+            reset = Reset(sequence=sequence, release=True)
+            await asyncio.gather(*(w.call(reset) for w in self.executor.workers()))
+            self._lanes.pop(sequence, None)
+
+    def _select(self, sequence: int) -> None:
+        self._park()
+        self._unpark(sequence)
+
+    def _park(self) -> None:
+        """The selected lane's state into `_lanes`, beside the others'."""
+        self._lanes[self.lane_id] = _Lane(
+            self._position, self._last_fed, self._last_block_states, self._ring_floor
+        )
+
+    def _unpark(self, sequence: int) -> None:
+        lane = self._lanes.pop(sequence, None) or _Lane()
+        self._position, self._last_fed = lane.position, lane.last_fed
+        self._last_block_states, self._ring_floor = lane.last_block_states, lane.ring_floor
+        self.lane_id = sequence
+
+    async def step_batch(self, steps: Sequence[BatchStep]) -> list[Sampled]:
+        """One decode step of several sequences in one pass through the workers: each
+        feeds its token at its position and samples its next with its own sampling (the
+        workers keep each sequence's sampler, as `step` does). All or nothing: a failure
+        leaves every sequence where it was."""
+        if self.flash is not None or self.ring is not None:
+            raise ValueError("batched steps need a target without KV Flash and a DFlash draft")
+        seqs = [s.sequence for s in steps]
+        if not 0 < len(seqs) <= self.placement.max_batch_tokens or len(set(seqs)) != len(seqs):
+            raise ValueError(f"a batch steps 1..max_batch_tokens distinct sequences, got {seqs}")
+        async with self._lane_lock:
+            if not self.executor.in_sync:
+                raise WorkerDied("a model worker was restarted; the request must start over")
+            self._park()  # lane 0 (selected outside `lane`) beside the others
+            try:
+                lanes = [self._lanes.setdefault(s, _Lane()) for s in seqs]
+                n = len(steps)
+                rows = [(q, lane.position, 1) for q, lane in zip(seqs, lanes, strict=True)]
+                self._arrays["batch"][:n] = rows
+                self._arrays["tokens"][:n] = [s.token for s in steps]
+                asked = [s.logprobs for s in steps if s.logprobs is not None]
+                k = min(max(asked, default=0), MAX_TOP_LOGPROBS)
+                outputs = self._row_outputs(n, k if asked else None)
+                await self._batch_pipeline(steps, rows, outputs, k)
+                for s, lane in zip(steps, lanes, strict=True):
+                    lane.last_fed = (lane.position, [s.token])
+                    lane.position += 1
+                    lane.last_block_states = False
+                sampled = self._read_rows(n, outputs)
+            finally:
+                self._unpark(0)
+        return [_trimmed(r, s.logprobs) for r, s in zip(sampled, steps, strict=True)]
+
+    async def _batch_pipeline(
+        self, steps: Sequence[BatchStep], rows: list[tuple[int, int, int]], outputs: dict, k: int
+    ) -> None:
+        workers = self.executor.workers()
+        n = len(steps)
+        advanced: list[WorkerHandle] = []
+        try:
+            for i, worker in enumerate(workers):
+                last = i == len(workers) - 1
+                frame = ForwardBatch(
+                    n_sequences=n,
+                    n_tokens=n,
+                    batch=self._regions["batch"].rows(0, n),
+                    want="sample" if last else "hidden",
+                    outputs=outputs if last else {"hidden": self._boundary(i, n)},
+                    tokens=self._regions["tokens"].rows(0, n),
+                    hidden_in=self._boundary(i - 1, n) if i else None,
+                    sampling=tuple(s.sampling for s in steps) if last else (),
+                    top_logprobs=k if last else 0,
+                )
+                reply = await worker.call(frame)
+                assert isinstance(reply, ForwardBatchReply)
+                advanced.append(worker)
+                if reply.positions != tuple(start + 1 for _, start, _ in rows):
+                    raise WorkerReplyError(
+                        f"worker {worker.spec.group} is at positions {reply.positions}, "
+                        "not one past the batch's starts: the shards disagree"
+                    )
+        except BaseException:
+            for worker in advanced:  # keep the shards agreeing: undo where it happened
+                for seq, start, _ in rows:
+                    with contextlib.suppress(Exception):
+                        await worker.call(Truncate(position=start, sequence=seq))
+            raise
+
     # -- KV position ---------------------------------------------------------------------
 
     async def reset(self) -> None:
-        await asyncio.gather(*(w.call(Reset()) for w in self.executor.workers()))
+        reset = Reset(sequence=self.lane_id)
+        await asyncio.gather(*(w.call(reset) for w in self.executor.workers()))
         self._position = 0
         self._last_fed = (0, [])
         self._last_block_states = False
@@ -310,7 +457,8 @@ class Target:
         if position == self._position:
             return
         cut = start if replay else position
-        await asyncio.gather(*(w.call(Truncate(position=cut)) for w in self.executor.workers()))
+        truncate = Truncate(position=cut, sequence=self.lane_id)
+        await asyncio.gather(*(w.call(truncate) for w in self.executor.workers()))
         self._position = cut
         if self.flash is not None:
             self.flash.truncate(cut)  # the plan hides the rest anyway; tidy
@@ -657,6 +805,7 @@ class Target:
                     allowed=allowed if last else None,
                     keep_state=keep_state,
                     keep_block_states=keep_block_states,
+                    sequence=self.lane_id,
                     **capture,
                     **flash[k],
                 )
@@ -675,7 +824,7 @@ class Target:
             # Keep the shards agreeing: undo this forward where it already happened.
             for worker in advanced:
                 with contextlib.suppress(Exception):
-                    await worker.call(Truncate(position=start))
+                    await worker.call(Truncate(position=start, sequence=self.lane_id))
             if self.flash is not None:
                 # Some workers may have run this plan's host-tier moves and others not: the
                 # pool contents disagree, so the sequence must start over.
@@ -742,7 +891,8 @@ class Target:
             raise ValueError(f"cannot export {n} positions: {self._position} are committed")
         if self.flash is not None and not self.flash.is_identity:
             raise ValueError("KV Flash: a snapshot needs the identity layout (prompt <= pool)")
-        await self.kv.export(n, regions, self.ring, tuple(cuts) if self.recurrent else ())
+        cuts = tuple(cuts) if self.recurrent else ()
+        await self.kv.export(n, regions, self.ring, cuts, self.lane_id)
 
     async def import_kv(self, n: int, regions: dict[str, Region], tokens: Region) -> None:
         """Restore positions [0, n) from a snapshot (its token axis may be longer than n);
@@ -757,7 +907,7 @@ class Target:
             raise WorkerReplyError(f"a snapshot of {n} positions exceeds the KV Flash pool")
         if tokens.dtype != "int32" or len(tokens.shape) != 1 or tokens.shape[0] < n:
             raise ValueError(f"tokens must be int32 [>= {n}], got {tokens.dtype} {tokens.shape}")
-        frames = await self.kv.import_frames(n, regions, tokens, self.ring)
+        frames = await self.kv.import_frames(n, regions, tokens, self.ring, self.lane_id)
         self.executor.in_sync = False  # the shards may disagree until every one has imported
         try:
             await self.kv.import_(frames, regions.get("ring"), self.ring)

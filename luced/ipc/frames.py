@@ -360,6 +360,10 @@ class Forward(Request):
     # i % 32 of word i // 32 of row r set when id i may be row r's token (written by the
     # daemon before the frame); the others get -inf before sampling and logprobs.
     allowed: Region | None = None
+    # Which of the worker's sequences this step feeds (continuous batching keeps several;
+    # each has its own KV, token history and sampler). Truncate, reset, kv_export and
+    # kv_import name theirs the same way.
+    sequence: int = 0
 
     @property
     def n_out(self) -> int:
@@ -369,53 +373,14 @@ class Forward(Request):
         if self.n_tokens < 1 or self.start_pos < 0:
             got = f"{self.n_tokens}, {self.start_pos}"
             raise self._fail(f"need n_tokens >= 1 and start_pos >= 0, got {got}")
-        self._check_input()
-        self._check_outputs()
+        _check_sequence(self)
+        _check_input(self)
+        _check_outputs(self)
         self._check_sampling()
         self._check_capture()
         self._check_verify()
         self._check_allowed()
         self._check_kv_flash()
-
-    def _check_input(self) -> None:
-        if self.tokens is None and self.hidden_in is None:
-            raise self._fail("one of tokens / hidden_in must be given")
-        if self.tokens is not None:
-            t = self.tokens
-            if t.dtype != "int32" or len(t.shape) != 1 or t.shape[0] < self.n_tokens:
-                got = f"{t.dtype} {list(t.shape)}"
-                raise self._fail(f"tokens must be int32 [>= {self.n_tokens}], got {got}")
-        if self.hidden_in is not None:
-            h = self.hidden_in
-            if h.dtype not in COMPUTE_DTYPES or len(h.shape) != 2 or h.shape[0] < self.n_tokens:
-                got = f"{h.dtype} {list(h.shape)}"
-                raise self._fail(f"hidden_in must be float [>= {self.n_tokens}, hidden], got {got}")
-
-    def _check_outputs(self) -> None:
-        required, optional = OUTPUTS[self.want]
-        names = set(self.outputs)
-        if self.top_logprobs < 0:
-            raise self._fail(f"top_logprobs must be >= 0, got {self.top_logprobs}")
-        if self.want in ("sample", "verify") and self.top_logprobs:
-            required = required | {"topk_ids", "topk_logprobs"}
-        if self.want == "topk" and not self.top_logprobs:
-            raise self._fail('want="topk" needs top_logprobs >= 1')
-        if not required <= names or not names <= required | optional:
-            raise self._fail(
-                f'want="{self.want}" needs outputs {sorted(required)} (optional '
-                f"{sorted(optional - required)}), got {sorted(names)}"
-            )
-        for name, r in self.outputs.items():
-            rows = self.n_tokens if name == "hidden" else self.n_out
-            ndim = _OUTPUT_NDIM.get(name, 2)
-            if r.dtype not in _OUTPUT_DTYPES[name] or len(r.shape) != ndim or r.shape[0] < rows:
-                raise self._fail(
-                    f"outputs.{name} must be {'/'.join(_OUTPUT_DTYPES[name])} with {ndim} "
-                    f"dim(s) and >= {rows} rows, got {r.dtype} {list(r.shape)}"
-                )
-            if name.startswith("topk_") and r.shape[1] != self.top_logprobs:
-                k = self.top_logprobs
-                raise self._fail(f"outputs.{name} needs {k} columns, got {r.shape[1]}")
 
     def _check_sampling(self) -> None:
         _check_sampling_map(self)
@@ -495,6 +460,53 @@ class Forward(Request):
             raise self._fail(f"kv_scores must be float32 [2, chunks], got {got}")
 
 
+def _check_input(frame: Forward | ForwardBatch) -> None:
+    if frame.tokens is None and frame.hidden_in is None:
+        raise frame._fail("one of tokens / hidden_in must be given")
+    if frame.tokens is not None:
+        t = frame.tokens
+        if t.dtype != "int32" or len(t.shape) != 1 or t.shape[0] < frame.n_tokens:
+            got = f"{t.dtype} {list(t.shape)}"
+            raise frame._fail(f"tokens must be int32 [>= {frame.n_tokens}], got {got}")
+    if frame.hidden_in is not None:
+        h = frame.hidden_in
+        if h.dtype not in COMPUTE_DTYPES or len(h.shape) != 2 or h.shape[0] < frame.n_tokens:
+            got = f"{h.dtype} {list(h.shape)}"
+            raise frame._fail(f"hidden_in must be float [>= {frame.n_tokens}, hidden], got {got}")
+
+
+def _check_outputs(frame: Forward | ForwardBatch) -> None:
+    required, optional = OUTPUTS[frame.want]
+    names = set(frame.outputs)
+    if frame.top_logprobs < 0:
+        raise frame._fail(f"top_logprobs must be >= 0, got {frame.top_logprobs}")
+    if frame.want in ("sample", "verify") and frame.top_logprobs:
+        required = required | {"topk_ids", "topk_logprobs"}
+    if frame.want == "topk" and not frame.top_logprobs:
+        raise frame._fail('want="topk" needs top_logprobs >= 1')
+    if not required <= names or not names <= required | optional:
+        raise frame._fail(
+            f'want="{frame.want}" needs outputs {sorted(required)} (optional '
+            f"{sorted(optional - required)}), got {sorted(names)}"
+        )
+    for name, r in frame.outputs.items():
+        rows = frame.n_tokens if name == "hidden" else frame.n_out
+        ndim = _OUTPUT_NDIM.get(name, 2)
+        if r.dtype not in _OUTPUT_DTYPES[name] or len(r.shape) != ndim or r.shape[0] < rows:
+            raise frame._fail(
+                f"outputs.{name} must be {'/'.join(_OUTPUT_DTYPES[name])} with {ndim} "
+                f"dim(s) and >= {rows} rows, got {r.dtype} {list(r.shape)}"
+            )
+        if name.startswith("topk_") and r.shape[1] != frame.top_logprobs:
+            k = frame.top_logprobs
+            raise frame._fail(f"outputs.{name} needs {k} columns, got {r.shape[1]}")
+
+
+def _check_sequence(frame: Forward | Truncate | Reset | KVExport | KVImport) -> None:
+    if frame.sequence < 0:
+        raise frame._fail(f"sequence must be >= 0, got {frame.sequence}")
+
+
 def _check_sampling_map(frame: Forward | DraftBlock) -> None:
     """The map must be a ``SamplingParams`` wire form (the one definition of the fields)."""
     try:
@@ -516,6 +528,70 @@ class ForwardReply(Reply):
     moe_remote_calls: int = 0
     moe_fallbacks: int = 0
     moe_remote_bytes: int = 0
+
+
+# -- forward_batch --------------------------------------------------------------------------
+
+BatchWant = Literal["sample", "hidden"]
+
+
+@_op("forward_batch", REQUESTS)
+@dataclass(frozen=True)
+class ForwardBatch(Request):
+    """Run several sequences' tokens through this worker's layers in one pass (continuous
+    batching): every linear layer sees all ``n_tokens`` rows at once, attention and
+    recurrent state run per sequence over its own KV.
+
+    The batch description lives in shared memory: ``batch`` int32 ``[>= n_sequences, 3]``
+    holds (sequence, start_pos, n_tokens) per sequence, in the order of their rows in
+    ``tokens`` / ``hidden_in`` / ``outputs["hidden"]``. Each start_pos must equal that
+    sequence's committed KV length (a new sequence starts at 0); a sequence appears once.
+    ``want="sample"``: output row i is sequence i's next token, drawn from its last row's
+    logits with ``sampling[i]`` and that sequence's kept sampler (as ``forward`` draws);
+    ``want="hidden"``: the rows for the next shard. Write ordering as ``forward``.
+    A failed batch leaves every sequence's KV as it was.
+    """
+
+    n_sequences: int
+    n_tokens: int  # rows: the sum of the sequences' n_tokens
+    batch: Region
+    want: BatchWant
+    outputs: dict[str, Region]
+    tokens: Region | None = None
+    hidden_in: Region | None = None
+    sampling: tuple[dict[str, int | float | None], ...] = ()
+    top_logprobs: int = 0
+
+    @property
+    def n_out(self) -> int:
+        return self.n_sequences
+
+    def _check(self) -> None:
+        if not 1 <= self.n_sequences <= self.n_tokens:
+            got = f"{self.n_sequences}, {self.n_tokens}"
+            raise self._fail(f"need 1 <= n_sequences <= n_tokens, got {got}")
+        b = self.batch
+        if b.dtype != "int32" or len(b.shape) != 2 or b.shape[1] != 3:
+            raise self._fail(f"batch must be int32 [n, 3], got {b.dtype} {list(b.shape)}")
+        if b.shape[0] < self.n_sequences:
+            raise self._fail(f"batch holds {b.shape[0]} rows, fewer than {self.n_sequences}")
+        _check_input(self)
+        _check_outputs(self)
+        if self.want == "sample" and len(self.sampling) != self.n_sequences:
+            n = self.n_sequences
+            raise self._fail(f"sampling needs one map per sequence ({n}), got {len(self.sampling)}")
+        for i, params in enumerate(self.sampling):
+            try:
+                SamplingParams.from_wire(params)
+            except ValueError as e:
+                raise self._fail(f"sampling[{i}]: {e}") from None
+
+
+@_op("forward_batch", REPLIES)
+@dataclass(frozen=True)
+class ForwardBatchReply(Reply):
+    positions: tuple[int, ...]  # each sequence's committed KV length after the batch
+    elapsed_us: int
 
 
 # -- load_experts, expert_mix ---------------------------------------------------------------
@@ -755,12 +831,14 @@ class KVExport(Request):
     position: int
     regions: dict[str, Region]
     cuts: tuple[int, ...] = ()
+    sequence: int = 0
 
     @property
     def state_cuts(self) -> tuple[int, ...]:
         return self.cuts or (self.position,)
 
     def _check(self) -> None:
+        _check_sequence(self)
         if self.position < 0:
             raise self._fail(f"position must be >= 0, got {self.position}")
         cuts = list(self.state_cuts)
@@ -797,8 +875,10 @@ class KVImport(Request):
     position: int
     regions: dict[str, Region]
     tokens: Region
+    sequence: int = 0
 
     def _check(self) -> None:
+        _check_sequence(self)
         if self.position < 0:
             raise self._fail(f"position must be >= 0, got {self.position}")
         _check_kv_regions(self)
@@ -824,8 +904,10 @@ class Truncate(Request):
     """Roll the KV cache of every shard in this worker back to ``position`` tokens."""
 
     position: int
+    sequence: int = 0
 
     def _check(self) -> None:
+        _check_sequence(self)
         if self.position < 0:
             raise self._fail(f"position must be >= 0, got {self.position}")
 
@@ -839,7 +921,14 @@ class TruncateReply(Reply):
 @_op("reset", REQUESTS)
 @dataclass(frozen=True)
 class Reset(Request):
-    """Drop all KV and sampler state (the draft's too); weights stay loaded."""
+    """Drop the sequence's KV and sampler state (the draft's too); weights stay loaded.
+    ``release``: forget the sequence and free its caches (a finished request of a batch)."""
+
+    sequence: int = 0
+    release: bool = False
+
+    def _check(self) -> None:
+        _check_sequence(self)
 
 
 @_op("reset", REPLIES)

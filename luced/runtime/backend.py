@@ -29,7 +29,6 @@ and a failure after the KV was written rolls the KV (and token history) back.
 
 from __future__ import annotations
 
-import dataclasses
 import importlib.metadata
 import logging
 import os
@@ -44,15 +43,28 @@ import numpy as np
 import torch
 
 from luced.ipc import frames as F
-from luced.runtime import experts, kv_snapshot, token_mask
+from luced.runtime import batch_verbs, experts, kv_snapshot, token_mask
 from luced.runtime.dflash import verbs as draft_verbs
 from luced.runtime.dflash.verify import verify_sampled
 from luced.runtime.expert_link import ExpertServer, RemoteExperts
 from luced.runtime.kv_cache import ContextOverflow, KVCache
 from luced.runtime.kv_pool import PooledKVCache, SharedHostTier, apply_moves, chunk_nbytes
 from luced.runtime.model import Model
-from luced.runtime.sampler import SampleOutput, Sampler, sample, token_logprobs
-from luced.runtime.state import Loaded, Shard, WorkerError, WorkerState, torch_device
+from luced.runtime.sampler import (
+    Sampler,
+    histories,
+    sample,
+    token_logprobs,
+    write_rows,
+)
+from luced.runtime.state import (
+    Loaded,
+    Shard,
+    WorkerError,
+    WorkerState,
+    kept_sampler,
+    torch_device,
+)
 from luced.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -101,6 +113,7 @@ class Backend(WorkerState):
             F.DraftBlock: self.draft_block,
             F.Truncate: self.truncate,
             F.Reset: self.reset,
+            F.ForwardBatch: lambda req: batch_verbs.forward_batch(self, req),
             F.KVLayout: self.kv_layout,
             F.KVExport: self.kv_export,
             F.KVImport: self.kv_import,
@@ -112,6 +125,10 @@ class Backend(WorkerState):
         try:
             if self.instance is None and not isinstance(req, F.Hello | F.Stats | F.Shutdown):
                 raise WorkerError(f"{req.OP} before hello: the daemon opens with hello")
+            sequence = getattr(req, "sequence", None)
+            releasing = getattr(req, "release", False)
+            if sequence is not None and self.loaded is not None and not releasing:
+                self.loaded.select(sequence)  # the frame acts on that sequence's state
             return self._handlers[type(req)](req)
         except Exception as e:
             log.warning("%s failed: %s: %s", req.OP, type(e).__name__, e)
@@ -191,7 +208,13 @@ class Backend(WorkerState):
             kv_chunk_bytes=sum(chunk_nbytes(c) for c in pooled),
             moe_fingerprint=placement.fingerprint() if placement is not None else "",
         )
-        self.loaded = Loaded(Path(req.model), shards, reply)
+
+        def new_caches() -> list[KVCache | PooledKVCache]:
+            if req.kv_pool:  # the daemon's page table maps one sequence onto the pool
+                raise WorkerError("a KV Flash pool serves one sequence: only sequence 0")
+            return [s.model.new_cache(req.kv_capacity) for s in shards]
+
+        self.loaded = Loaded(Path(req.model), shards, reply, new_caches)
         return reply
 
     def _plan_experts(self, req: F.Load) -> experts.Placement | None:
@@ -224,7 +247,11 @@ class Backend(WorkerState):
         self.drop_samplers()
         if self.draft is not None and self.loaded is None:
             return F.ResetReply()  # a draft-only worker has nothing else to reset
-        self.model("reset").truncate(0)
+        m = self.model("reset")
+        if req.release:
+            m.release(req.sequence)
+        else:
+            m.truncate(0)
         return F.ResetReply()
 
     # KV snapshots (prefix cache): luced.runtime.kv_snapshot has the copies.
@@ -391,10 +418,10 @@ class Backend(WorkerState):
             return
         if sampler is not None:
             mask = None if bias is None else bias[:n_out]
-            result = sampler.sample(logits, _histories(sampler, m, fed, n_out), mask)
+            result = sampler.sample(logits, histories(sampler, m.tokens + fed, n_out), mask)
         else:  # want="topk": the model's own distribution, chosen = argmax, no draw
             result = sample(logits, SamplingParams(temperature=0, logprobs=req.top_logprobs))
-        _write_rows(out, result)
+        write_rows(out, result)
 
     def _verify(
         self,
@@ -410,7 +437,7 @@ class Backend(WorkerState):
         """want="verify": rejection sampling of the block's proposals against q; the step's
         tokens (and their logprobs) to `out`; returns the proposals accepted."""
         n = logits.shape[0]
-        history = _histories(sampler, m, fed, n)
+        history = histories(sampler, m.tokens + fed, n)
         bias = None if bias is None else bias[:n]
         p = sampler.probs(logits, history, bias)
         result = verify_sampled(block, p, q.to(p.device), sampler.generator(p.device), budget=n)
@@ -421,19 +448,12 @@ class Backend(WorkerState):
         else:
             rows = history[:k] if history is not None else None
             mask = None if bias is None else bias[:k]
-            _write_rows(out, token_logprobs(logits[:k], sampler.params, tokens, rows, mask))
+            write_rows(out, token_logprobs(logits[:k], sampler.params, tokens, rows, mask))
         return result.num_accepted
 
     def _sampler(self, req: F.Forward, m: Loaded) -> Sampler:
-        """The kept sampler, or a new one when none exists or the sampling map changed."""
-        if m.sampler is None or m.sampling != req.sampling:
-            m.sampler = Sampler(SamplingParams.from_wire(req.sampling))
-            m.sampling = dict(req.sampling)
         k = req.top_logprobs if {"logprobs", "topk_ids"} & req.outputs.keys() else None
-        if m.sampler.params.logprobs != k:
-            # Logprobs are computed beside the draw and never touch the generator.
-            m.sampler.params = dataclasses.replace(m.sampler.params, logprobs=k)
-        return m.sampler
+        return kept_sampler(m, req.sampling, k)
 
     def _allowed(self, req: F.Forward, m: Loaded) -> torch.Tensor | None:
         """A grammar's mask as a logit bias [n_out, vocab], checked before any compute."""
@@ -517,22 +537,7 @@ class Backend(WorkerState):
                 f"context overflow: positions [{start}, {start + n}) exceed the KV capacity "
                 f"of {m.reply.kv_capacity} tokens"
             )
-        owns_embed = m.shards[0].model.owns_embed
-        ids = None
-        if req.tokens is not None:
-            ids = self.tensor(req.tokens)[:n]
-            lo, hi = (int(v) for v in torch.aminmax(ids))
-            if lo < 0 or hi >= m.reply.vocab:
-                raise WorkerError(f"token ids must lie in [0, {m.reply.vocab}), got [{lo}, {hi}]")
-        if req.hidden_in is None:
-            if not owns_embed:
-                raise WorkerError(f"layers {list(m.reply.layers)} take hidden_in, not tokens")
-            return ids, None
-        if owns_embed:
-            raise WorkerError("this worker owns the embedding: send tokens, not hidden_in")
-        self.check_width("hidden_in", req.hidden_in, m.reply.hidden)
-        # Tokens beside hidden_in are only the history of this shard's sampler.
-        return ids, self.tensor(req.hidden_in)[:n]
+        return self.fed_inputs(req.tokens, req.hidden_in, n, m)
 
     def _ring(self, req: F.Forward, m: Loaded) -> torch.Tensor | None:
         if req.ring is None:
@@ -550,31 +555,6 @@ class Backend(WorkerState):
         if "hidden" in req.outputs:
             self.check_width("outputs.hidden", req.outputs["hidden"], m.reply.hidden)
         return {name: self.tensor(r) for name, r in req.outputs.items()}
-
-
-def _histories(sampler: Sampler, m: Loaded, fed: list[int], n_out: int) -> list | None:
-    """Each output row's penalty history (None without penalties): row i predicts position
-    start + i + 1, so its history is everything fed up to and including start + i (the
-    last row: all of it)."""
-    if not sampler.params.has_penalties:
-        return None
-    seen = m.tokens + fed
-    end = len(seen)
-    return [seen[: end - n_out + 1 + i] for i in range(n_out)]
-
-
-def _write_rows(out: dict[str, torch.Tensor], result: SampleOutput) -> None:
-    """A SampleOutput's rows into the output regions the frame named."""
-    pairs = (
-        ("ids", result.tokens),
-        ("logprobs", result.logprobs),
-        ("topk_ids", result.top_ids),
-        ("topk_logprobs", result.top_logprobs),
-    )
-    n = result.tokens.shape[0]
-    for name, value in pairs:
-        if name in out and value is not None:
-            out[name][:n].copy_(value)  # casts int64 -> int32; device -> host
 
 
 def check_poolable(model: Model) -> None:

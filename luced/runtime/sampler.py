@@ -333,3 +333,27 @@ class Sampler:
         bias: torch.Tensor | None = None,
     ) -> torch.Tensor:
         return probs(logits, self.params, history, bias)
+
+
+def histories(sampler: Sampler, seen: list[int], n_out: int) -> list | None:
+    """Each output row's penalty history (None without penalties), `seen` being every id
+    fed so far: row i predicts position start + i + 1, so its history is everything fed up
+    to and including start + i (the last row: all of it)."""
+    if not sampler.params.has_penalties:
+        return None
+    end = len(seen)
+    return [seen[: end - n_out + 1 + i] for i in range(n_out)]
+
+
+def write_rows(out: dict[str, torch.Tensor], result: SampleOutput, row: int = 0) -> None:
+    """A SampleOutput's rows into the output regions a frame named, from `row` on."""
+    pairs = (
+        ("ids", result.tokens),
+        ("logprobs", result.logprobs),
+        ("topk_ids", result.top_ids),
+        ("topk_logprobs", result.top_logprobs),
+    )
+    n = result.tokens.shape[0]
+    for name, value in pairs:
+        if name in out and value is not None:
+            out[name][row : row + n].copy_(value)  # casts int64 -> int32; device -> host

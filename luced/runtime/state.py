@@ -7,7 +7,9 @@ private methods and none imports the dispatcher.
 
     loaded    the target's shards: one (Model, KVCache) per device, layers [a, b) cut at
               device_splits, the token history, the kept sampler; with KV Flash
-              (load kv_pool) each cache is a PooledKVCache driven by the daemon's pager
+              (load kv_pool) each cache is a PooledKVCache driven by the daemon's pager.
+              Several sequences may live in it (continuous batching): the selected one's
+              caches sit in the shards, the others are parked (`Loaded.select`)
     draft     a DFlash draft, beside the target or alone in the worker
     regions   shared-memory regions viewed as tensors, attached lazily by segment name;
               only segments of the daemon instance that said hello
@@ -15,7 +17,9 @@ private methods and none imports the dispatcher.
 
 from __future__ import annotations
 
+import dataclasses
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -28,6 +32,7 @@ from luced.runtime.kv_cache import KVCache
 from luced.runtime.kv_pool import PooledKVCache
 from luced.runtime.model import Model
 from luced.runtime.sampler import Sampler
+from luced.sampling_params import SamplingParams
 
 
 class WorkerError(Exception):
@@ -72,13 +77,58 @@ class Shard:
 
 
 @dataclass
+class SequenceState:
+    """One sequence's share of the worker: its cache on each shard, the ids it fed, the
+    sampler kept for it (its generator draws on across steps)."""
+
+    caches: list[KVCache | PooledKVCache]
+    tokens: list[int] = field(default_factory=list)
+    sampler: Sampler | None = None
+    sampling: dict[str, int | float | None] | None = None
+
+    @property
+    def position(self) -> int:
+        return self.caches[0].pos
+
+    def truncate(self, position: int) -> None:
+        for cache in self.caches:
+            cache.truncate(position)
+        del self.tokens[position:]
+
+
+def kept_sampler(
+    holder: Loaded | SequenceState, sampling: dict[str, int | float | None], logprobs: int | None
+) -> Sampler:
+    """The sequence's kept sampler, or a new one when none exists or the sampling map
+    changed; `logprobs` (None or top k) as the frame's outputs ask."""
+    if holder.sampler is None or holder.sampling != sampling:
+        holder.sampler = Sampler(SamplingParams.from_wire(sampling))
+        holder.sampling = dict(sampling)
+    if holder.sampler.params.logprobs != logprobs:
+        # Logprobs are computed beside the draw and never touch the generator.
+        holder.sampler.params = dataclasses.replace(holder.sampler.params, logprobs=logprobs)
+    return holder.sampler
+
+
+# Sequence ids a worker holds at once: a bound on the caches a daemon can make it allocate.
+MAX_SEQUENCES = 256
+
+
+@dataclass
 class Loaded:
+    """The loaded target. The frames of one sequence (forward, truncate, reset, kv_export,
+    kv_import) name it, and `select` puts its state in place: the shards' caches, `tokens`
+    and `sampler` are the selected sequence's; the others wait in `parked`."""
+
     path: Path
     shards: list[Shard]
     reply: F.LoadReply
+    new_caches: Callable[[], list[KVCache | PooledKVCache]]  # a new sequence's, per shard
     tokens: list[int] = field(default_factory=list)  # id fed at each KV position
     sampler: Sampler | None = None
     sampling: dict[str, int | float | None] | None = None  # the map `sampler` was built from
+    sequence: int | None = 0  # the selected one; None while `state` holds them all parked
+    parked: dict[int, SequenceState] = field(default_factory=dict)
 
     @property
     def position(self) -> int:
@@ -88,6 +138,45 @@ class Loaded:
         for shard in self.shards:
             shard.cache.truncate(position)
         del self.tokens[position:]
+
+    def select(self, sequence: int) -> None:
+        """Put `sequence`'s state in place (a new one starts empty)."""
+        if sequence == self.sequence:
+            return
+        self._park()
+        state = self.parked.pop(sequence, None) or self._new(sequence)
+        for shard, cache in zip(self.shards, state.caches, strict=True):
+            shard.cache = cache
+        self.tokens, self.sampler, self.sampling = state.tokens, state.sampler, state.sampling
+        self.sequence = sequence
+
+    def state(self, sequence: int) -> SequenceState:
+        """`sequence`'s state, parked (a batch runs on several at once); the next frame of a
+        sequence selects it again."""
+        if sequence == self.sequence:
+            self._park()
+        return self.parked.get(sequence) or self.parked.setdefault(sequence, self._new(sequence))
+
+    def release(self, sequence: int) -> None:
+        """Forget `sequence` and free its caches (a finished request); the next frame that
+        names it starts it anew."""
+        if sequence == self.sequence:
+            self._park()
+        self.parked.pop(sequence, None)
+
+    def _park(self) -> None:
+        if self.sequence is not None:
+            caches = [s.cache for s in self.shards]
+            state = SequenceState(caches, self.tokens, self.sampler, self.sampling)
+            self.parked[self.sequence] = state
+            self.sequence = None
+
+    def _new(self, sequence: int) -> SequenceState:
+        if not 0 <= sequence < MAX_SEQUENCES:
+            raise WorkerError(f"sequence {sequence} outside [0, {MAX_SEQUENCES})")
+        if len(self.parked) >= MAX_SEQUENCES:
+            raise WorkerError(f"{MAX_SEQUENCES} sequences are live: release one first")
+        return SequenceState(self.new_caches())
 
 
 @dataclass
@@ -137,6 +226,28 @@ class WorkerState:
         if region.dtype == "bfloat16":  # numpy holds the raw bits as uint16
             return torch.from_numpy(array).view(torch.bfloat16)
         return torch.from_numpy(array)
+
+    def fed_inputs(
+        self, tokens: Region | None, hidden_in: Region | None, n: int, m: Loaded
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(token ids or None, hidden rows or None): [n] int32 / [n, hidden] views; the
+        embedding owner gets ids only, a later shard hidden rows (and maybe the ids)."""
+        owns_embed = m.shards[0].model.owns_embed
+        ids = None
+        if tokens is not None:
+            ids = self.tensor(tokens)[:n]
+            lo, hi = (int(v) for v in torch.aminmax(ids))
+            if lo < 0 or hi >= m.reply.vocab:
+                raise WorkerError(f"token ids must lie in [0, {m.reply.vocab}), got [{lo}, {hi}]")
+        if hidden_in is None:
+            if not owns_embed:
+                raise WorkerError(f"layers {list(m.reply.layers)} take hidden_in, not tokens")
+            return ids, None
+        if owns_embed:
+            raise WorkerError("this worker owns the embedding: send tokens, not hidden_in")
+        self.check_width("hidden_in", hidden_in, m.reply.hidden)
+        # Tokens beside hidden_in are only the history of this shard's sampler.
+        return ids, self.tensor(hidden_in)[:n]
 
     @staticmethod
     def check_width(what: str, region: Region, width: int) -> None:

@@ -9,23 +9,20 @@ in one worker (device shards), across workers (shared-memory boundaries) and bot
 
 from __future__ import annotations
 
-import contextlib
 import itertools
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import make_tiny_gguf
 import numpy as np
 import pytest
 import torch
+from engine_harness import split_target
 
-from luced.engine.target import Target, TargetPlacement
-from luced.ipc.shm import ShmOwner
+from luced.engine.target import Target
 from luced.runtime.generate import generate
 from luced.runtime.model import Model
 from luced.sampling_params import SamplingParams
 
-THREADS = torch.get_num_threads()  # workers use the same, so the float math is identical
 KV = 64
 PROMPT = [3, 17, 5, 42, 8, 99, 23, 4, 61, 7]
 SAMPLED = {"temperature": 0.9, "seed": 11, "repetition_penalty": 1.3}
@@ -41,35 +38,6 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         make_tiny_gguf.build(family, d / f"{family}.gguf", seed=3, **extra)
         out[family] = d / f"{family}.gguf"
     return out
-
-
-@contextlib.asynccontextmanager
-async def split_target(
-    path: Path,
-    devices: tuple[str, ...],
-    weights: tuple[float, ...] = (),
-    rows: int = 16,
-    dtype: str = "float32",
-) -> AsyncIterator[Target]:
-    n_layers = Model.load(path, layers=(0, 1)).cfg.n_layers
-    with ShmOwner() as owner:
-        placement = TargetPlacement.split(
-            model=str(path),
-            n_layers=n_layers,
-            dtype=dtype,
-            kv_capacity=KV,
-            max_batch_tokens=32,
-            devices=devices,
-            weights=weights,
-            threads=THREADS,
-            logit_rows=rows,
-        )
-        target = Target(owner, placement)
-        try:
-            await target.start()
-            yield target
-        finally:
-            await target.close()
 
 
 def ref_forward(ref: Model, cache, ids: list[int], start: int, capture) -> tuple:

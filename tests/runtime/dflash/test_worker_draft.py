@@ -14,12 +14,12 @@ import make_tiny_gguf as mtg
 import numpy as np
 import pytest
 import torch
-from worker_harness import TAG, WorkerProc, no_segments_left  # noqa: F401 - module fixture
+from worker_harness import TAG, Regions, WorkerProc, no_segments_left  # noqa: F401 - module fixture
 
 from luced.ipc import frames as F
 from luced.ipc.channel import RemoteError
-from luced.ipc.regions import Region, RegionAllocator, required_bytes
-from luced.ipc.shm import Segment, ShmOwner
+from luced.ipc.regions import Region
+from luced.ipc.shm import ShmOwner
 from luced.runtime.dflash.draft import Draft, project_with_target_head
 from luced.runtime.dflash.verbs import draft_seed
 from luced.runtime.model import Model
@@ -58,7 +58,7 @@ def draft(files: dict[str, Path], ref: Model) -> Draft:
     return Draft.load(files["gguf"], target_hidden=ref.cfg.hidden, target_n_layers=4)
 
 
-class IO:
+class IO(Regions):
     def __init__(self, owner: ShmOwner, draft: Draft, vocab: int) -> None:
         hidden, n_cap = draft.cfg.hidden, len(draft.capture_layers)
         specs = {
@@ -69,13 +69,7 @@ class IO:
             "ids": ((BLOCK,), "int32"),
             "probs": ((BLOCK - 1, vocab), "float32"),
         }
-        self.seg: Segment = owner.create("io-draft", required_bytes(specs.values()))
-        alloc = RegionAllocator.for_segment(self.seg)
-        self.r = {name: alloc.alloc(name, shape, dt) for name, (shape, dt) in specs.items()}
-
-    def a(self, name: str) -> np.ndarray:
-        r = self.r[name]
-        return self.seg.array(r.offset, r.shape, r.dtype)
+        super().__init__(owner, "io-draft", specs)
 
 
 @pytest.fixture(scope="module")

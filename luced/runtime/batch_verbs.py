@@ -1,0 +1,97 @@
+"""The worker's `forward_batch` verb: several sequences' tokens in one pass (continuous
+batching). Linear layers see every row at once; attention and recurrent state run per
+sequence over its own caches (`runtime.ragged`). Each sequence keeps its token history and
+sampler in the worker's `Loaded` (`SequenceState`), exactly as a `forward` of it alone
+would leave them, so a sequence may be stepped alone or in a batch from one step to the
+next."""
+
+from __future__ import annotations
+
+import itertools
+import time
+
+import torch
+
+from luced.ipc import frames as F
+from luced.runtime.kv_cache import ContextOverflow
+from luced.runtime.ragged import Ragged, Span
+from luced.runtime.sampler import histories, write_rows
+from luced.runtime.state import (
+    SequenceState,
+    WorkerError,
+    WorkerState,
+    kept_sampler,
+)
+
+
+def forward_batch(worker: WorkerState, req: F.ForwardBatch) -> F.ForwardBatchReply:
+    m = worker.model("forward_batch")
+    t0 = time.perf_counter()
+    # Everything is read and checked before any compute: a bad batch changes nothing.
+    rows = worker.tensor(req.batch)[: req.n_sequences].tolist()
+    sequences = [seq for seq, _, _ in rows]
+    if len(set(sequences)) != len(sequences):
+        raise WorkerError(f"a sequence appears twice in the batch: {sequences}")
+    if any(n < 1 for _, _, n in rows) or sum(n for _, _, n in rows) != req.n_tokens:
+        raise WorkerError(f"the batch's rows {rows} do not add up to n_tokens {req.n_tokens}")
+    states = [m.state(seq) for seq in sequences]
+    for state, (seq, start, n) in zip(states, rows, strict=True):
+        if start != state.position:
+            raise WorkerError(f"sequence {seq} is at position {state.position}, not {start}")
+        if start + n > m.reply.kv_capacity:
+            raise ContextOverflow(
+                f"sequence {seq}: positions [{start}, {start + n}) exceed the KV capacity "
+                f"of {m.reply.kv_capacity} tokens"
+            )
+    first, last = m.shards[0].model, m.shards[-1].model
+    ids, hidden = worker.fed_inputs(req.tokens, req.hidden_in, req.n_tokens, m)
+    if req.want == "sample" and not last.owns_head:
+        raise WorkerError('want="sample" needs the LM head; this worker has no head')
+    outputs = {name: worker.tensor(r) for name, r in req.outputs.items()}
+    k = req.top_logprobs if {"logprobs", "topk_ids"} & req.outputs.keys() else None
+    samplers = []  # want="hidden" samples nothing (its sampling is empty)
+    if req.want == "sample":
+        samplers = [kept_sampler(s, p, k) for s, p in zip(states, req.sampling, strict=True)]
+    if hidden is None:
+        assert ids is not None
+        hidden = first.embed(ids.to(first.device, torch.int64))
+    fed = ids.tolist() if ids is not None else []  # copied before the daemon reuses it
+    fed_at = [(start, n) for _, start, n in rows]
+    bounds = [0]
+    for _, _, n in rows:
+        bounds.append(bounds[-1] + n)  # sequence j's rows: [bounds[j], bounds[j + 1])
+    own = [fed[a:b] for a, b in itertools.pairwise(bounds)] if fed else [[] for _ in rows]
+    try:
+        for i, shard in enumerate(m.shards):
+            spans = [Span(s.caches[i], a, n) for s, (a, n) in zip(states, fed_at, strict=True)]
+            batch = Ragged(spans)
+            hidden, _ = shard.model.forward_layers(
+                hidden.to(shard.model.device), batch, batch, ids=ids
+            )
+        if req.want == "hidden":
+            outputs["hidden"][: req.n_tokens].copy_(hidden)
+        else:
+            last_rows = torch.tensor(bounds[1:], device=hidden.device) - 1
+            logits = last.logits(hidden[last_rows])
+            for j, (state, sampler) in enumerate(zip(states, samplers, strict=True)):
+                history = histories(sampler, state.tokens + own[j], 1)
+                write_rows(outputs, sampler.sample(logits[j : j + 1], history), row=j)
+    except BaseException:
+        for state, (_, start, _) in zip(states, rows, strict=True):
+            _undo(state, start)
+        raise
+    for state, tokens in zip(states, own, strict=True):
+        state.tokens.extend(tokens)
+    worker.forward_count += 1
+    worker.tokens_processed += req.n_tokens
+    elapsed = time.perf_counter() - t0
+    worker.busy_s += elapsed
+    positions = tuple(s.position for s in states)
+    return F.ForwardBatchReply(positions=positions, elapsed_us=int(elapsed * 1e6))
+
+
+def _undo(state: SequenceState, start: int) -> None:
+    """Nothing of a failed batch stays in a sequence's KV."""
+    for cache in state.caches:
+        if cache.pos > start:
+            cache.truncate(start)

@@ -1,0 +1,95 @@
+"""Sequences and batched steps through the real Target (worker subprocesses, shared memory,
+frames), unsplit and split, against each sequence decoded alone in process."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import make_tiny_gguf
+import pytest
+import torch
+from engine_harness import split_target
+
+from luced.engine.target import BatchStep, Target
+from luced.runtime.model import Model
+
+PROMPTS = {0: [5, 9, 14, 3, 22, 7], 3: [40, 2, 2, 19], 7: [11, 61, 8, 30, 4, 4, 17, 9, 2]}
+GREEDY = {"temperature": 0}
+SEEDED = {"temperature": 0.9, "seed": 5, "repetition_penalty": 1.2}
+STEPS = 5
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("tb") / "llama.gguf"
+    return make_tiny_gguf.build("llama", path, seed=4, layers=4, context=256).path
+
+
+def alone(model: Model, prompt: list[int], steps: int) -> list[int]:
+    cache, out = model.new_cache(64), []
+    logits = model.forward(torch.tensor(prompt), cache, 0)
+    for _ in range(steps):
+        out.append(int(logits[-1].argmax()))
+        logits = model.forward(torch.tensor(out[-1:]), cache, len(prompt) + len(out) - 1)
+    return out
+
+
+async def prefill(target: Target, seq: int, prompt: list[int], sampling: dict) -> int:
+    async with target.lane(seq):
+        await target.reset()
+        first = await target.prefill(prompt, sampling, None)
+        assert first is not None
+        return first.token
+
+
+@pytest.mark.parametrize("devices", [("cpu",), ("cpu", "cpu:1")], ids=["unsplit", "split"])
+async def test_batched_steps_equal_each_sequence_alone(tiny: Path, devices) -> None:
+    async with split_target(tiny, devices) as target:
+        tokens = {seq: [await prefill(target, seq, p, GREEDY)] for seq, p in PROMPTS.items()}
+        for _ in range(STEPS):
+            steps = [BatchStep(seq, tokens[seq][-1], GREEDY) for seq in PROMPTS]
+            for seq, sampled in zip(PROMPTS, await target.step_batch(steps), strict=True):
+                tokens[seq].append(sampled.token)
+        for seq, prompt in PROMPTS.items():
+            async with target.lane(seq):
+                assert target.position == len(prompt) + STEPS
+        assert target.lane_id == 0
+    model = Model.load(tiny)
+    for seq, prompt in PROMPTS.items():
+        assert tokens[seq] == alone(model, prompt, STEPS + 1), f"sequence {seq}"
+
+
+async def test_a_seeded_sequence_draws_alike_alone_and_batched(tiny: Path) -> None:
+    """The workers keep each sequence's sampler: sampled with a seed and penalties, a
+    sequence draws the same tokens stepped alone as in a batch beside greedy ones; each
+    row reports only the logprobs its step asked for."""
+    prompt = PROMPTS[7]
+    async with split_target(tiny, ("cpu",)) as target:
+        solo = [await prefill(target, 1, prompt, SEEDED)]
+        async with target.lane(1):
+            for _ in range(STEPS):
+                solo.append((await target.step(solo[-1], SEEDED, None)).token)
+        mixed = [await prefill(target, 2, prompt, SEEDED)]
+        other = [await prefill(target, 3, PROMPTS[3], GREEDY)]
+        for _ in range(STEPS):
+            rows = await target.step_batch(
+                [BatchStep(2, mixed[-1], SEEDED, 2), BatchStep(3, other[-1], GREEDY)]
+            )
+            mixed.append(rows[0].token)
+            other.append(rows[1].token)
+            assert len(rows[0].top) == 2 and rows[0].logprob is not None
+            assert rows[1].logprob is None and rows[1].top == ()
+    assert mixed == solo
+
+
+async def test_bad_batches_are_refused_and_released_lanes_start_over(tiny: Path) -> None:
+    async with split_target(tiny, ("cpu",)) as target:
+        first = await prefill(target, 4, PROMPTS[3], GREEDY)
+        with pytest.raises(ValueError, match="distinct sequences"):
+            await target.step_batch([BatchStep(4, first, GREEDY), BatchStep(4, first, GREEDY)])
+        await target.release(4)
+        async with target.lane(4):
+            assert target.position == 0
+        assert await prefill(target, 4, PROMPTS[3], GREEDY) == first
+        with pytest.raises(ValueError, match="default lane"):
+            await target.release(0)

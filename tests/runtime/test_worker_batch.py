@@ -1,0 +1,185 @@
+"""A worker's sequences and its forward_batch verb, in a real worker subprocess over real
+shared memory (the test plays the daemon), against each sequence decoded alone in
+process."""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Iterator
+from pathlib import Path
+
+import make_tiny_gguf
+import pytest
+import torch
+from worker_harness import TAG, Regions, WorkerProc, no_segments_left  # noqa: F401 - fixture
+
+from luced.ipc import frames as F
+from luced.ipc.channel import RemoteError
+from luced.ipc.shm import ShmOwner
+from luced.runtime.model import Model
+
+ROWS = 64
+SEQS = 8
+PROMPTS = {0: [5, 9, 14, 3, 22, 7], 1: [40, 2, 2, 19], 2: [11, 61, 8, 30, 4, 4, 17, 9, 2]}
+GREEDY = {"temperature": 0}
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("batch") / "llama.gguf"
+    return make_tiny_gguf.build("llama", path, seed=4, layers=4, context=256).path
+
+
+@pytest.fixture(scope="module")
+def owner() -> Iterator[ShmOwner]:
+    with ShmOwner(TAG + secrets.token_hex(2)) as o:
+        yield o
+
+
+def start_worker(tmp: Path, owner: ShmOwner, model: Path, layers: tuple[int, int]) -> WorkerProc:
+    w = WorkerProc(tmp)
+    w.call(F.Hello(instance=owner.instance))
+    w.call(
+        F.Load(
+            model=str(model),
+            layers=layers,
+            dtype="float32",
+            devices=("cpu",),
+            kv_capacity=128,
+            owns_embed=layers[0] == 0,
+            owns_head=layers[1] == 4,
+        )
+    )
+    return w
+
+
+@pytest.fixture(scope="module")
+def worker(tmp_path_factory, owner: ShmOwner, tiny: Path) -> Iterator[WorkerProc]:
+    w = start_worker(tmp_path_factory.mktemp("w"), owner, tiny, (0, 4))
+    yield w
+    w.stop()
+
+
+@pytest.fixture(scope="module")
+def io(owner: ShmOwner) -> Regions:
+    """The batch description, the fed ids, the sampled rows, the boundary activations."""
+    specs = {
+        "batch": ((SEQS, 3), "int32"),
+        "tokens": ((ROWS,), "int32"),
+        "ids": ((SEQS,), "int32"),
+        "hidden": ((ROWS, 64), "float32"),
+    }
+    return Regions(owner, "batch-io", specs)
+
+
+def alone(model: Model, prompt: list[int], steps: int) -> list[int]:
+    """Greedy continuation of one sequence in process: the oracle."""
+    cache, out = model.new_cache(128), []
+    logits = model.forward(torch.tensor(prompt), cache, 0)
+    for _ in range(steps):
+        out.append(int(logits[-1].argmax()))
+        logits = model.forward(torch.tensor(out[-1:]), cache, len(prompt) + len(out) - 1)
+    return out
+
+
+def batch_frame(
+    io: Regions, feeds: dict[int, tuple[int, list[int]]], want: str = "sample", **kw: object
+) -> F.ForwardBatch:
+    """feeds: sequence -> (start, ids), in batch order."""
+    rows = [(seq, start, len(ids)) for seq, (start, ids) in feeds.items()]
+    flat = [t for _, ids in feeds.values() for t in ids]
+    io.a("batch")[: len(rows)] = rows
+    io.a("tokens")[: len(flat)] = flat
+    outputs = {"ids": io.r["ids"]} if want == "sample" else {"hidden": io.r["hidden"]}
+    sampling = tuple(GREEDY for _ in rows) if want == "sample" else ()
+    fields = {"tokens": io.r["tokens"], "outputs": outputs, "sampling": sampling, **kw}
+    return F.ForwardBatch(len(rows), len(flat), io.r["batch"], want, **fields)  # type: ignore[arg-type]
+
+
+def forward(w: WorkerProc, io: Regions, seq: int, start: int, ids: list[int]) -> int:
+    io.a("tokens")[: len(ids)] = ids
+    w.call(
+        F.Forward(
+            n_tokens=len(ids),
+            start_pos=start,
+            want="sample",
+            outputs={"ids": io.r["ids"]},
+            tokens=io.r["tokens"],
+            sampling=GREEDY,
+            sequence=seq,
+        )
+    )
+    return int(io.a("ids")[0])
+
+
+def test_batched_decode_equals_each_sequence_alone(worker, io, tiny) -> None:
+    """Sequences 0 and 1 are prefilled alone (forward with their sequence), sequence 2 joins
+    the first batch with its whole prompt; then every step is one batch of three decode
+    tokens. Each sequence's tokens are its greedy continuation alone."""
+    for seq in PROMPTS:
+        worker.call(F.Reset(sequence=seq, release=True))
+    steps = 6
+    got: dict[int, list[int]] = {seq: [forward(worker, io, seq, 0, PROMPTS[seq])] for seq in (0, 1)}
+    feeds = {0: (len(PROMPTS[0]), got[0][-1:]), 1: (len(PROMPTS[1]), got[1][-1:])}
+    feeds[2] = (0, PROMPTS[2])
+    got[2] = []
+    for _ in range(steps):
+        reply = worker.call(batch_frame(io, feeds))
+        assert isinstance(reply, F.ForwardBatchReply)
+        for j, seq in enumerate(feeds):
+            got[seq].append(int(io.a("ids")[j]))
+        assert reply.positions == tuple(feeds[s][0] + len(feeds[s][1]) for s in feeds)
+        feeds = {s: (reply.positions[j], got[s][-1:]) for j, s in enumerate(feeds)}
+    model = Model.load(tiny)
+    for seq, prompt in PROMPTS.items():
+        assert got[seq] == alone(model, prompt, len(got[seq])), f"sequence {seq}"
+
+
+def test_a_bad_batch_changes_nothing(worker, io, tiny) -> None:
+    for seq in (0, 1):
+        worker.call(F.Reset(sequence=seq, release=True))
+    nxt = forward(worker, io, 0, 0, PROMPTS[0])
+    n0 = len(PROMPTS[0])
+    frame = batch_frame(io, {0: (n0, [nxt]), 1: (0, PROMPTS[1])})
+    io.a("batch")[1] = (0, 0, len(PROMPTS[1]))  # the second row names sequence 0 again
+    with pytest.raises(RemoteError, match="appears twice"):
+        worker.call(frame)
+    with pytest.raises(RemoteError, match="sequence 0 is at position"):
+        worker.call(batch_frame(io, {1: (0, PROMPTS[1]), 0: (n0 + 1, [nxt])}))
+    with pytest.raises(F.FrameError, match="one map per sequence"):
+        batch_frame(io, {0: (n0, [nxt])}, sampling=())
+    # Neither sequence moved: 0 goes on alone as if nothing happened, 1 is still empty.
+    second = forward(worker, io, 0, n0, [nxt])
+    assert [nxt, second] == alone(Model.load(tiny), PROMPTS[0], 2)
+    assert forward(worker, io, 1, 0, PROMPTS[1]) == alone(Model.load(tiny), PROMPTS[1], 1)[0]
+
+
+def test_released_sequences_start_over(worker, io) -> None:
+    worker.call(F.Reset(sequence=3, release=True))
+    first = forward(worker, io, 3, 0, PROMPTS[1])
+    worker.call(F.Reset(sequence=3, release=True))
+    with pytest.raises(RemoteError, match="KV holds 0 positions"):
+        forward(worker, io, 3, len(PROMPTS[1]), [first])
+    assert forward(worker, io, 3, 0, PROMPTS[1]) == first
+
+
+def test_a_split_batch_flows_through_the_shards(tmp_path, owner, io, tiny) -> None:
+    """Two workers, layers [0, 2) and [2, 4): the first passes hidden rows on, the second
+    samples; the tokens equal the unsplit ones."""
+    head = start_worker(tmp_path, owner, tiny, (0, 2))
+    tail = start_worker(tmp_path, owner, tiny, (2, 4))
+    try:
+        feeds = {seq: (0, PROMPTS[seq]) for seq in (2, 0)}
+        model, got = Model.load(tiny), {2: [], 0: []}
+        for _ in range(4):
+            head.call(batch_frame(io, feeds, "hidden"))
+            frame = batch_frame(io, feeds, hidden_in=io.r["hidden"])
+            reply = tail.call(frame)
+            for j, seq in enumerate(feeds):
+                got[seq].append(int(io.a("ids")[j]))
+            feeds = {s: (reply.positions[j], got[s][-1:]) for j, s in enumerate(feeds)}
+        for seq, tokens in got.items():
+            assert tokens == alone(model, PROMPTS[seq], 4)
+    finally:
+        head.stop()
+        tail.stop()

@@ -73,6 +73,7 @@ async def engine_for(
     kv_cache_dir: Path | None = None,
     weights: str = "dequant",
     batch_invariant: bool = False,
+    max_running: int = 1,
 ) -> AsyncIterator[Engine]:
     """One worker thread each (2 cores, shared with the test); prompts longer than 64
     tokens span several prefill chunks. A draft (or the n-gram lookup) is set up for
@@ -108,6 +109,7 @@ async def engine_for(
             block_size=block_size,
             lookup_drafts=lookup_drafts,
             adaptive_blocks=adaptive_blocks,
+            max_running=max_running,
         )
         try:
             await target.start()

@@ -6,10 +6,13 @@ Starts `luced serve` (or uses --url), sends `--requests` chat completions with
 `--max-tokens` generated tokens (ignore_eos, greedy), and reports TTFT p50/p95, decode
 tok/s per stream and requests/s. With --compare it also runs tools/generate.py
 in-process on the same model and prompt length, interleaved with single-client HTTP
-runs, and reports the daemon path's cost in decode speed.
+runs, and reports the daemon path's cost in decode speed. With --max-running 1,8 it
+starts one daemon per setting (continuous batching off and on), --rounds times,
+alternating, and reports each setting's medians side by side.
 
     python tools/bench_http.py [--model PATH] [--concurrency 4] [--requests 8]
         [--prompt-tokens 128] [--max-tokens 64] [--threads 2] [--compare]
+        [--max-running 1,8] [--rounds 2]
 """
 
 from __future__ import annotations
@@ -104,7 +107,9 @@ def pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, round(q * (len(xs) - 1)))]
 
 
-def start_daemon(model: str | None, port: int, threads: int, tmp: Path) -> subprocess.Popen:
+def start_daemon(
+    model: str | None, port: int, threads: int, tmp: Path, extra: tuple[str, ...] = ()
+) -> subprocess.Popen:
     cmd = [
         sys.executable,
         "-m",
@@ -118,6 +123,7 @@ def start_daemon(model: str | None, port: int, threads: int, tmp: Path) -> subpr
         str(threads),
         "--log-level",
         "warning",
+        *extra,
     ]
     if model:
         cmd.insert(4, model)
@@ -163,7 +169,11 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--compare", action="store_true", help="also measure in-process decode")
     ap.add_argument("--repeats", type=int, default=3, help="interleaved repeats for --compare")
+    ap.add_argument("--max-running", help="comma-separated settings to compare, e.g. 1,8")
+    ap.add_argument("--rounds", type=int, default=2, help="alternating rounds of --max-running")
     args = ap.parse_args()
+    if args.max_running:
+        return compare_max_running(args)
 
     prompt = prompt_text(args.prompt_tokens)
     proc = None
@@ -207,6 +217,37 @@ def main() -> int:
         for f in tmp.iterdir():
             f.unlink()
         os.rmdir(tmp)
+    return 0
+
+
+def compare_max_running(args: argparse.Namespace) -> int:
+    """One daemon per --max-running setting, the same load on each, settings alternating
+    over rounds (drift hits them alike); medians per setting."""
+    settings = [int(x) for x in args.max_running.split(",")]
+    prompt = prompt_text(args.prompt_tokens)
+    rows: dict[int, list[tuple[float, float, float]]] = {m: [] for m in settings}
+    for _ in range(args.rounds):
+        for m in settings:
+            with tempfile.TemporaryDirectory(prefix="luced-bench-") as tmp:
+                extra = ("--max-running", str(m))
+                proc = start_daemon(args.model, args.port, args.threads, Path(tmp), extra)
+                try:
+                    url = f"http://127.0.0.1:{args.port}"
+                    load = run_load(url, args.concurrency, args.requests, prompt, args.max_tokens)
+                    results, wall = asyncio.run(load)
+                finally:
+                    proc.send_signal(signal.SIGTERM)
+                    proc.wait(60)
+            ttft = pct([r[0] for r in results], 0.5)
+            rows[m].append((ttft, args.requests / wall, args.requests * args.max_tokens / wall))
+    print(
+        f"concurrency {args.concurrency}, {args.requests} requests, prompt ~{args.prompt_tokens} "
+        f"tokens, {args.max_tokens} generated, threads {args.threads}, {args.rounds} rounds"
+    )
+    print("max_running  TTFT p50 s  requests/s  generated tok/s")
+    for m, rs in rows.items():
+        ttft, rps, tps = (statistics.median(col) for col in zip(*rs, strict=True))
+        print(f"{m:11d}  {ttft:10.3f}  {rps:10.2f}  {tps:15.1f}")
     return 0
 
 

@@ -25,6 +25,7 @@ from typing import Any
 
 from luced.acceptance import clip, verify_greedy
 from luced.cache.prefix_cache import PrefixCache
+from luced.engine.batcher import StepBatcher
 from luced.engine.block_size import BlockSizer, StepCosts
 from luced.engine.constraint import Constraint
 from luced.engine.executor import WorkerDied, WorkerReplyError
@@ -155,6 +156,7 @@ class Engine:
         adaptive_blocks: bool = False,
         metrics: Any = None,
         prefix_cache: PrefixCache | None = None,
+        max_running: int = 1,
     ) -> None:
         self.target = target
         self.tokenizer = tokenizer
@@ -178,7 +180,14 @@ class Engine:
         self.loaded_once = False
         self.waiting: deque[RequestHandle] = deque()
         self.rejected: Counter[str] = Counter()  # refused submissions by reason
-        self.active: RequestHandle | None = None
+        # Continuous batching: up to max_running requests at once, each in its own task and
+        # lane (sequence) of the target, their decode steps batched (batcher.py). With 1,
+        # the loop serves one request at a time in lane 0, as it always did.
+        self.max_running = max_running
+        self.running: dict[int, RequestHandle] = {}  # lane -> its request
+        self.batcher = StepBatcher(target) if max_running > 1 else None
+        self._tasks: set[asyncio.Task] = set()
+        self._cache_lock = asyncio.Lock()  # one prefix-cache restore or save at a time
         self.totals = {
             "requests": 0,
             "prompt_tokens": 0,
@@ -283,7 +292,7 @@ class Engine:
             self._observe("queue", len(self.waiting))
             handle._finish("abort")
             self._observe_finish(handle)
-            if not self.waiting and self.active is None:
+            if not self.waiting and not self.running:
                 self._idle.set()
 
     def _retry_after(self) -> float:
@@ -294,13 +303,21 @@ class Engine:
     def start(self) -> None:
         self._loop_task = asyncio.get_running_loop().create_task(self._run(), name="engine")
 
+    @property
+    def active(self) -> RequestHandle | None:
+        """A running request (the one, when one runs at a time)."""
+        return next(iter(self.running.values()), None)
+
     async def stop(self) -> None:
         """End everything still queued or running with an error, then stop the loop."""
-        unfinished = [*self.waiting, *([self.active] if self.active else [])]
-        if self._loop_task is not None:
-            self._loop_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._loop_task
+        unfinished = [*self.waiting, *self.running.values()]
+        for task in [self._loop_task, *self._tasks]:
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        if self.batcher is not None:
+            await self.batcher.close()
         for handle in unfinished:
             handle._finish("error", "luced is shutting down")
             self._observe_finish(handle)
@@ -311,7 +328,7 @@ class Engine:
         self.draining = True
         try:
             async with asyncio.timeout(timeout):
-                while self.waiting or self.active is not None:
+                while self.waiting or self.running:
                     self._idle.clear()
                     await self._idle.wait()
             return True
@@ -325,25 +342,40 @@ class Engine:
             # wait_for can on 3.11) must still end it, not leave it to take the next request.
             if task is not None and task.cancelling():
                 raise asyncio.CancelledError
-            while not self.waiting:
+            while not self.waiting or len(self.running) >= self.max_running:
                 self._wakeup.clear()
                 await self._wakeup.wait()
             handle = self.waiting.popleft()
             self._observe("queue", len(self.waiting))
-            self.active = handle
-            self._observe("running", 1)
-            try:
-                await self._generate(handle)
-            except Exception as exc:  # never let one request kill the loop
-                log.exception("request %s failed", handle.request_id)
-                handle._finish("error", f"internal error: {exc}")
-            finally:
-                self.active = None
-                self._observe("running", 0)
-                self._observe_finish(handle)
-                self._idle.set()
+            if self.max_running == 1:
+                await self._serve(handle, 0)
+                continue
+            # Lanes 1..max_running (lane 0 is the target's default sequence); first come,
+            # first served: each admitted request runs beside the others from here.
+            lane = min(set(range(1, self.max_running + 1)) - self.running.keys())
+            self.running[lane] = handle
+            task = asyncio.create_task(self._serve(handle, lane), name=f"lane-{lane}")
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
 
-    async def _generate(self, handle: RequestHandle) -> None:
+    async def _serve(self, handle: RequestHandle, lane: int) -> None:
+        self.running[lane] = handle
+        self._observe("running", len(self.running))
+        try:
+            self.target.bind_lane(lane)
+            await self._generate(handle, lane)
+        except Exception as exc:  # never let one request kill the loop
+            log.exception("request %s failed", handle.request_id)
+            handle._finish("error", f"internal error: {exc}")
+        finally:
+            del self.running[lane]
+            self._observe("running", len(self.running))
+            self._observe_finish(handle)
+            if not self.running:
+                self._idle.set()
+            self._wakeup.set()  # a lane is free
+
+    async def _generate(self, handle: RequestHandle, lane: int = 0) -> None:
         req = handle.request
         sampling = req.params.to_wire()
         k = req.params.logprobs  # None: no logprobs; k: chosen token's + top k
@@ -352,35 +384,48 @@ class Engine:
         speculate = self.target.draft is not None or self.lookup_drafts
         try:
             await self.target.reset()
-            handle.cached_tokens = cached = await self._restore_prefix(req.prompt)
+            async with self._cache_lock:  # an entry must not be evicted while restored
+                handle.cached_tokens = cached = await self._restore_prefix(req.prompt)
             cuts = self._cut_points(req.prompt, cached)
             await self._constrain(handle, stops)
-            if handle.constraint is not None:
-                handle.constraint.fill(0)  # the first token's mask
-            sampled = await self.target.prefill(
-                req.prompt[cached:],
-                sampling,
-                k,
-                lambda: handle.cancelled,
-                keep_at=cuts,
-                masked=handle.constraint is not None,
-            )
+            sampled = await self._prefill(handle, req.prompt[cached:], sampling, k, cuts)
             if sampled is None:  # cancelled during the prefill
                 handle._finish("abort")
                 return
             self.totals["prompt_tokens"] += handle.prompt_tokens
             self.totals["cached_prompt_tokens"] += cached  # restored, not computed
             self._observe("prompt_tokens", handle.prompt_tokens)
-            await self._save_prefix(req.prompt, cuts)
+            async with self._cache_lock:
+                await self._save_prefix(req.prompt, cuts)
             if speculate:
                 await self._decode_speculative(handle, out, stops, sampled, sampling, k)
             else:
-                await self._decode_plain(handle, out, stops, sampled, sampling, k)
+                await self._decode_plain(handle, out, stops, sampled, sampling, k, lane)
         except (WorkerDied, WorkerReplyError) as exc:
             self.totals["errors"] += 1
             handle._finish("error", f"the model worker failed: {exc}")
         except GrammarError as exc:  # valid alone, but not over this vocabulary
             handle._finish("error", f"grammar: {exc}")
+
+    async def _prefill(
+        self, handle: RequestHandle, ids: list[int], sampling: dict, k: int | None, cuts: list
+    ) -> Sampled | None:
+        """The prompt's uncached ids, chunk by chunk (other lanes step between chunks),
+        and its first token. Under a grammar the first token's mask is written first, and
+        the workers stay held until the prefill has read it."""
+        prefill = self.target.prefill(
+            ids,
+            sampling,
+            k,
+            lambda: handle.cancelled,
+            keep_at=cuts,
+            masked=handle.constraint is not None,
+        )
+        if handle.constraint is None:
+            return await prefill
+        async with self.target.holding():
+            handle.constraint.fill(0)
+            return await prefill
 
     async def _restore_prefix(self, prompt: list[int]) -> int:
         """Restore the longest cached prefix into the (reset) target; tokens restored."""
@@ -475,9 +520,13 @@ class Engine:
         sampled: Sampled,
         sampling: dict,
         k: int | None,
+        lane: int = 0,
     ) -> None:
         ahead: asyncio.Future | None = None
         constraint = handle.constraint
+        batcher = self.batcher if constraint is None else None
+        if batcher is not None:
+            batcher.join(lane)
         try:
             while not handle.cancelled:
                 # Send the next step before detokenizing and streaming this token, so the
@@ -486,12 +535,15 @@ class Engine:
                 # (in _emit): the next step's mask depends on it.
                 last = sampled.token in stops or handle.completion_tokens + 1 >= handle.max_tokens
                 if constraint is None and not last:
-                    ahead = asyncio.ensure_future(self.target.step(sampled.token, sampling, k))
+                    if batcher is not None:
+                        step = batcher.step(lane, sampled.token, sampling, k)
+                    else:
+                        step = self.target.step(sampled.token, sampling, k)
+                    ahead = asyncio.ensure_future(step)
                 if self._emit(handle, out, sampled, stops):
                     return
                 if constraint is not None:
-                    constraint.fill(0)
-                    step = self.target.step(sampled.token, sampling, k, masked=True)
+                    step = self._masked_step(constraint, sampled, sampling, k)
                     ahead = asyncio.ensure_future(step)
                 assert ahead is not None
                 sampled = await ahead
@@ -501,6 +553,17 @@ class Engine:
             if ahead is not None:  # let a step that ran past the end land first
                 with contextlib.suppress(Exception):
                     await ahead
+            if batcher is not None:
+                batcher.leave(lane)
+
+    async def _masked_step(
+        self, constraint: Constraint, sampled: Sampled, sampling: dict, k: int | None
+    ) -> Sampled:
+        """A step under a grammar: its mask written and read with the workers held (the
+        masks' region is shared by the lanes)."""
+        async with self.target.holding():
+            constraint.fill(0)
+            return await self.target.step(sampled.token, sampling, k, masked=True)
 
     async def _decode_speculative(
         self,
@@ -540,52 +603,55 @@ class Engine:
             return
         anchor = first.token
         while not handle.cancelled:
-            budget = handle.max_tokens - handle.completion_tokens
-            # A step emits at most `size` tokens: drafting past the budget is wasted work
-            # (and could run the KV past the context the request was admitted with).
-            wanted = sizer.next_block() if sizer else self.block_size
-            size = self.target.draft_room(min(wanted, budget))  # KV Flash: see there
-            began = time.perf_counter()
-            block = await self._draft(lookup, anchor, size, None if greedy else sampling)
-            constraint = handle.constraint
-            if constraint is not None:  # fills every kept row's mask (constraint.py)
-                block = block[: constraint.walk(block)]
-            masked = constraint is not None
-            if len(block) < 2:  # a plain step (block 1, no lookup match, a KV Flash edge)
-                sampled = await self.target.step(anchor, sampling, k, masked=masked)
-                self.step_costs.observe(1, time.perf_counter() - began)
-                self._count_block(1)
+            # Lanes share the masks and q regions: one step holds the workers throughout.
+            async with self.target.holding():
+                budget = handle.max_tokens - handle.completion_tokens
+                # A step emits at most `size` tokens: drafting past the budget is wasted work
+                # (and could run the KV past the context the request was admitted with).
+                wanted = sizer.next_block() if sizer else self.block_size
+                size = self.target.draft_room(min(wanted, budget))  # KV Flash: see there
+                began = time.perf_counter()
+                block = await self._draft(lookup, anchor, size, None if greedy else sampling)
+                constraint = handle.constraint
+                if constraint is not None:  # fills every kept row's mask (constraint.py)
+                    block = block[: constraint.walk(block)]
+                masked = constraint is not None
+                if len(block) < 2:  # a plain step (block 1, no lookup match, a KV Flash edge)
+                    sampled = await self.target.step(anchor, sampling, k, masked=masked)
+                    self.step_costs.observe(1, time.perf_counter() - began)
+                    self._count_block(1)
+                    if sizer is not None:
+                        sizer.plain_step()
+                    if lookup is not None:
+                        lookup.extend([sampled.token])
+                    if self._emit(handle, out, sampled, stops):
+                        return
+                    anchor = sampled.token
+                    continue
+                start = self.target.position
+                if greedy:
+                    rows = await self.target.verify(block, sampling, k, masked)
+                    chosen = [r.token for r in rows]
+                    result = verify_greedy(block, chosen, budget=budget, eos_ids=stops)
+                else:
+                    rows, accepted = await self.target.verify_sampled(block, sampling, k, masked)
+                    result = clip([r.token for r in rows], accepted, budget, stops)
+                if constraint is not None:  # the walk's proposals; _emit consumes what is kept
+                    constraint.rollback(len(block) - 1)
+                await self.target.truncate(start + result.num_kept)
+                self.step_costs.observe(len(block), time.perf_counter() - began)
+                self._count_block(len(block))
                 if sizer is not None:
-                    sizer.plain_step()
+                    sizer.observe(len(block) - 1, result.num_accepted)
+                self._count_draft(handle, len(block) - 1, result.num_accepted)
                 if lookup is not None:
-                    lookup.extend([sampled.token])
-                if self._emit(handle, out, sampled, stops):
-                    return
-                anchor = sampled.token
-                continue
-            start = self.target.position
-            if greedy:
-                rows = await self.target.verify(block, sampling, k, masked)
-                result = verify_greedy(block, [r.token for r in rows], budget=budget, eos_ids=stops)
-            else:
-                rows, accepted = await self.target.verify_sampled(block, sampling, k, masked)
-                result = clip([r.token for r in rows], accepted, budget, stops)
-            if constraint is not None:  # the walk's proposals; _emit consumes what is kept
-                constraint.rollback(len(block) - 1)
-            await self.target.truncate(start + result.num_kept)
-            self.step_costs.observe(len(block), time.perf_counter() - began)
-            self._count_block(len(block))
-            if sizer is not None:
-                sizer.observe(len(block) - 1, result.num_accepted)
-            self._count_draft(handle, len(block) - 1, result.num_accepted)
-            if lookup is not None:
-                lookup.extend(result.tokens)
-            # Emitted token j follows block[0..j]: it is row j's (an accepted proposal
-            # equals that row's choice; the last is the target's own).
-            for row in rows[: len(result.tokens)]:
-                if self._emit(handle, out, row, stops):
-                    return
-            anchor = result.tokens[-1]
+                    lookup.extend(result.tokens)
+                # Emitted token j follows block[0..j]: it is row j's (an accepted proposal
+                # equals that row's choice; the last is the target's own).
+                for row in rows[: len(result.tokens)]:
+                    if self._emit(handle, out, row, stops):
+                        return
+                anchor = result.tokens[-1]
         handle._finish("abort")
 
     async def _draft(
@@ -665,7 +731,8 @@ class Engine:
             "queue": {
                 "waiting": len(self.waiting),
                 "queued_tokens": self.queued_tokens(),
-                "running": int(self.active is not None),
+                "running": len(self.running),
+                "max_running": self.max_running,
                 "max_queue": self.max_queue,
                 "max_queued_tokens": self.max_queued_tokens,
             },

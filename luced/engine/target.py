@@ -52,11 +52,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import dataclasses
+import functools
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -102,6 +105,23 @@ class Sampled:
     token: int
     logprob: float | None = None
     top: tuple[tuple[int, float], ...] = ()  # (id, logprob), most likely first
+
+
+# The lane (sequence) a task's single-sequence calls act on; `Target.bind_lane` sets it.
+LANE: contextvars.ContextVar[int] = contextvars.ContextVar("luced_lane", default=0)
+
+_M = TypeVar("_M", bound=Callable[..., Awaitable[Any]])
+
+
+def _on_lane(method: _M) -> _M:
+    """The method runs holding the io regions for the caller's lane (`Target.holding`)."""
+
+    @functools.wraps(method)
+    async def run(self: Target, *args: Any, **kwargs: Any) -> Any:
+        async with self.holding():
+            return await method(self, *args, **kwargs)
+
+    return run  # type: ignore[return-value]
 
 
 @dataclass
@@ -192,9 +212,10 @@ class Target:
         self._draft_path: str | None = None
         self._draft_device = ""
         self._point_mass_rows = 0  # q rows set_point_mass_q last wrote
-        self.lane_id = 0  # the sequence the single-sequence methods act on
+        self.lane_id = 0  # the lane whose state the fields below hold
         self._lanes: dict[int, _Lane] = {}  # the other sequences' state, while not selected
         self._lane_lock = asyncio.Lock()
+        self._holder: asyncio.Task | None = None  # the task holding `_lane_lock`
 
     # -- lifecycle -----------------------------------------------------------------------
 
@@ -204,7 +225,11 @@ class Target:
 
     @property
     def position(self) -> int:
-        return self._position
+        """The calling task's lane's committed position."""
+        lane = LANE.get()
+        if lane == self.lane_id:
+            return self._position
+        return self._lanes[lane].position if lane in self._lanes else 0
 
     async def start(self) -> None:
         """Start and load every worker (concurrently), then carve the shared regions."""
@@ -307,17 +332,41 @@ class Target:
 
     # -- sequences (continuous batching) ---------------------------------------------------
 
+    @staticmethod
+    def bind_lane(sequence: int) -> None:
+        """Make the calling task's single-sequence calls act on `sequence` (a task started
+        from this one inherits it): a request served beside others binds its own."""
+        LANE.set(sequence)
+
     @contextlib.asynccontextmanager
     async def lane(self, sequence: int) -> AsyncIterator[None]:
-        """Act on `sequence` (a new one starts empty) for the body: reset, prefill, step,
-        truncate, the KV transfers address it. Lanes run one at a time (the io regions are
-        shared); sequence 0 is selected again after the body."""
+        """Act on `sequence` (a new one starts empty) for the body, holding the io regions
+        throughout (see `holding`)."""
+        token = LANE.set(sequence)
+        try:
+            async with self.holding():
+                yield
+        finally:
+            LANE.reset(token)
+
+    @contextlib.asynccontextmanager
+    async def holding(self) -> AsyncIterator[None]:
+        """The io regions and the workers for the calling task's lane, until the body ends:
+        lanes take turns (each method that talks to the workers holds them; a caller that
+        writes a region itself, such as a grammar's masks, holds them across its call).
+        Re-entrant within a task."""
+        task = asyncio.current_task()
+        if self._holder is task:
+            yield
+            return
         async with self._lane_lock:
-            self._select(sequence)
+            self._holder = task
             try:
+                if LANE.get() != self.lane_id:
+                    self._select(LANE.get())
                 yield
             finally:
-                self._select(0)
+                self._holder = None
 
     async def release(self, sequence: int) -> None:
         """Forget `sequence` in every worker (its caches are freed) and here."""
@@ -326,6 +375,8 @@ class Target:
         async with self._lane_lock:
             reset = Reset(sequence=sequence, release=True)
             await asyncio.gather(*(w.call(reset) for w in self.executor.workers()))
+            if self.lane_id == sequence:
+                self._unpark(0)  # its state is dropped, not parked
             self._lanes.pop(sequence, None)
 
     def _select(self, sequence: int) -> None:
@@ -354,10 +405,11 @@ class Target:
         seqs = [s.sequence for s in steps]
         if not 0 < len(seqs) <= self.placement.max_batch_tokens or len(set(seqs)) != len(seqs):
             raise ValueError(f"a batch steps 1..max_batch_tokens distinct sequences, got {seqs}")
-        async with self._lane_lock:
+        async with self.holding():
             if not self.executor.in_sync:
                 raise WorkerDied("a model worker was restarted; the request must start over")
-            self._park()  # lane 0 (selected outside `lane`) beside the others
+            selected = self.lane_id
+            self._park()  # the selected lane beside the others: all are stepped alike
             try:
                 lanes = [self._lanes.setdefault(s, _Lane()) for s in seqs]
                 n = len(steps)
@@ -374,7 +426,7 @@ class Target:
                     lane.last_block_states = False
                 sampled = self._read_rows(n, outputs)
             finally:
-                self._unpark(0)
+                self._unpark(selected)
         return [_trimmed(r, s.logprobs) for r, s in zip(sampled, steps, strict=True)]
 
     async def _batch_pipeline(
@@ -414,6 +466,7 @@ class Target:
 
     # -- KV position ---------------------------------------------------------------------
 
+    @_on_lane
     async def reset(self) -> None:
         reset = Reset(sequence=self.lane_id)
         await asyncio.gather(*(w.call(reset) for w in self.executor.workers()))
@@ -435,6 +488,7 @@ class Target:
     def _select_rollback(self) -> bool:
         return self.recurrent and self.rollback == "select"
 
+    @_on_lane
     async def truncate(self, position: int) -> None:
         """Roll every shard's KV back to `position` committed tokens.
 
@@ -562,6 +616,7 @@ class Target:
             )
         )
 
+    @_on_lane
     async def draft_block(
         self, anchor: int, block_size: int, sampling: dict | None = None
     ) -> list[int]:
@@ -610,6 +665,7 @@ class Target:
     def _allowed(self, masked: bool, rows: int) -> Region | None:
         return self._regions["allowed"].rows(0, rows) if masked else None
 
+    @_on_lane
     async def verify(
         self,
         block: list[int],
@@ -635,6 +691,7 @@ class Target:
         )
         return self._read_rows(n, outputs)
 
+    @_on_lane
     async def verify_sampled(
         self, block: list[int], sampling: dict, logprobs: int | None = None, masked: bool = False
     ) -> tuple[list[Sampled], int]:
@@ -678,7 +735,8 @@ class Target:
         chunk = self.placement.max_batch_tokens
         if self.flash is not None:
             chunk = min(chunk, self.flash.step_limit)  # each step's chunks fit the pool
-        base, end = self._position, self._position + len(prompt)
+        base = self.position
+        end = base + len(prompt)
         marks = {p for p in keep_at if base < p < end} if self.recurrent else set()
         stops = sorted(set(range(base + chunk, end, chunk)) | marks | {end})  # gaps <= chunk
         a = base
@@ -687,12 +745,15 @@ class Target:
                 return None
             piece = prompt[a - base : b - base]
             last = b == end
-            if last and self.flash is not None and len(prompt) > self.flash.pool:
-                self.flash.pager.ask_reselect()  # qk: select by the prompt's last query
-            sampled = await self._sample(piece, sampling, logprobs, last, b in marks, masked)
+            # Each chunk holds the workers alone: other lanes' steps run between chunks.
+            async with self.holding():
+                if last and self.flash is not None and len(prompt) > self.flash.pool:
+                    self.flash.pager.ask_reselect()  # qk: select by the prompt's last query
+                sampled = await self._sample(piece, sampling, logprobs, last, b in marks, masked)
             a = b
         return sampled
 
+    @_on_lane
     async def step(
         self, token: int, sampling: dict, logprobs: int | None, masked: bool = False
     ) -> Sampled:
@@ -702,6 +763,7 @@ class Target:
         assert sampled is not None
         return sampled
 
+    @_on_lane
     async def logits(self, ids: list[int]) -> np.ndarray:
         """Feed ids (at most logit_rows); a copy of every position's logits [n, vocab]."""
         n = len(ids)
@@ -880,6 +942,7 @@ class Target:
         """Every tensor of a snapshot: each worker's K/V in layer order, then the ring."""
         return await self.kv.layout(self.ring)
 
+    @_on_lane
     async def export_kv(self, n: int, regions: dict[str, Region], cuts: Sequence[int] = ()) -> None:
         """Copy the snapshot of positions [0, n) (n <= position) into `regions`, one per
         spec of `kv_layout`; all or nothing. The KV is never changed. A recurrent model's
@@ -894,6 +957,7 @@ class Target:
         cuts = tuple(cuts) if self.recurrent else ()
         await self.kv.export(n, regions, self.ring, cuts, self.lane_id)
 
+    @_on_lane
     async def import_kv(self, n: int, regions: dict[str, Region], tokens: Region) -> None:
         """Restore positions [0, n) from a snapshot (its token axis may be longer than n);
         `tokens` (int32 [>= n]) are the ids at those positions (the workers' history for

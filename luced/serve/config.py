@@ -366,7 +366,16 @@ OPTIONS: tuple[Option, ...] = (
     ),
     Option(
         "max_queue", "int", 16,
-        "Requests that may wait behind the running one; more are answered 429.", minimum=0,
+        "Requests that may wait behind the running ones; more are answered 429.", minimum=0,
+    ),
+    Option(
+        "max_running", "int", 8,
+        "Requests generated at once (continuous batching): each runs in its own sequence "
+        "of the workers, their decode steps go through the model together in one forward "
+        "per step, and a new request's prompt is prefilled between those steps. 1 serves "
+        "one request at a time. With `--kv-flash` or a DFlash draft model it is 1 (one "
+        "sequence each); `--draft ngram` requests run beside the others, unbatched.",
+        minimum=1, maximum=64,
     ),
     Option(
         "max_queued_tokens", "int", 32768,
@@ -583,6 +592,7 @@ class Config:
     threads: int
     context_length: int | None  # None: the model's, capped (see effective_context_length)
     max_queue: int
+    max_running: int
     max_queued_tokens: int
     max_batch_tokens: int
     default_max_tokens: int | None

@@ -161,6 +161,7 @@ class Daemon:
             lookup_drafts=cfg.lookup_drafts,
             adaptive_blocks=cfg.adaptive_block_size,
             metrics=metrics,
+            max_running=self._max_running(),
         )
         try:
             api_key = cfg.effective_api_key()
@@ -240,6 +241,19 @@ class Daemon:
             return routing_profile.load(cfg.moe_routing_profile, gguf).to_wire()
         except routing_profile.ProfileError as exc:
             raise StartupError(f"{label}: {exc}") from None
+
+    def _max_running(self) -> int:
+        """--max-running, or 1 where a feature holds one sequence (logged)."""
+        cfg = self.config
+        one = "--kv-flash" if cfg.kv_flash is not None else None
+        if cfg.draft is not None and not cfg.lookup_drafts:
+            one = "a DFlash draft model"
+        if one is not None and cfg.max_running > 1:
+            log.info("continuous batching off: %s serves one sequence at a time", one)
+            return 1
+        if cfg.max_running > 1:
+            log.info("continuous batching: up to %d requests at once", cfg.max_running)
+        return cfg.max_running
 
     def _kv_flash(self, gguf: GGUFFile, context: int) -> PagerConfig | None:
         """The KV Flash pager's config (--kv-flash), or None when it is off."""

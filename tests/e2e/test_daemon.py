@@ -16,6 +16,7 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import make_tiny_gguf
@@ -98,6 +99,30 @@ def test_chat_stream_equals_non_stream_with_usage(smol) -> None:
     assert chunks[-1].usage is not None and chunks[-1].choices == []
     assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens
     assert chunks[-1].usage.prompt_tokens == full.usage.prompt_tokens
+
+
+def test_concurrent_chats_equal_each_alone(smol) -> None:
+    """Continuous batching over HTTP (the default --max-running 8): four chats streamed at
+    once give the texts they give one at a time. Each question runs once first, so every
+    later run restores the same prefix-cache snapshot (a fresh prefill may round apart)."""
+    questions = [
+        "What is the capital of France?",
+        "Name three colors.",
+        "Count from one to five.",
+        "What is the largest planet?",
+    ]
+
+    def streamed(q: str) -> str:
+        chunks = chat(smol, q, max_tokens=24, stream=True)
+        return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+
+    for q in questions:
+        chat(smol, q, max_tokens=1)
+    alone = [chat(smol, q, max_tokens=24).choices[0].message.content for q in questions]
+    with ThreadPoolExecutor(len(questions)) as pool:
+        together = list(pool.map(streamed, questions))
+    assert together == alone
+    assert smol.lucectl_json("status")["queue"]["max_running"] == 8
 
 
 def test_max_tokens_and_stop_sequences(smol) -> None:
@@ -236,7 +261,7 @@ def long_stream(d: DaemonProcess, max_tokens: int = 3000) -> openai.Stream:
 
 
 def test_queue_overflow_is_429(smollm2_gguf, tmp_path) -> None:
-    d = DaemonProcess(smollm2_gguf, tmp_path, "--max-queue", "1").start()
+    d = DaemonProcess(smollm2_gguf, tmp_path, "--max-queue", "1", "--max-running", "1").start()
     try:
         running = long_stream(d)
         next(iter(running))  # the first request runs
@@ -314,8 +339,12 @@ def wait_for(cond, timeout: float = 30.0) -> None:
 
 
 def test_disconnects_stop_the_work(smollm2_gguf, tmp_path) -> None:
-    """SmolLM2 decodes slowly enough here to hang up in each phase of a request."""
-    d = DaemonProcess(smollm2_gguf, tmp_path, "--max-batch-tokens", "16").start()
+    """SmolLM2 decodes slowly enough here to hang up in each phase of a request (one
+    request at a time, so that one can wait in the queue; a cancel inside a batch:
+    tests/engine/test_continuous_batching.py)."""
+    d = DaemonProcess(
+        smollm2_gguf, tmp_path, "--max-batch-tokens", "16", "--max-running", "1"
+    ).start()
 
     def aborted() -> float:
         return d.metric("luced:request_success_total", 'finished_reason="abort"')

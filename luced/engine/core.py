@@ -368,6 +368,9 @@ class Engine:
             log.exception("request %s failed", handle.request_id)
             handle._finish("error", f"internal error: {exc}")
         finally:
+            if lane:  # its KV is freed in the workers (a long request's is large)
+                with contextlib.suppress(Exception):
+                    await self.target.release(lane)
             del self.running[lane]
             self._observe("running", len(self.running))
             self._observe_finish(handle)

@@ -167,8 +167,7 @@ class Backend(WorkerState):
                 check_load(req, model)
             if split:
                 experts.place(model, split, cold=self.remote, required=req.moe_required)
-            if req.kv_pool:
-                check_poolable(model)
+            if req.kv_pool:  # every family pools; a recurrent layer keeps its state unpooled
                 pool = min(req.kv_pool, -(-req.kv_capacity // F.KV_CHUNK) * F.KV_CHUNK)
                 cache: KVCache | PooledKVCache = model.new_pool_cache(pool, req.kv_capacity)
             else:
@@ -575,17 +574,6 @@ def _write_rows(out: dict[str, torch.Tensor], result: SampleOutput) -> None:
     for name, value in pairs:
         if name in out and value is not None:
             out[name][:n].copy_(value)  # casts int64 -> int32; device -> host
-
-
-def check_poolable(model: Model) -> None:
-    """KV Flash pools attention layers (a KV-sharing layer reads its source's pool rows);
-    not yet recurrent state (DeltaNet)."""
-    cfg = model.cfg
-    if getattr(model.family, "recurrent_shapes", None) is not None:
-        raise WorkerError(
-            f"KV Flash does not pool this model yet ({cfg.arch}: recurrent layers); "
-            "serve it without --kv-flash"
-        )
 
 
 def check_load(req: F.Load, model: Model) -> None:

@@ -34,8 +34,9 @@ GREEDY = {"temperature": 0}
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     d = tmp_path_factory.mktemp("kvflash")
     out = {}
-    for family in ("llama", "qwen3", "gemma3", "gemma4"):
-        extra = {} if family in ("gemma3", "gemma4") else {"layers": 4}
+    for family in ("llama", "qwen3", "gemma3", "gemma4", "qwen35"):
+        # qwen35: layers 3 and 7 attend, so each half of a split pools one.
+        extra = {"gemma3": {}, "gemma4": {}, "qwen35": {"layers": 8}}.get(family, {"layers": 4})
         make_tiny_gguf.build(family, d / f"{family}.gguf", seed=5, **extra)
         out[family] = d / f"{family}.gguf"
     make_tiny_gguf.build("llama", d / "long.gguf", seed=5, layers=3, context=1024)
@@ -91,6 +92,8 @@ PROMPT = [(7 * i + 3) % 97 + 2 for i in range(150)]  # spans 3 chunks, 5 prefill
         ("gemma3", ("cpu",)),
         ("gemma3", ("cpu", "cpu:1")),
         ("gemma4", ("cpu",)),
+        ("qwen35", ("cpu",)),
+        ("qwen35", ("cpu", "cpu:1")),
     ],
 )
 async def test_pool_covering_the_sequence_equals_the_plain_cache(

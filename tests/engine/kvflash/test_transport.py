@@ -59,6 +59,7 @@ async def flash_target(
             max_batch_tokens=32,
             devices=devices,
             threads=THREADS,
+            kv_sources=gguf.kv_sources(),  # as the daemon: gemma4's sharing pairs stay together
         )
         target = Target(owner, placement, kv_flash=cfg)
         try:
@@ -92,6 +93,7 @@ PROMPT = [(7 * i + 3) % 97 + 2 for i in range(150)]  # spans 3 chunks, 5 prefill
         ("gemma3", ("cpu",)),
         ("gemma3", ("cpu", "cpu:1")),
         ("gemma4", ("cpu",)),
+        ("gemma4", ("cpu", "cpu:1")),
         ("qwen35", ("cpu",)),
         ("qwen35", ("cpu", "cpu:1")),
     ],

@@ -26,13 +26,22 @@ pytestmark = pytest.mark.asyncio(loop_scope="module")
 LONG = [(13 * i + 5) % 97 + 2 for i in range(560)]
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    root = tmp_path_factory.mktemp("spec-pool")
-    target = root / "qwen3.gguf"
-    make_tiny_gguf.build("qwen3", target, seed=7, layers=8, context=1024)
+def target_and_draft(tmp_path_factory: pytest.TempPathFactory, family: str) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp(f"spec-pool-{family}")
+    target = root / f"{family}.gguf"
+    make_tiny_gguf.build(family, target, seed=7, layers=8, context=1024)
     _, draft, _ = make_tiny_draft.build(target, root / "draft", seed=3, block_size=4)
     return target, draft
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    return target_and_draft(tmp_path_factory, "qwen3")
+
+
+@pytest.fixture(scope="module")
+def hybrid(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    return target_and_draft(tmp_path_factory, "qwen35")
 
 
 async def test_pool_covering_the_sequence_speculative_equals_plain(
@@ -68,15 +77,6 @@ async def test_under_eviction_speculative_equals_plain_with_the_same_pool(
     assert spec["drafts"] > 0
     assert plain_status is not None and status is not None
     assert status["evictions"] == plain_status["evictions"] > 0
-
-
-@pytest.fixture(scope="module")
-def hybrid(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    root = tmp_path_factory.mktemp("spec-pool-hybrid")
-    target = root / "qwen35.gguf"
-    make_tiny_gguf.build("qwen35", target, seed=7, layers=8, context=1024)
-    _, draft, _ = make_tiny_draft.build(target, root / "draft", seed=3, block_size=4)
-    return target, draft
 
 
 @pytest.mark.parametrize("rollback", ["select", "replay"])

@@ -46,7 +46,14 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 @contextlib.asynccontextmanager
 async def flash_target(
-    path: Path, devices: tuple[str, ...], pool: int, context: int, policy: str = "lru"
+    path: Path,
+    devices: tuple[str, ...],
+    pool: int,
+    context: int,
+    policy: str = "lru",
+    *,
+    max_batch_tokens: int = 32,
+    threads: int = THREADS,
 ) -> AsyncIterator[Target]:
     gguf = GGUFFile(path)
     cfg = pager_config(KVFlashSettings(pool, policy=policy), pool, gguf)
@@ -56,9 +63,9 @@ async def flash_target(
             n_layers=int(gguf.require(f"{gguf.arch}.block_count")),
             dtype="float32",
             kv_capacity=context,
-            max_batch_tokens=32,
+            max_batch_tokens=max_batch_tokens,
             devices=devices,
-            threads=THREADS,
+            threads=threads,
             kv_sources=gguf.kv_sources(),  # as the daemon: gemma4's sharing pairs stay together
         )
         target = Target(owner, placement, kv_flash=cfg)

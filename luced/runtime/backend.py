@@ -184,8 +184,7 @@ class Backend(WorkerState):
                 check_load(req, model)
             if split:
                 experts.place(model, split, cold=self.remote, required=req.moe_required)
-            if req.kv_pool:
-                check_poolable(model)
+            if req.kv_pool:  # every family pools; a recurrent layer keeps its state unpooled
                 pool = min(req.kv_pool, -(-req.kv_capacity // F.KV_CHUNK) * F.KV_CHUNK)
                 cache: KVCache | PooledKVCache = model.new_pool_cache(pool, req.kv_capacity)
             else:
@@ -555,17 +554,6 @@ class Backend(WorkerState):
         if "hidden" in req.outputs:
             self.check_width("outputs.hidden", req.outputs["hidden"], m.reply.hidden)
         return {name: self.tensor(r) for name, r in req.outputs.items()}
-
-
-def check_poolable(model: Model) -> None:
-    """KV Flash pools attention layers (a KV-sharing layer reads its source's pool rows);
-    not yet recurrent state (DeltaNet)."""
-    cfg = model.cfg
-    if getattr(model.family, "recurrent_shapes", None) is not None:
-        raise WorkerError(
-            f"KV Flash does not pool this model yet ({cfg.arch}: recurrent layers); "
-            "serve it without --kv-flash"
-        )
 
 
 def check_load(req: F.Load, model: Model) -> None:

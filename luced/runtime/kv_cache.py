@@ -279,7 +279,99 @@ class KVStore(Protocol):
     def commit(self, end: int) -> None: ...
 
 
-class KVCache:
+class RecurrentLayers:
+    """What a cache does for its recurrent layers (see the module docstring), shared by
+    `KVCache` and `kv_pool.PooledKVCache`: recurrent state is never pooled, so both keep
+    it alike. The cache provides the attributes below and `truncate`."""
+
+    recurrent: RecurrentState | None
+    pos: int
+    stored: tuple[int, ...]  # the layers with K/V rows of their own
+    shapes: dict[int, tuple[int, int]]  # stored layer -> (Hkv, D)
+    dtype: torch.dtype
+
+    def truncate(self, pos: int) -> None:
+        raise NotImplementedError
+
+    def is_recurrent(self, layer: int) -> bool:
+        return self.recurrent is not None and layer in self.recurrent.shapes
+
+    def recurrent_state(self, layer: int) -> LayerState:
+        """`layer`'s committed (conv window, delta matrix): the state at the fill position."""
+        return self._recurrent().current.states[layer]
+
+    def stage_state(
+        self,
+        layer: int,
+        conv: torch.Tensor,
+        delta: torch.Tensor,
+        steps: list[LayerState] | None = None,
+    ) -> None:
+        """`layer`'s state after the running forward; `commit` makes it current. `steps`
+        (when `tracks_positions`): the state after each of its tokens."""
+        self._recurrent().stage(layer, conv, delta, steps)
+
+    def tracks_positions(self) -> bool:
+        """Whether the running forward keeps a state per position (a verify block)."""
+        return self.recurrent is not None and self.recurrent.track_positions
+
+    def save_state(self) -> RecurrentSnapshot:
+        """Keep the recurrent state at the fill position, so `truncate` can come back to it."""
+        return self._recurrent().save()
+
+    def state_at(self, pos: int) -> RecurrentSnapshot:
+        """The kept recurrent state at `pos` (a prefix snapshot's cut), or RecurrentRollback."""
+        return self._recurrent().at(pos)
+
+    def restore_state(self, snap: RecurrentSnapshot) -> None:
+        """Rewind to a kept snapshot (its rows [0, snap.pos) are still in the cache)."""
+        rec = self._recurrent()
+        if not rec.is_kept(snap) or snap.pos > self.pos:
+            raise RecurrentRollback(
+                f"the snapshot at position {snap.pos} is no longer kept "
+                f"(fill position {self.pos}, kept {rec.kept_positions()})"
+            )
+        self.truncate(snap.pos)
+
+    def release_state(self, snap: RecurrentSnapshot) -> None:
+        """Stop keeping a snapshot of `save_state` (its tensors are freed with the last user)."""
+        self._recurrent().release(snap)
+
+    def _recurrent(self) -> RecurrentState:
+        if self.recurrent is None:
+            raise RuntimeError("this cache has no recurrent layers")
+        return self.recurrent
+
+    def _check_import(
+        self,
+        n: int,
+        rows: Mapping[int, tuple[torch.Tensor, torch.Tensor]],
+        states: Mapping[int, LayerState] | None,
+    ) -> None:
+        """`import_rows`' checks, before anything changes: each stored layer's rows as
+        [Hkv, >= n, D] in the cache dtype, and states exactly when some layer is recurrent."""
+        if self.recurrent is None and states:
+            raise ValueError(f"states for layers {sorted(states)}: no layer here is recurrent")
+        if self.recurrent is not None and states is None:
+            raise ValueError(
+                f"cannot import K/V rows alone: layers {sorted(self.recurrent.shapes)} keep a "
+                "recurrent state, which rows do not restore"
+            )
+        if set(rows) != set(self.stored):
+            raise ValueError(f"import needs layers {list(self.stored)}, got {sorted(rows)}")
+        for layer, pair in rows.items():
+            want = self.shapes[layer]
+            for t in pair:
+                if t.dim() != 3 or (t.shape[0], t.shape[2]) != want or t.shape[1] < n:
+                    raise ValueError(
+                        f"layer {layer}: rows must be [{want[0]}, >= {n}, {want[1]}], "
+                        f"got {list(t.shape)}"
+                    )
+                if t.dtype != self.dtype:
+                    raise ValueError(f"layer {layer}: rows are {t.dtype}, the cache {self.dtype}")
+
+
+class KVCache(RecurrentLayers):
     def __init__(
         self,
         layers: range,
@@ -398,57 +490,6 @@ class KVCache:
             self.recurrent.reset()
         self.pos = 0
 
-    # -- recurrent layers (see the module docstring) --------------------------------------
-
-    def is_recurrent(self, layer: int) -> bool:
-        return self.recurrent is not None and layer in self.recurrent.shapes
-
-    def recurrent_state(self, layer: int) -> LayerState:
-        """`layer`'s committed (conv window, delta matrix): the state at the fill position."""
-        return self._recurrent().current.states[layer]
-
-    def stage_state(
-        self,
-        layer: int,
-        conv: torch.Tensor,
-        delta: torch.Tensor,
-        steps: list[LayerState] | None = None,
-    ) -> None:
-        """`layer`'s state after the running forward; `commit` makes it current. `steps`
-        (when `tracks_positions`): the state after each of its tokens."""
-        self._recurrent().stage(layer, conv, delta, steps)
-
-    def tracks_positions(self) -> bool:
-        """Whether the running forward keeps a state per position (a verify block)."""
-        return self.recurrent is not None and self.recurrent.track_positions
-
-    def save_state(self) -> RecurrentSnapshot:
-        """Keep the recurrent state at the fill position, so `truncate` can come back to it."""
-        return self._recurrent().save()
-
-    def state_at(self, pos: int) -> RecurrentSnapshot:
-        """The kept recurrent state at `pos` (a prefix snapshot's cut), or RecurrentRollback."""
-        return self._recurrent().at(pos)
-
-    def restore_state(self, snap: RecurrentSnapshot) -> None:
-        """Rewind to a kept snapshot (its rows [0, snap.pos) are still in the cache)."""
-        rec = self._recurrent()
-        if not rec.is_kept(snap) or snap.pos > self.pos:
-            raise RecurrentRollback(
-                f"the snapshot at position {snap.pos} is no longer kept "
-                f"(fill position {self.pos}, kept {rec.kept_positions()})"
-            )
-        self.truncate(snap.pos)
-
-    def release_state(self, snap: RecurrentSnapshot) -> None:
-        """Stop keeping a snapshot of `save_state` (its tensors are freed with the last user)."""
-        self._recurrent().release(snap)
-
-    def _recurrent(self) -> RecurrentState:
-        if self.recurrent is None:
-            raise RuntimeError("this cache has no recurrent layers")
-        return self.recurrent
-
     def export_rows(self, layer: int, n: int, k_out: torch.Tensor, v_out: torch.Tensor) -> None:
         """Copy `layer`'s committed rows [0, n) into k_out / v_out ([Hkv, >= n, D], the cache
         dtype, any device: `copy_` crosses devices)."""
@@ -469,25 +510,7 @@ class KVCache:
         before anything changes. A copy failing part-way leaves the cache empty (pos 0)."""
         if n > self.capacity:
             raise ContextOverflow(f"{n} positions exceed the KV capacity {self.capacity}")
-        if self.recurrent is None and states:
-            raise ValueError(f"states for layers {sorted(states)}: no layer here is recurrent")
-        if self.recurrent is not None and states is None:
-            raise ValueError(
-                f"cannot import K/V rows alone: layers {sorted(self.recurrent.shapes)} keep a "
-                "recurrent state, which rows do not restore"
-            )
-        if set(rows) != set(self.stored):
-            raise ValueError(f"import needs layers {list(self.stored)}, got {sorted(rows)}")
-        for layer, pair in rows.items():
-            want = self.shapes[layer]
-            for t in pair:
-                if t.dim() != 3 or (t.shape[0], t.shape[2]) != want or t.shape[1] < n:
-                    raise ValueError(
-                        f"layer {layer}: rows must be [{want[0]}, >= {n}, {want[1]}], "
-                        f"got {list(t.shape)}"
-                    )
-                if t.dtype != self.dtype:
-                    raise ValueError(f"layer {layer}: rows are {t.dtype}, the cache {self.dtype}")
+        self._check_import(n, rows, states)
         self.pos = 0
         if self.recurrent is not None:
             assert states is not None

@@ -27,6 +27,12 @@ Host tier record of one chunk (`page_out` / `page_in`), `chunk_nbytes` bytes:
 
 The copies are byte-exact. A paged-out block is not zeroed: the mask hides it.
 
+Recurrent layers (Gated DeltaNet, qwen35 / qwen35moe) keep no rows, only a state that
+sums up every committed position; it is never paged. It lives beside the pool exactly as
+in `KVCache` (`kv_cache.RecurrentLayers`: recurrent_state, stage_state, commit, truncate
+to a kept state, save_state, ...), so a hybrid pools its attention layers only and its
+host records hold their rows only.
+
 The `qk` scorer's state (`kv_qk.ChunkKeys`, `self.qk`) is kept here: a chunk is sealed
 by the step that writes its last position (its rows are then all in its block), and
 each full-attention layer's query is observed through `observe_query`.
@@ -39,7 +45,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from luced.runtime.kv_cache import ContextOverflow
+from luced.runtime.kv_cache import (
+    ContextOverflow,
+    LayerState,
+    RecurrentLayers,
+    RecurrentShape,
+    RecurrentState,
+)
 from luced.runtime.kv_qk import ChunkKeys
 from luced.runtime.layers import attention_mask
 
@@ -57,8 +69,9 @@ class _Step:
     masks: dict[int | None, torch.Tensor | None] = field(default_factory=dict)
 
 
-class PooledKVCache:
-    """The `KVCache` surface (reserve, write, mask, commit, truncate, reset) over pool rows.
+class PooledKVCache(RecurrentLayers):
+    """The `KVCache` surface (reserve, write, mask, commit, truncate, reset, and the
+    recurrent layers' state) over pool rows.
 
     `capacity` is the logical bound (the context length); `pool` the rows allocated."""
 
@@ -77,9 +90,11 @@ class PooledKVCache:
         chunk: int = 64,
         shapes: Mapping[int, tuple[int, int]] | None = None,
         sources: Mapping[int, int] | None = None,
+        recurrent: Mapping[int, RecurrentShape] | None = None,
     ) -> None:
         """shapes: layer -> (Hkv, D) where it differs from (n_kv_heads, head_dim);
-        sources: KV-sharing layer -> the layer of this cache whose rows it reads (Gemma 4)."""
+        sources: KV-sharing layer -> the layer of this cache whose rows it reads (Gemma 4);
+        recurrent: the layers that keep a recurrent state instead of rows (qwen35)."""
         if pool <= 0 or pool % chunk:
             raise ValueError(f"a pool of {pool} rows is not a positive multiple of {chunk}")
         self.layers = layers
@@ -87,8 +102,12 @@ class PooledKVCache:
         for layer, source in self.sources.items():
             if layer not in layers or source not in layers or source in self.sources:
                 raise ValueError(f"layer {layer} cannot read the pooled rows of layer {source}")
+        self.device = torch.device(device)
+        self.recurrent = RecurrentState(recurrent, dtype, self.device) if recurrent else None
         # The layers that hold pool rows of their own (snapshots and host records copy these).
-        self.stored = tuple(i for i in layers if i not in self.sources)
+        self.stored = tuple(
+            i for i in layers if i not in self.sources and i not in (recurrent or {})
+        )
         heads = n_kv_heads if isinstance(n_kv_heads, Mapping) else dict.fromkeys(layers, n_kv_heads)
         self.shapes = {i: (heads[i], head_dim) for i in self.stored}
         self.shapes.update((i, s) for i, s in (shapes or {}).items() if i in self.shapes)
@@ -98,9 +117,7 @@ class PooledKVCache:
         self.chunk = chunk
         self.capacity = capacity
         self.dtype = dtype
-        self.device = torch.device(device)
         self.pos = 0
-        self.recurrent = None  # recurrent (DeltaNet) state is never pooled: not supported here
         self.k: dict[int, torch.Tensor] = {}
         self.v: dict[int, torch.Tensor] = {}
         for i in self.stored:
@@ -150,6 +167,8 @@ class PooledKVCache:
             raise ContextOverflow(
                 f"context of {start + n} tokens exceeds the KV capacity {self.capacity}"
             )
+        if self.recurrent is not None:
+            self.truncate(start)  # the recurrent layers continue from the state at start
 
     def write(
         self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor
@@ -209,23 +228,32 @@ class PooledKVCache:
             self.qk.observe(layer, q)
 
     def commit(self, end: int) -> None:
+        if self.recurrent is not None:
+            self.recurrent.commit(end)
         self.pos = end
         self._step = None
 
     def truncate(self, pos: int) -> None:
-        """Roll back to `pos`; stale rows stay until overwritten (the slot map hides them)."""
+        """Roll back to `pos`; stale rows stay until overwritten (the slot map hides them).
+        With recurrent layers only to a position whose state is kept (else
+        RecurrentRollback, no change)."""
         if not 0 <= pos <= self.pos:
             raise ValueError(f"cannot truncate to {pos}: fill position is {self.pos}")
+        if self.recurrent is not None:
+            self.recurrent.rewind(pos)
         self.pos = pos
         self.qk.forget(pos)
 
     def reset(self) -> None:
+        if self.recurrent is not None:
+            self.recurrent.reset()
         self.pos = 0
         self._step = None
         self.qk.reset()
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (*self.k.values(), *self.v.values()))
+        kv = sum(t.numel() * t.element_size() for t in (*self.k.values(), *self.v.values()))
+        return kv + (self.recurrent.nbytes() if self.recurrent is not None else 0)
 
     # Prefix snapshots: only in the identity layout (position p in row p), which the daemon
     # checks with its pager; the rows' map is checked here too.
@@ -240,21 +268,22 @@ class PooledKVCache:
         k_out[:, :n].copy_(self.k[layer][:, :n])
         v_out[:, :n].copy_(self.v[layer][:, :n])
 
-    def import_rows(self, n: int, rows: Mapping[int, tuple[torch.Tensor, torch.Tensor]]) -> None:
+    def import_rows(
+        self,
+        n: int,
+        rows: Mapping[int, tuple[torch.Tensor, torch.Tensor]],
+        states: Mapping[int, LayerState] | None = None,
+    ) -> None:
         """Rows [0, n) of each layer's (k, v) into pool rows [0, n) (the identity layout the
-        daemon's pager then syncs to) and commit n."""
+        daemon's pager then syncs to), `states` for the recurrent layers (their state at n),
+        and commit n."""
         if n > self.pool:
             raise ContextOverflow(f"{n} positions exceed the KV Flash pool of {self.pool} rows")
-        if set(rows) != set(self.stored):
-            raise ValueError(f"import needs layers {list(self.stored)}, got {sorted(rows)}")
-        for layer, (k, v) in rows.items():
-            want = self.shapes[layer]
-            for t in (k, v):
-                if t.dim() != 3 or (t.shape[0], t.shape[2]) != want or t.shape[1] < n:
-                    raise ValueError(f"layer {layer}: rows must be [{want[0]}, >= {n}, {want[1]}]")
-                if t.dtype != self.dtype:
-                    raise ValueError(f"layer {layer}: rows are {t.dtype}, the cache {self.dtype}")
+        self._check_import(n, rows, states)
         self.reset()
+        if self.recurrent is not None:
+            assert states is not None
+            self.recurrent.load(n, states)  # checks the states' shapes first
         for layer, (k, v) in rows.items():
             self.k[layer][:, :n].copy_(k[:, :n])
             self.v[layer][:, :n].copy_(v[:, :n])

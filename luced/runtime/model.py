@@ -30,7 +30,7 @@ from luced.gguf_file import GGUFError, GGUFFile
 from luced.runtime import moe
 from luced.runtime.families import family_for
 from luced.runtime.families.common import ModelConfig
-from luced.runtime.kv_cache import KVCache, KVStore
+from luced.runtime.kv_cache import KVCache, KVStore, RecurrentShape
 from luced.runtime.kv_pool import PooledKVCache
 from luced.runtime.qlinear import PackedLinear, pack_weights
 from luced.runtime.ragged import Ragged, Span
@@ -132,7 +132,6 @@ class Model:
         source's), and a recurrent state for the layers the family's optional
         `recurrent_shapes(cfg, layers)` names."""
         cfg = self.cfg
-        recurrent = getattr(self.family, "recurrent_shapes", None)
         return KVCache(
             self.layers,
             cfg.n_kv_heads,
@@ -142,13 +141,14 @@ class Model:
             self.device,
             shapes={i: cfg.kv_shape(i) for i in self.layers},
             sources={i: s for i in self.layers if (s := cfg.kv_source(i)) != i},
-            recurrent=recurrent(cfg, self.layers) if recurrent is not None else None,
+            recurrent=self._recurrent_shapes(),
             row_exact=self.batch_invariant,
         )
 
     def new_pool_cache(self, pool: int, capacity: int | None = None) -> PooledKVCache:
         """KV Flash: `pool` rows per layer that stores K/V (a KV-sharing layer reads its
-        source's); the pager's plan is given by `set_step`."""
+        source's; a recurrent layer keeps its state, unpooled); the pager's plan is given
+        by `set_step`."""
         cfg = self.cfg
         return PooledKVCache(
             self.layers,
@@ -160,7 +160,13 @@ class Model:
             capacity=capacity or cfg.context_length,
             shapes={i: cfg.kv_shape(i) for i in self.layers},
             sources={i: s for i in self.layers if (s := cfg.kv_source(i)) != i},
+            recurrent=self._recurrent_shapes(),
         )
+
+    def _recurrent_shapes(self) -> dict[int, RecurrentShape] | None:
+        """The layers that keep a recurrent state (the family's optional `recurrent_shapes`)."""
+        recurrent = getattr(self.family, "recurrent_shapes", None)
+        return recurrent(self.cfg, self.layers) if recurrent is not None else None
 
     @torch.inference_mode()
     def embed(self, ids: torch.Tensor) -> torch.Tensor:

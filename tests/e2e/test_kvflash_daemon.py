@@ -1,4 +1,5 @@
-"""KV Flash through the real daemon: a prompt six times the pool, over HTTP and lucectl."""
+"""KV Flash through the real daemon: a prompt six times the pool, over HTTP and lucectl,
+under `lru` and under `qk` (the default policy, which recalls paged-out chunks)."""
 
 from __future__ import annotations
 
@@ -13,9 +14,12 @@ FILLER = (
 
 
 @pytest.mark.real_model
-def test_long_prompt_over_a_small_pool(smollm2_gguf, tmp_path) -> None:
+@pytest.mark.parametrize("policy", ["lru", "qk"])
+def test_long_prompt_over_a_small_pool(smollm2_gguf, tmp_path, policy: str) -> None:
+    # lru: sinks + recency, nothing recalled; qk (the default): the prompt's last query
+    # reselects the chunks it ranks first, recalling paged-out ones from the host tier.
     d = DaemonProcess(
-        smollm2_gguf, tmp_path, "--kv-flash", "512", "--kv-flash-policy", "lru",
+        smollm2_gguf, tmp_path, "--kv-flash", "512", "--kv-flash-policy", policy,
         env={"LUCED_LOG_LEVEL": "debug"},
     ).start()  # fmt: skip
     try:
@@ -35,10 +39,13 @@ def test_long_prompt_over_a_small_pool(smollm2_gguf, tmp_path) -> None:
         status = d.lucectl_json("status")
         flash = status["kv_flash"]
         assert flash["pool_tokens"] == 512 and flash["resident_chunks"] == 8
+        assert flash["policy"] == policy
         assert flash["evictions"] >= 3000 // 64 - 8 and flash["paged_out_chunks"] > 0
         assert flash["host_bytes"] > 0
+        assert (flash["recalls"] > 0) == (policy == "qk")
         assert "evictions" in d.lucectl("status").stdout
         assert d.metric("luced:kv_flash_evictions_total") == flash["evictions"]
+        assert d.metric("luced:kv_flash_recalls_total") == flash["recalls"]
         # The pool left the identity layout: no prefix snapshot, a debug line instead.
         assert d.lucectl_json("snapshot", "list")["snapshots"] == []
         assert "no snapshot of" in d.log()

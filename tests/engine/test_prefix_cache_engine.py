@@ -18,6 +18,7 @@ import pytest
 from engine_harness import engine_for
 
 from luced.engine.core import Engine, GenerationRequest
+from luced.engine.kvflash import PagerConfig
 from luced.gguf_file import GGUFFile
 from luced.sampling_params import SamplingParams
 from luced.text.tokenizer import Tokenizer
@@ -152,6 +153,21 @@ async def test_restore_from_disk_equals_fresh(tiny, family, tmp_path) -> None:
         assert [e.tier for e in cache.entries()] == ["disk"]
         assert await run(cached, turn2) == (expected, 150)
         assert cache.stats().restore_errors == 0
+
+
+async def test_hybrid_restore_into_a_kv_flash_pool_equals_fresh(tiny) -> None:
+    """qwen35 on a KV Flash pool covering the prompts: the snapshot (identity layout) carries
+    the attention rows and the DeltaNet state, the restore puts both back into the pooled
+    cache, and generation == a fresh engine with the plain cache."""
+    path = tiny["qwen35"][0]
+    first, turn2 = prompts(Tokenizer.from_gguf(GGUFFile(path)).vocab_size)[:2]
+    async with engine_with(path, ("cpu",), None, cache=False) as fresh:
+        expected = (await run(fresh, turn2))[0]
+    pool = PagerConfig(pool_tokens=512)
+    async with engine_for(path, context=1024, prefix_cache_bytes=64 << 20, kv_flash=pool) as cached:
+        await run(cached, first)
+        assert await run(cached, turn2) == (expected, 150)
+        assert cached.target.flash is not None and cached.target.flash.is_identity
 
 
 def turn_prompts(vocab: int) -> tuple[int, list[list[int]]]:

@@ -5,7 +5,8 @@ rollback). A tiny random draft rejects nearly every proposal, which keeps this s
 Oracles: with the pool covering the sequence, speculative greedy == plain greedy with the
 plain cache; under eviction (lru), speculative greedy == plain greedy with the same pool,
 token for token and eviction for eviction (a block never evicts past its first chunk:
-`Pager.lookahead`), unsplit and split.
+`Pager.lookahead`), unsplit and split; the same for a hybrid (qwen35), whose DeltaNet
+state is cut by either rollback while its attention layers stay on the pool.
 """
 
 from __future__ import annotations
@@ -25,13 +26,22 @@ pytestmark = pytest.mark.asyncio(loop_scope="module")
 LONG = [(13 * i + 5) % 97 + 2 for i in range(560)]
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    root = tmp_path_factory.mktemp("spec-pool")
-    target = root / "qwen3.gguf"
-    make_tiny_gguf.build("qwen3", target, seed=7, layers=8, context=1024)
+def target_and_draft(tmp_path_factory: pytest.TempPathFactory, family: str) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp(f"spec-pool-{family}")
+    target = root / f"{family}.gguf"
+    make_tiny_gguf.build(family, target, seed=7, layers=8, context=1024)
     _, draft, _ = make_tiny_draft.build(target, root / "draft", seed=3, block_size=4)
     return target, draft
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    return target_and_draft(tmp_path_factory, "qwen3")
+
+
+@pytest.fixture(scope="module")
+def hybrid(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    return target_and_draft(tmp_path_factory, "qwen35")
 
 
 async def test_pool_covering_the_sequence_speculative_equals_plain(
@@ -65,5 +75,26 @@ async def test_under_eviction_speculative_equals_plain_with_the_same_pool(
         status = engine.target.flash_status()
     assert tokens == plain
     assert spec["drafts"] > 0
+    assert plain_status is not None and status is not None
+    assert status["evictions"] == plain_status["evictions"] > 0
+
+
+@pytest.mark.parametrize("rollback", ["select", "replay"])
+async def test_hybrid_under_eviction_speculative_equals_plain_with_the_same_pool(
+    hybrid: tuple[Path, Path], rollback: str
+) -> None:
+    # qwen35: the attention layers on the pool, the DeltaNet state cut by the rollback
+    # (a kept per-position state, or a rewind to the block's start and a replay).
+    target, draft = hybrid
+    pool = PagerConfig(pool_tokens=448, policy="lru")
+    async with engine_for(target, context=1024, kv_flash=pool) as engine:
+        plain, _ = await run(engine, 40, prompt=LONG)
+        plain_status = engine.target.flash_status()
+    async with engine_for(target, draft=draft, block_size=4, context=1024, kv_flash=pool) as engine:
+        engine.target.rollback = rollback
+        tokens, spec = await run(engine, 40, prompt=LONG)
+        status = engine.target.flash_status()
+    assert tokens == plain
+    assert spec["drafts"] > 0 and spec["accepted_tokens"] < spec["draft_tokens"]
     assert plain_status is not None and status is not None
     assert status["evictions"] == plain_status["evictions"] > 0

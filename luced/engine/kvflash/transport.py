@@ -236,14 +236,23 @@ def pager_config(settings: KVFlashSettings, pool: int, gguf: GGUFFile) -> PagerC
 
 
 def model_bytes_per_token(gguf: GGUFFile, dtype_bytes: int) -> int:
-    """K and V of one position over every layer, from the GGUF header."""
+    """K and V of one position over the pooled layers, from the GGUF header."""
     arch = gguf.arch
     heads = int(gguf.require(f"{arch}.attention.head_count"))
     kv = gguf.get(f"{arch}.attention.head_count_kv", heads)
     kv = max(kv) if isinstance(kv, list) else int(kv)
     dim = gguf.get(f"{arch}.attention.key_length")
     dim = int(dim) if dim else int(gguf.require(f"{arch}.embedding_length")) // heads
-    return bytes_per_token(int(gguf.require(f"{arch}.block_count")), kv, dim, dtype_bytes)
+    return bytes_per_token(pooled_layers(gguf), kv, dim, dtype_bytes)
+
+
+def pooled_layers(gguf: GGUFFile) -> int:
+    """How many layers keep pool rows: not a KV-sharing layer (it reads its source's) nor
+    a recurrent one (qwen35's DeltaNet: every layer but each `full_attention_interval`th)."""
+    n_layers = int(gguf.require(f"{gguf.arch}.block_count"))
+    interval = int(gguf.get(f"{gguf.arch}.full_attention_interval", 1))
+    attention = n_layers // interval if interval > 1 else n_layers
+    return attention - len(gguf.kv_sources())
 
 
 def bytes_per_token(n_layers: int, n_kv_heads: int, head_dim: int, dtype_bytes: int) -> int:
@@ -259,5 +268,6 @@ __all__ = [
     "mean_scores",
     "model_bytes_per_token",
     "pager_config",
+    "pooled_layers",
     "resolve_pool",
 ]

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import make_tiny_gguf
 import pytest
 
-from luced.engine.kvflash.transport import KVFlashSettings, resolve_pool
+from luced.engine.kvflash.transport import KVFlashSettings, pooled_layers, resolve_pool
+from luced.gguf_file import GGUFFile
 from luced.ipc.frames import Forward, FrameError, Load
 from luced.ipc.regions import Region
 
@@ -35,6 +39,20 @@ def test_auto_sizes_from_free_memory_with_a_cap() -> None:
     assert resolve_pool(auto, 32768, per_token, free_bytes=64 << 30) == 16384  # the cap
     with pytest.raises(ValueError, match="positive"):
         KVFlashSettings(0)
+
+
+@pytest.mark.parametrize(
+    ("family", "layers", "pooled"),
+    [("llama", {"layers": 4}, 4), ("qwen35", {"layers": 8}, 2), ("gemma4", {}, 4)],
+)
+def test_auto_counts_only_the_layers_with_pool_rows(
+    family: str, layers: dict, pooled: int, tmp_path: Path
+) -> None:
+    # qwen35: layers 3 and 7 attend, the rest keep a DeltaNet state; tiny gemma4: layers
+    # 4 and 5 of 6 read the rows of layers 3 and 2.
+    path = tmp_path / f"{family}.gguf"
+    make_tiny_gguf.build(family, path, seed=1, **layers)
+    assert pooled_layers(GGUFFile(path)) == pooled
 
 
 def region(shape: tuple[int, ...], dtype: str) -> Region:

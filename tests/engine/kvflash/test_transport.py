@@ -34,8 +34,9 @@ GREEDY = {"temperature": 0}
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     d = tmp_path_factory.mktemp("kvflash")
     out = {}
-    for family in ("llama", "qwen3", "gemma3", "gemma4"):
-        extra = {} if family in ("gemma3", "gemma4") else {"layers": 4}
+    for family in ("llama", "qwen3", "gemma3", "gemma4", "qwen35"):
+        # qwen35: layers 3 and 7 attend, so each half of a split pools one.
+        extra = {"gemma3": {}, "gemma4": {}, "qwen35": {"layers": 8}}.get(family, {"layers": 4})
         make_tiny_gguf.build(family, d / f"{family}.gguf", seed=5, **extra)
         out[family] = d / f"{family}.gguf"
     make_tiny_gguf.build("llama", d / "long.gguf", seed=5, layers=3, context=1024)
@@ -45,7 +46,14 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 @contextlib.asynccontextmanager
 async def flash_target(
-    path: Path, devices: tuple[str, ...], pool: int, context: int, policy: str = "lru"
+    path: Path,
+    devices: tuple[str, ...],
+    pool: int,
+    context: int,
+    policy: str = "lru",
+    *,
+    max_batch_tokens: int = 32,
+    threads: int = THREADS,
 ) -> AsyncIterator[Target]:
     gguf = GGUFFile(path)
     cfg = pager_config(KVFlashSettings(pool, policy=policy), pool, gguf)
@@ -55,9 +63,10 @@ async def flash_target(
             n_layers=int(gguf.require(f"{gguf.arch}.block_count")),
             dtype="float32",
             kv_capacity=context,
-            max_batch_tokens=32,
+            max_batch_tokens=max_batch_tokens,
             devices=devices,
-            threads=THREADS,
+            threads=threads,
+            kv_sources=gguf.kv_sources(),  # as the daemon: gemma4's sharing pairs stay together
         )
         target = Target(owner, placement, kv_flash=cfg)
         try:
@@ -91,6 +100,9 @@ PROMPT = [(7 * i + 3) % 97 + 2 for i in range(150)]  # spans 3 chunks, 5 prefill
         ("gemma3", ("cpu",)),
         ("gemma3", ("cpu", "cpu:1")),
         ("gemma4", ("cpu",)),
+        ("gemma4", ("cpu", "cpu:1")),
+        ("qwen35", ("cpu",)),
+        ("qwen35", ("cpu", "cpu:1")),
     ],
 )
 async def test_pool_covering_the_sequence_equals_the_plain_cache(

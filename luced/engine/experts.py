@@ -25,7 +25,13 @@ import logging
 
 from luced.engine.executor import Executor, Slot, WorkerHandle
 from luced.engine.placement import TargetPlacement
-from luced.ipc.frames import ForwardReply, LoadExperts, LoadExpertsReply, LoadReply
+from luced.ipc.frames import (
+    ForwardBatchReply,
+    ForwardReply,
+    LoadExperts,
+    LoadExpertsReply,
+    LoadReply,
+)
 from luced.ipc.links import scratch_bytes
 from luced.ipc.regions import Region, RegionAllocator
 from luced.ipc.shm import ShmOwner
@@ -123,7 +129,7 @@ class ExpertWorker:
             return
         self.executor.link_experts(worker)
 
-    def account(self, reply: ForwardReply) -> None:
+    def account(self, reply: ForwardReply | ForwardBatchReply) -> None:
         self.totals["remote_calls"] += reply.moe_remote_calls
         self.totals["fallbacks"] += reply.moe_fallbacks
         self.totals["remote_bytes"] += reply.moe_remote_bytes

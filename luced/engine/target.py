@@ -452,6 +452,8 @@ class Target:
                 reply = await worker.call(frame)
                 assert isinstance(reply, ForwardBatchReply)
                 advanced.append(worker)
+                if self.experts is not None:
+                    self.experts.account(reply)
                 if reply.positions != tuple(start + 1 for _, start, _ in rows):
                     raise WorkerReplyError(
                         f"worker {worker.spec.group} is at positions {reply.positions}, "

@@ -592,6 +592,9 @@ class ForwardBatch(Request):
 class ForwardBatchReply(Reply):
     positions: tuple[int, ...]  # each sequence's committed KV length after the batch
     elapsed_us: int
+    moe_remote_calls: int = 0  # as ForwardReply's
+    moe_fallbacks: int = 0
+    moe_remote_bytes: int = 0
 
 
 # -- load_experts, expert_mix ---------------------------------------------------------------

@@ -29,6 +29,7 @@ and a failure after the KV was written rolls the KV (and token history) back.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.metadata
 import logging
 import os
@@ -113,7 +114,7 @@ class Backend(WorkerState):
             F.DraftBlock: self.draft_block,
             F.Truncate: self.truncate,
             F.Reset: self.reset,
-            F.ForwardBatch: lambda req: batch_verbs.forward_batch(self, req),
+            F.ForwardBatch: self.forward_batch,
             F.KVLayout: self.kv_layout,
             F.KVExport: self.kv_export,
             F.KVImport: self.kv_import,
@@ -357,6 +358,12 @@ class Backend(WorkerState):
             accepted=accepted,
             **moe,
         )
+
+    def forward_batch(self, req: F.ForwardBatch) -> F.ForwardBatchReply:
+        before = self._moe_counts()
+        reply = batch_verbs.forward_batch(self, req)
+        moe = {k: v - before[k] for k, v in self._moe_counts().items()}
+        return dataclasses.replace(reply, **moe)
 
     def _moe_counts(self) -> dict[str, int]:
         remote = self.remote.stats if self.remote else {}

@@ -13,13 +13,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import Callable
 
 from luced.engine.target import BatchStep, Sampled, Target
 
 
 class StepBatcher:
-    def __init__(self, target: Target) -> None:
+    def __init__(self, target: Target, observe: Callable[[str, float], None]) -> None:
         self.target = target
+        self.observe = observe  # the engine's metrics: "batch_size" per batched step
         self.decoding: set[int] = set()  # lanes whose next step comes through here
         self._pending: dict[int, tuple[BatchStep, asyncio.Future[Sampled]]] = {}
         self._flush: asyncio.Task | None = None
@@ -61,6 +63,7 @@ class StepBatcher:
         else:
             self.batches += 1
             self.steps += len(batch)
+            self.observe("batch_size", len(batch))
             for (_, future), row in zip(batch.values(), rows, strict=True):
                 if not future.done():  # its request may have been cancelled meanwhile
                     future.set_result(row)

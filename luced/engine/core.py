@@ -185,7 +185,7 @@ class Engine:
         # the loop serves one request at a time in lane 0, as it always did.
         self.max_running = max_running
         self.running: dict[int, RequestHandle] = {}  # lane -> its request
-        self.batcher = StepBatcher(target) if max_running > 1 else None
+        self.batcher = StepBatcher(target, self._observe) if max_running > 1 else None
         self._tasks: set[asyncio.Task] = set()
         self._cache_lock = asyncio.Lock()  # one prefix-cache restore or save at a time
         self.totals = {
@@ -736,6 +736,22 @@ class Engine:
                 "queued_tokens": self.queued_tokens(),
                 "running": len(self.running),
                 "max_running": self.max_running,
+                # Continuous batching: each running request, its tokens so far, and the
+                # batched decode steps so far with their mean size.
+                "requests": [
+                    {
+                        "id": h.request_id,
+                        "prompt_tokens": h.prompt_tokens,
+                        "completion_tokens": h.completion_tokens,
+                    }
+                    for h in self.running.values()
+                ],
+                "batched_steps": self.batcher.batches if self.batcher else 0,
+                "mean_batch": (
+                    round(self.batcher.steps / self.batcher.batches, 2)
+                    if self.batcher and self.batcher.batches
+                    else None
+                ),
                 "max_queue": self.max_queue,
                 "max_queued_tokens": self.max_queued_tokens,
             },

@@ -26,6 +26,8 @@ process do not collide.
                                                             (label position)
     luced:spec_decode_block_size        histogram  block of each speculative step
                                                    (1 = a plain step while speculating)
+    luced:batch_size                    histogram  sequences in each batched decode step
+                                                   (continuous batching, --max-running)
     luced:kv_flash_evictions_total      counter    KV Flash chunks paged out of the pool
     luced:kv_flash_recalls_total        counter    KV Flash chunks paged back in
     luced:kv_flash_host_bytes           gauge      bytes of paged-out chunks in the host tier
@@ -66,6 +68,7 @@ REQUEST_LATENCY_BUCKETS = (
 # Token counts: vLLM's 1-2-5 series (1, 2, 5, 10, 20, ... 5e6).
 TOKEN_COUNT_BUCKETS = tuple(m * 10**e for e in range(7) for m in (1, 2, 5))
 BLOCK_SIZE_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+BATCH_SIZE_BUCKETS = BLOCK_SIZE_BUCKETS  # sequences per batched step: 1 to 64 as well
 REJECT_REASONS = ("max_queue", "max_queued_tokens", "context_length_exceeded")
 
 
@@ -157,6 +160,9 @@ class Metrics:
             "Block sizes of speculative steps (anchor + proposals; 1 = a plain step).",
             BLOCK_SIZE_BUCKETS,
         )
+        self.batch_size = histogram(
+            "batch_size", "Sequences in each batched decode step.", BATCH_SIZE_BUCKETS
+        )
         # vLLM's names and meaning: prompt tokens looked up, and those found cached.
         self.prefix_cache_queries = family(
             Counter, "prefix_cache_queries", "Prefix cache queries, in queried prompt tokens."
@@ -202,6 +208,7 @@ class Metrics:
             "prefix_queries": self.prefix_cache_queries.inc,
             "prefix_hits": self.prefix_cache_hits.inc,
             "block_size": self.spec_decode_block_size.observe,
+            "batch_size": self.batch_size.observe,
         }
 
     # -- what the engine calls ----------------------------------------------------------------
@@ -213,7 +220,7 @@ class Metrics:
         per-request histogram); generation_tokens: tokens just generated; queue, running:
         the current number of waiting / running requests; prefix_queries / prefix_hits:
         prompt tokens looked up in / restored from the prefix cache; block_size: the
-        block of one speculative step.
+        block of one speculative step; batch_size: the sequences of one batched step.
         """
         try:
             observer = self._observers[what]

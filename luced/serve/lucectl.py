@@ -218,7 +218,10 @@ def _placement(value: Any) -> str:
 def _queue(q: Any) -> str:
     if not isinstance(q, dict):
         return fmt(q)
-    text = f"{q.get('running', 0)} running, {q.get('waiting', 0)} waiting"
+    text = f"{q.get('running', 0)} running"
+    if "max_running" in q:
+        text += f" (max {q['max_running']})"
+    text += f", {q.get('waiting', 0)} waiting"
     if "max_queue" in q:
         text += f" (max {q['max_queue']})"
     tokens = q.get("queued_tokens", q.get("waiting_tokens"))
@@ -226,6 +229,13 @@ def _queue(q: Any) -> str:
         text += f", {tokens} prompt tokens waiting"
         if "max_queued_tokens" in q:
             text += f" (max {q['max_queued_tokens']})"
+    if q.get("mean_batch") is not None:
+        text += f"; {q['batched_steps']} batched steps, {q['mean_batch']} sequences each"
+    for r in q.get("requests") or []:  # each running request and its tokens so far
+        text += (
+            f"\n  {fmt(r.get('id'))}: {fmt(r.get('prompt_tokens'))} prompt + "
+            f"{fmt(r.get('completion_tokens'))} generated"
+        )
     return text
 
 

@@ -16,7 +16,8 @@ from pathlib import Path
 import make_tiny_draft
 import numpy as np
 import pytest
-from test_target_split import KV, PROMPT, THREADS, split_target, tiny  # noqa: F401 (fixture)
+from engine_harness import split_target
+from test_target_split import PROMPT, tiny  # noqa: F401 (fixture)
 
 from luced.cache.layout import TensorSpec
 from luced.engine.executor import WorkerReplyError

@@ -561,3 +561,22 @@ def test_lucectl_default_socket_follows_the_daemons_default(
     )
     assert lucectl.resolve_socket(None, {"LUCED_ADMIN_SOCKET": "/a.sock"}) == Path("/a.sock")
     assert lucectl.resolve_socket("/b.sock", {"LUCED_ADMIN_SOCKET": "/a.sock"}) == Path("/b.sock")
+
+
+def test_status_shows_the_running_requests_of_a_batch() -> None:
+    queue = {
+        "running": 2,
+        "max_running": 8,
+        "waiting": 0,
+        "requests": [
+            {"id": "chatcmpl-a", "prompt_tokens": 12, "completion_tokens": 30},
+            {"id": "chatcmpl-b", "prompt_tokens": 900, "completion_tokens": 2},
+        ],
+        "batched_steps": 40,
+        "mean_batch": 1.9,
+    }
+    assert lucectl.render_status({"queue": queue}).splitlines()[0:3] == [
+        "queue  2 running (max 8), 0 waiting; 40 batched steps, 1.9 sequences each",
+        "  chatcmpl-a: 12 prompt + 30 generated",
+        "  chatcmpl-b: 900 prompt + 2 generated",
+    ]

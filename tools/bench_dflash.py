@@ -152,8 +152,9 @@ def make_target(cls: type[Target], owner: ShmOwner, model: Path, args: Any, name
         kv_capacity=context_length(model),
         max_batch_tokens=256,
         worker=WorkerSpec("cpu", ("cpu",), threads=args.threads),
-        weights_mode=args.weights,
-        batch_invariant=args.batch_invariant,
+        # tools/train_dflash.py's evaluation passes only threads, block size and draft
+        weights_mode=getattr(args, "weights", "dequant"),
+        batch_invariant=getattr(args, "batch_invariant", False),
     )
     return cls(owner, placement, name=name)
 

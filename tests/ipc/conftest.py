@@ -124,6 +124,16 @@ def sample_requests() -> dict[str, F.Request]:
             capture=(1, 14, 27),
             ring=region(4096, (64, 3, 576), "float32"),
             allowed=region(64, (64, 1536), "int32"),
+            sequence=3,
+        ),
+        "forward_batch": F.ForwardBatch(
+            n_sequences=2,
+            n_tokens=9,
+            batch=region(2048, (8, 3), "int32"),
+            want="sample",
+            outputs={"ids": region(64, (8,), "int32"), "logprobs": region(128, (8,), "float32")},
+            tokens=region(960, (512,), "int32"),
+            sampling=({"temperature": 0}, {"temperature": 0.8, "seed": 5}),
         ),
         "load_draft": F.LoadDraft(
             path="/models/draft", dtype="bfloat16", device="cuda:1", target="/models/x.gguf"
@@ -186,6 +196,7 @@ def sample_replies() -> dict[str, F.Reply]:
         "load_experts": F.LoadExpertsReply(n_layers=2, n_held=4, fingerprint="ab", load_s=0.1),
         "expert_mix": F.ExpertMixReply(elapsed_us=120),
         "forward": F.ForwardReply(n_out=16, position=116, elapsed_us=8123),
+        "forward_batch": F.ForwardBatchReply(positions=(17, 40), elapsed_us=5000),
         "load_draft": F.LoadDraftReply(
             capture_layers=(1, 10, 19, 28),
             block_size=16,

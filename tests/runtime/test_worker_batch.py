@@ -10,13 +10,14 @@ from pathlib import Path
 
 import make_tiny_gguf
 import pytest
-import torch
 from worker_harness import TAG, Regions, WorkerProc, no_segments_left  # noqa: F401 - fixture
 
 from luced.ipc import frames as F
 from luced.ipc.channel import RemoteError
 from luced.ipc.shm import ShmOwner
+from luced.runtime.generate import generate
 from luced.runtime.model import Model
+from luced.sampling_params import SamplingParams
 
 ROWS = 64
 SEQS = 8
@@ -74,12 +75,7 @@ def io(owner: ShmOwner) -> Regions:
 
 def alone(model: Model, prompt: list[int], steps: int) -> list[int]:
     """Greedy continuation of one sequence in process: the oracle."""
-    cache, out = model.new_cache(128), []
-    logits = model.forward(torch.tensor(prompt), cache, 0)
-    for _ in range(steps):
-        out.append(int(logits[-1].argmax()))
-        logits = model.forward(torch.tensor(out[-1:]), cache, len(prompt) + len(out) - 1)
-    return out
+    return generate(model, prompt, SamplingParams(temperature=0), steps).tokens
 
 
 def batch_frame(

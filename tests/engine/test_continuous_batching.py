@@ -108,3 +108,24 @@ async def drain(handle) -> list[int]:
     async for delta in handle:
         tokens += delta.token_ids
     return tokens
+
+
+async def test_a_long_prompt_does_not_stall_the_running_streams(tmp_path: Path) -> None:
+    """While a 1500-token prompt prefills (24 chunks of 64), a running stream keeps
+    decoding: its steps run between the chunks, so it gains about a token per chunk
+    instead of waiting for the whole prompt."""
+    path = make_tiny_gguf.build("llama", tmp_path / "m.gguf", seed=3, context=2048).path
+    async with engine_for(path, context=2048, max_running=2) as engine:
+        greedy = SamplingParams(temperature=0)
+        running = engine.submit(GenerationRequest("a", PROMPTS[0], greedy, 400, ignore_eos=True))
+        stream = aiter(running)
+        await anext(stream)
+        long = GenerationRequest("b", [(5 * i) % 200 + 3 for i in range(1500)], greedy, 1)
+        before = running.completion_tokens
+        await collect(engine, long)
+        gained = running.completion_tokens - before
+        running.cancel()
+        async for _ in stream:
+            pass
+    chunks = 1500 // 64
+    assert gained >= chunks - 2, f"{gained} tokens during a prefill of {chunks} chunks"

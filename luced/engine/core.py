@@ -746,6 +746,9 @@ class Engine:
                     }
                     for h in self.running.values()
                 ],
+                # KV positions the running requests hold, over what their lanes can hold.
+                "kv_usage": sum(self.target.lane_position(lane) for lane in self.running)
+                / (self.max_running * self.context_length),
                 "batched_steps": self.batcher.batches if self.batcher else 0,
                 "mean_batch": (
                     round(self.batcher.steps / self.batcher.batches, 2)

@@ -11,6 +11,8 @@ process do not collide.
     luced:request_prompt_tokens         histogram  prompt length per request
     luced:num_requests_running          gauge      requests in prefill or decode
     luced:num_requests_waiting          gauge      requests in the queue
+    luced:kv_cache_usage_perc           gauge      running requests' KV positions over what
+                                                   max_running contexts hold (0..1, vLLM's)
     luced:prompt_tokens_total           counter    prompt tokens prefilled
     luced:generation_tokens_total       counter    tokens generated
     luced:request_success_total         counter    finished requests, label finished_reason
@@ -115,6 +117,9 @@ class Metrics:
         )
         self.num_requests_waiting = family(
             Gauge, "num_requests_waiting", "Number of requests waiting to be processed."
+        )
+        self.kv_cache_usage = family(
+            Gauge, "kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage."
         )
         # prometheus_client appends the `_total` suffix to counter names itself.
         self.prompt_tokens = family(Counter, "prompt_tokens", "Number of prefill tokens processed.")
@@ -267,6 +272,7 @@ class Metrics:
         """Set the gauges from `Engine.status()` (called on every scrape)."""
         queue = status.get("queue") or {}
         self.set_queue(running=int(queue.get("running", 0)), waiting=int(queue.get("waiting", 0)))
+        self.kv_cache_usage.set(float(queue.get("kv_usage", 0.0)))
         cache = status.get("prefix_cache") or {}
         for tier in ("memory", "disk"):
             self._prefix_cache_bytes.labels(**self._base, tier=tier).set(

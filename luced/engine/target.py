@@ -226,10 +226,7 @@ class Target:
     @property
     def position(self) -> int:
         """The calling task's lane's committed position."""
-        lane = LANE.get()
-        if lane == self.lane_id:
-            return self._position
-        return self._lanes[lane].position if lane in self._lanes else 0
+        return self.lane_position(LANE.get())
 
     async def start(self) -> None:
         """Start and load every worker (concurrently), then carve the shared regions."""
@@ -367,6 +364,12 @@ class Target:
                 yield
             finally:
                 self._holder = None
+
+    def lane_position(self, sequence: int) -> int:
+        """A lane's committed position (0 for one never used)."""
+        if sequence == self.lane_id:
+            return self._position
+        return self._lanes[sequence].position if sequence in self._lanes else 0
 
     async def release(self, sequence: int) -> None:
         """Forget `sequence` in every worker (its caches are freed) and here."""

@@ -122,6 +122,9 @@ async def test_a_long_prompt_does_not_stall_the_running_streams(tmp_path: Path) 
         await anext(stream)
         long = GenerationRequest("b", [(5 * i) % 200 + 3 for i in range(1500)], greedy, 1)
         before = running.completion_tokens
+        # The running stream's KV positions (its prompt and what it fed since) over 2 lanes.
+        usage = engine.status()["queue"]["kv_usage"]
+        assert len(PROMPTS[0]) / 4096 <= usage <= (len(PROMPTS[0]) + before + 1) / 4096
         await collect(engine, long)
         gained = running.completion_tokens - before
         running.cancel()

@@ -88,9 +88,11 @@ def test_model_name_label_only_when_named() -> None:
 def test_refresh_sets_gauges_from_engine_status() -> None:
     m = Metrics()
     m.observe("queue", 9)  # stale: the status wins on scrape
-    m.refresh({"state": "ready", "queue": {"waiting": 2, "running": 1, "max_queue": 16}})
+    queue = {"waiting": 2, "running": 1, "max_queue": 16, "kv_usage": 0.25}
+    m.refresh({"state": "ready", "queue": queue})
     s = samples(m)
     assert (s["luced:num_requests_waiting", ()], s["luced:num_requests_running", ()]) == (2, 1)
+    assert s["luced:kv_cache_usage_perc", ()] == 0.25
 
 
 def test_spec_decode_counters() -> None:

@@ -435,39 +435,57 @@ class Target:
     async def _batch_pipeline(
         self, steps: Sequence[BatchStep], rows: list[tuple[int, int, int]], outputs: dict, k: int
     ) -> None:
-        workers = self.executor.workers()
         n = len(steps)
+
+        def frame(i: int, last: bool) -> ForwardBatch:
+            return ForwardBatch(
+                n_sequences=n,
+                n_tokens=n,
+                batch=self._regions["batch"].rows(0, n),
+                want="sample" if last else "hidden",
+                outputs=outputs if last else {"hidden": self._boundary(i, n)},
+                tokens=self._regions["tokens"].rows(0, n),
+                hidden_in=self._boundary(i - 1, n) if i else None,
+                sampling=tuple(s.sampling for s in steps) if last else (),
+                top_logprobs=k if last else 0,
+            )
+
+        starts = {seq: start for seq, start, _ in rows}
+        await self._pipeline(frame, starts, tuple(start + 1 for _, start, _ in rows))
+
+    async def _pipeline(
+        self,
+        frame_for: Callable[[int, bool], Forward | ForwardBatch],
+        starts: dict[int, int],
+        ends: tuple[int, ...],
+    ) -> list[ForwardReply | ForwardBatchReply]:
+        """One pass through every worker, frame_for(k, last) to the k-th; all or nothing: a
+        failure, or a worker not at `ends` after it (each sequence's position), truncates
+        every sequence back to its start in `starts` on the workers that advanced."""
+        workers = self.executor.workers()
         advanced: list[WorkerHandle] = []
+        replies: list[ForwardReply | ForwardBatchReply] = []
         try:
-            for i, worker in enumerate(workers):
-                last = i == len(workers) - 1
-                frame = ForwardBatch(
-                    n_sequences=n,
-                    n_tokens=n,
-                    batch=self._regions["batch"].rows(0, n),
-                    want="sample" if last else "hidden",
-                    outputs=outputs if last else {"hidden": self._boundary(i, n)},
-                    tokens=self._regions["tokens"].rows(0, n),
-                    hidden_in=self._boundary(i - 1, n) if i else None,
-                    sampling=tuple(s.sampling for s in steps) if last else (),
-                    top_logprobs=k if last else 0,
-                )
-                reply = await worker.call(frame)
-                assert isinstance(reply, ForwardBatchReply)
+            for k, worker in enumerate(workers):
+                reply = await worker.call(frame_for(k, k == len(workers) - 1))
+                assert isinstance(reply, ForwardReply | ForwardBatchReply)
                 advanced.append(worker)
+                replies.append(reply)
                 if self.experts is not None:
                     self.experts.account(reply)
-                if reply.positions != tuple(start + 1 for _, start, _ in rows):
+                at = reply.positions if isinstance(reply, ForwardBatchReply) else (reply.position,)
+                if at != ends:
                     raise WorkerReplyError(
-                        f"worker {worker.spec.group} is at positions {reply.positions}, "
-                        "not one past the batch's starts: the shards disagree"
+                        f"worker {worker.spec.group} is at position(s) {list(at)}, expected "
+                        f"{list(ends)}: the shards disagree"
                     )
         except BaseException:
             for worker in advanced:  # keep the shards agreeing: undo where it happened
-                for seq, start, _ in rows:
+                for seq, start in starts.items():
                     with contextlib.suppress(Exception):
                         await worker.call(Truncate(position=start, sequence=seq))
             raise
+        return replies
 
     # -- KV position ---------------------------------------------------------------------
 
@@ -853,51 +871,39 @@ class Target:
         # KV Flash: one plan, written once, applied by every worker (raises before any frame
         # when the step cannot be resident: nothing changed).
         flash = self.flash.plan(start, n) if self.flash is not None else [{}] * len(workers)
-        advanced: list[WorkerHandle] = []
-        compute_us = 0
+
+        def frame(k: int, last: bool) -> Forward:
+            return Forward(
+                n_tokens=n,
+                start_pos=start,
+                want=want if last else "hidden",  # type: ignore[arg-type]
+                outputs=outputs if last else {"hidden": self._boundary(k, n)},
+                tokens=tokens,
+                hidden_in=self._boundary(k - 1, n) if k else None,
+                positions=positions if last else "last",  # type: ignore[arg-type]
+                sampling=(sampling or {}) if last else {},
+                top_logprobs=top_logprobs if last else 0,
+                draft_probs=draft_probs if last else None,
+                allowed=allowed if last else None,
+                keep_state=keep_state,
+                keep_block_states=keep_block_states,
+                sequence=self.lane_id,
+                **capture,
+                **flash[k],
+            )
+
         try:
-            for k, worker in enumerate(workers):
-                last = k == len(workers) - 1
-                frame = Forward(
-                    n_tokens=n,
-                    start_pos=start,
-                    want=want if last else "hidden",  # type: ignore[arg-type]
-                    outputs=outputs if last else {"hidden": self._boundary(k, n)},
-                    tokens=tokens,
-                    hidden_in=self._boundary(k - 1, n) if k else None,
-                    positions=positions if last else "last",  # type: ignore[arg-type]
-                    sampling=(sampling or {}) if last else {},
-                    top_logprobs=top_logprobs if last else 0,
-                    draft_probs=draft_probs if last else None,
-                    allowed=allowed if last else None,
-                    keep_state=keep_state,
-                    keep_block_states=keep_block_states,
-                    sequence=self.lane_id,
-                    **capture,
-                    **flash[k],
-                )
-                reply = await worker.call(frame)
-                assert isinstance(reply, ForwardReply)
-                advanced.append(worker)
-                compute_us += reply.elapsed_us
-                if self.experts is not None:
-                    self.experts.account(reply)
-                if reply.position != start + n:
-                    raise WorkerReplyError(
-                        f"worker {worker.spec.group} is at position {reply.position}, "
-                        f"expected {start + n}: the shards disagree"
-                    )
+            replies = await self._pipeline(frame, {self.lane_id: start}, (start + n,))
         except BaseException:
-            # Keep the shards agreeing: undo this forward where it already happened.
-            for worker in advanced:
-                with contextlib.suppress(Exception):
-                    await worker.call(Truncate(position=start, sequence=self.lane_id))
             if self.flash is not None:
                 # Some workers may have run this plan's host-tier moves and others not: the
                 # pool contents disagree, so the sequence must start over.
                 self.flash.truncate(start)
                 self.executor.in_sync = False
             raise
+        reply = replies[-1]
+        assert isinstance(reply, ForwardReply)
+        compute_us = sum(r.elapsed_us for r in replies)
         if self.flash is not None:
             self.flash.after_step()  # qk: reselect; the copies ride with the next plan
         self._position = start + n

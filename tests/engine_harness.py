@@ -74,6 +74,7 @@ async def engine_for(
     weights: str = "dequant",
     batch_invariant: bool = False,
     max_running: int = 1,
+    kv_pool_tokens: int | None = None,
 ) -> AsyncIterator[Engine]:
     """One worker thread each (2 cores, shared with the test); prompts longer than 64
     tokens span several prefill chunks. A draft (or the n-gram lookup) is set up for
@@ -110,6 +111,7 @@ async def engine_for(
             lookup_drafts=lookup_drafts,
             adaptive_blocks=adaptive_blocks,
             max_running=max_running,
+            kv_pool_tokens=kv_pool_tokens,
         )
         try:
             await target.start()

@@ -4,11 +4,17 @@
     async for delta in handle: ...                    # text deltas, token ids, logprobs
     handle.finish_reason                              # "stop" | "length" | "abort" | "error"
 
-One generation runs at a time. Each step of it is one small command to the target
-(a frame round trip); between steps the loop checks cancellation, so a client
+Up to max_running generations run at once, each in its own lane (sequence) of the
+target, their decode steps batched (``batcher.py``). Each step is one small command to
+the target (a frame round trip); between steps the loop checks cancellation, so a client
 that disconnects stops its work within one step (prefill: within one chunk). Text is
 detokenized incrementally and matched against stop strings in the daemon
 (``output.py``). A request with a grammar is constrained by it (``constraint.py``).
+
+The running requests' KV shares one pool of positions (``kv_budget.py``): a request is
+admitted when its prompt fits, and when a running one cannot grow, the request that
+arrived last is preempted: its KV is freed (its sampler kept), it waits at the head of the
+queue, and it resumes by recomputing its prompt and output so far, exactly where it was.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import itertools
 import logging
 import time
 from collections import Counter, deque
@@ -29,6 +36,7 @@ from luced.engine.batcher import StepBatcher
 from luced.engine.block_size import BlockSizer, StepCosts
 from luced.engine.constraint import Constraint
 from luced.engine.executor import WorkerDied, WorkerReplyError
+from luced.engine.kv_budget import KVBudget
 from luced.engine.lookup import PromptLookup
 from luced.engine.output import Delta, OutputBuilder
 from luced.engine.target import Sampled, Target
@@ -77,6 +85,22 @@ class InvalidGrammar(EngineError):
     code = "invalid_grammar"
 
 
+class Preempted(Exception):
+    """The running request gives its KV up to an older one and waits to be recomputed."""
+
+
+@dataclass
+class Resume:
+    """Where a preempted request stopped: the ids its KV held (recomputed on resume), the
+    token sampled next (not fed yet; `emitted` when the client has it already), and its
+    detokenizer."""
+
+    fed: list[int]
+    pending: Sampled
+    emitted: bool
+    out: OutputBuilder
+
+
 @dataclass(frozen=True)
 class GenerationRequest:
     request_id: str
@@ -113,6 +137,13 @@ class RequestHandle:
         self.spec = {"drafts": 0, "draft_tokens": 0, "accepted_tokens": 0}
         self.cached_tokens = 0  # prompt tokens restored from the prefix cache
         self.constraint: Constraint | None = None  # while generating under a grammar
+        # Preemption (kv_budget.py): arrival order, the tokens emitted so far, whether an
+        # older request asked this one to give its KV up, and where it stopped if it did.
+        self.ticket = 0
+        self.generated: list[int] = []
+        self.preempt = False
+        self.resume: Resume | None = None
+        self.lane = 0  # kept while preempted: the workers hold its sampler there
         self._events: asyncio.Queue[Any] = asyncio.Queue()
 
     def cancel(self) -> None:
@@ -157,7 +188,10 @@ class Engine:
         metrics: Any = None,
         prefix_cache: PrefixCache | None = None,
         max_running: int = 1,
+        kv_pool_tokens: int | None = None,
     ) -> None:
+        """kv_pool_tokens: the KV positions the running requests hold together (at least
+        one context); None: max_running whole contexts, so nothing is ever preempted."""
         self.target = target
         self.tokenizer = tokenizer
         self.chat_template = chat_template
@@ -186,6 +220,16 @@ class Engine:
         self.max_running = max_running
         self.running: dict[int, RequestHandle] = {}  # lane -> its request
         self.batcher = StepBatcher(target, self._observe) if max_running > 1 else None
+        pool = kv_pool_tokens or max_running * context_length
+        if pool < context_length:
+            raise ValueError(
+                f"the KV pool ({pool} positions) must hold one whole context "
+                f"({context_length}): else a long request could never finish"
+            )
+        self.kv = KVBudget(pool) if max_running > 1 else None
+        self.preempted: dict[int, RequestHandle] = {}  # lane -> its preempted request
+        self._kv_freed = asyncio.Event()  # replaced by a new one each time KV is freed
+        self._tickets = itertools.count(1)
         self._tasks: set[asyncio.Task] = set()
         self._cache_lock = asyncio.Lock()  # one prefix-cache restore or save at a time
         self.totals = {
@@ -196,6 +240,7 @@ class Engine:
             "errors": 0,
             "spec_drafts": 0,
             "spec_accepted_tokens": 0,
+            "preemptions": 0,
         }
         self._wakeup = asyncio.Event()
         self._idle = asyncio.Event()
@@ -265,6 +310,7 @@ class Engine:
                 reason="max_queue" if full else "max_queued_tokens",
             )
         handle = RequestHandle(req, max_tokens)
+        handle.ticket = next(self._tickets)
         handle.on_cancel = self._drop_if_queued
         self.waiting.append(handle)
         self.totals["requests"] += 1
@@ -289,6 +335,9 @@ class Engine:
         """A queued request whose client left frees its place at once."""
         if handle in self.waiting:
             self.waiting.remove(handle)
+            if self.preempted.get(handle.lane) is handle:  # the workers keep its sampler
+                del self.preempted[handle.lane]
+                self._spawn(self._release(handle.lane), f"release-{handle.lane}")
             self._observe("queue", len(self.waiting))
             handle._finish("abort")
             self._observe_finish(handle)
@@ -342,7 +391,7 @@ class Engine:
             # wait_for can on 3.11) must still end it, not leave it to take the next request.
             if task is not None and task.cancelling():
                 raise asyncio.CancelledError
-            while not self.waiting or len(self.running) >= self.max_running:
+            while (lane := self._next_lane()) is None:
                 self._wakeup.clear()
                 await self._wakeup.wait()
             handle = self.waiting.popleft()
@@ -350,58 +399,163 @@ class Engine:
             if self.max_running == 1:
                 await self._serve(handle, 0)
                 continue
-            # Lanes 1..max_running (lane 0 is the target's default sequence); first come,
-            # first served: each admitted request runs beside the others from here.
-            lane = min(set(range(1, self.max_running + 1)) - self.running.keys())
+            # First come, first served: each admitted request runs beside the others from
+            # here, its KV reserved in the pool (_next_lane checked that it fits).
+            self.preempted.pop(lane, None)
+            handle.lane = lane
+            assert self.kv is not None
+            self.kv.admit(lane, handle.ticket, self._kv_need(handle))
             self.running[lane] = handle
-            task = asyncio.create_task(self._serve(handle, lane), name=f"lane-{lane}")
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+            self._spawn(self._serve(handle, lane), f"lane-{lane}")
+
+    def _spawn(self, work: Any, name: str) -> None:
+        task = asyncio.create_task(work, name=name)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _next_lane(self) -> int | None:
+        """The lane the queue's first request runs in, if it can start now: a lane is free
+        (a preempted request has its own) and its KV fits in the pool."""
+        if not self.waiting or len(self.running) >= self.max_running:
+            return None
+        if self.max_running == 1:
+            return 0
+        handle = self.waiting[0]
+        assert self.kv is not None
+        if not self.kv.fits(self._kv_need(handle)):
+            return None
+        if handle.resume is not None:
+            return handle.lane
+        # Lanes 1..max_running (lane 0 is the target's default sequence).
+        free = set(range(1, self.max_running + 1)) - self.running.keys() - self.preempted.keys()
+        return min(free, default=None)
+
+    @staticmethod
+    def _kv_need(handle: RequestHandle) -> int:
+        """The positions a request's prefill (or recompute) feeds."""
+        return len(handle.resume.fed) if handle.resume else handle.prompt_tokens
+
+    async def _room(self, handle: RequestHandle, lane: int, end: int) -> None:
+        """Reserve the lane's KV up to `end` positions before feeding them. When the pool is
+        full, the request that arrived last gives way: this one (Preempted), or a younger
+        one, which is asked to and waited for. A lane that waits leaves the step batch, so
+        the others (the younger one among them) keep stepping meanwhile."""
+        kv = self.kv
+        if kv is None:
+            return
+        while True:
+            if handle.preempt:
+                raise Preempted
+            if kv.grow(lane, end):
+                return
+            victim = kv.newest()
+            if victim == lane:
+                raise Preempted
+            self.running[victim].preempt = True
+            self._notify_kv()  # wakes the victim if it waits here too
+            freed = self._kv_freed
+            if self.batcher is not None and lane in self.batcher.decoding:
+                self.batcher.leave(lane)
+                try:
+                    await freed.wait()
+                finally:
+                    self.batcher.join(lane)
+            else:
+                await freed.wait()
+
+    def _notify_kv(self) -> None:
+        self._kv_freed.set()
+        self._kv_freed = asyncio.Event()
+
+    def _requeue(self, handle: RequestHandle, lane: int) -> None:
+        """A preempted request back in the queue, in its place by arrival (before every
+        request that came after it), its lane kept for it."""
+        handle.preempt = False
+        if handle.resume is not None:  # else it starts over: nothing was drawn yet
+            self.preempted[lane] = handle
+        self.totals["preemptions"] += 1
+        self._observe("preemptions", 1)
+        after = next((i for i, h in enumerate(self.waiting) if h.ticket > handle.ticket), None)
+        self.waiting.insert(len(self.waiting) if after is None else after, handle)
+        self._observe("queue", len(self.waiting))
+        log.info(
+            "request %s preempted after %d tokens: its KV is freed; it resumes by recomputing %d",
+            handle.request_id,
+            handle.completion_tokens,
+            self._kv_need(handle),
+        )
 
     async def _serve(self, handle: RequestHandle, lane: int) -> None:
         self.running[lane] = handle
         self._observe("running", len(self.running))
+        preempted = False
         try:
             self.target.bind_lane(lane)
             await self._generate(handle, lane)
+        except Preempted:
+            preempted = True
         except Exception as exc:  # never let one request kill the loop
             log.exception("request %s failed", handle.request_id)
             handle._finish("error", f"internal error: {exc}")
         finally:
             if lane:  # its KV is freed in the workers (a long request's is large)
-                with contextlib.suppress(Exception):
-                    await self.target.release(lane)
+                await self._release(lane, keep_sampler=preempted and handle.resume is not None)
             del self.running[lane]
+            if preempted:
+                self._requeue(handle, lane)
+            else:
+                self._observe_finish(handle)
             self._observe("running", len(self.running))
-            self._observe_finish(handle)
-            if not self.running:
+            if not self.running and not self.waiting:
                 self._idle.set()
             self._wakeup.set()  # a lane is free
+
+    async def _release(self, lane: int, keep_sampler: bool = False) -> None:
+        """Free a lane's KV in the workers and in the pool."""
+        with contextlib.suppress(Exception):
+            await self.target.release(lane, keep_sampler)
+        if self.kv is not None:
+            self.kv.release(lane)
+            self._notify_kv()
 
     async def _generate(self, handle: RequestHandle, lane: int = 0) -> None:
         req = handle.request
         sampling = req.params.to_wire()
         k = req.params.logprobs  # None: no logprobs; k: chosen token's + top k
         stops = set(req.stop_token_ids) | (set() if req.ignore_eos else self.tokenizer.eos_ids)
-        out = OutputBuilder(self.tokenizer, req.stop, want_logprobs=req.params.logprobs is not None)
         speculate = self.target.draft is not None or self.lookup_drafts
         try:
-            await self.target.reset()
-            async with self._cache_lock:  # an entry must not be evicted while restored
-                handle.cached_tokens = cached = await self._restore_prefix(req.prompt)
-            cuts = self._cut_points(req.prompt, cached)
-            await self._constrain(handle, stops)
-            sampled = await self._prefill(handle, req.prompt[cached:], sampling, k, cuts)
-            if sampled is None:  # cancelled during the prefill
-                handle._finish("abort")
-                return
-            self.totals["prompt_tokens"] += handle.prompt_tokens
-            self.totals["cached_prompt_tokens"] += cached  # restored, not computed
-            self._observe("prompt_tokens", handle.prompt_tokens)
-            async with self._cache_lock:
-                await self._save_prefix(req.prompt, cuts)
+            if (resume := handle.resume) is not None:
+                if not await self._recompute(handle, resume):
+                    handle._finish("abort")
+                    return
+                handle.resume = None
+                sampled, out, emitted = resume.pending, resume.out, resume.emitted
+            else:
+                out = OutputBuilder(
+                    self.tokenizer, req.stop, want_logprobs=req.params.logprobs is not None
+                )
+                emitted = False
+                await self.target.reset()
+                async with self._cache_lock:  # an entry must not be evicted while restored
+                    handle.cached_tokens = cached = await self._restore_prefix(req.prompt)
+                cuts = self._cut_points(req.prompt, cached)
+                await self._constrain(handle, stops)
+                sampled = await self._prefill(handle, req.prompt[cached:], sampling, k, cuts)
+                if handle.preempt:  # an older request needs the KV: start over later
+                    raise Preempted
+                if sampled is None:  # cancelled during the prefill
+                    handle._finish("abort")
+                    return
+                self.totals["prompt_tokens"] += handle.prompt_tokens
+                self.totals["cached_prompt_tokens"] += cached  # restored, not computed
+                self._observe("prompt_tokens", handle.prompt_tokens)
+                async with self._cache_lock:
+                    await self._save_prefix(req.prompt, cuts)
             if speculate:
-                await self._decode_speculative(handle, out, stops, sampled, sampling, k)
+                await self._decode_speculative(
+                    handle, out, stops, sampled, sampling, k, lane, emitted
+                )
             else:
                 await self._decode_plain(handle, out, stops, sampled, sampling, k, lane)
         except (WorkerDied, WorkerReplyError) as exc:
@@ -409,6 +563,17 @@ class Engine:
             handle._finish("error", f"the model worker failed: {exc}")
         except GrammarError as exc:  # valid alone, but not over this vocabulary
             handle._finish("error", f"grammar: {exc}")
+
+    async def _recompute(self, handle: RequestHandle, resume: Resume) -> bool:
+        """A preempted request's KV again: its prompt and output so far, fed without
+        sampling (the workers kept its sampler, whose generator draws on from where it
+        stopped; a prefix-cache import would start it over, so none is made). False when
+        the client left meanwhile."""
+        cancelled = lambda: handle.cancelled or handle.preempt  # noqa: E731
+        await self.target.prefill(resume.fed, {}, None, cancelled, sample=False)
+        if handle.preempt:
+            raise Preempted
+        return not handle.cancelled
 
     async def _prefill(
         self, handle: RequestHandle, ids: list[int], sampling: dict, k: int | None, cuts: list
@@ -420,7 +585,7 @@ class Engine:
             ids,
             sampling,
             k,
-            lambda: handle.cancelled,
+            lambda: handle.cancelled or handle.preempt,
             keep_at=cuts,
             masked=handle.constraint is not None,
         )
@@ -497,6 +662,7 @@ class Engine:
         if handle.constraint is not None:
             handle.constraint.advance(sampled.token)
         handle.completion_tokens += 1
+        handle.generated.append(sampled.token)
         self.totals["generation_tokens"] += 1
         self._observe("generation_tokens", 1)
         delta, hit = out.push(sampled)
@@ -532,6 +698,12 @@ class Engine:
             batcher.join(lane)
         try:
             while not handle.cancelled:
+                try:  # the KV holds the prompt and every emitted token; `sampled` is next
+                    await self._room(handle, lane, self.target.lane_position(lane) + 1)
+                except Preempted:
+                    fed = [*handle.request.prompt, *handle.generated]
+                    handle.resume = Resume(fed, sampled, emitted=False, out=out)
+                    raise
                 # Send the next step before detokenizing and streaming this token, so the
                 # worker computes while the daemon formats (if this token ends the request,
                 # that one step is wasted). Under a grammar the token is consumed first
@@ -576,6 +748,8 @@ class Engine:
         first: Sampled,
         sampling: dict,
         k: int | None,
+        lane: int = 0,
+        emitted: bool = False,
     ) -> None:
         """DFlash: draft a block after the anchor, verify it in one target forward, emit the
         accepted proposals and the target's own next token, roll the KV back to what was
@@ -590,29 +764,37 @@ class Engine:
         The drafter is the DFlash model, or with ``--draft ngram`` a prompt lookup in the
         daemon (point-mass q). The block size adapts to the request's acceptance
         (``block_size.py``); a block of 1, or a lookup that finds nothing, is a plain step.
+        `emitted`: `first` was streamed already (a preempted request resuming).
         """
         greedy = handle.request.params.greedy
         lookup = PromptLookup(*self.lookup_ngrams) if self.lookup_drafts else None
         if lookup is not None:
-            lookup.extend(handle.request.prompt)
-            lookup.extend([first.token])
+            lookup.extend([*handle.request.prompt, *handle.generated])
+            if not emitted:
+                lookup.extend([first.token])
         # A seeded sampled request keeps the fixed block: which uniforms its generator
         # draws for what depends on the block sizes, and timing-driven sizes would make
         # the same seed give other tokens. Greedy output does not depend on them at all.
         params = handle.request.params
         adapt = self.adaptive_blocks and (greedy or params.seed is None)
         sizer = BlockSizer(self.step_costs, self.block_size) if adapt else None
-        if self._emit(handle, out, first, stops):
+        if not emitted and self._emit(handle, out, first, stops):
             return
         anchor = first.token
         while not handle.cancelled:
+            budget = handle.max_tokens - handle.completion_tokens
+            # A step emits at most `size` tokens: drafting past the budget is wasted work
+            # (and could run the KV past the context the request was admitted with).
+            wanted = min(sizer.next_block() if sizer else self.block_size, budget)
+            try:  # the KV holds the prompt and the output but the anchor (emitted)
+                await self._room(handle, lane, self.target.lane_position(lane) + wanted)
+            except Preempted:
+                fed = [*handle.request.prompt, *handle.generated[:-1]]
+                handle.resume = Resume(fed, Sampled(anchor), emitted=True, out=out)
+                raise
             # Lanes share the masks and q regions: one step holds the workers throughout.
             async with self.target.holding():
-                budget = handle.max_tokens - handle.completion_tokens
-                # A step emits at most `size` tokens: drafting past the budget is wasted work
-                # (and could run the KV past the context the request was admitted with).
-                wanted = sizer.next_block() if sizer else self.block_size
-                size = self.target.draft_room(min(wanted, budget))  # KV Flash: see there
+                size = self.target.draft_room(wanted)  # KV Flash: see there
                 began = time.perf_counter()
                 block = await self._draft(lookup, anchor, size, None if greedy else sampling)
                 constraint = handle.constraint
@@ -746,9 +928,11 @@ class Engine:
                     }
                     for h in self.running.values()
                 ],
-                # KV positions the running requests hold, over what their lanes can hold.
+                # KV positions the running requests hold, over the pool (--kv-pool-tokens).
                 "kv_usage": sum(self.target.lane_position(lane) for lane in self.running)
-                / (self.max_running * self.context_length),
+                / (self.kv.positions if self.kv else self.context_length),
+                "kv_pool_tokens": self.kv.positions if self.kv else self.context_length,
+                "preempted": len(self.preempted),
                 "batched_steps": self.batcher.batches if self.batcher else 0,
                 "mean_batch": (
                     round(self.batcher.steps / self.batcher.batches, 2)

@@ -11,8 +11,9 @@ process do not collide.
     luced:request_prompt_tokens         histogram  prompt length per request
     luced:num_requests_running          gauge      requests in prefill or decode
     luced:num_requests_waiting          gauge      requests in the queue
-    luced:kv_cache_usage_perc           gauge      running requests' KV positions over what
-                                                   max_running contexts hold (0..1, vLLM's)
+    luced:kv_cache_usage_perc           gauge      KV positions the running requests hold,
+                                                   over the pool (--kv-pool-tokens; 0..1)
+    luced:num_preemptions_total         counter    requests preempted (KV freed, recomputed)
     luced:prompt_tokens_total           counter    prompt tokens prefilled
     luced:generation_tokens_total       counter    tokens generated
     luced:request_success_total         counter    finished requests, label finished_reason
@@ -168,6 +169,9 @@ class Metrics:
         self.batch_size = histogram(
             "batch_size", "Sequences in each batched decode step.", BATCH_SIZE_BUCKETS
         )
+        self.num_preemptions = family(
+            Counter, "num_preemptions", "Requests preempted: KV freed, recomputed later."
+        )
         # vLLM's names and meaning: prompt tokens looked up, and those found cached.
         self.prefix_cache_queries = family(
             Counter, "prefix_cache_queries", "Prefix cache queries, in queried prompt tokens."
@@ -214,6 +218,7 @@ class Metrics:
             "prefix_hits": self.prefix_cache_hits.inc,
             "block_size": self.spec_decode_block_size.observe,
             "batch_size": self.batch_size.observe,
+            "preemptions": self.num_preemptions.inc,
         }
 
     # -- what the engine calls ----------------------------------------------------------------
@@ -225,7 +230,8 @@ class Metrics:
         per-request histogram); generation_tokens: tokens just generated; queue, running:
         the current number of waiting / running requests; prefix_queries / prefix_hits:
         prompt tokens looked up in / restored from the prefix cache; block_size: the
-        block of one speculative step; batch_size: the sequences of one batched step.
+        block of one speculative step; batch_size: the sequences of one batched step;
+        preemptions: requests just preempted.
         """
         try:
             observer = self._observers[what]

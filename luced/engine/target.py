@@ -371,12 +371,13 @@ class Target:
             return self._position
         return self._lanes[sequence].position if sequence in self._lanes else 0
 
-    async def release(self, sequence: int) -> None:
-        """Forget `sequence` in every worker (its caches are freed) and here."""
+    async def release(self, sequence: int, keep_sampler: bool = False) -> None:
+        """Forget `sequence` in every worker (its caches are freed) and here; with
+        `keep_sampler` the workers keep its sampler (a preempted request resumes there)."""
         if sequence == 0:
             raise ValueError("sequence 0 is the default lane: reset it instead")
         async with self._lane_lock:
-            reset = Reset(sequence=sequence, release=True)
+            reset = Reset(sequence=sequence, release=True, keep_sampler=keep_sampler)
             await asyncio.gather(*(w.call(reset) for w in self.executor.workers()))
             if self.lane_id == sequence:
                 self._unpark(0)  # its state is dropped, not parked
@@ -748,14 +749,19 @@ class Target:
         cancelled: Callable[[], bool] = lambda: False,
         keep_at: Sequence[int] = (),
         masked: bool = False,
+        sample: bool = True,
     ) -> Sampled | None:
-        """Feed the prompt in chunks of max_batch_tokens; sample after the last one.
-        Returns None when `cancelled()` turned true between chunks.
+        """Feed the prompt in chunks of max_batch_tokens; sample after the last one (not
+        with `sample` False: a preempted request's recompute, whose next token is known).
+        Returns None when `cancelled()` turned true between chunks, or nothing was sampled.
+        Only the sampled chunk draws from the request's generator, so a seed gives the same
+        tokens however the prompt was chunked or restored.
 
         `keep_at`: absolute positions inside the prompt where a recurrent model keeps its
         state (prefix-cache cut points, `export_kv` `cuts`): a chunk ends at each, so the
         state exists there."""
         chunk = self.placement.max_batch_tokens
+        sampled = None
         if self.flash is not None:
             chunk = min(chunk, self.flash.step_limit)  # each step's chunks fit the pool
         base = self.position
@@ -772,7 +778,10 @@ class Target:
             async with self.holding():
                 if last and self.flash is not None and len(prompt) > self.flash.pool:
                     self.flash.pager.ask_reselect()  # qk: select by the prompt's last query
-                sampled = await self._sample(piece, sampling, logprobs, last, b in marks, masked)
+                if last and sample:
+                    sampled = await self._sample(piece, sampling, logprobs, b in marks, masked)
+                else:
+                    await self._feed(piece, keep_state=b in marks)
             a = b
         return sampled
 
@@ -782,9 +791,7 @@ class Target:
     ) -> Sampled:
         """Feed one token, sample the next (among `token_masks` row 0's when `masked`).
         logprobs: None, or k = chosen + top k."""
-        sampled = await self._sample([token], sampling, logprobs, sample=True, masked=masked)
-        assert sampled is not None
-        return sampled
+        return await self._sample([token], sampling, logprobs, masked=masked)
 
     @_on_lane
     async def logits(self, ids: list[int]) -> np.ndarray:
@@ -801,10 +808,10 @@ class Target:
         ids: list[int],
         sampling: dict,
         logprobs: int | None,
-        sample: bool,
         keep_state: bool = False,
         masked: bool = False,
-    ) -> Sampled | None:
+    ) -> Sampled:
+        """Feed ids and sample the token after the last (the request's generator draws)."""
         outputs = self._row_outputs(1, logprobs)
         k = min(logprobs or 0, MAX_TOP_LOGPROBS)
         await self._forward(
@@ -814,9 +821,15 @@ class Target:
             sampling=sampling,
             top_logprobs=k,
             keep_state=keep_state,
-            allowed=self._allowed(masked and sample, 1),
+            allowed=self._allowed(masked, 1),
         )
-        return self._read_rows(1, outputs)[0] if sample else None
+        return self._read_rows(1, outputs)[0]
+
+    async def _feed(self, ids: list[int], keep_state: bool = False) -> None:
+        """Feed ids into the KV, sampling nothing (the head's worker writes the last row's
+        logits, which nobody reads: no generator draws)."""
+        outputs = {"logits": self._regions["logits"].rows(0, 1)}
+        await self._forward(ids, "logits", outputs, keep_state=keep_state)
 
     def _row_outputs(self, n: int, logprobs: int | None) -> dict[str, Region]:
         """Output regions for n rows of ids, and logprobs + top k when asked."""

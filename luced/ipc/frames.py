@@ -53,7 +53,10 @@ MoE expert compute: ``load`` ``moe_hot`` / ``moe_scratch`` / ``moe_required``, i
 9: ``forward`` ``allowed`` (a grammar's allowed-token bitmask per sampled row);
 10: ``load`` and ``load_experts`` ``moe_profile`` (a routing profile's counts: both sides
 must plan the same hot experts from it), ``load_experts`` ``weights`` (cold experts held
-as the target holds its matrices).
+as the target holds its matrices);
+11: continuous batching: ``sequence`` on the frames of one sequence, ``forward_batch``,
+``reset`` ``release``;
+12: ``reset`` ``keep_sampler`` (a preempted sequence frees its KV but keeps its generator).
 
 Expert compute (``luced.runtime.expert_link``): an expert worker answers ``load_experts``
 from the daemon, and ``expert_mix`` from target workers over direct worker-to-worker
@@ -80,7 +83,7 @@ from luced.ipc.regions import Region
 from luced.ipc.typed import FrameError, Record
 from luced.sampling_params import SamplingParams
 
-PROTOCOL_VERSION = 11
+PROTOCOL_VERSION = 12
 
 _ENVELOPE = frozenset({"op", "seq", "ok", "error"})  # no op may use these as fields
 
@@ -925,10 +928,13 @@ class TruncateReply(Reply):
 @dataclass(frozen=True)
 class Reset(Request):
     """Drop the sequence's KV and sampler state (the draft's too); weights stay loaded.
-    ``release``: forget the sequence and free its caches (a finished request of a batch)."""
+    ``release``: forget the sequence and free its caches (a finished request of a batch);
+    with ``keep_sampler`` the sequence keeps its sampler (its seeded generator's place) and
+    only its KV and token history go (a preempted request, recomputed later)."""
 
     sequence: int = 0
     release: bool = False
+    keep_sampler: bool = False
 
     def _check(self) -> None:
         _check_sequence(self)

@@ -244,14 +244,15 @@ class Backend(WorkerState):
         return F.TruncateReply(position=m.position)
 
     def reset(self, req: F.Reset) -> F.ResetReply:
+        if req.release:
+            # Another sequence may be selected: its sampler is not this one's to drop.
+            if self.loaded is not None:
+                self.model("reset").release(req.sequence, keep_sampler=req.keep_sampler)
+            return F.ResetReply()
         self.drop_samplers()
         if self.draft is not None and self.loaded is None:
             return F.ResetReply()  # a draft-only worker has nothing else to reset
-        m = self.model("reset")
-        if req.release:
-            m.release(req.sequence)
-        else:
-            m.truncate(0)
+        self.model("reset").truncate(0)
         return F.ResetReply()
 
     # KV snapshots (prefix cache): luced.runtime.kv_snapshot has the copies.

@@ -157,12 +157,17 @@ class Loaded:
             self._park()
         return self.parked.get(sequence) or self.parked.setdefault(sequence, self._new(sequence))
 
-    def release(self, sequence: int) -> None:
+    def release(self, sequence: int, keep_sampler: bool = False) -> None:
         """Forget `sequence` and free its caches (a finished request); the next frame that
-        names it starts it anew."""
+        names it starts it anew. `keep_sampler`: only its KV and tokens go, its sampler
+        stays (a preempted request's generator draws on where it stopped)."""
         if sequence == self.sequence:
             self._park()
-        self.parked.pop(sequence, None)
+        state = self.parked.pop(sequence, None)
+        if keep_sampler and state is not None and state.sampler is not None:
+            self.parked[sequence] = SequenceState(
+                self.new_caches(), sampler=state.sampler, sampling=state.sampling
+            )
 
     def _park(self) -> None:
         if self.sequence is not None:

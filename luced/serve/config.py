@@ -378,6 +378,15 @@ OPTIONS: tuple[Option, ...] = (
         minimum=1, maximum=64,
     ),
     Option(
+        "kv_pool_tokens", "int", 0,
+        "KV positions the running requests hold together (continuous batching). When a "
+        "running request cannot grow, the one that arrived last is preempted: its KV is "
+        "freed and it is recomputed when there is room, with the same output. At least "
+        "the context length; 0 = max-running whole contexts, or what half the free memory "
+        "holds if less.",
+        minimum=0,
+    ),
+    Option(
         "max_queued_tokens", "int", 32768,
         "Prompt tokens that may wait in the queue; more are answered 429.", minimum=1,
     ),
@@ -593,6 +602,7 @@ class Config:
     context_length: int | None  # None: the model's, capped (see effective_context_length)
     max_queue: int
     max_running: int
+    kv_pool_tokens: int
     max_queued_tokens: int
     max_batch_tokens: int
     default_max_tokens: int | None

@@ -25,6 +25,7 @@ from aiohttp import web
 from luced.api.server import Guard, make_app
 from luced.engine.core import Engine
 from luced.engine.executor import WorkerReplyError
+from luced.engine.kv_budget import resolve_kv_pool
 from luced.engine.kvflash.pager import PagerConfig
 from luced.engine.kvflash.transport import (
     KVFlashSettings,
@@ -102,6 +103,8 @@ class Daemon:
             int(gguf.get(f"{gguf.arch}.expert_used_count", 0)),
         )
         moe_profile = self._moe_profile(gguf)
+        running = self._max_running()
+        kv_pool = self._kv_pool(gguf, context, running)
         del gguf
         if cfg.moe_expert_device is not None:
             if cfg.moe_hot_experts is None:
@@ -161,7 +164,8 @@ class Daemon:
             lookup_drafts=cfg.lookup_drafts,
             adaptive_blocks=cfg.adaptive_block_size,
             metrics=metrics,
-            max_running=self._max_running(),
+            max_running=running,
+            kv_pool_tokens=kv_pool,
         )
         try:
             api_key = cfg.effective_api_key()
@@ -254,6 +258,24 @@ class Daemon:
         if cfg.max_running > 1:
             log.info("continuous batching: up to %d requests at once", cfg.max_running)
         return cfg.max_running
+
+    def _kv_pool(self, gguf: GGUFFile, context: int, running: int) -> int:
+        """--kv-pool-tokens resolved (auto: from the free memory), logged."""
+        cfg = self.config
+        per_token = model_bytes_per_token(gguf, DTYPE_BYTES[cfg.dtype])
+        try:
+            pool = resolve_kv_pool(cfg.kv_pool_tokens, running, context, per_token)
+        except ValueError as exc:
+            raise StartupError(f"{cfg.label('kv_pool_tokens')}: {exc}") from exc
+        if running > 1:
+            log.info(
+                "KV pool: %d positions for %d running requests (%d MiB at %d KiB a position)",
+                pool,
+                running,
+                pool * per_token >> 20,
+                per_token >> 10,
+            )
+        return pool
 
     def _kv_flash(self, gguf: GGUFFile, context: int) -> PagerConfig | None:
         """The KV Flash pager's config (--kv-flash), or None when it is off."""

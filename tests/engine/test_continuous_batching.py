@@ -12,6 +12,7 @@ import pytest
 from engine_harness import engine_for
 
 from luced.engine.core import Engine, GenerationRequest
+from luced.engine.kv_budget import RESERVE_STEP, KVBudget, resolve_kv_pool
 from luced.sampling_params import SamplingParams
 
 # Prompts of different lengths (one spans two 64-token prefill chunks), so the requests
@@ -132,3 +133,73 @@ async def test_a_long_prompt_does_not_stall_the_running_streams(tmp_path: Path) 
             pass
     chunks = 1500 // 64
     assert gained >= chunks - 2, f"{gained} tokens during a prefill of {chunks} chunks"
+
+
+def long_request(i: int, max_tokens: int = 60) -> GenerationRequest:
+    params, _ = PARAMS[i]
+    return GenerationRequest(
+        f"r{i}", PROMPTS[i], SamplingParams(**params), max_tokens, ignore_eos=True
+    )
+
+
+async def test_a_pool_too_small_for_all_preempts_and_every_request_finishes_as_alone(
+    tiny: Path,
+) -> None:
+    """Four requests need ~360 KV positions; the pool holds 256 (one context). The newest
+    ones give their KV up and are recomputed later, and each request's tokens (greedy, and
+    seeded sampling with penalties: the workers keep its generator) and logprobs are the
+    ones it gets alone."""
+    async with engine_for(tiny, context=256) as engine:
+        alone = [await collect(engine, long_request(i)) for i in range(len(PROMPTS))]
+    async with engine_for(tiny, context=256, max_running=4, kv_pool_tokens=256) as engine:
+        together = await asyncio.gather(*(collect(engine, long_request(i)) for i in range(4)))
+        assert engine.totals["preemptions"] > 0
+        assert engine.status()["queue"]["kv_pool_tokens"] == 256
+        assert await engine.drain(10) and not engine.running and not engine.preempted
+        assert engine.kv is not None and engine.kv.used == 0
+    for i, (got, want) in enumerate(zip(together, alone, strict=True)):
+        assert (got[0], got[2]) == (want[0], "length"), f"request {i}"
+        assert [lp for lp, _ in got[1]] == pytest.approx([lp for lp, _ in want[1]], abs=1e-4)
+
+
+async def test_a_preempted_request_that_is_cancelled_frees_its_lane(tiny: Path) -> None:
+    async with engine_for(tiny, context=256) as engine:
+        want = await collect(engine, long_request(0))
+    async with engine_for(tiny, context=256, max_running=3, kv_pool_tokens=256) as engine:
+        older = asyncio.ensure_future(collect(engine, long_request(1, 150)))
+        while not engine.running:
+            await asyncio.sleep(0)
+        younger = engine.submit(long_request(2, 150))
+        while not engine.preempted:  # the pool fills: the younger one gives way
+            await asyncio.sleep(0.01)
+        assert younger in engine.waiting
+        younger.cancel()
+        assert younger.finish_reason == "abort" and not engine.preempted
+        await older
+        assert await collect(engine, long_request(0)) == want  # the lanes work on
+        assert await engine.drain(10) and engine.kv is not None and engine.kv.used == 0
+
+
+def test_kv_budget_reserves_grows_and_names_the_newest() -> None:
+    kv = KVBudget(100)
+    assert kv.admit(1, ticket=5, positions=40) and kv.admit(2, ticket=9, positions=30)
+    assert not kv.admit(3, ticket=11, positions=31)  # 71 + 31 > 100: nothing changed
+    assert kv.used == 70 and kv.newest() == 2
+    assert kv.grow(1, 41) and kv.held[1] == 41 + RESERVE_STEP  # a spare step at once
+    assert kv.grow(1, 50) and kv.held[1] == 57  # within the reservation
+    assert kv.grow(2, 43) and kv.held[2] == 43  # the spare does not fit, the need does
+    assert not kv.grow(2, 44) and kv.held[2] == 43
+    kv.release(2)
+    assert kv.used == 57 and kv.newest() == 1 and kv.fits(43) and not kv.fits(44)
+    with pytest.raises(ValueError, match="already holds"):
+        kv.admit(1, ticket=12, positions=1)
+
+
+def test_the_kv_pool_holds_a_context_and_auto_follows_the_free_memory() -> None:
+    assert resolve_kv_pool(5000, 8, 4096, 1024) == 5000
+    with pytest.raises(ValueError, match="one whole context"):
+        resolve_kv_pool(4095, 8, 4096, 1024)
+    gib = 1 << 30
+    assert resolve_kv_pool(0, 8, 4096, 1024, free_bytes=gib) == 8 * 4096  # all fit
+    assert resolve_kv_pool(0, 8, 4096, 65536, free_bytes=gib) == 8192  # half of 1 GiB
+    assert resolve_kv_pool(0, 8, 4096, 1 << 20, free_bytes=gib) == 4096  # at least one

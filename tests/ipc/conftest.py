@@ -168,7 +168,7 @@ def sample_requests() -> dict[str, F.Request]:
             tokens=region(98368, (128,), "int32"),
         ),
         "truncate": F.Truncate(position=57),
-        "reset": F.Reset(),
+        "reset": F.Reset(sequence=3, release=True, keep_sampler=True),
         "stats": F.Stats(),
         "shutdown": F.Shutdown(),
     }

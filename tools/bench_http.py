@@ -1,16 +1,18 @@
 #!/usr/bin/env python3
 """HTTP benchmark: N concurrent streaming clients against a luced daemon.
 
-Starts `luced serve` (or uses --url), sends `--requests` chat completions with
-`--concurrency` clients in flight, each a prompt of about `--prompt-tokens` tokens and
-`--max-tokens` generated tokens (ignore_eos, greedy), and reports TTFT p50/p95, decode
-tok/s per stream and requests/s. With --compare it also runs tools/generate.py
-in-process on the same model and prompt length, interleaved with single-client HTTP
-runs, and reports the daemon path's cost in decode speed. With --max-running 1,8 it
-starts one daemon per setting (continuous batching off and on), --rounds times,
-alternating, and reports each setting's medians side by side.
+Starts `luced serve` (or uses --url), sends `--requests` completions (default: two per
+client) with `--concurrency` clients in flight, each a prompt of about `--prompt-tokens`
+tokens and `--max-tokens` generated tokens (ignore_eos, greedy), and reports aggregate
+generated tok/s, requests/s, TTFT p50/p99 and inter-token latency p50/p99 (gaps between
+streamed chunks). `--concurrency 1,4,8,16` runs each level in turn. With --compare it also
+runs tools/generate.py in-process on the same model and prompt length, interleaved with
+single-client HTTP runs, and reports the daemon path's cost in decode speed. With
+--max-running 1,8 it starts one daemon per setting (continuous batching off and on),
+--rounds times, alternating, runs every concurrency level on each, and reports each
+setting's medians side by side with the throughput ratio to the first setting.
 
-    python tools/bench_http.py [--model PATH] [--concurrency 4] [--requests 8]
+    python tools/bench_http.py [--model PATH] [--concurrency 1,4,8,16] [--requests N]
         [--prompt-tokens 128] [--max-tokens 64] [--threads 2] [--compare]
         [--max-running 1,8] [--rounds 2]
 """
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
 import signal
@@ -28,6 +31,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from dataclasses import astuple, dataclass
 from pathlib import Path
 
 import aiohttp
@@ -68,7 +72,7 @@ async def one_request(session: aiohttp.ClientSession, url: str, prompt: str, max
         "stream_options": {"include_usage": True},
     }
     t0 = time.perf_counter()
-    first = None
+    arrivals: list[float] = []  # each streamed chunk with text
     tokens = 0
     async with session.post(url + "/v1/completions", json=body) as resp:
         resp.raise_for_status()
@@ -79,12 +83,46 @@ async def one_request(session: aiohttp.ClientSession, url: str, prompt: str, max
             chunk = json.loads(line[6:])
             if chunk.get("usage"):
                 tokens = chunk["usage"]["completion_tokens"]
-            elif chunk["choices"] and first is None:
-                first = time.perf_counter()
+            elif chunk["choices"]:
+                arrivals.append(time.perf_counter())
     end = time.perf_counter()
+    first = arrivals[0] if arrivals else None
     ttft = (first or end) - t0
     decode = (tokens - 1) / (end - first) if first and tokens > 1 and end > first else 0.0
-    return ttft, decode
+    return Result(ttft, decode, [b - a for a, b in itertools.pairwise(arrivals)])
+
+
+@dataclass
+class Result:
+    ttft: float
+    decode: float  # tok/s of this stream after its first token
+    itl: list[float]  # gaps between its streamed chunks
+
+
+@dataclass
+class Load:
+    """One load's summary: aggregate generated tok/s, requests/s, TTFT and ITL percentiles."""
+
+    tok_s: float
+    rps: float
+    ttft_p50: float
+    ttft_p99: float
+    itl_p50: float
+    itl_p99: float
+
+    @staticmethod
+    def of(results: list[Result], wall: float, max_tokens: int) -> Load:
+        ttfts = [r.ttft for r in results]
+        itls = [g for r in results for g in r.itl] or [0.0]
+        n = len(results)
+        return Load(
+            n * max_tokens / wall,
+            n / wall,
+            pct(ttfts, 0.5),
+            pct(ttfts, 0.99),
+            pct(itls, 0.5),
+            pct(itls, 0.99),
+        )
 
 
 async def run_load(url: str, concurrency: int, requests: int, prompt: str, max_tokens: int):
@@ -162,8 +200,8 @@ def main() -> int:
     ap.add_argument("--model")
     ap.add_argument("--url", help="use a running daemon instead of starting one")
     ap.add_argument("--port", type=int, default=8931)
-    ap.add_argument("--concurrency", type=int, default=4)
-    ap.add_argument("--requests", type=int, default=8)
+    ap.add_argument("--concurrency", default="4", help="clients in flight; a list: 1,4,8,16")
+    ap.add_argument("--requests", type=int, help="per concurrency level (default 2 per client)")
     ap.add_argument("--prompt-tokens", type=int, default=128)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2)
@@ -171,6 +209,7 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=3, help="interleaved repeats for --compare")
     ap.add_argument("--max-running", help="comma-separated settings to compare, e.g. 1,8")
     ap.add_argument("--rounds", type=int, default=2, help="alternating rounds of --max-running")
+    ap.add_argument("--serve-args", default="", help="more `luced serve` options, one string")
     args = ap.parse_args()
     if args.max_running:
         return compare_max_running(args)
@@ -183,27 +222,19 @@ def main() -> int:
         proc = start_daemon(args.model, args.port, args.threads, tmp)
         url = f"http://127.0.0.1:{args.port}"
     try:
-        results, wall = asyncio.run(
-            run_load(url, args.concurrency, args.requests, prompt, args.max_tokens)
-        )
-        ttfts = [r[0] for r in results]
-        decodes = [r[1] for r in results if r[1] > 0]
         print(
-            f"concurrency {args.concurrency}, {args.requests} requests, "
             f"prompt ~{args.prompt_tokens} tokens, {args.max_tokens} generated, "
             f"threads {args.threads}"
         )
-        print(f"TTFT p50 {pct(ttfts, 0.5):.3f} s, p95 {pct(ttfts, 0.95):.3f} s")
-        print(f"decode per stream: median {statistics.median(decodes):.1f} tok/s")
-        print(
-            f"requests/s {args.requests / wall:.2f}, "
-            f"generated tok/s {args.requests * args.max_tokens / wall:.1f}"
-        )
+        print(HEADER)
+        for c in levels(args.concurrency):
+            load = measure(url, c, args.requests or 2 * c, prompt, args.max_tokens)
+            print(row(f"concurrency {c}", load))
         if args.compare:
             http, local = [], []
             for _ in range(args.repeats):  # interleaved: HTTP, in-process, HTTP, ...
                 (res,), _ = asyncio.run(run_load(url, 1, 1, prompt, args.max_tokens))
-                http.append(res[1])
+                http.append(res.decode)
                 local.append(in_process_decode(args.model, prompt, args.max_tokens, args.threads))
             h, loc = statistics.median(http), statistics.median(local)
             print(
@@ -220,34 +251,59 @@ def main() -> int:
     return 0
 
 
+HEADER = "setting              gen tok/s  req/s  TTFT p50/p99 s   ITL p50/p99 ms"
+
+
+def row(label: str, load: Load, ratio: str = "") -> str:
+    return (
+        f"{label:19s}  {load.tok_s:9.1f}  {load.rps:5.2f}  "
+        f"{load.ttft_p50:6.2f} / {load.ttft_p99:<6.2f}  "
+        f"{1e3 * load.itl_p50:6.1f} / {1e3 * load.itl_p99:<6.1f}{ratio}"
+    )
+
+
+def levels(spec: str) -> list[int]:
+    return [int(x) for x in spec.split(",")]
+
+
+def measure(url: str, concurrency: int, requests: int, prompt: str, max_tokens: int) -> Load:
+    results, wall = asyncio.run(run_load(url, concurrency, requests, prompt, max_tokens))
+    return Load.of(results, wall, max_tokens)
+
+
 def compare_max_running(args: argparse.Namespace) -> int:
-    """One daemon per --max-running setting, the same load on each, settings alternating
-    over rounds (drift hits them alike); medians per setting."""
+    """One daemon per --max-running setting, every concurrency level on each, settings
+    alternating over rounds (drift hits them alike); medians per setting and level, and
+    aggregate tok/s against the first setting at the same level."""
     settings = [int(x) for x in args.max_running.split(",")]
     prompt = prompt_text(args.prompt_tokens)
-    rows: dict[int, list[tuple[float, float, float]]] = {m: [] for m in settings}
+    runs: dict[tuple[int, int], list[Load]] = {}
     for _ in range(args.rounds):
         for m in settings:
             with tempfile.TemporaryDirectory(prefix="luced-bench-") as tmp:
-                extra = ("--max-running", str(m))
+                extra = ("--max-running", str(m), *args.serve_args.split())
                 proc = start_daemon(args.model, args.port, args.threads, Path(tmp), extra)
                 try:
                     url = f"http://127.0.0.1:{args.port}"
-                    load = run_load(url, args.concurrency, args.requests, prompt, args.max_tokens)
-                    results, wall = asyncio.run(load)
+                    for c in levels(args.concurrency):
+                        load = measure(url, c, args.requests or 2 * c, prompt, args.max_tokens)
+                        runs.setdefault((m, c), []).append(load)
                 finally:
                     proc.send_signal(signal.SIGTERM)
                     proc.wait(60)
-            ttft = pct([r[0] for r in results], 0.5)
-            rows[m].append((ttft, args.requests / wall, args.requests * args.max_tokens / wall))
     print(
-        f"concurrency {args.concurrency}, {args.requests} requests, prompt ~{args.prompt_tokens} "
-        f"tokens, {args.max_tokens} generated, threads {args.threads}, {args.rounds} rounds"
+        f"prompt ~{args.prompt_tokens} tokens, {args.max_tokens} generated, threads "
+        f"{args.threads}, {args.rounds} rounds, medians"
     )
-    print("max_running  TTFT p50 s  requests/s  generated tok/s")
-    for m, rs in rows.items():
-        ttft, rps, tps = (statistics.median(col) for col in zip(*rs, strict=True))
-        print(f"{m:11d}  {ttft:10.3f}  {rps:10.2f}  {tps:15.1f}")
+    print(HEADER)
+    for c in levels(args.concurrency):
+        base = None
+        for m in settings:
+            loads = runs[(m, c)]
+            med = Load(*(statistics.median(col) for col in zip(*map(astuple, loads), strict=True)))
+            base = base or med
+            ratio = f"  {med.tok_s / base.tok_s:.2f}x" if m != settings[0] else ""
+            print(row(f"c={c} max_running={m}", med, ratio))
     return 0
 
 

@@ -7,6 +7,10 @@ step until every sequence that is decoding has asked (or has left), then runs th
 as one `Target.step_batch` and hands each its token. A request prefilling its prompt is
 not decoding yet: its chunks run between batches, holding the workers for one chunk at a
 time, so a long prompt delays the others' streams by a chunk, not by the prompt.
+
+A request streams its token while the next batch computes: `submit` hands the step in
+and returns once the batch holding it is on its way to the workers (every decoding lane
+submits before any of them detokenizes and streams), and the result comes later.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ class StepBatcher:
         self.decoding: set[int] = set()  # lanes whose next step comes through here
         self._pending: dict[int, tuple[BatchStep, asyncio.Future[Sampled]]] = {}
         self._flush: asyncio.Task | None = None
+        self._launched = asyncio.Event()  # set when the pending batch is sent; then renewed
         self.batches = 0  # batched forwards run, and the steps in them (mean batch size)
         self.steps = 0
 
@@ -38,12 +43,22 @@ class StepBatcher:
 
     async def step(self, lane: int, token: int, sampling: dict, logprobs: int | None) -> Sampled:
         """Feed `token` to the lane's sequence and sample its next, in the next batch."""
+        future = await self.submit(lane, token, sampling, logprobs)
+        return await future
+
+    async def submit(
+        self, lane: int, token: int, sampling: dict, logprobs: int | None
+    ) -> asyncio.Future[Sampled]:
+        """Hand in the lane's next step; returns when its batch has been sent, with the
+        future of the sampled token."""
         if lane not in self.decoding:
             raise ValueError(f"lane {lane} steps without having joined")
-        future = asyncio.get_running_loop().create_future()
+        future: asyncio.Future[Sampled] = asyncio.get_running_loop().create_future()
         self._pending[lane] = (BatchStep(lane, token, sampling, logprobs), future)
+        launched = self._launched
         self._maybe_flush()
-        return await future
+        await launched.wait()
+        return future
 
     def _maybe_flush(self) -> None:
         ready = self._pending and self.decoding <= self._pending.keys()
@@ -52,6 +67,10 @@ class StepBatcher:
 
     async def _run(self) -> None:
         batch, self._pending = self._pending, {}
+        launched, self._launched = self._launched, asyncio.Event()
+        # Set before the frame is written: the submitters resume after this task yields,
+        # which it first does once the frame is sent (the workers' lock is free here).
+        launched.set()
         try:
             rows = await self.target.step_batch([step for step, _ in batch.values()])
         except BaseException as exc:

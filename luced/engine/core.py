@@ -710,11 +710,11 @@ class Engine:
                 # (in _emit): the next step's mask depends on it.
                 last = sampled.token in stops or handle.completion_tokens + 1 >= handle.max_tokens
                 if constraint is None and not last:
-                    if batcher is not None:
-                        step = batcher.step(lane, sampled.token, sampling, k)
+                    if batcher is not None:  # returns once the batch is sent
+                        ahead = await batcher.submit(lane, sampled.token, sampling, k)
                     else:
-                        step = self.target.step(sampled.token, sampling, k)
-                    ahead = asyncio.ensure_future(step)
+                        ahead = asyncio.ensure_future(self.target.step(sampled.token, sampling, k))
+                        await asyncio.sleep(0)  # the step's task runs up to its frame's send
                 if self._emit(handle, out, sampled, stops):
                     return
                 if constraint is not None:

@@ -181,10 +181,10 @@ def attention_mask(
     """Boolean [n, total] mask (True = attend) for queries at start..start+n-1 over keys
     0..total-1: causal, and within `window` positions when given. None when every query
     may see every key (single-token decode without a window in reach)."""
-    q_pos = torch.arange(start, start + n, device=device)[:, None]
-    k_pos = torch.arange(total, device=device)[None, :]
     if n == 1 and (window is None or start < window):
         return None
+    q_pos = torch.arange(start, start + n, device=device)[:, None]
+    k_pos = torch.arange(total, device=device)[None, :]
     allowed = k_pos <= q_pos
     if window is not None:
         allowed &= (q_pos - k_pos) < window

@@ -47,14 +47,19 @@ class StepBatcher:
         return await future
 
     async def submit(
-        self, lane: int, token: int, sampling: dict, logprobs: int | None
+        self,
+        lane: int,
+        token: int,
+        sampling: dict,
+        logprobs: int | None,
+        fill: Callable[[int], None] | None = None,
     ) -> asyncio.Future[Sampled]:
-        """Hand in the lane's next step; returns when its batch has been sent, with the
-        future of the sampled token."""
+        """Hand in the lane's next step (`fill`: its grammar's mask writer, given the step's
+        row); returns when its batch has been sent, with the future of the sampled token."""
         if lane not in self.decoding:
             raise ValueError(f"lane {lane} steps without having joined")
         future: asyncio.Future[Sampled] = asyncio.get_running_loop().create_future()
-        self._pending[lane] = (BatchStep(lane, token, sampling, logprobs), future)
+        self._pending[lane] = (BatchStep(lane, token, sampling, logprobs, fill), future)
         launched = self._launched
         self._maybe_flush()
         await launched.wait()

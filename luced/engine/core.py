@@ -693,7 +693,7 @@ class Engine:
     ) -> None:
         ahead: asyncio.Future | None = None
         constraint = handle.constraint
-        batcher = self.batcher if constraint is None else None
+        batcher = self.batcher
         if batcher is not None:
             batcher.join(lane)
         try:
@@ -717,7 +717,9 @@ class Engine:
                         await asyncio.sleep(0)  # the step's task runs up to its frame's send
                 if self._emit(handle, out, sampled, stops):
                     return
-                if constraint is not None:
+                if constraint is not None and batcher is not None:  # its mask written in the batch
+                    ahead = await batcher.submit(lane, sampled.token, sampling, k, constraint.fill)
+                elif constraint is not None:
                     step = self._masked_step(constraint, sampled, sampling, k)
                     ahead = asyncio.ensure_future(step)
                 assert ahead is not None

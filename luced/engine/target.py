@@ -150,6 +150,9 @@ class BatchStep:
     token: int  # fed at the sequence's position
     sampling: dict = field(default_factory=dict)
     logprobs: int | None = None  # None, or k: the chosen token's and the top k
+    # A grammar's mask writer (Constraint.fill): called with the step's row of
+    # `token_masks` while the batch holds the workers.
+    fill: Callable[[int], None] | None = None
 
 
 class Target:
@@ -423,7 +426,7 @@ class Target:
                 asked = [s.logprobs for s in steps if s.logprobs is not None]
                 k = min(max(asked, default=0), MAX_TOP_LOGPROBS)
                 outputs = self._row_outputs(n, k if asked else None)
-                await self._batch_pipeline(steps, rows, outputs, k)
+                await self._batch_pipeline(steps, rows, outputs, k, self._fill_masks(steps))
                 for s, lane in zip(steps, lanes, strict=True):
                     lane.last_fed = (lane.position, [s.token])
                     lane.position += 1
@@ -433,8 +436,28 @@ class Target:
                 self._unpark(selected)
         return [_trimmed(r, s.logprobs) for r, s in zip(sampled, steps, strict=True)]
 
+    def _fill_masks(self, steps: Sequence[BatchStep]) -> Region | None:
+        """The batch's grammar masks, a row per step (every token allowed where a step has
+        no grammar), or None when no step has one."""
+        if all(s.fill is None for s in steps):
+            return None
+        masks = self._arrays["allowed"]
+        if len(steps) > masks.shape[0]:
+            raise ValueError(f"masks for {len(steps)} sequences: the region holds {masks.shape[0]}")
+        for row, step in enumerate(steps):
+            if step.fill is None:
+                masks[row] = -1  # all 32 bits of every word
+            else:
+                step.fill(row)
+        return self._regions["allowed"].rows(0, len(steps))
+
     async def _batch_pipeline(
-        self, steps: Sequence[BatchStep], rows: list[tuple[int, int, int]], outputs: dict, k: int
+        self,
+        steps: Sequence[BatchStep],
+        rows: list[tuple[int, int, int]],
+        outputs: dict,
+        k: int,
+        allowed: Region | None,
     ) -> None:
         n = len(steps)
 
@@ -449,6 +472,7 @@ class Target:
                 hidden_in=self._boundary(i - 1, n) if i else None,
                 sampling=tuple(s.sampling for s in steps) if last else (),
                 top_logprobs=k if last else 0,
+                allowed=allowed if last else None,
             )
 
         starts = {seq: start for seq, start, _ in rows}

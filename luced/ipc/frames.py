@@ -56,7 +56,8 @@ must plan the same hot experts from it), ``load_experts`` ``weights`` (cold expe
 as the target holds its matrices);
 11: continuous batching: ``sequence`` on the frames of one sequence, ``forward_batch``,
 ``reset`` ``release``;
-12: ``reset`` ``keep_sampler`` (a preempted sequence frees its KV but keeps its generator).
+12: ``reset`` ``keep_sampler`` (a preempted sequence frees its KV but keeps its generator);
+``forward_batch`` ``allowed`` (grammar steps batched with the others).
 
 Expert compute (``luced.runtime.expert_link``): an expert worker answers ``load_experts``
 from the daemon, and ``expert_mix`` from target workers over direct worker-to-worker
@@ -382,7 +383,7 @@ class Forward(Request):
         self._check_sampling()
         self._check_capture()
         self._check_verify()
-        self._check_allowed()
+        _check_allowed(self)
         self._check_kv_flash()
 
     def _check_sampling(self) -> None:
@@ -418,16 +419,6 @@ class Forward(Request):
         if q.dtype != "float32" or len(q.shape) != 2 or q.shape[0] < self.n_tokens - 1:
             got = f"{q.dtype} {list(q.shape)}"
             raise self._fail(f"draft_probs must be float32 [>= {self.n_tokens - 1}, vocab], {got}")
-
-    def _check_allowed(self) -> None:
-        a = self.allowed
-        if a is None:
-            return
-        if self.want not in ("sample", "verify"):
-            raise self._fail('allowed is only for want="sample" / "verify"')
-        if a.dtype != "int32" or len(a.shape) != 2 or a.shape[0] < self.n_out:
-            got = f"{a.dtype} {list(a.shape)}"
-            raise self._fail(f"allowed must be int32 [>= {self.n_out}, words], got {got}")
 
     def _check_kv_flash(self) -> None:
         slots, table, moves, host = self.kv_slots, self.kv_map, self.kv_moves, self.kv_host
@@ -505,6 +496,17 @@ def _check_outputs(frame: Forward | ForwardBatch) -> None:
             raise frame._fail(f"outputs.{name} needs {k} columns, got {r.shape[1]}")
 
 
+def _check_allowed(frame: Forward | ForwardBatch) -> None:
+    a = frame.allowed
+    if a is None:
+        return
+    if frame.want not in ("sample", "verify"):
+        raise frame._fail('allowed is only for want="sample" / "verify"')
+    if a.dtype != "int32" or len(a.shape) != 2 or a.shape[0] < frame.n_out:
+        got = f"{a.dtype} {list(a.shape)}"
+        raise frame._fail(f"allowed must be int32 [>= {frame.n_out}, words], got {got}")
+
+
 def _check_sequence(frame: Forward | Truncate | Reset | KVExport | KVImport) -> None:
     if frame.sequence < 0:
         raise frame._fail(f"sequence must be >= 0, got {frame.sequence}")
@@ -552,7 +554,9 @@ class ForwardBatch(Request):
     ``want="sample"``: output row i is sequence i's next token, drawn from its last row's
     logits with ``sampling[i]`` and that sequence's kept sampler (as ``forward`` draws);
     ``want="hidden"``: the rows for the next shard. Write ordering as ``forward``.
-    A failed batch leaves every sequence's KV as it was.
+    ``allowed``: a grammar's bitmask per sequence (row i for sequence i; all bits set for a
+    sequence without one), as ``forward``'s. A failed batch leaves every sequence's KV as it
+    was.
     """
 
     n_sequences: int
@@ -564,6 +568,7 @@ class ForwardBatch(Request):
     hidden_in: Region | None = None
     sampling: tuple[dict[str, int | float | None], ...] = ()
     top_logprobs: int = 0
+    allowed: Region | None = None
 
     @property
     def n_out(self) -> int:
@@ -580,6 +585,7 @@ class ForwardBatch(Request):
             raise self._fail(f"batch holds {b.shape[0]} rows, fewer than {self.n_sequences}")
         _check_input(self)
         _check_outputs(self)
+        _check_allowed(self)
         if self.want == "sample" and len(self.sampling) != self.n_sequences:
             n = self.n_sequences
             raise self._fail(f"sampling needs one map per sequence ({n}), got {len(self.sampling)}")

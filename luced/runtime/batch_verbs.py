@@ -13,6 +13,7 @@ import time
 import torch
 
 from luced.ipc import frames as F
+from luced.runtime import token_mask
 from luced.runtime.kv_cache import ContextOverflow
 from luced.runtime.ragged import Ragged, Span
 from luced.runtime.sampler import histories, write_rows
@@ -52,6 +53,10 @@ def forward_batch(worker: WorkerState, req: F.ForwardBatch) -> F.ForwardBatchRep
     samplers = []  # want="hidden" samples nothing (its sampling is empty)
     if req.want == "sample":
         samplers = [kept_sampler(s, p, k) for s, p in zip(states, req.sampling, strict=True)]
+    bias = None  # grammar masks, a row per sequence (all-allowed rows add 0)
+    if req.allowed is not None:
+        worker.check_width("allowed", req.allowed, (m.reply.vocab + 31) // 32)
+        bias = token_mask.bias(worker.tensor(req.allowed)[: req.n_sequences], m.reply.vocab)
     if hidden is None:
         assert ids is not None
         hidden = first.embed(ids.to(first.device, torch.int64))
@@ -75,7 +80,8 @@ def forward_batch(worker: WorkerState, req: F.ForwardBatch) -> F.ForwardBatchRep
             logits = last.logits(hidden[last_rows])
             for j, (state, sampler) in enumerate(zip(states, samplers, strict=True)):
                 history = histories(sampler, state.tokens + own[j], 1)
-                write_rows(outputs, sampler.sample(logits[j : j + 1], history), row=j)
+                row_bias = None if bias is None else bias[j : j + 1].to(logits.device)
+                write_rows(outputs, sampler.sample(logits[j : j + 1], history, row_bias), row=j)
     except BaseException:
         for state, (_, start, _) in zip(states, rows, strict=True):
             _undo(state, start)

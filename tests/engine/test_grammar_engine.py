@@ -7,6 +7,7 @@ writes JSON on its own, so only the masks can make it), and plain constrained de
 
 from __future__ import annotations
 
+import asyncio
 import json
 from pathlib import Path
 
@@ -111,3 +112,28 @@ async def test_greedy_speculative_equals_plain(tiny, plain, draft: str) -> None:
         else:  # the oracle drafts no sampled q; the others stay inside the grammar sampled
             _, text, reason = await run(engine, grammar, temperature=1.0, seed=3)
             assert_valid(text, reason)
+
+
+async def test_grammar_steps_batched_with_plain_ones_equal_each_alone(tiny, plain) -> None:
+    """With continuous batching a constrained request steps in the same batch as the
+    others, its mask in its own row: its output is plain constrained decoding's, a seeded
+    constrained one repeats its own, and the unconstrained neighbour is untouched."""
+    grammar = json_schema_grammar(SCHEMA)
+    free = GenerationRequest("f", PROMPT[:7], SamplingParams(temperature=0), 40, ignore_eos=True)
+
+    async def free_tokens(engine: Engine) -> list[int]:
+        return [t async for d in engine.submit(free) for t in d.token_ids]
+
+    async with engine_for(tiny[0]) as engine:
+        seeded = await run(engine, grammar, temperature=1.0, seed=5)
+        alone = await free_tokens(engine)
+    async with engine_for(tiny[0], max_running=3) as engine:
+        got = await asyncio.gather(
+            run(engine, grammar),
+            run(engine, grammar, temperature=1.0, seed=5),
+            free_tokens(engine),
+        )
+        batcher = engine.batcher
+        assert batcher is not None and batcher.steps > batcher.batches + MAX_TOKENS // 4
+    assert got[0][0] == plain and got[1] == seeded and got[2] == alone
+    assert_valid(got[1][1], got[1][2])

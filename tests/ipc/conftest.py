@@ -134,6 +134,7 @@ def sample_requests() -> dict[str, F.Request]:
             outputs={"ids": region(64, (8,), "int32"), "logprobs": region(128, (8,), "float32")},
             tokens=region(960, (512,), "int32"),
             sampling=({"temperature": 0}, {"temperature": 0.8, "seed": 5}),
+            allowed=region(4096, (64, 1536), "int32"),
         ),
         "load_draft": F.LoadDraft(
             path="/models/draft", dtype="bfloat16", device="cuda:1", target="/models/x.gguf"

@@ -75,6 +75,7 @@ async def engine_for(
     batch_invariant: bool = False,
     max_running: int = 1,
     kv_pool_tokens: int | None = None,
+    kv_dtype: str = "",
 ) -> AsyncIterator[Engine]:
     """One worker thread each (2 cores, shared with the test); prompts longer than 64
     tokens span several prefill chunks. A draft (or the n-gram lookup) is set up for
@@ -98,6 +99,7 @@ async def engine_for(
             kv_sources=gguf.kv_sources(),  # as the daemon: a split keeps gemma4's pairs together
             weights_mode=weights,
             batch_invariant=batch_invariant,
+            kv_dtype=kv_dtype,
         )
         target = target_cls(owner, placement, kv_flash=kv_flash)
         tokenizer = Tokenizer.from_gguf(gguf)

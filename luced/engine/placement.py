@@ -270,6 +270,7 @@ class TargetPlacement:
     moe_profile: MoeCounts = ()  # a routing profile's counts: the most routed are hot
     weights_mode: str = "dequant"  # how workers hold matrices (frames.WEIGHT_MODES)
     batch_invariant: bool = False  # logits independent of how tokens are grouped in calls
+    kv_dtype: str = ""  # the K/V rows' dtype; "" = dtype
 
     def __post_init__(self) -> None:
         if not self.workers:
@@ -302,6 +303,7 @@ class TargetPlacement:
         moe_profile: MoeCounts = (),
         weights_mode: str = "dequant",
         batch_invariant: bool = False,
+        kv_dtype: str = "",
     ) -> TargetPlacement:
         """--target-devices / --target-layer-split -> workers; raises PlacementError.
         `kv_sources` (the GGUF's KV-sharing layers) keeps sharing layers with their sources;
@@ -334,4 +336,5 @@ class TargetPlacement:
             moe_profile=moe_profile,
             weights_mode=weights_mode,
             batch_invariant=batch_invariant,
+            kv_dtype=kv_dtype,
         )

@@ -312,6 +312,7 @@ class Target:
                 **(self.experts.load_fields(slot) if self.experts else {}),
                 weights=p.weights_mode,
                 batch_invariant=p.batch_invariant,
+                kv_dtype=p.kv_dtype,
             )
         )
         if self.experts is not None:

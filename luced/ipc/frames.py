@@ -57,7 +57,8 @@ as the target holds its matrices);
 11: continuous batching: ``sequence`` on the frames of one sequence, ``forward_batch``,
 ``reset`` ``release``;
 12: ``reset`` ``keep_sampler`` (a preempted sequence frees its KV but keeps its generator);
-``forward_batch`` ``allowed`` (grammar steps batched with the others).
+``forward_batch`` ``allowed`` (grammar steps batched with the others); ``load``
+``kv_dtype`` (``--kv-dtype``).
 
 Expert compute (``luced.runtime.expert_link``): an expert worker answers ``load_experts``
 from the daemon, and ``expert_mix`` from target workers over direct worker-to-worker
@@ -227,8 +228,11 @@ class Load(Request):
     weights: str = "dequant"  # one of WEIGHT_MODES
     # Logits independent of how tokens are grouped into calls (runtime.model.Model.load).
     batch_invariant: bool = False
+    kv_dtype: str = ""  # the K/V rows' dtype; "" = dtype
 
     def _check(self) -> None:
+        if self.kv_dtype not in ("", *COMPUTE_DTYPES):
+            raise self._fail(f"kv_dtype must be one of {COMPUTE_DTYPES}, got {self.kv_dtype!r}")
         if self.moe_hot < -1:
             raise self._fail(f"moe_hot must be -1 (all) or >= 0, got {self.moe_hot}")
         a, b = self.layers

@@ -180,6 +180,7 @@ class Backend(WorkerState):
                 weights=req.weights,
                 batch_invariant=req.batch_invariant,
                 experts=split.hot if split else None,  # read only the hot experts
+                kv_dtype=req.kv_dtype or None,
             )
             if i == 0:
                 check_load(req, model)

@@ -386,18 +386,21 @@ class KVCache(RecurrentLayers):
         sources: Mapping[int, int] | None = None,
         recurrent: Mapping[int, RecurrentShape] | None = None,
         row_exact: bool = False,
+        state_dtype: torch.dtype | None = None,
     ) -> None:
         """shapes: layer -> (Hkv, D) where it differs from (n_kv_heads, head_dim);
         sources: KV-sharing layer -> the layer of this cache whose K/V it reads;
         recurrent: the layers that keep a recurrent state instead of K/V;
-        row_exact: attention row by row, as each position's decode step (batch-invariant)."""
+        row_exact: attention row by row, as each position's decode step (batch-invariant);
+        state_dtype: the recurrent conv windows' dtype (default `dtype`, the rows')."""
         self.row_exact = row_exact
         self.layers = layers
         self.head_dim = head_dim
         self.capacity = capacity
         self.dtype = dtype
         self.device = torch.device(device)
-        self.recurrent = RecurrentState(recurrent, dtype, self.device) if recurrent else None
+        states = state_dtype or dtype
+        self.recurrent = RecurrentState(recurrent, states, self.device) if recurrent else None
         self.sources = dict(sources or {})
         for layer, source in self.sources.items():
             if layer not in layers or source not in layers or source in self.sources:

@@ -91,10 +91,12 @@ class PooledKVCache(RecurrentLayers):
         shapes: Mapping[int, tuple[int, int]] | None = None,
         sources: Mapping[int, int] | None = None,
         recurrent: Mapping[int, RecurrentShape] | None = None,
+        state_dtype: torch.dtype | None = None,
     ) -> None:
         """shapes: layer -> (Hkv, D) where it differs from (n_kv_heads, head_dim);
         sources: KV-sharing layer -> the layer of this cache whose rows it reads (Gemma 4);
-        recurrent: the layers that keep a recurrent state instead of rows (qwen35)."""
+        recurrent: the layers that keep a recurrent state instead of rows (qwen35);
+        state_dtype: the recurrent conv windows' dtype (default `dtype`, the rows')."""
         if pool <= 0 or pool % chunk:
             raise ValueError(f"a pool of {pool} rows is not a positive multiple of {chunk}")
         self.layers = layers
@@ -103,7 +105,8 @@ class PooledKVCache(RecurrentLayers):
             if layer not in layers or source not in layers or source in self.sources:
                 raise ValueError(f"layer {layer} cannot read the pooled rows of layer {source}")
         self.device = torch.device(device)
-        self.recurrent = RecurrentState(recurrent, dtype, self.device) if recurrent else None
+        states = state_dtype or dtype
+        self.recurrent = RecurrentState(recurrent, states, self.device) if recurrent else None
         # The layers that hold pool rows of their own (snapshots and host records copy these).
         self.stored = tuple(
             i for i in layers if i not in self.sources and i not in (recurrent or {})

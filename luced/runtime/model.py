@@ -59,6 +59,7 @@ class Model:
         self.path = path
         self.weights_mode = "dequant"  # qlinear.WEIGHT_MODES; `load` sets it
         self.batch_invariant = False  # `load` sets it: row-exact caches, packed calls only
+        self.kv_dtype = dtype  # the K/V rows' (`load` sets it; recurrent states keep `dtype`)
         self.owns_embed = layers.start == 0
         self.owns_head = layers.stop == cfg.n_layers
         self.ropes = family.ropes(cfg, weights, device)
@@ -74,6 +75,7 @@ class Model:
         weights: str = "dequant",
         batch_invariant: bool = False,
         experts: Mapping[int, Sequence[int]] | None = None,
+        kv_dtype: str | torch.dtype | None = None,
     ) -> Model:
         """`weights`: how matrices are held (qlinear.WEIGHT_MODES); "dequant" is the exact
         float path, the others pack them for the weight-only kernels. `batch_invariant`: a
@@ -82,7 +84,8 @@ class Model:
         takes the kernel 64 rows at a time and attention runs row by row, at a cost
         (README, "Batch-invariant mode"). `experts`: MoE layer -> the global ids of the
         routed experts to hold (a placement's hot ones; the stacks then have only those,
-        in that order); other layers hold all."""
+        in that order); other layers hold all. `kv_dtype`: the K/V rows' dtype (default
+        `dtype`); attention then runs in it."""
         t0 = time.monotonic()
         gguf = GGUFFile(path)
         family = family_for(gguf)
@@ -110,6 +113,7 @@ class Model:
         model = cls(family, cfg, tensors, span, torch_dtype, torch_device, gguf.path)  # type: ignore[arg-type]
         model.weights_mode = weights
         model.batch_invariant = batch_invariant
+        model.kv_dtype = parse_dtype(kv_dtype) if kv_dtype is not None else torch_dtype
         for w in tensors.values():
             if isinstance(w, PackedLinear):
                 w.invariant = batch_invariant
@@ -137,11 +141,12 @@ class Model:
             cfg.n_kv_heads,
             cfg.head_dim,
             capacity or cfg.context_length,
-            self.dtype,
+            self.kv_dtype,
             self.device,
             shapes={i: cfg.kv_shape(i) for i in self.layers},
             sources={i: s for i in self.layers if (s := cfg.kv_source(i)) != i},
             recurrent=self._recurrent_shapes(),
+            state_dtype=self.dtype,
             row_exact=self.batch_invariant,
         )
 
@@ -155,12 +160,13 @@ class Model:
             cfg.n_kv_heads,
             cfg.head_dim,
             pool,
-            self.dtype,
+            self.kv_dtype,
             self.device,
             capacity=capacity or cfg.context_length,
             shapes={i: cfg.kv_shape(i) for i in self.layers},
             sources={i: s for i in self.layers if (s := cfg.kv_source(i)) != i},
             recurrent=self._recurrent_shapes(),
+            state_dtype=self.dtype,
         )
 
     def _recurrent_shapes(self) -> dict[int, RecurrentShape] | None:

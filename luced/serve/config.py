@@ -345,6 +345,14 @@ OPTIONS: tuple[Option, ...] = (
         choices=WEIGHT_MODES,
     ),
     Option(
+        "kv_dtype", "str", "auto",
+        "dtype of the K/V cache; attention runs in it. `auto` = `--dtype`. bfloat16 / "
+        "float16 halve the KV memory of a float32 model; on CPUs torch's attention "
+        "kernels are slower in them (README: Compact weights against llama.cpp), so "
+        "use them there for memory, not speed.",
+        choices=("auto", "float32", "bfloat16", "float16"),
+    ),
+    Option(
         "batch_invariant", "bool", False,
         "Make every token's logits independent of how tokens are grouped into forwards: "
         "greedy speculative decoding then equals plain decoding, and a prompt restored "
@@ -597,6 +605,7 @@ class Config:
     model_name: str | None  # None: the GGUF stem (see served_model_name)
     dtype: str
     weights: str
+    kv_dtype: str
     batch_invariant: bool
     threads: int
     context_length: int | None  # None: the model's, capped (see effective_context_length)
@@ -691,6 +700,10 @@ class Config:
         if not key:
             raise ConfigError(f"{self.label('api_key_file')}: the first line is empty")
         return key
+
+    def effective_kv_dtype(self) -> str:
+        """--kv-dtype resolved: the K/V rows' dtype."""
+        return self.dtype if self.kv_dtype == "auto" else self.kv_dtype
 
     def label(self, name: str) -> str:
         """How errors name an option: by its source, or by its name."""

@@ -123,6 +123,7 @@ class Daemon:
             dtype=cfg.dtype,
             weights_mode=cfg.weights,
             batch_invariant=cfg.batch_invariant,
+            kv_dtype=cfg.effective_kv_dtype(),
             kv_capacity=context,
             max_batch_tokens=cfg.max_batch_tokens,
             devices=cfg.target_devices,
@@ -262,7 +263,7 @@ class Daemon:
     def _kv_pool(self, gguf: GGUFFile, context: int, running: int) -> int:
         """--kv-pool-tokens resolved (auto: from the free memory), logged."""
         cfg = self.config
-        per_token = model_bytes_per_token(gguf, DTYPE_BYTES[cfg.dtype])
+        per_token = model_bytes_per_token(gguf, DTYPE_BYTES[cfg.effective_kv_dtype()])
         try:
             pool = resolve_kv_pool(cfg.kv_pool_tokens, running, context, per_token)
         except ValueError as exc:
@@ -285,7 +286,7 @@ class Daemon:
         settings = KVFlashSettings(
             cfg.kv_flash, cfg.kv_flash_policy, cfg.kv_flash_tau, cfg.kv_flash_max_pool
         )
-        per_token = model_bytes_per_token(gguf, DTYPE_BYTES[cfg.dtype])
+        per_token = model_bytes_per_token(gguf, DTYPE_BYTES[cfg.effective_kv_dtype()])
         pool = resolve_pool(settings, context, per_token)
         try:
             pager = pager_config(settings, pool, gguf)

@@ -151,7 +151,9 @@ async def open_prefix_cache(
             fingerprint=model_fingerprint(model_path),
             template_hash=hashlib.sha256(source.encode()).hexdigest()[:32],
             placement=placement_key(target),
-            dtype=config.dtype,
+            dtype=config.dtype
+            if config.effective_kv_dtype() == config.dtype
+            else f"{config.dtype}, kv {config.effective_kv_dtype()}",
         )
         try:
             disk = SnapshotDisk(config.kv_cache_dir, identity, layout, lock_fd=reservation.take())

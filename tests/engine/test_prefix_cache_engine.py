@@ -32,7 +32,7 @@ N = 12  # tokens generated per request
 NEWER = {"gemma4": False, "qwen3moe": False, "laguna": False, "qwen35moe": True}
 
 
-def engine_with(path: Path, devices, draft: Path | None, cache: bool):
+def engine_with(path: Path, devices, draft: Path | None, cache: bool, kv_dtype: str = ""):
     return engine_for(
         path,
         devices,
@@ -40,6 +40,7 @@ def engine_with(path: Path, devices, draft: Path | None, cache: bool):
         context=1024,
         block_size=4,
         prefix_cache_bytes=(64 << 20) if cache else 0,
+        kv_dtype=kv_dtype,
     )
 
 
@@ -62,17 +63,18 @@ def prompts(vocab: int) -> list[list[int]]:
 
 
 async def check_restore_equals_fresh(
-    path: Path, devices, draft: Path | None, exact_cut: bool = False
+    path: Path, devices, draft: Path | None, exact_cut: bool = False, kv_dtype: str = ""
 ) -> None:
     """exact_cut (a hybrid): a snapshot restores only at its end, so of the prompts only
     the second turn (which extends the whole first prompt) restores anything."""
     vocab = Tokenizer.from_gguf(GGUFFile(path)).vocab_size
     ps = prompts(vocab)
-    async with engine_with(path, devices, draft, cache=False) as fresh:
+    async with engine_with(path, devices, draft, cache=False, kv_dtype=kv_dtype) as fresh:
         expected = [(await run(fresh, p))[0] for p in ps]
-    async with engine_with(path, devices, draft, cache=True) as cached:
+    async with engine_with(path, devices, draft, cache=True, kv_dtype=kv_dtype) as cached:
         got = [await run(cached, p) for p in ps]
         stats = cached.prefix_cache.stats()
+        assert cached.prefix_cache.specs[0].dtype == (kv_dtype or "float32")
     assert [tokens for tokens, _ in got] == expected
     if exact_cut:
         assert [n for _, n in got] == [0, 150, 0, 0]
@@ -99,6 +101,13 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Path
 @pytest.mark.parametrize("devices", [("cpu",), ("cpu", "cpu:1")], ids=["unsplit", "split"])
 async def test_tiny_restore_equals_fresh(tiny, family, devices) -> None:
     await check_restore_equals_fresh(tiny[family][0], devices, None)
+
+
+@pytest.mark.parametrize("devices", [("cpu",), ("cpu", "cpu:1")], ids=["unsplit", "split"])
+async def test_bfloat16_kv_restore_equals_fresh(tiny, devices) -> None:
+    """--kv-dtype bfloat16 under float32 compute: snapshots hold the 16-bit rows, and a
+    restore gives what the fresh prefill gives."""
+    await check_restore_equals_fresh(tiny["qwen3"][0], devices, None, kv_dtype="bfloat16")
 
 
 @pytest.mark.parametrize("devices", [("cpu",), ("cpu", "cpu:1")], ids=["unsplit", "split"])

@@ -94,6 +94,7 @@ def sample_requests() -> dict[str, F.Request]:
             moe_hot=4,
             moe_scratch=region(4096, (65536,), "uint8"),
             moe_required=True,
+            kv_dtype="float16",
         ),
         "load_experts": F.LoadExperts(
             model="/models/x.gguf",

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import make_tiny_gguf
 import pytest
 import torch
 
@@ -259,3 +260,35 @@ def test_sharing_layers_read_their_source_and_store_nothing() -> None:
         cache.import_rows(6, {**rows, 2: rows[0]})
     with pytest.raises(ValueError, match="layer 5 cannot read the KV of layer 2"):
         KVCache(range(3, 6), 2, 8, 32, torch.float32, sources={4: 3, 5: 2})
+
+
+@pytest.mark.parametrize("kv_dtype", ["bfloat16", "float16"])
+def test_a_half_precision_cache_holds_half_the_bytes_and_close_logits(
+    smollm2: Model, smollm2_gguf: Path, kv_dtype: str
+) -> None:
+    """--kv-dtype: K/V rows in 16 bits under float32 compute; attention runs in them, and
+    the logits stay within that rounding of the float32 cache's (greedy picks agree)."""
+    half = Model.load(smollm2_gguf, kv_dtype=kv_dtype)
+    prompt = torch.tensor([1, 504, 3575, 282, 4649, 314, 253, 2240, 338, 28, 5165, 30])
+    full_cache, half_cache = smollm2.new_cache(64), half.new_cache(64)
+    want = smollm2.forward(prompt, full_cache, 0)
+    got = half.forward(prompt, half_cache, 0)
+    for token in [553, 719, 253]:  # decode steps read the cache back
+        want = torch.cat([want, smollm2.forward(torch.tensor([token]), full_cache, full_cache.pos)])
+        got = torch.cat([got, half.forward(torch.tensor([token]), half_cache, half_cache.pos)])
+    assert got.dtype == torch.float32 and half_cache.k[0].dtype == getattr(torch, kv_dtype)
+    assert half_cache.nbytes() * 2 == full_cache.nbytes()
+    torch.testing.assert_close(got, want, rtol=0, atol=0.3)
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+    assert not torch.equal(got, want)  # really computed in 16 bits
+
+
+def test_recurrent_states_keep_the_compute_dtype(tmp_path: Path) -> None:
+    tiny = make_tiny_gguf.build("qwen35", tmp_path / "h.gguf", seed=3).path
+    model = Model.load(tiny, kv_dtype="bfloat16")
+    cache = model.new_cache(64)
+    assert cache.k[cache.stored[0]].dtype == torch.bfloat16
+    assert cache.recurrent is not None
+    conv, delta = next(iter(cache.recurrent.current.states.values()))
+    assert conv.dtype == delta.dtype == torch.float32
+    model.forward(torch.arange(3, 20), cache, 0)  # runs with mixed dtypes

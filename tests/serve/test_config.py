@@ -51,6 +51,7 @@ SAMPLES: dict[str, tuple[str, str, Any]] = {
     "api_key": ("sk-test", '"sk-test"', "sk-test"),
     "api_key_file": ("/k/key", '"/k/key"', Path("/k/key")),
     "metrics_public": ("true", "true", True),
+    "kv_dtype": ("bfloat16", "\"bfloat16\"", "bfloat16"),
     "batch_invariant": ("true", "true", True),
     "allowed_hosts": ("a.example,b", '["a.example", "b"]', ("a.example", "b")),
     "allowed_origins": ("http://x:1", '["http://x:1"]', ("http://x:1",)),

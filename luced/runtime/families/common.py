@@ -283,12 +283,14 @@ def cached_attention(
     else:
         keys, values = cache.write(layer, start, *kv)
         cache.observe_query(layer, q, window)  # KV Flash qk scores chunks by it
+    dtype = q.dtype
+    q = q.to(keys.dtype)  # --kv-dtype: attention runs in the cache's dtype
     if n > 1 and cache.row_exact:
         # Batch-invariant mode: each query attends exactly as a decode step at its position
         # would. One SDPA call over n queries differs from n calls in the last float bits,
         # and the packed kernels' bf16 activations grow that into different logits (0.66 on
         # SmolLM2 under --weights auto); so a verify or a prefill gives decode's very logits.
-        return torch.cat([
+        out = torch.cat([
             attention(
                 q[i : i + 1],
                 keys[:, : start + i + 1],
@@ -298,5 +300,6 @@ def cached_attention(
             )
             for i in range(n)
         ])  # fmt: skip
-    mask = cache.mask(start, n, window, q.device)
-    return attention(q, keys, values, mask, scale)
+    else:
+        out = attention(q, keys, values, cache.mask(start, n, window, q.device), scale)
+    return out.to(dtype)

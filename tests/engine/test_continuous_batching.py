@@ -60,10 +60,12 @@ async def collect(engine: Engine, req: GenerationRequest) -> tuple[list[int], li
     return tokens, lps, handle.finish_reason
 
 
-async def test_requests_served_together_equal_each_served_alone(tiny: Path) -> None:
+@pytest.mark.parametrize("devices", [("cpu",), ("cpu", "cpu:1")], ids=["unsplit", "split"])
+async def test_requests_served_together_equal_each_served_alone(tiny: Path, devices) -> None:
+    """Split: the whole batch flows through the pipeline of shards."""
     async with engine_for(tiny, context=256) as engine:
         alone = [await collect(engine, request(i)) for i in range(len(PROMPTS))]
-    async with engine_for(tiny, context=256, max_running=4) as engine:
+    async with engine_for(tiny, devices, context=256, max_running=4) as engine:
         together = await asyncio.gather(*(collect(engine, request(i)) for i in range(4)))
         batcher = engine.batcher
         assert batcher is not None and batcher.steps > batcher.batches > 0  # really batched
@@ -143,8 +145,9 @@ def long_request(i: int, max_tokens: int = 60) -> GenerationRequest:
     )
 
 
+@pytest.mark.parametrize("devices", [("cpu",), ("cpu", "cpu:1")], ids=["unsplit", "split"])
 async def test_a_pool_too_small_for_all_preempts_and_every_request_finishes_as_alone(
-    tiny: Path,
+    tiny: Path, devices
 ) -> None:
     """Four requests need ~360 KV positions; the pool holds 256 (one context). The newest
     ones give their KV up and are recomputed later, and each request's tokens (greedy, and
@@ -152,7 +155,7 @@ async def test_a_pool_too_small_for_all_preempts_and_every_request_finishes_as_a
     ones it gets alone."""
     async with engine_for(tiny, context=256) as engine:
         alone = [await collect(engine, long_request(i)) for i in range(len(PROMPTS))]
-    async with engine_for(tiny, context=256, max_running=4, kv_pool_tokens=256) as engine:
+    async with engine_for(tiny, devices, context=256, max_running=4, kv_pool_tokens=256) as engine:
         together = await asyncio.gather(*(collect(engine, long_request(i)) for i in range(4)))
         assert engine.totals["preemptions"] > 0
         assert engine.status()["queue"]["kv_pool_tokens"] == 256
@@ -265,3 +268,21 @@ async def test_float32_greedy_batch_of_eight_mixed_lengths_equals_each_alone() -
         gap = top[want[1][j]] - top[got[1][j]]
         assert gap < 1e-3, f"prompt {i}: token {j} flipped without a near-tie ({gap})"
     assert whole >= 7
+
+
+async def test_speculative_requests_are_preempted_and_resume_exactly(tiny: Path) -> None:
+    """`--draft ngram` lanes in a pool of one context: a preempted speculative request
+    (its anchor streamed, not fed) recomputes and goes on; greedy output == plain alone."""
+    greedy = [long_request(i) for i in (0, 2)] + [
+        GenerationRequest(
+            "rep", PROMPTS[1][:40] * 2, SamplingParams(temperature=0), 60, ignore_eos=True
+        )
+    ]
+    async with engine_for(tiny, context=256) as engine:
+        alone = [await collect(engine, r) for r in greedy]
+    async with engine_for(
+        tiny, context=256, max_running=3, kv_pool_tokens=256, lookup_drafts=True, block_size=4
+    ) as engine:
+        together = await asyncio.gather(*(collect(engine, r) for r in greedy))
+        assert engine.totals["preemptions"] > 0 and engine.totals["spec_drafts"] > 0
+    assert [t[0] for t in together] == [t[0] for t in alone]

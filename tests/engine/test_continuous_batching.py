@@ -272,17 +272,20 @@ async def test_float32_greedy_batch_of_eight_mixed_lengths_equals_each_alone() -
 
 async def test_speculative_requests_are_preempted_and_resume_exactly(tiny: Path) -> None:
     """`--draft ngram` lanes in a pool of one context: a preempted speculative request
-    (its anchor streamed, not fed) recomputes and goes on; greedy output == plain alone."""
-    greedy = [long_request(i) for i in (0, 2)] + [
-        GenerationRequest(
-            "rep", PROMPTS[1][:40] * 2, SamplingParams(temperature=0), 60, ignore_eos=True
-        )
+    (its anchor streamed, not fed) recomputes and goes on; greedy output == plain alone,
+    logprobs too (they see the whole context: a token fed twice would show)."""
+    greedy = SamplingParams(temperature=0, logprobs=1)
+    prompts = [PROMPTS[0], PROMPTS[2], PROMPTS[1][:40] * 2]
+    reqs = [
+        GenerationRequest(f"s{i}", p, greedy, 60, ignore_eos=True) for i, p in enumerate(prompts)
     ]
     async with engine_for(tiny, context=256) as engine:
-        alone = [await collect(engine, r) for r in greedy]
+        alone = [await collect(engine, r) for r in reqs]
     async with engine_for(
         tiny, context=256, max_running=3, kv_pool_tokens=256, lookup_drafts=True, block_size=4
     ) as engine:
-        together = await asyncio.gather(*(collect(engine, r) for r in greedy))
+        together = await asyncio.gather(*(collect(engine, r) for r in reqs))
         assert engine.totals["preemptions"] > 0 and engine.totals["spec_drafts"] > 0
-    assert [t[0] for t in together] == [t[0] for t in alone]
+    for got, want in zip(together, alone, strict=True):
+        assert got[0] == want[0]
+        assert [lp for lp, _ in got[1]] == pytest.approx([lp for lp, _ in want[1]], abs=1e-4)

@@ -27,7 +27,7 @@ class StepBatcher:
         self.target = target
         self.observe = observe  # the engine's metrics: "batch_size" per batched step
         self.decoding: set[int] = set()  # lanes whose next step comes through here
-        self._pending: dict[int, tuple[BatchStep, asyncio.Future[Sampled]]] = {}
+        self._pending: dict[int, tuple[BatchStep, asyncio.Future[list[Sampled]]]] = {}
         self._flush: asyncio.Task | None = None
         self._launched = asyncio.Event()  # set when the pending batch is sent; then renewed
         self.batches = 0  # batched forwards run, and the steps in them (mean batch size)
@@ -43,23 +43,18 @@ class StepBatcher:
 
     async def step(self, lane: int, token: int, sampling: dict, logprobs: int | None) -> Sampled:
         """Feed `token` to the lane's sequence and sample its next, in the next batch."""
-        future = await self.submit(lane, token, sampling, logprobs)
-        return await future
+        future = await self.submit(BatchStep(lane, token, sampling, logprobs))
+        return (await future)[0]
 
-    async def submit(
-        self,
-        lane: int,
-        token: int,
-        sampling: dict,
-        logprobs: int | None,
-        fill: Callable[[int], None] | None = None,
-    ) -> asyncio.Future[Sampled]:
-        """Hand in the lane's next step (`fill`: its grammar's mask writer, given the step's
-        row); returns when its batch has been sent, with the future of the sampled token."""
+    async def submit(self, step: BatchStep) -> asyncio.Future[list[Sampled]]:
+        """Hand in the lane's next step (a token, or a greedy verify block; with a grammar's
+        mask writer); returns when its batch has been sent, with the future of the step's
+        sampled rows (one, or one per block row)."""
+        lane = step.sequence
         if lane not in self.decoding:
             raise ValueError(f"lane {lane} steps without having joined")
-        future: asyncio.Future[Sampled] = asyncio.get_running_loop().create_future()
-        self._pending[lane] = (BatchStep(lane, token, sampling, logprobs, fill), future)
+        future: asyncio.Future[list[Sampled]] = asyncio.get_running_loop().create_future()
+        self._pending[lane] = (step, future)
         launched = self._launched
         self._maybe_flush()
         await launched.wait()
@@ -87,7 +82,7 @@ class StepBatcher:
         else:
             self.batches += 1
             self.steps += len(batch)
-            self.observe("batch_size", len(batch))
+            self.observe("batch_size", len(batch))  # sequences, whatever their rows
             for (_, future), row in zip(batch.values(), rows, strict=True):
                 if not future.done():  # its request may have been cancelled meanwhile
                     future.set_result(row)

@@ -26,7 +26,7 @@ import itertools
 import logging
 import time
 from collections import Counter, deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,7 +39,7 @@ from luced.engine.executor import WorkerDied, WorkerReplyError
 from luced.engine.kv_budget import KVBudget
 from luced.engine.lookup import PromptLookup
 from luced.engine.output import Delta, OutputBuilder
-from luced.engine.target import Sampled, Target
+from luced.engine.target import BatchStep, Sampled, Target
 from luced.sampling_params import SamplingParams
 from luced.text.grammar import GrammarError, GrammarTokenizer, check_grammar
 from luced.text.tokenizer import Tokenizer
@@ -83,6 +83,11 @@ class Unavailable(EngineError):
 class InvalidGrammar(EngineError):
     status = 400
     code = "invalid_grammar"
+
+
+async def _first_row(rows: Awaitable[list[Sampled]]) -> Sampled:
+    """A batched decode step's one row."""
+    return (await rows)[0]
 
 
 class Preempted(Exception):
@@ -711,14 +716,16 @@ class Engine:
                 last = sampled.token in stops or handle.completion_tokens + 1 >= handle.max_tokens
                 if constraint is None and not last:
                     if batcher is not None:  # returns once the batch is sent
-                        ahead = await batcher.submit(lane, sampled.token, sampling, k)
+                        step = BatchStep(lane, sampled.token, sampling, k)
+                        ahead = asyncio.ensure_future(_first_row(await batcher.submit(step)))
                     else:
                         ahead = asyncio.ensure_future(self.target.step(sampled.token, sampling, k))
                         await asyncio.sleep(0)  # the step's task runs up to its frame's send
                 if self._emit(handle, out, sampled, stops):
                     return
                 if constraint is not None and batcher is not None:  # its mask written in the batch
-                    ahead = await batcher.submit(lane, sampled.token, sampling, k, constraint.fill)
+                    step = BatchStep(lane, sampled.token, sampling, k, fill=constraint.fill)
+                    ahead = asyncio.ensure_future(_first_row(await batcher.submit(step)))
                 elif constraint is not None:
                     step = self._masked_step(constraint, sampled, sampling, k)
                     ahead = asyncio.ensure_future(step)

@@ -153,6 +153,9 @@ class BatchStep:
     # A grammar's mask writer (Constraint.fill): called with the step's row of
     # `token_masks` while the batch holds the workers.
     fill: Callable[[int], None] | None = None
+    # A greedy verify block's proposals, fed after `token`: the step then samples a
+    # token after every row of the block (`Target.verify`'s rows), not only the last.
+    proposals: tuple[int, ...] = ()
 
 
 class Target:
@@ -270,7 +273,7 @@ class Target:
             "io",
             {
                 "tokens": ([n], "int32"),
-                "batch": ([n, 3], "int32"),  # forward_batch: (sequence, start, n) per row
+                "batch": ([n, 4], "int32"),  # forward_batch: (sequence, start, n, n_out) rows
                 "ids": ([n], "int32"),
                 "logprobs": ([n], "float32"),
                 "topk_ids": ([n * MAX_TOP_LOGPROBS], "int32"),
@@ -403,11 +406,12 @@ class Target:
         self._last_block_states, self._ring_floor = lane.last_block_states, lane.ring_floor
         self.lane_id = sequence
 
-    async def step_batch(self, steps: Sequence[BatchStep]) -> list[Sampled]:
+    async def step_batch(self, steps: Sequence[BatchStep]) -> list[list[Sampled]]:
         """One decode step of several sequences in one pass through the workers: each
-        feeds its token at its position and samples its next with its own sampling (the
-        workers keep each sequence's sampler, as `step` does). All or nothing: a failure
-        leaves every sequence where it was."""
+        feeds its token (and its proposals) at its position and samples its next with its
+        own sampling (the workers keep each sequence's sampler, as `step` does); a step
+        with proposals gets a greedy token after each of its rows, as `verify`. -> each
+        step's rows. All or nothing: a failure leaves every sequence where it was."""
         if self.flash is not None or self.ring is not None:
             raise ValueError("batched steps need a target without KV Flash and a DFlash draft")
         seqs = [s.sequence for s in steps]
@@ -420,64 +424,87 @@ class Target:
             self._park()  # the selected lane beside the others: all are stepped alike
             try:
                 lanes = [self._lanes.setdefault(s, _Lane()) for s in seqs]
-                n = len(steps)
-                rows = [(q, lane.position, 1) for q, lane in zip(seqs, lanes, strict=True)]
-                self._arrays["batch"][:n] = rows
-                self._arrays["tokens"][:n] = [s.token for s in steps]
+                feeds = [[s.token, *s.proposals] for s in steps]
+                total = sum(len(f) for f in feeds)
+                if total > self.placement.max_batch_tokens:
+                    raise ValueError(f"a batch of {total} tokens exceeds max_batch_tokens")
+                places = zip(seqs, lanes, feeds, strict=True)
+                rows = [(q, lane.position, len(f)) for q, lane, f in places]
+                outs = [len(f) if s.proposals else 1 for s, f in zip(steps, feeds, strict=True)]
+                table = [(*row, out) for row, out in zip(rows, outs, strict=True)]
+                self._arrays["batch"][: len(steps)] = table
+                self._arrays["tokens"][:total] = [t for f in feeds for t in f]
                 asked = [s.logprobs for s in steps if s.logprobs is not None]
                 k = min(max(asked, default=0), MAX_TOP_LOGPROBS)
-                outputs = self._row_outputs(n, k if asked else None)
-                await self._batch_pipeline(steps, rows, outputs, k, self._fill_masks(steps))
-                for s, lane in zip(steps, lanes, strict=True):
-                    lane.last_fed = (lane.position, [s.token])
-                    lane.position += 1
+                outputs = self._row_outputs(sum(outs), k if asked else None)
+                masks = self._fill_masks(steps, outs)
+                await self._batch_pipeline(steps, rows, outs, outputs, k, masks)
+                for feed, lane in zip(feeds, lanes, strict=True):
+                    lane.last_fed = (lane.position, feed)
+                    lane.position += len(feed)
                     lane.last_block_states = False
-                sampled = self._read_rows(n, outputs)
+                sampled = self._read_rows(sum(outs), outputs)
             finally:
                 self._unpark(selected)
-        return [_trimmed(r, s.logprobs) for r, s in zip(sampled, steps, strict=True)]
+        per_step, at = [], 0
+        for s, n in zip(steps, outs, strict=True):
+            per_step.append([_trimmed(r, s.logprobs) for r in sampled[at : at + n]])
+            at += n
+        return per_step
 
-    def _fill_masks(self, steps: Sequence[BatchStep]) -> Region | None:
-        """The batch's grammar masks, a row per step (every token allowed where a step has
-        no grammar), or None when no step has one."""
+    def _fill_masks(self, steps: Sequence[BatchStep], outs: list[int]) -> Region | None:
+        """The batch's grammar masks, a row per output row (every token allowed where a
+        step has no grammar), or None when no step has one."""
         if all(s.fill is None for s in steps):
             return None
-        masks = self._arrays["allowed"]
-        if len(steps) > masks.shape[0]:
-            raise ValueError(f"masks for {len(steps)} sequences: the region holds {masks.shape[0]}")
-        for row, step in enumerate(steps):
+        masks, rows = self._arrays["allowed"], sum(outs)
+        if rows > masks.shape[0]:
+            raise ValueError(f"masks for {rows} rows: the region holds {masks.shape[0]}")
+        at = 0
+        for step, n in zip(steps, outs, strict=True):
             if step.fill is None:
-                masks[row] = -1  # all 32 bits of every word
+                masks[at : at + n] = -1  # all 32 bits of every word
+            elif step.proposals:
+                raise ValueError("a grammar step is one token: its proposals go unbatched")
             else:
-                step.fill(row)
-        return self._regions["allowed"].rows(0, len(steps))
+                step.fill(at)
+            at += n
+        return self._regions["allowed"].rows(0, rows)
 
     async def _batch_pipeline(
         self,
         steps: Sequence[BatchStep],
         rows: list[tuple[int, int, int]],
+        outs: list[int],
         outputs: dict,
         k: int,
         allowed: Region | None,
     ) -> None:
-        n = len(steps)
+        n, tokens = len(steps), sum(size for _, _, size in rows)
 
         def frame(i: int, last: bool) -> ForwardBatch:
             return ForwardBatch(
                 n_sequences=n,
-                n_tokens=n,
+                n_tokens=tokens,
+                n_rows_out=sum(outs),
                 batch=self._regions["batch"].rows(0, n),
                 want="sample" if last else "hidden",
-                outputs=outputs if last else {"hidden": self._boundary(i, n)},
-                tokens=self._regions["tokens"].rows(0, n),
-                hidden_in=self._boundary(i - 1, n) if i else None,
-                sampling=tuple(s.sampling for s in steps) if last else (),
+                outputs=outputs if last else {"hidden": self._boundary(i, tokens)},
+                tokens=self._regions["tokens"].rows(0, tokens),
+                hidden_in=self._boundary(i - 1, tokens) if i else None,
+                # A verify block's rows are greedy (`verify`'s map): sampled requests
+                # verify by rejection sampling, on their own.
+                sampling=tuple(
+                    {**s.sampling, "temperature": 0.0} if s.proposals else s.sampling for s in steps
+                )
+                if last
+                else (),
                 top_logprobs=k if last else 0,
                 allowed=allowed if last else None,
             )
 
         starts = {seq: start for seq, start, _ in rows}
-        await self._pipeline(frame, starts, tuple(start + 1 for _, start, _ in rows))
+        await self._pipeline(frame, starts, tuple(start + size for _, start, size in rows))
 
     async def _pipeline(
         self,

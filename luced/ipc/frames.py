@@ -57,8 +57,8 @@ as the target holds its matrices);
 11: continuous batching: ``sequence`` on the frames of one sequence, ``forward_batch``,
 ``reset`` ``release``;
 12: ``reset`` ``keep_sampler`` (a preempted sequence frees its KV but keeps its generator);
-``forward_batch`` ``allowed`` (grammar steps batched with the others); ``load``
-``kv_dtype`` (``--kv-dtype``).
+``forward_batch`` ``allowed`` (grammar steps batched with the others), a 4th batch column
+n_out and ``n_rows_out`` (greedy verify blocks batched); ``load`` ``kv_dtype``.
 
 Expert compute (``luced.runtime.expert_link``): an expert worker answers ``load_experts``
 from the daemon, and ``expert_mix`` from target workers over direct worker-to-worker
@@ -551,16 +551,17 @@ class ForwardBatch(Request):
     batching): every linear layer sees all ``n_tokens`` rows at once, attention and
     recurrent state run per sequence over its own KV.
 
-    The batch description lives in shared memory: ``batch`` int32 ``[>= n_sequences, 3]``
-    holds (sequence, start_pos, n_tokens) per sequence, in the order of their rows in
-    ``tokens`` / ``hidden_in`` / ``outputs["hidden"]``. Each start_pos must equal that
+    The batch description lives in shared memory: ``batch`` int32 ``[>= n_sequences, 4]``
+    holds (sequence, start_pos, n_tokens, n_out) per sequence, in the order of their rows
+    in ``tokens`` / ``hidden_in`` / ``outputs["hidden"]``. Each start_pos must equal that
     sequence's committed KV length (a new sequence starts at 0); a sequence appears once.
-    ``want="sample"``: output row i is sequence i's next token, drawn from its last row's
-    logits with ``sampling[i]`` and that sequence's kept sampler (as ``forward`` draws);
+    ``want="sample"``: a sequence with n_out 1 gets the token after its last row, one with
+    n_out = n_tokens a token after every row (a greedy verify block, as ``forward``'s
+    positions="all"), drawn with ``sampling[i]`` and that sequence's kept sampler (as
+    ``forward`` draws); the output rows are the sequences' in order, ``n_rows_out`` in all.
     ``want="hidden"``: the rows for the next shard. Write ordering as ``forward``.
-    ``allowed``: a grammar's bitmask per sequence (row i for sequence i; all bits set for a
-    sequence without one), as ``forward``'s. A failed batch leaves every sequence's KV as it
-    was.
+    ``allowed``: a grammar's bitmask per output row (all bits set where none applies), as
+    ``forward``'s. A failed batch leaves every sequence's KV as it was.
     """
 
     n_sequences: int
@@ -573,18 +574,19 @@ class ForwardBatch(Request):
     sampling: tuple[dict[str, int | float | None], ...] = ()
     top_logprobs: int = 0
     allowed: Region | None = None
+    n_rows_out: int = 0  # output rows: the sum of the n_out column; 0 = one per sequence
 
     @property
     def n_out(self) -> int:
-        return self.n_sequences
+        return self.n_rows_out or self.n_sequences
 
     def _check(self) -> None:
-        if not 1 <= self.n_sequences <= self.n_tokens:
-            got = f"{self.n_sequences}, {self.n_tokens}"
-            raise self._fail(f"need 1 <= n_sequences <= n_tokens, got {got}")
+        if not 1 <= self.n_sequences <= self.n_out <= self.n_tokens:
+            got = f"{self.n_sequences}, {self.n_out}, {self.n_tokens}"
+            raise self._fail(f"need 1 <= n_sequences <= n_rows_out <= n_tokens, got {got}")
         b = self.batch
-        if b.dtype != "int32" or len(b.shape) != 2 or b.shape[1] != 3:
-            raise self._fail(f"batch must be int32 [n, 3], got {b.dtype} {list(b.shape)}")
+        if b.dtype != "int32" or len(b.shape) != 2 or b.shape[1] != 4:
+            raise self._fail(f"batch must be int32 [n, 4], got {b.dtype} {list(b.shape)}")
         if b.shape[0] < self.n_sequences:
             raise self._fail(f"batch holds {b.shape[0]} rows, fewer than {self.n_sequences}")
         _check_input(self)

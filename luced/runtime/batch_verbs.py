@@ -29,12 +29,18 @@ def forward_batch(worker: WorkerState, req: F.ForwardBatch) -> F.ForwardBatchRep
     m = worker.model("forward_batch")
     t0 = time.perf_counter()
     # Everything is read and checked before any compute: a bad batch changes nothing.
-    rows = worker.tensor(req.batch)[: req.n_sequences].tolist()
-    sequences = [seq for seq, _, _ in rows]
+    table = worker.tensor(req.batch)[: req.n_sequences].tolist()
+    sequences = [seq for seq, _, _, _ in table]
     if len(set(sequences)) != len(sequences):
         raise WorkerError(f"a sequence appears twice in the batch: {sequences}")
+    rows = [(seq, start, n) for seq, start, n, _ in table]
     if any(n < 1 for _, _, n in rows) or sum(n for _, _, n in rows) != req.n_tokens:
         raise WorkerError(f"the batch's rows {rows} do not add up to n_tokens {req.n_tokens}")
+    n_out = [out for _, _, _, out in table]
+    if any(out not in (1, n) for out, (_, _, n) in zip(n_out, rows, strict=True)):
+        raise WorkerError(f"each sequence's n_out must be 1 or its n_tokens, got {table}")
+    if req.want == "sample" and sum(n_out) != req.n_out:
+        raise WorkerError(f"the batch's n_out column {n_out} does not add up to {req.n_out}")
     states = [m.state(seq) for seq in sequences]
     for state, (seq, start, n) in zip(states, rows, strict=True):
         if start != state.position:
@@ -53,10 +59,10 @@ def forward_batch(worker: WorkerState, req: F.ForwardBatch) -> F.ForwardBatchRep
     samplers = []  # want="hidden" samples nothing (its sampling is empty)
     if req.want == "sample":
         samplers = [kept_sampler(s, p, k) for s, p in zip(states, req.sampling, strict=True)]
-    bias = None  # grammar masks, a row per sequence (all-allowed rows add 0)
+    bias = None  # grammar masks, a row per output row (all-allowed rows add 0)
     if req.allowed is not None:
         worker.check_width("allowed", req.allowed, (m.reply.vocab + 31) // 32)
-        bias = token_mask.bias(worker.tensor(req.allowed)[: req.n_sequences], m.reply.vocab)
+        bias = token_mask.bias(worker.tensor(req.allowed)[: req.n_out], m.reply.vocab)
     if hidden is None:
         assert ids is not None
         hidden = first.embed(ids.to(first.device, torch.int64))
@@ -76,12 +82,16 @@ def forward_batch(worker: WorkerState, req: F.ForwardBatch) -> F.ForwardBatchRep
         if req.want == "hidden":
             outputs["hidden"][: req.n_tokens].copy_(hidden)
         else:
-            last_rows = torch.tensor(bounds[1:], device=hidden.device) - 1
-            logits = last.logits(hidden[last_rows])
+            # Each sequence's sampled rows: its last, or all of a verify block's.
+            picked = [i for j, end in enumerate(bounds[1:]) for i in range(end - n_out[j], end)]
+            logits = last.logits(hidden[torch.tensor(picked, device=hidden.device)])
+            row = 0
             for j, (state, sampler) in enumerate(zip(states, samplers, strict=True)):
-                history = histories(sampler, state.tokens + own[j], 1)
-                row_bias = None if bias is None else bias[j : j + 1].to(logits.device)
-                write_rows(outputs, sampler.sample(logits[j : j + 1], history, row_bias), row=j)
+                part = slice(row, row + n_out[j])
+                history = histories(sampler, state.tokens + own[j], n_out[j])
+                part_bias = None if bias is None else bias[part].to(logits.device)
+                write_rows(outputs, sampler.sample(logits[part], history, part_bias), row=row)
+                row += n_out[j]
     except BaseException:
         for state, (_, start, _) in zip(states, rows, strict=True):
             _undo(state, start)

@@ -45,7 +45,7 @@ async def test_batched_steps_equal_each_sequence_alone(tiny: Path, devices) -> N
         tokens = {seq: [await prefill(target, seq, p, GREEDY)] for seq, p in PROMPTS.items()}
         for _ in range(STEPS):
             steps = [BatchStep(seq, tokens[seq][-1], GREEDY) for seq in PROMPTS]
-            for seq, sampled in zip(PROMPTS, await target.step_batch(steps), strict=True):
+            for seq, (sampled,) in zip(PROMPTS, await target.step_batch(steps), strict=True):
                 tokens[seq].append(sampled.token)
         for seq, prompt in PROMPTS.items():
             async with target.lane(seq):
@@ -68,9 +68,10 @@ async def test_a_seeded_sequence_draws_alike_alone_and_batched(tiny: Path) -> No
         mixed = [await prefill(target, 2, prompt, SEEDED)]
         other = [await prefill(target, 3, PROMPTS[3], GREEDY)]
         for _ in range(STEPS):
-            rows = await target.step_batch(
+            (mine,), (others,) = await target.step_batch(
                 [BatchStep(2, mixed[-1], SEEDED, 2), BatchStep(3, other[-1], GREEDY)]
             )
+            rows = [mine, others]
             mixed.append(rows[0].token)
             other.append(rows[1].token)
             assert len(rows[0].top) == 2 and rows[0].logprob is not None
@@ -89,3 +90,25 @@ async def test_bad_batches_are_refused_and_released_lanes_start_over(tiny: Path)
         assert await prefill(target, 4, PROMPTS[3], GREEDY) == first
         with pytest.raises(ValueError, match="default lane"):
             await target.release(0)
+
+
+@pytest.mark.parametrize("devices", [("cpu",), ("cpu", "cpu:1")], ids=["unsplit", "split"])
+async def test_a_verify_block_in_a_batch_equals_verify_alone(tiny: Path, devices) -> None:
+    """A lane's greedy verify block (token + proposals) steps beside another lane's decode
+    token: its rows are `verify`'s rows alone, logprobs included, and the lane moves past
+    the whole block."""
+    block = PROMPTS[3][:6]
+    async with split_target(tiny, devices) as target:
+        first = await prefill(target, 1, PROMPTS[7], GREEDY)
+        async with target.lane(1):
+            want = await target.verify([first, *block], GREEDY, 2)
+            await target.truncate(len(PROMPTS[7]))
+        other = await prefill(target, 2, PROMPTS[3], GREEDY)
+        got, (step,) = await target.step_batch(
+            [BatchStep(1, first, GREEDY, 2, proposals=tuple(block)), BatchStep(2, other, GREEDY)]
+        )
+        assert [r.token for r in got] == [r.token for r in want]
+        assert [r.logprob for r in got] == pytest.approx([r.logprob for r in want], abs=1e-5)
+        assert step.token == alone(Model.load(tiny), PROMPTS[3], 2)[1]
+        async with target.lane(1):
+            assert target.position == len(PROMPTS[7]) + 1 + len(block)

@@ -130,7 +130,8 @@ def sample_requests() -> dict[str, F.Request]:
         "forward_batch": F.ForwardBatch(
             n_sequences=2,
             n_tokens=9,
-            batch=region(2048, (8, 3), "int32"),
+            batch=region(2048, (8, 4), "int32"),
+            n_rows_out=3,
             want="sample",
             outputs={"ids": region(64, (8,), "int32"), "logprobs": region(128, (8,), "float32")},
             tokens=region(960, (512,), "int32"),

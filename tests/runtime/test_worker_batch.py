@@ -10,6 +10,7 @@ from pathlib import Path
 
 import make_tiny_gguf
 import pytest
+import torch
 from worker_harness import TAG, Regions, WorkerProc, no_segments_left  # noqa: F401 - fixture
 
 from luced.ipc import frames as F
@@ -65,9 +66,9 @@ def worker(tmp_path_factory, owner: ShmOwner, tiny: Path) -> Iterator[WorkerProc
 def io(owner: ShmOwner) -> Regions:
     """The batch description, the fed ids, the sampled rows, the boundary activations."""
     specs = {
-        "batch": ((SEQS, 3), "int32"),
+        "batch": ((SEQS, 4), "int32"),
         "tokens": ((ROWS,), "int32"),
-        "ids": ((SEQS,), "int32"),
+        "ids": ((ROWS,), "int32"),
         "hidden": ((ROWS, 64), "float32"),
     }
     return Regions(owner, "batch-io", specs)
@@ -79,12 +80,21 @@ def alone(model: Model, prompt: list[int], steps: int) -> list[int]:
 
 
 def batch_frame(
-    io: Regions, feeds: dict[int, tuple[int, list[int]]], want: str = "sample", **kw: object
+    io: Regions,
+    feeds: dict[int, tuple[int, list[int]]],
+    want: str = "sample",
+    every_row: frozenset[int] = frozenset(),
+    **kw: object,
 ) -> F.ForwardBatch:
-    """feeds: sequence -> (start, ids), in batch order."""
-    rows = [(seq, start, len(ids)) for seq, (start, ids) in feeds.items()]
+    """feeds: sequence -> (start, ids), in batch order; `every_row`: sequences that get a
+    token after each of their rows (a verify block), the others after their last."""
+    rows = [
+        (seq, start, len(ids), len(ids) if seq in every_row else 1)
+        for seq, (start, ids) in feeds.items()
+    ]
     flat = [t for _, ids in feeds.values() for t in ids]
     io.a("batch")[: len(rows)] = rows
+    kw.setdefault("n_rows_out", sum(out for *_, out in rows))
     io.a("tokens")[: len(flat)] = flat
     outputs = {"ids": io.r["ids"]} if want == "sample" else {"hidden": io.r["hidden"]}
     sampling = tuple(GREEDY for _ in rows) if want == "sample" else ()
@@ -131,13 +141,33 @@ def test_batched_decode_equals_each_sequence_alone(worker, io, tiny) -> None:
         assert got[seq] == alone(model, prompt, len(got[seq])), f"sequence {seq}"
 
 
+def test_a_verify_block_in_a_batch_samples_every_row_as_alone(worker, io, tiny) -> None:
+    """Sequence 1 feeds a block and gets the greedy token after each of its rows (a
+    speculative verify) while sequence 0 takes a decode step, in one batch; the rows
+    equal the block's greedy predictions alone, and a bad n_out column is refused."""
+    for seq in (0, 1):
+        worker.call(F.Reset(sequence=seq, release=True))
+    first = forward(worker, io, 0, 0, PROMPTS[0])
+    block = PROMPTS[1][:5]
+    with pytest.raises(RemoteError, match="n_out must be 1 or its n_tokens"):
+        frame = batch_frame(io, {0: (len(PROMPTS[0]), [first]), 1: (0, block)}, every_row={1})
+        io.a("batch")[1, 3] = 2
+        worker.call(frame)
+    frame = batch_frame(io, {0: (len(PROMPTS[0]), [first]), 1: (0, block)}, every_row={1})
+    worker.call(frame)
+    model = Model.load(tiny)
+    want = model.forward(torch.tensor(block), model.new_cache(64), 0).argmax(-1).tolist()
+    assert io.a("ids")[1 : 1 + len(block)].tolist() == want
+    assert int(io.a("ids")[0]) == alone(model, PROMPTS[0], 2)[1]
+
+
 def test_a_bad_batch_changes_nothing(worker, io, tiny) -> None:
     for seq in (0, 1):
         worker.call(F.Reset(sequence=seq, release=True))
     nxt = forward(worker, io, 0, 0, PROMPTS[0])
     n0 = len(PROMPTS[0])
     frame = batch_frame(io, {0: (n0, [nxt]), 1: (0, PROMPTS[1])})
-    io.a("batch")[1] = (0, 0, len(PROMPTS[1]))  # the second row names sequence 0 again
+    io.a("batch")[1] = (0, 0, len(PROMPTS[1]), 1)  # the second row names sequence 0 again
     with pytest.raises(RemoteError, match="appears twice"):
         worker.call(frame)
     with pytest.raises(RemoteError, match="sequence 0 is at position"):

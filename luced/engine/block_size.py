@@ -27,33 +27,49 @@ from collections.abc import Mapping
 
 class StepCosts:
     """Wall seconds of a target step that feeds n tokens (n = 1: a plain decode step;
-    n = B: a speculative step of block B, draft included), smoothed."""
+    n = B: a speculative step of block B, draft included), smoothed.
+
+    Kept as c(1) and ratios c(n) / c(1): on a shared machine every step slows and
+    speeds up together, and plain steps are observed far more often than any one block
+    size, so absolute seconds per size drifted apart (a live table read c(16) = 6.1 c(1)
+    where interleaved measurements gave 3.9). Each observation of n > 1 is taken
+    against the current c(1)."""
 
     def __init__(self, smoothing: float = 0.2) -> None:
         self.smoothing = smoothing
-        self._seconds: dict[int, float] = {}
+        self._plain: float | None = None  # c(1), seconds
+        self._ratio: dict[int, float] = {1: 1.0}  # n -> c(n) / c(1)
 
     def observe(self, n: int, seconds: float) -> None:
         if n < 1 or not seconds > 0:
             return
-        old = self._seconds.get(n)
-        self._seconds[n] = seconds if old is None else old + self.smoothing * (seconds - old)
+        if n == 1:
+            old = self._plain
+            self._plain = seconds if old is None else old + self.smoothing * (seconds - old)
+            return
+        if self._plain is None:  # nothing to relate it to yet
+            return
+        ratio, old = seconds / self._plain, self._ratio.get(n)
+        self._ratio[n] = ratio if old is None else old + self.smoothing * (ratio - old)
 
     def cost(self, n: int) -> float | None:
         """c(n), linear between measured sizes and beyond the largest; None before any
         plain step and some speculative step were measured."""
-        sizes = sorted(self._seconds)
-        if 1 not in self._seconds or len(sizes) < 2:
+        sizes = sorted(self._ratio)
+        if self._plain is None or len(sizes) < 2:
             return None
-        if n in self._seconds:
-            return self._seconds[n]
+        r = self._ratio
+        if n in r:
+            return self._plain * r[n]
         i = bisect.bisect_left(sizes, n)
         lo, hi = (sizes[i - 1], sizes[i]) if i < len(sizes) else (sizes[-2], sizes[-1])
-        slope = (self._seconds[hi] - self._seconds[lo]) / (hi - lo)
-        return max(self._seconds[lo] + slope * (n - lo), 1e-9)
+        ratio = r[lo] + (r[hi] - r[lo]) / (hi - lo) * (n - lo)
+        return max(self._plain * ratio, 1e-9)
 
     def table(self) -> dict[int, float]:
-        return dict(sorted(self._seconds.items()))
+        if self._plain is None:
+            return {}
+        return {n: self._plain * r for n, r in sorted(self._ratio.items())}
 
 
 def expected_tokens(block: int, first: float, then: float) -> float:
@@ -94,7 +110,9 @@ class BlockSizer:
         self.priors = dict(priors or {})
         self._first: dict[str, list[float]] = {}  # kind -> [accepted, rejected]
         self._then = [1.8, 0.2]  # later proposals: [accepted, rejections]
-        self.observed = False
+        # Until the first verified step: draft max_block, unless the drafter gave priors
+        # (it knows its kinds well enough to be sized by them from the start).
+        self.observed = priors is not None
         self.plain_run = 0  # plain steps since the last speculative one
 
     def rates(self, kind: str = "draft") -> tuple[float, float]:
@@ -124,7 +142,8 @@ class BlockSizer:
 
     def next_block(self, kind: str = "draft") -> int:
         """The block for the next step of `kind`; 1 means a plain step. The request's
-        first step drafts the configured block; a kind not seen yet goes by the priors."""
+        first step drafts max_block unless the sizer has priors; a kind not seen yet
+        goes by its prior."""
         if not self.observed or self.max_block < 2:
             return self.max_block
         best = self.best_block(kind)

@@ -602,6 +602,8 @@ class Engine:
         # the same seed give other tokens. Greedy output does not depend on them at all.
         params = handle.request.params
         adapt = self.adaptive_blocks and (greedy or params.seed is None)
+        # A lookup starts from its priors, not --block-size: its fresh matches are often
+        # wrong, and a first block of 16 cost ~3 plain steps per open-chat request.
         priors = PromptLookup.FIRST_ACCEPTANCE if lookup is not None else None
         sizer = BlockSizer(self.step_costs, self.block_size, priors=priors) if adapt else None
         if self._emit(handle, out, first, stops):

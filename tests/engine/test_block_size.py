@@ -28,6 +28,12 @@ def test_smoothing_follows_new_measurements() -> None:
     for _ in range(50):
         c.observe(1, 3.0)
     assert c.cost(1) == pytest.approx(3.0, rel=1e-3)
+    # The machine got 3x slower: block 4 is still twice a plain step, unobserved.
+    assert c.cost(4) == pytest.approx(6.0, rel=1e-3)
+    for _ in range(50):
+        c.observe(4, 4.5)
+    assert c.cost(4) == pytest.approx(4.5, rel=1e-3)
+    assert costs({4: 2.0}).table() == {}  # no plain step to relate it to
 
 
 def test_expected_tokens() -> None:

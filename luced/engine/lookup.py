@@ -83,8 +83,8 @@ class PromptLookup:
         return "run" if self.in_run else f"n{match[0]}"
 
     def propose(self, k: int) -> list[int]:
-        """Up to k proposals for the tokens after the sequence; [] when no n-gram of the
-        sequence's tail occurred before."""
+        """k proposals for the tokens after the sequence (the match's continuation); []
+        when no n-gram of the sequence's tail occurred before."""
         match = self._match() if k > 0 else None
         if match is None:
             return []

@@ -301,9 +301,12 @@ async def measure(engine: Engine, prompt: list[int], script: list[int], args: An
 
 
 def report(model: Path, rows: dict[tuple[str, str], list[dict]], args: Any) -> None:
+    # The machine's load at the end: on a shared one, only the ratios to plain compare.
+    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
     print(
         f"\n{model.name}: {args.tokens} generated per prompt, block {args.block_size}, "
-        f"{args.threads} threads, {args.rounds} round(s); means over prompts and rounds\n"
+        f"{args.threads} threads, {args.rounds} round(s), weights {args.weights}; means "
+        f"over prompts and rounds; load average {load}\n"
     )
     cols = (
         "tok_s", "vs_plain", "tok_per_fwd", "accept_len", "block", "draft_us", "verify_us",

@@ -1,5 +1,6 @@
 """PromptLookup against a brute-force oracle: the continuation of the latest earlier
-occurrence of the longest matching tail n-gram (n from max down to min)."""
+occurrence of the longest matching tail n-gram (n from max down to min), carried on
+periodically past the sequence's end."""
 
 from __future__ import annotations
 
@@ -18,7 +19,11 @@ def brute_force(seq: list[int], k: int, max_n: int, min_n: int) -> list[int]:
         # Occurrences that end before the sequence does (so a continuation exists).
         for end in range(len(seq) - 1, n - 1, -1):
             if seq[end - n : end] == tail:
-                return seq[end : end + k]
+                # The sequence goes on as it did after `end`, predicted tokens included.
+                ext = seq[:]
+                while len(ext) < len(seq) + k:
+                    ext.append(ext[end + len(ext) - len(seq)])
+                return ext[len(seq) :]
     return []
 
 
@@ -61,3 +66,24 @@ def test_no_match_proposes_nothing() -> None:
 def test_bad_sizes_are_refused() -> None:
     with pytest.raises(ValueError, match="n-gram sizes"):
         PromptLookup(max_ngram=2, min_ngram=3)
+
+
+def test_a_loop_is_proposed_past_the_sequence_end() -> None:
+    lookup = PromptLookup()
+    lookup.extend([7, 1, 2, 3, 1, 2, 3])  # tail (1, 2, 3) ended at 4: continuation 1, 2, 3
+    assert lookup.propose(8) == [1, 2, 3, 1, 2, 3, 1, 2]
+
+
+def test_kind_tells_a_copy_under_way_from_a_fresh_match() -> None:
+    lookup = PromptLookup()
+    lookup.extend([1, 2, 3, 4, 5, 6, 7, 8, 9, 9, 1, 2])
+    assert lookup.kind() == "n2"
+    assert lookup.propose(3) == [3, 4, 5]
+    lookup.extend([3, 4, 5, 6])  # all three accepted, and the target's own 6
+    assert lookup.kind() == "run"
+    assert lookup.propose(2) == [7, 8]
+    lookup.extend([7, 0])  # the second was rejected
+    assert lookup.kind() is None  # (7, 0) never occurred
+    lookup.extend([3, 4, 5])  # (0, 3, 4, 5) is new, (3, 4, 5) occurred twice
+    assert lookup.kind() == "n3"
+    assert lookup.propose(1) == [6]

@@ -19,6 +19,8 @@ take either, so the families never ask which.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -71,6 +73,47 @@ def cat_rows(parts: list[torch.Tensor | QuantRows]) -> torch.Tensor | QuantRows:
         for p in parts
     ]
     return store_matrix(torch.cat(rows))
+
+
+def fused_key(keys: Sequence[str]) -> str:
+    """The weight key of `keys`' matrices stacked into one (`3.attn_q+3.attn_k+3.attn_v`)."""
+    return "+".join(keys)
+
+
+def fuse_rows(weights: dict[str, Any], groups: Iterable[Sequence[str]]) -> None:
+    """Stack each group of loaded quantized matrices that share an input (a layer's Q, K and
+    V; gate and up) into one under `fused_key`, in place: a decode step then makes one
+    packed-kernel call and one pair of bf16 casts where it made three. The kernels compute
+    every output row on its own, so the stacked call's rows equal the separate calls'
+    bit for bit. Groups in a dense form, or in mixed forms (a K-quant file's Q6_K V beside
+    Q4_K Q and K), stay apart: stacking would change their precision."""
+    for keys in groups:
+        parts = [weights.get(k) for k in keys]
+        if all(isinstance(p, QuantRows) for p in parts) and len({p.form for p in parts}) == 1:  # type: ignore[union-attr]
+            weights[fused_key(keys)] = QuantRows.cat(parts)  # type: ignore[arg-type]
+            for k in keys:
+                del weights[k]
+
+
+def linears(x: torch.Tensor, weights: dict[str, Any], keys: Sequence[str]) -> list[torch.Tensor]:
+    """x through each of `keys`' matrices: one call on their stack when `fuse_rows` made one
+    (the results are views into its output), else one call each."""
+    fused = weights.get(fused_key(keys))
+    if fused is None:
+        return [linear(x, weights[k]) for k in keys]
+    return list(linear(x, fused).split(fused.splits, -1))
+
+
+def gated_ffn(
+    x: torch.Tensor,
+    weights: dict[str, Any],
+    prefix: str,
+    act: Callable[[torch.Tensor], torch.Tensor] = F.silu,
+) -> torch.Tensor:
+    """down(act(gate(x)) * up(x)) with `prefix`'s ffn_gate / ffn_up (fused or not) and
+    ffn_down: SwiGLU by default."""
+    gate, up = linears(x, weights, (prefix + "ffn_gate", prefix + "ffn_up"))
+    return linear(act(gate) * up, weights[prefix + "ffn_down"])
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
@@ -217,7 +260,11 @@ def swiglu(
     return linear(F.silu(linear(x, gate)) * linear(x, up), down)
 
 
+def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x, approximate="tanh")
+
+
 def geglu_tanh(
     x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor
 ) -> torch.Tensor:
-    return linear(F.gelu(linear(x, gate), approximate="tanh") * linear(x, up), down)
+    return linear(gelu_tanh(linear(x, gate)) * linear(x, up), down)

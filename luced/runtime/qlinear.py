@@ -276,6 +276,8 @@ class PackedLinear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., in] -> [..., out] in x's dtype."""
+        if x.dim() == 2 and x.shape[0] <= GEMV_MAX_ROWS:  # decode's call: no reshapes
+            return self.gemv(x.to(torch.bfloat16)).to(x.dtype)
         lead, k = x.shape[:-1], self.in_features
         x2 = x.reshape(-1, k)
         if x2.shape[0] <= GEMV_MAX_ROWS:

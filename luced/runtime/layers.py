@@ -19,6 +19,8 @@ take either, so the families never ask which.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -73,9 +75,56 @@ def cat_rows(parts: list[torch.Tensor | QuantRows]) -> torch.Tensor | QuantRows:
     return store_matrix(torch.cat(rows))
 
 
+def fused_key(keys: Sequence[str]) -> str:
+    """The weight key of `keys`' matrices stacked into one (`3.attn_q+3.attn_k+3.attn_v`)."""
+    return "+".join(keys)
+
+
+def fuse_rows(weights: dict[str, Any], groups: Iterable[Sequence[str]]) -> None:
+    """Stack each group of loaded quantized matrices that share an input (a layer's Q, K and
+    V; gate and up) into one under `fused_key`, in place: a decode step then makes one
+    packed-kernel call and one pair of bf16 casts where it made three. The kernels compute
+    every output row on its own, so the stacked call's rows equal the separate calls'
+    bit for bit. Groups in a dense form, or in mixed forms (a K-quant file's Q6_K V beside
+    Q4_K Q and K), stay apart: stacking would change their precision."""
+    for keys in groups:
+        parts = [weights.get(k) for k in keys]
+        if all(isinstance(p, QuantRows) for p in parts) and len({p.form for p in parts}) == 1:  # type: ignore[union-attr]
+            weights[fused_key(keys)] = QuantRows.cat(parts)  # type: ignore[arg-type]
+            for k in keys:
+                del weights[k]
+
+
+def linears(x: torch.Tensor, weights: dict[str, Any], keys: Sequence[str]) -> list[torch.Tensor]:
+    """x through each of `keys`' matrices: one call on their stack when `fuse_rows` made one
+    (the results are views into its output), else one call each."""
+    fused = weights.get(fused_key(keys))
+    if fused is None:
+        return [linear(x, weights[k]) for k in keys]
+    return list(linear(x, fused).split_with_sizes(fused.splits, -1))
+
+
+def gated_ffn(
+    x: torch.Tensor,
+    weights: dict[str, Any],
+    prefix: str,
+    act: Callable[[torch.Tensor], torch.Tensor] = F.silu,
+) -> torch.Tensor:
+    """down(act(gate(x)) * up(x)) with `prefix`'s ffn_gate / ffn_up (fused or not) and
+    ffn_down: SwiGLU by default."""
+    gate, up = linears(x, weights, (prefix + "ffn_gate", prefix + "ffn_up"))
+    return linear(act(gate) * up, weights[prefix + "ffn_down"])
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
     """RMSNorm computed in float32 (as the reference implementations do), cast back;
     `weight` None normalizes without a scale (Gemma 4's v-norm)."""
+    if x.dtype == torch.float32 and (weight is None or weight.dtype == torch.float32):
+        # The same float32 arithmetic as below, bit for bit, in five ops where a decode step
+        # runs two norms per layer: no casts, the intermediates updated in place
+        # (F.rms_norm's composite measured slower here: it copies its input).
+        r = (x * x).mean(-1, keepdim=True).add_(eps).rsqrt_()
+        return x * r if weight is None else x * r * weight
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return (xf if weight is None else xf * weight.float()).to(x.dtype)
@@ -87,31 +136,46 @@ class Rope:
     `inv_freq` already holds any frequency factors (Llama-3 scaling, linear
     scaling, YaRN); positions index the table directly. `scale` multiplies cos and
     sin (YaRN's magnitude correction), so it scales the rotated dimensions only.
+
+    The sin table has its first half negated, so rotate-half is one roll (`apply_rope`).
     """
 
     def __init__(self, inv_freq: torch.Tensor, capacity: int = 4096, scale: float = 1.0) -> None:
         self.inv_freq = inv_freq.float()
         self.scale = scale
-        self.cos = self.sin = torch.empty(0)
+        self.cos = self.sin = torch.empty(0)  # [capacity, 1, D]: broadcast over heads
+        # The last (start, n, dtype) asked and its tables: the layers of one forward share
+        # a Rope and ask the same, so each step slices once, not once per layer.
+        self._last: tuple[tuple[int, int, torch.dtype], tuple[torch.Tensor, torch.Tensor]] | None
+        self._last = None
         self._grow(capacity)
 
     def _grow(self, capacity: int) -> None:
         pos = torch.arange(capacity, dtype=torch.float32, device=self.inv_freq.device)
         freqs = torch.outer(pos, self.inv_freq)  # [capacity, D/2]
         emb = torch.cat([freqs, freqs], dim=-1)  # [capacity, D]
-        self.cos, self.sin = emb.cos() * self.scale, emb.sin() * self.scale
+        sign = torch.ones_like(emb[0])
+        sign[: emb.shape[1] // 2] = -1
+        self.cos = (emb.cos() * self.scale)[:, None, :]
+        self.sin = (emb.sin() * self.scale * sign)[:, None, :]
+        self._last = None
 
     def tables(
         self, start: int | Ragged, n: int, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [n, D] of positions start..start+n-1, or of a ragged batch's tokens."""
+        """cos, sin [n, 1, D] of positions start..start+n-1, or of a ragged batch's tokens,
+        for `apply_rope` (sin's first half negated)."""
         end = start.end if isinstance(start, Ragged) else start + n
         if end > self.cos.shape[0]:
             self._grow(max(end, 2 * self.cos.shape[0]))
         if isinstance(start, Ragged):
             at = start.positions.to(self.cos.device)
             return self.cos[at].to(dtype), self.sin[at].to(dtype)
-        return self.cos[start : start + n].to(dtype), self.sin[start : start + n].to(dtype)
+        key = (start, n, dtype)
+        if self._last is None or self._last[0] != key:
+            cos, sin = self.cos[start:end].to(dtype), self.sin[start:end].to(dtype)
+            self._last = key, (cos, sin)
+        return self._last[1]
 
 
 def rope_inv_freq(
@@ -160,19 +224,16 @@ def yarn_mscale(factor: float) -> float:
     return 1.0 if factor <= 1 else 0.1 * math.log(factor) + 1.0
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-
-
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [n, heads, D]; cos/sin: [n, D]. Rotates the first cos.shape[-1] dimensions."""
+    """x: [n, heads, D]; cos/sin: [n, 1, D] from `Rope.tables`. Rotates the first
+    cos.shape[-1] dimensions: x·cos + rotate_half(x)·sin, where rotate_half(x) =
+    [-x2, x1] is the roll [x2, x1] times the sign that `Rope`'s sin table carries (the
+    same products, so the same bits)."""
     d = cos.shape[-1]
-    c, s = cos[:, None, :], sin[:, None, :]
     if d == x.shape[-1]:
-        return x * c + _rotate_half(x) * s
+        return x * cos + x.roll(d // 2, -1) * sin
     rot, rest = x[..., :d], x[..., d:]
-    return torch.cat([rot * c + _rotate_half(rot) * s, rest], dim=-1)
+    return torch.cat([rot * cos + rot.roll(d // 2, -1) * sin, rest], dim=-1)
 
 
 def attention_mask(
@@ -217,7 +278,11 @@ def swiglu(
     return linear(F.silu(linear(x, gate)) * linear(x, up), down)
 
 
+def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x, approximate="tanh")
+
+
 def geglu_tanh(
     x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor
 ) -> torch.Tensor:
-    return linear(F.gelu(linear(x, gate), approximate="tanh") * linear(x, up), down)
+    return linear(gelu_tanh(linear(x, gate)) * linear(x, up), down)

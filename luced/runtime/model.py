@@ -32,6 +32,7 @@ from luced.runtime.families import family_for
 from luced.runtime.families.common import ModelConfig
 from luced.runtime.kv_cache import KVCache, KVStore, RecurrentShape
 from luced.runtime.kv_pool import PooledKVCache
+from luced.runtime.layers import fuse_rows
 from luced.runtime.qlinear import PackedLinear, pack_weights
 from luced.runtime.ragged import Ragged, Span
 from luced.runtime.weights import WeightLoader, parse_dtype
@@ -109,6 +110,8 @@ class Model:
             family.prepare(cfg, tensors)
         except ValueError as exc:  # a tensor that contradicts the metadata
             raise GGUFError(f"{gguf.path}: {exc}") from exc
+        groups = getattr(family, "FUSED", ())
+        fuse_rows(tensors, ([f"{i}.{name}" for name in group] for i in span for group in groups))
         pack_weights(tensors, torch_dtype)  # after prepare, which may reorder rows
         model = cls(family, cfg, tensors, span, torch_dtype, torch_device, gguf.path)  # type: ignore[arg-type]
         model.weights_mode = weights

@@ -121,6 +121,9 @@ class QuantRows:
     codes: torch.Tensor
     scales: torch.Tensor  # float32
     zeros: torch.Tensor | None  # float32, int4 only
+    # Rows of the matrices stacked into this one by `cat` (Q, K, V -> one QKV call): the
+    # packed layer's output splits back into them; () = one matrix.
+    splits: tuple[int, ...] = ()
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -140,6 +143,7 @@ class QuantRows:
             torch.cat([p.codes for p in parts]),
             torch.cat([p.scales for p in parts]),
             zeros,
+            tuple(p.shape[0] for p in parts),
         )
 
     def dequantize(self) -> torch.Tensor:
@@ -238,6 +242,7 @@ class PackedLinear:
     def __init__(self, rows: QuantRows, dtype: torch.dtype) -> None:
         self.form = rows.form
         self.out_features, self.in_features = rows.shape
+        self.splits = rows.splits or (self.out_features,)
         self.dtype = dtype
         # Batch-invariant mode (`Model.load(batch_invariant=True)`): calls of any size take
         # the packed kernel, 64 rows at a time, so no row depends on how many came with it.
@@ -271,6 +276,8 @@ class PackedLinear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., in] -> [..., out] in x's dtype."""
+        if x.dim() == 2 and x.shape[0] <= GEMV_MAX_ROWS:  # decode's call: no reshapes
+            return self.gemv(x.to(torch.bfloat16)).to(x.dtype)
         lead, k = x.shape[:-1], self.in_features
         x2 = x.reshape(-1, k)
         if x2.shape[0] <= GEMV_MAX_ROWS:

@@ -177,10 +177,11 @@ def test_smollm2_answers_in_auto(smollm2_gguf: Path) -> None:
     text = template.render([{"role": "user", "content": "What is the capital of France?"}])
     prompt = tokenizer.encode(text, add_bos=False, allow_special=True)
     model = Model.load(smollm2_gguf, weights="auto")
-    head, layer = model.weights["head"], model.weights["0.ffn_up"]
     if qlinear.kernels_vectorized(torch.device("cpu")):
+        head, layer = model.weights["head"], model.weights["0.ffn_gate+0.ffn_up"]
         assert isinstance(head, PackedLinear) and head.form == "int8"  # the tied head too
-        assert isinstance(layer, PackedLinear) and layer.form == "int4"
+        assert isinstance(layer, PackedLinear) and layer.form == "int4"  # gate and up, fused
+        assert layer.splits == (1536, 1536)
     result = generate(model, prompt, SamplingParams(temperature=0), 32, tokenizer.eos_ids)
     assert "Paris" in tokenizer.decode(result.tokens)
 
@@ -222,3 +223,24 @@ def test_packed_calls_past_64_rows_are_batch_invariant_on_request(files: dict[st
     one_by_one = torch.cat([linear(x[i : i + 1], packed) for i in range(x.shape[0])])
     packed.invariant = True
     assert torch.equal(linear(x, packed), one_by_one)
+
+
+@pytest.mark.parametrize(("family", "qtype"), [("llama", "Q4_0"), ("gemma3", "Q8_0")])
+def test_fused_projections_equal_separate_ones(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, family: str, qtype: str
+) -> None:
+    """Q/K/V and gate/up stacked at load (`layers.fuse_rows`: one packed call each) give the
+    logits the separate matrices give, bit for bit: the kernels compute each row alone."""
+    path = make_tiny_gguf.build(family, tmp_path / "m.gguf", seed=5, qtype=qtype).path
+    weights = "int4" if qtype == "Q4_0" else "int8"
+    fused = Model.load(path, weights=weights)
+    assert "0.attn_q+0.attn_k+0.attn_v" in fused.weights and "0.attn_q" not in fused.weights
+    monkeypatch.setattr(FAMILIES[family], "FUSED", ())
+    apart = Model.load(path, weights=weights)
+    assert "0.attn_q" in apart.weights and "0.ffn_gate+0.ffn_up" not in apart.weights
+    ids = torch.arange(3, 40)
+    caches = fused.new_cache(64), apart.new_cache(64)
+    assert torch.equal(fused.forward(ids, caches[0], 0), apart.forward(ids, caches[1], 0))
+    for pos in range(len(ids), len(ids) + 4):
+        step = torch.tensor([pos])
+        assert torch.equal(fused.forward(step, caches[0], pos), apart.forward(step, caches[1], pos))

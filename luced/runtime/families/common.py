@@ -42,6 +42,7 @@ from luced.runtime.layers import (
     apply_rope,
     attention,
     linear,
+    linears,
     matrix_row_select,
     rms_norm,
 )
@@ -49,6 +50,12 @@ from luced.runtime.ragged import Ragged, Span
 
 if TYPE_CHECKING:
     from luced.runtime.kv_cache import KVStore
+
+
+# Matrices that read one input, which the loader may stack into one (`layers.fuse_rows`):
+# a family whose code reads them through `layers.linears` / `gated_ffn` (as `attend` does)
+# names these as its FUSED groups; a layer without a group's matrices keeps what it has.
+FUSED = (("attn_q", "attn_k", "attn_v"), ("ffn_gate", "ffn_up"))
 
 
 class ModelParts(Protocol):
@@ -227,9 +234,8 @@ def attend(
     cfg: ModelConfig = model.cfg
     w = model.weights
     n, d = x.shape[0], cfg.head_dim
-    q = linear(x, w[f"{layer}.attn_q"]).view(n, -1, d)  # [n, H, D]
-    k = linear(x, w[f"{layer}.attn_k"]).view(n, -1, d)  # [n, Hkv, D]
-    v = linear(x, w[f"{layer}.attn_v"]).view(n, -1, d)
+    q, k, v = linears(x, w, (f"{layer}.attn_q", f"{layer}.attn_k", f"{layer}.attn_v"))
+    q, k, v = q.view(n, -1, d), k.view(n, -1, d), v.view(n, -1, d)  # [n, H | Hkv, D]
     if f"{layer}.attn_q_norm" in w:
         q = rms_norm(q, w[f"{layer}.attn_q_norm"], cfg.rms_eps)
         k = rms_norm(k, w[f"{layer}.attn_k_norm"], cfg.rms_eps)

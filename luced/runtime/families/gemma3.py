@@ -18,13 +18,14 @@ import torch
 from luced.gguf_file import GGUFFile
 from luced.runtime.families import common
 from luced.runtime.families.common import ModelParts
-from luced.runtime.layers import Rope, geglu_tanh, linear, rms_norm, rope_inv_freq
+from luced.runtime.layers import Rope, gated_ffn, gelu_tanh, linear, rms_norm, rope_inv_freq
 
 if TYPE_CHECKING:
     from luced.runtime.kv_cache import KVStore
     from luced.runtime.ragged import Ragged
 
 ARCH = "gemma3"
+FUSED = common.FUSED  # `common.attend` and `ffn` read them fused or not
 
 LAYER_TENSORS = {
     "attn_norm": "attn_norm.weight",
@@ -127,7 +128,7 @@ def ffn(model: ModelParts, layer: int, x: torch.Tensor) -> torch.Tensor:
     """The FFN half of a Gemma block: x + post_norm(GeGLU(pre_norm(x)))."""
     w, eps = model.weights, model.cfg.rms_eps
     h = rms_norm(x, w[f"{layer}.ffn_norm"], eps)
-    h = geglu_tanh(h, w[f"{layer}.ffn_gate"], w[f"{layer}.ffn_up"], w[f"{layer}.ffn_down"])
+    h = gated_ffn(h, w, f"{layer}.", gelu_tanh)
     return x + rms_norm(h, w[f"{layer}.post_ffn_norm"], eps)
 
 

@@ -36,6 +36,7 @@ if TYPE_CHECKING:
     from luced.runtime.ragged import Ragged
 
 ARCH = "laguna"
+FUSED = llama.FUSED  # `common.attend`; the dense layers' FFN is `llama.dense_ffn`
 
 ATTENTION_TENSORS = {
     "attn_norm": "attn_norm.weight",

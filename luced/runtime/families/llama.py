@@ -18,11 +18,11 @@ from luced.runtime.families import common
 from luced.runtime.families.common import ModelParts
 from luced.runtime.layers import (
     Rope,
+    gated_ffn,
     linear,
     matrix_rows,
     rms_norm,
     rope_inv_freq,
-    swiglu,
     take_rows,
 )
 from luced.runtime.qlinear import QuantRows
@@ -45,6 +45,7 @@ LAYER_TENSORS = {
     "ffn_down": "ffn_down.weight",
 }
 MATRICES = {"attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"}
+FUSED = common.FUSED  # `attend` and `dense_ffn` read them fused or not
 
 
 @dataclass(frozen=True)
@@ -111,8 +112,7 @@ def embed(model: ModelParts, ids: torch.Tensor) -> torch.Tensor:
 
 
 def dense_ffn(model: ModelParts, layer: int, h: torch.Tensor) -> torch.Tensor:
-    w = model.weights
-    return swiglu(h, w[f"{layer}.ffn_gate"], w[f"{layer}.ffn_up"], w[f"{layer}.ffn_down"])
+    return gated_ffn(h, model.weights, f"{layer}.")
 
 
 FFN = Callable[[ModelParts, int, torch.Tensor], torch.Tensor]

@@ -13,6 +13,7 @@ from luced.gguf_file import GGUFFile
 from luced.runtime.families import common, llama
 
 ARCH = "qwen3"
+FUSED = llama.FUSED
 
 LAYER_TENSORS = llama.LAYER_TENSORS | {
     "attn_q_norm": "attn_q_norm.weight",

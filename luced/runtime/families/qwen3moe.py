@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from luced.runtime.ragged import Ragged
 
 ARCH = "qwen3moe"
+FUSED = llama.FUSED  # the Llama block's attention; the FFN is the experts'
 
 ATTENTION_TENSORS = {
     k: v for k, v in qwen3.LAYER_TENSORS.items() if k not in ("ffn_gate", "ffn_up", "ffn_down")

@@ -290,7 +290,8 @@ def cached_attention(
         keys, values = cache.write(layer, start, *kv)
         cache.observe_query(layer, q, window)  # KV Flash qk scores chunks by it
     dtype = q.dtype
-    q = q.to(keys.dtype)  # --kv-dtype: attention runs in the cache's dtype
+    if keys.dtype != dtype:  # --kv-dtype: attention runs in the cache's dtype
+        q = q.to(keys.dtype)
     if n > 1 and cache.row_exact:
         # Batch-invariant mode: each query attends exactly as a decode step at its position
         # would. One SDPA call over n queries differs from n calls in the last float bits,
@@ -308,4 +309,4 @@ def cached_attention(
         ])  # fmt: skip
     else:
         out = attention(q, keys, values, cache.mask(start, n, window, q.device), scale)
-    return out.to(dtype)
+    return out if out.dtype == dtype else out.to(dtype)

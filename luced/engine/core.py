@@ -791,9 +791,40 @@ class Engine:
         # wrong, and a first block of 16 cost ~3 plain steps per open-chat request.
         priors = PromptLookup.FIRST_ACCEPTANCE if lookup is not None else None
         sizer = BlockSizer(self.step_costs, self.block_size, priors=priors) if adapt else None
+        # Continuous batching: a greedy lookup request's steps and verify blocks go in the
+        # batch with the others' (a verify block needs no shared q rows nor masks then;
+        # a hybrid's verify keeps per-position states, so it runs on its own).
+        batcher = self.batcher
+        if lookup is None or not greedy or handle.constraint is not None or self.target.recurrent:
+            batcher = None
         if not emitted and self._emit(handle, out, first, stops):
             return
-        anchor = first.token
+        if batcher is not None:
+            batcher.join(lane)
+        try:
+            await self._speculate(
+                handle, out, stops, first.token, sampling, k, lane, batcher, lookup, sizer
+            )
+        finally:
+            if batcher is not None:
+                batcher.leave(lane)
+
+    async def _speculate(
+        self,
+        handle: RequestHandle,
+        out: OutputBuilder,
+        stops: set,
+        anchor: int,
+        sampling: dict,
+        k: int | None,
+        lane: int,
+        batcher: StepBatcher | None,
+        lookup: PromptLookup | None,
+        sizer: BlockSizer | None,
+    ) -> None:
+        """_decode_speculative's loop from `anchor` (emitted, not fed); with `batcher`, the
+        steps and verify blocks go in the step batch."""
+        greedy = handle.request.params.greedy
         while not handle.cancelled:
             budget = handle.max_tokens - handle.completion_tokens
             # A lookup's draft has a kind (a copy under way, a fresh match of order n, or
@@ -813,8 +844,10 @@ class Engine:
                 fed = [*handle.request.prompt, *handle.generated[:-1]]
                 handle.resume = Resume(fed, Sampled(anchor), emitted=True, out=out)
                 raise
-            # Lanes share the masks and q regions: one step holds the workers throughout.
-            async with self.target.holding():
+            # Lanes share the masks and q regions: one step holds the workers throughout
+            # (a batched one writes neither, and its batch takes the workers itself).
+            hold = self.target.holding() if batcher is None else contextlib.nullcontext()
+            async with hold:
                 size = self.target.draft_room(wanted)  # KV Flash: see there
                 began = time.perf_counter()
                 block = await self._draft(lookup, anchor, size, None if greedy else sampling)
@@ -823,8 +856,12 @@ class Engine:
                     block = block[: constraint.walk(block)]
                 masked = constraint is not None
                 if len(block) < 2:  # a plain step (block 1, no lookup match, a KV Flash edge)
-                    sampled = await self.target.step(anchor, sampling, k, masked=masked)
-                    self.step_costs.observe(1, time.perf_counter() - began)
+                    if batcher is not None:
+                        step = BatchStep(lane, anchor, sampling, k)
+                        (sampled,) = await (await batcher.submit(step))
+                    else:
+                        sampled = await self.target.step(anchor, sampling, k, masked=masked)
+                        self.step_costs.observe(1, time.perf_counter() - began)
                     self._count_block(1)
                     if sizer is not None:
                         sizer.plain_step()
@@ -835,7 +872,12 @@ class Engine:
                     anchor = sampled.token
                     continue
                 start = self.target.position
-                if greedy:
+                if batcher is not None:  # the batch's rows after each of the block's
+                    step = BatchStep(lane, anchor, sampling, k, proposals=tuple(block[1:]))
+                    rows = await (await batcher.submit(step))
+                    chosen = [r.token for r in rows]
+                    result = verify_greedy(block, chosen, budget=budget, eos_ids=stops)
+                elif greedy:
                     rows = await self.target.verify(block, sampling, k, masked)
                     chosen = [r.token for r in rows]
                     result = verify_greedy(block, chosen, budget=budget, eos_ids=stops)
@@ -845,7 +887,8 @@ class Engine:
                 if constraint is not None:  # the walk's proposals; _emit consumes what is kept
                     constraint.rollback(len(block) - 1)
                 await self.target.truncate(start + result.num_kept)
-                self.step_costs.observe(len(block), time.perf_counter() - began)
+                if batcher is None:  # a batch's time is not this block's alone
+                    self.step_costs.observe(len(block), time.perf_counter() - began)
                 self._count_block(len(block))
                 if sizer is not None:
                     sizer.observe(len(block) - 1, result.num_accepted, kind or "draft")

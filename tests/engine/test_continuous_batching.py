@@ -291,3 +291,23 @@ async def test_speculative_requests_are_preempted_and_resume_exactly(tiny: Path)
     for got, want in zip(together, alone, strict=True):
         assert got[0] == want[0]
         assert [lp for lp, _ in got[1]] == pytest.approx([lp for lp, _ in want[1]], abs=1e-4)
+
+
+async def test_lookup_verify_blocks_batch_with_plain_steps(tiny: Path) -> None:
+    """`--draft ngram` greedy requests put their verify blocks in the step batch beside
+    other requests' tokens: each output (and its logprobs) is plain decoding's alone."""
+    greedy = SamplingParams(temperature=0, logprobs=1)
+    prompts = [PROMPTS[1][:30] * 3, PROMPTS[2] * 4, PROMPTS[0]]
+    reqs = [
+        GenerationRequest(f"b{i}", p, greedy, 50, ignore_eos=True) for i, p in enumerate(prompts)
+    ]
+    async with engine_for(tiny, context=256) as engine:
+        alone = [await collect(engine, r) for r in reqs]
+    async with engine_for(tiny, context=256, max_running=3, lookup_drafts=True) as engine:
+        together = await asyncio.gather(*(collect(engine, r) for r in reqs))
+        batcher = engine.batcher
+        assert batcher is not None and batcher.steps > batcher.batches  # lanes shared batches
+        assert engine.totals["spec_accepted_tokens"] > 0  # verify blocks went through them
+    for got, want in zip(together, alone, strict=True):
+        assert got[0] == want[0]
+        assert [lp for lp, _ in got[1]] == pytest.approx([lp for lp, _ in want[1]], abs=1e-4)

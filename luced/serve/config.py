@@ -382,7 +382,7 @@ OPTIONS: tuple[Option, ...] = (
         "of the workers, their decode steps go through the model together in one forward "
         "per step, and a new request's prompt is prefilled between those steps. 1 serves "
         "one request at a time. With `--kv-flash` or a DFlash draft model it is 1 (one "
-        "sequence each); `--draft ngram` requests run beside the others, unbatched.",
+        "sequence each). Greedy `--draft ngram` requests put their verify blocks in the batch.",
         minimum=1, maximum=64,
     ),
     Option(

@@ -348,7 +348,7 @@ OPTIONS: tuple[Option, ...] = (
         "kv_dtype", "str", "auto",
         "dtype of the K/V cache; attention runs in it. `auto` = `--dtype`. bfloat16 / "
         "float16 halve the KV memory of a float32 model; on CPUs torch's attention "
-        "kernels are slower in them (README: Compact weights against llama.cpp), so "
+        "kernels are slower in them (README: KV dtype and attention at long contexts), so "
         "use them there for memory, not speed.",
         choices=("auto", "float32", "bfloat16", "float16"),
     ),

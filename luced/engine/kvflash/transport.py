@@ -240,7 +240,7 @@ def model_bytes_per_token(gguf: GGUFFile, dtype_bytes: int) -> int:
     arch = gguf.arch
     heads = int(gguf.require(f"{arch}.attention.head_count"))
     kv = gguf.get(f"{arch}.attention.head_count_kv", heads)
-    kv = max(kv) if isinstance(kv, list) else int(kv)
+    kv = int(np.max(kv))  # per-layer counts (a list or an array: Gemma 4) -> the largest
     dim = gguf.get(f"{arch}.attention.key_length")
     dim = int(dim) if dim else int(gguf.require(f"{arch}.embedding_length")) // heads
     return bytes_per_token(pooled_layers(gguf), kv, dim, dtype_bytes)

@@ -5,9 +5,15 @@ from __future__ import annotations
 from pathlib import Path
 
 import make_tiny_gguf
+import numpy as np
 import pytest
 
-from luced.engine.kvflash.transport import KVFlashSettings, pooled_layers, resolve_pool
+from luced.engine.kvflash.transport import (
+    KVFlashSettings,
+    model_bytes_per_token,
+    pooled_layers,
+    resolve_pool,
+)
 from luced.gguf_file import GGUFFile
 from luced.ipc.frames import Forward, FrameError, Load
 from luced.ipc.regions import Region
@@ -52,7 +58,11 @@ def test_auto_counts_only_the_layers_with_pool_rows(
     # 4 and 5 of 6 read the rows of layers 3 and 2.
     path = tmp_path / f"{family}.gguf"
     make_tiny_gguf.build(family, path, seed=1, **layers)
-    assert pooled_layers(GGUFFile(path)) == pooled
+    gguf = GGUFFile(path)
+    assert pooled_layers(gguf) == pooled
+    # Per-layer KV head counts (tiny gemma4 stores an array) size by the largest.
+    heads = gguf.get(f"{gguf.arch}.attention.head_count_kv")
+    assert model_bytes_per_token(gguf, 2) % (2 * pooled * 2 * int(np.max(heads))) == 0
 
 
 def region(shape: tuple[int, ...], dtype: str) -> Region:

@@ -64,6 +64,7 @@ from typing import Protocol
 import torch
 
 from luced.runtime.layers import attention_mask
+from luced.runtime.native_attention import Storage
 
 
 class ContextOverflow(ValueError):
@@ -276,6 +277,11 @@ class KVStore(Protocol):
 
     def observe_query(self, layer: int, q: torch.Tensor, window: int | None) -> None: ...
 
+    # Whether `write` only stores rows (the native decode kernel may store them itself).
+    writes_in_place: bool
+
+    def decode_storage(self, layer: int) -> Storage | None: ...
+
     def commit(self, end: int) -> None: ...
 
 
@@ -473,6 +479,15 @@ class KVCache(RecurrentLayers):
 
     def observe_query(self, layer: int, q: torch.Tensor, window: int | None) -> None:
         """Queries matter only to KV Flash's scorer (`PooledKVCache`)."""
+
+    writes_in_place = True  # `write` only stores rows: the native kernel may do it instead
+
+    def decode_storage(self, layer: int) -> Storage:
+        """The whole K and V storage [Hkv, allocated rows, D] that `layer` attends over (its
+        source's for a KV-sharing layer): row i holds position i, so the native decode
+        kernel (`native_attention`) writes and reads it in place."""
+        source = self.sources.get(layer, layer)
+        return Storage(self.k[source], self.v[source])
 
     def commit(self, end: int) -> None:
         if self.recurrent is not None:

@@ -54,6 +54,7 @@ from luced.runtime.kv_cache import (
 )
 from luced.runtime.kv_qk import ChunkKeys
 from luced.runtime.layers import attention_mask
+from luced.runtime.native_attention import Storage
 
 
 @dataclass
@@ -223,6 +224,21 @@ class PooledKVCache(RecurrentLayers):
                 mask = None if n == 1 and bool(allowed.all()) else allowed
             step.masks[window] = mask
         return step.masks[window]
+
+    # `write` also seals chunk keys for the scorer: the native decode kernel must not store
+    # rows itself; the caller writes first and the kernel only reads.
+    writes_in_place = False
+
+    def decode_storage(self, layer: int) -> Storage | None:
+        """The pool rows of `layer` (its source's for a KV-sharing layer) with the row of
+        each position, when this step sees exactly positions 0..end-1 (a pool that has not
+        evicted): the native decode kernel reads them in position order, as the plain cache
+        reads its rows. None under eviction (gaps): SDPA over the gathered rows."""
+        step = self._step
+        if step is None or not step.complete:
+            return None
+        source = self.sources.get(layer, layer)
+        return Storage(self.k[source], self.v[source], step.rows)
 
     def observe_query(self, layer: int, q: torch.Tensor, window: int | None) -> None:
         """The layer's queries [n, H, D] after RoPE: the last one scores chunks (qk);

@@ -117,6 +117,9 @@ class HidingCache(KVCache):
         seen[sorted(p for p in self.visible if p < start + n)] = True  # a row's keys end at it
         return base & seen[None, :]
 
+    def decode_storage(self, layer):
+        return None  # the native decode kernel knows only the causal mask: SDPA with this one
+
 
 def run_plain(model: Model, ids: torch.Tensor, steps: list[int], visible: list[set[int]]):
     cache = HidingCache(**plain_geometry(model))

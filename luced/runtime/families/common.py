@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from luced.gguf_file import GGUFError, GGUFFile
+from luced.runtime import native_attention
 from luced.runtime.layers import (
     Rope,
     apply_rope,
@@ -275,6 +276,9 @@ def cached_attention(
     (k, v) [n, Hkv, D] to store, or None for a KV-sharing layer, which reads its source
     layer's rows. -> the heads' outputs [n, H*D], before the output projection. A ragged
     batch (as `start` and `cache`) attends each sequence over its own cache."""
+    fused = _native_decode(layer, q, start, cache, kv, window, scale)
+    if fused is not None:
+        return fused
     if isinstance(cache, Ragged):  # each sequence attends over its own cache
 
         def one(s: Span, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None):
@@ -297,6 +301,11 @@ def cached_attention(
         # would. One SDPA call over n queries differs from n calls in the last float bits,
         # and the packed kernels' bf16 activations grow that into different logits (0.66 on
         # SmolLM2 under --weights auto); so a verify or a prefill gives decode's very logits.
+        storage = cache.decode_storage(layer)
+        if storage is not None and native_attention.supported(q, [storage]):
+            each = range(start, start + n)  # n queries, each as its own decode step
+            out = native_attention.decode_attention(q, None, [storage] * n, each, window, scale)
+            return out if out.dtype == dtype else out.to(dtype)
         out = torch.cat([
             attention(
                 q[i : i + 1],
@@ -310,3 +319,37 @@ def cached_attention(
     else:
         out = attention(q, keys, values, cache.mask(start, n, window, q.device), scale)
     return out if out.dtype == dtype else out.to(dtype)
+
+
+def _native_decode(
+    layer: int,
+    q: torch.Tensor,
+    start: int | Ragged,
+    cache: KVStore | Ragged,
+    kv: tuple[torch.Tensor, torch.Tensor] | None,
+    window: int | None,
+    scale: float,
+) -> torch.Tensor | None:
+    """A decode step's attention (one query per sequence, alone or a whole batch) as one
+    native call that also stores the new K/V rows; None where it does not apply."""
+    if isinstance(cache, Ragged):
+        if cache.n != len(cache.spans):  # some sequence feeds more than one token
+            return None
+        caches, positions = [s.cache for s in cache.spans], [s.start for s in cache.spans]
+    elif q.shape[0] == 1:
+        caches, positions = [cache], [start]
+    else:
+        return None
+    if not all(hasattr(c, "decode_storage") for c in caches):
+        return None
+    storage = [c.decode_storage(layer) for c in caches]  # type: ignore[attr-defined]
+    if any(rows is None for rows in storage) or not native_attention.supported(q, storage):
+        return None
+    if kv is not None:
+        in_place = all(c.writes_in_place for c in caches)  # type: ignore[attr-defined]
+        for i, (c, pos) in enumerate(zip(caches, positions, strict=True)):
+            if not in_place:  # a write that does more than store rows (KV Flash seals chunk
+                c.write(layer, pos, kv[0][i : i + 1], kv[1][i : i + 1])  # keys) comes first
+            c.observe_query(layer, q[i : i + 1], window)  # type: ignore[attr-defined]
+        kv = kv if in_place else None  # else the kernel only reads
+    return native_attention.decode_attention(q, kv, storage, positions, window, scale)  # type: ignore[arg-type]

@@ -1,0 +1,153 @@
+"""The native decode-attention kernel (csrc/decode_attention.c) against SDPA, and the
+properties continuous batching needs from it: a sequence's output does not depend on the
+others in its call nor on the thread count."""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+
+import pytest
+import torch
+
+from luced.runtime import native_attention, native_build
+from luced.runtime.layers import attention, attention_mask
+from luced.runtime.native_attention import Storage
+
+pytestmark = pytest.mark.skipif(
+    native_build.load("decode_attention") is None, reason="no C compiler for native kernels"
+)
+
+
+def _sequence(h_kv: int, rows: int, d: int, seed: int) -> Storage:
+    g = torch.Generator().manual_seed(seed)
+    return Storage(torch.randn(h_kv, rows, d, generator=g), torch.randn(h_kv, rows, d, generator=g))
+
+
+def _sdpa(q, k, v, pos: int, window: int | None, scale: float) -> torch.Tensor:
+    """The torch path's answer for one query at `pos` over rows [0, pos]."""
+    mask = attention_mask(pos, 1, pos + 1, window, q.device)
+    return attention(q[None], k[:, : pos + 1], v[:, : pos + 1], mask, scale)[0]
+
+
+@pytest.mark.parametrize(("heads", "h_kv", "d"), [(9, 3, 64), (4, 4, 32), (8, 1, 128)])
+@pytest.mark.parametrize("window", [None, 5])
+def test_matches_sdpa_and_stores_rows(heads: int, h_kv: int, d: int, window: int | None):
+    positions = [0, 3, 17, 40]
+    storage = [_sequence(h_kv, 48, d, seed) for seed in range(len(positions))]
+    g = torch.Generator().manual_seed(9)
+    q = torch.randn(len(positions), heads, d, generator=g)
+    k_new, v_new = torch.randn(2, len(positions), h_kv, d, generator=g)
+    expected = []
+    for s, kv in enumerate(storage):  # the torch path: write the row, then SDPA
+        k2, v2 = kv.k.clone(), kv.v.clone()
+        k2[:, positions[s]], v2[:, positions[s]] = k_new[s], v_new[s]
+        expected.append(_sdpa(q[s], k2, v2, positions[s], window, 0.3))
+    out = native_attention.decode_attention(q, (k_new, v_new), storage, positions, window, 0.3)
+    torch.testing.assert_close(out, torch.stack(expected), rtol=1e-5, atol=1e-5)
+    for s, kv in enumerate(storage):
+        assert torch.equal(kv.k[:, positions[s]], k_new[s])
+        assert torch.equal(kv.v[:, positions[s]], v_new[s])
+
+
+def test_shared_layer_reads_without_writing():
+    """A KV-sharing layer passes no new rows: the storage is left as it was."""
+    kv = _sequence(2, 16, 32, 0)
+    k, v = kv.k, kv.v
+    before = k.clone(), v.clone()
+    q = torch.randn(1, 4, 32)
+    out = native_attention.decode_attention(q, None, [kv], [10], None, 0.2)
+    torch.testing.assert_close(out[0], _sdpa(q[0], k, v, 10, None, 0.2), rtol=1e-5, atol=1e-5)
+    assert torch.equal(k, before[0]) and torch.equal(v, before[1])
+
+
+def test_batch_and_thread_invariant():
+    """Each sequence's output in a batch of 8 is bit-equal to its output alone, at 1 and 2
+    threads: decoding in a batch cannot change a token."""
+    positions = [5, 200, 31, 0, 77, 140, 9, 63]
+    storage = [_sequence(3, 256, 64, s) for s in range(8)]
+    q = torch.randn(8, 9, 64, generator=torch.Generator().manual_seed(3))
+    threads = torch.get_num_threads()
+    try:
+        results = []
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            batched = native_attention.decode_attention(q, None, storage, positions, None, 0.125)
+            alone = [
+                native_attention.decode_attention(q[i : i + 1], None, [kv], [p], None, 0.125)
+                for i, (kv, p) in enumerate(zip(storage, positions, strict=True))
+            ]
+            assert torch.equal(batched, torch.cat(alone))
+            results.append(batched)
+        assert torch.equal(results[0], results[1])
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_long_context_softmax_is_exact_enough():
+    """Scores spread over many magnitudes (the exp polynomial's whole range) still match."""
+    kv = _sequence(1, 4096, 64, 4)
+    q = 4 * torch.randn(1, 2, 64, generator=torch.Generator().manual_seed(5))
+    out = native_attention.decode_attention(q, None, [kv], [4095], None, 0.125)
+    expected = _sdpa(q[0], kv.k, kv.v, 4095, None, 0.125)
+    torch.testing.assert_close(out[0], expected, rtol=1e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize("window", [None, 6])
+def test_paged_rows_equal_rows_in_position_order(window: int | None):
+    """A pool whose positions sit in shuffled rows, read through its row map, gives the bits
+    of the same rows in position order; new rows land in the mapped row."""
+    plain = _sequence(3, 20, 64, 6)
+    order = torch.randperm(20, generator=torch.Generator().manual_seed(8))
+    paged = Storage(torch.empty_like(plain.k), torch.empty_like(plain.v), order)
+    paged.k[:, order], paged.v[:, order] = plain.k, plain.v
+    q = torch.randn(1, 9, 64)
+    new = torch.randn(2, 1, 3, 64)
+    a = native_attention.decode_attention(q, (new[0], new[1]), [plain], [12], window, 0.125)
+    b = native_attention.decode_attention(q, (new[0], new[1]), [paged], [12], window, 0.125)
+    assert torch.equal(a, b)
+    assert torch.equal(paged.k[:, order[12]], new[0, 0])
+
+
+def test_supported_only_for_float32_rows():
+    kv = _sequence(2, 8, 16, 0)
+    k, v = kv.k, kv.v
+    q = torch.randn(1, 2, 16)
+    assert native_attention.supported(q, [kv])
+    assert not native_attention.supported(q.bfloat16(), [kv])
+    assert not native_attention.supported(q, [Storage(k.bfloat16(), v.bfloat16())])
+    assert not native_attention.supported(q, [Storage(k.transpose(1, 2), v)])  # strided rows
+    assert not native_attention.supported(q, [Storage(k, v, torch.arange(8).int())])
+    with pytest.raises(ValueError, match="cannot hold row"):
+        native_attention.decode_attention(q, None, [kv], [8], None, 1.0)
+
+
+def test_build_failure_falls_back_or_raises(monkeypatch, tmp_path, caplog):
+    """No working compiler: auto warns once and returns None (the torch path); native
+    raises; torch never builds."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setenv("CC", "/bin/false")
+    native_build.load.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING, logger="luced.runtime.native_build"):
+            assert native_build.load("decode_attention") is None
+        assert "unavailable" in caplog.text
+        native_build.load.cache_clear()
+        monkeypatch.setenv("LUCED_KERNELS", "native")
+        with pytest.raises(RuntimeError, match="failed"):
+            native_build.load("decode_attention")
+        native_build.load.cache_clear()
+        monkeypatch.setenv("LUCED_KERNELS", "torch")
+        assert native_build.load("decode_attention") is None
+        assert not list(tmp_path.rglob("*.so*"))  # nothing half-written was left behind
+    finally:
+        native_build.load.cache_clear()
+
+
+def test_build_is_cached_and_loads(monkeypatch, tmp_path):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    path = native_build.build("decode_attention")
+    assert path.parent == tmp_path / "luced" / "kernels" and path.stat().st_size > 0
+    mtime = path.stat().st_mtime_ns
+    assert native_build.build("decode_attention") == path and path.stat().st_mtime_ns == mtime
+    assert hasattr(ctypes.CDLL(str(path)), "decode_attention")

@@ -18,6 +18,11 @@ Load: the loader yields `QuantRows` (codes and scales per row, so row operations
 llama's Q/K unpermute or stacking projections work on them), and for a MoE expert stack one
 per expert; `pack_weights` turns each into a `PackedLinear` after the family's `prepare`.
 
+Kernels (`LUCED_KERNELS=auto|native|torch`): on a CPU where `native` built its library
+(csrc/qgemm.c: int8 activations, integer dot products, AVX512-VNNI / AVX2 / C variants chosen
+at run time), the matrix is held in that library's layout and few-row calls run there; with
+`torch` (or no gcc) it is held in torch's int4/int8 pack for the aten kernels above.
+
 Dispatch by rows (M = tokens in the call): M <= GEMV_MAX_ROWS runs the packed kernel, which
 reads 4.5 or 8 bits per weight (decode is memory-bound); more rows dequantize the matrix into
 one scratch buffer shared by every layer, in the CPU's fast dense dtype, and run a dense
@@ -41,6 +46,7 @@ from gguf import quants as gguf_quants
 from gguf.constants import GGMLQuantizationType as Q
 
 from luced.ipc.frames import WEIGHT_MODES
+from luced.runtime import native
 
 log = logging.getLogger(__name__)
 
@@ -237,9 +243,11 @@ class _Scratch:
 
 class PackedLinear:
     """A linear layer's weight [out, in] held packed for a weight-only kernel; `layers.linear`
-    calls it. `dtype` is the model's compute dtype: outputs and `rows` come back in it."""
+    calls it. `dtype` is the model's compute dtype: outputs and `rows` come back in it.
+    `kernels`: "auto" (native where available), "native" or "torch"; None reads
+    `LUCED_KERNELS`."""
 
-    def __init__(self, rows: QuantRows, dtype: torch.dtype) -> None:
+    def __init__(self, rows: QuantRows, dtype: torch.dtype, kernels: str | None = None) -> None:
         self.form = rows.form
         self.out_features, self.in_features = rows.shape
         self.splits = rows.splits or (self.out_features,)
@@ -248,6 +256,14 @@ class PackedLinear:
         # the packed kernel, 64 rows at a time, so no row depends on how many came with it.
         self.invariant = False
         self._codes: torch.Tensor | None = None  # kept only if the int4 layout is unknown
+        # Native layout: `codes` with `sz` (int4) or `scale` (int8); torch's pack otherwise.
+        self.native = native.kernels(rows.codes.device, kernels)
+        if self.native is not None:
+            if rows.form == "int8":
+                self.codes, self.scale = native.pack_int8(rows.codes, rows.scales)
+            else:
+                self.codes, self.sz = native.pack_int4(rows.codes, rows.scales, rows.zeros)  # type: ignore[arg-type]
+            return
         if rows.form == "int8":
             self.weight = rows.codes.contiguous()
             self.scales = rows.scales[:, 0].to(torch.bfloat16).contiguous()
@@ -270,27 +286,34 @@ class PackedLinear:
         return self.out_features, self.in_features
 
     def nbytes(self) -> int:
-        extra = (getattr(self, n, None) for n in ("scales", "scales_zeros"))
-        parts = [self.weight, self._codes, *extra]
+        names = ("weight", "_codes", "scales", "scales_zeros", "codes", "sz", "scale")
+        parts = (getattr(self, n, None) for n in names)
         return sum(t.numel() * t.element_size() for t in parts if t is not None)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., in] -> [..., out] in x's dtype."""
         if x.dim() == 2 and x.shape[0] <= GEMV_MAX_ROWS:  # decode's call: no reshapes
-            return self.gemv(x.to(torch.bfloat16)).to(x.dtype)
+            return self.gemv(x).to(x.dtype)
         lead, k = x.shape[:-1], self.in_features
         x2 = x.reshape(-1, k)
-        if x2.shape[0] <= GEMV_MAX_ROWS:
-            y = self.gemv(x2.to(torch.bfloat16))
+        if x2.shape[0] <= GEMV_MAX_ROWS or (self.invariant and self.native is not None):
+            y = self.gemv(x2)  # the native kernels are row-invariant at any M
         elif self.invariant:
-            y = torch.cat([self.gemv(part) for part in x2.to(torch.bfloat16).split(GEMV_MAX_ROWS)])
+            y = torch.cat([self.gemv(part) for part in x2.split(GEMV_MAX_ROWS)])
         else:
             dt = dense_dtype(x.device.type)
             y = F.linear(x2.to(dt), self.dense(dt))
         return y.to(x.dtype).view(*lead, self.out_features)
 
     def gemv(self, x: torch.Tensor) -> torch.Tensor:
-        """bf16 x [m, in] -> bf16 [m, out] on the packed kernel."""
+        """x [m, in] -> [m, out] on the packed kernel: float32 out of the native kernels
+        (which quantize x to int8 per 32 inputs), bf16 out of torch's (bf16 activations)."""
+        if self.native is not None:
+            x = x.to(torch.float32).contiguous()
+            if self.form == "int8":
+                return self.native.int8(self.codes, self.scale, self.out_features, x)
+            return self.native.int4(self.codes, self.sz, self.out_features, x)
+        x = x.to(torch.bfloat16)
         if self.form == "int8":
             return torch.ops.aten._weight_int8pack_mm(x, self.weight, self.scales)
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.weight, GROUP, self.scales_zeros)
@@ -300,6 +323,8 @@ class PackedLinear:
         """The whole matrix [out, in] dequantized into the shared scratch buffer (valid until
         the next call)."""
         n, k = self.shape
+        if self.native is not None:
+            return self._native_dense(dtype)
         if self.form == "int8" or self._codes is not None:
             out = _Scratch.get(n, k, dtype, self.weight.device)
             self._dequantize_into(torch.arange(n, device=self.weight.device), out)
@@ -325,7 +350,30 @@ class PackedLinear:
         self._dequantize_into(ids, out)
         return out
 
+    def _native_dense(self, dtype: torch.dtype) -> torch.Tensor:
+        n, k = self.shape
+        if self.form == "int8":
+            out = _Scratch.get(n, k, dtype, self.codes.device)
+            torch.mul(native.unpack_int8(self.codes, k)[:n], self.scale[:n, None], out=out)
+            return out
+        codes, scale, zero = native.unpack_int4(self.codes, self.sz)
+        out = _Scratch.get(codes.shape[0], k, dtype, self.codes.device)
+        groups = out.view(-1, k // GROUP, GROUP)
+        groups.copy_(codes.view(groups.shape)).sub_(8)
+        groups.mul_(scale[..., None]).add_(zero[..., None])
+        return out[:n]
+
     def _dequantize_into(self, ids: torch.Tensor, out: torch.Tensor) -> None:
+        if self.native is not None:
+            if self.form == "int8":
+                codes = native.unpack_int8(self.codes, self.in_features, ids)
+                torch.mul(codes, self.scale[ids, None], out=out)
+                return
+            codes, scale, zero = native.unpack_int4(self.codes, self.sz, ids)
+            groups = out.view(-1, self.in_features // GROUP, GROUP)
+            groups.copy_(codes.view(groups.shape)).sub_(8)
+            groups.mul_(scale[..., None]).add_(zero[..., None])
+            return
         if self.form == "int8":
             torch.mul(self.weight[ids], self.scales[ids, None], out=out)
             return

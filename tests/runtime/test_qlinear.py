@@ -100,12 +100,10 @@ def test_packed_rows_are_embedding_rows(files: dict[str, Path], form: str) -> No
     want = rows.dequantize()[ids]
     torch.testing.assert_close(matrix_row_select(packed, ids), want, rtol=1e-2, atol=1e-3)
     x = torch.randn(1, rows.shape[1])
-    torch.testing.assert_close(
-        linear(x, packed),
-        x.to(torch.bfloat16).float() @ rows.dequantize().T,
-        rtol=2e-2,
-        atol=2e-2,
-    )
+    want = x.to(torch.bfloat16).float() @ rows.dequantize().T
+    # int8 activations (native kernels) err by up to half a step of each 32-block's absmax
+    atol = 2e-2 * want.abs().max().item()
+    torch.testing.assert_close(linear(x, packed), want, rtol=2e-2, atol=atol)
 
 
 def test_batch_invariance_of_the_packed_path(files: dict[str, Path]) -> None:

@@ -3,13 +3,16 @@ before/after for a runtime change on a machine whose speed drifts (shared vCPUs)
 
     python tools/bench_decode.py REF_TREE [--new TREE] [--models smollm2,gemma3]
         [--weights auto] [--dtype float32] [--threads 2] [--rounds 12] [--steps 16]
+        [--ref-env LUCED_KERNELS=torch] [--new-env LUCED_KERNELS=native]
 
 Each tree gets one worker process (this file run with PYTHONPATH=tree) that loads the model,
 prefills 256 tokens and then decodes greedily in batches of --steps when asked; batches
 alternate between the trees (ABBA order), so drift and neighbours' load hit both sides.
 Prints, per model, the median wall ms per step and tok/s of each tree, the median of the
 per-round ratios, and CPU time per step divided by threads (less sensitive to other
-processes than wall time, though not to the memory bandwidth they take).
+processes than wall time, though not to the memory bandwidth they take). `--ref-env` /
+`--new-env` add environment variables to one side (REF_TREE may then be the same tree: torch
+against native kernels in one run).
 """
 
 from __future__ import annotations
@@ -56,10 +59,11 @@ def serve(model_name: str, weights: str, dtype: str, threads: int) -> None:
 
 
 class Worker:
-    def __init__(self, tree: Path, model: str, args: argparse.Namespace) -> None:
+    def __init__(self, tree: Path, model: str, args: argparse.Namespace, extra: list[str]) -> None:
         cmd = [sys.executable, __file__, "--serve", model, args.weights, args.dtype]
         cmd.append(str(args.threads))
         env = dict(os.environ, PYTHONPATH=str(tree))
+        env.update(item.split("=", 1) for item in extra)
         self.proc = subprocess.Popen(
             cmd, cwd=tree, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
         )
@@ -82,7 +86,7 @@ class Worker:
 
 
 def compare(model: str, ref: Path, new: Path, args: argparse.Namespace) -> str:
-    workers = [Worker(ref, model, args), Worker(new, model, args)]
+    workers = [Worker(ref, model, args, args.ref_env), Worker(new, model, args, args.new_env)]
     try:
         for w in workers:
             w.run(4)  # warm up
@@ -117,6 +121,8 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--rounds", type=int, default=12)
     p.add_argument("--steps", type=int, default=16)
+    p.add_argument("--ref-env", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--new-env", action="append", default=[], metavar="KEY=VALUE")
     args = p.parse_args()
     print(f"ref {args.ref.resolve()}, new {args.new.resolve()}")
     columns = "model | weights | dtype | threads | ref step | new step | speedup | CPU/step"

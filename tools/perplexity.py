@@ -4,18 +4,23 @@ float32 path (`dequant`), on the same tokens.
 
     python tools/perplexity.py MODEL.gguf FILE.txt [--ctx 256] [--chunks 4]
         [--weights dequant,auto,int4,int8] [--threads 2]
+        [--kernels torch,native] [--batch-invariant]
         [--llama-perplexity PATH]   # llama.cpp's perplexity on the same file, for comparison
 
 The text is tokenized once (BOS first, as llama-perplexity does) and cut into --chunks
 windows of --ctx tokens; each window is scored from its second half, as llama-perplexity
 scores (the first half is context only), so the numbers are comparable with its output.
-Prints a Markdown table.
+Prints a Markdown table. `--kernels` scores each compact mode once per packed-kernel
+implementation (LUCED_KERNELS); `--batch-invariant` sends every row through the packed
+kernels (otherwise calls of more than 64 rows run dense, so a 256-token window tests
+them little).
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+import os
 import re
 import subprocess
 import sys
@@ -69,6 +74,8 @@ def main() -> int:
     ap.add_argument("--chunks", type=int, default=4)
     ap.add_argument("--weights", default="dequant,auto,int4,int8")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--kernels", default="", help="e.g. torch,native (default: LUCED_KERNELS)")
+    ap.add_argument("--batch-invariant", action="store_true")
     ap.add_argument("--llama-perplexity", metavar="PATH")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -85,7 +92,11 @@ def main() -> int:
         modes.insert(0, "dequant")  # the reference for top-1 agreement
     results = {}
     for mode in modes:
-        results[mode] = score(Model.load(args.model, weights=mode), windows)
+        for kernels in args.kernels.split(",") if mode != "dequant" else [""]:
+            if kernels:
+                os.environ["LUCED_KERNELS"] = kernels  # read as each matrix is packed
+            model = Model.load(args.model, weights=mode, batch_invariant=args.batch_invariant)
+            results[f"{mode} ({kernels})" if kernels else mode] = score(model, windows)
     ref_tops = torch.cat(results["dequant"][1])
     print(f"{args.model.name}, {args.file.name}: {n} windows of {args.ctx} tokens\n")
     print("| weights | perplexity | top-1 agreement with dequant (float32) |")

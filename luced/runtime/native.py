@@ -93,49 +93,54 @@ def best_isa(flags: frozenset[str]) -> str:
 @dataclass
 class Kernels:
     """The loaded library with one variant chosen; `isa` may be changed (tests, benches) to
-    any variant the CPU supports."""
+    any variant the CPU supports. `levels`: activations as one int8 code per input (1,
+    llama.cpp's Q8 activations) or two (2: a second int8 code for the residual, 16-bit
+    precision for twice the integer dot products)."""
 
     lib: ctypes.CDLL
     isa: str
+    levels: int = 1
 
     def int4(self, codes: torch.Tensor, sz: torch.Tensor, n: int, x: torch.Tensor) -> torch.Tensor:
         """float32 x [m, k] -> float32 [m, n] through int4 weights in the native layout."""
-        m, k = x.shape
-        y = torch.empty(m, n, dtype=torch.float32)
-        rc = self.lib.qg_int4(
-            ISAS[self.isa][0], codes.data_ptr(), sz.data_ptr(), n, k, x.data_ptr(), m,
-            y.data_ptr(), torch.get_num_threads(),
-        )  # fmt: skip
-        if rc:
-            raise MemoryError("qg_int4: out of memory")
-        return y
+        return self._run(self.lib.qg_int4, codes, sz, n, x)
 
     def int8(
         self, codes: torch.Tensor, scale: torch.Tensor, n: int, x: torch.Tensor
     ) -> torch.Tensor:
         """float32 x [m, k] -> float32 [m, n] through int8 weights in the native layout."""
+        return self._run(self.lib.qg_int8, codes, scale, n, x)
+
+    def _run(
+        self,
+        fn: ctypes._CFuncPtr,
+        codes: torch.Tensor,
+        scales: torch.Tensor,
+        n: int,
+        x: torch.Tensor,
+    ) -> torch.Tensor:
         m, k = x.shape
         y = torch.empty(m, n, dtype=torch.float32)
-        rc = self.lib.qg_int8(
-            ISAS[self.isa][0], codes.data_ptr(), scale.data_ptr(), n, k, x.data_ptr(), m,
-            y.data_ptr(), torch.get_num_threads(),
-        )  # fmt: skip
-        if rc:
-            raise MemoryError("qg_int8: out of memory")
+        ptrs = codes.data_ptr(), scales.data_ptr()
+        isa, threads = ISAS[self.isa][0], torch.get_num_threads()
+        if fn(isa, self.levels, *ptrs, n, k, x.data_ptr(), m, y.data_ptr(), threads):
+            raise MemoryError("native kernel: out of memory")
         return y
 
     def quantize(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """float32 x [m, k] -> (codes int8 [m, kp], scales [m, kp/32], sums int32 [m, kp/32]):
-        the activations as the kernels see them."""
+        """float32 x [m, k] -> (codes int32 [m, kp], scales [m, kp/32], sums int32 [m, kp/32]):
+        the activations as the kernels see them, x ~ codes * scale per 32-block (two levels
+        combined into one 16-bit code)."""
         m, k = x.shape
         groups = -(-k // GROUP)
-        q = torch.empty(m, groups * GROUP, dtype=torch.int8)
-        d = torch.empty(m, groups)
+        q, q2 = (torch.empty(m, groups * GROUP, dtype=torch.int8) for _ in range(2))
+        d, ds = torch.empty(m, groups), torch.empty(m, groups)
         s = torch.empty(m, groups, dtype=torch.int32)
-        ds = torch.empty(m, groups)
-        args = (q.data_ptr(), d.data_ptr(), s.data_ptr(), ds.data_ptr())
-        self.lib.qg_quantize(ISAS[self.isa][0], x.data_ptr(), m, k, *args)
-        return q, d, s
+        second = q2.data_ptr() if self.levels == 2 else None
+        tables = (d.data_ptr(), s.data_ptr(), ds.data_ptr())
+        self.lib.qg_quantize(ISAS[self.isa][0], x.data_ptr(), m, k, q.data_ptr(), second, *tables)
+        codes = q.int() * 256 + q2.int() if self.levels == 2 else q.int()
+        return codes, d, s
 
 
 def _load(path: Path) -> ctypes.CDLL:
@@ -143,9 +148,9 @@ def _load(path: Path) -> ctypes.CDLL:
     p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     for name in ("qg_int4", "qg_int8"):
         fn = getattr(lib, name)
-        fn.argtypes = [i32, p, p, i64, i64, p, i64, p, i32]
+        fn.argtypes = [i32, i32, p, p, i64, i64, p, i64, p, i32]
         fn.restype = i32
-    lib.qg_quantize.argtypes = [i32, p, i64, i64, p, p, p, p]
+    lib.qg_quantize.argtypes = [i32, p, i64, i64, p, p, p, p, p]
     lib.qg_quantize.restype = None
     return lib
 
@@ -168,14 +173,22 @@ def kernels_mode() -> str:
     return mode
 
 
+def activation_levels() -> int:
+    """`LUCED_ACTIVATIONS`: int8 (default, one level, as llama.cpp) or int16 (two levels)."""
+    name = os.environ.get("LUCED_ACTIVATIONS", "int8")
+    if name not in ("int8", "int16"):
+        raise ValueError(f"LUCED_ACTIVATIONS={name!r}; choose int8 or int16")
+    return 2 if name == "int16" else 1
+
+
 @functools.cache
 def _kernels(flags: frozenset[str]) -> Kernels | None:
     lib = _loaded()
     if lib is None:
         return None
-    isa = best_isa(flags)
-    log.info("native int4/int8 kernels: %s variant", isa)
-    return Kernels(lib, isa)
+    isa, levels = best_isa(flags), activation_levels()
+    log.info("native int4/int8 kernels: %s variant, %d-bit activations", isa, 8 * levels)
+    return Kernels(lib, isa, levels)
 
 
 def kernels(device: torch.device, mode: str | None = None) -> Kernels | None:

@@ -35,10 +35,10 @@
 
 enum { ISA_SCALAR = 0, ISA_AVX2 = 1, ISA_AVX512_VNNI = 2 };
 
-/* One activation row, quantized: codes [kp], then per group scale d, sum of codes s and
- * d * s (the zero point's factor). */
+/* One activation row, quantized: codes [kp] (and q2, the second level), then per group the
+ * scale d of the combined code, its sum s and d * s (the zero point's factor). */
 typedef struct {
-    const int8_t *q;
+    const int8_t *q, *q2;
     const float *d;
     const int32_t *s;
     const float *ds;
@@ -47,10 +47,15 @@ typedef struct {
 /* ------------------------------------------------------------------ activation quantization */
 
 /* Shared by every variant (inlined into each, so the compiler vectorizes it for that ISA):
- * max, rint and integer sums are exact in any order, so all variants give the same codes. */
+ * max, rint and integer sums are exact in any order, so all variants give the same codes.
+ * With q2 (two levels) the residual x - d*q, at most d/2, is quantized again with step d/256,
+ * and the pair stands for the 16-bit code 256*q + q2 with scale d/256: a dot product becomes
+ * (dot(q) << 8) + dot(q2), still exact in int32. (A residual past 127.5 fine steps clamps to
+ * 127: one fine step off, rarely.) */
 static inline __attribute__((always_inline)) void quantize_row(const float *x, int64_t k,
-                                                                int64_t kp, int8_t *q, float *d,
-                                                                int32_t *s, float *ds) {
+                                                                int64_t kp, int8_t *q,
+                                                                int8_t *q2, float *d, int32_t *s,
+                                                                float *ds) {
     for (int64_t g = 0; g < kp / G; g++) {
         float blk[G];
         int64_t n = k - g * G < G ? k - g * G : G;
@@ -59,16 +64,24 @@ static inline __attribute__((always_inline)) void quantize_row(const float *x, i
         for (int i = 0; i < G; i++) amax = fmaxf(amax, fabsf(blk[i]));
         const float dg = amax / 127.0f;
         const float id = dg > 0.0f ? 1.0f / dg : 0.0f;
-        int32_t sum = 0;
+        int32_t sum = 0, sum2 = 0;
         for (int i = 0; i < G; i++) {
             float v = rintf(blk[i] * id);
             v = fminf(fmaxf(v, -127.0f), 127.0f);
             q[g * G + i] = (int8_t)v;
             sum += (int32_t)v;
+            if (q2) {
+                float r = rintf((blk[i] - v * dg) * (id * 256.0f));
+                r = fminf(fmaxf(r, -127.0f), 127.0f);
+                q2[g * G + i] = (int8_t)r;
+                sum2 += (int32_t)r;
+            }
         }
-        d[g] = dg;
-        s[g] = sum;
-        ds[g] = dg * (float)sum;
+        const float dc = q2 ? dg * (1.0f / 256.0f) : dg;
+        const int32_t sc = q2 ? sum * 256 + sum2 : sum;
+        d[g] = dc;
+        s[g] = sc;
+        ds[g] = dc * (float)sc;
     }
 }
 
@@ -98,14 +111,17 @@ static void int4_block_scalar(const uint8_t *w, const uint16_t *sz, int64_t grou
         float acc[NR] = {0};
         for (int64_t g = 0; g < groups; g++) {
             const uint8_t *b = w + g * 256;
-            const int8_t *xq = xs[m].q + g * G;
+            const int8_t *xq = xs[m].q + g * G, *xq2 = xs[m].q2 ? xs[m].q2 + g * G : NULL;
             for (int r = 0; r < NR; r++) {
-                int32_t dot = 0;
+                int32_t dot = 0, dot2 = 0;
                 for (int v = 0; v < 4; v++)
                     for (int i = 0; i < 4; i++) {
                         uint8_t byte = b[v * 64 + r * 4 + i];
-                        dot += (byte & 15) * xq[4 * v + i] + (byte >> 4) * xq[16 + 4 * v + i];
+                        int lo = byte & 15, hi = byte >> 4;
+                        dot += lo * xq[4 * v + i] + hi * xq[16 + 4 * v + i];
+                        if (xq2) dot2 += lo * xq2[4 * v + i] + hi * xq2[16 + 4 * v + i];
                     }
+                if (xq2) dot = dot * 256 + dot2;
                 float f = (float)(dot - 8 * xs[m].s[g]) * bf16_to_f32(sz[g * 32 + r]);
                 acc[r] += f * xs[m].d[g];
                 acc[r] += bf16_to_f32(sz[g * 32 + 16 + r]) * xs[m].ds[g];
@@ -121,11 +137,15 @@ static void int8_block_scalar(const int8_t *w, const float *scale, int64_t group
         float acc[NR] = {0};
         for (int64_t g = 0; g < groups; g++) {
             const int8_t *b = w + g * 512;
-            const int8_t *xq = xs[m].q + g * G;
+            const int8_t *xq = xs[m].q + g * G, *xq2 = xs[m].q2 ? xs[m].q2 + g * G : NULL;
             for (int r = 0; r < NR; r++) {
-                int32_t dot = 0;
+                int32_t dot = 0, dot2 = 0;
                 for (int j = 0; j < 8; j++)
-                    for (int i = 0; i < 4; i++) dot += b[j * 64 + r * 4 + i] * xq[4 * j + i];
+                    for (int i = 0; i < 4; i++) {
+                        dot += b[j * 64 + r * 4 + i] * xq[4 * j + i];
+                        if (xq2) dot2 += b[j * 64 + r * 4 + i] * xq2[4 * j + i];
+                    }
+                if (xq2) dot = dot * 256 + dot2;
                 acc[r] += (float)dot * xs[m].d[g];
             }
         }
@@ -134,9 +154,9 @@ static void int8_block_scalar(const int8_t *w, const float *scale, int64_t group
     }
 }
 
-static void quantize_scalar(const float *x, int64_t k, int64_t kp, int8_t *q, float *d,
-                            int32_t *s, float *ds) {
-    quantize_row(x, k, kp, q, d, s, ds);
+static void quantize_scalar(const float *x, int64_t k, int64_t kp, int8_t *q, int8_t *q2,
+                            float *d, int32_t *s, float *ds) {
+    quantize_row(x, k, kp, q, q2, d, s, ds);
 }
 
 /* ------------------------------------------------------------------ AVX2 */
@@ -147,15 +167,15 @@ static void quantize_scalar(const float *x, int64_t k, int64_t kp, int8_t *q, fl
  * block's codes stay in L1 between them); mr rows of activations share each load. The 16-bit
  * sums of eight vpmaddubsw cannot overflow for int4 (8 * 2 * 15 * 127 < 32768). */
 AVX2 static inline __attribute__((always_inline)) void int4_half_avx2(
-    const uint8_t *w, const uint16_t *sz, int64_t groups, const xrow *xs, const int mr, int h,
-    float *y, int64_t ldy, int64_t nvalid) {
+    const uint8_t *w, const uint16_t *sz, int64_t groups, const xrow *xs, const int mr,
+    const int two, int h, float *y, int64_t ldy, int64_t nvalid) {
     const __m256i low = _mm256_set1_epi8(0x0F);
     const __m256i ones = _mm256_set1_epi16(1);
     __m256 acc[MR];
     for (int m = 0; m < MR; m++) acc[m] = _mm256_setzero_ps();
     for (int64_t g = 0; g < groups; g++) {
         const uint8_t *b = w + g * 256 + h * 32;
-        __m256i sum[MR];
+        __m256i sum[MR], sum2[MR];
 #pragma GCC unroll 4
         for (int v = 0; v < 4; v++) {
             __m256i raw = _mm256_loadu_si256((const __m256i *)(b + v * 64));
@@ -168,6 +188,13 @@ AVX2 static inline __attribute__((always_inline)) void int4_half_avx2(
                 p = _mm256_add_epi16(
                     p, _mm256_maddubs_epi16(hi, _mm256_set1_epi32(load_i32(xq + 16 + 4 * v))));
                 sum[m] = v == 0 ? p : _mm256_add_epi16(sum[m], p);
+                if (two) {
+                    const int8_t *xq2 = xs[m].q2 + g * G;
+                    p = _mm256_maddubs_epi16(lo, _mm256_set1_epi32(load_i32(xq2 + 4 * v)));
+                    p = _mm256_add_epi16(p, _mm256_maddubs_epi16(
+                                                hi, _mm256_set1_epi32(load_i32(xq2 + 16 + 4 * v))));
+                    sum2[m] = v == 0 ? p : _mm256_add_epi16(sum2[m], p);
+                }
             }
         }
         const uint16_t *s = sz + g * 32 + h * 8;
@@ -178,6 +205,8 @@ AVX2 static inline __attribute__((always_inline)) void int4_half_avx2(
 #pragma GCC unroll 4
         for (int m = 0; m < mr; m++) {
             __m256i dot = _mm256_madd_epi16(sum[m], ones);
+            if (two)
+                dot = _mm256_add_epi32(_mm256_slli_epi32(dot, 8), _mm256_madd_epi16(sum2[m], ones));
             dot = _mm256_sub_epi32(dot, _mm256_set1_epi32(8 * xs[m].s[g]));
             __m256 f = _mm256_mul_ps(_mm256_cvtepi32_ps(dot), scale);
             acc[m] = _mm256_fmadd_ps(f, _mm256_set1_ps(xs[m].d[g]), acc[m]);
@@ -195,15 +224,15 @@ AVX2 static inline __attribute__((always_inline)) void int4_half_avx2(
 /* int8 x int8 through vpmaddubsw (u8 x s8) with llama.cpp's sign trick: |w| * (x * sign(w))
  * equals w * x and keeps both operands within +-127, so a pair sum never saturates. */
 AVX2 static inline __attribute__((always_inline)) void int8_half_avx2(
-    const int8_t *w, const float *scale, int64_t groups, const xrow *xs, const int mr, int h,
-    float *y, int64_t ldy, int64_t nvalid) {
+    const int8_t *w, const float *scale, int64_t groups, const xrow *xs, const int mr,
+    const int two, int h, float *y, int64_t ldy, int64_t nvalid) {
     const __m256i ones = _mm256_set1_epi16(1);
     __m256 acc[MR];
     for (int m = 0; m < MR; m++) acc[m] = _mm256_setzero_ps();
     for (int64_t g = 0; g < groups; g++) {
         const int8_t *b = w + g * 512 + h * 32;
-        __m256i dot[MR];
-        for (int m = 0; m < MR; m++) dot[m] = _mm256_setzero_si256();
+        __m256i dot[MR], dot2[MR];
+        for (int m = 0; m < MR; m++) dot[m] = dot2[m] = _mm256_setzero_si256();
 #pragma GCC unroll 8
         for (int j = 0; j < 8; j++) {
             __m256i raw = _mm256_loadu_si256((const __m256i *)(b + j * 64));
@@ -213,12 +242,18 @@ AVX2 static inline __attribute__((always_inline)) void int8_half_avx2(
                 __m256i xb = _mm256_set1_epi32(load_i32(xs[m].q + g * G + 4 * j));
                 __m256i p = _mm256_maddubs_epi16(mag, _mm256_sign_epi8(xb, raw));
                 dot[m] = _mm256_add_epi32(dot[m], _mm256_madd_epi16(p, ones));
+                if (two) {
+                    xb = _mm256_set1_epi32(load_i32(xs[m].q2 + g * G + 4 * j));
+                    p = _mm256_maddubs_epi16(mag, _mm256_sign_epi8(xb, raw));
+                    dot2[m] = _mm256_add_epi32(dot2[m], _mm256_madd_epi16(p, ones));
+                }
             }
         }
 #pragma GCC unroll 4
-        for (int m = 0; m < mr; m++)
-            acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[m]), _mm256_set1_ps(xs[m].d[g]),
-                                     acc[m]);
+        for (int m = 0; m < mr; m++) {
+            __m256i t = two ? _mm256_add_epi32(_mm256_slli_epi32(dot[m], 8), dot2[m]) : dot[m];
+            acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), _mm256_set1_ps(xs[m].d[g]), acc[m]);
+        }
     }
     __m256 sc = _mm256_loadu_ps(scale + h * 8);
     for (int m = 0; m < mr; m++) {
@@ -229,29 +264,37 @@ AVX2 static inline __attribute__((always_inline)) void int8_half_avx2(
     }
 }
 
+/* The tile functions take mr and two as constants, so each case compiles to its own
+ * unrolled loop; a row's instructions are the same in every case. */
+#define TILES(CALL)                                  \
+    switch (mr * 2 + (xs[0].q2 != NULL)) {           \
+        case 9: CALL(4, 1); break;                   \
+        case 8: CALL(4, 0); break;                   \
+        case 7: CALL(3, 1); break;                   \
+        case 6: CALL(3, 0); break;                   \
+        case 5: CALL(2, 1); break;                   \
+        case 4: CALL(2, 0); break;                   \
+        case 3: CALL(1, 1); break;                   \
+        default: CALL(1, 0); break;                  \
+    }
+
 AVX2 static void int4_block_avx2(const uint8_t *w, const uint16_t *sz, int64_t groups,
                                  const xrow *xs, int mr, float *y, int64_t ldy, int64_t nvalid) {
-    for (int h = 0; h < 2; h++) switch (mr) {
-            case 4: int4_half_avx2(w, sz, groups, xs, 4, h, y, ldy, nvalid); break;
-            case 3: int4_half_avx2(w, sz, groups, xs, 3, h, y, ldy, nvalid); break;
-            case 2: int4_half_avx2(w, sz, groups, xs, 2, h, y, ldy, nvalid); break;
-            default: int4_half_avx2(w, sz, groups, xs, 1, h, y, ldy, nvalid); break;
-        }
+#define CALL(MR_, TWO) int4_half_avx2(w, sz, groups, xs, MR_, TWO, h, y, ldy, nvalid)
+    for (int h = 0; h < 2; h++) TILES(CALL)
+#undef CALL
 }
 
 AVX2 static void int8_block_avx2(const int8_t *w, const float *scale, int64_t groups,
                                  const xrow *xs, int mr, float *y, int64_t ldy, int64_t nvalid) {
-    for (int h = 0; h < 2; h++) switch (mr) {
-            case 4: int8_half_avx2(w, scale, groups, xs, 4, h, y, ldy, nvalid); break;
-            case 3: int8_half_avx2(w, scale, groups, xs, 3, h, y, ldy, nvalid); break;
-            case 2: int8_half_avx2(w, scale, groups, xs, 2, h, y, ldy, nvalid); break;
-            default: int8_half_avx2(w, scale, groups, xs, 1, h, y, ldy, nvalid); break;
-        }
+#define CALL(MR_, TWO) int8_half_avx2(w, scale, groups, xs, MR_, TWO, h, y, ldy, nvalid)
+    for (int h = 0; h < 2; h++) TILES(CALL)
+#undef CALL
 }
 
-AVX2 static void quantize_avx2(const float *x, int64_t k, int64_t kp, int8_t *q, float *d,
-                               int32_t *s, float *ds) {
-    quantize_row(x, k, kp, q, d, s, ds);
+AVX2 static void quantize_avx2(const float *x, int64_t k, int64_t kp, int8_t *q, int8_t *q2,
+                               float *d, int32_t *s, float *ds) {
+    quantize_row(x, k, kp, q, q2, d, s, ds);
 }
 
 /* ------------------------------------------------------------------ AVX512-VNNI */
@@ -266,7 +309,7 @@ static inline __attribute__((always_inline)) VNNI __m512 bf16x16(const uint16_t 
 /* 16 rows per zmm; vpdpbusd multiplies u8 codes (0..15) by s8 activations directly. */
 VNNI static inline __attribute__((always_inline)) void int4_tile_vnni(
     const uint8_t *w, const uint16_t *sz, int64_t groups, const xrow *xs, const int mr,
-    float *y, int64_t ldy, int64_t nvalid) {
+    const int two, float *y, int64_t ldy, int64_t nvalid) {
     const __m512i low = _mm512_set1_epi8(0x0F);
     __m512 acc[MR];
     for (int m = 0; m < MR; m++) acc[m] = _mm512_setzero_ps();
@@ -287,6 +330,14 @@ VNNI static inline __attribute__((always_inline)) void int4_tile_vnni(
 #pragma GCC unroll 8
             for (int j = 0; j < 8; j++)
                 dot = _mm512_dpbusd_epi32(dot, q[j], _mm512_set1_epi32(load_i32(xq + 4 * j)));
+            if (two) {
+                const int8_t *xq2 = xs[m].q2 + g * G;
+                __m512i dot2 = _mm512_setzero_si512();
+#pragma GCC unroll 8
+                for (int j = 0; j < 8; j++)
+                    dot2 = _mm512_dpbusd_epi32(dot2, q[j], _mm512_set1_epi32(load_i32(xq2 + 4 * j)));
+                dot = _mm512_add_epi32(_mm512_slli_epi32(dot, 8), dot2);
+            }
             dot = _mm512_sub_epi32(dot, _mm512_set1_epi32(8 * xs[m].s[g]));
             __m512 f = _mm512_mul_ps(_mm512_cvtepi32_ps(dot), scale);
             acc[m] = _mm512_fmadd_ps(f, _mm512_set1_ps(xs[m].d[g]), acc[m]);
@@ -301,7 +352,7 @@ VNNI static inline __attribute__((always_inline)) void int4_tile_vnni(
  * bit (w + 128 as u8, 1..255), then take 128 * sum(xq) back off each group's dot. */
 VNNI static inline __attribute__((always_inline)) void int8_tile_vnni(
     const int8_t *w, const float *scale, int64_t groups, const xrow *xs, const int mr,
-    float *y, int64_t ldy, int64_t nvalid) {
+    const int two, float *y, int64_t ldy, int64_t nvalid) {
     const __m512i flip = _mm512_set1_epi8((char)0x80);
     __m512 acc[MR];
     for (int m = 0; m < MR; m++) acc[m] = _mm512_setzero_ps();
@@ -318,6 +369,14 @@ VNNI static inline __attribute__((always_inline)) void int8_tile_vnni(
 #pragma GCC unroll 8
             for (int j = 0; j < 8; j++)
                 dot = _mm512_dpbusd_epi32(dot, u[j], _mm512_set1_epi32(load_i32(xq + 4 * j)));
+            if (two) {
+                const int8_t *xq2 = xs[m].q2 + g * G;
+                __m512i dot2 = _mm512_setzero_si512();
+#pragma GCC unroll 8
+                for (int j = 0; j < 8; j++)
+                    dot2 = _mm512_dpbusd_epi32(dot2, u[j], _mm512_set1_epi32(load_i32(xq2 + 4 * j)));
+                dot = _mm512_add_epi32(_mm512_slli_epi32(dot, 8), dot2);
+            }
             dot = _mm512_sub_epi32(dot, _mm512_set1_epi32(128 * xs[m].s[g]));
             acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_set1_ps(xs[m].d[g]),
                                      acc[m]);
@@ -330,33 +389,27 @@ VNNI static inline __attribute__((always_inline)) void int8_tile_vnni(
 
 VNNI static void int4_block_vnni(const uint8_t *w, const uint16_t *sz, int64_t groups,
                                  const xrow *xs, int mr, float *y, int64_t ldy, int64_t nvalid) {
-    switch (mr) {
-        case 4: int4_tile_vnni(w, sz, groups, xs, 4, y, ldy, nvalid); break;
-        case 3: int4_tile_vnni(w, sz, groups, xs, 3, y, ldy, nvalid); break;
-        case 2: int4_tile_vnni(w, sz, groups, xs, 2, y, ldy, nvalid); break;
-        default: int4_tile_vnni(w, sz, groups, xs, 1, y, ldy, nvalid); break;
-    }
+#define CALL(MR_, TWO) int4_tile_vnni(w, sz, groups, xs, MR_, TWO, y, ldy, nvalid)
+    TILES(CALL)
+#undef CALL
 }
 
 VNNI static void int8_block_vnni(const int8_t *w, const float *scale, int64_t groups,
                                  const xrow *xs, int mr, float *y, int64_t ldy, int64_t nvalid) {
-    switch (mr) {
-        case 4: int8_tile_vnni(w, scale, groups, xs, 4, y, ldy, nvalid); break;
-        case 3: int8_tile_vnni(w, scale, groups, xs, 3, y, ldy, nvalid); break;
-        case 2: int8_tile_vnni(w, scale, groups, xs, 2, y, ldy, nvalid); break;
-        default: int8_tile_vnni(w, scale, groups, xs, 1, y, ldy, nvalid); break;
-    }
+#define CALL(MR_, TWO) int8_tile_vnni(w, scale, groups, xs, MR_, TWO, y, ldy, nvalid)
+    TILES(CALL)
+#undef CALL
 }
 
-VNNI static void quantize_vnni(const float *x, int64_t k, int64_t kp, int8_t *q, float *d,
-                               int32_t *s, float *ds) {
-    quantize_row(x, k, kp, q, d, s, ds);
+VNNI static void quantize_vnni(const float *x, int64_t k, int64_t kp, int8_t *q, int8_t *q2,
+                               float *d, int32_t *s, float *ds) {
+    quantize_row(x, k, kp, q, q2, d, s, ds);
 }
 
 /* ------------------------------------------------------------------ drivers */
 
-typedef void (*quantize_fn)(const float *, int64_t, int64_t, int8_t *, float *, int32_t *,
-                            float *);
+typedef void (*quantize_fn)(const float *, int64_t, int64_t, int8_t *, int8_t *, float *,
+                            int32_t *, float *);
 typedef void (*int4_fn)(const uint8_t *, const uint16_t *, int64_t, const xrow *, int, float *,
                         int64_t, int64_t);
 typedef void (*int8_fn)(const int8_t *, const float *, int64_t, const xrow *, int, float *,
@@ -366,57 +419,62 @@ static const quantize_fn QUANTIZE[] = {quantize_scalar, quantize_avx2, quantize_
 static const int4_fn INT4[] = {int4_block_scalar, int4_block_avx2, int4_block_vnni};
 static const int8_fn INT8[] = {int8_block_scalar, int8_block_avx2, int8_block_vnni};
 
-/* Quantized activations of one call: one allocation, rows of codes then the group tables. */
+/* Quantized activations of one call: one allocation, rows of codes (and second-level codes)
+ * then the group tables. */
 typedef struct {
     void *mem;
-    int8_t *q;
+    int8_t *q, *q2;
     float *d, *ds;
     int32_t *s;
     int64_t kp, groups;
 } xquant;
 
-static int xquant_make(xquant *xq, int isa, const float *x, int64_t m, int64_t k) {
+static int xquant_make(xquant *xq, int isa, const float *x, int64_t m, int64_t k, int levels) {
     xq->groups = (k + G - 1) / G;
     xq->kp = xq->groups * G;
     size_t codes = (size_t)(m * xq->kp + 63) / 64 * 64;
     size_t table = (size_t)(m * xq->groups) * 4;
-    xq->mem = aligned_alloc(64, (codes + 3 * table + 63) / 64 * 64);
+    xq->mem = aligned_alloc(64, (levels * codes + 3 * table + 63) / 64 * 64 + 64);
     if (!xq->mem) return -1;
-    xq->q = (int8_t *)xq->mem;
-    xq->d = (float *)((char *)xq->mem + codes);
-    xq->ds = (float *)((char *)xq->mem + codes + table);
-    xq->s = (int32_t *)((char *)xq->mem + codes + 2 * table);
+    char *at = (char *)xq->mem;
+    xq->q = (int8_t *)at;
+    xq->q2 = levels == 2 ? (int8_t *)(at += codes) : NULL;
+    xq->d = (float *)(at += codes);
+    xq->ds = (float *)(at += table);
+    xq->s = (int32_t *)(at += table);
     for (int64_t r = 0; r < m; r++)
-        QUANTIZE[isa](x + r * k, k, xq->kp, xq->q + r * xq->kp, xq->d + r * xq->groups,
+        QUANTIZE[isa](x + r * k, k, xq->kp, xq->q + r * xq->kp,
+                      xq->q2 ? xq->q2 + r * xq->kp : NULL, xq->d + r * xq->groups,
                       xq->s + r * xq->groups, xq->ds + r * xq->groups);
     return 0;
 }
 
 static inline xrow xquant_row(const xquant *xq, int64_t r) {
-    xrow row = {xq->q + r * xq->kp, xq->d + r * xq->groups, xq->s + r * xq->groups,
-                xq->ds + r * xq->groups};
+    xrow row = {xq->q + r * xq->kp, xq->q2 ? xq->q2 + r * xq->kp : NULL, xq->d + r * xq->groups,
+                xq->s + r * xq->groups, xq->ds + r * xq->groups};
     return row;
 }
 
 /* Output-row blocks are split over threads; every thread walks all M rows for its blocks. */
-#define DRIVE(BODY)                                                          \
-    int64_t blocks = (n + NR - 1) / NR;                                      \
+#define DRIVE(BODY)                                                                    \
+    int64_t blocks = (n + NR - 1) / NR;                                                \
     _Pragma("omp parallel for schedule(static) num_threads(threads) if(threads > 1)") \
-    for (int64_t nb = 0; nb < blocks; nb++) {                                \
-        int64_t nvalid = n - nb * NR;                                        \
-        for (int64_t m0 = 0; m0 < m; m0 += MR) {                             \
-            int mr = m - m0 < MR ? (int)(m - m0) : MR;                       \
-            xrow xs[MR];                                                     \
-            for (int i = 0; i < mr; i++) xs[i] = xquant_row(&xq, m0 + i);    \
-            BODY;                                                            \
-        }                                                                    \
+    for (int64_t nb = 0; nb < blocks; nb++) {                                          \
+        int64_t nvalid = n - nb * NR;                                                  \
+        for (int64_t m0 = 0; m0 < m; m0 += MR) {                                       \
+            int mr = m - m0 < MR ? (int)(m - m0) : MR;                                 \
+            xrow xs[MR];                                                               \
+            for (int i = 0; i < mr; i++) xs[i] = xquant_row(&xq, m0 + i);              \
+            BODY;                                                                      \
+        }                                                                              \
     }
 
-/* x [m, k] float32, y [m, n] float32; codes and sz in the layout above (n padded to 16). */
-int qg_int4(int isa, const uint8_t *codes, const uint16_t *sz, int64_t n, int64_t k,
-            const float *x, int64_t m, float *y, int threads) {
+/* x [m, k] float32, y [m, n] float32; codes and sz in the layout above (n padded to 16);
+ * levels 1 or 2: int8 activations, or two int8 levels (16-bit codes). */
+int qg_int4(int isa, int levels, const uint8_t *codes, const uint16_t *sz, int64_t n,
+            int64_t k, const float *x, int64_t m, float *y, int threads) {
     xquant xq;
-    if (xquant_make(&xq, isa, x, m, k)) return -1;
+    if (xquant_make(&xq, isa, x, m, k, levels)) return -1;
     const int64_t groups = xq.groups;
     DRIVE(INT4[isa](codes + nb * groups * 256, sz + nb * groups * 32, groups, xs, mr,
                     y + m0 * n + nb * NR, n, nvalid))
@@ -425,10 +483,10 @@ int qg_int4(int isa, const uint8_t *codes, const uint16_t *sz, int64_t n, int64_
 }
 
 /* k need not be a multiple of 32: codes are zero-padded to it, as the activations are. */
-int qg_int8(int isa, const int8_t *codes, const float *scale, int64_t n, int64_t k,
-            const float *x, int64_t m, float *y, int threads) {
+int qg_int8(int isa, int levels, const int8_t *codes, const float *scale, int64_t n,
+            int64_t k, const float *x, int64_t m, float *y, int threads) {
     xquant xq;
-    if (xquant_make(&xq, isa, x, m, k)) return -1;
+    if (xquant_make(&xq, isa, x, m, k, levels)) return -1;
     const int64_t groups = xq.groups;
     DRIVE(INT8[isa](codes + nb * groups * 512, scale + nb * NR, groups, xs, mr,
                     y + m0 * n + nb * NR, n, nvalid))
@@ -436,11 +494,13 @@ int qg_int8(int isa, const int8_t *codes, const float *scale, int64_t n, int64_t
     return 0;
 }
 
-/* The activation quantization alone (for tests): q [m, kp], d, s, ds [m, kp / 32]. */
-void qg_quantize(int isa, const float *x, int64_t m, int64_t k, int8_t *q, float *d,
-                 int32_t *s, float *ds) {
+/* The activation quantization alone (for tests): q, q2 [m, kp] (q2 NULL: one level); d, s,
+ * ds [m, kp / 32]. */
+void qg_quantize(int isa, const float *x, int64_t m, int64_t k, int8_t *q, int8_t *q2,
+                 float *d, int32_t *s, float *ds) {
     int64_t groups = (k + G - 1) / G;
     for (int64_t r = 0; r < m; r++)
-        QUANTIZE[isa](x + r * k, k, groups * G, q + r * groups * G, d + r * groups,
-                      s + r * groups, ds + r * groups);
+        QUANTIZE[isa](x + r * k, k, groups * G, q + r * groups * G,
+                      q2 ? q2 + r * groups * G : NULL, d + r * groups, s + r * groups,
+                      ds + r * groups);
 }

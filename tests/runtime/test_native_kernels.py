@@ -227,6 +227,18 @@ def test_torch_kernels_on_request_and_as_fallback(
         native._kernels.cache_clear()
 
 
+def test_variant_by_cpu_flags(kern: native.Kernels, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The widest variant the flags allow; a CPU with no vector variant gets torch's kernels
+    under `auto` and the portable C only when `native` is asked for."""
+    flags = qlinear.cpu_flags()
+    assert native.best_isa(flags) == ISAS[-1]
+    assert native.best_isa(frozenset({"avx2", "fma", "f16c"})) == "avx2"
+    monkeypatch.setattr(qlinear, "cpu_flags", lambda: frozenset({"sse2"}))
+    assert native.kernels(CPU, "auto") is None
+    forced = native.kernels(CPU, "native")
+    assert forced is not None and forced.isa == "scalar"
+
+
 def test_build_is_cached_per_source_and_compiler(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:

@@ -23,7 +23,10 @@
  * result never depends on the rows that came with it.
  */
 
+#if defined(__x86_64__)
 #include <immintrin.h>
+#define HAVE_X86 1
+#endif
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -173,6 +176,7 @@ static void quantize_scalar(const float *x, int64_t k, int64_t kp, int8_t *q, in
     quantize_row(x, k, kp, q, q2, d, s, ds);
 }
 
+#ifdef HAVE_X86
 /* ------------------------------------------------------------------ AVX2 */
 
 #define AVX2 __attribute__((target("avx2,fma,f16c")))
@@ -413,6 +417,8 @@ VNNI static void quantize_vnni(const float *x, int64_t k, int64_t kp, int8_t *q,
     quantize_row(x, k, kp, q, q2, d, s, ds);
 }
 
+#endif /* HAVE_X86 */
+
 /* ------------------------------------------------------------------ drivers */
 
 typedef void (*quantize_fn)(const float *, int64_t, int64_t, int8_t *, int8_t *, float *,
@@ -422,9 +428,15 @@ typedef void (*int4_fn)(const uint8_t *, const uint16_t *, int64_t, const xrow *
 typedef void (*int8_fn)(const int8_t *, const float *, int64_t, const xrow *, int, float *,
                         int64_t, int64_t);
 
+#ifdef HAVE_X86
 static const quantize_fn QUANTIZE[] = {quantize_scalar, quantize_avx2, quantize_vnni};
 static const int4_fn INT4[] = {int4_block_scalar, int4_block_avx2, int4_block_vnni};
 static const int8_fn INT8[] = {int8_block_scalar, int8_block_avx2, int8_block_vnni};
+#else /* other architectures build the portable variant only (the caller asks for no other) */
+static const quantize_fn QUANTIZE[] = {quantize_scalar, quantize_scalar, quantize_scalar};
+static const int4_fn INT4[] = {int4_block_scalar, int4_block_scalar, int4_block_scalar};
+static const int8_fn INT8[] = {int8_block_scalar, int8_block_scalar, int8_block_scalar};
+#endif
 
 /* Quantized activations of one call: one allocation, rows of codes (and second-level codes)
  * then the group tables. */

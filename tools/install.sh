@@ -22,7 +22,3 @@ extra=""
 if [ "${1:-}" = "--test" ]; then
     "${pip[@]}" --no-deps "dflash==0.1.0"
 fi
-# Build the native int4/int8 kernels now (cached per source and gcc), so the first
-# `luced serve` does not compile them; without gcc luced keeps torch's kernels.
-"$venv/bin/python" -c "from luced.runtime import native; print('native kernels:', native.build())" \
-    || echo "native kernels not built (no gcc?): torch's kernels will be used"

@@ -1,12 +1,10 @@
-"""Native integer-dot kernels for the packed weights (csrc/qgemm.c), built with gcc on first
-use and loaded with ctypes.
+"""Native integer-dot kernels for the packed weights (csrc/qgemm.c), built by `native_build`
+(cached per source and compiler, prebuilt by tools/install.sh) and called with ctypes.
 
-The library is compiled once per (source, gcc version) into
-`$XDG_CACHE_HOME/luced/kernels/<hash>/` (temp file + rename: workers starting together
-race safely), with one target attribute per function instead of -march=native, so the one
-.so serves any x86-64 CPU; the variant is chosen at load from the CPU's flags. Without gcc,
-or when the build fails, `kernels()` is None (one warning) and `PackedLinear` keeps torch's
-kernels.
+One library holds every variant, each function with its own target attribute, so the same
+build serves any x86-64 CPU; the variant is chosen here from the CPU's flags and logged.
+Where the library cannot be built `kernels()` is None (one warning) and `PackedLinear` keeps
+torch's kernels.
 
 Layouts (what the C file's header draws), made from `QuantRows` here:
     int4  codes [N/16, K/32, 256] uint8 and sz [N/16, K/32, 2, 16] bf16 (scales, zeros)
@@ -17,69 +15,25 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import logging
 import os
-import shutil
-import subprocess
-import tempfile
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from luced.runtime import native_build
+
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("csrc") / "qgemm.c"
 NR = 16  # output rows per weight block
 GROUP = 32
-KERNELS_MODES = ("auto", "native", "torch")
 # Variant names by the C enum, each with the CPU flags it needs.
 ISAS = {
     "scalar": (0, frozenset()),
     "avx2": (1, frozenset({"avx2", "fma", "f16c"})),
     "avx512_vnni": (2, frozenset({"avx512f", "avx512bw", "avx512vl", "avx512_vnni"})),
 }
-CFLAGS = ["-O3", "-shared", "-fPIC", "-fopenmp", "-ffp-contract=off", "-fno-math-errno"]
-
-
-def _cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "luced" / "kernels"
-
-
-def library_path(gcc: str) -> Path:
-    """Where the library for this source and this gcc lives (built or not)."""
-    version = subprocess.run([gcc, "--version"], capture_output=True, text=True, check=True)
-    key = hashlib.sha256(SOURCE.read_bytes() + version.stdout.encode() + " ".join(CFLAGS).encode())
-    return _cache_dir() / key.hexdigest()[:16] / "qgemm.so"
-
-
-def build() -> Path:
-    """The compiled library, built now if not cached. Raises if gcc is missing or fails."""
-    gcc = os.environ.get("CC") or shutil.which("gcc")
-    if gcc is None:
-        raise FileNotFoundError("gcc not found")
-    path = library_path(gcc)
-    if path.exists():
-        return path
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".so.tmp")
-    os.close(fd)
-    try:
-        subprocess.run(
-            [gcc, *CFLAGS, "-o", tmp, str(SOURCE), "-lm"],
-            capture_output=True,
-            text=True,
-            check=True,
-        )
-        os.replace(tmp, path)  # atomic: a racing worker sees no .so or a whole one
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    log.info("built native kernels %s", path)
-    return path
 
 
 def best_isa(flags: frozenset[str]) -> str:
@@ -143,8 +97,7 @@ class Kernels:
         return codes, d, s
 
 
-def _load(path: Path) -> ctypes.CDLL:
-    lib = ctypes.CDLL(str(path))
+def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     for name in ("qg_int4", "qg_int8"):
         fn = getattr(lib, name)
@@ -153,24 +106,6 @@ def _load(path: Path) -> ctypes.CDLL:
     lib.qg_quantize.argtypes = [i32, p, i64, i64, p, p, p, p, p]
     lib.qg_quantize.restype = None
     return lib
-
-
-@functools.cache
-def _loaded() -> ctypes.CDLL | None:
-    try:
-        return _load(build())
-    except (OSError, subprocess.CalledProcessError) as e:
-        detail = getattr(e, "stderr", "") or e
-        log.warning("native kernels unavailable, using torch's: %s", str(detail).strip()[:500])
-        return None
-
-
-def kernels_mode() -> str:
-    """`LUCED_KERNELS`: auto (native where built, else torch), native, or torch."""
-    mode = os.environ.get("LUCED_KERNELS", "auto")
-    if mode not in KERNELS_MODES:
-        raise ValueError(f"LUCED_KERNELS={mode!r}; choose one of {', '.join(KERNELS_MODES)}")
-    return mode
 
 
 def activation_levels() -> int:
@@ -185,8 +120,12 @@ def activation_levels() -> int:
 
 @functools.cache
 def _kernels(flags: frozenset[str]) -> Kernels | None:
-    lib = _loaded()
-    if lib is None:
+    # build + load here rather than native_build.load, whose LUCED_KERNELS check would
+    # override an explicit `kernels=` argument
+    try:
+        lib = _bind(ctypes.CDLL(str(native_build.build("qgemm"))))
+    except (OSError, RuntimeError) as exc:
+        log.warning("native int4/int8 kernels unavailable, using torch's: %s", exc)
         return None
     isa, levels = best_isa(flags), activation_levels()
     log.info("native int4/int8 kernels: %s variant, %d-bit activations", isa, 8 * levels)
@@ -194,13 +133,14 @@ def _kernels(flags: frozenset[str]) -> Kernels | None:
 
 
 def kernels(device: torch.device, mode: str | None = None) -> Kernels | None:
-    """The native kernels for `device` (CPU only) under `mode` (None: `LUCED_KERNELS`), or
-    None for torch's."""
+    """The native kernels for `device` (CPU only) under `mode` (auto, native or torch; None:
+    `LUCED_KERNELS`), or None for torch's."""
     from luced.runtime.qlinear import cpu_flags
 
-    mode = mode or kernels_mode()
-    if mode not in KERNELS_MODES:
-        raise ValueError(f"unknown kernels {mode!r}; choose one of {', '.join(KERNELS_MODES)}")
+    mode = mode or native_build.kernel_choice()
+    if mode not in native_build.KERNEL_CHOICES:
+        choices = ", ".join(native_build.KERNEL_CHOICES)
+        raise ValueError(f"unknown kernels {mode!r}; choose one of {choices}")
     if mode == "torch" or device.type != "cpu":
         return None
     found = _kernels(cpu_flags())

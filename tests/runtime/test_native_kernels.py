@@ -201,7 +201,8 @@ def test_torch_kernels_on_request_and_as_fallback(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     """`kernels="torch"` (or LUCED_KERNELS=torch) keeps torch's pack; without a compiler
-    `auto` warns once and falls back to it, `native` refuses."""
+    `auto` warns once and falls back to it, `native` refuses. (native_build's cache and
+    atomic build are tested in test_native_attention.py.)"""
     rows = _matrix(64, 64, "int4")
     assert PackedLinear(rows, torch.float32, "torch").native is None
     monkeypatch.setenv("LUCED_KERNELS", "torch")
@@ -209,13 +210,12 @@ def test_torch_kernels_on_request_and_as_fallback(
     monkeypatch.setenv("LUCED_KERNELS", "auto")
     monkeypatch.setenv("CC", str(tmp_path / "no-such-gcc"))
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-    native._loaded.cache_clear()
     native._kernels.cache_clear()
     try:
         with caplog.at_level(logging.WARNING, "luced.runtime.native"):
             packed = PackedLinear(rows, torch.float32)
         assert packed.native is None
-        assert "native kernels unavailable" in caplog.text
+        assert "int4/int8 kernels unavailable" in caplog.text
         x = torch.randn(2, 64)
         torch.testing.assert_close(linear(x, packed), x @ rows.dequantize().T, rtol=2e-2, atol=2e-2)
         with pytest.raises(RuntimeError, match="could not be built"):
@@ -223,7 +223,6 @@ def test_torch_kernels_on_request_and_as_fallback(
         with pytest.raises(ValueError, match="unknown kernels"):
             native.kernels(CPU, "fast")
     finally:
-        native._loaded.cache_clear()
         native._kernels.cache_clear()
 
 
@@ -237,22 +236,6 @@ def test_variant_by_cpu_flags(kern: native.Kernels, monkeypatch: pytest.MonkeyPa
     assert native.kernels(CPU, "auto") is None
     forced = native.kernels(CPU, "native")
     assert forced is not None and forced.isa == "scalar"
-
-
-def test_build_is_cached_per_source_and_compiler(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
-) -> None:
-    """The library lands under $XDG_CACHE_HOME/luced/kernels/<hash>/ with no temp files
-    left, and a second build reuses it."""
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    try:
-        path = native.build()
-    except (OSError, native.subprocess.CalledProcessError):
-        pytest.skip("no working gcc")
-    assert path.parent.parent == tmp_path / "luced" / "kernels"
-    assert [p.name for p in path.parent.iterdir()] == ["qgemm.so"]
-    mtime = path.stat().st_mtime_ns
-    assert native.build() == path and path.stat().st_mtime_ns == mtime
 
 
 OPENMP_PROBE = """

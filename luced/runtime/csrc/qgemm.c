@@ -1,8 +1,9 @@
 /* Integer-dot kernels for luced's packed weights: y[m, n] = sum_k x[m, k] * w[n, k].
  *
  * Activations are quantized per row and per 32-wide block to int8 (scale absmax / 127) with
- * each block's sum of codes; weights stay int4 (per-group scale and zero) or int8 (per-row
- * scale). Each 32-wide block is an exact integer dot product, scaled in float32.
+ * each block's sum of codes, or to two int8 levels acting as one 16-bit code (levels = 2,
+ * see quantize_row); weights stay int4 (per-group scale and zero) or int8 (per-row scale).
+ * Each 32-wide block is an exact integer dot product, scaled in float32.
  *
  * Weight layout (built by luced/runtime/native.py): output rows in blocks of NR = 16, each
  * block a run of K / 32 group records, so one vector load holds 16 rows x 4 inputs and a
@@ -13,8 +14,8 @@
  *        nibble; sz [N / 16][K / 32][2][16] bf16: the 16 rows' scales, then their zeros.
  *        w = (q - 8) * scale + zero, so a group's dot is
  *        dx * (scale * (sum q*xq - 8 * sum xq) + zero * sum xq).
- *   int8 codes [N / 16][K / 32][512] int8: byte j*64 + r*4 + i holds code(r, 4j + i);
- *        scale [N] float32 per row.
+ *   int8 codes [N / 16][K / 32][512] int8 (K zero-padded to 32): byte j*64 + r*4 + i holds
+ *        code(r, 4j + i); scale [N padded to 16] float32 per row.
  *
  * Variants: AVX512-VNNI, AVX2 (+FMA) and portable C, all built into one library with a
  * target attribute per function; the caller picks one by CPU flags. Batch invariance: each
@@ -36,7 +37,7 @@
 #define G 32  /* inputs per group */
 #define MR 4  /* activation rows sharing one weight load */
 
-enum { ISA_SCALAR = 0, ISA_AVX2 = 1, ISA_AVX512_VNNI = 2 };
+enum { ISA_SCALAR = 0, ISA_AVX2 = 1, ISA_AVX512_VNNI = 2 }; /* `isa` arguments (native.ISAS) */
 
 /* One activation row, quantized: codes [kp] (and q2, the second level), then per group the
  * scale d of the combined code, its sum s and d * s (the zero point's factor). */

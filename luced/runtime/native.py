@@ -18,6 +18,7 @@ import functools
 import logging
 import os
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -34,6 +35,19 @@ ISAS = {
     "avx2": (1, frozenset({"avx2", "fma", "f16c"})),
     "avx512_vnni": (2, frozenset({"avx512f", "avx512bw", "avx512vl", "avx512_vnni"})),
 }
+
+
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags (Linux /proc/cpuinfo); empty where unknown."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return frozenset()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return frozenset(line.partition(":")[2].split())
+    return frozenset()
 
 
 def best_isa(flags: frozenset[str]) -> str:
@@ -135,8 +149,6 @@ def _kernels(flags: frozenset[str]) -> Kernels | None:
 def kernels(device: torch.device, mode: str | None = None) -> Kernels | None:
     """The native kernels for `device` (CPU only) under `mode` (auto, native or torch; None:
     `LUCED_KERNELS`), or None for torch's."""
-    from luced.runtime.qlinear import cpu_flags
-
     mode = mode or native_build.kernel_choice()
     if mode not in native_build.KERNEL_CHOICES:
         choices = ", ".join(native_build.KERNEL_CHOICES)

@@ -36,7 +36,6 @@ from __future__ import annotations
 import functools
 import logging
 from dataclasses import dataclass
-from pathlib import Path
 from typing import ClassVar
 
 import numpy as np
@@ -47,6 +46,7 @@ from gguf.constants import GGMLQuantizationType as Q
 
 from luced.ipc.frames import WEIGHT_MODES
 from luced.runtime import native
+from luced.runtime.native import cpu_flags
 
 log = logging.getLogger(__name__)
 
@@ -61,19 +61,6 @@ _PACK_N = 64  # int4 packing pads rows to this (the AVX512 kernel's block of out
 # GGUF types whose values sit on at most 16 levels per 32-wide group: int4 loses little.
 FOUR_BIT = frozenset({Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q3_K, Q.Q2_K})
 FLOAT = frozenset({Q.F32, Q.F16, Q.BF16})
-
-
-@functools.cache
-def cpu_flags() -> frozenset[str]:
-    """The CPU's feature flags (Linux /proc/cpuinfo); empty where unknown."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return frozenset()
-    for line in text.splitlines():
-        if line.startswith("flags"):
-            return frozenset(line.partition(":")[2].split())
-    return frozenset()
 
 
 def kernels_vectorized(device: torch.device) -> bool:

@@ -26,16 +26,22 @@ TOOLS = [
 ]
 
 
+# "Answer briefly." was a near-tie: the exact float32 model (and the native kernels'
+# 16-bit activations) answer it "La femme de France, ..." without stopping; this one is
+# answered "The capital of France is Paris." by every weights path and kernel.
+BRIEF = "Answer in one sentence."
+
+
 def test_text_streamed_equals_unstreamed(client) -> None:
     kw = {"model": MODEL, "input": "What is the capital of France?", "temperature": 0}
     # A first request puts the prompt in the prefix cache, so the two compared below both
     # restore it: under the compact weights a fresh prefill and a restored one may differ
     # in the last bits, and greedy decoding follows a near-tie either way.
-    client.responses.create(instructions="Answer briefly.", max_output_tokens=1, **kw)
-    whole = client.responses.create(instructions="Answer briefly.", max_output_tokens=40, **kw)
+    client.responses.create(instructions=BRIEF, max_output_tokens=1, **kw)
+    whole = client.responses.create(instructions=BRIEF, max_output_tokens=40, **kw)
     assert whole.status == "completed" and "Paris" in whole.output_text
     assert whole.usage.input_tokens > 0 and whole.usage.output_tokens > 0
-    with client.responses.stream(instructions="Answer briefly.", max_output_tokens=40, **kw) as s:
+    with client.responses.stream(instructions=BRIEF, max_output_tokens=40, **kw) as s:
         kinds = [event.type for event in s]
         streamed = s.get_final_response()
     assert streamed.output_text == whole.output_text

@@ -128,7 +128,10 @@ class Load:
 async def run_load(url: str, concurrency: int, requests: int, prompt: str, max_tokens: int):
     sem = asyncio.Semaphore(concurrency)
     timeout = aiohttp.ClientTimeout(total=3600)
-    async with aiohttp.ClientSession(timeout=timeout) as session:
+    # A connection per request: llama-server (--url) closes a stream's connection at its
+    # end, which a pooled keep-alive connection would only find out on its next request.
+    connector = aiohttp.TCPConnector(force_close=True)
+    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
 
         async def task():
             async with sem:

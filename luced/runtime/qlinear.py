@@ -224,7 +224,10 @@ class _Scratch:
         key = (device, dtype)
         buf = cls.buffers.get(key)
         if buf is None or buf.numel() < n * k:
-            buf = cls.buffers[key] = torch.empty(n * k, dtype=dtype, device=device)
+            # A normal tensor even when first asked for under inference_mode: an inference
+            # tensor could not be written outside it, a normal one can be written anywhere.
+            with torch.inference_mode(False):
+                buf = cls.buffers[key] = torch.empty(n * k, dtype=dtype, device=device)
         return buf[: n * k].view(n, k)
 
 

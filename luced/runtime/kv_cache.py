@@ -280,6 +280,9 @@ class KVStore(Protocol):
     # Whether `write` only stores rows (the native decode kernel may store them itself).
     writes_in_place: bool
 
+    # The rows the native decode kernel may read in place (`native_attention.Storage`), or
+    # None: it knows only the causal (and window) mask, so a cache whose `mask` hides more
+    # rows, or whose rows are not in position order without a map, must return None.
     def decode_storage(self, layer: int) -> Storage | None: ...
 
     def commit(self, end: int) -> None: ...

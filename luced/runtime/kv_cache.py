@@ -277,6 +277,10 @@ class KVStore(Protocol):
 
     def observe_query(self, layer: int, q: torch.Tensor, window: int | None) -> None: ...
 
+    # Whether `observe_query` does anything: the native decode path slices out and rotates
+    # the queries in torch only for a cache that looks at them.
+    observes_queries: bool
+
     # Whether `write` only stores rows (the native decode kernel may store them itself).
     writes_in_place: bool
 
@@ -482,6 +486,8 @@ class KVCache(RecurrentLayers):
 
     def observe_query(self, layer: int, q: torch.Tensor, window: int | None) -> None:
         """Queries matter only to KV Flash's scorer (`PooledKVCache`)."""
+
+    observes_queries = False
 
     writes_in_place = True  # `write` only stores rows: the native kernel may do it instead
 

@@ -240,6 +240,8 @@ class PooledKVCache(RecurrentLayers):
         source = self.sources.get(layer, layer)
         return Storage(self.k[source], self.v[source], step.rows)
 
+    observes_queries = True
+
     def observe_query(self, layer: int, q: torch.Tensor, window: int | None) -> None:
         """The layer's queries [n, H, D] after RoPE: the last one scores chunks (qk);
         sliding layers are not scored."""

@@ -58,6 +58,12 @@ def best_isa(flags: frozenset[str]) -> str:
     return "scalar"
 
 
+# The input transforms a call may apply before its products (the C enum), and what a call
+# takes besides x: (transform, RMSNorm weight or None, epsilon, residual [m, n] or None).
+INPUTS = {"plain": 0, "rms_norm": 1, "silu": 2, "gelu_tanh": 3}
+InputOp = tuple[str, torch.Tensor | None, float, torch.Tensor | None] | None
+
+
 @dataclass
 class Kernels:
     """The loaded library with one variant chosen; `isa` may be changed (tests, benches) to
@@ -69,15 +75,17 @@ class Kernels:
     isa: str
     levels: int = 2
 
-    def int4(self, codes: torch.Tensor, sz: torch.Tensor, n: int, x: torch.Tensor) -> torch.Tensor:
+    def int4(
+        self, codes: torch.Tensor, sz: torch.Tensor, n: int, x: torch.Tensor, op: InputOp = None
+    ) -> torch.Tensor:
         """float32 x [m, k] -> float32 [m, n] through int4 weights in the native layout."""
-        return self._run(self.lib.qg_int4, codes, sz, n, x)
+        return self._run(self.lib.qg_int4, codes, sz, n, x, op)
 
     def int8(
-        self, codes: torch.Tensor, scale: torch.Tensor, n: int, x: torch.Tensor
+        self, codes: torch.Tensor, scale: torch.Tensor, n: int, x: torch.Tensor, op: InputOp = None
     ) -> torch.Tensor:
         """float32 x [m, k] -> float32 [m, n] through int8 weights in the native layout."""
-        return self._run(self.lib.qg_int8, codes, scale, n, x)
+        return self._run(self.lib.qg_int8, codes, scale, n, x, op)
 
     def _run(
         self,
@@ -86,12 +94,26 @@ class Kernels:
         scales: torch.Tensor,
         n: int,
         x: torch.Tensor,
+        op: InputOp,
     ) -> torch.Tensor:
+        """`op`: None, or (input, norm, eps, residual) as `InputOp` says; x and a residual
+        are contiguous float32."""
         m, k = x.shape
         y = torch.empty(m, n, dtype=torch.float32)
         ptrs = codes.data_ptr(), scales.data_ptr()
         isa, threads = ISAS[self.isa][0], torch.get_num_threads()
-        if fn(isa, self.levels, *ptrs, n, k, x.data_ptr(), m, y.data_ptr(), threads):
+        extra = (INPUTS["plain"], None, 0.0, None)
+        if op is not None:
+            kind, norm, eps, residual = op
+            if kind in ("silu", "gelu_tanh"):
+                k //= 2  # rows are [gate | up]
+            extra = (
+                INPUTS[kind],
+                None if norm is None else norm.data_ptr(),
+                eps,
+                None if residual is None else residual.data_ptr(),
+            )
+        if fn(isa, self.levels, *ptrs, n, k, x.data_ptr(), m, y.data_ptr(), threads, *extra):
             raise MemoryError("native kernel: out of memory")
         return y
 
@@ -112,10 +134,10 @@ class Kernels:
 
 
 def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
-    p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
     for name in ("qg_int4", "qg_int8"):
         fn = getattr(lib, name)
-        fn.argtypes = [i32, i32, p, p, i64, i64, p, i64, p, i32]
+        fn.argtypes = [i32, i32, p, p, i64, i64, p, i64, p, i32, i32, p, f32, p]
         fn.restype = i32
     lib.qg_quantize.argtypes = [i32, p, i64, i64, p, p, p, p, p]
     lib.qg_quantize.restype = None

@@ -32,6 +32,8 @@ class _SequenceKV(ctypes.Structure):
         ("head_stride", ctypes.c_int64),
         ("pos", ctypes.c_int64),
         ("lo", ctypes.c_int64),
+        ("cos", ctypes.c_void_p),
+        ("sin", ctypes.c_void_p),
     ]
 
 
@@ -53,9 +55,11 @@ class Storage:
 
 
 def supported(q: torch.Tensor, storage: Sequence[Storage]) -> bool:
-    """Whether `decode_attention` takes these: float32 CPU queries, and K/V storage in
-    float32 with contiguous rows."""
+    """Whether `decode_attention` takes these: float32 CPU queries with a head dimension
+    that is a multiple of 16, and K/V storage in float32 with contiguous rows."""
     if q.device.type != "cpu" or q.dtype != torch.float32 or _library() is None:
+        return False
+    if q.shape[-1] % 16:  # the kernel takes 16 head dimensions at a time
         return False
     for kv in storage:
         if kv.rows is not None and (kv.rows.dtype != torch.int64 or not kv.rows.is_contiguous()):
@@ -68,6 +72,12 @@ def supported(q: torch.Tensor, storage: Sequence[Storage]) -> bool:
     return True
 
 
+def _heads_view(t: torch.Tensor) -> torch.Tensor:
+    """t [B, heads, D] with contiguous heads and rows at any stride (a view into a Q/K/V
+    projection's output stays a view); a copy otherwise."""
+    return t if t.stride(2) == 1 and t.stride(1) == t.shape[2] else t.contiguous()
+
+
 def decode_attention(
     q: torch.Tensor,
     new_kv: tuple[torch.Tensor, torch.Tensor] | None,
@@ -75,13 +85,22 @@ def decode_attention(
     positions: Sequence[int],
     window: int | None,
     scale: float,
+    rope: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """One query per sequence. q: [B, H, D]; new_kv: (k, v) [B, Hkv, D] to store at each
     sequence's position first, or None when the rows are in place already (written by the
-    cache, or a layer that reads another's rows); positions: each query's position.
-    -> [B, H*D]."""
+    cache, or a layer that reads another's rows); positions: each query's position; rope:
+    float32 cos and sin tables [positions, rotated dims] (`layers.Rope.table`) to rotate q
+    and the new k by first, as `layers.apply_rope` would. -> [B, H*D]."""
     b, n_heads, head_dim = q.shape
     n_kv = storage[0].k.shape[0]
+    rope_dims, cos, sin = 0, 0, 0
+    if rope is not None:
+        rope_dims = rope[0].shape[1]
+        if rope[0].dtype != torch.float32 or max(positions) >= rope[0].shape[0]:
+            raise ValueError(f"RoPE tables {tuple(rope[0].shape)} do not cover {max(positions)}")
+        cos, sin = rope[0].data_ptr(), rope[1].data_ptr()
+    row_bytes = 4 * rope_dims
     seqs = (_SequenceKV * b)()
     for s, (kv, pos) in enumerate(zip(storage, positions, strict=True)):
         k = kv.k
@@ -90,21 +109,30 @@ def decode_attention(
             raise ValueError(f"sequence {s}: KV storage {tuple(k.shape)} cannot hold row {pos}")
         lo = max(0, pos - window + 1) if window is not None else 0
         rows = None if kv.rows is None else kv.rows.data_ptr()
-        seqs[s] = _SequenceKV(k.data_ptr(), kv.v.data_ptr(), rows, k.stride(0), pos, lo)
-    q = q.contiguous()
+        at = pos * row_bytes
+        seqs[s] = _SequenceKV(k.data_ptr(), kv.v.data_ptr(), rows, k.stride(0), pos, lo,
+                              cos + at, sin + at)  # fmt: skip
+    q = _heads_view(q)
     k_new = v_new = None
+    ldkv = 0
     if new_kv is not None:
-        k_new, v_new = (t.contiguous() for t in new_kv)
-    out = torch.empty_like(q)
+        k_new, v_new = (_heads_view(t) for t in new_kv)
+        if k_new.stride(0) != v_new.stride(0):
+            k_new, v_new = k_new.contiguous(), v_new.contiguous()
+        ldkv = k_new.stride(0)
+    out = torch.empty(b, n_heads, head_dim)
     rc = _library().decode_attention(  # type: ignore[union-attr]
         b,
         n_kv,
         n_heads // n_kv,
         head_dim,
         ctypes.c_void_p(q.data_ptr()),
+        ctypes.c_int64(q.stride(0)),
         None if k_new is None else ctypes.c_void_p(k_new.data_ptr()),
         None if v_new is None else ctypes.c_void_p(v_new.data_ptr()),
+        ctypes.c_int64(ldkv),
         seqs,
+        rope_dims,
         ctypes.c_float(scale),
         ctypes.c_void_p(out.data_ptr()),
         torch.get_num_threads(),

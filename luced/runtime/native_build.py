@@ -3,11 +3,11 @@ into a per-user cache, loaded with ctypes.
 
 One build serves every CPU of its architecture: the sources pick their vector paths per
 function at load (GCC `target_clones` / `target` attributes), never by `-march=native`, so
-a cache shared between machines stays correct. The cache key is the source, the flags and
-the compiler's version; a build goes to a temporary name and is renamed into place, so
-workers starting together never load a half-written library. Where no compiler works the
-caller gets None and keeps its torch path (correct everywhere, only slower); set
-`LUCED_KERNELS=torch` to choose that path on purpose.
+a cache shared between machines stays correct. The cache key is the source (with csrc's
+headers), the flags and the compiler's version; a build goes to a temporary name and is
+renamed into place, so workers starting together never load a half-written library. Where
+no compiler works the caller gets None and keeps its torch path (correct everywhere, only
+slower); set `LUCED_KERNELS=torch` to choose that path on purpose.
 
 The kernels use OpenMP. torch's CPU wheel ships and has already loaded its own
 `libgomp.so.1`, so the libraries resolve to that runtime and share torch's thread pool.
@@ -56,7 +56,8 @@ def build(name: str) -> Path:
     cc = _compiler()
     if cc is None:
         raise RuntimeError("no C compiler (gcc or cc) on PATH")
-    source = (SOURCES / f"{name}.c").read_bytes()
+    # the shared headers are part of every source
+    source = b"".join(p.read_bytes() for p in [SOURCES / f"{name}.c", *sorted(SOURCES.glob("*.h"))])
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
     key = hashlib.sha256(source + " ".join(FLAGS).encode() + version.encode()).hexdigest()
     target = cache_dir() / f"{name}-{key[:16]}.so"

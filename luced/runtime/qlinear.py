@@ -295,6 +295,47 @@ class PackedLinear:
             y = F.linear(x2.to(dt), self.dense(dt))
         return y.to(x.dtype).view(*lead, self.out_features)
 
+    def fuses(self, x: torch.Tensor) -> bool:
+        """Whether a call on x goes to the native kernel, which can also transform its input
+        and add a residual (`fused`): float32 rows x [m, ...], as many as the kernel takes
+        (any number in batch-invariant mode). Every call that could take the kernel takes
+        this path, so a row's value never depends on how many came with it."""
+        return (
+            self.native is not None
+            and x.dtype == torch.float32
+            and x.dim() == 2
+            and (x.shape[0] <= GEMV_MAX_ROWS or self.invariant)
+        )
+
+    def fused(
+        self,
+        x: torch.Tensor,
+        *,
+        norm: tuple[torch.Tensor | None, float] | None = None,
+        gate: str | None = None,
+        residual: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """The native call (`fuses(x)` must hold) with the layer's small ops inside it:
+        `norm`: RMSNorm x by (weight, eps) first; `gate`: "silu" or "gelu_tanh", x is
+        [m, 2 * in] = [gate | up] and the input is act(gate) * up; `residual` [m, out]: added
+        to the result. -> float32 [m, out]."""
+        assert self.native is not None and not (norm and gate)
+        if gate is not None and x.shape[1] != 2 * self.in_features:
+            raise ValueError(f"gate input {tuple(x.shape)} for {self.in_features} inputs")
+        kind = gate or ("rms_norm" if norm is not None else "plain")
+        weight, eps = norm if norm is not None else (None, 0.0)
+        if weight is not None:
+            weight = weight.float().contiguous()
+        if residual is not None:
+            if residual.shape != (x.shape[0], self.out_features):
+                raise ValueError(f"residual {tuple(residual.shape)} for {x.shape[0]} rows")
+            residual = residual.float().contiguous()
+        op = (kind, weight, eps, residual)
+        x = x.contiguous()
+        if self.form == "int8":
+            return self.native.int8(self.codes, self.scale, self.out_features, x, op)
+        return self.native.int4(self.codes, self.sz, self.out_features, x, op)
+
     def gemv(self, x: torch.Tensor) -> torch.Tensor:
         """x [m, in] -> [m, out] on the packed kernel: float32 out of the native kernels
         (which quantize x to int8 per 32 inputs), bf16 out of torch's (bf16 activations)."""

@@ -336,13 +336,22 @@ OPTIONS: tuple[Option, ...] = (
     ),
     Option(
         "weights", "str", "auto",
-        "How the workers hold weight matrices. `int4` / `int8`: packed for torch's "
-        "weight-only kernels (4.5 / 8 bits per weight read per decoded token; GGUF Q4_0 "
+        "How the workers hold weight matrices. `int4` / `int8`: packed for weight-only "
+        "kernels (see `kernels`; 4.5 / 8 bits per weight read per decoded token; GGUF Q4_0 "
         "and Q4_1 map to int4 exactly, other types are requantized). `auto`: per tensor "
         "(4-bit types int4, 5- to 8-bit types int8, float tensors exact) where the CPU has "
         "the kernels' AVX2 / AVX512 paths, else `dequant`. `dequant`: every matrix "
         "expanded to the compute dtype (the exact path; GPUs use it for now).",
         choices=WEIGHT_MODES,
+    ),
+    Option(
+        "kernels", "str", "auto",
+        "Which kernels run packed matrices and decode attention on CPU workers. `native`: "
+        "luced's own (C, built with the system's gcc into ~/.cache/luced/kernels on first "
+        "use; `tools/install.sh` prebuilds them), an error if they cannot be built. "
+        "`torch`: torch's weight-only kernels and SDPA. `auto`: native where they build, "
+        "else torch with one warning.",
+        choices=("auto", "native", "torch"),
     ),
     Option(
         "kv_dtype", "str", "auto",
@@ -605,6 +614,7 @@ class Config:
     model_name: str | None  # None: the GGUF stem (see served_model_name)
     dtype: str
     weights: str
+    kernels: str
     kv_dtype: str
     batch_invariant: bool
     threads: int

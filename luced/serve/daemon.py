@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import signal
 import sys
 from pathlib import Path
@@ -63,6 +64,9 @@ class StartupError(RuntimeError):
 class Daemon:
     def __init__(self, config: Config) -> None:
         self.config = config
+        # The workers read their kernels from the environment they inherit
+        # (`runtime.native_build.kernel_choice`), so a flag or config-file value reaches them.
+        os.environ["LUCED_KERNELS"] = config.kernels
         self.stopping = asyncio.Event()
         self.owner = ShmOwner()
         self.engine: Engine | None = None

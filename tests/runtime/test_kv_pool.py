@@ -246,6 +246,7 @@ class QueryRecorder(KVCache):
     """A plain cache that keeps each full-attention layer's last query (the oracle's)."""
 
     queries: dict
+    observes_queries = True
 
     def observe_query(self, layer, q, window):
         if window is None:

@@ -58,6 +58,7 @@ SAMPLES: dict[str, tuple[str, str, Any]] = {
     "model_name": ("smol", '"smol"', "smol"),
     "dtype": ("bfloat16", '"bfloat16"', "bfloat16"),
     "weights": ("int4", '"int4"', "int4"),
+    "kernels": ("torch", '"torch"', "torch"),
     "threads": ("3", "3", 3),
     "context_length": ("4096", "4096", 4096),
     "max_queue": ("0", "0", 0),
@@ -305,6 +306,17 @@ def test_bad_flag_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
         load(["--no-such-flag"])
     assert exc.value.code == 2
     assert "unrecognized arguments: --no-such-flag" in capsys.readouterr().err
+
+
+def test_kernels_choice_reaches_the_workers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Workers read their kernels from the environment they inherit: a flag (or a config
+    file's value) is put there by the daemon, above any LUCED_KERNELS it started with."""
+    from luced.engine.executor import _worker_env
+    from luced.serve.daemon import Daemon
+
+    monkeypatch.setenv("LUCED_KERNELS", "native")
+    Daemon(load(["--kernels", "torch"]))
+    assert _worker_env()["LUCED_KERNELS"] == "torch"
 
 
 # --- generated documentation ---------------------------------------------------------------

@@ -17,6 +17,10 @@
  *   int8 codes [N / 16][K / 32][512] int8 (K zero-padded to 32): byte j*64 + r*4 + i holds
  *        code(r, 4j + i); scale [N padded to 16] float32 per row.
  *
+ * A call may transform its input rows before quantizing them (an RMSNorm, or a gated
+ * activation act(gate) * up over rows [gate | up]) and add a residual to its outputs, so a
+ * decoder layer's small ops ride along with its matrix products (`PackedLinear.fused`).
+ *
  * Variants: AVX512-VNNI, AVX2 (+FMA) and portable C, all built into one library with a
  * target attribute per function; the caller picks one by CPU flags. Batch invariance: each
  * output is computed by one thread, over the groups in order, with the same instructions
@@ -32,6 +36,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "fastmath.h"
 
 #define NR 16 /* output rows per weight block */
 #define G 32  /* inputs per group */
@@ -49,6 +55,48 @@ typedef struct {
 } xrow;
 
 /* ------------------------------------------------------------------ activation quantization */
+
+/* What a call does to each input row before quantizing it (`input` arguments). */
+enum { IN_PLAIN = 0, IN_RMS_NORM = 1, IN_SILU_GATE = 2, IN_GELU_GATE = 3 };
+
+typedef struct {
+    int kind;
+    const float *norm; /* IN_RMS_NORM: the weight [k], or NULL for none */
+    float eps;
+} input_op;
+
+/* The row the products see: x itself, x * rsqrt(mean(x^2) + eps) * norm, or act(x[:k]) *
+ * x[k:2k] for a gate; written to buf (k floats) unless plain. Per row and in a fixed order,
+ * so a row's values never depend on the rows beside it. */
+static inline __attribute__((always_inline)) const float *input_row(const float *x, int64_t k,
+                                                                   const input_op *op,
+                                                                   float *buf) {
+    switch (op->kind) {
+        case IN_RMS_NORM: {
+            float ss = 0.0f;
+#pragma omp simd reduction(+ : ss)
+            for (int64_t i = 0; i < k; i++) ss += x[i] * x[i];
+            const float r = 1.0f / sqrtf(ss / (float)k + op->eps);
+            if (op->norm)
+#pragma omp simd
+                for (int64_t i = 0; i < k; i++) buf[i] = x[i] * r * op->norm[i];
+            else
+#pragma omp simd
+                for (int64_t i = 0; i < k; i++) buf[i] = x[i] * r;
+            return buf;
+        }
+        case IN_SILU_GATE:
+#pragma omp simd
+            for (int64_t i = 0; i < k; i++) buf[i] = silu(x[i]) * x[k + i];
+            return buf;
+        case IN_GELU_GATE:
+#pragma omp simd
+            for (int64_t i = 0; i < k; i++) buf[i] = gelu_tanh(x[i]) * x[k + i];
+            return buf;
+        default:
+            return x;
+    }
+}
 
 /* Shared by every variant (inlined into each, so the compiler vectorizes it for that ISA):
  * max, rint and integer sums are exact in any order, so all variants give the same codes.
@@ -173,8 +221,8 @@ static void int8_block_scalar(const int8_t *w, const float *scale, int64_t group
 }
 
 static void quantize_scalar(const float *x, int64_t k, int64_t kp, int8_t *q, int8_t *q2,
-                            float *d, int32_t *s, float *ds) {
-    quantize_row(x, k, kp, q, q2, d, s, ds);
+                          float *d, int32_t *s, float *ds, const input_op *op, float *buf) {
+    quantize_row(input_row(x, k, op, buf), k, kp, q, q2, d, s, ds);
 }
 
 #ifdef HAVE_X86
@@ -312,8 +360,8 @@ AVX2 static void int8_block_avx2(const int8_t *w, const float *scale, int64_t gr
 }
 
 AVX2 static void quantize_avx2(const float *x, int64_t k, int64_t kp, int8_t *q, int8_t *q2,
-                               float *d, int32_t *s, float *ds) {
-    quantize_row(x, k, kp, q, q2, d, s, ds);
+                          float *d, int32_t *s, float *ds, const input_op *op, float *buf) {
+    quantize_row(input_row(x, k, op, buf), k, kp, q, q2, d, s, ds);
 }
 
 /* ------------------------------------------------------------------ AVX512-VNNI */
@@ -414,8 +462,8 @@ VNNI static void int8_block_vnni(const int8_t *w, const float *scale, int64_t gr
 }
 
 VNNI static void quantize_vnni(const float *x, int64_t k, int64_t kp, int8_t *q, int8_t *q2,
-                               float *d, int32_t *s, float *ds) {
-    quantize_row(x, k, kp, q, q2, d, s, ds);
+                          float *d, int32_t *s, float *ds, const input_op *op, float *buf) {
+    quantize_row(input_row(x, k, op, buf), k, kp, q, q2, d, s, ds);
 }
 
 #endif /* HAVE_X86 */
@@ -423,7 +471,7 @@ VNNI static void quantize_vnni(const float *x, int64_t k, int64_t kp, int8_t *q,
 /* ------------------------------------------------------------------ drivers */
 
 typedef void (*quantize_fn)(const float *, int64_t, int64_t, int8_t *, int8_t *, float *,
-                            int32_t *, float *);
+                            int32_t *, float *, const input_op *, float *);
 typedef void (*int4_fn)(const uint8_t *, const uint16_t *, int64_t, const xrow *, int, float *,
                         int64_t, int64_t);
 typedef void (*int8_fn)(const int8_t *, const float *, int64_t, const xrow *, int, float *,
@@ -449,12 +497,15 @@ typedef struct {
     int64_t kp, groups;
 } xquant;
 
-static int xquant_make(xquant *xq, int isa, const float *x, int64_t m, int64_t k, int levels) {
+/* x: m rows of k inputs, ldx floats apart (2k for a gate's [gate | up] rows). */
+static int xquant_make(xquant *xq, int isa, const float *x, int64_t m, int64_t k, int64_t ldx,
+                       int levels, const input_op *op) {
     xq->groups = (k + G - 1) / G;
     xq->kp = xq->groups * G;
     size_t codes = (size_t)(m * xq->kp + 63) / 64 * 64;
     size_t table = (size_t)(m * xq->groups) * 4;
-    xq->mem = aligned_alloc(64, (levels * codes + 3 * table + 63) / 64 * 64 + 64);
+    size_t row = (size_t)k * 4; /* one transformed input row */
+    xq->mem = aligned_alloc(64, (levels * codes + 3 * table + row + 63) / 64 * 64 + 64);
     if (!xq->mem) return -1;
     char *at = (char *)xq->mem;
     xq->q = (int8_t *)at;
@@ -462,11 +513,18 @@ static int xquant_make(xquant *xq, int isa, const float *x, int64_t m, int64_t k
     xq->d = (float *)(at += codes);
     xq->ds = (float *)(at += table);
     xq->s = (int32_t *)(at += table);
+    float *buf = (float *)(at + table);
     for (int64_t r = 0; r < m; r++)
-        QUANTIZE[isa](x + r * k, k, xq->kp, xq->q + r * xq->kp,
+        QUANTIZE[isa](x + r * ldx, k, xq->kp, xq->q + r * xq->kp,
                       xq->q2 ? xq->q2 + r * xq->kp : NULL, xq->d + r * xq->groups,
-                      xq->s + r * xq->groups, xq->ds + r * xq->groups);
+                      xq->s + r * xq->groups, xq->ds + r * xq->groups, op, buf);
     return 0;
+}
+
+/* y += residual, elementwise: the same single rounding as the torch add it replaces. */
+static void add_residual(float *y, const float *residual, int64_t count) {
+    if (residual)
+        for (int64_t i = 0; i < count; i++) y[i] = residual[i] + y[i];
 }
 
 static inline xrow xquant_row(const xquant *xq, int64_t r) {
@@ -489,28 +547,37 @@ static inline xrow xquant_row(const xquant *xq, int64_t r) {
         }                                                                              \
     }
 
-/* x [m, k] float32, y [m, n] float32; codes and sz in the layout above (n padded to 16);
- * levels 1 or 2: int8 activations, or two int8 levels (16-bit codes). */
+/* x [m, k] float32 ([m, 2k] for a gate input), y [m, n] float32; codes and sz in the layout
+ * above (n padded to 16); levels 1 or 2: int8 activations, or two int8 levels (16-bit codes);
+ * input, norm, eps: the input transform (input_op); residual [m, n] added to y, or NULL. */
 int qg_int4(int isa, int levels, const uint8_t *codes, const uint16_t *sz, int64_t n,
-            int64_t k, const float *x, int64_t m, float *y, int threads) {
+            int64_t k, const float *x, int64_t m, float *y, int threads, int input,
+            const float *norm, float eps, const float *residual) {
     xquant xq;
-    if (xquant_make(&xq, isa, x, m, k, levels)) return -1;
+    const input_op op = {input, norm, eps};
+    const int64_t ldx = input >= IN_SILU_GATE ? 2 * k : k;
+    if (xquant_make(&xq, isa, x, m, k, ldx, levels, &op)) return -1;
     const int64_t groups = xq.groups;
     DRIVE(INT4[isa](codes + nb * groups * 256, sz + nb * groups * 32, groups, xs, mr,
                     y + m0 * n + nb * NR, n, nvalid))
     free(xq.mem);
+    add_residual(y, residual, m * n);
     return 0;
 }
 
 /* k need not be a multiple of 32: codes are zero-padded to it, as the activations are. */
 int qg_int8(int isa, int levels, const int8_t *codes, const float *scale, int64_t n,
-            int64_t k, const float *x, int64_t m, float *y, int threads) {
+            int64_t k, const float *x, int64_t m, float *y, int threads, int input,
+            const float *norm, float eps, const float *residual) {
     xquant xq;
-    if (xquant_make(&xq, isa, x, m, k, levels)) return -1;
+    const input_op op = {input, norm, eps};
+    const int64_t ldx = input >= IN_SILU_GATE ? 2 * k : k;
+    if (xquant_make(&xq, isa, x, m, k, ldx, levels, &op)) return -1;
     const int64_t groups = xq.groups;
     DRIVE(INT8[isa](codes + nb * groups * 512, scale + nb * NR, groups, xs, mr,
                     y + m0 * n + nb * NR, n, nvalid))
     free(xq.mem);
+    add_residual(y, residual, m * n);
     return 0;
 }
 
@@ -519,8 +586,9 @@ int qg_int8(int isa, int levels, const int8_t *codes, const float *scale, int64_
 void qg_quantize(int isa, const float *x, int64_t m, int64_t k, int8_t *q, int8_t *q2,
                  float *d, int32_t *s, float *ds) {
     int64_t groups = (k + G - 1) / G;
+    const input_op plain = {IN_PLAIN, NULL, 0.0f};
     for (int64_t r = 0; r < m; r++)
         QUANTIZE[isa](x + r * k, k, groups * G, q + r * groups * G,
                       q2 ? q2 + r * groups * G : NULL, d + r * groups, s + r * groups,
-                      ds + r * groups);
+                      ds + r * groups, &plain, NULL);
 }

@@ -39,6 +39,7 @@ import torch
 from luced.gguf_file import GGUFError, GGUFFile
 from luced.runtime import native_attention
 from luced.runtime.layers import (
+    Norm,
     Rope,
     apply_rope,
     attention,
@@ -227,23 +228,37 @@ def attend(
     *,
     window: int | None = None,
     scale: float | None = None,
+    norm: Norm | None = None,
 ) -> torch.Tensor:
     """Q/K/V projections, optional per-head Q/K RMSNorm, RoPE, cached attention.
-    x: [n, hidden] (already normed) -> the heads' outputs [n, H*D], before the output
-    projection (gated families scale them first). Head counts come from the weights, so
-    layers may differ in them."""
+    x: [n, hidden], normed already or by `norm` here (fused into the projection's kernel where
+    it can be) -> the heads' outputs [n, H*D], before the output projection (gated families
+    scale them first). Head counts come from the weights, so layers may differ in them."""
     cfg: ModelConfig = model.cfg
     w = model.weights
     n, d = x.shape[0], cfg.head_dim
-    q, k, v = linears(x, w, (f"{layer}.attn_q", f"{layer}.attn_k", f"{layer}.attn_v"))
+    keys = (f"{layer}.attn_q", f"{layer}.attn_k", f"{layer}.attn_v")
+    q, k, v = linears(x, w, keys, norm=norm)
     q, k, v = q.view(n, -1, d), k.view(n, -1, d), v.view(n, -1, d)  # [n, H | Hkv, D]
+    scale = scale if scale is not None else d**-0.5
     if f"{layer}.attn_q_norm" in w:
         q = rms_norm(q, w[f"{layer}.attn_q_norm"], cfg.rms_eps)
         k = rms_norm(k, w[f"{layer}.attn_k_norm"], cfg.rms_eps)
-    cos, sin = rope.tables(start, n, q.dtype)
-    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    scale = scale if scale is not None else d**-0.5
-    return cached_attention(layer, q, start, cache, (k, v), window=window, scale=scale)
+    # RoPE is left to the attention, where a decode kernel applies it as it stores the row
+    return cached_attention(layer, q, start, cache, (k, v), window=window, scale=scale, rope=rope)
+
+
+def rotate(
+    q: torch.Tensor,
+    kv: tuple[torch.Tensor, torch.Tensor] | None,
+    start: int | Ragged,
+    rope: Rope,
+) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+    """RoPE on the queries [n, H, D] and, when given, the new keys."""
+    cos, sin = rope.tables(start, q.shape[0], q.dtype)
+    if kv is None:
+        return apply_rope(q, cos, sin), None
+    return apply_rope(q, cos, sin), (apply_rope(kv[0], cos, sin), kv[1])
 
 
 def self_attention(
@@ -256,10 +271,13 @@ def self_attention(
     *,
     window: int | None = None,
     scale: float | None = None,
+    norm: Norm | None = None,
+    residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """`attend`, then the output projection: x [n, hidden] (already normed) -> [n, hidden]."""
-    out = attend(model, layer, x, start, cache, rope, window=window, scale=scale)
-    return linear(out, model.weights[f"{layer}.attn_output"])
+    """`attend`, then the output projection: x [n, hidden] (normed, or by `norm`) ->
+    [n, hidden], plus `residual` when given (added in the projection's kernel where it can)."""
+    out = attend(model, layer, x, start, cache, rope, window=window, scale=scale, norm=norm)
+    return linear(out, model.weights[f"{layer}.attn_output"], residual=residual)
 
 
 def cached_attention(
@@ -271,14 +289,19 @@ def cached_attention(
     *,
     window: int | None,
     scale: float,
+    rope: Rope | None = None,
 ) -> torch.Tensor:
-    """Attention of one layer over its cache. q: [n, H, D] (roped); kv: this layer's new
-    (k, v) [n, Hkv, D] to store, or None for a KV-sharing layer, which reads its source
-    layer's rows. -> the heads' outputs [n, H*D], before the output projection. A ragged
-    batch (as `start` and `cache`) attends each sequence over its own cache."""
-    fused = _native_decode(layer, q, start, cache, kv, window, scale)
+    """Attention of one layer over its cache. q: [n, H, D]; kv: this layer's new (k, v)
+    [n, Hkv, D] to store, or None for a KV-sharing layer, which reads its source layer's
+    rows; rope: the rotation q and the new k still need (None: they are roped), which the
+    native decode kernel applies as it stores the row. -> the heads' outputs [n, H*D],
+    before the output projection. A ragged batch (as `start` and `cache`) attends each
+    sequence over its own cache."""
+    fused = _native_decode(layer, q, start, cache, kv, window, scale, rope)
     if fused is not None:
         return fused
+    if rope is not None:
+        q, kv = rotate(q, kv, start, rope)
     if isinstance(cache, Ragged):  # each sequence attends over its own cache
 
         def one(s: Span, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None):
@@ -329,9 +352,11 @@ def _native_decode(
     kv: tuple[torch.Tensor, torch.Tensor] | None,
     window: int | None,
     scale: float,
+    rope: Rope | None,
 ) -> torch.Tensor | None:
     """A decode step's attention (one query per sequence, alone or a whole batch) as one
-    native call that also stores the new K/V rows; None where it does not apply."""
+    native call that also stores the new K/V rows (and ropes q and k on the way, when
+    `rope` is given); None where it does not apply."""
     if isinstance(cache, Ragged):
         if cache.n != len(cache.spans):  # some sequence feeds more than one token
             return None
@@ -340,16 +365,22 @@ def _native_decode(
         caches, positions = [cache], [start]
     else:
         return None
-    if not all(hasattr(c, "decode_storage") for c in caches):
+    stores: list[KVStore] = caches  # type: ignore[assignment]
+    storage = [c.decode_storage(layer) for c in stores]
+    if any(rows is None for rows in storage) or not native_attention.supported(q, storage):  # type: ignore[arg-type]
         return None
-    storage = [c.decode_storage(layer) for c in caches]  # type: ignore[attr-defined]
-    if any(rows is None for rows in storage) or not native_attention.supported(q, storage):
-        return None
-    if kv is not None:
-        in_place = all(c.writes_in_place for c in caches)  # type: ignore[attr-defined]
-        for i, (c, pos) in enumerate(zip(caches, positions, strict=True)):
-            if not in_place:  # a write that does more than store rows (KV Flash seals chunk
-                c.write(layer, pos, kv[0][i : i + 1], kv[1][i : i + 1])  # keys) comes first
-            c.observe_query(layer, q[i : i + 1], window)  # type: ignore[attr-defined]
-        kv = kv if in_place else None  # else the kernel only reads
-    return native_attention.decode_attention(q, kv, storage, positions, window, scale)  # type: ignore[arg-type]
+    in_place = all(c.writes_in_place for c in stores)
+    # as on the SDPA path, a KV-sharing layer's queries are not observed
+    observed = [i for i, c in enumerate(stores) if c.observes_queries and kv is not None]
+    if rope is not None and (observed or (kv is not None and not in_place)):
+        q, kv = rotate(q, kv, start, rope)  # the cache sees roped queries or keys
+        rope = None
+    for i in observed:
+        stores[i].observe_query(layer, q[i : i + 1], window)
+    if kv is not None and not in_place:
+        for i, (c, pos) in enumerate(zip(stores, positions, strict=True)):
+            # a write that does more than store rows (KV Flash seals chunk keys) comes first
+            c.write(layer, pos, kv[0][i : i + 1], kv[1][i : i + 1])
+        kv = None  # the kernel only reads
+    tables = None if rope is None else rope.table(max(positions) + 1)
+    return native_attention.decode_attention(q, kv, storage, positions, window, scale, tables)  # type: ignore[arg-type]

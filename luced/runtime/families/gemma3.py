@@ -116,10 +116,11 @@ def block(
     cfg: Gemma3Config = model.cfg
     w, eps = model.weights, cfg.rms_eps
     window = cfg.sliding_window if cfg.sliding_layers[layer] else None
-    h = rms_norm(x, w[f"{layer}.attn_norm"], eps)
+    norm = (w[f"{layer}.attn_norm"], eps)
     h = common.self_attention(
-        model, layer, h, start, cache, model.ropes[layer], window=window, scale=cfg.attn_scale
-    )
+        model, layer, x, start, cache, model.ropes[layer], window=window, scale=cfg.attn_scale,
+        norm=norm,
+    )  # fmt: skip
     x = x + rms_norm(h, w[f"{layer}.post_attn_norm"], eps)
     return ffn(model, layer, x)
 
@@ -127,8 +128,7 @@ def block(
 def ffn(model: ModelParts, layer: int, x: torch.Tensor) -> torch.Tensor:
     """The FFN half of a Gemma block: x + post_norm(GeGLU(pre_norm(x)))."""
     w, eps = model.weights, model.cfg.rms_eps
-    h = rms_norm(x, w[f"{layer}.ffn_norm"], eps)
-    h = gated_ffn(h, w, f"{layer}.", gelu_tanh)
+    h = gated_ffn(x, w, f"{layer}.", gelu_tanh, norm=(w[f"{layer}.ffn_norm"], eps))
     return x + rms_norm(h, w[f"{layer}.post_ffn_norm"], eps)
 
 

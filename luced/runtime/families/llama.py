@@ -124,12 +124,16 @@ def block(
     x: torch.Tensor,
     start: int | Ragged,
     cache: KVStore | Ragged,
-    ffn: FFN = dense_ffn,
+    ffn: FFN | None = None,
 ) -> torch.Tensor:
-    """Pre-norm attention, then pre-norm `ffn` (families swap in an MoE FFN), residuals."""
+    """Pre-norm attention, then pre-norm `ffn` (families swap in an MoE FFN), residuals.
+    The dense FFN hands its norm and residual add to the kernels (`layers.linear`)."""
     w, eps = model.weights, model.cfg.rms_eps
-    h = rms_norm(x, w[f"{layer}.attn_norm"], eps)
-    x = x + common.self_attention(model, layer, h, start, cache, model.ropes[layer])
+    rope = model.ropes[layer]
+    norm = (w[f"{layer}.attn_norm"], eps)
+    x = common.self_attention(model, layer, x, start, cache, rope, norm=norm, residual=x)
+    if ffn is None:
+        return gated_ffn(x, w, f"{layer}.", norm=(w[f"{layer}.ffn_norm"], eps), residual=x)
     return x + ffn(model, layer, rms_norm(x, w[f"{layer}.ffn_norm"], eps))
 
 

@@ -200,13 +200,16 @@ class Rope:
         self.cos = (emb.cos() * self.scale)[:, None, :]
         self.sin = (emb.sin() * self.scale * sign)[:, None, :]
         self._last = None
+        self._table: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def table(self, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The float32 cos and sin tables [capacity >= end, rotated dims] (sin's first half
         negated), for a kernel that reads each position's row itself."""
         if end > self.cos.shape[0]:
             self._grow(max(end, 2 * self.cos.shape[0]))
-        return self.cos[:, 0], self.sin[:, 0]
+        if self._table is None:  # every layer of every step asks: two views made once
+            self._table = self.cos[:, 0], self.sin[:, 0]
+        return self._table
 
     def tables(
         self, start: int | Ragged, n: int, dtype: torch.dtype

@@ -324,13 +324,13 @@ class PackedLinear:
             raise ValueError(f"gate input {tuple(x.shape)} for {self.in_features} inputs")
         kind = gate or ("rms_norm" if norm is not None else "plain")
         weight, eps = norm if norm is not None else (None, 0.0)
-        if weight is not None:
-            weight = weight.float().contiguous()
+        if weight is not None and weight.dtype != torch.float32:  # (a no-op `to` is a call)
+            weight = weight.float()
         if residual is not None:
             if residual.shape != (x.shape[0], self.out_features):
                 raise ValueError(f"residual {tuple(residual.shape)} for {x.shape[0]} rows")
-            residual = residual.float().contiguous()
-        op = (kind, weight, eps, residual)
+            residual = residual.contiguous()  # float32, as x is
+        op = (kind, None if weight is None else weight.contiguous(), eps, residual)
         x = x.contiguous()
         if self.form == "int8":
             return self.native.int8(self.codes, self.scale, self.out_features, x, op)

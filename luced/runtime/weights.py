@@ -13,6 +13,7 @@ import logging
 import sys
 import time
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import replace
 
 import numpy as np
 import torch
@@ -90,12 +91,24 @@ def _from_numpy(arr: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(arr if arr.flags.writeable else arr.copy())
 
 
+# Rows requantized at a time: a whole 262k-row head (Gemma 3's tied Q8_0 embedding) would
+# pass through ~2 GB of float32 temporaries, a chunk through ~100 MB. Codes and scales are
+# per row (int8) or per 32-wide group (int4), so chunks give the whole matrix's bits.
+REQUANT_ROWS = 16384
+
+
 def compact_rows(raw: np.ndarray, ggml_type: Q, shape: tuple[int, ...], form: str) -> QuantRows:
     """A stored matrix (raw rows) in a compact `form`: Q4 blocks become int4 block for
-    block, anything else is dequantized and requantized."""
+    block, anything else is dequantized and requantized, `REQUANT_ROWS` at a time."""
     if form == "int4" and ggml_type in qlinear.EXACT_INT4:
         return qlinear.int4_from_blocks(raw, ggml_type, shape)  # type: ignore[arg-type]
-    return qlinear.quantize(_from_numpy(dequantize_rows(raw, ggml_type, shape)), form)
+    n, rest = shape[0], shape[1:]
+    parts = [
+        qlinear.quantize(_from_numpy(dequantize_rows(raw[i : i + REQUANT_ROWS], ggml_type,
+                                                     (min(REQUANT_ROWS, n - i), *rest))), form)
+        for i in range(0, n, REQUANT_ROWS)
+    ]  # fmt: skip
+    return parts[0] if len(parts) == 1 else replace(QuantRows.cat(parts), splits=())
 
 
 def expert_stack(

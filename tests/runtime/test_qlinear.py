@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from luced.gguf_file import GGUFFile
-from luced.runtime import native, qlinear
+from luced.runtime import native, qlinear, weights
 from luced.runtime.families import FAMILIES
 from luced.runtime.layers import linear, matrix_row_select
 from luced.runtime.model import Model
@@ -70,6 +70,24 @@ def test_requantization_error_is_within_half_a_step(
     err = (got - ref).abs().view(n, step.shape[1], -1)
     assert (err <= bound[..., None]).all(), (err - bound[..., None]).max()
     assert (got - ref).norm() / ref.norm() < (0.1 if form == "int4" else 0.01)
+
+
+@pytest.mark.parametrize("form", ["int4", "int8"])
+def test_requantizing_in_row_chunks_gives_the_whole_matrixs_bits(
+    files: dict[str, Path], form: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A big matrix is requantized a chunk of rows at a time (bounded load memory); the
+    codes and scales are per row or per group, so they equal the one-piece result."""
+    whole, _ = _load(files["Q8_0"], form)
+    monkeypatch.setattr(weights, "REQUANT_ROWS", 5)  # 5 does not divide the rows
+    assert whole.shape[0] % 5
+    chunked, _ = _load(files["Q8_0"], form)
+    assert chunked.splits == () and chunked.shape == whole.shape
+    for a, b in [(chunked.codes, whole.codes), (chunked.scales, whole.scales)]:
+        assert torch.equal(a, b)
+    assert (chunked.zeros is None) == (whole.zeros is None)
+    if whole.zeros is not None:
+        assert torch.equal(chunked.zeros, whole.zeros)
 
 
 @pytest.mark.parametrize("form", ["int4", "int8"])

@@ -274,6 +274,7 @@ class WorkerHandle:
             "state": self.state,
             "layers": list(self.loaded.layers) if self.loaded else None,
             "uptime_s": round(time.time() - self.started_at, 1),
+            "threads": self.spec.threads,  # torch threads (None: torch's own default)
             "python": self.spec.python,
         }
 

@@ -98,7 +98,10 @@ def main(argv: list[str] | None = None) -> int:
     backend = Backend(args.group, args.devices, inbox)
     if backend.device_problem:  # hello reports it to the daemon; log it here too
         log.error("%s", backend.device_problem)
-    log.info("serving %s on fd %d (torch %s)", ",".join(args.devices), args.fd, torch.__version__)
+    log.info(
+        "serving %s on fd %d (torch %s, %d threads)",
+        ",".join(args.devices), args.fd, torch.__version__, torch.get_num_threads(),
+    )  # fmt: skip
     channel = BlockingChannel(sock)
     code = 0
     try:

@@ -373,8 +373,8 @@ OPTIONS: tuple[Option, ...] = (
     Option(
         "threads", "int", None, "Torch threads per CPU worker.",
         minimum=1, nullable=True, example=4,
-        default_doc="the usable CPU cores but one (kept for the daemon), shared among the "
-        "target's workers (at least 1 each)",
+        default_doc="the usable CPU cores, shared among the target's workers (at least 1 "
+        "each)",
     ),
     Option(
         "context_length", "int", None, "Context window in tokens (prompt + completion).",

@@ -135,11 +135,12 @@ class Daemon:
             kv_sources=kv_sources,
             pythons={g: str(p) for g, p in cfg.backend_python},
             # Only one worker computes at a time, but idle workers' OpenMP threads still
-            # contend: sharing the cores measured faster than every worker using all. One
-            # core stays with the daemon (HTTP, detokenizing): on 2 cores that cut the HTTP
-            # path's cost from 7.6% to 2.9% of decode speed at no loss in-process.
+            # contend: sharing the cores measured faster than every worker using all. The
+            # daemon's own work (HTTP, detokenizing) is light beside the native kernels: on
+            # 2 cores a 2-thread worker served 1.3x (one stream) to 1.45x (eight) the
+            # tokens of a 1-thread one that left a core to the daemon (README, Performance).
             threads=cfg.threads,
-            cores=max(1, usable_cores() - 1),
+            cores=usable_cores(),
             moe_hot=cfg.moe_hot_experts,
             moe_expert_device=cfg.moe_expert_device,
             moe_required=cfg.moe_expert_required,

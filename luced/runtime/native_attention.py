@@ -4,13 +4,15 @@
 A decode step gives each sequence one query. Through SDPA that is, per sequence and layer,
 a KV write (two strided copies), the transposes around the call and the flash kernel's own
 setup: ~70 us for one query over 256 keys, and 8x that for 8 batched sequences. The native
-kernel stores every sequence's new K/V row and attends all of them in one call, threads over
-(sequence, KV head), and reads each K and V row once for the head's grouped queries.
+kernel stores every sequence's new K/V row (rotating q and k by RoPE first when given the
+tables) and attends all of them in one call, threads over (sequence, KV head), and reads
+each K and V row once for the head's grouped queries.
 
-Every single-query attention over a float32 `KVCache` on the CPU goes through it, alone or
-batched, so a sequence's outputs are the same in a batch as alone (each task's arithmetic
-is its own). Anything else (prefill, verify blocks, KV Flash's pool, 16-bit KV, other
-devices) stays on SDPA.
+Every single-query attention over float32 K/V on the CPU goes through it (a `KVCache`'s
+rows, or a KV Flash pool's that has not evicted, through its row map), alone or batched,
+so a sequence's outputs are the same in a batch as alone (each task's arithmetic is its
+own). Anything else (prefill, verify blocks, an evicting pool, 16-bit KV, head dims off a
+multiple of 16, other devices) stays on SDPA.
 """
 
 from __future__ import annotations

@@ -99,6 +99,8 @@ def decode_attention(
     rope_dims, cos, sin = 0, 0, 0
     if rope is not None:
         rope_dims = rope[0].shape[1]
+        if rope_dims > head_dim or rope_dims % 2:
+            raise ValueError(f"RoPE over {rope_dims} of {head_dim} head dimensions")
         if rope[0].dtype != torch.float32 or max(positions) >= rope[0].shape[0]:
             raise ValueError(f"RoPE tables {tuple(rope[0].shape)} do not cover {max(positions)}")
         cos, sin = rope[0].data_ptr(), rope[1].data_ptr()

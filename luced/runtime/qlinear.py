@@ -324,6 +324,8 @@ class PackedLinear:
             raise ValueError(f"gate input {tuple(x.shape)} for {self.in_features} inputs")
         kind = gate or ("rms_norm" if norm is not None else "plain")
         weight, eps = norm if norm is not None else (None, 0.0)
+        if weight is not None and weight.numel() != self.in_features:
+            raise ValueError(f"norm weight of {weight.numel()} for {self.in_features} inputs")
         if weight is not None and weight.dtype != torch.float32:  # (a no-op `to` is a call)
             weight = weight.float()
         if residual is not None:

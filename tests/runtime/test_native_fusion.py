@@ -69,6 +69,13 @@ def test_gate_inside_the_call_matches_torch_activation(form: str, gate: str) -> 
         w.fused(g.contiguous(), gate=gate)
 
 
+def test_mismatched_norm_weight_is_refused() -> None:
+    """The kernel reads `in` weights: a wrong-sized norm is an error, not a stray read."""
+    w = _packed(32, 64, "int4")
+    with pytest.raises(ValueError, match="norm weight of 63 for 64"):
+        w.fused(_rows(1, 64), norm=(torch.ones(63), 1e-6))
+
+
 @pytest.mark.parametrize("form", ["int4", "int8"])
 def test_residual_is_torchs_add_bit_for_bit(form: str) -> None:
     w = _packed(100, 64, form)  # 100 outputs: a partial last block of 16 rows
@@ -119,6 +126,19 @@ def test_rope_in_the_attention_kernel_equals_torch_rope(rotated: int) -> None:
     assert torch.equal(got, want)
     for s, t in zip(storage, twins, strict=True):
         assert torch.equal(s.k, t.k) and torch.equal(s.v, t.v)
+
+
+def test_rope_tables_must_fit_the_heads() -> None:
+    kv = Storage(torch.zeros(1, 8, 16), torch.zeros(1, 8, 16))
+    q, new = torch.randn(1, 2, 16), (torch.randn(1, 1, 16), torch.randn(1, 1, 16))
+    wide = Rope(rope_inv_freq(32, 10000.0)).table(8)  # 32 rotated dims for 16-dim heads
+    with pytest.raises(ValueError, match="RoPE over 32 of 16"):
+        native_attention.decode_attention(q, new, [kv], [3], None, 0.25, wide)
+    short = Rope(rope_inv_freq(16, 10000.0), capacity=2)
+    with pytest.raises(ValueError, match="do not cover 3"):
+        native_attention.decode_attention(
+            q, new, [kv], [3], None, 0.25, (short.cos[:, 0], short.sin[:, 0])
+        )
 
 
 def test_attention_reads_views_of_one_projection() -> None:

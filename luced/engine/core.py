@@ -791,11 +791,12 @@ class Engine:
         # wrong, and a first block of 16 cost ~3 plain steps per open-chat request.
         priors = PromptLookup.FIRST_ACCEPTANCE if lookup is not None else None
         sizer = BlockSizer(self.step_costs, self.block_size, priors=priors) if adapt else None
-        # Continuous batching: a greedy lookup request's steps and verify blocks go in the
-        # batch with the others' (a verify block needs no shared q rows nor masks then;
-        # a hybrid's verify keeps per-position states, so it runs on its own).
+        # Continuous batching: a greedy request's steps and verify blocks go in the batch
+        # with the others' (a verify block needs no shared q rows nor masks then; a
+        # hybrid's verify keeps per-position states, so it runs on its own). A model draft
+        # runs on its own between batches, from the lane's own feature ring.
         batcher = self.batcher
-        if lookup is None or not greedy or handle.constraint is not None or self.target.recurrent:
+        if not greedy or handle.constraint is not None or self.target.recurrent:
             batcher = None
         if not emitted and self._emit(handle, out, first, stops):
             return

@@ -198,7 +198,11 @@ class Target:
         self.n_layers = 0
         self.hidden = 0
         self.vocab = 0
+        # The selected lane's feature ring (DFlash captures): each lane has its own, made
+        # when the lane is first selected once captures are on (`enable_capture`).
         self.ring: FeatureRing | None = None
+        self._rings: dict[int, FeatureRing] = {}
+        self._capture: tuple[tuple[int, ...], int, str] | None = None  # layers, cap, dtype
         # Wall time of the last forward and the workers' compute time in it (µs): their
         # difference is the orchestration cost (frames, wakeups, waits).
         self.last_wall_us = 0
@@ -405,6 +409,22 @@ class Target:
         self._position, self._last_fed = lane.position, lane.last_fed
         self._last_block_states, self._ring_floor = lane.last_block_states, lane.ring_floor
         self.lane_id = sequence
+        self.ring = self._lane_ring(sequence)
+
+    def _lane_ring(self, sequence: int) -> FeatureRing | None:
+        """`sequence`'s feature ring, made on first use (None while captures are off). A
+        lane keeps its ring for the requests that follow in it: a new one starts at
+        position 0 and reads only rows it wrote."""
+        if self._capture is None:
+            return None
+        ring = self._rings.get(sequence)
+        if ring is None:
+            layers, cap, dtype = self._capture
+            name = f"{self.name}-ring" + (str(sequence) if sequence else "")
+            ring = self._rings[sequence] = FeatureRing(
+                self.owner, layers, cap, self.hidden, dtype, name
+            )
+        return ring
 
     async def step_batch(self, steps: Sequence[BatchStep]) -> list[list[Sampled]]:
         """One decode step of several sequences in one pass through the workers: each
@@ -412,8 +432,8 @@ class Target:
         own sampling (the workers keep each sequence's sampler, as `step` does); a step
         with proposals gets a greedy token after each of its rows, as `verify`. -> each
         step's rows. All or nothing: a failure leaves every sequence where it was."""
-        if self.flash is not None or self.ring is not None:
-            raise ValueError("batched steps need a target without KV Flash and a DFlash draft")
+        if self.flash is not None:
+            raise ValueError("batched steps need a target without KV Flash")
         seqs = [s.sequence for s in steps]
         if not 0 < len(seqs) <= self.placement.max_batch_tokens or len(set(seqs)) != len(seqs):
             raise ValueError(f"a batch steps 1..max_batch_tokens distinct sequences, got {seqs}")
@@ -481,6 +501,10 @@ class Target:
         allowed: Region | None,
     ) -> None:
         n, tokens = len(steps), sum(size for _, _, size in rows)
+        capture: dict = {}
+        if self._capture is not None:  # each sequence's features into its own lane's ring
+            rings = [self._lane_ring(seq) for seq, _, _ in rows]
+            capture = {"capture": self._capture[0], "rings": tuple(r.region for r in rings if r)}
 
         def frame(i: int, last: bool) -> ForwardBatch:
             return ForwardBatch(
@@ -501,6 +525,7 @@ class Target:
                 else (),
                 top_logprobs=k if last else 0,
                 allowed=allowed if last else None,
+                **capture,
             )
 
         starts = {seq: start for seq, start, _ in rows}
@@ -608,11 +633,11 @@ class Target:
         bad = [layer for layer in layers if not 0 <= layer < self.n_layers]
         if bad:
             raise ValueError(f"capture layers {bad} outside the model's {self.n_layers} layers")
-        ring = FeatureRing(
-            self.owner, tuple(layers), ring_cap, self.hidden, dtype, f"{self.name}-ring"
-        )
+        self._capture = (tuple(layers), ring_cap, dtype)
+        ring = self._lane_ring(self.lane_id)
+        assert ring is not None
         self.ring = ring
-        return self.ring
+        return ring
 
     # -- DFlash draft -------------------------------------------------------------------
 

@@ -394,23 +394,10 @@ class Forward(Request):
         _check_sampling_map(self)
 
     def _check_capture(self) -> None:
-        if not self.capture:
-            if self.ring is not None:
-                raise self._fail("ring given without capture layers")
-            return
-        if self.ring is None:
-            raise self._fail("capture layers given without a ring region")
-        if len(set(self.capture)) != len(self.capture) or min(self.capture) < 0:
-            raise self._fail(f"capture layers must be distinct and >= 0: {list(self.capture)}")
-        r = self.ring
-        if len(r.shape) != 3 or r.shape[1] != len(self.capture) or r.dtype not in COMPUTE_DTYPES:
-            raise self._fail(
-                f"ring must be float [ring_cap, {len(self.capture)}, hidden], got "
-                f"{r.dtype} {list(r.shape)}"
-            )
-        if r.shape[0] < self.n_tokens:
+        _check_rings(self, self.capture, () if self.ring is None else (self.ring,))
+        if self.ring is not None and self.ring.shape[0] < self.n_tokens:
             n = self.n_tokens
-            raise self._fail(f"ring holds {r.shape[0]} positions, fewer than n_tokens {n}")
+            raise self._fail(f"ring holds {self.ring.shape[0]} positions, fewer than n_tokens {n}")
 
     def _check_verify(self) -> None:
         if self.want != "verify":
@@ -539,6 +526,26 @@ class ForwardReply(Reply):
     moe_remote_bytes: int = 0
 
 
+def _check_rings(frame: Request, capture: tuple[int, ...], rings: tuple[Region, ...]) -> None:
+    """Capture layers and the feature ring(s) they go to: both or neither, each ring float
+    [ring_cap >= 1, len(capture), hidden]."""
+    if not capture:
+        if rings:
+            raise frame._fail("ring given without capture layers")
+        return
+    if not rings:
+        raise frame._fail("capture layers given without a ring region")
+    if len(set(capture)) != len(capture) or min(capture) < 0:
+        raise frame._fail(f"capture layers must be distinct and >= 0: {list(capture)}")
+    for r in rings:
+        shape_ok = len(r.shape) == 3 and r.shape[0] >= 1 and r.shape[1] == len(capture)
+        if not shape_ok or r.dtype not in COMPUTE_DTYPES:
+            raise frame._fail(
+                f"ring must be float [ring_cap, {len(capture)}, hidden], got "
+                f"{r.dtype} {list(r.shape)}"
+            )
+
+
 # -- forward_batch --------------------------------------------------------------------------
 
 BatchWant = Literal["sample", "hidden"]
@@ -561,7 +568,9 @@ class ForwardBatch(Request):
     ``forward`` draws); the output rows are the sequences' in order, ``n_rows_out`` in all.
     ``want="hidden"``: the rows for the next shard. Write ordering as ``forward``.
     ``allowed``: a grammar's bitmask per output row (all bits set where none applies), as
-    ``forward``'s. A failed batch leaves every sequence's KV as it was.
+    ``forward``'s. Captures (a DFlash draft's features): as ``forward``'s, with ``rings``
+    holding each sequence's own ring in batch order; a sequence's n_tokens must fit its
+    ring. A failed batch leaves every sequence's KV as it was.
     """
 
     n_sequences: int
@@ -575,6 +584,8 @@ class ForwardBatch(Request):
     top_logprobs: int = 0
     allowed: Region | None = None
     n_rows_out: int = 0  # output rows: the sum of the n_out column; 0 = one per sequence
+    capture: tuple[int, ...] = ()
+    rings: tuple[Region, ...] = ()  # one per sequence, in batch order
 
     @property
     def n_out(self) -> int:
@@ -592,6 +603,10 @@ class ForwardBatch(Request):
         _check_input(self)
         _check_outputs(self)
         _check_allowed(self)
+        _check_rings(self, self.capture, self.rings)
+        if self.rings and len(self.rings) != self.n_sequences:
+            n = self.n_sequences
+            raise self._fail(f"rings needs one ring per sequence ({n}), got {len(self.rings)}")
         if self.want == "sample" and len(self.sampling) != self.n_sequences:
             n = self.n_sequences
             raise self._fail(f"sampling needs one map per sequence ({n}), got {len(self.sampling)}")

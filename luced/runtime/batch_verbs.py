@@ -50,6 +50,13 @@ def forward_batch(worker: WorkerState, req: F.ForwardBatch) -> F.ForwardBatchRep
                 f"sequence {seq}: positions [{start}, {start + n}) exceed the KV capacity "
                 f"of {m.reply.kv_capacity} tokens"
             )
+    rings = [worker.tensor(r) for r in req.rings]
+    for ring, (seq, _, n) in zip(rings, rows, strict=False):
+        if ring.shape[2] != m.reply.hidden or ring.shape[0] < n:
+            raise WorkerError(
+                f"sequence {seq}: its ring {list(ring.shape)} cannot take {n} rows "
+                f"{m.reply.hidden} wide"
+            )
     first, last = m.shards[0].model, m.shards[-1].model
     ids, hidden = worker.fed_inputs(req.tokens, req.hidden_in, req.n_tokens, m)
     if req.want == "sample" and not last.owns_head:
@@ -76,9 +83,10 @@ def forward_batch(worker: WorkerState, req: F.ForwardBatch) -> F.ForwardBatchRep
         for i, shard in enumerate(m.shards):
             spans = [Span(s.caches[i], a, n) for s, (a, n) in zip(states, fed_at, strict=True)]
             batch = Ragged(spans)
-            hidden, _ = shard.model.forward_layers(
-                hidden.to(shard.model.device), batch, batch, ids=ids
+            hidden, caps = shard.model.forward_layers(
+                hidden.to(shard.model.device), batch, batch, req.capture, ids=ids
             )
+            _write_captures(rings, req.capture, caps, fed_at, bounds)
         if req.want == "hidden":
             outputs["hidden"][: req.n_tokens].copy_(hidden)
         else:
@@ -104,6 +112,24 @@ def forward_batch(worker: WorkerState, req: F.ForwardBatch) -> F.ForwardBatchRep
     worker.busy_s += elapsed
     positions = tuple(s.position for s in states)
     return F.ForwardBatchReply(positions=positions, elapsed_us=int(elapsed * 1e6))
+
+
+def _write_captures(
+    rings: list[torch.Tensor],
+    capture: tuple[int, ...],
+    caps: dict[int, torch.Tensor],
+    fed_at: list[tuple[int, int]],
+    bounds: list[int],
+) -> None:
+    """Each sequence's captured layer outputs into its own ring, slot = position % ring_cap
+    (as `forward` writes them; this worker writes only the layers it holds)."""
+    for j, layer in enumerate(capture):
+        if layer not in caps:
+            continue
+        rows = caps[layer].to("cpu")
+        for ring, (start, n), at in zip(rings, fed_at, bounds, strict=False):
+            slots = torch.arange(start, start + n) % ring.shape[0]
+            ring[slots, j] = rows[at : at + n].to(ring.dtype)
 
 
 def _undo(state: SequenceState, start: int) -> None:

@@ -390,8 +390,9 @@ OPTIONS: tuple[Option, ...] = (
         "Requests generated at once (continuous batching): each runs in its own sequence "
         "of the workers, their decode steps go through the model together in one forward "
         "per step, and a new request's prompt is prefilled between those steps. 1 serves "
-        "one request at a time. With `--kv-flash` or a DFlash draft model it is 1 (one "
-        "sequence each). Greedy `--draft ngram` requests put their verify blocks in the batch.",
+        "one request at a time. With `--kv-flash` it is 1 (one sequence). Greedy speculative "
+        "requests (`--draft ngram` or a DFlash draft model) put their verify blocks in the "
+        "batch.",
         minimum=1, maximum=64,
     ),
     Option(

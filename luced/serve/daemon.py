@@ -256,8 +256,6 @@ class Daemon:
         """--max-running, or 1 where a feature holds one sequence (logged)."""
         cfg = self.config
         one = "--kv-flash" if cfg.kv_flash is not None else None
-        if cfg.draft is not None and not cfg.lookup_drafts:
-            one = "a DFlash draft model"
         if one is not None and cfg.max_running > 1:
             log.info("continuous batching off: %s serves one sequence at a time", one)
             return 1

@@ -7,12 +7,15 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
+import make_tiny_draft
 import make_tiny_gguf
 import pytest
+import torch
 from engine_harness import engine_for
 
 from luced.engine.core import Engine, GenerationRequest
 from luced.engine.kv_budget import RESERVE_STEP, KVBudget, resolve_kv_pool
+from luced.runtime.model import Model
 from luced.sampling_params import SamplingParams
 from luced.serve.bundled import smollm2_path
 
@@ -311,3 +314,69 @@ async def test_lookup_verify_blocks_batch_with_plain_steps(tiny: Path) -> None:
     for got, want in zip(together, alone, strict=True):
         assert got[0] == want[0]
         assert [lp for lp, _ in got[1]] == pytest.approx([lp for lp, _ in want[1]], abs=1e-4)
+
+
+@pytest.fixture(scope="module")
+def drafted(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """An 8-layer target (deep enough for the draft's captures) and a random draft."""
+    root = tmp_path_factory.mktemp("cbd")
+    target = make_tiny_gguf.build("qwen3", root / "qwen3.gguf", seed=7, layers=8, context=512)
+    return target.path, make_tiny_draft.build(target.path, root / "draft", seed=3, block_size=4)[1]
+
+
+@pytest.mark.parametrize("draft_device", [None, "cpu:1"], ids=["draft-in-target", "draft-apart"])
+async def test_dflash_requests_draft_and_verify_in_the_batch(
+    drafted: tuple[Path, Path], draft_device: str | None
+) -> None:
+    """A DFlash draft model with continuous batching: greedy requests draft from their own
+    lane's feature ring and verify their blocks in the step batch beside each other, a
+    seeded sampled one verifies by rejection sampling on its own between the batches. Each
+    greedy output is plain decoding's alone, every output is what the request gives served
+    alone with the draft, each request drafts as often as it does alone, and each lane's
+    ring holds its own sequence's captured layer outputs."""
+    tiny, tiny_draft = drafted
+    greedy = SamplingParams(temperature=0, logprobs=1)
+    prompts = [PROMPTS[1][:40], PROMPTS[2], PROMPTS[0]]
+    reqs = [
+        GenerationRequest(f"d{i}", p, greedy, 30, ignore_eos=True) for i, p in enumerate(prompts)
+    ]
+    sampled = SamplingParams(temperature=0.8, seed=11)
+    reqs.append(GenerationRequest("s", PROMPTS[3], sampled, 30, ignore_eos=True))
+    async with engine_for(tiny, context=256) as engine:
+        plain = [await collect(engine, r) for r in reqs[:3]]
+    async with engine_for(tiny, context=256, draft=tiny_draft, block_size=4) as engine:
+        alone, drafts_alone = [], []
+        for r in reqs:
+            handle = engine.submit(r)
+            alone.append(await _drain(handle))
+            drafts_alone.append(handle.spec["drafts"])
+    async with engine_for(
+        tiny, context=256, draft=tiny_draft, draft_device=draft_device, block_size=4, max_running=4
+    ) as engine:
+        handles = [engine.submit(r) for r in reqs]
+        together = await asyncio.gather(*(_drain(h) for h in handles))
+        batcher = engine.batcher
+        assert batcher is not None and batcher.steps > batcher.batches  # lanes shared batches
+        target = engine.target
+        layers = target.ring.layers if target.ring else ()
+        rings = {h.request_id: target._rings[h.lane].array.copy() for h in handles}
+    assert [h.spec["drafts"] for h in handles] == drafts_alone and min(drafts_alone) > 0
+    assert [t for t, _, _ in together] == [t for t, _, _ in alone]
+    for got, want in zip(together, plain, strict=False):
+        assert got[0] == want[0]
+        assert [lp for lp, _ in got[1]] == pytest.approx([lp for lp, _ in want[1]], abs=1e-4)
+    model = Model.load(tiny, weights="dequant")
+    for req, (tokens, _, _) in zip(reqs, together, strict=True):
+        fed = torch.tensor([*req.prompt, *tokens[:-1]])  # the last token is never fed
+        _, caps = model.forward_layers(model.embed(fed), model.new_cache(len(fed)), 0, layers)
+        want = torch.stack([caps[layer] for layer in layers], 1)
+        got = torch.from_numpy(rings[req.request_id][: len(fed)])
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+async def _drain(handle) -> tuple[list[int], list, str | None]:
+    tokens, lps = [], []
+    async for delta in handle:
+        tokens += delta.token_ids
+        lps += [(lp.logprob, [t[0] for t in lp.top]) for lp in delta.logprobs or []]
+    return tokens, lps, handle.finish_reason

@@ -178,7 +178,11 @@ class Target:
     ) -> None:
         self.owner = owner
         self.flash_cfg = kv_flash
+        # The selected lane's KV Flash pager (each lane pages its own pool; made on the
+        # lane's first use once the target has started).
         self.flash: KVFlash | None = None
+        self._flashes: dict[int, KVFlash] = {}
+        self._flash_make: Callable[[str], KVFlash] | None = None
         self._record_bytes: dict[tuple[int, int], int] = {}  # worker layers -> host record
         self.name = name
         self.placement = placement
@@ -256,7 +260,22 @@ class Target:
         cfg = dataclasses.replace(cfg, chunk_bytes=sum(records))
         p = self.placement
         max_step = max(p.max_batch_tokens, p.logit_rows, MAX_BLOCK)
-        self.flash = KVFlash(self.owner, self.name, cfg, p.kv_capacity, max_step, records)
+        self._flash_make = functools.partial(
+            KVFlash, self.owner, cfg=cfg, capacity=p.kv_capacity, max_step=max_step,
+            record_bytes=records,
+        )  # fmt: skip
+        self.flash = self._lane_flash(self.lane_id)
+
+    def _lane_flash(self, sequence: int) -> KVFlash | None:
+        """`sequence`'s KV Flash pager and plan segments, made on first use (None without
+        KV Flash). A lane keeps them for the requests that follow in it (reset between)."""
+        if self._flash_make is None:
+            return None
+        flash = self._flashes.get(sequence)
+        if flash is None:
+            name = self.name + (f"-lane{sequence}" if sequence else "")
+            flash = self._flashes[sequence] = self._flash_make(name=name)
+        return flash
 
     async def close(self) -> None:
         await self.executor.close()
@@ -393,6 +412,8 @@ class Target:
             if self.lane_id == sequence:
                 self._unpark(0)  # its state is dropped, not parked
             self._lanes.pop(sequence, None)
+            if sequence in self._flashes:
+                self._flashes[sequence].reset()
 
     def _select(self, sequence: int) -> None:
         self._park()
@@ -410,6 +431,7 @@ class Target:
         self._last_block_states, self._ring_floor = lane.last_block_states, lane.ring_floor
         self.lane_id = sequence
         self.ring = self._lane_ring(sequence)
+        self.flash = self._lane_flash(sequence)
 
     def _lane_ring(self, sequence: int) -> FeatureRing | None:
         """`sequence`'s feature ring, made on first use (None while captures are off). A
@@ -432,8 +454,6 @@ class Target:
         own sampling (the workers keep each sequence's sampler, as `step` does); a step
         with proposals gets a greedy token after each of its rows, as `verify`. -> each
         step's rows. All or nothing: a failure leaves every sequence where it was."""
-        if self.flash is not None:
-            raise ValueError("batched steps need a target without KV Flash")
         seqs = [s.sequence for s in steps]
         if not 0 < len(seqs) <= self.placement.max_batch_tokens or len(set(seqs)) != len(seqs):
             raise ValueError(f"a batch steps 1..max_batch_tokens distinct sequences, got {seqs}")
@@ -501,6 +521,15 @@ class Target:
         allowed: Region | None,
     ) -> None:
         n, tokens = len(steps), sum(size for _, _, size in rows)
+        flashes = [f for seq, _, _ in rows if (f := self._lane_flash(seq)) is not None]
+        plans = []  # each sequence's KV Flash plan: its fields for each worker
+        try:
+            for flash, (_, start, size) in zip(flashes, rows, strict=False):
+                plans.append(flash.plan(start, size))
+        except BaseException:  # PoolExhausted: the plans made so far are undone
+            for flash, (_, start, _) in zip(flashes, rows[: len(plans)], strict=False):
+                flash.truncate(start)
+            raise
         capture: dict = {}
         if self._capture is not None:  # each sequence's features into its own lane's ring
             rings = [self._lane_ring(seq) for seq, _, _ in rows]
@@ -525,11 +554,21 @@ class Target:
                 else (),
                 top_logprobs=k if last else 0,
                 allowed=allowed if last else None,
+                kv_plans=tuple(plan[i] for plan in plans),
                 **capture,
             )
 
         starts = {seq: start for seq, start, _ in rows}
-        await self._pipeline(frame, starts, tuple(start + size for _, start, size in rows))
+        try:
+            await self._pipeline(frame, starts, tuple(start + size for _, start, size in rows))
+        except BaseException:
+            if flashes:  # as `_forward`: the pools may disagree now, so every sequence restarts
+                for flash, (_, start, _) in zip(flashes, rows, strict=True):
+                    flash.truncate(start)
+                self.executor.in_sync = False
+            raise
+        for flash in flashes:
+            flash.after_step()  # qk: reselect; the copies ride with the lane's next plan
 
     async def _pipeline(
         self,
@@ -755,7 +794,9 @@ class Target:
     def draft_room(self, want: int) -> int:
         """How many positions a DFlash block may feed from here (at most `want`): with KV
         Flash, no more than needs no eviction past the first chunk (`Pager.lookahead`)."""
-        return want if self.flash is None else self.flash.pager.lookahead(self._position, want)
+        lane = LANE.get()  # read outside `holding` (a batched lane): not the selected lane's
+        flash = self._lane_flash(lane)
+        return want if flash is None else flash.pager.lookahead(self.lane_position(lane), want)
 
     @property
     def token_masks(self) -> np.ndarray:
@@ -1021,8 +1062,16 @@ class Target:
 
     def flash_status(self) -> dict | None:
         """KV Flash counters (pool, resident / paged-out chunks, evictions, recalls, host
-        bytes), or None when the target has no pool."""
-        return self.flash.status() if self.flash is not None else None
+        bytes) summed over the lanes' pools, or None when the target has no pool."""
+        if not self._flashes:
+            return None
+        total: dict = {}
+        for flash in self._flashes.values():
+            for key, value in flash.status().items():
+                total[key] = (
+                    total.get(key, 0) + value if key not in ("pool_tokens", "policy") else value
+                )
+        return {**total, "sequences": len(self._flashes)}
 
     async def stats(self) -> dict:
         """The first worker's stats, plus every worker's under "workers"."""

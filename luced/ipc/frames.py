@@ -412,37 +412,45 @@ class Forward(Request):
             raise self._fail(f"draft_probs must be float32 [>= {self.n_tokens - 1}, vocab], {got}")
 
     def _check_kv_flash(self) -> None:
-        slots, table, moves, host = self.kv_slots, self.kv_map, self.kv_moves, self.kv_host
-        if (slots is None) != (table is None):
-            raise self._fail("kv_slots and kv_map come together")
-        if moves is not None and (table is None or host is None):
-            raise self._fail("kv_moves needs kv_map and kv_host")
-        if slots is not None and (
-            slots.dtype != "int64" or len(slots.shape) != 1 or slots.shape[0] < self.n_tokens
-        ):
-            got = f"{slots.dtype} {list(slots.shape)}"
-            raise self._fail(f"kv_slots must be int64 [>= {self.n_tokens}], got {got}")
-        if table is not None and (
-            table.dtype != "int64" or len(table.shape) != 1 or table.shape[0] % KV_CHUNK
-        ):
-            got = f"{table.dtype} {list(table.shape)}"
-            raise self._fail(f"kv_map must be int64 [pool], pool a multiple of {KV_CHUNK}; {got}")
-        if moves is not None and (
-            moves.dtype != "int64" or len(moves.shape) != 2 or moves.shape[1] != 4
-        ):
-            got = f"{moves.dtype} {list(moves.shape)}"
-            raise self._fail(f"kv_moves must be int64 [m, 4], got {got}")
-        if host is not None and (host.dtype != "uint8" or len(host.shape) != 2):
-            got = f"{host.dtype} {list(host.shape)}"
-            raise self._fail(f"kv_host must be uint8 [records, bytes], got {got}")
-        scores = self.kv_scores
-        if scores is not None and table is None:
-            raise self._fail("kv_scores needs kv_map")
-        if scores is not None and (
-            scores.dtype != "float32" or len(scores.shape) != 2 or scores.shape[0] != 2
-        ):
-            got = f"{scores.dtype} {list(scores.shape)}"
-            raise self._fail(f"kv_scores must be float32 [2, chunks], got {got}")
+        _check_kv_plan(self, {name: getattr(self, name) for name in KV_PLAN}, self.n_tokens)
+
+
+# A KV Flash step's plan as `forward` carries it (fields of that name), and as
+# `forward_batch` carries one per sequence (`kv_plans`, maps with these keys).
+KV_PLAN = ("kv_slots", "kv_map", "kv_moves", "kv_host", "kv_scores")
+
+
+def _check_kv_plan(frame: Request, plan: Mapping[str, Region | None], n_tokens: int) -> None:
+    slots, table, moves, host, scores = (plan.get(name) for name in KV_PLAN)
+    if (slots is None) != (table is None):
+        raise frame._fail("kv_slots and kv_map come together")
+    if moves is not None and (table is None or host is None):
+        raise frame._fail("kv_moves needs kv_map and kv_host")
+    if slots is not None and (
+        slots.dtype != "int64" or len(slots.shape) != 1 or slots.shape[0] < n_tokens
+    ):
+        got = f"{slots.dtype} {list(slots.shape)}"
+        raise frame._fail(f"kv_slots must be int64 [>= {n_tokens}], got {got}")
+    if table is not None and (
+        table.dtype != "int64" or len(table.shape) != 1 or table.shape[0] % KV_CHUNK
+    ):
+        got = f"{table.dtype} {list(table.shape)}"
+        raise frame._fail(f"kv_map must be int64 [pool], pool a multiple of {KV_CHUNK}; {got}")
+    if moves is not None and (
+        moves.dtype != "int64" or len(moves.shape) != 2 or moves.shape[1] != 4
+    ):
+        got = f"{moves.dtype} {list(moves.shape)}"
+        raise frame._fail(f"kv_moves must be int64 [m, 4], got {got}")
+    if host is not None and (host.dtype != "uint8" or len(host.shape) != 2):
+        got = f"{host.dtype} {list(host.shape)}"
+        raise frame._fail(f"kv_host must be uint8 [records, bytes], got {got}")
+    if scores is not None and table is None:
+        raise frame._fail("kv_scores needs kv_map")
+    if scores is not None and (
+        scores.dtype != "float32" or len(scores.shape) != 2 or scores.shape[0] != 2
+    ):
+        got = f"{scores.dtype} {list(scores.shape)}"
+        raise frame._fail(f"kv_scores must be float32 [2, chunks], got {got}")
 
 
 def _check_input(frame: Forward | ForwardBatch) -> None:
@@ -586,6 +594,8 @@ class ForwardBatch(Request):
     n_rows_out: int = 0  # output rows: the sum of the n_out column; 0 = one per sequence
     capture: tuple[int, ...] = ()
     rings: tuple[Region, ...] = ()  # one per sequence, in batch order
+    # KV Flash: each sequence's plan (keys of KV_PLAN, as `forward`'s fields), batch order.
+    kv_plans: tuple[dict[str, Region], ...] = ()
 
     @property
     def n_out(self) -> int:
@@ -607,6 +617,17 @@ class ForwardBatch(Request):
         if self.rings and len(self.rings) != self.n_sequences:
             n = self.n_sequences
             raise self._fail(f"rings needs one ring per sequence ({n}), got {len(self.rings)}")
+        if self.kv_plans and len(self.kv_plans) != self.n_sequences:
+            n, got = self.n_sequences, len(self.kv_plans)
+            raise self._fail(f"kv_plans needs one plan per sequence ({n}), got {got}")
+        for plan in self.kv_plans:
+            unknown = plan.keys() - set(KV_PLAN)
+            if unknown or "kv_slots" not in plan:
+                raise self._fail(
+                    f"a sequence's KV plan has kv_slots, kv_map and maybe "
+                    f"{', '.join(KV_PLAN[2:])}; got {sorted(plan)}"
+                )
+            _check_kv_plan(self, plan, 1)
         if self.want == "sample" and len(self.sampling) != self.n_sequences:
             n = self.n_sequences
             raise self._fail(f"sampling needs one map per sequence ({n}), got {len(self.sampling)}")

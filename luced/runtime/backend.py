@@ -44,12 +44,12 @@ import numpy as np
 import torch
 
 from luced.ipc import frames as F
-from luced.runtime import batch_verbs, experts, kv_snapshot, token_mask
+from luced.runtime import batch_verbs, experts, kv_flash_step, kv_snapshot, token_mask
 from luced.runtime.dflash import verbs as draft_verbs
 from luced.runtime.dflash.verify import verify_sampled
 from luced.runtime.expert_link import ExpertServer, RemoteExperts
 from luced.runtime.kv_cache import ContextOverflow, KVCache
-from luced.runtime.kv_pool import PooledKVCache, SharedHostTier, apply_moves, chunk_nbytes
+from luced.runtime.kv_pool import PooledKVCache, chunk_nbytes
 from luced.runtime.model import Model
 from luced.runtime.sampler import (
     Sampler,
@@ -69,8 +69,6 @@ from luced.runtime.state import (
 from luced.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
-
-_MOVE_KINDS = {0: "out", 1: "in"}  # kv_moves column 0
 
 TORCH_DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -211,8 +209,9 @@ class Backend(WorkerState):
         )
 
         def new_caches() -> list[KVCache | PooledKVCache]:
-            if req.kv_pool:  # the daemon's page table maps one sequence onto the pool
-                raise WorkerError("a KV Flash pool serves one sequence: only sequence 0")
+            if req.kv_pool:  # each sequence its own pool, mapped by its own pager's plans
+                pool = pooled[0].pool
+                return [s.model.new_pool_cache(pool, req.kv_capacity) for s in shards]
             return [s.model.new_cache(req.kv_capacity) for s in shards]
 
         self.loaded = Loaded(Path(req.model), shards, reply, new_caches)
@@ -311,7 +310,9 @@ class Backend(WorkerState):
             raise WorkerError("penalties need the token history; this shard was fed hidden_in")
         q = self._draft_probs(req, m, sampler)
         bias = self._allowed(req, m)
-        self._kv_flash(req, m)  # host-tier copies and the step's rows, before any K/V write
+        # KV Flash: host-tier copies and the step's rows, before any K/V write
+        plan = {name: getattr(req, name) for name in F.KV_PLAN}
+        kv_flash_step.apply_plan(self, m, [s.cache for s in m.shards], start, n, plan)
         first, last = m.shards[0].model, m.shards[-1].model
         if hidden_in is None:
             assert ids is not None
@@ -327,7 +328,7 @@ class Backend(WorkerState):
                 rec.track_positions = req.keep_block_states
             hidden = self._run(m, hidden, start, req.capture, ring, ids)
             if req.kv_scores is not None:
-                self._kv_scores(m, self.tensor(req.kv_scores))
+                kv_flash_step.write_scores([s.cache for s in m.shards], self.tensor(req.kv_scores))
             if req.want == "hidden":
                 outputs["hidden"][:n].copy_(hidden)
             elif q is not None:
@@ -484,52 +485,6 @@ class Backend(WorkerState):
             raise WorkerError('want="verify" needs temperature > 0 (greedy blocks: "sample")')
         self.check_width("draft_probs", req.draft_probs, m.reply.vocab)
         return self.tensor(req.draft_probs)[: req.n_tokens - 1]
-
-    def _kv_flash(self, req: F.Forward, m: Loaded) -> None:
-        """KV Flash: run the plan's host-tier moves, in order, on every shard, then give each
-        shard the step's write slots and slot map (the same table for all of them)."""
-        if not m.reply.kv_pool:
-            if req.kv_slots is not None:
-                raise WorkerError("kv_slots sent to a worker loaded without kv_pool")
-            return
-        if req.kv_slots is None or req.kv_map is None:
-            raise WorkerError("a KV Flash worker needs the pager's plan (kv_slots, kv_map)")
-        if req.kv_map.shape[0] != m.reply.kv_pool:
-            got, pool = req.kv_map.shape[0], m.reply.kv_pool
-            raise WorkerError(f"kv_map of {got} rows for a pool of {pool}")
-        slots = self.tensor(req.kv_slots)[: req.n_tokens]
-        table = self.tensor(req.kv_map)
-        moves = self.tensor(req.kv_moves).tolist() if req.kv_moves is not None else []
-        if moves:
-            assert req.kv_host is not None  # the frame checks it
-            if req.kv_host.shape[1] != m.reply.kv_chunk_bytes:
-                got, want = req.kv_host.shape[1], m.reply.kv_chunk_bytes
-                raise WorkerError(f"host records of {got} bytes, this worker's are {want}")
-            records = self.tensor(req.kv_host)
-            offset = 0
-            for shard in m.shards:
-                cache = shard.cache
-                assert isinstance(cache, PooledKVCache)
-                host = SharedHostTier(records, offset, chunk_nbytes(cache))
-                apply_moves(cache, [(_MOVE_KINDS[k], c, b, r) for k, c, b, r in moves], host)
-                offset += host.record_bytes
-        for shard in m.shards:
-            cache = shard.cache
-            assert isinstance(cache, PooledKVCache)
-            cache.set_step(req.start_pos, slots, table)
-
-    @staticmethod
-    def _kv_scores(m: Loaded, out: torch.Tensor) -> None:
-        """KV Flash qk: per chunk, the sum over this worker's scored layers of the chunk's
-        best cosine with the step's last query (row 0) and how many layers scored it (row 1)."""
-        out.zero_()
-        for shard in m.shards:
-            cache = shard.cache
-            assert isinstance(cache, PooledKVCache)
-            sums, counts = cache.qk.scores()
-            n = min(out.shape[1], sums.shape[0])
-            out[0, :n] += sums[:n].to(out.device)
-            out[1, :n] += counts[:n].to(out.device)
 
     def _inputs(self, req: F.Forward, m: Loaded) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """(token ids or None, hidden rows or None): [n] int32 / [n, hidden] views; the

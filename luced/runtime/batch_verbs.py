@@ -13,7 +13,7 @@ import time
 import torch
 
 from luced.ipc import frames as F
-from luced.runtime import token_mask
+from luced.runtime import kv_flash_step, token_mask
 from luced.runtime.kv_cache import ContextOverflow
 from luced.runtime.ragged import Ragged, Span
 from luced.runtime.sampler import histories, write_rows
@@ -57,6 +57,8 @@ def forward_batch(worker: WorkerState, req: F.ForwardBatch) -> F.ForwardBatchRep
                 f"sequence {seq}: its ring {list(ring.shape)} cannot take {n} rows "
                 f"{m.reply.hidden} wide"
             )
+    if bool(req.kv_plans) != bool(m.reply.kv_pool):
+        raise WorkerError("a KV Flash worker takes a plan per sequence (kv_plans), others none")
     first, last = m.shards[0].model, m.shards[-1].model
     ids, hidden = worker.fed_inputs(req.tokens, req.hidden_in, req.n_tokens, m)
     if req.want == "sample" and not last.owns_head:
@@ -80,6 +82,8 @@ def forward_batch(worker: WorkerState, req: F.ForwardBatch) -> F.ForwardBatchRep
         bounds.append(bounds[-1] + n)  # sequence j's rows: [bounds[j], bounds[j + 1])
     own = [fed[a:b] for a, b in itertools.pairwise(bounds)] if fed else [[] for _ in rows]
     try:
+        for state, plan, (_, start, n) in zip(states, req.kv_plans, rows, strict=False):
+            kv_flash_step.apply_plan(worker, m, state.caches, start, n, plan)
         for i, shard in enumerate(m.shards):
             spans = [Span(s.caches[i], a, n) for s, (a, n) in zip(states, fed_at, strict=True)]
             batch = Ragged(spans)
@@ -87,6 +91,9 @@ def forward_batch(worker: WorkerState, req: F.ForwardBatch) -> F.ForwardBatchRep
                 hidden.to(shard.model.device), batch, batch, req.capture, ids=ids
             )
             _write_captures(rings, req.capture, caps, fed_at, bounds)
+        for state, plan in zip(states, req.kv_plans, strict=False):
+            if (scores := plan.get("kv_scores")) is not None:
+                kv_flash_step.write_scores(state.caches, worker.tensor(scores))
         if req.want == "hidden":
             outputs["hidden"][: req.n_tokens].copy_(hidden)
         else:

@@ -390,9 +390,9 @@ OPTIONS: tuple[Option, ...] = (
         "Requests generated at once (continuous batching): each runs in its own sequence "
         "of the workers, their decode steps go through the model together in one forward "
         "per step, and a new request's prompt is prefilled between those steps. 1 serves "
-        "one request at a time. With `--kv-flash` it is 1 (one sequence). Greedy speculative "
-        "requests (`--draft ngram` or a DFlash draft model) put their verify blocks in the "
-        "batch.",
+        "one request at a time. With `--kv-flash` each running request pages its own pool. "
+        "Greedy speculative requests (`--draft ngram` or a DFlash draft model) put their "
+        "verify blocks in the batch.",
         minimum=1, maximum=64,
     ),
     Option(
@@ -538,7 +538,8 @@ OPTIONS: tuple[Option, ...] = (
         "KV Flash: keep at most this many tokens of K/V per attention layer in the "
         "workers (a pool of 64-token blocks; rounded up to a multiple of 256, clamped to "
         "the context); older 64-token chunks are paged out to a shared-memory host tier "
-        "and attention skips them. `auto` sizes the pool from free memory, capped by "
+        "and attention skips them. Each running request has a pool of its own. `auto` "
+        "sizes the pools from free memory (shared by max_running of them), each capped by "
         "kv_flash_max_pool. Lossless while the sequence fits the pool.",
         nullable=True, default_doc="off (every worker keeps the whole context)", example="auto",
     ),

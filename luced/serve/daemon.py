@@ -101,13 +101,13 @@ class Daemon:
         n_layers = int(gguf.require(f"{gguf.arch}.block_count"))
         kv_sources = gguf.kv_sources()  # a layer split keeps these layers with their sources
         context = cfg.effective_context_length(int(gguf.require(f"{gguf.arch}.context_length")))
-        kv_flash = self._kv_flash(gguf, context)
+        running = self._max_running()
+        kv_flash = self._kv_flash(gguf, context, running)
         moe_dims = (
             int(gguf.get(f"{gguf.arch}.embedding_length", 0)),
             int(gguf.get(f"{gguf.arch}.expert_used_count", 0)),
         )
         moe_profile = self._moe_profile(gguf)
-        running = self._max_running()
         kv_pool = self._kv_pool(gguf, context, running)
         del gguf
         if cfg.moe_expert_device is not None:
@@ -253,15 +253,11 @@ class Daemon:
             raise StartupError(f"{label}: {exc}") from None
 
     def _max_running(self) -> int:
-        """--max-running, or 1 where a feature holds one sequence (logged)."""
-        cfg = self.config
-        one = "--kv-flash" if cfg.kv_flash is not None else None
-        if one is not None and cfg.max_running > 1:
-            log.info("continuous batching off: %s serves one sequence at a time", one)
-            return 1
-        if cfg.max_running > 1:
-            log.info("continuous batching: up to %d requests at once", cfg.max_running)
-        return cfg.max_running
+        """--max-running (logged)."""
+        running = self.config.max_running
+        if running > 1:
+            log.info("continuous batching: up to %d requests at once", running)
+        return running
 
     def _kv_pool(self, gguf: GGUFFile, context: int, running: int) -> int:
         """--kv-pool-tokens resolved (auto: from the free memory), logged."""
@@ -281,8 +277,9 @@ class Daemon:
             )
         return pool
 
-    def _kv_flash(self, gguf: GGUFFile, context: int) -> PagerConfig | None:
-        """The KV Flash pager's config (--kv-flash), or None when it is off."""
+    def _kv_flash(self, gguf: GGUFFile, context: int, running: int) -> PagerConfig | None:
+        """The KV Flash pager's config (--kv-flash), or None when it is off. Each of the
+        `running` sequences has a pool of its own: `auto` shares the memory among them."""
         cfg = self.config
         if cfg.kv_flash is None:
             return None
@@ -290,13 +287,14 @@ class Daemon:
             cfg.kv_flash, cfg.kv_flash_policy, cfg.kv_flash_tau, cfg.kv_flash_max_pool
         )
         per_token = model_bytes_per_token(gguf, DTYPE_BYTES[cfg.effective_kv_dtype()])
-        pool = resolve_pool(settings, context, per_token)
+        pool = resolve_pool(settings, context, per_token * running)
         try:
             pager = pager_config(settings, pool, gguf)
         except ValueError as exc:  # PoolTooSmall: the sinks, tail and window need more
             raise StartupError(f"{cfg.label('kv_flash')}: {exc}") from exc
         log.info(
-            "KV Flash: pool of %d tokens (%s), policy %s, %d KiB of K/V per token",
+            "KV Flash: a pool of %d tokens (%s) per running request, policy %s, %d KiB of "
+            "K/V per token",
             pool,
             cfg.kv_flash,
             cfg.kv_flash_policy,

@@ -38,11 +38,13 @@ def test_long_prompt_over_a_small_pool(smollm2_gguf, tmp_path, policy: str) -> N
 
         status = d.lucectl_json("status")
         flash = status["kv_flash"]
-        assert flash["pool_tokens"] == 512 and flash["resident_chunks"] == 8
-        assert flash["policy"] == policy
-        assert flash["evictions"] >= 3000 // 64 - 8 and flash["paged_out_chunks"] > 0
-        assert flash["host_bytes"] > 0
+        assert flash["pool_tokens"] == 512 and flash["policy"] == policy
+        assert flash["evictions"] >= 3000 // 64 - 8
         assert (flash["recalls"] > 0) == (policy == "qk")
+        # The request ran in a lane of its own (continuous batching), which it gave back
+        # when it finished: its pool and its host records are free again.
+        assert flash["sequences"] >= 1
+        assert flash["resident_chunks"] == flash["paged_out_chunks"] == flash["host_bytes"] == 0
         assert "evictions" in d.lucectl("status").stdout
         assert d.metric("luced:kv_flash_evictions_total") == flash["evictions"]
         assert d.metric("luced:kv_flash_recalls_total") == flash["recalls"]

@@ -151,6 +151,52 @@ def test_forward_accepts_the_intended_shapes() -> None:
     assert masked.allowed is not None and masked.allowed.shape == (64, 2)
 
 
+def forward_batch(**kw: object) -> F.ForwardBatch:
+    base: dict[str, object] = {
+        "n_sequences": 2,
+        "n_tokens": 5,
+        "batch": R(64, (8, 4), "int32"),
+        "want": "sample",
+        "outputs": {"ids": R(256, (8,), "int32")},
+        "tokens": R(512, (8,), "int32"),
+        "sampling": ({}, {}),
+    }
+    base.update(kw)
+    return F.ForwardBatch(**base)  # type: ignore[arg-type]
+
+
+PLAN = {"kv_slots": R(1024, (16,), "int64"), "kv_map": R(2048, (448,), "int64")}
+RING = R(8192, (16, 2, 8), "float32")
+
+
+@pytest.mark.parametrize(
+    ("kw", "match"),
+    [
+        ({"capture": (0, 2)}, "capture layers given without a ring"),
+        ({"rings": (RING, RING)}, "ring given without capture"),
+        ({"capture": (0, 2), "rings": (RING,)}, r"one ring per sequence \(2\), got 1"),
+        ({"capture": (0,), "rings": (RING, RING)}, r"ring must be float \[ring_cap, 1"),
+        ({"kv_plans": (PLAN,)}, r"one plan per sequence \(2\), got 1"),
+        ({"kv_plans": (PLAN, {"kv_map": PLAN["kv_map"]})}, "has kv_slots, kv_map"),
+        ({"kv_plans": (PLAN, {**PLAN, "kv_pool": PLAN["kv_map"]})}, "has kv_slots, kv_map"),
+        ({"kv_plans": (PLAN, {"kv_slots": PLAN["kv_slots"]})}, "kv_slots and kv_map come"),
+        (
+            {"kv_plans": (PLAN, {**PLAN, "kv_moves": R(64, (2, 4), "int64")})},
+            "needs kv_map and kv_host",
+        ),
+    ],
+)
+def test_forward_batch_validation(kw: dict, match: str) -> None:
+    with pytest.raises(F.FrameError, match=match):
+        forward_batch(**kw)
+
+
+def test_forward_batch_carries_a_ring_and_a_kv_plan_per_sequence() -> None:
+    fb = forward_batch(capture=(0, 2), rings=(RING, RING), kv_plans=(PLAN, PLAN))
+    back = F.ForwardBatch.from_wire(fb.to_wire())
+    assert back == fb and back.kv_plans[1]["kv_map"].shape == (448,)
+
+
 def draft_block(**kw: object) -> F.DraftBlock:
     base: dict[str, object] = {
         "ring": R(4096, (64, 2, 16), "float32"),

@@ -380,3 +380,46 @@ async def _drain(handle) -> tuple[list[int], list, str | None]:
         tokens += delta.token_ids
         lps += [(lp.logprob, [t[0] for t in lp.top]) for lp in delta.logprobs or []]
     return tokens, lps, handle.finish_reason
+
+
+async def test_prefix_cache_hits_restore_into_running_lanes(tiny: Path) -> None:
+    """Requests that hit the prefix cache while others decode restore into their own lanes:
+    each output equals the request's fresh output alone, and each restored its prefix."""
+    first = [(7 * i + 3) % 120 + 2 for i in range(150)]
+    later = [
+        first + [(11 * i + 5) % 120 + 2 for i in range(40)],  # a second turn
+        first[:100] + [(13 * i + 1) % 120 + 2 for i in range(30)],  # a branch
+        first,  # the same prompt again
+    ]
+    greedy = SamplingParams(temperature=0)
+    reqs = [GenerationRequest(f"p{i}", p, greedy, 16, ignore_eos=True) for i, p in enumerate(later)]
+    async with engine_for(tiny, context=512) as engine:
+        fresh = [await collect(engine, r) for r in reqs]
+    async with engine_for(tiny, context=512, prefix_cache_bytes=64 << 20, max_running=3) as engine:
+        await collect(engine, GenerationRequest("seed", first, greedy, 4, ignore_eos=True))
+        handles = [engine.submit(r) for r in reqs]
+        together = await asyncio.gather(*(_drain(h) for h in handles))
+        batcher = engine.batcher
+        assert batcher is not None and batcher.steps > batcher.batches
+    assert [h.cached_tokens for h in handles] == [150, 100, 149]
+    assert [t for t, _, _ in together] == [t for t, _, _ in fresh]
+
+
+async def test_remote_experts_carry_the_whole_batch(tmp_path: Path) -> None:
+    """MoE with cold experts in an expert worker: a batched step's expert calls carry every
+    sequence's rows, and each output equals the all-local model's alone."""
+    target = make_tiny_gguf.build("qwen3moe", tmp_path / "moe.gguf", seed=7, layers=4).path
+    greedy = SamplingParams(temperature=0)
+    reqs = [
+        GenerationRequest(f"m{i}", p, greedy, 20, ignore_eos=True) for i, p in enumerate(PROMPTS)
+    ]
+    async with engine_for(target, context=256) as engine:
+        local = [await collect(engine, r) for r in reqs]
+    remote = {"moe_hot": 4, "moe_expert_device": "cpu:2"}
+    async with engine_for(target, context=256, max_running=4, **remote) as engine:
+        together = await asyncio.gather(*(collect(engine, r) for r in reqs))
+        batcher = engine.batcher
+        assert batcher is not None and batcher.steps > batcher.batches
+        totals = engine.target.moe_status()
+    assert totals is not None and totals["remote_calls"] > 0 and totals["fallbacks"] == 0
+    assert [t for t, _, _ in together] == [t for t, _, _ in local]

@@ -271,6 +271,9 @@ class KVStore(Protocol):
         self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
+    # `write` without handing the rows back (the native decode path reads them in place).
+    def store(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None: ...
+
     def mask(
         self, start: int, n: int, window: int | None, device: torch.device
     ) -> torch.Tensor | None: ...
@@ -461,6 +464,9 @@ class KVCache(RecurrentLayers):
             self.truncate(start)  # the recurrent layers continue from the state at start
         if end > self._allocated:
             self._grow(min(self.capacity, max(end, 2 * self._allocated)))
+
+    def store(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.write(layer, start, k, v)
 
     def write(
         self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor

@@ -179,13 +179,18 @@ class PooledKVCache(RecurrentLayers):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Store k, v ([n, Hkv, D]) at the step's slots; return the visible K, V in position
         order as [Hkv, L, D] (views when they are pool rows 0..L-1)."""
+        self.store(layer, start, k, v)
+        return self._visible(layer)
+
+    def store(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store k, v at the step's slots, and seal the chunks the step completes (their
+        mean keys for qk)."""
         step = self._step
         assert step is not None, "reserve() checks the step first"
         self.k[layer].index_copy_(1, step.slots, k.transpose(0, 1))
         self.v[layer].index_copy_(1, step.slots, v.transpose(0, 1))
         if step.seal_chunks.numel():
             self.qk.seal(layer, step.seal_chunks, self._blocks(layer)[:, step.seal_blocks])
-        return self._visible(layer)
 
     def read(self, layer: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """A KV-sharing layer's keys and values: its source's visible rows, which the source
@@ -230,15 +235,16 @@ class PooledKVCache(RecurrentLayers):
     writes_in_place = False
 
     def decode_storage(self, layer: int) -> Storage | None:
-        """The pool rows of `layer` (its source's for a KV-sharing layer) with the row of
-        each position, when this step sees exactly positions 0..end-1 (a pool that has not
-        evicted): the native decode kernel reads them in position order, as the plain cache
-        reads its rows. None under eviction (gaps): SDPA over the gathered rows."""
+        """The pool rows of `layer` (its source's for a KV-sharing layer) the step sees, in
+        position order: the row of each position while the pool has not evicted, else the
+        visible rows with their positions (gaps). The native decode kernel reads them in
+        that order, as the plain cache reads its rows."""
         step = self._step
-        if step is None or not step.complete:
+        if step is None:
             return None
         source = self.sources.get(layer, layer)
-        return Storage(self.k[source], self.v[source], step.rows)
+        positions = None if step.complete else step.positions
+        return Storage(self.k[source], self.v[source], step.rows, positions)
 
     observes_queries = True
 

@@ -9,9 +9,9 @@ tables) and attends all of them in one call, threads over (sequence, KV head), a
 each K and V row once for the head's grouped queries.
 
 Every single-query attention over float32 K/V on the CPU goes through it (a `KVCache`'s
-rows, or a KV Flash pool's that has not evicted, through its row map), alone or batched,
-so a sequence's outputs are the same in a batch as alone (each task's arithmetic is its
-own). Anything else (prefill, verify blocks, an evicting pool, 16-bit KV, head dims off a
+rows, or a KV Flash pool's through its row map, gaps and all once it has evicted), alone
+or batched, so a sequence's outputs are the same in a batch as alone (each task's
+arithmetic is its own). Anything else (prefill, verify blocks, 16-bit KV, head dims off a
 multiple of 16, other devices) stays on SDPA.
 """
 
@@ -49,11 +49,15 @@ def _library() -> ctypes.CDLL | None:
 @dataclass(frozen=True)
 class Storage:
     """One sequence's K and V storage of a layer, [Hkv, rows, D], and the row of each
-    position (int64 [>= pos + 1], a paged pool's map) or None: position i in row i."""
+    position (int64 [>= pos + 1], a paged pool's map) or None: position i in row i.
+    With `positions` (a KV Flash pool that evicted, so positions have gaps), `rows` lists
+    the rows the query sees in position order instead, and `positions` theirs (int64,
+    ascending; the query's own last)."""
 
     k: torch.Tensor
     v: torch.Tensor
     rows: torch.Tensor | None = None
+    positions: torch.Tensor | None = None
 
 
 def supported(q: torch.Tensor, storage: Sequence[Storage]) -> bool:
@@ -108,13 +112,20 @@ def decode_attention(
     seqs = (_SequenceKV * b)()
     for s, (kv, pos) in enumerate(zip(storage, positions, strict=True)):
         k = kv.k
+        # the kernel's span of `rows`: [lo, last], the query's own row at `last`
+        last, lo = pos, max(0, pos - window + 1) if window is not None else 0
+        if kv.positions is not None:
+            last = kv.positions.shape[0] - 1
+            if kv.rows is None or kv.rows.shape[0] <= last or int(kv.positions[last]) != pos:
+                raise ValueError(f"sequence {s}: its listed rows do not end at position {pos}")
+            if window is not None:  # the first listed position inside the window
+                lo = int(torch.searchsorted(kv.positions, pos - window + 1))
         room = k.shape[1] if kv.rows is None else kv.rows.shape[0]
-        if k.shape[0] != n_kv or k.shape[2] != head_dim or pos >= room:
+        if k.shape[0] != n_kv or k.shape[2] != head_dim or last >= room:
             raise ValueError(f"sequence {s}: KV storage {tuple(k.shape)} cannot hold row {pos}")
-        lo = max(0, pos - window + 1) if window is not None else 0
         rows = None if kv.rows is None else kv.rows.data_ptr()
-        at = pos * row_bytes
-        seqs[s] = _SequenceKV(k.data_ptr(), kv.v.data_ptr(), rows, k.stride(0), pos, lo,
+        at = pos * row_bytes  # RoPE by the true position
+        seqs[s] = _SequenceKV(k.data_ptr(), kv.v.data_ptr(), rows, k.stride(0), last, lo,
                               cos + at, sin + at)  # fmt: skip
     q = _heads_view(q)
     k_new = v_new = None

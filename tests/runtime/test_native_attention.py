@@ -109,6 +109,25 @@ def test_paged_rows_equal_rows_in_position_order(window: int | None):
     assert torch.equal(paged.k[:, order[12]], new[0, 0])
 
 
+@pytest.mark.parametrize("window", [None, 20])
+def test_rows_with_gaps_attend_only_the_listed_rows(window: int | None):
+    """An evicting KV Flash pool lists the rows its query sees (positions with gaps, in
+    order; the query's own row last): the answer is SDPA over those rows alone, masked by
+    position for a window."""
+    kv = _sequence(3, 64, 64, 7)
+    held = torch.tensor([0, 1, 2, 3, 20, 21, 22, 40, 41, 45])  # 4..19 and 23..39 paged out
+    rows = torch.randperm(64, generator=torch.Generator().manual_seed(2))[: len(held)]
+    q = torch.randn(1, 9, 64, generator=torch.Generator().manual_seed(4))
+    gapped = Storage(kv.k, kv.v, rows, held)
+    out = native_attention.decode_attention(q, None, [gapped], [45], window, 0.125)
+    seen = held >= 45 - window + 1 if window is not None else held >= 0
+    keys, values = kv.k[:, rows[seen]], kv.v[:, rows[seen]]
+    expected = attention(q, keys, values, None, 0.125)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="do not end at position 44"):
+        native_attention.decode_attention(q, None, [gapped], [44], window, 0.125)
+
+
 def test_supported_only_for_float32_rows():
     kv = _sequence(2, 8, 16, 0)
     k, v = kv.k, kv.v

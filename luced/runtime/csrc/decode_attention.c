@@ -54,6 +54,10 @@ static void rope_row(int D, int rd, const float *x, const float *cos, const floa
  * below are inlined into each clone, so the ABI note GCC gives for vector returns in the
  * default target does not apply. */
 typedef float v8 __attribute__((vector_size(32)));
+
+/* Rows ahead that a loop over K or V rows asks the memory for (a step's K/V of every
+ * layer is far larger than the caches, so the rows come from DRAM). */
+#define PREFETCH 8
 #pragma GCC diagnostic ignored "-Wpsabi"
 
 static inline v8 load8(const float *p)
@@ -78,6 +82,7 @@ static inline __attribute__((always_inline)) void weigh_values(
         v8 acc[4][2] = {{{0}}};
         for (int64_t t = 0; t < L; t++) {
             const float *vt = v + (rows ? rows[lo + t] : lo + t) * D + d;
+
             const v8 x0 = load8(vt), x1 = load8(vt + 8);
             for (int g = 0; g < GN; g++) {
                 const float w = p[g * L + t];
@@ -106,6 +111,13 @@ static void attend_head(int G, int D, int64_t lo, int64_t pos, const int64_t *ro
         for (int i = 0; i < 4; i++) {  /* past the end: the last row again, not stored */
             const int64_t at = lo + (t + i < L ? t + i : L - 1);
             kt[i] = k + (rows ? rows[at] : at) * D;
+            if (t + i + PREFETCH < L) { /* V too: its rows are read after the softmax */
+                const int64_t row = (rows ? rows[at + PREFETCH] : at + PREFETCH) * D;
+                for (int c = 0; c < D; c += 16) {
+                    __builtin_prefetch(k + row + c);
+                    __builtin_prefetch(v + row + c, 0, 2);
+                }
+            }
         }
         for (int g = 0; g < G; g++) {
             const float *qg = q + (int64_t)g * D;

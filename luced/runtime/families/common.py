@@ -380,7 +380,7 @@ def _native_decode(
     if kv is not None and not in_place:
         for i, (c, pos) in enumerate(zip(stores, positions, strict=True)):
             # a write that does more than store rows (KV Flash seals chunk keys) comes first
-            c.write(layer, pos, kv[0][i : i + 1], kv[1][i : i + 1])
+            c.store(layer, pos, kv[0][i : i + 1], kv[1][i : i + 1])
         kv = None  # the kernel only reads
     tables = None if rope is None else rope.table(max(positions) + 1)
     return native_attention.decode_attention(q, kv, storage, positions, window, scale, tables)  # type: ignore[arg-type]

@@ -88,3 +88,27 @@ async def test_batched_on_a_pool_covering_the_context_equals_plain(tiny: Path) -
     for (got, got_lps), (want, want_lps) in zip(together, plain, strict=True):
         assert got == want
         assert got_lps == pytest.approx(want_lps, abs=1e-4)
+
+
+async def test_preempted_requests_start_their_pool_over_and_finish_as_alone(tiny: Path) -> None:
+    """Three requests of 380 prompt tokens fit a KV budget of 1200 positions, their 100
+    tokens each do not: the newest give their KV (their pool and host records) up and
+    recompute into a fresh pool later, each past the 448-token pool (evicting), with the
+    output they get alone on the same pool."""
+    pool = PagerConfig(pool_tokens=448, policy="lru")
+    greedy = SamplingParams(temperature=0, logprobs=1)
+    reqs = [
+        GenerationRequest(f"e{i}", p[:380], greedy, 100, ignore_eos=True)
+        for i, p in enumerate(PROMPTS[:3])
+    ]
+    async with engine_for(tiny, context=1024, kv_flash=pool) as engine:
+        alone = [await drain(engine, r) for r in reqs]
+        assert (engine.target.flash_status() or {}).get("evictions", 0) > 0
+    async with engine_for(
+        tiny, context=1024, kv_flash=pool, max_running=3, kv_pool_tokens=1200
+    ) as engine:
+        together = await asyncio.gather(*(drain(engine, r) for r in reqs))
+        assert engine.totals["preemptions"] > 0
+    for (got, got_lps), (want, want_lps) in zip(together, alone, strict=True):
+        assert got == want
+        assert got_lps == pytest.approx(want_lps, abs=1e-4)

@@ -423,3 +423,26 @@ async def test_remote_experts_carry_the_whole_batch(tmp_path: Path) -> None:
         totals = engine.target.moe_status()
     assert totals is not None and totals["remote_calls"] > 0 and totals["fallbacks"] == 0
     assert [t for t, _, _ in together] == [t for t, _, _ in local]
+
+
+async def test_dflash_requests_are_preempted_and_resume_exactly(
+    drafted: tuple[Path, Path],
+) -> None:
+    """DFlash lanes in a pool of one context: a preempted request recomputes its prompt
+    and output (its ring refilled by the recompute) and goes on as plain decoding alone."""
+    tiny, tiny_draft = drafted
+    greedy = SamplingParams(temperature=0, logprobs=1)
+    prompts = [PROMPTS[0] * 6, PROMPTS[2] * 3 + PROMPTS[3] * 2, PROMPTS[1][:30] * 2]
+    reqs = [
+        GenerationRequest(f"q{i}", p, greedy, 100, ignore_eos=True) for i, p in enumerate(prompts)
+    ]
+    async with engine_for(tiny, context=256) as engine:
+        plain = [await collect(engine, r) for r in reqs]
+    async with engine_for(
+        tiny, context=256, draft=tiny_draft, block_size=4, max_running=3, kv_pool_tokens=256
+    ) as engine:
+        together = await asyncio.gather(*(collect(engine, r) for r in reqs))
+        assert engine.totals["preemptions"] > 0 and engine.totals["spec_drafts"] > 0
+    for got, want in zip(together, plain, strict=True):
+        assert got[0] == want[0]
+        assert [lp for lp, _ in got[1]] == pytest.approx([lp for lp, _ in want[1]], abs=1e-4)

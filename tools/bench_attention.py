@@ -6,11 +6,11 @@ attention kernel (the native decode kernel, or SDPA).
 
 Each K/V dtype gets a model (same weights, float32 compute) whose cache is primed with
 `--context` ids; then decode steps are timed, the variants interleaved round by round, and
-one instrumented step per variant splits the step into attention and the rest. A float32
-cache runs twice: through the native decode kernel (csrc/decode_attention.c) and through
-SDPA, the torch path (16-bit caches always take SDPA). Reported per variant: median ms per
-decode step, attention ms and share, and the KV bytes read per token. The bundled
-SmolLM2-135M by default.
+one instrumented step per variant splits the step into attention and the rest. Each cache
+runs twice: through the native decode kernel (csrc/decode_attention.c, which reads
+float32, bfloat16 and float16 rows) and through SDPA, the torch path. Reported per
+variant: median ms per decode step, attention ms and share, and the KV bytes read per
+token. The bundled SmolLM2-135M by default.
 """
 
 from __future__ import annotations
@@ -93,8 +93,7 @@ def main() -> None:
     path = args.model or smollm2_path()
     dtypes = args.kv_dtypes.split(",")
     models = {d: Model.load(path, weights=args.weights, kv_dtype=d) for d in dtypes}
-    # (kv dtype, kernel): only a float32 cache has the native kernel
-    variants = [(d, k) for d in dtypes for k in ("native", "sdpa") if k == "sdpa" or d == "float32"]
+    variants = [(d, k) for d in dtypes for k in ("native", "sdpa")]
     caches = {}
     with torch.inference_mode():
         prompt = torch.randint(0, models[dtypes[0]].cfg.vocab, (args.context,))

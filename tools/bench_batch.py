@@ -3,12 +3,14 @@ same B sequences decoded one forward each, in process, interleaved.
 
     python tools/bench_batch.py [--model PATH] [--weights auto] [--batches 1,2,4,8]
                                 [--context 256] [--steps 16] [--rounds 3] [--threads N]
+                                [--kv-dtype float32,bfloat16]
 
 Each sequence is primed with `--context` random ids (its own), then both ways decode
 `--steps` greedy tokens per sequence on copies of the same caches; rounds alternate which
 way runs first. Reported per batch size: aggregate decode tok/s of each way, the ratio,
 and that every sequence produced the same tokens both ways (greedy; exact under the packed
 weights, where the kernels are batch-invariant). The bundled SmolLM2-135M by default.
+`--kv-dtype a,b`: each K/V dtype in turn (16-bit rows halve what attention reads).
 """
 
 from __future__ import annotations
@@ -54,13 +56,20 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
+    ap.add_argument("--kv-dtype", default="float32", help="K/V dtypes, comma-separated")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     path = args.model or smollm2_path()
-    model = Model.load(path, weights=args.weights)
+    for kv_dtype in args.kv_dtype.split(","):
+        model = Model.load(path, weights=args.weights, kv_dtype=kv_dtype)
+        print(f"{path.name}, weights {args.weights}, K/V {kv_dtype}, {args.threads} threads, "
+              f"context {args.context}")  # fmt: skip
+        run(model, args)
+
+
+def run(model: Model, args: argparse.Namespace) -> None:
     capacity = args.context + args.steps + 1
     g = torch.Generator().manual_seed(0)
-    print(f"{path.name}, weights {args.weights}, {args.threads} threads, context {args.context}")
     print("batch  alone tok/s  batched tok/s  ratio  same tokens")
     for b in [int(x) for x in args.batches.split(",")]:
         primed, last = [], []

@@ -8,16 +8,18 @@ kernel stores every sequence's new K/V row (rotating q and k by RoPE first when 
 tables) and attends all of them in one call, threads over (sequence, KV head), and reads
 each K and V row once for the head's grouped queries.
 
-Every single-query attention over float32 K/V on the CPU goes through it (a `KVCache`'s
-rows, or a KV Flash pool's through its row map, gaps and all once it has evicted), alone
-or batched, so a sequence's outputs are the same in a batch as alone (each task's
-arithmetic is its own). Anything else (prefill, verify blocks, 16-bit KV, head dims off a
-multiple of 16, other devices) stays on SDPA.
+Every single-query attention over K/V on the CPU goes through it (a `KVCache`'s rows, or
+a KV Flash pool's through its row map, gaps and all once it has evicted), alone or
+batched, so a sequence's outputs are the same in a batch as alone (each task's arithmetic
+is its own). K/V may be float32, bfloat16 or float16 (`--kv-dtype`): 16-bit rows are read
+as float32 and the arithmetic is float32's, so they halve the bytes a step reads. Anything
+else (prefill, verify blocks, head dims off a multiple of 16, other devices) stays on SDPA.
 """
 
 from __future__ import annotations
 
 import ctypes
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -46,6 +48,24 @@ def _library() -> ctypes.CDLL | None:
     return lib
 
 
+# The K/V storage types of the C enum (the arithmetic is float32 for each).
+KV_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+
+def kv_dtypes() -> frozenset[torch.dtype]:
+    """The storage dtypes the built kernel reads (float16 needs a compiler with _Float16)."""
+    lib = _library()
+    if lib is None:
+        return frozenset()
+    bits = lib.decode_attention_kv_types()
+    return frozenset(t for t, code in KV_TYPES.items() if bits >> code & 1)
+
+
+@functools.cache
+def _kv_dtypes() -> frozenset[torch.dtype]:
+    return kv_dtypes()
+
+
 @dataclass(frozen=True)
 class Storage:
     """One sequence's K and V storage of a layer, [Hkv, rows, D], and the row of each
@@ -62,16 +82,19 @@ class Storage:
 
 def supported(q: torch.Tensor, storage: Sequence[Storage]) -> bool:
     """Whether `decode_attention` takes these: float32 CPU queries with a head dimension
-    that is a multiple of 16, and K/V storage in float32 with contiguous rows."""
+    that is a multiple of 16, and K/V storage with contiguous rows, all in one dtype the
+    kernel reads (float32, bfloat16, float16)."""
     if q.device.type != "cpu" or q.dtype != torch.float32 or _library() is None:
         return False
     if q.shape[-1] % 16:  # the kernel takes 16 head dimensions at a time
+        return False
+    if not storage or storage[0].k.dtype not in _kv_dtypes():
         return False
     for kv in storage:
         if kv.rows is not None and (kv.rows.dtype != torch.int64 or not kv.rows.is_contiguous()):
             return False
         for t in (kv.k, kv.v):
-            if t.dtype != torch.float32 or t.device.type != "cpu" or t.dim() != 3:
+            if t.dtype != storage[0].k.dtype or t.device.type != "cpu" or t.dim() != 3:
                 return False
             if t.stride(2) != 1 or t.stride(1) != t.shape[2]:
                 return False
@@ -97,7 +120,8 @@ def decode_attention(
     sequence's position first, or None when the rows are in place already (written by the
     cache, or a layer that reads another's rows); positions: each query's position; rope:
     float32 cos and sin tables [positions, rotated dims] (`layers.Rope.table`) to rotate q
-    and the new k by first, as `layers.apply_rope` would. -> [B, H*D]."""
+    and the new k by first, as `layers.apply_rope` would. New rows are rounded to the
+    storage's dtype as they are stored (as a torch write rounds them). -> [B, H*D] float32."""
     b, n_heads, head_dim = q.shape
     n_kv = storage[0].k.shape[0]
     rope_dims, cos, sin = 0, 0, 0
@@ -131,7 +155,7 @@ def decode_attention(
     k_new = v_new = None
     ldkv = 0
     if new_kv is not None:
-        k_new, v_new = (_heads_view(t) for t in new_kv)
+        k_new, v_new = (_heads_view(t.float()) for t in new_kv)  # rows from float32 math
         if k_new.stride(0) != v_new.stride(0):
             k_new, v_new = k_new.contiguous(), v_new.contiguous()
         ldkv = k_new.stride(0)
@@ -151,7 +175,10 @@ def decode_attention(
         ctypes.c_float(scale),
         ctypes.c_void_p(out.data_ptr()),
         torch.get_num_threads(),
+        KV_TYPES.get(storage[0].k.dtype, -1),
     )
+    if rc == -2:
+        raise ValueError(f"decode attention does not read {storage[0].k.dtype} K/V storage")
     if rc != 0:
         raise MemoryError("decode attention could not allocate its score buffers")
     return out.view(b, n_heads * head_dim)

@@ -355,10 +355,11 @@ OPTIONS: tuple[Option, ...] = (
     ),
     Option(
         "kv_dtype", "str", "auto",
-        "dtype of the K/V cache; attention runs in it. `auto` = `--dtype`. bfloat16 / "
-        "float16 halve the KV memory of a float32 model; on CPUs torch's attention "
-        "kernels are slower in them (README: KV dtype and attention at long contexts), so "
-        "use them there for memory, not speed.",
+        "dtype of the K/V cache. `auto` = `--dtype`. bfloat16 / float16 halve the KV "
+        "memory of a float32 model. On CPUs decode attention reads 16-bit rows in luced's "
+        "kernel with float32 arithmetic (bfloat16 is the faster at long contexts, README: "
+        "KV dtype and attention at long contexts); prefill and GPUs attend in the cache's "
+        "dtype.",
         choices=("auto", "float32", "bfloat16", "float16"),
     ),
     Option(

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from luced.runtime import native_attention, native_build
-from luced.runtime.layers import attention, attention_mask
+from luced.runtime.layers import Rope, attention, attention_mask, rope_inv_freq
 from luced.runtime.native_attention import Storage
 
 pytestmark = pytest.mark.skipif(
@@ -128,13 +128,47 @@ def test_rows_with_gaps_attend_only_the_listed_rows(window: int | None):
         native_attention.decode_attention(q, None, [gapped], [44], window, 0.125)
 
 
-def test_supported_only_for_float32_rows():
+SIXTEEN = [t for t in (torch.bfloat16, torch.float16) if t in native_attention.kv_dtypes()]
+
+
+@pytest.mark.parametrize("dtype", SIXTEEN)
+@pytest.mark.parametrize("rotated", [0, 64])
+def test_16_bit_rows_are_read_as_float32_and_stored_rounded(dtype: torch.dtype, rotated: int):
+    """16-bit K/V (--kv-dtype): the answer is float32 attention over the stored rows read
+    exactly; a new row is stored as torch rounds it (after RoPE, when the kernel ropes)."""
+    positions = [3, 40]
+    wide = [_sequence(3, 48, 64, seed) for seed in range(2)]
+    narrow = [Storage(kv.k.to(dtype), kv.v.to(dtype)) for kv in wide]
+    for kv, n in zip(wide, narrow, strict=True):  # the float32 twin holds the same values
+        kv.k.copy_(n.k), kv.v.copy_(n.v)
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(2, 9, 64, generator=g)
+    new = torch.randn(2, 2, 3, 64, generator=g)
+    rope = None
+    if rotated:
+        rope = Rope(rope_inv_freq(rotated, 10000.0), capacity=64).table(48)
+    args = (None, 0.125, rope)
+    got = native_attention.decode_attention(q, (new[0], new[1]), narrow, positions, *args)
+    native_attention.decode_attention(q, (new[0], new[1]), wide, positions, *args)
+    for kv, n, pos in zip(wide, narrow, positions, strict=True):
+        stored_k, stored_v = kv.k[:, pos].to(dtype), kv.v[:, pos].to(dtype)
+        assert torch.equal(n.k[:, pos].view(torch.int16), stored_k.view(torch.int16))
+        assert torch.equal(n.v[:, pos].view(torch.int16), stored_v.view(torch.int16))
+        kv.k[:, pos], kv.v[:, pos] = stored_k.float(), stored_v.float()
+    want = native_attention.decode_attention(q, None, wide, positions, *args)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
+def test_supported_rows():
     kv = _sequence(2, 8, 16, 0)
     k, v = kv.k, kv.v
     q = torch.randn(1, 2, 16)
     assert native_attention.supported(q, [kv])
     assert not native_attention.supported(q.bfloat16(), [kv])
-    assert not native_attention.supported(q, [Storage(k.bfloat16(), v.bfloat16())])
+    bf16 = Storage(k.bfloat16(), v.bfloat16())
+    assert native_attention.supported(q, [bf16]) == (torch.bfloat16 in SIXTEEN)
+    assert not native_attention.supported(q, [kv, bf16])  # one dtype per call
+    assert not native_attention.supported(q, [Storage(k.double(), v.double())])
     assert not native_attention.supported(q, [Storage(k.transpose(1, 2), v)])  # strided rows
     assert not native_attention.supported(q, [Storage(k, v, torch.arange(8).int())])
     with pytest.raises(ValueError, match="cannot hold row"):

@@ -1,5 +1,6 @@
-/* Decode attention: one query per sequence over its own float32 K/V rows, for every
- * sequence of a step in one call (luced/runtime/native_attention.py).
+/* Decode attention: one query per sequence over its own K/V rows (float32, bfloat16 or
+ * float16; the arithmetic is float32 either way), for every sequence of a step in one call
+ * (luced/runtime/native_attention.py).
  *
  * Each (sequence, KV head) is one task: it stores the token's new K/V row (rotated by RoPE
  * when asked), then scores the head's G grouped queries against rows [lo, pos] (reading each
@@ -21,8 +22,11 @@
 #define VECTOR_CLONES
 #endif
 
+/* Element types of the K/V storage (`kv_type` arguments; native_attention.KV_TYPES). */
+enum { KV_F32 = 0, KV_BF16 = 1, KV_F16 = 2 };
+
 typedef struct {
-    float *k, *v;          /* the layer's K and V storage of this sequence: [Hkv, rows, D] */
+    void *k, *v;           /* the layer's K and V storage of this sequence: [Hkv, rows, D] */
     const int64_t *rows;   /* the storage row of each position (a paged pool), or NULL:
                               position i in row i */
     int64_t head_stride;   /* elements between heads (rows * D) */
@@ -67,6 +71,83 @@ static inline v8 load8(const float *p)
     return x;
 }
 
+typedef uint16_t u16x8 __attribute__((vector_size(16)));
+typedef uint32_t u32x8 __attribute__((vector_size(32)));
+typedef int32_t i32x8 __attribute__((vector_size(32)));
+
+static inline v8 as_v8(u32x8 u)
+{
+    v8 x;
+    memcpy(&x, &u, sizeof x);
+    return x;
+}
+
+/* Eight K/V elements from row storage of type T (a constant in every inlined copy) as
+ * float32, exactly: bfloat16 is the top half of a float32; a float16's exponent and
+ * mantissa shifted into place and scaled by 2^112 give its value, subnormals too, and
+ * infinities and NaNs keep an all-ones exponent (integer vector ops in every clone, no
+ * F16C needed). */
+static inline __attribute__((always_inline)) v8 load8_kv(const void *base, int64_t at,
+                                                          const int T)
+{
+    if (T == KV_F32) return load8((const float *)base + at);
+    u16x8 h;
+    memcpy(&h, (const uint16_t *)base + at, sizeof h);
+    const u32x8 u = __builtin_convertvector(h, u32x8);
+    if (T == KV_BF16) return as_v8(u << 16);
+    const u32x8 em = u & 0x7FFF, sign = (u & 0x8000) << 16;
+    const v8 finite = as_v8(em << 13) * 0x1p112f;
+    const i32x8 special = (i32x8)(em >= 0x7C00);  /* all ones where inf / NaN */
+    u32x8 bits;
+    memcpy(&bits, &finite, sizeof bits);
+    bits = (bits & ~(u32x8)special) | ((em << 13 | 0x7F800000) & (u32x8)special);
+    return as_v8(bits | sign);
+}
+
+/* x >> shift rounded to nearest, ties to even (1 <= shift <= 31). */
+static inline uint32_t shift_round_even(uint32_t x, int shift)
+{
+    const uint32_t q = x >> shift, rem = x & ((1u << shift) - 1), half = 1u << (shift - 1);
+    return q + (rem > half || (rem == half && (q & 1)));
+}
+
+/* float32 -> float16 bits, rounded to nearest even (NaN: a quiet NaN of its sign). */
+static uint16_t half_bits(uint32_t u)
+{
+    const uint16_t sign = (uint16_t)(u >> 16 & 0x8000);
+    const uint32_t a = u & 0x7FFFFFFF;
+    if (a > 0x7F800000) return sign | 0x7E00;
+    if (a >= 0x477FF000) return sign | 0x7C00; /* 65520 and up round to infinity */
+    if (a >= 0x38800000) /* a normal half: rebias the exponent, round off 13 bits */
+        return sign | (uint16_t)((shift_round_even(a, 13) - (0x38000000 >> 13)));
+    /* a subnormal half: the value in units of 2^-24, the implicit bit made explicit */
+    const int e = (int)(a >> 23);
+    const uint32_t m = (a & 0x7FFFFF) | (e ? 0x800000 : 0);
+    const int shift = (e ? 126 - e : 125);
+    return sign | (uint16_t)(shift > 25 ? 0 : shift_round_even(m, shift));
+}
+
+/* One float32 row into storage of type T, rounded to nearest even as torch's `.to` rounds
+ * (a NaN stays a quiet NaN). */
+static void store_row(void *base, int64_t at, const float *x, int D, int T)
+{
+    if (T == KV_F32) {
+        memcpy((float *)base + at, x, sizeof(float) * D);
+        return;
+    }
+    uint16_t *out = (uint16_t *)base + at;
+    for (int d = 0; d < D; d++) {
+        uint32_t u;
+        memcpy(&u, x + d, 4);
+        if (T == KV_F16)
+            out[d] = half_bits(u);
+        else if ((u & 0x7FFFFFFFu) > 0x7F800000u)
+            out[d] = (uint16_t)((u >> 16) | 0x40);
+        else
+            out[d] = (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+    }
+}
+
 static inline float sum8(v8 x)
 {
     return ((x[0] + x[4]) + (x[1] + x[5])) + ((x[2] + x[6]) + (x[3] + x[7]));
@@ -75,15 +156,14 @@ static inline float sum8(v8 x)
 /* The output rows of GN (1..4, a constant in each inlined copy) grouped queries, 16
  * dimensions at a time: the accumulators stay in registers over all L value rows. */
 static inline __attribute__((always_inline)) void weigh_values(
-    const int GN, int D, int64_t L, int64_t lo, const int64_t *rows, const float *v,
-    const float *p, float *out)
+    const int GN, const int T, int D, int64_t L, int64_t lo, const int64_t *rows,
+    const void *v, const float *p, float *out)
 {
     for (int d = 0; d < D; d += 16) {
         v8 acc[4][2] = {{{0}}};
         for (int64_t t = 0; t < L; t++) {
-            const float *vt = v + (rows ? rows[lo + t] : lo + t) * D + d;
-
-            const v8 x0 = load8(vt), x1 = load8(vt + 8);
+            const int64_t vt = (rows ? rows[lo + t] : lo + t) * D + d;
+            const v8 x0 = load8_kv(v, vt, T), x1 = load8_kv(v, vt + 8, T);
             for (int g = 0; g < GN; g++) {
                 const float w = p[g * L + t];
                 acc[g][0] += w * x0;
@@ -100,22 +180,22 @@ static inline __attribute__((always_inline)) void weigh_values(
 /* One KV head: scores of G queries against rows [lo, pos], softmax, weighted sum of values.
  * Four keys are scored together, so four dot products' dependency chains overlap and each
  * K row is read once for all G queries. */
-VECTOR_CLONES __attribute__((optimize("fp-contract=fast")))
-static void attend_head(int G, int D, int64_t lo, int64_t pos, const int64_t *rows,
-                        const float *q, const float *k, const float *v, float scale,
-                        float *scores, float *out)
+static inline __attribute__((always_inline)) void attend_head_as(
+    const int T, int G, int D, int64_t lo, int64_t pos, const int64_t *rows, const float *q,
+    const void *k, const void *v, float scale, float *scores, float *out)
 {
     const int64_t L = pos - lo + 1;
+    const int64_t row_bytes = (T == KV_F32 ? 4 : 2) * (int64_t)D;
     for (int64_t t = 0; t < L; t += 4) {
-        const float *kt[4];
+        int64_t kt[4];  /* element offsets of the four rows */
         for (int i = 0; i < 4; i++) {  /* past the end: the last row again, not stored */
             const int64_t at = lo + (t + i < L ? t + i : L - 1);
-            kt[i] = k + (rows ? rows[at] : at) * D;
+            kt[i] = (rows ? rows[at] : at) * D;
             if (t + i + PREFETCH < L) { /* V too: its rows are read after the softmax */
-                const int64_t row = (rows ? rows[at + PREFETCH] : at + PREFETCH) * D;
-                for (int c = 0; c < D; c += 16) {
-                    __builtin_prefetch(k + row + c);
-                    __builtin_prefetch(v + row + c, 0, 2);
+                const int64_t row = (rows ? rows[at + PREFETCH] : at + PREFETCH) * row_bytes;
+                for (int64_t c = 0; c < row_bytes; c += 64) {
+                    __builtin_prefetch((const char *)k + row + c);
+                    __builtin_prefetch((const char *)v + row + c, 0, 2);
                 }
             }
         }
@@ -124,10 +204,10 @@ static void attend_head(int G, int D, int64_t lo, int64_t pos, const int64_t *ro
             v8 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
             for (int d = 0; d < D; d += 8) {
                 const v8 x = load8(qg + d);
-                a0 += x * load8(kt[0] + d);
-                a1 += x * load8(kt[1] + d);
-                a2 += x * load8(kt[2] + d);
-                a3 += x * load8(kt[3] + d);
+                a0 += x * load8_kv(k, kt[0] + d, T);
+                a1 += x * load8_kv(k, kt[1] + d, T);
+                a2 += x * load8_kv(k, kt[2] + d, T);
+                a3 += x * load8_kv(k, kt[3] + d, T);
             }
             const float dots[4] = {sum8(a0), sum8(a1), sum8(a2), sum8(a3)};
             for (int i = 0; i < 4 && t + i < L; i++) scores[g * L + t + i] = dots[i] * scale;
@@ -152,24 +232,47 @@ static void attend_head(int G, int D, int64_t lo, int64_t pos, const int64_t *ro
         const float *p = scores + g * L;
         float *o = out + (int64_t)g * D;
         switch (G - g < 4 ? G - g : 4) {
-            case 4: weigh_values(4, D, L, lo, rows, v, p, o); break;
-            case 3: weigh_values(3, D, L, lo, rows, v, p, o); break;
-            case 2: weigh_values(2, D, L, lo, rows, v, p, o); break;
-            default: weigh_values(1, D, L, lo, rows, v, p, o); break;
+            case 4: weigh_values(4, T, D, L, lo, rows, v, p, o); break;
+            case 3: weigh_values(3, T, D, L, lo, rows, v, p, o); break;
+            case 2: weigh_values(2, T, D, L, lo, rows, v, p, o); break;
+            default: weigh_values(1, T, D, L, lo, rows, v, p, o); break;
         }
     }
+}
+
+/* attend_head_as compiled once per storage type. */
+#define ATTEND_HEAD(NAME, T)                                                             \
+    VECTOR_CLONES __attribute__((optimize("fp-contract=fast"))) static void NAME(         \
+        int G, int D, int64_t lo, int64_t pos, const int64_t *rows, const float *q,       \
+        const void *k, const void *v, float scale, float *scores, float *out)             \
+    {                                                                                    \
+        attend_head_as(T, G, D, lo, pos, rows, q, k, v, scale, scores, out);              \
+    }
+ATTEND_HEAD(attend_head_f32, KV_F32)
+ATTEND_HEAD(attend_head_bf16, KV_BF16)
+ATTEND_HEAD(attend_head_f16, KV_F16)
+
+/* The storage types this build reads: bit t set for type t. */
+int decode_attention_kv_types(void)
+{
+    return 1 << KV_F32 | 1 << KV_BF16 | 1 << KV_F16;
 }
 
 /* q: sequence b's query heads [Hkv * G, D] at q + b * ldq; k_new, v_new: its new K/V rows
  * [Hkv, D] at k_new + b * ldkv (views into one Q/K/V projection output), or NULL for a layer
  * that reads another layer's rows (KV sharing) and stores none. rope_dims > 0: rotate the
- * queries and the new keys first, by each sequence's cos/sin rows. out: [B, Hkv * G, D].
- * Returns 0, or -1 if scratch memory could not be had. */
+ * queries and the new keys first, by each sequence's cos/sin rows. kv_type: the storage's
+ * element type (KV_F32, KV_BF16, KV_F16); new rows are rounded to it as they are stored.
+ * out: [B, Hkv * G, D]. Returns 0, -1 if scratch memory could not be had, or -2 for a
+ * storage type this build does not read (decode_attention_kv_types). */
 int decode_attention(int B, int Hkv, int G, int D, const float *q, int64_t ldq,
                      const float *k_new, const float *v_new, int64_t ldkv,
                      const SequenceKV *seqs, int rope_dims, float scale, float *out,
-                     int threads)
+                     int threads, int kv_type)
 {
+    if (kv_type < 0 || kv_type > KV_F16 || !(decode_attention_kv_types() >> kv_type & 1))
+        return -2;
+    const size_t elem = kv_type == KV_F32 ? 4 : 2;
     int64_t longest = 1;
     for (int b = 0; b < B; b++) {
         const int64_t L = seqs[b].pos - seqs[b].lo + 1;
@@ -178,18 +281,20 @@ int decode_attention(int B, int Hkv, int G, int D, const float *q, int64_t ldq,
     int failed = 0;
 #pragma omp parallel num_threads(threads) reduction(| : failed)
     {
-        /* scores [G, longest], then the task's rotated queries [G, D] */
-        float *scores = malloc(sizeof(float) * (size_t)G * ((size_t)longest + (size_t)D));
+        /* scores [G, longest], then the task's rotated queries [G, D], then one row [D] */
+        const size_t floats = (size_t)G * ((size_t)longest + (size_t)D) + (size_t)D;
+        float *scores = malloc(sizeof(float) * floats);
         if (scores == NULL) failed = 1;
 #pragma omp for schedule(static)
         for (int task = 0; task < B * Hkv; task++) {
             if (scores == NULL) continue;
             const int b = task / Hkv, h = task % Hkv;
             const SequenceKV *s = &seqs[b];
-            float *k = s->k + h * s->head_stride, *v = s->v + h * s->head_stride;
+            char *k = (char *)s->k + h * s->head_stride * elem;
+            char *v = (char *)s->v + h * s->head_stride * elem;
             const float *qh = q + b * ldq + (int64_t)h * G * D;
+            float *rotated = scores + (size_t)G * (size_t)longest;
             if (rope_dims > 0) {
-                float *rotated = scores + (size_t)G * (size_t)longest;
                 for (int g = 0; g < G; g++)
                     rope_row(D, rope_dims, qh + g * D, s->cos, s->sin, rotated + g * D);
                 qh = rotated;
@@ -197,14 +302,27 @@ int decode_attention(int B, int Hkv, int G, int D, const float *q, int64_t ldq,
             if (k_new != NULL) {
                 const int64_t from = b * ldkv + (int64_t)h * D;
                 const int64_t to = (s->rows ? s->rows[s->pos] : s->pos) * D;
-                if (rope_dims > 0)
-                    rope_row(D, rope_dims, k_new + from, s->cos, s->sin, k + to);
-                else
-                    memcpy(k + to, k_new + from, sizeof(float) * D);
-                memcpy(v + to, v_new + from, sizeof(float) * D);
+                const float *key = k_new + from;
+                if (rope_dims > 0) {
+                    float *row = rotated + (size_t)G * (size_t)D;
+                    rope_row(D, rope_dims, key, s->cos, s->sin, row);
+                    key = row;
+                }
+                store_row(k, to, key, D, kv_type);
+                store_row(v, to, v_new + from, D, kv_type);
             }
-            attend_head(G, D, s->lo, s->pos, s->rows, qh, k, v, scale, scores,
-                        out + ((int64_t)b * Hkv + h) * G * D);
+            float *o = out + ((int64_t)b * Hkv + h) * G * D;
+            switch (kv_type) {
+                case KV_F32:
+                    attend_head_f32(G, D, s->lo, s->pos, s->rows, qh, k, v, scale, scores, o);
+                    break;
+                case KV_BF16:
+                    attend_head_bf16(G, D, s->lo, s->pos, s->rows, qh, k, v, scale, scores, o);
+                    break;
+                default:
+                    attend_head_f16(G, D, s->lo, s->pos, s->rows, qh, k, v, scale, scores, o);
+                    break;
+            }
         }
         free(scores);
     }

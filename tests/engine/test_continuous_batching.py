@@ -13,7 +13,7 @@ import pytest
 import torch
 from engine_harness import engine_for
 
-from luced.engine.core import Engine, GenerationRequest
+from luced.engine.core import Engine, GenerationRequest, RequestHandle
 from luced.engine.kv_budget import RESERVE_STEP, KVBudget, resolve_kv_pool
 from luced.runtime.model import Model
 from luced.sampling_params import SamplingParams
@@ -55,7 +55,11 @@ def request(i: int) -> GenerationRequest:
 
 
 async def collect(engine: Engine, req: GenerationRequest) -> tuple[list[int], list, str | None]:
-    handle = engine.submit(req)
+    return await drain(engine.submit(req))
+
+
+async def drain(handle: RequestHandle) -> tuple[list[int], list, str | None]:
+    """(tokens, [(logprob, top ids)], finish reason) of a submitted request."""
     tokens, lps = [], []
     async for delta in handle:
         tokens += delta.token_ids
@@ -94,7 +98,7 @@ async def test_more_requests_than_lanes_wait_their_turn(tiny: Path) -> None:
         first = [h.first_token_at for h in handles]
         assert first[0] < first[2] and first[1] < first[3]  # admitted in order
     for i, got in enumerate(results):
-        assert got == alone[i % 4][0]
+        assert got[0] == alone[i % 4][0]
 
 
 async def test_a_cancelled_request_leaves_the_batch(tiny: Path) -> None:
@@ -108,13 +112,6 @@ async def test_a_cancelled_request_leaves_the_batch(tiny: Path) -> None:
         assert doomed.finish_reason == "abort"
         assert await kept == want
         assert engine.batcher is not None and not engine.batcher.decoding
-
-
-async def drain(handle) -> list[int]:
-    tokens = []
-    async for delta in handle:
-        tokens += delta.token_ids
-    return tokens
 
 
 async def test_a_long_prompt_does_not_stall_the_running_streams(tmp_path: Path) -> None:
@@ -277,16 +274,22 @@ async def test_speculative_requests_are_preempted_and_resume_exactly(tiny: Path)
     """`--draft ngram` lanes in a pool of one context: a preempted speculative request
     (its anchor streamed, not fed) recomputes and goes on; greedy output == plain alone,
     logprobs too (they see the whole context: a token fed twice would show)."""
+    await preempted_speculation_equals_plain(tiny, lookup_drafts=True)
+
+
+async def preempted_speculation_equals_plain(target: Path, **drafter) -> None:
+    """Three greedy speculative requests (the `drafter` options of `engine_for`) in a KV
+    pool of one context, against plain decoding alone."""
     greedy = SamplingParams(temperature=0, logprobs=1)
     # ~60 + 100 positions each: any two outgrow the pool of 256 together.
     prompts = [PROMPTS[0] * 6, PROMPTS[2] * 3 + PROMPTS[3] * 2, PROMPTS[1][:30] * 2]
     reqs = [
         GenerationRequest(f"s{i}", p, greedy, 100, ignore_eos=True) for i, p in enumerate(prompts)
     ]
-    async with engine_for(tiny, context=256) as engine:
+    async with engine_for(target, context=256) as engine:
         alone = [await collect(engine, r) for r in reqs]
     async with engine_for(
-        tiny, context=256, max_running=3, kv_pool_tokens=256, lookup_drafts=True, block_size=4
+        target, context=256, max_running=3, kv_pool_tokens=256, block_size=4, **drafter
     ) as engine:
         together = await asyncio.gather(*(collect(engine, r) for r in reqs))
         assert engine.totals["preemptions"] > 0
@@ -348,13 +351,13 @@ async def test_dflash_requests_draft_and_verify_in_the_batch(
         alone, drafts_alone = [], []
         for r in reqs:
             handle = engine.submit(r)
-            alone.append(await _drain(handle))
+            alone.append(await drain(handle))
             drafts_alone.append(handle.spec["drafts"])
     async with engine_for(
         tiny, context=256, draft=tiny_draft, draft_device=draft_device, block_size=4, max_running=4
     ) as engine:
         handles = [engine.submit(r) for r in reqs]
-        together = await asyncio.gather(*(_drain(h) for h in handles))
+        together = await asyncio.gather(*(drain(h) for h in handles))
         batcher = engine.batcher
         assert batcher is not None and batcher.steps > batcher.batches  # lanes shared batches
         target = engine.target
@@ -374,14 +377,6 @@ async def test_dflash_requests_draft_and_verify_in_the_batch(
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 
 
-async def _drain(handle) -> tuple[list[int], list, str | None]:
-    tokens, lps = [], []
-    async for delta in handle:
-        tokens += delta.token_ids
-        lps += [(lp.logprob, [t[0] for t in lp.top]) for lp in delta.logprobs or []]
-    return tokens, lps, handle.finish_reason
-
-
 async def test_prefix_cache_hits_restore_into_running_lanes(tiny: Path) -> None:
     """Requests that hit the prefix cache while others decode restore into their own lanes:
     each output equals the request's fresh output alone, and each restored its prefix."""
@@ -398,7 +393,7 @@ async def test_prefix_cache_hits_restore_into_running_lanes(tiny: Path) -> None:
     async with engine_for(tiny, context=512, prefix_cache_bytes=64 << 20, max_running=3) as engine:
         await collect(engine, GenerationRequest("seed", first, greedy, 4, ignore_eos=True))
         handles = [engine.submit(r) for r in reqs]
-        together = await asyncio.gather(*(_drain(h) for h in handles))
+        together = await asyncio.gather(*(drain(h) for h in handles))
         batcher = engine.batcher
         assert batcher is not None and batcher.steps > batcher.batches
     assert [h.cached_tokens for h in handles] == [150, 100, 149]
@@ -431,18 +426,4 @@ async def test_dflash_requests_are_preempted_and_resume_exactly(
     """DFlash lanes in a pool of one context: a preempted request recomputes its prompt
     and output (its ring refilled by the recompute) and goes on as plain decoding alone."""
     tiny, tiny_draft = drafted
-    greedy = SamplingParams(temperature=0, logprobs=1)
-    prompts = [PROMPTS[0] * 6, PROMPTS[2] * 3 + PROMPTS[3] * 2, PROMPTS[1][:30] * 2]
-    reqs = [
-        GenerationRequest(f"q{i}", p, greedy, 100, ignore_eos=True) for i, p in enumerate(prompts)
-    ]
-    async with engine_for(tiny, context=256) as engine:
-        plain = [await collect(engine, r) for r in reqs]
-    async with engine_for(
-        tiny, context=256, draft=tiny_draft, block_size=4, max_running=3, kv_pool_tokens=256
-    ) as engine:
-        together = await asyncio.gather(*(collect(engine, r) for r in reqs))
-        assert engine.totals["preemptions"] > 0 and engine.totals["spec_drafts"] > 0
-    for got, want in zip(together, plain, strict=True):
-        assert got[0] == want[0]
-        assert [lp for lp, _ in got[1]] == pytest.approx([lp for lp, _ in want[1]], abs=1e-4)
+    await preempted_speculation_equals_plain(tiny, draft=tiny_draft)

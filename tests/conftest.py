@@ -21,6 +21,31 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import transformers  # noqa: E402, F401
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _one_gguf_reader_per_real_model():
+    """transformers opens a GGUF with gguf-py's reader once for the config, once for the
+    weights and once for the tokenizer, and each parse of Gemma 3's 262k-token vocabulary
+    takes ~15 s. A real model's file (over 64 MB; the tiny ones are far smaller) is parsed
+    once per version (path, size, mtime) and its reader, a read-only memory map, shared."""
+    import gguf
+
+    plain = gguf.GGUFReader
+    shared: dict[tuple[str, int, int], object] = {}
+
+    def reader(path, mode="r"):
+        stat = os.stat(path)
+        if mode != "r" or stat.st_size < 64 << 20:
+            return plain(path, mode)
+        key = (str(Path(path).resolve()), stat.st_size, stat.st_mtime_ns)
+        if key not in shared:
+            shared[key] = plain(path, mode)
+        return shared[key]
+
+    gguf.GGUFReader = reader
+    yield
+    gguf.GGUFReader = plain
+
+
 @pytest.fixture(scope="session")
 def smollm2_gguf() -> Path:
     from luced.serve.bundled import smollm2_path

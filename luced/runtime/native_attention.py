@@ -11,9 +11,11 @@ each K and V row once for the head's grouped queries.
 Every single-query attention over K/V on the CPU goes through it (a `KVCache`'s rows, or
 a KV Flash pool's through its row map, gaps and all once it has evicted), alone or
 batched, so a sequence's outputs are the same in a batch as alone (each task's arithmetic
-is its own). K/V may be float32, bfloat16 or float16 (`--kv-dtype`): 16-bit rows are read
+is its own). A verify block (up to 64 queries of one sequence, rows stored already) goes
+through it as that many decode steps, one entry per query: its logits are then its decode
+steps' own. K/V may be float32, bfloat16 or float16 (`--kv-dtype`): 16-bit rows are read
 as float32 and the arithmetic is float32's, so they halve the bytes a step reads. Anything
-else (prefill, verify blocks, head dims off a multiple of 16, other devices) stays on SDPA.
+else (longer prefill chunks, head dims off a multiple of 16, other devices) stays on SDPA.
 """
 
 from __future__ import annotations

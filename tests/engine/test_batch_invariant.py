@@ -32,3 +32,17 @@ async def test_speculative_and_restored_equal_plain_bit_for_bit(smollm2_gguf: Pa
         spec, handle, spec_lps = await generate(engine, prompt, 24, logprobs=2)
     assert handle.spec["accepted_tokens"] > 0
     assert (spec, spec_lps) == (plain, plain_lps)
+
+
+async def test_speculative_equals_plain_bit_for_bit_by_default(smollm2_gguf: Path) -> None:
+    """Without the mode too: a verify block (up to 64 tokens) attends query by query, as
+    its decode steps do, and the packed kernels take it whole, so greedy speculation gives
+    plain decoding's tokens and logprobs. (The mode is then for prefills past 64 tokens.)"""
+    prompt = Tokenizer.from_gguf(smollm2_gguf).encode(TEXT)
+    common = {"weights": "auto", "context": 256}
+    async with engine_for(smollm2_gguf, **common) as engine:
+        plain, _, plain_lps = await generate(engine, prompt, 24, logprobs=2)
+    async with engine_for(smollm2_gguf, lookup_drafts=True, block_size=8, **common) as engine:
+        spec, handle, spec_lps = await generate(engine, prompt, 24, logprobs=2)
+    assert handle.spec["accepted_tokens"] > 0
+    assert (spec, spec_lps) == (plain, plain_lps)

@@ -104,6 +104,7 @@ async def test_truncate_inside_the_last_forward_replays(tiny) -> None:
         await target.truncate(start + 1)
         assert target.position == start + 1
         replayed = await target.logits([12])
-        np.testing.assert_allclose(replayed[0], fresh[1], rtol=1e-5, atol=1e-5)
+        # to float32 rounding: logits up to ~20, the replay's recurrence in another grouping
+        np.testing.assert_allclose(replayed[0], fresh[1], rtol=1e-5, atol=1e-4)
         with pytest.raises(ValueError, match="recurrent"):
             await target.truncate(start - 1)

@@ -84,6 +84,46 @@ def test_batch_and_thread_invariant():
         torch.set_num_threads(threads)
 
 
+@pytest.mark.parametrize(("heads", "h_kv"), [(9, 3), (9, 1), (4, 4)])
+@pytest.mark.parametrize("window", [None, 7])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("paged", [False, True])
+def test_verify_block_is_its_decode_steps_bit_for_bit(heads, h_kv, window, dtype, paged):
+    """A block of 11 queries of one sequence at consecutive positions (a verify block: the
+    kernel gives them shared tasks, 4 queries at a time) gives, at 1 and 2 threads, each
+    query's output alone bit for bit, and the causal SDPA of the block to rounding. Grouped
+    head counts of 3, 9 (4 + 4 + 1 per pass) and 1 take every scoring width."""
+    start, n, rows = 40, 11, 64
+    g = torch.Generator().manual_seed(11)
+    plain = Storage(*(torch.randn(h_kv, rows, 64, generator=g).to(dtype) for _ in range(2)))
+    kv = plain
+    if paged:  # the rows of a pool, read through its row map
+        order = torch.randperm(rows, generator=g)
+        kv = Storage(torch.empty_like(plain.k), torch.empty_like(plain.v), order)
+        kv.k[:, order], kv.v[:, order] = plain.k, plain.v
+    q = torch.randn(n, heads, 64, generator=g)
+    each = list(range(start, start + n))
+    threads = torch.get_num_threads()
+    try:
+        results = []
+        for t in (1, 2):
+            torch.set_num_threads(t)
+            block = native_attention.decode_attention(q, None, [kv] * n, each, window, 0.125)
+            alone = [
+                native_attention.decode_attention(q[i : i + 1], None, [kv], [p], window, 0.125)
+                for i, p in enumerate(each)
+            ]
+            assert torch.equal(block, torch.cat(alone))
+            results.append(block)
+        assert torch.equal(results[0], results[1])
+    finally:
+        torch.set_num_threads(threads)
+    end = start + n
+    mask = attention_mask(start, n, end, window, q.device)
+    expected = attention(q, plain.k[:, :end].float(), plain.v[:, :end].float(), mask, 0.125)
+    torch.testing.assert_close(results[0], expected, rtol=1e-5, atol=2e-6)
+
+
 def test_long_context_softmax_is_exact_enough():
     """Scores spread over many magnitudes (the exp polynomial's whole range) still match."""
     kv = _sequence(1, 4096, 64, 4)

@@ -4,9 +4,12 @@
  *
  * Each (sequence, KV head) is one task: it stores the token's new K/V row (rotated by RoPE
  * when asked), then scores the head's G grouped queries against rows [lo, pos] (reading each
- * K row once for all G), softmaxes and sums the V rows (each V row read once). A task's arithmetic depends only on
- * its own inputs, never on how many sequences share the call or on the thread count, so a
- * sequence decoded in a batch gets exactly the outputs it gets alone. */
+ * K row once for all G), softmaxes and sums the V rows (each V row read once). A verify
+ * block's queries (one sequence's consecutive positions, each attended as its own decode
+ * step) share a task up to QUERY_BLOCK at a time, reading each K row once for all of them.
+ * A query's arithmetic depends only on its own inputs, never on how many queries or
+ * sequences share the call or on the thread count, so a sequence decoded in a batch gets
+ * exactly the outputs it gets alone, and a verify block its decode steps' outputs. */
 
 #include <math.h>
 #include <stdint.h>
@@ -148,16 +151,12 @@ static void store_row(void *base, int64_t at, const float *x, int D, int T)
     }
 }
 
-static inline float sum8(v8 x)
-{
-    return ((x[0] + x[4]) + (x[1] + x[5])) + ((x[2] + x[6]) + (x[3] + x[7]));
-}
-
-/* The output rows of GN (1..4, a constant in each inlined copy) grouped queries, 16
- * dimensions at a time: the accumulators stay in registers over all L value rows. */
+/* The output rows of GN (1..4, a constant in each inlined copy) grouped queries, whose
+ * weights are rows of p `stride` apart, 16 dimensions at a time: the accumulators stay in
+ * registers over all L value rows. */
 static inline __attribute__((always_inline)) void weigh_values(
     const int GN, const int T, int D, int64_t L, int64_t lo, const int64_t *rows,
-    const void *v, const float *p, float *out)
+    const void *v, const float *p, int64_t stride, float *out)
 {
     for (int d = 0; d < D; d += 16) {
         v8 acc[4][2] = {{{0}}};
@@ -165,7 +164,7 @@ static inline __attribute__((always_inline)) void weigh_values(
             const int64_t vt = (rows ? rows[lo + t] : lo + t) * D + d;
             const v8 x0 = load8_kv(v, vt, T), x1 = load8_kv(v, vt + 8, T);
             for (int g = 0; g < GN; g++) {
-                const float w = p[g * L + t];
+                const float w = p[g * stride + t];
                 acc[g][0] += w * x0;
                 acc[g][1] += w * x1;
             }
@@ -177,21 +176,75 @@ static inline __attribute__((always_inline)) void weigh_values(
     }
 }
 
-/* One KV head: scores of G queries against rows [lo, pos], softmax, weighted sum of values.
- * Four keys are scored together, so four dot products' dependency chains overlap and each
- * K row is read once for all G queries. */
-static inline __attribute__((always_inline)) void attend_head_as(
-    const int T, int G, int D, int64_t lo, int64_t pos, const int64_t *rows, const float *q,
-    const void *k, const void *v, float scale, float *scores, float *out)
+/* Up to this many queries of one sequence at consecutive positions (a verify block, each
+ * query as its own decode step) share one task, so each K row is read once for all of
+ * them. */
+#define QUERY_BLOCK 4
+
+typedef float v4 __attribute__((vector_size(16)));
+typedef int32_t i32x4 __attribute__((vector_size(16)));
+
+/* The lane sums of four accumulators, in one order for every dot product:
+ * ((x0 + x4) + (x2 + x6)) + ((x1 + x5) + (x3 + x7)), by a transpose of partial sums rather
+ * than four horizontal reductions. */
+static inline v4 sum4x8(v8 a0, v8 a1, v8 a2, v8 a3)
 {
-    const int64_t L = pos - lo + 1;
+    const v8 a[4] = {a0, a1, a2, a3};
+    v4 h[4];
+    for (int i = 0; i < 4; i++) {
+        v4 lo, hi;
+        memcpy(&lo, &a[i], sizeof lo);
+        memcpy(&hi, (const char *)&a[i] + sizeof lo, sizeof hi);
+        h[i] = lo + hi;  /* lane c: x_c + x_{c+4} */
+    }
+    const i32x4 even = {0, 4, 1, 5}, odd = {2, 6, 3, 7}, low = {0, 1, 4, 5}, high = {2, 3, 6, 7};
+    /* q01 = [h0(0+2), h1(0+2), h0(1+3), h1(1+3)], likewise q23 for h2 and h3 */
+    const v4 q01 = __builtin_shuffle(h[0], h[1], even) + __builtin_shuffle(h[0], h[1], odd);
+    const v4 q23 = __builtin_shuffle(h[2], h[3], even) + __builtin_shuffle(h[2], h[3], odd);
+    return __builtin_shuffle(q01, q23, low) + __builtin_shuffle(q01, q23, high);
+}
+
+/* The scaled dot products of GN (1..4, a constant in each inlined copy) query rows, each
+ * `D` apart from q, with the four K rows at element offsets kt -> out[r][i]. Each K vector
+ * is loaded once for the GN rows. The only way a score is computed, so a query scores a
+ * key alike alone, in a block or with any GN. */
+static inline __attribute__((always_inline)) void score_rows(
+    const int GN, const int T, int D, const float *q, const void *k, const int64_t *kt,
+    float scale, v4 *out)
+{
+    v8 acc[4][4] = {{{0}}};
+    for (int d = 0; d < D; d += 8) {
+        const v8 k0 = load8_kv(k, kt[0] + d, T), k1 = load8_kv(k, kt[1] + d, T);
+        const v8 k2 = load8_kv(k, kt[2] + d, T), k3 = load8_kv(k, kt[3] + d, T);
+        for (int r = 0; r < GN; r++) {
+            const v8 x = load8(q + (int64_t)r * D + d);
+            acc[r][0] += x * k0;
+            acc[r][1] += x * k1;
+            acc[r][2] += x * k2;
+            acc[r][3] += x * k3;
+        }
+    }
+    for (int r = 0; r < GN; r++) out[r] = sum4x8(acc[r][0], acc[r][1], acc[r][2], acc[r][3]) * scale;
+}
+
+/* One KV head of a block of n (1..QUERY_BLOCK) queries at consecutive positions: query j
+ * (its G grouped heads at q[j]) scores rows [lo[j], pos[j]] into its own score rows
+ * (stride `stride`), softmaxes them and sums the V rows into out[j]. Four keys are scored
+ * together for up to four query heads at a time, so sixteen dot products' dependency
+ * chains overlap, and each K row is read once for the whole block. Every query's arithmetic is the one it gets alone (n = 1). */
+static inline __attribute__((always_inline)) void attend_head_as(
+    const int T, int G, int D, int n, const int64_t *lo, const int64_t *pos,
+    const int64_t *rows, const float *const *q, const void *k, const void *v, float scale,
+    float *scores, int64_t stride, float *const *out)
+{
+    const int64_t first = lo[0], last = pos[n - 1];
     const int64_t row_bytes = (T == KV_F32 ? 4 : 2) * (int64_t)D;
-    for (int64_t t = 0; t < L; t += 4) {
+    for (int64_t a = first; a <= last; a += 4) {
         int64_t kt[4];  /* element offsets of the four rows */
         for (int i = 0; i < 4; i++) {  /* past the end: the last row again, not stored */
-            const int64_t at = lo + (t + i < L ? t + i : L - 1);
+            const int64_t at = a + i <= last ? a + i : last;
             kt[i] = (rows ? rows[at] : at) * D;
-            if (t + i + PREFETCH < L) { /* V too: its rows are read after the softmax */
+            if (a + i + PREFETCH <= last) { /* V too: its rows are read after the softmax */
                 const int64_t row = (rows ? rows[at + PREFETCH] : at + PREFETCH) * row_bytes;
                 for (int64_t c = 0; c < row_bytes; c += 64) {
                     __builtin_prefetch((const char *)k + row + c);
@@ -199,43 +252,50 @@ static inline __attribute__((always_inline)) void attend_head_as(
                 }
             }
         }
-        for (int g = 0; g < G; g++) {
-            const float *qg = q + (int64_t)g * D;
-            v8 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
-            for (int d = 0; d < D; d += 8) {
-                const v8 x = load8(qg + d);
-                a0 += x * load8_kv(k, kt[0] + d, T);
-                a1 += x * load8_kv(k, kt[1] + d, T);
-                a2 += x * load8_kv(k, kt[2] + d, T);
-                a3 += x * load8_kv(k, kt[3] + d, T);
+        for (int j = 0; j < n; j++) {
+            if (a + 3 < lo[j] || a > pos[j]) continue;  /* no key of the four it attends */
+            for (int g = 0; g < G; g += 4) {
+                v4 dots[4];
+                const float *qg = q[j] + (int64_t)g * D;
+                switch (G - g < 4 ? G - g : 4) {
+                    case 4: score_rows(4, T, D, qg, k, kt, scale, dots); break;
+                    case 3: score_rows(3, T, D, qg, k, kt, scale, dots); break;
+                    case 2: score_rows(2, T, D, qg, k, kt, scale, dots); break;
+                    default: score_rows(1, T, D, qg, k, kt, scale, dots); break;
+                }
+                for (int r = 0; r < 4 && g + r < G; r++)
+                    for (int i = 0; i < 4; i++)
+                        if (a + i >= lo[j] && a + i <= pos[j])
+                            scores[(j * G + g + r) * stride + a + i - lo[j]] = dots[r][i];
             }
-            const float dots[4] = {sum8(a0), sum8(a1), sum8(a2), sum8(a3)};
-            for (int i = 0; i < 4 && t + i < L; i++) scores[g * L + t + i] = dots[i] * scale;
         }
     }
-    for (int g = 0; g < G; g++) {
-        float *s = scores + g * L;
-        float top = s[0];
+    for (int j = 0; j < n; j++) {
+        const int64_t L = pos[j] - lo[j] + 1;
+        for (int g = 0; g < G; g++) {
+            float *s = scores + (j * G + g) * stride;
+            float top = s[0];
 #pragma omp simd reduction(max : top)
-        for (int64_t t = 1; t < L; t++) top = s[t] > top ? s[t] : top;
-        float total = 0.0f;
+            for (int64_t t = 1; t < L; t++) top = s[t] > top ? s[t] : top;
+            float total = 0.0f;
 #pragma omp simd reduction(+ : total)
-        for (int64_t t = 0; t < L; t++) {
-            s[t] = exp_nonpositive(s[t] - top);
-            total += s[t];
-        }
-        const float inv = 1.0f / total;
+            for (int64_t t = 0; t < L; t++) {
+                s[t] = exp_nonpositive(s[t] - top);
+                total += s[t];
+            }
+            const float inv = 1.0f / total;
 #pragma omp simd
-        for (int64_t t = 0; t < L; t++) s[t] *= inv;
-    }
-    for (int g = 0; g < G; g += 4) {
-        const float *p = scores + g * L;
-        float *o = out + (int64_t)g * D;
-        switch (G - g < 4 ? G - g : 4) {
-            case 4: weigh_values(4, T, D, L, lo, rows, v, p, o); break;
-            case 3: weigh_values(3, T, D, L, lo, rows, v, p, o); break;
-            case 2: weigh_values(2, T, D, L, lo, rows, v, p, o); break;
-            default: weigh_values(1, T, D, L, lo, rows, v, p, o); break;
+            for (int64_t t = 0; t < L; t++) s[t] *= inv;
+        }
+        for (int g = 0; g < G; g += 4) {
+            const float *p = scores + (j * G + g) * stride;
+            float *o = out[j] + (int64_t)g * D;
+            switch (G - g < 4 ? G - g : 4) {
+                case 4: weigh_values(4, T, D, L, lo[j], rows, v, p, stride, o); break;
+                case 3: weigh_values(3, T, D, L, lo[j], rows, v, p, stride, o); break;
+                case 2: weigh_values(2, T, D, L, lo[j], rows, v, p, stride, o); break;
+                default: weigh_values(1, T, D, L, lo[j], rows, v, p, stride, o); break;
+            }
         }
     }
 }
@@ -243,10 +303,11 @@ static inline __attribute__((always_inline)) void attend_head_as(
 /* attend_head_as compiled once per storage type. */
 #define ATTEND_HEAD(NAME, T)                                                             \
     VECTOR_CLONES __attribute__((optimize("fp-contract=fast"))) static void NAME(         \
-        int G, int D, int64_t lo, int64_t pos, const int64_t *rows, const float *q,       \
-        const void *k, const void *v, float scale, float *scores, float *out)             \
+        int G, int D, int n, const int64_t *lo, const int64_t *pos, const int64_t *rows,  \
+        const float *const *q, const void *k, const void *v, float scale, float *scores,  \
+        int64_t stride, float *const *out)                                               \
     {                                                                                    \
-        attend_head_as(T, G, D, lo, pos, rows, q, k, v, scale, scores, out);              \
+        attend_head_as(T, G, D, n, lo, pos, rows, q, k, v, scale, scores, stride, out);   \
     }
 ATTEND_HEAD(attend_head_f32, KV_F32)
 ATTEND_HEAD(attend_head_bf16, KV_BF16)
@@ -258,13 +319,24 @@ int decode_attention_kv_types(void)
     return 1 << KV_F32 | 1 << KV_BF16 | 1 << KV_F16;
 }
 
+/* Whether entry b follows entry a as the same sequence's next query over rows stored
+ * already: the two may share a task. */
+static int continues(const SequenceKV *a, const SequenceKV *b)
+{
+    return a->k == b->k && a->v == b->v && a->rows == b->rows &&
+           a->head_stride == b->head_stride && b->pos == a->pos + 1 && b->lo >= a->lo;
+}
+
 /* q: sequence b's query heads [Hkv * G, D] at q + b * ldq; k_new, v_new: its new K/V rows
  * [Hkv, D] at k_new + b * ldkv (views into one Q/K/V projection output), or NULL for a layer
- * that reads another layer's rows (KV sharing) and stores none. rope_dims > 0: rotate the
- * queries and the new keys first, by each sequence's cos/sin rows. kv_type: the storage's
- * element type (KV_F32, KV_BF16, KV_F16); new rows are rounded to it as they are stored.
- * out: [B, Hkv * G, D]. Returns 0, -1 if scratch memory could not be had, or -2 for a
- * storage type this build does not read (decode_attention_kv_types). */
+ * that reads another layer's rows (KV sharing) and stores none, or for rows stored already.
+ * Without new rows, entries that are one sequence's consecutive queries (a verify block,
+ * each query as its own decode step) share tasks, QUERY_BLOCK queries at a time.
+ * rope_dims > 0: rotate the queries and the new keys first, by each sequence's cos/sin
+ * rows. kv_type: the storage's element type (KV_F32, KV_BF16, KV_F16); new rows are
+ * rounded to it as they are stored. out: [B, Hkv * G, D]. Returns 0, -1 if scratch memory
+ * could not be had, or -2 for a storage type this build does not read
+ * (decode_attention_kv_types). */
 int decode_attention(int B, int Hkv, int G, int D, const float *q, int64_t ldq,
                      const float *k_new, const float *v_new, int64_t ldkv,
                      const SequenceKV *seqs, int rope_dims, float scale, float *out,
@@ -278,53 +350,80 @@ int decode_attention(int B, int Hkv, int G, int D, const float *q, int64_t ldq,
         const int64_t L = seqs[b].pos - seqs[b].lo + 1;
         longest = L > longest ? L : longest;
     }
+    /* the tasks' blocks of entries: block i is entries [first[i], first[i + 1]) */
+    int *first = malloc(sizeof(int) * ((size_t)B + 1));
+    if (first == NULL) return -1;
+    int blocks = 0;
+    for (int b = 0; b < B; b++) {
+        const int joins = b > 0 && k_new == NULL && b - first[blocks - 1] < QUERY_BLOCK &&
+                          continues(&seqs[b - 1], &seqs[b]);
+        if (!joins) first[blocks++] = b;
+    }
+    first[blocks] = B;
     int failed = 0;
 #pragma omp parallel num_threads(threads) reduction(| : failed)
     {
-        /* scores [G, longest], then the task's rotated queries [G, D], then one row [D] */
-        const size_t floats = (size_t)G * ((size_t)longest + (size_t)D) + (size_t)D;
+        /* scores [QUERY_BLOCK * G, longest], then rotated queries [QUERY_BLOCK * G, D], then
+         * one row [D] */
+        const size_t heads = (size_t)QUERY_BLOCK * (size_t)G;
+        const size_t floats = heads * ((size_t)longest + (size_t)D) + (size_t)D;
         float *scores = malloc(sizeof(float) * floats);
         if (scores == NULL) failed = 1;
 #pragma omp for schedule(static)
-        for (int task = 0; task < B * Hkv; task++) {
+        for (int task = 0; task < blocks * Hkv; task++) {
             if (scores == NULL) continue;
-            const int b = task / Hkv, h = task % Hkv;
-            const SequenceKV *s = &seqs[b];
-            char *k = (char *)s->k + h * s->head_stride * elem;
-            char *v = (char *)s->v + h * s->head_stride * elem;
-            const float *qh = q + b * ldq + (int64_t)h * G * D;
-            float *rotated = scores + (size_t)G * (size_t)longest;
-            if (rope_dims > 0) {
-                for (int g = 0; g < G; g++)
-                    rope_row(D, rope_dims, qh + g * D, s->cos, s->sin, rotated + g * D);
-                qh = rotated;
-            }
-            if (k_new != NULL) {
-                const int64_t from = b * ldkv + (int64_t)h * D;
-                const int64_t to = (s->rows ? s->rows[s->pos] : s->pos) * D;
-                const float *key = k_new + from;
+            const int i = task / Hkv, h = task % Hkv, n = first[i + 1] - first[i];
+            const SequenceKV *s0 = &seqs[first[i]];
+            char *k = (char *)s0->k + h * s0->head_stride * elem;
+            char *v = (char *)s0->v + h * s0->head_stride * elem;
+            float *rotated = scores + heads * (size_t)longest;
+            int64_t lo[QUERY_BLOCK], pos[QUERY_BLOCK];
+            const float *qs[QUERY_BLOCK];
+            float *outs[QUERY_BLOCK];
+            for (int j = 0; j < n; j++) {
+                const int b = first[i] + j;
+                const SequenceKV *s = &seqs[b];
+                const float *qh = q + b * ldq + (int64_t)h * G * D;
                 if (rope_dims > 0) {
-                    float *row = rotated + (size_t)G * (size_t)D;
-                    rope_row(D, rope_dims, key, s->cos, s->sin, row);
-                    key = row;
+                    float *r = rotated + (size_t)j * G * D;
+                    for (int g = 0; g < G; g++)
+                        rope_row(D, rope_dims, qh + g * D, s->cos, s->sin, r + g * D);
+                    qh = r;
                 }
-                store_row(k, to, key, D, kv_type);
-                store_row(v, to, v_new + from, D, kv_type);
+                if (k_new != NULL) { /* a block of one: each entry stores its own row */
+                    const int64_t from = b * ldkv + (int64_t)h * D;
+                    const int64_t to = (s->rows ? s->rows[s->pos] : s->pos) * D;
+                    const float *key = k_new + from;
+                    if (rope_dims > 0) {
+                        float *row = rotated + heads * (size_t)D;
+                        rope_row(D, rope_dims, key, s->cos, s->sin, row);
+                        key = row;
+                    }
+                    store_row(k, to, key, D, kv_type);
+                    store_row(v, to, v_new + from, D, kv_type);
+                }
+                lo[j] = s->lo;
+                pos[j] = s->pos;
+                qs[j] = qh;
+                outs[j] = out + ((int64_t)b * Hkv + h) * G * D;
             }
-            float *o = out + ((int64_t)b * Hkv + h) * G * D;
             switch (kv_type) {
                 case KV_F32:
-                    attend_head_f32(G, D, s->lo, s->pos, s->rows, qh, k, v, scale, scores, o);
+                    attend_head_f32(G, D, n, lo, pos, s0->rows, qs, k, v, scale, scores,
+                                    longest, outs);
                     break;
                 case KV_BF16:
-                    attend_head_bf16(G, D, s->lo, s->pos, s->rows, qh, k, v, scale, scores, o);
+                    attend_head_bf16(G, D, n, lo, pos, s0->rows, qs, k, v, scale, scores,
+                                     longest, outs);
                     break;
                 default:
-                    attend_head_f16(G, D, s->lo, s->pos, s->rows, qh, k, v, scale, scores, o);
+                    attend_head_f16(G, D, n, lo, pos, s0->rows, qs, k, v, scale, scores,
+                                    longest, outs);
                     break;
             }
         }
         free(scores);
     }
+    free(first);
     return failed ? -1 : 0;
 }

@@ -48,6 +48,7 @@ from luced.runtime.layers import (
     matrix_row_select,
     rms_norm,
 )
+from luced.runtime.qlinear import GEMV_MAX_ROWS
 from luced.runtime.ragged import Ragged, Span
 
 if TYPE_CHECKING:
@@ -58,6 +59,11 @@ if TYPE_CHECKING:
 # a family whose code reads them through `layers.linears` / `gated_ffn` (as `attend` does)
 # names these as its FUSED groups; a layer without a group's matrices keeps what it has.
 FUSED = (("attn_q", "attn_k", "attn_v"), ("ffn_gate", "ffn_up"))
+
+# Blocks of up to this many queries (verify blocks, short prefill chunks) attend query by
+# query in the native decode kernel where it applies, as the packed kernels take up to
+# `qlinear.GEMV_MAX_ROWS` rows whole: such a block's logits are its decode steps' own.
+ROW_EXACT_BLOCK = GEMV_MAX_ROWS
 
 
 class ModelParts(Protocol):
@@ -317,18 +323,21 @@ def cached_attention(
         keys, values = cache.write(layer, start, *kv)
         cache.observe_query(layer, q, window)  # KV Flash qk scores chunks by it
     dtype = q.dtype
-    if keys.dtype != dtype:  # --kv-dtype: attention runs in the cache's dtype
+    if n > 1 and (cache.row_exact or n <= ROW_EXACT_BLOCK):
+        # Each query attends exactly as a decode step at its position would. One SDPA call
+        # over n queries differs from n calls in the last float bits, and the packed
+        # kernels' activations grow that into different logits (0.66 on SmolLM2 under
+        # --weights auto); so a verify block (and, in batch-invariant mode, a prefill)
+        # gives decode's very logits, and speculative decoding plain decoding's tokens.
+        storage = cache.decode_storage(layer)
+        in_order = storage is not None and storage.positions is None  # no evicted gaps
+        if in_order and native_attention.supported(q, [storage]):  # type: ignore[list-item]
+            each = range(start, start + n)  # n queries, each as its own decode step
+            out = native_attention.decode_attention(q, None, [storage] * n, each, window, scale)  # type: ignore[list-item]
+            return out if out.dtype == dtype else out.to(dtype)
+    if keys.dtype != dtype:  # --kv-dtype: SDPA runs in the cache's dtype
         q = q.to(keys.dtype)
     if n > 1 and cache.row_exact:
-        # Batch-invariant mode: each query attends exactly as a decode step at its position
-        # would. One SDPA call over n queries differs from n calls in the last float bits,
-        # and the packed kernels' bf16 activations grow that into different logits (0.66 on
-        # SmolLM2 under --weights auto); so a verify or a prefill gives decode's very logits.
-        storage = cache.decode_storage(layer)
-        if storage is not None and native_attention.supported(q, [storage]):
-            each = range(start, start + n)  # n queries, each as its own decode step
-            out = native_attention.decode_attention(q, None, [storage] * n, each, window, scale)
-            return out if out.dtype == dtype else out.to(dtype)
         out = torch.cat([
             attention(
                 q[i : i + 1],

@@ -368,7 +368,7 @@ def _native_decode(
     `rope` is given); None where it does not apply."""
     if isinstance(cache, Ragged):
         if cache.n != len(cache.spans):  # some sequence feeds more than one token
-            return None
+            return _native_blocks(layer, q, cache, kv, window, scale, rope)
         caches, positions = [s.cache for s in cache.spans], [s.start for s in cache.spans]
     elif q.shape[0] == 1:
         caches, positions = [cache], [start]
@@ -393,3 +393,37 @@ def _native_decode(
         kv = None  # the kernel only reads
     tables = None if rope is None else rope.table(max(positions) + 1)
     return native_attention.decode_attention(q, kv, storage, positions, window, scale, tables)  # type: ignore[arg-type]
+
+
+def _native_blocks(
+    layer: int,
+    q: torch.Tensor,
+    batch: Ragged,
+    kv: tuple[torch.Tensor, torch.Tensor] | None,
+    window: int | None,
+    scale: float,
+    rope: Rope | None,
+) -> torch.Tensor | None:
+    """A step whose sequences feed blocks of up to `ROW_EXACT_BLOCK` tokens (verify blocks
+    beside decode tokens) in one native call: the rows are stored first, then every query
+    attends as its own decode step, as each sequence's queries do alone. None where it
+    does not apply (a longer prefill chunk, a cache that seals or scores what it stores)."""
+    if max(batch.sizes) > ROW_EXACT_BLOCK:
+        return None
+    stores: list[KVStore] = [s.cache for s in batch.spans]  # type: ignore[misc]
+    if any(c.observes_queries or not c.writes_in_place for c in stores):
+        return None
+    storage = [c.decode_storage(layer) for c in stores]
+    if any(rows is None or rows.positions is not None for rows in storage):
+        return None
+    if not native_attention.supported(q, storage):  # type: ignore[arg-type]
+        return None
+    if rope is not None:
+        q, kv = rotate(q, kv, batch, rope)
+    if kv is not None:
+        keys, values = kv[0].split(batch.sizes), kv[1].split(batch.sizes)
+        for span, k, v in zip(batch.spans, keys, values, strict=True):
+            span.cache.store(layer, span.start, k, v)  # type: ignore[attr-defined]
+    each = [rows for rows, n in zip(storage, batch.sizes, strict=True) for _ in range(n)]
+    positions = batch.positions.tolist()
+    return native_attention.decode_attention(q, None, each, positions, window, scale)  # type: ignore[arg-type]

@@ -82,22 +82,29 @@ def build(name: str) -> Path:
     return target
 
 
-@functools.cache
 def load(name: str) -> ctypes.CDLL | None:
-    """The library of csrc/<name>.c, or None where native kernels are off or cannot be built
-    (one warning; callers then take their torch path)."""
+    """The library of csrc/<name>.c, or None where native kernels are off (`LUCED_KERNELS`,
+    read on every call, as `native.kernels` reads it) or cannot be built (one warning;
+    callers then take their torch path). `LUCED_KERNELS=native` makes a failure an error."""
     choice = kernel_choice()
     if choice == "torch":
         return None
+    library, error = opened(name)
+    if error is not None and choice == "native":
+        raise RuntimeError(f"LUCED_KERNELS=native but kernels {name} failed: {error}")
+    return library
+
+
+@functools.cache
+def opened(name: str) -> tuple[ctypes.CDLL | None, Exception | None]:
+    """csrc/<name>.c built and loaded once per process: (library, None), or (None, why)."""
     try:
         library = ctypes.CDLL(str(build(name)))
-        log.info("native kernels %s loaded", name)
-        return library
     except (OSError, RuntimeError) as exc:
-        if choice == "native":
-            raise
         log.warning("native kernels %s unavailable, using torch's: %s", name, exc)
-        return None
+        return None, exc
+    log.info("native kernels %s loaded", name)
+    return library, None
 
 
 if __name__ == "__main__":  # tools/install.sh: build every kernel ahead of the first start

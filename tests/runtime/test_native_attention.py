@@ -220,21 +220,21 @@ def test_build_failure_falls_back_or_raises(monkeypatch, tmp_path, caplog):
     raises; torch never builds."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.setenv("CC", "/bin/false")
-    native_build.load.cache_clear()
+    native_build.opened.cache_clear()
     try:
         with caplog.at_level(logging.WARNING, logger="luced.runtime.native_build"):
             assert native_build.load("decode_attention") is None
         assert "unavailable" in caplog.text
-        native_build.load.cache_clear()
+        native_build.opened.cache_clear()
         monkeypatch.setenv("LUCED_KERNELS", "native")
         with pytest.raises(RuntimeError, match="failed"):
             native_build.load("decode_attention")
-        native_build.load.cache_clear()
+        native_build.opened.cache_clear()
         monkeypatch.setenv("LUCED_KERNELS", "torch")
         assert native_build.load("decode_attention") is None
         assert not list(tmp_path.rglob("*.so*"))  # nothing half-written was left behind
     finally:
-        native_build.load.cache_clear()
+        native_build.opened.cache_clear()
 
 
 def test_build_is_cached_and_loads(monkeypatch, tmp_path):

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from luced.gguf_file import GGUFFile
-from luced.runtime import native, native_build, qlinear, weights
+from luced.runtime import native, qlinear, weights
 from luced.runtime.families import FAMILIES
 from luced.runtime.layers import linear, matrix_row_select
 from luced.runtime.model import Model
@@ -183,11 +183,7 @@ def test_every_family_runs_packed(tmp_path: Path, family: str, weights: str) -> 
 
 @pytest.mark.parametrize(("kernels", "activations"), [("torch", "int8"), ("native", "int16")])
 def test_smollm2_answers_in_auto(
-    smollm2_gguf: Path,
-    monkeypatch: pytest.MonkeyPatch,
-    request: pytest.FixtureRequest,
-    kernels: str,
-    activations: str,
+    smollm2_gguf: Path, monkeypatch: pytest.MonkeyPatch, kernels: str, activations: str
 ) -> None:
     """The bundled SmolLM2 under `auto` (Q4_1 layers -> int4, the Q8_0 tied head -> int8)
     still answers a factual question, on torch's kernels and on the native ones with their
@@ -196,10 +192,6 @@ def test_smollm2_answers_in_auto(
     native kernels' int8 activations (`LUCED_ACTIVATIONS=int8`, llama.cpp's scheme;
     perplexity unchanged: docs/design.md "Compact weights")."""
     monkeypatch.setenv("LUCED_KERNELS", kernels)
-    # The variable is read as a library first loads: a test before this one in the same
-    # process may have loaded the native attention kernel, which `torch` turns off too.
-    native_build.load.cache_clear()
-    request.addfinalizer(native_build.load.cache_clear)
     if kernels == "native":
         kern = native.kernels(torch.device("cpu"), "auto")
         if kern is None:

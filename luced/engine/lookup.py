@@ -87,6 +87,7 @@ class PromptLookup:
         when no n-gram of the sequence's tail occurred before."""
         match = self._match() if k > 0 else None
         if match is None:
+            self._proposed = []
             return []
         seq, start = self.tokens, match[1]
         proposals = seq[start : start + k]

@@ -434,6 +434,7 @@ class KVCache(RecurrentLayers):
         self._allocated = 0
         self.k: dict[int, torch.Tensor] = {}
         self.v: dict[int, torch.Tensor] = {}
+        self._storage: dict[int, Storage] = {}  # decode_storage's, until the next _grow
         self._grow(min(capacity, initial))
 
     def _grow(self, size: int, keep: int | None = None) -> None:
@@ -448,6 +449,7 @@ class KVCache(RecurrentLayers):
                 v[:, :keep] = self.v[i][:, :keep]
             self.k[i], self.v[i] = k, v
         self._allocated = size
+        self._storage.clear()
 
     def reserve(self, start: int, n: int) -> None:
         """Make room for positions [start, start + n); start may not skip past `pos`."""
@@ -502,7 +504,10 @@ class KVCache(RecurrentLayers):
         source's for a KV-sharing layer): row i holds position i, so the native decode
         kernel (`native_attention`) writes and reads it in place."""
         source = self.sources.get(layer, layer)
-        return Storage(self.k[source], self.v[source])
+        storage = self._storage.get(source)
+        if storage is None:  # one per layer, so the kernel's checks of it run once
+            storage = self._storage[source] = Storage(self.k[source], self.v[source])
+        return storage
 
     def commit(self, end: int) -> None:
         if self.recurrent is not None:

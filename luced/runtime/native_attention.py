@@ -81,6 +81,22 @@ class Storage:
     rows: torch.Tensor | None = None
     positions: torch.Tensor | None = None
 
+    @functools.cached_property
+    def readable(self) -> bool:
+        """Whether the kernel can read this storage: K and V [Hkv, rows, D] CPU tensors of
+        one dtype with contiguous rows, and an int64 contiguous row map if any. Checked once
+        per Storage; a `KVCache` hands out the same one per layer until it reallocates."""
+        if self.rows is not None and (
+            self.rows.dtype != torch.int64 or not self.rows.is_contiguous()
+        ):
+            return False
+        for t in (self.k, self.v):
+            if t.dtype != self.k.dtype or t.device.type != "cpu" or t.dim() != 3:
+                return False
+            if t.stride(2) != 1 or t.stride(1) != t.shape[2]:
+                return False
+        return True
+
 
 def supported(q: torch.Tensor, storage: Sequence[Storage]) -> bool:
     """Whether `decode_attention` takes these: float32 CPU queries with a head dimension
@@ -92,15 +108,8 @@ def supported(q: torch.Tensor, storage: Sequence[Storage]) -> bool:
         return False
     if not storage or storage[0].k.dtype not in _kv_dtypes():
         return False
-    for kv in storage:
-        if kv.rows is not None and (kv.rows.dtype != torch.int64 or not kv.rows.is_contiguous()):
-            return False
-        for t in (kv.k, kv.v):
-            if t.dtype != storage[0].k.dtype or t.device.type != "cpu" or t.dim() != 3:
-                return False
-            if t.stride(2) != 1 or t.stride(1) != t.shape[2]:
-                return False
-    return True
+    dtype = storage[0].k.dtype
+    return all(kv.k.dtype == dtype and kv.readable for kv in storage)
 
 
 def _heads_view(t: torch.Tensor) -> torch.Tensor:

@@ -46,6 +46,21 @@ def test_cache_growth_keeps_contents(smollm2: Model) -> None:
         torch.testing.assert_close(small.k[layer][:, :300], big.k[layer][:, :300])
 
 
+def test_decode_steps_across_growth_equal_a_preallocated_cache(smollm2: Model) -> None:
+    # Decode steps attend through the cache's `decode_storage`, which it hands out once per
+    # layer: after each reallocation the next step must see (and write) the new rows.
+    small = KVCache(smollm2.layers, 3, 64, capacity=64, dtype=torch.float32, initial=16)
+    big = KVCache(smollm2.layers, 3, 64, capacity=64, dtype=torch.float32, initial=64)
+    first = small.decode_storage(0)
+    assert small.decode_storage(0) is first
+    for pos, token in enumerate(range(100, 140)):  # grows at 16 and at 32
+        got = smollm2.forward(torch.tensor([token]), small, pos)
+        want = smollm2.forward(torch.tensor([token]), big, pos)
+        assert torch.equal(got, want), pos
+    assert small.decode_storage(0) is not first
+    assert small.decode_storage(0).k is small.k[0] and small.k[0].shape[1] == 64
+
+
 def test_bounds(smollm2: Model) -> None:
     cache = smollm2.new_cache(8)
     smollm2.forward(torch.arange(5), cache, 0)

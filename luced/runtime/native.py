@@ -156,13 +156,12 @@ def activation_levels() -> int:
 
 @functools.cache
 def _kernels(flags: frozenset[str]) -> Kernels | None:
-    # build + load here rather than native_build.load, whose LUCED_KERNELS check would
-    # override an explicit `kernels=` argument
-    try:
-        lib = _bind(ctypes.CDLL(str(native_build.build("qgemm"))))
-    except (OSError, RuntimeError) as exc:
-        log.warning("native int4/int8 kernels unavailable, using torch's: %s", exc)
+    # native_build.opened, not .load: load's LUCED_KERNELS check would override an explicit
+    # `kernels=` argument (a failed build has been warned about there, once)
+    library, _ = native_build.opened("qgemm")
+    if library is None:
         return None
+    lib = _bind(library)
     isa, levels = best_isa(flags), activation_levels()
     log.info("native int4/int8 kernels: %s variant, %d-bit activations", isa, 8 * levels)
     return Kernels(lib, isa, levels)

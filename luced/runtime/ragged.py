@@ -55,7 +55,10 @@ class Ragged:
         self.sizes = [s.n for s in spans]
         self.n = sum(self.sizes)
         self.end = max(s.start + s.n for s in spans)
-        self.positions = torch.cat([torch.arange(s.start, s.start + s.n) for s in spans])
+        # each row's position, as a tensor (RoPE tables) and a list (the native attention's
+        # per-query entries, every layer)
+        self.position_list = [s.start + i for s in spans for i in range(s.n)]
+        self.positions = torch.tensor(self.position_list)
 
     def per_sequence(
         self, fn: Callable[..., torch.Tensor], *rows: torch.Tensor | None

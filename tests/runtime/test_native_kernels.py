@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from luced.gguf_file import GGUFFile
-from luced.runtime import native, qlinear
+from luced.runtime import native, native_build, qlinear
 from luced.runtime.layers import linear, matrix_row_select
 from luced.runtime.model import Model
 from luced.runtime.qlinear import PackedLinear, QuantRows, quantize
@@ -214,11 +214,12 @@ def test_torch_kernels_on_request_and_as_fallback(
     monkeypatch.setenv("CC", str(tmp_path / "no-such-gcc"))
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     native._kernels.cache_clear()
+    native_build.opened.cache_clear()
     try:
-        with caplog.at_level(logging.WARNING, "luced.runtime.native"):
+        with caplog.at_level(logging.WARNING, "luced.runtime.native_build"):
             packed = PackedLinear(rows, torch.float32)
         assert packed.native is None
-        assert "int4/int8 kernels unavailable" in caplog.text
+        assert "native kernels qgemm unavailable, using torch's" in caplog.text
         x = torch.randn(2, 64)
         torch.testing.assert_close(linear(x, packed), x @ rows.dequantize().T, rtol=2e-2, atol=2e-2)
         with pytest.raises(RuntimeError, match="could not be built"):
@@ -227,6 +228,7 @@ def test_torch_kernels_on_request_and_as_fallback(
             native.kernels(CPU, "fast")
     finally:
         native._kernels.cache_clear()
+        native_build.opened.cache_clear()
 
 
 def test_variant_by_cpu_flags(kern: native.Kernels, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -243,7 +245,7 @@ def test_variant_by_cpu_flags(kern: native.Kernels, monkeypatch: pytest.MonkeyPa
 
 OPENMP_PROBE = """
 import torch
-from luced.runtime import native, qlinear
+from luced.runtime import native, native_build, qlinear
 
 def runtimes():
     maps = open("/proc/self/maps").read().splitlines()

@@ -425,5 +425,5 @@ def _native_blocks(
         for span, k, v in zip(batch.spans, keys, values, strict=True):
             span.cache.store(layer, span.start, k, v)  # type: ignore[attr-defined]
     each = [rows for rows, n in zip(storage, batch.sizes, strict=True) for _ in range(n)]
-    positions = batch.positions.tolist()
+    positions = batch.position_list
     return native_attention.decode_attention(q, None, each, positions, window, scale)  # type: ignore[arg-type]

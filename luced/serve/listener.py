@@ -53,6 +53,16 @@ class _Refuse(asyncio.Protocol):
         transport.close()
 
 
+def _open_connections(server: web.Server) -> int:
+    """aiohttp's connections, less those it has closed already: a closed handler leaves
+    `server.connections` only in its connection_lost callback, which uvloop runs after the
+    socket is closed, so a client that saw the close and reconnects at once would otherwise
+    find its old connection still counted (and be refused)."""
+    return sum(
+        1 for h in server.connections if h.transport is not None and not h.transport.is_closing()
+    )
+
+
 class JSONErrorHandler(RequestHandler):
     """aiohttp's connection handler, except that the errors it answers itself, before
     any route or middleware runs (a malformed or oversized request line or header), are
@@ -78,7 +88,7 @@ class JSONErrorHandler(RequestHandler):
 
 class LimitedSite(web.BaseSite):
     """A TCP site whose protocol factory refuses connections beyond ``max_connections``
-    (counted as aiohttp's server counts its open connections) and answers the rest with
+    (aiohttp's open connections, less those it has closed) and answers the rest with
     ``JSONErrorHandler``. ``handler_args`` are the runner's handler arguments (e.g.
     keepalive_timeout), which aiohttp would have passed to its own handler."""
 
@@ -110,7 +120,7 @@ class LimitedSite(web.BaseSite):
         loop = asyncio.get_running_loop()
 
         def protocol() -> asyncio.BaseProtocol:
-            if len(server.connections) >= self._max_connections:
+            if _open_connections(server) >= self._max_connections:
                 return _Refuse()
             return JSONErrorHandler(server, loop=loop, **self._handler_args)
 

@@ -4,14 +4,14 @@ measured on the same target.
 
     python tools/replay_lookup.py [--model smollm2|gemma3|tiny-FAMILY|PATH]
         [--workloads grounded chat code] [--prompts 3] [--tokens 256] [--block-size 16]
-        [--threads N] [--weights auto] [--rounds 3]
+        [--threads N] [--weights auto] [--rounds 3] [--step-overhead-ms 0]
 
 Per prompt, in this process: the plain greedy answer (the packed kernels give each row
 the same bits whatever the batch, so it is the daemon's answer too), then the seconds of
 a forward that feeds n = 1..block tokens after the prompt (interleaved rounds, medians),
-kept as ratios c(n) / c(1). The answer is replayed through `PromptLookup` and each
-policy, and a policy's speed is the answer's tokens times c(1) over the summed step costs
-(plain decoding: 1.00):
+plus `--step-overhead-ms`, kept as ratios c(n) / c(1). The answer is replayed through
+`PromptLookup` and each policy, and a policy's speed is the answer's tokens times c(1)
+over the summed step costs (plain decoding: 1.00):
 
     fixed      draft block - 1 proposals whenever the lookup matches
                (`--no-adaptive-block-size`)
@@ -21,9 +21,13 @@ policy, and a policy's speed is the answer's tokens times c(1) over the summed s
                it cuts shorter starts the next lookup elsewhere, so this is a
                reference, not a proven bound)
 
-A replay has no daemon, frames or per-step bookkeeping, so it reads higher than the
-measured runs of `tools/bench_dflash.py`; it answers how much of a shortfall is the
-model (its answer does not repeat the prompt), the verify's cost, or the sizing.
+A replay has no daemon: a daemon's step also pays for its frames, sampling and
+bookkeeping, the same for a plain step as for a verify, which speculation spreads over
+more tokens; so measured runs (`tools/bench_dflash.py`) read above a replay without
+`--step-overhead-ms`. Give it the difference between a daemon's plain step (1 / plain
+decode tok/s there) and the replay's c(1) (printed) to price steps as the daemon does.
+The replay answers how much of a shortfall is the model (its answer does not repeat the
+prompt), the verify's cost, or the sizing.
 """
 
 from __future__ import annotations
@@ -61,8 +65,8 @@ def greedy_answer(model: Model, prompt: list[int], tokens: int) -> list[int]:
 def step_costs(
     model: Model, prompt: list[int], answer: list[int], block: int, rounds: int
 ) -> dict[int, float]:
-    """c(n) / c(1) for n = 1..block: a forward of n answer tokens right after the prompt,
-    on a copy of the prompt's cache (the copy is not timed)."""
+    """Seconds of a forward of n = 1..block answer tokens right after the prompt, on a copy
+    of the prompt's cache (the copy is not timed)."""
     primed = model.new_cache(len(prompt) + block)
     model.forward(torch.tensor(prompt), primed, 0)
     seconds: dict[int, list[float]] = {}
@@ -73,8 +77,7 @@ def step_costs(
             model.forward(ids, cache, len(prompt))
             if r:
                 seconds.setdefault(n, []).append(time.perf_counter() - began)
-    plain = statistics.median(seconds[1])
-    return {n: statistics.median(s) / plain for n, s in seconds.items()}
+    return {n: statistics.median(s) for n, s in seconds.items()}
 
 
 def replay(
@@ -130,6 +133,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--weights", default="auto", help="auto | int4 | int8 | dequant")
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--rounds", type=int, default=3, help="timing rounds of the step costs")
+    ap.add_argument(
+        "--step-overhead-ms",
+        type=float,
+        default=0.0,
+        help="added to every step: a daemon's per-step cost beyond the forward",
+    )
     args = ap.parse_args(argv)
     if args.block_size < 2:
         ap.error("--block-size must be at least 2")
@@ -142,21 +151,25 @@ def main(argv: list[str] | None = None) -> list[dict]:
         model = Model.load(path, weights=args.weights)
         print(f"{path.name}: {args.tokens} answer tokens, block {args.block_size}, "
               f"weights {args.weights}, {args.threads} threads")  # fmt: skip
-        print(f"{'workload':10s}{'prompt':>7s}{'context':>8s}{'c(16)':>7s}"
+        last = f"c({args.block_size})"
+        print(f"{'workload':10s}{'prompt':>7s}{'context':>8s}{'c(1) ms':>9s}{last:>7s}"
               + "".join(f"{p:>11s}" for p in POLICIES))  # fmt: skip
         for workload in args.workloads:
             for i, prompt in enumerate(bench_prompts.prompts(workload, gguf, tokenizer, args)):
                 answer = greedy_answer(model, prompt, args.tokens)
-                costs = step_costs(model, prompt, answer, args.block_size, args.rounds)
+                seconds = step_costs(model, prompt, answer, args.block_size, args.rounds)
+                seconds = {n: s + args.step_overhead_ms / 1e3 for n, s in seconds.items()}
+                costs = {n: s / seconds[1] for n, s in seconds.items()}
                 row = {"workload": workload, "prompt": i, "context": len(prompt)}
                 row |= {p: replay(prompt, answer, costs, p, args.block_size) for p in POLICIES}
                 rows.append(row)
-                print(f"{workload:10s}{i:7d}{len(prompt):8d}{costs[args.block_size]:7.2f}"
+                print(f"{workload:10s}{i:7d}{len(prompt):8d}{seconds[1] * 1e3:9.2f}"
+                      + f"{costs[args.block_size]:7.2f}"
                       + "".join(f"{row[p]:10.2f}x" for p in POLICIES), flush=True)  # fmt: skip
     for workload in args.workloads:
         mine = [r for r in rows if r["workload"] == workload]
         means = [statistics.fmean(r[p] for r in mine) for p in POLICIES]
-        print(f"{workload:10s}{'mean':>7s}{'':15s}" + "".join(f"{m:10.2f}x" for m in means))
+        print(f"{workload:10s}{'mean':>7s}{'':24s}" + "".join(f"{m:10.2f}x" for m in means))
     return rows
 
 

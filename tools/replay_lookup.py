@@ -23,7 +23,7 @@ over the summed step costs (plain decoding: 1.00):
 
 A replay has no daemon: a daemon's step also pays for its frames, sampling and
 bookkeeping, the same for a plain step as for a verify, which speculation spreads over
-more tokens; so measured runs (`tools/bench_dflash.py`) read above a replay without
+more tokens; so measured runs (`tools/bench_dflash.py`) read at or above a replay without
 `--step-overhead-ms`. Give it the difference between a daemon's plain step (1 / plain
 decode tok/s there) and the replay's c(1) (printed) to price steps as the daemon does.
 The replay answers how much of a shortfall is the model (its answer does not repeat the

@@ -47,19 +47,13 @@ from bench_dflash import model_path
 from luced.engine.block_size import BlockSizer, StepCosts
 from luced.engine.lookup import PromptLookup
 from luced.gguf_file import GGUFFile
+from luced.runtime.generate import generate
 from luced.runtime.model import Model
+from luced.sampling_params import SamplingParams
 from luced.text.tokenizer import Tokenizer
 
 POLICIES = ("fixed", "adaptive", "hindsight")
-
-
-def greedy_answer(model: Model, prompt: list[int], tokens: int) -> list[int]:
-    cache = model.new_cache(len(prompt) + tokens)
-    answer = [int(model.forward(torch.tensor(prompt), cache, 0)[-1].argmax())]
-    while len(answer) < tokens:
-        logits = model.forward(torch.tensor(answer[-1:]), cache, len(prompt) + len(answer) - 1)
-        answer.append(int(logits[-1].argmax()))
-    return answer
+GREEDY = SamplingParams(temperature=0)
 
 
 def step_costs(
@@ -156,7 +150,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
               + "".join(f"{p:>11s}" for p in POLICIES))  # fmt: skip
         for workload in args.workloads:
             for i, prompt in enumerate(bench_prompts.prompts(workload, gguf, tokenizer, args)):
-                answer = greedy_answer(model, prompt, args.tokens)
+                # greedy, no stop token: the whole answer the benchmark asks for
+                answer = generate(model, prompt, GREEDY, args.tokens).tokens
                 seconds = step_costs(model, prompt, answer, args.block_size, args.rounds)
                 seconds = {n: s + args.step_overhead_ms / 1e3 for n, s in seconds.items()}
                 costs = {n: s / seconds[1] for n, s in seconds.items()}

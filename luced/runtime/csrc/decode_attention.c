@@ -231,7 +231,8 @@ static inline __attribute__((always_inline)) void score_rows(
  * (its G grouped heads at q[j]) scores rows [lo[j], pos[j]] into its own score rows
  * (stride `stride`), softmaxes them and sums the V rows into out[j]. Four keys are scored
  * together for up to four query heads at a time, so sixteen dot products' dependency
- * chains overlap, and each K row is read once for the whole block. Every query's arithmetic is the one it gets alone (n = 1). */
+ * chains overlap, and each K row is read once for the whole block. Every query's
+ * arithmetic is the one it gets alone (n = 1). */
 static inline __attribute__((always_inline)) void attend_head_as(
     const int T, int G, int D, int n, const int64_t *lo, const int64_t *pos,
     const int64_t *rows, const float *const *q, const void *k, const void *v, float scale,

@@ -76,10 +76,14 @@ async def engine_for(
     max_running: int = 1,
     kv_pool_tokens: int | None = None,
     kv_dtype: str = "",
+    kv_block: int | None = None,
 ) -> AsyncIterator[Engine]:
     """One worker thread each (2 cores, shared with the test); prompts longer than 64
     tokens span several prefill chunks. A draft (or the n-gram lookup) is set up for
-    blocks up to 16; adaptive blocks are calibrated before the first request."""
+    blocks up to 16; adaptive blocks are calibrated before the first request. `kv_block`
+    None: as the daemon (blocks of 16 when several requests run, without KV Flash)."""
+    if kv_block is None:
+        kv_block = 16 if max_running > 1 and kv_flash is None else 0
     gguf = GGUFFile(path)
     with ShmOwner() as owner:
         placement = TargetPlacement.split(
@@ -100,6 +104,7 @@ async def engine_for(
             weights_mode=weights,
             batch_invariant=batch_invariant,
             kv_dtype=kv_dtype,
+            kv_block=kv_block,
         )
         target = target_cls(owner, placement, kv_flash=kv_flash)
         tokenizer = Tokenizer.from_gguf(gguf)

@@ -10,11 +10,13 @@ runs tools/generate.py in-process on the same model and prompt length, interleav
 single-client HTTP runs, and reports the daemon path's cost in decode speed. With
 --max-running 1,8 it starts one daemon per setting (continuous batching off and on),
 --rounds times, alternating, runs every concurrency level on each, and reports each
-setting's medians side by side with the throughput ratio to the first setting.
+setting's medians side by side with the throughput ratio to the first setting;
+--variants "A;B" compares `luced serve` option strings the same way (each with every
+--max-running value), e.g. --variants "--kv-block-size 0;--kv-block-size 16".
 
     python tools/bench_http.py [--model PATH] [--concurrency 1,4,8,16] [--requests N]
         [--prompt-tokens 128] [--max-tokens 64] [--threads 2] [--compare]
-        [--max-running 1,8] [--rounds 2]
+        [--max-running 1,8] [--variants "A;B"] [--rounds 2]
 """
 
 from __future__ import annotations
@@ -213,9 +215,13 @@ def main() -> int:
     ap.add_argument("--max-running", help="comma-separated settings to compare, e.g. 1,8")
     ap.add_argument("--rounds", type=int, default=2, help="alternating rounds of --max-running")
     ap.add_argument("--serve-args", default="", help="more `luced serve` options, one string")
+    ap.add_argument(
+        "--variants",
+        help="`luced serve` option strings to compare, ';'-separated (with each --max-running)",
+    )
     args = ap.parse_args()
-    if args.max_running:
-        return compare_max_running(args)
+    if args.max_running or args.variants:
+        return compare_settings(args)
 
     prompt = prompt_text(args.prompt_tokens)
     proc = None
@@ -254,12 +260,13 @@ def main() -> int:
     return 0
 
 
-HEADER = "setting              gen tok/s  req/s  TTFT p50/p99 s   ITL p50/p99 ms"
+LABEL = 36  # the setting column's width
+HEADER = f"{'setting':{LABEL}s}  gen tok/s  req/s  TTFT p50/p99 s   ITL p50/p99 ms"
 
 
 def row(label: str, load: Load, ratio: str = "") -> str:
     return (
-        f"{label:19s}  {load.tok_s:9.1f}  {load.rps:5.2f}  "
+        f"{label:{LABEL}s}  {load.tok_s:9.1f}  {load.rps:5.2f}  "
         f"{load.ttft_p50:6.2f} / {load.ttft_p99:<6.2f}  "
         f"{1e3 * load.itl_p50:6.1f} / {1e3 * load.itl_p99:<6.1f}{ratio}"
     )
@@ -274,17 +281,28 @@ def measure(url: str, concurrency: int, requests: int, prompt: str, max_tokens: 
     return Load.of(results, wall, max_tokens)
 
 
-def compare_max_running(args: argparse.Namespace) -> int:
-    """One daemon per --max-running setting, every concurrency level on each, settings
-    alternating over rounds (drift hits them alike); medians per setting and level, and
-    aggregate tok/s against the first setting at the same level."""
-    settings = [int(x) for x in args.max_running.split(",")]
+def compare_settings(args: argparse.Namespace) -> int:
+    """One daemon per setting (each --max-running value with each --variants string),
+    every concurrency level on each, settings alternating over rounds (drift hits them
+    alike); medians per setting and level, and aggregate tok/s against the first setting
+    at the same level."""
+    running = args.max_running.split(",") if args.max_running else [""]
+    variants = args.variants.split(";") if args.variants else [""]
+    settings = [
+        " ".join(filter(None, (f"max_running={m}" if m else "", v.strip())))
+        for m in running
+        for v in variants
+    ]
+    serve = {
+        label: (*(("--max-running", m) if m else ()), *v.split(), *args.serve_args.split())
+        for label, (m, v) in zip(settings, itertools.product(running, variants), strict=True)
+    }
     prompt = prompt_text(args.prompt_tokens)
-    runs: dict[tuple[int, int], list[Load]] = {}
+    runs: dict[tuple[str, int], list[Load]] = {}
     for _ in range(args.rounds):
         for m in settings:
             with tempfile.TemporaryDirectory(prefix="luced-bench-") as tmp:
-                extra = ("--max-running", str(m), *args.serve_args.split())
+                extra = serve[m]
                 proc = start_daemon(args.model, args.port, args.threads, Path(tmp), extra)
                 try:
                     url = f"http://127.0.0.1:{args.port}"
@@ -306,7 +324,7 @@ def compare_max_running(args: argparse.Namespace) -> int:
             med = Load(*(statistics.median(col) for col in zip(*map(astuple, loads), strict=True)))
             base = base or med
             ratio = f"  {med.tok_s / base.tok_s:.2f}x" if m != settings[0] else ""
-            print(row(f"c={c} max_running={m}", med, ratio))
+            print(row(f"c={c} {m}", med, ratio))
     return 0
 
 

@@ -11,9 +11,14 @@ token document and ends in its own question, as a chat over one long context doe
     memory  the document's snapshot is in the arena: restore + prefill of the question
     disk    the memory tier was dropped, the file remains: read into the arena, restore,
             prefill of the question
+    shared  nothing cached, but another request over the document is running: the new
+            one takes the document's K/V blocks from it (no copy) + prefill of the question
 
 TTFT = submit -> first token out of the engine (includes the snapshot of the new prompt
-taken after its prefill). Medians over rounds; the three are interleaved per round.
+taken after its prefill). Medians over rounds; the four are interleaved per round. The
+engine runs up to 2 requests at once over K/V blocks of 16 (as the daemon's defaults);
+for `shared` it also reports the blocks the new request holds of its own, against the
+blocks a copy of its prompt would take.
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ from luced.serve.prefix_setup import placement_key
 from luced.text.tokenizer import Tokenizer
 
 MODELS = {"smollm2": smollm2_path, "gemma3": gemma3_path}
+BLOCK = 16  # K/V block rows (--kv-block-size's default)
 
 
 async def ttft(engine: Engine, prompt: list[int]) -> tuple[float, int]:
@@ -51,6 +57,30 @@ async def ttft(engine: Engine, prompt: list[int]) -> tuple[float, int]:
         first = first or time.perf_counter()
     assert first is not None and handle.finish_reason == "length", handle.error
     return first - t0, handle.cached_tokens
+
+
+async def shared_ttft(
+    engine: Engine, held: list[int], prompt: list[int]
+) -> tuple[float, int, tuple[int, int]]:
+    """TTFT of `prompt` while a request over `held` runs (its prompt in its K/V): (TTFT,
+    positions taken from it, (K/V blocks the workers hold, blocks the two requests map)
+    at the new request's first token: without sharing they would hold the second)."""
+    greedy = SamplingParams(temperature=0)
+    holder = engine.submit(GenerationRequest("holder", held, greedy, 200, ignore_eos=True))
+    stream = aiter(holder)
+    await anext(stream)  # its prompt is prefilled
+    req = GenerationRequest("bench", prompt, greedy, 16, ignore_eos=True)
+    t0 = time.perf_counter()
+    handle = engine.submit(req)
+    first, blocks = 0.0, (0, 0)
+    async for _ in handle:
+        if not first:
+            first = time.perf_counter()
+            stats = await engine.target.stats()
+            blocks = (int(stats["kv_blocks_used"]), int(stats["kv_blocks_mapped"]))
+    holder.cancel()
+    assert await engine.drain(30)
+    return first - t0, handle.cached_tokens, blocks
 
 
 async def bench(args: argparse.Namespace) -> None:
@@ -67,11 +97,20 @@ async def bench(args: argparse.Namespace) -> None:
         kv_capacity=args.prefix + 256,
         max_batch_tokens=512,
         worker=WorkerSpec("cpu", ("cpu",), threads=args.threads),
+        kv_block=BLOCK,
     )
-    rows: dict[str, list[float]] = {"cold": [], "memory": [], "disk": []}
+    rows: dict[str, list[float]] = {"cold": [], "memory": [], "disk": [], "shared": []}
+    blocks: list[tuple[int, int]] = []
     with tempfile.TemporaryDirectory() as tmp, ShmOwner() as owner:
         target = Target(owner, placement)
-        engine = Engine(target, tokenizer, None, model_name="bench", context_length=4096)
+        engine = Engine(
+            target,
+            tokenizer,
+            None,
+            model_name="bench",
+            context_length=placement.kv_capacity,
+            max_running=2,
+        )
         await target.start()
         layout = await target.kv_layout()
         identity = DiskIdentity("bench", "", placement_key(target), args.dtype)
@@ -95,7 +134,13 @@ async def bench(args: argparse.Namespace) -> None:
                 t, n = await ttft(engine, prefix + next(q))
                 assert n >= len(prefix), n
                 rows["disk"].append(t)
+                await cache.clear(disk=True)
+                t, n, held = await shared_ttft(engine, prefix + next(q), prefix + next(q))
+                assert n >= len(prefix) - BLOCK, n
+                rows["shared"].append(t)
+                blocks.append(held)
             snapshot_bytes = cache.layout_bytes(len(prefix))
+            block_bytes = snapshot_bytes / len(prefix) * BLOCK
         finally:
             await engine.stop()
             await cache.close()
@@ -110,6 +155,13 @@ async def bench(args: argparse.Namespace) -> None:
     for name, ts in rows.items():
         t = statistics.median(ts)
         print(f"{name:8s}{t * 1e3:10.1f}{t / cold:10.1%}")
+    used, mapped = (statistics.median(col) for col in zip(*blocks, strict=True))
+    print(
+        f"\nshared, at the new request's first token: the workers held {used:.0f} K/V "
+        f"blocks of {BLOCK} ({used * block_bytes / 2**20:.1f} MiB) for the two requests, "
+        f"whose block tables map {mapped:.0f} ({mapped * block_bytes / 2**20:.1f} MiB, "
+        "what they hold without sharing)"
+    )
 
 
 def main() -> None:

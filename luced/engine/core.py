@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from luced.acceptance import clip, verify_greedy
-from luced.cache.prefix_cache import PrefixCache
+from luced.cache.prefix_cache import Hit, PrefixCache
 from luced.engine.batcher import StepBatcher
 from luced.engine.block_size import BlockSizer, StepCosts
 from luced.engine.constraint import Constraint
@@ -84,6 +84,12 @@ class Unavailable(EngineError):
 class InvalidGrammar(EngineError):
     status = 400
     code = "invalid_grammar"
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    """The length of the longest common prefix of two token lists."""
+    n = min(len(a), len(b))
+    return next((i for i in range(n) if a[i] != b[i]), n)
 
 
 async def _first_row(rows: Awaitable[list[Sampled]]) -> Sampled:
@@ -242,6 +248,7 @@ class Engine:
             "requests": 0,
             "prompt_tokens": 0,
             "cached_prompt_tokens": 0,
+            "shared_prompt_tokens": 0,
             "generation_tokens": 0,
             "errors": 0,
             "spec_drafts": 0,
@@ -544,7 +551,7 @@ class Engine:
                 emitted = False
                 await self.target.reset()
                 async with self._cache_lock:  # an entry must not be evicted while restored
-                    handle.cached_tokens = cached = await self._restore_prefix(req.prompt)
+                    handle.cached_tokens = cached = await self._reuse_prefix(req.prompt, lane)
                 cuts = self._cut_points(req.prompt, cached)
                 await self._constrain(handle, stops)
                 sampled = await self._prefill(handle, req.prompt[cached:], sampling, k, cuts)
@@ -554,7 +561,7 @@ class Engine:
                     handle._finish("abort")
                     return
                 self.totals["prompt_tokens"] += handle.prompt_tokens
-                self.totals["cached_prompt_tokens"] += cached  # restored, not computed
+                self.totals["cached_prompt_tokens"] += cached  # restored or shared, not computed
                 self._observe("prompt_tokens", handle.prompt_tokens)
                 async with self._cache_lock:
                     await self._save_prefix(req.prompt, cuts)
@@ -601,15 +608,53 @@ class Engine:
             handle.constraint.fill(0)
             return await prefill
 
-    async def _restore_prefix(self, prompt: list[int]) -> int:
-        """Restore the longest cached prefix into the (reset) target; tokens restored."""
+    async def _reuse_prefix(self, prompt: list[int], lane: int) -> int:
+        """Put the prompt's longest prefix held anywhere into the (reset) lane: a running
+        request's K/V blocks, shared, or the prefix cache's snapshot, restored (a copy);
+        sharing wins a tie. Returns the positions that need no computing."""
         cache = self.prefix_cache
-        if cache is None:
-            return 0
-        self._observe("prefix_queries", len(prompt))
-        hit = cache.lookup(prompt)
-        if hit is None:
-            return 0
+        hit = None
+        if cache is not None:
+            self._observe("prefix_queries", len(prompt))
+            hit = cache.lookup(prompt)
+        source, common = self._sharing_source(prompt, lane)
+        if common and common >= (hit.n if hit is not None else 0):
+            try:
+                shared = await self.target.share(source, common)
+            except WorkerReplyError as exc:  # the lane is reset: restore or compute instead
+                log.warning("sharing %d prompt tokens of lane %d failed: %s", common, source, exc)
+                shared = 0
+            if shared:
+                self.totals["shared_prompt_tokens"] += shared
+                self._observe("prefix_shared", shared)
+                return shared
+        return await self._restore_prefix(hit) if hit is not None else 0
+
+    def _sharing_source(self, prompt: list[int], lane: int) -> tuple[int, int]:
+        """(lane, n): the running request whose committed K/V holds the longest prefix of
+        `prompt`, at most all but its last token (the last one is fed to sample from), in
+        whole blocks (what `Target.share` shares); n is 0 when there is none."""
+        if self.max_running == 1 or not self.target.shares_prefixes:
+            return 0, 0
+        best = (0, 0)
+        for other, handle in self.running.items():
+            if other == lane or handle.preempt:
+                continue
+            # Its first positions hold its prompt (after a preemption its prompt and output).
+            common = self.target.whole_blocks(
+                min(
+                    _common_prefix(prompt[:-1], handle.request.prompt),
+                    self.target.lane_position(other),
+                )
+            )
+            if common > best[1]:
+                best = (other, common)
+        return best
+
+    async def _restore_prefix(self, hit: Hit) -> int:
+        """Restore a prefix-cache hit into the (reset) target; tokens restored."""
+        cache = self.prefix_cache
+        assert cache is not None
         try:
             restored = await cache.restore(hit, self.target)
         except WorkerReplyError as exc:  # a refused import changes nothing: prefill it all

@@ -179,6 +179,11 @@ class Metrics:
         self.prefix_cache_hits = family(
             Counter, "prefix_cache_hits", "Prefix cache hits, in restored prompt tokens."
         )
+        self.prefix_shared = family(
+            Counter,
+            "prefix_shared_tokens",
+            "Prompt tokens whose K/V blocks a request shared with a running one, not computed.",
+        )
         self._prefix_cache_bytes = family(
             Gauge, "prefix_cache_bytes", "Bytes of prefix-cache snapshots per tier.", ["tier"]
         )
@@ -216,6 +221,7 @@ class Metrics:
             "running": self.num_requests_running.set,
             "prefix_queries": self.prefix_cache_queries.inc,
             "prefix_hits": self.prefix_cache_hits.inc,
+            "prefix_shared": self.prefix_shared.inc,
             "block_size": self.spec_decode_block_size.observe,
             "batch_size": self.batch_size.observe,
             "preemptions": self.num_preemptions.inc,
@@ -229,7 +235,8 @@ class Metrics:
         ttft, itl, e2e: seconds; prompt_tokens: one request's prompt length (counter and
         per-request histogram); generation_tokens: tokens just generated; queue, running:
         the current number of waiting / running requests; prefix_queries / prefix_hits:
-        prompt tokens looked up in / restored from the prefix cache; block_size: the
+        prompt tokens looked up in / restored from the prefix cache; prefix_shared: prompt
+        tokens shared from a running request's K/V blocks; block_size: the
         block of one speculative step; batch_size: the sequences of one batched step;
         preemptions: requests just preempted.
         """

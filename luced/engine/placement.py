@@ -271,6 +271,7 @@ class TargetPlacement:
     weights_mode: str = "dequant"  # how workers hold matrices (frames.WEIGHT_MODES)
     batch_invariant: bool = False  # logits independent of how tokens are grouped in calls
     kv_dtype: str = ""  # the K/V rows' dtype; "" = dtype
+    kv_block: int = 0  # rows per block of the workers' K/V block pools; 0: none (frames.Load)
 
     def __post_init__(self) -> None:
         if not self.workers:
@@ -304,6 +305,7 @@ class TargetPlacement:
         weights_mode: str = "dequant",
         batch_invariant: bool = False,
         kv_dtype: str = "",
+        kv_block: int = 0,
     ) -> TargetPlacement:
         """--target-devices / --target-layer-split -> workers; raises PlacementError.
         `kv_sources` (the GGUF's KV-sharing layers) keeps sharing layers with their sources;
@@ -337,4 +339,5 @@ class TargetPlacement:
             weights_mode=weights_mode,
             batch_invariant=batch_invariant,
             kv_dtype=kv_dtype,
+            kv_block=kv_block,
         )

@@ -77,6 +77,8 @@ from luced.ipc.frames import (
     ForwardBatch,
     ForwardBatchReply,
     ForwardReply,
+    KVShare,
+    KVShareReply,
     Load,
     LoadDraft,
     LoadDraftReply,
@@ -339,6 +341,7 @@ class Target:
                 weights=p.weights_mode,
                 batch_invariant=p.batch_invariant,
                 kv_dtype=p.kv_dtype,
+                kv_block=0 if self.flash_cfg else p.kv_block,
             )
         )
         if self.experts is not None:
@@ -617,6 +620,53 @@ class Target:
         if self.flash is not None:
             self.flash.reset()
         self.executor.in_sync = True
+
+    @property
+    def shares_prefixes(self) -> bool:
+        """Whether a lane may start on another's prefix blocks (`share`): the workers hold
+        every lane's K/V in one block pool, and no per-lane state outside the K/V (a
+        recurrent state, a DFlash feature ring, a KV Flash pager) would need the prefix too."""
+        return (
+            self.placement.kv_block > 0
+            and self.flash_cfg is None
+            and not self.recurrent
+            and self._capture is None
+        )
+
+    def whole_blocks(self, n: int) -> int:
+        """The positions of n that `share` can share: whole K/V blocks."""
+        block = self.placement.kv_block
+        return n // block * block if block else 0
+
+    @_on_lane
+    async def share(self, source: int, n: int) -> int:
+        """Start this (reset) lane on lane `source`'s first n committed positions, sharing
+        their K/V blocks in every worker instead of computing or copying them. Only whole
+        blocks are shared: returns the positions committed here (n rounded down to the
+        block size, 0 when that is nothing). If a worker refuses, every worker's copy of
+        this lane is reset and the error raised."""
+        if not self.shares_prefixes:
+            raise ValueError("this target does not share prefixes (shares_prefixes)")
+        if self._position:
+            raise ValueError(f"share into a lane holding {self._position} positions: reset it")
+        n = self.whole_blocks(min(n, self.lane_position(source)))
+        if n == 0:
+            return 0
+        frame = KVShare(sequence=self.lane_id, source=source, position=n)
+        try:
+            replies = await asyncio.gather(*(w.call(frame) for w in self.executor.workers()))
+        except BaseException:
+            with contextlib.suppress(Exception):
+                await self.reset()  # in sync again (empty) unless a worker is gone
+            raise
+        shared = {r.position for r in replies if isinstance(r, KVShareReply)}
+        if shared != {n}:
+            await self.reset()
+            raise WorkerReplyError(f"the workers shared {sorted(shared)} positions, not {n}")
+        self._position = n
+        self._last_fed = (n, [])
+        self._last_block_states = False
+        return n
 
     @property
     def recurrent(self) -> bool:

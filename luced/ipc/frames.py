@@ -16,7 +16,8 @@ The ops (request fields -> reply fields):
 
     hello     instance, protocol            -> protocol, pid, group, devices, versions
     load      model, layers=[a, b), dtype, devices, kv_capacity, owns_embed, owns_head,
-              device_splits, kv_pool        -> n_layers, hidden, vocab, layers, dtype,
+              device_splits, kv_pool, kv_block
+                                            -> n_layers, hidden, vocab, layers, dtype,
                                                kv_capacity, load_s, recurrent, kv_pool,
                                                kv_chunk_bytes
     forward   n_tokens, start_pos, tokens | hidden_in, want, outputs, positions,
@@ -29,6 +30,7 @@ The ops (request fields -> reply fields):
     kv_layout                               -> tensors, dtype, states
     kv_export position, regions, cuts       -> position, elapsed_us
     kv_import position, regions, tokens     -> position, elapsed_us
+    kv_share  sequence, source, position    -> position
     truncate  position                      -> position
     reset                                   -> (nothing)
     stats                                   -> stats
@@ -58,7 +60,9 @@ as the target holds its matrices);
 ``reset`` ``release``;
 12: ``reset`` ``keep_sampler`` (a preempted sequence frees its KV but keeps its generator);
 ``forward_batch`` ``allowed`` (grammar steps batched with the others), a 4th batch column
-n_out and ``n_rows_out`` (greedy verify blocks batched); ``load`` ``kv_dtype``.
+n_out and ``n_rows_out`` (greedy verify blocks batched); ``load`` ``kv_dtype``;
+13: ``load`` ``kv_block`` (every sequence's K/V in one block pool per shard) and
+``kv_share`` (a sequence starts on another's prefix blocks, without copying).
 
 Expert compute (``luced.runtime.expert_link``): an expert worker answers ``load_experts``
 from the daemon, and ``expert_mix`` from target workers over direct worker-to-worker
@@ -85,7 +89,7 @@ from luced.ipc.regions import Region
 from luced.ipc.typed import FrameError, Record
 from luced.sampling_params import SamplingParams
 
-PROTOCOL_VERSION = 12
+PROTOCOL_VERSION = 13
 
 _ENVELOPE = frozenset({"op", "seq", "ok", "error"})  # no op may use these as fields
 
@@ -229,8 +233,17 @@ class Load(Request):
     # Logits independent of how tokens are grouped into calls (runtime.model.Model.load).
     batch_invariant: bool = False
     kv_dtype: str = ""  # the K/V rows' dtype; "" = dtype
+    # Rows per block of one K/V pool per shard that every sequence's rows live in
+    # (runtime.kv_blocks), so sequences may share a prefix's blocks (kv_share); 0: each
+    # sequence's K/V contiguous on its own. Not with kv_pool (KV Flash pools per sequence).
+    kv_block: int = 0
 
     def _check(self) -> None:
+        if self.kv_block < 0 or (self.kv_block and self.kv_pool):
+            raise self._fail(
+                f"kv_block must be >= 0 and 0 under kv_pool, got {self.kv_block} "
+                f"with kv_pool {self.kv_pool}"
+            )
         if self.kv_dtype not in ("", *COMPUTE_DTYPES):
             raise self._fail(f"kv_dtype must be one of {COMPUTE_DTYPES}, got {self.kv_dtype!r}")
         if self.moe_hot < -1:
@@ -506,7 +519,7 @@ def _check_allowed(frame: Forward | ForwardBatch) -> None:
         raise frame._fail(f"allowed must be int32 [>= {frame.n_out}, words], got {got}")
 
 
-def _check_sequence(frame: Forward | Truncate | Reset | KVExport | KVImport) -> None:
+def _check_sequence(frame: Forward | Truncate | Reset | KVExport | KVImport | KVShare) -> None:
     if frame.sequence < 0:
         raise frame._fail(f"sequence must be >= 0, got {frame.sequence}")
 
@@ -970,6 +983,31 @@ class Truncate(Request):
 @dataclass(frozen=True)
 class TruncateReply(Reply):
     position: int  # committed KV length now
+
+
+@_op("kv_share", REQUESTS)
+@dataclass(frozen=True)
+class KVShare(Request):
+    """Start the (empty) ``sequence`` on the first ``position`` positions of ``source``:
+    their K/V blocks are shared, not copied (a load with ``kv_block``); only whole blocks
+    are, so the reply's position is ``position`` rounded down to the block size."""
+
+    sequence: int
+    source: int
+    position: int
+
+    def _check(self) -> None:
+        _check_sequence(self)
+        if self.source < 0 or self.source == self.sequence:
+            raise self._fail(f"source must be another sequence >= 0, got {self.source}")
+        if self.position < 0:
+            raise self._fail(f"position must be >= 0, got {self.position}")
+
+
+@_op("kv_share", REPLIES)
+@dataclass(frozen=True)
+class KVShareReply(Reply):
+    position: int  # the positions shared (committed in the sequence now)
 
 
 @_op("reset", REQUESTS)

@@ -48,7 +48,8 @@ from luced.runtime import batch_verbs, experts, kv_flash_step, kv_snapshot, toke
 from luced.runtime.dflash import verbs as draft_verbs
 from luced.runtime.dflash.verify import verify_sampled
 from luced.runtime.expert_link import ExpertServer, RemoteExperts
-from luced.runtime.kv_cache import ContextOverflow, KVCache
+from luced.runtime.kv_blocks import BlockPool
+from luced.runtime.kv_cache import ContextOverflow
 from luced.runtime.kv_pool import PooledKVCache, chunk_nbytes
 from luced.runtime.model import Model
 from luced.runtime.sampler import (
@@ -60,6 +61,7 @@ from luced.runtime.sampler import (
 )
 from luced.runtime.state import (
     Loaded,
+    SequenceCache,
     Shard,
     WorkerError,
     WorkerState,
@@ -116,6 +118,7 @@ class Backend(WorkerState):
             F.KVLayout: self.kv_layout,
             F.KVExport: self.kv_export,
             F.KVImport: self.kv_import,
+            F.KVShare: self.kv_share,
             F.Stats: self.stats,
             F.Shutdown: self.shutdown,
         }
@@ -162,6 +165,7 @@ class Backend(WorkerState):
         log.info("loading %s layers [%d, %d) on %s", req.model, a, b, ",".join(req.devices))
         bounds = (a, *req.device_splits, b)
         shards = []
+        blocks: list[BlockPool] = []  # with kv_block: each shard's pool
         if self.remote is not None:  # its link goes too: the daemon links after this load
             self.remote.close()
             self.remote = None
@@ -186,7 +190,10 @@ class Backend(WorkerState):
                 experts.place(model, split, cold=self.remote, required=req.moe_required)
             if req.kv_pool:  # every family pools; a recurrent layer keeps its state unpooled
                 pool = min(req.kv_pool, -(-req.kv_capacity // F.KV_CHUNK) * F.KV_CHUNK)
-                cache: KVCache | PooledKVCache = model.new_pool_cache(pool, req.kv_capacity)
+                cache: SequenceCache = model.new_pool_cache(pool, req.kv_capacity)
+            elif req.kv_block:  # one pool of blocks per shard for every sequence
+                blocks.append(model.new_block_pool(req.kv_block))
+                cache = model.new_paged_cache(blocks[-1], req.kv_capacity)
             else:
                 cache = model.new_cache(req.kv_capacity)
             shards.append(Shard(model, cache))
@@ -208,13 +215,18 @@ class Backend(WorkerState):
             moe_fingerprint=placement.fingerprint() if placement is not None else "",
         )
 
-        def new_caches() -> list[KVCache | PooledKVCache]:
+        def new_caches() -> list[SequenceCache]:
             if req.kv_pool:  # each sequence its own pool, mapped by its own pager's plans
                 pool = pooled[0].pool
                 return [s.model.new_pool_cache(pool, req.kv_capacity) for s in shards]
+            if blocks:
+                return [
+                    s.model.new_paged_cache(b, req.kv_capacity)
+                    for s, b in zip(shards, blocks, strict=True)
+                ]
             return [s.model.new_cache(req.kv_capacity) for s in shards]
 
-        self.loaded = Loaded(Path(req.model), shards, reply, new_caches)
+        self.loaded = Loaded(Path(req.model), shards, reply, new_caches, blocks)
         return reply
 
     def _plan_experts(self, req: F.Load) -> experts.Placement | None:
@@ -266,6 +278,10 @@ class Backend(WorkerState):
     def kv_import(self, req: F.KVImport) -> F.KVImportReply:
         return kv_snapshot.import_(self, req)
 
+    def kv_share(self, req: F.KVShare) -> F.KVShareReply:
+        shared = self.model("kv_share").share(req.sequence, req.source, req.position)
+        return F.KVShareReply(position=shared)
+
     def stats(self, req: F.Stats) -> F.StatsReply:
         m = self.loaded
         stats: dict[str, int | float | str] = {
@@ -280,6 +296,12 @@ class Backend(WorkerState):
             "kv_position": m.position if m else 0,
             "kv_capacity": m.reply.kv_capacity if m else 0,
             "kv_bytes": sum(s.cache.nbytes() for s in m.shards) if m else 0,
+            # With a block pool (load kv_block): the blocks held (a shared one once), the
+            # blocks the sequences' tables map (what they would hold without sharing), and
+            # the pool's bytes.
+            "kv_blocks_used": sum(p.used_blocks for p in m.block_pools) if m else 0,
+            "kv_blocks_mapped": sum(p.mapped_blocks for p in m.block_pools) if m else 0,
+            "kv_pool_bytes": sum(p.nbytes() for p in m.block_pools) if m else 0,
             "draft": str(self.draft.draft.path) if self.draft else "",
             "expert_calls_served": self.expert_server.calls,
         }

@@ -30,6 +30,7 @@ from luced.gguf_file import GGUFError, GGUFFile
 from luced.runtime import moe
 from luced.runtime.families import family_for
 from luced.runtime.families.common import ModelConfig
+from luced.runtime.kv_blocks import BlockPool, PagedKVCache
 from luced.runtime.kv_cache import KVCache, KVStore, RecurrentShape
 from luced.runtime.kv_pool import PooledKVCache
 from luced.runtime.layers import fuse_rows
@@ -169,6 +170,33 @@ class Model:
             shapes={i: cfg.kv_shape(i) for i in self.layers},
             sources={i: s for i in self.layers if (s := cfg.kv_source(i)) != i},
             recurrent=self._recurrent_shapes(),
+            state_dtype=self.dtype,
+        )
+
+    def new_block_pool(self, block: int) -> BlockPool:
+        """One K/V pool for every sequence of this shard, in blocks of `block` rows (each
+        stored layer in its own shape; it grows as sequences need rows)."""
+        cfg = self.cfg
+        stored = [
+            i
+            for i in self.layers
+            if cfg.kv_source(i) == i and i not in (self._recurrent_shapes() or {})
+        ]
+        return BlockPool(
+            {i: cfg.kv_shape(i) for i in stored}, self.kv_dtype, self.device, block=block
+        )
+
+    def new_paged_cache(self, pool: BlockPool, capacity: int | None = None) -> PagedKVCache:
+        """A sequence's K/V as blocks of `pool` (`new_cache`'s layers, sources, recurrent
+        state and row exactness): sequences of one pool may share a prefix's blocks."""
+        cfg = self.cfg
+        return PagedKVCache(
+            pool,
+            self.layers,
+            capacity or cfg.context_length,
+            sources={i: s for i in self.layers if (s := cfg.kv_source(i)) != i},
+            recurrent=self._recurrent_shapes(),
+            row_exact=self.batch_invariant,
             state_dtype=self.dtype,
         )
 

@@ -28,6 +28,7 @@ import torch
 from luced.ipc import frames as F
 from luced.ipc.regions import Attachments, Region
 from luced.runtime.dflash.draft import Draft
+from luced.runtime.kv_blocks import BlockPool, PagedKVCache
 from luced.runtime.kv_cache import KVCache
 from luced.runtime.kv_pool import PooledKVCache
 from luced.runtime.model import Model
@@ -70,10 +71,15 @@ def torch_device(name: str) -> torch.device:
     raise WorkerError(f"unknown device kind in {name!r} (cpu, cuda, hip, mps)")
 
 
+# A sequence's K/V on one shard: contiguous, KV Flash's pool (load kv_pool), or blocks of
+# the shard's block pool (load kv_block).
+SequenceCache = KVCache | PooledKVCache | PagedKVCache
+
+
 @dataclass
 class Shard:
     model: Model  # layers [a, b) on one device
-    cache: KVCache | PooledKVCache  # pooled when load asked for kv_pool (KV Flash)
+    cache: SequenceCache
 
 
 @dataclass
@@ -81,7 +87,7 @@ class SequenceState:
     """One sequence's share of the worker: its cache on each shard, the ids it fed, the
     sampler kept for it (its generator draws on across steps)."""
 
-    caches: list[KVCache | PooledKVCache]
+    caches: list[SequenceCache]
     tokens: list[int] = field(default_factory=list)
     sampler: Sampler | None = None
     sampling: dict[str, int | float | None] | None = None
@@ -123,7 +129,8 @@ class Loaded:
     path: Path
     shards: list[Shard]
     reply: F.LoadReply
-    new_caches: Callable[[], list[KVCache | PooledKVCache]]  # a new sequence's, per shard
+    new_caches: Callable[[], list[SequenceCache]]  # a new sequence's, per shard
+    block_pools: list[BlockPool] = field(default_factory=list)  # per shard, with kv_block
     tokens: list[int] = field(default_factory=list)  # id fed at each KV position
     sampler: Sampler | None = None
     sampling: dict[str, int | float | None] | None = None  # the map `sampler` was built from
@@ -164,10 +171,40 @@ class Loaded:
         if sequence == self.sequence:
             self._park()
         state = self.parked.pop(sequence, None)
+        for cache in state.caches if state is not None else ():
+            if isinstance(cache, PagedKVCache):  # its blocks go back to the shard's pool
+                cache.free()
         if keep_sampler and state is not None and state.sampler is not None:
             self.parked[sequence] = SequenceState(
                 self.new_caches(), sampler=state.sampler, sampling=state.sampling
             )
+
+    def share(self, sequence: int, source: int, n: int) -> int:
+        """Start `sequence` (emptied first) on `source`'s first n positions: each shard's
+        paged cache takes the source's blocks without copying, whole blocks only, so the
+        positions shared are n rounded down to the block size. Returns them."""
+        if not self.block_pools:
+            raise WorkerError("kv_share needs a load with kv_block (one block pool per shard)")
+        if source != self.sequence and source not in self.parked:
+            raise WorkerError(f"kv_share: sequence {source} holds no KV")
+        origin = self.state(source)
+        if n > origin.position:
+            raise WorkerError(
+                f"kv_share: sequence {source} holds {origin.position} positions, not {n}"
+            )
+        self.select(sequence)
+        self.truncate(0)
+        shared = set()
+        try:
+            for shard, theirs in zip(self.shards, origin.caches, strict=True):
+                assert isinstance(shard.cache, PagedKVCache) and isinstance(theirs, PagedKVCache)
+                shared.add(shard.cache.share(theirs, n))
+        except ValueError as exc:  # a recurrent cache: its state is not in blocks
+            self.truncate(0)
+            raise WorkerError(f"kv_share: {exc}") from None
+        (positions,) = shared  # every shard's pool has the same block size
+        self.tokens[:] = origin.tokens[:positions]
+        return positions
 
     def _park(self) -> None:
         if self.sequence is not None:

@@ -406,6 +406,15 @@ OPTIONS: tuple[Option, ...] = (
         minimum=0,
     ),
     Option(
+        "kv_block_size", "int", 16,
+        "Rows per block of the workers' K/V pool (continuous batching): every running "
+        "request's K/V lives in blocks of one pool per worker shard, so a request whose "
+        "prompt starts like a running one's takes that prefix's blocks without computing or "
+        "copying them. 0: each request's K/V on its own, nothing shared. Not used with "
+        "`--kv-flash`, a DFlash draft model, a hybrid (recurrent) model or `--max-running 1`.",
+        minimum=0, maximum=1024,
+    ),
+    Option(
         "max_queued_tokens", "int", 32768,
         "Prompt tokens that may wait in the queue; more are answered 429.", minimum=1,
     ),
@@ -625,6 +634,7 @@ class Config:
     max_queue: int
     max_running: int
     kv_pool_tokens: int
+    kv_block_size: int
     max_queued_tokens: int
     max_batch_tokens: int
     default_max_tokens: int | None

@@ -128,6 +128,9 @@ class Daemon:
             weights_mode=cfg.weights,
             batch_invariant=cfg.batch_invariant,
             kv_dtype=cfg.effective_kv_dtype(),
+            # Several running requests hold their K/V in blocks of one pool per worker, so
+            # one can start on another's prompt prefix; KV Flash pools each on its own.
+            kv_block=cfg.kv_block_size if running > 1 and kv_flash is None else 0,
             kv_capacity=context,
             max_batch_tokens=cfg.max_batch_tokens,
             devices=cfg.target_devices,

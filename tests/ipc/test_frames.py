@@ -268,6 +268,8 @@ def test_draft_accepts_the_intended_shapes() -> None:
         ({"devices": ("cpu", "cpu:1"), "device_splits": (10,)}, "increase strictly inside"),
         ({"kv_capacity": 0}, "kv_capacity must be >= 1"),
         ({"owns_head": 1}, "owns_head: expected bool, got int"),
+        ({"kv_block": -1}, "kv_block must be >= 0"),
+        ({"kv_block": 16, "kv_pool": 64}, "0 under kv_pool"),
     ],
 )
 def test_load_validation(kw: dict, match: str) -> None:
@@ -283,6 +285,20 @@ def test_load_validation(kw: dict, match: str) -> None:
     base.update(kw)
     with pytest.raises(F.FrameError, match=match):
         F.Load(**base)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("kw", "match"),
+    [
+        ({"source": 2}, "another sequence"),
+        ({"source": -1}, "another sequence"),
+        ({"position": -1}, "position must be >= 0"),
+        ({"sequence": -3}, "sequence must be >= 0"),
+    ],
+)
+def test_kv_share_validation(kw: dict, match: str) -> None:
+    with pytest.raises(F.FrameError, match=match):
+        F.KVShare(**{"sequence": 2, "source": 1, "position": 32, **kw})
 
 
 def test_decode_errors_name_the_problem_and_keep_the_seq(sample_requests: dict) -> None:

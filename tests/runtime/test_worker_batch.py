@@ -38,7 +38,9 @@ def owner() -> Iterator[ShmOwner]:
         yield o
 
 
-def start_worker(tmp: Path, owner: ShmOwner, model: Path, layers: tuple[int, int]) -> WorkerProc:
+def start_worker(
+    tmp: Path, owner: ShmOwner, model: Path, layers: tuple[int, int], kv_block: int = 0
+) -> WorkerProc:
     w = WorkerProc(tmp)
     w.call(F.Hello(instance=owner.instance))
     w.call(
@@ -50,6 +52,7 @@ def start_worker(tmp: Path, owner: ShmOwner, model: Path, layers: tuple[int, int
             kv_capacity=128,
             owns_embed=layers[0] == 0,
             owns_head=layers[1] == 4,
+            kv_block=kv_block,
         )
     )
     return w
@@ -209,3 +212,55 @@ def test_a_split_batch_flows_through_the_shards(tmp_path, owner, io, tiny) -> No
     finally:
         head.stop()
         tail.stop()
+
+
+def blocks_used(w: WorkerProc) -> int:
+    reply = w.call(F.Stats())
+    assert isinstance(reply, F.StatsReply)
+    return int(reply.stats["kv_blocks_used"])
+
+
+@pytest.fixture(scope="module")
+def varied(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny model whose greedy continuations vary from token to token."""
+    path = tmp_path_factory.mktemp("share") / "qwen3.gguf"
+    return make_tiny_gguf.build("qwen3", path, seed=7, layers=4, context=256).path
+
+
+def test_kv_share_starts_a_sequence_on_anothers_blocks(tmp_path, owner, io, varied) -> None:
+    """With a block pool (load kv_block 8): sequence 2 shares sequence 1's first 16 of 21
+    prompt positions (asked for 20: whole blocks only), feeds the rest, and decodes its
+    fresh continuation, holding only its own blocks. Refusals change nothing."""
+    w = start_worker(tmp_path, owner, varied, (0, 4), kv_block=8)
+    try:
+        prompt = [(5 * i + 2) % 60 + 1 for i in range(21)]
+        with pytest.raises(RemoteError, match="sequence 1 holds no KV"):
+            w.call(F.KVShare(sequence=2, source=1, position=8))
+        first = forward(w, io, 1, 0, prompt)
+        assert blocks_used(w) == 3  # positions 0..20
+        with pytest.raises(RemoteError, match="holds 21 positions, not 24"):
+            w.call(F.KVShare(sequence=2, source=1, position=24))
+        reply = w.call(F.KVShare(sequence=2, source=1, position=20))
+        assert isinstance(reply, F.KVShareReply) and reply.position == 16
+        assert blocks_used(w) == 3  # nothing copied
+        got = [forward(w, io, 2, 16, prompt[16:])]
+        assert blocks_used(w) == 4  # its own block for positions 16..20
+        for _ in range(4):
+            got.append(forward(w, io, 2, len(prompt) + len(got) - 1, got[-1:]))
+        model = Model.load(varied)
+        want = alone(model, prompt, 5)
+        assert got == want and first == want[0] and len(set(want)) > 2
+        # The source goes: the shared blocks stay with sequence 2, which decodes on.
+        w.call(F.Reset(sequence=1, release=True))
+        assert blocks_used(w) == 2 + 2  # the 2 shared, its own 2 (positions 16..25)
+        got.append(forward(w, io, 2, len(prompt) + len(got) - 1, got[-1:]))
+        assert got == alone(model, prompt, 6)
+        w.call(F.Reset(sequence=2, release=True))
+        assert blocks_used(w) == 0
+    finally:
+        w.stop()
+
+
+def test_kv_share_needs_a_block_pool(worker) -> None:
+    with pytest.raises(RemoteError, match="needs a load with kv_block"):
+        worker.call(F.KVShare(sequence=2, source=1, position=8))

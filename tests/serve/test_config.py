@@ -64,6 +64,7 @@ SAMPLES: dict[str, tuple[str, str, Any]] = {
     "max_queue": ("0", "0", 0),
     "max_running": ("3", "3", 3),
     "kv_pool_tokens": ("8192", "8192", 8192),
+    "kv_block_size": ("32", "32", 32),
     "max_queued_tokens": ("1000", "1000", 1000),
     "max_batch_tokens": ("64", "64", 64),
     "default_max_tokens": ("256", "256", 256),

@@ -317,10 +317,8 @@ def cached_attention(
         return cache.per_sequence(one, q, *(kv or (None, None)))
     assert isinstance(start, int)
     n = q.shape[0]
-    if kv is None:
-        keys, values = cache.read(layer, start + n)
-    else:
-        keys, values = cache.write(layer, start, *kv)
+    if kv is not None:
+        cache.store(layer, start, *kv)
         cache.observe_query(layer, q, window)  # KV Flash qk scores chunks by it
     dtype = q.dtype
     if n > 1 and (cache.row_exact or n <= ROW_EXACT_BLOCK):
@@ -335,6 +333,9 @@ def cached_attention(
             each = range(start, start + n)  # n queries, each as its own decode step
             out = native_attention.decode_attention(q, None, [storage] * n, each, window, scale)  # type: ignore[list-item]
             return out if out.dtype == dtype else out.to(dtype)
+    # The rows in position order: a paged or pooled cache gathers them unless they are
+    # consecutive, so only the SDPA paths ask.
+    keys, values = cache.read(layer, start + n)
     if keys.dtype != dtype:  # --kv-dtype: SDPA runs in the cache's dtype
         q = q.to(keys.dtype)
     if n > 1 and cache.row_exact:

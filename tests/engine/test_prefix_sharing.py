@@ -1,0 +1,118 @@
+"""Running requests share a common prompt prefix's K/V blocks (one block pool per worker
+shard): a request whose prompt starts like a running one's takes those blocks instead of
+computing or copying them, and its output equals its fresh output alone."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import make_tiny_gguf
+import pytest
+from engine_harness import engine_for
+
+from luced.engine.core import Engine, GenerationRequest, RequestHandle
+from luced.sampling_params import SamplingParams
+
+GREEDY = SamplingParams(temperature=0)
+FIRST = [(7 * i + 3) % 120 + 2 for i in range(150)]
+LATER = [
+    FIRST[:100] + [(13 * i + 1) % 120 + 2 for i in range(30)],  # a branch at 100
+    FIRST + [(11 * i + 5) % 120 + 2 for i in range(40)],  # a second turn
+    FIRST,  # the same prompt again: all but its last token are held
+]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("share") / "qwen3.gguf"
+    return make_tiny_gguf.build("qwen3", path, seed=7, layers=4, context=512).path
+
+
+def request(name: str, prompt: list[int], max_tokens: int = 16) -> GenerationRequest:
+    return GenerationRequest(name, prompt, GREEDY, max_tokens, ignore_eos=True)
+
+
+async def tokens(handle: RequestHandle) -> list[int]:
+    out = []
+    async for delta in handle:
+        out += delta.token_ids
+    return out
+
+
+async def first_token(handle: RequestHandle) -> tuple[list[int], asyncio.Future]:
+    """Wait for the request's first token (its prompt is in its K/V then); the rest of its
+    tokens come from the returned future."""
+    stream = aiter(handle)
+    first = (await anext(stream)).token_ids
+
+    async def rest() -> list[int]:
+        return first + [t async for d in stream for t in d.token_ids]
+
+    return first, asyncio.ensure_future(rest())
+
+
+async def fresh(path: Path, prompts: list[list[int]], devices=("cpu",)) -> list[list[int]]:
+    async with engine_for(path, devices, context=512) as engine:
+        return [await tokens(engine.submit(request("f", p))) for p in prompts]
+
+
+async def kv_blocks_used(engine: Engine) -> list[int]:
+    stats = await engine.target.stats()
+    return [w["kv_blocks_used"] for w in stats["workers"]]
+
+
+@pytest.mark.parametrize("devices", [("cpu",), ("cpu", "cpu:1")], ids=["unsplit", "split"])
+async def test_requests_share_a_running_requests_prefix_blocks(tiny: Path, devices) -> None:
+    """Three requests arrive while the first decodes: each shares the whole blocks of its
+    common prefix with it (in every shard of a split), holds only its own blocks besides,
+    and gives its fresh output."""
+    want = await fresh(tiny, [FIRST, *LATER], devices)
+    async with engine_for(tiny, devices, context=512, max_running=4) as engine:
+        assert engine.target.shares_prefixes
+        source = engine.submit(request("first", FIRST, max_tokens=48))
+        _, first_rest = await first_token(source)
+        alone = await kv_blocks_used(engine)
+        handles = [engine.submit(request(f"later{i}", p)) for i, p in enumerate(LATER)]
+        streams = [await first_token(h) for h in handles]
+        during = await kv_blocks_used(engine)
+        got = [await rest for _, rest in streams]
+        assert (await first_rest)[:16] == want[0]
+    assert got == want[1:]
+    # Whole blocks of 16 of the common prefix: 100 -> 96, 150 -> 144, 149 -> 144.
+    assert [h.cached_tokens for h in handles] == [96, 144, 144]
+    assert engine.totals["shared_prompt_tokens"] == 96 + 144 + 144
+    # Each later request holds only its own blocks past the shared ones, not a copy of the
+    # prefix: at least its prompt's rest (3 + 3 + 1 blocks of 16), at most that and its 16
+    # tokens plus the first request's growth (10 + 3), where copies would be >= 9 + 10 + 10.
+    for before, now in zip(alone, during, strict=True):
+        assert 3 + 3 + 1 <= now - before <= 13 < 9 + 10 + 10
+
+
+async def test_a_sharer_outlives_its_source(tiny: Path) -> None:
+    """The request whose blocks were shared is cancelled: the blocks stay with the request
+    that shares them (reference counted), whose output is unchanged; when it ends too, no
+    block is held."""
+    want = await fresh(tiny, [LATER[1]])
+    async with engine_for(tiny, context=512, max_running=2) as engine:
+        source = engine.submit(request("first", FIRST, max_tokens=200))
+        await first_token(source)
+        sharer = engine.submit(request("later", LATER[1], max_tokens=16))
+        _, rest = await first_token(sharer)
+        source.cancel()
+        assert await rest == want[0]
+        assert sharer.cached_tokens == 144
+        assert await engine.drain(10)
+        assert await kv_blocks_used(engine) == [0]
+
+
+async def test_without_a_block_pool_nothing_is_shared(tiny: Path) -> None:
+    """--kv-block-size 0: each request computes its own prompt (the same output)."""
+    want = await fresh(tiny, [LATER[0]])
+    async with engine_for(tiny, context=512, max_running=2, kv_block=0) as engine:
+        assert not engine.target.shares_prefixes
+        source = engine.submit(request("first", FIRST, max_tokens=48))
+        await first_token(source)
+        later = engine.submit(request("later", LATER[0]))
+        assert await tokens(later) == want[0]
+        assert later.cached_tokens == 0 and engine.totals["shared_prompt_tokens"] == 0

@@ -609,16 +609,18 @@ class Engine:
             return await prefill
 
     async def _reuse_prefix(self, prompt: list[int], lane: int) -> int:
-        """Put the prompt's longest prefix held anywhere into the (reset) lane: a running
-        request's K/V blocks, shared, or the prefix cache's snapshot, restored (a copy);
-        sharing wins a tie. Returns the positions that need no computing."""
+        """Put the prompt's prefix held elsewhere into the (reset) lane: a running request's
+        K/V blocks, shared, or the prefix cache's snapshot, restored (a copy). Sharing wins
+        unless the restore covers at least a block more: sharing is in whole blocks, and
+        computing less than a block costs less than copying the whole prefix (which would
+        also hold it twice). Returns the positions that need no computing."""
         cache = self.prefix_cache
         hit = None
         if cache is not None:
             self._observe("prefix_queries", len(prompt))
             hit = cache.lookup(prompt)
         source, common = self._sharing_source(prompt, lane)
-        if common and common >= (hit.n if hit is not None else 0):
+        if common and (hit is None or hit.n - common < self.target.placement.kv_block):
             try:
                 shared = await self.target.share(source, common)
             except WorkerReplyError as exc:  # the lane is reset: restore or compute instead

@@ -390,7 +390,10 @@ async def test_prefix_cache_hits_restore_into_running_lanes(tiny: Path) -> None:
     reqs = [GenerationRequest(f"p{i}", p, greedy, 16, ignore_eos=True) for i, p in enumerate(later)]
     async with engine_for(tiny, context=512) as engine:
         fresh = [await collect(engine, r) for r in reqs]
-    async with engine_for(tiny, context=512, prefix_cache_bytes=64 << 20, max_running=3) as engine:
+    # No block pool: the prefixes are restored, not shared (test_prefix_sharing.py).
+    async with engine_for(
+        tiny, context=512, prefix_cache_bytes=64 << 20, max_running=3, kv_block=0
+    ) as engine:
         await collect(engine, GenerationRequest("seed", first, greedy, 4, ignore_eos=True))
         handles = [engine.submit(r) for r in reqs]
         together = await asyncio.gather(*(drain(h) for h in handles))

@@ -116,3 +116,27 @@ async def test_without_a_block_pool_nothing_is_shared(tiny: Path) -> None:
         later = engine.submit(request("later", LATER[0]))
         assert await tokens(later) == want[0]
         assert later.cached_tokens == 0 and engine.totals["shared_prompt_tokens"] == 0
+
+
+async def test_sharing_wins_over_a_restore_unless_the_restore_covers_a_block_more(
+    tiny: Path,
+) -> None:
+    """With the prefix cache on: a request whose cached prefix exceeds what it can share
+    by less than a block shares (computing a few positions beats copying the prefix); one
+    whose cached prefix is a block or more longer restores it. Both give their fresh
+    outputs."""
+    tail = [(3 * i + 7) % 120 + 2 for i in range(30)]
+    held = FIRST[:100] + tail
+    shares = FIRST[:100] + tail[:10] + [5, 6, 7, 8]  # cached 110 (the held one's), shares 96
+    restores = FIRST + [9, 10, 11]  # cached 150 (the first one's), shares 96
+    want = await fresh(tiny, [shares, restores])
+    async with engine_for(tiny, context=512, max_running=3, prefix_cache_bytes=64 << 20) as engine:
+        await tokens(engine.submit(request("first", FIRST, max_tokens=2)))
+        holder = engine.submit(request("held", held, max_tokens=64))
+        await first_token(holder)  # its prompt is prefilled and its snapshot saved
+        handles = [engine.submit(request(f"r{i}", p)) for i, p in enumerate((shares, restores))]
+        got = [await tokens(h) for h in handles]
+        holder.cancel()
+    assert got == want
+    assert [h.cached_tokens for h in handles] == [96, 150]
+    assert engine.totals["shared_prompt_tokens"] == 96

@@ -27,7 +27,9 @@ count falls to 0 is free again; `truncate` releases the blocks wholly past the n
 `reset` (and `free`, when the worker drops a sequence) all of them.
 
 The pool allocates the lowest free block first and, when none is free, doubles (keeping
-every row; up to `max_blocks`, then `KVPoolFull`). Reallocation bumps `generation`: the
+every row; up to `max_blocks`, then `KVPoolFull`); it never shrinks, so a worker keeps
+the most K/V its sequences ever held at once until its next load (freed blocks are reused,
+not returned). Reallocation bumps `generation`: the
 caches' `decode_storage` objects, which name the tensors, are rebuilt on the next call.
 
 Attention over a sequence reads its rows in position order: a view of the pool when its

@@ -86,6 +86,11 @@ class InvalidGrammar(EngineError):
     code = "invalid_grammar"
 
 
+# Prompt positions worth waiting for another request's prefill to share: fewer cost about
+# as much to compute as to wait for.
+WAIT_TO_SHARE = 64
+
+
 def _common_prefix(a: list[int], b: list[int]) -> int:
     """The length of the longest common prefix of two token lists."""
     n = min(len(a), len(b))
@@ -156,6 +161,9 @@ class RequestHandle:
         self.preempt = False
         self.resume: Resume | None = None
         self.lane = 0  # kept while preempted: the workers hold its sampler there
+        # While its prompt (or recompute) is being prefilled: the ids its lane will hold,
+        # so a request arriving with the same beginning can wait to share them.
+        self.prefilling: list[int] | None = None
         self._events: asyncio.Queue[Any] = asyncio.Queue()
 
     def cancel(self) -> None:
@@ -241,6 +249,7 @@ class Engine:
         self.kv = KVBudget(pool) if max_running > 1 else None
         self.preempted: dict[int, RequestHandle] = {}  # lane -> its preempted request
         self._kv_freed = asyncio.Event()  # replaced by a new one each time KV is freed
+        self._prefilled = asyncio.Event()  # renewed each time a prefill chunk ends
         self._tickets = itertools.count(1)
         self._tasks: set[asyncio.Task] = set()
         self._cache_lock = asyncio.Lock()  # one prefix-cache restore or save at a time
@@ -550,11 +559,18 @@ class Engine:
                 )
                 emitted = False
                 await self.target.reset()
-                async with self._cache_lock:  # an entry must not be evicted while restored
-                    handle.cached_tokens = cached = await self._reuse_prefix(req.prompt, lane)
-                cuts = self._cut_points(req.prompt, cached)
-                await self._constrain(handle, stops)
-                sampled = await self._prefill(handle, req.prompt[cached:], sampling, k, cuts)
+                await self._await_shared_prefix(handle, lane)
+                # From here until its prefill ends, requests arriving with the same beginning
+                # may wait to share it (set before any await: they look at once).
+                handle.prefilling = req.prompt
+                try:
+                    async with self._cache_lock:  # an entry must not be evicted while restored
+                        handle.cached_tokens = cached = await self._reuse_prefix(req.prompt, lane)
+                    cuts = self._cut_points(req.prompt, cached)
+                    await self._constrain(handle, stops)
+                    sampled = await self._prefill(handle, req.prompt[cached:], sampling, k, cuts)
+                finally:
+                    self._prefill_ended(handle)
                 if handle.preempt:  # an older request needs the KV: start over later
                     raise Preempted
                 if sampled is None:  # cancelled during the prefill
@@ -582,8 +598,12 @@ class Engine:
         sampling (the workers kept its sampler, whose generator draws on from where it
         stopped; a prefix-cache import would start it over, so none is made). False when
         the client left meanwhile."""
-        cancelled = lambda: handle.cancelled or handle.preempt  # noqa: E731
-        await self.target.prefill(resume.fed, {}, None, cancelled, sample=False)
+        handle.prefilling = resume.fed
+        try:
+            stop = lambda: self._between_chunks(handle)  # noqa: E731
+            await self.target.prefill(resume.fed, {}, None, stop, sample=False)
+        finally:
+            self._prefill_ended(handle)
         if handle.preempt:
             raise Preempted
         return not handle.cancelled
@@ -598,7 +618,7 @@ class Engine:
             ids,
             sampling,
             k,
-            lambda: handle.cancelled or handle.preempt,
+            lambda: self._between_chunks(handle),
             keep_at=cuts,
             masked=handle.constraint is not None,
         )
@@ -608,19 +628,56 @@ class Engine:
             handle.constraint.fill(0)
             return await prefill
 
+    def _between_chunks(self, handle: RequestHandle) -> bool:
+        """`Target.prefill`'s question before each chunk: whether to stop. A chunk has just
+        ended (the lane holds more of its prompt), so requests waiting to share it look."""
+        self._notify_prefilled()
+        return handle.cancelled or handle.preempt
+
+    def _prefill_ended(self, handle: RequestHandle) -> None:
+        handle.prefilling = None
+        self._notify_prefilled()
+
+    def _notify_prefilled(self) -> None:
+        self._prefilled.set()
+        self._prefilled = asyncio.Event()
+
+    async def _await_shared_prefix(self, handle: RequestHandle, lane: int) -> None:
+        """Hold a new request back while another running request prefills a prefix of its
+        prompt at least WAIT_TO_SHARE positions longer than any lane holds now: requests
+        sent together with one system prompt then compute it once and share its blocks,
+        instead of each computing it beside the others. Returns when that prefill has
+        passed the prefix, stopped, or this request is cancelled or preempted."""
+        if self.max_running == 1 or not self.target.shares_prefixes:
+            return
+        prompt = handle.request.prompt
+        waiting = False
+        while not (handle.cancelled or handle.preempt):
+            _, held = self._sharing_source(prompt, lane)
+            coming = max(
+                (
+                    _common_prefix(prompt[:-1], other.prefilling)
+                    for other_lane, other in self.running.items()
+                    if other_lane != lane and other.prefilling is not None
+                ),
+                default=0,
+            )
+            if coming <= held or (not waiting and coming - held < WAIT_TO_SHARE):
+                return
+            waiting = True
+            await self._prefilled.wait()
+
     async def _reuse_prefix(self, prompt: list[int], lane: int) -> int:
-        """Put the prompt's prefix held elsewhere into the (reset) lane: a running request's
-        K/V blocks, shared, or the prefix cache's snapshot, restored (a copy). Sharing wins
-        unless the restore covers at least a block more: sharing is in whole blocks, and
-        computing less than a block costs less than copying the whole prefix (which would
-        also hold it twice). Returns the positions that need no computing."""
+        """Put the prompt's longest prefix held elsewhere into the (reset) lane: a running
+        request's K/V blocks, shared, or the prefix cache's snapshot, restored (a copy);
+        sharing wins a tie. Returns the positions that need no computing."""
         cache = self.prefix_cache
         hit = None
         if cache is not None:
             self._observe("prefix_queries", len(prompt))
             hit = cache.lookup(prompt)
         source, common = self._sharing_source(prompt, lane)
-        if common and (hit is None or hit.n - common < self.target.placement.kv_block):
+        if common and common >= (hit.n if hit is not None else 0):
             try:
                 shared = await self.target.share(source, common)
             except WorkerReplyError as exc:  # the lane is reset: restore or compute instead
@@ -634,8 +691,8 @@ class Engine:
 
     def _sharing_source(self, prompt: list[int], lane: int) -> tuple[int, int]:
         """(lane, n): the running request whose committed K/V holds the longest prefix of
-        `prompt`, at most all but its last token (the last one is fed to sample from), in
-        whole blocks (what `Target.share` shares); n is 0 when there is none."""
+        `prompt`, at most all but its last token (the last one is fed to sample from); n is
+        0 when there is none."""
         if self.max_running == 1 or not self.target.shares_prefixes:
             return 0, 0
         best = (0, 0)
@@ -643,11 +700,9 @@ class Engine:
             if other == lane or handle.preempt:
                 continue
             # Its first positions hold its prompt (after a preemption its prompt and output).
-            common = self.target.whole_blocks(
-                min(
-                    _common_prefix(prompt[:-1], handle.request.prompt),
-                    self.target.lane_position(other),
-                )
+            common = min(
+                _common_prefix(prompt[:-1], handle.request.prompt),
+                self.target.lane_position(other),
             )
             if common > best[1]:
                 best = (other, common)

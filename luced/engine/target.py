@@ -633,23 +633,17 @@ class Target:
             and self._capture is None
         )
 
-    def whole_blocks(self, n: int) -> int:
-        """The positions of n that `share` can share: whole K/V blocks."""
-        block = self.placement.kv_block
-        return n // block * block if block else 0
-
     @_on_lane
     async def share(self, source: int, n: int) -> int:
-        """Start this (reset) lane on lane `source`'s first n committed positions, sharing
-        their K/V blocks in every worker instead of computing or copying them. Only whole
-        blocks are shared: returns the positions committed here (n rounded down to the
-        block size, 0 when that is nothing). If a worker refuses, every worker's copy of
-        this lane is reset and the error raised."""
+        """Start this (reset) lane on lane `source`'s first n committed positions (at most
+        what it holds), sharing their K/V blocks in every worker instead of computing or
+        copying them. Returns the positions committed here. If a worker refuses, every
+        worker's copy of this lane is reset and the error raised."""
         if not self.shares_prefixes:
             raise ValueError("this target does not share prefixes (shares_prefixes)")
         if self._position:
             raise ValueError(f"share into a lane holding {self._position} positions: reset it")
-        n = self.whole_blocks(min(n, self.lane_position(source)))
+        n = min(n, self.lane_position(source))
         if n == 0:
             return 0
         frame = KVShare(sequence=self.lane_id, source=source, position=n)

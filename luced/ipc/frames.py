@@ -989,8 +989,8 @@ class TruncateReply(Reply):
 @dataclass(frozen=True)
 class KVShare(Request):
     """Start the (empty) ``sequence`` on the first ``position`` positions of ``source``:
-    their K/V blocks are shared, not copied (a load with ``kv_block``); only whole blocks
-    are, so the reply's position is ``position`` rounded down to the block size."""
+    the K/V blocks that hold them are shared, not copied (a load with ``kv_block``); a
+    block either writes into next is copied first."""
 
     sequence: int
     source: int

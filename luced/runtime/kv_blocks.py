@@ -17,12 +17,14 @@ writes through that map, as it reads a KV Flash pool's::
     B.table = [0, 1]    B.rows = [0 1 2 3  4  5  6 ...]
 
 Each block has a reference count: the number of tables that hold it. `share` makes an
-empty cache's first blocks another's (whole, committed blocks only: a block's rows never
-change while it is shared), retaining each; sharing costs a table entry per block and
-nothing else, no copy. Copy-on-write keeps a holder's rows from changing under another:
-a `reserve` whose range touches a block with refcount > 1 (the source truncated into its
-shared prefix and now rewrites it) first moves the writer onto a fresh block holding a
-copy of that block's rows (every stored layer), releasing the old one. A block whose
+empty cache's first blocks another's, retaining each; sharing costs a table entry per
+block and nothing else, no copy. Copy-on-write keeps a block's rows from changing while
+it is shared: a `reserve` whose range touches a block with refcount > 1 first moves the
+writer onto a fresh block holding a copy of that block's rows (every stored layer),
+releasing the old one. So a prefix that ends inside a block is shared with that block,
+and whichever cache writes into it next (the sharer its first own position, or the
+source its next one) copies that one block; a source that truncates into the shared
+prefix and rewrites it copies the blocks it rewrites. A block whose
 count falls to 0 is free again; `truncate` releases the blocks wholly past the new end,
 `reset` (and `free`, when the worker drops a sequence) all of them.
 
@@ -357,10 +359,10 @@ class PagedKVCache(RecurrentLayers):
         self.reset()
 
     def share(self, source: PagedKVCache, n: int) -> int:
-        """Make this (empty, pos 0) cache's first positions the source's first n positions'
-        blocks, without copying: only whole blocks (n rounded down to the block size), all
-        committed in the source (n <= source.pos). Returns the positions shared and commits
-        them."""
+        """Make this (empty, pos 0) cache's first n positions the source's, without copying:
+        it takes the source's blocks that hold them (n <= source.pos, committed there). A
+        last block that holds positions past n too is shared as well; the first write into
+        it, by either cache, copies it (`reserve`). Returns n, committed."""
         if self.recurrent is not None or source.recurrent is not None:
             raise ValueError("a cache with recurrent layers cannot share rows: no state at n")
         if source.pool is not self.pool:
@@ -371,15 +373,14 @@ class PagedKVCache(RecurrentLayers):
             raise ValueError("cannot share the rows of a cache of other layers")
         if not 0 <= n <= source.pos:
             raise ValueError(f"cannot share {n} positions: the source holds {source.pos}")
-        whole = n // self.pool.block
-        if whole * self.pool.block > self.capacity:
+        if n > self.capacity:
             raise ContextOverflow(f"{n} positions exceed the KV capacity {self.capacity}")
-        for i, block in enumerate(source.table[:whole]):
+        for i, block in enumerate(source.table[: -(-n // self.pool.block)]):
             self.pool.retain(block)
             self._assign(i, block)
         self._relink()
-        self.commit(whole * self.pool.block)
-        return self.pos
+        self.commit(n)
+        return n
 
     def export_rows(self, layer: int, n: int, k_out: torch.Tensor, v_out: torch.Tensor) -> None:
         """Copy `layer`'s committed rows [0, n) into k_out / v_out ([Hkv, >= n, D], the cache

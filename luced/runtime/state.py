@@ -181,8 +181,7 @@ class Loaded:
 
     def share(self, sequence: int, source: int, n: int) -> int:
         """Start `sequence` (emptied first) on `source`'s first n positions: each shard's
-        paged cache takes the source's blocks without copying, whole blocks only, so the
-        positions shared are n rounded down to the block size. Returns them."""
+        paged cache takes the source's blocks that hold them, without copying. Returns n."""
         if not self.block_pools:
             raise WorkerError("kv_share needs a load with kv_block (one block pool per shard)")
         if source != self.sequence and source not in self.parked:

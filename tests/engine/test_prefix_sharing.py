@@ -64,9 +64,9 @@ async def kv_blocks_used(engine: Engine) -> list[int]:
 
 @pytest.mark.parametrize("devices", [("cpu",), ("cpu", "cpu:1")], ids=["unsplit", "split"])
 async def test_requests_share_a_running_requests_prefix_blocks(tiny: Path, devices) -> None:
-    """Three requests arrive while the first decodes: each shares the whole blocks of its
-    common prefix with it (in every shard of a split), holds only its own blocks besides,
-    and gives its fresh output."""
+    """Three requests arrive while the first decodes: each shares its common prefix with
+    it (in every shard of a split), holds only its own blocks besides, and gives its fresh
+    output."""
     want = await fresh(tiny, [FIRST, *LATER], devices)
     async with engine_for(tiny, devices, context=512, max_running=4) as engine:
         assert engine.target.shares_prefixes
@@ -79,12 +79,13 @@ async def test_requests_share_a_running_requests_prefix_blocks(tiny: Path, devic
         got = [await rest for _, rest in streams]
         assert (await first_rest)[:16] == want[0]
     assert got == want[1:]
-    # Whole blocks of 16 of the common prefix: 100 -> 96, 150 -> 144, 149 -> 144.
-    assert [h.cached_tokens for h in handles] == [96, 144, 144]
-    assert engine.totals["shared_prompt_tokens"] == 96 + 144 + 144
+    # The common prefix (all but the last prompt token of the same prompt).
+    assert [h.cached_tokens for h in handles] == [100, 150, 149]
+    assert engine.totals["shared_prompt_tokens"] == 100 + 150 + 149
     # Each later request holds only its own blocks past the shared ones, not a copy of the
-    # prefix: at least its prompt's rest (3 + 3 + 1 blocks of 16), at most that and its 16
-    # tokens plus the first request's growth (10 + 3), where copies would be >= 9 + 10 + 10.
+    # prefix: at least its prompt's rest (3 + 3 + 1 blocks of 16, the first a copy of the
+    # block it shared and wrote into), at most that and its 16 tokens plus the first
+    # request's growth (10 + 3), where copies of the prompts would be >= 9 + 10 + 10.
     for before, now in zip(alone, during, strict=True):
         assert 3 + 3 + 1 <= now - before <= 13 < 9 + 10 + 10
 
@@ -101,7 +102,7 @@ async def test_a_sharer_outlives_its_source(tiny: Path) -> None:
         _, rest = await first_token(sharer)
         source.cancel()
         assert await rest == want[0]
-        assert sharer.cached_tokens == 144
+        assert sharer.cached_tokens == 150
         assert await engine.drain(10)
         assert await kv_blocks_used(engine) == [0]
 
@@ -118,17 +119,14 @@ async def test_without_a_block_pool_nothing_is_shared(tiny: Path) -> None:
         assert later.cached_tokens == 0 and engine.totals["shared_prompt_tokens"] == 0
 
 
-async def test_sharing_wins_over_a_restore_unless_the_restore_covers_a_block_more(
-    tiny: Path,
-) -> None:
-    """With the prefix cache on: a request whose cached prefix exceeds what it can share
-    by less than a block shares (computing a few positions beats copying the prefix); one
-    whose cached prefix is a block or more longer restores it. Both give their fresh
+async def test_sharing_wins_a_tie_with_a_restore_and_a_longer_restore_wins(tiny: Path) -> None:
+    """With the prefix cache on: a request that can share as much as the cache holds
+    shares (no copy); one whose cached prefix is longer restores it. Both give their fresh
     outputs."""
     tail = [(3 * i + 7) % 120 + 2 for i in range(30)]
     held = FIRST[:100] + tail
-    shares = FIRST[:100] + tail[:10] + [5, 6, 7, 8]  # cached 110 (the held one's), shares 96
-    restores = FIRST + [9, 10, 11]  # cached 150 (the first one's), shares 96
+    shares = FIRST[:100] + tail[:10] + [5, 6, 7, 8]  # cached 110 (the held one's), shares 110
+    restores = [*FIRST, 9, 10, 11]  # cached 150 (the first one's), shares 100
     want = await fresh(tiny, [shares, restores])
     async with engine_for(tiny, context=512, max_running=3, prefix_cache_bytes=64 << 20) as engine:
         await tokens(engine.submit(request("first", FIRST, max_tokens=2)))
@@ -138,5 +136,18 @@ async def test_sharing_wins_over_a_restore_unless_the_restore_covers_a_block_mor
         got = [await tokens(h) for h in handles]
         holder.cancel()
     assert got == want
-    assert [h.cached_tokens for h in handles] == [96, 150]
-    assert engine.totals["shared_prompt_tokens"] == 96
+    assert [h.cached_tokens for h in handles] == [110, 150]
+    assert engine.totals["shared_prompt_tokens"] == 110
+
+
+async def test_requests_sent_together_compute_their_common_prefix_once(tiny: Path) -> None:
+    """Four requests with one 150-token beginning arrive at once: the first computes it,
+    the others wait for its prefill and share its blocks, then give their fresh outputs."""
+    prompts = [FIRST + [(17 * i + j) % 120 + 2 for j in range(8)] for i in range(4)]
+    want = await fresh(tiny, prompts)
+    async with engine_for(tiny, context=512, max_running=4) as engine:
+        handles = [engine.submit(request(f"r{i}", p)) for i, p in enumerate(prompts)]
+        got = await asyncio.gather(*(tokens(h) for h in handles))
+    assert got == want
+    assert sorted(h.cached_tokens for h in handles) == [0, 150, 150, 150]
+    assert engine.totals["shared_prompt_tokens"] == 3 * 150

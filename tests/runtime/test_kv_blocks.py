@@ -127,7 +127,7 @@ def test_shared_prefix_and_copy_on_write(tiny) -> None:
     assert a.table == [0, 1, 2]
 
     b, b_alone = paged(model, pool), model.new_cache(64)
-    assert b.share(a, 35) == 32 and b.pos == 32  # whole blocks only
+    assert b.share(a, 32) == 32 and b.pos == 32
     assert b.table == [0, 1] and [pool.refs(i) for i in range(3)] == [2, 2, 1]
     model.forward(b_ids[:32], b_alone, 0)
     got, want = feed(model, [b, b_alone], b_ids[32:40], 32)
@@ -166,6 +166,31 @@ def test_shared_prefix_and_copy_on_write(tiny) -> None:
     a.free()
     b.free()
     assert pool.used_blocks == 0 and a.table == b.table == [] and a.pos == b.pos == 0
+
+
+def test_a_prefix_ending_inside_a_block_shares_it_until_a_write(tiny) -> None:
+    """C shares A's first 35 positions: blocks 0 and 1 and the block A holds 32..39 in.
+    C's first write (position 35) copies that block; A then writes its next positions into
+    its own, unchanged block. Both equal their sequences alone."""
+    model = tiny("llama")
+    pool = new_pool(model, block=16, initial_blocks=8)
+    a_ids, c_ids = ids(model, 44, seed=3), ids(model, 44, seed=9)
+    c_ids[:35] = a_ids[:35]
+    a, a_alone = paged(model, pool), model.new_cache(64)
+    feed(model, [a, a_alone], a_ids[:40], 0)
+    c, c_alone = paged(model, pool), model.new_cache(64)
+    assert c.share(a, 35) == 35 and c.table == [0, 1, 2]
+    assert [pool.refs(i) for i in range(3)] == [2, 2, 2]
+    model.forward(c_ids[:35], c_alone, 0)
+    got, want = feed(model, [c, c_alone], c_ids[35:38], 35)
+    assert torch.equal(got, want)
+    assert c.table == [0, 1, 3] and [pool.refs(i) for i in range(4)] == [2, 2, 1, 1]
+    for p in range(40, 44):
+        got, want = feed(model, [a, a_alone], a_ids[p : p + 1], p)
+        assert torch.equal(got, want), p
+        got, want = feed(model, [c, c_alone], c_ids[p - 2 : p - 1], p - 2)
+        assert torch.equal(got, want), p
+    assert a.table == [0, 1, 2] and pool.used_blocks == 4
 
 
 def test_recurrent_caches_do_not_share(tiny) -> None:
@@ -275,7 +300,7 @@ def test_ragged_batch_of_paged_caches(tiny, family: str) -> None:
         model.forward(a_ids[:32], c, 0)
     for c in (a, plain[0], alone[0]):
         model.forward(a_ids[32:37], c, 32)
-    assert b.share(a, 37) == 32
+    assert b.share(a, 32) == 32
     for c in (b, plain[1], alone[1]):
         model.forward(b_ids[32:44], c, 32)
     pos = [37, 44]

@@ -228,9 +228,10 @@ def varied(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_kv_share_starts_a_sequence_on_anothers_blocks(tmp_path, owner, io, varied) -> None:
-    """With a block pool (load kv_block 8): sequence 2 shares sequence 1's first 16 of 21
-    prompt positions (asked for 20: whole blocks only), feeds the rest, and decodes its
-    fresh continuation, holding only its own blocks. Refusals change nothing."""
+    """With a block pool (load kv_block 8): sequence 2 shares sequence 1's first 20 of 21
+    prompt positions (its 3 blocks, the last one partly), feeds the last, and decodes its
+    fresh continuation, holding only its own blocks besides: a copy of the block it wrote
+    into, and new ones. Refusals change nothing."""
     w = start_worker(tmp_path, owner, varied, (0, 4), kv_block=8)
     try:
         prompt = [(5 * i + 2) % 60 + 1 for i in range(21)]
@@ -241,18 +242,19 @@ def test_kv_share_starts_a_sequence_on_anothers_blocks(tmp_path, owner, io, vari
         with pytest.raises(RemoteError, match="holds 21 positions, not 24"):
             w.call(F.KVShare(sequence=2, source=1, position=24))
         reply = w.call(F.KVShare(sequence=2, source=1, position=20))
-        assert isinstance(reply, F.KVShareReply) and reply.position == 16
+        assert isinstance(reply, F.KVShareReply) and reply.position == 20
         assert blocks_used(w) == 3  # nothing copied
-        got = [forward(w, io, 2, 16, prompt[16:])]
-        assert blocks_used(w) == 4  # its own block for positions 16..20
+        got = [forward(w, io, 2, 20, prompt[20:])]
+        assert blocks_used(w) == 4  # its copy of the block of positions 16..23
         for _ in range(4):
             got.append(forward(w, io, 2, len(prompt) + len(got) - 1, got[-1:]))
         model = Model.load(varied)
         want = alone(model, prompt, 5)
         assert got == want and first == want[0] and len(set(want)) > 2
         # The source goes: the shared blocks stay with sequence 2, which decodes on.
+        assert blocks_used(w) == 5  # and a new one for positions 24..
         w.call(F.Reset(sequence=1, release=True))
-        assert blocks_used(w) == 2 + 2  # the 2 shared, its own 2 (positions 16..25)
+        assert blocks_used(w) == 2 + 2  # the 2 shared, its own 2 (positions 16..31)
         got.append(forward(w, io, 2, len(prompt) + len(got) - 1, got[-1:]))
         assert got == alone(model, prompt, 6)
         w.call(F.Reset(sequence=2, release=True))

@@ -686,6 +686,10 @@ class Engine:
             if shared:
                 self.totals["shared_prompt_tokens"] += shared
                 self._observe("prefix_shared", shared)
+                if self.kv is not None:  # charged once, to the source: room for others
+                    self.kv.share(lane, source, shared)
+                    self._notify_kv()
+                    self._wakeup.set()
                 return shared
         return await self._restore_prefix(hit) if hit is not None else 0
 

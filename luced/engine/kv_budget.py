@@ -9,6 +9,14 @@ older request never waits for a younger one, and no request fails because anothe
 
 Positions, not bytes: a sequence's KV costs the same per position whatever it holds, and
 the pool must hold one whole context (`Engine` checks it), so any single request fits.
+
+A shared prefix (the workers' block pool, `Target.share`) is charged once: the request
+that shared a running one's first n positions is credited n (`share`), which its source
+pays as part of its own. When a source is released while requests still share its
+positions, the one sharing the most (the heir) pays for them from then on, crediting only
+what the source itself had shared, and the others share the heir's instead; so a release
+never charges more than it frees. Admission still asks for a whole prompt: the credit
+comes once the share is made.
 """
 
 from __future__ import annotations
@@ -26,10 +34,18 @@ class KVBudget:
         self.positions = positions
         self.held: dict[int, int] = {}  # lane -> positions reserved
         self.tickets: dict[int, int] = {}  # lane -> its request's arrival order
+        # lane -> (the lane whose blocks it shares, its first positions that lane pays for)
+        self.credits: dict[int, tuple[int, int]] = {}
 
     @property
     def used(self) -> int:
-        return sum(self.held.values())
+        return sum(self.held.values()) - sum(n for _, n in self.credits.values())
+
+    def share(self, lane: int, source: int, n: int) -> None:
+        """The lane's first n positions are the source lane's, charged to it alone."""
+        if source not in self.held or lane not in self.held:
+            raise ValueError(f"lanes {lane} and {source} must both hold a reservation")
+        self.credits[lane] = (source, min(n, self.held[lane]))
 
     def fits(self, positions: int) -> bool:
         return self.used + positions <= self.positions
@@ -62,6 +78,17 @@ class KVBudget:
     def release(self, lane: int) -> None:
         self.held.pop(lane, None)
         self.tickets.pop(lane, None)
+        own = self.credits.pop(lane, None)
+        sharers = [s for s, (source, _) in self.credits.items() if source == lane]
+        if not sharers:
+            return
+        heir = max(sharers, key=lambda s: self.credits[s][1])
+        _, most = self.credits.pop(heir)
+        if own is not None:  # what the released lane shared, the heir shares now
+            self.credits[heir] = (own[0], min(most, own[1]))
+        for s in sharers:
+            if s != heir:
+                self.credits[s] = (heir, self.credits[s][1])
 
     def newest(self) -> int:
         """The lane whose request arrived last: the one that gives way."""

@@ -199,6 +199,28 @@ def test_kv_budget_reserves_grows_and_names_the_newest() -> None:
         kv.admit(1, ticket=12, positions=1)
 
 
+def test_kv_budget_charges_a_shared_prefix_once() -> None:
+    """Lanes 2 and 3 share lane 1's first 50 and 30 positions, lane 4 shares lane 2's
+    first 60 (50 of them lane 1's): each shared position is charged once, and releasing a
+    source hands its positions to the sharer that shares the most, never charging more
+    than the release frees."""
+    kv = KVBudget(1000)
+    for lane, held in ((1, 100), (2, 80), (3, 40), (4, 70)):
+        assert kv.admit(lane, ticket=lane, positions=held)
+    kv.share(2, 1, 50)
+    kv.share(3, 1, 30)
+    kv.share(4, 2, 60)
+    assert kv.used == 100 + (80 - 50) + (40 - 30) + (70 - 60)
+    kv.release(1)  # lane 2, sharing the most, pays for its 50 now; lane 3 shares lane 2's
+    assert kv.credits == {3: (2, 30), 4: (2, 60)} and kv.used == 80 + 10 + 10
+    kv.release(2)  # lane 4 (60) is the heir: it pays for all 70; lane 3 shares its 30
+    assert kv.credits == {3: (4, 30)} and kv.used == 70 + 10
+    kv.release(4)
+    assert kv.credits == {} and kv.used == 40
+    with pytest.raises(ValueError, match="must both hold"):
+        kv.share(3, 9, 10)
+
+
 def test_the_kv_pool_holds_a_context_and_auto_follows_the_free_memory() -> None:
     assert resolve_kv_pool(5000, 8, 4096, 1024) == 5000
     with pytest.raises(ValueError, match="one whole context"):

@@ -151,3 +151,20 @@ async def test_requests_sent_together_compute_their_common_prefix_once(tiny: Pat
     assert got == want
     assert sorted(h.cached_tokens for h in handles) == [0, 150, 150, 150]
     assert engine.totals["shared_prompt_tokens"] == 3 * 150
+
+
+async def test_a_shared_prefix_is_charged_once_so_more_requests_run(tiny: Path) -> None:
+    """A pool of one context (512 positions) and four requests of ~200 prompt tokens with
+    one 190-token beginning: charged whole, only two would fit; charged once, all four
+    run together (each one's first token comes before any finishes), without preemption,
+    each with its fresh output."""
+    prompts = [FIRST + FIRST[:40] + [(19 * i + j) % 120 + 2 for j in range(10)] for i in range(4)]
+    want = await fresh(tiny, prompts)
+    async with engine_for(tiny, context=512, max_running=4, kv_pool_tokens=512) as engine:
+        handles = [engine.submit(request(f"r{i}", p, max_tokens=40)) for i, p in enumerate(prompts)]
+        got = await asyncio.gather(*(tokens(h) for h in handles))
+        assert await engine.drain(10)
+        assert engine.kv is not None and engine.kv.used == 0 and not engine.kv.credits
+    assert [g[:16] for g in got] == want
+    assert max(h.first_token_at for h in handles) < min(h.last_token_at for h in handles)
+    assert engine.totals["preemptions"] == 0 and engine.totals["shared_prompt_tokens"] == 3 * 190

@@ -624,14 +624,9 @@ class Target:
     @property
     def shares_prefixes(self) -> bool:
         """Whether a lane may start on another's prefix blocks (`share`): the workers hold
-        every lane's K/V in one block pool, and no per-lane state outside the K/V (a
-        recurrent state, a DFlash feature ring, a KV Flash pager) would need the prefix too."""
-        return (
-            self.placement.kv_block > 0
-            and self.flash_cfg is None
-            and not self.recurrent
-            and self._capture is None
-        )
+        every lane's K/V in one block pool, and no per-lane state outside the K/V and the
+        feature ring (a recurrent state, a KV Flash pager) would need the prefix too."""
+        return self.placement.kv_block > 0 and self.flash_cfg is None and not self.recurrent
 
     @_on_lane
     async def share(self, source: int, n: int) -> int:
@@ -660,7 +655,25 @@ class Target:
         self._position = n
         self._last_fed = (n, [])
         self._last_block_states = False
+        if self.ring is not None:
+            self._share_ring(source, n)
         return n
+
+    def _share_ring(self, source: int, n: int) -> None:
+        """Copy the source lane's captures of positions below n into this lane's ring (the
+        draft reads them as the prefix's context). The source's ring holds a position only
+        from its floor on and within ring_cap of what it has fed, rejected verify rows
+        included (at most MAX_BLOCK past its position); this lane's floor is set to match."""
+        assert self.ring is not None
+        theirs = self._lane_ring(source)
+        lane = self._lanes[source]  # parked: this lane is the selected one
+        assert theirs is not None
+        cap = self.ring.ring_cap
+        lo = max(lane.ring_floor, lane.position + MAX_BLOCK - cap, 0)
+        if lo < n:
+            slots = np.arange(lo, n) % cap
+            self.ring.array[slots] = theirs.array[slots]
+        self._ring_floor = min(lo, n)
 
     @property
     def recurrent(self) -> bool:

@@ -411,7 +411,7 @@ OPTIONS: tuple[Option, ...] = (
         "request's K/V lives in blocks of one pool per worker shard, so a request whose "
         "prompt starts like a running one's takes that prefix's blocks without computing or "
         "copying them. 0: each request's K/V on its own, nothing shared. Not used with "
-        "`--kv-flash`, a DFlash draft model, a hybrid (recurrent) model or `--max-running 1`.",
+        "`--kv-flash` or `--max-running 1`; a hybrid (recurrent) model does not share.",
         minimum=0, maximum=1024,
     ),
     Option(

@@ -7,11 +7,14 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
+import make_tiny_draft
 import make_tiny_gguf
 import pytest
+import torch
 from engine_harness import engine_for
 
 from luced.engine.core import Engine, GenerationRequest, RequestHandle
+from luced.runtime.model import Model
 from luced.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0)
@@ -168,3 +171,25 @@ async def test_a_shared_prefix_is_charged_once_so_more_requests_run(tiny: Path) 
     assert [g[:16] for g in got] == want
     assert max(h.first_token_at for h in handles) < min(h.last_token_at for h in handles)
     assert engine.totals["preemptions"] == 0 and engine.totals["shared_prompt_tokens"] == 3 * 190
+
+
+async def test_a_dflash_request_shares_the_prefix_and_its_captures(tmp_path: Path) -> None:
+    """With a DFlash draft model: the request that shares a running one's prefix also gets
+    that prefix's captured layer outputs in its lane's feature ring (the draft's context),
+    so its ring equals a fresh forward's captures, and its output is plain decoding's."""
+    target = make_tiny_gguf.build("qwen3", tmp_path / "qwen3.gguf", seed=7, layers=8).path
+    draft = make_tiny_draft.build(target, tmp_path / "draft", seed=3, block_size=4)[1]
+    prompts = [FIRST[:100] + FIRST[:20], [*FIRST[:100], 99, 9, 14, 3, 22, 7, 40, 2]]
+    want = await fresh(target, prompts)
+    async with engine_for(target, context=256, draft=draft, block_size=4, max_running=2) as engine:
+        assert engine.target.shares_prefixes
+        handles = [engine.submit(request(f"d{i}", p)) for i, p in enumerate(prompts)]
+        got = await asyncio.gather(*(tokens(h) for h in handles))
+        ring = engine.target._rings[handles[1].lane]
+        layers, rows = ring.layers, ring.array.copy()
+    assert got == want and handles[1].cached_tokens == 100
+    model = Model.load(target)
+    fed = torch.tensor([*prompts[1], *got[1][:-1]])  # the last token is never fed
+    _, caps = model.forward_layers(model.embed(fed), model.new_cache(len(fed)), 0, layers)
+    expected = torch.stack([caps[layer] for layer in layers], 1)
+    torch.testing.assert_close(torch.from_numpy(rows[: len(fed)]), expected, atol=1e-4, rtol=1e-4)

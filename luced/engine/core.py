@@ -31,6 +31,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from luced.acceptance import clip, verify_greedy
 from luced.cache.prefix_cache import Hit, PrefixCache
 from luced.engine.batcher import StepBatcher
@@ -92,9 +94,11 @@ WAIT_TO_SHARE = 64
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:
-    """The length of the longest common prefix of two token lists."""
+    """The length of the longest common prefix of two token lists (compared in numpy:
+    waiting requests compare whole prompts after every prefill chunk)."""
     n = min(len(a), len(b))
-    return next((i for i in range(n) if a[i] != b[i]), n)
+    differ = np.flatnonzero(np.asarray(a[:n]) != np.asarray(b[:n]))
+    return int(differ[0]) if differ.size else n
 
 
 async def _first_row(rows: Awaitable[list[Sampled]]) -> Sampled:

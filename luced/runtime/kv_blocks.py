@@ -55,6 +55,7 @@ from luced.runtime.kv_cache import (
     RecurrentLayers,
     RecurrentShape,
     RecurrentState,
+    layer_roles,
 )
 from luced.runtime.layers import attention_mask
 from luced.runtime.native_attention import Storage
@@ -208,13 +209,7 @@ class PagedKVCache(RecurrentLayers):
         self.device = pool.device
         states = state_dtype or self.dtype
         self.recurrent = RecurrentState(recurrent, states, self.device) if recurrent else None
-        self.sources = dict(sources or {})
-        for layer, source in self.sources.items():
-            if layer not in layers or source not in layers or source in self.sources:
-                raise ValueError(f"layer {layer} cannot read the KV of layer {source}")
-        self.stored = tuple(
-            i for i in layers if i not in self.sources and i not in (recurrent or {})
-        )
+        self.sources, self.stored = layer_roles(layers, sources, recurrent)
         if set(self.stored) != set(pool.shapes):
             raise ValueError(f"the pool stores layers {sorted(pool.shapes)}, not {self.stored}")
         self.shapes = {i: pool.shapes[i] for i in self.stored}
@@ -324,11 +319,6 @@ class PagedKVCache(RecurrentLayers):
             storage = Storage(pool.k[source], pool.v[source], rows=self.rows)
             self._storage[source] = storage
         return storage
-
-    def commit(self, end: int) -> None:
-        if self.recurrent is not None:
-            self.recurrent.commit(end)
-        self.pos = end
 
     def truncate(self, pos: int) -> None:
         """Roll back to `pos` committed tokens and release the blocks wholly past it. With

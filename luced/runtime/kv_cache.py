@@ -295,6 +295,23 @@ class KVStore(Protocol):
     def commit(self, end: int) -> None: ...
 
 
+def layer_roles(
+    layers: range, sources: Mapping[int, int] | None, recurrent: Mapping[int, object] | None
+) -> tuple[dict[int, int], tuple[int, ...]]:
+    """(sources, stored) of a cache over `layers`: the KV-sharing layers' sources, checked
+    (both in `layers`, the source storing its own rows), and the layers that hold K/V rows
+    of their own (neither sharing nor recurrent), the ones snapshots copy."""
+    shared = dict(sources or {})
+    for layer, source in shared.items():
+        if layer not in layers or source not in layers or source in shared:
+            raise ValueError(
+                f"layer {layer} cannot read the KV of layer {source}: both must be in "
+                f"[{layers.start}, {layers.stop}) and the source must store its own"
+            )
+    stored = tuple(i for i in layers if i not in shared and i not in (recurrent or {}))
+    return shared, stored
+
+
 class RecurrentLayers:
     """What a cache does for its recurrent layers (see the module docstring), shared by
     `KVCache` and `kv_pool.PooledKVCache`: recurrent state is never pooled, so both keep
@@ -308,6 +325,12 @@ class RecurrentLayers:
 
     def truncate(self, pos: int) -> None:
         raise NotImplementedError
+
+    def commit(self, end: int) -> None:
+        """Positions [0, end) are committed (and the recurrent layers' staged states)."""
+        if self.recurrent is not None:
+            self.recurrent.commit(end)
+        self.pos = end
 
     def is_recurrent(self, layer: int) -> bool:
         return self.recurrent is not None and layer in self.recurrent.shapes
@@ -417,17 +440,7 @@ class KVCache(RecurrentLayers):
         self.device = torch.device(device)
         states = state_dtype or dtype
         self.recurrent = RecurrentState(recurrent, states, self.device) if recurrent else None
-        self.sources = dict(sources or {})
-        for layer, source in self.sources.items():
-            if layer not in layers or source not in layers or source in self.sources:
-                raise ValueError(
-                    f"layer {layer} cannot read the KV of layer {source}: both must be in "
-                    f"[{layers.start}, {layers.stop}) and the source must store its own"
-                )
-        # The layers that hold K/V rows of their own.
-        self.stored = tuple(
-            i for i in layers if i not in self.sources and i not in (recurrent or {})
-        )
+        self.sources, self.stored = layer_roles(layers, sources, recurrent)
         self.shapes = {i: (n_kv_heads, head_dim) for i in self.stored}
         self.shapes.update((i, s) for i, s in (shapes or {}).items() if i in self.shapes)
         self.pos = 0
@@ -508,11 +521,6 @@ class KVCache(RecurrentLayers):
         if storage is None:  # one per layer, so the kernel's checks of it run once
             storage = self._storage[source] = Storage(self.k[source], self.v[source])
         return storage
-
-    def commit(self, end: int) -> None:
-        if self.recurrent is not None:
-            self.recurrent.commit(end)
-        self.pos = end
 
     def truncate(self, pos: int) -> None:
         """Roll back to `pos` committed tokens (pos <= current fill position). With recurrent

@@ -51,6 +51,7 @@ from luced.runtime.kv_cache import (
     RecurrentLayers,
     RecurrentShape,
     RecurrentState,
+    layer_roles,
 )
 from luced.runtime.kv_qk import ChunkKeys
 from luced.runtime.layers import attention_mask
@@ -101,17 +102,10 @@ class PooledKVCache(RecurrentLayers):
         if pool <= 0 or pool % chunk:
             raise ValueError(f"a pool of {pool} rows is not a positive multiple of {chunk}")
         self.layers = layers
-        self.sources = dict(sources or {})
-        for layer, source in self.sources.items():
-            if layer not in layers or source not in layers or source in self.sources:
-                raise ValueError(f"layer {layer} cannot read the pooled rows of layer {source}")
+        self.sources, self.stored = layer_roles(layers, sources, recurrent)
         self.device = torch.device(device)
         states = state_dtype or dtype
         self.recurrent = RecurrentState(recurrent, states, self.device) if recurrent else None
-        # The layers that hold pool rows of their own (snapshots and host records copy these).
-        self.stored = tuple(
-            i for i in layers if i not in self.sources and i not in (recurrent or {})
-        )
         heads = n_kv_heads if isinstance(n_kv_heads, Mapping) else dict.fromkeys(layers, n_kv_heads)
         self.shapes = {i: (heads[i], head_dim) for i in self.stored}
         self.shapes.update((i, s) for i, s in (shapes or {}).items() if i in self.shapes)
@@ -255,9 +249,7 @@ class PooledKVCache(RecurrentLayers):
             self.qk.observe(layer, q)
 
     def commit(self, end: int) -> None:
-        if self.recurrent is not None:
-            self.recurrent.commit(end)
-        self.pos = end
+        super().commit(end)
         self._step = None
 
     def truncate(self, pos: int) -> None:

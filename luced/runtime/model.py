@@ -31,7 +31,7 @@ from luced.runtime import moe
 from luced.runtime.families import family_for
 from luced.runtime.families.common import ModelConfig
 from luced.runtime.kv_blocks import BlockPool, PagedKVCache
-from luced.runtime.kv_cache import KVCache, KVStore, RecurrentShape
+from luced.runtime.kv_cache import KVCache, KVStore, RecurrentShape, layer_roles
 from luced.runtime.kv_pool import PooledKVCache
 from luced.runtime.layers import fuse_rows
 from luced.runtime.qlinear import PackedLinear, pack_weights
@@ -148,7 +148,7 @@ class Model:
             self.kv_dtype,
             self.device,
             shapes={i: cfg.kv_shape(i) for i in self.layers},
-            sources={i: s for i in self.layers if (s := cfg.kv_source(i)) != i},
+            sources=self._kv_sources(),
             recurrent=self._recurrent_shapes(),
             state_dtype=self.dtype,
             row_exact=self.batch_invariant,
@@ -168,7 +168,7 @@ class Model:
             self.device,
             capacity=capacity or cfg.context_length,
             shapes={i: cfg.kv_shape(i) for i in self.layers},
-            sources={i: s for i in self.layers if (s := cfg.kv_source(i)) != i},
+            sources=self._kv_sources(),
             recurrent=self._recurrent_shapes(),
             state_dtype=self.dtype,
         )
@@ -177,11 +177,7 @@ class Model:
         """One K/V pool for every sequence of this shard, in blocks of `block` rows (each
         stored layer in its own shape; it grows as sequences need rows)."""
         cfg = self.cfg
-        stored = [
-            i
-            for i in self.layers
-            if cfg.kv_source(i) == i and i not in (self._recurrent_shapes() or {})
-        ]
+        _, stored = layer_roles(self.layers, self._kv_sources(), self._recurrent_shapes())
         return BlockPool(
             {i: cfg.kv_shape(i) for i in stored}, self.kv_dtype, self.device, block=block
         )
@@ -194,11 +190,15 @@ class Model:
             pool,
             self.layers,
             capacity or cfg.context_length,
-            sources={i: s for i in self.layers if (s := cfg.kv_source(i)) != i},
+            sources=self._kv_sources(),
             recurrent=self._recurrent_shapes(),
             row_exact=self.batch_invariant,
             state_dtype=self.dtype,
         )
+
+    def _kv_sources(self) -> dict[int, int]:
+        """The KV-sharing layers of this shard -> the layer whose rows each reads."""
+        return {i: s for i in self.layers if (s := self.cfg.kv_source(i)) != i}
 
     def _recurrent_shapes(self) -> dict[int, RecurrentShape] | None:
         """The layers that keep a recurrent state (the family's optional `recurrent_shapes`)."""

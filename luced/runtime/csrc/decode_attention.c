@@ -12,6 +12,7 @@
  * exactly the outputs it gets alone, and a verify block its decode steps' outputs. */
 
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -151,16 +152,31 @@ static void store_row(void *base, int64_t at, const float *x, int D, int T)
     }
 }
 
+/* The K rows of the task a thread runs next, which it asks the memory for while it weighs
+ * this task's V rows (from the caches by then): the K pass of a task then finds its rows
+ * arriving, and each pass overlaps one stream of DRAM reads with its arithmetic. */
+typedef struct {
+    const char *k;
+    const int64_t *rows;
+    int64_t first, count;
+} Ahead;
+
 /* The output rows of GN (1..4, a constant in each inlined copy) grouped queries, whose
  * weights are rows of p `stride` apart, 16 dimensions at a time: the accumulators stay in
  * registers over all L value rows. */
 static inline __attribute__((always_inline)) void weigh_values(
     const int GN, const int T, int D, int64_t L, int64_t lo, const int64_t *rows,
-    const void *v, const float *p, int64_t stride, float *out)
+    const void *v, const float *p, int64_t stride, float *out, const Ahead *ahead)
 {
+    const int64_t row_bytes = (T == KV_F32 ? 4 : 2) * (int64_t)D;
     for (int d = 0; d < D; d += 16) {
         v8 acc[4][2] = {{{0}}};
         for (int64_t t = 0; t < L; t++) {
+            if (d == 0 && ahead && t < ahead->count) {
+                const int64_t at = ahead->first + t;
+                const char *row = ahead->k + (ahead->rows ? ahead->rows[at] : at) * row_bytes;
+                for (int64_t c = 0; c < row_bytes; c += 64) __builtin_prefetch(row + c, 0, 2);
+            }
             const int64_t vt = (rows ? rows[lo + t] : lo + t) * D + d;
             const v8 x0 = load8_kv(v, vt, T), x1 = load8_kv(v, vt + 8, T);
             for (int g = 0; g < GN; g++) {
@@ -236,7 +252,7 @@ static inline __attribute__((always_inline)) void score_rows(
 static inline __attribute__((always_inline)) void attend_head_as(
     const int T, int G, int D, int n, const int64_t *lo, const int64_t *pos,
     const int64_t *rows, const float *const *q, const void *k, const void *v, float scale,
-    float *scores, int64_t stride, float *const *out)
+    float *scores, int64_t stride, float *const *out, int64_t k_ready, const Ahead *ahead)
 {
     const int64_t first = lo[0], last = pos[n - 1];
     const int64_t row_bytes = (T == KV_F32 ? 4 : 2) * (int64_t)D;
@@ -245,10 +261,13 @@ static inline __attribute__((always_inline)) void attend_head_as(
         for (int i = 0; i < 4; i++) {  /* past the end: the last row again, not stored */
             const int64_t at = a + i <= last ? a + i : last;
             kt[i] = (rows ? rows[at] : at) * D;
-            if (a + i + PREFETCH <= last) { /* V too: its rows are read after the softmax */
+            /* V rows (read after the softmax), and the K rows past the first k_ready, which
+             * the previous task asked for already */
+            if (a + i + PREFETCH <= last) {
                 const int64_t row = (rows ? rows[at + PREFETCH] : at + PREFETCH) * row_bytes;
+                const int fetch_k = at + PREFETCH - first >= k_ready;
                 for (int64_t c = 0; c < row_bytes; c += 64) {
-                    __builtin_prefetch((const char *)k + row + c);
+                    if (fetch_k) __builtin_prefetch((const char *)k + row + c);
                     __builtin_prefetch((const char *)v + row + c, 0, 2);
                 }
             }
@@ -291,11 +310,12 @@ static inline __attribute__((always_inline)) void attend_head_as(
         for (int g = 0; g < G; g += 4) {
             const float *p = scores + (j * G + g) * stride;
             float *o = out[j] + (int64_t)g * D;
+            const Ahead *a = j == n - 1 && g == 0 ? ahead : NULL;
             switch (G - g < 4 ? G - g : 4) {
-                case 4: weigh_values(4, T, D, L, lo[j], rows, v, p, stride, o); break;
-                case 3: weigh_values(3, T, D, L, lo[j], rows, v, p, stride, o); break;
-                case 2: weigh_values(2, T, D, L, lo[j], rows, v, p, stride, o); break;
-                default: weigh_values(1, T, D, L, lo[j], rows, v, p, stride, o); break;
+                case 4: weigh_values(4, T, D, L, lo[j], rows, v, p, stride, o, a); break;
+                case 3: weigh_values(3, T, D, L, lo[j], rows, v, p, stride, o, a); break;
+                case 2: weigh_values(2, T, D, L, lo[j], rows, v, p, stride, o, a); break;
+                default: weigh_values(1, T, D, L, lo[j], rows, v, p, stride, o, a); break;
             }
         }
     }
@@ -306,9 +326,10 @@ static inline __attribute__((always_inline)) void attend_head_as(
     VECTOR_CLONES __attribute__((optimize("fp-contract=fast"))) static void NAME(         \
         int G, int D, int n, const int64_t *lo, const int64_t *pos, const int64_t *rows,  \
         const float *const *q, const void *k, const void *v, float scale, float *scores,  \
-        int64_t stride, float *const *out)                                               \
+        int64_t stride, float *const *out, int64_t k_ready, const Ahead *ahead)          \
     {                                                                                    \
-        attend_head_as(T, G, D, n, lo, pos, rows, q, k, v, scale, scores, stride, out);   \
+        attend_head_as(T, G, D, n, lo, pos, rows, q, k, v, scale, scores, stride, out,    \
+                       k_ready, ahead);                                                  \
     }
 ATTEND_HEAD(attend_head_f32, KV_F32)
 ATTEND_HEAD(attend_head_bf16, KV_BF16)
@@ -370,13 +391,26 @@ int decode_attention(int B, int Hkv, int G, int D, const float *q, int64_t ldq,
         const size_t floats = heads * ((size_t)longest + (size_t)D) + (size_t)D;
         float *scores = malloc(sizeof(float) * floats);
         if (scores == NULL) failed = 1;
-#pragma omp for schedule(static)
-        for (int task = 0; task < blocks * Hkv; task++) {
-            if (scores == NULL) continue;
+        /* each thread a run of consecutive tasks (as schedule(static) would), so it knows
+         * the task it runs next and can fetch its K rows ahead */
+        const int tasks = blocks * Hkv, team = omp_get_num_threads(), me = omp_get_thread_num();
+        const int begin = (int)((int64_t)tasks * me / team);
+        const int end = (int)((int64_t)tasks * (me + 1) / team);
+        int64_t k_ready = 0; /* leading K rows of this task the previous one asked for */
+        for (int task = begin; task < end && scores != NULL; task++) {
             const int i = task / Hkv, h = task % Hkv, n = first[i + 1] - first[i];
             const SequenceKV *s0 = &seqs[first[i]];
             char *k = (char *)s0->k + h * s0->head_stride * elem;
             char *v = (char *)s0->v + h * s0->head_stride * elem;
+            Ahead ahead = {NULL, NULL, 0, 0};
+            if (task + 1 < end) {
+                const int i2 = (task + 1) / Hkv, h2 = (task + 1) % Hkv;
+                const SequenceKV *a = &seqs[first[i2]];
+                ahead.k = (const char *)a->k + h2 * a->head_stride * elem;
+                ahead.rows = a->rows;
+                ahead.first = a->lo;
+                ahead.count = seqs[first[i2 + 1] - 1].pos - a->lo + 1;
+            }
             float *rotated = scores + heads * (size_t)longest;
             int64_t lo[QUERY_BLOCK], pos[QUERY_BLOCK];
             const float *qs[QUERY_BLOCK];
@@ -411,17 +445,20 @@ int decode_attention(int B, int Hkv, int G, int D, const float *q, int64_t ldq,
             switch (kv_type) {
                 case KV_F32:
                     attend_head_f32(G, D, n, lo, pos, s0->rows, qs, k, v, scale, scores,
-                                    longest, outs);
+                                    longest, outs, k_ready, &ahead);
                     break;
                 case KV_BF16:
                     attend_head_bf16(G, D, n, lo, pos, s0->rows, qs, k, v, scale, scores,
-                                     longest, outs);
+                                     longest, outs, k_ready, &ahead);
                     break;
                 default:
                     attend_head_f16(G, D, n, lo, pos, s0->rows, qs, k, v, scale, scores,
-                                    longest, outs);
+                                    longest, outs, k_ready, &ahead);
                     break;
             }
+            /* the values pass of the last query covered its L rows, asking for as many */
+            const int64_t covered = pos[n - 1] - lo[n - 1] + 1;
+            k_ready = ahead.count < covered ? ahead.count : covered;
         }
         free(scores);
     }

@@ -211,17 +211,14 @@ def unpack_int4(
     """(codes uint8 [len, K], scale [len, K/32], zero [len, K/32] in bf16) of rows `ids`
     (all padded rows when None)."""
     groups = codes.shape[1]
-    blocks, sz_rows = (codes, sz) if ids is None else (codes[ids // NR], sz[ids // NR])
-    b = blocks.view(-1, groups, 4, NR, 4)  # [block, g, v, r, i]
-    q = torch.stack([b & 15, b >> 4], 2)  # [block, g, half, v, r, i]
-    q = q.permute(0, 4, 1, 2, 3, 5).reshape(-1, NR, groups * GROUP)  # [block, r, K]
-    sz_rows = sz_rows.permute(0, 3, 1, 2)  # [block, r, g, 2]
+    b = codes.view(-1, groups, 4, NR, 4)  # [block, g, v, r, i]
     if ids is None:
-        q, sz_rows = q.flatten(0, 1), sz_rows.flatten(0, 1)
-    else:
-        at, r = torch.arange(len(ids)), ids % NR
-        q, sz_rows = q[at, r], sz_rows[at, r]
-    return q, sz_rows[..., 0], sz_rows[..., 1]
+        b, sz_rows = b.permute(0, 3, 1, 2, 4).flatten(0, 1), sz.permute(0, 3, 1, 2).flatten(0, 1)
+    else:  # only the rows' own bytes: an embedding lookup of a few tokens reads little
+        blocks, r = ids // NR, ids % NR
+        b, sz_rows = b[blocks, :, :, r], sz[blocks, :, :, r]  # [len, g, v, i], [len, g, 2]
+    q = torch.stack([b & 15, b >> 4], 2)  # [row, g, half, v, i]: input 16 * half + 4v + i
+    return q.reshape(q.shape[0], groups * GROUP), sz_rows[..., 0], sz_rows[..., 1]
 
 
 def pack_int8(codes: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -239,8 +236,7 @@ def pack_int8(codes: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, 
 def unpack_int8(codes: torch.Tensor, k: int, ids: torch.Tensor | None = None) -> torch.Tensor:
     """codes int8 [len, K] of rows `ids` (all padded rows when None)."""
     groups = codes.shape[1]
-    blocks = codes if ids is None else codes[ids // NR]
-    q = blocks.view(-1, groups, 8, NR, 4).permute(0, 3, 1, 2, 4).reshape(-1, NR, groups * GROUP)
-    if ids is None:
-        return q.reshape(-1, groups * GROUP)[:, :k]
-    return q[torch.arange(len(ids)), ids % NR, :k]
+    b = codes.view(-1, groups, 8, NR, 4)  # [block, g, j, r, i]
+    # [row, g, j, i]; for ids, only the rows' own bytes
+    b = b.permute(0, 3, 1, 2, 4).flatten(0, 1) if ids is None else b[ids // NR, :, :, ids % NR]
+    return b.reshape(b.shape[0], groups * GROUP)[:, :k]

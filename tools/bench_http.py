@@ -1,8 +1,10 @@
 #!/usr/bin/env python3
 """HTTP benchmark: N concurrent streaming clients against a luced daemon.
 
-Starts `luced serve` (or uses --url), sends `--requests` completions (default: two per
-client) with `--concurrency` clients in flight, each a prompt of about `--prompt-tokens`
+Starts `luced serve` (or uses --url), sends one warm-up completion (not counted: the first
+prompt's prefill and first calls would weigh on the level that runs first), then
+`--requests` completions (default: two per client, at least 8) with `--concurrency`
+clients in flight, each a prompt of about `--prompt-tokens`
 tokens and `--max-tokens` generated tokens (ignore_eos, greedy), and reports aggregate
 generated tok/s, requests/s, TTFT p50/p99 and inter-token latency p50/p99 (gaps between
 streamed chunks). `--concurrency 1,4,8,16` runs each level in turn. With --compare it also
@@ -206,7 +208,9 @@ def main() -> int:
     ap.add_argument("--url", help="use a running daemon instead of starting one")
     ap.add_argument("--port", type=int, default=8931)
     ap.add_argument("--concurrency", default="4", help="clients in flight; a list: 1,4,8,16")
-    ap.add_argument("--requests", type=int, help="per concurrency level (default 2 per client)")
+    ap.add_argument(
+        "--requests", type=int, help="per concurrency level (default 2 per client, at least 8)"
+    )
     ap.add_argument("--prompt-tokens", type=int, default=128)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2)
@@ -236,8 +240,9 @@ def main() -> int:
             f"threads {args.threads}"
         )
         print(HEADER)
+        warm_up(url, prompt, args.max_tokens)
         for c in levels(args.concurrency):
-            load = measure(url, c, args.requests or 2 * c, prompt, args.max_tokens)
+            load = measure(url, c, level_requests(args, c), prompt, args.max_tokens)
             print(row(f"concurrency {c}", load))
         if args.compare:
             http, local = [], []
@@ -281,6 +286,17 @@ def measure(url: str, concurrency: int, requests: int, prompt: str, max_tokens: 
     return Load.of(results, wall, max_tokens)
 
 
+def level_requests(args: argparse.Namespace, concurrency: int) -> int:
+    """Completions per level: --requests, else two per client and at least 8 (a level of
+    one client and two requests measured mostly its own noise)."""
+    return args.requests or max(2 * concurrency, 8)
+
+
+def warm_up(url: str, prompt: str, max_tokens: int) -> None:
+    """One completion before a daemon is measured, so no level pays for the first."""
+    asyncio.run(run_load(url, 1, 1, prompt, max_tokens))
+
+
 def compare_settings(args: argparse.Namespace) -> int:
     """One daemon per setting (each --max-running value with each --variants string),
     every concurrency level on each, settings alternating over rounds (drift hits them
@@ -306,8 +322,9 @@ def compare_settings(args: argparse.Namespace) -> int:
                 proc = start_daemon(args.model, args.port, args.threads, Path(tmp), extra)
                 try:
                     url = f"http://127.0.0.1:{args.port}"
+                    warm_up(url, prompt, args.max_tokens)
                     for c in levels(args.concurrency):
-                        load = measure(url, c, args.requests or 2 * c, prompt, args.max_tokens)
+                        load = measure(url, c, level_requests(args, c), prompt, args.max_tokens)
                         runs.setdefault((m, c), []).append(load)
                 finally:
                     proc.send_signal(signal.SIGTERM)

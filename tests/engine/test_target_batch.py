@@ -79,6 +79,44 @@ async def test_a_seeded_sequence_draws_alike_alone_and_batched(tiny: Path) -> No
     assert mixed == solo
 
 
+async def test_a_batch_of_one_plain_step_is_the_sequences_own_step(
+    tiny: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A batch holding one plain step (the only request decoding) goes through the
+    workers' single-sequence forward, not a batch of one; a seeded sequence stepped so,
+    with its steps in batches of two between, draws what it draws stepped alone, and
+    reports the logprobs it asked for."""
+    prompt = PROMPTS[7]
+    async with split_target(tiny, ("cpu",)) as target:
+        solo = [await prefill(target, 1, prompt, SEEDED)]
+        async with target.lane(1):
+            for _ in range(STEPS):
+                solo.append((await target.step(solo[-1], SEEDED, None)).token)
+        batched = 0
+        pipeline = target._batch_pipeline
+
+        async def counted(*args, **kwargs):
+            nonlocal batched
+            batched += 1
+            return await pipeline(*args, **kwargs)
+
+        monkeypatch.setattr(target, "_batch_pipeline", counted)
+        mixed = [await prefill(target, 2, prompt, SEEDED)]
+        other = [await prefill(target, 3, PROMPTS[3], GREEDY)]
+        for i in range(STEPS):
+            if i % 2:
+                (mine,), (theirs,) = await target.step_batch(
+                    [BatchStep(2, mixed[-1], SEEDED, 2), BatchStep(3, other[-1], GREEDY)]
+                )
+                other.append(theirs.token)
+            else:
+                ((mine,),) = await target.step_batch([BatchStep(2, mixed[-1], SEEDED, 2)])
+            assert len(mine.top) == 2 and mine.logprob is not None
+            mixed.append(mine.token)
+        assert batched == STEPS // 2  # only the batches of two
+    assert mixed == solo
+
+
 async def test_bad_batches_are_refused_and_released_lanes_start_over(tiny: Path) -> None:
     async with split_target(tiny, ("cpu",)) as target:
         first = await prefill(target, 4, PROMPTS[3], GREEDY)

@@ -88,12 +88,15 @@ def test_batch_and_thread_invariant():
 @pytest.mark.parametrize("window", [None, 7])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("paged", [False, True])
-def test_verify_block_is_its_decode_steps_bit_for_bit(heads, h_kv, window, dtype, paged):
+@pytest.mark.parametrize("start", [40, 505])
+def test_verify_block_is_its_decode_steps_bit_for_bit(heads, h_kv, window, dtype, paged, start):
     """A block of 11 queries of one sequence at consecutive positions (a verify block: the
     kernel gives them shared tasks, 4 queries at a time) gives, at 1 and 2 threads, each
     query's output alone bit for bit, and the causal SDPA of the block to rounding. Grouped
-    head counts of 3, 9 (4 + 4 + 1 per pass) and 1 take every scoring width."""
-    start, n, rows = 40, 11, 64
+    head counts of 3, 9 (4 + 4 + 1 per pass) and 1 take every scoring width. From 505 the
+    block crosses position 512, where a query's rows are cut into two chunks."""
+    n = 11
+    rows = start + 24
     g = torch.Generator().manual_seed(11)
     plain = Storage(*(torch.randn(h_kv, rows, 64, generator=g).to(dtype) for _ in range(2)))
     kv = plain
@@ -122,6 +125,50 @@ def test_verify_block_is_its_decode_steps_bit_for_bit(heads, h_kv, window, dtype
     mask = attention_mask(start, n, end, window, q.device)
     expected = attention(q, plain.k[:, :end].float(), plain.v[:, :end].float(), mask, 0.125)
     torch.testing.assert_close(results[0], expected, rtol=1e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize("window", [None, 700])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_long_queries_are_cut_into_chunks_and_merged(window: int | None, dtype: torch.dtype):
+    """Queries whose rows reach past one chunk (512 positions) are attended chunk by chunk in
+    tasks of their own and merged: each matches SDPA, stores its new row in place, and
+    gives alone what it gives in the batch, at 1 and 2 threads; one whole chunk beside
+    them is untouched by the cut."""
+    positions = [511, 512, 1300, 2047, 40]
+    g = torch.Generator().manual_seed(12)
+    storage = [
+        Storage(*(torch.randn(3, 2048, 64, generator=g).to(dtype) for _ in range(2)))
+        for _ in positions
+    ]
+    q = torch.randn(len(positions), 9, 64, generator=g)
+    k_new, v_new = torch.randn(2, len(positions), 3, 64, generator=g)
+    threads = torch.get_num_threads()
+    try:
+        results = []
+        for t in (1, 2):
+            torch.set_num_threads(t)
+            copies = [Storage(kv.k.clone(), kv.v.clone()) for kv in storage]
+            batched = native_attention.decode_attention(
+                q, (k_new, v_new), copies, positions, window, 0.125
+            )
+            for s, kv in enumerate(copies):
+                assert torch.equal(kv.k[:, positions[s]], k_new[s].to(dtype))
+                assert torch.equal(kv.v[:, positions[s]], v_new[s].to(dtype))
+            for i, (kv, p) in enumerate(zip(storage, positions, strict=True)):
+                one = Storage(kv.k.clone(), kv.v.clone())
+                new = (k_new[i : i + 1], v_new[i : i + 1])
+                alone = native_attention.decode_attention(
+                    q[i : i + 1], new, [one], [p], window, 0.125
+                )
+                assert torch.equal(batched[i : i + 1], alone), f"query at {p}"
+            results.append((batched, copies))
+        assert torch.equal(results[0][0], results[1][0])
+    finally:
+        torch.set_num_threads(threads)
+    batched, copies = results[0]
+    for s, kv in enumerate(copies):
+        expected = _sdpa(q[s], kv.k.float(), kv.v.float(), positions[s], window, 0.125)
+        torch.testing.assert_close(batched[s], expected.flatten(), rtol=1e-5, atol=2e-6)
 
 
 def test_long_context_softmax_is_exact_enough():

@@ -4,7 +4,8 @@
  *
  * Each (sequence, KV head) is one task: it stores the token's new K/V row (rotated by RoPE
  * when asked), then scores the head's G grouped queries against rows [lo, pos] (reading each
- * K row once for all G), softmaxes and sums the V rows (each V row read once). A verify
+ * K row once for all G), softmaxes and sums the V rows (each V row read once); a query past
+ * one CHUNK of positions is a task per chunk, merged after (see CHUNK). A verify
  * block's queries (one sequence's consecutive positions, each attended as its own decode
  * step) share a task up to QUERY_BLOCK at a time, reading each K row once for all of them.
  * A query's arithmetic depends only on its own inputs, never on how many queries or
@@ -245,14 +246,17 @@ static inline __attribute__((always_inline)) void score_rows(
 
 /* One KV head of a block of n (1..QUERY_BLOCK) queries at consecutive positions: query j
  * (its G grouped heads at q[j]) scores rows [lo[j], pos[j]] into its own score rows
- * (stride `stride`), softmaxes them and sums the V rows into out[j]. Four keys are scored
+ * (stride `stride`), softmaxes them and sums the V rows into out[j]. When those rows are one
+ * chunk of the query's (partial[j] set), the weights are left unnormalized and each head's
+ * largest score and sum of weights go to partial[j] ([G] then [G]). Four keys are scored
  * together for up to four query heads at a time, so sixteen dot products' dependency
  * chains overlap, and each K row is read once for the whole block. Every query's
  * arithmetic is the one it gets alone (n = 1). */
 static inline __attribute__((always_inline)) void attend_head_as(
     const int T, int G, int D, int n, const int64_t *lo, const int64_t *pos,
     const int64_t *rows, const float *const *q, const void *k, const void *v, float scale,
-    float *scores, int64_t stride, float *const *out, int64_t k_ready, const Ahead *ahead)
+    float *scores, int64_t stride, float *const *out, float *const *partial, int64_t k_ready,
+    const Ahead *ahead)
 {
     const int64_t first = lo[0], last = pos[n - 1];
     const int64_t row_bytes = (T == KV_F32 ? 4 : 2) * (int64_t)D;
@@ -303,6 +307,11 @@ static inline __attribute__((always_inline)) void attend_head_as(
                 s[t] = exp_nonpositive(s[t] - top);
                 total += s[t];
             }
+            if (partial[j] != NULL) { /* one chunk of the query's rows: merged later */
+                partial[j][g] = top;
+                partial[j][G + g] = total;
+                continue;
+            }
             const float inv = 1.0f / total;
 #pragma omp simd
             for (int64_t t = 0; t < L; t++) s[t] *= inv;
@@ -326,10 +335,11 @@ static inline __attribute__((always_inline)) void attend_head_as(
     VECTOR_CLONES __attribute__((optimize("fp-contract=fast"))) static void NAME(         \
         int G, int D, int n, const int64_t *lo, const int64_t *pos, const int64_t *rows,  \
         const float *const *q, const void *k, const void *v, float scale, float *scores,  \
-        int64_t stride, float *const *out, int64_t k_ready, const Ahead *ahead)          \
+        int64_t stride, float *const *out, float *const *partial, int64_t k_ready,        \
+        const Ahead *ahead)                                                              \
     {                                                                                    \
         attend_head_as(T, G, D, n, lo, pos, rows, q, k, v, scale, scores, stride, out,    \
-                       k_ready, ahead);                                                  \
+                       partial, k_ready, ahead);                                         \
     }
 ATTEND_HEAD(attend_head_f32, KV_F32)
 ATTEND_HEAD(attend_head_bf16, KV_BF16)
@@ -349,6 +359,59 @@ static int continues(const SequenceKV *a, const SequenceKV *b)
            a->head_stride == b->head_stride && b->pos == a->pos + 1 && b->lo >= a->lo;
 }
 
+/* Rows per chunk of a long query. A query whose rows reach past one chunk is attended
+ * chunk by chunk, each chunk a task of its own, and the chunks' partial softmaxes are merged
+ * after (flash decoding): one long sequence then keeps every thread busy, where a task per
+ * KV head left threads idle (SmolLM2 has 3 KV heads, Gemma 3 270M one). Chunks are fixed
+ * ranges of positions, [c * CHUNK, (c + 1) * CHUNK), so how a query is cut depends on its
+ * positions only, never on the batch, the block or the thread count. A query inside one
+ * chunk is attended whole, as it always was. */
+#define CHUNK 512
+
+typedef struct {
+    int block, head;
+    int64_t chunk;
+} Task;
+
+/* Task t of the call (tasks [task0[i], task0[i + 1]) are block i's: its chunks in order, a
+ * task per KV head each). */
+static Task locate(int64_t t, const int64_t *task0, int blocks, const SequenceKV *seqs,
+                   const int *first, int Hkv)
+{
+    int lo = 0, hi = blocks; /* the block with task0[i] <= t < task0[i + 1] */
+    while (hi - lo > 1) {
+        const int mid = (lo + hi) / 2;
+        if (task0[mid] <= t) lo = mid;
+        else hi = mid;
+    }
+    const int64_t within = t - task0[lo];
+    const Task task = {lo, (int)(within % Hkv), seqs[first[lo]].lo / CHUNK + within / Hkv};
+    return task;
+}
+
+/* One KV head's long query: its chunks' outputs o [n][G][D] (weighted by unnormalized
+ * weights) with each head's largest score and weight sum, marks [n][2][G], merged into out
+ * [G][D]; in chunk order, the same for every call. */
+static void merge_chunks(int G, int D, int64_t n, const float *marks, const float *o,
+                         float *out)
+{
+    for (int g = 0; g < G; g++) {
+        float top = marks[g];
+        for (int64_t c = 1; c < n; c++) top = marks[c * 2 * G + g] > top ? marks[c * 2 * G + g] : top;
+        float total = 0.0f;
+        float *acc = out + (int64_t)g * D;
+        for (int d = 0; d < D; d++) acc[d] = 0.0f;
+        for (int64_t c = 0; c < n; c++) {
+            const float w = exp_nonpositive(marks[c * 2 * G + g] - top);
+            total += w * marks[c * 2 * G + G + g];
+            const float *oc = o + (c * G + g) * D;
+            for (int d = 0; d < D; d++) acc[d] += w * oc[d];
+        }
+        const float inv = 1.0f / total;
+        for (int d = 0; d < D; d++) acc[d] *= inv;
+    }
+}
+
 /* q: sequence b's query heads [Hkv * G, D] at q + b * ldq; k_new, v_new: its new K/V rows
  * [Hkv, D] at k_new + b * ldkv (views into one Q/K/V projection output), or NULL for a layer
  * that reads another layer's rows (KV sharing) and stores none, or for rows stored already.
@@ -366,15 +429,29 @@ int decode_attention(int B, int Hkv, int G, int D, const float *q, int64_t ldq,
 {
     if (kv_type < 0 || kv_type > KV_F16 || !(decode_attention_kv_types() >> kv_type & 1))
         return -2;
+    if (B <= 0) return 0;
     const size_t elem = kv_type == KV_F32 ? 4 : 2;
-    int64_t longest = 1;
+    /* per entry: its first chunk, its chunk count, and its first partial record (a record:
+     * one head's G queries over one chunk) when it spans more than one chunk */
+    int64_t *chunk0 = malloc(sizeof(int64_t) * 3 * ((size_t)B + 1));
+    int *first = malloc(sizeof(int) * ((size_t)B + 1));
+    if (chunk0 == NULL || first == NULL) {
+        free(chunk0);
+        free(first);
+        return -1;
+    }
+    int64_t *chunks = chunk0 + B + 1, *record = chunks + B + 1;
+    int64_t longest = 1, records = 0;
     for (int b = 0; b < B; b++) {
         const int64_t L = seqs[b].pos - seqs[b].lo + 1;
         longest = L > longest ? L : longest;
+        chunk0[b] = seqs[b].lo / CHUNK;
+        chunks[b] = seqs[b].pos / CHUNK - chunk0[b] + 1;
+        record[b] = records;
+        if (chunks[b] > 1) records += chunks[b] * Hkv;
     }
+    const int64_t span = longest < CHUNK ? longest : CHUNK; /* rows a task scores at most */
     /* the tasks' blocks of entries: block i is entries [first[i], first[i + 1]) */
-    int *first = malloc(sizeof(int) * ((size_t)B + 1));
-    if (first == NULL) return -1;
     int blocks = 0;
     for (int b = 0; b < B; b++) {
         const int joins = b > 0 && k_new == NULL && b - first[blocks - 1] < QUERY_BLOCK &&
@@ -382,50 +459,71 @@ int decode_attention(int B, int Hkv, int G, int D, const float *q, int64_t ldq,
         if (!joins) first[blocks++] = b;
     }
     first[blocks] = B;
+    /* tasks: (block, chunk, head) for every chunk a block's rows touch; block i's are
+     * [task0[i], task0[i + 1]) */
+    int64_t *task0 = malloc(sizeof(int64_t) * ((size_t)blocks + 1));
+    float *marks = records ? malloc(sizeof(float) * (size_t)(records * G * 2)) : NULL;
+    float *partials = records ? malloc(sizeof(float) * (size_t)(records * G * D)) : NULL;
+    if (task0 == NULL || (records && (marks == NULL || partials == NULL))) {
+        free(task0), free(marks), free(partials), free(chunk0), free(first);
+        return -1;
+    }
+    task0[0] = 0;
+    for (int i = 0; i < blocks; i++) {
+        const int64_t c0 = seqs[first[i]].lo / CHUNK, c1 = seqs[first[i + 1] - 1].pos / CHUNK;
+        task0[i + 1] = task0[i] + (c1 - c0 + 1) * Hkv;
+    }
+    const int64_t tasks = task0[blocks];
     int failed = 0;
 #pragma omp parallel num_threads(threads) reduction(| : failed)
     {
-        /* scores [QUERY_BLOCK * G, longest], then rotated queries [QUERY_BLOCK * G, D], then
+        /* scores [QUERY_BLOCK * G, span], then rotated queries [QUERY_BLOCK * G, D], then
          * one row [D] */
         const size_t heads = (size_t)QUERY_BLOCK * (size_t)G;
-        const size_t floats = heads * ((size_t)longest + (size_t)D) + (size_t)D;
+        const size_t floats = heads * ((size_t)span + (size_t)D) + (size_t)D;
         float *scores = malloc(sizeof(float) * floats);
         if (scores == NULL) failed = 1;
         /* each thread a run of consecutive tasks (as schedule(static) would), so it knows
          * the task it runs next and can fetch its K rows ahead */
-        const int tasks = blocks * Hkv, team = omp_get_num_threads(), me = omp_get_thread_num();
-        const int begin = (int)((int64_t)tasks * me / team);
-        const int end = (int)((int64_t)tasks * (me + 1) / team);
+        const int team = omp_get_num_threads(), me = omp_get_thread_num();
+        const int64_t begin = tasks * me / team, end = tasks * (me + 1) / team;
         int64_t k_ready = 0; /* leading K rows of this task the previous one asked for */
-        for (int task = begin; task < end && scores != NULL; task++) {
-            const int i = task / Hkv, h = task % Hkv, n = first[i + 1] - first[i];
+        Task at = locate(begin, task0, blocks, seqs, first, Hkv);
+        for (int64_t task = begin; task < end && scores != NULL; task++) {
+            const Task next = locate(task + 1, task0, blocks, seqs, first, Hkv);
+            const int i = at.block, h = at.head;
+            const int64_t c = at.chunk, row0 = c * CHUNK, row1 = row0 + CHUNK - 1;
             const SequenceKV *s0 = &seqs[first[i]];
             char *k = (char *)s0->k + h * s0->head_stride * elem;
             char *v = (char *)s0->v + h * s0->head_stride * elem;
             Ahead ahead = {NULL, NULL, 0, 0};
             if (task + 1 < end) {
-                const int i2 = (task + 1) / Hkv, h2 = (task + 1) % Hkv;
-                const SequenceKV *a = &seqs[first[i2]];
-                ahead.k = (const char *)a->k + h2 * a->head_stride * elem;
+                const SequenceKV *a = &seqs[first[next.block]];
+                const int64_t lo = a->lo > next.chunk * CHUNK ? a->lo : next.chunk * CHUNK;
+                const int64_t hi = seqs[first[next.block + 1] - 1].pos;
+                const int64_t top = next.chunk * CHUNK + CHUNK - 1;
+                ahead.k = (const char *)a->k + next.head * a->head_stride * elem;
                 ahead.rows = a->rows;
-                ahead.first = a->lo;
-                ahead.count = seqs[first[i2 + 1] - 1].pos - a->lo + 1;
+                ahead.first = lo;
+                ahead.count = (hi < top ? hi : top) - lo + 1;
             }
-            float *rotated = scores + heads * (size_t)longest;
+            float *rotated = scores + heads * (size_t)span;
             int64_t lo[QUERY_BLOCK], pos[QUERY_BLOCK];
             const float *qs[QUERY_BLOCK];
-            float *outs[QUERY_BLOCK];
-            for (int j = 0; j < n; j++) {
-                const int b = first[i] + j;
+            float *outs[QUERY_BLOCK], *parts[QUERY_BLOCK];
+            int n = 0; /* the block's queries with rows in this chunk */
+            for (int b = first[i]; b < first[i + 1]; b++) {
                 const SequenceKV *s = &seqs[b];
+                if (s->lo > row1 || s->pos < row0) continue;
                 const float *qh = q + b * ldq + (int64_t)h * G * D;
                 if (rope_dims > 0) {
-                    float *r = rotated + (size_t)j * G * D;
+                    float *r = rotated + (size_t)n * G * D;
                     for (int g = 0; g < G; g++)
                         rope_row(D, rope_dims, qh + g * D, s->cos, s->sin, r + g * D);
                     qh = r;
                 }
-                if (k_new != NULL) { /* a block of one: each entry stores its own row */
+                /* a block of one stores its own row, in the task of the chunk that holds it */
+                if (k_new != NULL && s->pos <= row1) {
                     const int64_t from = b * ldkv + (int64_t)h * D;
                     const int64_t to = (s->rows ? s->rows[s->pos] : s->pos) * D;
                     const float *key = k_new + from;
@@ -437,31 +535,56 @@ int decode_attention(int B, int Hkv, int G, int D, const float *q, int64_t ldq,
                     store_row(k, to, key, D, kv_type);
                     store_row(v, to, v_new + from, D, kv_type);
                 }
-                lo[j] = s->lo;
-                pos[j] = s->pos;
-                qs[j] = qh;
-                outs[j] = out + ((int64_t)b * Hkv + h) * G * D;
+                lo[n] = s->lo > row0 ? s->lo : row0;
+                pos[n] = s->pos < row1 ? s->pos : row1;
+                qs[n] = qh;
+                if (chunks[b] == 1) {
+                    outs[n] = out + ((int64_t)b * Hkv + h) * G * D;
+                    parts[n] = NULL;
+                } else {
+                    const int64_t r = record[b] + h * chunks[b] + c - chunk0[b];
+                    outs[n] = partials + r * G * D;
+                    parts[n] = marks + r * G * 2;
+                }
+                n++;
+            }
+            if (n == 0) { /* cannot happen: a block's rows are one run of positions */
+                at = next;
+                continue;
             }
             switch (kv_type) {
                 case KV_F32:
-                    attend_head_f32(G, D, n, lo, pos, s0->rows, qs, k, v, scale, scores,
-                                    longest, outs, k_ready, &ahead);
+                    attend_head_f32(G, D, n, lo, pos, s0->rows, qs, k, v, scale, scores, span,
+                                    outs, parts, k_ready, &ahead);
                     break;
                 case KV_BF16:
-                    attend_head_bf16(G, D, n, lo, pos, s0->rows, qs, k, v, scale, scores,
-                                     longest, outs, k_ready, &ahead);
+                    attend_head_bf16(G, D, n, lo, pos, s0->rows, qs, k, v, scale, scores, span,
+                                     outs, parts, k_ready, &ahead);
                     break;
                 default:
-                    attend_head_f16(G, D, n, lo, pos, s0->rows, qs, k, v, scale, scores,
-                                    longest, outs, k_ready, &ahead);
+                    attend_head_f16(G, D, n, lo, pos, s0->rows, qs, k, v, scale, scores, span,
+                                    outs, parts, k_ready, &ahead);
                     break;
             }
             /* the values pass of the last query covered its L rows, asking for as many */
             const int64_t covered = pos[n - 1] - lo[n - 1] + 1;
             k_ready = ahead.count < covered ? ahead.count : covered;
+            at = next;
         }
         free(scores);
+        if (records) {
+            /* every chunk is attended: merge each long query's chunks, in chunk order */
+#pragma omp barrier
+            const int64_t pairs = (int64_t)B * Hkv;
+            for (int64_t p = pairs * me / team; p < pairs * (me + 1) / team; p++) {
+                const int b = (int)(p / Hkv), h = (int)(p % Hkv);
+                if (chunks[b] > 1)
+                    merge_chunks(G, D, chunks[b], marks + (record[b] + h * chunks[b]) * G * 2,
+                                 partials + (record[b] + h * chunks[b]) * G * D,
+                                 out + ((int64_t)b * Hkv + h) * G * D);
+            }
+        }
     }
-    free(first);
+    free(task0), free(marks), free(partials), free(chunk0), free(first);
     return failed ? -1 : 0;
 }

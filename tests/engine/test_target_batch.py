@@ -39,6 +39,15 @@ async def prefill(target: Target, seq: int, prompt: list[int], sampling: dict) -
         return first.token
 
 
+async def stepped_alone(target: Target, seq: int, prompt: list[int]) -> list[int]:
+    """The seeded sequence's first token and STEPS more, each from its own `step`."""
+    tokens = [await prefill(target, seq, prompt, SEEDED)]
+    async with target.lane(seq):
+        for _ in range(STEPS):
+            tokens.append((await target.step(tokens[-1], SEEDED, None)).token)
+    return tokens
+
+
 @pytest.mark.parametrize("devices", [("cpu",), ("cpu", "cpu:1")], ids=["unsplit", "split"])
 async def test_batched_steps_equal_each_sequence_alone(tiny: Path, devices) -> None:
     async with split_target(tiny, devices) as target:
@@ -61,10 +70,7 @@ async def test_a_seeded_sequence_draws_alike_alone_and_batched(tiny: Path) -> No
     row reports only the logprobs its step asked for."""
     prompt = PROMPTS[7]
     async with split_target(tiny, ("cpu",)) as target:
-        solo = [await prefill(target, 1, prompt, SEEDED)]
-        async with target.lane(1):
-            for _ in range(STEPS):
-                solo.append((await target.step(solo[-1], SEEDED, None)).token)
+        solo = await stepped_alone(target, 1, prompt)
         mixed = [await prefill(target, 2, prompt, SEEDED)]
         other = [await prefill(target, 3, PROMPTS[3], GREEDY)]
         for _ in range(STEPS):
@@ -88,10 +94,7 @@ async def test_a_batch_of_one_plain_step_is_the_sequences_own_step(
     reports the logprobs it asked for."""
     prompt = PROMPTS[7]
     async with split_target(tiny, ("cpu",)) as target:
-        solo = [await prefill(target, 1, prompt, SEEDED)]
-        async with target.lane(1):
-            for _ in range(STEPS):
-                solo.append((await target.step(solo[-1], SEEDED, None)).token)
+        solo = await stepped_alone(target, 1, prompt)
         batched = 0
         pipeline = target._batch_pipeline
 

@@ -375,7 +375,7 @@ typedef struct {
 
 /* Task t of the call (tasks [task0[i], task0[i + 1]) are block i's: its chunks in order, a
  * task per KV head each). */
-static Task locate(int64_t t, const int64_t *task0, int blocks, const SequenceKV *seqs,
+static Task locate(int64_t t, const int64_t *task0, int blocks, const int64_t *chunk0,
                    const int *first, int Hkv)
 {
     int lo = 0, hi = blocks; /* the block with task0[i] <= t < task0[i + 1] */
@@ -385,7 +385,7 @@ static Task locate(int64_t t, const int64_t *task0, int blocks, const SequenceKV
         else hi = mid;
     }
     const int64_t within = t - task0[lo];
-    const Task task = {lo, (int)(within % Hkv), seqs[first[lo]].lo / CHUNK + within / Hkv};
+    const Task task = {lo, (int)(within % Hkv), chunk0[first[lo]] + within / Hkv};
     return task;
 }
 
@@ -470,8 +470,8 @@ int decode_attention(int B, int Hkv, int G, int D, const float *q, int64_t ldq,
     }
     task0[0] = 0;
     for (int i = 0; i < blocks; i++) {
-        const int64_t c0 = seqs[first[i]].lo / CHUNK, c1 = seqs[first[i + 1] - 1].pos / CHUNK;
-        task0[i + 1] = task0[i] + (c1 - c0 + 1) * Hkv;
+        const int64_t last_chunk = seqs[first[i + 1] - 1].pos / CHUNK;
+        task0[i + 1] = task0[i] + (last_chunk - chunk0[first[i]] + 1) * Hkv;
     }
     const int64_t tasks = task0[blocks];
     int failed = 0;
@@ -488,9 +488,9 @@ int decode_attention(int B, int Hkv, int G, int D, const float *q, int64_t ldq,
         const int team = omp_get_num_threads(), me = omp_get_thread_num();
         const int64_t begin = tasks * me / team, end = tasks * (me + 1) / team;
         int64_t k_ready = 0; /* leading K rows of this task the previous one asked for */
-        Task at = locate(begin, task0, blocks, seqs, first, Hkv);
+        Task at = locate(begin, task0, blocks, chunk0, first, Hkv);
         for (int64_t task = begin; task < end && scores != NULL; task++) {
-            const Task next = locate(task + 1, task0, blocks, seqs, first, Hkv);
+            const Task next = locate(task + 1, task0, blocks, chunk0, first, Hkv);
             const int i = at.block, h = at.head;
             const int64_t c = at.chunk, row0 = c * CHUNK, row1 = row0 + CHUNK - 1;
             const SequenceKV *s0 = &seqs[first[i]];

@@ -34,6 +34,9 @@ process do not collide.
     luced:kv_flash_evictions_total      counter    KV Flash chunks paged out of the pool
     luced:kv_flash_recalls_total        counter    KV Flash chunks paged back in
     luced:kv_flash_host_bytes           gauge      bytes of paged-out chunks in the host tier
+    luced:event_loop_lag_seconds        histogram  how late the daemon's event loop ran a
+                                                   task due every 0.25 s (a stall shows
+                                                   as one long lag)
 
 The engine reports through `observe(what, value)` and `finished(reason)`; the HTTP
 layer refreshes the two gauges from `Engine.status()` on every scrape, so they are
@@ -72,6 +75,10 @@ REQUEST_LATENCY_BUCKETS = (
 TOKEN_COUNT_BUCKETS = tuple(m * 10**e for e in range(7) for m in (1, 2, 5))
 BLOCK_SIZE_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 BATCH_SIZE_BUCKETS = BLOCK_SIZE_BUCKETS  # sequences per batched step: 1 to 64 as well
+# From the ordinary (under a millisecond) to a stopped or swapped-out daemon (minutes).
+LOOP_LAG_BUCKETS = (
+    0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 60.0, 300.0,
+)  # fmt: skip
 REJECT_REASONS = ("max_queue", "max_queued_tokens", "context_length_exceeded")
 
 
@@ -211,6 +218,11 @@ class Metrics:
             ),
         }
         self._moe_seen = dict.fromkeys(self._moe, 0)
+        self.event_loop_lag = histogram(
+            "event_loop_lag_seconds",
+            "How late the daemon's event loop ran a task that was due (seconds).",
+            LOOP_LAG_BUCKETS,
+        )
         self._observers = {
             "ttft": self.time_to_first_token.observe,
             "itl": self.inter_token_latency.observe,
@@ -225,6 +237,7 @@ class Metrics:
             "block_size": self.spec_decode_block_size.observe,
             "batch_size": self.batch_size.observe,
             "preemptions": self.num_preemptions.inc,
+            "loop_lag": self.event_loop_lag.observe,
         }
 
     # -- what the engine calls ----------------------------------------------------------------
@@ -238,7 +251,8 @@ class Metrics:
         prompt tokens looked up in / restored from the prefix cache; prefix_shared: prompt
         tokens shared from a running request's K/V blocks; block_size: the
         block of one speculative step; batch_size: the sequences of one batched step;
-        preemptions: requests just preempted.
+        preemptions: requests just preempted; loop_lag: how late the event loop ran a
+        task that was due (seconds; the daemon's watchdog).
         """
         try:
             observer = self._observers[what]

@@ -25,7 +25,7 @@ from aiohttp import web
 
 from luced.api.server import Guard, make_app
 from luced.engine.core import Engine
-from luced.engine.executor import WorkerReplyError
+from luced.engine.executor import Deadlines, WorkerDied, WorkerReplyError
 from luced.engine.kv_budget import resolve_kv_pool
 from luced.engine.kvflash.pager import PagerConfig
 from luced.engine.kvflash.transport import (
@@ -36,6 +36,7 @@ from luced.engine.kvflash.transport import (
 )
 from luced.engine.metrics import Metrics
 from luced.engine.target import Target, TargetPlacement
+from luced.engine.watchdog import LoopWatchdog
 from luced.gguf_file import GGUFFile
 from luced.ipc.frames import MoeCounts
 from luced.ipc.shm import ShmOwner, cleanup_stale
@@ -157,9 +158,8 @@ class Daemon:
         except ValueError as exc:
             raise StartupError(str(exc)) from exc
         metrics = Metrics(cfg.served_model_name())  # vLLM's model_name label
-        self.target = Target(
-            self.owner, placement, kv_flash=kv_flash, worker_timeout=cfg.worker_timeout
-        )
+        deadlines = Deadlines(call=cfg.worker_timeout, start=cfg.worker_start_timeout)
+        self.target = Target(self.owner, placement, kv_flash=kv_flash, deadlines=deadlines)
         self.engine = engine = Engine(
             self.target,
             tokenizer,
@@ -195,6 +195,8 @@ class Daemon:
             await http.cleanup()
             self.disk_reservation.release()
             raise StartupError(f"{exc} (choose another with --admin-socket)") from exc
+        watchdog = LoopWatchdog(lambda lag: metrics.observe("loop_lag", lag))
+        watchdog.start()
         try:
             sdnotify.status(f"loading {Path(model_path).name}")
             load = asyncio.create_task(self._start_model())
@@ -228,6 +230,7 @@ class Daemon:
                 log.warning("shutdown timeout: aborting the remaining requests")
             await engine.stop()
         finally:
+            await watchdog.stop()
             admin.close()
             with contextlib.suppress(Exception):
                 await admin.wait_closed()
@@ -307,7 +310,10 @@ class Daemon:
 
     async def _start_model(self) -> None:
         assert self.target is not None
-        await self.target.start()
+        try:
+            await self.target.start()
+        except (WorkerDied, WorkerReplyError) as exc:  # the worker's log lines say more
+            raise StartupError(f"loading the model: {exc}") from exc
         draft = self.config.draft
         if self.config.lookup_drafts:
             self.target.enable_lookup_drafts(self.config.block_size)
@@ -320,7 +326,7 @@ class Daemon:
                     block_size=self.config.block_size,
                     python=self.config.draft_python(),
                 )
-            except (WorkerReplyError, ValueError) as exc:
+            except (WorkerDied, WorkerReplyError, ValueError) as exc:
                 raise StartupError(f"--draft {draft}: {exc}") from exc
             log.info(
                 "draft %s: captures target layers %s, block size %d",

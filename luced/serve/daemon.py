@@ -187,7 +187,17 @@ class Daemon:
         http = web.AppRunner(app, handle_signals=False, handler_cancellation=True, **handler_args)
         await http.setup()
         site = LimitedSite(http, cfg.host, cfg.port, cfg.max_connections, handler_args)
-        await site.start()
+        try:
+            await site.start()
+        except OSError as exc:  # e.g. the port is taken: one line, no load
+            await http.cleanup()
+            self.disk_reservation.release()
+            # uvloop's text repeats the address; a bad host name has only its own text
+            reason = os.strerror(exc.errno) if (exc.errno or 0) > 0 else str(exc)
+            raise StartupError(
+                f"cannot listen on {cfg.host}:{cfg.port}: {reason} (choose another with "
+                "--port or --host, or stop what holds it)"
+            ) from exc
         log.info("listening on http://%s:%d", cfg.host, cfg.port)
         try:
             admin = await start_admin_server(cfg.admin_socket, self._admin_handlers())

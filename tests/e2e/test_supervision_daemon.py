@@ -1,6 +1,6 @@
-"""The daemon against stalls, end to end: a daemon stopped (SIGSTOP) far past its workers'
-deadlines kills none of them when it continues, and a worker start that never reports
-ends the daemon with one clear line naming the option to raise."""
+"""Supervision end to end: a daemon stopped (SIGSTOP) far past its workers' deadlines
+kills none of them when it continues; a worker start that never reports, or a port that
+is taken, ends the daemon with one clear line naming what failed and what to change."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import contextlib
 import os
 import re
 import signal
+import socket
 import time
 from pathlib import Path
 
@@ -81,4 +82,19 @@ def test_a_silent_worker_start_ends_the_daemon_with_a_clear_line(
     assert "did not start" in last and "raise --worker-start-timeout (now 2 s)" in last
     worker = int(re.search(r"\(pid (\d+)\)", last).group(1))
     assert not Path(f"/proc/{worker}").exists()  # killed, not left sleeping
+    assert d.segments() == []
+
+
+def test_a_taken_port_ends_the_daemon_with_a_clear_line(tiny: Path, tmp_path: Path) -> None:
+    d = DaemonProcess(tiny, tmp_path)
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", d.port))
+        holder.listen()
+        with pytest.raises(RuntimeError, match="daemon exited with 2"):
+            d.start()
+    last = d.log().strip().splitlines()[-1]
+    assert last == (
+        f"luced: cannot listen on 127.0.0.1:{d.port}: Address already in use (choose "
+        "another with --port or --host, or stop what holds it)"
+    )
     assert d.segments() == []

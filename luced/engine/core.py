@@ -38,7 +38,7 @@ from luced.cache.prefix_cache import Hit, PrefixCache
 from luced.engine.batcher import StepBatcher
 from luced.engine.block_size import BlockSizer, StepCosts
 from luced.engine.constraint import Constraint
-from luced.engine.executor import WorkerDied, WorkerReplyError
+from luced.engine.executor import WorkerDied, WorkerReplyError, kernels_summary
 from luced.engine.kv_budget import KVBudget
 from luced.engine.lookup import PromptLookup
 from luced.engine.output import Delta, OutputBuilder
@@ -1089,6 +1089,7 @@ class Engine:
             self.metrics.finished(handle.finish_reason)
 
     def status(self) -> dict:
+        placement = self.workers()
         return {
             "model": self.model_name,
             "state": self.state,
@@ -1133,7 +1134,9 @@ class Engine:
             ),
             # Speculative steps by block size ("1": plain steps taken while speculating).
             "block_sizes": {str(b): n for b, n in sorted(self.block_sizes.items())},
-            "placement": self.workers(),
+            "placement": placement,
+            # A "torch fallback" here decodes several times slower than native kernels.
+            "kernels": kernels_summary(placement),
             "prefix_cache": self._cache_status(),
             "kv_flash": self.target.flash_status(),
             "moe_experts": self.target.moe_status(),

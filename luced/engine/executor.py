@@ -26,6 +26,7 @@ from luced.engine.placement import WorkerPlan, WorkerSpec
 from luced.ipc import links
 from luced.ipc.channel import AsyncChannel, ChannelClosedError, RemoteError
 from luced.ipc.frames import (
+    KERNELS_FALLBACK,
     DraftBlock,
     Forward,
     Hello,
@@ -44,6 +45,15 @@ from luced.ipc.frames import (
 )
 
 log = logging.getLogger(__name__)
+
+
+def kernels_summary(workers: list[dict]) -> str | None:
+    """What runs the workers' matrices and decode attention (`describe`'s "kernels"): one
+    description when they agree, else each group's; None before any load."""
+    by_group = {w["group"]: w["kernels"] for w in workers if w.get("kernels")}
+    if len(set(by_group.values())) <= 1:
+        return next(iter(by_group.values()), None)
+    return ", ".join(f"{group}: {kernels}" for group, kernels in by_group.items())
 
 
 class WorkerDied(RuntimeError):
@@ -153,6 +163,13 @@ class WorkerHandle:
         assert isinstance(reply, LoadReply)
         self.loaded = reply
         self.state = "ready"
+        if KERNELS_FALLBACK in reply.kernels:
+            log.warning(
+                "worker %s runs %s: decode runs several times slower than on luced's native "
+                'kernels (install gcc and restart, or set kernels = "torch" to choose this)',
+                self.spec.group,
+                reply.kernels,
+            )
         return reply
 
     async def load_draft(self, req: LoadDraft) -> LoadDraftReply:
@@ -276,6 +293,7 @@ class WorkerHandle:
             "uptime_s": round(time.time() - self.started_at, 1),
             "threads": self.spec.threads,  # torch threads (None: torch's own default)
             "python": self.spec.python,
+            "kernels": self.loaded.kernels if self.loaded else None,  # native.describe
         }
 
 

@@ -62,7 +62,8 @@ as the target holds its matrices);
 ``forward_batch`` ``allowed`` (grammar steps batched with the others), a 4th batch column
 n_out and ``n_rows_out`` (greedy verify blocks batched); ``load`` ``kv_dtype``;
 13: ``load`` ``kv_block`` (every sequence's K/V in one block pool per shard) and
-``kv_share`` (a sequence starts on another's prefix blocks, without copying).
+``kv_share`` (a sequence starts on another's prefix blocks, without copying);
+14: ``load`` replies ``kernels``, what runs the worker's matrices and decode attention.
 
 Expert compute (``luced.runtime.expert_link``): an expert worker answers ``load_experts``
 from the daemon, and ``expert_mix`` from target workers over direct worker-to-worker
@@ -89,7 +90,7 @@ from luced.ipc.regions import Region
 from luced.ipc.typed import FrameError, Record
 from luced.sampling_params import SamplingParams
 
-PROTOCOL_VERSION = 13
+PROTOCOL_VERSION = 14
 
 _ENVELOPE = frozenset({"op", "seq", "ok", "error"})  # no op may use these as fields
 
@@ -286,6 +287,12 @@ class LoadReply(Reply):
     kv_pool: int = 0  # pool rows per layer; 0: a plain cache
     kv_chunk_bytes: int = 0  # one host-tier record of this worker (all its shards' layers)
     moe_fingerprint: str = ""  # the expert placement (runtime.experts.Placement); "": none
+    # What runs the packed matrices and decode attention (runtime.native.describe):
+    # "native avx2", "torch", or KERNELS_FALLBACK + ": why" (native wanted, not had).
+    kernels: str = ""
+
+
+KERNELS_FALLBACK = "torch fallback"  # decode runs several times slower than native
 
 
 # -- forward --------------------------------------------------------------------------------

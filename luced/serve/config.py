@@ -350,9 +350,10 @@ OPTIONS: tuple[Option, ...] = (
         "kernels", "str", "auto",
         "Which kernels run packed matrices and decode attention on CPU workers. `native`: "
         "luced's own (C, built with the system's gcc into ~/.cache/luced/kernels on first "
-        "use; `tools/install.sh` prebuilds them), an error if they cannot be built. "
-        "`torch`: torch's weight-only kernels and SDPA. `auto`: native where they build, "
-        "else torch with one warning.",
+        "use; `tools/install.sh` prebuilds them; a cached build serves without gcc), an "
+        "error if they cannot be had. `torch`: torch's weight-only kernels and SDPA. "
+        "`auto`: native where they can be had, else torch (decode several times slower; a "
+        "warning, and `lucectl status` says so).",
         choices=("auto", "native", "torch"),
     ),
     Option(

@@ -312,6 +312,7 @@ class Slot:
         self.handle: WorkerHandle | None = None
         self.restarts = 0
         self.restart_task: asyncio.Task | None = None
+        self.restart_error: str | None = None  # why the last restart failed, until one works
         self.detail: dict = {}  # what the loader wants `describe` to show (the experts held)
 
     @property
@@ -358,8 +359,16 @@ class Executor:
     def ready(self) -> bool:
         """Every pipeline worker and the draft's (the expert worker is not needed: its
         layers fall back in process while it restarts)."""
-        slots = [*self.slots, *([self.draft_slot] if self.draft_slot else [])]
-        return all(s.handle is not None and s.handle.state == "ready" for s in slots)
+        return all(s.handle is not None and s.handle.state == "ready" for s in self._needed())
+
+    def _needed(self) -> list[Slot]:
+        return [*self.slots, *([self.draft_slot] if self.draft_slot else [])]
+
+    @property
+    def restart_error(self) -> str | None:
+        """Why a needed worker's last restart attempt failed (it is retried with backoff);
+        None when no attempt has failed since each worker last started."""
+        return next((s.restart_error for s in self._needed() if s.restart_error), None)
 
     def _all_slots(self) -> list[Slot]:
         extra = [s for s in (self.draft_slot, self.expert_slot) if s is not None]
@@ -466,11 +475,14 @@ class Executor:
                 )
                 try:
                     await self.start_slot(slot)
+                    slot.restart_error = None
                     return
                 except Exception as exc:  # keep trying: a transient failure must not stick
                     log.error("worker restart failed: %s", exc)
                     if slot.handle is not None:
                         await slot.handle.stop()
+                    slot.restart_error = str(exc) or type(exc).__name__
+                    self._notify()  # the engine fails what waits for it (core.py)
                     await asyncio.sleep(delay)
                     delay = min(delay * 2, 30.0)
         finally:

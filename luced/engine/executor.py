@@ -33,6 +33,7 @@ from luced.engine.watchdog import Silence
 from luced.ipc import links
 from luced.ipc.channel import AsyncChannel, ChannelClosedError, RemoteError
 from luced.ipc.frames import (
+    KERNELS_FALLBACK,
     SLOW,
     DraftBlock,
     Forward,
@@ -52,6 +53,15 @@ from luced.ipc.frames import (
 )
 
 log = logging.getLogger(__name__)
+
+
+def kernels_summary(workers: list[dict]) -> str | None:
+    """What runs the workers' matrices and decode attention (`describe`'s "kernels"): one
+    description when they agree, else each group's; None before any load."""
+    by_group = {w["group"]: w["kernels"] for w in workers if w.get("kernels")}
+    if len(set(by_group.values())) <= 1:
+        return next(iter(by_group.values()), None)
+    return ", ".join(f"{group}: {kernels}" for group, kernels in by_group.items())
 
 
 class WorkerDied(RuntimeError):
@@ -181,6 +191,13 @@ class WorkerHandle:
         assert isinstance(reply, LoadReply)
         self.loaded = reply
         self.state = "ready"
+        if KERNELS_FALLBACK in reply.kernels:
+            log.warning(
+                "worker %s runs %s: decode runs several times slower than on luced's native "
+                'kernels (install gcc and restart, or set kernels = "torch" to choose this)',
+                self.spec.group,
+                reply.kernels,
+            )
         return reply
 
     async def load_draft(self, req: LoadDraft) -> LoadDraftReply:
@@ -317,6 +334,7 @@ class WorkerHandle:
             "uptime_s": round(time.time() - self.started_at, 1),
             "threads": self.spec.threads,  # torch threads (None: torch's own default)
             "python": self.spec.python,
+            "kernels": self.loaded.kernels if self.loaded else None,  # native.describe
         }
 
 
@@ -335,6 +353,7 @@ class Slot:
         self.handle: WorkerHandle | None = None
         self.restarts = 0
         self.restart_task: asyncio.Task | None = None
+        self.restart_error: str | None = None  # why the last restart failed, until one works
         self.detail: dict = {}  # what the loader wants `describe` to show (the experts held)
 
     @property
@@ -381,8 +400,16 @@ class Executor:
     def ready(self) -> bool:
         """Every pipeline worker and the draft's (the expert worker is not needed: its
         layers fall back in process while it restarts)."""
-        slots = [*self.slots, *([self.draft_slot] if self.draft_slot else [])]
-        return all(s.handle is not None and s.handle.state == "ready" for s in slots)
+        return all(s.handle is not None and s.handle.state == "ready" for s in self._needed())
+
+    def _needed(self) -> list[Slot]:
+        return [*self.slots, *([self.draft_slot] if self.draft_slot else [])]
+
+    @property
+    def restart_error(self) -> str | None:
+        """Why a needed worker's last restart attempt failed (it is retried with backoff);
+        None when no attempt has failed since each worker last started."""
+        return next((s.restart_error for s in self._needed() if s.restart_error), None)
 
     def _all_slots(self) -> list[Slot]:
         extra = [s for s in (self.draft_slot, self.expert_slot) if s is not None]
@@ -489,6 +516,7 @@ class Executor:
                 )
                 try:
                     await self.start_slot(slot)
+                    slot.restart_error = None
                     return
                 except Exception as exc:  # keep trying: a transient failure must not stick
                     log.error(
@@ -501,6 +529,8 @@ class Executor:
                     )
                     if slot.handle is not None:
                         await slot.handle.stop()
+                    slot.restart_error = error_text(exc)
+                    self._notify()  # the engine fails what waits for it (core.py)
                     await asyncio.sleep(delay)
                     delay = min(delay * 2, 30.0)
         finally:

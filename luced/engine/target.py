@@ -247,6 +247,16 @@ class Target:
         return self.executor.ready
 
     @property
+    def restart_error(self) -> str | None:
+        """Why a dead worker could not be started again (it is retried with backoff)."""
+        return self.executor.restart_error
+
+    def watch(self, callback: Callable[[], None]) -> None:
+        """Call `callback` (in place of the constructor's) whenever a worker starts, is
+        loaded, dies or fails to restart."""
+        self.executor.on_state_change = callback
+
+    @property
     def position(self) -> int:
         """The calling task's lane's committed position."""
         return self.lane_position(LANE.get())

@@ -64,7 +64,8 @@ as the target holds its matrices);
 n_out and ``n_rows_out`` (greedy verify blocks batched); ``load`` ``kv_dtype``;
 13: ``load`` ``kv_block`` (every sequence's K/V in one block pool per shard) and
 ``kv_share`` (a sequence starts on another's prefix blocks, without copying);
-14: progress notes: a worker at one of the ``SLOW`` requests (its start, a load) says twice
+14: ``load`` replies ``kernels``, what runs the worker's matrices and decode attention;
+15: progress notes: a worker at one of the ``SLOW`` requests (its start, a load) says twice
 a second that it is still at work, so the daemon bounds its silence, not its time.
 
 Expert compute (``luced.runtime.expert_link``): an expert worker answers ``load_experts``
@@ -92,7 +93,7 @@ from luced.ipc.regions import Region
 from luced.ipc.typed import FrameError, Record
 from luced.sampling_params import SamplingParams
 
-PROTOCOL_VERSION = 14
+PROTOCOL_VERSION = 15
 
 _ENVELOPE = frozenset({"op", "seq", "ok", "error", "progress"})  # no op may use these as fields
 
@@ -289,6 +290,12 @@ class LoadReply(Reply):
     kv_pool: int = 0  # pool rows per layer; 0: a plain cache
     kv_chunk_bytes: int = 0  # one host-tier record of this worker (all its shards' layers)
     moe_fingerprint: str = ""  # the expert placement (runtime.experts.Placement); "": none
+    # What runs the packed matrices and decode attention (runtime.native.describe):
+    # "native avx2", "torch", or KERNELS_FALLBACK + ": why" (native wanted, not had).
+    kernels: str = ""
+
+
+KERNELS_FALLBACK = "torch fallback"  # decode runs several times slower than native
 
 
 # -- forward --------------------------------------------------------------------------------

@@ -37,6 +37,7 @@ from typing import Any
 
 from luced.engine.placement import PlacementError, parse_device, parse_devices, parse_weights
 from luced.ipc.frames import WEIGHT_MODES
+from luced.serve.admission import Network, parse_networks
 
 DEFAULT_CONFIG_PATH = Path("/etc/luced/luced.toml")
 CONTEXT_CAP = 8192  # default context when the model's own is longer (KV memory)
@@ -229,6 +230,7 @@ _CONVERTERS: dict[str, Callable[[Any], Any]] = {
     "pairs": _to_pairs,
     "bool": _to_bool,
     "strs": _to_strs,
+    "networks": parse_networks,
 }
 
 
@@ -348,9 +350,10 @@ OPTIONS: tuple[Option, ...] = (
         "kernels", "str", "auto",
         "Which kernels run packed matrices and decode attention on CPU workers. `native`: "
         "luced's own (C, built with the system's gcc into ~/.cache/luced/kernels on first "
-        "use; `tools/install.sh` prebuilds them), an error if they cannot be built. "
-        "`torch`: torch's weight-only kernels and SDPA. `auto`: native where they build, "
-        "else torch with one warning.",
+        "use; `tools/install.sh` prebuilds them; a cached build serves without gcc), an "
+        "error if they cannot be had. `torch`: torch's weight-only kernels and SDPA. "
+        "`auto`: native where they can be had, else torch (decode several times slower; a "
+        "warning, and `lucectl status` says so).",
         choices=("auto", "native", "torch"),
     ),
     Option(
@@ -440,9 +443,19 @@ OPTIONS: tuple[Option, ...] = (
     ),
     Option(
         "max_connections", "int", 512,
-        "Concurrent HTTP connections; more are answered 503 and closed at once. Each "
-        "costs a file descriptor: keep it below the process's open-file limit.",
+        "Concurrent HTTP connections, shared between client addresses. Each costs a file "
+        "descriptor: keep it below the process's open-file limit. When all are taken, a "
+        "new connection displaces the longest-idle kept-alive one, else the oldest slow "
+        "sender of an address over its share; else it gets one of the places kept for "
+        "/health (an eighth, at most 8), or a 503 (README: Using it).",
         minimum=1,
+    ),
+    Option(
+        "trusted_proxies", "networks", (),
+        "Addresses or networks (CIDR) of proxies or load balancers in front of luced: "
+        "their connections are not held to one client address's share of "
+        "--max-connections, since each stands for many clients.",
+        default_doc="none", example=("10.0.0.0/8",),
     ),
     Option(
         "worker_timeout", "float", 30.0,
@@ -651,6 +664,7 @@ class Config:
     shutdown_timeout: float
     http_timeout: float
     max_connections: int
+    trusted_proxies: tuple[Network, ...]
     worker_timeout: float
     worker_start_timeout: float
     runtime_dir: Path

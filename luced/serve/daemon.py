@@ -42,6 +42,7 @@ from luced.ipc.frames import MoeCounts
 from luced.ipc.shm import ShmOwner, cleanup_stale
 from luced.serve import routing_profile, sdnotify
 from luced.serve.admin import AdminSocketError, start_admin_server
+from luced.serve.admission import Gate
 from luced.serve.config import Config, ConfigError, usable_cores
 from luced.serve.listener import LimitedSite
 from luced.serve.prefix_setup import (
@@ -186,7 +187,8 @@ class Daemon:
         handler_args = {"access_log": None, "keepalive_timeout": cfg.http_timeout}
         http = web.AppRunner(app, handle_signals=False, handler_cancellation=True, **handler_args)
         await http.setup()
-        site = LimitedSite(http, cfg.host, cfg.port, cfg.max_connections, handler_args)
+        gate = Gate(cfg.max_connections, cfg.trusted_proxies)
+        site = LimitedSite(http, cfg.host, cfg.port, gate, handler_args)
         try:
             await site.start()
         except OSError as exc:  # e.g. the port is taken: one line, no load

@@ -27,6 +27,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from luced.ipc.frames import KERNELS_FALLBACK
 from luced.serve.config import default_admin_socket
 
 SYSTEMD_SOCKET = Path("/run/luced/admin.sock")  # RuntimeDirectory=luced in luced.service
@@ -279,6 +280,13 @@ def _kv_flash(f: Any) -> str:
     )
 
 
+def _kernels(k: Any) -> str:
+    text = fmt(k)
+    if KERNELS_FALLBACK in text:
+        text += " (decode runs several times slower than on native kernels)"
+    return text
+
+
 def render_status(reply: Mapping[str, Any]) -> str:
     rows: list[tuple[str, str]] = []
     body = {k: v for k, v in reply.items() if k != "ok"}
@@ -304,6 +312,7 @@ def render_status(reply: Mapping[str, Any]) -> str:
         "requests": _counts,
         "prefix_cache": _prefix_cache,
         "kv_flash": _kv_flash,
+        "kernels": _kernels,
     }
     for key, show in named.items():
         if key in body:

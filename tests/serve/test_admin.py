@@ -580,3 +580,11 @@ def test_status_shows_the_running_requests_of_a_batch() -> None:
         "  chatcmpl-a: 12 prompt + 30 generated",
         "  chatcmpl-b: 900 prompt + 2 generated",
     ]
+
+
+def test_status_says_what_a_torch_fallback_costs() -> None:
+    fell = "torch fallback: no C compiler (gcc, cc or $CC) and no cached build in /x"
+    assert lucectl.render_status({"kernels": fell}) == (
+        f"kernels  {fell} (decode runs several times slower than on native kernels)"
+    )
+    assert lucectl.render_status({"kernels": "native avx2"}) == "kernels  native avx2"

@@ -6,6 +6,7 @@ import dataclasses
 import re
 import sys
 import tomllib
+from ipaddress import ip_network
 from pathlib import Path
 from typing import Any
 
@@ -73,6 +74,10 @@ SAMPLES: dict[str, tuple[str, str, Any]] = {
     "worker_start_timeout": ("120", "120.0", 120.0),
     "http_timeout": ("7.5", "7.5", 7.5),
     "max_connections": ("64", "64", 64),
+    "trusted_proxies": (
+        "10.0.0.0/8, fd00::1", '["10.0.0.0/8", "fd00::1"]',
+        (ip_network("10.0.0.0/8"), ip_network("fd00::1")),
+    ),
     "runtime_dir": ("/srv/rt", '"/srv/rt"', Path("/srv/rt")),
     "admin_socket": ("/srv/a.sock", '"/srv/a.sock"', Path("/srv/a.sock")),
     "backend_python": ("hip=/r/py", '{ hip = "/r/py" }', (("hip", Path("/r/py")),)),
@@ -207,6 +212,11 @@ def test_repeatable_backend_python(tmp_path: Path) -> None:
         ([], {}, 'model = ""', "{file}: model: empty string"),
         (["--backend-python", "cuda"], {}, None, "--backend-python: not GROUP=PATH: 'cuda'"),
         ([], {"LUCED_BACKEND_PYTHON": "a=/x,a=/y"}, None, "LUCED_BACKEND_PYTHON: group 'a' given"),
+        (
+            ["--trusted-proxies", "10.0.0.1/8"], {}, None,
+            "--trusted-proxies: not an address or network: '10.0.0.1/8' (10.0.0.1/8 has host",
+        ),
+        ([], {}, "trusted_proxies = [1]", "{file}: trusted_proxies: not an address or network: 1"),
         ([], {}, "prot = 1", "{file}: unknown option 'prot' (did you mean 'port'?)"),
         ([], {}, "max-queue = 1", "{file}: unknown option 'max-queue' (did you mean 'max_queue'?)"),
         ([], {}, "port = ", "{file}: invalid TOML: "),

@@ -39,8 +39,8 @@ The engine reports through `observe(what, value)` and `finished(reason)`; the HT
 layer refreshes the gauges from `Engine.status()` on every scrape (and once a second),
 so they are right even if an engine path forgot to report. Every observation also goes
 to `timeline` (luced.engine.timeline): the last ten minutes, a sample a second, which
-the web page plots. `_created` series are left out of the
-exposition (vLLM disables them too, but globally; we filter our own output instead).
+the web page plots. `_created` series are left out of the exposition (vLLM disables
+them too, but globally; we filter our own output instead).
 """
 
 from __future__ import annotations

@@ -36,9 +36,11 @@ process do not collide.
     luced:kv_flash_host_bytes           gauge      bytes of paged-out chunks in the host tier
 
 The engine reports through `observe(what, value)` and `finished(reason)`; the HTTP
-layer refreshes the two gauges from `Engine.status()` on every scrape, so they are
-right even if an engine path forgot to report. `_created` series are left out of the
-exposition (vLLM disables them too, but globally; we filter our own output instead).
+layer refreshes the gauges from `Engine.status()` on every scrape (and once a second),
+so they are right even if an engine path forgot to report. Every observation also goes
+to `timeline` (luced.engine.timeline): the last ten minutes, a sample a second, which
+the web page plots. `_created` series are left out of the exposition (vLLM disables
+them too, but globally; we filter our own output instead).
 """
 
 from __future__ import annotations
@@ -49,6 +51,8 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4, generate_latest
 from prometheus_client.metrics_core import Metric
+
+from luced.engine.timeline import Timeline
 
 NAMESPACE = "luced:"
 CONTENT_TYPE = CONTENT_TYPE_PLAIN_0_0_4
@@ -72,6 +76,8 @@ REQUEST_LATENCY_BUCKETS = (
 TOKEN_COUNT_BUCKETS = tuple(m * 10**e for e in range(7) for m in (1, 2, 5))
 BLOCK_SIZE_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 BATCH_SIZE_BUCKETS = BLOCK_SIZE_BUCKETS  # sequences per batched step: 1 to 64 as well
+# The timeline's gauges, as Engine.status()'s queue names them.
+_QUEUE_KEYS = {"running": "running", "queue": "waiting", "kv_usage": "kv_usage"}
 REJECT_REASONS = ("max_queue", "max_queued_tokens", "context_length_exceeded")
 
 
@@ -81,6 +87,7 @@ class Metrics:
     def __init__(self, model_name: str = "") -> None:
         """model_name: the value of vLLM's `model_name` label; "" leaves the label out."""
         self.model_name = model_name
+        self.timeline = Timeline()
         self.registry = CollectorRegistry(auto_describe=True)
         base = {"model_name": model_name} if model_name else {}
         self._base = base
@@ -248,6 +255,7 @@ class Metrics:
                 f"unknown metric {what!r}; expected one of {sorted(self._observers)}"
             ) from None
         observer(value)
+        self.timeline.add(what, value)
 
     def finished(self, reason: str) -> None:
         """A request ended with reason stop | length | abort | error."""
@@ -266,12 +274,15 @@ class Metrics:
     def observe_spec_decode(self, num_draft_tokens: int, accepted_per_pos: Sequence[int]) -> None:
         """One speculative step: num_draft_tokens proposed; accepted_per_pos[i] is 1 if
         the token at draft position i was accepted (so sum = accepted tokens)."""
+        accepted = sum(accepted_per_pos)
         self.spec_decode_num_drafts.inc()
         self.spec_decode_num_draft_tokens.inc(num_draft_tokens)
-        self.spec_decode_num_accepted_tokens.inc(sum(accepted_per_pos))
-        for pos, accepted in enumerate(accepted_per_pos):
-            if accepted:
-                self._accepted_per_pos.labels(**self._base, position=str(pos)).inc(accepted)
+        self.spec_decode_num_accepted_tokens.inc(accepted)
+        self.timeline.add("draft_tokens", num_draft_tokens)
+        self.timeline.add("accepted_tokens", accepted)
+        for pos, n in enumerate(accepted_per_pos):
+            if n:
+                self._accepted_per_pos.labels(**self._base, position=str(pos)).inc(n)
 
     def _prompt_tokens(self, n: float) -> None:
         self.prompt_tokens.inc(n)
@@ -282,10 +293,13 @@ class Metrics:
         self.num_requests_waiting.set(waiting)
 
     def refresh(self, status: Mapping[str, Any]) -> None:
-        """Set the gauges from `Engine.status()` (called on every scrape)."""
+        """Set the gauges (the timeline's too) from `Engine.status()`: called on every
+        scrape and, by the HTTP app, once a second."""
         queue = status.get("queue") or {}
         self.set_queue(running=int(queue.get("running", 0)), waiting=int(queue.get("waiting", 0)))
         self.kv_cache_usage.set(float(queue.get("kv_usage", 0.0)))
+        for what, key in _QUEUE_KEYS.items():
+            self.timeline.add(what, float(queue.get(key, 0)))
         cache = status.get("prefix_cache") or {}
         for tier in ("memory", "disk"):
             self._prefix_cache_bytes.labels(**self._base, tier=tier).set(

@@ -39,9 +39,11 @@ process do not collide.
                                                    as one long lag)
 
 The engine reports through `observe(what, value)` and `finished(reason)`; the HTTP
-layer refreshes the two gauges from `Engine.status()` on every scrape, so they are
-right even if an engine path forgot to report. `_created` series are left out of the
-exposition (vLLM disables them too, but globally; we filter our own output instead).
+layer refreshes the gauges from `Engine.status()` on every scrape (and once a second),
+so they are right even if an engine path forgot to report. Every observation also goes
+to `timeline` (luced.engine.timeline): the last ten minutes, a sample a second, which
+the web page plots. `_created` series are left out of the exposition (vLLM disables
+them too, but globally; we filter our own output instead).
 """
 
 from __future__ import annotations
@@ -52,6 +54,8 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4, generate_latest
 from prometheus_client.metrics_core import Metric
+
+from luced.engine.timeline import Timeline
 
 NAMESPACE = "luced:"
 CONTENT_TYPE = CONTENT_TYPE_PLAIN_0_0_4
@@ -79,6 +83,8 @@ BATCH_SIZE_BUCKETS = BLOCK_SIZE_BUCKETS  # sequences per batched step: 1 to 64 a
 LOOP_LAG_BUCKETS = (
     0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 60.0, 300.0,
 )  # fmt: skip
+# The timeline's gauges, as Engine.status()'s queue names them.
+_QUEUE_KEYS = {"running": "running", "queue": "waiting", "kv_usage": "kv_usage"}
 REJECT_REASONS = ("max_queue", "max_queued_tokens", "context_length_exceeded")
 
 
@@ -88,6 +94,7 @@ class Metrics:
     def __init__(self, model_name: str = "") -> None:
         """model_name: the value of vLLM's `model_name` label; "" leaves the label out."""
         self.model_name = model_name
+        self.timeline = Timeline()
         self.registry = CollectorRegistry(auto_describe=True)
         base = {"model_name": model_name} if model_name else {}
         self._base = base
@@ -262,6 +269,7 @@ class Metrics:
                 f"unknown metric {what!r}; expected one of {sorted(self._observers)}"
             ) from None
         observer(value)
+        self.timeline.add(what, value)
 
     def finished(self, reason: str) -> None:
         """A request ended with reason stop | length | abort | error."""
@@ -280,12 +288,15 @@ class Metrics:
     def observe_spec_decode(self, num_draft_tokens: int, accepted_per_pos: Sequence[int]) -> None:
         """One speculative step: num_draft_tokens proposed; accepted_per_pos[i] is 1 if
         the token at draft position i was accepted (so sum = accepted tokens)."""
+        accepted = sum(accepted_per_pos)
         self.spec_decode_num_drafts.inc()
         self.spec_decode_num_draft_tokens.inc(num_draft_tokens)
-        self.spec_decode_num_accepted_tokens.inc(sum(accepted_per_pos))
-        for pos, accepted in enumerate(accepted_per_pos):
-            if accepted:
-                self._accepted_per_pos.labels(**self._base, position=str(pos)).inc(accepted)
+        self.spec_decode_num_accepted_tokens.inc(accepted)
+        self.timeline.add("draft_tokens", num_draft_tokens)
+        self.timeline.add("accepted_tokens", accepted)
+        for pos, n in enumerate(accepted_per_pos):
+            if n:
+                self._accepted_per_pos.labels(**self._base, position=str(pos)).inc(n)
 
     def _prompt_tokens(self, n: float) -> None:
         self.prompt_tokens.inc(n)
@@ -296,10 +307,13 @@ class Metrics:
         self.num_requests_waiting.set(waiting)
 
     def refresh(self, status: Mapping[str, Any]) -> None:
-        """Set the gauges from `Engine.status()` (called on every scrape)."""
+        """Set the gauges (the timeline's too) from `Engine.status()`: called on every
+        scrape and, by the HTTP app, once a second."""
         queue = status.get("queue") or {}
         self.set_queue(running=int(queue.get("running", 0)), waiting=int(queue.get("waiting", 0)))
         self.kv_cache_usage.set(float(queue.get("kv_usage", 0.0)))
+        for what, key in _QUEUE_KEYS.items():
+            self.timeline.add(what, float(queue.get(key, 0)))
         cache = status.get("prefix_cache") or {}
         for tier in ("memory", "disk"):
             self._prefix_cache_bytes.labels(**self._base, tier=tier).set(

@@ -324,8 +324,8 @@ OPTIONS: tuple[Option, ...] = (
     ),
     Option(
         "allowed_origins", "strs", (),
-        "Browser origins allowed to call the API (CORS); preflights from any other "
-        "origin are refused.",
+        "Other sites whose pages may call the API (CORS); a request from any other "
+        "site's page is refused (403). The daemon's own page at / needs no entry.",
         default_doc="none (no cross-origin calls)", example=("http://localhost:3000",),
     ),
     Option(

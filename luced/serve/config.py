@@ -9,7 +9,7 @@
     cfg.speculation  SpeculationOptions  draft, block size
     cfg.moe          MoEOptions          expert placement
     cfg.http         HTTPOptions         listener, API key, browser guard, shutdown
-    cfg.daemon       DaemonOptions       worker deadline, runtime dir, admin socket, log level
+    cfg.daemon       DaemonOptions       worker deadlines, runtime dir, admin socket, log level
 
 A component takes the group it needs (``listener.listen(app, cfg.http)``). Every value is
 converted and validated by its row when its group is constructed, so a group is valid
@@ -225,10 +225,11 @@ class HTTPOptions(Options):
 
 @dataclass(frozen=True)
 class DaemonOptions(Options):
-    """The process: its workers' deadline, its admin socket, its log."""
+    """The process: its workers' deadlines, its admin socket, its log."""
 
     group: ClassVar[str] = "daemon"
     worker_timeout: float
+    worker_start_timeout: float
     runtime_dir: Path
     admin_socket: Path
     log_level: str

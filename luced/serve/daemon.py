@@ -23,7 +23,7 @@ from pathlib import Path
 
 from luced.api.server import Guard, make_app
 from luced.engine.core import Engine
-from luced.engine.executor import WorkerReplyError
+from luced.engine.executor import Deadlines, WorkerDied, WorkerReplyError
 from luced.engine.kv_budget import resolve_kv_pool
 from luced.engine.kvflash.pager import PagerConfig
 from luced.engine.kvflash.transport import (
@@ -34,6 +34,7 @@ from luced.engine.kvflash.transport import (
 )
 from luced.engine.metrics import Metrics
 from luced.engine.target import Target, TargetPlacement
+from luced.engine.watchdog import LoopWatchdog
 from luced.gguf_file import GGUFFile
 from luced.ipc.frames import MoeCounts
 from luced.ipc.shm import ShmOwner, cleanup_stale
@@ -157,9 +158,8 @@ class Daemon:
         except ValueError as exc:
             raise StartupError(str(exc)) from exc
         metrics = Metrics(model.served_model_name())  # vLLM's model_name label
-        self.target = Target(
-            self.owner, placement, kv_flash=kv_flash, worker_timeout=cfg.daemon.worker_timeout
-        )
+        deadlines = Deadlines(call=cfg.daemon.worker_timeout, start=cfg.daemon.worker_start_timeout)
+        self.target = Target(self.owner, placement, kv_flash=kv_flash, deadlines=deadlines)
         self.engine = engine = Engine(
             self.target,
             tokenizer,
@@ -185,7 +185,16 @@ class Daemon:
         app = make_app(
             engine, metrics, api_key=api_key, guard=guard, body_timeout=http.http_timeout
         )
-        runner = await listen(app, http)
+        try:
+            runner = await listen(app, http)
+        except OSError as exc:  # e.g. the port is taken: one line, no load
+            self.disk_reservation.release()
+            # uvloop's text repeats the address; a bad host name has only its own text
+            reason = os.strerror(exc.errno) if (exc.errno or 0) > 0 else str(exc)
+            raise StartupError(
+                f"cannot listen on {http.host}:{http.port}: {reason} (choose another with "
+                "--port or --host, or stop what holds it)"
+            ) from exc
         log.info("listening on http://%s:%d", http.host, http.port)
         try:
             admin = await start_admin_server(cfg.daemon.admin_socket, self._admin_handlers())
@@ -193,6 +202,8 @@ class Daemon:
             await runner.cleanup()
             self.disk_reservation.release()
             raise StartupError(f"{exc} (choose another with --admin-socket)") from exc
+        watchdog = LoopWatchdog(lambda lag: metrics.observe("loop_lag", lag))
+        watchdog.start()
         try:
             sdnotify.status(f"loading {Path(model_path).name}")
             load = asyncio.create_task(self._start_model())
@@ -226,6 +237,7 @@ class Daemon:
                 log.warning("shutdown timeout: aborting the remaining requests")
             await engine.stop()
         finally:
+            await watchdog.stop()
             admin.close()
             with contextlib.suppress(Exception):
                 await admin.wait_closed()
@@ -305,7 +317,10 @@ class Daemon:
 
     async def _start_model(self) -> None:
         assert self.target is not None
-        await self.target.start()
+        try:
+            await self.target.start()
+        except (WorkerDied, WorkerReplyError) as exc:  # the worker's log lines say more
+            raise StartupError(f"loading the model: {exc}") from exc
         spec = self.config.speculation
         draft = spec.draft
         if spec.lookup_drafts:
@@ -319,7 +334,7 @@ class Daemon:
                     block_size=spec.block_size,
                     python=self.config.draft_python(),
                 )
-            except (WorkerReplyError, ValueError) as exc:
+            except (WorkerDied, WorkerReplyError, ValueError) as exc:
                 raise StartupError(f"--draft {draft}: {exc}") from exc
             log.info(
                 "draft %s: captures target layers %s, block size %d",

@@ -232,11 +232,13 @@ def _queue(q: Any) -> str:
             text += f" (max {q['max_queued_tokens']})"
     if q.get("mean_batch") is not None:
         text += f"; {q['batched_steps']} batched steps, {q['mean_batch']} sequences each"
-    for r in q.get("requests") or []:  # each running request and its tokens so far
-        text += (
-            f"\n  {fmt(r.get('id'))}: {fmt(r.get('prompt_tokens'))} prompt + "
-            f"{fmt(r.get('completion_tokens'))} generated"
-        )
+    # Each running and waiting request and its tokens so far.
+    for key, label in (("requests", "running"), ("waiting_requests", "waiting")):
+        for r in q.get(key) or []:
+            text += (
+                f"\n  {fmt(r.get('id'))} {label}: {fmt(r.get('prompt_tokens'))} prompt + "
+                f"{fmt(r.get('completion_tokens'))} generated"
+            )
     return text
 
 

@@ -344,8 +344,8 @@ OPTIONS: tuple[Option, ...] = (
     ),
     Option(
         "allowed_origins", "http", "strs", (),
-        "Browser origins allowed to call the API (CORS); preflights from any other "
-        "origin are refused.",
+        "Other sites whose pages may call the API (CORS); a request from any other "
+        "site's page is refused (403). The daemon's own page at / needs no entry.",
         default_doc="none (no cross-origin calls)", example=("http://localhost:3000",),
     ),
     Option(
@@ -483,8 +483,18 @@ OPTIONS: tuple[Option, ...] = (
         "Seconds a worker call may take beyond 20× its expected time (the worker's "
         "measured seconds per token × the call's tokens) before the worker counts as hung "
         "(stopped, deadlocked): it is killed and restarted, the running request ends with "
-        "an error, queued ones wait for the restart. Loads have no deadline.",
+        "an error, queued ones wait for the restart. Time the daemon itself was stalled "
+        "(stopped, swapped out) does not count. Starts and loads: --worker-start-timeout.",
         minimum=0.1,
+    ),
+    Option(
+        "worker_start_timeout", "daemon", "float", 60.0,
+        "Seconds a starting or loading worker may go without a sign of life. Such a worker "
+        "reports progress twice a second while it imports torch and loads, so a slow start "
+        "or a big model takes as long as it needs; this only ends one that is stopped or "
+        "stuck. Raise it on a machine so busy that a worker cannot even run its first "
+        "imports in this time.",
+        minimum=1.0,
     ),
     Option(
         "runtime_dir", "daemon", "path",

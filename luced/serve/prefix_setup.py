@@ -20,6 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from luced.api.status import snapshot_rows
 from luced.cache.arena import SnapshotArena
 from luced.cache.disk import (
     DiskIdentity,
@@ -38,7 +39,6 @@ from luced.text.tokenizer import Tokenizer
 log = logging.getLogger(__name__)
 
 _EDGE = 1 << 20  # bytes hashed at each end of the model file
-PREVIEW_TOKENS = 24  # tokens detokenized for `snapshot list`
 
 
 def model_fingerprint(path: str | Path) -> str:
@@ -202,28 +202,7 @@ def snapshot_handlers(
         return c
 
     async def snapshot_list(_: dict) -> dict:
-        c = get_cache()
-        if c is None:
-            return {"snapshots": []}
-        return {
-            "snapshots": [
-                {
-                    "id": e.id,
-                    "tokens": e.n_tokens,
-                    "bytes": e.nbytes,
-                    "disk_bytes": e.disk_bytes,
-                    "tier": e.tier,
-                    "hits": e.hits,
-                    "last_used": e.last_used,
-                    "in_use": e.pinned,
-                    "prefix": tokenizer.decode(e.tokens[:PREVIEW_TOKENS].tolist()),
-                    # Snapshots of one app share their start (the system prompt): the end
-                    # (the last turn) is what tells them apart.
-                    "suffix": tokenizer.decode(e.tokens[-PREVIEW_TOKENS:].tolist()),
-                }
-                for e in c.entries()
-            ]
-        }
+        return {"snapshots": snapshot_rows(get_cache(), tokenizer)}
 
     async def snapshot_drop(req: dict) -> dict:
         entry_id = str(req.get("id", ""))

@@ -563,22 +563,24 @@ def test_lucectl_default_socket_follows_the_daemons_default(
     assert lucectl.resolve_socket("/b.sock", {"LUCED_ADMIN_SOCKET": "/a.sock"}) == Path("/b.sock")
 
 
-def test_status_shows_the_running_requests_of_a_batch() -> None:
+def test_status_shows_the_running_and_waiting_requests() -> None:
     queue = {
         "running": 2,
         "max_running": 8,
-        "waiting": 0,
+        "waiting": 1,
         "requests": [
             {"id": "chatcmpl-a", "prompt_tokens": 12, "completion_tokens": 30},
             {"id": "chatcmpl-b", "prompt_tokens": 900, "completion_tokens": 2},
         ],
+        "waiting_requests": [{"id": "chatcmpl-c", "prompt_tokens": 7, "completion_tokens": 0}],
         "batched_steps": 40,
         "mean_batch": 1.9,
     }
-    assert lucectl.render_status({"queue": queue}).splitlines()[0:3] == [
-        "queue  2 running (max 8), 0 waiting; 40 batched steps, 1.9 sequences each",
-        "  chatcmpl-a: 12 prompt + 30 generated",
-        "  chatcmpl-b: 900 prompt + 2 generated",
+    assert lucectl.render_status({"queue": queue}).splitlines()[0:4] == [
+        "queue  2 running (max 8), 1 waiting; 40 batched steps, 1.9 sequences each",
+        "  chatcmpl-a running: 12 prompt + 30 generated",
+        "  chatcmpl-b running: 900 prompt + 2 generated",
+        "  chatcmpl-c waiting: 7 prompt + 0 generated",
     ]
 
 

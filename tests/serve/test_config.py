@@ -78,6 +78,7 @@ SAMPLES: dict[str, tuple[str, str, Any]] = {
     "default_max_tokens": ("256", "256", 256),
     "shutdown_timeout": ("2.5", "2.5", 2.5),
     "worker_timeout": ("4.5", "4.5", 4.5),
+    "worker_start_timeout": ("120", "120.0", 120.0),
     "http_timeout": ("7.5", "7.5", 7.5),
     "max_connections": ("64", "64", 64),
     "trusted_proxies": (

@@ -6,7 +6,7 @@
     | cache clear [--disk] --yes
 
 The socket: ``--socket``, else ``$LUCED_ADMIN_SOCKET``, else the daemon's default
-(``luced.serve.config.default_admin_socket``); when that does not exist but the systemd
+(``luced.serve.options.default_admin_socket``); when that does not exist but the systemd
 unit's ``/run/luced/admin.sock`` does, that one. Tables by default; ``--json`` prints
 the daemon's reply line as it came.
 
@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from luced.ipc.frames import KERNELS_FALLBACK
-from luced.serve.config import default_admin_socket
+from luced.serve.options import default_admin_socket
 
 SYSTEMD_SOCKET = Path("/run/luced/admin.sock")  # RuntimeDirectory=luced in luced.service
 DEFAULT_TIMEOUT = 10.0

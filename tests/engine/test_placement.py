@@ -169,9 +169,10 @@ def test_config_values() -> None:
         env={},
         default_config_path=None,
     )
-    assert cfg.target_devices == ("cpu", "cpu:1") and cfg.target_layer_split == (1.0, 3.0)
+    assert cfg.model.target_devices == ("cpu", "cpu:1")
+    assert cfg.model.target_layer_split == (1.0, 3.0)
     cfg = load_config([], env={"LUCED_TARGET_DEVICES": "cpu,cpu"}, default_config_path=None)
-    assert cfg.target_devices == ("cpu", "cpu") and cfg.target_layer_split is None
+    assert cfg.model.target_devices == ("cpu", "cpu") and cfg.model.target_layer_split is None
 
 
 def serve(*args: str) -> subprocess.CompletedProcess:

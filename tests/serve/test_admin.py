@@ -29,7 +29,7 @@ from luced.serve.admin import (
     same_uid_or_root,
     start_admin_server,
 )
-from luced.serve.config import default_admin_socket
+from luced.serve.options import default_admin_socket
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -99,3 +99,29 @@ class Regions:
     def a(self, name: str) -> np.ndarray:
         r = self.r[name]
         return self.seg.array(r.offset, r.shape, r.dtype)
+
+
+SPAN_FIELDS = {"sequence", "verify", "q_row", "keep_state", "keep_block_states", "ring", "kv_plan"}
+
+
+def forward_frame(
+    n: int,
+    start: int,
+    want: str = "sample",
+    outputs: dict[str, Region] | None = None,
+    positions: str = "last",
+    sampling: dict | None = None,
+    **kw: object,
+) -> F.Forward:
+    """A forward of one span, as the daemon sends for one sequence: `positions` "last" (the
+    row after the last token), "all" (a row after every token) or "none" (feed only); the
+    keyword arguments named in SPAN_FIELDS go to the span, the others to the frame."""
+    n_out = {"last": 1, "all": n, "none": 0}[positions]
+    span = {k: kw.pop(k) for k in SPAN_FIELDS & kw.keys()}
+    span.setdefault("sequence", 0)
+    return F.Forward(
+        spans=(F.Span(start=start, n=n, n_out=n_out, sampling=sampling or {}, **span),),  # type: ignore[arg-type]
+        want=want,  # type: ignore[arg-type]
+        outputs=outputs or {},
+        **kw,  # type: ignore[arg-type]
+    )

@@ -26,7 +26,6 @@ import logging
 from luced.engine.executor import Executor, Slot, WorkerHandle, error_text
 from luced.engine.placement import TargetPlacement
 from luced.ipc.frames import (
-    ForwardBatchReply,
     ForwardReply,
     LoadExperts,
     LoadExpertsReply,
@@ -131,7 +130,7 @@ class ExpertWorker:
             return
         self.executor.link_experts(worker)
 
-    def account(self, reply: ForwardReply | ForwardBatchReply) -> None:
+    def account(self, reply: ForwardReply) -> None:
         self.totals["remote_calls"] += reply.moe_remote_calls
         self.totals["fallbacks"] += reply.moe_fallbacks
         self.totals["remote_bytes"] += reply.moe_remote_bytes

@@ -81,8 +81,6 @@ from luced.engine.placement import TargetPlacement, WorkerSpec, parse_device
 from luced.ipc.frames import (
     DraftBlock,
     Forward,
-    ForwardBatch,
-    ForwardBatchReply,
     ForwardReply,
     KVShare,
     KVShareReply,
@@ -90,6 +88,7 @@ from luced.ipc.frames import (
     LoadDraft,
     LoadDraftReply,
     Reset,
+    Span,
     Stats,
     StatsReply,
     Truncate,
@@ -315,7 +314,6 @@ class Target:
             "io",
             {
                 "tokens": ([n], "int32"),
-                "batch": ([n, 4], "int32"),  # forward_batch: (sequence, start, n, n_out) rows
                 "ids": ([n], "int32"),
                 "logprobs": ([n], "float32"),
                 "topk_ids": ([n * MAX_TOP_LOGPROBS], "int32"),
@@ -493,8 +491,6 @@ class Target:
                 places = zip(seqs, lanes, feeds, strict=True)
                 rows = [(q, lane.position, len(f)) for q, lane, f in places]
                 outs = [len(f) if s.proposals else 1 for s, f in zip(steps, feeds, strict=True)]
-                table = [(*row, out) for row, out in zip(rows, outs, strict=True)]
-                self._arrays["batch"][: len(steps)] = table
                 self._arrays["tokens"][:total] = [t for f in feeds for t in f]
                 asked = [s.logprobs for s in steps if s.logprobs is not None]
                 k = min(max(asked, default=0), MAX_TOP_LOGPROBS)
@@ -553,7 +549,7 @@ class Target:
         k: int,
         allowed: Region | None,
     ) -> None:
-        n, tokens = len(steps), sum(size for _, _, size in rows)
+        tokens = sum(size for _, _, size in rows)
         flashes = [f for seq, _, _ in rows if (f := self._lane_flash(seq)) is not None]
         plans = []  # each sequence's KV Flash plan: its fields for each worker
         try:
@@ -563,32 +559,38 @@ class Target:
             for flash, (_, start, _) in zip(flashes, rows[: len(plans)], strict=False):
                 flash.truncate(start)
             raise
-        capture: dict = {}
-        if self._capture is not None:  # each sequence's features into its own lane's ring
-            rings = [self._lane_ring(seq) for seq, _, _ in rows]
-            capture = {"capture": self._capture[0], "rings": tuple(r.region for r in rings if r)}
+        capture = self._capture[0] if self._capture is not None else ()
+        # each sequence's features into its own lane's ring
+        rings = [self._lane_ring(seq) for seq, _, _ in rows]
 
-        def frame(i: int, last: bool) -> ForwardBatch:
-            return ForwardBatch(
-                n_sequences=n,
-                n_tokens=tokens,
-                n_rows_out=sum(outs),
-                batch=self._regions["batch"].rows(0, n),
+        def frame(i: int, last: bool) -> Forward:
+            spans = tuple(
+                Span(
+                    sequence=seq,
+                    start=start,
+                    n=size,
+                    n_out=out,
+                    # A verify window's rows are greedy (`verify`'s map): sampled requests
+                    # verify by rejection sampling, on their own.
+                    sampling=({**s.sampling, "temperature": 0.0} if s.proposals else s.sampling)
+                    if last
+                    else {},
+                    ring=ring.region if ring is not None else None,
+                    kv_plan=plans[j][i] if plans else {},
+                )
+                for j, (s, (seq, start, size), out, ring) in enumerate(
+                    zip(steps, rows, outs, rings, strict=True)
+                )
+            )
+            return Forward(
+                spans=spans,
                 want="sample" if last else "hidden",
                 outputs=outputs if last else {"hidden": self._boundary(i, tokens)},
                 tokens=self._regions["tokens"].rows(0, tokens),
                 hidden_in=self._boundary(i - 1, tokens) if i else None,
-                # A verify block's rows are greedy (`verify`'s map): sampled requests
-                # verify by rejection sampling, on their own.
-                sampling=tuple(
-                    {**s.sampling, "temperature": 0.0} if s.proposals else s.sampling for s in steps
-                )
-                if last
-                else (),
                 top_logprobs=k if last else 0,
                 allowed=allowed if last else None,
-                kv_plans=tuple(plan[i] for plan in plans),
-                **capture,
+                capture=capture,
             )
 
         starts = {seq: start for seq, start, _ in rows}
@@ -605,25 +607,25 @@ class Target:
 
     async def _pipeline(
         self,
-        frame_for: Callable[[int, bool], Forward | ForwardBatch],
+        frame_for: Callable[[int, bool], Forward],
         starts: dict[int, int],
         ends: tuple[int, ...],
-    ) -> list[ForwardReply | ForwardBatchReply]:
+    ) -> list[ForwardReply]:
         """One pass through every worker, frame_for(k, last) to the k-th; all or nothing: a
         failure, or a worker not at `ends` after it (each sequence's position), truncates
         every sequence back to its start in `starts` on the workers that advanced."""
         workers = self.executor.workers()
         advanced: list[WorkerHandle] = []
-        replies: list[ForwardReply | ForwardBatchReply] = []
+        replies: list[ForwardReply] = []
         try:
             for k, worker in enumerate(workers):
                 reply = await worker.call(frame_for(k, k == len(workers) - 1))
-                assert isinstance(reply, ForwardReply | ForwardBatchReply)
+                assert isinstance(reply, ForwardReply)
                 advanced.append(worker)
                 replies.append(reply)
                 if self.experts is not None:
                     self.experts.account(reply)
-                at = reply.positions if isinstance(reply, ForwardBatchReply) else (reply.position,)
+                at = reply.positions
                 if at != ends:
                     raise WorkerReplyError(
                         f"worker {worker.spec.group} is at position(s) {list(at)}, expected "
@@ -744,7 +746,9 @@ class Target:
         if self.flash is not None:
             self.flash.truncate(cut)  # the plan hides the rest anyway; tidy
         if replay:
-            await self._forward(replay, "logits", {"logits": self._regions["logits"].rows(0, 1)})
+            await self._forward(
+                replay, "logits", {"logits": self._regions["logits"].rows(0, 1)}, positions="none"
+            )
 
     # -- captures ------------------------------------------------------------------------
 
@@ -941,8 +945,8 @@ class Target:
             keep_block_states=self._select_rollback,
             allowed=self._allowed(masked, n),
         )
-        assert reply.accepted is not None
-        return self._read_rows(reply.accepted + 1, outputs), reply.accepted
+        (accepted,) = reply.accepted
+        return self._read_rows(accepted + 1, outputs), accepted
 
     # -- forwards ------------------------------------------------------------------------
 
@@ -1034,7 +1038,7 @@ class Target:
         """Feed ids into the KV, sampling nothing (the head's worker writes the last row's
         logits, which nobody reads: no generator draws)."""
         outputs = {"logits": self._regions["logits"].rows(0, 1)}
-        await self._forward(ids, "logits", outputs, keep_state=keep_state)
+        await self._forward(ids, "logits", outputs, positions="none", keep_state=keep_state)
 
     def _row_outputs(self, n: int, logprobs: int | None) -> dict[str, Region]:
         """Output regions for n rows of ids, and logprobs + top k when asked."""
@@ -1083,31 +1087,37 @@ class Target:
         start, n = self._position, len(ids)
         self._arrays["tokens"][:n] = ids
         tokens = self._regions["tokens"].rows(0, n)
-        capture = {}
-        if self.ring is not None:
-            capture = {"capture": self.ring.layers, "ring": self.ring.region}
+        capture = self.ring.layers if self.ring is not None else ()
+        ring = self.ring.region if self.ring is not None else None
         # KV Flash: one plan, written once, applied by every worker (raises before any frame
         # when the step cannot be resident: nothing changed).
         flash = self.flash.plan(start, n) if self.flash is not None else [{}] * len(workers)
 
+        n_out = {"last": 1, "all": n, "none": 0}[positions]
+
         def frame(k: int, last: bool) -> Forward:
+            span = Span(
+                sequence=self.lane_id,
+                start=start,
+                n=n,
+                n_out=n_out,
+                sampling=(sampling or {}) if last else {},
+                verify=want == "verify" and last,
+                keep_state=keep_state,
+                keep_block_states=keep_block_states,
+                ring=ring,
+                kv_plan=flash[k],
+            )
             return Forward(
-                n_tokens=n,
-                start_pos=start,
-                want=want if last else "hidden",  # type: ignore[arg-type]
+                spans=(span,),
+                want=("sample" if want == "verify" else want) if last else "hidden",  # type: ignore[arg-type]
                 outputs=outputs if last else {"hidden": self._boundary(k, n)},
                 tokens=tokens,
                 hidden_in=self._boundary(k - 1, n) if k else None,
-                positions=positions if last else "last",  # type: ignore[arg-type]
-                sampling=(sampling or {}) if last else {},
                 top_logprobs=top_logprobs if last else 0,
                 draft_probs=draft_probs if last else None,
                 allowed=allowed if last else None,
-                keep_state=keep_state,
-                keep_block_states=keep_block_states,
-                sequence=self.lane_id,
-                **capture,
-                **flash[k],
+                capture=capture,
             )
 
         try:

@@ -21,9 +21,10 @@ The ops (request fields -> reply fields):
                                             -> n_layers, hidden, vocab, layers, dtype,
                                                kv_capacity, load_s, recurrent, kv_pool,
                                                kv_chunk_bytes
-    forward   n_tokens, start_pos, tokens | hidden_in, want, outputs, positions,
-              sampling, top_logprobs, capture, ring, kv_slots, kv_map, kv_moves, kv_host
-                                            -> n_out, position, elapsed_us
+    forward   spans (sequence, start, n, n_out, sampling, verify, q_row, keep_state,
+              keep_block_states, ring, kv_plan), tokens | hidden_in, want, outputs,
+              top_logprobs, capture, draft_probs, allowed
+                                            -> positions, elapsed_us, accepted
     load_draft path, dtype, device, target  -> capture_layers, block_size, mask_token_id,
                                                hidden, load_s
     draft     ring, committed, anchor, outputs, block_size, mask_token_id, ctx_window,
@@ -67,6 +68,9 @@ n_out and ``n_rows_out`` (greedy verify blocks batched); ``load`` ``kv_dtype``;
 14: ``load`` replies ``kernels``, what runs the worker's matrices and decode attention;
 15: progress notes: a worker at one of the ``SLOW`` requests (its start, a load) says twice
 a second that it is still at work, so the daemon bounds its silence, not its time.
+16: one ``forward`` verb for one sequence or several (``spans``, ``Span``), replacing
+``forward_batch``; a span may start below its sequence's committed length (a roll back);
+want="topk" and ``positions`` removed (``Span.n_out``), verify is a span's flag.
 
 Expert compute (``luced.runtime.expert_link``): an expert worker answers ``load_experts``
 from the daemon, and ``expert_mix`` from target workers over direct worker-to-worker
@@ -93,7 +97,7 @@ from luced.ipc.regions import Region
 from luced.ipc.typed import FrameError, Record
 from luced.sampling_params import SamplingParams
 
-PROTOCOL_VERSION = 15
+PROTOCOL_VERSION = 16
 
 _ENVELOPE = frozenset({"op", "seq", "ok", "error", "progress"})  # no op may use these as fields
 
@@ -300,8 +304,7 @@ KERNELS_FALLBACK = "torch fallback"  # decode runs several times slower than nat
 
 # -- forward --------------------------------------------------------------------------------
 
-Want = Literal["sample", "logits", "topk", "hidden", "verify"]
-Positions = Literal["last", "all"]
+Want = Literal["sample", "logits", "hidden"]
 
 # Output regions by want: (required, optional). Shapes (rows may exceed what is used):
 #   ids            int32   [n_out]             sampled (or greedy) token ids
@@ -310,19 +313,11 @@ Positions = Literal["last", "all"]
 #   topk_logprobs  float32 [n_out, k]
 #   logits         float32 [n_out, vocab]      raw logits after the head's scaling/softcap
 #   hidden         float   [n_tokens, hidden]  boundary activations for the next shard
-# n_out = 1 for positions="last", n_tokens for positions="all".
-# want="verify" (DFlash, temperature > 0): the fed tokens are a drafted block [anchor,
-# proposals...]; the worker runs rejection sampling (``runtime/dflash/verify.py``) of the
-# proposals against ``draft_probs`` with the request's sampler and writes the step's tokens
-# (accepted proposals, then the target's own token) to ``ids`` (and their logprobs, as
-# "sample" reports them); the reply's ``accepted`` counts the accepted proposals, so
-# ``accepted + 1`` rows are valid. Penalties apply per row, each with its own history.
+# n_out is the sum of the spans' n_out: each span's output rows follow the previous span's.
 OUTPUTS: dict[str, tuple[frozenset[str], frozenset[str]]] = {
     "sample": (frozenset({"ids"}), frozenset({"logprobs", "topk_ids", "topk_logprobs"})),
     "logits": (frozenset({"logits"}), frozenset()),
-    "topk": (frozenset({"topk_ids", "topk_logprobs"}), frozenset({"logprobs"})),
     "hidden": (frozenset({"hidden"}), frozenset()),
-    "verify": (frozenset({"ids"}), frozenset({"logprobs", "topk_ids", "topk_logprobs"})),
 }
 _OUTPUT_DTYPES = {
     "ids": ("int32",),
@@ -333,117 +328,147 @@ _OUTPUT_DTYPES = {
     "hidden": COMPUTE_DTYPES,
 }
 _OUTPUT_NDIM = {"ids": 1, "logprobs": 1, "topk_ids": 2, "topk_logprobs": 2, "logits": 2}
+# A KV Flash step's plan for one sequence (`Span.kv_plan`'s keys), in the daemon's
+# `kvflash` segment (layout: ``luced/engine/kvflash/transport.py``):
+#   kv_slots   int64 [>= n]: pool row of position start + i
+#   kv_map     int64 [pool]: position each row holds, -1 = none
+#   kv_moves   int64 [m, 4]: (0 out | 1 in, chunk, block, record)
+#   kv_host    uint8 [records, kv_chunk_bytes]: this worker's host tier
+#   kv_scores  float32 [2, chunks], written by the worker after the step (policy qk): per
+#              chunk, the sum over its scored layers of the chunk's best query-key cosine,
+#              and that layer count
+KV_PLAN = ("kv_slots", "kv_map", "kv_moves", "kv_host", "kv_scores")
+
+
+@dataclass(frozen=True)
+class Span(Record):
+    """One sequence's rows in a ``forward``: ``n`` tokens at positions ``start ..``.
+
+    ``start`` may lie below the sequence's committed KV length: the sequence is rolled back
+    there first (a DFlash verify's rejected rows; a recurrent state kept per position is
+    selected, else ``start`` must be where one is kept). A sequence the worker does not
+    hold starts empty, at 0.
+
+    ``n_out``: 0 feeds only (a prompt chunk before the last), 1 gives the row after the last
+    token, ``n`` a row after every token (a verify window, or logits of every position).
+    ``sampling`` is the sequence's ``SamplingParams`` wire map: its kept sampler draws with
+    it (a seeded generator draws on across steps). ``verify``: the tokens are a drafted
+    window [anchor, proposals...]; the worker rejection-samples the proposals against the
+    draft's q (``Forward.draft_probs`` rows ``q_row ..``) and writes the step's tokens (the
+    accepted proposals, then its own), ``accepted + 1`` rows (``ForwardReply.accepted``).
+    """
+
+    sequence: int
+    start: int
+    n: int
+    n_out: int = 1
+    sampling: dict[str, int | float | None] = field(default_factory=dict)
+    verify: bool = False
+    q_row: int = 0
+    # Keep the recurrent state reached by this span (a prefix-cache cut point: a later
+    # kv_export names it in ``cuts``) until reset, kv_import or a roll back below it.
+    keep_state: bool = False
+    # Keep the recurrent state after every position (a DFlash verify window): a roll back
+    # inside it then selects the accepted one instead of a replay.
+    keep_block_states: bool = False
+    # The sequence's feature ring (DFlash captures), float [ring_cap, len(capture), hidden].
+    ring: Region | None = None
+    kv_plan: dict[str, Region] = field(default_factory=dict)  # KV Flash (keys of KV_PLAN)
+
+    def _check(self) -> None:
+        if self.sequence < 0 or self.start < 0 or self.n < 1 or self.q_row < 0:
+            got = f"sequence {self.sequence}, start {self.start}, n {self.n}, q_row {self.q_row}"
+            raise self._fail(f"need sequence, start, q_row >= 0 and n >= 1; got {got}")
+        if self.n_out not in (0, 1, self.n):
+            raise self._fail(f"n_out must be 0, 1 or n ({self.n}), got {self.n_out}")
+        if self.verify and (self.n < 2 or self.n_out != self.n):
+            raise self._fail("a verify span feeds n >= 2 tokens with n_out = n")
+        if self.ring is not None and self.ring.shape[0] < self.n:
+            raise self._fail(f"its ring holds {self.ring.shape[0]} positions, fewer than {self.n}")
+        unknown = self.kv_plan.keys() - set(KV_PLAN)
+        if unknown:
+            raise self._fail(f"kv_plan keys are among {list(KV_PLAN)}; got {sorted(unknown)}")
+        _check_kv_plan(self, self.kv_plan, self.n)
+        _check_sampling_map(self)
 
 
 @_op("forward", REQUESTS)
 @dataclass(frozen=True)
 class Forward(Request):
-    """Run ``n_tokens`` at positions ``start_pos ..`` through this worker's layers.
+    """Run the spans' tokens through this worker's layers in one pass: one sequence's
+    prompt chunk, decode token or verify window, or several sequences' at once (continuous
+    batching). Linear layers see the rows of every span; attention and recurrent state run
+    per sequence over its own KV.
 
     Input: ``tokens`` (int32 ``[>= n_tokens]``, for the shard that owns the embedding) or
-    ``hidden_in`` (``[>= n_tokens, hidden]``, the previous shard's ``outputs["hidden"]``).
-    A later shard may get ``tokens`` beside ``hidden_in``: then they are only the ids fed
-    at these positions (its sampler's history for penalties), never embedded.
-    Outputs go to ``outputs`` (see ``OUTPUTS``); the worker writes rows ``[0, n_out)``.
+    ``hidden_in`` (``[>= n_tokens, hidden]``, the previous shard's ``outputs["hidden"]``),
+    the spans' rows one after another. A later shard may get ``tokens`` beside
+    ``hidden_in``: then they are only the ids fed (its samplers' history for penalties).
+    ``want="hidden"`` writes every row for the next shard; ``"sample"`` each span's output
+    rows (``Span.n_out``) drawn by its sampler; ``"logits"`` those rows' logits.
+    ``allowed``: a grammar's bitmask per output row (every bit set where none applies):
+    bit i % 32 of word i // 32 of row r is set when id i may be row r's token.
 
     Write ordering (one writer per region at a time; the socket round trip orders the
-    memory): the daemon writes ``tokens`` before sending; the previous shard wrote
-    ``hidden_in`` before its reply, which came before this frame; this worker writes
-    its outputs and ring slots before replying, and nobody reads them before the reply.
+    memory): the daemon writes ``tokens``, ``allowed`` and q rows before sending; the
+    previous shard wrote ``hidden_in`` before its reply, which came before this frame; this
+    worker writes its outputs and ring slots before replying, and nobody reads them before
+    the reply.
 
-    ``start_pos`` must equal the worker's committed KV length (``truncate`` first to roll
-    back). After the reply the KV holds ``start_pos + n_tokens`` positions.
-
-    Captures: the output (after the FFN residual) of each layer in ``capture`` goes to
-    ``ring`` ``[ring_cap, len(capture), hidden]`` at ``[pos % ring_cap, j]`` for the
-    ``j``-th listed layer; every shard gets the whole list and writes the slots of the
-    layers it holds, so each slot has exactly one writer.
+    Captures: the output (after the FFN residual) of each layer in ``capture`` goes to each
+    span's ``ring`` at ``[pos % ring_cap, j]`` for the ``j``-th listed layer; every shard
+    gets the whole list and writes the slots of the layers it holds, so each slot has
+    exactly one writer. All or nothing: a failure leaves every sequence's KV at its span's
+    start.
     """
 
-    n_tokens: int
-    start_pos: int
+    spans: tuple[Span, ...]
     want: Want
     outputs: dict[str, Region]
     tokens: Region | None = None
     hidden_in: Region | None = None
-    positions: Positions = "last"
-    sampling: dict[str, int | float | None] = field(default_factory=dict)
     top_logprobs: int = 0
     capture: tuple[int, ...] = ()
-    ring: Region | None = None
-    draft_probs: Region | None = None  # want="verify": float32 [>= n_tokens - 1, vocab]
-    # KV Flash (a worker loaded with kv_pool): the pager's plan for this step, in the
-    # daemon's `kvflash` segment (layout: ``luced/engine/kvflash/transport.py``).
-    kv_slots: Region | None = None  # int64 [>= n_tokens]: pool row of position start_pos + i
-    kv_map: Region | None = None  # int64 [pool]: position each row holds, -1 = none
-    kv_moves: Region | None = None  # int64 [m, 4]: (0 out | 1 in, chunk, block, record)
-    kv_host: Region | None = None  # uint8 [records, kv_chunk_bytes]: this worker's host tier
-    # float32 [2, chunks], written by the worker after the step (policy qk): per chunk, the
-    # sum over its scored layers of the chunk's best query-key cosine, and that layer count.
-    kv_scores: Region | None = None
-    # Keep the recurrent state reached by this forward (a prefix-cache cut point: a later
-    # kv_export names it in ``cuts``) until reset, kv_import or a truncate below it.
-    keep_state: bool = False
-    # Keep the recurrent state after every position of this forward (a DFlash verify
-    # block): a truncate inside it then selects the accepted one instead of a replay.
-    keep_block_states: bool = False
-    # want="sample" / "verify" under a grammar: int32 [>= n_out, ceil(vocab / 32)], bit
-    # i % 32 of word i // 32 of row r set when id i may be row r's token (written by the
-    # daemon before the frame); the others get -inf before sampling and logprobs.
-    allowed: Region | None = None
-    # Which of the worker's sequences this step feeds (continuous batching keeps several;
-    # each has its own KV, token history and sampler). Truncate, reset, kv_export and
-    # kv_import name theirs the same way.
-    sequence: int = 0
+    draft_probs: Region | None = None  # float32 [>= q rows, vocab]: verify spans' q rows
+    allowed: Region | None = None  # int32 [>= n_out, ceil(vocab / 32)]
+
+    @property
+    def n_tokens(self) -> int:
+        return sum(s.n for s in self.spans)
 
     @property
     def n_out(self) -> int:
-        return 1 if self.positions == "last" else self.n_tokens
+        return sum(s.n_out for s in self.spans)
 
     def _check(self) -> None:
-        if self.n_tokens < 1 or self.start_pos < 0:
-            got = f"{self.n_tokens}, {self.start_pos}"
-            raise self._fail(f"need n_tokens >= 1 and start_pos >= 0, got {got}")
-        _check_sequence(self)
+        if not self.spans:
+            raise self._fail("a forward needs at least one span")
+        sequences = [s.sequence for s in self.spans]
+        if len(set(sequences)) != len(sequences):
+            raise self._fail(f"a sequence appears twice: {sequences}")
         _check_input(self)
         _check_outputs(self)
-        self._check_sampling()
-        self._check_capture()
+        _check_rings(self, self.capture, tuple(s.ring for s in self.spans if s.ring))
+        if self.capture and any(s.ring is None for s in self.spans):
+            raise self._fail("with capture layers every span names its ring")
+        if self.want != "sample" and any(s.verify for s in self.spans):
+            raise self._fail('a verify span needs want="sample"')
         self._check_verify()
         _check_allowed(self)
-        self._check_kv_flash()
-
-    def _check_sampling(self) -> None:
-        _check_sampling_map(self)
-
-    def _check_capture(self) -> None:
-        _check_rings(self, self.capture, () if self.ring is None else (self.ring,))
-        if self.ring is not None and self.ring.shape[0] < self.n_tokens:
-            n = self.n_tokens
-            raise self._fail(f"ring holds {self.ring.shape[0]} positions, fewer than n_tokens {n}")
 
     def _check_verify(self) -> None:
-        if self.want != "verify":
-            if self.draft_probs is not None:
-                raise self._fail('draft_probs is only for want="verify"')
-            return
         q = self.draft_probs
-        if self.positions != "all" or self.n_tokens < 2 or q is None:
-            raise self._fail('want="verify" needs positions="all", n_tokens >= 2 and draft_probs')
-        if q.dtype != "float32" or len(q.shape) != 2 or q.shape[0] < self.n_tokens - 1:
-            got = f"{q.dtype} {list(q.shape)}"
-            raise self._fail(f"draft_probs must be float32 [>= {self.n_tokens - 1}, vocab], {got}")
-
-    def _check_kv_flash(self) -> None:
-        _check_kv_plan(self, {name: getattr(self, name) for name in KV_PLAN}, self.n_tokens)
-
-
-# A KV Flash step's plan as `forward` carries it (fields of that name), and as
-# `forward_batch` carries one per sequence (`kv_plans`, maps with these keys).
-KV_PLAN = ("kv_slots", "kv_map", "kv_moves", "kv_host", "kv_scores")
+        ends = [s.q_row + s.n - 1 for s in self.spans if s.verify]
+        if not ends:
+            if q is not None:
+                raise self._fail("draft_probs without a verify span")
+            return
+        if q is None or q.dtype != "float32" or len(q.shape) != 2 or q.shape[0] < max(ends):
+            got = "none" if q is None else f"{q.dtype} {list(q.shape)}"
+            raise self._fail(f"draft_probs must be float32 [>= {max(ends)}, vocab], got {got}")
 
 
-def _check_kv_plan(frame: Request, plan: Mapping[str, Region | None], n_tokens: int) -> None:
+def _check_kv_plan(frame: Record, plan: Mapping[str, Region | None], n_tokens: int) -> None:
     slots, table, moves, host, scores = (plan.get(name) for name in KV_PLAN)
     if (slots is None) != (table is None):
         raise frame._fail("kv_slots and kv_map come together")
@@ -476,7 +501,7 @@ def _check_kv_plan(frame: Request, plan: Mapping[str, Region | None], n_tokens: 
         raise frame._fail(f"kv_scores must be float32 [2, chunks], got {got}")
 
 
-def _check_input(frame: Forward | ForwardBatch) -> None:
+def _check_input(frame: Forward) -> None:
     if frame.tokens is None and frame.hidden_in is None:
         raise frame._fail("one of tokens / hidden_in must be given")
     if frame.tokens is not None:
@@ -491,15 +516,13 @@ def _check_input(frame: Forward | ForwardBatch) -> None:
             raise frame._fail(f"hidden_in must be float [>= {frame.n_tokens}, hidden], got {got}")
 
 
-def _check_outputs(frame: Forward | ForwardBatch) -> None:
+def _check_outputs(frame: Forward) -> None:
     required, optional = OUTPUTS[frame.want]
     names = set(frame.outputs)
     if frame.top_logprobs < 0:
         raise frame._fail(f"top_logprobs must be >= 0, got {frame.top_logprobs}")
-    if frame.want in ("sample", "verify") and frame.top_logprobs:
+    if frame.want == "sample" and frame.top_logprobs:
         required = required | {"topk_ids", "topk_logprobs"}
-    if frame.want == "topk" and not frame.top_logprobs:
-        raise frame._fail('want="topk" needs top_logprobs >= 1')
     if not required <= names or not names <= required | optional:
         raise frame._fail(
             f'want="{frame.want}" needs outputs {sorted(required)} (optional '
@@ -518,23 +541,23 @@ def _check_outputs(frame: Forward | ForwardBatch) -> None:
             raise frame._fail(f"outputs.{name} needs {k} columns, got {r.shape[1]}")
 
 
-def _check_allowed(frame: Forward | ForwardBatch) -> None:
+def _check_allowed(frame: Forward) -> None:
     a = frame.allowed
     if a is None:
         return
-    if frame.want not in ("sample", "verify"):
-        raise frame._fail('allowed is only for want="sample" / "verify"')
+    if frame.want != "sample":
+        raise frame._fail('allowed is only for want="sample"')
     if a.dtype != "int32" or len(a.shape) != 2 or a.shape[0] < frame.n_out:
         got = f"{a.dtype} {list(a.shape)}"
         raise frame._fail(f"allowed must be int32 [>= {frame.n_out}, words], got {got}")
 
 
-def _check_sequence(frame: Forward | Truncate | Reset | KVExport | KVImport | KVShare) -> None:
+def _check_sequence(frame: Truncate | Reset | KVExport | KVImport | KVShare) -> None:
     if frame.sequence < 0:
         raise frame._fail(f"sequence must be >= 0, got {frame.sequence}")
 
 
-def _check_sampling_map(frame: Forward | DraftBlock) -> None:
+def _check_sampling_map(frame: Span | DraftBlock) -> None:
     """The map must be a ``SamplingParams`` wire form (the one definition of the fields)."""
     try:
         SamplingParams.from_wire(frame.sampling)
@@ -546,10 +569,10 @@ def _check_sampling_map(frame: Forward | DraftBlock) -> None:
 @_op("forward", REPLIES)
 @dataclass(frozen=True)
 class ForwardReply(Reply):
-    n_out: int  # rows written to each output region
-    position: int  # committed KV length after the forward
+    positions: tuple[int, ...]  # each span's sequence's committed KV length after the forward
     elapsed_us: int  # worker-side compute time
-    accepted: int | None = None  # want="verify": proposals accepted (ids rows: accepted + 1)
+    # Per span: proposals its verify accepted (ids rows: accepted + 1); -1 for other spans.
+    accepted: tuple[int, ...] = ()
     # MoE cold experts in this forward: calls to the expert worker, calls redone in process
     # after it failed, bytes through the scratch (both ways)
     moe_remote_calls: int = 0
@@ -575,100 +598,6 @@ def _check_rings(frame: Request, capture: tuple[int, ...], rings: tuple[Region, 
                 f"ring must be float [ring_cap, {len(capture)}, hidden], got "
                 f"{r.dtype} {list(r.shape)}"
             )
-
-
-# -- forward_batch --------------------------------------------------------------------------
-
-BatchWant = Literal["sample", "hidden"]
-
-
-@_op("forward_batch", REQUESTS)
-@dataclass(frozen=True)
-class ForwardBatch(Request):
-    """Run several sequences' tokens through this worker's layers in one pass (continuous
-    batching): every linear layer sees all ``n_tokens`` rows at once, attention and
-    recurrent state run per sequence over its own KV.
-
-    The batch description lives in shared memory: ``batch`` int32 ``[>= n_sequences, 4]``
-    holds (sequence, start_pos, n_tokens, n_out) per sequence, in the order of their rows
-    in ``tokens`` / ``hidden_in`` / ``outputs["hidden"]``. Each start_pos must equal that
-    sequence's committed KV length (a new sequence starts at 0); a sequence appears once.
-    ``want="sample"``: a sequence with n_out 1 gets the token after its last row, one with
-    n_out = n_tokens a token after every row (a greedy verify block, as ``forward``'s
-    positions="all"), drawn with ``sampling[i]`` and that sequence's kept sampler (as
-    ``forward`` draws); the output rows are the sequences' in order, ``n_rows_out`` in all.
-    ``want="hidden"``: the rows for the next shard. Write ordering as ``forward``.
-    ``allowed``: a grammar's bitmask per output row (all bits set where none applies), as
-    ``forward``'s. Captures (a DFlash draft's features): as ``forward``'s, with ``rings``
-    holding each sequence's own ring in batch order; a sequence's n_tokens must fit its
-    ring. A failed batch leaves every sequence's KV as it was.
-    """
-
-    n_sequences: int
-    n_tokens: int  # rows: the sum of the sequences' n_tokens
-    batch: Region
-    want: BatchWant
-    outputs: dict[str, Region]
-    tokens: Region | None = None
-    hidden_in: Region | None = None
-    sampling: tuple[dict[str, int | float | None], ...] = ()
-    top_logprobs: int = 0
-    allowed: Region | None = None
-    n_rows_out: int = 0  # output rows: the sum of the n_out column; 0 = one per sequence
-    capture: tuple[int, ...] = ()
-    rings: tuple[Region, ...] = ()  # one per sequence, in batch order
-    # KV Flash: each sequence's plan (keys of KV_PLAN, as `forward`'s fields), batch order.
-    kv_plans: tuple[dict[str, Region], ...] = ()
-
-    @property
-    def n_out(self) -> int:
-        return self.n_rows_out or self.n_sequences
-
-    def _check(self) -> None:
-        if not 1 <= self.n_sequences <= self.n_out <= self.n_tokens:
-            got = f"{self.n_sequences}, {self.n_out}, {self.n_tokens}"
-            raise self._fail(f"need 1 <= n_sequences <= n_rows_out <= n_tokens, got {got}")
-        b = self.batch
-        if b.dtype != "int32" or len(b.shape) != 2 or b.shape[1] != 4:
-            raise self._fail(f"batch must be int32 [n, 4], got {b.dtype} {list(b.shape)}")
-        if b.shape[0] < self.n_sequences:
-            raise self._fail(f"batch holds {b.shape[0]} rows, fewer than {self.n_sequences}")
-        _check_input(self)
-        _check_outputs(self)
-        _check_allowed(self)
-        _check_rings(self, self.capture, self.rings)
-        if self.rings and len(self.rings) != self.n_sequences:
-            n = self.n_sequences
-            raise self._fail(f"rings needs one ring per sequence ({n}), got {len(self.rings)}")
-        if self.kv_plans and len(self.kv_plans) != self.n_sequences:
-            n, got = self.n_sequences, len(self.kv_plans)
-            raise self._fail(f"kv_plans needs one plan per sequence ({n}), got {got}")
-        for plan in self.kv_plans:
-            unknown = plan.keys() - set(KV_PLAN)
-            if unknown or "kv_slots" not in plan:
-                raise self._fail(
-                    f"a sequence's KV plan has kv_slots, kv_map and maybe "
-                    f"{', '.join(KV_PLAN[2:])}; got {sorted(plan)}"
-                )
-            _check_kv_plan(self, plan, 1)
-        if self.want == "sample" and len(self.sampling) != self.n_sequences:
-            n = self.n_sequences
-            raise self._fail(f"sampling needs one map per sequence ({n}), got {len(self.sampling)}")
-        for i, params in enumerate(self.sampling):
-            try:
-                SamplingParams.from_wire(params)
-            except ValueError as e:
-                raise self._fail(f"sampling[{i}]: {e}") from None
-
-
-@_op("forward_batch", REPLIES)
-@dataclass(frozen=True)
-class ForwardBatchReply(Reply):
-    positions: tuple[int, ...]  # each sequence's committed KV length after the batch
-    elapsed_us: int
-    moe_remote_calls: int = 0  # as ForwardReply's
-    moe_fallbacks: int = 0
-    moe_remote_bytes: int = 0
 
 
 # -- load_experts, expert_mix ---------------------------------------------------------------

@@ -5,7 +5,8 @@ annotation (and normalises: numpy ints to ``int``, lists to tuples, region maps 
 ``Region``), then runs the record's own ``_check``. ``to_wire`` gives plain msgpack
 types; ``from_wire`` rejects missing and unknown keys. Supported annotations: ``bool``,
 ``int``, ``float``, ``str``, ``None``, ``Region``, ``Literal[str, ...]``, unions,
-``tuple[X, ...]``, ``tuple[X, Y]``, ``dict[str, X]``. The frame declarations live in
+``tuple[X, ...]``, ``tuple[X, Y]``, ``dict[str, X]`` and another ``Record`` (a map on the
+wire, checked by that record's own rules). The frame declarations live in
 ``frames.py``; this module is only the machinery.
 """
 
@@ -66,6 +67,14 @@ def coerce(v: Any, tp: Any, path: str) -> Any:
     elif tp is type(None):
         if v is None:
             return None
+    elif isinstance(tp, type) and issubclass(tp, Record):
+        if isinstance(v, tp):
+            return v
+        if isinstance(v, Mapping):
+            try:
+                return tp.from_wire(v)
+            except FrameError as e:
+                raise FrameError(f"{path}: {e}") from None
     elif tp is Region:
         if isinstance(v, Region):
             return v
@@ -114,7 +123,7 @@ def coerce(v: Any, tp: Any, path: str) -> Any:
 
 def to_wire(v: Any) -> Any:
     """Plain msgpack types: regions to maps, tuples to lists."""
-    if isinstance(v, Region):
+    if isinstance(v, Region | Record):
         return v.to_wire()
     if isinstance(v, tuple | list):
         return [to_wire(x) for x in v]

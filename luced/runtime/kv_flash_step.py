@@ -1,7 +1,7 @@
 """A worker's side of a KV Flash step: run the daemon pager's plan on one sequence's pooled
 caches (host-tier copies first, then the step's write slots and slot map), and report its
-qk scores afterwards. `forward` runs it on the selected sequence, `forward_batch` on each
-sequence of the batch with that sequence's own plan (`frames.KV_PLAN`)."""
+qk scores afterwards. `forward` runs it on each span's sequence with that span's own plan
+(`Span.kv_plan`, keys `frames.KV_PLAN`)."""
 
 from __future__ import annotations
 

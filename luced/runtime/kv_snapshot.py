@@ -41,11 +41,11 @@ import torch
 from luced.ipc import frames as F
 from luced.ipc.regions import Region
 from luced.runtime.kv_cache import ContextOverflow, RecurrentRollback
-from luced.runtime.state import Loaded, Shard, WorkerError, WorkerState
+from luced.runtime.state import Loaded, SequenceCache, WorkerError, WorkerState
 
-# layer -> (its shard, K view, V view) for K/V layers, (its shard, conv view, delta view)
-# for recurrent ones: the resolved regions of one request
-_Resolved = dict[int, tuple[Shard, torch.Tensor, torch.Tensor]]
+# layer -> (its shard's cache, K view, V view) for K/V layers, (its shard's cache, conv
+# view, delta view) for recurrent ones: the resolved regions of one request
+_Resolved = dict[int, tuple[SequenceCache, torch.Tensor, torch.Tensor]]
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -53,16 +53,15 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 def layout(worker: WorkerState, req: F.KVLayout) -> F.KVLayoutReply:
-    m = worker.model("kv_layout")
+    caches = worker.model("kv_layout").sequence(0).caches  # every sequence's are alike
     tensors, states = [], []
-    for shard in m.shards:
-        cache = shard.cache
+    for cache in caches:
         for layer in cache.stored:  # a KV-sharing layer has no tensors of its own
             for kind, t in (("k", cache.k[layer]), ("v", cache.v[layer])):
                 tensors.append((f"{kind}.{layer}", t.shape[0], t.shape[2]))
-        for name, (_, t) in _state_refs(shard).items():
+        for name, (_, t) in _state_refs(cache).items():
             states.append((name, tuple(t.shape), dtype_name(t.dtype)))
-    dtype = dtype_name(m.shards[0].cache.dtype)
+    dtype = dtype_name(caches[0].dtype)
     return F.KVLayoutReply(
         tensors=tuple(tensors),
         dtype=dtype,  # type: ignore[arg-type]
@@ -73,28 +72,28 @@ def layout(worker: WorkerState, req: F.KVLayout) -> F.KVLayoutReply:
 @torch.inference_mode()  # the cache tensors are inference tensors: writes need this mode
 def export(worker: WorkerState, req: F.KVExport) -> F.KVExportReply:
     m = worker.model("kv_export")
+    state = m.sequence(req.sequence)
     n = req.position
-    if n > m.position:
-        raise WorkerError(f"kv_export of {n} positions, but the KV holds {m.position}")
-    if n != m.position and _recurrent(m):
+    if n > state.position:
+        raise WorkerError(f"kv_export of {n} positions, but the KV holds {state.position}")
+    if n != state.position and state.recurrent:
         raise WorkerError(
-            f"kv_export of {n} positions: the recurrent state is held at {m.position} only"
+            f"kv_export of {n} positions: the recurrent state is held at {state.position} only"
         )
     t0 = time.perf_counter()
     cuts = req.state_cuts
-    resolved = _resolve(worker, m, req.regions, n, len(cuts))
+    resolved = _resolve(worker, m, state.caches, req.regions, n, len(cuts))
     try:  # every cut's state found before the first copy
         kept = {
-            id(shard): [shard.cache.state_at(c) for c in cuts]
-            for shard in m.shards
-            if shard.cache.recurrent is not None
+            id(cache): [cache.state_at(c) for c in cuts]
+            for cache in state.caches
+            if cache.recurrent is not None
         }
     except RecurrentRollback as e:
         raise WorkerError(f"kv_export at cuts {list(cuts)}: {e}") from None
-    for layer, (shard, a, b) in resolved.items():
-        cache = shard.cache
+    for layer, (cache, a, b) in resolved.items():
         if cache.is_recurrent(layer):
-            for slot, snap in enumerate(kept[id(shard)]):
+            for slot, snap in enumerate(kept[id(cache)]):
                 conv, delta = snap.states[layer]
                 a[slot].copy_(conv)
                 b[slot].copy_(delta)
@@ -114,7 +113,8 @@ def import_(worker: WorkerState, req: F.KVImport) -> F.KVImportReply:
             f"kv_import of {n} positions exceeds the KV capacity of {m.reply.kv_capacity} tokens"
         )
     t0 = time.perf_counter()
-    resolved = _resolve(worker, m, req.regions, n, 1)
+    state = m.sequence(req.sequence)
+    resolved = _resolve(worker, m, state.caches, req.regions, n, 1)
     ids = worker.tensor(req.tokens)[:n]
     if n:
         lo, hi = (int(x) for x in torch.aminmax(ids))
@@ -123,33 +123,29 @@ def import_(worker: WorkerState, req: F.KVImport) -> F.KVImportReply:
     history = ids.tolist()  # copied now: the daemon may reuse the region after the reply
     # Checked: from here on the old state goes.
     try:
-        for shard in m.shards:
-            cache = shard.cache
-            mine = {layer: (a, b) for layer, (s, a, b) in resolved.items() if s is shard}
+        for cache in state.caches:
+            mine = {layer: (a, b) for layer, (c, a, b) in resolved.items() if c is cache}
             rows = {layer: p for layer, p in mine.items() if not cache.is_recurrent(layer)}
             states = {layer: (a[0], b[0]) for layer, (a, b) in mine.items() if layer not in rows}
             cache.import_rows(n, rows, states if cache.recurrent is not None else None)
             if cache.recurrent is not None:
                 cache.save_state()  # the restored cut stays a cut of the next snapshot
     except BaseException:
-        m.truncate(0)  # all shards empty, no history: never half a prefix
+        state.truncate(0)  # all shards empty, no history: never half a prefix
         raise
     finally:
-        worker.drop_samplers()  # like reset: they belong to the old sequence
-    m.tokens[:] = history
+        state.drop_sampler()  # like reset: it belongs to the old sequence
+    state.tokens[:] = history
     elapsed = time.perf_counter() - t0
     worker.busy_s += elapsed
-    return F.KVImportReply(position=m.position, elapsed_us=int(elapsed * 1e6))
+    return F.KVImportReply(position=state.position, elapsed_us=int(elapsed * 1e6))
 
 
-def _recurrent(m: Loaded) -> bool:
-    return any(shard.cache.recurrent is not None for shard in m.shards)
-
-
-def _state_refs(shard: Shard) -> dict[str, tuple[int, torch.Tensor]]:
+def _state_refs(cache: SequenceCache) -> dict[str, tuple[int, torch.Tensor]]:
     """Region name -> (layer, a reference tensor of its shape and dtype) for every recurrent
-    layer of the shard: "conv.l" and "delta.l" (the zero state's tensors have the shapes)."""
-    rec = shard.cache.recurrent
+    layer of one shard's cache: "conv.l" and "delta.l" (the zero state's tensors have the
+    shapes)."""
+    rec = cache.recurrent
     if rec is None:
         return {}
     out = {}
@@ -160,17 +156,22 @@ def _state_refs(shard: Shard) -> dict[str, tuple[int, torch.Tensor]]:
 
 
 def _resolve(
-    worker: WorkerState, m: Loaded, regions: Mapping[str, Region], n: int, slots: int
+    worker: WorkerState,
+    m: Loaded,
+    caches: list[SequenceCache],
+    regions: Mapping[str, Region],
+    n: int,
+    slots: int,
 ) -> _Resolved:
     """Every layer's K and V region as torch views, all checked (no copy yet); a state
-    region has ``slots`` states."""
-    expected: dict[str, tuple[Shard, int]] = {}
+    region has ``slots`` states. `caches`: the sequence's, one per shard."""
+    expected: dict[str, tuple[SequenceCache, int]] = {}
     refs: dict[str, torch.Tensor] = {}  # state regions: exact shape and dtype
-    for shard in m.shards:
-        for layer in shard.cache.stored:
-            expected[f"k.{layer}"] = expected[f"v.{layer}"] = (shard, layer)
-        for name, (layer, ref) in _state_refs(shard).items():
-            expected[name], refs[name] = (shard, layer), ref
+    for cache in caches:
+        for layer in cache.stored:
+            expected[f"k.{layer}"] = expected[f"v.{layer}"] = (cache, layer)
+        for name, (layer, ref) in _state_refs(cache).items():
+            expected[name], refs[name] = (cache, layer), ref
     missing, unknown = expected.keys() - regions.keys(), regions.keys() - expected.keys()
     if missing or unknown:
         a, b = m.reply.layers
@@ -180,7 +181,7 @@ def _resolve(
         )
     views: dict[str, torch.Tensor] = {}
     for name, region in regions.items():
-        shard, layer = expected[name]
+        cache, layer = expected[name]
         if name in refs:
             want, dt = [slots, *refs[name].shape], dtype_name(refs[name].dtype)
             if region.dtype != dt or list(region.shape) != want:
@@ -189,7 +190,6 @@ def _resolve(
                 )
             views[name] = worker.tensor(region)
             continue
-        cache = shard.cache
         ref = cache.k[layer] if name[0] == "k" else cache.v[layer]
         heads, dim, dtype = ref.shape[0], ref.shape[2], dtype_name(cache.dtype)
         shape = region.shape
@@ -202,11 +202,11 @@ def _resolve(
             raise WorkerError(f"region {name} holds {shape[1]} positions, fewer than {n}")
         views[name] = worker.tensor(region)  # attaches: a bad segment fails here, too
     out: _Resolved = {}
-    for name, (shard, layer) in expected.items():
+    for name, (cache, layer) in expected.items():
         if name[0] == "k":
-            out[layer] = (shard, views[name], views[f"v.{layer}"])
+            out[layer] = (cache, views[name], views[f"v.{layer}"])
         elif name.startswith("conv."):
-            out[layer] = (shard, views[name], views[f"delta.{layer}"])
+            out[layer] = (cache, views[name], views[f"delta.{layer}"])
     return out
 
 

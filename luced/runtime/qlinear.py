@@ -33,8 +33,11 @@ logits plain decoding gives.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import logging
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -231,6 +234,22 @@ class _Scratch:
         return buf[: n * k].view(n, k)
 
 
+# Inside `row_exact()`, calls of any size stay on the packed kernels, as in batch-invariant
+# mode: a forward of several sequences' short spans keeps each row's result what its own
+# sequence would get alone, however many rows the spans add up to (runtime/forward.py).
+_ROW_EXACT: contextvars.ContextVar[bool] = contextvars.ContextVar("luced_row_exact", default=False)
+
+
+@contextlib.contextmanager
+def row_exact() -> Iterator[None]:
+    """Every packed call in the body takes the kernel, whatever its number of rows."""
+    token = _ROW_EXACT.set(True)
+    try:
+        yield
+    finally:
+        _ROW_EXACT.reset(token)
+
+
 class PackedLinear:
     """A linear layer's weight [out, in] held packed for a weight-only kernel; `layers.linear`
     calls it. `dtype` is the model's compute dtype: outputs and `rows` come back in it.
@@ -286,9 +305,10 @@ class PackedLinear:
             return self.gemv(x).to(x.dtype)
         lead, k = x.shape[:-1], self.in_features
         x2 = x.reshape(-1, k)
-        if x2.shape[0] <= GEMV_MAX_ROWS or (self.invariant and self.native is not None):
+        invariant = self.invariant or _ROW_EXACT.get()
+        if x2.shape[0] <= GEMV_MAX_ROWS or (invariant and self.native is not None):
             y = self.gemv(x2)  # the native kernels are row-invariant at any M
-        elif self.invariant:
+        elif invariant:
             y = torch.cat([self.gemv(part) for part in x2.split(GEMV_MAX_ROWS)])
         else:
             dt = dense_dtype(x.device.type)
@@ -304,7 +324,7 @@ class PackedLinear:
             self.native is not None
             and x.dtype == torch.float32
             and x.dim() == 2
-            and (x.shape[0] <= GEMV_MAX_ROWS or self.invariant)
+            and (x.shape[0] <= GEMV_MAX_ROWS or self.invariant or _ROW_EXACT.get())
         )
 
     def fused(

@@ -5,11 +5,10 @@ extends it with the core verbs and the frame dispatch, and the verb modules besi
 (``kv_snapshot``, ``dflash.verbs``) take a ``WorkerState``, so no module needs another's
 private methods and none imports the dispatcher.
 
-    loaded    the target's shards: one (Model, KVCache) per device, layers [a, b) cut at
-              device_splits, the token history, the kept sampler; with KV Flash
-              (load kv_pool) each cache is a PooledKVCache driven by the daemon's pager.
-              Several sequences may live in it (continuous batching): the selected one's
-              caches sit in the shards, the others are parked (`Loaded.select`)
+    loaded    the target's shards: one Model per device, layers [a, b) cut at
+              device_splits; its sequences, each with a cache per shard, its token
+              history and its kept sampler; with KV Flash (load kv_pool) each cache is a
+              PooledKVCache driven by the daemon's pager
     draft     a DFlash draft, beside the target or alone in the worker
     regions   shared-memory regions viewed as tensors, attached lazily by segment name;
               only segments of the daemon instance that said hello
@@ -79,7 +78,6 @@ SequenceCache = KVCache | PooledKVCache | PagedKVCache
 @dataclass
 class Shard:
     model: Model  # layers [a, b) on one device
-    cache: SequenceCache
 
 
 @dataclass
@@ -96,17 +94,26 @@ class SequenceState:
     def position(self) -> int:
         return self.caches[0].pos
 
+    @property
+    def recurrent(self) -> bool:
+        return any(cache.recurrent is not None for cache in self.caches)
+
     def truncate(self, position: int) -> None:
         for cache in self.caches:
             cache.truncate(position)
         del self.tokens[position:]
 
+    def drop_sampler(self) -> None:
+        self.sampler = self.sampling = None
+
 
 def kept_sampler(
-    holder: Loaded | SequenceState, sampling: dict[str, int | float | None], logprobs: int | None
+    holder: SequenceState | DraftState,
+    sampling: dict[str, int | float | None],
+    logprobs: int | None,
 ) -> Sampler:
-    """The sequence's kept sampler, or a new one when none exists or the sampling map
-    changed; `logprobs` (None or top k) as the frame's outputs ask."""
+    """The kept sampler, or a new one when none exists or the sampling map changed;
+    `logprobs` (None or top k) as the frame's outputs ask."""
     if holder.sampler is None or holder.sampling != sampling:
         holder.sampler = Sampler(SamplingParams.from_wire(sampling))
         holder.sampling = dict(sampling)
@@ -122,60 +129,40 @@ MAX_SEQUENCES = 256
 
 @dataclass
 class Loaded:
-    """The loaded target. The frames of one sequence (forward, truncate, reset, kv_export,
-    kv_import) name it, and `select` puts its state in place: the shards' caches, `tokens`
-    and `sampler` are the selected sequence's; the others wait in `parked`."""
+    """The loaded target and the sequences it holds. Every frame that acts on one sequence
+    (forward's spans, truncate, reset, kv_export, kv_import, kv_share) names it; a sequence
+    named for the first time starts empty."""
 
     path: Path
     shards: list[Shard]
     reply: F.LoadReply
     new_caches: Callable[[], list[SequenceCache]]  # a new sequence's, per shard
     block_pools: list[BlockPool] = field(default_factory=list)  # per shard, with kv_block
-    tokens: list[int] = field(default_factory=list)  # id fed at each KV position
-    sampler: Sampler | None = None
-    sampling: dict[str, int | float | None] | None = None  # the map `sampler` was built from
-    sequence: int | None = 0  # the selected one; None while `state` holds them all parked
-    parked: dict[int, SequenceState] = field(default_factory=dict)
+    sequences: dict[int, SequenceState] = field(default_factory=dict)
 
-    @property
-    def position(self) -> int:
-        return self.shards[0].cache.pos
-
-    def truncate(self, position: int) -> None:
-        for shard in self.shards:
-            shard.cache.truncate(position)
-        del self.tokens[position:]
-
-    def select(self, sequence: int) -> None:
-        """Put `sequence`'s state in place (a new one starts empty)."""
-        if sequence == self.sequence:
-            return
-        self._park()
-        state = self.parked.pop(sequence, None) or self._new(sequence)
-        for shard, cache in zip(self.shards, state.caches, strict=True):
-            shard.cache = cache
-        self.tokens, self.sampler, self.sampling = state.tokens, state.sampler, state.sampling
-        self.sequence = sequence
-
-    def state(self, sequence: int) -> SequenceState:
-        """`sequence`'s state, parked (a batch runs on several at once); the next frame of a
-        sequence selects it again."""
-        if sequence == self.sequence:
-            self._park()
-        return self.parked.get(sequence) or self.parked.setdefault(sequence, self._new(sequence))
+    def sequence(self, sequence: int) -> SequenceState:
+        """`sequence`'s state, made empty on first use (bounded by MAX_SEQUENCES)."""
+        state = self.sequences.get(sequence)
+        if state is None:
+            if not 0 <= sequence < MAX_SEQUENCES:
+                raise WorkerError(f"sequence {sequence} outside [0, {MAX_SEQUENCES})")
+            if len(self.sequences) >= MAX_SEQUENCES:
+                raise WorkerError(f"{MAX_SEQUENCES} sequences are live: release one first")
+            state = self.sequences[sequence] = SequenceState(self.new_caches())
+        return state
 
     def release(self, sequence: int, keep_sampler: bool = False) -> None:
         """Forget `sequence` and free its caches (a finished request); the next frame that
         names it starts it anew. `keep_sampler`: only its KV and tokens go, its sampler
         stays (a preempted request's generator draws on where it stopped)."""
-        if sequence == self.sequence:
-            self._park()
-        state = self.parked.pop(sequence, None)
-        for cache in state.caches if state is not None else ():
+        state = self.sequences.pop(sequence, None)
+        if state is None:
+            return
+        for cache in state.caches:
             if isinstance(cache, PagedKVCache):  # its blocks go back to the shard's pool
                 cache.free()
-        if keep_sampler and state is not None and state.sampler is not None:
-            self.parked[sequence] = SequenceState(
+        if keep_sampler and state.sampler is not None:
+            self.sequences[sequence] = SequenceState(
                 self.new_caches(), sampler=state.sampler, sampling=state.sampling
             )
 
@@ -184,40 +171,26 @@ class Loaded:
         paged cache takes the source's blocks that hold them, without copying. Returns n."""
         if not self.block_pools:
             raise WorkerError("kv_share needs a load with kv_block (one block pool per shard)")
-        if source != self.sequence and source not in self.parked:
+        origin = self.sequences.get(source)
+        if origin is None:
             raise WorkerError(f"kv_share: sequence {source} holds no KV")
-        origin = self.state(source)
         if n > origin.position:
             raise WorkerError(
                 f"kv_share: sequence {source} holds {origin.position} positions, not {n}"
             )
-        self.select(sequence)
-        self.truncate(0)
+        state = self.sequence(sequence)
+        state.truncate(0)
         shared = set()
         try:
-            for shard, theirs in zip(self.shards, origin.caches, strict=True):
-                assert isinstance(shard.cache, PagedKVCache) and isinstance(theirs, PagedKVCache)
-                shared.add(shard.cache.share(theirs, n))
+            for mine, theirs in zip(state.caches, origin.caches, strict=True):
+                assert isinstance(mine, PagedKVCache) and isinstance(theirs, PagedKVCache)
+                shared.add(mine.share(theirs, n))
         except ValueError as exc:  # a recurrent cache: its state is not in blocks
-            self.truncate(0)
+            state.truncate(0)
             raise WorkerError(f"kv_share: {exc}") from None
         (positions,) = shared  # every shard's pool has the same block size
-        self.tokens[:] = origin.tokens[:positions]
+        state.tokens[:] = origin.tokens[:positions]
         return positions
-
-    def _park(self) -> None:
-        if self.sequence is not None:
-            caches = [s.cache for s in self.shards]
-            state = SequenceState(caches, self.tokens, self.sampler, self.sampling)
-            self.parked[self.sequence] = state
-            self.sequence = None
-
-    def _new(self, sequence: int) -> SequenceState:
-        if not 0 <= sequence < MAX_SEQUENCES:
-            raise WorkerError(f"sequence {sequence} outside [0, {MAX_SEQUENCES})")
-        if len(self.parked) >= MAX_SEQUENCES:
-            raise WorkerError(f"{MAX_SEQUENCES} sequences are live: release one first")
-        return SequenceState(self.new_caches())
 
 
 @dataclass
@@ -294,10 +267,3 @@ class WorkerState:
     def check_width(what: str, region: Region, width: int) -> None:
         if region.shape[1] != width:
             raise WorkerError(f"{what} must have {width} columns, got {list(region.shape)}")
-
-    def drop_samplers(self) -> None:
-        """A kept sampler (its generator, its map) belongs to the sequence it drew for."""
-        if self.loaded is not None:
-            self.loaded.sampler = self.loaded.sampling = None
-        if self.draft is not None:
-            self.draft.sampler = self.draft.sampling = None

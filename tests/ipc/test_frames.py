@@ -53,7 +53,10 @@ def test_wire_shape_of_a_forward(sample_requests: dict) -> None:
     assert wire["op"] == "forward" and wire["seq"] == 3
     assert wire["tokens"] == {"segment": SEG, "offset": 960, "shape": [512], "dtype": "int32"}
     assert wire["capture"] == [1, 14, 27] and wire["hidden_in"] is None
-    assert wire["sampling"]["seed"] == 2**40 and wire["sampling"]["min_p"] is None
+    span = wire["spans"][0]  # a span is a plain map on the wire
+    assert span["sequence"] == 3 and span["n_out"] == 16
+    assert span["sampling"]["seed"] == 2**40 and wire["spans"][1]["sampling"]["min_p"] is None
+    assert wire["spans"][1]["kv_plan"]["kv_map"]["shape"] == [448]
 
 
 def test_construction_normalises_types() -> None:
@@ -62,14 +65,25 @@ def test_construction_normalises_types() -> None:
     load = F.LoadReply(30, 576, 49152, [0, 30], "float32", 10, 2)
     assert load.layers == (0, 30) and type(load.load_s) is float
     hidden = R(64, (1, 8), "float16").to_wire()  # a plain map, as msgpack delivers it
-    fw = F.Forward(1, 0, "hidden", {"hidden": hidden}, tokens=R(128, (1,), "int32"))
-    assert isinstance(fw.outputs["hidden"], Region)
+    span = {"sequence": 0, "start": 0, "n": 1}  # a span, as msgpack delivers it
+    fw = F.Forward([span], "hidden", {"hidden": hidden}, tokens=R(128, (1,), "int32"))
+    assert isinstance(fw.outputs["hidden"], Region) and isinstance(fw.spans[0], F.Span)
+    assert fw.spans[0].n_out == 1
+
+
+RING = R(8192, (16, 2, 8), "float32")
+PLAN = {"kv_slots": R(1024, (16,), "int64"), "kv_map": R(2048, (448,), "int64")}
+
+
+def span(**kw: object) -> F.Span:
+    base: dict[str, object] = {"sequence": 0, "start": 0, "n": 4}
+    base.update(kw)
+    return F.Span(**base)  # type: ignore[arg-type]
 
 
 def forward(**kw: object) -> F.Forward:
     base: dict[str, object] = {
-        "n_tokens": 4,
-        "start_pos": 0,
+        "spans": (span(),),
         "want": "sample",
         "outputs": {"ids": R(64, (4,), "int32")},
         "tokens": R(128, (8,), "int32"),
@@ -81,13 +95,39 @@ def forward(**kw: object) -> F.Forward:
 @pytest.mark.parametrize(
     ("kw", "match"),
     [
-        ({"n_tokens": "4"}, r"forward request: n_tokens: expected int, got str"),
-        ({"n_tokens": True}, r"n_tokens: expected int, got bool"),
-        ({"start_pos": 1.0}, r"start_pos: expected int, got float"),
-        ({"n_tokens": 0}, "n_tokens >= 1"),
+        ({"n": "4"}, r"Span: n: expected int, got str"),
+        ({"n": True}, r"n: expected int, got bool"),
+        ({"start": 1.0}, r"start: expected int, got float"),
+        ({"n": 0}, "n >= 1"),
+        ({"sequence": -1}, "sequence, start, q_row >= 0"),
+        ({"n_out": 2}, r"n_out must be 0, 1 or n \(4\), got 2"),
+        ({"verify": True}, "a verify span feeds n >= 2 tokens with n_out = n"),
+        ({"verify": True, "n": 1, "n_out": 1}, "verify span feeds n >= 2"),
+        ({"ring": R(256, (2, 1, 16), "float32")}, "ring holds 2 positions, fewer than 4"),
+        ({"sampling": {"temp": 1.0}}, r"unknown sampling key\(s\) \['temp'\]"),
+        ({"sampling": {"temperature": float("nan")}}, "sampling.temperature must be finite"),
+        ({"sampling": {"seed": 1.5}}, "sampling.seed must be an int"),
+        ({"sampling": {"top_p": "0.9"}}, r"sampling\.top_p: expected int \| float \| None"),
+        ({"kv_plan": {"kv_map": PLAN["kv_map"]}}, "kv_slots and kv_map come"),
+        ({"kv_plan": {**PLAN, "kv_pool": PLAN["kv_map"]}}, r"kv_plan keys are among"),
+        ({"kv_plan": {**PLAN, "kv_moves": R(64, (2, 4), "int64")}}, "needs kv_map and kv_host"),
+        ({"kv_plan": {**PLAN, "kv_slots": R(1024, (3,), "int64")}}, r"kv_slots must be int64"),
+    ],
+)
+def test_span_validation(kw: dict, match: str) -> None:
+    with pytest.raises(F.FrameError, match=match):
+        span(**kw)
+
+
+@pytest.mark.parametrize(
+    ("kw", "match"),
+    [
+        ({"spans": ()}, "at least one span"),
+        ({"spans": (span(), span())}, r"a sequence appears twice: \[0, 0\]"),
+        ({"spans": ({"sequence": 0, "start": 0},)}, r"spans\[0\]: Span: missing field"),
         (
             {"want": "beam"},
-            r"want: expected one of \['sample', 'logits', 'topk', 'hidden', 'verify'\]",
+            r"want: expected one of \['sample', 'logits', 'hidden'\]",
         ),
         ({"tokens": None}, "one of tokens / hidden_in must be given"),
         ({"tokens": R(128, (3,), "int32")}, r"tokens must be int32 \[>= 4\]"),
@@ -96,14 +136,16 @@ def forward(**kw: object) -> F.Forward:
         ({"outputs": {}}, r"needs outputs \['ids'\]"),
         ({"outputs": {"ids": R(64, (4,), "int32"), "x": R(128, (1,), "int32")}}, "got"),
         ({"outputs": {"ids": R(64, (4,), "float32")}}, "outputs.ids must be int32"),
-        ({"positions": "all", "outputs": {"ids": R(64, (3,), "int32")}}, ">= 4 rows"),
-        ({"want": "topk", "outputs": {}}, "needs top_logprobs >= 1"),
+        (
+            {"spans": (span(n_out=4),), "outputs": {"ids": R(64, (3,), "int32")}},
+            ">= 4 rows",
+        ),
         ({"top_logprobs": 2}, r"needs outputs \['ids', 'topk_ids', 'topk_logprobs'\]"),
         (
             {
-                "want": "topk",
                 "top_logprobs": 3,
                 "outputs": {
+                    "ids": R(64, (1,), "int32"),
                     "topk_ids": R(64, (1, 3), "int32"),
                     "topk_logprobs": R(128, (1, 2), "float32"),
                 },
@@ -111,17 +153,19 @@ def forward(**kw: object) -> F.Forward:
             "outputs.topk_logprobs needs 3 columns, got 2",
         ),
         ({"want": "logits", "outputs": {"logits": R(64, (1, 9), "float16")}}, "logits must be"),
-        ({"sampling": {"temp": 1.0}}, r"unknown sampling key\(s\) \['temp'\]"),
-        ({"sampling": {"temperature": float("nan")}}, "sampling.temperature must be finite"),
-        ({"sampling": {"seed": 1.5}}, "sampling.seed must be an int"),
-        ({"sampling": {"top_p": "0.9"}}, r"sampling\.top_p: expected int \| float \| None"),
         ({"capture": (3,)}, "capture layers given without a ring"),
-        ({"ring": R(256, (8, 1, 16), "float32")}, "ring given without capture"),
-        ({"capture": (3, 3), "ring": R(256, (8, 2, 16), "float32")}, "distinct"),
-        ({"capture": (3, 5), "ring": R(256, (8, 3, 16), "float32")}, r"ring must be float"),
-        ({"capture": (3,), "ring": R(256, (2, 1, 16), "float32")}, "ring holds 2 positions"),
+        ({"spans": (span(ring=RING),)}, "ring given without capture"),
+        ({"capture": (3, 3), "spans": (span(ring=R(256, (8, 2, 16), "float32")),)}, "distinct"),
+        (
+            {"capture": (3, 5), "spans": (span(ring=R(256, (8, 3, 16), "float32")),)},
+            r"ring must be float",
+        ),
+        (
+            {"capture": (0, 2), "spans": (span(ring=RING), span(sequence=1))},
+            "every span names its ring",
+        ),
         ({"allowed": R(256, (1, 2), "uint32")}, r"allowed must be int32 \[>= 1, words\]"),
-        ({"allowed": R(256, (3, 2), "int32"), "positions": "all"}, ">= 4, words"),
+        ({"allowed": R(256, (3, 2), "int32"), "spans": (span(n_out=4),)}, ">= 4, words"),
         (
             {
                 "allowed": R(256, (1, 2), "int32"),
@@ -129,6 +173,20 @@ def forward(**kw: object) -> F.Forward:
                 "outputs": {"logits": R(64, (1, 9), "float32")},
             },
             'allowed is only for want="sample"',
+        ),
+        (
+            {"spans": (span(n_out=4, verify=True),), "outputs": {"ids": R(64, (4,), "int32")}},
+            r"draft_probs must be float32 \[>= 3, vocab\], got none",
+        ),
+        ({"draft_probs": R(64, (4, 9), "float32")}, "draft_probs without a verify span"),
+        (
+            {
+                "spans": (span(n_out=4, verify=True),),
+                "want": "logits",
+                "outputs": {"logits": R(64, (4, 9), "float32")},
+                "draft_probs": R(64, (4, 9), "float32"),
+            },
+            'a verify span needs want="sample"',
         ),
     ],
 )
@@ -140,61 +198,27 @@ def test_forward_validation(kw: dict, match: str) -> None:
 def test_forward_accepts_the_intended_shapes() -> None:
     h_in, h_out = R(64, (8, 16), "bfloat16"), R(512, (4, 16), "bfloat16")
     h = forward(tokens=None, hidden_in=h_in, want="hidden", outputs={"hidden": h_out})
-    assert h.n_out == 1
-    lg = forward(want="logits", positions="all", outputs={"logits": R(64, (4, 50), "float32")})
+    assert h.n_out == 1 and h.n_tokens == 4
+    lg = forward(
+        spans=(span(n_out=4),), want="logits", outputs={"logits": R(64, (4, 50), "float32")}
+    )
     assert lg.n_out == 4
-    ring = forward(capture=(0, 2), ring=R(1024, (16, 2, 8), "float32"))
+    ring = forward(capture=(0, 2), spans=(span(ring=R(1024, (16, 2, 8), "float32")),))
     assert ring.capture == (0, 2)
     both = forward(hidden_in=h_in)  # a later shard: tokens are only its sampler's history
     assert both.tokens is not None and both.hidden_in is not None
     masked = forward(allowed=R(256, (64, 2), "int32"))  # the region may hold more rows
     assert masked.allowed is not None and masked.allowed.shape == (64, 2)
-
-
-def forward_batch(**kw: object) -> F.ForwardBatch:
-    base: dict[str, object] = {
-        "n_sequences": 2,
-        "n_tokens": 5,
-        "batch": R(64, (8, 4), "int32"),
-        "want": "sample",
-        "outputs": {"ids": R(256, (8,), "int32")},
-        "tokens": R(512, (8,), "int32"),
-        "sampling": ({}, {}),
-    }
-    base.update(kw)
-    return F.ForwardBatch(**base)  # type: ignore[arg-type]
-
-
-PLAN = {"kv_slots": R(1024, (16,), "int64"), "kv_map": R(2048, (448,), "int64")}
-RING = R(8192, (16, 2, 8), "float32")
-
-
-@pytest.mark.parametrize(
-    ("kw", "match"),
-    [
-        ({"capture": (0, 2)}, "capture layers given without a ring"),
-        ({"rings": (RING, RING)}, "ring given without capture"),
-        ({"capture": (0, 2), "rings": (RING,)}, r"one ring per sequence \(2\), got 1"),
-        ({"capture": (0,), "rings": (RING, RING)}, r"ring must be float \[ring_cap, 1"),
-        ({"kv_plans": (PLAN,)}, r"one plan per sequence \(2\), got 1"),
-        ({"kv_plans": (PLAN, {"kv_map": PLAN["kv_map"]})}, "has kv_slots, kv_map"),
-        ({"kv_plans": (PLAN, {**PLAN, "kv_pool": PLAN["kv_map"]})}, "has kv_slots, kv_map"),
-        ({"kv_plans": (PLAN, {"kv_slots": PLAN["kv_slots"]})}, "kv_slots and kv_map come"),
-        (
-            {"kv_plans": (PLAN, {**PLAN, "kv_moves": R(64, (2, 4), "int64")})},
-            "needs kv_map and kv_host",
-        ),
-    ],
-)
-def test_forward_batch_validation(kw: dict, match: str) -> None:
-    with pytest.raises(F.FrameError, match=match):
-        forward_batch(**kw)
-
-
-def test_forward_batch_carries_a_ring_and_a_kv_plan_per_sequence() -> None:
-    fb = forward_batch(capture=(0, 2), rings=(RING, RING), kv_plans=(PLAN, PLAN))
-    back = F.ForwardBatch.from_wire(fb.to_wire())
-    assert back == fb and back.kv_plans[1]["kv_map"].shape == (448,)
+    feed = forward(spans=(span(n_out=0),))  # a prompt chunk before the last: no rows out
+    assert feed.n_out == 0
+    two = forward(
+        spans=(span(n=3, n_out=0, kv_plan=PLAN), span(sequence=1, start=9, n=5, n_out=5)),
+        outputs={"ids": R(64, (5,), "int32")},
+        tokens=R(128, (8,), "int32"),
+    )
+    back = F.Forward.from_wire(two.to_wire())
+    assert back == two and back.spans[0].kv_plan["kv_map"].shape == (448,)
+    assert (two.n_tokens, two.n_out) == (8, 5)
 
 
 def draft_block(**kw: object) -> F.DraftBlock:

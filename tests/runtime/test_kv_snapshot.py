@@ -17,7 +17,7 @@ import make_tiny_gguf
 import numpy as np
 import pytest
 import torch
-from worker_harness import TAG, no_segments_left  # noqa: F401 - module fixture
+from worker_harness import TAG, forward_frame, no_segments_left  # noqa: F401 - fixture
 
 from luced.ipc import frames as F
 from luced.ipc.regions import Region, RegionAllocator, required_bytes
@@ -26,7 +26,7 @@ from luced.ipc.typed import FrameError
 from luced.runtime.backend import Backend
 from luced.runtime.kv_cache import ContextOverflow, KVCache
 from luced.runtime.model import Model
-from luced.runtime.state import Loaded, WorkerError
+from luced.runtime.state import SequenceState, WorkerError
 
 KV = 64
 ROWS = 32
@@ -123,9 +123,10 @@ class Daemon:
         return self.backend.handle(req)
 
     @property
-    def m(self) -> Loaded:
+    def m(self) -> SequenceState:
+        """Sequence 0, which every frame here acts on."""
         assert self.backend.loaded is not None
-        return self.backend.loaded
+        return self.backend.loaded.sequence(0)
 
     def _io(self, name: str) -> np.ndarray:
         r = self.r[name]
@@ -136,13 +137,13 @@ class Daemon:
         n = len(ids)
         self._io("tokens")[:n] = ids
         self.call(
-            F.Forward(
-                n_tokens=n,
-                start_pos=self.m.position,
-                want="logits",
-                outputs={"logits": self.r["logits"].rows(0, n)},
+            forward_frame(
+                n,
+                self.m.position,
+                "logits",
+                {"logits": self.r["logits"].rows(0, n)},
+                "all",
                 tokens=self.r["tokens"].rows(0, n),
-                positions="all",
                 keep_state=keep_state,
             )
         )
@@ -151,13 +152,13 @@ class Daemon:
     def sample(self, token: int, sampling: dict) -> int:
         self._io("tokens")[0] = token
         self.call(
-            F.Forward(
-                n_tokens=1,
-                start_pos=self.m.position,
-                want="sample",
-                outputs={"ids": self.r["ids"].rows(0, 1)},
-                tokens=self.r["tokens"].rows(0, 1),
+            forward_frame(
+                1,
+                self.m.position,
+                "sample",
+                {"ids": self.r["ids"].rows(0, 1)},
                 sampling=sampling,
+                tokens=self.r["tokens"].rows(0, 1),
             )
         )
         return int(self._io("ids")[0])
@@ -203,7 +204,7 @@ class Daemon:
         m = self.m
         kv = [
             (c.k[layer][:, : m.position].clone(), c.v[layer][:, : m.position].clone())
-            for c in (s.cache for s in m.shards)
+            for c in m.caches
             for layer in c.stored
         ]
         return m.position, list(m.tokens), m.sampler, m.sampling, kv
@@ -219,9 +220,9 @@ class Daemon:
 
 def cache_rows(d: Daemon, name: str, n: int) -> torch.Tensor:
     kind, layer = name.split(".")
-    for shard in d.m.shards:
-        if int(layer) in shard.cache.layers:
-            store = shard.cache.k if kind == "k" else shard.cache.v
+    for cache in d.m.caches:
+        if int(layer) in cache.layers:
+            store = cache.k if kind == "k" else cache.v
             return store[int(layer)][:, :n]
     raise AssertionError(name)
 

@@ -16,7 +16,13 @@ import msgpack
 import numpy as np
 import pytest
 import torch
-from worker_harness import TAG, THREADS, WorkerProc, no_segments_left  # noqa: F401 - fixture
+from worker_harness import (  # noqa: F401 - no_segments_left is a fixture
+    TAG,
+    THREADS,
+    WorkerProc,
+    forward_frame,
+    no_segments_left,
+)
 
 from luced.ipc import codec
 from luced.ipc import frames as F
@@ -150,18 +156,10 @@ def fwd(
                 outputs["topk_ids"] = io.topk("topk_ids", top_logprobs)
                 outputs["topk_logprobs"] = io.topk("topk_logprobs", top_logprobs)
     kw.setdefault("tokens", io.r["tokens"])
-    rep = w.call(
-        F.Forward(
-            n_tokens=len(ids),
-            start_pos=start,
-            want=want,
-            outputs=outputs,
-            positions=positions,
-            sampling=sampling or {},
-            top_logprobs=top_logprobs,
-            **kw,
-        )
+    frame = forward_frame(
+        len(ids), start, want, outputs, positions, sampling, top_logprobs=top_logprobs, **kw
     )
+    rep = w.call(frame)
     assert isinstance(rep, F.ForwardReply)
     return rep
 
@@ -169,11 +167,11 @@ def fwd(
 def worker_generate(w: WorkerProc, io: IO, n: int, sampling: dict) -> list[int]:
     """Prefill PROMPT, then one frame per token, as the daemon's loop does."""
     rep = fwd(w, io, PROMPT, 0, sampling=sampling)
-    assert (rep.n_out, rep.position) == (1, len(PROMPT))
+    assert rep.positions == (len(PROMPT),)
     out = [int(io.a("ids")[0])]
     while len(out) < n:
         rep = fwd(w, io, out[-1:], len(PROMPT) + len(out) - 1, sampling=sampling)
-        assert rep.position == len(PROMPT) + len(out)
+        assert rep.positions == (len(PROMPT) + len(out),)
         out.append(int(io.a("ids")[0]))
     return out
 
@@ -292,14 +290,14 @@ def test_logits_bitwise_equal_in_process(worker: WorkerProc, io: IO, ref: Model)
     worker.call(F.Reset())
     cache = ref.new_cache(KV)
     rep = fwd(worker, io, PROMPT, 0, want="logits", positions="all")
-    assert rep.n_out == len(PROMPT)
+    assert rep.positions == (len(PROMPT),)
     want = ref.forward(torch.tensor(PROMPT), cache, 0)
     got = torch.from_numpy(io.a("logits")[: len(PROMPT)].copy())
     assert got.dtype == want.dtype == torch.float32
     assert torch.equal(got, want)
     token = int(want[-1].argmax())
     rep = fwd(worker, io, [token], len(PROMPT), want="logits")
-    assert (rep.n_out, rep.position) == (1, len(PROMPT) + 1)
+    assert rep.positions == (len(PROMPT) + 1,)
     want = ref.forward(torch.tensor([token]), cache, len(PROMPT))
     assert torch.equal(torch.from_numpy(io.a("logits")[:1].copy()), want)
 
@@ -392,19 +390,6 @@ def test_capture_ring_slots(worker: WorkerProc, io: IO, ref: Model) -> None:
         assert torch.equal(got[p % RING], want[p]), p
 
 
-def test_topk_without_sampling(worker: WorkerProc, io: IO, ref: Model) -> None:
-    worker.call(F.Reset())
-    outputs = {
-        "topk_ids": io.topk("topk_ids", 5),
-        "topk_logprobs": io.topk("topk_logprobs", 5),
-    }
-    fwd(worker, io, PROMPT, 0, want="topk", top_logprobs=5, outputs=outputs)
-    logits = ref.forward(torch.tensor(PROMPT), ref.new_cache(KV), 0)[-1]
-    vals, ids = torch.log_softmax(logits, -1).topk(5)
-    assert io.a("topk_ids")[0, :5].tolist() == ids.tolist()
-    assert np.allclose(io.a("topk_logprobs")[0, :5], vals.numpy(), atol=1e-5)
-
-
 def test_stats_counts(worker: WorkerProc, io: IO, smollm2_gguf: Path) -> None:
     worker.call(F.Reset())
     before = worker.call(F.Stats()).stats
@@ -439,7 +424,7 @@ def test_error_replies_leave_the_worker_serving(
     bad_logits = Region(seg, io.r["logits"].offset, (LOGIT_ROWS, 1000), "float32")
     fails("must have 49152 columns", want="logits", outputs={"logits": bad_logits})
     fails(r"token ids must lie in \[0, 49152\)", ids=[49152])
-    fails("start_pos 3, but the KV holds 12 positions", start=3)
+    fails("holds 12 positions; a span cannot start at 13", start=13)
     # A sampling map SamplingParams refuses is refused by the frame itself, at either end.
     with pytest.raises(F.FrameError, match="temperature must be >= 0"):
         fwd(worker, io, PROMPT[:1], n, sampling={"temperature": -1.0})
@@ -449,7 +434,7 @@ def test_error_replies_leave_the_worker_serving(
     # Overflow: KV holds 64; 12 + 40 fit, 12 more do not.
     fwd(worker, io, (PROMPT * 4)[:40], n, sampling={"temperature": 0})
     n += 40
-    with pytest.raises(RemoteError, match=r"context overflow: positions \[52, 65\) exceed"):
+    with pytest.raises(RemoteError, match=r"context overflow: sequence 0's positions \[52, 65\)"):
         fwd(worker, io, [*PROMPT, 1], n)
     assert position(worker) == n
     fwd(worker, io, PROMPT, n, sampling={"temperature": 0})  # exactly full still works

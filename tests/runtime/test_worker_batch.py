@@ -1,6 +1,6 @@
-"""A worker's sequences and its forward_batch verb, in a real worker subprocess over real
-shared memory (the test plays the daemon), against each sequence decoded alone in
-process."""
+"""A worker's sequences and a forward of several of them at once, in a real worker
+subprocess over real shared memory (the test plays the daemon), against each sequence
+decoded alone in process."""
 
 from __future__ import annotations
 
@@ -39,7 +39,12 @@ def owner() -> Iterator[ShmOwner]:
 
 
 def start_worker(
-    tmp: Path, owner: ShmOwner, model: Path, layers: tuple[int, int], kv_block: int = 0
+    tmp: Path,
+    owner: ShmOwner,
+    model: Path,
+    layers: tuple[int, int],
+    kv_block: int = 0,
+    weights: str = "dequant",
 ) -> WorkerProc:
     w = WorkerProc(tmp)
     w.call(F.Hello(instance=owner.instance))
@@ -53,6 +58,7 @@ def start_worker(
             owns_embed=layers[0] == 0,
             owns_head=layers[1] == 4,
             kv_block=kv_block,
+            weights=weights,
         )
     )
     return w
@@ -67,12 +73,12 @@ def worker(tmp_path_factory, owner: ShmOwner, tiny: Path) -> Iterator[WorkerProc
 
 @pytest.fixture(scope="module")
 def io(owner: ShmOwner) -> Regions:
-    """The batch description, the fed ids, the sampled rows, the boundary activations."""
+    """The fed ids, the sampled rows, the boundary activations, logits."""
     specs = {
-        "batch": ((SEQS, 4), "int32"),
-        "tokens": ((ROWS,), "int32"),
+        "tokens": ((4 * ROWS,), "int32"),
         "ids": ((ROWS,), "int32"),
-        "hidden": ((ROWS, 64), "float32"),
+        "hidden": ((4 * ROWS, 64), "float32"),
+        "logits": ((SEQS, 512), "float32"),
     }
     return Regions(owner, "batch-io", specs)
 
@@ -88,36 +94,32 @@ def batch_frame(
     want: str = "sample",
     every_row: frozenset[int] = frozenset(),
     **kw: object,
-) -> F.ForwardBatch:
+) -> F.Forward:
     """feeds: sequence -> (start, ids), in batch order; `every_row`: sequences that get a
-    token after each of their rows (a verify block), the others after their last."""
-    rows = [
-        (seq, start, len(ids), len(ids) if seq in every_row else 1)
+    token after each of their rows (a verify window), the others after their last."""
+    spans = tuple(
+        F.Span(
+            sequence=seq,
+            start=start,
+            n=len(ids),
+            n_out=len(ids) if seq in every_row else 1,
+            sampling=GREEDY if want == "sample" else {},
+        )
         for seq, (start, ids) in feeds.items()
-    ]
+    )
     flat = [t for _, ids in feeds.values() for t in ids]
-    io.a("batch")[: len(rows)] = rows
-    kw.setdefault("n_rows_out", sum(out for *_, out in rows))
     io.a("tokens")[: len(flat)] = flat
-    outputs = {"ids": io.r["ids"]} if want == "sample" else {"hidden": io.r["hidden"]}
-    sampling = tuple(GREEDY for _ in rows) if want == "sample" else ()
-    fields = {"tokens": io.r["tokens"], "outputs": outputs, "sampling": sampling, **kw}
-    return F.ForwardBatch(len(rows), len(flat), io.r["batch"], want, **fields)  # type: ignore[arg-type]
+    outputs = {
+        "sample": {"ids": io.r["ids"]},
+        "hidden": {"hidden": io.r["hidden"]},
+        "logits": {"logits": io.r["logits"]},
+    }[want]
+    fields = {"tokens": io.r["tokens"], "outputs": outputs, **kw}
+    return F.Forward(spans, want, **fields)  # type: ignore[arg-type]
 
 
 def forward(w: WorkerProc, io: Regions, seq: int, start: int, ids: list[int]) -> int:
-    io.a("tokens")[: len(ids)] = ids
-    w.call(
-        F.Forward(
-            n_tokens=len(ids),
-            start_pos=start,
-            want="sample",
-            outputs={"ids": io.r["ids"]},
-            tokens=io.r["tokens"],
-            sampling=GREEDY,
-            sequence=seq,
-        )
-    )
+    w.call(batch_frame(io, {seq: (start, ids)}))
     return int(io.a("ids")[0])
 
 
@@ -134,7 +136,7 @@ def test_batched_decode_equals_each_sequence_alone(worker, io, tiny) -> None:
     got[2] = []
     for _ in range(steps):
         reply = worker.call(batch_frame(io, feeds))
-        assert isinstance(reply, F.ForwardBatchReply)
+        assert isinstance(reply, F.ForwardReply)
         for j, seq in enumerate(feeds):
             got[seq].append(int(io.a("ids")[j]))
         assert reply.positions == tuple(feeds[s][0] + len(feeds[s][1]) for s in feeds)
@@ -147,15 +149,11 @@ def test_batched_decode_equals_each_sequence_alone(worker, io, tiny) -> None:
 def test_a_verify_block_in_a_batch_samples_every_row_as_alone(worker, io, tiny) -> None:
     """Sequence 1 feeds a block and gets the greedy token after each of its rows (a
     speculative verify) while sequence 0 takes a decode step, in one batch; the rows
-    equal the block's greedy predictions alone, and a bad n_out column is refused."""
+    equal the block's greedy predictions alone."""
     for seq in (0, 1):
         worker.call(F.Reset(sequence=seq, release=True))
     first = forward(worker, io, 0, 0, PROMPTS[0])
     block = PROMPTS[1][:5]
-    with pytest.raises(RemoteError, match="n_out must be 1 or its n_tokens"):
-        frame = batch_frame(io, {0: (len(PROMPTS[0]), [first]), 1: (0, block)}, every_row={1})
-        io.a("batch")[1, 3] = 2
-        worker.call(frame)
     frame = batch_frame(io, {0: (len(PROMPTS[0]), [first]), 1: (0, block)}, every_row={1})
     worker.call(frame)
     model = Model.load(tiny)
@@ -169,25 +167,80 @@ def test_a_bad_batch_changes_nothing(worker, io, tiny) -> None:
         worker.call(F.Reset(sequence=seq, release=True))
     nxt = forward(worker, io, 0, 0, PROMPTS[0])
     n0 = len(PROMPTS[0])
-    frame = batch_frame(io, {0: (n0, [nxt]), 1: (0, PROMPTS[1])})
-    io.a("batch")[1] = (0, 0, len(PROMPTS[1]), 1)  # the second row names sequence 0 again
-    with pytest.raises(RemoteError, match="appears twice"):
-        worker.call(frame)
-    with pytest.raises(RemoteError, match="sequence 0 is at position"):
+    with pytest.raises(F.FrameError, match="appears twice"):
+        frame = batch_frame(io, {0: (n0, [nxt]), 1: (0, PROMPTS[1])})
+        F.Forward.from_wire({**frame.to_wire(), "spans": [frame.spans[0]] * 2})
+    with pytest.raises(RemoteError, match="sequence 0 holds 6 positions; a span cannot start"):
         worker.call(batch_frame(io, {1: (0, PROMPTS[1]), 0: (n0 + 1, [nxt])}))
-    with pytest.raises(F.FrameError, match="one map per sequence"):
-        batch_frame(io, {0: (n0, [nxt])}, sampling=())
+    frame = batch_frame(io, {0: (n0, [nxt]), 1: (0, PROMPTS[1])})
+    io.a("tokens")[2] = 10_000  # the second span feeds an id outside the vocabulary
+    with pytest.raises(RemoteError, match="token ids must lie in"):
+        worker.call(frame)
     # Neither sequence moved: 0 goes on alone as if nothing happened, 1 is still empty.
     second = forward(worker, io, 0, n0, [nxt])
     assert [nxt, second] == alone(Model.load(tiny), PROMPTS[0], 2)
     assert forward(worker, io, 1, 0, PROMPTS[1]) == alone(Model.load(tiny), PROMPTS[1], 1)[0]
 
 
+def test_a_span_below_the_committed_length_rolls_back(worker, io, tiny) -> None:
+    """A verify window's rejected rows are rolled back by the next span's start: sequence 0
+    feeds a window of 4 beside sequence 1's decode step, then goes on from inside it,
+    exactly as after an explicit truncate; the tokens after it are its own greedy ones."""
+    for seq in (0, 1):
+        worker.call(F.Reset(sequence=seq, release=True))
+    model = Model.load(tiny)
+    want0, want1 = alone(model, PROMPTS[0], 4), alone(model, PROMPTS[1], 3)
+    n0, n1 = len(PROMPTS[0]), len(PROMPTS[1])
+    assert forward(worker, io, 0, 0, PROMPTS[0]) == want0[0]
+    assert forward(worker, io, 1, 0, PROMPTS[1]) == want1[0]
+    window = [want0[0], want0[1], 1, 2]  # the first proposal right, the next two wrong
+    reply = worker.call(batch_frame(io, {0: (n0, window), 1: (n1, want1[:1])}, every_row={0}))
+    assert reply.positions == (n0 + 4, n1 + 1)
+    assert io.a("ids")[:2].tolist() == want0[1:3]  # the rows after the two right ones
+    # Keep anchor + 1 accepted: 0 goes on from n0 + 2, beside 1's next step.
+    feeds = {1: (n1 + 1, [int(io.a("ids")[4])]), 0: (n0 + 2, want0[2:3])}
+    reply = worker.call(batch_frame(io, feeds))
+    assert reply.positions == (n1 + 2, n0 + 3)
+    assert io.a("ids")[:2].tolist() == [want1[2], want0[3]]
+    with pytest.raises(RemoteError, match="cannot start at"):  # above it is still refused
+        worker.call(batch_frame(io, {0: (n0 + 5, [1])}))
+
+
+@pytest.mark.parametrize("weights", ["int4", "int8"])
+def test_a_long_prompt_chunk_beside_decodes_leaves_each_as_alone(
+    tmp_path, owner, io, tiny, weights: str
+) -> None:
+    """A prompt chunk longer than the packed kernels' 64 rows runs on its own path (dense),
+    the decode rows beside it on theirs: every span's logits equal its sequence's alone, bit
+    for bit (the rows of one matrix call would have taken the dense path together)."""
+    w = start_worker(tmp_path, owner, tiny, (0, 4), weights=weights)
+    try:
+        prompts = {seq: PROMPTS[seq] for seq in (0, 1)}
+        for seq, prompt in prompts.items():
+            w.call(batch_frame(io, {seq: (0, prompt)}))
+        long = [(7 * i + 3) % 60 + 1 for i in range(100)]
+        feeds = {0: (len(prompts[0]), [4]), 5: (0, long), 1: (len(prompts[1]), [9])}
+        w.call(batch_frame(io, feeds, "logits"))
+        together = io.a("logits")[:3].copy()
+        alone_rows = []
+        for seq, (start, ids) in feeds.items():  # each again, alone, from where it was
+            if start:
+                w.call(F.Truncate(position=start, sequence=seq))
+            else:
+                w.call(F.Reset(sequence=seq, release=True))
+            w.call(batch_frame(io, {seq: (start, ids)}, "logits"))
+            alone_rows.append(io.a("logits")[0].copy())
+        for j, row in enumerate(alone_rows):
+            assert (together[j] == row).all(), f"span {j}"
+    finally:
+        w.stop()
+
+
 def test_released_sequences_start_over(worker, io) -> None:
     worker.call(F.Reset(sequence=3, release=True))
     first = forward(worker, io, 3, 0, PROMPTS[1])
     worker.call(F.Reset(sequence=3, release=True))
-    with pytest.raises(RemoteError, match="KV holds 0 positions"):
+    with pytest.raises(RemoteError, match="holds 0 positions; a span cannot start"):
         forward(worker, io, 3, len(PROMPTS[1]), [first])
     assert forward(worker, io, 3, 0, PROMPTS[1]) == first
 

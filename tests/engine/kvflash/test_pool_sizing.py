@@ -14,7 +14,7 @@ from luced.engine.kvflash.transport import (
     resolve_pool,
 )
 from luced.gguf_file import GGUFFile
-from luced.ipc.frames import Forward, FrameError, Load
+from luced.ipc.frames import FrameError, Load, Span
 from luced.ipc.regions import Region
 from luced.runtime.model import Model
 
@@ -67,23 +67,18 @@ def region(shape: tuple[int, ...], dtype: str) -> Region:
 
 
 def test_forward_plan_fields_are_checked() -> None:
-    base = dict(
-        n_tokens=4,
-        start_pos=0,
-        want="hidden",
-        outputs={"hidden": region((4, 8), "float32")},
-        tokens=region((4,), "int32"),
-    )
-    Forward(**base, kv_slots=region((4,), "int64"), kv_map=region((512,), "int64"))
+    def span(**plan: Region) -> Span:
+        return Span(sequence=0, start=0, n=4, kv_plan=plan)
+
+    span(kv_slots=region((4,), "int64"), kv_map=region((512,), "int64"))
     with pytest.raises(FrameError, match="together"):
-        Forward(**base, kv_slots=region((4,), "int64"))
+        span(kv_slots=region((4,), "int64"))
     with pytest.raises(FrameError, match="kv_slots must be int64"):
-        Forward(**base, kv_slots=region((3,), "int64"), kv_map=region((512,), "int64"))
+        span(kv_slots=region((3,), "int64"), kv_map=region((512,), "int64"))
     with pytest.raises(FrameError, match="kv_map"):
-        Forward(**base, kv_slots=region((4,), "int64"), kv_map=region((500,), "int64"))
+        span(kv_slots=region((4,), "int64"), kv_map=region((500,), "int64"))
     with pytest.raises(FrameError, match="kv_moves needs"):
-        Forward(
-            **base,
+        span(
             kv_slots=region((4,), "int64"),
             kv_map=region((512,), "int64"),
             kv_moves=region((1, 4), "int64"),

@@ -14,7 +14,13 @@ import make_tiny_gguf as mtg
 import numpy as np
 import pytest
 import torch
-from worker_harness import TAG, Regions, WorkerProc, no_segments_left  # noqa: F401 - module fixture
+from worker_harness import (  # noqa: F401 - no_segments_left is a module fixture
+    TAG,
+    Regions,
+    WorkerProc,
+    forward_frame,
+    no_segments_left,
+)
 
 from luced.ipc import frames as F
 from luced.ipc.channel import RemoteError
@@ -99,11 +105,11 @@ def target_worker(
         for chunk in [PROMPT[:6], PROMPT[6:], *([t] for t in MORE)]:
             io.a("tokens")[: len(chunk)] = chunk
             w.call(
-                F.Forward(
-                    n_tokens=len(chunk),
-                    start_pos=pos,
-                    want="logits",
-                    outputs={"logits": io.r["logits"]},
+                forward_frame(
+                    len(chunk),
+                    pos,
+                    "logits",
+                    {"logits": io.r["logits"]},
                     tokens=io.r["tokens"],
                     capture=(1, 3),  # the tiny draft's capture layers (checked below)
                     ring=io.r["ring"],

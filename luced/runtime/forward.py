@@ -1,0 +1,328 @@
+"""The worker's `forward` verb: one pass of one sequence's tokens or several sequences'.
+
+A frame's spans are sequences' rows one after another (`frames.Span`): a prompt chunk, a
+decode token, a verify window. Linear layers multiply the rows of many spans as one matrix,
+reading the weights once for all of them, which is what decode is bound by; attention and
+the recurrent layers run per sequence over its own caches (`runtime.ragged`). Each sequence
+keeps its caches, token history and sampler in the worker (`state.SequenceState`).
+
+Dispatch: a span's rows must come out as they would alone (batched == alone). A packed
+kernel gives a row the same result whatever rows come with it, but a call over more than
+`GEMV_MAX_ROWS` rows takes the dense path, whose rounding depends on the call. So the spans
+of at most `GEMV_MAX_ROWS` tokens run as one group whose linears all stay on the packed
+kernels (`qlinear.row_exact`), and a longer span (a prompt chunk) runs as a group of its
+own, exactly as it would alone. A frame of one span is one group: the sequence's own pass.
+
+All or nothing: everything is read and checked before the first KV write, and a failure
+after it leaves every sequence at its span's start.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import time
+from collections.abc import Sequence
+
+import torch
+
+from luced.ipc import frames as F
+from luced.runtime import kv_flash_step, qlinear, token_mask
+from luced.runtime.dflash.verify import verify_sampled
+from luced.runtime.kv_cache import ContextOverflow
+from luced.runtime.ragged import Ragged
+from luced.runtime.ragged import Span as RaggedSpan
+from luced.runtime.sampler import Sampler, histories, token_logprobs, write_rows
+from luced.runtime.state import Loaded, SequenceState, WorkerError, WorkerState, kept_sampler
+
+
+@torch.inference_mode()
+def forward(worker: WorkerState, req: F.Forward) -> F.ForwardReply:
+    m = worker.model("forward")
+    t0 = time.perf_counter()
+    spans = req.spans
+    states = [m.sequence(s.sequence) for s in spans]
+    _check_spans(m, spans, states)
+    n_tokens = req.n_tokens
+    ids, hidden_in = worker.fed_inputs(req.tokens, req.hidden_in, n_tokens, m)
+    outputs = _outputs(worker, req, m)
+    rings = _rings(worker, req, m)
+    samplers = _samplers(req, states, ids is not None)
+    q = _draft_probs(worker, req, m, samplers)
+    bias = None
+    if req.allowed is not None:
+        worker.check_width("allowed", req.allowed, (m.reply.vocab + 31) // 32)
+        bias = token_mask.bias(worker.tensor(req.allowed)[: req.n_out], m.reply.vocab)
+    # Checked: from here on the sequences change. A span below its sequence's committed
+    # length rolls it back first (a verify window's rejected rows).
+    for state, span in zip(states, spans, strict=True):
+        if span.start < state.position:
+            state.truncate(span.start)
+    for state, span in zip(states, spans, strict=True):  # KV Flash: host-tier moves, slots
+        kv_flash_step.apply_plan(worker, m, state.caches, span.start, span.n, span.kv_plan)
+    first, last = m.shards[0].model, m.shards[-1].model
+    if hidden_in is None:
+        assert ids is not None
+        hidden = first.embed(ids.to(first.device, torch.int64))
+    else:
+        hidden = hidden_in.to(first.device)
+    fed = ids.tolist() if ids is not None else []  # copied before the daemon reuses it
+    bounds = [0, *itertools.accumulate(s.n for s in spans)]  # span j: [bounds[j], bounds[j+1])
+    own = [fed[a:b] for a, b in itertools.pairwise(bounds)] if fed else [[] for _ in spans]
+    recurrent = [
+        (cache.recurrent, span.keep_block_states)
+        for state, span in zip(states, spans, strict=True)
+        for cache in state.caches
+        if cache.recurrent is not None
+    ]
+    accepted = [-1] * len(spans)
+    try:
+        for rec, keep in recurrent:  # a verify window: a state per position, to cut inside
+            rec.track_positions = keep
+        hidden = _layers(m, hidden, spans, states, bounds, req.capture, rings, ids)
+        for state, span in zip(states, spans, strict=True):
+            if (scores := span.kv_plan.get("kv_scores")) is not None:
+                kv_flash_step.write_scores(state.caches, worker.tensor(scores))
+        if req.want == "hidden":
+            outputs["hidden"][:n_tokens].copy_(hidden)
+        elif req.n_out:  # else the spans only feed (prompt chunks before the last)
+            ends = zip(spans, bounds[1:], strict=False)
+            picked = [i for s, b in ends for i in range(b - s.n_out, b)]
+            # Several spans' rows through the head as each span's own would go.
+            exact = len(spans) > 1 and max(s.n_out for s in spans) <= qlinear.GEMV_MAX_ROWS
+            with qlinear.row_exact() if exact else contextlib.nullcontext():
+                logits = last.logits(hidden[torch.tensor(picked, device=hidden.device)])
+            if req.want == "logits":
+                outputs["logits"][: len(picked)].copy_(logits)
+            else:
+                heads = zip(spans, states, samplers, own, strict=True)
+                row = 0
+                for j, (span, state, sampler, mine) in enumerate(heads):
+                    part = slice(row, row + span.n_out)
+                    rows_bias = None if bias is None else bias[part].to(logits.device)
+                    if sampler is not None:
+                        seen = state.tokens + mine
+                        if span.verify:
+                            assert q is not None and ids is not None
+                            window = ids[bounds[j] : bounds[j + 1]]
+                            q_rows = q[span.q_row : span.q_row + span.n - 1]
+                            accepted[j] = _verify(
+                                logits[part], window, q_rows, outputs, row, sampler, seen, rows_bias
+                            )
+                        else:
+                            history = histories(sampler, seen, span.n_out)
+                            result = sampler.sample(logits[part], history, rows_bias)
+                            write_rows(outputs, result, row=row)
+                    row += span.n_out
+    except BaseException:
+        for state, span in zip(states, spans, strict=True):  # nothing of it stays in the KV
+            for cache in state.caches:
+                if cache.pos > span.start:
+                    cache.truncate(span.start)
+        raise
+    finally:
+        for rec, _ in recurrent:
+            rec.track_positions = False
+    for state, span, mine in zip(states, spans, own, strict=True):
+        if span.keep_state:  # a prefix-cache cut point: kv_export reads it later
+            for cache in state.caches:
+                if cache.recurrent is not None:
+                    cache.save_state()
+        del state.tokens[span.start :]
+        state.tokens.extend(mine)
+    elapsed = time.perf_counter() - t0
+    worker.forward_count += 1
+    worker.tokens_processed += n_tokens
+    worker.busy_s += elapsed
+    return F.ForwardReply(
+        positions=tuple(s.position for s in states),
+        elapsed_us=int(elapsed * 1e6),
+        accepted=tuple(accepted) if any(s.verify for s in spans) else (),
+    )
+
+
+def _check_spans(m: Loaded, spans: Sequence[F.Span], states: list[SequenceState]) -> None:
+    for state, span in zip(states, spans, strict=True):
+        if span.start > state.position:
+            raise WorkerError(
+                f"sequence {span.sequence} holds {state.position} positions; a span cannot "
+                f"start at {span.start}"
+            )
+        if span.start + span.n > m.reply.kv_capacity:
+            raise ContextOverflow(
+                f"context overflow: sequence {span.sequence}'s positions [{span.start}, "
+                f"{span.start + span.n}) exceed the KV capacity of {m.reply.kv_capacity} tokens"
+            )
+    if bool(m.reply.kv_pool) and any(not s.kv_plan for s in spans):
+        raise WorkerError("a KV Flash worker needs the pager's plan (kv_plan) for every span")
+
+
+def _outputs(worker: WorkerState, req: F.Forward, m: Loaded) -> dict[str, torch.Tensor]:
+    if req.want != "hidden" and not m.shards[-1].model.owns_head:
+        raise WorkerError(f'want="{req.want}" needs the LM head; this worker has no head')
+    if "logits" in req.outputs:
+        worker.check_width("outputs.logits", req.outputs["logits"], m.reply.vocab)
+    if "hidden" in req.outputs:
+        worker.check_width("outputs.hidden", req.outputs["hidden"], m.reply.hidden)
+    return {name: worker.tensor(r) for name, r in req.outputs.items()}
+
+
+def _rings(worker: WorkerState, req: F.Forward, m: Loaded) -> list[torch.Tensor | None]:
+    rings = []
+    for span in req.spans:
+        if span.ring is not None and span.ring.shape[2] != m.reply.hidden:
+            got = list(span.ring.shape)
+            raise WorkerError(f"ring rows must be {m.reply.hidden} wide, got {got}")
+        rings.append(worker.tensor(span.ring) if span.ring is not None else None)
+    return rings
+
+
+def _samplers(req: F.Forward, states: list[SequenceState], has_ids: bool) -> list[Sampler | None]:
+    """Each span's kept sampler (None where it samples nothing)."""
+    if req.want != "sample":
+        return [None] * len(states)
+    k = req.top_logprobs if {"logprobs", "topk_ids"} & req.outputs.keys() else None
+    out: list[Sampler | None] = []
+    for state, span in zip(states, req.spans, strict=True):
+        if not span.n_out:
+            out.append(None)
+            continue
+        sampler = kept_sampler(state, span.sampling, k)
+        if sampler.params.has_penalties and (not has_ids or len(state.tokens) < span.start):
+            raise WorkerError("penalties need the token history; this shard was fed hidden_in")
+        if span.verify and sampler.params.greedy:
+            raise WorkerError("a verify span needs temperature > 0 (greedy windows: n_out = n)")
+        out.append(sampler)
+    return out
+
+
+def _draft_probs(
+    worker: WorkerState, req: F.Forward, m: Loaded, samplers: list[Sampler | None]
+) -> torch.Tensor | None:
+    """The verify spans' q rows [rows, vocab], checked before any compute."""
+    if req.draft_probs is None:
+        return None
+    if req.tokens is None:
+        raise WorkerError("a verify span needs the window's token ids (tokens)")
+    worker.check_width("draft_probs", req.draft_probs, m.reply.vocab)
+    return worker.tensor(req.draft_probs)
+
+
+def _groups(spans: Sequence[F.Span], invariant: bool) -> list[list[int]]:
+    """Spans that run through the layers together (see the module docstring)."""
+    if len(spans) == 1 or invariant:
+        return [list(range(len(spans)))]
+    small = [j for j, s in enumerate(spans) if s.n <= qlinear.GEMV_MAX_ROWS]
+    large = [[j] for j, s in enumerate(spans) if s.n > qlinear.GEMV_MAX_ROWS]
+    return ([small] if small else []) + large
+
+
+def _layers(
+    m: Loaded,
+    hidden: torch.Tensor,
+    spans: Sequence[F.Span],
+    states: list[SequenceState],
+    bounds: list[int],
+    capture: tuple[int, ...],
+    rings: list[torch.Tensor | None],
+    ids: torch.Tensor | None,
+) -> torch.Tensor:
+    """Every shard's layers over every span, group by group; captured layer outputs go to
+    each span's ring slots. -> the last layer's rows, in the frame's order."""
+    groups = _groups(spans, m.shards[0].model.batch_invariant)
+    if len(groups) == 1:
+        return _group_layers(m, hidden, spans, states, groups[0], capture, rings, ids, bounds)
+    out = torch.empty_like(hidden)
+    for group in groups:
+        rows = torch.cat([torch.arange(bounds[j], bounds[j + 1]) for j in group])
+        part = _group_layers(
+            m,
+            hidden[rows.to(hidden.device)],
+            spans,
+            states,
+            group,
+            capture,
+            rings,
+            None if ids is None else ids[rows],
+            bounds,
+        )
+        out = out.to(part.device)
+        out[rows.to(part.device)] = part
+    return out
+
+
+def _group_layers(
+    m: Loaded,
+    hidden: torch.Tensor,
+    spans: Sequence[F.Span],
+    states: list[SequenceState],
+    group: list[int],
+    capture: tuple[int, ...],
+    rings: list[torch.Tensor | None],
+    ids: torch.Tensor | None,
+    bounds: list[int],
+) -> torch.Tensor:
+    """One group's rows (the spans of `group`, in order) through every shard."""
+    exact = qlinear.row_exact() if len(group) > 1 else contextlib.nullcontext()
+    with exact:
+        for i, shard in enumerate(m.shards):
+            if len(group) == 1:
+                (j,) = group
+                start: int | Ragged = spans[j].start
+                cache = states[j].caches[i]
+            else:
+                start = cache = Ragged(
+                    [RaggedSpan(states[j].caches[i], spans[j].start, spans[j].n) for j in group]
+                )
+            hidden, caps = shard.model.forward_layers(
+                hidden.to(shard.model.device), cache, start, capture, ids=ids
+            )
+            _write_captures(caps, capture, [spans[j] for j in group], [rings[j] for j in group])
+    return hidden
+
+
+def _write_captures(
+    caps: dict[int, torch.Tensor],
+    capture: tuple[int, ...],
+    spans: list[F.Span],
+    rings: list[torch.Tensor | None],
+) -> None:
+    """Each span's captured layer outputs into its own ring, slot = position % ring_cap
+    (this worker writes only the layers it holds)."""
+    for j, layer in enumerate(capture):
+        if layer not in caps:
+            continue
+        rows = caps[layer].to("cpu")
+        at = 0
+        for span, ring in zip(spans, rings, strict=True):
+            if ring is not None:
+                slots = torch.arange(span.start, span.start + span.n) % ring.shape[0]
+                ring[slots, j] = rows[at : at + span.n].to(ring.dtype)
+            at += span.n
+
+
+def _verify(
+    logits: torch.Tensor,  # [n, vocab] float32: every position of the window
+    window: torch.Tensor,  # [n] the fed ids: anchor, proposals
+    q: torch.Tensor,  # [n - 1, vocab] the draft's distributions
+    out: dict[str, torch.Tensor],
+    row: int,
+    sampler: Sampler,
+    seen: list[int],
+    bias: torch.Tensor | None,
+) -> int:
+    """A verify span: rejection sampling of the window's proposals against q; the step's
+    tokens (and their logprobs) to `out` from `row`; returns the proposals accepted."""
+    n = logits.shape[0]
+    history = histories(sampler, seen, n)
+    p = sampler.probs(logits, history, bias)
+    result = verify_sampled(window, p, q.to(p.device), sampler.generator(p.device), budget=n)
+    k = len(result.tokens)  # rows 0..k-1: token j follows window[0..j]
+    tokens = torch.tensor(result.tokens, device=logits.device)
+    if sampler.params.logprobs is None:
+        out["ids"][row : row + k].copy_(tokens)
+    else:
+        rows = history[:k] if history is not None else None
+        mask = None if bias is None else bias[:k]
+        write_rows(out, token_logprobs(logits[:k], sampler.params, tokens, rows, mask), row=row)
+    return result.num_accepted

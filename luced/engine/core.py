@@ -36,11 +36,11 @@ import numpy as np
 from luced.acceptance import clip, verify_greedy
 from luced.cache.prefix_cache import Hit, PrefixCache
 from luced.engine.batcher import StepBatcher
-from luced.engine.block_size import BlockSizer, StepCosts
+from luced.engine.spec.sizer import BlockSizer, StepCosts
 from luced.engine.constraint import Constraint
 from luced.engine.executor import WorkerDied, WorkerReplyError, kernels_summary
 from luced.engine.kv_budget import KVBudget
-from luced.engine.lookup import PromptLookup
+from luced.engine.spec.ngram import PromptLookup
 from luced.engine.output import Delta, OutputBuilder
 from luced.engine.target import BatchStep, Sampled, Target
 from luced.sampling_params import SamplingParams

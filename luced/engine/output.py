@@ -10,10 +10,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from luced.engine.target import Sampled
 from luced.text.detokenize import IncrementalDetokenizer
 from luced.text.stops import StopMatcher
 from luced.text.tokenizer import Tokenizer
+
+
+@dataclass(frozen=True)
+class Sampled:
+    """A token the workers sampled, with its logprob and the top alternatives when asked."""
+
+    token: int
+    logprob: float | None = None
+    top: tuple[tuple[int, float], ...] = ()  # (id, logprob), most likely first
 
 
 @dataclass

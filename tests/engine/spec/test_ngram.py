@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from luced.engine.lookup import PromptLookup
+from luced.engine.spec.ngram import PromptLookup
 
 
 def brute_force(seq: list[int], k: int, max_n: int, min_n: int) -> list[int]:

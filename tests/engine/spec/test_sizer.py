@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from luced.engine.block_size import BlockSizer, StepCosts, expected_tokens
+from luced.engine.spec.sizer import BlockSizer, StepCosts, expected_tokens
 
 
 def costs(table: dict[int, float]) -> StepCosts:

@@ -106,7 +106,13 @@ async def engine_for(
             kv_dtype=kv_dtype,
             kv_block=kv_block,
         )
-        target = target_cls(owner, placement, kv_flash=kv_flash)
+        target = target_cls(
+            owner,
+            placement,
+            kv_flash=kv_flash,
+            step_tokens=64 + max_running * block_size,
+            sequences=max_running,
+        )
         tokenizer = Tokenizer.from_gguf(gguf)
         engine = Engine(
             target,

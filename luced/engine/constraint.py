@@ -75,17 +75,18 @@ class Constraint:
         bit = np.uint32(1 << (token & 31))
         word[0] = (word[0] | bit) if on else (word[0] & ~bit)
 
-    def walk(self, block: list[int]) -> int:
-        """Fill the masks of a verify block's rows; how many of its positions to feed (the
-        anchor and the proposals the grammar allows, up to the first it does not). The
-        proposals kept are consumed: `rollback(kept - 1)` after the verify."""
-        self.fill(0)
+    def walk(self, block: list[int], first_row: int = 0) -> int:
+        """Fill the masks of a draft window's rows (from `first_row`); how many of its
+        positions to feed (the anchor and the proposals the grammar allows, up to the first
+        it does not). The proposals kept are consumed: `rollback(kept - 1)` after the
+        verify."""
+        self.fill(first_row)
         kept = 1
         for token in block[1:]:
-            if token in self._stops or not self.allows(kept - 1, token):
+            if token in self._stops or not self.allows(first_row + kept - 1, token):
                 break
             self.matcher.consume_token(token)
-            self.fill(kept)
+            self.fill(first_row + kept)
             kept += 1
         return kept
 

@@ -31,8 +31,8 @@ from dataclasses import dataclass, field
 
 from luced.acceptance import clip, verify_greedy
 from luced.engine.kv_budget import KVBudget
-from luced.engine.request import Sequence, Status
 from luced.engine.output import Sampled
+from luced.engine.request import Sequence, Status
 
 log = logging.getLogger(__name__)
 
@@ -108,7 +108,7 @@ class Scheduler:
         # Window sizes and where they may feed, set by the engine: the draft window a
         # decoding sequence asks for this step (1: a plain step), and how many positions
         # past its committed ones its KV may take (KV Flash: no eviction past one chunk).
-        self.window: Callable[[Sequence], int] = lambda seq: 1
+        self.window: Callable[[Sequence], tuple[int, str]] = lambda seq: (1, "")
         self.room: Callable[[Sequence, int], int] = lambda seq, want: want
         # Whether a recurrent model's verify keeps a state per position (rollback "select")
         # or rewinds to the window's start and feeds the kept tokens again ("replay").
@@ -165,11 +165,11 @@ class Scheduler:
         for seq in sorted(self.running, key=lambda s: s.ticket):  # oldest first
             if seq.status is not Status.RUNNING or seq.prefilling:
                 continue
-            want = min(max(1, self.window(seq)), seq.budget, budget)
-            want = max(1, self.room(seq, want))
+            want, kind = self.window(seq)
+            want = max(1, self.room(seq, min(want, seq.budget, budget)))
             if not self._grow(seq, seq.computed + want, batch):
                 continue
-            work = Work(seq, seq.computed, [seq.tokens[-1]], 1, window=want)
+            work = Work(seq, seq.computed, [seq.tokens[-1]], 1, window=want, draft_kind=kind)
             batch.works.append(work)
             budget -= want
         for seq in sorted(self.running, key=lambda s: s.ticket):
@@ -359,5 +359,3 @@ class Scheduler:
         seq.status = Status.FINISHED
         self.observe("queue", len(self.waiting))
         return True
-
-

@@ -28,7 +28,7 @@ The ops (request fields -> reply fields):
     load_draft path, dtype, device, target  -> capture_layers, block_size, mask_token_id,
                                                hidden, load_s
     draft     ring, committed, anchor, outputs, block_size, mask_token_id, ctx_window,
-              sampling                      -> n, ctx, elapsed_us
+              sampling, sequence            -> n, ctx, elapsed_us
     kv_layout                               -> tensors, dtype, states
     kv_export position, regions, cuts       -> position, elapsed_us
     kv_import position, regions, tokens     -> position, elapsed_us
@@ -70,7 +70,8 @@ n_out and ``n_rows_out`` (greedy verify blocks batched); ``load`` ``kv_dtype``;
 a second that it is still at work, so the daemon bounds its silence, not its time.
 16: one ``forward`` verb for one sequence or several (``spans``, ``Span``), replacing
 ``forward_batch``; a span may start below its sequence's committed length (a roll back);
-want="topk" and ``positions`` removed (``Span.n_out``), verify is a span's flag.
+want="topk" and ``positions`` removed (``Span.n_out``), verify is a span's flag;
+``draft`` ``sequence`` (a kept draft sampler per sequence).
 
 Expert compute (``luced.runtime.expert_link``): an expert worker answers ``load_experts``
 from the daemon, and ``expert_mix`` from target workers over direct worker-to-worker
@@ -722,6 +723,7 @@ class DraftBlock(Request):
     mask_token_id: int | None = None
     ctx_window: int = 4096
     sampling: dict[str, int | float | None] = field(default_factory=dict)
+    sequence: int = 0  # whose window: a sampled draft keeps a generator per sequence
 
     @property
     def sampled(self) -> bool:

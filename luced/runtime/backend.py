@@ -247,7 +247,7 @@ class Backend(WorkerState):
 
     def reset(self, req: F.Reset) -> F.ResetReply:
         if self.draft is not None:  # a kept draft sampler belongs to the sequence it drew for
-            self.draft.sampler = self.draft.sampling = None
+            self.draft.samplers.pop(req.sequence, None)
         if self.loaded is None:
             if self.draft is not None:
                 return F.ResetReply()  # a draft-only worker has nothing else to reset

@@ -134,7 +134,9 @@ def import_(worker: WorkerState, req: F.KVImport) -> F.KVImportReply:
         state.truncate(0)  # all shards empty, no history: never half a prefix
         raise
     finally:
-        state.drop_sampler()  # like reset: it belongs to the old sequence
+        state.drop_sampler()  # like reset: they belong to the old sequence
+        if worker.draft is not None:
+            worker.draft.samplers.pop(req.sequence, None)
     state.tokens[:] = history
     elapsed = time.perf_counter() - t0
     worker.busy_s += elapsed

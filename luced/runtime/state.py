@@ -108,7 +108,7 @@ class SequenceState:
 
 
 def kept_sampler(
-    holder: SequenceState | DraftState,
+    holder: SequenceState,
     sampling: dict[str, int | float | None],
     logprobs: int | None,
 ) -> Sampler:
@@ -199,8 +199,9 @@ class DraftState:
     embedder: Model  # holds the target's token embedding
     head: Model  # holds the target's LM head
     reply: F.LoadDraftReply
-    sampler: Sampler | None = None  # kept across calls while the sampling map is unchanged
-    sampling: dict[str, int | float | None] | None = None
+    # Each sequence's kept sampler and the map it was built from (a sampled window draws
+    # on one generator across the sequence's steps).
+    samplers: dict[int, tuple[Sampler, dict]] = field(default_factory=dict)
 
     @property
     def vocab(self) -> int:

@@ -142,6 +142,7 @@ class SchedulerOptions(Options):
     max_running: int
     max_queued_tokens: int
     max_batch_tokens: int
+    max_step_tokens: int  # 0: a chunk beside every running request's window
     default_max_tokens: int | None  # None: up to the context length
 
 

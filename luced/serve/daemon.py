@@ -159,7 +159,18 @@ class Daemon:
             raise StartupError(str(exc)) from exc
         metrics = Metrics(model.served_model_name())  # vLLM's model_name label
         deadlines = Deadlines(call=cfg.daemon.worker_timeout, start=cfg.daemon.worker_start_timeout)
-        self.target = Target(self.owner, placement, kv_flash=kv_flash, deadlines=deadlines)
+        sched = cfg.scheduler
+        step = sched.max_step_tokens or (
+            sched.max_batch_tokens + running * cfg.speculation.block_size
+        )
+        self.target = Target(
+            self.owner,
+            placement,
+            kv_flash=kv_flash,
+            deadlines=deadlines,
+            sequences=running,
+            step_tokens=max(step, sched.max_batch_tokens + running),
+        )
         self.engine = engine = Engine(
             self.target,
             tokenizer,

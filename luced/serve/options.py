@@ -444,7 +444,14 @@ OPTIONS: tuple[Option, ...] = (
     ),
     Option(
         "max_batch_tokens", "scheduler", "int", 512,
-        "Prefill chunk: prompt tokens fed to the model per step.", minimum=1,
+        "Prefill chunk: a prompt is fed in chunks that end at multiples of this many "
+        "positions.", minimum=1,
+    ),
+    Option(
+        "max_step_tokens", "scheduler", "int", 0,
+        "Tokens one engine step feeds: every running request's decode token or draft "
+        "window, and prompt chunks. 0: --max-batch-tokens + --max-running x --block-size.",
+        minimum=0, default_doc="0 (a chunk beside every running request's window)",
     ),
     Option(
         "default_max_tokens", "scheduler", "int", None,

@@ -74,8 +74,7 @@ async def test_requests_served_together_equal_each_served_alone(tiny: Path, devi
         alone = [await collect(engine, request(i)) for i in range(len(PROMPTS))]
     async with engine_for(tiny, devices, context=256, max_running=4) as engine:
         together = await asyncio.gather(*(collect(engine, request(i)) for i in range(4)))
-        batcher = engine.batcher
-        assert batcher is not None and batcher.steps > batcher.batches > 0  # really batched
+        assert engine.stepped_sequences > engine.steps > 0  # really batched
     for i, (got, want) in enumerate(zip(together, alone, strict=True)):
         # Tokens exactly; logprobs to float32 rounding (a dense matmul over a batch's rows
         # rounds apart from one over a single row; --batch-invariant makes them equal).
@@ -111,7 +110,7 @@ async def test_a_cancelled_request_leaves_the_batch(tiny: Path) -> None:
             doomed.cancel()  # after its first token, mid-batch
         assert doomed.finish_reason == "abort"
         assert await kept == want
-        assert engine.batcher is not None and not engine.batcher.decoding
+        assert not engine.running
 
 
 async def test_a_long_prompt_does_not_stall_the_running_streams(tmp_path: Path) -> None:
@@ -277,7 +276,7 @@ async def test_float32_greedy_batch_of_eight_mixed_lengths_equals_each_alone() -
         alone = [await run(engine, r) for r in reqs(engine)]
     async with engine_for(path, context=1024, weights="dequant", max_running=8) as engine:
         together = await asyncio.gather(*(run(engine, r) for r in reqs(engine)))
-        assert engine.batcher is not None and engine.batcher.steps / engine.batcher.batches > 4
+        assert engine.stepped_sequences / engine.steps > 4
     whole = 0
     for i, (got, want) in enumerate(zip(together, alone, strict=True)):
         assert got[0][:32] == want[0][:32], f"prompt {i}: the first 32 tokens differ"
@@ -333,8 +332,7 @@ async def test_lookup_verify_blocks_batch_with_plain_steps(tiny: Path) -> None:
         alone = [await collect(engine, r) for r in reqs]
     async with engine_for(tiny, context=256, max_running=3, lookup_drafts=True) as engine:
         together = await asyncio.gather(*(collect(engine, r) for r in reqs))
-        batcher = engine.batcher
-        assert batcher is not None and batcher.steps > batcher.batches  # lanes shared batches
+        assert engine.stepped_sequences > engine.steps  # lanes shared batches
         assert engine.totals["spec_accepted_tokens"] > 0  # verify blocks went through them
     for got, want in zip(together, alone, strict=True):
         assert got[0] == want[0]
@@ -380,8 +378,7 @@ async def test_dflash_requests_draft_and_verify_in_the_batch(
     ) as engine:
         handles = [engine.submit(r) for r in reqs]
         together = await asyncio.gather(*(drain(h) for h in handles))
-        batcher = engine.batcher
-        assert batcher is not None and batcher.steps > batcher.batches  # lanes shared batches
+        assert engine.stepped_sequences > engine.steps  # lanes shared batches
         target = engine.target
         layers = target.ring.layers if target.ring else ()
         rings = {h.request_id: target._rings[h.lane].array.copy() for h in handles}
@@ -419,8 +416,7 @@ async def test_prefix_cache_hits_restore_into_running_lanes(tiny: Path) -> None:
         await collect(engine, GenerationRequest("seed", first, greedy, 4, ignore_eos=True))
         handles = [engine.submit(r) for r in reqs]
         together = await asyncio.gather(*(drain(h) for h in handles))
-        batcher = engine.batcher
-        assert batcher is not None and batcher.steps > batcher.batches
+        assert engine.stepped_sequences > engine.steps
     assert [h.cached_tokens for h in handles] == [150, 100, 149]
     assert [t for t, _, _ in together] == [t for t, _, _ in fresh]
 
@@ -438,8 +434,7 @@ async def test_remote_experts_carry_the_whole_batch(tmp_path: Path) -> None:
     remote = {"moe_hot": 4, "moe_expert_device": "cpu:2"}
     async with engine_for(target, context=256, max_running=4, **remote) as engine:
         together = await asyncio.gather(*(collect(engine, r) for r in reqs))
-        batcher = engine.batcher
-        assert batcher is not None and batcher.steps > batcher.batches
+        assert engine.stepped_sequences > engine.steps
         totals = engine.target.moe_status()
     assert totals is not None and totals["remote_calls"] > 0 and totals["fallbacks"] == 0
     assert [t for t, _, _ in together] == [t for t, _, _ in local]

@@ -133,7 +133,6 @@ async def test_grammar_steps_batched_with_plain_ones_equal_each_alone(tiny, plai
             run(engine, grammar, temperature=1.0, seed=5),
             free_tokens(engine),
         )
-        batcher = engine.batcher
-        assert batcher is not None and batcher.steps > batcher.batches + MAX_TOKENS // 4
+        assert engine.stepped_sequences > engine.steps + MAX_TOKENS // 4
     assert got[0][0] == plain and got[1] == seeded and got[2] == alone
     assert_valid(got[1][1], got[1][2])

@@ -170,13 +170,14 @@ def _params(req: F.DraftBlock) -> SamplingParams | None:
 
 
 def _sampler(state: DraftState, req: F.DraftBlock, params: SamplingParams) -> Sampler:
-    """The kept sampler (one generator across a request's steps), new when the map changes."""
-    if state.sampler is None or state.sampling != req.sampling:
+    """The sequence's kept sampler (one generator across its steps), new when the map
+    changes."""
+    kept = state.samplers.get(req.sequence)
+    if kept is None or kept[1] != req.sampling:
         if params.seed is not None:
             # The target's verify draws its uniforms from a generator with the request's
             # seed; the draft's must be a different stream, or the acceptance test would
             # reuse the very uniforms that picked the proposals (correlated, not exact).
             params = dataclasses.replace(params, seed=draft_seed(params.seed))
-        state.sampler = Sampler(params)
-        state.sampling = dict(req.sampling)
-    return state.sampler
+        kept = state.samplers[req.sequence] = (Sampler(params), dict(req.sampling))
+    return kept[0]

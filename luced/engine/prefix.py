@@ -1,0 +1,180 @@
+"""Where a new sequence's prompt is computed already, and where its own is kept for later.
+
+At admission a sequence starts on the longest prefix of its prompt that is held
+elsewhere: a running sequence's prompt blocks, shared in the workers' block pool without
+computing or copying them (`Target.share`), or a prefix-cache snapshot, restored into its
+slot (a copy; the snapshot arena, maybe read from disk first). Sharing wins a tie: it
+copies nothing. A sequence arriving while another one is still prefilling a prefix of its
+prompt, WAIT_TO_SHARE positions or more past anything held now, waits for that prefill to
+pass and shares it (`hold`): requests sent together with one system prompt compute it once.
+
+When a prompt is in the KV its snapshot is saved (`save`), restorable at its chat-turn
+boundaries too. A recurrent model's state exists only where a chunk ended, so its chunks
+end at the latest MAX_STATE_CUTS turn starts and the workers keep the state there (the
+prefix cache's exact-cut mode).
+
+A resumed (preempted) sequence reuses nothing: an import would start its sampler over.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable
+
+import numpy as np
+
+from luced.cache.prefix_cache import PrefixCache
+from luced.engine.executor import WorkerReplyError
+from luced.engine.kv_budget import KVBudget
+from luced.engine.request import Sequence
+from luced.engine.target import Target
+from luced.text.turns import TurnMarker
+
+log = logging.getLogger(__name__)
+
+# Chat-turn boundaries whose recurrent state a hybrid's snapshot keeps besides its end (the
+# latest ones: a conversation that branches does so near its end). Each costs one state.
+MAX_STATE_CUTS = 4
+
+# Prompt positions worth waiting for another request's prefill to share: fewer cost about
+# as much to compute as to wait for.
+WAIT_TO_SHARE = 64
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """The length of the longest common prefix of two token lists (compared in numpy:
+    waiting requests compare whole prompts every step)."""
+    n = min(len(a), len(b))
+    differ = np.flatnonzero(np.asarray(a[:n]) != np.asarray(b[:n]))
+    return int(differ[0]) if differ.size else n
+
+
+class PrefixReuse:
+    def __init__(
+        self,
+        target: Target,
+        cache: PrefixCache | None,
+        turns: TurnMarker | None,
+        kv: KVBudget,
+        observe: Callable[[str, float], None],
+    ) -> None:
+        self.target = target
+        self.cache = cache
+        self.turns = turns
+        self.kv = kv
+        self.observe = observe
+        self.shared_tokens = 0  # prompt positions shared from running sequences
+
+    def _source(self, seq: Sequence, running: Iterable[Sequence]) -> tuple[Sequence | None, int]:
+        """The running sequence whose KV holds the longest prefix of `seq`'s prompt (all but
+        its last token, which is fed to sample from), at most its own prompt: shared
+        blocks are computed as a fresh prefill computes them."""
+        best: tuple[Sequence | None, int] = (None, 0)
+        if not self.target.shares_prefixes:
+            return best
+        for other in running:
+            if other is seq or other.slot < 0:
+                continue
+            n = min(common_prefix(seq.prompt[:-1], other.prompt), other.computed)
+            if n > best[1]:
+                best = (other, n)
+        return best
+
+    def hold(self, seq: Sequence, running: list[Sequence]) -> bool:
+        """Whether `seq` should wait for a running prefill of its prompt's beginning."""
+        if seq.generated or not self.target.shares_prefixes:
+            return False
+        _, held = self._source(seq, running)
+        coming = max(
+            (
+                common_prefix(seq.prompt[:-1], other.prompt)
+                for other in running
+                if other.prefilling and not other.generated
+            ),
+            default=0,
+        )
+        return coming - held >= WAIT_TO_SHARE
+
+    async def reuse(self, seq: Sequence, running: list[Sequence]) -> int:
+        """Start `seq` (just admitted, its slot empty) on the longest prefix held elsewhere;
+        -> the positions that need no computing (its `computed`)."""
+        if seq.generated:
+            return 0  # a resumed sequence recomputes (its sampler lives on in the slot)
+        prompt = seq.prompt
+        hit = None
+        if self.cache is not None:
+            self.observe("prefix_queries", len(prompt))
+            hit = self.cache.lookup(prompt)
+        source, common = self._source(seq, running)
+        reused = 0
+        if source is not None and common >= (hit.n if hit is not None else 0):
+            reused = await self._share(seq, source, common)
+        if not reused and hit is not None:
+            reused = await self._restore(seq, hit)
+        seq.computed = reused
+        seq.handle.cached_tokens = reused
+        seq.cuts = self._cut_points(prompt, reused)
+        return reused
+
+    async def _share(self, seq: Sequence, source: Sequence, n: int) -> int:
+        try:
+            shared = await self.target.share(seq.slot, source.slot, n)
+        except WorkerReplyError as exc:  # the slot is reset: restore or compute instead
+            log.warning("sharing %d prompt tokens of slot %d failed: %s", n, source.slot, exc)
+            return 0
+        seq.ring_floor = self.target.share_ring(
+            seq.slot, source.slot, shared, source.ring_floor, source.computed
+        )
+        self.shared_tokens += shared
+        self.observe("prefix_shared", shared)
+        self.kv.share(seq.slot, source.slot, shared)  # charged once, to the source
+        return shared
+
+    async def _restore(self, seq: Sequence, hit) -> int:
+        assert self.cache is not None
+
+        def floor(n: int) -> None:
+            seq.ring_floor = n
+
+        mover = self.target.mover(seq.slot, 0, floor)
+        try:
+            restored = await self.cache.restore(hit, mover)
+        except WorkerReplyError as exc:  # a refused import changes nothing: prefill it all
+            log.warning("prefix cache: restoring %s failed (%s); prefilling", hit.entry_id, exc)
+            await self.target.reset(seq.slot)
+            return 0
+        self.observe("prefix_hits", restored)
+        return restored
+
+    def _cut_points(self, prompt: list[int], cached: int) -> tuple[int, ...]:
+        """Where the prompt's snapshot may be restored besides its end: the chat-turn
+        boundaries. A recurrent model's state exists only where its prefill stopped, so for
+        it these are the restored position and the latest MAX_STATE_CUTS boundaries past
+        it (the prefill stops and keeps the state at each: exact-cut mode)."""
+        if self.cache is None:
+            return ()
+        cuts = self.turns.cuts(prompt) if self.turns is not None else []
+        if not self.target.recurrent:
+            return tuple(cuts)
+        later = [c for c in cuts if cached < c < len(prompt)][-MAX_STATE_CUTS:]
+        return (cached, *later) if cached else tuple(later)
+
+    async def save(self, seq: Sequence) -> None:
+        """Snapshot the prompt's KV (the slot holds exactly the prompt, or more for an
+        attention-only model), restorable at its cut points and its end. The disk copy is
+        written in the background."""
+        if self.cache is None:
+            return
+        prompt = seq.prompt
+        if not self.target.identity_layout(seq.slot):
+            log.debug(
+                "prefix cache: no snapshot of %d tokens: KV Flash paged chunks out "
+                "(snapshots need the identity layout; page-table serialization is not done)",
+                len(prompt),
+            )
+            return
+        mover = self.target.mover(seq.slot, seq.computed, lambda n: None)
+        try:
+            await self.cache.save(prompt, len(prompt), mover, seq.cuts)
+        except WorkerReplyError as exc:  # the request goes on; only the snapshot is lost
+            log.warning("prefix cache: snapshot of %d tokens failed: %s", len(prompt), exc)

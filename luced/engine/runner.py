@@ -1,0 +1,283 @@
+"""One engine step through the workers: a batch in, each work's rows out.
+
+`execute(batch)`:
+  1. the preempted sequences' KV is freed in the workers (their samplers kept)
+  2. draft windows are filled (``spec/proposer.py``)
+  3. inputs are written: every work's tokens one after another in ``io.tokens``, output rows
+     assigned in work order, a grammar's masks for its rows (walking a window's proposals,
+     which may cut the window), KV Flash plans per sequence
+  4. one ``forward`` frame per worker, in layer order: the spans of every work; a split
+     pipeline hands the hidden rows on through ``act.boundary-k``. All or nothing: a
+     failure, or a worker at the wrong positions after it, rolls every sequence back to
+     its span's start on the workers that advanced
+  5. each work's rows are read back
+
+A sequence's span may start below what its KV holds (the rejected rows of its last draft
+window): the worker rolls it back first, so a verify costs no extra round trip.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import time
+from collections.abc import Callable
+
+from luced.engine.executor import WorkerHandle, WorkerReplyError
+from luced.engine.kvflash.transport import KVFlash
+from luced.engine.output import Sampled
+from luced.engine.scheduler import Batch, Work, WorkOutput
+from luced.engine.spec.proposer import Proposer
+from luced.engine.target import MAX_TOP_LOGPROBS, Target
+from luced.ipc.frames import Forward, ForwardReply, Span, Truncate
+from luced.ipc.regions import Region
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Rows:
+    """Where a work's outputs go: rows [first, first + n) of the output regions."""
+
+    first: int
+    n: int
+
+
+class ModelRunner:
+    def __init__(self, target: Target) -> None:
+        self.target = target
+        self.proposer = Proposer(target)
+        # Wall time of the last forward and the workers' compute time in it (µs): their
+        # difference is the orchestration cost (frames, wakeups, waits).
+        self.last_wall_us = 0
+        self.last_compute_us = 0
+
+    async def execute(self, batch: Batch) -> list[WorkOutput | None]:
+        t = self.target
+        for seq in batch.preempted:
+            with contextlib.suppress(Exception):  # a dead worker forgot it anyway
+                await t.release(seq.slot, keep_sampler=bool(seq.generated))
+        if not batch.works:
+            return []
+        t.check_in_sync()
+        await self.proposer.fill(batch.works)
+        return await self.forward(batch.works)
+
+    async def forward(
+        self, works: list[Work], want: str = "sample", logits_out: Region | None = None
+    ) -> list[WorkOutput | None]:
+        """One forward of `works` (windows filled); `want` "logits" writes each output row's
+        logits to `logits_out` instead of sampling."""
+        t = self.target
+        rows, masks = self._rows(works)
+        self._write_tokens(works)
+        plans = self._plans(works)
+        k = max((w.seq.logprobs or 0 for w in works), default=0)
+        k = min(k, MAX_TOP_LOGPROBS)
+        asked = any(w.seq.logprobs is not None for w in works)
+        n_out = sum(r.n for r in rows)
+        outputs = self._outputs(n_out, k if asked else None) if want == "sample" else {}
+        if logits_out is not None:
+            outputs = {"logits": logits_out}
+        tokens = sum(len(w.tokens) for w in works)
+        sampled = [w.verifies and not w.seq.params.greedy for w in works]
+        q_rows = [
+            self.proposer.q_row(w.seq.slot) if s else 0 for w, s in zip(works, sampled, strict=True)
+        ]
+        capture = t.capture[0] if t.capture is not None else ()
+        keep_blocks = t.recurrent and t.rollback == "select"
+
+        def frame(i: int, last: bool) -> Forward:
+            spans = []
+            for j, w in enumerate(works):
+                ring = t.ring(w.seq.slot)
+                sampling = w.seq.sampling
+                if w.verifies and not sampled[j]:
+                    sampling = {**sampling, "temperature": 0.0}  # greedy window rows
+                spans.append(
+                    Span(
+                        sequence=w.seq.slot,
+                        start=w.start,
+                        n=len(w.tokens),
+                        n_out=rows[j].n,
+                        sampling=sampling if last and rows[j].n else {},
+                        verify=sampled[j] and last,
+                        q_row=q_rows[j],
+                        keep_state=w.keep_state,
+                        keep_block_states=keep_blocks and w.verifies,
+                        ring=ring.region if ring is not None else None,
+                        kv_plan=plans[j][i] if plans[j] else {},
+                    )
+                )
+            return Forward(
+                spans=tuple(spans),
+                want=want if last else "hidden",  # type: ignore[arg-type]
+                outputs=outputs if last else {"hidden": self._boundary(i, tokens)},
+                tokens=t.regions["tokens"].rows(0, tokens),
+                hidden_in=self._boundary(i - 1, tokens) if i else None,
+                top_logprobs=k if last and asked else 0,
+                capture=capture,
+                draft_probs=t.regions["draft_probs"] if last and any(sampled) else None,
+                allowed=masks if last else None,
+            )
+
+        t0 = time.perf_counter()
+        starts = {w.seq.slot: w.start for w in works}
+        ends = tuple(w.start + len(w.tokens) for w in works)
+        flashes = [t.flash(w.seq.slot) for w in works]
+        try:
+            replies = await self._pipeline(frame, starts, ends)
+        except BaseException:
+            if any(f is not None for f in flashes):
+                # Some workers may have run a plan's host-tier moves and others not: the
+                # pools may disagree, so every sequence must start over.
+                for flash, w in zip(flashes, works, strict=True):
+                    if flash is not None:
+                        flash.truncate(w.start)
+                t.executor.in_sync = False
+            raise
+        for flash in flashes:
+            if flash is not None:
+                flash.after_step()  # qk: reselect; the copies ride with the next plan
+        self.last_wall_us = int((time.perf_counter() - t0) * 1e6)
+        self.last_compute_us = sum(r.elapsed_us for r in replies)
+        if want != "sample":
+            return [WorkOutput([]) for _ in works]
+        accepted = replies[-1].accepted or (-1,) * len(works)
+        out: list[WorkOutput | None] = []
+        for w, r, a in zip(works, rows, accepted, strict=True):
+            n = a + 1 if a >= 0 else r.n
+            got = self._read_rows(r.first, n, outputs)
+            out.append(
+                WorkOutput([_trimmed(s, w.seq.logprobs) for s in got], a if a >= 0 else None)
+            )
+        return out
+
+    def _write_tokens(self, works: list[Work]) -> None:
+        """The fed ids into ``io.tokens``, one work after another."""
+        t = self.target
+        total = sum(len(w.tokens) for w in works)
+        if total > t.step_tokens:
+            raise ValueError(f"a step of {total} tokens exceeds the budget of {t.step_tokens}")
+        t.arrays["tokens"][:total] = [tok for w in works for tok in w.tokens]
+
+    def _rows(self, works: list[Work]) -> tuple[list[_Rows], Region | None]:
+        """Each work's output rows, in order, and a grammar's allowed-token mask per output
+        row (every token allowed where a work has no grammar; None when no work has one).
+        A window's rows are walked: its proposals past the first the grammar refuses are
+        cut (the target's masked row gives them probability 0), so it may shrink."""
+        t = self.target
+        masked = any(w.seq.constraint is not None for w in works)
+        masks = t.arrays["allowed"]
+        rows, at = [], 0
+        for w in works:
+            constraint = w.seq.constraint
+            if masked and constraint is None:
+                masks[at : at + w.n_out] = -1  # all 32 bits of every word
+            elif constraint is not None and w.verifies:
+                kept = constraint.walk(w.tokens, first_row=at)
+                w.tokens, w.n_out = w.tokens[:kept], kept
+                if kept == 1:
+                    w.window = 1  # a plain step now: the walk filled its row
+            elif constraint is not None and w.n_out:
+                constraint.fill(at)
+            rows.append(_Rows(at, w.n_out))
+            at += w.n_out
+        return rows, t.regions["allowed"].rows(0, at) if masked and at else None
+
+    def _plans(self, works: list[Work]) -> list[list[dict[str, Region]]]:
+        """Each work's KV Flash plan (one per worker), or [] without KV Flash; a plan that
+        cannot be made undoes the ones made before it."""
+        t, plans = self.target, []
+        made: list[tuple[KVFlash, int]] = []
+        try:
+            for w in works:
+                flash = t.flash(w.seq.slot)
+                if flash is None:
+                    plans.append([])
+                    continue
+                plans.append(flash.plan(w.start, len(w.tokens)))  # PoolExhausted: no change
+                made.append((flash, w.start))
+        except BaseException:
+            for flash, start in made:
+                flash.truncate(start)
+            raise
+        return plans
+
+    def _outputs(self, n: int, logprobs: int | None) -> dict[str, Region]:
+        """Output regions for n rows of ids, and logprobs + top k when asked."""
+        r = self.target.regions
+        outputs = {"ids": r["ids"].rows(0, n)}
+        k = min(logprobs or 0, MAX_TOP_LOGPROBS)
+        if logprobs is not None:
+            outputs["logprobs"] = r["logprobs"].rows(0, n)
+        if k:
+            outputs["topk_ids"] = self._topk_region("topk_ids", n, k)
+            outputs["topk_logprobs"] = self._topk_region("topk_logprobs", n, k)
+        return outputs
+
+    def _read_rows(self, first: int, n: int, outputs: dict[str, Region]) -> list[Sampled]:
+        """Rows [first, first + n) the last worker wrote into `outputs`."""
+        a = self.target.arrays
+        ids = a["ids"][first : first + n].tolist()
+        if "logprobs" not in outputs:
+            return [Sampled(tok) for tok in ids]
+        lps = a["logprobs"][first : first + n].tolist()
+        k = outputs["topk_ids"].shape[1] if "topk_ids" in outputs else 0
+        top_ids = a["topk_ids"][first * k : (first + n) * k].reshape(n, k).tolist()
+        top_lps = a["topk_logprobs"][first * k : (first + n) * k].reshape(n, k).tolist()
+        return [
+            Sampled(tok, lp, tuple(zip(ti, tl, strict=True)))
+            for tok, lp, ti, tl in zip(ids, lps, top_ids, top_lps, strict=True)
+        ]
+
+    async def _pipeline(
+        self,
+        frame_for: Callable[[int, bool], Forward],
+        starts: dict[int, int],
+        ends: tuple[int, ...],
+    ) -> list[ForwardReply]:
+        """One pass through every worker, frame_for(k, last) to the k-th; all or nothing: a
+        failure, or a worker not at `ends` after it (each sequence's position), rolls every
+        sequence back to its start in `starts` on the workers that advanced."""
+        t = self.target
+        workers = t.executor.workers()
+        advanced: list[WorkerHandle] = []
+        replies: list[ForwardReply] = []
+        try:
+            for k, worker in enumerate(workers):
+                reply = await worker.call(frame_for(k, k == len(workers) - 1))
+                assert isinstance(reply, ForwardReply)
+                advanced.append(worker)
+                replies.append(reply)
+                if t.experts is not None:
+                    t.experts.account(reply)
+                if reply.positions != ends:
+                    raise WorkerReplyError(
+                        f"worker {worker.spec.group} is at position(s) {list(reply.positions)}, "
+                        f"expected {list(ends)}: the shards disagree"
+                    )
+        except BaseException:
+            for worker in advanced:  # keep the shards agreeing: undo where it happened
+                for seq, start in starts.items():
+                    with contextlib.suppress(Exception):
+                        await worker.call(Truncate(position=start, sequence=seq))
+            raise
+        return replies
+
+    def _boundary(self, k: int, n: int) -> Region:
+        return self.target.regions[f"boundary-{k}"].rows(0, n)
+
+    def _topk_region(self, name: str, n: int, k: int) -> Region:
+        """n rows of k, packed (the region is step_tokens * MAX_TOP_LOGPROBS long)."""
+        base = self.target.regions[name]
+        return Region(base.segment, base.offset, (n, k), base.dtype)
+
+
+def _trimmed(sampled: Sampled, logprobs: int | None) -> Sampled:
+    """A row as its sequence reports it: logprobs only when asked, and its own top k (the
+    step computed the largest k any sequence asked)."""
+    if logprobs is None:
+        return Sampled(sampled.token)
+    return dataclasses.replace(sampled, top=sampled.top[:logprobs])

@@ -13,7 +13,9 @@ from luced.cache.arena import SnapshotArena
 from luced.cache.disk import DiskIdentity, SnapshotDisk
 from luced.cache.prefix_cache import PrefixCache
 from luced.engine.core import Engine, GenerationRequest, RequestHandle
+from luced.engine.driver import Driver
 from luced.engine.kvflash import PagerConfig
+from luced.engine.spec.proposer import Proposer
 from luced.engine.target import Target, TargetPlacement
 from luced.gguf_file import GGUFFile
 from luced.ipc.shm import ShmOwner
@@ -30,8 +32,10 @@ async def split_target(
     dtype: str = "float32",
     kv_capacity: int = 64,
     threads: int = torch.get_num_threads(),  # as in process: the float math is identical
-) -> AsyncIterator[Target]:
-    """A bare Target over `devices` (layers shared by `weights`), `threads` per worker."""
+    sequences: int = 8,
+) -> AsyncIterator[Driver]:
+    """A bare Target over `devices` (layers shared by `weights`), `threads` per worker,
+    driven by hand (`Driver`)."""
     gguf = GGUFFile(path)
     n_layers = int(gguf.require(f"{gguf.arch}.block_count"))
     with ShmOwner() as owner:
@@ -46,10 +50,10 @@ async def split_target(
             threads=threads,
             logit_rows=rows,
         )
-        target = Target(owner, placement)
+        target = Target(owner, placement, step_tokens=64, sequences=sequences)
         try:
             await target.start()
-            yield target
+            yield Driver(target)
         finally:
             await target.close()
 
@@ -61,7 +65,7 @@ async def engine_for(
     *,
     draft: Path | None = None,
     draft_device: str | None = None,
-    target_cls: type[Target] = Target,
+    proposer_cls: type[Proposer] | None = None,
     context: int = 512,
     block_size: int = 16,
     prefix_cache_bytes: int = 0,
@@ -106,7 +110,7 @@ async def engine_for(
             kv_dtype=kv_dtype,
             kv_block=kv_block,
         )
-        target = target_cls(
+        target = Target(
             owner,
             placement,
             kv_flash=kv_flash,
@@ -126,6 +130,8 @@ async def engine_for(
             max_running=max_running,
             kv_pool_tokens=kv_pool_tokens,
         )
+        if proposer_cls is not None:  # drafts of the test's own making
+            engine.runner.proposer = proposer_cls(target)
         try:
             await target.start()
             if draft is not None:

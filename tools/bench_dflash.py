@@ -14,7 +14,7 @@ reproduce plain greedy decoding token for token:
               acceptance ~ 0, so every step costs a draft + a B-token verify and yields
               one token: the overhead of speculation
     oracle    the same draft loaded (captures on, same frames) but its proposals replaced
-              by the target's own greedy continuation (`OracleTarget`): every proposal is
+              by the target's own greedy continuation (`OracleProposer`): every proposal is
               accepted, B tokens per verify: the ceiling of the loop
     half      the random draft's frames, its proposals the target's own greedy
               continuation for the first half of the block and wrong after it
@@ -23,13 +23,14 @@ reproduce plain greedy decoding token for token:
 
 `--rollbacks select,replay`: for a hybrid target (recurrent state), one engine per
 rollback of a rejected suffix (`Target.rollback`) for each drafted kind: "select" keeps
-the state after each verified position, "replay" rewinds to the block's start and
+the state after each verified position, "replay" rewinds to the window's start and
 re-feeds the accepted tokens. `--model tiny-qwen35` / `tiny-qwen35moe` (any
 tools/make_tiny_gguf.py family after `tiny-`) builds an 8-layer tiny random model.
 
 Reported per engine (medians over rounds): decode tok/s (after the first token), tokens
 per target forward, mean acceptance length (1 + accepted / drafts), the cost of one
-draft step and one verify step (wall µs, measured around the target calls), and `agree`:
+draft and one forward (wall µs, measured around the proposer's and the runner's calls),
+and `agree`:
 the share of tokens before the first that differs from plain greedy (1.00 is required in
 `dequant` and with `--batch-invariant`; packed weights without it may follow a near-tie
 elsewhere).
@@ -52,7 +53,10 @@ import make_tiny_gguf
 
 from luced.engine.core import Engine, GenerationRequest
 from luced.engine.placement import WorkerSpec
-from luced.engine.target import ROLLBACK, Sampled, Target, TargetPlacement
+from luced.engine.runner import ModelRunner
+from luced.engine.scheduler import Work, WorkOutput
+from luced.engine.spec.proposer import Proposer
+from luced.engine.target import ROLLBACK, Target, TargetPlacement
 from luced.gguf_file import GGUFFile
 from luced.ipc.shm import ShmOwner
 from luced.sampling_params import SamplingParams
@@ -62,69 +66,63 @@ from luced.text.tokenizer import Tokenizer
 MODELS = {"smollm2": smollm2_path, "gemma3": gemma3_path}
 
 
-class OracleTarget(Target):
-    """A target whose draft proposes `script[pos + 1 : pos + B]`: the continuation the target
-    itself produces greedily (computed beforehand with plain decoding). This perfect draft
-    shows the ceiling of the speculative loop: everything else is real (verify forwards,
-    captures into the ring, acceptance, KV rollback); only the draft forward is skipped."""
+class TimedProposer(Proposer):
+    """Times each step's drafting (wall µs)."""
+
+    def __init__(self, target: Target) -> None:
+        super().__init__(target)
+        self.draft_us: list[float] = []
+
+    async def fill(self, works: list[Work]) -> None:
+        if not any(w.window > 1 for w in works):
+            return
+        t0 = time.perf_counter()
+        await super().fill(works)
+        self.draft_us.append((time.perf_counter() - t0) * 1e6)
+
+
+class OracleProposer(TimedProposer):
+    """Proposes `script[pos + 1 : pos + B]`: the continuation the target itself produces
+    greedily (computed beforehand with plain decoding). This perfect draft shows the
+    ceiling of the speculative loop: everything else is real (verify forwards, captures
+    into the ring, acceptance, KV rollback); only the draft forward is skipped."""
 
     script: ClassVar[list[int]] = []
 
-    async def draft_block(
-        self, anchor: int, block_size: int, sampling: dict | None = None
-    ) -> list[int]:
-        pos = self.position  # the anchor's position: everything before it is committed
-        if self.script[pos] != anchor:
+    async def _draft(self, work: Work, sampling: dict | None) -> list[int]:
+        pos, anchor, size = work.seq.computed, work.tokens[0], work.window
+        if self.script[pos] != anchor:  # the anchor's position: everything before is fed
             raise AssertionError(f"oracle script disagrees with the anchor at {pos}")
-        ahead = self.script[pos + 1 : pos + block_size]
-        return [anchor, *ahead, *[anchor] * (block_size - 1 - len(ahead))]
+        ahead = self.script[pos + 1 : pos + size]
+        return [*ahead, *[anchor] * (size - 1 - len(ahead))]
 
 
-class HalfOracle(OracleTarget):
-    """The oracle's proposals for the first half of the block, wrong ones after it."""
+class HalfOracle(OracleProposer):
+    """The oracle's proposals for the first half of the window, wrong ones after it."""
 
     vocab: ClassVar[int] = 1
 
-    async def draft_block(
-        self, anchor: int, block_size: int, sampling: dict | None = None
-    ) -> list[int]:
-        block = await super().draft_block(anchor, block_size, sampling)
-        keep = block_size // 2
-        return block[:keep] + [(t + 1) % self.vocab for t in block[keep:]]
+    async def _draft(self, work: Work, sampling: dict | None) -> list[int]:
+        window = [work.tokens[0], *await super()._draft(work, sampling)]
+        keep = work.window // 2
+        return [t if i < keep else (t + 1) % self.vocab for i, t in enumerate(window)][1:]
 
 
-class CountingTarget(Target):
-    """Times the draft and verify calls of the loop (wall µs)."""
+class CountingRunner(ModelRunner):
+    """Counts the forwards and times the ones that verify a window (wall µs)."""
 
-    def __init__(self, *args: Any, **kw: Any) -> None:
-        super().__init__(*args, **kw)
-        self.draft_us: list[float] = []
-        self.verify_us: list[float] = []
+    def __init__(self, target: Target) -> None:
+        super().__init__(target)
         self.forwards = 0
+        self.verify_us: list[float] = []
 
-    async def draft_block(self, *args: Any, **kw: Any) -> list[int]:
-        t0 = time.perf_counter()
-        out = await super().draft_block(*args, **kw)
-        self.draft_us.append((time.perf_counter() - t0) * 1e6)
-        return out
-
-    async def verify(self, *args: Any, **kw: Any) -> list[Sampled]:
-        t0 = time.perf_counter()
-        out = await super().verify(*args, **kw)
-        self.verify_us.append((time.perf_counter() - t0) * 1e6)
-        return out
-
-    async def _forward(self, *args: Any, **kw: Any) -> Any:
+    async def forward(self, works: list[Work], *args: Any, **kw: Any) -> list[WorkOutput | None]:
         self.forwards += 1
-        return await super()._forward(*args, **kw)
-
-
-class TimedOracle(OracleTarget, CountingTarget):
-    pass
-
-
-class TimedHalf(HalfOracle, CountingTarget):
-    pass
+        t0 = time.perf_counter()
+        out = await super().forward(works, *args, **kw)
+        if any(w.verifies for w in works):
+            self.verify_us.append((time.perf_counter() - t0) * 1e6)
+        return out
 
 
 def model_path(name: str, tmp: Path) -> Path:
@@ -143,7 +141,7 @@ def context_length(model: Path) -> int:
     return min(2048, int(gguf.get(f"{gguf.arch}.context_length") or 2048))
 
 
-def make_target(cls: type[Target], owner: ShmOwner, model: Path, args: Any, name: str) -> Target:
+def make_target(owner: ShmOwner, model: Path, args: Any, name: str) -> Target:
     gguf = GGUFFile(model)
     placement = TargetPlacement(
         model=str(model),
@@ -156,7 +154,7 @@ def make_target(cls: type[Target], owner: ShmOwner, model: Path, args: Any, name
         weights_mode=getattr(args, "weights", "dequant"),
         batch_invariant=getattr(args, "batch_invariant", False),
     )
-    return cls(owner, placement, name=name)
+    return Target(owner, placement, name=name, step_tokens=256 + 64)
 
 
 async def generate(
@@ -179,16 +177,16 @@ async def generate(
     return tokens, time.perf_counter() - first, dict(handle.spec)
 
 
-# engine name -> (target class, drafter: "model" | "ngram" | None, adaptive block size)
-ENGINES: dict[str, tuple[type[Target], str | None, bool]] = {
-    "plain": (CountingTarget, None, False),
-    "random": (CountingTarget, "model", False),
-    "random-adaptive": (CountingTarget, "model", True),
-    "ngram": (CountingTarget, "ngram", False),
-    "ngram-adaptive": (CountingTarget, "ngram", True),
-    "half": (TimedHalf, "model", False),
-    "oracle": (TimedOracle, "model", False),
-    "trained": (CountingTarget, "trained", False),  # the draft --trained-draft names
+# engine name -> (proposer class, drafter: "model" | "ngram" | None, adaptive window size)
+ENGINES: dict[str, tuple[type[Proposer], str | None, bool]] = {
+    "plain": (TimedProposer, None, False),
+    "random": (TimedProposer, "model", False),
+    "random-adaptive": (TimedProposer, "model", True),
+    "ngram": (TimedProposer, "ngram", False),
+    "ngram-adaptive": (TimedProposer, "ngram", True),
+    "half": (HalfOracle, "model", False),
+    "oracle": (OracleProposer, "model", False),
+    "trained": (TimedProposer, "trained", False),  # the draft --trained-draft names
 }
 
 
@@ -206,7 +204,7 @@ async def start_engine(
     hybrid's rejected suffix back by `rollback`."""
     cls, drafter, adaptive = ENGINES[name]
     label = label or name
-    target = make_target(cls, owner, model, args, label.replace("/", "-"))
+    target = make_target(owner, model, args, label.replace("/", "-"))
     target.rollback = rollback
     await target.start()
     if drafter in ("model", "trained"):
@@ -224,6 +222,8 @@ async def start_engine(
         lookup_drafts=drafter == "ngram",
         adaptive_blocks=adaptive,
     )
+    engine.runner = CountingRunner(target)
+    engine.runner.proposer = cls(target)
     if adaptive:
         await engine.calibrate()
     engine.start()
@@ -260,7 +260,7 @@ async def bench(args: argparse.Namespace) -> None:
                     script, _, _ = await generate(
                         engines["plain"], prompt, args.tokens + args.block_size + 1
                     )
-                    OracleTarget.script = prompt + script  # every oracle kind reads it
+                    OracleProposer.script = prompt + script  # every oracle kind reads it
                     for _ in range(args.rounds):
                         for name, engine in engines.items():
                             row = await measure(engine, prompt, script, args)
@@ -273,9 +273,9 @@ async def bench(args: argparse.Namespace) -> None:
 
 
 async def measure(engine: Engine, prompt: list[int], script: list[int], args: Any) -> dict:
-    r = engine.target
-    assert isinstance(r, CountingTarget)
-    r.draft_us.clear()
+    r, drafts = engine.runner, engine.runner.proposer
+    assert isinstance(r, CountingRunner) and isinstance(drafts, TimedProposer)
+    drafts.draft_us.clear()
     r.verify_us.clear()
     before, blocks_before = r.forwards, sum(engine.block_sizes.values())
     block_tokens_before = sum(b * n for b, n in engine.block_sizes.items())
@@ -294,7 +294,7 @@ async def measure(engine: Engine, prompt: list[int], script: list[int], args: An
         "tok_per_fwd": len(tokens) / max(1, fwd),
         "accept_len": 1 + spec["accepted_tokens"] / spec["drafts"] if spec["drafts"] else 1.0,
         "block": block_tokens / steps if steps else 1.0,
-        "draft_us": statistics.median(r.draft_us) if r.draft_us else 0.0,
+        "draft_us": statistics.median(drafts.draft_us) if drafts.draft_us else 0.0,
         "verify_us": statistics.median(r.verify_us) if r.verify_us else 0.0,
         "agree": agree / max(1, len(tokens)),
     }

@@ -31,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+from luced.engine.driver import Driver
 from luced.engine.kvflash import Pager, PagerConfig
 from luced.engine.kvflash.transport import KVFlashSettings, mean_scores, pager_config
 from luced.engine.target import Target, TargetPlacement
@@ -64,13 +65,14 @@ async def run_one(path: Path, context: int, pool: int, tokens: int, threads: int
             await target.start()
             rng = random.Random(0)
             prompt = [rng.randrange(100, vocab) for _ in range(context - tokens)]
+            d = Driver(target)
             t0 = time.perf_counter()
-            s = await target.prefill(prompt, GREEDY, None)
+            s = await d.prefill(prompt, GREEDY)
             prefill_s = time.perf_counter() - t0
             token = s.token
             t0 = time.perf_counter()
             for _ in range(tokens - 1):
-                token = (await target.step(token, GREEDY, None)).token
+                token = (await d.step(token, GREEDY)).token
             decode = (tokens - 1) / (time.perf_counter() - t0)
             stats = await target.stats()
             status = target.flash_status() or {}

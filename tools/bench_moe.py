@@ -27,6 +27,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from luced.engine.driver import Driver
 from luced.engine.target import Target, TargetPlacement
 from luced.gguf_file import GGUFFile
 from luced.ipc.shm import ShmOwner
@@ -51,15 +52,15 @@ async def remote_stats(target: Target) -> dict:
 
 async def one_run(target: Target, prompt: list[int], n: int) -> dict[str, float]:
     greedy = {"temperature": 0}
-    await target.reset()
+    d = Driver(target)
     t0 = time.perf_counter()
-    s = await target.prefill(prompt, greedy, None)
+    s = await d.prefill(prompt, greedy)
     prefill = time.perf_counter() - t0
     before = await remote_stats(target)
     token = s.token
     t1 = time.perf_counter()
     for _ in range(n - 1):
-        token = (await target.step(token, greedy, None)).token
+        token = (await d.step(token, greedy)).token
     decode = time.perf_counter() - t1
     after = await remote_stats(target)
     out = {"prefill_tok_s": len(prompt) / prefill, "decode_tok_s": (n - 1) / decode}

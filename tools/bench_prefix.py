@@ -108,7 +108,7 @@ async def bench(args: argparse.Namespace) -> None:
     rows: dict[str, list[float]] = {mode: [] for mode in modes}
     blocks: dict[str, list[tuple[int, int]]] = {"memory+1": [], "shared+1": []}
     with tempfile.TemporaryDirectory() as tmp, ShmOwner() as owner:
-        target = Target(owner, placement)
+        target = Target(owner, placement, step_tokens=512 + 2 * 16, sequences=2)
         engine = Engine(
             target,
             tokenizer,

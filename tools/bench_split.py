@@ -32,6 +32,7 @@ import statistics
 import time
 from pathlib import Path
 
+from luced.engine.driver import Driver
 from luced.engine.target import Target, TargetPlacement
 from luced.gguf_file import GGUFFile
 from luced.ipc.shm import ShmOwner
@@ -50,17 +51,16 @@ def placements(cores: int) -> list[tuple[str, tuple[str, ...], int]]:
     ]
 
 
-async def one_run(target: Target, prompt: list[int], n: int) -> dict[str, float]:
+async def one_run(d: Driver, prompt: list[int], n: int) -> dict[str, float]:
     greedy = {"temperature": 0}
     t0 = time.perf_counter()
-    await target.reset()
-    s = await target.prefill(prompt, greedy, None)
+    s = await d.prefill(prompt, greedy)
     ttft = time.perf_counter() - t0
     token, orch = s.token, []
     t1 = time.perf_counter()
     for _ in range(n - 1):
-        token = (await target.step(token, greedy, None)).token
-        orch.append(target.last_wall_us - target.last_compute_us)
+        token = (await d.step(token, greedy)).token
+        orch.append(d.runner.last_wall_us - d.runner.last_compute_us)
     decode = time.perf_counter() - t1
     return {"ttft_ms": ttft * 1e3, "tok_s": (n - 1) / decode, "orch_us": statistics.mean(orch)}
 
@@ -72,7 +72,7 @@ async def bench_model(name: str, path: Path, args: argparse.Namespace) -> list[l
     prompt = [(97 + 31 * i) % vocab for i in range(args.prompt)]
     rows: list[list[str]] = []
     with ShmOwner() as owner:
-        targets: list[tuple[str, Target]] = []
+        targets: list[tuple[str, Driver]] = []
         try:
             for label, devices, threads in placements(args.cores):
                 placement = TargetPlacement.split(
@@ -85,7 +85,7 @@ async def bench_model(name: str, path: Path, args: argparse.Namespace) -> list[l
                     threads=threads,
                 )
                 target = Target(owner, placement, name=f"r{len(targets)}")
-                targets.append((label, target))
+                targets.append((label, Driver(target)))
                 await target.start()
             results: dict[str, list[dict[str, float]]] = {label: [] for label, _ in targets}
             for _ in range(args.rounds):
@@ -98,7 +98,8 @@ async def bench_model(name: str, path: Path, args: argparse.Namespace) -> list[l
                 med = {
                     k: statistics.median(r[k] for r in results[label]) for k in results[label][0]
                 }
-                ranges = " ".join(f"[{s['layers'][0]},{s['layers'][1]})" for s in target.describe())
+                layers = (s["layers"] for s in target.target.describe())
+                ranges = " ".join(f"[{a},{b})" for a, b in layers)
                 rows.append(
                     [
                         name,
@@ -113,7 +114,7 @@ async def bench_model(name: str, path: Path, args: argparse.Namespace) -> list[l
                 )
         finally:
             for _, target in targets:
-                await target.close()
+                await target.target.close()
     return rows
 
 

@@ -44,8 +44,8 @@ import bench_prompts
 import torch
 from bench_dflash import model_path
 
-from luced.engine.spec.sizer import BlockSizer, StepCosts
 from luced.engine.spec.ngram import PromptLookup
+from luced.engine.spec.sizer import BlockSizer, StepCosts
 from luced.gguf_file import GGUFFile
 from luced.runtime.generate import generate
 from luced.runtime.model import Model

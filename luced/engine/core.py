@@ -72,6 +72,16 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
+
+def _request_row(h: RequestHandle, now: float) -> dict:
+    return {
+        "id": h.request_id,
+        "prompt_tokens": h.prompt_tokens,
+        "completion_tokens": h.completion_tokens,
+        "age_s": round(now - h.submitted_at, 1),
+    }
+
+
 # Why a preempted request ends when a worker dies: what it had streamed cannot be continued.
 RESUME_LOST = "the model worker failed: it died while this request waited to resume"
 
@@ -126,7 +136,7 @@ class Engine:
         self.scheduler = Scheduler(
             max_running=max_running,
             max_step_tokens=target.step_tokens,
-            chunk=target.placement.max_batch_tokens,
+            chunk=self._chunk(target.placement.max_batch_tokens),
             kv=self.kv,
             observe=self._observe,
             drafted=self._drafted,
@@ -354,6 +364,7 @@ class Engine:
 
     def start(self) -> None:
         self.loaded_once = True  # a worker that dies from here on is restarted: "degraded"
+        self.scheduler.chunk = self._chunk(self.target.prompt_chunk)  # known once loaded
         self._loop_task = asyncio.get_running_loop().create_task(self._run(), name="engine")
 
     async def stop(self) -> None:
@@ -398,11 +409,25 @@ class Engine:
                 self._wakeup.clear()
                 await self._wakeup.wait()
                 continue
+            self._wakeup.clear()
             try:
-                await self.step()
+                worked = await self.step()
             except Exception as exc:  # never let one step kill the loop
                 self._fail_running(exc)
+                worked = True
+            if not worked:  # what waits cannot start yet: until something changes
+                await self._wakeup.wait()
             await asyncio.sleep(0)  # the clients' streams run between steps
+
+    def _chunk(self, chunk: int) -> int:
+        """A prompt chunk that fits one step beside a token of every running sequence."""
+        fits = self.target.step_tokens - self.max_running
+        if fits < 1:
+            raise ValueError(
+                f"a step of {self.target.step_tokens} tokens cannot feed {self.max_running} "
+                "running requests and a prompt chunk: raise --max-step-tokens"
+            )
+        return min(chunk, fits)
 
     def _has_work(self) -> bool:
         s = self.scheduler
@@ -412,9 +437,13 @@ class Engine:
             return bool(s.running)  # they fail; the queue waits for the restart
         return bool(s.running) or any(q.ready and not q.handle.cancelled for q in s.waiting)
 
-    async def step(self) -> None:
-        """One step: admit, schedule, execute, update (the module docstring)."""
+    async def step(self) -> bool:
+        """One step: admit, schedule, execute, update (the module docstring). False when
+        there was nothing to run."""
         await self._release_slots()
+        # How a recurrent target rolls a window back (settable on the target at run time).
+        self.scheduler.recurrent = self.target.recurrent
+        self.scheduler.select_rollback = self.target.rollback == "select"
         if self.target.ready:
             for seq in self.scheduler.admit(self._hold):
                 await self._reuse_prefix(seq)
@@ -422,7 +451,9 @@ class Engine:
         began = time.perf_counter()
         outputs = await self.runner.execute(batch)
         self._observe_step(batch, time.perf_counter() - began)
-        await self._retire(self.scheduler.update(batch, outputs))
+        result = self.scheduler.update(batch, outputs)
+        await self._retire(result)
+        return bool(batch.works or batch.preempted or result.finished)
 
     def _hold(self, seq: Sequence) -> bool:
         return self.prefix.hold(seq, self.scheduler.running)
@@ -566,6 +597,7 @@ class Engine:
 
     def status(self) -> dict:
         placement = self.workers()
+        now = time.monotonic()
         running = self.scheduler.running
         return {
             "model": self.model_name,
@@ -577,15 +609,10 @@ class Engine:
                 "queued_tokens": self.queued_tokens(),
                 "running": len(running),
                 "max_running": self.max_running,
-                # Each running request and its tokens so far.
-                "requests": [
-                    {
-                        "id": s.handle.request_id,
-                        "prompt_tokens": s.handle.prompt_tokens,
-                        "completion_tokens": s.handle.completion_tokens,
-                    }
-                    for s in running
-                ],
+                # Each running and each waiting request with its tokens so far (a
+                # preempted one waits with what it had generated).
+                "requests": [_request_row(s.handle, now) for s in running],
+                "waiting_requests": [_request_row(s.handle, now) for s in self.scheduler.waiting],
                 # KV positions the running requests hold, over the pool (--kv-pool-tokens).
                 "kv_usage": sum(s.computed for s in running) / self.kv.positions,
                 "kv_pool_tokens": self.kv.positions,

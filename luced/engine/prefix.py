@@ -81,7 +81,9 @@ class PrefixReuse:
         return best
 
     def hold(self, seq: Sequence, running: list[Sequence]) -> bool:
-        """Whether `seq` should wait for a running prefill of its prompt's beginning."""
+        """Whether `seq` should wait for a running prefill of its prompt's beginning: it
+        starts waiting when that prefill will hold WAIT_TO_SHARE positions more than any
+        sequence holds now, and then waits until the prefill has passed them."""
         if seq.generated or not self.target.shares_prefixes:
             return False
         _, held = self._source(seq, running)
@@ -93,7 +95,9 @@ class PrefixReuse:
             ),
             default=0,
         )
-        return coming - held >= WAIT_TO_SHARE
+        threshold = 1 if seq.waits_to_share else WAIT_TO_SHARE
+        seq.waits_to_share = coming - held >= threshold
+        return seq.waits_to_share
 
     async def reuse(self, seq: Sequence, running: list[Sequence]) -> int:
         """Start `seq` (just admitted, its slot empty) on the longest prefix held elsewhere;

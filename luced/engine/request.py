@@ -102,6 +102,7 @@ class RequestHandle:
         # Speculation counts for this request (reported in usage).
         self.spec = {"drafts": 0, "draft_tokens": 0, "accepted_tokens": 0}
         self.cached_tokens = 0  # prompt tokens restored or shared, not computed
+        self.slot = -1  # the workers' sequence it runs in (kept after it ends: diagnostics)
         self._events: asyncio.Queue[Any] = asyncio.Queue()
 
     def cancel(self) -> None:
@@ -165,7 +166,7 @@ class Sequence:
     # (the state kept there), and whether that forward kept a state per position.
     last_start: int = 0
     last_block_states: bool = False
-    shared_source: int = -1  # slot whose prefix blocks it waits to share (admission)
+    waits_to_share: bool = False  # held back for a running prefill of its prompt's start
 
     @property
     def prompt(self) -> list[int]:

@@ -197,6 +197,8 @@ class ModelRunner:
                 if flash is None:
                     plans.append([])
                     continue
+                if w.n_out and not w.seq.generated and len(w.seq.prompt) > flash.pool:
+                    flash.pager.ask_reselect()  # qk: select by the prompt's last query
                 plans.append(flash.plan(w.start, len(w.tokens)))  # PoolExhausted: no change
                 made.append((flash, w.start))
         except BaseException:

@@ -18,7 +18,9 @@ it is tested without a model (tests/engine/test_scheduler.py). Each engine step:
                  strings, logprobs), draft windows accepted or rejected, finished
                  sequences leave
 
-The budget counts tokens fed; `chunk` is at most the budget, so a prompt always moves on.
+The budget counts tokens fed. A chunk and one token of every running sequence fit in it,
+and while a prompt waits a chunk's worth is kept from the decodes' windows: decodes and
+prompts both always move on.
 """
 
 from __future__ import annotations
@@ -95,8 +97,11 @@ class Scheduler:
         observe: Observe = lambda what, value: None,
         drafted: Callable[[int, int], None] = lambda proposed, accepted: None,
     ) -> None:
-        if not 0 < chunk <= max_step_tokens:
-            raise ValueError(f"a prompt chunk ({chunk}) must fit the step ({max_step_tokens})")
+        if not 0 < chunk <= max_step_tokens - max_running:
+            raise ValueError(
+                f"a prompt chunk ({chunk}) and a token of every running sequence "
+                f"({max_running}) must fit the step ({max_step_tokens})"
+            )
         self.max_running = max_running
         self.max_step_tokens = max_step_tokens
         self.chunk = chunk
@@ -145,7 +150,8 @@ class Scheduler:
             if not self.kv.admit(slot, seq.ticket, seq.feed_end):
                 break  # in order: a later request never overtakes one waiting for room
             self.waiting.remove(seq)
-            seq.slot, seq.status = slot, Status.RUNNING
+            seq.slot = seq.handle.slot = slot
+            seq.status = Status.RUNNING
             self.running.append(seq)
             started.append(seq)
         if started:
@@ -161,7 +167,11 @@ class Scheduler:
 
     def schedule(self) -> Batch:
         batch = Batch()
-        budget = self.max_step_tokens
+        # While a prompt waits, a chunk's worth of the budget is kept for it: windows
+        # shrink, every decode still gets its token (the engine keeps chunk + max_running
+        # within the budget), and no prompt waits behind decodes for ever.
+        prefilling = any(s.prefilling for s in self.running if s.status is Status.RUNNING)
+        budget = self.max_step_tokens - (self.chunk if prefilling else 0)
         for seq in sorted(self.running, key=lambda s: s.ticket):  # oldest first
             if seq.status is not Status.RUNNING or seq.prefilling:
                 continue
@@ -172,6 +182,7 @@ class Scheduler:
             work = Work(seq, seq.computed, [seq.tokens[-1]], 1, window=want, draft_kind=kind)
             batch.works.append(work)
             budget -= want
+        budget += self.chunk if prefilling else 0
         for seq in sorted(self.running, key=lambda s: s.ticket):
             if seq.status is not Status.RUNNING or not seq.prefilling:
                 continue

@@ -99,11 +99,12 @@ class Target:
         name: str = "target",  # segment name prefix: several targets may share one owner
         kv_flash: PagerConfig | None = None,  # pool rows and policy; chunk_bytes filled in
         deadlines: Deadlines | None = None,  # of worker calls and starts (default: Deadlines())
-        step_tokens: int | None = None,  # tokens one step feeds (default max_batch_tokens)
         sequences: int = 1,  # slots: the sequences the workers hold at once
+        step_tokens: int | None = None,  # tokens one step feeds (--max-step-tokens)
     ) -> None:
         self.owner = owner
-        self.step_tokens = step_tokens or placement.max_batch_tokens
+        # Default: a prompt chunk beside a draft window of 16 for every sequence.
+        self.step_tokens = step_tokens or placement.max_batch_tokens + 16 * sequences
         self.sequences = sequences
         self.flash_cfg = kv_flash
         self._flashes: dict[int, KVFlash] = {}  # each slot's pager, made on first use
@@ -212,6 +213,14 @@ class Target:
             KVFlash, self.owner, cfg=cfg, capacity=p.kv_capacity, max_step=max_step,
             record_bytes=records,
         )  # fmt: skip
+
+    @property
+    def prompt_chunk(self) -> int:
+        """Positions one prompt chunk spans (chunks end at its multiples): --max-batch-tokens,
+        fewer with KV Flash, whose step must fit the pool (`KVFlash.step_limit`)."""
+        chunk = self.placement.max_batch_tokens
+        flash = self.flash(0)
+        return min(chunk, flash.step_limit) if flash is not None else chunk
 
     def flash(self, slot: int) -> KVFlash | None:
         """`slot`'s KV Flash pager and plan segments, made on first use (None without KV
@@ -544,6 +553,7 @@ class KVMover:
         try:
             await t.transfer.import_(frames, regions.get("ring"), ring)
         except BaseException:
+            self.position = 0
             with contextlib.suppress(Exception):
                 await t.reset(self.slot)  # in sync again (empty) unless a worker is gone
             raise

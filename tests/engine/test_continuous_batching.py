@@ -380,8 +380,8 @@ async def test_dflash_requests_draft_and_verify_in_the_batch(
         together = await asyncio.gather(*(drain(h) for h in handles))
         assert engine.stepped_sequences > engine.steps  # lanes shared batches
         target = engine.target
-        layers = target.ring.layers if target.ring else ()
-        rings = {h.request_id: target._rings[h.lane].array.copy() for h in handles}
+        layers = target.capture[0] if target.capture else ()
+        rings = {h.request_id: target.ring(h.slot).array.copy() for h in handles}  # type: ignore[union-attr]
     assert [h.spec["drafts"] for h in handles] == drafts_alone and min(drafts_alone) > 0
     assert [t for t, _, _ in together] == [t for t, _, _ in alone]
     for got, want in zip(together, plain, strict=False):

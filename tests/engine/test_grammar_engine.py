@@ -100,7 +100,7 @@ async def test_greedy_speculative_equals_plain(tiny, plain, draft: str) -> None:
     kw: dict = {"lookup_drafts": True} if draft == "ngram" else {"draft": tiny[1]}
     if draft == "near-oracle":
         NearOracle.script = PROMPT + plain
-        kw["target_cls"] = NearOracle
+        kw["proposer_cls"] = NearOracle
     async with engine_for(tiny[0], block_size=4, **kw) as engine:
         grammar = json_schema_grammar(SCHEMA)
         tokens, text, reason = await run(engine, grammar)

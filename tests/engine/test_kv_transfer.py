@@ -1,6 +1,7 @@
 """Prefix-cache snapshots through the real Target: worker subprocesses, an arena segment.
 
-`export_kv` / `import_kv` move every shard's K/V (and the feature ring) between the workers
+A sequence's snapshot copies (`Target.mover`) move every shard's K/V (and the feature ring)
+between the workers
 and daemon-owned shared memory. Oracle: the target's own computation. After a restore the
 target continues exactly like the run the snapshot came from (bitwise, f32 and bf16, unsplit
 and 2-worker split), a shorter prefix continues like a fresh prefill of it, the ring holds
@@ -20,8 +21,8 @@ from engine_harness import split_target
 from test_target_split import PROMPT, tiny  # noqa: F401 (fixture)
 
 from luced.cache.layout import TensorSpec
+from luced.engine.driver import Driver
 from luced.engine.executor import WorkerReplyError
-from luced.engine.target import Target
 from luced.ipc.frames import KVExport, KVImport
 from luced.ipc.regions import Region, RegionAllocator, required_bytes, view
 from luced.runtime.model import Model
@@ -34,7 +35,7 @@ class Arena:
     """A daemon-owned segment with one region per spec, `rows` positions long, and token ids
     (what the snapshot store's arena hands the target)."""
 
-    def __init__(self, target: Target, specs: list[TensorSpec], rows: int) -> None:
+    def __init__(self, target, specs: list[TensorSpec], rows: int) -> None:
         shapes = {s.name: (s.shape_for(rows), s.dtype) for s in specs}
         shapes["tokens"] = ((rows,), "int32")
         name = f"arena-{secrets.token_hex(3)}"
@@ -49,7 +50,7 @@ class Arena:
         return view(self.seg, self.tokens if name == "tokens" else self.regions[name])
 
 
-async def greedy(target: Target, token: int, steps: int) -> tuple[list[int], np.ndarray]:
+async def greedy(target: Driver, token: int, steps: int) -> tuple[list[int], np.ndarray]:
     """Feed token, then each argmax, one at a time: (tokens fed, their logits)."""
     fed, rows = [], []
     for _ in range(steps):
@@ -60,7 +61,7 @@ async def greedy(target: Target, token: int, steps: int) -> tuple[list[int], np.
     return fed, np.stack(rows)
 
 
-async def sampled(target: Target, token: int, steps: int) -> list[int]:
+async def sampled(target: Driver, token: int, steps: int) -> list[int]:
     out = []
     for _ in range(steps):
         token = (await target.step(token, SAMPLED, None)).token
@@ -68,12 +69,12 @@ async def sampled(target: Target, token: int, steps: int) -> list[int]:
     return out
 
 
-async def kv_positions(target: Target) -> list[int]:
+async def kv_positions(target: Driver) -> list[int]:
     return [w["kv_position"] for w in (await target.stats())["workers"]]
 
 
-def check_layout(target: Target, specs: list[TensorSpec], dtype: str) -> None:
-    cfg = Model.load(target.placement.model, layers=(0, 1)).cfg
+def check_layout(target: Driver, specs: list[TensorSpec], dtype: str) -> None:
+    cfg = Model.load(target.target.placement.model, layers=(0, 1)).cfg
     kv = [s for s in specs if s.name != "ring"]
     assert [s.name for s in kv] == [f"{c}.{i}" for i in range(cfg.n_layers) for c in "kv"]
     assert {(s.shape, s.dtype, s.token_axis) for s in kv} == {
@@ -90,12 +91,12 @@ async def test_restore_equals_fresh(tiny: dict[str, Path], family: str, devices)
         specs = await target.kv_layout()
         check_layout(target, specs, "float32")
         first = int((await target.logits(PROMPT))[-1].argmax())
-        arena = Arena(target, specs, N + 3)
+        arena = Arena(target.target, specs, N + 3)
         await target.export_kv(N, arena.regions)
-        assert target.position == N
+        assert target.position() == N
         want = await greedy(target, first, 5)  # this state *is* a fresh prefill of PROMPT
         m = 6
-        await target.truncate(m)  # the same rows as a restored prefix of m: bitwise oracle
+        target.truncate(m)  # the same rows as a restored prefix of m: bitwise oracle
         want_m = await greedy(target, PROMPT[m], 5)
         await target.reset()
         await target.logits(PROMPT[:m])  # a fresh prefill of m: rows from a batch of m
@@ -107,7 +108,7 @@ async def test_restore_equals_fresh(tiny: dict[str, Path], family: str, devices)
         await target.reset()
         await target.logits([1, 2, 3, 4])  # something else in the KV: import replaces it
         await target.import_kv(N, arena.regions, arena.tokens)
-        assert target.position == N and await kv_positions(target) == [N] * len(devices)
+        assert target.position() == N and await kv_positions(target) == [N] * len(devices)
         got = await greedy(target, first, 5)
         assert got[0] == want[0]
         assert np.array_equal(got[1], want[1])
@@ -127,7 +128,7 @@ async def test_bfloat16_split(tiny: dict[str, Path]) -> None:  # noqa: F811
         specs = await target.kv_layout()
         check_layout(target, specs, "bfloat16")
         first = int((await target.logits(PROMPT))[-1].argmax())
-        arena = Arena(target, specs, N)
+        arena = Arena(target.target, specs, N)
         await target.export_kv(N, arena.regions)
         assert arena.a("k.0").dtype == np.uint16 and arena.a("k.0").any()
         want = await greedy(target, first, 5)
@@ -143,14 +144,17 @@ async def test_ring_rows_restored(tiny: dict[str, Path]) -> None:  # noqa: F811
     wrap once); after an import the ring holds what the fresh prefill left there."""
     cap = 8
     async with split_target(tiny["llama"], ("cpu", "cpu:1")) as target:
-        b = target.executor.slots[1].plan.layers[0]
-        ring = target.enable_capture((0, b - 1, b, target.n_layers - 1), ring_cap=cap)
+        t = target.target
+        b = t.executor.slots[1].plan.layers[0]
+        t.enable_capture((0, b - 1, b, t.n_layers - 1), ring_cap=cap)
+        ring = t.ring(0)
+        assert ring is not None
         specs = await target.kv_layout()
-        assert specs[-1] == TensorSpec("ring", (1, 4, target.hidden), "float32", 0)
+        assert specs[-1] == TensorSpec("ring", (1, 4, t.hidden), "float32", 0)
         await target.logits(PROMPT[:5])  # a forward feeds at most ring_cap tokens
         first = int((await target.logits(PROMPT[5:]))[-1].argmax())
         fresh_rows = ring.rows(N - cap, N)
-        arena = Arena(target, specs, N)
+        arena = Arena(target.target, specs, N)
         arena.a("ring")[:] = -1.0
         await target.export_kv(N, arena.regions)
         assert np.array_equal(arena.a("ring")[N - cap :], fresh_rows)
@@ -174,10 +178,10 @@ async def test_bad_regions_change_nothing(tiny: dict[str, Path]) -> None:  # noq
         specs = await target.kv_layout()
         prompt_logits = await target.logits(PROMPT)
         first = int(prompt_logits[-1].argmax())
-        arena = Arena(target, specs, N)
+        arena = Arena(target.target, specs, N)
         await target.export_kv(N, arena.regions)
         want = await greedy(target, first, 4)
-        await target.truncate(N)
+        target.truncate(N)
         k3 = arena.regions["k.3"]
         short = Region(k3.segment, k3.offset, (k3.shape[0], N - 1, k3.shape[2]), k3.dtype)
         wide = Region(k3.segment, k3.offset, (k3.shape[0] + 1, N, k3.shape[2]), k3.dtype)
@@ -194,8 +198,8 @@ async def test_bad_regions_change_nothing(tiny: dict[str, Path]) -> None:  # noq
         with pytest.raises(ValueError, match="cannot export 11 positions: 10 are committed"):
             await target.export_kv(N + 1, arena.regions)
         # A worker asked directly checks too, and refuses with nothing changed.
-        w1 = target.executor.slots[1].handle
-        assert w1 is not None and target.executor.slots[1].plan.layers == (2, 4)
+        w1 = target.target.executor.slots[1].handle
+        assert w1 is not None and target.target.executor.slots[1].plan.layers == (2, 4)
         theirs = {k: r for k, r in arena.regions.items() if int(k[2:]) >= 2}
         with pytest.raises(WorkerReplyError, match=r"region k.3 must be float32 \[2, >= 10, 16\]"):
             frame = KVImport(position=N, regions={**theirs, "k.3": wide}, tokens=arena.tokens)
@@ -204,16 +208,17 @@ async def test_bad_regions_change_nothing(tiny: dict[str, Path]) -> None:  # noq
             bad = {**theirs, "k.0": arena.regions["k.0"]}
             bad.pop("v.3")
             await w1.call(KVExport(position=N, regions=bad))
-        assert target.position == N and await kv_positions(target) == [N, N]
+        assert target.position() == N and await kv_positions(target) == [N, N]
         got = await greedy(target, first, 4)
         assert got[0] == want[0] and np.array_equal(got[1], want[1])
 
         # Worker 0 imports, worker 1 cannot map its regions: all or nothing, so all reset.
-        gone = f"/luced-{target.owner.instance}-gone"
+        gone = f"/luced-{target.target.owner.instance}-gone"
         late = {k: Region(gone, r.offset, r.shape, r.dtype) for k, r in theirs.items()}
         with pytest.raises(WorkerReplyError, match="does not exist"):
             await target.import_kv(N, {**arena.regions, **late}, arena.tokens)
-        assert target.position == 0 and await kv_positions(target) == [0, 0]
+        assert await kv_positions(target) == [0, 0]
+        assert target.position() == 0 and await kv_positions(target) == [0, 0]
         assert np.array_equal(await target.logits(PROMPT), prompt_logits)  # healthy
 
 
@@ -227,17 +232,18 @@ async def test_draft_reads_no_ring_row_below_a_restored_snapshot_floor(
     _, draft, _ = make_tiny_draft.build(tiny["gemma3"], tmp_path / "d", seed=1, captures=2)
     prompt = PROMPT * 2
     async with split_target(tiny["gemma3"], ("cpu",)) as target:
-        await target.load_draft(str(draft), ring_cap=8, block_size=4)
+        await target.target.load_draft(str(draft), ring_cap=8, block_size=4)
         for start in range(0, len(prompt), 8):  # a forward may not outrun the ring
-            await target.prefill(prompt[start : start + 8], {"temperature": 0}, None)
-        arena = Arena(target, await target.kv_layout(), len(prompt))
+            await target.feed(prompt[start : start + 8], {"temperature": 0})
+        arena = Arena(target.target, await target.kv_layout(), len(prompt))
         await target.export_kv(len(prompt), arena.regions)
         await target.reset()
         await target.import_kv(15, arena.regions, arena.tokens)
-        assert target.ring is not None
+        ring = target.target.ring(0)
+        assert ring is not None
         below = np.arange(7, 12) % 8
         proposals = []
         for poison in (np.nan, 0.0):
-            target.ring.array[below] = poison
+            ring.array[below] = poison
             proposals.append(await target.draft_block(prompt[15], 4))
         assert proposals[0] == proposals[1]

@@ -20,6 +20,7 @@ import torch
 from engine_harness import engine_for
 from test_speculative_loop import run_logprobs
 
+from luced.engine.driver import Driver
 from luced.runtime.sampler import probs
 from luced.sampling_params import SamplingParams
 
@@ -113,13 +114,12 @@ async def test_point_mass_verify_follows_the_target(models) -> None:
     sampling = {"temperature": 2.0, "top_k": 4}
     params = SamplingParams(**sampling)
     async with engine_for(models["qwen3"], lookup_drafts=True) as engine:
-        target = engine.target
-        await target.reset()
-        anchor = (await target.prefill(PROMPT, {"temperature": 0}, None)).token
-        start = target.position
+        target = Driver(engine.target)
+        anchor = (await target.prefill(PROMPT, {"temperature": 0})).token
+        start = target.position()
         logits = torch.from_numpy(await target.logits([anchor]))
         p = probs(logits, params, [[*PROMPT, anchor]])[0].numpy()
-        await target.truncate(start)
+        target.truncate(start)
         proposal = int(np.argsort(p)[-2])  # a likely token, not the likeliest
         trials = 500
         counts = np.zeros_like(p)
@@ -128,7 +128,7 @@ async def test_point_mass_verify_follows_the_target(models) -> None:
             block = [anchor, proposal, proposal]
             tokens, _ = await target.verify_sampled(block, {**sampling, "seed": seed})
             counts[tokens[0].token] += 1
-            await target.truncate(start)
+            target.truncate(start)
     freq = counts / trials
     sigma = np.sqrt(p * (1 - p) / trials)
     assert set(np.flatnonzero(counts)) <= set(np.flatnonzero(p))

@@ -185,7 +185,8 @@ async def test_a_dflash_request_shares_the_prefix_and_its_captures(tmp_path: Pat
         assert engine.target.shares_prefixes
         handles = [engine.submit(request(f"d{i}", p)) for i, p in enumerate(prompts)]
         got = await asyncio.gather(*(tokens(h) for h in handles))
-        ring = engine.target._rings[handles[1].lane]
+        ring = engine.target.ring(handles[1].slot)
+        assert ring is not None
         layers, rows = ring.layers, ring.array.copy()
     assert got == want and handles[1].cached_tokens == 100
     model = Model.load(target)

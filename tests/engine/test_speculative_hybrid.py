@@ -3,7 +3,7 @@
 A recurrent state cannot be cut inside a verified block: either the verify keeps the
 state after each of its positions and the cut selects one (rollback "select"), or the
 target rewinds to the block's start (the state the verify replaced) and replays the
-accepted tokens ("replay", ``Target.truncate``). Oracles: plain greedy decoding of the
+accepted tokens ("replay": the scheduler feeds them again). Oracles: plain greedy decoding of the
 same target, unsplit and split over two workers, both rollbacks; a seeded sampled run
 repeats itself. The random draft accepts almost nothing, so nearly every block is
 rolled back.
@@ -21,7 +21,11 @@ import pytest_asyncio
 from engine_harness import engine_for
 from test_speculative_loop import PROMPT, N, run
 
+from luced.engine.driver import Driver
+from luced.engine.executor import WorkerReplyError
+
 pytestmark = pytest.mark.asyncio(loop_scope="module")
+GREEDY = {"temperature": 0}
 
 
 @pytest.fixture(scope="module")
@@ -65,46 +69,44 @@ async def test_sampled_speculative_is_seeded(tiny, rollback) -> None:
 
 
 @pytest.mark.parametrize("devices", [("cpu",), ("cpu", "cpu:1")], ids=["unsplit", "split"])
-async def test_truncate_inside_a_verify_selects_the_kept_state(tiny, devices) -> None:
-    """rollback "select": a verify keeps the state after each position, so a cut anywhere
-    inside it continues like feeding only the kept tokens, with no forward replayed."""
+async def test_a_roll_back_inside_a_window_selects_the_kept_state(tiny, devices) -> None:
+    """rollback "select": a verify window keeps the state after each position, so the next
+    span may start anywhere inside it and continues like feeding only the kept tokens."""
     async with engine_for(tiny[0], devices) as engine:
-        target = engine.target
-        target.rollback = "select"
-        await target.reset()
-        await target.prefill(PROMPT, {"temperature": 0}, None)
-        start = target.position
-        block = [11, 12, 13, 14, 15]
-        fresh = await target.logits(block)
+        target = Driver(engine.target)
+        engine.target.rollback = "select"
+        await target.prefill(PROMPT, GREEDY)
+        start = target.position()
+        window = [11, 12, 13, 14, 15]
+        fresh = await target.logits(window)
         for kept in (1, 3, 4):
-            await target.reset()
-            await target.prefill(PROMPT, {"temperature": 0}, None)
-            await target.verify(block)
-            calls = target.last_wall_us
-            await target.truncate(start + kept)
-            assert target.last_wall_us == calls  # no forward ran
-            after = await target.logits([block[kept]])
+            await target.prefill(PROMPT, GREEDY)
+            await target.verify(window)
+            target.truncate(start + kept)
+            after = await target.logits([window[kept]])
             # recurrent form here, chunked form in `fresh`: float32 rounding apart
             np.testing.assert_allclose(after[0], fresh[kept], rtol=1e-4, atol=1e-4)
             assert after[0].argmax() == fresh[kept].argmax()
 
 
-async def test_truncate_inside_the_last_forward_replays(tiny) -> None:
-    """Cutting a recurrent target inside its last forward equals feeding only the kept
-    tokens; cutting before that forward's start is refused (its state is gone)."""
+async def test_a_recurrent_state_rolls_back_only_where_it_was_kept(tiny) -> None:
+    """Without a state per position (rollback "replay"), a recurrent sequence rolls back
+    only to its last forward's start, where the state it replaced is kept; the scheduler
+    then feeds the kept tokens again (tests/engine/test_scheduler.py). Anywhere else the
+    workers refuse, changing nothing."""
     async with engine_for(tiny[0]) as engine:
-        target = engine.target
-        target.rollback = "replay"
-        await target.reset()
-        await target.prefill(PROMPT, {"temperature": 0}, None)
-        start = target.position
+        target = Driver(engine.target)
+        engine.target.rollback = "replay"
+        await target.prefill(PROMPT, GREEDY)
+        start = target.position()
         fresh = await target.logits([11, 12])
-        await target.truncate(start)
+        target.truncate(start)
         await target.logits([11, 12, 13, 14])
-        await target.truncate(start + 1)
-        assert target.position == start + 1
-        replayed = await target.logits([12])
-        # to float32 rounding: logits up to ~20, the replay's recurrence in another grouping
-        np.testing.assert_allclose(replayed[0], fresh[1], rtol=1e-5, atol=1e-4)
-        with pytest.raises(ValueError, match="recurrent"):
-            await target.truncate(start - 1)
+        target.truncate(start)  # the last forward's start: kept
+        replayed = await target.logits([11, 12])
+        np.testing.assert_allclose(replayed, fresh, rtol=1e-5, atol=1e-4)
+        target.truncate(start + 1)
+        with pytest.raises(WorkerReplyError, match="cannot rewind the recurrent layers"):
+            await target.logits([12])
+        target.truncate(start + 2)  # nothing changed: it goes on from where it was
+        assert (await target.logits([13])).shape[0] == 1

@@ -19,10 +19,11 @@ import numpy as np
 import pytest
 import pytest_asyncio
 import torch
-from bench_dflash import OracleTarget
+from bench_dflash import OracleProposer
 from engine_harness import engine_for, generate
 
 from luced.engine.core import Engine
+from luced.engine.driver import Driver
 from luced.runtime.sampler import probs
 from luced.sampling_params import SamplingParams
 
@@ -150,24 +151,23 @@ async def test_sampled_verify_follows_the_target_not_the_draft(tiny) -> None:
     sampling = {"temperature": 2.0, "top_k": 4, "repetition_penalty": 1.5}
     params = SamplingParams(**sampling)
     async with engine_for(tiny[0], draft=tiny[1]) as engine:
-        target = engine.target
-        await target.reset()
-        anchor = (await target.prefill(PROMPT, {"temperature": 0}, None)).token
-        start = target.position
+        target = Driver(engine.target)
+        anchor = (await target.prefill(PROMPT, {"temperature": 0})).token
+        start = target.position()
         logits = torch.from_numpy(await target.logits([anchor]))
         # Penalized with the history of the verify's row 0: the prompt and the anchor.
         p = probs(logits, params, [[*PROMPT, anchor]])[0].numpy()
-        await target.truncate(start)
+        target.truncate(start)
         trials = 600
         counts = np.zeros_like(p)
         q_first = np.zeros_like(p)
         for seed in range(trials):
-            s = {**sampling, "seed": seed}
+            s = {**sampling, "seed": seed}  # a new map: new generators, here and the draft's
             block = await target.draft_block(anchor, 3, s)
             q_first[block[1]] += 1
             tokens, _ = await target.verify_sampled(block, s)
             counts[tokens[0].token] += 1
-            await target.truncate(start)
+            target.truncate(start)
     support = np.flatnonzero(p)
     assert set(np.flatnonzero(counts)) <= set(support)  # never outside the target's top_k
     freq = counts / trials
@@ -182,8 +182,8 @@ async def test_oracle_draft_accepts_every_proposal(tiny, plain) -> None:
     """Proposals forced to the target's own greedy tokens: every step accepts B - 1 and
     commits B tokens, and the counters say so."""
     block = 4
-    OracleTarget.script = PROMPT + plain
-    async with engine_for(tiny[0], draft=tiny[1], target_cls=OracleTarget) as engine:
+    OracleProposer.script = PROMPT + plain
+    async with engine_for(tiny[0], draft=tiny[1], proposer_cls=OracleProposer) as engine:
         engine.block_size = block
         # N - 1 tokens after the first (from the prefill) = whole blocks of B: no clipping.
         n = 1 + block * 6

@@ -1,5 +1,5 @@
-"""Sequences and batched steps through the real Target (worker subprocesses, shared memory,
-frames), unsplit and split, against each sequence decoded alone in process."""
+"""Several sequences in one forward through the real runner (worker subprocesses, shared
+memory, frames), unsplit and split, against each sequence decoded alone in process."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ import make_tiny_gguf
 import pytest
 from engine_harness import split_target
 
-from luced.engine.target import BatchStep, Target
+from luced.engine.driver import Driver
+from luced.engine.scheduler import Work
 from luced.runtime.generate import generate
 from luced.runtime.model import Model
 from luced.sampling_params import SamplingParams
@@ -31,125 +32,84 @@ def alone(model: Model, prompt: list[int], steps: int) -> list[int]:
     return generate(model, prompt, SamplingParams(temperature=0), steps).tokens
 
 
-async def prefill(target: Target, seq: int, prompt: list[int], sampling: dict) -> int:
-    async with target.lane(seq):
-        await target.reset()
-        first = await target.prefill(prompt, sampling, None)
-        assert first is not None
-        return first.token
+def decode(d: Driver, slot: int, token: int, sampling: dict, logprobs: int | None = None) -> Work:
+    seq = d.seq(slot, sampling, logprobs)
+    return Work(seq, seq.computed, [token], 1)
 
 
-async def stepped_alone(target: Target, seq: int, prompt: list[int]) -> list[int]:
-    """The seeded sequence's first token and STEPS more, each from its own `step`."""
-    tokens = [await prefill(target, seq, prompt, SEEDED)]
-    async with target.lane(seq):
-        for _ in range(STEPS):
-            tokens.append((await target.step(tokens[-1], SEEDED, None)).token)
+async def stepped_alone(d: Driver, slot: int, prompt: list[int]) -> list[int]:
+    """The seeded sequence's first token and STEPS more, each a forward of its own."""
+    tokens = [(await d.prefill(prompt, SEEDED, slot=slot)).token]
+    for _ in range(STEPS):
+        tokens.append((await d.step(tokens[-1], SEEDED, slot=slot)).token)
     return tokens
 
 
 @pytest.mark.parametrize("devices", [("cpu",), ("cpu", "cpu:1")], ids=["unsplit", "split"])
 async def test_batched_steps_equal_each_sequence_alone(tiny: Path, devices) -> None:
-    async with split_target(tiny, devices) as target:
-        tokens = {seq: [await prefill(target, seq, p, GREEDY)] for seq, p in PROMPTS.items()}
+    async with split_target(tiny, devices) as d:
+        tokens = {s: [(await d.prefill(p, GREEDY, slot=s)).token] for s, p in PROMPTS.items()}
         for _ in range(STEPS):
-            steps = [BatchStep(seq, tokens[seq][-1], GREEDY) for seq in PROMPTS]
-            for seq, (sampled,) in zip(PROMPTS, await target.step_batch(steps), strict=True):
-                tokens[seq].append(sampled.token)
-        for seq, prompt in PROMPTS.items():
-            async with target.lane(seq):
-                assert target.position == len(prompt) + STEPS
+            rows = await d.run([decode(d, s, tokens[s][-1], GREEDY) for s in PROMPTS])
+            for s, (sampled,) in zip(PROMPTS, rows, strict=True):
+                tokens[s].append(sampled.token)
+        for s, prompt in PROMPTS.items():
+            assert d.position(s) == len(prompt) + STEPS
     model = Model.load(tiny)
-    for seq, prompt in PROMPTS.items():
-        assert tokens[seq] == alone(model, prompt, STEPS + 1), f"sequence {seq}"
+    for s, prompt in PROMPTS.items():
+        assert tokens[s] == alone(model, prompt, STEPS + 1), f"sequence {s}"
 
 
 async def test_a_seeded_sequence_draws_alike_alone_and_batched(tiny: Path) -> None:
     """The workers keep each sequence's sampler: sampled with a seed and penalties, a
-    sequence draws the same tokens stepped alone as in a batch beside greedy ones; each
-    row reports only the logprobs its step asked for."""
+    sequence draws the same tokens stepped alone as in a batch beside greedy ones (and
+    alone again every other step); each row reports only the logprobs it asked for."""
     prompt = PROMPTS[7]
-    async with split_target(tiny, ("cpu",)) as target:
-        solo = await stepped_alone(target, 1, prompt)
-        mixed = [await prefill(target, 2, prompt, SEEDED)]
-        other = [await prefill(target, 3, PROMPTS[3], GREEDY)]
-        for _ in range(STEPS):
-            (mine,), (others,) = await target.step_batch(
-                [BatchStep(2, mixed[-1], SEEDED, 2), BatchStep(3, other[-1], GREEDY)]
-            )
-            rows = [mine, others]
-            mixed.append(rows[0].token)
-            other.append(rows[1].token)
-            assert len(rows[0].top) == 2 and rows[0].logprob is not None
-            assert rows[1].logprob is None and rows[1].top == ()
-    assert mixed == solo
-
-
-async def test_a_batch_of_one_plain_step_is_the_sequences_own_step(
-    tiny: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A batch holding one plain step (the only request decoding) goes through the
-    workers' single-sequence forward, not a batch of one; a seeded sequence stepped so,
-    with its steps in batches of two between, draws what it draws stepped alone, and
-    reports the logprobs it asked for."""
-    prompt = PROMPTS[7]
-    async with split_target(tiny, ("cpu",)) as target:
-        solo = await stepped_alone(target, 1, prompt)
-        batched = 0
-        pipeline = target._batch_pipeline
-
-        async def counted(*args, **kwargs):
-            nonlocal batched
-            batched += 1
-            return await pipeline(*args, **kwargs)
-
-        monkeypatch.setattr(target, "_batch_pipeline", counted)
-        mixed = [await prefill(target, 2, prompt, SEEDED)]
-        other = [await prefill(target, 3, PROMPTS[3], GREEDY)]
+    async with split_target(tiny, ("cpu",)) as d:
+        solo = await stepped_alone(d, 1, prompt)
+        mixed = [(await d.prefill(prompt, SEEDED, slot=2)).token]
+        other = [(await d.prefill(PROMPTS[3], GREEDY, slot=3)).token]
         for i in range(STEPS):
+            mine = decode(d, 2, mixed[-1], SEEDED, 2)
             if i % 2:
-                (mine,), (theirs,) = await target.step_batch(
-                    [BatchStep(2, mixed[-1], SEEDED, 2), BatchStep(3, other[-1], GREEDY)]
-                )
+                (row,), (theirs,) = await d.run([mine, decode(d, 3, other[-1], GREEDY)])
                 other.append(theirs.token)
+                assert theirs.logprob is None and theirs.top == ()
             else:
-                ((mine,),) = await target.step_batch([BatchStep(2, mixed[-1], SEEDED, 2)])
-            assert len(mine.top) == 2 and mine.logprob is not None
-            mixed.append(mine.token)
-        assert batched == STEPS // 2  # only the batches of two
+                ((row,),) = await d.run([mine])
+            assert len(row.top) == 2 and row.logprob is not None
+            mixed.append(row.token)
     assert mixed == solo
 
 
-async def test_bad_batches_are_refused_and_released_lanes_start_over(tiny: Path) -> None:
-    async with split_target(tiny, ("cpu",)) as target:
-        first = await prefill(target, 4, PROMPTS[3], GREEDY)
-        with pytest.raises(ValueError, match="distinct sequences"):
-            await target.step_batch([BatchStep(4, first, GREEDY), BatchStep(4, first, GREEDY)])
-        await target.release(4)
-        async with target.lane(4):
-            assert target.position == 0
-        assert await prefill(target, 4, PROMPTS[3], GREEDY) == first
-        with pytest.raises(ValueError, match="default lane"):
-            await target.release(0)
+async def test_released_sequences_start_over(tiny: Path) -> None:
+    async with split_target(tiny, ("cpu",)) as d:
+        first = (await d.prefill(PROMPTS[3], GREEDY, slot=4)).token
+        await d.release(4)
+        assert d.position(4) == 0
+        assert (await d.prefill(PROMPTS[3], GREEDY, slot=4)).token == first
 
 
 @pytest.mark.parametrize("devices", [("cpu",), ("cpu", "cpu:1")], ids=["unsplit", "split"])
-async def test_a_verify_block_in_a_batch_equals_verify_alone(tiny: Path, devices) -> None:
-    """A lane's greedy verify block (token + proposals) steps beside another lane's decode
-    token: its rows are `verify`'s rows alone, logprobs included, and the lane moves past
-    the whole block."""
-    block = PROMPTS[3][:6]
-    async with split_target(tiny, devices) as target:
-        first = await prefill(target, 1, PROMPTS[7], GREEDY)
-        async with target.lane(1):
-            want = await target.verify([first, *block], GREEDY, 2)
-            await target.truncate(len(PROMPTS[7]))
-        other = await prefill(target, 2, PROMPTS[3], GREEDY)
-        got, (step,) = await target.step_batch(
-            [BatchStep(1, first, GREEDY, 2, proposals=tuple(block)), BatchStep(2, other, GREEDY)]
-        )
+async def test_a_verify_window_in_a_batch_equals_verify_alone(tiny: Path, devices) -> None:
+    """A sequence's greedy window (token + proposals) runs beside another's decode token:
+    its rows are the window's rows alone, logprobs included; the sequence holds the whole
+    window until its next span rolls it back."""
+    window = PROMPTS[3][:6]
+    async with split_target(tiny, devices) as d:
+        first = (await d.prefill(PROMPTS[7], GREEDY, slot=1)).token
+        n = len(PROMPTS[7])
+        want = await d.feed([first, *window], GREEDY, 2, slot=1, n_out=len(window) + 1)
+        d.truncate(n, slot=1)
+        other = (await d.prefill(PROMPTS[3], GREEDY, slot=2)).token
+        seq = d.seq(1, GREEDY, 2)
+        verify = Work(seq, n, [first, *window], len(window) + 1, window=len(window) + 1)
+        got, (step,) = await d.run([verify, decode(d, 2, other, GREEDY)])
         assert [r.token for r in got] == [r.token for r in want]
         assert [r.logprob for r in got] == pytest.approx([r.logprob for r in want], abs=1e-5)
         assert step.token == alone(Model.load(tiny), PROMPTS[3], 2)[1]
-        async with target.lane(1):
-            assert target.position == len(PROMPTS[7]) + 1 + len(block)
+        assert d.position(1) == n + 1 + len(window)
+        # Keep the anchor and two proposals: the next span rolls the rest back.
+        d.truncate(n + 3, slot=1)
+        (nxt,) = await d.feed([window[2]], GREEDY, slot=1)
+        assert nxt.token == want[3].token

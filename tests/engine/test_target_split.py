@@ -18,7 +18,7 @@ import pytest
 import torch
 from engine_harness import split_target
 
-from luced.engine.target import Target
+from luced.engine.driver import Driver
 from luced.runtime.generate import generate
 from luced.runtime.model import Model
 from luced.sampling_params import SamplingParams
@@ -45,20 +45,19 @@ def ref_forward(ref: Model, cache, ids: list[int], start: int, capture) -> tuple
     return ref.logits(h), caps
 
 
-async def run_tokens(target: Target, sampling: dict, n: int, logprobs=None) -> list[int]:
-    await target.reset()
-    s = await target.prefill(PROMPT, sampling, logprobs)
+async def run_tokens(d: Driver, sampling: dict, n: int, logprobs=None) -> list[int]:
+    s = await d.prefill(PROMPT, sampling, logprobs)
     out = [s.token]
     while len(out) < n:
-        out.append((await target.step(out[-1], sampling, logprobs)).token)
+        out.append((await d.step(out[-1], sampling, logprobs)).token)
     return out
 
 
 async def check_split_equals_unsplit(path: Path, devices: tuple[str, ...]) -> None:
     ref = Model.load(path)
     n_layers = ref.cfg.n_layers
-    async with split_target(path, devices) as target:
-        shards = target.describe()
+    async with split_target(path, devices) as d:
+        shards = d.target.describe()
         assert len(shards) == len(devices)
         assert [s["devices"] for s in shards] == [[d] for d in devices]
         assert len({s["pid"] for s in shards}) == len(set(devices))  # one worker per group
@@ -67,12 +66,14 @@ async def check_split_equals_unsplit(path: Path, devices: tuple[str, ...]) -> No
         assert all(a[1] == b[0] and a[0] < a[1] for a, b in itertools.pairwise(ranges))
         b = ranges[1][0]  # the first boundary: capture a layer on either side of it
         capture = tuple(sorted({0, b - 1, b, n_layers - 1}))
-        ring = target.enable_capture(capture, ring_cap=32)
+        d.target.enable_capture(capture, ring_cap=32)
+        ring = d.target.ring(0)
+        assert ring is not None
 
         # Prompt logits, every position, bitwise; captures land in the ring bitwise.
         cache = ref.new_cache(KV)
         want, caps = ref_forward(ref, cache, PROMPT, 0, capture)
-        got = await target.logits(PROMPT)
+        got = await d.logits(PROMPT)
         assert np.array_equal(got, want.numpy())
         n = len(PROMPT)
         expect_ring = torch.stack([caps[layer] for layer in capture], dim=1)  # [n, cap, hidden]
@@ -81,11 +82,11 @@ async def check_split_equals_unsplit(path: Path, devices: tuple[str, ...]) -> No
         # Truncate, then continue: equal to a fresh run that never saw the rolled-back tokens.
         # (Kept positions come in the same chunks as the fresh run's: a K/V row computed
         # in a batch of 3 may differ in the last bit from one computed alone.)
-        await target.logits([11])
-        await target.logits([12, 13])
-        await target.truncate(n + 1)
-        assert target.position == n + 1
-        got = await target.logits([21, 22])
+        await d.logits([11])
+        await d.logits([12, 13])
+        d.truncate(n + 1)  # the next span starts there: the workers roll back
+        assert d.position() == n + 1
+        got = await d.logits([21, 22])
         fresh = ref.new_cache(KV)
         ref_forward(ref, fresh, PROMPT, 0, ())
         ref_forward(ref, fresh, [11], n, ())
@@ -99,7 +100,7 @@ async def check_split_equals_unsplit(path: Path, devices: tuple[str, ...]) -> No
         for sampling in ({"temperature": 0}, SAMPLED):
             params = SamplingParams(**sampling)
             expect = generate(ref, PROMPT, params, 12).tokens
-            assert await run_tokens(target, sampling, 12, logprobs=2) == expect
+            assert await run_tokens(d, sampling, 12, logprobs=2) == expect
 
 
 @pytest.mark.parametrize(
@@ -120,11 +121,11 @@ async def test_split_equals_unsplit_tiny(tiny: dict[str, Path], family: str, dev
 
 
 async def test_weights_place_the_boundaries(tiny: dict[str, Path]) -> None:
-    async with split_target(tiny["gemma3"], ("cpu", "cpu", "cpu:1"), weights=(1, 3, 2)) as r:
-        assert [s["layers"] for s in r.describe()] == [[0, 1], [1, 4], [4, 6]]
+    async with split_target(tiny["gemma3"], ("cpu", "cpu", "cpu:1"), weights=(1, 3, 2)) as d:
+        assert [s["layers"] for s in d.target.describe()] == [[0, 1], [1, 4], [4, 6]]
         ref = Model.load(tiny["gemma3"])
         want = ref.forward(torch.tensor(PROMPT), ref.new_cache(KV), 0)
-        assert np.array_equal(await r.logits(PROMPT), want.numpy())
+        assert np.array_equal(await d.logits(PROMPT), want.numpy())
 
 
 @pytest.mark.real_model
@@ -135,8 +136,8 @@ async def test_split_equals_unsplit_smollm2(smollm2_gguf: Path) -> None:
 @pytest.mark.real_model
 async def test_split_equals_unsplit_gemma3(gemma3_gguf: Path) -> None:
     ref = Model.load(gemma3_gguf)
-    async with split_target(gemma3_gguf, ("cpu", "cpu:1")) as target:
+    async with split_target(gemma3_gguf, ("cpu", "cpu:1")) as d:
         want = ref.forward(torch.tensor(PROMPT), ref.new_cache(KV), 0)
-        assert np.array_equal(await target.logits(PROMPT), want.numpy())
+        assert np.array_equal(await d.logits(PROMPT), want.numpy())
         expect = generate(ref, PROMPT, SamplingParams(temperature=0), 8).tokens
-        assert await run_tokens(target, {"temperature": 0}, 8) == expect
+        assert await run_tokens(d, {"temperature": 0}, 8) == expect

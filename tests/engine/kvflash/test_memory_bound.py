@@ -34,11 +34,11 @@ async def rss_less_host(path: Path, context: int) -> int:
     )
     async with flash as target:
         prompt = [(7 * i + 3) % 500 + 2 for i in range(context - 4)]
-        token = (await target.prefill(prompt, GREEDY, None)).token
+        token = (await target.prefill(prompt, GREEDY)).token
         for _ in range(3):
-            token = (await target.step(token, GREEDY, None)).token
+            token = (await target.step(token, GREEDY)).token
         stats = await target.stats()
-        status = target.flash_status()
+        status = target.target.flash_status()
     assert status is not None and stats["kv_bytes"] == POOL * bytes_per_token(8, 8, 128, 4)
     return int(stats["rss_bytes"]) - status["host_bytes"]
 

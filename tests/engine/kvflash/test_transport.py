@@ -15,6 +15,7 @@ from pathlib import Path
 import make_tiny_gguf
 import pytest
 import torch
+from engine_harness import Driver
 
 from luced.engine.kvflash import Pager
 from luced.engine.kvflash.transport import KVFlashSettings, mean_scores, pager_config
@@ -54,7 +55,7 @@ async def flash_target(
     *,
     max_batch_tokens: int = 32,
     threads: int = THREADS,
-) -> AsyncIterator[Target]:
+) -> AsyncIterator[Driver]:
     gguf = GGUFFile(path)
     cfg = pager_config(KVFlashSettings(pool, policy=policy), pool, gguf)
     with ShmOwner() as owner:
@@ -68,19 +69,18 @@ async def flash_target(
             threads=threads,
             kv_sources=gguf.kv_sources(),  # as the daemon: gemma4's sharing pairs stay together
         )
-        target = Target(owner, placement, kv_flash=cfg)
+        target = Target(owner, placement, kv_flash=cfg, step_tokens=max_batch_tokens)
         try:
             await target.start()
-            yield target
+            yield Driver(target)
         finally:
             await target.close()
         instance = owner.instance
     assert not [s for s in scan() if instance in s.name]  # every segment unlinked
 
 
-async def greedy(target: Target, prompt: list[int], n: int) -> list[int]:
-    await target.reset()
-    s = await target.prefill(prompt, GREEDY, None)
+async def greedy(target: Driver, prompt: list[int], n: int) -> list[int]:
+    s = await target.prefill(prompt, GREEDY)
     out = [s.token]
     while len(out) < n:
         out.append((await target.step(out[-1], GREEDY, None)).token)
@@ -112,8 +112,8 @@ async def test_pool_covering_the_sequence_equals_the_plain_cache(
     want = generate(ref, PROMPT, SamplingParams(temperature=0), 20).tokens
     async with flash_target(tiny[family], devices, pool=512, context=512) as target:
         assert await greedy(target, PROMPT, 20) == want
-        assert target.flash is not None and target.flash.is_identity
-        status = target.flash_status()
+        assert target.target.identity_layout(0)
+        status = target.target.flash_status()
         assert status is not None and status["evictions"] == 0
         assert status["resident_chunks"] == 3  # positions 0..169
 
@@ -145,7 +145,7 @@ def in_process(
     for start in range(0, len(prompt), step):
         token = feed(prompt[start : start + step], start)
     if len(prompt) > pool:
-        pager.ask_reselect()  # as Target.prefill: the last prefill step's query selects
+        pager.ask_reselect()  # as the runner: the prompt's last chunk's query selects
     out = [token]
     while len(out) < n:
         out.append(feed([out[-1]], len(prompt) + len(out) - 1))
@@ -160,11 +160,11 @@ async def test_eviction_across_processes_equals_the_in_process_pager(
     want = in_process(tiny["long"], prompt, 12, pool=512, step=32)
     async with flash_target(tiny["long"], devices, pool=512, context=1024) as target:
         assert await greedy(target, prompt, 12) == want
-        status = target.flash_status()
+        status = target.target.flash_status()
         assert status is not None
         assert status["evictions"] >= 3 and status["paged_out_chunks"] >= 3
         assert status["resident_chunks"] == 8 and status["host_bytes"] > 0
-        assert not target.flash.is_identity
+        assert not target.target.identity_layout(0)
         # A second request starts from a fresh identity layout.
         assert await greedy(target, prompt[:100], 3) == in_process(
             tiny["long"], prompt[:100], 3, pool=512, step=32
@@ -181,6 +181,6 @@ async def test_qk_scores_cross_processes_and_recall_as_in_process(
     want = in_process(tiny["long"], prompt, 80, pool=512, step=32, policy="qk")
     async with flash_target(tiny["long"], devices, pool=512, context=1024, policy="qk") as target:
         assert await greedy(target, prompt, 80) == want
-        status = target.flash_status()
+        status = target.target.flash_status()
         assert status is not None and status["policy"] == "qk"
         assert status["recalls"] > 0 and status["evictions"] > status["recalls"]

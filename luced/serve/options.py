@@ -451,7 +451,7 @@ OPTIONS: tuple[Option, ...] = (
         "max_step_tokens", "scheduler", "int", 0,
         "Tokens one engine step feeds: every running request's decode token or draft "
         "window, and prompt chunks. 0: --max-batch-tokens + --max-running x --block-size.",
-        minimum=0, default_doc="0 (a chunk beside every running request's window)",
+        minimum=0, default_doc="0 (a chunk beside every running request's window)", example=640,
     ),
     Option(
         "default_max_tokens", "scheduler", "int", None,

@@ -75,6 +75,7 @@ SAMPLES: dict[str, tuple[str, str, Any]] = {
     "kv_block_size": ("32", "32", 32),
     "max_queued_tokens": ("1000", "1000", 1000),
     "max_batch_tokens": ("64", "64", 64),
+    "max_step_tokens": ("700", "700", 700),
     "default_max_tokens": ("256", "256", 256),
     "shutdown_timeout": ("2.5", "2.5", 2.5),
     "worker_timeout": ("4.5", "4.5", 4.5),

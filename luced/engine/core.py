@@ -25,16 +25,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import itertools
 import logging
-import statistics
 import time
 from typing import Any
 
 from luced.cache.prefix_cache import PrefixCache
 from luced.engine.constraint import Constraint
-from luced.engine.executor import WorkerDied, WorkerReplyError, kernels_summary
+from luced.engine.executor import WorkerDied, WorkerReplyError
 from luced.engine.kv_budget import KVBudget
 from luced.engine.output import OutputBuilder
 from luced.engine.prefix import PrefixReuse
@@ -50,9 +48,11 @@ from luced.engine.request import (
     Unavailable,
 )
 from luced.engine.runner import ModelRunner
-from luced.engine.scheduler import Batch, Scheduler, StepResult, Work
+from luced.engine.scheduler import Batch, Scheduler, StepResult
+from luced.engine.spec.calibrate import calibrate
 from luced.engine.spec.ngram import PromptLookup
 from luced.engine.spec.sizer import BlockSizer, StepCosts
+from luced.engine.status import engine_status
 from luced.engine.target import MAX_BLOCK, Target
 from luced.sampling_params import SamplingParams
 from luced.text.grammar import GrammarError, GrammarTokenizer, check_grammar
@@ -73,17 +73,9 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 
-def _request_row(h: RequestHandle, now: float) -> dict:
-    return {
-        "id": h.request_id,
-        "prompt_tokens": h.prompt_tokens,
-        "completion_tokens": h.completion_tokens,
-        "age_s": round(now - h.submitted_at, 1),
-    }
-
-
 # Why a preempted request ends when a worker dies: what it had streamed cannot be continued.
 RESUME_LOST = "the model worker failed: it died while this request waited to resume"
+_GREEDY = SamplingParams(temperature=0)
 
 
 class Engine:
@@ -535,42 +527,16 @@ class Engine:
             self.metrics.observe_spec_decode(proposed, [1] * accepted + [0] * (proposed - accepted))
 
     async def calibrate(self, sizes: tuple[int, ...] = (2, 4, 8, 16, 32)) -> dict[int, float]:
-        """Measure the adaptive window size's cost model on the loaded target before the
-        first request: plain steps against draft windows of each size (the draft's work
-        included), on a throwaway sequence in slot 0; the slot is reset after."""
+        """Measure the adaptive window size's cost model before the first request
+        (``spec/calibrate.py``)."""
         sizes = tuple(sorted({b for b in sizes if b < self.block_size} | {self.block_size}))
-        handle = RequestHandle(
-            GenerationRequest(
-                "calibrate", [self.tokenizer.bos_id or 0] * 8, SamplingParams(temperature=0)
-            ),
-            1 << 20,
+        seq = self._sequence(
+            RequestHandle(
+                GenerationRequest("calibrate", [self.tokenizer.bos_id or 0] * 8, _GREEDY),
+                1 << 20,
+            )
         )
-        seq = self._sequence(handle)
-        seq.slot, seq.status, seq.lookup = 0, Status.RUNNING, None
-        await self.target.reset(0)
-        (first,) = await self.runner.forward([Work(seq, 0, list(seq.tokens), 1)])
-        assert first is not None
-        seq.computed, anchor = len(seq.tokens), first.rows[0].token
-        seconds: dict[int, list[float]] = {}
-        # A warm-up round first (first-call costs), then the median of three interleaved
-        # rounds: one round on a shared machine put c(2) at 1.46 plain steps, 1.18 in a
-        # repeated measurement.
-        for measured in (False, True, True, True):
-            for size in (1, *sizes):
-                began = time.perf_counter()
-                work = Work(seq, seq.computed, [anchor], 1, window=size, draft_kind="draft")
-                if size > 1:
-                    if self.lookup_drafts:  # a lookup drafts in microseconds: the verify alone
-                        work.tokens, work.n_out = [anchor] * size, size
-                    else:
-                        await self.runner.proposer.fill([work])
-                await self.runner.forward([work])
-                if measured:
-                    seconds.setdefault(size, []).append(time.perf_counter() - began)
-        for size, measurements in seconds.items():
-            self.step_costs.observe(size, statistics.median(measurements))
-        await self.target.reset(0)
-        return self.step_costs.table()
+        return await calibrate(self.runner, self.step_costs, seq, sizes, self.lookup_drafts)
 
     # -- observability --------------------------------------------------------------------
 
@@ -596,54 +562,7 @@ class Engine:
             self.metrics.finished(handle.finish_reason)
 
     def status(self) -> dict:
-        placement = self.workers()
-        now = time.monotonic()
-        running = self.scheduler.running
-        return {
-            "model": self.model_name,
-            "state": self.state,
-            "context_length": self.context_length,
-            "uptime_s": round(time.time() - self.started_at, 1),
-            "queue": {
-                "waiting": len(self.scheduler.waiting),
-                "queued_tokens": self.queued_tokens(),
-                "running": len(running),
-                "max_running": self.max_running,
-                # Each running and each waiting request with its tokens so far (a
-                # preempted one waits with what it had generated).
-                "requests": [_request_row(s.handle, now) for s in running],
-                "waiting_requests": [_request_row(s.handle, now) for s in self.scheduler.waiting],
-                # KV positions the running requests hold, over the pool (--kv-pool-tokens).
-                "kv_usage": sum(s.computed for s in running) / self.kv.positions,
-                "kv_pool_tokens": self.kv.positions,
-                "preempted": len(self.preempted),
-                "batched_steps": self.steps,
-                "mean_batch": round(self.stepped_sequences / self.steps, 2) if self.steps else None,
-                "max_queue": self.max_queue,
-                "max_queued_tokens": self.max_queued_tokens,
-            },
-            "totals": dict(self.totals),
-            "rejected": dict(self.rejected),
-            # Speculation: tokens committed per verify step (1 + accepted / drafts).
-            "mean_acceptance_length": (
-                round(1 + self.totals["spec_accepted_tokens"] / self.totals["spec_drafts"], 3)
-                if self.totals["spec_drafts"]
-                else None
-            ),
-            # Draft windows by size ("1": plain steps taken while speculating).
-            "block_sizes": {str(b): n for b, n in sorted(self.scheduler.block_sizes.items())},
-            "placement": placement,
-            # A "torch fallback" here decodes several times slower than native kernels.
-            "kernels": kernels_summary(placement),
-            "prefix_cache": self._cache_status(),
-            "kv_flash": self.target.flash_status(),
-            "moe_experts": self.target.moe_status(),
-        }
-
-    def _cache_status(self) -> dict | None:
-        if self.prefix.cache is None:
-            return None
-        return dataclasses.asdict(self.prefix.cache.stats())
+        return engine_status(self)
 
     def workers(self) -> list[dict]:
         return self.target.describe()

@@ -1,0 +1,285 @@
+"""The forward frame: one step's spans of one or several sequences (section "forward" of
+the package docstring)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Literal
+
+from luced.ipc.frames.base import (
+    COMPUTE_DTYPES,
+    KV_CHUNK,
+    REPLIES,
+    REQUESTS,
+    Reply,
+    Request,
+    _check_rings,
+    _check_sampling_map,
+    _op,
+)
+from luced.ipc.regions import Region
+from luced.ipc.typed import Record
+
+# -- forward --------------------------------------------------------------------------------
+
+Want = Literal["sample", "logits", "hidden"]
+
+# Output regions by want: (required, optional). Shapes (rows may exceed what is used):
+#   ids            int32   [n_out]             sampled (or greedy) token ids
+#   logprobs       float32 [n_out]             log-probability of each chosen id
+#   topk_ids       int32   [n_out, k]          k = top_logprobs
+#   topk_logprobs  float32 [n_out, k]
+#   logits         float32 [n_out, vocab]      raw logits after the head's scaling/softcap
+#   hidden         float   [n_tokens, hidden]  boundary activations for the next shard
+# n_out is the sum of the spans' n_out: each span's output rows follow the previous span's.
+OUTPUTS: dict[str, tuple[frozenset[str], frozenset[str]]] = {
+    "sample": (frozenset({"ids"}), frozenset({"logprobs", "topk_ids", "topk_logprobs"})),
+    "logits": (frozenset({"logits"}), frozenset()),
+    "hidden": (frozenset({"hidden"}), frozenset()),
+}
+_OUTPUT_DTYPES = {
+    "ids": ("int32",),
+    "logprobs": ("float32",),
+    "topk_ids": ("int32",),
+    "topk_logprobs": ("float32",),
+    "logits": ("float32",),
+    "hidden": COMPUTE_DTYPES,
+}
+_OUTPUT_NDIM = {"ids": 1, "logprobs": 1, "topk_ids": 2, "topk_logprobs": 2, "logits": 2}
+# A KV Flash step's plan for one sequence (`Span.kv_plan`'s keys), in the daemon's
+# `kvflash` segment (layout: ``luced/engine/kvflash/transport.py``):
+#   kv_slots   int64 [>= n]: pool row of position start + i
+#   kv_map     int64 [pool]: position each row holds, -1 = none
+#   kv_moves   int64 [m, 4]: (0 out | 1 in, chunk, block, record)
+#   kv_host    uint8 [records, kv_chunk_bytes]: this worker's host tier
+#   kv_scores  float32 [2, chunks], written by the worker after the step (policy qk): per
+#              chunk, the sum over its scored layers of the chunk's best query-key cosine,
+#              and that layer count
+KV_PLAN = ("kv_slots", "kv_map", "kv_moves", "kv_host", "kv_scores")
+
+
+@dataclass(frozen=True)
+class Span(Record):
+    """One sequence's rows in a ``forward``: ``n`` tokens at positions ``start ..``.
+
+    ``start`` may lie below the sequence's committed KV length: the sequence is rolled back
+    there first (a DFlash verify's rejected rows; a recurrent state kept per position is
+    selected, else ``start`` must be where one is kept). A sequence the worker does not
+    hold starts empty, at 0.
+
+    ``n_out``: 0 feeds only (a prompt chunk before the last), 1 gives the row after the last
+    token, ``n`` a row after every token (a verify window, or logits of every position).
+    ``sampling`` is the sequence's ``SamplingParams`` wire map: its kept sampler draws with
+    it (a seeded generator draws on across steps). ``verify``: the tokens are a drafted
+    window [anchor, proposals...]; the worker rejection-samples the proposals against the
+    draft's q (``Forward.draft_probs`` rows ``q_row ..``) and writes the step's tokens (the
+    accepted proposals, then its own), ``accepted + 1`` rows (``ForwardReply.accepted``).
+    """
+
+    sequence: int
+    start: int
+    n: int
+    n_out: int = 1
+    sampling: dict[str, int | float | None] = field(default_factory=dict)
+    verify: bool = False
+    q_row: int = 0
+    # Keep the recurrent state reached by this span (a prefix-cache cut point: a later
+    # kv_export names it in ``cuts``) until reset, kv_import or a roll back below it.
+    keep_state: bool = False
+    # Keep the recurrent state after every position (a DFlash verify window): a roll back
+    # inside it then selects the accepted one instead of a replay.
+    keep_block_states: bool = False
+    # The sequence's feature ring (DFlash captures), float [ring_cap, len(capture), hidden].
+    ring: Region | None = None
+    kv_plan: dict[str, Region] = field(default_factory=dict)  # KV Flash (keys of KV_PLAN)
+
+    def _check(self) -> None:
+        if self.sequence < 0 or self.start < 0 or self.n < 1 or self.q_row < 0:
+            got = f"sequence {self.sequence}, start {self.start}, n {self.n}, q_row {self.q_row}"
+            raise self._fail(f"need sequence, start, q_row >= 0 and n >= 1; got {got}")
+        if self.n_out not in (0, 1, self.n):
+            raise self._fail(f"n_out must be 0, 1 or n ({self.n}), got {self.n_out}")
+        if self.verify and (self.n < 2 or self.n_out != self.n):
+            raise self._fail("a verify span feeds n >= 2 tokens with n_out = n")
+        if self.ring is not None and self.ring.shape[0] < self.n:
+            raise self._fail(f"its ring holds {self.ring.shape[0]} positions, fewer than {self.n}")
+        unknown = self.kv_plan.keys() - set(KV_PLAN)
+        if unknown:
+            raise self._fail(f"kv_plan keys are among {list(KV_PLAN)}; got {sorted(unknown)}")
+        _check_kv_plan(self, self.kv_plan, self.n)
+        _check_sampling_map(self)
+
+
+@_op("forward", REQUESTS)
+@dataclass(frozen=True)
+class Forward(Request):
+    """Run the spans' tokens through this worker's layers in one pass: one sequence's
+    prompt chunk, decode token or verify window, or several sequences' at once (continuous
+    batching). Linear layers see the rows of every span; attention and recurrent state run
+    per sequence over its own KV.
+
+    Input: ``tokens`` (int32 ``[>= n_tokens]``, for the shard that owns the embedding) or
+    ``hidden_in`` (``[>= n_tokens, hidden]``, the previous shard's ``outputs["hidden"]``),
+    the spans' rows one after another. A later shard may get ``tokens`` beside
+    ``hidden_in``: then they are only the ids fed (its samplers' history for penalties).
+    ``want="hidden"`` writes every row for the next shard; ``"sample"`` each span's output
+    rows (``Span.n_out``) drawn by its sampler; ``"logits"`` those rows' logits.
+    ``allowed``: a grammar's bitmask per output row (every bit set where none applies):
+    bit i % 32 of word i // 32 of row r is set when id i may be row r's token.
+
+    Write ordering (one writer per region at a time; the socket round trip orders the
+    memory): the daemon writes ``tokens``, ``allowed`` and q rows before sending; the
+    previous shard wrote ``hidden_in`` before its reply, which came before this frame; this
+    worker writes its outputs and ring slots before replying, and nobody reads them before
+    the reply.
+
+    Captures: the output (after the FFN residual) of each layer in ``capture`` goes to each
+    span's ``ring`` at ``[pos % ring_cap, j]`` for the ``j``-th listed layer; every shard
+    gets the whole list and writes the slots of the layers it holds, so each slot has
+    exactly one writer. All or nothing: a failure leaves every sequence's KV at its span's
+    start.
+    """
+
+    spans: tuple[Span, ...]
+    want: Want
+    outputs: dict[str, Region]
+    tokens: Region | None = None
+    hidden_in: Region | None = None
+    top_logprobs: int = 0
+    capture: tuple[int, ...] = ()
+    draft_probs: Region | None = None  # float32 [>= q rows, vocab]: verify spans' q rows
+    allowed: Region | None = None  # int32 [>= n_out, ceil(vocab / 32)]
+
+    @property
+    def n_tokens(self) -> int:
+        return sum(s.n for s in self.spans)
+
+    @property
+    def n_out(self) -> int:
+        return sum(s.n_out for s in self.spans)
+
+    def _check(self) -> None:
+        if not self.spans:
+            raise self._fail("a forward needs at least one span")
+        sequences = [s.sequence for s in self.spans]
+        if len(set(sequences)) != len(sequences):
+            raise self._fail(f"a sequence appears twice: {sequences}")
+        _check_input(self)
+        _check_outputs(self)
+        _check_rings(self, self.capture, tuple(s.ring for s in self.spans if s.ring))
+        if self.capture and any(s.ring is None for s in self.spans):
+            raise self._fail("with capture layers every span names its ring")
+        if self.want != "sample" and any(s.verify for s in self.spans):
+            raise self._fail('a verify span needs want="sample"')
+        self._check_verify()
+        _check_allowed(self)
+
+    def _check_verify(self) -> None:
+        q = self.draft_probs
+        ends = [s.q_row + s.n - 1 for s in self.spans if s.verify]
+        if not ends:
+            if q is not None:
+                raise self._fail("draft_probs without a verify span")
+            return
+        if q is None or q.dtype != "float32" or len(q.shape) != 2 or q.shape[0] < max(ends):
+            got = "none" if q is None else f"{q.dtype} {list(q.shape)}"
+            raise self._fail(f"draft_probs must be float32 [>= {max(ends)}, vocab], got {got}")
+
+
+def _check_kv_plan(frame: Record, plan: Mapping[str, Region | None], n_tokens: int) -> None:
+    slots, table, moves, host, scores = (plan.get(name) for name in KV_PLAN)
+    if (slots is None) != (table is None):
+        raise frame._fail("kv_slots and kv_map come together")
+    if moves is not None and (table is None or host is None):
+        raise frame._fail("kv_moves needs kv_map and kv_host")
+    if slots is not None and (
+        slots.dtype != "int64" or len(slots.shape) != 1 or slots.shape[0] < n_tokens
+    ):
+        got = f"{slots.dtype} {list(slots.shape)}"
+        raise frame._fail(f"kv_slots must be int64 [>= {n_tokens}], got {got}")
+    if table is not None and (
+        table.dtype != "int64" or len(table.shape) != 1 or table.shape[0] % KV_CHUNK
+    ):
+        got = f"{table.dtype} {list(table.shape)}"
+        raise frame._fail(f"kv_map must be int64 [pool], pool a multiple of {KV_CHUNK}; {got}")
+    if moves is not None and (
+        moves.dtype != "int64" or len(moves.shape) != 2 or moves.shape[1] != 4
+    ):
+        got = f"{moves.dtype} {list(moves.shape)}"
+        raise frame._fail(f"kv_moves must be int64 [m, 4], got {got}")
+    if host is not None and (host.dtype != "uint8" or len(host.shape) != 2):
+        got = f"{host.dtype} {list(host.shape)}"
+        raise frame._fail(f"kv_host must be uint8 [records, bytes], got {got}")
+    if scores is not None and table is None:
+        raise frame._fail("kv_scores needs kv_map")
+    if scores is not None and (
+        scores.dtype != "float32" or len(scores.shape) != 2 or scores.shape[0] != 2
+    ):
+        got = f"{scores.dtype} {list(scores.shape)}"
+        raise frame._fail(f"kv_scores must be float32 [2, chunks], got {got}")
+
+
+def _check_input(frame: Forward) -> None:
+    if frame.tokens is None and frame.hidden_in is None:
+        raise frame._fail("one of tokens / hidden_in must be given")
+    if frame.tokens is not None:
+        t = frame.tokens
+        if t.dtype != "int32" or len(t.shape) != 1 or t.shape[0] < frame.n_tokens:
+            got = f"{t.dtype} {list(t.shape)}"
+            raise frame._fail(f"tokens must be int32 [>= {frame.n_tokens}], got {got}")
+    if frame.hidden_in is not None:
+        h = frame.hidden_in
+        if h.dtype not in COMPUTE_DTYPES or len(h.shape) != 2 or h.shape[0] < frame.n_tokens:
+            got = f"{h.dtype} {list(h.shape)}"
+            raise frame._fail(f"hidden_in must be float [>= {frame.n_tokens}, hidden], got {got}")
+
+
+def _check_outputs(frame: Forward) -> None:
+    required, optional = OUTPUTS[frame.want]
+    names = set(frame.outputs)
+    if frame.top_logprobs < 0:
+        raise frame._fail(f"top_logprobs must be >= 0, got {frame.top_logprobs}")
+    if frame.want == "sample" and frame.top_logprobs:
+        required = required | {"topk_ids", "topk_logprobs"}
+    if not required <= names or not names <= required | optional:
+        raise frame._fail(
+            f'want="{frame.want}" needs outputs {sorted(required)} (optional '
+            f"{sorted(optional - required)}), got {sorted(names)}"
+        )
+    for name, r in frame.outputs.items():
+        rows = frame.n_tokens if name == "hidden" else frame.n_out
+        ndim = _OUTPUT_NDIM.get(name, 2)
+        if r.dtype not in _OUTPUT_DTYPES[name] or len(r.shape) != ndim or r.shape[0] < rows:
+            raise frame._fail(
+                f"outputs.{name} must be {'/'.join(_OUTPUT_DTYPES[name])} with {ndim} "
+                f"dim(s) and >= {rows} rows, got {r.dtype} {list(r.shape)}"
+            )
+        if name.startswith("topk_") and r.shape[1] != frame.top_logprobs:
+            k = frame.top_logprobs
+            raise frame._fail(f"outputs.{name} needs {k} columns, got {r.shape[1]}")
+
+
+def _check_allowed(frame: Forward) -> None:
+    a = frame.allowed
+    if a is None:
+        return
+    if frame.want != "sample":
+        raise frame._fail('allowed is only for want="sample"')
+    if a.dtype != "int32" or len(a.shape) != 2 or a.shape[0] < frame.n_out:
+        got = f"{a.dtype} {list(a.shape)}"
+        raise frame._fail(f"allowed must be int32 [>= {frame.n_out}, words], got {got}")
+
+
+@_op("forward", REPLIES)
+@dataclass(frozen=True)
+class ForwardReply(Reply):
+    positions: tuple[int, ...]  # each span's sequence's committed KV length after the forward
+    elapsed_us: int  # worker-side compute time
+    # Per span: proposals its verify accepted (ids rows: accepted + 1); -1 for other spans.
+    accepted: tuple[int, ...] = ()
+    # MoE cold experts in this forward: calls to the expert worker, calls redone in process
+    # after it failed, bytes through the scratch (both ways)
+    moe_remote_calls: int = 0
+    moe_fallbacks: int = 0
+    moe_remote_bytes: int = 0

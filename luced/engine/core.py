@@ -409,7 +409,8 @@ class Engine:
                 worked = True
             if not worked:  # what waits cannot start yet: until something changes
                 await self._wakeup.wait()
-            await asyncio.sleep(0)  # the clients' streams run between steps
+            # No yield here: the next step's frames go out at once, and the clients' streams
+            # write the deltas just emitted while the workers compute it.
 
     def _chunk(self, chunk: int) -> int:
         """A prompt chunk that fits one step beside a token of every running sequence."""

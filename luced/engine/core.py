@@ -173,6 +173,15 @@ class Engine:
         self.prefix.cache = cache
 
     @property
+    def turns(self) -> TurnMarker | None:
+        """Where a prompt's snapshot may be restored besides its end (chat-turn starts)."""
+        return self.prefix.turns
+
+    @turns.setter
+    def turns(self, turns: TurnMarker | None) -> None:
+        self.prefix.turns = turns
+
+    @property
     def state(self) -> str:
         if self.draining:
             return "draining"

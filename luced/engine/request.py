@@ -196,6 +196,12 @@ class Sequence:
         return self.computed < self.feed_end
 
     @property
+    def max_end(self) -> int:
+        """The most positions it may come to hold: its prompt and every token it may
+        generate."""
+        return len(self.prompt) + self.handle.max_tokens
+
+    @property
     def budget(self) -> int:
         """Tokens it may still generate."""
         return self.handle.max_tokens - self.handle.completion_tokens

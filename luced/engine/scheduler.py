@@ -5,7 +5,8 @@ it is tested without a model (tests/engine/test_scheduler.py). Each engine step:
 
     admit()      waiting sequences start, first come first served, while a slot is free and
                  their KV fits the pool (a preempted one keeps its slot: the workers hold its
-                 sampler there)
+                 sampler there; it comes back once the running ones, grown to their limits,
+                 leave it room: a second recompute would cost more than the wait)
     schedule()   one batch under the step's token budget:
                  1. every decoding sequence's next token, or its draft window when it
                     speculates; its KV grows first, and when the pool is full the newest
@@ -147,8 +148,12 @@ class Scheduler:
             slot = seq.slot if seq.slot >= 0 else self._free_slot()
             if slot is None:
                 break
-            if not self.kv.admit(slot, seq.ticket, seq.feed_end):
+            # A preempted sequence comes back only when the running ones cannot push it out
+            # again: recomputing it twice would cost more than waiting.
+            margin = self._growth() if seq.generated else 0
+            if not self.kv.fits(seq.feed_end + margin):
                 break  # in order: a later request never overtakes one waiting for room
+            self.kv.admit(slot, seq.ticket, seq.feed_end)
             self.waiting.remove(seq)
             seq.slot = seq.handle.slot = slot
             seq.status = Status.RUNNING
@@ -158,6 +163,10 @@ class Scheduler:
             self.observe("queue", len(self.waiting))
             self.observe("running", len(self.running))
         return started
+
+    def _growth(self) -> int:
+        """Positions the running sequences may still grow into (to their max_end)."""
+        return sum(max(0, s.max_end - self.kv.held.get(s.slot, 0)) for s in self.running)
 
     def _free_slot(self) -> int | None:
         free = set(range(self.max_running)) - self.slots_held()

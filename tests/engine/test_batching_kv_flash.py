@@ -56,13 +56,19 @@ async def drain(engine: Engine, req: GenerationRequest) -> tuple[list[int], list
     return tokens, lps
 
 
-@pytest.mark.parametrize("policy", ["lru", "qk"])
-async def test_batched_requests_page_their_own_pools(tiny: Path, policy: str) -> None:
+@pytest.mark.parametrize(
+    ("policy", "devices"),
+    [("lru", ("cpu",)), ("qk", ("cpu",)), ("lru", ("cpu", "cpu:1"))],
+    ids=["lru", "qk", "lru-split"],
+)
+async def test_batched_requests_page_their_own_pools(tiny: Path, policy: str, devices) -> None:
+    """Each request pages its own pool, also split over two workers (each holding its
+    layers' share of every pool, the same plan applied by both)."""
     pool = PagerConfig(pool_tokens=448, policy=policy)  # type: ignore[arg-type]
     async with engine_for(tiny, context=1024, kv_flash=pool) as engine:
         alone = [await drain(engine, r) for r in requests()]
         alone_status = engine.target.flash_status()
-    async with engine_for(tiny, context=1024, kv_flash=pool, max_running=4) as engine:
+    async with engine_for(tiny, devices, context=1024, kv_flash=pool, max_running=4) as engine:
         together = await asyncio.gather(*(drain(engine, r) for r in requests()))
         status = engine.target.flash_status()
         assert engine.stepped_sequences > engine.steps  # really batched
@@ -111,3 +117,30 @@ async def test_preempted_requests_start_their_pool_over_and_finish_as_alone(tiny
     for (got, got_lps), (want, want_lps) in zip(together, alone, strict=True):
         assert got == want
         assert got_lps == pytest.approx(want_lps, abs=1e-4)
+
+
+async def test_prompts_within_the_pool_restore_from_the_prefix_cache_as_fresh(tiny: Path) -> None:
+    """KV Flash with the prefix cache: a prompt the pool holds whole (the identity layout)
+    is snapshotted and a later request restores it into its own pool, with the output a
+    fresh prefill gives; a prompt past the pool pages chunks out and is not snapshotted."""
+    pool = PagerConfig(pool_tokens=448, policy="lru")
+    greedy = SamplingParams(temperature=0, logprobs=1)
+    short = PROMPTS[1][:300]
+    reqs = [
+        GenerationRequest("a", short, greedy, 20, ignore_eos=True),
+        GenerationRequest("b", [*short[:250], 7, 9, 11], greedy, 20, ignore_eos=True),
+        GenerationRequest("long", PROMPTS[0], greedy, 20, ignore_eos=True),
+    ]
+    async with engine_for(tiny, context=1024, kv_flash=pool) as engine:
+        fresh = [await drain(engine, r) for r in reqs]
+    async with engine_for(
+        tiny, context=1024, kv_flash=pool, max_running=2, prefix_cache_bytes=32 << 20
+    ) as engine:
+        got = [await drain(engine, r) for r in reqs[:1]]
+        got += await asyncio.gather(*(drain(engine, r) for r in reqs[1:]))
+        assert engine.prefix_cache is not None
+        assert engine.totals["cached_prompt_tokens"] == 250  # b restored a's first 250
+        assert engine.prefix_cache.stats().entries == 2  # a and b; not the long one
+    for (tokens, lps), (want, want_lps) in zip(got, fresh, strict=True):
+        assert tokens == want
+        assert lps == pytest.approx(want_lps, abs=1e-4)

@@ -9,7 +9,7 @@ import pytest
 from luced.engine.kv_budget import RESERVE_STEP, KVBudget
 from luced.engine.output import OutputBuilder, Sampled
 from luced.engine.request import GenerationRequest, RequestHandle, Sequence, Status
-from luced.engine.scheduler import Scheduler, WorkOutput
+from luced.engine.scheduler import Scheduler, StepResult, WorkOutput
 from luced.engine.spec.ngram import PromptLookup
 from luced.sampling_params import SamplingParams
 from luced.text.tokenizer import Tokenizer
@@ -167,6 +167,26 @@ def test_a_full_pool_preempts_the_newest_and_it_resumes_by_recomputing(make) -> 
     assert b.slot == 1 and late.slot == 0
     recompute = s.schedule()
     assert [w for w in spans(recompute) if w[0] == "r2"] == [("r2", 0, 8, 0)]
+
+
+def test_a_preempted_sequence_returns_once_the_running_cannot_push_it_out_again(make) -> None:
+    """a (20 prompt tokens, up to 50 more) holds 30 positions of a pool of 90; b, preempted
+    with 24 positions to recompute, would fit beside it now (54), but not beside what a may
+    still grow to (70): it waits for a instead of being recomputed twice. A new request
+    behind it waits too (first come, first served)."""
+    s = scheduler(pool=90)
+    a = make(20)
+    s.add(a)
+    s.admit()
+    assert s.kv.grow(a.slot, 30)
+    b, c = make(20), make(3)
+    b.tokens += [7, 8, 9, 10, 11]  # it had generated 5 tokens
+    b.slot = 1  # the workers keep its sampler there
+    s.add(b)
+    s.add(c)
+    assert s.admit() == []
+    s.finish(a, StepResult())
+    assert s.admit() == [b, c] and b.slot == 1
 
 
 def test_a_preempted_sequence_that_generated_nothing_starts_over(make) -> None:

@@ -40,7 +40,10 @@ class Proposer:
             if work.window < 2:
                 continue
             seq = work.seq
-            sampling = None if seq.params.greedy else seq.sampling
+            # The map names its temperature: the draft samples iff it is above 0 (a wire map
+            # leaves defaults out, and an empty one reads as greedy to `DraftBlock`).
+            sampled = not seq.params.greedy
+            sampling = {**seq.sampling, "temperature": seq.params.temperature} if sampled else None
             if seq.lookup is not None:
                 proposals = seq.lookup.propose(work.window - 1) if work.draft_kind else []
                 if proposals and sampling is not None:
@@ -60,7 +63,7 @@ class Proposer:
         assert ring is not None
         base = seq.slot * t.block_size
         outputs = {"ids": t.regions["draft_ids"].rows(base, base + size)}
-        if sampling is not None and sampling.get("temperature", 1.0) != 0:  # as DraftBlock
+        if sampling is not None:
             q = self.q_row(seq.slot)
             outputs["probs"] = t.regions["draft_probs"].rows(q, q + size - 1)
         await t.executor.draft_worker().call(

@@ -113,7 +113,7 @@ class Model:
             raise GGUFError(f"{gguf.path}: {exc}") from exc
         groups = getattr(family, "FUSED", ())
         fuse_rows(tensors, ([f"{i}.{name}" for name in group] for i in span for group in groups))
-        pack_weights(tensors, torch_dtype)  # after prepare, which may reorder rows
+        pack_weights(tensors, torch_dtype, torch_device)  # after prepare, which may reorder rows
         model = cls(family, cfg, tensors, span, torch_dtype, torch_device, gguf.path)  # type: ignore[arg-type]
         model.weights_mode = weights
         model.batch_invariant = batch_invariant

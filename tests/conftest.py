@@ -19,6 +19,12 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # imports in the middle of it, which Python 3.11's import locks turn into a KeyError (seen
 # in CI as "KeyError" from importlib._bootstrap while importing regex).
 import transformers  # noqa: E402, F401
+from cuda_support import device_under_test  # noqa: E402
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    if item.get_closest_marker("cuda") is not None and device_under_test() is None:
+        pytest.skip("needs a CUDA GPU (LUCED_CUDA_TESTS_ON=cpu runs it against the CPU)")
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -163,7 +163,11 @@ class DecodeGraphs:
     of `pool`, each fed only through this runner or the model) and returns the logits
     [len(caches), vocab] float32."""
 
-    def __init__(self, model: object, pool: BlockPool, capacity: int) -> None:
+    def __init__(
+        self, model: object, pool: BlockPool, capacity: int, *, capture: bool = True
+    ) -> None:
+        """capture False: run the same fixed-shape step eagerly on a GPU too (what a graph
+        saves is measured against it)."""
         why = supports(model)
         if why is not None:
             raise ValueError(f"no captured decode for this model: {why}")
@@ -177,7 +181,8 @@ class DecodeGraphs:
         self._generation = pool.generation
         for rope in {id(r): r for r in model.ropes.values()}.values():  # type: ignore[attr-defined]
             rope.table(capacity)  # grown now: a graph reads the tables it saw
-        self._graph_pool = torch.cuda.graph_pool_handle() if pool.device.type == "cuda" else None
+        on_gpu = capture and pool.device.type == "cuda"
+        self._graph_pool = torch.cuda.graph_pool_handle() if on_gpu else None
 
     def step(self, caches: Sequence[PagedKVCache], ids: torch.Tensor) -> torch.Tensor:
         n = len(caches)
@@ -236,7 +241,8 @@ class _Captured:
         return m.logits(h)  # type: ignore[attr-defined]
 
     def run(self, graph_pool: object) -> torch.Tensor:
-        if self.batch.ids.device.type != "cuda":
+        """graph_pool None: eagerly (the CPU, or capture off)."""
+        if graph_pool is None:
             return self.forward()
         if self.graph is None:
             self._capture(graph_pool)

@@ -27,6 +27,7 @@ import torch
 
 from luced.ipc import frames as F
 from luced.ipc.regions import Attachments, Region
+from luced.runtime.device_io import DeviceIO
 from luced.runtime.dflash.draft import Draft
 from luced.runtime.kv_blocks import BlockPool, PagedKVCache
 from luced.runtime.kv_cache import KVCache
@@ -243,7 +244,12 @@ class WorkerState:
         self.instance: str | None = None  # the daemon's, from hello
         self.loaded: Loaded | None = None
         self.draft: DraftState | None = None
-        self.attachments = Attachments()
+        # A GPU worker page-locks each segment it maps (runtime/device_io.py).
+        self.device_io = DeviceIO(devices)
+        self.attachments = Attachments(
+            on_attach=lambda seg: self.device_io.attach(seg.name, seg.address(), seg.size),
+            on_close=lambda seg: self.device_io.detach(seg.name),
+        )
         self.forward_count = 0
         self.tokens_processed = 0
         self.busy_s = 0.0
@@ -267,6 +273,11 @@ class WorkerState:
         if region.dtype == "bfloat16":  # numpy holds the raw bits as uint16
             return torch.from_numpy(array).view(torch.bfloat16)
         return torch.from_numpy(array)
+
+    def upload(self, region: Region, device: torch.device) -> torch.Tensor:
+        """A region's view on `device`: no copy on the CPU, one DMA from a page-locked
+        segment, a staged copy from one CUDA refused."""
+        return self.device_io.upload(self.tensor(region), device, region.segment)
 
     def fed_inputs(
         self, tokens: Region | None, hidden_in: Region | None, n: int, m: Loaded

@@ -341,9 +341,10 @@ OPTIONS: tuple[Option, ...] = (
         "How the workers hold weight matrices. `int4` / `int8`: packed for weight-only "
         "kernels (see `kernels`; 4.5 / 8 bits per weight read per decoded token; GGUF Q4_0 "
         "and Q4_1 map to int4 exactly, other types are requantized). `auto`: per tensor "
-        "(4-bit types int4, 5- to 8-bit types int8, float tensors exact) where the CPU has "
-        "the kernels' AVX2 / AVX512 paths, else `dequant`. `dequant`: every matrix "
-        "expanded to the compute dtype (the exact path; GPUs use it for now).",
+        "(4-bit types int4, 5- to 8-bit types int8, float tensors exact) on a CUDA GPU "
+        "(torch's tinygemm int4 and int8 kernels) and where the CPU has the kernels' AVX2 / "
+        "AVX512 paths, else `dequant`. `dequant`: every matrix expanded to the compute "
+        "dtype (the exact path).",
         choices=WEIGHT_MODES,
     ),
     Option(

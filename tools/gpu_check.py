@@ -24,9 +24,11 @@ import argparse
 import json
 import os
 import platform
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import xml.etree.ElementTree as ET
@@ -60,12 +62,12 @@ class Report:
         self.path.write_text(json.dumps(self.data, indent=1))
 
 
-def run(cmd: list[str], log: Path, budget: float, env: dict | None = None) -> dict:
+def run(cmd: list[str], log: Path, budget: float, env: dict | None = None, mode: str = "w") -> dict:
     """Run a stage's command with its output in `log` (and echoed), killed with every
     process it started when it outlasts `budget` seconds."""
     print(f"[gpu_check] $ {' '.join(cmd)}  (budget {budget:.0f} s)", flush=True)
     t0 = time.monotonic()
-    with open(log, "w") as f:
+    with open(log, mode) as f:
         proc = subprocess.Popen(
             cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
             env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}, start_new_session=True,
@@ -112,8 +114,6 @@ def setup(args: argparse.Namespace) -> dict:
         if torch.cuda.is_available():
             info["gpu"] = torch.cuda.get_device_name(0)
             info["capability"] = list(torch.cuda.get_device_capability(0))
-    import shutil
-
     info["dev_shm_free"] = shutil.disk_usage("/dev/shm").free
     return info
 
@@ -174,9 +174,19 @@ def main(argv: list[str] | None = None) -> int:
         result["checks"] = [json.loads(line) for line in lines]
         report.stage("tests", **result)
 
-    model = Path("/tmp/luced-gpu-check") / ("tiny.gguf" if cpu else "llama3-8b-q4_0.gguf")
+    scratch = Path(tempfile.mkdtemp(prefix="luced-gpu-check-"))  # not in --out: GBs
+    try:
+        return _model_stages(args, report, skip, budget, scratch)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _model_stages(
+    args: argparse.Namespace, report: Report, skip: set[str], budget: dict, scratch: Path
+) -> int:
+    cpu, py = args.device == "cpu", sys.executable
+    model = scratch / ("tiny.gguf" if cpu else "llama3-8b-q4_0.gguf")
     if "model" not in skip:
-        model.parent.mkdir(parents=True, exist_ok=True)
         shape = ["--shape", "tiny"] if cpu else (["--layers", "8"] if args.quick else [])
         cmd = [py, "tools/make_shaped_gguf.py", str(model), *shape]
         result = run(cmd, args.out / "bench.log", budget["model"])
@@ -187,10 +197,7 @@ def main(argv: list[str] | None = None) -> int:
         quick = ["--quick"] if args.quick else []
         cmd = [py, "tools/bench_gpu.py", str(model), "--out", str(args.out / "bench.json"),
                *device, *quick]  # fmt: skip
-        with open(args.out / "bench.log", "a") as log:
-            log.write("\n")
-        result = run(cmd, args.out / "bench.log.part", budget["bench"])
-        _append(args.out / "bench.log.part", args.out / "bench.log")
+        result = run(cmd, args.out / "bench.log", budget["bench"], mode="a")
         bench = args.out / "bench.json"
         result["bench"] = json.loads(bench.read_text()) if bench.exists() else None
         report.stage("bench", **result)
@@ -209,13 +216,6 @@ def main(argv: list[str] | None = None) -> int:
     ok = all(s.get("rc", 0) == 0 and not s.get("timed_out") for s in stages.values())
     report.stage("done", ok=ok)
     return 0 if ok else 1
-
-
-def _append(part: Path, whole: Path) -> None:
-    if part.exists():
-        with open(whole, "a") as f:
-            f.write(part.read_text())
-        part.unlink()
 
 
 if __name__ == "__main__":

@@ -12,7 +12,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 SITE=${LUCED_CHECK_SITE:-/tmp/luced-check-site}
-if compgen -G ".whl/*.whl" >/dev/null; then
+# Only what is missing: a wheel for another Python must not shadow an installed package.
+if ! "$PY" -c "import gguf, posix_ipc, llguidance, pytest_asyncio" 2>/dev/null \
+    && compgen -G ".whl/*.whl" >/dev/null; then
     echo "[gpu_check] installing $(ls .whl/*.whl | wc -l) carried wheels into $SITE"
     "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
         --target "$SITE" .whl/*.whl

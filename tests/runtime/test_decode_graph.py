@@ -99,6 +99,35 @@ def test_a_lone_sequence_and_a_truncated_one(tiny: Path) -> None:
         token = int(want.argmax())
 
 
+def test_a_pool_that_grows_drops_its_graphs(tiny: Path) -> None:
+    """A pool of 4 blocks of 16 rows (one the runner's scratch) grows while two sequences
+    decode past it: the batch tensors (which name the old storage) are made anew, and the
+    steps still equal the batched forward."""
+    model = Model.load(tiny)
+    pool = model.new_block_pool(16, initial_blocks=4)
+    ref_pool = model.new_block_pool(16)
+    prompts = [list(range(1, 20)), list(range(30, 40))]
+    caches, refs = [], []
+    for p in prompts:
+        for pl, out in ((pool, caches), (ref_pool, refs)):
+            out.append(model.new_paged_cache(pl, 512))
+            model.forward(torch.tensor(p), out[-1], 0)
+    graphs = DecodeGraphs(model, pool, 512)
+    tokens, generations, batches = [p[-1] for p in prompts], {pool.generation}, []
+    for _ in range(20):
+        want = torch.cat(
+            model.forward_batch([torch.tensor([t]) for t in tokens], refs, [c.pos for c in refs])
+        )
+        got = graphs.step(caches, torch.tensor(tokens))
+        assert float((got - want).abs().max() / want.abs().max()) < 1e-5
+        generations.add(pool.generation)
+        batch = graphs.graphs[(2, 256)].batch
+        if not any(b is batch for b in batches):  # (held: an id could be reused)
+            batches.append(batch)
+        tokens = want.argmax(-1).tolist()
+    assert len(generations) > 1 and len(batches) == len(generations)
+
+
 def test_the_step_holds_no_host_sync_and_no_cpu_tensor(tiny: Path) -> None:
     """On a non-CPU device, in bf16 with packed weights: the step a graph would capture runs
     on device tensors alone, with nothing read back to the host."""

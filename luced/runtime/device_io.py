@@ -15,6 +15,9 @@ captures, K/V export and import) is one DMA transfer. Nothing else changes at th
                                          through one pinned buffer the worker owns
     close (reload, shutdown)          -> unpin every segment, before the mapping goes
 
+Page-locking commits the pages: a registered segment (the prefix arena, KV Flash's host
+tier) is resident from the worker's first use of it, not as it fills.
+
 Who does what: the daemon creates, writes and unlinks segments (ipc/shm.py); the worker
 registers only what it mapped, and unregisters it before it unmaps (`Attachments` calls
 `unpin` first). Registration is a property of the worker process's mapping, not of the

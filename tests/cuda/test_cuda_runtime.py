@@ -94,11 +94,13 @@ def test_device_memory_per_gguf_type(gpu, tmp_path, qtype: str) -> None:
     record("memory", qtype=qtype, held=held, file=filebytes, ratio=ratio, allocated=after - before)
     limit = {"Q4_0": 1.15, "Q4_K": 1.15, "Q6_K": 1.25, "Q8_0": 1.0}[qtype]
     assert ratio <= limit
-    if gpu.type == "cuda":
+    if gpu.type == "cuda":  # nothing else stays behind: the weights and the RoPE tables
         dense = sum(
             t.numel() * t.element_size() for t in model.weights.values() if torch.is_tensor(t)
         )
-        assert after - before <= 1.1 * (held + dense) + (1 << 20)
+        ropes = {id(r): r for r in model.ropes.values()}.values()
+        tables = sum(2 * r.cos.numel() * r.cos.element_size() for r in ropes)
+        assert after - before <= held + dense + tables + (64 << 10)
 
 
 @pytest.mark.parametrize("mode", ["float32-dequant", "bfloat16-auto"])
@@ -110,6 +112,7 @@ def test_every_family_matches_the_cpu_in_float32(gpu, q4, family: str, mode: str
     logits' norm."""
     path = q4[family]
     dtype, weights = mode.split("-")
+    torch.backends.cudnn.allow_tf32 = False  # float32 means float32 (qwen35's conv1d)
     ids = torch.tensor([(13 * i + 5) % 400 + 1 for i in range(POSITIONS)])
     ref_model = Model.load(path)
     ref = _teacher_forced(ref_model, ids, torch.device("cpu"))
@@ -131,7 +134,8 @@ def _teacher_forced(model: Model, ids: torch.Tensor, device: torch.device) -> to
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
 def test_captured_decode_equals_eager(gpu, q4, family: str) -> None:
     """Graph replays of the decode step (buckets of 1 and 4 sequences) against the same
-    fixed-shape step run eagerly (the same kernels: equal up to nondeterminism, recorded),
+    fixed-shape step run eagerly (the same ops: equal up to the kernels cuBLAS picks under
+    capture, recorded),
     and against the model's own batched forward (SDPA over each sequence's rows: within
     bf16's rounding)."""
     model = Model.load(q4[family], device=gpu, dtype="bfloat16", weights="auto")
@@ -160,7 +164,7 @@ def test_captured_decode_equals_eager(gpu, q4, family: str) -> None:
         tokens[:n] = want.argmax(-1).tolist()
     record("decode_graph", family=family, replay_rel=replay_err, model_rel=model_err,
            captures=graphs.captures)  # fmt: skip
-    assert replay_err < 1e-6 and model_err < 2e-2
+    assert replay_err < 5e-3 and model_err < 2e-2
     if gpu.type == "cuda":
         assert graphs.captures == 2  # buckets (1, 256) and (4, 256)
 

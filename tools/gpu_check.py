@@ -7,7 +7,7 @@ stage, so a run cut short still reports what it measured.
     tests   pytest -m cuda tests/cuda (xdist), each check's numbers collected from
             LUCED_GPU_REPORT into checks.jsonl; junit.xml for the outcome of every test
     model   an 8B-shaped Q4_0 llama built on the machine (tools/make_shaped_gguf.py;
-            --quick: 8 of its 32 layers; --device cpu: the tiny shape)
+            --quick: 8 of its 32 layers; --device cpu: the tiny shape), or --model PATH
     bench   tools/bench_gpu.py on it -> bench.json
     http    tools/bench_http.py: a daemon on the device, 1, 8, 32, 64 concurrent clients
             (skipped with --quick)
@@ -142,6 +142,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "gpu-check-out")))
     ap.add_argument("--workers", type=int, default=0, help="pytest-xdist processes (0: auto)")
     ap.add_argument("--skip", default="", help="comma-separated stages to skip")
+    ap.add_argument(
+        "--model", type=Path, help="benchmark this GGUF instead of building the 8B-shaped one"
+    )
     args = ap.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     report = Report(args.out, args)
@@ -186,6 +189,9 @@ def _model_stages(
 ) -> int:
     cpu, py = args.device == "cpu", sys.executable
     model = scratch / ("tiny.gguf" if cpu else "llama3-8b-q4_0.gguf")
+    if args.model is not None:  # a real model brought to the machine
+        model = args.model.resolve()
+        skip.add("model")
     if "model" not in skip:
         shape = ["--shape", "tiny"] if cpu else (["--layers", "8"] if args.quick else [])
         cmd = [py, "tools/make_shaped_gguf.py", str(model), *shape]

@@ -39,6 +39,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from types import ModuleType
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -48,6 +50,30 @@ from luced.runtime.layers import Rope, apply_rope
 from luced.runtime.ragged import Ragged
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+
+
+class WholeModel(Protocol):
+    """What the runner uses of a loaded model (`luced.runtime.model.Model`, which imports
+    the families, which import this module: a protocol keeps the imports one way)."""
+
+    family: ModuleType
+    cfg: Any
+    layers: range
+    ropes: dict[int, Rope]
+    owns_embed: bool
+    owns_head: bool
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor: ...
+
+    def forward_layers(
+        self, hidden: torch.Tensor, cache: Any, start: Any, capture: Any = (), ids: Any = None
+    ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]: ...
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
+
+    def _kv_sources(self) -> dict[int, int]: ...
+
+
 MIN_ROWS = 256  # the smallest attended length L
 
 
@@ -142,17 +168,14 @@ class StepBatch(Ragged):
         return out.reshape(b, heads * dim).to(q.dtype)
 
 
-def supports(model: object) -> str | None:
+def supports(model: WholeModel) -> str | None:
     """Why `model` cannot decode through a captured step, or None when it can."""
-    family = model.family  # type: ignore[attr-defined]
-    if not (model.owns_embed and model.owns_head):  # type: ignore[attr-defined]
+    if not (model.owns_embed and model.owns_head):
         return "a split model (graphs cover a whole model)"
-    if getattr(family, "recurrent_shapes", None) and family.recurrent_shapes(
-        model.cfg,
-        model.layers,  # type: ignore[attr-defined]
-    ):
+    recurrent = getattr(model.family, "recurrent_shapes", None)
+    if recurrent is not None and recurrent(model.cfg, model.layers):
         return "recurrent layers step per sequence"
-    if getattr(getattr(model.cfg, "moe", None), "n_experts", 0):  # type: ignore[attr-defined]
+    if getattr(getattr(model.cfg, "moe", None), "n_experts", 0):
         return "MoE routing syncs with the host"
     return None
 
@@ -164,7 +187,7 @@ class DecodeGraphs:
     [len(caches), vocab] float32."""
 
     def __init__(
-        self, model: object, pool: BlockPool, capacity: int, *, capture: bool = True
+        self, model: WholeModel, pool: BlockPool, capacity: int, *, capture: bool = True
     ) -> None:
         """capture False: run the same fixed-shape step eagerly on a GPU too (what a graph
         saves is measured against it)."""
@@ -179,7 +202,7 @@ class DecodeGraphs:
         self.captures = 0  # graphs captured (a pool that grows makes more)
         self._scratch = pool.allocate()  # the padding slots' rows, held for good
         self._generation = pool.generation
-        for rope in {id(r): r for r in model.ropes.values()}.values():  # type: ignore[attr-defined]
+        for rope in {id(r): r for r in model.ropes.values()}.values():
             rope.table(capacity)  # grown now: a graph reads the tables it saw
         on_gpu = capture and pool.device.type == "cuda"
         self._graph_pool = torch.cuda.graph_pool_handle() if on_gpu else None
@@ -227,18 +250,18 @@ class DecodeGraphs:
 class _Captured:
     """One bucket's batch tensors and, on CUDA, its graph and output."""
 
-    def __init__(self, model: object, pool: BlockPool, batch: int, rows: int) -> None:
+    def __init__(self, model: WholeModel, pool: BlockPool, batch: int, rows: int) -> None:
         self.model = model
-        self.batch = StepBatch(pool, batch, rows, model._kv_sources())  # type: ignore[attr-defined]
+        self.batch = StepBatch(pool, batch, rows, model._kv_sources())
         self.graph: torch.cuda.CUDAGraph | None = None
         self.out: torch.Tensor | None = None
         self._new = 0
 
     def forward(self) -> torch.Tensor:
         m, batch = self.model, self.batch
-        hidden = m.embed(batch.ids)  # type: ignore[attr-defined]
-        h, _ = m.forward_layers(hidden, batch, batch, ids=batch.ids)  # type: ignore[attr-defined]
-        return m.logits(h)  # type: ignore[attr-defined]
+        hidden = m.embed(batch.ids)
+        h, _ = m.forward_layers(hidden, batch, batch, ids=batch.ids)
+        return m.logits(h)
 
     def run(self, graph_pool: object) -> torch.Tensor:
         """graph_pool None: eagerly (the CPU, or capture off)."""

@@ -86,6 +86,8 @@ def decode_body(raw: bytes) -> dict[str, Any]:
 # over all of SamplingParams' range (tests/runtime/test_sampler.py), so these bounds are
 # about sense, not safety. Anthropic's routes narrow temperature and top_p to [0, 1].
 INT32_MAX = 2**31 - 1
+# No token is this long; a prompt longer than this per context token cannot fit anyway.
+MAX_CHARS_PER_TOKEN = 32
 MAX_TOP_LOGPROBS = 20  # the worker returns at most 20 alternatives per token
 NUMBER_RANGES: dict[str, tuple[float, float]] = {
     "temperature": (0.0, 100.0),  # OpenAI documents [0, 2]; vLLM takes any value >= 0

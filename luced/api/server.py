@@ -10,6 +10,8 @@
     GET  /metrics                Prometheus text (luced.engine.metrics)
     GET  /v1/status, /v1/status/history   the state and the last minutes (luced.api.status)
     GET  /, /static/...          the web page: chat, status, plots (luced.api.page)
+    /api/chat, /api/generate, /api/tags, /api/ps, /api/show, /api/version, /api/embed
+                                 Ollama's API (luced.api.ollama_routes)
 
 A request's trace: the handler reads the body, `luced.api.openai` validates it (a 400
 naming the field, or 404 for another model), the chat template and tokenizer run in a
@@ -21,11 +23,11 @@ that goes away while its request waits in the queue, in prefill or in decode can
 handler, and the handler cancels the engine's work (`RequestHandle.cancel`). Without it,
 aiohttp lets the handler run on, and only a stream notices, at its next write.
 
-With an api_key, every /v1/ route and /tokenize, /detokenize (and /metrics unless
-metrics_public) want `Authorization: Bearer KEY` or Anthropic's `x-api-key: KEY` (401
+With an api_key, every /v1/ and /api/ route and /tokenize, /detokenize (and /metrics
+unless metrics_public) want `Authorization: Bearer KEY` or Anthropic's `x-api-key: KEY` (401
 otherwise); /health stays open for probes, and so does the web page, which holds nothing
 secret and asks its user for the key. Errors are shaped by the API a path belongs to:
-Anthropic's under /v1/messages, OpenAI's everywhere else.
+Anthropic's under /v1/messages, Ollama's under /api/, OpenAI's everywhere else.
 
 A web page must not drive a local daemon (`_guard`): a POST needs `Content-Type:
 application/json` (415 otherwise), which a cross-site form or fetch cannot send without a
@@ -44,13 +46,12 @@ client), and tokenizing runs in a thread.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hmac
 import logging
 import math
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -58,8 +59,16 @@ from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web_protocol import RequestPayloadError
 
-from luced.api import anthropic, page, status
-from luced.api.fields import APIError, as_int, decode_body, json_kind, read_bool, read_text
+from luced.api import anthropic, ollama_routes, page, status
+from luced.api.fields import (
+    MAX_CHARS_PER_TOKEN,
+    APIError,
+    as_int,
+    decode_body,
+    json_kind,
+    read_bool,
+    read_text,
+)
 from luced.api.formats import (
     SSE_DONE,
     ChatFormat,
@@ -69,6 +78,7 @@ from luced.api.formats import (
     finish_error,
     sse,
 )
+from luced.api.ollama_models import ModelFacts
 from luced.api.openai import (
     ChatRequest,
     Options,
@@ -78,6 +88,7 @@ from luced.api.openai import (
     parse_chat,
     parse_completion,
 )
+from luced.api.relay import all_deltas, stream_guard, whole_text
 from luced.api.responses import ResponseFormat, parse_responses
 from luced.api.responses import usage as responses_usage
 from luced.api.tools import ToolChatFormat
@@ -99,9 +110,6 @@ BODY_TIMEOUT = web.AppKey("body_timeout", float)  # seconds to receive a request
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
-
-# No token is this long; a prompt longer than this per context token cannot fit anyway.
-MAX_CHARS_PER_TOKEN = 32
 _LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1", "[::1]"})
 _ANY_ADDRESS = frozenset({"0.0.0.0", "::", "[::]", ""})
 
@@ -149,7 +157,9 @@ def make_app(
     client_max_size: int = DEFAULT_MAX_BODY,
     guard: Guard | None = None,
     body_timeout: float = 30.0,
+    model: ModelFacts | None = None,
 ) -> web.Application:
+    """model: what Ollama's listings say about the served GGUF (none: only its name)."""
     app = web.Application(middlewares=[_errors, _guard, _auth], client_max_size=client_max_size)
     app[GUARD] = guard or Guard()
     app[BODY_TIMEOUT] = body_timeout
@@ -173,6 +183,7 @@ def make_app(
         ]
     )
     status.add_routes(app, engine, metrics)
+    ollama_routes.add_routes(app, engine, model or ModelFacts(), prepare)
     page.add_routes(app)
     return app
 
@@ -275,7 +286,7 @@ async def _auth(request: web.Request, handler: Handler) -> web.StreamResponse:
     return await handler(request)
 
 
-_KEYED = ("/v1/", "/tokenize", "/detokenize")
+_KEYED = ("/v1/", "/api/", "/tokenize", "/detokenize")
 
 
 def error_response(exc: APIError, request: web.Request | None = None) -> web.Response:
@@ -286,6 +297,8 @@ def error_response(exc: APIError, request: web.Request | None = None) -> web.Res
     body = exc.body()
     if request is not None and _is_anthropic(request):
         body = anthropic.error_body(exc)
+    elif request is not None and request.path.startswith("/api/"):
+        body = {"error": exc.message}  # Ollama's shape
     return web.json_response(body, status=exc.status, headers=headers, dumps=dumps)
 
 
@@ -310,6 +323,12 @@ async def read_json(request: web.Request) -> dict[str, Any]:
     if len(raw) > 1 << 20:
         return await asyncio.to_thread(decode_body, raw)
     return decode_body(raw)
+
+
+async def prepare(request: web.Request, fn: Callable[..., Any], *args: Any) -> Any:
+    """`fn(engine, *args, body)` in a thread, once the body is in and decoded."""
+    body = await read_json(request)
+    return await asyncio.to_thread(fn, request.app[ENGINE], *args, body)
 
 
 def check_chars(request: web.Request, n_chars: int, param: str) -> None:
@@ -396,7 +415,7 @@ async def messages(request: web.Request) -> web.StreamResponse:
     handle = engine.submit(generation_request(fmt.id, options, prompt))
     if req.options.stream:
         return await _stream_messages(request, fmt, handle)
-    text = await _whole_text(handle)
+    text = await whole_text(handle)
     body = fmt.response(
         text, handle.finish_reason or "stop", handle.stop_string, _anthropic_usage(handle)
     )
@@ -426,12 +445,12 @@ async def responses(request: web.Request) -> web.StreamResponse:
         return responses_usage(handle.prompt_tokens, handle.cached_tokens, handle.completion_tokens)
 
     if not options.stream:
-        text = await _whole_text(handle)
+        text = await whole_text(handle)
         return web.json_response(
             fmt.response(text, handle.finish_reason or "stop", used()), dumps=dumps
         )
     resp = _event_stream()
-    async with _stream_guard(handle, resp, fmt.id, fmt.error_events):
+    async with stream_guard(handle, resp, fmt.id, fmt.error_events):
         await resp.prepare(request)
         for ev in fmt.start():
             await resp.write(ev)
@@ -447,18 +466,6 @@ async def responses(request: web.Request) -> web.StreamResponse:
     return resp
 
 
-async def _whole_text(handle: RequestHandle) -> str:
-    """A non-streamed request's text, once it ends; its error as an APIError."""
-    try:
-        text = "".join([delta.text async for delta in handle])
-    except BaseException:  # cancelled (the client went away) or the engine broke
-        handle.cancel()
-        raise
-    if (err := finish_error(handle.finish_reason, handle.error)) is not None:
-        raise err
-    return text
-
-
 def _anthropic_usage(handle: RequestHandle) -> dict[str, int]:
     return anthropic.usage(handle.prompt_tokens, handle.cached_tokens, handle.completion_tokens)
 
@@ -471,7 +478,7 @@ async def _stream_messages(
     def error_events(err: APIError) -> list[bytes]:
         return [anthropic.event("error", anthropic.error_body(err))]
 
-    async with _stream_guard(handle, resp, fmt.id, error_events):
+    async with stream_guard(handle, resp, fmt.id, error_events):
         await resp.prepare(request)
         for ev in fmt.start(handle.prompt_tokens):
             await resp.write(ev)
@@ -519,13 +526,7 @@ async def _generate(
     handle = request.app[ENGINE].submit(generation_request(fmt.id, options, prompt))
     if options.stream:
         return await _stream(request, fmt, handle)
-    try:
-        deltas = [delta async for delta in handle]
-    except BaseException:  # cancelled (the client went away) or the engine broke
-        handle.cancel()
-        raise
-    if (err := finish_error(handle.finish_reason, handle.error)) is not None:
-        raise err
+    deltas = await all_deltas(handle)
     fmt.usage_extra = usage_extra(handle)
     body = fmt.response(
         deltas, handle.finish_reason or "stop", handle.prompt_tokens, handle.completion_tokens
@@ -551,7 +552,7 @@ async def _stream(
     def error_events(err: APIError) -> list[bytes]:
         return [sse(err.body()), SSE_DONE]
 
-    async with _stream_guard(handle, resp, fmt.id, error_events):
+    async with stream_guard(handle, resp, fmt.id, error_events):
         await resp.prepare(request)
         for chunk in fmt.start():
             await resp.write(sse(chunk))
@@ -569,33 +570,6 @@ async def _stream(
             await resp.write(sse(event))
         await resp.write(SSE_DONE)
     return resp
-
-
-@contextlib.asynccontextmanager
-async def _stream_guard(
-    handle: RequestHandle,
-    resp: web.StreamResponse,
-    stream_id: str,
-    error_events: Callable[[APIError], list[bytes]],
-) -> AsyncIterator[None]:
-    """Around a streamed reply: a client that went away cancels its request; an internal
-    failure after the headers went out ends the stream with the API's error event(s)."""
-    try:
-        yield
-    except ConnectionResetError:  # the client went away mid-stream
-        handle.cancel()
-    except asyncio.CancelledError:
-        handle.cancel()
-        raise
-    except Exception as exc:
-        handle.cancel()
-        if not resp.prepared:
-            raise
-        # Headers are out, so no error status: end the stream with an error event.
-        log.exception("stream %s failed", stream_id)
-        with contextlib.suppress(ConnectionResetError):
-            for event in error_events(APIError(500, f"internal error: {exc}")):
-                await resp.write(event)
 
 
 # --- llama-server's token utilities ------------------------------------------------------

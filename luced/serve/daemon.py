@@ -21,6 +21,7 @@ import signal
 import sys
 from pathlib import Path
 
+from luced.api.ollama_models import ModelFacts
 from luced.api.server import Guard, make_app
 from luced.engine.core import Engine
 from luced.engine.executor import Deadlines, WorkerDied, WorkerReplyError
@@ -109,6 +110,7 @@ class Daemon:
         )
         moe_profile = self._moe_profile(gguf)
         kv_pool = self._kv_pool(gguf, context, running)
+        facts = ModelFacts.from_gguf(gguf)  # what Ollama's /api/tags, /api/show list
         del gguf
         moe = cfg.moe
         if moe.moe_expert_device is not None:
@@ -183,7 +185,12 @@ class Daemon:
             raise StartupError(str(exc)) from exc
         guard = Guard(http.host, http.allowed_hosts, http.allowed_origins, http.metrics_public)
         app = make_app(
-            engine, metrics, api_key=api_key, guard=guard, body_timeout=http.http_timeout
+            engine,
+            metrics,
+            api_key=api_key,
+            guard=guard,
+            body_timeout=http.http_timeout,
+            model=facts,
         )
         try:
             runner = await listen(app, http)

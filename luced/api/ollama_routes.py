@@ -104,6 +104,9 @@ async def _reply(
         prompt=prep.prompt if req.kind == "generate" and req.raw is None else None,
     )
     if req.idle:  # Ollama's load / unload idioms: luced's one model stays loaded
+        if req.done_reason == "load" and engine.state != "ready":
+            # "loaded" would be untrue: the client is told to come back, as a request is
+            raise APIError(503, f"luced is {engine.state}; try again later", retry_after=1.0)
         return web.json_response(fmt.idle(req.done_reason), dumps=dumps)
     request_id = f"ollama-{uuid.uuid4().hex}"
     handle = engine.submit(generation_request(request_id, prep.options, prep.prompt))

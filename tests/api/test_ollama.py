@@ -27,10 +27,7 @@ from luced.api.ollama_format import OllamaReply, Timings, line
 from luced.api.ollama_models import ModelFacts, accelerated_share, parameter_size
 from luced.engine.core import Engine, GenerationRequest, RequestHandle
 from luced.engine.output import Delta, TokenLogprob
-from luced.engine.placement import WorkerSpec
-from luced.engine.target import Target, TargetPlacement
 from luced.gguf_file import GGUFFile
-from luced.ipc.shm import ShmOwner
 from luced.sampling_params import SamplingParams
 from luced.text.chat_template import ChatTemplate
 from luced.text.prompt import chat_ids
@@ -38,7 +35,7 @@ from luced.text.tokenizer import Tokenizer
 from luced.text.tool_calls import GenericToolFormat, ToolCall
 
 MODEL = "smol"
-CONTEXT = 256
+CONTEXT = 256  # the unstarted engine's (tests/api/conftest.py)
 VOCAB = 49152
 USER = [{"role": "user", "content": "Hi"}]
 WEATHER = {
@@ -64,19 +61,10 @@ def rejected(parse, **body) -> APIError:
     return info.value
 
 
-@pytest.fixture(scope="module")
-def engine(smollm2_gguf: Path, smol_tokenizer: Tokenizer, smol_template: ChatTemplate) -> Engine:
-    """A real engine over a target that is never started: what preparing reads."""
-    placement = TargetPlacement(
-        model=str(smollm2_gguf),
-        n_layers=30,
-        dtype="float32",
-        kv_capacity=CONTEXT,
-        max_batch_tokens=128,
-        worker=WorkerSpec("cpu", ("cpu",), threads=1),
-    )
-    target = Target(ShmOwner(), placement)
-    return Engine(target, smol_tokenizer, smol_template, model_name=MODEL, context_length=CONTEXT)
+@pytest.fixture
+def engine(unstarted_engine: Engine) -> Engine:
+    assert unstarted_engine.context_length == CONTEXT
+    return unstarted_engine
 
 
 # --- requests ----------------------------------------------------------------------------

@@ -19,7 +19,8 @@ from aiohttp.test_utils import TestClient, TestServer
 from openai import AsyncOpenAI
 from prometheus_client.parser import text_string_to_metric_families
 
-from luced.api.server import ENGINE, MAX_CHARS_PER_TOKEN, Guard, make_app
+from luced.api.prepare import MAX_CHARS_PER_TOKEN
+from luced.api.server import ENGINE, Guard, make_app
 from luced.engine.core import Engine
 from luced.engine.metrics import Metrics
 from luced.engine.placement import WorkerSpec
@@ -362,3 +363,51 @@ async def test_bad_encodings_and_huge_prompts_are_400s(loading: TestClient) -> N
     js = {"Content-Type": "application/json", "Content-Encoding": "gzip"}
     resp = await loading.post("/v1/chat/completions", data=b"not gzip at all", headers=js)
     assert "cannot be decoded" in (await error_of(resp, 400))["message"]
+
+
+async def test_every_text_bearing_field_is_bounded_before_parsing(loading: TestClient) -> None:
+    """Tools, schemas, tool-call history, Anthropic system blocks, Responses items and
+    token-id prompts count against the context's characters too, each a 400 naming the
+    field in its API's shape (the model is still loading: the bound comes first)."""
+    over = CONTEXT * MAX_CHARS_PER_TOKEN + 1
+    text = "x" * over
+    tool = {"type": "function", "function": {"name": "f", "description": text}}
+    schema = {"type": "object", "properties": {"a": {"type": "string", "description": text}}}
+    call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": text}}
+    turns = [*USER, {"role": "assistant", "content": None, "tool_calls": [call]}]
+    cases = [
+        ("/v1/chat/completions", {"messages": USER, "tools": [tool]}, "tools"),
+        (
+            "/v1/chat/completions",
+            {"messages": USER, "response_format": {"type": "json_schema", "json_schema": {
+                "name": "s", "schema": schema}}},
+            "response_format",
+        ),
+        ("/v1/chat/completions", {"messages": turns}, "messages"),
+        ("/v1/completions", {"prompt": [1] * over}, "prompt"),
+        ("/v1/responses", {"input": [{"type": "function_call_output", "call_id": "c",
+                                      "output": {"rows": [text]}}]}, "input"),
+        ("/tokenize", {"content": text}, "content"),
+        ("/detokenize", {"tokens": [1] * over}, "tokens"),
+    ]  # fmt: skip
+    for path, body, field in cases:
+        err = await error_of(await loading.post(path, json=body), 400)
+        assert err["param"] == field, (path, err)
+        assert err["message"].startswith(f"{field}: "), err
+    system = [{"type": "text", "text": text}]
+    for path in ("/v1/messages", "/v1/messages/count_tokens"):
+        body = {"max_tokens": 1, "system": system, "messages": USER}
+        resp = await loading.post(path, json=body)
+        assert resp.status == 400
+        err = await resp.json()
+        assert err["type"] == "error" and err["error"]["type"] == "invalid_request_error"
+        assert err["error"]["message"].startswith("system: "), err
+    resp = await loading.post(
+        "/v1/messages",
+        json={
+            "max_tokens": 1,
+            "messages": USER,
+            "tools": [{"name": "f", "description": text, "input_schema": schema}],
+        },
+    )
+    assert (await resp.json())["error"]["message"].startswith("tools: ")

@@ -8,6 +8,7 @@ import json
 import socket
 import threading
 import time
+import urllib.request
 
 import make_tiny_gguf
 import pytest
@@ -24,6 +25,9 @@ def limited(tmp_path_factory):
     yield d
     assert d.stop() == 0
     assert d.segments() == []
+
+
+CHAT = "/v1/chat/completions"
 
 
 def connect(d: DaemonProcess) -> socket.socket:
@@ -107,3 +111,46 @@ def test_oversized_headers_are_a_json_400(limited) -> None:
     answer = read_all(s)
     assert answer.split(b" ", 2)[1] == b"400", answer[:300]  # (HTTP/1.0: it never parsed)
     assert json.loads(answer.split(b"\r\n\r\n", 1)[1])["error"]["type"] == "invalid_request_error"
+
+
+def test_huge_tool_descriptions_are_a_400_and_health_answers_meanwhile(limited) -> None:
+    """The issue's body: 128 tools of 234 KB descriptions (30 MB). It is refused by the
+    bound before any schema compiles or any template renders, and /health answers all
+    along (a generous bound: once, rendering and tokenizing it held the loop for minutes)."""
+    d = limited
+    text = "lorem ipsum dolor sit amet " * 8_700
+    tools = [
+        {"type": "function", "function": {"name": f"t{i}", "description": text}} for i in range(128)
+    ]
+    big = json.dumps({"messages": [{"role": "user", "content": "hi"}], "tools": tools}).encode()
+    result: dict = {}
+    sender = threading.Thread(target=lambda: result.update(big=raw_post(d, CHAT, big)))
+    sender.start()
+    polls = 0
+    while sender.is_alive() or polls == 0:
+        with urllib.request.urlopen(d.url + "/health", timeout=10) as r:
+            assert r.status == 200
+        polls += 1
+        time.sleep(0.05)
+    sender.join()
+    status, _, body = result["big"]
+    assert status == 400 and body["error"]["param"] == "tools", body
+
+
+def test_a_corrupt_gzip_body_is_a_400_without_a_traceback(limited) -> None:
+    d = limited
+    for data in (b"not gzip at all", b"\x1f\x8b\x08\x00\x00\x00\x00\x00\x00\x03garbage"):
+        s = connect(d)
+        s.sendall(
+            f"POST {CHAT} HTTP/1.1\r\nHost: 127.0.0.1:{d.port}\r\n"
+            "Content-Type: application/json\r\nContent-Encoding: gzip\r\n"
+            f"Content-Length: {len(data)}\r\n\r\n".encode()
+            + data
+        )
+        answer = read_all(s)  # answered, then closed: the rest of the stream is unreadable
+        assert answer.startswith(b"HTTP/1.1 400"), answer[:200]
+        error = json.loads(answer.split(b"\r\n\r\n", 1)[1])["error"]
+        assert "cannot be decoded" in error["message"]
+    assert d.health()[0] == 200
+    log = d.log()
+    assert "Traceback" not in log and "Unhandled exception" not in log, log[-3000:]

@@ -10,21 +10,24 @@ latency (the lag the request caused to every other client). A body still unanswe
 `--timeout` seconds counts as such and its daemon is restarted. Trees take turns body by
 body (`--rounds`), so that load from other processes falls on both alike.
 
-Bodies (`--bodies`, default all), sized for the served model's context C:
+Bodies (`--bodies`, default all), sized for the served model's context C to pass this
+tree's byte and comma bounds (the largest the JSON decoder is given), or beyond them:
     tools     128 tools with 234 KB descriptions (30 MB): the issue's body
-    prompt    one 30 MB user message
-    ids       a completions prompt of 12 M token ids (24 MB of small JSON values)
+    prompt    one user message of the most bytes a body may have (9 MB at C = 8192)
+    ids       a completions prompt of the most token ids (580 k at C = 8192)
+    objects   as many messages as fit, each a JSON object
     schema    a response_format schema of 0.8·32·C characters (at the bound, compiled)
-    fit       tools whose descriptions total 0.8·32·C characters (rendered and tokenized)
+    bound     tools whose descriptions total 0.8·32·C characters: within the bound, so
+              rendered and tokenized (then too many tokens for the context: a 400)
 
     python tools/bench_loop_lag.py --tree /work/main --tree . [--model PATH]
-        [--bodies tools,prompt,ids,schema,fit] [--rounds 1] [--timeout 60]
+        [--bodies tools,prompt,ids,objects,schema,bound] [--rounds 1] [--timeout 60]
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
+import http.client
 import json
 import os
 import signal
@@ -33,11 +36,10 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-
-import aiohttp
 
 POLL_S = 0.005
 IDLE_S = 2.0
@@ -69,7 +71,11 @@ class Daemon:
         if self.model:
             cmd.insert(4, self.model)
         env = {**os.environ, "PYTHONPATH": str(self.tree)}
-        self.proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL)
+        with open(run / "daemon.log", "w") as log:
+            # cwd: `python -m` puts it first on sys.path, before PYTHONPATH
+            self.proc = subprocess.Popen(
+                cmd, env=env, cwd=self.tree, stdout=log, stderr=subprocess.STDOUT
+            )
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline:
             try:
@@ -99,55 +105,64 @@ class Probe:
     status: str  # the body's HTTP status, or "timeout"
     seconds: float
     lags_ms: list[float]
+    said: str = ""  # the start of the reply
 
     def row(self) -> str:
         lags = sorted(self.lags_ms) or [0.0]
         p99 = lags[min(len(lags) - 1, int(0.99 * len(lags)))]
         return (
             f"{self.status:>7} {self.seconds:8.2f} s  health p50 {statistics.median(lags):7.1f}"
-            f"  p99 {p99:7.1f}  max {max(lags):8.1f} ms  ({len(lags)} polls)"
+            f"  p99 {p99:7.1f}  max {max(lags):8.1f} ms  ({len(lags)} polls)  {self.said}"
         )
 
 
-async def probe(url: str, path: str | None, body: bytes, timeout: float) -> Probe:
-    """Poll /health while `body` is POSTed to `path` (None: poll IDLE_S, no body)."""
+def post(port: int, path: str, body: bytes, timeout: float) -> tuple[str, str]:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    try:
+        conn.request("POST", path, body, {"Content-Type": "application/json"})
+        r = conn.getresponse()
+        reply = r.read()
+        try:
+            said = json.loads(reply).get("error", {}).get("message", "")
+        except (ValueError, AttributeError):
+            said = ""
+        return str(r.status), said[:70]
+    except TimeoutError:
+        return "timeout", ""
+    finally:
+        conn.close()
+
+
+def probe(port: int, path: str | None, body: bytes, timeout: float) -> Probe:
+    """Poll /health (one kept-alive connection, every POLL_S) while `body` is POSTed to
+    `path` from another thread (None: poll IDLE_S, no body)."""
+    out: dict[str, tuple[str, str]] = {}
+    sender = None
+    if path is not None:
+        sender = threading.Thread(target=lambda: out.update(r=post(port, path, body, timeout)))
     lags: list[float] = []
-    done = asyncio.Event()
-
-    async def poll(session: aiohttp.ClientSession) -> None:
-        while not done.is_set():
-            t0 = time.perf_counter()
-            async with session.get(url + "/health") as r:
-                await r.read()
-            lags.append((time.perf_counter() - t0) * 1000)
-            await asyncio.sleep(POLL_S)
-
-    limits = aiohttp.ClientTimeout(total=timeout)
-    async with (
-        aiohttp.ClientSession(timeout=limits) as polls,
-        aiohttp.ClientSession(timeout=limits) as sender,
-    ):
-        poller = asyncio.create_task(poll(polls))
-        t0 = time.perf_counter()
-        status = "idle"
-        try:
-            if path is None:
-                await asyncio.sleep(IDLE_S)
-            else:
-                headers = {"Content-Type": "application/json"}
-                async with sender.post(url + path, data=body, headers=headers) as r:
-                    await r.read()
-                    status = str(r.status)
-        except TimeoutError:
-            status = "timeout"
-        seconds = time.perf_counter() - t0
-        done.set()
-        try:
-            await asyncio.wait_for(poller, 10)
-        except TimeoutError:
-            poller.cancel()
-            status = "timeout"
-    return Probe(status, seconds, lags)
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    t0 = time.perf_counter()
+    if sender is not None:
+        sender.start()
+    try:
+        while (sender.is_alive() if sender else time.perf_counter() - t0 < IDLE_S) or not lags:
+            t = time.perf_counter()
+            try:
+                conn.request("GET", "/health")
+                conn.getresponse().read()
+            finally:
+                lags.append((time.perf_counter() - t) * 1000)  # a poll that timed out too
+            time.sleep(POLL_S)
+    except TimeoutError:
+        out["r"] = ("timeout", "")
+    finally:
+        conn.close()
+    seconds = time.perf_counter() - t0
+    if sender is not None:
+        sender.join()
+    status, said = out.get("r", ("idle", ""))
+    return Probe(status, seconds, lags, said)
 
 
 def bodies(context: int) -> dict[str, tuple[str, bytes]]:
@@ -169,6 +184,10 @@ def bodies(context: int) -> dict[str, tuple[str, bytes]]:
             for i in range(n)
         ]
 
+    # What this tree's bounds let through to decoding (luced.api.prepare; 32 MiB at most):
+    # bytes 32·32·C + 1 MiB, commas 2·32·C + 64 Ki. The old tree had no such bounds.
+    most_bytes = min(32 << 20, 32 * bound + (1 << 20)) - 1024
+    most_values = 2 * bound + (1 << 16) - 1024
     user = [{"role": "user", "content": "hi"}]
     props = {f"p{i}": {"type": "string", "description": "d" * 40} for i in range(bound // 80)}
     schema = {"type": "object", "properties": props}
@@ -176,9 +195,13 @@ def bodies(context: int) -> dict[str, tuple[str, bytes]]:
         "tools": ("/v1/chat/completions", {"messages": user, "tools": tools(128, 234_000)}),
         "prompt": (
             "/v1/chat/completions",
-            {"messages": [{"role": "user", "content": "x" * (30 << 20)}]},
+            {"messages": [{"role": "user", "content": "x" * most_bytes}]},
         ),
-        "ids": ("/v1/completions", {"prompt": [1] * 12_000_000, "max_tokens": 1}),
+        "ids": ("/v1/completions", {"prompt": [1] * most_values, "max_tokens": 1}),
+        "objects": (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user"}] * min(most_values, most_bytes // 20)},
+        ),
         "schema": (
             "/v1/chat/completions",
             {
@@ -187,12 +210,20 @@ def bodies(context: int) -> dict[str, tuple[str, bytes]]:
                 "response_format": {"type": "json_schema", "json_schema": {"schema": schema}},
             },
         ),
-        "fit": (
+        "bound": (
             "/v1/chat/completions",
             {"messages": user, "max_tokens": 1, "tools": tools(128, int(0.8 * bound) // 128)},
         ),
     }
     return {k: (path, json.dumps(b).encode()) for k, (path, b) in out.items()}
+
+
+def warm_up(port: int) -> None:
+    """A small request with a grammar: the daemon builds its grammar vocabulary once, on
+    the first (0.9 s holding the GIL for SmolLM2), which is not what is measured here."""
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+    body["response_format"] = {"type": "json_object"}
+    post(port, "/v1/chat/completions", json.dumps(body).encode(), 120)
 
 
 def context_of(url: str) -> int:
@@ -206,7 +237,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--tree", action="append", required=True, help="a luced source tree")
     ap.add_argument("--model", default=None, help="GGUF (default: the bundled SmolLM2)")
-    ap.add_argument("--bodies", default="tools,prompt,ids,schema,fit")
+    ap.add_argument("--bodies", default="tools,prompt,ids,objects,schema,bound")
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--timeout", type=float, default=60.0)
     args = ap.parse_args()
@@ -216,6 +247,7 @@ def main() -> None:
         try:
             for d in daemons:
                 d.start()
+                warm_up(d.port)
             built = bodies(context_of(daemons[0].url))
             for name in names:
                 print(f"{name}: {len(built[name][1]) / 2**20:.1f} MiB", flush=True)
@@ -224,7 +256,7 @@ def main() -> None:
                 for name in ["idle", *names]:
                     for d in daemons:
                         path, body = built.get(name, (None, b""))
-                        p = asyncio.run(probe(d.url, path, body, args.timeout))
+                        p = probe(d.port, path, body, args.timeout)
                         results.setdefault((str(d.tree), name), []).append(p)
                         print(f"{d.tree}  {name:7} {p.row()}", flush=True)
                         if p.status == "timeout":

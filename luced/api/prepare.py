@@ -1,20 +1,27 @@
 """From a request body's bytes to a validated request and its prompt's token ids, off the
 event loop and bounded before any costly step.
 
-    bytes ─decode─► JSON ─bound─► parse (schemas compiled) ─render─► template ─► token ids
+    chunks ─join─► bytes ─check_commas─► decode ─check_size─► parse (schemas compiled)
+           ─► render ─► token ids
 
 Each route's `prepare_*` runs the whole chain in a thread (`Preparer.run`): a 30 MB body
-takes long to parse, a tool schema long to compile, a template long to render, and none of
-it may hold up `/health`, the admin socket or the token streams on the event loop. The
-tokenizer and llguidance let go of the GIL while they work; JSON decoding does not (tens
-of milliseconds for a body of many small values at the 32 MiB limit), which is the most
-one request can hold up the others.
+takes long to decode, a tool schema long to compile, a template long to render, and none
+of it may hold up `/health`, the admin socket or the token streams on the event loop. A
+thread still holds the GIL while Python or a C extension keeps it, so each costly step is
+one that lets go: the tokenizer (`encode_batch_fast`) and llguidance do; the C JSON
+decoder does not, so a body of many values is decoded by the json module's pure-Python
+scanner, which lets the loop in between values. A long string is still scanned whole
+(about 3 ms per MB).
 
-The bound (`check_size`) comes right after decoding: the text a request brings (every
-string in its prompt-bearing fields, tool descriptions and schemas, stop strings, Anthropic
-system blocks, Responses `input` items; keys count, and each other JSON value counts one)
-must fit MAX_CHARS_PER_TOKEN characters per context token, since no token is longer. Past
-it the request is a 400 naming the field where the text ran over, whatever the field.
+The bounds, all from the context length C and MAX_CHARS_PER_TOKEN (no token is longer):
+`max_body_bytes` is the largest body a request C can take has (the HTTP edge answers a
+larger one 413 as soon as its Content-Length, or its bytes, say so); `check_commas`
+refuses, before decoding, a body with more commas than values and characters C can take
+(400); `check_size`, right
+after decoding, refuses one whose text does not fit: every string in its text-bearing
+fields (messages, tool descriptions and schemas, response schemas, stop strings,
+Anthropic system blocks, Responses `input` items; keys count, and each other JSON value
+counts one) against 32·C characters, a 400 naming the field where the text ran over.
 
 Bodies up to LARGE_BODY go to the default executor; larger ones to a pool of
 PREPARE_THREADS threads, so that at most that many large bodies are expanded into Python
@@ -52,6 +59,10 @@ from luced.text.tool_calls import ToolFormat, has_tool_turns, tool_format
 MAX_CHARS_PER_TOKEN = 32
 LARGE_BODY = 1 << 20
 PREPARE_THREADS = 2
+# JSON bytes per counted character at most: a character may be written \ud83d\ude00,
+# and a pretty-printed schema spends a line of indentation on one value.
+BYTES_PER_CHAR = 32
+MANY_VALUES = 20_000  # the C decoder's time for as many values: ~10 ms
 
 # The fields of each API that carry text into the prompt or the grammar.
 CHAT_FIELDS = ("messages", "tools", "tool_choice", "response_format", "stop", "stop_token_ids")
@@ -77,14 +88,43 @@ class Preparer:
     def __init__(self, threads: int = PREPARE_THREADS) -> None:
         self._large = ThreadPoolExecutor(threads, thread_name_prefix="luced-prepare")
 
-    async def run(self, raw: bytes, fn: Callable[..., T], *args: Any) -> T:
-        """`fn(*args, raw)` in a thread."""
-        pool = self._large if len(raw) > LARGE_BODY else None
-        call = functools.partial(fn, *args, raw)
+    async def run(self, chunks: list[bytes], fn: Callable[..., T], engine: Engine, *args: Any) -> T:
+        """`fn(engine, *args, body)` in a thread, the body decoded there from its chunks."""
+        pool = self._large if sum(map(len, chunks)) > LARGE_BODY else None
+        call = functools.partial(_prepare, fn, engine, args, chunks)
         return await asyncio.get_running_loop().run_in_executor(pool, call)
 
     def close(self) -> None:
         self._large.shutdown(wait=False, cancel_futures=True)
+
+
+def _prepare(fn: Callable[..., T], engine: Engine, args: tuple[Any, ...], chunks: list[bytes]) -> T:
+    raw = b"".join(chunks)
+    many = check_commas(raw, engine.context_length)
+    body = [decode_body(raw, yielding=many)]  # the one reference, for `_let_go`
+    del raw
+    try:
+        return fn(engine, *args, body[0])
+    except APIError as exc:
+        # Its frames hold the body, and would free it on the event loop along with them.
+        exc.__traceback__ = exc.__context__ = None
+        raise
+    finally:
+        if many:
+            _let_go(body)
+
+
+def _let_go(holder: list[Any]) -> None:
+    """Free a decoded body a container at a time (`holder` holds the only reference):
+    freed whole, half a million objects go in one step of 60 ms that keeps the GIL."""
+    order = holder  # the body's containers and values, each container before its items
+    for v in order:
+        if isinstance(v, dict):
+            order.extend(v.values())
+        elif isinstance(v, list):
+            order.extend(v)
+    for i in range(len(order)):
+        order[i] = None  # frees one container: its items are still in `order`
 
 
 # --- the bound -----------------------------------------------------------------------------
@@ -125,46 +165,61 @@ def check_size(body: Mapping[str, Any], fields: Iterable[str], context_length: i
             )
 
 
-def _body(engine: Engine, raw: bytes, fields: Iterable[str]) -> dict[str, Any]:
-    body = decode_body(raw)
-    check_size(body, fields, engine.context_length)
-    return body
+def max_body_bytes(context_length: int) -> int:
+    """The most bytes a body of a request the context can take has: BYTES_PER_CHAR per
+    character of the bound, and LARGE_BODY for what is not counted."""
+    return BYTES_PER_CHAR * context_length * MAX_CHARS_PER_TOKEN + LARGE_BODY
+
+
+def check_commas(raw: bytes, context_length: int) -> bool:
+    """Before decoding: a 400 for a body with more values than the context can take
+    (values count one each, and a comma is a character or parts two values). Returns
+    whether the body has so many values (MANY_VALUES) that it is decoded in the yielding
+    way (`decode_body`)."""
+    commas = raw.count(b",")
+    if commas > 2 * context_length * MAX_CHARS_PER_TOKEN + LARGE_BODY // 16:
+        raise APIError(
+            400,
+            f"the request body has {commas} commas: more JSON values than a context of "
+            f"{context_length} tokens can take",
+        )
+    return commas > MANY_VALUES
 
 
 # --- the routes' preparations ---------------------------------------------------------------
 
 
-def prepare_chat(engine: Engine, raw: bytes) -> Prepared[ChatRequest]:
-    body = _body(engine, raw, CHAT_FIELDS)
+def prepare_chat(engine: Engine, body: dict[str, Any]) -> Prepared[ChatRequest]:
+    check_size(body, CHAT_FIELDS, engine.context_length)
     vocab = engine.tokenizer.vocab_size
     req = parse_chat(body, model_name=engine.model_name, vocab_size=vocab)
     return _chat(engine, req, chat_prompt)
 
 
-def prepare_responses(engine: Engine, raw: bytes) -> Prepared[ChatRequest]:
-    body = _body(engine, raw, RESPONSES_FIELDS)
+def prepare_responses(engine: Engine, body: dict[str, Any]) -> Prepared[ChatRequest]:
+    check_size(body, RESPONSES_FIELDS, engine.context_length)
     return _chat(engine, parse_responses(body, model_name=engine.model_name), chat_prompt)
 
 
 def prepare_messages(
-    engine: Engine, count_only: bool, raw: bytes
+    engine: Engine, count_only: bool, body: dict[str, Any]
 ) -> Prepared[anthropic.MessagesRequest]:
-    body = _body(engine, raw, MESSAGES_FIELDS)
+    check_size(body, MESSAGES_FIELDS, engine.context_length)
     req = anthropic.parse_messages(body, model_name=engine.model_name, count_only=count_only)
     return _chat(engine, req, anthropic.message_prompt, grammar=not count_only)
 
 
-def prepare_completion(engine: Engine, raw: bytes) -> Prepared[CompletionRequest]:
-    body = _body(engine, raw, COMPLETION_FIELDS)
+def prepare_completion(engine: Engine, body: dict[str, Any]) -> Prepared[CompletionRequest]:
+    check_size(body, COMPLETION_FIELDS, engine.context_length)
     vocab = engine.tokenizer.vocab_size
     req = parse_completion(body, model_name=engine.model_name, vocab_size=vocab)
     _check(req.options.grammar)
     return Prepared(req, completion_prompt(req, engine.tokenizer), req.options)
 
 
-def prepare_tokenize(engine: Engine, raw: bytes) -> tuple[list[int], bool]:
+def prepare_tokenize(engine: Engine, body: dict[str, Any]) -> tuple[list[int], bool]:
     """(the ids of `content`, whether the reply lists each token's piece)."""
-    body = _body(engine, raw, ("content",))
+    check_size(body, ("content",), engine.context_length)
     content = read_text("content", body.get("content"))
     add_bos = read_bool(body, "add_special")
     special = read_bool(body, "parse_special", default=True)
@@ -173,9 +228,9 @@ def prepare_tokenize(engine: Engine, raw: bytes) -> tuple[list[int], bool]:
     return ids, with_pieces
 
 
-def prepare_detokenize(engine: Engine, raw: bytes) -> str:
+def prepare_detokenize(engine: Engine, body: dict[str, Any]) -> str:
     """The text of `tokens` (control tokens as their text, so that it inverts tokenize)."""
-    body = _body(engine, raw, ("tokens",))
+    check_size(body, ("tokens",), engine.context_length)
     tokens = body.get("tokens")
     if not isinstance(tokens, list):
         raise APIError(

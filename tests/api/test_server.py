@@ -5,6 +5,7 @@ real worker process, driven by the official openai client and by raw HTTP."""
 from __future__ import annotations
 
 import asyncio
+import io
 import json
 import os
 import signal
@@ -19,7 +20,7 @@ from aiohttp.test_utils import TestClient, TestServer
 from openai import AsyncOpenAI
 from prometheus_client.parser import text_string_to_metric_families
 
-from luced.api.prepare import MAX_CHARS_PER_TOKEN
+from luced.api.prepare import BYTES_PER_CHAR, LARGE_BODY, MANY_VALUES, MAX_CHARS_PER_TOKEN
 from luced.api.server import ENGINE, Guard, make_app
 from luced.engine.core import Engine
 from luced.engine.metrics import Metrics
@@ -213,6 +214,7 @@ async def served(
     assert not [i.name for i in scan() if i.header and i.header.instance == owner.instance]
 
 
+JSON_TYPE = {"Content-Type": "application/json"}
 GREEDY = {"model": MODEL, "messages": USER, "temperature": 0, "max_tokens": 8}
 
 
@@ -411,3 +413,20 @@ async def test_every_text_bearing_field_is_bounded_before_parsing(loading: TestC
         },
     )
     assert (await resp.json())["error"]["message"].startswith("tools: ")
+
+
+async def test_bodies_no_request_of_the_context_could_be_are_refused_undecoded(
+    loading: TestClient,
+) -> None:
+    """Larger than any request the context takes: 413; more commas than its values and
+    characters: 400; many values, decoded the slow way that lets the loop run: bounded."""
+    limit = CONTEXT * MAX_CHARS_PER_TOKEN
+    big = json.dumps({"prompt": "hi", "pad": "x" * (BYTES_PER_CHAR * limit + LARGE_BODY)})
+    resp = await loading.post("/v1/completions", data=io.BytesIO(big.encode()), headers=JSON_TYPE)
+    assert "a context of 512 tokens takes no more" in (await error_of(resp, 413))["message"]
+    commas = {"prompt": "hi", "pad": [0] * (3 * limit + LARGE_BODY // 16)}
+    err = await error_of(await loading.post("/v1/completions", json=commas), 400)
+    assert "commas: more JSON values than a context of 512 tokens" in err["message"]
+    ids = {"prompt": [1] * (MANY_VALUES + 1)}  # decoded by the yielding scanner
+    err = await error_of(await loading.post("/v1/completions", json=ids), 400)
+    assert err["param"] == "prompt"

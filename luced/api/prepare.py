@@ -8,20 +8,21 @@ Each route's `prepare_*` runs the whole chain in a thread (`Preparer.run`): a 30
 takes long to decode, a tool schema long to compile, a template long to render, and none
 of it may hold up `/health`, the admin socket or the token streams on the event loop. A
 thread still holds the GIL while Python or a C extension keeps it, so each costly step is
-one that lets go: the tokenizer (`encode_batch_fast`) and llguidance do; the C JSON
-decoder does not, so a body of many values is decoded by the json module's pure-Python
-scanner, which lets the loop in between values. A long string is still scanned whole
-(about 3 ms per MB).
+one that lets go: the tokenizer (`encode_batch_fast`) and llguidance do. The C JSON
+decoder does not, so a body of many values (MANY_VALUES) is decoded by the json module's
+pure-Python scanner, which lets the loop in between values, and freed a container at a
+time in the thread (`_let_go`; freed whole, or with an error's frames on the loop, it
+would go in one step). A long string is still scanned whole (a few ms per MB).
 
 The bounds, all from the context length C and MAX_CHARS_PER_TOKEN (no token is longer):
 `max_body_bytes` is the largest body a request C can take has (the HTTP edge answers a
 larger one 413 as soon as its Content-Length, or its bytes, say so); `check_commas`
 refuses, before decoding, a body with more commas than values and characters C can take
-(400); `check_size`, right
-after decoding, refuses one whose text does not fit: every string in its text-bearing
-fields (messages, tool descriptions and schemas, response schemas, stop strings,
-Anthropic system blocks, Responses `input` items; keys count, and each other JSON value
-counts one) against 32·C characters, a 400 naming the field where the text ran over.
+(400); `check_size`, right after decoding, refuses one whose text does not fit: every
+string in its text-bearing fields (messages, tool descriptions and schemas, response
+schemas, stop strings, Anthropic system blocks, Responses `input` items; keys count, and
+each other JSON value counts one) against 32·C characters, a 400 naming the field where
+the text ran over.
 
 Bodies up to LARGE_BODY go to the default executor; larger ones to a pool of
 PREPARE_THREADS threads, so that at most that many large bodies are expanded into Python
@@ -101,22 +102,22 @@ class Preparer:
 def _prepare(fn: Callable[..., T], engine: Engine, args: tuple[Any, ...], chunks: list[bytes]) -> T:
     raw = b"".join(chunks)
     many = check_commas(raw, engine.context_length)
-    body = [decode_body(raw, yielding=many)]  # the one reference, for `_let_go`
+    held = [decode_body(raw, yielding=many)]  # the one reference, for `_let_go`
     del raw
     try:
-        return fn(engine, *args, body[0])
+        return fn(engine, *args, held[0])
     except APIError as exc:
         # Its frames hold the body, and would free it on the event loop along with them.
         exc.__traceback__ = exc.__context__ = None
         raise
     finally:
         if many:
-            _let_go(body)
+            _let_go(held)
 
 
 def _let_go(holder: list[Any]) -> None:
     """Free a decoded body a container at a time (`holder` holds the only reference):
-    freed whole, half a million objects go in one step of 60 ms that keeps the GIL."""
+    freed whole, its objects would all go in one step that keeps the GIL."""
     order = holder  # the body's containers and values, each container before its items
     for v in order:
         if isinstance(v, dict):

@@ -8,6 +8,8 @@
     GET  /v1/models              the served model; GET /v1/models/{id} one model card
     GET  /health                 200 {"status": "ok"} when ready, else 503 {"status": state}
     GET  /metrics                Prometheus text (luced.engine.metrics)
+    GET  /v1/status, /v1/status/history   the state and the last minutes (luced.api.status)
+    GET  /, /static/...          the web page: chat, status, plots (luced.api.page)
 
 A request's trace: the handler reads the body, `luced.api.openai` validates it (a 400
 naming the field, or 404 for another model), the chat template and tokenizer run in a
@@ -21,14 +23,17 @@ aiohttp lets the handler run on, and only a stream notices, at its next write.
 
 With an api_key, every /v1/ route and /tokenize, /detokenize (and /metrics unless
 metrics_public) want `Authorization: Bearer KEY` or Anthropic's `x-api-key: KEY` (401
-otherwise); /health stays open for probes. Errors are shaped by the API a path belongs to:
+otherwise); /health stays open for probes, and so does the web page, which holds nothing
+secret and asks its user for the key. Errors are shaped by the API a path belongs to:
 Anthropic's under /v1/messages, OpenAI's everywhere else.
 
 A web page must not drive a local daemon (`_guard`): a POST needs `Content-Type:
 application/json` (415 otherwise), which a cross-site form or fetch cannot send without a
-CORS preflight; preflights are refused (403) unless the Origin is in allowed_origins; and
-the Host header must name the bound address (a loopback name when bound to loopback) or
-one of allowed_hosts (403 otherwise), which defeats DNS rebinding.
+CORS preflight; a request whose Origin header names another site (not this Host, not in
+allowed_origins) is refused (403), preflights included; and the Host header must name
+the bound address (a loopback name when bound to loopback) or one of allowed_hosts (403
+otherwise), which defeats DNS rebinding. Our own page is same-origin: its requests carry
+this Host as their Origin, or no Origin at all.
 
 Bodies: a body with a bad Content-Encoding is a 400 (and the connection closes: the rest
 of its stream cannot be read). Everything from the body's bytes to the prompt's token ids
@@ -52,7 +57,7 @@ from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web_protocol import RequestPayloadError
 
-from luced.api import anthropic
+from luced.api import anthropic, page, status
 from luced.api.fields import APIError
 from luced.api.formats import (
     SSE_DONE,
@@ -127,6 +132,14 @@ class Guard:
         allowed |= {bound, f"[{bound}]"}
         return host in allowed
 
+    def origin_ok(self, origin: str, host_header: str | None) -> bool:
+        """A browser's Origin: this very site (its host:port is the Host header, whatever
+        the scheme a proxy in front terminates) or one of allowed_origins."""
+        if origin in self.allowed_origins:
+            return True
+        _, sep, netloc = origin.partition("://")
+        return bool(sep) and host_header is not None and netloc.lower() == host_header.lower()
+
 
 def make_app(
     engine: Engine,
@@ -162,6 +175,8 @@ def make_app(
             web.get("/metrics", prometheus),
         ]
     )
+    status.add_routes(app, engine, metrics)
+    page.add_routes(app)
     return app
 
 
@@ -212,12 +227,16 @@ async def _guard(request: web.Request, handler: Handler) -> web.StreamResponse:
             403, f"Host {request.headers.get('Host')!r} is not allowed (--allowed-hosts)"
         )
     origin = request.headers.get("Origin")
-    origin_ok = origin is not None and origin in guard.allowed_origins
+    cors = origin is not None and origin in guard.allowed_origins
+    # Browsers name the calling page's site in Origin: ours or an allowed one may call. A
+    # preflight asks for a cross-origin call, so only an allowed origin gets one.
+    if (request.method == "OPTIONS" and not cors) or (
+        origin is not None and not guard.origin_ok(origin, request.headers.get("Host"))
+    ):
+        raise APIError(
+            403, f"cross-origin requests from {origin!r} are not allowed (--allowed-origins)"
+        )
     if request.method == "OPTIONS":
-        if not origin_ok:
-            raise APIError(
-                403, f"cross-origin requests from {origin!r} are not allowed (--allowed-origins)"
-            )
         return web.Response(
             status=204,
             headers={
@@ -233,7 +252,7 @@ async def _guard(request: web.Request, handler: Handler) -> web.StreamResponse:
     if request.method == "POST" and request.content_type != "application/json":
         raise APIError(415, f"Content-Type must be application/json, got {request.content_type!r}")
     resp = await handler(request)
-    if origin_ok and not resp.prepared:
+    if cors and not resp.prepared:
         resp.headers["Access-Control-Allow-Origin"] = origin or ""
         resp.headers["Vary"] = "Origin"
     return resp

@@ -38,7 +38,7 @@ from luced.cache.prefix_cache import Hit, PrefixCache
 from luced.engine.batcher import StepBatcher
 from luced.engine.block_size import BlockSizer, StepCosts
 from luced.engine.constraint import Constraint
-from luced.engine.executor import WorkerDied, WorkerReplyError
+from luced.engine.executor import WorkerDied, WorkerReplyError, kernels_summary
 from luced.engine.kv_budget import KVBudget
 from luced.engine.lookup import PromptLookup
 from luced.engine.output import Delta, OutputBuilder
@@ -88,9 +88,21 @@ class InvalidGrammar(EngineError):
     code = "invalid_grammar"
 
 
+# Why a preempted request ends when a worker dies: what it had streamed cannot be continued.
+RESUME_LOST = "the model worker failed: it died while this request waited to resume"
+
 # Prompt positions worth waiting for another request's prefill to share: fewer cost about
 # as much to compute as to wait for.
 WAIT_TO_SHARE = 64
+
+
+def _request_row(h: RequestHandle, now: float) -> dict:
+    return {
+        "id": h.request_id,
+        "prompt_tokens": h.prompt_tokens,
+        "completion_tokens": h.completion_tokens,
+        "age_s": round(now - h.submitted_at, 1),
+    }
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:
@@ -273,6 +285,7 @@ class Engine:
         self._idle.set()
         self._loop_task: asyncio.Task | None = None
         self._grammar_vocab: GrammarTokenizer | None = None  # built on the first grammar
+        target.watch(self._workers_changed)
 
     # -- state ----------------------------------------------------------------------------
 
@@ -360,15 +373,37 @@ class Engine:
     def _drop_if_queued(self, handle: RequestHandle) -> None:
         """A queued request whose client left frees its place at once."""
         if handle in self.waiting:
-            self.waiting.remove(handle)
-            if self.preempted.get(handle.lane) is handle:  # the workers keep its sampler
-                del self.preempted[handle.lane]
-                self._spawn(self._release(handle.lane), f"release-{handle.lane}")
-            self._observe("queue", len(self.waiting))
-            handle._finish("abort")
-            self._observe_finish(handle)
-            if not self.waiting and not self.running:
-                self._idle.set()
+            self._leave_queue(handle, "abort")
+
+    def _leave_queue(self, handle: RequestHandle, reason: str, error: str | None = None) -> None:
+        """End a queued request without running it."""
+        self.waiting.remove(handle)
+        if self.preempted.get(handle.lane) is handle:  # the workers keep its sampler
+            del self.preempted[handle.lane]
+            self._spawn(self._release(handle.lane), f"release-{handle.lane}")
+        self._observe("queue", len(self.waiting))
+        handle._finish(reason, error)
+        self._observe_finish(handle)
+        if not self.waiting and not self.running:
+            self._idle.set()
+
+    def _workers_changed(self) -> None:
+        """A worker started, was loaded, died or failed to restart (`Target.watch`).
+
+        While a worker is down the queue waits for its restart (`_next_lane`), and only
+        the requests whose state was in the workers fail: the running ones at their next
+        call, the preempted ones here (a seeded generator lived in the dead worker, and
+        they have streamed tokens). A failed restart ends the queue with a 503: the
+        worker is retried with backoff, and may not come back soon."""
+        if not self.target.ready:
+            for handle in [h for h in self.waiting if h.resume is not None]:
+                self.totals["errors"] += 1
+                self._leave_queue(handle, "error", RESUME_LOST)
+            if (error := self.target.restart_error) is not None:
+                message = f"the model worker could not be restarted ({error}); try again later"
+                for handle in list(self.waiting):
+                    self._leave_queue(handle, "abort", message)
+        self._wakeup.set()
 
     def _retry_after(self) -> float:
         return float(max(1, len(self.waiting)))
@@ -376,6 +411,7 @@ class Engine:
     # -- the loop -------------------------------------------------------------------------
 
     def start(self) -> None:
+        self.loaded_once = True  # a worker that dies from here on is restarted: "degraded"
         self._loop_task = asyncio.get_running_loop().create_task(self._run(), name="engine")
 
     @property
@@ -440,9 +476,10 @@ class Engine:
         task.add_done_callback(self._tasks.discard)
 
     def _next_lane(self) -> int | None:
-        """The lane the queue's first request runs in, if it can start now: a lane is free
-        (a preempted request has its own) and its KV fits in the pool."""
-        if not self.waiting or len(self.running) >= self.max_running:
+        """The lane the queue's first request runs in, if it can start now: every worker is
+        ready (a dead one is restarting), a lane is free (a preempted request has its own)
+        and its KV fits in the pool."""
+        if not self.waiting or len(self.running) >= self.max_running or not self.target.ready:
             return None
         if self.max_running == 1:
             return 0
@@ -1089,6 +1126,8 @@ class Engine:
             self.metrics.finished(handle.finish_reason)
 
     def status(self) -> dict:
+        placement = self.workers()
+        now = time.monotonic()
         return {
             "model": self.model_name,
             "state": self.state,
@@ -1099,21 +1138,16 @@ class Engine:
                 "queued_tokens": self.queued_tokens(),
                 "running": len(self.running),
                 "max_running": self.max_running,
-                # Continuous batching: each running request, its tokens so far, and the
-                # batched decode steps so far with their mean size.
-                "requests": [
-                    {
-                        "id": h.request_id,
-                        "prompt_tokens": h.prompt_tokens,
-                        "completion_tokens": h.completion_tokens,
-                    }
-                    for h in self.running.values()
-                ],
+                # Each running and each waiting request with its tokens so far (a
+                # preempted one waits with what it had generated).
+                "requests": [_request_row(h, now) for h in self.running.values()],
+                "waiting_requests": [_request_row(h, now) for h in self.waiting],
                 # KV positions the running requests hold, over the pool (--kv-pool-tokens).
                 "kv_usage": sum(self.target.lane_position(lane) for lane in self.running)
                 / (self.kv.positions if self.kv else self.context_length),
                 "kv_pool_tokens": self.kv.positions if self.kv else self.context_length,
                 "preempted": len(self.preempted),
+                # Batched decode steps so far and their mean size (continuous batching).
                 "batched_steps": self.batcher.batches if self.batcher else 0,
                 "mean_batch": (
                     round(self.batcher.steps / self.batcher.batches, 2)
@@ -1133,7 +1167,9 @@ class Engine:
             ),
             # Speculative steps by block size ("1": plain steps taken while speculating).
             "block_sizes": {str(b): n for b, n in sorted(self.block_sizes.items())},
-            "placement": self.workers(),
+            "placement": placement,
+            # A "torch fallback" here decodes several times slower than native kernels.
+            "kernels": kernels_summary(placement),
             "prefix_cache": self._cache_status(),
             "kv_flash": self.target.flash_status(),
             "moe_experts": self.target.moe_status(),

@@ -64,7 +64,14 @@ from typing import Any, TypeVar
 import numpy as np
 
 from luced.cache.layout import TensorSpec
-from luced.engine.executor import Executor, Slot, WorkerDied, WorkerHandle, WorkerReplyError
+from luced.engine.executor import (
+    Deadlines,
+    Executor,
+    Slot,
+    WorkerDied,
+    WorkerHandle,
+    WorkerReplyError,
+)
 from luced.engine.experts import ExpertWorker
 from luced.engine.feature_ring import FeatureRing
 from luced.engine.kv_transfer import KVTransfer
@@ -176,7 +183,7 @@ class Target:
         on_state_change: Callable[[], None] | None = None,
         name: str = "target",  # segment name prefix: several targets may share one owner
         kv_flash: PagerConfig | None = None,  # pool rows and policy; chunk_bytes filled in
-        worker_timeout: float = 30.0,  # deadline floor of a worker call (a hung worker)
+        deadlines: Deadlines | None = None,  # of worker calls and starts (default: Deadlines())
     ) -> None:
         self.owner = owner
         self.flash_cfg = kv_flash
@@ -193,7 +200,7 @@ class Target:
             placement.workers,
             self._load,
             on_state_change,
-            worker_timeout,
+            deadlines or Deadlines(),
             inboxes=placement.moe_expert is not None,
         )
         self.experts = (
@@ -238,6 +245,16 @@ class Target:
     @property
     def ready(self) -> bool:
         return self.executor.ready
+
+    @property
+    def restart_error(self) -> str | None:
+        """Why a dead worker could not be started again (it is retried with backoff)."""
+        return self.executor.restart_error
+
+    def watch(self, callback: Callable[[], None]) -> None:
+        """Call `callback` (in place of the constructor's) whenever a worker starts, is
+        loaded, dies or fails to restart."""
+        self.executor.on_state_change = callback
 
     @property
     def position(self) -> int:

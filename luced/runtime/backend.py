@@ -44,7 +44,7 @@ import numpy as np
 import torch
 
 from luced.ipc import frames as F
-from luced.runtime import batch_verbs, experts, kv_flash_step, kv_snapshot, token_mask
+from luced.runtime import batch_verbs, experts, kv_flash_step, kv_snapshot, native, token_mask
 from luced.runtime.dflash import verbs as draft_verbs
 from luced.runtime.dflash.verify import verify_sampled
 from luced.runtime.expert_link import ExpertServer, RemoteExperts
@@ -213,6 +213,7 @@ class Backend(WorkerState):
             kv_pool=pooled[0].pool if pooled else 0,
             kv_chunk_bytes=sum(chunk_nbytes(c) for c in pooled),
             moe_fingerprint=placement.fingerprint() if placement is not None else "",
+            kernels=native.describe(torch_device(req.devices[0])),
         )
 
         def new_caches() -> list[SequenceCache]:
@@ -302,6 +303,7 @@ class Backend(WorkerState):
             "kv_blocks_used": sum(p.used_blocks for p in m.block_pools) if m else 0,
             "kv_blocks_mapped": sum(p.mapped_blocks for p in m.block_pools) if m else 0,
             "kv_pool_bytes": sum(p.nbytes() for p in m.block_pools) if m else 0,
+            "kernels": m.reply.kernels if m else "",
             "draft": str(self.draft.draft.path) if self.draft else "",
             "expert_calls_served": self.expert_server.calls,
         }

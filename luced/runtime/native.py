@@ -23,7 +23,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from luced.runtime import native_build
+from luced.ipc.frames import KERNELS_FALLBACK
+from luced.runtime import native_attention, native_build
 
 log = logging.getLogger(__name__)
 
@@ -133,6 +134,10 @@ class Kernels:
         return codes, d, s
 
 
+# What these bindings were written for: the C file's ABI_VERSION.
+LIBRARY = native_build.Library("qgemm", abi=1)
+
+
 def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
     for name in ("qg_int4", "qg_int8"):
@@ -158,7 +163,7 @@ def activation_levels() -> int:
 def _kernels(flags: frozenset[str]) -> Kernels | None:
     # native_build.opened, not .load: load's LUCED_KERNELS check would override an explicit
     # `kernels=` argument (a failed build has been warned about there, once)
-    library, _ = native_build.opened("qgemm")
+    library, _ = native_build.opened(LIBRARY)
     if library is None:
         return None
     lib = _bind(library)
@@ -184,6 +189,27 @@ def kernels(device: torch.device, mode: str | None = None) -> Kernels | None:
     if found is not None and mode == "auto" and best_isa(cpu_flags()) == "scalar":
         return None
     return found
+
+
+def describe(device: torch.device, mode: str | None = None) -> str:
+    """Which kernels run `device`'s packed matrices and decode attention, as a worker
+    reports them: "native <variant>"; "torch" (chosen, or not a CPU); "torch fallback: why"
+    where native kernels were wanted but could not be had (decode runs several times
+    slower); "matrices ...; attention ..." when the two differ."""
+    mode = mode or native_build.kernel_choice()
+    if mode == "torch" or device.type != "cpu":
+        return "torch"
+    parts = {}
+    for part, library in (("matrices", LIBRARY), ("attention", native_attention.LIBRARY)):
+        _, error = native_build.opened(library)
+        parts[part] = f"native {best_isa(cpu_flags())}"
+        if error is not None:
+            parts[part] = f"{KERNELS_FALLBACK}: {str(error).splitlines()[0]}"
+        elif part == "matrices" and mode == "auto" and best_isa(cpu_flags()) == "scalar":
+            parts[part] = "torch (no vector variant for this CPU)"  # as `kernels` decides
+    if len(set(parts.values())) == 1:
+        return parts["matrices"]
+    return "; ".join(f"{part} {how}" for part, how in parts.items())
 
 
 # ---------------------------------------------------------------- layouts

@@ -30,7 +30,7 @@ import torch
 from luced.runtime import native_build
 
 
-class _SequenceKV(ctypes.Structure):
+class SequenceKV(ctypes.Structure):  # the C struct of that name, field for field
     _fields_ = [
         ("k", ctypes.c_void_p),
         ("v", ctypes.c_void_p),
@@ -43,9 +43,22 @@ class _SequenceKV(ctypes.Structure):
     ]
 
 
+# What these bindings were written for: the C file's ABI_VERSION and its SequenceKV.
+LIBRARY = native_build.Library("decode_attention", abi=1, structs=(SequenceKV,))
+
+
 def _library() -> ctypes.CDLL | None:
-    lib = native_build.load("decode_attention")
+    lib = native_build.load(LIBRARY)
     if lib is not None and lib.decode_attention.restype is not ctypes.c_int:
+        p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+        # fmt: off
+        lib.decode_attention.argtypes = [
+            i32, i32, i32, i32,                         # B, Hkv, G, D
+            p, i64, p, p, i64,                          # q, ldq, k_new, v_new, ldkv
+            ctypes.POINTER(SequenceKV), i32, ctypes.c_float, p,  # seqs, rope_dims, scale, out
+            i32, i32,                                   # threads, kv_type
+        ]
+        # fmt: on
         lib.decode_attention.restype = ctypes.c_int
     return lib
 
@@ -144,7 +157,7 @@ def decode_attention(
             raise ValueError(f"RoPE tables {tuple(rope[0].shape)} do not cover {max(positions)}")
         cos, sin = rope[0].data_ptr(), rope[1].data_ptr()
     row_bytes = 4 * rope_dims
-    seqs = (_SequenceKV * b)()
+    seqs = (SequenceKV * b)()
     for s, (kv, pos) in enumerate(zip(storage, positions, strict=True)):
         k = kv.k
         # the kernel's span of `rows`: [lo, last], the query's own row at `last`
@@ -160,8 +173,8 @@ def decode_attention(
             raise ValueError(f"sequence {s}: KV storage {tuple(k.shape)} cannot hold row {pos}")
         rows = None if kv.rows is None else kv.rows.data_ptr()
         at = pos * row_bytes  # RoPE by the true position
-        seqs[s] = _SequenceKV(k.data_ptr(), kv.v.data_ptr(), rows, k.stride(0), last, lo,
-                              cos + at, sin + at)  # fmt: skip
+        seqs[s] = SequenceKV(k.data_ptr(), kv.v.data_ptr(), rows, k.stride(0), last, lo,
+                             cos + at, sin + at)  # fmt: skip
     q = _heads_view(q)
     k_new = v_new = None
     ldkv = 0

@@ -6,7 +6,7 @@
     | cache clear [--disk] --yes
 
 The socket: ``--socket``, else ``$LUCED_ADMIN_SOCKET``, else the daemon's default
-(``luced.serve.config.default_admin_socket``); when that does not exist but the systemd
+(``luced.serve.options.default_admin_socket``); when that does not exist but the systemd
 unit's ``/run/luced/admin.sock`` does, that one. Tables by default; ``--json`` prints
 the daemon's reply line as it came.
 
@@ -27,7 +27,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from luced.serve.config import default_admin_socket
+from luced.ipc.frames import KERNELS_FALLBACK
+from luced.serve.options import default_admin_socket
 
 SYSTEMD_SOCKET = Path("/run/luced/admin.sock")  # RuntimeDirectory=luced in luced.service
 DEFAULT_TIMEOUT = 10.0
@@ -231,11 +232,13 @@ def _queue(q: Any) -> str:
             text += f" (max {q['max_queued_tokens']})"
     if q.get("mean_batch") is not None:
         text += f"; {q['batched_steps']} batched steps, {q['mean_batch']} sequences each"
-    for r in q.get("requests") or []:  # each running request and its tokens so far
-        text += (
-            f"\n  {fmt(r.get('id'))}: {fmt(r.get('prompt_tokens'))} prompt + "
-            f"{fmt(r.get('completion_tokens'))} generated"
-        )
+    # Each running and waiting request and its tokens so far.
+    for key, label in (("requests", "running"), ("waiting_requests", "waiting")):
+        for r in q.get(key) or []:
+            text += (
+                f"\n  {fmt(r.get('id'))} {label}: {fmt(r.get('prompt_tokens'))} prompt + "
+                f"{fmt(r.get('completion_tokens'))} generated"
+            )
     return text
 
 
@@ -281,6 +284,13 @@ def _kv_flash(f: Any) -> str:
     )
 
 
+def _kernels(k: Any) -> str:
+    text = fmt(k)
+    if KERNELS_FALLBACK in text:
+        text += " (decode runs several times slower than on native kernels)"
+    return text
+
+
 def render_status(reply: Mapping[str, Any]) -> str:
     rows: list[tuple[str, str]] = []
     body = {k: v for k, v in reply.items() if k != "ok"}
@@ -306,6 +316,7 @@ def render_status(reply: Mapping[str, Any]) -> str:
         "requests": _counts,
         "prefix_cache": _prefix_cache,
         "kv_flash": _kv_flash,
+        "kernels": _kernels,
     }
     for key, show in named.items():
         if key in body:

@@ -8,9 +8,11 @@ import asyncio
 import io
 import json
 import os
+import re
 import signal
 import time
 from collections.abc import AsyncIterator
+from html.parser import HTMLParser
 from pathlib import Path
 
 import openai
@@ -162,6 +164,12 @@ async def test_body_size_limit_and_api_key(smollm2_gguf: Path, smol_tokenizer: T
             assert err["code"] == "invalid_api_key"
         ok = {"Authorization": "Bearer sekret"}
         assert (await client.get("/v1/models", headers=ok)).status == 200
+        for path in ("/v1/status", "/v1/status/history"):
+            await error_of(await client.get(path), 401)
+            assert (await client.get(path, headers=ok)).status == 200
+        # The page holds nothing secret: it loads without the key, then asks for it.
+        for path in ("/", "/static/app.js"):
+            assert (await client.get(path)).status == 200
         assert (await client.get("/health")).status == 503  # open, just not ready
         # /metrics wants the key too, unless --metrics-public
         await error_of(await client.get("/metrics"), 401)
@@ -283,6 +291,16 @@ async def test_disconnects_cancel_the_work_and_a_full_queue_is_429(served: Serve
     while not engine.waiting:
         await asyncio.sleep(0.01)
     handle_b = engine.waiting[0]
+    # The status shows both, with their tokens so far.
+    queue = (await (await client.get("/v1/status")).json())["queue"]
+    (running,) = queue["requests"]
+    assert (running["id"], running["prompt_tokens"]) == (
+        handle_a.request_id,
+        handle_a.prompt_tokens,
+    )
+    (waiting,) = queue["waiting_requests"]
+    assert (waiting["id"], waiting["completion_tokens"]) == (handle_b.request_id, 0)
+    assert waiting["prompt_tokens"] == handle_b.prompt_tokens
     # ... so C finds it full.
     c = await client.post("/v1/chat/completions", json=GREEDY)
     err = await error_of(c, 429)
@@ -339,6 +357,17 @@ async def test_a_web_page_cannot_drive_it(loading: TestClient) -> None:
     assert (await loading.get("/v1/models", headers={"Host": "localhost:8000"})).status == 200
     pre = {"Origin": "https://evil.example", "Access-Control-Request-Method": "POST"}
     await error_of(await loading.options("/v1/chat/completions", headers=pre), 403)
+    # A request from another site's page, preflighted or not, is refused as well ...
+    evil = {"Origin": "https://evil.example"}
+    err = await error_of(await loading.get("/v1/models", headers=evil), 403)
+    assert "evil.example" in err["message"]
+    for origin in ("null", f"http://{loading.host}:{loading.port + 1}"):
+        resp = await loading.post("/v1/chat/completions", json={}, headers={"Origin": origin})
+        await error_of(resp, 403)
+    # ... but our own page (same host and port) is not.
+    ours = {"Origin": f"http://{loading.host}:{loading.port}"}
+    assert (await loading.get("/v1/models", headers=ours)).status == 200
+    assert (await loading.get("/", headers=evil)).status == 403
 
 
 async def test_allowed_hosts_and_origins(loading: TestClient) -> None:
@@ -351,6 +380,88 @@ async def test_allowed_hosts_and_origins(loading: TestClient) -> None:
         resp = await client.options("/v1/chat/completions", headers=pre)
         assert resp.status == 204
         assert resp.headers["Access-Control-Allow-Origin"] == "http://app.lan"
+
+
+class _Markup(HTMLParser):
+    """What a strict Content-Security-Policy would block in a page: inline scripts and
+    styles, style attributes and inline event handlers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scripts: list[str] = []  # src of each <script>
+        self.inline: list[str] = []
+        self._in_script = False
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        names = dict(attrs)
+        if tag == "script":
+            self.scripts.append(names.get("src") or "")
+            self._in_script = True
+        if tag == "style":
+            self.inline.append("<style>")
+        self.inline += [f"{tag} {k}=" for k in names if k == "style" or k.startswith("on")]
+
+    def handle_endtag(self, tag: str) -> None:
+        self._in_script = self._in_script and tag != "script"
+
+    def handle_data(self, data: str) -> None:
+        if self._in_script and data.strip():
+            self.inline.append(f"<script>{data[:40]}")
+
+
+async def test_the_page_is_served_under_a_strict_csp(loading: TestClient) -> None:
+    resp = await loading.get("/")
+    assert resp.status == 200 and resp.content_type == "text/html"
+    csp = resp.headers["Content-Security-Policy"]
+    assert "default-src 'self'" in csp and "connect-src 'self'" in csp
+    assert "frame-ancestors 'none'" in csp and "unsafe" not in csp
+    assert resp.headers["X-Content-Type-Options"] == "nosniff"
+    markup = _Markup()
+    markup.feed(await resp.text())
+    assert markup.scripts == ["/static/app.js"] and markup.inline == []
+    # Every module the page imports, directly or not, is served as JavaScript.
+    todo, seen = ["app.js"], set()
+    while todo:
+        name = todo.pop()
+        resp = await loading.get(f"/static/{name}")
+        assert resp.status == 200, name
+        assert resp.headers["Content-Type"] == "text/javascript; charset=utf-8", name
+        assert resp.headers["Content-Security-Policy"] == csp
+        seen.add(name)
+        folder = name.rpartition("/")[0]
+        for target in re.findall(r'(?:^|\n)import[^"\n]*"\./([^"]+)"', await resp.text()):
+            path = f"{folder}/{target}" if folder else target
+            if path not in seen:
+                todo.append(path)
+    assert {"chat.js", "status.js", "plots.js", "markdown.js"} <= seen
+    assert any(n.startswith("vendor/uplot-") for n in seen)
+    # Each vendored library comes with its licence.
+    for lib in {n.split("/")[1] for n in seen if n.startswith("vendor/")}:
+        assert (await loading.get(f"/static/vendor/{lib}/LICENSE")).status == 200, lib
+    # Only the files of the package: no path reaches the file system.
+    for bad in ("/static/%2E%2E/server.py", "/static/nothing.js", "/static/vendor"):
+        assert (await loading.get(bad)).status == 404, bad
+    resp = await loading.get("/static/style.css")
+    assert resp.content_type == "text/css"
+    again = await loading.get("/static/style.css", headers={"If-None-Match": resp.headers["ETag"]})
+    assert again.status == 304
+
+
+async def test_status_and_its_history(loading: TestClient) -> None:
+    body = await (await loading.get("/v1/status")).json()
+    assert body["state"] == "loading" and body["model"] == MODEL
+    assert body["queue"]["requests"] == [] and body["queue"]["waiting_requests"] == []
+    assert body["snapshots"] == []  # no prefix cache
+    history = await (await loading.get("/v1/status/history")).json()
+    assert history["interval_s"] == 1 and history["span_s"] == 600
+    lengths = {len(v) for k, v in history.items() if isinstance(v, list)}
+    assert len(lengths) == 1  # one value per second in every column
+    assert history["t"] == sorted(history["t"])
+    resp = await loading.get("/v1/status/history", params={"since": time.time() - 2})
+    assert len((await resp.json())["t"]) <= 2
+    for bad in ("yesterday", "nan", "inf"):
+        resp = await loading.get("/v1/status/history", params={"since": bad})
+        assert (await error_of(resp, 400))["param"] == "since"
 
 
 async def test_bad_encodings_and_huge_prompts_are_400s(loading: TestClient) -> None:

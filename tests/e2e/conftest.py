@@ -4,7 +4,9 @@ failure costs that test, not the processes and /dev/shm segments of the rest of 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
+import make_tiny_gguf
 import openai
 import pytest
 from daemon_proc import DaemonProcess
@@ -16,6 +18,14 @@ def stop_leftover_daemons() -> Iterator[None]:
     yield
     for daemon in DaemonProcess.running - before:
         daemon.stop(timeout=10)  # SIGTERM, then SIGKILL
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory) -> Path:
+    """A tiny random llama (fast): for the queue, disconnect and failure paths."""
+    path = tmp_path_factory.mktemp("tiny") / "tiny-llama.gguf"
+    make_tiny_gguf.build("llama", path, seed=5, context=4096)
+    return path
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,6 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import make_tiny_gguf
 import openai
 import pytest
 from daemon_proc import DaemonProcess
@@ -27,13 +26,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture(scope="module")
-def tiny_gguf(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("tiny") / "tiny-llama.gguf"
-    make_tiny_gguf.build("llama", path, seed=5, context=4096)
-    return path
 
 
 def client(d: DaemonProcess) -> openai.OpenAI:

@@ -1,9 +1,11 @@
 """The HTTP listener's limits on a real daemon: clients that open connections and send
 nothing whole, or trickle a body, or send a huge one, cannot hold the daemon or its
-other clients (the hardening issue's "bodies that stall everyone")."""
+other clients (the hardening issue's "bodies that stall everyone"), and one client
+holding every connection cannot keep another out (the resilience issue)."""
 
 from __future__ import annotations
 
+import http.client
 import json
 import socket
 import threading
@@ -16,12 +18,12 @@ from daemon_proc import DaemonProcess
 from test_daemon import raw_post
 
 
-@pytest.fixture(scope="module")
-def limited(tmp_path_factory):
+def _daemon(tmp_path_factory, http_timeout: str, max_connections: str):
     root = tmp_path_factory.mktemp("limits")
     model = root / "tiny-llama.gguf"
     make_tiny_gguf.build("llama", model, seed=5, context=4096)
-    d = DaemonProcess(model, root, "--http-timeout", "1.5", "--max-connections", "4").start()
+    flags = ("--http-timeout", http_timeout, "--max-connections", max_connections)
+    d = DaemonProcess(model, root, *flags).start()
     yield d
     assert d.stop() == 0
     assert d.segments() == []
@@ -30,9 +32,37 @@ def limited(tmp_path_factory):
 CHAT = "/v1/chat/completions"
 
 
+@pytest.fixture(scope="module")
+def limited(tmp_path_factory):
+    yield from _daemon(tmp_path_factory, "1.5", "4")
+
+
+@pytest.fixture(scope="module")
+def crowded(tmp_path_factory):
+    """A daemon of 64 connections whose timeouts never free one during a test."""
+    yield from _daemon(tmp_path_factory, "600", "64")
+
+
 def connect(d: DaemonProcess) -> socket.socket:
     s = socket.create_connection(("127.0.0.1", d.port), timeout=20)
     return s
+
+
+# Another client: all of 127.0.0.0/8 is loopback (Linux), and the daemon sees the source.
+OTHER_PEER = "127.0.0.2"
+
+
+def ask_from(
+    d: DaemonProcess, source: str, method: str, path: str, body: dict | None = None
+) -> tuple[int, dict]:
+    conn = http.client.HTTPConnection("127.0.0.1", d.port, timeout=120, source_address=(source, 0))
+    try:
+        data = json.dumps(body).encode() if body is not None else None
+        conn.request(method, path, body=data, headers={"Content-Type": "application/json"})
+        r = conn.getresponse()
+        return r.status, json.loads(r.read())
+    finally:
+        conn.close()
 
 
 def read_all(s: socket.socket) -> bytes:
@@ -163,3 +193,29 @@ def test_a_corrupt_gzip_body_is_a_400_without_a_traceback(limited) -> None:
     assert d.health()[0] == 200
     log = d.log()
     assert "Traceback" not in log and "Unhandled exception" not in log, log[-3000:]
+
+
+@pytest.mark.parametrize("held", ["kept-alive", "half-sent"])
+def test_one_peer_holding_every_connection_cannot_keep_another_out(crowded, held) -> None:
+    d = crowded
+    conns = []
+    try:
+        for _ in range(80):  # from 127.0.0.1, past --max-connections 64
+            s = connect(d)
+            conns.append(s)
+            if held == "kept-alive":  # one request answered, then idle
+                s.sendall(f"GET /health HTTP/1.1\r\nHost: 127.0.0.1:{d.port}\r\n\r\n".encode())
+                answer = b""
+                while not answer.endswith(b"}") and (chunk := s.recv(65536)):
+                    answer += chunk
+            else:
+                s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Le")
+        # Another client: /health, a chat, and the admin socket are all answered.
+        assert ask_from(d, OTHER_PEER, "GET", "/health") == (200, {"status": "ok"})
+        chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+        status, body = ask_from(d, OTHER_PEER, "POST", "/v1/chat/completions", chat)
+        assert status == 200 and body["usage"]["completion_tokens"] == 2, body
+        assert d.lucectl_json("status")["state"] == "ready"
+    finally:
+        for s in conns:
+            s.close()

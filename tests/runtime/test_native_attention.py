@@ -4,9 +4,6 @@ others in its call nor on the thread count."""
 
 from __future__ import annotations
 
-import ctypes
-import logging
-
 import pytest
 import torch
 
@@ -15,7 +12,7 @@ from luced.runtime.layers import Rope, attention, attention_mask, rope_inv_freq
 from luced.runtime.native_attention import Storage
 
 pytestmark = pytest.mark.skipif(
-    native_build.load("decode_attention") is None, reason="no C compiler for native kernels"
+    native_build.load(native_attention.LIBRARY) is None, reason="no C compiler for native kernels"
 )
 
 
@@ -260,34 +257,3 @@ def test_supported_rows():
     assert not native_attention.supported(q, [Storage(k, v, torch.arange(8).int())])
     with pytest.raises(ValueError, match="cannot hold row"):
         native_attention.decode_attention(q, None, [kv], [8], None, 1.0)
-
-
-def test_build_failure_falls_back_or_raises(monkeypatch, tmp_path, caplog):
-    """No working compiler: auto warns once and returns None (the torch path); native
-    raises; torch never builds."""
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    monkeypatch.setenv("CC", "/bin/false")
-    native_build.opened.cache_clear()
-    try:
-        with caplog.at_level(logging.WARNING, logger="luced.runtime.native_build"):
-            assert native_build.load("decode_attention") is None
-        assert "unavailable" in caplog.text
-        native_build.opened.cache_clear()
-        monkeypatch.setenv("LUCED_KERNELS", "native")
-        with pytest.raises(RuntimeError, match="failed"):
-            native_build.load("decode_attention")
-        native_build.opened.cache_clear()
-        monkeypatch.setenv("LUCED_KERNELS", "torch")
-        assert native_build.load("decode_attention") is None
-        assert not list(tmp_path.rglob("*.so*"))  # nothing half-written was left behind
-    finally:
-        native_build.opened.cache_clear()
-
-
-def test_build_is_cached_and_loads(monkeypatch, tmp_path):
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    path = native_build.build("decode_attention")
-    assert path.parent == tmp_path / "luced" / "kernels" and path.stat().st_size > 0
-    mtime = path.stat().st_mtime_ns
-    assert native_build.build("decode_attention") == path and path.stat().st_mtime_ns == mtime
-    assert hasattr(ctypes.CDLL(str(path)), "decode_attention")

@@ -205,7 +205,7 @@ def test_torch_kernels_on_request_and_as_fallback(
 ) -> None:
     """`kernels="torch"` (or LUCED_KERNELS=torch) keeps torch's pack; without a compiler
     `auto` warns once and falls back to it, `native` refuses. (native_build's cache and
-    atomic build are tested in test_native_attention.py.)"""
+    atomic build are tested in test_native_build.py.)"""
     rows = _matrix(64, 64, "int4")
     assert PackedLinear(rows, torch.float32, "torch").native is None
     monkeypatch.setenv("LUCED_KERNELS", "torch")

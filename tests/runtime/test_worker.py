@@ -23,6 +23,7 @@ from luced.ipc import frames as F
 from luced.ipc.channel import RemoteError
 from luced.ipc.regions import Region, RegionAllocator, required_bytes
 from luced.ipc.shm import SHM_DIR, Segment, ShmOwner
+from luced.runtime import native
 from luced.runtime.generate import generate
 from luced.runtime.model import Model
 from luced.runtime.sampler import Sampler
@@ -261,6 +262,7 @@ def test_load_reply(worker: WorkerProc, ref: Model, smollm2_gguf: Path) -> None:
     assert (rep.layers, rep.dtype, rep.kv_capacity) == ((0, 30), "float32", KV)
     assert 0 < rep.load_s < 30
     assert (ref.cfg.n_layers, ref.cfg.hidden, ref.cfg.vocab) == (30, 576, 49152)
+    assert rep.kernels == native.describe(torch.device("cpu"))  # what runs its matrices
 
 
 def test_greedy_loop_equals_in_process(worker: WorkerProc, io: IO, ref: Model) -> None:
@@ -414,6 +416,7 @@ def test_stats_counts(worker: WorkerProc, io: IO, smollm2_gguf: Path) -> None:
     assert s["kv_position"] == len(PROMPT) + 1 and s["kv_capacity"] == KV
     assert s["kv_bytes"] == 30 * 2 * 3 * 64 * KV * 4  # layers, K+V, kv heads, head dim, fp32
     assert s["model"] == str(smollm2_gguf) and s["pid"] == worker.pid
+    assert s["kernels"] == native.describe(torch.device("cpu"))
     assert 100e6 < s["rss_bytes"] < 4e9
 
 

@@ -30,7 +30,7 @@ from luced.serve.admin import (
     same_uid_or_root,
     start_admin_server,
 )
-from luced.serve.config import default_admin_socket
+from luced.serve.options import default_admin_socket
 from luced.serve.prefix_setup import snapshot_handlers
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -614,20 +614,30 @@ def test_lucectl_default_socket_follows_the_daemons_default(
     assert lucectl.resolve_socket("/b.sock", {"LUCED_ADMIN_SOCKET": "/a.sock"}) == Path("/b.sock")
 
 
-def test_status_shows_the_running_requests_of_a_batch() -> None:
+def test_status_shows_the_running_and_waiting_requests() -> None:
     queue = {
         "running": 2,
         "max_running": 8,
-        "waiting": 0,
+        "waiting": 1,
         "requests": [
             {"id": "chatcmpl-a", "prompt_tokens": 12, "completion_tokens": 30},
             {"id": "chatcmpl-b", "prompt_tokens": 900, "completion_tokens": 2},
         ],
+        "waiting_requests": [{"id": "chatcmpl-c", "prompt_tokens": 7, "completion_tokens": 0}],
         "batched_steps": 40,
         "mean_batch": 1.9,
     }
-    assert lucectl.render_status({"queue": queue}).splitlines()[0:3] == [
-        "queue  2 running (max 8), 0 waiting; 40 batched steps, 1.9 sequences each",
-        "  chatcmpl-a: 12 prompt + 30 generated",
-        "  chatcmpl-b: 900 prompt + 2 generated",
+    assert lucectl.render_status({"queue": queue}).splitlines()[0:4] == [
+        "queue  2 running (max 8), 1 waiting; 40 batched steps, 1.9 sequences each",
+        "  chatcmpl-a running: 12 prompt + 30 generated",
+        "  chatcmpl-b running: 900 prompt + 2 generated",
+        "  chatcmpl-c waiting: 7 prompt + 0 generated",
     ]
+
+
+def test_status_says_what_a_torch_fallback_costs() -> None:
+    fell = "torch fallback: no C compiler (gcc, cc or $CC) and no cached build in /x"
+    assert lucectl.render_status({"kernels": fell}) == (
+        f"kernels  {fell} (decode runs several times slower than on native kernels)"
+    )
+    assert lucectl.render_status({"kernels": "native avx2"}) == "kernels  native avx2"

@@ -345,6 +345,21 @@ ATTEND_HEAD(attend_head_f32, KV_F32)
 ATTEND_HEAD(attend_head_bf16, KV_BF16)
 ATTEND_HEAD(attend_head_f16, KV_F16)
 
+/* The ABI luced/runtime/native_attention.py binds (its LIBRARY, checked at load by
+ * native_build): bump both with any change to an exported signature or to SequenceKV. */
+#define ABI_VERSION 1
+
+int luced_abi_version(void)
+{
+    return ABI_VERSION;
+}
+
+/* The size of a struct the bindings mirror, by name; -1 for a name this build lacks. */
+int64_t luced_sizeof(const char *name)
+{
+    return strcmp(name, "SequenceKV") == 0 ? (int64_t)sizeof(SequenceKV) : -1;
+}
+
 /* The storage types this build reads: bit t set for type t. */
 int decode_attention_kv_types(void)
 {

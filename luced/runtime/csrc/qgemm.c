@@ -547,6 +547,14 @@ static inline xrow xquant_row(const xquant *xq, int64_t r) {
         }                                                                              \
     }
 
+/* The ABI luced/runtime/native.py binds (its LIBRARY, checked at load by native_build):
+ * bump both with any change to an exported signature. */
+#define ABI_VERSION 1
+
+int luced_abi_version(void) {
+    return ABI_VERSION;
+}
+
 /* x [m, k] float32 ([m, 2k] for a gate input), y [m, n] float32; codes and sz in the layout
  * above (n padded to 16); levels 1 or 2: int8 activations, or two int8 levels (16-bit codes);
  * input, norm, eps: the input transform (input_op); residual [m, n] added to y, or NULL. */

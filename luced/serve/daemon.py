@@ -56,6 +56,7 @@ from luced.text.tokenizer import Tokenizer
 log = logging.getLogger("luced")
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+GIL_SWITCH_S = 0.001
 
 
 class StartupError(RuntimeError):
@@ -399,4 +400,7 @@ def run(config: Config) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
+    # A thread preparing a large request runs Python; the event loop waits for the GIL
+    # up to this long at each hand-over (5 ms by default, a few per /health answer).
+    sys.setswitchinterval(GIL_SWITCH_S)
     return uvloop.run(Daemon(config).run())

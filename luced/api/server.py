@@ -83,6 +83,7 @@ from luced.api.responses import usage as responses_usage
 from luced.api.tools import ToolChatFormat
 from luced.engine.core import Engine, EngineError, RequestHandle
 from luced.engine.metrics import CONTENT_TYPE, Metrics
+from luced.text import reasoning
 from luced.text.tool_calls import ToolFormat, has_tool_turns, tool_format
 
 log = logging.getLogger(__name__)
@@ -96,6 +97,8 @@ API_KEY = web.AppKey("api_key", str)  # "" = no key required
 GUARD = web.AppKey("guard", "Guard")
 STARTED = web.AppKey("started", int)  # unix time, the model card's "created"
 BODY_TIMEOUT = web.AppKey("body_timeout", float)  # seconds to receive a request body
+# OpenAI's system_fingerprint on chat and completions ("" = none): this build and model.
+SYSTEM_FINGERPRINT = web.AppKey("system_fingerprint", str)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -149,10 +152,12 @@ def make_app(
     client_max_size: int = DEFAULT_MAX_BODY,
     guard: Guard | None = None,
     body_timeout: float = 30.0,
+    system_fingerprint: str = "",
 ) -> web.Application:
     app = web.Application(middlewares=[_errors, _guard, _auth], client_max_size=client_max_size)
     app[GUARD] = guard or Guard()
     app[BODY_TIMEOUT] = body_timeout
+    app[SYSTEM_FINGERPRINT] = system_fingerprint
     app[ENGINE] = engine
     app[METRICS] = metrics
     app[API_KEY] = api_key or ""
@@ -349,7 +354,11 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         chat_prompt, req, engine.chat_template, engine.tokenizer, tools
     )
     head = (f"chatcmpl-{uuid.uuid4().hex}", engine.model_name, int(time.time()))
-    shape = {"top_logprobs": req.options.top_logprobs, "include_usage": req.options.include_usage}
+    shape = {
+        "top_logprobs": req.options.top_logprobs,
+        "include_usage": req.options.include_usage,
+        "system_fingerprint": request.app[SYSTEM_FINGERPRINT] or None,
+    }
     if tools is None or not req.calls_tools:
         return await _generate(request, ChatFormat(*head, **shape), req.options, prompt)
     fmt = ToolChatFormat(*head, tools=tools, **shape)
@@ -372,6 +381,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
         int(time.time()),
         top_logprobs=req.options.top_logprobs,
         include_usage=req.options.include_usage,
+        system_fingerprint=request.app[SYSTEM_FINGERPRINT] or None,
     )
     return await _generate(request, fmt, req.options, prompt)
 
@@ -381,18 +391,17 @@ async def messages(request: web.Request) -> web.StreamResponse:
     engine = request.app[ENGINE]
     body = await read_json(request)
     req = anthropic.parse_messages(body, model_name=engine.model_name)
-    check_chars(request, _text_chars(req.messages) + len(req.prefill), "messages")
-    tools = _tool_format(engine, req)
-    prompt = await asyncio.to_thread(
-        anthropic.message_prompt, req, engine.chat_template, engine.tokenizer, tools
-    )
+    prompt, tools, grammar, think = await _messages_prompt(request, req)
     message_id = f"msg_{uuid.uuid4().hex}"
-    options = req.options
+    thinking = None
+    if think:  # does the prompt leave the model inside a think block already?
+        tail = engine.tokenizer.decode(prompt[-8:], skip_special=False)
+        thinking = anthropic.Thinking(reasoning.opens_thinking(tail), req.thinking == "omitted")
     if tools is None or not req.calls_tools:
-        fmt = anthropic.MessageFormat(message_id, engine.model_name)
+        fmt = anthropic.MessageFormat(message_id, engine.model_name, thinking)
     else:
-        fmt = anthropic.ToolMessageFormat(message_id, engine.model_name, tools)
-        options = replace(options, grammar=tools.grammar(req.tools, req.tool_choice))
+        fmt = anthropic.ToolMessageFormat(message_id, engine.model_name, tools, thinking)
+    options = replace(req.options, grammar=grammar)
     handle = engine.submit(generation_request(fmt.id, options, prompt))
     if req.options.stream:
         return await _stream_messages(request, fmt, handle)
@@ -401,6 +410,24 @@ async def messages(request: web.Request) -> web.StreamResponse:
         text, handle.finish_reason or "stop", handle.stop_string, _anthropic_usage(handle)
     )
     return web.json_response(body, dumps=dumps)
+
+
+async def _messages_prompt(
+    request: web.Request, req: anthropic.MessagesRequest
+) -> tuple[list[int], ToolFormat | None, str | None, bool]:
+    """A Messages request's prompt ids, its tool format, its grammar (a call's, when tools
+    are offered), and whether the reply thinks: count_tokens renders what messages does."""
+    engine = request.app[ENGINE]
+    check_chars(request, _text_chars(req.messages) + len(req.prefill), "messages")
+    tools = _tool_format(engine, req)
+    grammar = None
+    if tools is not None and req.calls_tools:
+        grammar = tools.grammar(req.tools, req.tool_choice)
+    think = req.thinks(engine.chat_template, constrained=grammar is not None)
+    prompt = await asyncio.to_thread(
+        anthropic.message_prompt, req, engine.chat_template, engine.tokenizer, tools, think
+    )
+    return prompt, tools, grammar, think
 
 
 async def responses(request: web.Request) -> web.StreamResponse:
@@ -492,14 +519,7 @@ async def count_tokens(request: web.Request) -> web.Response:
     engine = request.app[ENGINE]
     body = await read_json(request)
     req = anthropic.parse_messages(body, model_name=engine.model_name, count_only=True)
-    check_chars(request, _text_chars(req.messages) + len(req.prefill), "messages")
-    prompt = await asyncio.to_thread(
-        anthropic.message_prompt,
-        req,
-        engine.chat_template,
-        engine.tokenizer,
-        _tool_format(engine, req),
-    )
+    prompt, *_ = await _messages_prompt(request, req)
     return web.json_response({"input_tokens": len(prompt)}, dumps=dumps)
 
 

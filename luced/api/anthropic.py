@@ -311,30 +311,28 @@ def _block(kind: str, text: str, thinking: Thinking | None = None) -> dict[str, 
 
 def _block_events(index: int, block: dict[str, Any]) -> list[bytes]:
     """A whole content block as a stream shows it: start, its delta(s), stop."""
-    if block["type"] == "thinking":
-        opened = {**block, "thinking": ""}
-        deltas = [{"type": "thinking_delta", "thinking": block["thinking"]}] * bool(
-            block["thinking"]
-        )
+    if block["type"] == "thinking":  # its text (none when omitted), then its signature
+        opened, deltas = {**block, "thinking": ""}, []
+        if block["thinking"]:
+            deltas.append({"type": "thinking_delta", "thinking": block["thinking"]})
         deltas.append({"type": "signature_delta", "signature": block["signature"]})
     elif block["type"] == "text":
         opened, deltas = _EMPTY_TEXT, [{"type": "text_delta", "text": block["text"]}]
     else:  # tool_use
         opened = {**block, "input": {}}
         deltas = [{"type": "input_json_delta", "partial_json": json.dumps(block["input"])}]
+    start = {"type": "content_block_start", "index": index, "content_block": opened}
     return [
-        event(
-            "content_block_start",
-            {"type": "content_block_start", "index": index, "content_block": opened},
-        ),
-        *(
-            event(
-                "content_block_delta", {"type": "content_block_delta", "index": index, "delta": d}
-            )
-            for d in deltas
-        ),
+        event("content_block_start", start),
+        *(_delta_event(index, d) for d in deltas),
         event("content_block_stop", {"type": "content_block_stop", "index": index}),
     ]
+
+
+def _delta_event(index: int, delta: dict[str, Any]) -> bytes:
+    return event(
+        "content_block_delta", {"type": "content_block_delta", "index": index, "delta": delta}
+    )
 
 
 class MessageFormat:
@@ -422,13 +420,9 @@ class MessageFormat:
             if kind != self._open:
                 events += self._close()
                 self._open, self._index = kind, self._index + 1
-                opened = {**_block(kind, "")}
-                start = {
-                    "type": "content_block_start",
-                    "index": self._index,
-                    "content_block": opened,
-                }
-                events.append(event("content_block_start", start))
+                opened = _block(kind, "")
+                start = {"type": "content_block_start", "index": self._index}
+                events.append(event("content_block_start", {**start, "content_block": opened}))
             if not text:  # an empty block (a reply that wrote nothing) has no delta
                 continue
             if kind == reasoning.THINKING:
@@ -437,8 +431,7 @@ class MessageFormat:
                 delta = {"type": "thinking_delta", "thinking": text}
             else:
                 delta = {"type": "text_delta", "text": text}
-            body = {"type": "content_block_delta", "index": self._index, "delta": delta}
-            events.append(event("content_block_delta", body))
+            events.append(_delta_event(self._index, delta))
         return events
 
     def _close(self) -> list[bytes]:
@@ -448,8 +441,7 @@ class MessageFormat:
         events = []
         if self._open == reasoning.THINKING:
             signed = {"type": "signature_delta", "signature": SIGNATURE}
-            body = {"type": "content_block_delta", "index": self._index, "delta": signed}
-            events.append(event("content_block_delta", body))
+            events.append(_delta_event(self._index, signed))
         stop = {"type": "content_block_stop", "index": self._index}
         self._open = None
         return [*events, event("content_block_stop", stop)]

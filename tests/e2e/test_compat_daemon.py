@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import time
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -219,6 +220,11 @@ def test_request_phase_and_process_metrics(smol, client: openai.OpenAI) -> None:
         "process_resident_memory_bytes",
         "process_cpu_seconds",
     }
+    # The engine counts a request once its lane is released, just after the reply went out.
+    deadline = time.monotonic() + 30
+    while smol.metric("luced:request_decode_time_seconds_count") < before + 1:
+        assert time.monotonic() < deadline, smol.metrics()
+        time.sleep(0.05)
     http = {f.name for f in text_string_to_metric_families(smol.metrics())}
     assert names <= http
     assert smol.metric("luced:request_decode_time_seconds_count") == before + 1

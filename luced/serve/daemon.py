@@ -23,6 +23,7 @@ import sys
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
+from luced.api.ollama_models import ModelFacts
 from luced.api.server import Guard, make_app
 from luced.engine.core import Engine
 from luced.engine.executor import Deadlines, WorkerDied, WorkerReplyError
@@ -58,6 +59,7 @@ from luced.text.tokenizer import Tokenizer
 log = logging.getLogger("luced")
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+GIL_SWITCH_S = 0.001
 
 
 class StartupError(RuntimeError):
@@ -113,6 +115,7 @@ class Daemon:
         )
         moe_profile = self._moe_profile(gguf)
         kv_pool = self._kv_pool(gguf, context, running)
+        facts = ModelFacts.from_gguf(gguf)  # what Ollama's /api/tags, /api/show list
         del gguf
         moe = cfg.moe
         if moe.moe_expert_device is not None:
@@ -192,6 +195,7 @@ class Daemon:
             api_key=api_key,
             guard=guard,
             body_timeout=http.http_timeout,
+            model=facts,
             system_fingerprint=system_fingerprint(cfg, model_path),
         )
         try:
@@ -422,4 +426,7 @@ def run(config: Config) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
+    # A thread preparing a large request runs Python; the event loop waits for the GIL
+    # up to this long at each hand-over (5 ms by default, a few per /health answer).
+    sys.setswitchinterval(GIL_SWITCH_S)
     return uvloop.run(Daemon(config).run())

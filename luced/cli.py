@@ -1,4 +1,5 @@
-"""`luced` command line: `luced serve [MODEL.gguf] [options]` (see `luced serve --help`)."""
+"""`luced` command line: `luced serve [MODEL.gguf | NAME] [options]` (see `luced serve --help`;
+NAME is a bundled model's, `luced.serve.bundled.BUNDLED`)."""
 
 from __future__ import annotations
 
@@ -27,9 +28,12 @@ def explain(exc: BaseException) -> str:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in {"-h", "--help"}:
+        from luced.serve.bundled import BUNDLED
+
         print(
-            "usage: luced serve [MODEL.gguf] [options]\n\n"
-            "Serve a GGUF model over an OpenAI-compatible HTTP API.\n"
+            "usage: luced serve [MODEL.gguf | NAME] [options]\n\n"
+            f"Serve a GGUF model (or a bundled one by NAME: {', '.join(BUNDLED)})\n"
+            "over an OpenAI-compatible HTTP API.\n"
             "Run `luced serve --help` for the options."
         )
         return 0 if argv else 2

@@ -61,6 +61,7 @@ from luced.api.openai import (
 )
 from luced.api.responses import parse_responses
 from luced.engine.core import Engine
+from luced.text import reasoning
 from luced.text.grammar import GrammarError, check_grammar
 from luced.text.tool_calls import ToolFormat, has_tool_turns, tool_format
 
@@ -87,6 +88,7 @@ class Prepared(Generic[R]):
     prompt: list[int]
     options: Options  # the request's, with its tools' grammar when it calls tools
     tools: ToolFormat | None = None  # how its tool calls are read back, when it calls tools
+    thinking: anthropic.Thinking | None = None  # a Messages reply that thinks
 
 
 class Preparer:
@@ -213,7 +215,23 @@ def prepare_messages(
 ) -> Prepared[anthropic.MessagesRequest]:
     check_size(body, MESSAGES_FIELDS, engine.context_length)
     req = anthropic.parse_messages(body, model_name=engine.model_name, count_only=count_only)
-    return _chat(engine, req, anthropic.message_prompt, grammar=not count_only)
+    # count_tokens renders what the reply would have, thinking or not, without compiling.
+    think = req.thinks(engine.chat_template, constrained=_constrained(engine, req))
+    render = functools.partial(anthropic.message_prompt, think=think)
+    prep = _chat(engine, req, render, grammar=not count_only)
+    if not think:
+        return prep
+    # Does the prompt itself open the think block (DeepSeek-R1's generation prompt)?
+    tail = engine.tokenizer.decode(prep.prompt[-8:], skip_special=False)
+    opened = reasoning.opens_thinking(tail)
+    return replace(prep, thinking=anthropic.Thinking(opened, req.thinking == "omitted"))
+
+
+def _constrained(engine: Engine, req: anthropic.MessagesRequest) -> bool:
+    """Whether a grammar will hold the reply to a tool call, leaving no text to think in."""
+    if not req.calls_tools:
+        return False
+    return tool_format(engine.chat_template).grammar(req.tools, req.tool_choice) is not None
 
 
 def prepare_completion(engine: Engine, body: dict[str, Any]) -> Prepared[CompletionRequest]:

@@ -99,6 +99,8 @@ API_KEY = web.AppKey("api_key", str)  # "" = no key required
 GUARD = web.AppKey("guard", "Guard")
 STARTED = web.AppKey("started", int)  # unix time, the model card's "created"
 BODY_TIMEOUT = web.AppKey("body_timeout", float)  # seconds to receive a request body
+# OpenAI's system_fingerprint on chat and completions ("" = none): this build and model.
+SYSTEM_FINGERPRINT = web.AppKey("system_fingerprint", str)
 PREPARER = web.AppKey("preparer", Preparer)
 MAX_BODY = web.AppKey("max_body", int)  # bytes
 YIELD_BYTES = 1 << 20
@@ -153,11 +155,14 @@ def make_app(
     guard: Guard | None = None,
     body_timeout: float = 30.0,
     model: ModelFacts | None = None,
+    system_fingerprint: str = "",
 ) -> web.Application:
-    """model: what Ollama's listings say about the served GGUF (none: only its name)."""
+    """model: what Ollama's listings say about the served GGUF (none: only its name);
+    system_fingerprint: what chat and completions replies name their backend by."""
     app = web.Application(middlewares=[_errors, _guard, _auth], client_max_size=client_max_size)
     app[GUARD] = guard or Guard()
     app[BODY_TIMEOUT] = body_timeout
+    app[SYSTEM_FINGERPRINT] = system_fingerprint
     app[ENGINE] = engine
     app[METRICS] = metrics
     app[API_KEY] = api_key or ""
@@ -368,7 +373,11 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     prep = await prepare(request, prepare_chat)
     options = prep.options
     head = (f"chatcmpl-{uuid.uuid4().hex}", engine.model_name, int(time.time()))
-    shape = {"top_logprobs": options.top_logprobs, "include_usage": options.include_usage}
+    shape = {
+        "top_logprobs": options.top_logprobs,
+        "include_usage": options.include_usage,
+        "system_fingerprint": request.app[SYSTEM_FINGERPRINT] or None,
+    }
     if prep.tools is None:
         return await _generate(request, ChatFormat(*head, **shape), options, prep.prompt)
     fmt = ToolChatFormat(*head, tools=prep.tools, **shape)
@@ -384,6 +393,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
         int(time.time()),
         top_logprobs=prep.options.top_logprobs,
         include_usage=prep.options.include_usage,
+        system_fingerprint=request.app[SYSTEM_FINGERPRINT] or None,
     )
     return await _generate(request, fmt, prep.options, prep.prompt)
 
@@ -394,9 +404,9 @@ async def messages(request: web.Request) -> web.StreamResponse:
     prep = await prepare(request, prepare_messages, False)
     message_id = f"msg_{uuid.uuid4().hex}"
     if prep.tools is None:
-        fmt = anthropic.MessageFormat(message_id, engine.model_name)
+        fmt = anthropic.MessageFormat(message_id, engine.model_name, prep.thinking)
     else:
-        fmt = anthropic.ToolMessageFormat(message_id, engine.model_name, prep.tools)
+        fmt = anthropic.ToolMessageFormat(message_id, engine.model_name, prep.tools, prep.thinking)
     handle = engine.submit(generation_request(fmt.id, prep.options, prep.prompt))
     if prep.options.stream:
         return await _stream_messages(request, fmt, handle)

@@ -164,6 +164,7 @@ class RequestHandle:
         self.cancelled = False
         self.on_cancel: Callable[[RequestHandle], None] | None = None
         self.submitted_at = time.monotonic()
+        self.admitted_at: float | None = None  # first taken from the queue to run
         self.first_token_at: float | None = None
         self.last_token_at: float | None = None
         # DFlash counts for this request (reported in usage).
@@ -457,6 +458,8 @@ class Engine:
                 self._wakeup.clear()
                 await self._wakeup.wait()
             handle = self.waiting.popleft()
+            if handle.admitted_at is None:  # a preempted request keeps its first admission
+                handle.admitted_at = time.monotonic()
             self._observe("queue", len(self.waiting))
             if self.max_running == 1:
                 await self._serve(handle, 0)
@@ -1122,8 +1125,7 @@ class Engine:
 
     def _observe_finish(self, handle: RequestHandle) -> None:
         if self.metrics is not None and handle.finish_reason is not None:
-            self.metrics.observe("e2e", time.monotonic() - handle.submitted_at)
-            self.metrics.finished(handle.finish_reason)
+            self.metrics.request_finished(handle)
 
     def status(self) -> dict:
         placement = self.workers()

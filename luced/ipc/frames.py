@@ -66,7 +66,8 @@ n_out and ``n_rows_out`` (greedy verify blocks batched); ``load`` ``kv_dtype``;
 ``kv_share`` (a sequence starts on another's prefix blocks, without copying);
 14: ``load`` replies ``kernels``, what runs the worker's matrices and decode attention;
 15: progress notes: a worker at one of the ``SLOW`` requests (its start, a load) says twice
-a second that it is still at work, so the daemon bounds its silence, not its time.
+a second that it is still at work, so the daemon bounds its silence, not its time;
+16: a ``sampling`` map may carry ``logit_bias`` ({"token id": bias}, a nested map).
 
 Expert compute (``luced.runtime.expert_link``): an expert worker answers ``load_experts``
 from the daemon, and ``expert_mix`` from target workers over direct worker-to-worker
@@ -91,9 +92,9 @@ from typing import Any, ClassVar, Literal, Self, TypeVar
 
 from luced.ipc.regions import Region
 from luced.ipc.typed import FrameError, Record
-from luced.sampling_params import SamplingParams
+from luced.sampling_params import SamplingParams, SamplingWire
 
-PROTOCOL_VERSION = 15
+PROTOCOL_VERSION = 16
 
 _ENVELOPE = frozenset({"op", "seq", "ok", "error", "progress"})  # no op may use these as fields
 
@@ -367,7 +368,7 @@ class Forward(Request):
     tokens: Region | None = None
     hidden_in: Region | None = None
     positions: Positions = "last"
-    sampling: dict[str, int | float | None] = field(default_factory=dict)
+    sampling: SamplingWire = field(default_factory=dict)
     top_logprobs: int = 0
     capture: tuple[int, ...] = ()
     ring: Region | None = None
@@ -611,7 +612,7 @@ class ForwardBatch(Request):
     outputs: dict[str, Region]
     tokens: Region | None = None
     hidden_in: Region | None = None
-    sampling: tuple[dict[str, int | float | None], ...] = ()
+    sampling: tuple[SamplingWire, ...] = ()
     top_logprobs: int = 0
     allowed: Region | None = None
     n_rows_out: int = 0  # output rows: the sum of the n_out column; 0 = one per sequence
@@ -792,7 +793,7 @@ class DraftBlock(Request):
     block_size: int | None = None
     mask_token_id: int | None = None
     ctx_window: int = 4096
-    sampling: dict[str, int | float | None] = field(default_factory=dict)
+    sampling: SamplingWire = field(default_factory=dict)
 
     @property
     def sampled(self) -> bool:

@@ -26,6 +26,7 @@ missing ones are left out; see ``luced.engine.core.Engine.status``):
                    placement [worker] (or a str), optionally model_path, workers [worker]
     workers        workers [worker]; a worker is {group, pid, state, devices,
                    layers [a, b), restarts, uptime_s, python, ...}
+    metrics        text: the Prometheus exposition, as GET /metrics serves it
     drain          state, ... (answered once the daemon stops accepting)
     snapshot_list  snapshots [{id, tokens, bytes, disk_bytes, tier, hits, last_used (unix s),
                    in_use, prefix}]

@@ -15,10 +15,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import logging
 import os
 import signal
 import sys
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 from luced.api.ollama_models import ModelFacts
@@ -46,6 +48,7 @@ from luced.serve.listener import listen
 from luced.serve.options import usable_cores
 from luced.serve.prefix_setup import (
     DiskReservation,
+    model_fingerprint,
     open_prefix_cache,
     reserve_disk_dir,
     snapshot_handlers,
@@ -75,6 +78,7 @@ class Daemon:
         self.target: Target | None = None
         self.template: ChatTemplate | None = None
         self.tokenizer: Tokenizer | None = None
+        self.metrics: Metrics | None = None
         self.disk_reservation = DiskReservation()
 
     async def run(self) -> int:
@@ -160,7 +164,7 @@ class Daemon:
             self.disk_reservation = reserve_disk_dir(cfg.kv, model_path)
         except ValueError as exc:
             raise StartupError(str(exc)) from exc
-        metrics = Metrics(model.served_model_name())  # vLLM's model_name label
+        self.metrics = metrics = Metrics(model.served_model_name())  # vLLM's model_name label
         deadlines = Deadlines(call=cfg.daemon.worker_timeout, start=cfg.daemon.worker_start_timeout)
         self.target = Target(self.owner, placement, kv_flash=kv_flash, deadlines=deadlines)
         self.engine = engine = Engine(
@@ -192,6 +196,7 @@ class Daemon:
             guard=guard,
             body_timeout=http.http_timeout,
             model=facts,
+            system_fingerprint=system_fingerprint(cfg, model_path),
         )
         try:
             runner = await listen(app, http)
@@ -377,6 +382,12 @@ class Daemon:
         async def workers(_: dict) -> dict:
             return {"workers": self.engine.workers()}
 
+        async def metrics(_: dict) -> dict:
+            # What GET /metrics serves, without the HTTP side's API key.
+            assert self.metrics is not None
+            self.metrics.refresh(self.engine.status())
+            return {"text": self.metrics.exposition().decode()}
+
         async def drain(_: dict) -> dict:
             # Same as SIGTERM: stop accepting, finish what runs, then exit 0.
             self.engine.draining = True
@@ -387,9 +398,24 @@ class Daemon:
         return {
             "status": status,
             "workers": workers,
+            "metrics": metrics,
             "drain": drain,
             **snapshot_handlers(lambda: self.engine.prefix_cache, self.tokenizer),
         }
+
+
+def system_fingerprint(cfg: Config, model_path: str) -> str:
+    """OpenAI's `system_fingerprint`: `luced-<version>-<hash>`, the hash over the model
+    file and the options that change its numbers, so a client sees when the same request
+    may give other tokens."""
+    try:
+        build = version("luced")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        build = "dev"
+    m = cfg.model
+    numbers = (model_fingerprint(model_path), m.weights, m.dtype, cfg.effective_kv_dtype())
+    identity = "/".join([*numbers, str(m.batch_invariant)])
+    return f"luced-{build}-{hashlib.sha256(identity.encode()).hexdigest()[:10]}"
 
 
 def run(config: Config) -> int:

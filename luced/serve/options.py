@@ -32,6 +32,7 @@ from typing import Any
 from luced.engine.placement import PlacementError, parse_device, parse_devices, parse_weights
 from luced.ipc.frames import WEIGHT_MODES
 from luced.serve.admission import Network, parse_networks
+from luced.serve.bundled import BUNDLED
 
 CONTEXT_CAP = 8192  # default context when the model's own is longer (KV memory)
 ADMIN_SOCKET_NAME = "admin.sock"
@@ -309,9 +310,10 @@ def _num(x: float) -> str:
 
 OPTIONS: tuple[Option, ...] = (
     Option(
-        "model", "model", "path", None, "GGUF model file to serve.",
+        "model", "model", "path", None,
+        f"GGUF model file to serve, or a bundled model by name: {', '.join(BUNDLED)}.",
         nullable=True, positional=True, metavar="MODEL",
-        default_doc="the bundled SmolLM2-135M-Instruct",
+        default_doc="the bundled SmolLM2-135M-Instruct (smollm2-135m)",
         example="/var/lib/luced/models/model.gguf",
     ),
     Option("host", "http", "str", "127.0.0.1", "Address the HTTP server listens on."),

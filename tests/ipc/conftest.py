@@ -135,7 +135,10 @@ def sample_requests() -> dict[str, F.Request]:
             want="sample",
             outputs={"ids": region(64, (8,), "int32"), "logprobs": region(128, (8,), "float32")},
             tokens=region(960, (512,), "int32"),
-            sampling=({"temperature": 0}, {"temperature": 0.8, "seed": 5}),
+            sampling=(
+                {"temperature": 0, "logit_bias": {"7": -100.0}},
+                {"temperature": 0.8, "seed": 5},
+            ),
             allowed=region(4096, (64, 1536), "int32"),
         ),
         "load_draft": F.LoadDraft(

@@ -373,6 +373,13 @@ SNAPSHOTS = [
 ]
 
 
+METRICS_TEXT = (
+    "# HELP luced:num_requests_running Number of requests in model execution.\n"
+    "# TYPE luced:num_requests_running gauge\n"
+    'luced:num_requests_running{model_name="smol"} 1.0\n'
+)
+
+
 class FakeDaemon:
     """An admin server with realistic handlers, served from a uvloop in another thread."""
 
@@ -407,9 +414,14 @@ class FakeDaemon:
                 ]
             }
 
+        async def metrics(args: dict[str, Any]) -> dict[str, Any]:
+            self.calls.append("metrics")
+            return {"text": METRICS_TEXT}
+
         return {
             "status": status,
             "workers": workers,
+            "metrics": metrics,
             "drain": drain,
             "snapshot_list": snapshot_list,
         }
@@ -553,6 +565,30 @@ def test_lucectl_drain_waits_for_the_stop(
     assert code == 1
     assert "still draining after 0.6 s" in err
     assert daemon.calls[0] == "drain" and daemon.calls.count("status") >= 2
+
+
+def test_lucectl_drain_timeout_after_the_command(
+    daemon: FakeDaemon, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`lucectl drain --timeout S`, as the README words it, equals `--timeout S drain`."""
+    code, _, err = run_ctl(capsys, "--socket", str(daemon.path), "drain", "--timeout", "0.6")
+    assert code == 1
+    assert "still draining after 0.6 s" in err
+    assert daemon.calls[0] == "drain" and daemon.calls.count("status") >= 2
+    with pytest.raises(SystemExit) as done:
+        lucectl.main(["drain", "--help"])
+    assert done.value.code == 0
+    assert "--timeout S  give up waiting" in capsys.readouterr().out
+
+
+def test_lucectl_metrics_prints_the_exposition(
+    daemon: FakeDaemon, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, out, err = run_ctl(capsys, "--socket", str(daemon.path), "metrics")
+    assert (code, err, out) == (0, "", METRICS_TEXT)
+    code, out, _ = run_ctl(capsys, "--socket", str(daemon.path), "metrics", "--json")
+    assert code == 0 and json.loads(out) == {"ok": True, "text": METRICS_TEXT}
+    assert daemon.calls == ["metrics", "metrics"]
 
 
 def test_lucectl_error_reply_exits_1(sock_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import make_tiny_gguf
 import numpy as np
 import pytest
 
@@ -17,6 +16,7 @@ from luced.engine.kvflash.transport import (
 from luced.gguf_file import GGUFFile
 from luced.ipc.frames import Forward, FrameError, Load
 from luced.ipc.regions import Region
+from luced.runtime.tiny import make_tiny_gguf
 
 MIB = 2**20
 
@@ -57,7 +57,7 @@ def test_auto_counts_only_the_layers_with_pool_rows(
     # qwen35: layers 3 and 7 attend, the rest keep a DeltaNet state; tiny gemma4: layers
     # 4 and 5 of 6 read the rows of layers 3 and 2.
     path = tmp_path / f"{family}.gguf"
-    make_tiny_gguf.build(family, path, seed=1, **layers)
+    make_tiny_gguf(family, path, seed=1, **layers)
     gguf = GGUFFile(path)
     assert pooled_layers(gguf) == pooled
     # Per-layer KV head counts (tiny gemma4 stores an array) size by the largest.

@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
         log.error("--fd %d is not a unix stream socket", args.fd)
         return 2
 
-    import torch  # only now: ~1 s, and the signals are already ignored
+    import torch  # only now (a slow import), and the signals are already ignored
 
     from luced.runtime.backend import Backend
 

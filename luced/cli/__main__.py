@@ -4,4 +4,5 @@ import sys
 
 from luced.cli import main
 
-sys.exit(main())
+if __name__ == "__main__":  # not when merely imported (tests/test_layering.py imports all)
+    sys.exit(main())

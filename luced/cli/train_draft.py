@@ -251,8 +251,8 @@ def run(args: argparse.Namespace) -> dict:
     job_path.write_text(json.dumps(job) + "\n")
     (out / "train.json").unlink(missing_ok=True)  # only this run's result is read below
     trainer = subprocess.run([sys.executable, "-m", TRAINER, str(job_path)])
-    if trainer.returncode != 0:
-        raise TrainDraftError(f"the training process failed (exit {trainer.returncode})")
+    if trainer.returncode != 0:  # it has said why on stderr
+        raise TrainDraftError(f"the training process ended with exit status {trainer.returncode}")
     trained = json.loads((out / "train.json").read_text())
     report: dict[str, Any] = {"target": str(args.target), **trained}
     report["eval_prompts"] = {name: len(ps) for name, ps in held_out.items()}

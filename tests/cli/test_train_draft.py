@@ -98,3 +98,21 @@ def test_bad_prompts_get_one_line_before_any_training(tmp_path: Path, capsys) ->
     jsonl.write_text("".join(json.dumps({"ids": [1, 9999]}) + "\n" for _ in range(6)))
     assert main(["train-draft", str(target), str(out), "--prompts-jsonl", str(jsonl)]) == 2
     assert "own: token ids outside the target's vocabulary [0, 512)" in capsys.readouterr().err
+
+
+def test_a_draft_that_cannot_fit_the_target_fails_before_the_target_answers(
+    tmp_path: Path, capfd
+) -> None:
+    """A 2-layer target has no 3 distinct layers to capture: the trainer says so, in one
+    line, before it distills anything."""
+    target = make_tiny_gguf("llama", tmp_path / "llama.gguf", seed=1).path  # 2 layers
+    jsonl = tmp_path / "prompts.jsonl"
+    jsonl.write_text("".join(json.dumps({"ids": [5, 6, 7]}) + "\n" for _ in range(4)))
+    out = tmp_path / "out"
+    args = ["train-draft", str(target), str(out), "--prompts-jsonl", str(jsonl)]
+    assert main([*args, "--eval-prompts", "1", "--threads", "1"]) == 2
+    err = capfd.readouterr().err  # the trainer's line, then the command's
+    assert "random.gguf: capture layers [0, 0, 1] repeat a layer" in err
+    assert "too shallow for 3 captures" in err
+    assert "the training process ended with exit status 2" in err
+    assert not (out / "data").exists()  # the target answered nothing

@@ -292,10 +292,11 @@ def run(job: TrainJob) -> dict[str, Any]:
     model = Model.load(job.target, dtype="bfloat16" if bf16 else "float32")
     spec = make_spec(model, job)
     init = write_gguf(spec, random_weights(spec), out / "random.gguf")
+    # Loaded before the target answers anything: a draft that cannot fit it fails at once.
+    draft = Draft.load(init, target_hidden=model.cfg.hidden, target_n_layers=model.cfg.n_layers)
     files = distill(model, tuple(spec.target_layer_ids), out / "data", job)
     if not files:
-        raise SystemExit("the target answered no prompt with 2 or more tokens")
-    draft = Draft.load(init, target_hidden=model.cfg.hidden, target_n_layers=model.cfg.n_layers)
+        raise ValueError("the target answered no prompt with 2 or more tokens")
     t0 = time.perf_counter()
     losses = train(draft, model, files, out, job)
     train_s = time.perf_counter() - t0
@@ -317,7 +318,11 @@ def main(argv: list[str] | None = None) -> None:
         logging.getLogger(chatty).setLevel(logging.WARNING)
     (job_path,) = sys.argv[1:] if argv is None else argv
     job = TrainJob(**json.loads(Path(job_path).read_text()))
-    result = run(job)
+    try:
+        result = run(job)
+    except (ValueError, OSError) as exc:  # a target, draft shape or file the run cannot use
+        print(f"luced train-draft: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
     tmp = Path(job.out_dir) / "train.tmp"
     tmp.write_text(json.dumps(result, indent=2) + "\n")
     tmp.replace(Path(job.out_dir) / "train.json")

@@ -221,6 +221,24 @@ class GGUFFile:
             raise GGUFError(f"{self.path}: missing metadata key {key!r}")
         return self.metadata[key]
 
+    def layer_counts(self, name: str, default: tuple[int, ...] | None = None) -> tuple[int, ...]:
+        """`{arch}.{name}` per layer, as llama.cpp's get_key_or_arr reads a count: one number
+        for every layer, or an array of one per layer (laguna's query heads, Gemma 4's KV
+        heads and FFN widths). Absent: `default`, or an error when there is none."""
+        key = f"{self.arch}.{name}"
+        if default is not None and key not in self.metadata:
+            return default
+        value = self.require(key)
+        n_layers = int(self.require(f"{self.arch}.block_count"))
+        if isinstance(value, int | float):
+            return (int(value),) * n_layers
+        if not isinstance(value, np.ndarray):  # a numeric array comes as one
+            raise GGUFError(f"{self.path}: {key} is not a count: {value!r}")
+        counts = tuple(int(v) for v in value)
+        if len(counts) != n_layers:
+            raise GGUFError(f"{self.path}: {key} has {len(counts)} entries for {n_layers} layers")
+        return counts
+
     def sliding_layers(
         self, default_period: int = 6, *, full_first: bool = False
     ) -> tuple[bool, ...]:

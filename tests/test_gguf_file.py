@@ -101,3 +101,25 @@ def test_kv_sources_errors(tmp_path: Path) -> None:
     path = _sharing_gguf(tmp_path / "s.gguf", 4, 1, [True, False])
     with pytest.raises(GGUFError, match="sliding_window_pattern has 2 entries for 4 layers"):
         GGUFFile(path).kv_sources()
+
+
+def test_layer_counts_are_one_number_or_one_per_layer(tmp_path: Path) -> None:
+    writer = GGUFWriter(str(tmp_path / "c.gguf"), "laguna")
+    writer.add_block_count(4)
+    writer.add_head_count([4, 8, 8, 8])  # laguna's query heads
+    writer.add_head_count_kv(2)
+    writer.add_array("laguna.feed_forward_length", [64, 64])
+    writer.add_array("laguna.note", ["a", "b"])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.close()
+    gguf = GGUFFile(tmp_path / "c.gguf")
+    assert gguf.layer_counts("attention.head_count") == (4, 8, 8, 8)
+    assert gguf.layer_counts("attention.head_count_kv") == (2, 2, 2, 2)
+    assert gguf.layer_counts("attention.key_length", (16,) * 4) == (16,) * 4
+    with pytest.raises(GGUFError, match=r"c\.gguf: missing metadata key 'laguna\.expert_count'"):
+        gguf.layer_counts("expert_count")
+    with pytest.raises(GGUFError, match="feed_forward_length has 2 entries for 4 layers"):
+        gguf.layer_counts("feed_forward_length")
+    with pytest.raises(GGUFError, match=r"laguna\.note is not a count"):
+        gguf.layer_counts("note")

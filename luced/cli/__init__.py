@@ -3,7 +3,26 @@
 
 from __future__ import annotations
 
+import os
 import sys
+import traceback
+
+
+def explain(exc: BaseException) -> str:
+    """A start-up failure as one line: its own message, or (a bare `TimeoutError()`, an
+    OSError with only an errno) its kind and where it was raised; never blank."""
+    text = str(exc).strip()
+    if text and not text.isdigit():
+        return text
+    kind = type(exc).__name__
+    if text:  # OSError(errno): the number alone
+        kind += f" [Errno {text}] {os.strerror(int(text))}"
+    frames = traceback.extract_tb(exc.__traceback__)
+    where = f" in {frames[-1].name} ({frames[-1].filename}:{frames[-1].lineno})" if frames else ""
+    return (
+        f"start-up failed: {kind}{where}, with no message. The log lines above show the "
+        "step it was in; --log-level debug shows more"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -46,5 +65,5 @@ def main(argv: list[str] | None = None) -> int:
         OSError,
     ) as exc:
         # Start-up problems a user can fix: one clear line, no traceback.
-        print(f"luced: {exc}", file=sys.stderr)
+        print(f"luced: {explain(exc)}", file=sys.stderr)
         return 2

@@ -96,6 +96,15 @@ RESUME_LOST = "the model worker failed: it died while this request waited to res
 WAIT_TO_SHARE = 64
 
 
+def _request_row(h: RequestHandle, now: float) -> dict:
+    return {
+        "id": h.request_id,
+        "prompt_tokens": h.prompt_tokens,
+        "completion_tokens": h.completion_tokens,
+        "age_s": round(now - h.submitted_at, 1),
+    }
+
+
 def _common_prefix(a: list[int], b: list[int]) -> int:
     """The length of the longest common prefix of two token lists (compared in numpy:
     waiting requests compare whole prompts after every prefill chunk)."""
@@ -1118,6 +1127,7 @@ class Engine:
 
     def status(self) -> dict:
         placement = self.workers()
+        now = time.monotonic()
         return {
             "model": self.model_name,
             "state": self.state,
@@ -1128,21 +1138,16 @@ class Engine:
                 "queued_tokens": self.queued_tokens(),
                 "running": len(self.running),
                 "max_running": self.max_running,
-                # Continuous batching: each running request, its tokens so far, and the
-                # batched decode steps so far with their mean size.
-                "requests": [
-                    {
-                        "id": h.request_id,
-                        "prompt_tokens": h.prompt_tokens,
-                        "completion_tokens": h.completion_tokens,
-                    }
-                    for h in self.running.values()
-                ],
+                # Each running and each waiting request with its tokens so far (a
+                # preempted one waits with what it had generated).
+                "requests": [_request_row(h, now) for h in self.running.values()],
+                "waiting_requests": [_request_row(h, now) for h in self.waiting],
                 # KV positions the running requests hold, over the pool (--kv-pool-tokens).
                 "kv_usage": sum(self.target.lane_position(lane) for lane in self.running)
                 / (self.kv.positions if self.kv else self.context_length),
                 "kv_pool_tokens": self.kv.positions if self.kv else self.context_length,
                 "preempted": len(self.preempted),
+                # Batched decode steps so far and their mean size (continuous batching).
                 "batched_steps": self.batcher.batches if self.batcher else 0,
                 "mean_batch": (
                     round(self.batcher.steps / self.batcher.batches, 2)

@@ -6,6 +6,11 @@ bulk data lives in daemon-owned shared memory. A watcher task notices the proces
 exit: the handle turns `dead`, any call in flight fails with `WorkerDied`, and the
 `Executor` that owns it starts a replacement with the same share.
 
+Deadlines bound a worker's silence as the daemon's loop saw it (`watchdog.Silence`): a
+daemon that stalls kills nobody. A start or a load (`frames.SLOW`) may take as long as
+it needs while the worker sends progress notes; `Deadlines.start` bounds the silence
+between them. Any other call gets `Deadlines.call` plus 20x its expected time.
+
     Executor   the pool: one Slot per pipeline worker (layer order) + the draft's own
                worker when it has one; start, restart with backoff, close, describe
     Slot       a fixed share (WorkerSpec + WorkerPlan) and whichever process serves it now
@@ -21,12 +26,15 @@ import os
 import socket
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 
 from luced.engine.placement import WorkerPlan, WorkerSpec
+from luced.engine.watchdog import Silence
 from luced.ipc import links
 from luced.ipc.channel import AsyncChannel, ChannelClosedError, RemoteError
 from luced.ipc.frames import (
     KERNELS_FALLBACK,
+    SLOW,
     DraftBlock,
     Forward,
     Hello,
@@ -64,6 +72,24 @@ class WorkerReplyError(RuntimeError):
     """The worker answered a request with an error (it lives on; the request failed)."""
 
 
+START_FLAG = "--worker-start-timeout"
+
+
+@dataclass(frozen=True)
+class Deadlines:
+    """call: the floor of a call's deadline (a hung worker is killed and restarted);
+    start: the longest silence of a starting or loading worker, between its progress
+    notes (seconds)."""
+
+    call: float = 30.0
+    start: float = 60.0
+
+
+def error_text(exc: BaseException) -> str:
+    """An exception as one line that is never blank (a bare TimeoutError() has no text)."""
+    return str(exc) or f"{type(exc).__name__} (with no message)"
+
+
 def _worker_env() -> dict[str, str]:
     # systemd accepts sd_notify only from the main process: keep workers off the socket.
     env = {k: v for k, v in os.environ.items() if k != "NOTIFY_SOCKET"}
@@ -93,13 +119,13 @@ class WorkerHandle:
         spec: WorkerSpec,
         instance: str,
         on_exit: Callable[[WorkerHandle, int], None] | None = None,
-        call_timeout: float = 30.0,
+        deadlines: Deadlines = Deadlines(),
         *,
         inbox: bool = False,
     ) -> None:
-        """call_timeout: the floor of every call's deadline (seconds); a worker that
-        misses a deadline is hung (stopped, deadlocked, swapping): it is killed, and its
-        slot restarts it like any dead worker."""
+        """A worker that misses a deadline is hung (stopped, deadlocked, swapping): it is
+        killed, and its slot restarts it like any dead worker (one that never started is
+        left to whoever started it)."""
         self.spec = spec
         self.wants_inbox = inbox
         # Our end of the worker's inbox: worker-to-worker links are handed over through it
@@ -107,7 +133,7 @@ class WorkerHandle:
         self.inbox: socket.socket | None = None
         self.instance = instance
         self.on_exit = on_exit
-        self.call_timeout = call_timeout
+        self.deadlines = deadlines
         self.seconds_per_token: float | None = None  # forwards, smoothed
         self.state = "starting"  # starting -> idle -> loading -> ready; dead at any time
         self.proc: asyncio.subprocess.Process | None = None
@@ -123,7 +149,10 @@ class WorkerHandle:
     def pid(self) -> int | None:
         return self.proc.pid if self.proc else None
 
-    async def start(self, timeout: float = 60.0) -> None:
+    async def start(self) -> None:
+        """Spawn the process and say hello: as long as it takes while the worker reports
+        progress (torch's import, opening the devices), killed after `deadlines.start`
+        seconds without a word."""
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         cmd = [self.spec.python, "-m", "luced.runtime.worker", "--fd", str(theirs.fileno())]
         cmd += ["--group", self.spec.group, "--devices", ",".join(self.spec.devices)]
@@ -150,8 +179,7 @@ class WorkerHandle:
                 s.close()
         self.channel = await AsyncChannel.from_socket(ours)
         self._watcher = asyncio.create_task(self._watch(), name=f"watch-{self.spec.group}")
-        async with asyncio.timeout(timeout):
-            reply = await self.call(Hello(instance=self.instance))
+        reply = await self.call(Hello(instance=self.instance))
         assert isinstance(reply, HelloReply)
         self.hello = reply
         self.state = "idle"
@@ -190,31 +218,27 @@ class WorkerHandle:
         return reply
 
     async def call(self, req: Request) -> Reply:
-        """One request, one reply, within a deadline (none for loads: their length is
-        the model's, with progress in the worker's log). Raises WorkerDied /
-        WorkerReplyError."""
+        """One request, one reply, within a deadline on the worker's silence: a start or
+        a load (`SLOW`: their length is the machine's and the model's) may take as long
+        as it needs while progress notes come. Raises WorkerDied / WorkerReplyError."""
         if self.state == "dead" or self.channel is None:
             raise WorkerDied(f"worker {self.spec.group} is not running")
-        loads = Load | LoadDraft | LoadExperts | Hello
-        deadline = None if isinstance(req, loads) else self.deadline(req)
+        limit = self.deadlines.start if isinstance(req, SLOW) else self.deadline(req)
         async with self._call_lock:
             began = time.monotonic()
             try:
-                # asyncio.timeout, not wait_for: on 3.11 wait_for loses a cancel that
-                # lands as the reply arrives, and a cancelled decode loop runs on.
-                async with asyncio.timeout(deadline):
-                    reply = await self.channel.call(req)
+                # asyncio.timeout (in Silence), not wait_for: on 3.11 wait_for loses a
+                # cancel that lands as the reply arrives, and a cancelled decode loop runs on.
+                async with Silence(limit) as silence:
+                    reply = await self.channel.call(req, on_progress=silence.heard)
             except RemoteError as exc:
                 raise WorkerReplyError(exc.error) from None
             except (ChannelClosedError, ConnectionError, asyncio.IncompleteReadError) as exc:
                 self.state = "dead"
                 raise WorkerDied(f"worker {self.spec.group} (pid {self.pid}) died") from exc
             except TimeoutError:
-                self._kill_hung(req, deadline)
-                raise WorkerDied(
-                    f"worker {self.spec.group} (pid {self.pid}) did not answer "
-                    f"{req.OP} within {deadline:.1f} s; it was killed and restarts"
-                ) from None
+                self._kill_hung(req, limit)
+                raise self._silence_error(req, silence) from None
         if isinstance(req, Forward):
             self._observe_speed((time.monotonic() - began) / req.n_tokens)
         return reply
@@ -224,9 +248,9 @@ class WorkerHandle:
         its size should take at this worker's measured speed (10 floors before any
         forward was measured: a first call may warm caches up)."""
         if self.seconds_per_token is None:
-            return 10 * self.call_timeout
+            return 10 * self.deadlines.call
         expected = self.seconds_per_token * call_tokens(req)
-        return self.call_timeout + DEADLINE_SLACK * expected
+        return self.deadlines.call + DEADLINE_SLACK * expected
 
     def _observe_speed(self, seconds_per_token: float) -> None:
         old = self.seconds_per_token
@@ -234,17 +258,34 @@ class WorkerHandle:
             seconds_per_token if old is None else old + 0.1 * (seconds_per_token - old)
         )
 
-    def _kill_hung(self, req: Request, deadline: float | None) -> None:
+    def _kill_hung(self, req: Request, deadline: float) -> None:
         log.error(
             "worker %s (pid %s) missed its deadline of %.1f s for %s: killing it",
             self.spec.group,
             self.pid,
-            deadline or 0.0,
+            deadline,
             req.OP,
         )
-        self.state = "dead"
+        # The watcher restarts a worker that had started; a start's failure is its caller's.
+        self.state = "dead" if self.hello is not None else "stopping"
         if self.proc is not None and self.proc.returncode is None:
-            self.proc.kill()  # SIGKILL ends a stopped process too; the watcher restarts it
+            self.proc.kill()  # SIGKILL ends a stopped process too
+
+    def _silence_error(self, req: Request, silence: Silence) -> WorkerDied:
+        who = f"worker {self.spec.group} (pid {self.pid})"
+        if not isinstance(req, SLOW):
+            return WorkerDied(
+                f"{who} did not answer {req.OP} within {silence.limit:.1f} s; "
+                "it was killed and restarts"
+            )
+        since = f"it said {silence.stage!r}" if silence.stage else f"it was sent {req.OP}"
+        doing = "start" if isinstance(req, Hello) else f"finish {req.OP}"
+        return WorkerDied(
+            f"{who} did not {doing}: nothing from it for {silence.limit:g} s since {since}, "
+            "and a starting or loading worker reports progress twice a second, so it was "
+            f"stopped or stuck; it was killed. If this machine is that slow, raise "
+            f"{START_FLAG} (now {silence.limit:g} s)"
+        )
 
     async def _watch(self) -> None:
         assert self.proc is not None
@@ -340,12 +381,12 @@ class Executor:
         workers: tuple[tuple[WorkerSpec, WorkerPlan], ...],
         loader: Loader,
         on_state_change: Callable[[], None] | None = None,
-        call_timeout: float = 30.0,
+        deadlines: Deadlines = Deadlines(),
         *,
         inboxes: bool = False,  # pipeline workers get an inbox (they link to the experts)
     ) -> None:
         self.instance = instance
-        self.call_timeout = call_timeout  # each worker's deadline floor (WorkerHandle)
+        self.deadlines = deadlines  # each worker's (WorkerHandle)
         self.slots = [Slot(i, spec, plan) for i, (spec, plan) in enumerate(workers)]
         self.draft_slot: Slot | None = None  # the draft's own worker, when it has one
         self.expert_slot: Slot | None = None  # the MoE expert worker, when there is one
@@ -436,7 +477,7 @@ class Executor:
             slot.spec,
             self.instance,
             self._exit_handler(slot),
-            call_timeout=self.call_timeout,
+            self.deadlines,
             inbox=inbox,
         )
         slot.handle = worker
@@ -478,10 +519,17 @@ class Executor:
                     slot.restart_error = None
                     return
                 except Exception as exc:  # keep trying: a transient failure must not stick
-                    log.error("worker restart failed: %s", exc)
+                    log.error(
+                        "worker %s (%s) restart #%d failed: %s; trying again in %.1f s",
+                        slot.spec.group,
+                        slot.share,
+                        slot.restarts,
+                        error_text(exc),
+                        delay,
+                    )
                     if slot.handle is not None:
                         await slot.handle.stop()
-                    slot.restart_error = str(exc) or type(exc).__name__
+                    slot.restart_error = error_text(exc)
                     self._notify()  # the engine fails what waits for it (core.py)
                     await asyncio.sleep(delay)
                     delay = min(delay * 2, 30.0)

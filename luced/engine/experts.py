@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import logging
 
-from luced.engine.executor import Executor, Slot, WorkerHandle
+from luced.engine.executor import Executor, Slot, WorkerHandle, error_text
 from luced.engine.placement import TargetPlacement
 from luced.ipc.frames import (
     ForwardBatchReply,
@@ -75,7 +75,9 @@ class ExpertWorker:
             if self.placement.moe_required:
                 raise
             log.error(
-                "expert worker on %s did not start (%s): experts in process", spec.devices[0], exc
+                "expert worker on %s did not start (%s): experts in process",
+                spec.devices[0],
+                error_text(exc),
             )
 
     async def load(self, slot: Slot, worker: WorkerHandle) -> LoadExpertsReply:

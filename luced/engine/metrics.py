@@ -34,11 +34,16 @@ process do not collide.
     luced:kv_flash_evictions_total      counter    KV Flash chunks paged out of the pool
     luced:kv_flash_recalls_total        counter    KV Flash chunks paged back in
     luced:kv_flash_host_bytes           gauge      bytes of paged-out chunks in the host tier
+    luced:event_loop_lag_seconds        histogram  how late the daemon's event loop ran a
+                                                   task due every 0.25 s (a stall shows
+                                                   as one long lag)
 
 The engine reports through `observe(what, value)` and `finished(reason)`; the HTTP
-layer refreshes the two gauges from `Engine.status()` on every scrape, so they are
-right even if an engine path forgot to report. `_created` series are left out of the
-exposition (vLLM disables them too, but globally; we filter our own output instead).
+layer refreshes the gauges from `Engine.status()` on every scrape (and once a second),
+so they are right even if an engine path forgot to report. Every observation also goes
+to `timeline` (luced.engine.timeline): the last ten minutes, a sample a second, which
+the web page plots. `_created` series are left out of the exposition (vLLM disables
+them too, but globally; we filter our own output instead).
 """
 
 from __future__ import annotations
@@ -49,6 +54,8 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4, generate_latest
 from prometheus_client.metrics_core import Metric
+
+from luced.engine.timeline import Timeline
 
 NAMESPACE = "luced:"
 CONTENT_TYPE = CONTENT_TYPE_PLAIN_0_0_4
@@ -72,6 +79,12 @@ REQUEST_LATENCY_BUCKETS = (
 TOKEN_COUNT_BUCKETS = tuple(m * 10**e for e in range(7) for m in (1, 2, 5))
 BLOCK_SIZE_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 BATCH_SIZE_BUCKETS = BLOCK_SIZE_BUCKETS  # sequences per batched step: 1 to 64 as well
+# From the ordinary (under a millisecond) to a stopped or swapped-out daemon (minutes).
+LOOP_LAG_BUCKETS = (
+    0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 60.0, 300.0,
+)  # fmt: skip
+# The timeline's gauges, as Engine.status()'s queue names them.
+_QUEUE_KEYS = {"running": "running", "queue": "waiting", "kv_usage": "kv_usage"}
 REJECT_REASONS = ("max_queue", "max_queued_tokens", "context_length_exceeded")
 
 
@@ -81,6 +94,7 @@ class Metrics:
     def __init__(self, model_name: str = "") -> None:
         """model_name: the value of vLLM's `model_name` label; "" leaves the label out."""
         self.model_name = model_name
+        self.timeline = Timeline()
         self.registry = CollectorRegistry(auto_describe=True)
         base = {"model_name": model_name} if model_name else {}
         self._base = base
@@ -211,6 +225,11 @@ class Metrics:
             ),
         }
         self._moe_seen = dict.fromkeys(self._moe, 0)
+        self.event_loop_lag = histogram(
+            "event_loop_lag_seconds",
+            "How late the daemon's event loop ran a task that was due (seconds).",
+            LOOP_LAG_BUCKETS,
+        )
         self._observers = {
             "ttft": self.time_to_first_token.observe,
             "itl": self.inter_token_latency.observe,
@@ -225,6 +244,7 @@ class Metrics:
             "block_size": self.spec_decode_block_size.observe,
             "batch_size": self.batch_size.observe,
             "preemptions": self.num_preemptions.inc,
+            "loop_lag": self.event_loop_lag.observe,
         }
 
     # -- what the engine calls ----------------------------------------------------------------
@@ -238,7 +258,8 @@ class Metrics:
         prompt tokens looked up in / restored from the prefix cache; prefix_shared: prompt
         tokens shared from a running request's K/V blocks; block_size: the
         block of one speculative step; batch_size: the sequences of one batched step;
-        preemptions: requests just preempted.
+        preemptions: requests just preempted; loop_lag: how late the event loop ran a
+        task that was due (seconds; the daemon's watchdog).
         """
         try:
             observer = self._observers[what]
@@ -248,6 +269,7 @@ class Metrics:
                 f"unknown metric {what!r}; expected one of {sorted(self._observers)}"
             ) from None
         observer(value)
+        self.timeline.add(what, value)
 
     def finished(self, reason: str) -> None:
         """A request ended with reason stop | length | abort | error."""
@@ -266,12 +288,15 @@ class Metrics:
     def observe_spec_decode(self, num_draft_tokens: int, accepted_per_pos: Sequence[int]) -> None:
         """One speculative step: num_draft_tokens proposed; accepted_per_pos[i] is 1 if
         the token at draft position i was accepted (so sum = accepted tokens)."""
+        accepted = sum(accepted_per_pos)
         self.spec_decode_num_drafts.inc()
         self.spec_decode_num_draft_tokens.inc(num_draft_tokens)
-        self.spec_decode_num_accepted_tokens.inc(sum(accepted_per_pos))
-        for pos, accepted in enumerate(accepted_per_pos):
-            if accepted:
-                self._accepted_per_pos.labels(**self._base, position=str(pos)).inc(accepted)
+        self.spec_decode_num_accepted_tokens.inc(accepted)
+        self.timeline.add("draft_tokens", num_draft_tokens)
+        self.timeline.add("accepted_tokens", accepted)
+        for pos, n in enumerate(accepted_per_pos):
+            if n:
+                self._accepted_per_pos.labels(**self._base, position=str(pos)).inc(n)
 
     def _prompt_tokens(self, n: float) -> None:
         self.prompt_tokens.inc(n)
@@ -282,10 +307,13 @@ class Metrics:
         self.num_requests_waiting.set(waiting)
 
     def refresh(self, status: Mapping[str, Any]) -> None:
-        """Set the gauges from `Engine.status()` (called on every scrape)."""
+        """Set the gauges (the timeline's too) from `Engine.status()`: called on every
+        scrape and, by the HTTP app, once a second."""
         queue = status.get("queue") or {}
         self.set_queue(running=int(queue.get("running", 0)), waiting=int(queue.get("waiting", 0)))
         self.kv_cache_usage.set(float(queue.get("kv_usage", 0.0)))
+        for what, key in _QUEUE_KEYS.items():
+            self.timeline.add(what, float(queue.get(key, 0)))
         cache = status.get("prefix_cache") or {}
         for tier in ("memory", "disk"):
             self._prefix_cache_bytes.labels(**self._base, tier=tier).set(

@@ -64,7 +64,14 @@ from typing import Any, TypeVar
 import numpy as np
 
 from luced.cache.layout import TensorSpec
-from luced.engine.executor import Executor, Slot, WorkerDied, WorkerHandle, WorkerReplyError
+from luced.engine.executor import (
+    Deadlines,
+    Executor,
+    Slot,
+    WorkerDied,
+    WorkerHandle,
+    WorkerReplyError,
+)
 from luced.engine.experts import ExpertWorker
 from luced.engine.feature_ring import FeatureRing
 from luced.engine.kv_transfer import KVTransfer
@@ -176,7 +183,7 @@ class Target:
         on_state_change: Callable[[], None] | None = None,
         name: str = "target",  # segment name prefix: several targets may share one owner
         kv_flash: PagerConfig | None = None,  # pool rows and policy; chunk_bytes filled in
-        worker_timeout: float = 30.0,  # deadline floor of a worker call (a hung worker)
+        deadlines: Deadlines | None = None,  # of worker calls and starts (default: Deadlines())
     ) -> None:
         self.owner = owner
         self.flash_cfg = kv_flash
@@ -193,7 +200,7 @@ class Target:
             placement.workers,
             self._load,
             on_state_change,
-            worker_timeout,
+            deadlines or Deadlines(),
             inboxes=placement.moe_expert is not None,
         )
         self.experts = (

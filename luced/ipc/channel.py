@@ -14,6 +14,10 @@ Calls are one at a time per channel (the daemon sends a step's command, awaits i
 reply). The async ``call`` is cancellation-safe: a reply to a call that was cancelled
 (client disconnect, ``asyncio.timeout``) is dropped when it arrives, by seq, and a
 frame read half-way is finished by the next read.
+
+A ``SLOW`` request (a worker's start, a load) is answered under ``keep_alive``: progress
+notes every ``PROGRESS_INTERVAL`` until the reply, so the caller can tell a slow peer
+from a frozen one; ``call`` hands them to ``on_progress`` and reads on.
 """
 
 from __future__ import annotations
@@ -22,23 +26,26 @@ import asyncio
 import contextlib
 import socket
 import struct
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
 from types import TracebackType
 from typing import Self
 
 from luced.ipc.codec import (
     MAX_FRAME_BYTES,
     FrameTooLargeError,
-    decode_reply,
     decode_request,
+    encode_progress,
     encode_reply,
     encode_request,
+    progress_stage,
     reply_from_wire,
     unpack_reply,
 )
-from luced.ipc.frames import REPLIES, ErrorReply, FrameError, Reply, Request, Shutdown
+from luced.ipc.frames import REPLIES, SLOW, ErrorReply, FrameError, Reply, Request, Shutdown
 
 _LEN = struct.Struct("<I")
+PROGRESS_INTERVAL = 0.5  # seconds between the progress notes of a slow request
 
 
 class ChannelClosedError(ConnectionError):
@@ -91,6 +98,7 @@ class BlockingChannel:
         self.sock = sock
         self.max_frame = max_frame
         self._seq = 0
+        self.stage = ""  # what a slow request is doing now: its progress notes say it
 
     def send(self, payload: bytes) -> None:
         self.sock.sendall(_frame_bytes(payload, self.max_frame))
@@ -122,7 +130,10 @@ class BlockingChannel:
         """Send ``req`` and wait for its reply (raises RemoteError on ``ok: false``)."""
         self._seq += 1
         self.send(encode_request(self._seq, req))
-        seq, rep = decode_reply(self.recv(), req.OP)
+        seq, obj = unpack_reply(self.recv())
+        while progress_stage(seq, obj) is not None:
+            seq, obj = unpack_reply(self.recv())
+        rep = reply_from_wire(seq, obj, req.OP)
         if seq != self._seq:
             raise FrameError(f"reply seq {seq} does not answer request seq {self._seq}")
         if isinstance(rep, ErrorReply):
@@ -134,7 +145,8 @@ class BlockingChannel:
 
         A handler exception becomes a failure reply and serving goes on. A frame whose
         seq cannot even be read (not msgpack, not a map) cannot be answered: FrameError
-        propagates and the caller should close the connection.
+        propagates and the caller should close the connection. A ``SLOW`` request is
+        answered under ``keep_alive``, its stage first set to its op.
         """
         while True:
             try:
@@ -148,9 +160,37 @@ class BlockingChannel:
                     raise
                 self.reply(e.seq, ErrorReply(str(e)))
                 continue
-            self.send(answer(req, seq, handler))
+            if isinstance(req, SLOW):
+                self.stage = req.OP
+                with self.keep_alive(seq):
+                    reply = answer(req, seq, handler)
+            else:
+                reply = answer(req, seq, handler)
+            self.send(reply)
             if isinstance(req, Shutdown):
                 return
+
+    @contextlib.contextmanager
+    def keep_alive(self, seq: int, interval: float = PROGRESS_INTERVAL) -> Iterator[None]:
+        """While the body runs, a thread sends a progress note for request ``seq`` (with
+        ``self.stage``) at once and every ``interval`` s: the peer hears that a slow
+        worker is alive, and a frozen one falls silent. The body must send nothing."""
+        done = threading.Event()
+
+        def beat() -> None:
+            with contextlib.suppress(OSError):  # the peer is gone: the reply will find out
+                while True:
+                    self.send(encode_progress(seq, self.stage))
+                    if done.wait(interval):
+                        return
+
+        thread = threading.Thread(target=beat, name=f"progress-{seq}", daemon=True)
+        thread.start()
+        try:
+            yield
+        finally:
+            done.set()
+            thread.join()
 
     def close(self) -> None:
         self.sock.close()
@@ -215,8 +255,9 @@ class AsyncChannel:
     async def reply(self, seq: int, reply: Reply | ErrorReply) -> None:
         await self.send(encode_reply(seq, reply))
 
-    async def call(self, req: Request) -> Reply:
-        """Send ``req`` and await its reply (raises RemoteError on ``ok: false``).
+    async def call(self, req: Request, on_progress: Callable[[str], object] | None = None) -> Reply:
+        """Send ``req`` and await its reply (raises RemoteError on ``ok: false``); each
+        progress note for it before the reply goes to ``on_progress`` (its stage).
 
         Wrap in ``asyncio.timeout`` to bound it; the late reply is then dropped.
         """
@@ -227,6 +268,13 @@ class AsyncChannel:
             await self.send(encode_request(seq, req))
             while True:
                 got, obj = unpack_reply(await self.recv())
+                stage = progress_stage(got, obj)
+                if stage is not None:
+                    if got not in self._outstanding:
+                        raise FrameError(f"progress note for seq {got}: no such request", got)
+                    if got == seq and on_progress is not None:
+                        on_progress(stage)
+                    continue  # (a note for a cancelled call is dropped as its reply is)
                 op = self._outstanding.pop(got, None)
                 if op is None:
                     raise FrameError(f"reply seq {got} answers no request sent", got)

@@ -95,6 +95,23 @@ def unpack_reply(payload: bytes) -> tuple[int, dict[str, Any]]:
     return seq, obj
 
 
+def encode_progress(seq: int, stage: str) -> bytes:
+    """A progress note: request ``seq`` is still being worked on (``stage`` says how far)."""
+    _seq({"seq": seq})
+    return _pack({"seq": seq, "progress": stage})
+
+
+def progress_stage(seq: int, obj: dict[str, Any]) -> str | None:
+    """The stage of a progress note (a map from ``unpack_reply``), None for a reply."""
+    if "progress" not in obj:
+        return None
+    stage = obj["progress"]
+    if set(obj) != {"progress"} or not isinstance(stage, str):
+        got = repr(obj)[:80]
+        raise FrameError(f"a progress note carries exactly a string 'progress', got {got}", seq)
+    return stage
+
+
 def reply_from_wire(seq: int, obj: dict[str, Any], op: str) -> Reply | ErrorReply:
     """Second half of ``decode_reply``: the typed reply to a request of ``op``."""
     ok = obj.pop("ok", None)

@@ -7,6 +7,7 @@ types, no extension types, no pickle; ``codec.py``), sent length-prefixed by
     request   {"op": str, "seq": int, ...fields of the op}
     reply     {"seq": int, "ok": true, ...fields of the op's reply}
     failure   {"seq": int, "ok": false, "error": str}
+    progress  {"seq": int, "progress": str}   (any number, before the reply)
 
 ``seq`` is chosen by the sender of a request and echoed in its reply. Bulk data never
 travels in a frame: fields carry ``Region`` maps (segment, offset, shape, dtype) naming
@@ -63,7 +64,9 @@ as the target holds its matrices);
 n_out and ``n_rows_out`` (greedy verify blocks batched); ``load`` ``kv_dtype``;
 13: ``load`` ``kv_block`` (every sequence's K/V in one block pool per shard) and
 ``kv_share`` (a sequence starts on another's prefix blocks, without copying);
-14: ``load`` replies ``kernels``, what runs the worker's matrices and decode attention.
+14: ``load`` replies ``kernels``, what runs the worker's matrices and decode attention;
+15: progress notes: a worker at one of the ``SLOW`` requests (its start, a load) says twice
+a second that it is still at work, so the daemon bounds its silence, not its time.
 
 Expert compute (``luced.runtime.expert_link``): an expert worker answers ``load_experts``
 from the daemon, and ``expert_mix`` from target workers over direct worker-to-worker
@@ -90,9 +93,9 @@ from luced.ipc.regions import Region
 from luced.ipc.typed import FrameError, Record
 from luced.sampling_params import SamplingParams
 
-PROTOCOL_VERSION = 14
+PROTOCOL_VERSION = 15
 
-_ENVELOPE = frozenset({"op", "seq", "ok", "error"})  # no op may use these as fields
+_ENVELOPE = frozenset({"op", "seq", "ok", "error", "progress"})  # no op may use these as fields
 
 
 class ProtocolVersionError(FrameError):
@@ -1061,3 +1064,8 @@ class Shutdown(Request):
 @dataclass(frozen=True)
 class ShutdownReply(Reply):
     pass
+
+
+# Requests that may take minutes (the first one starts the worker's backend: torch's import;
+# a load reads a whole model): the worker sends progress notes until it replies.
+SLOW: tuple[type[Request], ...] = (Hello, Load, LoadDraft, LoadExperts)

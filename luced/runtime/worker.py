@@ -17,6 +17,13 @@ frames of ``luced.ipc.frames`` over it; the verbs themselves live in
 hands over direct worker-to-worker links (``luced.ipc.links``): a target worker's link to
 the expert worker, or, in the expert worker, one per target worker.
 
+Start: the process answers its first request (the daemon's ``hello``) only once torch is
+imported and the backend made, which may take minutes on a busy machine or a cold disk;
+until then, and while it loads a model, it sends progress notes twice a second
+(``BlockingChannel.keep_alive``), so the daemon bounds its silence, not its start.
+``LUCED_TEST_WORKER_SLOW_START=STAGE:SECONDS`` (tests only) sleeps at start: ``silent``
+before the first request is even read, ``import`` while importing (with notes).
+
 Lifecycle: the daemon owns it. SIGINT and SIGTERM are ignored (a Ctrl-C in the terminal
 or systemd's stop signal to the whole cgroup must not kill a worker mid-step: the daemon
 drains first, then sends ``shutdown``, or kills it). The worker exits after replying to
@@ -33,9 +40,15 @@ import os
 import signal
 import socket
 import sys
+import time
+from typing import TYPE_CHECKING
 
+from luced.ipc import frames as F
 from luced.ipc.channel import BlockingChannel
 from luced.ipc.frames import FrameError
+
+if TYPE_CHECKING:
+    from luced.runtime.backend import Backend
 
 log = logging.getLogger("luced.runtime.worker")
 
@@ -69,6 +82,36 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+def slow_start(stage: str) -> None:
+    """Tests only: sleep here when ``LUCED_TEST_WORKER_SLOW_START`` is ``STAGE:SECONDS``."""
+    wanted, _, seconds = os.environ.get("LUCED_TEST_WORKER_SLOW_START", "").partition(":")
+    if wanted == stage:
+        log.warning("test-only slow start: sleeping %s s (%s)", seconds, stage)
+        time.sleep(float(seconds))
+
+
+def start_backend(args: argparse.Namespace, channel: BlockingChannel) -> Backend:
+    """torch and the backend: the slow part of a start, run inside the first request."""
+    channel.stage = "importing torch"
+    slow_start("import")
+    import torch
+
+    from luced.runtime.backend import Backend
+
+    channel.stage = "opening the devices"
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    inbox = socket.socket(fileno=args.inbox) if args.inbox is not None else None
+    backend = Backend(args.group, args.devices, inbox)
+    if backend.device_problem:  # hello reports it to the daemon; log it here too
+        log.error("%s", backend.device_problem)
+    log.info(
+        "serving %s on fd %d (torch %s, %d threads)",
+        ",".join(args.devices), args.fd, torch.__version__, torch.get_num_threads(),
+    )  # fmt: skip
+    return backend
+
+
 def main(argv: list[str] | None = None) -> int:
     # First, before the slow torch import: a signal in that window must not kill us either.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -88,31 +131,29 @@ def main(argv: list[str] | None = None) -> int:
         log.error("--fd %d is not a unix stream socket", args.fd)
         return 2
 
-    import torch  # only now (a slow import), and the signals are already ignored
-
-    from luced.runtime.backend import Backend
-
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    inbox = socket.socket(fileno=args.inbox) if args.inbox is not None else None
-    backend = Backend(args.group, args.devices, inbox)
-    if backend.device_problem:  # hello reports it to the daemon; log it here too
-        log.error("%s", backend.device_problem)
-    log.info(
-        "serving %s on fd %d (torch %s, %d threads)",
-        ",".join(args.devices), args.fd, torch.__version__, torch.get_num_threads(),
-    )  # fmt: skip
+    slow_start("silent")
     channel = BlockingChannel(sock)
+    backend: Backend | None = None
+
+    def handle(req: F.Request) -> F.Reply:
+        # The first request (the daemon's hello, a SLOW one: with progress notes) starts
+        # the backend; torch is imported only now, with the signals already ignored.
+        nonlocal backend
+        if backend is None:
+            backend = start_backend(args, channel)
+        return backend.handle(req)
+
     code = 0
     try:
-        channel.serve(backend.handle)  # returns after shutdown or when the daemon closes
+        channel.serve(handle)  # returns after shutdown or when the daemon closes
     except FrameError as e:
         log.error("unreadable frame, closing: %s", e)
         code = 1
     except ConnectionError as e:  # the daemon vanished while we replied
         log.info("daemon gone: %s", e)
     finally:
-        backend.close()
+        if backend is not None:
+            backend.close()
         channel.close()
     log.info("exiting")
     return code

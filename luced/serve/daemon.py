@@ -21,11 +21,10 @@ import signal
 import sys
 from pathlib import Path
 
-from aiohttp import web
-
+from luced.api.ollama_models import ModelFacts
 from luced.api.server import Guard, make_app
 from luced.engine.core import Engine
-from luced.engine.executor import WorkerReplyError
+from luced.engine.executor import Deadlines, WorkerDied, WorkerReplyError
 from luced.engine.kv_budget import resolve_kv_pool
 from luced.engine.kvflash.pager import PagerConfig
 from luced.engine.kvflash.transport import (
@@ -36,14 +35,15 @@ from luced.engine.kvflash.transport import (
 )
 from luced.engine.metrics import Metrics
 from luced.engine.target import Target, TargetPlacement
+from luced.engine.watchdog import LoopWatchdog
 from luced.gguf_file import GGUFFile
 from luced.ipc.frames import MoeCounts
 from luced.ipc.shm import ShmOwner, cleanup_stale
 from luced.serve import routing_profile, sdnotify
 from luced.serve.admin import AdminSocketError, start_admin_server
-from luced.serve.admission import Gate
-from luced.serve.config import Config, ConfigError, usable_cores
-from luced.serve.listener import LimitedSite
+from luced.serve.config import Config, ConfigError
+from luced.serve.listener import listen
+from luced.serve.options import usable_cores
 from luced.serve.prefix_setup import (
     DiskReservation,
     open_prefix_cache,
@@ -56,6 +56,7 @@ from luced.text.tokenizer import Tokenizer
 log = logging.getLogger("luced")
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+GIL_SWITCH_S = 0.001
 
 
 class StartupError(RuntimeError):
@@ -67,7 +68,7 @@ class Daemon:
         self.config = config
         # The workers read their kernels from the environment they inherit
         # (`runtime.native_build.kernel_choice`), so a flag or config-file value reaches them.
-        os.environ["LUCED_KERNELS"] = config.kernels
+        os.environ["LUCED_KERNELS"] = config.model.kernels
         self.stopping = asyncio.Event()
         self.owner = ShmOwner()
         self.engine: Engine | None = None
@@ -91,8 +92,8 @@ class Daemon:
             self.owner.unlink_all()
 
     async def _serve(self) -> int:
-        cfg = self.config
-        model_path = str(cfg.model_path())
+        cfg, model = self.config, self.config.model
+        model_path = str(model.model_path())
         gguf = GGUFFile(model_path)
         sdnotify.status(f"reading {Path(model_path).name}")
         tokenizer = Tokenizer.from_gguf(gguf)
@@ -101,7 +102,7 @@ class Daemon:
         self.template, self.tokenizer = template, tokenizer
         n_layers = int(gguf.require(f"{gguf.arch}.block_count"))
         kv_sources = gguf.kv_sources()  # a layer split keeps these layers with their sources
-        context = cfg.effective_context_length(int(gguf.require(f"{gguf.arch}.context_length")))
+        context = model.effective_context_length(int(gguf.require(f"{gguf.arch}.context_length")))
         running = self._max_running()
         kv_flash = self._kv_flash(gguf, context, running)
         moe_dims = (
@@ -110,93 +111,107 @@ class Daemon:
         )
         moe_profile = self._moe_profile(gguf)
         kv_pool = self._kv_pool(gguf, context, running)
+        facts = ModelFacts.from_gguf(gguf)  # what Ollama's /api/tags, /api/show list
         del gguf
-        if cfg.moe_expert_device is not None:
-            if cfg.moe_hot_experts is None:
+        moe = cfg.moe
+        if moe.moe_expert_device is not None:
+            if moe.moe_hot_experts is None:
                 raise StartupError(
-                    f"{cfg.label('moe_expert_device')}: every expert is hot; give "
-                    f"{cfg.label('moe_hot_experts')} a count so that some are cold"
+                    f"{moe.label('moe_expert_device')}: every expert is hot; give "
+                    f"{moe.label('moe_hot_experts')} a count so that some are cold"
                 )
             if not moe_dims[1]:
-                raise StartupError(f"{cfg.label('moe_expert_device')}: the model has no experts")
+                raise StartupError(f"{moe.label('moe_expert_device')}: the model has no experts")
 
         # Placement errors (bad devices, more shards than layers, a missing interpreter)
         # stop the start-up here, naming the flag, before any worker runs.
         placement = TargetPlacement.split(
             model=model_path,
             n_layers=n_layers,
-            dtype=cfg.dtype,
-            weights_mode=cfg.weights,
-            batch_invariant=cfg.batch_invariant,
+            dtype=model.dtype,
+            weights_mode=model.weights,
+            batch_invariant=model.batch_invariant,
             kv_dtype=cfg.effective_kv_dtype(),
             # Several running requests hold their K/V in blocks of one pool per worker, so
             # one can start on another's prompt prefix; KV Flash pools each on its own.
-            kv_block=cfg.kv_block_size if running > 1 and kv_flash is None else 0,
+            kv_block=cfg.kv.kv_block_size if running > 1 and kv_flash is None else 0,
             kv_capacity=context,
-            max_batch_tokens=cfg.max_batch_tokens,
-            devices=cfg.target_devices,
-            weights=cfg.target_layer_split or (),
+            max_batch_tokens=cfg.scheduler.max_batch_tokens,
+            devices=model.target_devices,
+            weights=model.target_layer_split or (),
             kv_sources=kv_sources,
-            pythons={g: str(p) for g, p in cfg.backend_python},
+            pythons={g: str(p) for g, p in model.backend_python},
             # Only one worker computes at a time, but idle workers' OpenMP threads still
             # contend: sharing the cores measured faster than every worker using all. The
             # daemon's own work (HTTP, detokenizing) is light beside the native kernels: a
             # worker on every core served more tokens than one that left a core to the
             # daemon (README, Performance).
-            threads=cfg.threads,
+            threads=model.threads,
             cores=usable_cores(),
-            moe_hot=cfg.moe_hot_experts,
-            moe_expert_device=cfg.moe_expert_device,
-            moe_required=cfg.moe_expert_required,
+            moe_hot=moe.moe_hot_experts,
+            moe_expert_device=moe.moe_expert_device,
+            moe_required=moe.moe_expert_required,
             moe_dims=moe_dims,
             moe_profile=moe_profile,
         )
         # Exclusive resources before the slow load: the cache directory's lock here, the
         # port and the admin socket below, each a one-line StartupError when taken.
         try:
-            self.disk_reservation = reserve_disk_dir(cfg, model_path)
+            self.disk_reservation = reserve_disk_dir(cfg.kv, model_path)
         except ValueError as exc:
             raise StartupError(str(exc)) from exc
-        metrics = Metrics(cfg.served_model_name())  # vLLM's model_name label
-        self.target = Target(
-            self.owner, placement, kv_flash=kv_flash, worker_timeout=cfg.worker_timeout
-        )
+        metrics = Metrics(model.served_model_name())  # vLLM's model_name label
+        deadlines = Deadlines(call=cfg.daemon.worker_timeout, start=cfg.daemon.worker_start_timeout)
+        self.target = Target(self.owner, placement, kv_flash=kv_flash, deadlines=deadlines)
         self.engine = engine = Engine(
             self.target,
             tokenizer,
             template,
-            model_name=cfg.served_model_name(),
+            model_name=model.served_model_name(),
             context_length=context,
-            max_queue=cfg.max_queue,
-            max_queued_tokens=cfg.max_queued_tokens,
-            default_max_tokens=cfg.default_max_tokens,
-            block_size=cfg.block_size,
-            lookup_drafts=cfg.lookup_drafts,
-            adaptive_blocks=cfg.adaptive_block_size,
+            max_queue=cfg.scheduler.max_queue,
+            max_queued_tokens=cfg.scheduler.max_queued_tokens,
+            default_max_tokens=cfg.scheduler.default_max_tokens,
+            block_size=cfg.speculation.block_size,
+            lookup_drafts=cfg.speculation.lookup_drafts,
+            adaptive_blocks=cfg.speculation.adaptive_block_size,
             metrics=metrics,
             max_running=running,
             kv_pool_tokens=kv_pool,
         )
+        http = cfg.http
         try:
-            api_key = cfg.effective_api_key()
+            api_key = http.effective_api_key()
         except ConfigError as exc:
             raise StartupError(str(exc)) from exc
-        guard = Guard(cfg.host, cfg.allowed_hosts, cfg.allowed_origins, cfg.metrics_public)
-        app = make_app(engine, metrics, api_key=api_key, guard=guard, body_timeout=cfg.http_timeout)
-        # keepalive_timeout also bounds the wait for a first header (listener.py)
-        handler_args = {"access_log": None, "keepalive_timeout": cfg.http_timeout}
-        http = web.AppRunner(app, handle_signals=False, handler_cancellation=True, **handler_args)
-        await http.setup()
-        gate = Gate(cfg.max_connections, cfg.trusted_proxies)
-        site = LimitedSite(http, cfg.host, cfg.port, gate, handler_args)
-        await site.start()
-        log.info("listening on http://%s:%d", cfg.host, cfg.port)
+        guard = Guard(http.host, http.allowed_hosts, http.allowed_origins, http.metrics_public)
+        app = make_app(
+            engine,
+            metrics,
+            api_key=api_key,
+            guard=guard,
+            body_timeout=http.http_timeout,
+            model=facts,
+        )
         try:
-            admin = await start_admin_server(cfg.admin_socket, self._admin_handlers())
+            runner = await listen(app, http)
+        except OSError as exc:  # e.g. the port is taken: one line, no load
+            self.disk_reservation.release()
+            # uvloop's text repeats the address; a bad host name has only its own text
+            reason = os.strerror(exc.errno) if (exc.errno or 0) > 0 else str(exc)
+            raise StartupError(
+                f"cannot listen on {http.host}:{http.port}: {reason} (choose another with "
+                "--port or --host, or stop what holds it)"
+            ) from exc
+        log.info("listening on http://%s:%d", http.host, http.port)
+        try:
+            admin = await start_admin_server(cfg.daemon.admin_socket, self._admin_handlers())
         except AdminSocketError as exc:  # e.g. a second default instance: one line, no load
-            await http.cleanup()
+            await runner.cleanup()
             self.disk_reservation.release()
             raise StartupError(f"{exc} (choose another with --admin-socket)") from exc
+        watchdog = LoopWatchdog(lambda lag: metrics.observe("loop_lag", lag))
+        watchdog.start()
         try:
             sdnotify.status(f"loading {Path(model_path).name}")
             load = asyncio.create_task(self._start_model())
@@ -222,44 +237,45 @@ class Daemon:
                         share,
                         shard["pid"],
                     )
-                sdnotify.ready(f"serving {engine.model_name} on {cfg.host}:{cfg.port}")
+                sdnotify.ready(f"serving {engine.model_name} on {http.host}:{http.port}")
                 await self.stopping.wait()
             sdnotify.stopping()
-            log.info("draining (up to %.0f s)", cfg.shutdown_timeout)
-            if not await engine.drain(cfg.shutdown_timeout):
+            log.info("draining (up to %.0f s)", http.shutdown_timeout)
+            if not await engine.drain(http.shutdown_timeout):
                 log.warning("shutdown timeout: aborting the remaining requests")
             await engine.stop()
         finally:
+            await watchdog.stop()
             admin.close()
             with contextlib.suppress(Exception):
                 await admin.wait_closed()
             if engine.prefix_cache is not None:  # pending disk writes land first
                 await engine.prefix_cache.close()
             await self.target.close()
-            await http.cleanup()
+            await runner.cleanup()
             self.disk_reservation.release()
         log.info("stopped")
         return 0
 
     def _moe_profile(self, gguf: GGUFFile) -> MoeCounts:
         """--moe-routing-profile's counts, checked against the model; () without one."""
-        cfg = self.config
-        if cfg.moe_routing_profile is None:
+        moe = self.config.moe
+        if moe.moe_routing_profile is None:
             return ()
-        label = cfg.label("moe_routing_profile")
-        if cfg.moe_hot_experts is None:
+        label = moe.label("moe_routing_profile")
+        if moe.moe_hot_experts is None:
             raise StartupError(
-                f"{label}: every expert is hot; give {cfg.label('moe_hot_experts')} a count "
+                f"{label}: every expert is hot; give {moe.label('moe_hot_experts')} a count "
                 "so that the profile chooses them"
             )
         try:
-            return routing_profile.load(cfg.moe_routing_profile, gguf).to_wire()
+            return routing_profile.load(moe.moe_routing_profile, gguf).to_wire()
         except routing_profile.ProfileError as exc:
             raise StartupError(f"{label}: {exc}") from None
 
     def _max_running(self) -> int:
         """--max-running (logged)."""
-        running = self.config.max_running
+        running = self.config.scheduler.max_running
         if running > 1:
             log.info("continuous batching: up to %d requests at once", running)
         return running
@@ -269,9 +285,9 @@ class Daemon:
         cfg = self.config
         per_token = model_bytes_per_token(gguf, DTYPE_BYTES[cfg.effective_kv_dtype()])
         try:
-            pool = resolve_kv_pool(cfg.kv_pool_tokens, running, context, per_token)
+            pool = resolve_kv_pool(cfg.kv.kv_pool_tokens, running, context, per_token)
         except ValueError as exc:
-            raise StartupError(f"{cfg.label('kv_pool_tokens')}: {exc}") from exc
+            raise StartupError(f"{cfg.kv.label('kv_pool_tokens')}: {exc}") from exc
         if running > 1:
             log.info(
                 "KV pool: %d positions for %d running requests (%d MiB at %d KiB a position)",
@@ -285,53 +301,57 @@ class Daemon:
     def _kv_flash(self, gguf: GGUFFile, context: int, running: int) -> PagerConfig | None:
         """The KV Flash pager's config (--kv-flash), or None when it is off. Each of the
         `running` sequences has a pool of its own: `auto` shares the memory among them."""
-        cfg = self.config
-        if cfg.kv_flash is None:
+        cfg, kv = self.config, self.config.kv
+        if kv.kv_flash is None:
             return None
         settings = KVFlashSettings(
-            cfg.kv_flash, cfg.kv_flash_policy, cfg.kv_flash_tau, cfg.kv_flash_max_pool
+            kv.kv_flash, kv.kv_flash_policy, kv.kv_flash_tau, kv.kv_flash_max_pool
         )
         per_token = model_bytes_per_token(gguf, DTYPE_BYTES[cfg.effective_kv_dtype()])
         pool = resolve_pool(settings, context, per_token * running)
         try:
             pager = pager_config(settings, pool, gguf)
         except ValueError as exc:  # PoolTooSmall: the sinks, tail and window need more
-            raise StartupError(f"{cfg.label('kv_flash')}: {exc}") from exc
+            raise StartupError(f"{kv.label('kv_flash')}: {exc}") from exc
         log.info(
             "KV Flash: a pool of %d tokens (%s) per running request, policy %s, %d KiB of "
             "K/V per token",
             pool,
-            cfg.kv_flash,
-            cfg.kv_flash_policy,
+            kv.kv_flash,
+            kv.kv_flash_policy,
             per_token // 1024,
         )
         return pager
 
     async def _start_model(self) -> None:
         assert self.target is not None
-        await self.target.start()
-        draft = self.config.draft
-        if self.config.lookup_drafts:
-            self.target.enable_lookup_drafts(self.config.block_size)
-            log.info("draft: n-gram prompt lookup, block size %d", self.config.block_size)
+        try:
+            await self.target.start()
+        except (WorkerDied, WorkerReplyError) as exc:  # the worker's log lines say more
+            raise StartupError(f"loading the model: {exc}") from exc
+        spec = self.config.speculation
+        draft = spec.draft
+        if spec.lookup_drafts:
+            self.target.enable_lookup_drafts(spec.block_size)
+            log.info("draft: n-gram prompt lookup, block size %d", spec.block_size)
         elif draft is not None:
             try:
                 reply = await self.target.load_draft(
                     str(draft),
-                    device=self.config.draft_device,
-                    block_size=self.config.block_size,
+                    device=spec.draft_device,
+                    block_size=spec.block_size,
                     python=self.config.draft_python(),
                 )
-            except (WorkerReplyError, ValueError) as exc:
+            except (WorkerDied, WorkerReplyError, ValueError) as exc:
                 raise StartupError(f"--draft {draft}: {exc}") from exc
             log.info(
                 "draft %s: captures target layers %s, block size %d",
                 draft.name,
                 list(reply.capture_layers),
-                self.config.block_size,
+                spec.block_size,
             )
         assert self.engine is not None
-        if self.config.draft is not None and self.config.adaptive_block_size:
+        if draft is not None and spec.adaptive_block_size:
             costs = await self.engine.calibrate()
             log.info(
                 "adaptive block size: step costs %s ms",
@@ -339,10 +359,11 @@ class Daemon:
             )
         try:
             self.engine.prefix_cache = await open_prefix_cache(
-                self.config,
+                self.config.kv,
+                self.config.model.dtype,
                 self.target,
                 self.owner,
-                str(self.config.model_path()),
+                str(self.config.model.model_path()),
                 self.template,
                 self.disk_reservation,
             )
@@ -375,8 +396,11 @@ def run(config: Config) -> int:
     import uvloop
 
     logging.basicConfig(
-        level=getattr(logging, str(config.log_level).upper(), logging.INFO),
+        level=getattr(logging, str(config.daemon.log_level).upper(), logging.INFO),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
+    # A thread preparing a large request runs Python; the event loop waits for the GIL
+    # up to this long at each hand-over (5 ms by default, a few per /health answer).
+    sys.setswitchinterval(GIL_SWITCH_S)
     return uvloop.run(Daemon(config).run())

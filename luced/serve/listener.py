@@ -14,10 +14,12 @@ keep every other client out. Three things keep that bounded:
 - ``Connection`` tracks what that rule reads: each connection's peer and stage (sending
   a request, answering one, idle) and since when.
 
+``listen(app, cfg.http)`` puts these together from the HTTP options.
+
 Errors aiohttp answers before any route runs (an oversized header) are JSON too
 (``JSONErrorHandler``).
 
-The body has its own deadline where the API reads it (``api.server.read_json``).
+The body has its own deadline where the API reads it (``api.server.read_body``).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from aiohttp.web_request import BaseRequest
 
 from luced.api.fields import error_body
 from luced.serve.admission import Gate, Peer, Stage
+from luced.serve.config import HTTPOptions
 
 log = logging.getLogger(__name__)
 
@@ -219,3 +222,20 @@ class LimitedSite(web.BaseSite):
         self._server = await loop.create_server(
             protocol, self._host, self._port, backlog=self._backlog, reuse_address=True
         )
+
+
+async def listen(app: web.Application, http: HTTPOptions) -> web.AppRunner:
+    """Serve ``app`` on --host / --port behind a ``LimitedSite`` (--max-connections,
+    --trusted-proxies), idle and header waits bounded by --http-timeout. The caller cleans
+    the runner up; when listening fails (the port is taken) it is cleaned up here and the
+    OSError raised."""
+    handler_args = {"access_log": None, "keepalive_timeout": http.http_timeout}
+    runner = web.AppRunner(app, handle_signals=False, handler_cancellation=True, **handler_args)
+    await runner.setup()
+    gate = Gate(http.max_connections, http.trusted_proxies)
+    try:
+        await LimitedSite(runner, http.host, http.port, gate, handler_args).start()
+    except BaseException:
+        await runner.cleanup()
+        raise
+    return runner

@@ -6,7 +6,7 @@
     | cache clear [--disk] --yes
 
 The socket: ``--socket``, else ``$LUCED_ADMIN_SOCKET``, else the daemon's default
-(``luced.serve.config.default_admin_socket``); when that does not exist but the systemd
+(``luced.serve.options.default_admin_socket``); when that does not exist but the systemd
 unit's ``/run/luced/admin.sock`` does, that one. Tables by default; ``--json`` prints
 the daemon's reply line as it came.
 
@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from luced.ipc.frames import KERNELS_FALLBACK
-from luced.serve.config import default_admin_socket
+from luced.serve.options import default_admin_socket
 
 SYSTEMD_SOCKET = Path("/run/luced/admin.sock")  # RuntimeDirectory=luced in luced.service
 DEFAULT_TIMEOUT = 10.0
@@ -232,11 +232,13 @@ def _queue(q: Any) -> str:
             text += f" (max {q['max_queued_tokens']})"
     if q.get("mean_batch") is not None:
         text += f"; {q['batched_steps']} batched steps, {q['mean_batch']} sequences each"
-    for r in q.get("requests") or []:  # each running request and its tokens so far
-        text += (
-            f"\n  {fmt(r.get('id'))}: {fmt(r.get('prompt_tokens'))} prompt + "
-            f"{fmt(r.get('completion_tokens'))} generated"
-        )
+    # Each running and waiting request and its tokens so far.
+    for key, label in (("requests", "running"), ("waiting_requests", "waiting")):
+        for r in q.get(key) or []:
+            text += (
+                f"\n  {fmt(r.get('id'))} {label}: {fmt(r.get('prompt_tokens'))} prompt + "
+                f"{fmt(r.get('completion_tokens'))} generated"
+            )
     return text
 
 
@@ -256,6 +258,8 @@ def _prefix_cache(c: Any) -> str:
     disk = ""
     if c.get("disk_budget") is not None:
         disk = f", disk {human_bytes(c.get('disk_bytes'))} of {human_bytes(c.get('disk_budget'))}"
+    if c.get("disk_error"):
+        disk += f", disk writes PAUSED: {c.get('disk_error')}"
     if c.get("disk_problem"):
         disk = f", disk tier OFF (memory only): {c.get('disk_problem')}"
     return (

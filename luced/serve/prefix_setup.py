@@ -1,6 +1,6 @@
 """The daemon's prefix cache as operators see it: built from the config, served to lucectl.
 
-    cache = await open_prefix_cache(config, target, owner, model_path, template)
+    cache = await open_prefix_cache(cfg.kv, cfg.model.dtype, target, owner, model_path, template)
     handlers = snapshot_handlers(lambda: engine.prefix_cache, tokenizer)   # admin verbs
 
 A file of the disk tier is only restored by a daemon with the same identity: the same
@@ -20,6 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from luced.api.status import snapshot_rows
 from luced.cache.arena import SnapshotArena
 from luced.cache.disk import (
     DiskIdentity,
@@ -31,14 +32,13 @@ from luced.cache.disk import (
 from luced.cache.prefix_cache import PrefixCache
 from luced.engine.target import Target
 from luced.ipc.shm import SHM_DIR, ShmOwner
-from luced.serve.admin import CommandError
-from luced.serve.config import Config
+from luced.serve.admin import CommandError, arg_bool, arg_str
+from luced.serve.config import KVOptions
 from luced.text.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
 _EDGE = 1 << 20  # bytes hashed at each end of the model file
-PREVIEW_TOKENS = 24  # tokens detokenized for `snapshot list`
 
 
 def model_fingerprint(path: str | Path) -> str:
@@ -98,41 +98,43 @@ class DiskReservation:
             os.close(fd)
 
 
-def reserve_disk_dir(config: Config, model_path: str) -> DiskReservation:
+def reserve_disk_dir(kv: KVOptions, model_path: str) -> DiskReservation:
     """Lock DIR/<model fingerprint>/ of --kv-cache-dir. ValueError naming the option when
     another daemon holds it; any other failure is a warning and the memory tier only."""
-    if config.kv_cache_dir is None or config.prefix_cache_bytes <= 0:
+    if kv.kv_cache_dir is None or kv.prefix_cache_bytes <= 0:
         return DiskReservation()
     try:
-        return DiskReservation(lock_model_dir(config.kv_cache_dir, model_fingerprint(model_path)))
+        return DiskReservation(lock_model_dir(kv.kv_cache_dir, model_fingerprint(model_path)))
     except SnapshotDirBusy as exc:
-        raise ValueError(f"{config.label('kv_cache_dir')}: {exc}") from exc
+        raise ValueError(f"{kv.label('kv_cache_dir')}: {exc}") from exc
     except (OSError, SnapshotDirError) as exc:
-        return _unusable(config, exc)
+        return _unusable(kv, exc)
 
 
-def _unusable(config: Config, exc: Exception) -> DiskReservation:
-    problem = f"{config.kv_cache_dir}: {exc}"
+def _unusable(kv: KVOptions, exc: Exception) -> DiskReservation:
+    problem = f"{kv.kv_cache_dir}: {exc}"
     log.warning(
         "prefix cache: %s cannot be used (%s); serving with the memory tier only",
-        config.label("kv_cache_dir"),
+        kv.label("kv_cache_dir"),
         problem,
     )
     return DiskReservation(problem=problem)
 
 
 async def open_prefix_cache(
-    config: Config,
+    kv: KVOptions,
+    dtype: str,
     target: Target,
     owner: ShmOwner,
     model_path: str,
     template: Any,
     reservation: DiskReservation | None = None,
 ) -> PrefixCache | None:
-    """The prefix cache the config asks for (None: --prefix-cache-bytes 0). A directory
-    that cannot be used is a warning (memory tier only, `lucectl status` says why); one
-    held by another daemon is a ValueError naming the option."""
-    if config.prefix_cache_bytes <= 0:
+    """The prefix cache the KV options ask for (None: --prefix-cache-bytes 0), for a model
+    computed in ``dtype``. A directory that cannot be used is a warning (memory tier only,
+    `lucectl status` says why); one held by another daemon is a ValueError naming the
+    option."""
+    if kv.prefix_cache_bytes <= 0:
         return None
     if target.recurrent:
         log.info(
@@ -141,27 +143,25 @@ async def open_prefix_cache(
             Path(model_path).name,
         )
     if reservation is None:
-        reservation = reserve_disk_dir(config, model_path)
+        reservation = reserve_disk_dir(kv, model_path)
     layout = await target.kv_layout()
     disk = None
     problem = reservation.problem
-    if config.kv_cache_dir is not None and problem is None:
+    if kv.kv_cache_dir is not None and problem is None:
         source = getattr(template, "source", "") or ""
         identity = DiskIdentity(
             fingerprint=model_fingerprint(model_path),
             template_hash=hashlib.sha256(source.encode()).hexdigest()[:32],
             placement=placement_key(target),
-            dtype=config.dtype
-            if config.effective_kv_dtype() == config.dtype
-            else f"{config.dtype}, kv {config.effective_kv_dtype()}",
+            dtype=dtype if kv.row_dtype(dtype) == dtype else f"{dtype}, kv {kv.row_dtype(dtype)}",
         )
         try:
-            disk = SnapshotDisk(config.kv_cache_dir, identity, layout, lock_fd=reservation.take())
+            disk = SnapshotDisk(kv.kv_cache_dir, identity, layout, lock_fd=reservation.take())
         except SnapshotDirBusy as exc:
-            raise ValueError(f"{config.label('kv_cache_dir')}: {exc}") from exc
+            raise ValueError(f"{kv.label('kv_cache_dir')}: {exc}") from exc
         except (OSError, SnapshotDirError) as exc:
-            problem = _unusable(config, exc).problem
-    arena = SnapshotArena(owner, arena_bytes(config.prefix_cache_bytes))
+            problem = _unusable(kv, exc).problem
+    arena = SnapshotArena(owner, arena_bytes(kv.prefix_cache_bytes))
     t0 = time.monotonic()
     exact = bool(target.recurrent)
     try:
@@ -169,21 +169,21 @@ async def open_prefix_cache(
             layout,
             arena,
             disk,
-            disk_budget=config.kv_cache_budget if disk else None,
+            disk_budget=kv.kv_cache_budget if disk else None,
             exact_cuts=exact,
         )
     except OSError as exc:  # the scan could not list the directory
         assert disk is not None
         disk.close()
-        disk, problem = None, _unusable(config, exc).problem
+        disk, problem = None, _unusable(kv, exc).problem
         cache = PrefixCache(layout, arena, None, exact_cuts=exact)
     cache.disk_problem = problem
     stats = cache.stats()
     log.info(
         "prefix cache: %d MiB arena%s",
-        config.prefix_cache_bytes >> 20,
+        kv.prefix_cache_bytes >> 20,
         f"; {stats.disk_entries} snapshot(s) ({stats.disk_bytes >> 20} MiB) on disk in "
-        f"{config.kv_cache_dir}, indexed in {time.monotonic() - t0:.2f} s"
+        f"{kv.kv_cache_dir}, indexed in {time.monotonic() - t0:.2f} s"
         if disk is not None
         else "",
     )
@@ -202,31 +202,10 @@ def snapshot_handlers(
         return c
 
     async def snapshot_list(_: dict) -> dict:
-        c = get_cache()
-        if c is None:
-            return {"snapshots": []}
-        return {
-            "snapshots": [
-                {
-                    "id": e.id,
-                    "tokens": e.n_tokens,
-                    "bytes": e.nbytes,
-                    "disk_bytes": e.disk_bytes,
-                    "tier": e.tier,
-                    "hits": e.hits,
-                    "last_used": e.last_used,
-                    "in_use": e.pinned,
-                    "prefix": tokenizer.decode(e.tokens[:PREVIEW_TOKENS].tolist()),
-                    # Snapshots of one app share their start (the system prompt): the end
-                    # (the last turn) is what tells them apart.
-                    "suffix": tokenizer.decode(e.tokens[-PREVIEW_TOKENS:].tolist()),
-                }
-                for e in c.entries()
-            ]
-        }
+        return {"snapshots": snapshot_rows(get_cache(), tokenizer)}
 
     async def snapshot_drop(req: dict) -> dict:
-        entry_id = str(req.get("id", ""))
+        entry_id = arg_str(req, "id")
         if not await cache().drop(entry_id):
             raise CommandError(f"no snapshot {entry_id!r} (see `lucectl snapshot list`)")
         return {"dropped": entry_id}
@@ -238,7 +217,7 @@ def snapshot_handlers(
         return {"saved": await c.save_all()}
 
     async def cache_clear(req: dict) -> dict:
-        return {"cleared": await cache().clear(disk=bool(req.get("disk")))}
+        return {"cleared": await cache().clear(disk=arg_bool(req, "disk"))}
 
     return {
         "snapshot_list": snapshot_list,

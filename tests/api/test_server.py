@@ -5,11 +5,14 @@ real worker process, driven by the official openai client and by raw HTTP."""
 from __future__ import annotations
 
 import asyncio
+import io
 import json
 import os
+import re
 import signal
 import time
 from collections.abc import AsyncIterator
+from html.parser import HTMLParser
 from pathlib import Path
 
 import openai
@@ -19,7 +22,8 @@ from aiohttp.test_utils import TestClient, TestServer
 from openai import AsyncOpenAI
 from prometheus_client.parser import text_string_to_metric_families
 
-from luced.api.server import ENGINE, MAX_CHARS_PER_TOKEN, Guard, make_app
+from luced.api.prepare import BYTES_PER_CHAR, LARGE_BODY, MANY_VALUES, MAX_CHARS_PER_TOKEN
+from luced.api.server import ENGINE, Guard, make_app
 from luced.engine.core import Engine
 from luced.engine.metrics import Metrics
 from luced.engine.placement import WorkerSpec
@@ -160,6 +164,12 @@ async def test_body_size_limit_and_api_key(smollm2_gguf: Path, smol_tokenizer: T
             assert err["code"] == "invalid_api_key"
         ok = {"Authorization": "Bearer sekret"}
         assert (await client.get("/v1/models", headers=ok)).status == 200
+        for path in ("/v1/status", "/v1/status/history"):
+            await error_of(await client.get(path), 401)
+            assert (await client.get(path, headers=ok)).status == 200
+        # The page holds nothing secret: it loads without the key, then asks for it.
+        for path in ("/", "/static/app.js"):
+            assert (await client.get(path)).status == 200
         assert (await client.get("/health")).status == 503  # open, just not ready
         # /metrics wants the key too, unless --metrics-public
         await error_of(await client.get("/metrics"), 401)
@@ -212,6 +222,7 @@ async def served(
     assert not [i.name for i in scan() if i.header and i.header.instance == owner.instance]
 
 
+JSON_TYPE = {"Content-Type": "application/json"}
 GREEDY = {"model": MODEL, "messages": USER, "temperature": 0, "max_tokens": 8}
 
 
@@ -280,6 +291,16 @@ async def test_disconnects_cancel_the_work_and_a_full_queue_is_429(served: Serve
     while not engine.waiting:
         await asyncio.sleep(0.01)
     handle_b = engine.waiting[0]
+    # The status shows both, with their tokens so far.
+    queue = (await (await client.get("/v1/status")).json())["queue"]
+    (running,) = queue["requests"]
+    assert (running["id"], running["prompt_tokens"]) == (
+        handle_a.request_id,
+        handle_a.prompt_tokens,
+    )
+    (waiting,) = queue["waiting_requests"]
+    assert (waiting["id"], waiting["completion_tokens"]) == (handle_b.request_id, 0)
+    assert waiting["prompt_tokens"] == handle_b.prompt_tokens
     # ... so C finds it full.
     c = await client.post("/v1/chat/completions", json=GREEDY)
     err = await error_of(c, 429)
@@ -336,6 +357,17 @@ async def test_a_web_page_cannot_drive_it(loading: TestClient) -> None:
     assert (await loading.get("/v1/models", headers={"Host": "localhost:8000"})).status == 200
     pre = {"Origin": "https://evil.example", "Access-Control-Request-Method": "POST"}
     await error_of(await loading.options("/v1/chat/completions", headers=pre), 403)
+    # A request from another site's page, preflighted or not, is refused as well ...
+    evil = {"Origin": "https://evil.example"}
+    err = await error_of(await loading.get("/v1/models", headers=evil), 403)
+    assert "evil.example" in err["message"]
+    for origin in ("null", f"http://{loading.host}:{loading.port + 1}"):
+        resp = await loading.post("/v1/chat/completions", json={}, headers={"Origin": origin})
+        await error_of(resp, 403)
+    # ... but our own page (same host and port) is not.
+    ours = {"Origin": f"http://{loading.host}:{loading.port}"}
+    assert (await loading.get("/v1/models", headers=ours)).status == 200
+    assert (await loading.get("/", headers=evil)).status == 403
 
 
 async def test_allowed_hosts_and_origins(loading: TestClient) -> None:
@@ -350,6 +382,88 @@ async def test_allowed_hosts_and_origins(loading: TestClient) -> None:
         assert resp.headers["Access-Control-Allow-Origin"] == "http://app.lan"
 
 
+class _Markup(HTMLParser):
+    """What a strict Content-Security-Policy would block in a page: inline scripts and
+    styles, style attributes and inline event handlers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scripts: list[str] = []  # src of each <script>
+        self.inline: list[str] = []
+        self._in_script = False
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        names = dict(attrs)
+        if tag == "script":
+            self.scripts.append(names.get("src") or "")
+            self._in_script = True
+        if tag == "style":
+            self.inline.append("<style>")
+        self.inline += [f"{tag} {k}=" for k in names if k == "style" or k.startswith("on")]
+
+    def handle_endtag(self, tag: str) -> None:
+        self._in_script = self._in_script and tag != "script"
+
+    def handle_data(self, data: str) -> None:
+        if self._in_script and data.strip():
+            self.inline.append(f"<script>{data[:40]}")
+
+
+async def test_the_page_is_served_under_a_strict_csp(loading: TestClient) -> None:
+    resp = await loading.get("/")
+    assert resp.status == 200 and resp.content_type == "text/html"
+    csp = resp.headers["Content-Security-Policy"]
+    assert "default-src 'self'" in csp and "connect-src 'self'" in csp
+    assert "frame-ancestors 'none'" in csp and "unsafe" not in csp
+    assert resp.headers["X-Content-Type-Options"] == "nosniff"
+    markup = _Markup()
+    markup.feed(await resp.text())
+    assert markup.scripts == ["/static/app.js"] and markup.inline == []
+    # Every module the page imports, directly or not, is served as JavaScript.
+    todo, seen = ["app.js"], set()
+    while todo:
+        name = todo.pop()
+        resp = await loading.get(f"/static/{name}")
+        assert resp.status == 200, name
+        assert resp.headers["Content-Type"] == "text/javascript; charset=utf-8", name
+        assert resp.headers["Content-Security-Policy"] == csp
+        seen.add(name)
+        folder = name.rpartition("/")[0]
+        for target in re.findall(r'(?:^|\n)import[^"\n]*"\./([^"]+)"', await resp.text()):
+            path = f"{folder}/{target}" if folder else target
+            if path not in seen:
+                todo.append(path)
+    assert {"chat.js", "status.js", "plots.js", "markdown.js"} <= seen
+    assert any(n.startswith("vendor/uplot-") for n in seen)
+    # Each vendored library comes with its licence.
+    for lib in {n.split("/")[1] for n in seen if n.startswith("vendor/")}:
+        assert (await loading.get(f"/static/vendor/{lib}/LICENSE")).status == 200, lib
+    # Only the files of the package: no path reaches the file system.
+    for bad in ("/static/%2E%2E/server.py", "/static/nothing.js", "/static/vendor"):
+        assert (await loading.get(bad)).status == 404, bad
+    resp = await loading.get("/static/style.css")
+    assert resp.content_type == "text/css"
+    again = await loading.get("/static/style.css", headers={"If-None-Match": resp.headers["ETag"]})
+    assert again.status == 304
+
+
+async def test_status_and_its_history(loading: TestClient) -> None:
+    body = await (await loading.get("/v1/status")).json()
+    assert body["state"] == "loading" and body["model"] == MODEL
+    assert body["queue"]["requests"] == [] and body["queue"]["waiting_requests"] == []
+    assert body["snapshots"] == []  # no prefix cache
+    history = await (await loading.get("/v1/status/history")).json()
+    assert history["interval_s"] == 1 and history["span_s"] == 600
+    lengths = {len(v) for k, v in history.items() if isinstance(v, list)}
+    assert len(lengths) == 1  # one value per second in every column
+    assert history["t"] == sorted(history["t"])
+    resp = await loading.get("/v1/status/history", params={"since": time.time() - 2})
+    assert len((await resp.json())["t"]) <= 2
+    for bad in ("yesterday", "nan", "inf"):
+        resp = await loading.get("/v1/status/history", params={"since": bad})
+        assert (await error_of(resp, 400))["param"] == "since"
+
+
 async def test_bad_encodings_and_huge_prompts_are_400s(loading: TestClient) -> None:
     engine = loading.app[ENGINE]
     huge = "x" * (engine.context_length * MAX_CHARS_PER_TOKEN + 1)
@@ -362,3 +476,68 @@ async def test_bad_encodings_and_huge_prompts_are_400s(loading: TestClient) -> N
     js = {"Content-Type": "application/json", "Content-Encoding": "gzip"}
     resp = await loading.post("/v1/chat/completions", data=b"not gzip at all", headers=js)
     assert "cannot be decoded" in (await error_of(resp, 400))["message"]
+
+
+async def test_every_text_bearing_field_is_bounded_before_parsing(loading: TestClient) -> None:
+    """Tools, schemas, tool-call history, Anthropic system blocks, Responses items and
+    token-id prompts count against the context's characters too, each a 400 naming the
+    field in its API's shape (the model is still loading: the bound comes first)."""
+    over = CONTEXT * MAX_CHARS_PER_TOKEN + 1
+    text = "x" * over
+    tool = {"type": "function", "function": {"name": "f", "description": text}}
+    schema = {"type": "object", "properties": {"a": {"type": "string", "description": text}}}
+    call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": text}}
+    turns = [*USER, {"role": "assistant", "content": None, "tool_calls": [call]}]
+    cases = [
+        ("/v1/chat/completions", {"messages": USER, "tools": [tool]}, "tools"),
+        (
+            "/v1/chat/completions",
+            {"messages": USER, "response_format": {"type": "json_schema", "json_schema": {
+                "name": "s", "schema": schema}}},
+            "response_format",
+        ),
+        ("/v1/chat/completions", {"messages": turns}, "messages"),
+        ("/v1/completions", {"prompt": [1] * over}, "prompt"),
+        ("/v1/responses", {"input": [{"type": "function_call_output", "call_id": "c",
+                                      "output": {"rows": [text]}}]}, "input"),
+        ("/tokenize", {"content": text}, "content"),
+        ("/detokenize", {"tokens": [1] * over}, "tokens"),
+    ]  # fmt: skip
+    for path, body, field in cases:
+        err = await error_of(await loading.post(path, json=body), 400)
+        assert err["param"] == field, (path, err)
+        assert err["message"].startswith(f"{field}: "), err
+    system = [{"type": "text", "text": text}]
+    for path in ("/v1/messages", "/v1/messages/count_tokens"):
+        body = {"max_tokens": 1, "system": system, "messages": USER}
+        resp = await loading.post(path, json=body)
+        assert resp.status == 400
+        err = await resp.json()
+        assert err["type"] == "error" and err["error"]["type"] == "invalid_request_error"
+        assert err["error"]["message"].startswith("system: "), err
+    resp = await loading.post(
+        "/v1/messages",
+        json={
+            "max_tokens": 1,
+            "messages": USER,
+            "tools": [{"name": "f", "description": text, "input_schema": schema}],
+        },
+    )
+    assert (await resp.json())["error"]["message"].startswith("tools: ")
+
+
+async def test_bodies_no_request_of_the_context_could_be_are_refused_undecoded(
+    loading: TestClient,
+) -> None:
+    """Larger than any request the context takes: 413; more commas than its values and
+    characters: 400; many values, decoded the slow way that lets the loop run: bounded."""
+    limit = CONTEXT * MAX_CHARS_PER_TOKEN
+    big = json.dumps({"prompt": "hi", "pad": "x" * (BYTES_PER_CHAR * limit + LARGE_BODY)})
+    resp = await loading.post("/v1/completions", data=io.BytesIO(big.encode()), headers=JSON_TYPE)
+    assert "a context of 512 tokens takes no more" in (await error_of(resp, 413))["message"]
+    commas = {"prompt": "hi", "pad": [0] * (3 * limit + LARGE_BODY // 16)}
+    err = await error_of(await loading.post("/v1/completions", json=commas), 400)
+    assert "commas: more JSON values than a context of 512 tokens" in err["message"]
+    ids = {"prompt": [1] * (MANY_VALUES + 1)}  # decoded by the yielding scanner
+    err = await error_of(await loading.post("/v1/completions", json=ids), 400)
+    assert err["param"] == "prompt"

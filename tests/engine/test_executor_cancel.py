@@ -14,7 +14,7 @@ from luced.ipc.frames import Reply, Request, Shutdown, ShutdownReply
 class AnsweringChannel:
     """A channel whose reply is ready one turn of the loop after the request went out."""
 
-    async def call(self, req: Request) -> Reply:
+    async def call(self, req: Request, on_progress: object = None) -> Reply:
         await asyncio.sleep(0)
         return ShutdownReply()
 

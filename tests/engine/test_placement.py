@@ -66,17 +66,21 @@ def test_groups_become_workers() -> None:
     ]
 
 
-# Gemma 4's tiny model: layer 4 reads layer 3's KV, layer 5 layer 2's: boundaries 1 and 2 only.
-TINY_GEMMA4 = {4: 3, 5: 2}
+# Gemma 4's KV sharing cut mid-period (transformers allows it): layer 4 reads layer 3's KV,
+# layer 5 layer 2's: boundaries 1 and 2 only.
+MID_PERIOD = {4: 3, 5: 2}
+# The tiny gemma4 (a whole period shared, as the released models): 3 and 4 read 1, 5 reads 2.
+TINY_GEMMA4 = {3: 1, 4: 1, 5: 2}
 
 
 @pytest.mark.parametrize(
     ("n", "g", "w", "sources", "want"),
     [
-        (6, 2, (), TINY_GEMMA4, [(0, 2), (2, 6)]),  # 3 would cut 4 from 3 and 5 from 2
-        (6, 2, (1, 5), TINY_GEMMA4, [(0, 1), (1, 6)]),  # already legal: unchanged
-        (6, 3, (), TINY_GEMMA4, [(0, 1), (1, 2), (2, 6)]),  # 2, 4 -> 1 (room for one more), 2
-        (6, 2, (5, 1), TINY_GEMMA4, [(0, 2), (2, 6)]),
+        (6, 2, (), MID_PERIOD, [(0, 2), (2, 6)]),  # 3 would cut 4 from 3 and 5 from 2
+        (6, 2, (1, 5), MID_PERIOD, [(0, 1), (1, 6)]),  # already legal: unchanged
+        (6, 3, (), MID_PERIOD, [(0, 1), (1, 2), (2, 6)]),  # 2, 4 -> 1 (room for one more), 2
+        (6, 2, (5, 1), MID_PERIOD, [(0, 2), (2, 6)]),
+        (6, 2, (), TINY_GEMMA4, [(0, 1), (1, 6)]),  # only 1 keeps every pair together
         (6, 2, (), {}, [(0, 3), (3, 6)]),
         # Sharing in the middle (not Gemma's, but the rule is general): 3 reads 1.
         (8, 2, (), {3: 1}, [(0, 4), (4, 8)]),
@@ -93,11 +97,11 @@ def test_layer_ranges_keep_kv_sharing_layers_with_their_source(
 
 def test_a_moved_boundary_is_logged(caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level("WARNING", logger="luced.engine.placement"):
-        plans = plan_workers(["cpu", "cpu:1"], (), 6, kv_sources=TINY_GEMMA4)
+        plans = plan_workers(["cpu", "cpu:1"], (), 6, kv_sources=MID_PERIOD)
     assert [p.layers for p in plans] == [(0, 2), (2, 6)]
     assert "moved a shard boundary from layer 3 to 2" in caplog.text
     with pytest.raises(PlacementError, match="--target-devices: 4 shards for a model whose KV"):
-        layer_ranges(6, 4, kv_sources=TINY_GEMMA4)
+        layer_ranges(6, 4, kv_sources=MID_PERIOD)
 
 
 def test_split_plans_come_from_the_gguf_header(tmp_path: Path) -> None:
@@ -118,7 +122,7 @@ def test_split_plans_come_from_the_gguf_header(tmp_path: Path) -> None:
         devices=["cpu", "cpu:1"],
         kv_sources=sources,
     )
-    assert [plan.layers for _, plan in p.workers] == [(0, 2), (2, 6)]
+    assert [plan.layers for _, plan in p.workers] == [(0, 1), (1, 6)]
 
 
 @pytest.mark.parametrize(
@@ -165,9 +169,10 @@ def test_config_values() -> None:
         env={},
         default_config_path=None,
     )
-    assert cfg.target_devices == ("cpu", "cpu:1") and cfg.target_layer_split == (1.0, 3.0)
+    assert cfg.model.target_devices == ("cpu", "cpu:1")
+    assert cfg.model.target_layer_split == (1.0, 3.0)
     cfg = load_config([], env={"LUCED_TARGET_DEVICES": "cpu,cpu"}, default_config_path=None)
-    assert cfg.target_devices == ("cpu", "cpu") and cfg.target_layer_split is None
+    assert cfg.model.target_devices == ("cpu", "cpu") and cfg.model.target_layer_split is None
 
 
 def serve(*args: str) -> subprocess.CompletedProcess:

@@ -209,3 +209,49 @@ async def test_cancelled_read_resumes_mid_frame(pair) -> None:
     pair[0].sendall(b"hello")
     assert await asyncio.wait_for(b.recv(), 5) == b"hello"
     await b.close()
+
+
+async def test_a_slow_request_sends_progress_notes_until_its_reply(pair, sample_replies) -> None:
+    """A `SLOW` request (a start, a load) is answered with progress notes first, carrying
+    the stage the handler set; the async call hands them to on_progress, the blocking one
+    skips them; any other request sends none."""
+    worker = BlockingChannel(pair[1])
+
+    def handle(req: F.Request) -> F.Reply:
+        if isinstance(req, F.Hello):
+            worker.stage = "importing"  # as the worker does on its first request
+        time.sleep(1.2)  # 2.4 intervals
+        return sample_replies[req.OP]
+
+    t = threading.Thread(target=worker.serve, args=(handle,), daemon=True)
+    t.start()
+    daemon = await AsyncChannel.from_socket(pair[0])
+    stages: list[str] = []
+    assert await daemon.call(F.Hello(instance="x"), stages.append) == sample_replies["hello"]
+    assert stages[0] in {"hello", "importing"} and stages[-1] == "importing"
+    stages.clear()
+    assert await daemon.call(F.Stats(), stages.append) == sample_replies["stats"]
+    assert stages == []
+    await daemon.call(F.Shutdown(), stages.append)
+    t.join(timeout=5)
+    await daemon.close()
+
+    a, b = socket.socketpair()
+    with a, b:
+        t = serve_in_thread(b, handle)
+        assert BlockingChannel(a).call(F.Hello(instance="x")) == sample_replies["hello"]
+        a.shutdown(socket.SHUT_RDWR)
+        t.join(timeout=5)
+
+
+async def test_bad_progress_notes_are_frame_errors(pair) -> None:
+    daemon = await AsyncChannel.from_socket(pair[0])
+    worker = BlockingChannel(pair[1])
+    task = asyncio.create_task(daemon.call(F.Hello(instance="x")))
+    seq, _ = await asyncio.to_thread(worker.recv_request)
+    worker.send(codec.encode_progress(seq + 5, "loading"))
+    with pytest.raises(F.FrameError, match=f"progress note for seq {seq + 5}: no such request"):
+        await task
+    with pytest.raises(F.FrameError, match="exactly a string 'progress'"):
+        codec.progress_stage(1, {"progress": 3})
+    await daemon.close()

@@ -1,7 +1,8 @@
 """Every family on tiny random models vs transformers holding the very same weights.
 
-tools/make_tiny_gguf.py writes the GGUF as llama.cpp would and returns the transformers
-twin with exactly the dequantized weights, so the comparison is like for like in float32.
+luced.runtime.tiny writes the GGUF as llama.cpp would and returns the transformers twin's
+config and exactly the dequantized weights (tests/tiny_hf.py builds the model), so the
+comparison is like for like in float32.
 """
 
 from __future__ import annotations
@@ -33,13 +34,11 @@ VARIANTS = {
     # The same hybrid stack, experts + gated shared expert in every layer (8 experts, top 2)
     "qwen35moe": ("qwen35moe", {}),
     "qwen35moe-kv": ("qwen35moe", {"linear_v_heads": 4, "experts_used": 3, "layers": 5}),
-    # S S F S S F; layer 4 reads layer 3's KV, layer 5 layer 2's; K = V on full layers, PLE.
+    # S S F S S F; the second period shares (3 and 4 read 1's KV, 5 reads 2's); K = V on full
+    # layers, PLE.
     "gemma4": ("gemma4", {}),
-    # Three shared layers (3, 4 read 1; 5 reads 2) with double-wide MLPs, V projected, untied.
-    "gemma4-kv": (
-        "gemma4",
-        {"k_eq_v": False, "double_wide": True, "shared_layers": 3, "tied": False},
-    ),
+    # The same sharing with double-wide MLPs in the shared layers, V projected, untied.
+    "gemma4-kv": ("gemma4", {"k_eq_v": False, "double_wide": True, "tied": False}),
     # The MoE block beside every dense MLP: 8 GeGLU experts, top 2, per-expert scales
     "gemma4-moe": ("gemma4", {"experts": 8, "experts_used": 2, "expert_ffn": 32}),
     # Nothing shared, no per-layer embeddings, no softcap. (transformers' generate fails on
@@ -200,19 +199,19 @@ def gemma4(tmp_path_factory) -> TinyModel:
 def test_gemma4_tiny_has_every_layer_kind(gemma4) -> None:
     cfg = Model.load(gemma4.path).cfg
     assert cfg.sliding_layers == (True, True, False, True, True, False)
-    assert [cfg.kv_source(i) for i in range(6)] == [0, 1, 2, 3, 3, 2]  # HF: store 2, 3; reuse 4, 5
-    assert hf_config(gemma4).kv_sharing_modes == [None, None, "store", "store", "reuse", "reuse"]
+    assert [cfg.kv_source(i) for i in range(6)] == [0, 1, 2, 1, 1, 2]  # HF: store 1, 2; reuse 3-5
+    assert hf_config(gemma4).kv_sharing_modes == [None, "store", "store", *["reuse"] * 3]
     assert [cfg.kv_shape(i) for i in (0, 2)] == [(2, 16), (1, 32)]
     assert cfg.k_eq_v == (False, False, True, False, False, False)
     assert cfg.ple_dim == 32 and cfg.final_softcap == 30.0
     cache = Model.load(gemma4.path).new_cache(16)
-    assert cache.stored == (0, 1, 2, 3) and cache.sources == {4: 3, 5: 2}
+    assert cache.stored == (0, 1, 2) and cache.sources == {3: 1, 4: 1, 5: 2}
 
 
 def test_gemma4_refuses_a_range_that_separates_sharing_layers(gemma4) -> None:
-    with pytest.raises(ValueError, match=r"\[3, 6\) separates layer 5 from layer 2"):
-        Model.load(gemma4.path, layers=(3, 6))
-    shard = Model.load(gemma4.path, layers=(2, 6))  # legal: 2 and 3 come along
+    with pytest.raises(ValueError, match=r"\[2, 6\) separates layer 3 from layer 1"):
+        Model.load(gemma4.path, layers=(2, 6))
+    shard = Model.load(gemma4.path, layers=(1, 6))  # legal: 1 and 2 come along
     assert "4.attn_k" not in shard.weights and "2.attn_v" not in shard.weights  # shared; K = V
     with pytest.raises(ValueError, match="need the token ids in every shard"):
         shard.forward_layers(torch.zeros(3, 64), shard.new_cache(8), 0)

@@ -22,7 +22,8 @@ CAPACITY = 256
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Model]:
     """family -> its tiny model, built once: llama, gemma4 (sliding window 8, two shapes,
-    layers 4 and 5 reading the KV of 3 and 2), qwen35 (DeltaNet layers 0-2, attention 3)."""
+    layers 3 and 4 reading the KV of 1, layer 5 that of 2), qwen35 (DeltaNet layers 0-2,
+    attention 3)."""
     root, models = tmp_path_factory.mktemp("kvblocks"), {}
 
     def load(family: str) -> Model:
@@ -322,7 +323,7 @@ def test_ragged_batch_of_paged_caches(tiny, family: str) -> None:
 def test_cache_geometry_matches_the_pool(tiny) -> None:
     model = tiny("gemma4")
     cache = paged(model, new_pool(model))
-    assert cache.stored == (0, 1, 2, 3) and set(cache.sources) == {4, 5}
-    assert cache.k is cache.pool.k and cache.k[3].shape[0] == model.cfg.kv_shape(3)[0]
+    assert cache.stored == (0, 1, 2) and set(cache.sources) == {3, 4, 5}
+    assert cache.k is cache.pool.k and cache.k[2].shape[0] == model.cfg.kv_shape(2)[0]
     with pytest.raises(ValueError, match="the pool stores layers"):
-        PagedKVCache(new_pool(model), model.layers, 64)  # no sources: 4 and 5 would store
+        PagedKVCache(new_pool(model), model.layers, 64)  # no sources: 3 to 5 would store

@@ -251,7 +251,8 @@ def test_hybrid_cache_refuses_row_imports(hybrid: Model) -> None:
 
 
 def test_sharing_layers_read_their_source_and_store_nothing() -> None:
-    """Gemma 4's layout: per-layer shapes, layers 4 and 5 reading 3 and 2."""
+    """Gemma 4's KV sharing cut mid-period (transformers allows it): per-layer shapes,
+    layers 4 and 5 reading 3 and 2."""
     shapes = {0: (2, 8), 1: (2, 8), 2: (1, 16), 3: (2, 8), 4: (2, 8), 5: (1, 16)}
     cache = KVCache(
         range(6), 2, 8, 32, torch.float32, initial=4, shapes=shapes, sources={4: 3, 5: 2}

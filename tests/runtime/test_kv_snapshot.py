@@ -38,8 +38,8 @@ SAMPLED = {"temperature": 0.9, "seed": 11, "repetition_penalty": 1.5}
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """llama with 4 layers; gemma3 with its 6 (sliding-window and global layers); laguna (MoE,
-    per-layer query heads, sliding windows); gemma4 with its 6, of two shapes, layers 4 and 5
-    sharing the KV of 3 and 2."""
+    per-layer query heads, sliding windows); gemma4 with its 6, of two shapes, layers 3 and 4
+    sharing the KV of 1, layer 5 that of 2."""
     d = tmp_path_factory.mktemp("kvsnap")
     make_tiny_gguf("llama", d / "llama.gguf", seed=3, layers=4)
     make_tiny_gguf("gemma3", d / "gemma3.gguf", seed=3)
@@ -239,8 +239,8 @@ def test_layout_lists_every_layer_in_order(owner: ShmOwner, tiny, devices) -> No
         assert {t[1:] for t in layout.tensors} == {(heads, dim)}
         assert layout.dtype == "float32"
     d = Daemon(owner, tiny["gemma4"], devices=devices)
-    # Layers 4 and 5 read the KV of 3 and 2: no tensors of their own, nothing exported twice.
-    shapes = {0: (2, 16), 1: (2, 16), 2: (1, 32), 3: (2, 16)}
+    # Layers 3 to 5 read the KV of 1 and 2: no tensors of their own, nothing exported twice.
+    shapes = {0: (2, 16), 1: (2, 16), 2: (1, 32)}
     assert d.layout().tensors == tuple(
         (f"{kind}.{i}", *shape) for i, shape in shapes.items() for kind in "kv"
     )

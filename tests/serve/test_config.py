@@ -6,22 +6,29 @@ import dataclasses
 import re
 import sys
 import tomllib
+import typing
 from ipaddress import ip_network
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 
 from luced.serve.config import (
-    CONTEXT_CAP,
-    OPTIONS,
+    GROUP_TYPES,
     Config,
-    ConfigError,
+    MoEOptions,
+    Options,
     build_parser,
-    default_runtime_dir,
-    example_toml,
+    check_group,
     load_config,
-    options_markdown,
+)
+from luced.serve.config_docs import example_toml, options_markdown
+from luced.serve.options import (
+    CONTEXT_CAP,
+    GROUPS,
+    OPTIONS,
+    ConfigError,
+    default_runtime_dir,
 )
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -71,6 +78,7 @@ SAMPLES: dict[str, tuple[str, str, Any]] = {
     "default_max_tokens": ("256", "256", 256),
     "shutdown_timeout": ("2.5", "2.5", 2.5),
     "worker_timeout": ("4.5", "4.5", 4.5),
+    "worker_start_timeout": ("120", "120.0", 120.0),
     "http_timeout": ("7.5", "7.5", 7.5),
     "max_connections": ("64", "64", 64),
     "trusted_proxies": (
@@ -102,9 +110,9 @@ SAMPLES: dict[str, tuple[str, str, Any]] = {
 
 
 def test_kv_flash_takes_tokens_or_auto() -> None:
-    assert load(["--kv-flash", "auto"]).kv_flash == "auto"
-    assert load(env={"LUCED_KV_FLASH": "AUTO"}).kv_flash == "auto"
-    assert load().kv_flash is None  # off by default
+    assert load(["--kv-flash", "auto"]).kv.kv_flash == "auto"
+    assert load(env={"LUCED_KV_FLASH": "AUTO"}).kv.kv_flash == "auto"
+    assert load().kv.kv_flash is None  # off by default
     with pytest.raises(ConfigError, match="--kv-flash"):
         load(["--kv-flash", "0"])
     with pytest.raises(ConfigError, match="not an integer"):
@@ -118,15 +126,16 @@ def test_every_option_has_a_sample() -> None:
 @pytest.mark.parametrize("opt", OPTIONS, ids=lambda o: o.name)
 def test_every_option_reaches_config_by_each_route(opt: Any, tmp_path: Path) -> None:
     text, toml_text, expected = SAMPLES[opt.name]
-    default = getattr(load(env={}), opt.name)
+    default = load(env={}).value(opt.name)
     assert default != expected, "the sample must differ from the default"
     by_flag = load([text] if opt.positional else [opt.flag, text])
     by_env = load(env={opt.env: text})
     by_file = load(toml=f"{opt.name} = {toml_text}\n", tmp_path=tmp_path)
     for config, source in ((by_flag, opt.flag), (by_env, opt.env)):
-        assert getattr(config, opt.name) == expected
-        assert config.sources[opt.name] == source
-    assert getattr(by_file, opt.name) == expected
+        assert config.value(opt.name) == expected
+        assert getattr(config, opt.group).sources[opt.name] == source
+        assert config.label(opt.name) == source
+    assert by_file.value(opt.name) == expected
     assert by_file.sources[opt.name] == f"{tmp_path / 'luced.toml'}: {opt.name}"
 
 
@@ -151,7 +160,7 @@ def test_precedence_flags_env_file_defaults(
 
     def value(argv: list[str], environ: dict[str, str], with_file: bool) -> Any:
         config = load(argv, environ, toml if with_file else None, tmp_path)
-        return getattr(config, name)
+        return config.value(name)
 
     f, e = [opt.flag, flag], {opt.env: env}
     assert value(f, e, True) == flag_v
@@ -171,8 +180,8 @@ def test_layers_combine_per_option(tmp_path: Path) -> None:
         'port = 3\ndtype = "float16"\nmax_queue = 5\nmodel = "/m/file.gguf"\n',
         tmp_path,
     )
-    assert (config.port, config.dtype, config.max_queue) == (1, "bfloat16", 5)
-    assert config.model == Path("/m/a.gguf")
+    assert (config.http.port, config.model.dtype, config.scheduler.max_queue) == (1, "bfloat16", 5)
+    assert config.model.model == Path("/m/a.gguf")
     assert config.sources["port"] == "--port"
     assert config.sources["model"] == "MODEL"
     assert config.sources["dtype"] == "LUCED_DTYPE"
@@ -182,16 +191,17 @@ def test_layers_combine_per_option(tmp_path: Path) -> None:
 
 def test_repeatable_backend_python(tmp_path: Path) -> None:
     config = load(["--backend-python", "cuda=/a/py", "--backend-python", "hip=/b/py"])
-    assert config.backend_python == (("cuda", Path("/a/py")), ("hip", Path("/b/py")))
-    assert config.worker_python("hip") == "/b/py"
-    assert config.worker_python("cpu") == sys.executable
+    model = config.model
+    assert model.backend_python == (("cuda", Path("/a/py")), ("hip", Path("/b/py")))
+    assert model.worker_python("hip") == "/b/py"
+    assert model.worker_python("cpu") == sys.executable
     env = load(env={"LUCED_BACKEND_PYTHON": "cuda=/a/py, hip=/b/py"})
-    assert env.backend_python == config.backend_python
+    assert env.model.backend_python == model.backend_python
     listed = load(toml='backend_python = ["cuda=/a/py", "hip=/b/py"]\n', tmp_path=tmp_path)
-    assert listed.backend_python == config.backend_python
+    assert listed.model.backend_python == model.backend_python
     # a higher layer replaces the list as a whole
     both = load(["--backend-python", "cpu=/c/py"], {"LUCED_BACKEND_PYTHON": "cuda=/a/py"})
-    assert both.backend_python == (("cpu", Path("/c/py")),)
+    assert both.model.backend_python == (("cpu", Path("/c/py")),)
 
 
 @pytest.mark.parametrize(
@@ -219,6 +229,8 @@ def test_repeatable_backend_python(tmp_path: Path) -> None:
         ([], {}, "prot = 1", "{file}: unknown option 'prot' (did you mean 'port'?)"),
         ([], {}, "max-queue = 1", "{file}: unknown option 'max-queue' (did you mean 'max_queue'?)"),
         ([], {}, "port = ", "{file}: invalid TOML: "),
+        # the groups are not tables of the file: every key is top level
+        ([], {}, "[http]\nport = 1", "{file}: unknown option 'http'"),
         (
             ["--context-length", "100"], {"LUCED_DEFAULT_MAX_TOKENS": "200"}, None,
             "LUCED_DEFAULT_MAX_TOKENS: 200 exceeds context_length 100",
@@ -239,28 +251,28 @@ def test_config_file_discovery(tmp_path: Path) -> None:
     default.write_text("port = 1\n")
     other = tmp_path / "other.toml"
     other.write_text("port = 2\n")
-    assert load_config([], env={}, default_config_path=default).port == 1
+    assert load_config([], env={}, default_config_path=default).http.port == 1
     absent = tmp_path / "absent.toml"
-    assert load_config([], env={}, default_config_path=absent).port == 8000
+    assert load_config([], env={}, default_config_path=absent).http.port == 8000
     env = {"LUCED_CONFIG": str(other)}
-    assert load_config([], env=env, default_config_path=default).port == 2
-    assert load_config(["--config", str(default)], env=env).port == 1
+    assert load_config([], env=env, default_config_path=default).http.port == 2
+    assert load_config(["--config", str(default)], env=env).http.port == 1
     with pytest.raises(ConfigError, match=f"config file not found: {absent}"):
         load_config(["--config", str(absent)], env={})
 
 
 def test_defaults_and_derived_values(tmp_path: Path) -> None:
     config = load(env={"XDG_RUNTIME_DIR": str(tmp_path)})
-    assert config.model is None and config.api_key is None and config.model_name is None
-    assert config.port == 8000 and config.host == "127.0.0.1"
-    assert config.threads is None  # the daemon shares the usable cores among its workers
-    assert config.runtime_dir == tmp_path / "luced"
-    assert config.admin_socket == tmp_path / "luced" / "admin.sock"
+    assert config.model.model is None and config.model.model_name is None
+    assert config.http.api_key is None
+    assert config.http.port == 8000 and config.http.host == "127.0.0.1"
+    assert config.model.threads is None  # the daemon shares the usable cores among its workers
+    assert config.daemon.runtime_dir == tmp_path / "luced"
+    assert config.daemon.admin_socket == tmp_path / "luced" / "admin.sock"
     moved = load(["--runtime-dir", "/srv/rt"])
-    assert moved.admin_socket == Path("/srv/rt/admin.sock")
-    assert load(["--runtime-dir", "/srv/rt", "--admin-socket", "/x.sock"]).admin_socket == Path(
-        "/x.sock"
-    )
+    assert moved.daemon.admin_socket == Path("/srv/rt/admin.sock")
+    named = load(["--runtime-dir", "/srv/rt", "--admin-socket", "/x.sock"])
+    assert named.daemon.admin_socket == Path("/x.sock")
 
 
 def test_default_runtime_dir() -> None:
@@ -270,39 +282,47 @@ def test_default_runtime_dir() -> None:
 
 
 def test_lazy_model_resolution(smollm2_gguf: Path) -> None:
-    config = load()
-    assert config.model is None  # nothing resolved at load time
-    assert config.model_path() == smollm2_gguf
-    assert config.served_model_name() == "SmolLM2-135M-Instruct.Q4_1"
-    named = load(["/models/qwen3-0.6b.gguf"])
+    model = load().model
+    assert model.model is None  # nothing resolved at load time
+    assert model.model_path() == smollm2_gguf
+    assert model.served_model_name() == "SmolLM2-135M-Instruct.Q4_1"
+    named = load(["/models/qwen3-0.6b.gguf"]).model
     assert named.served_model_name() == "qwen3-0.6b"
-    assert load(["/m/x.gguf", "--model-name", "x"]).served_model_name() == "x"
+    assert load(["/m/x.gguf", "--model-name", "x"]).model.served_model_name() == "x"
 
 
 def test_effective_context_length() -> None:
-    assert load().effective_context_length(2048) == 2048
-    assert load().effective_context_length(131072) == CONTEXT_CAP
-    assert load(["--context-length", "1000"]).effective_context_length(2048) == 1000
+    assert load().model.effective_context_length(2048) == 2048
+    assert load().model.effective_context_length(131072) == CONTEXT_CAP
+    assert load(["--context-length", "1000"]).model.effective_context_length(2048) == 1000
     with pytest.raises(ConfigError, match="LUCED_CONTEXT_LENGTH: 4096 exceeds the model's"):
-        load(env={"LUCED_CONTEXT_LENGTH": "4096"}).effective_context_length(2048)
+        load(env={"LUCED_CONTEXT_LENGTH": "4096"}).model.effective_context_length(2048)
 
 
 def test_config_is_frozen_and_validated_on_construction() -> None:
     config = Config.from_values({"port": "9000"}, env={})
-    assert config.port == 9000
+    assert config.http.port == 9000
     with pytest.raises(dataclasses.FrozenInstanceError):
-        config.port = 1  # type: ignore[misc]
+        config.http.port = 1  # type: ignore[misc]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.http = config.http  # type: ignore[misc]
     with pytest.raises(ConfigError, match=r"^port: must be >= 0, got -1$"):
         Config.from_values({"port": -1}, env={})
     with pytest.raises(ConfigError, match=r"^port: must be >= 0, got -1$"):
-        dataclasses.replace(config, port=-1)  # construction itself validates
+        dataclasses.replace(config.http, port=-1)  # a group's construction validates
     with pytest.raises(ConfigError, match="unknown option"):
         Config.from_values({"colour": "red"}, env={})
+    # checks across groups run when the Config is put together
+    short = dataclasses.replace(config.model, context_length=100)
+    limited = dataclasses.replace(config.scheduler, default_max_tokens=200)
+    assert dataclasses.replace(config, model=short).model.context_length == 100
+    with pytest.raises(ConfigError, match=r"^default_max_tokens: 200 exceeds context_length 100"):
+        dataclasses.replace(config, model=short, scheduler=limited)
 
 
 def test_api_key_stays_out_of_repr() -> None:
     config = load(["--api-key", "sk-secret-123"])
-    assert config.api_key == "sk-secret-123"
+    assert config.http.api_key == "sk-secret-123"
     assert "sk-secret-123" not in repr(config)
 
 
@@ -372,12 +392,74 @@ def test_example_toml_values_are_valid(tmp_path: Path) -> None:
     path = tmp_path / "luced.toml"
     path.write_text(text)
     config = load_config(["--config", str(path)], env={}, default_config_path=None)
-    assert config.admin_socket == Path("/run/luced/admin.sock")
+    assert config.daemon.admin_socket == Path("/run/luced/admin.sock")
     assert all(src.startswith(str(path)) for src in config.sources.values())
 
 
 def test_draft_ngram_is_the_lookup_drafter() -> None:
-    assert load(["--draft", "ngram"]).lookup_drafts
-    assert not load(["--draft", "/models/ngram"]).lookup_drafts  # a file of that name
-    assert not load().lookup_drafts
-    assert load().adaptive_block_size  # on by default
+    assert load(["--draft", "ngram"]).speculation.lookup_drafts
+    assert not load(["--draft", "/models/ngram"]).speculation.lookup_drafts  # a file of that name
+    assert not load().speculation.lookup_drafts
+    assert load().speculation.adaptive_block_size  # on by default
+
+
+# --- the groups --------------------------------------------------------------------------
+
+
+def _field_names(group: type[Options]) -> set[str]:
+    return {f.name for f in dataclasses.fields(group)} - {"sources"}
+
+
+def test_every_option_is_in_exactly_one_group() -> None:
+    assert [f.name for f in dataclasses.fields(Config)] == list(GROUPS) == list(GROUP_TYPES)
+    for opt in OPTIONS:
+        homes = [name for name, group in GROUP_TYPES.items() if opt.name in _field_names(group)]
+        assert homes == [opt.group], opt.name
+    held = [n for group in GROUP_TYPES.values() for n in _field_names(group)]
+    assert sorted(held) == sorted(o.name for o in OPTIONS)
+
+
+def test_group_fields_are_typed_as_their_rows() -> None:
+    for group in GROUP_TYPES.values():
+        hints = typing.get_type_hints(group)
+        for opt in group.options():
+            assert hints[opt.name] == opt.annotation, opt.name
+
+
+def test_the_import_time_check_catches_a_group_out_of_step() -> None:
+    check_group(MoEOptions)
+
+    @dataclasses.dataclass(frozen=True)
+    class Missing(Options):
+        group: ClassVar[str] = "moe"
+        moe_hot_experts: int | None
+        moe_routing_profile: Path | None
+        moe_expert_device: str | None
+
+    @dataclasses.dataclass(frozen=True)
+    class Mistyped(Options):
+        group: ClassVar[str] = "moe"
+        moe_hot_experts: int  # the row says "all" (None) is a value
+        moe_routing_profile: Path | None
+        moe_expert_device: str | None
+        moe_expert_required: bool
+
+    with pytest.raises(AssertionError, match="differ from the rows of group 'moe'"):
+        check_group(Missing)
+    with pytest.raises(
+        AssertionError,
+        match=r"Mistyped\.moe_hot_experts is <class 'int'>, its row says int \| None",
+    ):
+        check_group(Mistyped)
+
+
+def test_a_group_is_validated_and_names_its_options_by_source() -> None:
+    config = load(["--kv-cache-dir", "/srv/kv"], {"LUCED_KV_FLASH": "auto"})
+    kv = config.kv
+    assert (kv.label("kv_cache_dir"), kv.label("kv_flash")) == ("--kv-cache-dir", "LUCED_KV_FLASH")
+    assert kv.label("kv_cache_budget") == "kv_cache_budget"  # a default: by its name
+    assert config.label("kv_flash") == "LUCED_KV_FLASH"
+    with pytest.raises(ConfigError, match=r"^LUCED_KV_FLASH: a pool needs tokens"):
+        dataclasses.replace(kv, kv_flash=0)
+    assert kv.row_dtype("float32") == "float32"
+    assert load(["--kv-dtype", "bfloat16"]).effective_kv_dtype() == "bfloat16"

@@ -14,8 +14,9 @@ from dataclasses import dataclass, field
 import pytest
 from aiohttp import web
 
-from luced.serve.admission import Gate, Stage, parse_networks
-from luced.serve.listener import LimitedSite
+from luced.serve.admission import Stage
+from luced.serve.config import Config
+from luced.serve.listener import LimitedSite, listen
 
 GREEDY, OTHER = "127.0.0.1", "127.0.0.2"
 
@@ -83,14 +84,12 @@ async def _listener(max_connections: int, trusted: str = "") -> AsyncIterator[Li
     app.router.add_post("/v1/chat/completions", _ok)
     app.router.add_post("/slow", _slow)
     app[RELEASE] = asyncio.Event()
-    args = {"access_log": None, "keepalive_timeout": 300}  # never the rescue here
-    runner = web.AppRunner(app, handle_signals=False, **args)
-    await runner.setup()
     port = _free_port()
-    site = LimitedSite(
-        runner, "127.0.0.1", port, Gate(max_connections, parse_networks(trusted)), args
-    )
-    await site.start()
+    values = {"port": port, "max_connections": max_connections, "trusted_proxies": trusted}
+    values["http_timeout"] = 300  # never the rescue here
+    runner = await listen(app, Config.from_values(values, env={}).http)
+    (site,) = runner.sites
+    assert isinstance(site, LimitedSite)
     it = Listener(site, port)
     try:
         yield it

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from luced.serve.config import KVOptions, load_config
 from luced.serve.lucectl import render_status
 from luced.serve.prefix_setup import arena_bytes, model_fingerprint, reserve_disk_dir
 
@@ -36,13 +37,11 @@ def test_fingerprint_sees_the_header_and_the_tail(tmp_path: Path) -> None:
     assert model_fingerprint(a) != base
 
 
-def _config(tmp_path: Path, kv_dir: Path):
-    from luced.serve.config import load_config
-
+def _kv_options(tmp_path: Path, kv_dir: Path) -> tuple[KVOptions, str]:
     model = tmp_path / "m.gguf"
     model.write_bytes(os.urandom(4096))
     cfg = load_config([str(model), "--kv-cache-dir", str(kv_dir)], env={}, default_config_path=None)
-    return cfg, str(model)
+    return cfg.kv, str(model)
 
 
 def test_an_unusable_cache_dir_is_a_warning_and_memory_only(
@@ -50,8 +49,8 @@ def test_an_unusable_cache_dir_is_a_warning_and_memory_only(
 ) -> None:
     kv = tmp_path / "kv"
     kv.write_text("a file where the directory should be")
-    cfg, model = _config(tmp_path, kv)
-    r = reserve_disk_dir(cfg, model)
+    kv_options, model = _kv_options(tmp_path, kv)
+    r = reserve_disk_dir(kv_options, model)
     assert r.lock_fd is None and r.problem is not None and str(kv) in r.problem
     assert "serving with the memory tier only" in caplog.text
     stats = {"entries": 0, "disk_budget": None, "disk_problem": r.problem}
@@ -59,10 +58,10 @@ def test_an_unusable_cache_dir_is_a_warning_and_memory_only(
 
 
 def test_a_held_cache_dir_is_refused_before_the_load(tmp_path: Path) -> None:
-    cfg, model = _config(tmp_path, tmp_path / "kv")
-    first = reserve_disk_dir(cfg, model)
+    kv_options, model = _kv_options(tmp_path, tmp_path / "kv")
+    first = reserve_disk_dir(kv_options, model)
     assert first.lock_fd is not None
     with pytest.raises(ValueError, match="in use by another luced daemon"):
-        reserve_disk_dir(cfg, model)
+        reserve_disk_dir(kv_options, model)
     first.release()
-    reserve_disk_dir(cfg, model).release()
+    reserve_disk_dir(kv_options, model).release()

@@ -237,22 +237,29 @@ def pager_config(settings: KVFlashSettings, pool: int, gguf: GGUFFile) -> PagerC
 
 def model_bytes_per_token(gguf: GGUFFile, dtype_bytes: int) -> int:
     """K and V of one position over the pooled layers, from the GGUF header."""
+    return 2 * dtype_bytes * sum(heads * dim for heads, dim in kv_layer_shapes(gguf).values())
+
+
+def kv_layer_shapes(gguf: GGUFFile) -> dict[int, tuple[int, int]]:
+    """(KV heads, head dim) of each layer that keeps K/V rows of its own, as the workers
+    allocate them: not a KV-sharing layer (it reads its source's) nor a recurrent one
+    (qwen35's DeltaNet: every layer but each `full_attention_interval`th). Head counts
+    may be per layer (laguna's query heads, Gemma 4's KV heads); a sliding layer's head
+    dim is `key_length_swa` where the file has one (Gemma 4)."""
     arch = gguf.arch
-    heads = int(gguf.require(f"{arch}.attention.head_count"))
-    kv = gguf.get(f"{arch}.attention.head_count_kv", heads)
-    kv = int(np.max(kv))  # per-layer counts (a list or an array: Gemma 4) -> the largest
+    heads = gguf.layer_counts("attention.head_count")
+    kv_heads = gguf.layer_counts("attention.head_count_kv", heads)
     dim = gguf.get(f"{arch}.attention.key_length")
-    dim = int(dim) if dim else int(gguf.require(f"{arch}.embedding_length")) // heads
-    return bytes_per_token(pooled_layers(gguf), kv, dim, dtype_bytes)
-
-
-def pooled_layers(gguf: GGUFFile) -> int:
-    """How many layers keep pool rows: not a KV-sharing layer (it reads its source's) nor
-    a recurrent one (qwen35's DeltaNet: every layer but each `full_attention_interval`th)."""
-    n_layers = int(gguf.require(f"{gguf.arch}.block_count"))
-    interval = int(gguf.get(f"{gguf.arch}.full_attention_interval", 1))
-    attention = n_layers // interval if interval > 1 else n_layers
-    return attention - len(gguf.kv_sources())
+    dim = int(dim) if dim else int(gguf.require(f"{arch}.embedding_length")) // heads[0]
+    swa_dim = int(gguf.get(f"{arch}.attention.key_length_swa", dim))
+    sliding = gguf.sliding_layers() if swa_dim != dim else (False,) * len(heads)
+    interval = int(gguf.get(f"{arch}.full_attention_interval", 1))
+    shared = gguf.kv_sources()
+    return {
+        i: (kv_heads[i], swa_dim if sliding[i] else dim)
+        for i in range(len(heads))
+        if (i + 1) % interval == 0 and i not in shared
+    }
 
 
 def bytes_per_token(n_layers: int, n_kv_heads: int, head_dim: int, dtype_bytes: int) -> int:
@@ -265,9 +272,9 @@ __all__ = [
     "KVFlashSettings",
     "available_memory",
     "bytes_per_token",
+    "kv_layer_shapes",
     "mean_scores",
     "model_bytes_per_token",
     "pager_config",
-    "pooled_layers",
     "resolve_pool",
 ]

@@ -125,16 +125,6 @@ class ModelConfig:
         return layer
 
 
-def per_layer(value: Any, n_layers: int, what: str) -> tuple[int, ...]:
-    """A count llama.cpp reads with get_key_or_arr: one number, or one per layer."""
-    if isinstance(value, int | float):
-        return (int(value),) * n_layers
-    counts = tuple(int(v) for v in value)
-    if len(counts) != n_layers:
-        raise GGUFError(f"{what} has {len(counts)} entries for {n_layers} layers")
-    return counts
-
-
 def base_fields(gguf: GGUFFile, **known: Any) -> dict[str, Any]:
     """The fields every family reads, from `{arch}.*` keys (llama.cpp names). `known`
     fields are taken as given and their keys not read (e.g. a per-layer array the
@@ -145,12 +135,8 @@ def base_fields(gguf: GGUFFile, **known: Any) -> dict[str, Any]:
         return f"{arch}.{name}"
 
     n_layers = int(gguf.require(key("block_count")))
-    try:
-        heads = per_layer(gguf.require(key("attention.head_count")), n_layers, "head_count")
-        kv = gguf.get(key("attention.head_count_kv"))
-        kv_heads = heads if kv is None else per_layer(kv, n_layers, "head_count_kv")
-    except GGUFError as exc:
-        raise GGUFError(f"{gguf.path}: {arch}.attention.{exc}") from None
+    heads = gguf.layer_counts("attention.head_count")
+    kv_heads = gguf.layer_counts("attention.head_count_kv", heads)
     hidden = int(gguf.require(key("embedding_length")))
     head_dim = int(known.get("head_dim", gguf.get(key("attention.key_length"), hidden // heads[0])))
     ffn = known["ffn"] if "ffn" in known else gguf.require(key("feed_forward_length"))

@@ -146,7 +146,7 @@ def config_from_gguf(gguf: GGUFFile) -> Gemma4Config:
     full_dim = int(gguf.require(f"{arch}.attention.key_length"))
     swa_dim = int(get("attention.key_length_swa", full_dim))
     head_dims = tuple(swa_dim if s else full_dim for s in sliding)
-    ffn = common.per_layer(gguf.require(f"{arch}.feed_forward_length"), n_layers, "ffn length")
+    ffn = gguf.layer_counts("feed_forward_length")
     sources = gguf.kv_sources()
     kv_sources = tuple(sources.get(i, i) for i in range(n_layers))
     # The converter writes no attn_v where attention_k_eq_v holds (full layers only).

@@ -1,13 +1,16 @@
 """The tiny `gemma4` model: a GGUF as llama.cpp's converter writes it (`Gemma4Model` in
 conversion/gemma.py) and the `Gemma4ForCausalLM` twin holding the same weights.
 
-    tiny = make_tiny_gguf("gemma4", path, seed=3, shared_layers=2, k_eq_v=False)
+    tiny = make_tiny_gguf("gemma4", path, seed=3, shared_layers=3, k_eq_v=False)
 
 Default shape (6 layers, sliding window 8): layer i is full attention iff (i + 1) % swa_period
 == 0 (period 3: S S F S S F; transformers forces the last layer full), the last `shared_layers`
-(2) layers reuse the KV of the last non-shared layer of their kind (layer 4 reads 3, layer 5
-reads 2), full layers have head dim `global_head_dim` and, with `k_eq_v`, K = V and
+(3) layers reuse the KV of the last non-shared layer of their kind (layers 3 and 4 read 1,
+layer 5 reads 2), full layers have head dim `global_head_dim` and, with `k_eq_v`, K = V and
 `global_kv_heads` KV heads; per-layer embeddings of width `ple_dim`; final softcap 30.
+The KV-sharing cut falls after a whole period (a sliding then a full layer end the unshared
+ones), as in the released E2B and E4B: llama.cpp's loader takes the last unshared layer as the
+full layers' source and the one before it as the sliding layers', and asserts on any other cut.
 
 What the converter does, and so this file: norms stored as they are (no + 1); the full
 layers' head dim in `attention.key_length`, the sliding layers' in `key_length_swa`;
@@ -49,7 +52,7 @@ class Gemma4Spec(TinySpec):
     global_head_dim: int = 32
     global_kv_heads: int = 1  # KV heads of full layers; only with k_eq_v
     k_eq_v: bool = True  # attention_k_eq_v: full layers have no v_proj
-    shared_layers: int = 2  # num_kv_shared_layers
+    shared_layers: int = 3  # num_kv_shared_layers
     ple_dim: int = 32  # hidden_size_per_layer_input; 0 = no per-layer embeddings
     double_wide: bool = False  # use_double_wide_mlp: KV-shared layers have 2 * ffn
     final_softcap: float | None = 30.0
@@ -108,6 +111,14 @@ def make_spec(qtype: str, seed: int, overrides: dict[str, Any]) -> Gemma4Spec:
         spec.layer_types[:first_shared]
     ):
         raise ValueError("every kind of KV-shared layer needs a non-shared layer of its kind")
+    if spec.shared_layers and spec.layer_types[first_shared - 2 : first_shared] != [
+        "sliding_attention",
+        "full_attention",
+    ]:
+        raise ValueError(
+            "the KV-shared layers must follow a sliding then a full layer (a whole period), "
+            "as llama.cpp reads them"
+        )
     return spec
 
 

@@ -4,19 +4,19 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from luced.engine.kvflash.transport import (
     KVFlashSettings,
+    kv_layer_shapes,
     model_bytes_per_token,
-    pooled_layers,
     resolve_pool,
 )
 from luced.gguf_file import GGUFFile
 from luced.ipc.frames import Forward, FrameError, Load
 from luced.ipc.regions import Region
-from luced.runtime.tiny import make_tiny_gguf
+from luced.runtime.model import Model
+from luced.runtime.tiny import FAMILIES, make_tiny_gguf
 
 MIB = 2**20
 
@@ -47,22 +47,19 @@ def test_auto_sizes_from_free_memory_with_a_cap() -> None:
         KVFlashSettings(0)
 
 
-@pytest.mark.parametrize(
-    ("family", "layers", "pooled"),
-    [("llama", {"layers": 4}, 4), ("qwen35", {"layers": 8}, 2), ("gemma4", {}, 4)],
-)
-def test_auto_counts_only_the_layers_with_pool_rows(
-    family: str, layers: dict, pooled: int, tmp_path: Path
-) -> None:
-    # qwen35: layers 3 and 7 attend, the rest keep a DeltaNet state; tiny gemma4: layers
-    # 4 and 5 of 6 read the rows of layers 3 and 2.
+@pytest.mark.parametrize("family", FAMILIES)
+def test_bytes_per_token_is_what_the_workers_allocate(family: str, tmp_path: Path) -> None:
+    # The daemon's header-only count against the runtime's own pool: per-layer head
+    # counts (laguna's query heads, gemma4's KV heads), gemma4's two head dims and its
+    # KV-sharing layers (no rows), qwen35's DeltaNet layers (a state, no rows).
     path = tmp_path / f"{family}.gguf"
-    make_tiny_gguf(family, path, seed=1, **layers)
-    gguf = GGUFFile(path)
-    assert pooled_layers(gguf) == pooled
-    # Per-layer KV head counts (tiny gemma4 stores an array) size by the largest.
-    heads = gguf.get(f"{gguf.arch}.attention.head_count_kv")
-    assert model_bytes_per_token(gguf, 2) % (2 * pooled * 2 * int(np.max(heads))) == 0
+    make_tiny_gguf(family, path, seed=1)
+    model = Model.load(path)
+    pool = model.new_block_pool(block=1)
+    tensors = (*pool.k.values(), *pool.v.values())
+    per_row = sum(t.nbytes for t in tensors) // pool.n_blocks
+    assert model_bytes_per_token(GGUFFile(path), model.kv_dtype.itemsize) == per_row
+    assert kv_layer_shapes(GGUFFile(path)) == pool.shapes
 
 
 def region(shape: tuple[int, ...], dtype: str) -> Region:

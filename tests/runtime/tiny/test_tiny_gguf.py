@@ -483,15 +483,15 @@ def test_gemma4_file_follows_the_converter(tmp_path):
     assert field("attention.head_count_kv") == [2, 2, 1, 2, 2, 1]  # num_global_key_value_heads
     assert field("attention.sliding_window_pattern") == [True, True, False, True, True, False]
     assert (field("attention.key_length"), field("attention.key_length_swa")) == (32, 16)
-    assert field("attention.shared_kv_layers") == 2
+    assert field("attention.shared_kv_layers") == 3
     assert reader.fields["tokenizer.ggml.model"].contents() == "gemma4"
 
     names = {t.name for t in reader.tensors}
     want = {"rope_freqs.weight", "token_embd.weight", "output_norm.weight"}
     want |= {f"per_layer_{n}.weight" for n in ("token_embd", "model_proj", "proj_norm")}
     want |= {f"blk.{i}.{t}.weight" for i in range(6) for t in GEMMA4_LAYER.split()}
-    want |= {f"blk.{i}.attn_{t}.weight" for i in range(4) for t in ("k", "k_norm")}
-    want |= {f"blk.{i}.attn_v.weight" for i in (0, 1, 3)}  # full layer 2: K = V; 4, 5 share
+    want |= {f"blk.{i}.attn_{t}.weight" for i in range(3) for t in ("k", "k_norm")}
+    want |= {f"blk.{i}.attn_v.weight" for i in (0, 1)}  # full layer 2: K = V; 3 to 5 share
     assert names == want  # tied: no output.weight
 
     freqs = _tensor(reader, "rope_freqs.weight")  # proportional RoPE, partial 0.25 of 32
@@ -508,10 +508,11 @@ def test_gemma4_file_follows_the_converter(tmp_path):
 
 
 def test_gemma4_overrides_reach_file_and_twin(tmp_path):
-    tiny = _build(tmp_path, "gemma4", k_eq_v=False, double_wide=True, tied=False, layers=7)
+    overrides = dict(k_eq_v=False, double_wide=True, tied=False, layers=7, shared_layers=4)
+    tiny = _build(tmp_path, "gemma4", **overrides)
     reader = _reader(tiny)
     assert reader.fields["gemma4.attention.head_count_kv"].contents() == 2  # one value again
-    assert reader.fields["gemma4.feed_forward_length"].contents() == [128] * 5 + [256] * 2
+    assert reader.fields["gemma4.feed_forward_length"].contents() == [128] * 3 + [256] * 4
     assert hf_config(tiny).layer_types == [
         "sliding_attention",
         "sliding_attention",
@@ -523,6 +524,8 @@ def test_gemma4_overrides_reach_file_and_twin(tmp_path):
     assert "output.weight" in {t.name for t in reader.tensors}
     with pytest.raises(ValueError, match="every kind of KV-shared layer needs"):
         _build(tmp_path, "gemma4", swa_period=6, layers=6, shared_layers=1)
+    with pytest.raises(ValueError, match="must follow a sliding then a full layer"):
+        _build(tmp_path, "gemma4", shared_layers=2)  # S S F S | S F: llama.cpp refuses it
     with pytest.raises(ValueError, match="multiples of 32: ple_dim = 16"):
         _build(tmp_path, "gemma4", qtype="Q8_0", ple_dim=16)
 
@@ -563,7 +566,7 @@ def test_gemma4_cli_hf_dir_loads_with_from_pretrained(tmp_path):
     "overrides",
     [
         {},
-        {"k_eq_v": False, "double_wide": True, "tied": False, "layers": 7},
+        {"k_eq_v": False, "double_wide": True, "tied": False, "layers": 7, "shared_layers": 4},
         {"experts": 4, "experts_used": 2, "expert_ffn": 32, "ple_dim": 0, "shared_layers": 0},
     ],
 )

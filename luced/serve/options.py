@@ -1,0 +1,669 @@
+"""The daemon's options: one table, ``OPTIONS``, and how each value is read.
+
+Every option is one ``Option`` row. From that row come:
+
+* its group: the typed object it lives in (``Config.http.port``; ``serve.config``),
+* its type, default and checks (``kind``, ``minimum``, ``choices``, ...),
+* the flag of ``luced serve`` (``port`` -> ``--port``; ``model`` is the positional ``MODEL``),
+* the environment variable (``port`` -> ``LUCED_PORT``; empty means unset),
+* the TOML key: a top-level key of the config file (``port = 8000``; the groups do not
+  show in the file),
+* the README table and ``systemd/luced.toml.example`` (``serve.config_docs``).
+
+A new option is a row here (in the order the docs list it) and a typed field of the same
+name in its group's class in ``serve.config``. That field is the one thing said twice, on
+purpose: a group class generated from the table (``dataclasses.make_dataclass``) would
+read the same at run time, but editors and type checkers could not see its fields, so
+``cfg.http.port`` would be untyped everywhere it is used. An import-time check keeps the
+two in step: same names, same order, and the field's annotation is the row's type
+(``Option.annotation``).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from luced.engine.placement import PlacementError, parse_device, parse_devices, parse_weights
+from luced.ipc.frames import WEIGHT_MODES
+from luced.serve.admission import Network, parse_networks
+
+CONTEXT_CAP = 8192  # default context when the model's own is longer (KV memory)
+ADMIN_SOCKET_NAME = "admin.sock"
+
+# The groups, in the order `Config` holds them: what each option configures.
+GROUPS = ("model", "scheduler", "kv", "speculation", "moe", "http", "daemon")
+
+Pairs = tuple[tuple[str, Path], ...]  # (group, interpreter) in the order given
+Env = Mapping[str, str]
+# A derived default sees the environment and the options resolved before it.
+DefaultFn = Callable[[Env, Mapping[str, Any]], Any]
+
+_GROUP_RE = re.compile(r"[A-Za-z0-9_.:-]+")
+
+
+class ConfigError(ValueError):
+    """A bad option value; the message names the option and its source."""
+
+
+def default_runtime_dir(env: Env | None = None) -> Path:
+    """$RUNTIME_DIRECTORY (systemd), else $XDG_RUNTIME_DIR/luced, else /tmp/luced-$UID."""
+    env = os.environ if env is None else env
+    if env.get("RUNTIME_DIRECTORY"):
+        # systemd joins several RuntimeDirectory= entries with ':'; ours is the first.
+        return Path(env["RUNTIME_DIRECTORY"].split(":")[0])
+    if env.get("XDG_RUNTIME_DIR"):
+        return Path(env["XDG_RUNTIME_DIR"]) / "luced"
+    return Path(f"/tmp/luced-{os.getuid()}")
+
+
+def default_admin_socket(env: Env | None = None) -> Path:
+    """Where the daemon puts its admin socket when neither it nor runtime_dir is set."""
+    env = os.environ if env is None else env
+    runtime = env.get("LUCED_RUNTIME_DIR") or default_runtime_dir(env)
+    return Path(runtime) / ADMIN_SOCKET_NAME
+
+
+def usable_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))  # the cores this process may run on
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+# --- conversion: each returns the typed value or raises ValueError(reason) ----------
+def _to_int(v: Any) -> int:
+    if isinstance(v, bool):
+        raise ValueError(f"not an integer: {v!r}")
+    if isinstance(v, int):
+        return v
+    if isinstance(v, str):
+        try:
+            return int(v.strip())
+        except ValueError:
+            pass
+    raise ValueError(f"not an integer: {v!r}")
+
+
+_BYTE_UNITS = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
+
+
+def _to_bytes(v: Any) -> int:
+    """A byte count: an integer, or a number with a binary unit ("512M", "1.5G", "2GiB")."""
+    if isinstance(v, str):
+        m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([kmgt]?)(?:i?b)?\s*", v.lower())
+        if m is None:
+            raise ValueError(f"not a byte count (e.g. 4096, 512M, 2G): {v!r}")
+        return int(float(m[1]) * _BYTE_UNITS[m[2]])
+    return _to_int(v)
+
+
+def _to_float(v: Any) -> float:
+    if isinstance(v, bool):
+        raise ValueError(f"not a number: {v!r}")
+    try:
+        x = float(v.strip() if isinstance(v, str) else v)
+    except (TypeError, ValueError):
+        raise ValueError(f"not a number: {v!r}") from None
+    if not math.isfinite(x):
+        raise ValueError(f"not a finite number: {v!r}")
+    return x
+
+
+def _to_pool(v: Any) -> int | str:
+    """KV Flash pool: a token count, or "auto"."""
+    if isinstance(v, str) and v.strip().lower() == "auto":
+        return "auto"
+    n = _to_int(v)
+    if n < 1:
+        raise ValueError(f"a pool needs tokens (or auto), got {n}")
+    return n
+
+
+def _to_experts(v: Any) -> int | None:
+    """MoE hot experts per layer: a count, or "all" (None)."""
+    if isinstance(v, str) and v.strip().lower() == "all":
+        return None
+    n = _to_int(v)
+    if n < 0:
+        raise ValueError(f"a count of experts (or all), got {n}")
+    return n
+
+
+def _to_str(v: Any) -> str:
+    if not isinstance(v, str):
+        raise ValueError(f"not a string: {v!r}")
+    if not v:
+        raise ValueError("empty string")
+    return v
+
+
+def _to_bool(v: Any) -> bool:
+    if isinstance(v, bool):
+        return v
+    if isinstance(v, str) and v.strip().lower() in ("1", "true", "yes", "on"):
+        return True
+    if isinstance(v, str) and v.strip().lower() in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"not a boolean (true / false): {v!r}")
+
+
+def _to_strs(v: Any) -> tuple[str, ...]:
+    """A list of names: "a,b" (flag, env) or a TOML array of strings."""
+    items = v.split(",") if isinstance(v, str) else v
+    if not isinstance(items, list | tuple):
+        raise ValueError(f"not a list of strings: {v!r}")
+    return tuple(_to_str(s.strip() if isinstance(s, str) else s) for s in items if s != "")
+
+
+def _to_path(v: Any) -> Path:
+    if isinstance(v, Path):
+        return v
+    return Path(_to_str(v)).expanduser()
+
+
+def _to_pairs(v: Any) -> Pairs:
+    """GROUP=PATH items: "a=/x,b=/y" (env), a list of "GROUP=PATH", a TOML table, or pairs."""
+    if isinstance(v, str):
+        items: list[Any] = [s for s in (p.strip() for p in v.split(",")) if s]
+    elif isinstance(v, Mapping):
+        items = list(v.items())
+    elif isinstance(v, list | tuple):
+        items = list(v)
+    else:
+        raise ValueError(f"not a list of GROUP=PATH: {v!r}")
+    out: dict[str, Path] = {}
+    for item in items:
+        if isinstance(item, str):
+            group, sep, path = item.partition("=")
+            if not sep:
+                raise ValueError(f"not GROUP=PATH: {item!r}")
+        elif isinstance(item, tuple | list) and len(item) == 2:
+            group, path = item
+        else:
+            raise ValueError(f"not GROUP=PATH: {item!r}")
+        if not isinstance(group, str) or not _GROUP_RE.fullmatch(group):
+            raise ValueError(f"bad group name {group!r} (letters, digits, _ . : -)")
+        if group in out:
+            raise ValueError(f"group {group!r} given twice")
+        try:
+            out[group] = _to_path(path)
+        except ValueError as exc:
+            raise ValueError(f"group {group!r}: {exc}") from None
+    return tuple(out.items())
+
+
+def _unflagged(parse: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    """A placement parser whose errors drop their flag prefix (the label adds the source)."""
+
+    def convert(v: Any) -> Any:
+        try:
+            return parse(v)
+        except PlacementError as exc:
+            raise ValueError(str(exc).split(": ", 1)[-1]) from None
+
+    return convert
+
+
+@dataclass(frozen=True)
+class Kind:
+    """How an option's values are read: the converter and the type it returns."""
+
+    convert: Callable[[Any], Any]
+    type: Any
+
+
+KINDS: dict[str, Kind] = {
+    "devices": Kind(_unflagged(parse_devices), tuple[str, ...]),
+    "device": Kind(_unflagged(lambda v: parse_device(str(v).strip())[0]), str),
+    "weights": Kind(_unflagged(parse_weights), tuple[float, ...]),
+    "int": Kind(_to_int, int),
+    "pool": Kind(_to_pool, int | str),
+    "experts": Kind(_to_experts, int | None),
+    "bytes": Kind(_to_bytes, int),
+    "float": Kind(_to_float, float),
+    "str": Kind(_to_str, str),
+    "path": Kind(_to_path, Path),
+    "pairs": Kind(_to_pairs, Pairs),
+    "bool": Kind(_to_bool, bool),
+    "strs": Kind(_to_strs, tuple[str, ...]),
+    "networks": Kind(parse_networks, tuple[Network, ...]),
+}
+
+
+@dataclass(frozen=True)
+class Option:
+    """One daemon option. ``default`` is a value, or a function for derived defaults."""
+
+    name: str
+    group: str  # one of GROUPS: the attribute of Config that holds it
+    type: str  # a key of KINDS
+    default: Any
+    help: str
+    choices: tuple[str, ...] = ()
+    minimum: float | None = None
+    maximum: float | None = None
+    nullable: bool = False  # None is a meaningful value ("unset": see default_doc)
+    default_doc: str | None = None  # how the docs state a derived or unset default
+    example: Any = None  # value shown in the example TOML when the default is not one
+    positional: bool = False  # the one positional argument of `luced serve`
+    metavar: str | None = None
+
+    @property
+    def flag(self) -> str:
+        return self.metavar if self.positional else "--" + self.name.replace("_", "-")
+
+    @property
+    def env(self) -> str:
+        return "LUCED_" + self.name.upper()
+
+    @property
+    def repeatable(self) -> bool:
+        return self.type == "pairs"
+
+    @property
+    def annotation(self) -> Any:
+        """The type of the option's field in its group."""
+        kind = KINDS[self.type].type
+        return kind | None if self.nullable else kind
+
+    @property
+    def default_text(self) -> str:
+        """The default as prose (help, README): derived ones by their description."""
+        if self.default_doc is not None:
+            return self.default_doc
+        if self.type in ("int", "float"):
+            return _num(self.default)
+        return str(self.default)
+
+    def convert(self, value: Any, label: str) -> Any:
+        """The typed, validated value; errors are ``ConfigError("{label}: {reason}")``."""
+        if value is None:
+            if self.nullable:
+                return None
+            raise ConfigError(f"{label}: a value is required")
+        try:
+            out = KINDS[self.type].convert(value)
+        except ValueError as exc:
+            raise ConfigError(f"{label}: {exc}") from None
+        if self.choices and out not in self.choices:
+            raise ConfigError(f"{label}: not one of {', '.join(self.choices)}: {value!r}")
+        if self.minimum is not None and out < self.minimum:
+            raise ConfigError(f"{label}: must be >= {_num(self.minimum)}, got {out}")
+        if self.maximum is not None and out > self.maximum:
+            raise ConfigError(f"{label}: must be <= {_num(self.maximum)}, got {out}")
+        return out
+
+    def default_for(self, env: Env, values: Mapping[str, Any]) -> Any:
+        return self.default(env, values) if callable(self.default) else self.default
+
+
+def _num(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() else str(x)
+
+
+OPTIONS: tuple[Option, ...] = (
+    Option(
+        "model", "model", "path", None, "GGUF model file to serve.",
+        nullable=True, positional=True, metavar="MODEL",
+        default_doc="the bundled SmolLM2-135M-Instruct",
+        example="/var/lib/luced/models/model.gguf",
+    ),
+    Option("host", "http", "str", "127.0.0.1", "Address the HTTP server listens on."),
+    Option(
+        "port", "http", "int", 8000, "HTTP port (0 picks a free one).", minimum=0, maximum=65535,
+    ),
+    Option(
+        "api_key", "http", "str", None,
+        "If set, /v1/* and /api/* requests (and /tokenize, /detokenize, and /metrics unless "
+        "metrics_public) must send `Authorization: Bearer KEY` or `x-api-key: KEY`. A flag "
+        "shows in `ps`: prefer the environment or api_key_file.",
+        nullable=True, default_doc="unset (no key)", example="change-me",
+    ),
+    Option(
+        "api_key_file", "http", "path", None,
+        "File whose first line is the API key (instead of api_key; keeps it out of `ps`).",
+        nullable=True, default_doc="unset", example="/etc/luced/api-key",
+    ),
+    Option(
+        "metrics_public", "http", "bool", False,
+        "Serve /metrics without the API key.",
+        default_doc="false", example=True,
+    ),
+    Option(
+        "allowed_hosts", "http", "strs", (),
+        "Host header values accepted besides the bound address (and localhost names when "
+        "bound to loopback); anything else is a 403, which stops DNS rebinding. Bound to "
+        "0.0.0.0 or :: with none given, any Host is accepted.",
+        default_doc="none", example=("luced.example.org",),
+    ),
+    Option(
+        "allowed_origins", "http", "strs", (),
+        "Other sites whose pages may call the API (CORS); a request from any other "
+        "site's page is refused (403). The daemon's own page at / needs no entry.",
+        default_doc="none (no cross-origin calls)", example=("http://localhost:3000",),
+    ),
+    Option(
+        "model_name", "model", "str", None,
+        "Model id served on /v1/models and expected in requests.",
+        nullable=True, default_doc="the GGUF file name without .gguf", example="smollm2",
+    ),
+    Option(
+        "dtype", "model", "str", "float32", "Compute dtype of the workers.",
+        choices=("float32", "bfloat16", "float16"),
+    ),
+    Option(
+        "weights", "model", "str", "auto",
+        "How the workers hold weight matrices. `int4` / `int8`: packed for weight-only "
+        "kernels (see `kernels`; 4.5 / 8 bits per weight read per decoded token; GGUF Q4_0 "
+        "and Q4_1 map to int4 exactly, other types are requantized). `auto`: per tensor "
+        "(4-bit types int4, 5- to 8-bit types int8, float tensors exact) where the CPU has "
+        "the kernels' AVX2 / AVX512 paths, else `dequant`. `dequant`: every matrix "
+        "expanded to the compute dtype (the exact path; GPUs use it for now).",
+        choices=WEIGHT_MODES,
+    ),
+    Option(
+        "kernels", "model", "str", "auto",
+        "Which kernels run packed matrices and decode attention on CPU workers. `native`: "
+        "luced's own (C, built with the system's gcc into ~/.cache/luced/kernels on first "
+        "use; `tools/install.sh` prebuilds them; a cached build serves without gcc), an "
+        "error if they cannot be had. `torch`: torch's weight-only kernels and SDPA. "
+        "`auto`: native where they can be had, else torch (decode several times slower; a "
+        "warning, and `lucectl status` says so).",
+        choices=("auto", "native", "torch"),
+    ),
+    Option(
+        "kv_dtype", "kv", "str", "auto",
+        "dtype of the K/V cache. `auto` = `--dtype`. bfloat16 / float16 halve the KV "
+        "memory of a float32 model. On CPUs decode attention reads 16-bit rows in luced's "
+        "kernel with float32 arithmetic (bfloat16 is the faster at long contexts, README: "
+        "KV dtype and attention at long contexts); prefill and GPUs attend in the cache's "
+        "dtype.",
+        choices=("auto", "float32", "bfloat16", "float16"),
+    ),
+    Option(
+        "batch_invariant", "model", "bool", False,
+        "Make every token's logits independent of how tokens are grouped into forwards: "
+        "greedy speculative decoding then equals plain decoding, and a prompt restored "
+        "from the prefix cache gives the fresh prompt's logits, bit for bit. Covers "
+        "matrices held packed (`--weights auto`, `int4`, `int8`) and attention; a "
+        "verify or prefill costs more (attention row by row, packed kernels 64 rows at a "
+        "time). Not covered: float-held matrices, MoE experts, Gated DeltaNet, KV Flash.",
+    ),
+    Option(
+        "threads", "model", "int", None, "Torch threads per CPU worker.",
+        minimum=1, nullable=True, example=4,
+        default_doc="the usable CPU cores, shared among the target's workers (at least 1 "
+        "each)",
+    ),
+    Option(
+        "context_length", "model", "int", None, "Context window in tokens (prompt + completion).",
+        minimum=1, nullable=True,
+        default_doc=f"the model's, at most {CONTEXT_CAP}", example=CONTEXT_CAP,
+    ),
+    Option(
+        "max_queue", "scheduler", "int", 16,
+        "Requests that may wait behind the running ones; more are answered 429.", minimum=0,
+    ),
+    Option(
+        "max_running", "scheduler", "int", 8,
+        "Requests generated at once (continuous batching): each runs in its own sequence "
+        "of the workers, their decode steps go through the model together in one forward "
+        "per step, and a new request's prompt is prefilled between those steps. 1 serves "
+        "one request at a time. With `--kv-flash` each running request pages its own pool. "
+        "Greedy speculative requests (`--draft ngram` or a DFlash draft model) put their "
+        "verify blocks in the batch.",
+        minimum=1, maximum=64,
+    ),
+    Option(
+        "kv_pool_tokens", "kv", "int", 0,
+        "KV positions the running requests hold together (continuous batching). When a "
+        "running request cannot grow, the one that arrived last is preempted: its KV is "
+        "freed and it is recomputed when there is room, with the same output. At least "
+        "the context length; 0 = max-running whole contexts, or what half the free memory "
+        "holds if less.",
+        minimum=0,
+    ),
+    Option(
+        "kv_block_size", "kv", "int", 16,
+        "Rows per block of the workers' K/V pool (continuous batching): every running "
+        "request's K/V lives in blocks of one pool per worker shard, so a request whose "
+        "prompt starts like a running one's takes that prefix's blocks without computing or "
+        "copying them. 0: each request's K/V on its own, nothing shared. Not used with "
+        "`--kv-flash` or `--max-running 1`; a hybrid (recurrent) model does not share.",
+        minimum=0, maximum=1024,
+    ),
+    Option(
+        "max_queued_tokens", "scheduler", "int", 32768,
+        "Prompt tokens that may wait in the queue; more are answered 429.", minimum=1,
+    ),
+    Option(
+        "max_batch_tokens", "scheduler", "int", 512,
+        "Prefill chunk: prompt tokens fed to the model per step.", minimum=1,
+    ),
+    Option(
+        "default_max_tokens", "scheduler", "int", None,
+        "Completion limit for requests that give no max_tokens.",
+        minimum=1, nullable=True, default_doc="up to the context length", example=1024,
+    ),
+    Option(
+        "shutdown_timeout", "http", "float", 30.0,
+        "Seconds SIGTERM waits for running streams before aborting them.", minimum=0,
+    ),
+    Option(
+        "http_timeout", "http", "float", 30.0,
+        "Seconds an HTTP client may take to send a whole request header, or its body, or "
+        "stay idle between requests on a kept-alive connection, before it is closed (a "
+        "slow body gets a 408).",
+        minimum=0.1,
+    ),
+    Option(
+        "max_connections", "http", "int", 512,
+        "Concurrent HTTP connections, shared between client addresses. Each costs a file "
+        "descriptor: keep it below the process's open-file limit. When all are taken, a "
+        "new connection displaces the longest-idle kept-alive one, else the oldest slow "
+        "sender of an address over its share; else it gets one of the places kept for "
+        "/health (an eighth, at most 8), or a 503 (README: Using it).",
+        minimum=1,
+    ),
+    Option(
+        "trusted_proxies", "http", "networks", (),
+        "Addresses or networks (CIDR) of proxies or load balancers in front of luced: "
+        "their connections are not held to one client address's share of "
+        "--max-connections, since each stands for many clients.",
+        default_doc="none", example=("10.0.0.0/8",),
+    ),
+    Option(
+        "worker_timeout", "daemon", "float", 30.0,
+        "Seconds a worker call may take beyond 20× its expected time (the worker's "
+        "measured seconds per token × the call's tokens) before the worker counts as hung "
+        "(stopped, deadlocked): it is killed and restarted, the running request ends with "
+        "an error, queued ones wait for the restart. Time the daemon itself was stalled "
+        "(stopped, swapped out) does not count. Starts and loads: --worker-start-timeout.",
+        minimum=0.1,
+    ),
+    Option(
+        "worker_start_timeout", "daemon", "float", 60.0,
+        "Seconds a starting or loading worker may go without a sign of life. Such a worker "
+        "reports progress twice a second while it imports torch and loads, so a slow start "
+        "or a big model takes as long as it needs; this only ends one that is stopped or "
+        "stuck. Raise it on a machine so busy that a worker cannot even run its first "
+        "imports in this time.",
+        minimum=1.0,
+    ),
+    Option(
+        "runtime_dir", "daemon", "path",
+        lambda env, values: default_runtime_dir(env),
+        "Directory for the admin socket.",
+        default_doc="$RUNTIME_DIRECTORY, else $XDG_RUNTIME_DIR/luced, else /tmp/luced-$UID",
+        example="/run/luced",
+    ),
+    Option(
+        "admin_socket", "daemon", "path",
+        lambda env, values: values["runtime_dir"] / ADMIN_SOCKET_NAME,
+        "Admin unix socket (mode 0600) that lucectl talks to.",
+        default_doc=f"RUNTIME_DIR/{ADMIN_SOCKET_NAME}",
+        example=f"/run/luced/{ADMIN_SOCKET_NAME}",
+    ),
+    Option(
+        "backend_python", "model", "pairs", (),
+        "GROUP=PATH: the Python interpreter for a backend group's worker (e.g. a ROCm "
+        "torch beside a CUDA one). Repeat the flag; the environment variable takes a "
+        "comma-separated list, the file a table.",
+        default_doc="the daemon's interpreter for every group",
+        example=(("hip", Path("/opt/luced/rocm-venv/bin/python")),),
+    ),
+    Option(
+        "target_devices", "model", "devices", ("cpu",),
+        "Devices of the target model, one layer shard each, in layer order (e.g. "
+        "`cuda:0,cuda:1,hip:0`). `cuda:N` devices form one worker, `hip:N` another; "
+        "`cpu`, `cpu:1`, `cpu:2` are distinct CPU workers; a repeated device (`cpu,cpu`) "
+        "is two shards in one worker.",
+        default_doc="cpu (one worker, no split)", example=("cpu", "cpu:1"),
+    ),
+    Option(
+        "target_layer_split", "model", "weights", None,
+        "Relative layer counts of the shards of --target-devices (e.g. `0.08,0.46,0.46` "
+        "or `1,1`); contiguous ranges, each at least one layer.",
+        nullable=True, default_doc="equal shares", example=(1, 1),
+    ),
+    Option(
+        "draft", "speculation", "path", None,
+        "DFlash draft (GGUF file or safetensors directory), or `ngram` for prompt-lookup "
+        "drafting without a model (proposals copied from earlier in the prompt and output; "
+        "pays on input-grounded work). Requests decode speculatively, a block at a time, "
+        "with output exactly as plain decoding's (greedy token for token; sampled by "
+        "rejection sampling). A draft file named ngram is given with its directory.",
+        nullable=True, default_doc="none (plain decoding)",
+        example="/var/lib/luced/models/draft.gguf",
+    ),
+    Option(
+        "draft_device", "speculation", "device", None,
+        "Device of the draft (`cpu`, `cpu:1`, `cuda:1`, ...). A device of the target's "
+        "worker puts the draft in that worker; any other gets it a worker of its own, "
+        "which loads the target's embedding and head beside it and reads the feature "
+        "ring in place.",
+        nullable=True,
+        default_doc="the target's worker; with a split target, a worker of its own on "
+        "the head's device",
+        example="cpu:1",
+    ),
+    Option(
+        "block_size", "speculation", "int", 16,
+        "Tokens per speculative block: the last accepted token plus block_size - 1 "
+        "proposals. With --adaptive-block-size, the largest block and where each request "
+        "starts.",
+        minimum=2, maximum=64,
+    ),
+    Option(
+        "adaptive_block_size", "speculation", "bool", True,
+        "Each speculating request picks its block size from its own recent acceptance "
+        "and the step costs measured at start (a plain step against a verify of k "
+        "tokens), and decodes plainly while drafting does not pay. Output is the same "
+        "either way; only speed changes. Seeded sampled requests keep --block-size, so a "
+        "seed repeats its tokens.",
+    ),
+    Option(
+        "prefix_cache_bytes", "kv", "bytes", 2**30,
+        "Size of the prefix cache's shared-memory arena of KV snapshots (e.g. `512M`, "
+        "`4G`; 0 turns the prefix cache off). SmolLM2-135M in float32 needs 45 KiB per "
+        "cached token, so the default holds about 23k tokens. Capped, with a warning, at "
+        "half the free space of /dev/shm.",
+        minimum=0, default_doc="1G", example="4G",
+    ),
+    Option(
+        "kv_cache_dir", "kv", "path", None,
+        "Directory of the prefix cache's disk tier: snapshots are written there as "
+        "safetensors files in the background and found again after a restart.",
+        nullable=True, default_doc="none (memory only)", example="/var/lib/luced/kv",
+    ),
+    Option(
+        "kv_cache_budget", "kv", "bytes", 8 * 2**30,
+        "Most bytes the disk tier keeps; least recently used snapshots go first.",
+        minimum=0, default_doc="8G", example="64G",
+    ),
+    Option(
+        "kv_flash", "kv", "pool", None,
+        "KV Flash: keep at most this many tokens of K/V per attention layer in the "
+        "workers (a pool of 64-token blocks; rounded up to a multiple of 256, clamped to "
+        "the context); older 64-token chunks are paged out to a shared-memory host tier "
+        "and attention skips them. Each running request has a pool of its own. `auto` "
+        "sizes the pools from free memory (shared by max_running of them), each capped by "
+        "kv_flash_max_pool. Lossless while the sequence fits the pool.",
+        nullable=True, default_doc="off (every worker keeps the whole context)", example="auto",
+    ),
+    Option(
+        "kv_flash_policy", "kv", "str", "qk",
+        "Which chunk KV Flash evicts when the pool is full. `lru`: the least recently "
+        "written (StreamingLLM: sinks + recency, never recalled). `qk`: the lowest score "
+        "by the cosine of the current query with each chunk's mean key; every "
+        "max(tau, history/45) tokens the top-scored chunks are made resident, recalled "
+        "from the host tier.",
+        choices=("lru", "qk"),
+    ),
+    Option(
+        "kv_flash_tau", "kv", "int", 64,
+        "KV Flash reselection interval floor in generated tokens (max(tau, history/45)).",
+        minimum=1,
+    ),
+    Option(
+        "kv_flash_max_pool", "kv", "int", 16384,
+        "Largest pool `--kv-flash auto` picks (tokens): attention cost per step grows "
+        "with it.",
+        minimum=512,
+    ),
+    Option(
+        "moe_hot_experts", "moe", "experts", None,
+        "MoE models: routed experts each target worker keeps per layer (the lowest ids, "
+        "or the most routed ones given --moe-routing-profile); the other (cold) experts of "
+        "a token are computed in process on the CPU from the mapped GGUF, and their sum "
+        "added to the hot ones'. `all` keeps every expert.",
+        nullable=True, default_doc="all (every expert in the target's workers)", example=4,
+    ),
+    Option(
+        "moe_routing_profile", "moe", "path", None,
+        "With --moe-hot-experts: a routing profile of this model (per-layer expert "
+        "selection counts, JSON, recorded by tools/moe_profile.py); each layer keeps its "
+        "most-routed experts hot. A profile of another model is a start-up error.",
+        nullable=True, default_doc="none (the lowest ids are hot)",
+        example="/var/lib/luced/models/model.routing.json",
+    ),
+    Option(
+        "moe_expert_device", "moe", "device", None,
+        "MoE models with --moe-hot-experts: compute the cold experts in an expert worker "
+        "on this device (`cpu:1`, `cuda:1`, ...), which holds exactly them; target workers "
+        "call it directly over shared memory, one call per MoE layer per step. While it is "
+        "down (it is restarted) they compute them in process.",
+        nullable=True, default_doc="none (cold experts in process)", example="cpu:1",
+    ),
+    Option(
+        "moe_expert_required", "moe", "bool", False,
+        "With --moe-expert-device: a step whose expert worker fails is an error instead of "
+        "being computed in process.",
+    ),
+    Option(
+        "log_level", "daemon", "str", "info", "Log level.",
+        choices=("debug", "info", "warning", "error"),
+    ),
+)  # fmt: skip
+OPTION_BY_NAME: dict[str, Option] = {o.name: o for o in OPTIONS}
+
+
+def _check_table() -> None:
+    for opt in OPTIONS:
+        if opt.group not in GROUPS:
+            raise AssertionError(f"option {opt.name}: group {opt.group!r} is not one of {GROUPS}")
+        if opt.type not in KINDS:
+            raise AssertionError(f"option {opt.name}: type {opt.type!r} is not one of KINDS")
+        if (opt.default is None or callable(opt.default)) and opt.default_doc is None:
+            raise AssertionError(f"option {opt.name}: a derived or unset default needs default_doc")
+    if len(OPTION_BY_NAME) != len(OPTIONS):
+        raise AssertionError("two options share a name")
+
+
+_check_table()

@@ -7,7 +7,7 @@ token reads are the real model's.
 
 Shapes (`SHAPES`): llama3-8b (hidden 4096, 32 layers, 32 / 8 heads of 128, FFN 14336,
 vocab 128256, untied: 4.3 GB of Q4_0 matrices), tiny (for a CPU dry run). `--layers` cuts
-the stack (a quick run). Metadata and vocabulary are tools/make_tiny_gguf.py's llama ones (a
+the stack (a quick run). Metadata and vocabulary are luced.runtime.tiny's llama ones (a
 BPE vocabulary padded to the vocab size), so the daemon serves it as any llama. Each Q4_0
 block's scale is fixed per tensor so that weights have a standard deviation of about
 1/sqrt(fan_in) (1 for the embedding): activations stay finite through the stack.
@@ -21,9 +21,13 @@ import zlib
 from pathlib import Path
 
 import gguf
-import make_tiny_gguf
 import numpy as np
 from gguf import GGMLQuantizationType as Q
+
+from luced.runtime.tiny.build import _gguf_name, _hf_shapes, _write_metadata
+from luced.runtime.tiny.spec import make_spec
+from luced.runtime.tiny.vocab import make_vocab
+from luced.runtime.tiny.weights import random_hf
 
 SHAPES: dict[str, dict[str, object]] = {
     "llama3-8b": dict(
@@ -48,16 +52,16 @@ def build(path: Path, shape: str = "llama3-8b", layers: int | None = None, seed:
     overrides = dict(SHAPES[shape])
     if layers is not None:
         overrides["layers"] = layers
-    spec = make_tiny_gguf._make_spec("llama", "Q4_0", seed, overrides)
-    vocab = make_tiny_gguf._vocab("llama", spec.vocab_size)
+    spec = make_spec("llama", "Q4_0", seed, overrides)
+    vocab = make_vocab("llama", spec.vocab_size)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     writer = gguf.GGUFWriter(path, "llama")
-    make_tiny_gguf._write_metadata(writer, spec, vocab)
-    for hf_name, dims in sorted(make_tiny_gguf._hf_shapes(spec).items()):
-        name = make_tiny_gguf._gguf_name(spec, hf_name)
+    _write_metadata(writer, spec, vocab)
+    for hf_name, dims in sorted(_hf_shapes(spec).items()):
+        name = _gguf_name(spec, hf_name)
         if len(dims) == 1:  # norms: float32 near 1, as the tiny models'
-            writer.add_tensor(name, make_tiny_gguf._random_hf(spec, hf_name, dims))
+            writer.add_tensor(name, random_hf(spec, hf_name, dims))
             continue
         rng = np.random.default_rng([seed, zlib.crc32(hf_name.encode())])
         embedding = "embed_tokens" in hf_name or "lm_head" in hf_name

@@ -53,10 +53,10 @@ from luced.runtime.native import cpu_flags
 log = logging.getLogger(__name__)
 
 GROUP = weight_only.GROUP  # int4 group width: GGUF's Q4_0 / Q4_1 block
-# Most rows a call runs on the packed kernel; more go dense. The measured crossover
-# (tools/bench_qlinear.py, docs/design.md "Compact weights") lies between 32 and 512 rows on
-# an AVX512-BF16 EPYC; 64 is also the largest DFlash block, so every verify takes the
-# packed path, as decode does, and greedy speculative output equals plain decoding's.
+# Most rows a call runs on the packed kernel; more go dense, near the crossover measured by
+# tools/bench_qlinear.py (docs/design.md "Compact weights"). 64 is also the largest DFlash
+# block, so every verify takes the packed path, as decode does, and greedy speculative
+# output equals plain decoding's.
 GEMV_MAX_ROWS = 64
 _PACK_N = 64  # int4 packing pads rows to this (the AVX512 kernel's block of output rows)
 
@@ -76,7 +76,7 @@ def kernels_vectorized(device: torch.device) -> bool:
 @functools.cache
 def dense_dtype(device_type: str = "cpu") -> torch.dtype:
     """The dtype of the dense (many-row) path: bf16 where the CPU multiplies it natively
-    (AVX512-BF16, AMX), float32 where bf16 is emulated (AVX2 only: 6-9x slower)."""
+    (AVX512-BF16, AMX), float32 where bf16 is emulated (AVX2 only: several times slower)."""
     if device_type != "cpu":
         return torch.bfloat16
     native = {"avx512_bf16", "amx_bf16"} & cpu_flags()

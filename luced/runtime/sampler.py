@@ -57,9 +57,9 @@ __all__ = [
 # position. Python ints or a 1-D integer tensor; only the last `penalty_window` are read.
 History = Sequence[Sequence[int] | torch.Tensor]
 
-# Prefix lengths top_p tries (with torch.topk) before a full sort of the row. A trained LM's
-# nucleus almost always lies inside the first; high temperatures need the second. At vocab
-# 262144 on CPU: topk 1024 ~0.7 ms, topk 16384 ~2.5 ms, a full sort 20-40 ms per row.
+# Prefix lengths top_p tries (with torch.topk) before a full sort of the row, which costs
+# far more at a large vocabulary (README, "Measurements behind the code"). A trained LM's
+# nucleus almost always lies inside the first; high temperatures need the second.
 _TOP_P_PREFIXES = (1024, 16384)
 
 # Safety for every value SamplingParams accepts (tests/runtime/test_sampler.py checks it with

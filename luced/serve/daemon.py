@@ -101,7 +101,7 @@ class Daemon:
         gguf = GGUFFile(model_path)
         sdnotify.status(f"reading {Path(model_path).name}")
         tokenizer = Tokenizer.from_gguf(gguf)
-        tokenizer.special_pattern  # noqa: B018 - built now (0.4 s for Gemma), not on a request
+        tokenizer.special_pattern  # noqa: B018 - built now (slow for Gemma), not on a request
         template = ChatTemplate.from_gguf(gguf, gguf.arch)
         self.template, self.tokenizer = template, tokenizer
         n_layers = int(gguf.require(f"{gguf.arch}.block_count"))
@@ -147,9 +147,9 @@ class Daemon:
             pythons={g: str(p) for g, p in model.backend_python},
             # Only one worker computes at a time, but idle workers' OpenMP threads still
             # contend: sharing the cores measured faster than every worker using all. The
-            # daemon's own work (HTTP, detokenizing) is light beside the native kernels: on
-            # 2 cores a 2-thread worker served 1.3x (one stream) to 1.45x (eight) the
-            # tokens of a 1-thread one that left a core to the daemon (README, Performance).
+            # daemon's own work (HTTP, detokenizing) is light beside the native kernels: a
+            # worker on every core served more tokens than one that left a core to the
+            # daemon (README, Performance).
             threads=model.threads,
             cores=usable_cores(),
             moe_hot=moe.moe_hot_experts,

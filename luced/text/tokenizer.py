@@ -290,7 +290,7 @@ def _encode(backend: tokenizers.Tokenizer, text: str) -> list[int]:
 
 def _trie_regex(words: list[str]) -> str:
     """One regex for many literal strings, as a trie: a plain alternation of Gemma's 6k
-    control tokens tries each at every position (~3x slower than tokenizing). Greedy
+    control tokens tries each at every position (slower than the tokenizing). Greedy
     optional tails give the longest match first."""
     trie: dict = {}
     for word in words:

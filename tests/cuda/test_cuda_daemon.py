@@ -13,12 +13,13 @@ import time
 import urllib.request
 from pathlib import Path
 
-import make_tiny_gguf
 import pytest
 from cuda_support import Run, agree, device_under_test, margins, record
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "e2e"))
 from daemon_proc import DaemonProcess
+
+from luced.runtime.tiny import make_tiny_gguf
 
 pytestmark = pytest.mark.cuda
 
@@ -50,7 +51,7 @@ def chat(d: DaemonProcess, text: str) -> Run:
 
 def test_chat_kill_and_recover_on_the_gpu(tmp_path: Path) -> None:
     gpu = device_under_test() or "cpu"
-    model = make_tiny_gguf.build("llama", tmp_path / "tiny.gguf", seed=5, context=2048).path
+    model = make_tiny_gguf("llama", tmp_path / "tiny.gguf", seed=5, context=2048).path
     prompts = ("hello world", "the quick brown fox")
     cpu = DaemonProcess(model, tmp_path / "cpu", "--target-devices", "cpu").start()
     try:

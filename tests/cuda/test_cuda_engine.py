@@ -15,14 +15,13 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
-import make_tiny_draft
-import make_tiny_gguf
 import pytest
 from cuda_support import Run, agree, device_under_test, margins, record
 from engine_harness import engine_for
 
 from luced.engine.core import Engine, GenerationRequest
 from luced.engine.kvflash import PagerConfig
+from luced.runtime.tiny import make_tiny_draft, make_tiny_gguf
 from luced.sampling_params import SamplingParams
 
 pytestmark = [pytest.mark.cuda, pytest.mark.asyncio(loop_scope="module")]
@@ -54,8 +53,8 @@ def tiny(tmp_path_factory) -> tuple[Path, Path]:
     """A Q4_0 qwen3 (int4 block for block under auto) and a random DFlash draft for it."""
     root = tmp_path_factory.mktemp("cuda-engine")
     target = root / "qwen3.gguf"
-    make_tiny_gguf.build("qwen3", target, seed=7, layers=6, context=1024, qtype="Q4_0")
-    _, draft, _ = make_tiny_draft.build(target, root / "draft", seed=3, block_size=4)
+    make_tiny_gguf("qwen3", target, seed=7, layers=6, context=1024, qtype="Q4_0")
+    _, draft, _ = make_tiny_draft(target, root / "draft", seed=3, block_size=4)
     return target, draft
 
 
@@ -152,7 +151,7 @@ async def test_moe_cold_experts_on_the_cpu_equal_all_on_the_gpu(
     tmp_path_factory, gpu: str, other: str
 ) -> None:
     path = tmp_path_factory.mktemp("moe") / "qwen3moe.gguf"
-    make_tiny_gguf.build("qwen3moe", path, seed=5, context=512)
+    make_tiny_gguf("qwen3moe", path, seed=5, context=512)
     async with engine_for(path, (gpu,)) as engine:
         local = await each(engine, PROMPTS[:2])
     async with engine_for(path, (gpu,), moe_hot=4, moe_expert_device=other) as engine:

@@ -8,7 +8,6 @@ import secrets
 import time
 from pathlib import Path
 
-import make_tiny_gguf
 import numpy as np
 import pytest
 import torch
@@ -21,6 +20,7 @@ from luced.runtime.decode_graph import DecodeGraphs
 from luced.runtime.device_io import DeviceIO
 from luced.runtime.model import Model
 from luced.runtime.qlinear import PackedLinear
+from luced.runtime.tiny import make_tiny_gguf
 from luced.runtime.weights import WeightLoader
 
 pytestmark = pytest.mark.cuda
@@ -38,9 +38,7 @@ def gpu() -> torch.device:
 def q4(tmp_path_factory) -> dict[str, Path]:
     """Each family in Q4_0 (int4 block for block under `auto`)."""
     root = tmp_path_factory.mktemp("q4")
-    return {
-        f: make_tiny_gguf.build(f, root / f"{f}.gguf", seed=11, qtype="Q4_0").path for f in FAMILIES
-    }
+    return {f: make_tiny_gguf(f, root / f"{f}.gguf", seed=11, qtype="Q4_0").path for f in FAMILIES}
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -53,7 +51,7 @@ def test_packed_matrices_equal_their_dequantization(gpu, tmp_path, qtype: str) -
     """Every matrix of a file as the kernels hold it: products against the float32
     dequantization of the same codes within bf16's rounding, and rows exactly as the
     dequantization rounded to bf16 (int4: the kernel's own bf16 arithmetic, one ulp)."""
-    path = make_tiny_gguf.build("llama", tmp_path / "m.gguf", seed=3, qtype=qtype).path
+    path = make_tiny_gguf("llama", tmp_path / "m.gguf", seed=3, qtype=qtype).path
     loader = WeightLoader(GGUFFile(path), torch.float32, "cpu", "auto")
     x = torch.randn(37, 256 if qtype.endswith("_K") else 64, generator=torch.Generator())
     for name in ("blk.0.ffn_up.weight", "blk.0.attn_output.weight", "token_embd.weight"):
@@ -75,7 +73,7 @@ def test_device_memory_per_gguf_type(gpu, tmp_path, qtype: str) -> None:
     """A loaded model's matrices hold their `weight_only.held_bits`: 4-bit types within
     1.15x their file size, Q6_K and Q8_0 in int8; the device's allocation grows by the
     weights' bytes (cuda only)."""
-    path = make_tiny_gguf.build(
+    path = make_tiny_gguf(
         "llama", tmp_path / "m.gguf", seed=3, qtype=qtype, hidden=256, ffn=1024, layers=4,
         vocab_size=2048,
     ).path  # fmt: skip

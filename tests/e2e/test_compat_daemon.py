@@ -14,11 +14,12 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import anthropic
-import make_tiny_gguf
 import openai
 import pytest
 from daemon_proc import DaemonProcess
 from prometheus_client.parser import text_string_to_metric_families
+
+from luced.runtime.tiny import make_tiny_gguf
 
 MODEL = "SmolLM2-135M-Instruct.Q4_1"
 PROMPT = "The capital of France is"
@@ -184,7 +185,7 @@ def test_thinking_reaches_a_template_that_thinks(tmp_path: Path) -> None:
     """A Qwen3-style model (a tiny random one): thinking on or off is what its template
     is told (off renders an empty think block), and replies are well-formed either way."""
     model = tmp_path / "tiny-qwen3.gguf"
-    make_tiny_gguf.build("qwen3", model, seed=3, context=4096)
+    make_tiny_gguf("qwen3", model, seed=3, context=4096)
     d = DaemonProcess(model, tmp_path).start()
     try:
         c = claude(d)

@@ -12,16 +12,17 @@ import threading
 import time
 import urllib.request
 
-import make_tiny_gguf
 import pytest
 from daemon_proc import DaemonProcess
 from test_daemon import raw_post
+
+from luced.runtime.tiny import make_tiny_gguf
 
 
 def _daemon(tmp_path_factory, http_timeout: str, max_connections: str):
     root = tmp_path_factory.mktemp("limits")
     model = root / "tiny-llama.gguf"
-    make_tiny_gguf.build("llama", model, seed=5, context=4096)
+    make_tiny_gguf("llama", model, seed=5, context=4096)
     flags = ("--http-timeout", http_timeout, "--max-connections", max_connections)
     d = DaemonProcess(model, root, *flags).start()
     yield d

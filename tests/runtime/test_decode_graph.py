@@ -12,13 +12,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import make_tiny_gguf
 import pytest
 import torch
 from fake_device import fake_accelerator
 
 from luced.runtime.decode_graph import DecodeGraphs, bucket, row_buckets, supports
 from luced.runtime.model import Model
+from luced.runtime.tiny import make_tiny_gguf
 
 FAMILIES = {
     "llama": ("llama", {}),
@@ -34,7 +34,7 @@ PROMPTS = [list(range(5, 12)), [3] * 2, [(7 * i) % 500 + 1 for i in range(252)]]
 def tiny(request, tmp_path_factory) -> Path:
     family, overrides = FAMILIES[request.param]
     path = tmp_path_factory.mktemp("g") / f"{request.param}.gguf"
-    return make_tiny_gguf.build(family, path, seed=4, context=512, **overrides).path
+    return make_tiny_gguf(family, path, seed=4, context=512, **overrides).path
 
 
 def test_buckets() -> None:
@@ -141,11 +141,11 @@ def test_the_step_holds_no_host_sync_and_no_cpu_tensor(tiny: Path) -> None:
 
 
 def test_models_a_graph_cannot_hold_are_refused(tmp_path: Path) -> None:
-    moe = make_tiny_gguf.build("qwen3moe", tmp_path / "moe.gguf", seed=1).path
-    hybrid = make_tiny_gguf.build("qwen35", tmp_path / "h.gguf", seed=1).path
+    moe = make_tiny_gguf("qwen3moe", tmp_path / "moe.gguf", seed=1).path
+    hybrid = make_tiny_gguf("qwen35", tmp_path / "h.gguf", seed=1).path
     assert "MoE" in supports(Model.load(moe))
     assert "recurrent" in supports(Model.load(hybrid))
-    llama = make_tiny_gguf.build("llama", tmp_path / "l.gguf", seed=1).path
+    llama = make_tiny_gguf("llama", tmp_path / "l.gguf", seed=1).path
     assert "split" in supports(Model.load(llama, layers=(0, 1)))
     with pytest.raises(ValueError, match="MoE"):
         model = Model.load(moe)

@@ -15,12 +15,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import logging
 import os
 import signal
 import sys
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
+from luced.api.ollama_models import ModelFacts
 from luced.api.server import Guard, make_app
 from luced.engine.core import Engine
 from luced.engine.executor import Deadlines, WorkerDied, WorkerReplyError
@@ -45,6 +48,7 @@ from luced.serve.listener import listen
 from luced.serve.options import usable_cores
 from luced.serve.prefix_setup import (
     DiskReservation,
+    model_fingerprint,
     open_prefix_cache,
     reserve_disk_dir,
     snapshot_handlers,
@@ -55,6 +59,7 @@ from luced.text.tokenizer import Tokenizer
 log = logging.getLogger("luced")
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+GIL_SWITCH_S = 0.001
 
 
 class StartupError(RuntimeError):
@@ -73,6 +78,7 @@ class Daemon:
         self.target: Target | None = None
         self.template: ChatTemplate | None = None
         self.tokenizer: Tokenizer | None = None
+        self.metrics: Metrics | None = None
         self.disk_reservation = DiskReservation()
 
     async def run(self) -> int:
@@ -95,7 +101,7 @@ class Daemon:
         gguf = GGUFFile(model_path)
         sdnotify.status(f"reading {Path(model_path).name}")
         tokenizer = Tokenizer.from_gguf(gguf)
-        tokenizer.special_pattern  # noqa: B018 - built now (0.4 s for Gemma), not on a request
+        tokenizer.special_pattern  # noqa: B018 - built now (slow for Gemma), not on a request
         template = ChatTemplate.from_gguf(gguf, gguf.arch)
         self.template, self.tokenizer = template, tokenizer
         n_layers = int(gguf.require(f"{gguf.arch}.block_count"))
@@ -109,6 +115,7 @@ class Daemon:
         )
         moe_profile = self._moe_profile(gguf)
         kv_pool = self._kv_pool(gguf, context, running)
+        facts = ModelFacts.from_gguf(gguf)  # what Ollama's /api/tags, /api/show list
         del gguf
         moe = cfg.moe
         if moe.moe_expert_device is not None:
@@ -140,9 +147,9 @@ class Daemon:
             pythons={g: str(p) for g, p in model.backend_python},
             # Only one worker computes at a time, but idle workers' OpenMP threads still
             # contend: sharing the cores measured faster than every worker using all. The
-            # daemon's own work (HTTP, detokenizing) is light beside the native kernels: on
-            # 2 cores a 2-thread worker served 1.3x (one stream) to 1.45x (eight) the
-            # tokens of a 1-thread one that left a core to the daemon (README, Performance).
+            # daemon's own work (HTTP, detokenizing) is light beside the native kernels: a
+            # worker on every core served more tokens than one that left a core to the
+            # daemon (README, Performance).
             threads=model.threads,
             cores=usable_cores(),
             moe_hot=moe.moe_hot_experts,
@@ -157,7 +164,7 @@ class Daemon:
             self.disk_reservation = reserve_disk_dir(cfg.kv, model_path)
         except ValueError as exc:
             raise StartupError(str(exc)) from exc
-        metrics = Metrics(model.served_model_name())  # vLLM's model_name label
+        self.metrics = metrics = Metrics(model.served_model_name())  # vLLM's model_name label
         deadlines = Deadlines(call=cfg.daemon.worker_timeout, start=cfg.daemon.worker_start_timeout)
         sched = cfg.scheduler
         step = sched.max_step_tokens or (
@@ -194,7 +201,13 @@ class Daemon:
             raise StartupError(str(exc)) from exc
         guard = Guard(http.host, http.allowed_hosts, http.allowed_origins, http.metrics_public)
         app = make_app(
-            engine, metrics, api_key=api_key, guard=guard, body_timeout=http.http_timeout
+            engine,
+            metrics,
+            api_key=api_key,
+            guard=guard,
+            body_timeout=http.http_timeout,
+            model=facts,
+            system_fingerprint=system_fingerprint(cfg, model_path),
         )
         try:
             runner = await listen(app, http)
@@ -380,6 +393,12 @@ class Daemon:
         async def workers(_: dict) -> dict:
             return {"workers": self.engine.workers()}
 
+        async def metrics(_: dict) -> dict:
+            # What GET /metrics serves, without the HTTP side's API key.
+            assert self.metrics is not None
+            self.metrics.refresh(self.engine.status())
+            return {"text": self.metrics.exposition().decode()}
+
         async def drain(_: dict) -> dict:
             # Same as SIGTERM: stop accepting, finish what runs, then exit 0.
             self.engine.draining = True
@@ -390,9 +409,24 @@ class Daemon:
         return {
             "status": status,
             "workers": workers,
+            "metrics": metrics,
             "drain": drain,
             **snapshot_handlers(lambda: self.engine.prefix_cache, self.tokenizer),
         }
+
+
+def system_fingerprint(cfg: Config, model_path: str) -> str:
+    """OpenAI's `system_fingerprint`: `luced-<version>-<hash>`, the hash over the model
+    file and the options that change its numbers, so a client sees when the same request
+    may give other tokens."""
+    try:
+        build = version("luced")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        build = "dev"
+    m = cfg.model
+    numbers = (model_fingerprint(model_path), m.weights, m.dtype, cfg.effective_kv_dtype())
+    identity = "/".join([*numbers, str(m.batch_invariant)])
+    return f"luced-{build}-{hashlib.sha256(identity.encode()).hexdigest()[:10]}"
 
 
 def run(config: Config) -> int:
@@ -403,4 +437,7 @@ def run(config: Config) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
+    # A thread preparing a large request runs Python; the event loop waits for the GIL
+    # up to this long at each hand-over (5 ms by default, a few per /health answer).
+    sys.setswitchinterval(GIL_SWITCH_S)
     return uvloop.run(Daemon(config).run())

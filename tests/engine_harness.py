@@ -82,11 +82,13 @@ async def engine_for(
     kv_dtype: str = "",
     kv_block: int | None = None,
     dtype: str = "float32",
+    max_batch_tokens: int = 64,
 ) -> AsyncIterator[Engine]:
-    """One worker thread each (2 cores, shared with the test); prompts longer than 64
-    tokens span several prefill chunks. A draft (or the n-gram lookup) is set up for
-    blocks up to 16; adaptive blocks are calibrated before the first request. `kv_block`
-    None: as the daemon (blocks of 16 when several requests run, without KV Flash)."""
+    """One worker thread each (2 cores, shared with the test); prompts longer than
+    `max_batch_tokens` (64; the daemon's default is 512) span several prefill chunks. A
+    draft (or the n-gram lookup) is set up for blocks up to 16; adaptive blocks are
+    calibrated before the first request. `kv_block` None: as the daemon (blocks of 16 when
+    several requests run, without KV Flash)."""
     if kv_block is None:
         kv_block = 16 if max_running > 1 and kv_flash is None else 0
     gguf = GGUFFile(path)
@@ -96,7 +98,7 @@ async def engine_for(
             n_layers=int(gguf.require(f"{gguf.arch}.block_count")),
             dtype=dtype,
             kv_capacity=context,
-            max_batch_tokens=64,
+            max_batch_tokens=max_batch_tokens,
             devices=devices,
             threads=1,
             moe_hot=moe_hot,
@@ -115,7 +117,7 @@ async def engine_for(
             owner,
             placement,
             kv_flash=kv_flash,
-            step_tokens=64 + max_running * block_size,
+            step_tokens=max_batch_tokens + max_running * block_size,
             sequences=max_running,
         )
         tokenizer = Tokenizer.from_gguf(gguf)

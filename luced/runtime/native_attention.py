@@ -12,11 +12,12 @@ each K and V row once for the head's grouped queries.
 Every single-query attention over K/V on the CPU goes through it (a `KVCache`'s rows, or
 a KV Flash pool's through its row map, gaps and all once it has evicted), alone or
 batched, so a sequence's outputs are the same in a batch as alone (each task's arithmetic
-is its own). A verify block (up to 64 queries of one sequence, rows stored already) goes
-through it as that many decode steps, one entry per query: its logits are then its decode
-steps' own. K/V may be float32, bfloat16 or float16 (`--kv-dtype`): 16-bit rows are read
-as float32 and the arithmetic is float32's, so they halve the bytes a step reads. Anything
-else (longer prefill chunks, head dims off a multiple of 16, other devices) stays on SDPA.
+is its own). A verify block or a prefill chunk (queries of one sequence, rows stored
+already) goes through it as that many decode steps, one entry per query: its logits are
+then its decode steps' own, wherever the prompt was cut. K/V may be float32, bfloat16 or
+float16 (`--kv-dtype`): 16-bit rows are read as float32 and the arithmetic is float32's, so
+they halve the bytes a step reads. Anything else (head dims off a multiple of 16, other
+devices) stays on SDPA.
 """
 
 from __future__ import annotations
@@ -66,6 +67,13 @@ def _library() -> ctypes.CDLL | None:
 
 # The K/V storage types of the C enum (the arithmetic is float32 for each).
 KV_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+# Most entries (queries) one call takes; more go in slices of this many. A query past 512
+# positions keeps a partial softmax per chunk of them and KV head until they are merged,
+# and a call holds those of all its entries at once: a 512-query prefill chunk at 32k
+# positions of an 8-KV-head, 128-dim model would hold ~0.5 GB. Each entry's output is its
+# own, so slicing changes no bit.
+MAX_ENTRIES = 64
 
 
 def kv_dtypes() -> frozenset[torch.dtype]:
@@ -148,6 +156,20 @@ def decode_attention(
     and the new k by first, as `layers.apply_rope` would. New rows are rounded to the
     storage's dtype as they are stored (as a torch write rounds them). -> [B, H*D] float32."""
     b, n_heads, head_dim = q.shape
+    if b > MAX_ENTRIES:
+        parts = [slice(i, i + MAX_ENTRIES) for i in range(0, b, MAX_ENTRIES)]
+        return torch.cat([
+            decode_attention(
+                q[part],
+                None if new_kv is None else (new_kv[0][part], new_kv[1][part]),
+                storage[part],
+                positions[part],
+                window,
+                scale,
+                rope,
+            )
+            for part in parts
+        ])  # fmt: skip
     n_kv = storage[0].k.shape[0]
     rope_dims, cos, sin = 0, 0, 0
     if rope is not None:

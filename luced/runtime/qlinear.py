@@ -20,17 +20,21 @@ per expert; `pack_weights` turns each into a `PackedLinear` after the family's `
 
 Kernels (`LUCED_KERNELS=auto|native|torch`): on a CPU where `native` built its library
 (csrc/qgemm.c: int8 activations, integer dot products, AVX512-VNNI / AVX2 / C variants chosen
-at run time), the matrix is held in that library's layout and few-row calls run there; with
+at run time), the matrix is held in that library's layout and its calls run there; with
 `torch` (or no gcc) it is held in torch's int4/int8 pack for the aten kernels above. On a
 CUDA device it is held for aten's GPU kernels (`weight_only`: tinygemm int4, int8), which take
 any number of rows.
 
-Dispatch by rows (M = tokens in the call): M <= GEMV_MAX_ROWS runs the packed kernel, which
-reads 4.5 or 8 bits per weight (decode is memory-bound); more rows dequantize the matrix into
-one scratch buffer shared by every layer, in the CPU's fast dense dtype, and run a dense
-matmul (prefill is compute-bound). The packed kernels are batch-invariant (a row's result does
-not depend on the other rows), so a DFlash verify of up to GEMV_MAX_ROWS rows gives exactly the
-logits plain decoding gives.
+Dispatch by rows (M = tokens in the call): the native kernels take calls of any M, and a
+row's result never depends on the rows that came with it (each output sums its groups in the
+same order whatever M is): a prefill row is computed as its decode step would be, so a prompt
+restored at any position continues exactly as the fresh prompt does, a verify block gives
+plain decoding's logits, and a batched row its result alone (README, "Exactness": what it
+costs against the dense path). torch's kernels (no native build, or `LUCED_KERNELS=torch`)
+are compute-bound per row, so past GEMV_MAX_ROWS rows they dequantize the matrix into one
+scratch buffer shared by every layer, in the CPU's fast dense dtype, and run a dense matmul,
+which rounds apart from them (batch-invariant mode keeps them on the kernel, 64 rows at a
+time).
 """
 
 from __future__ import annotations
@@ -56,10 +60,10 @@ from luced.runtime.native import cpu_flags
 log = logging.getLogger(__name__)
 
 GROUP = weight_only.GROUP  # int4 group width: GGUF's Q4_0 / Q4_1 block
-# Most rows a call runs on the packed kernel; more go dense, near the crossover measured by
-# tools/bench_qlinear.py (docs/design.md "Compact weights"). 64 is also the largest DFlash
-# block, so every verify takes the packed path, as decode does, and greedy speculative
-# output equals plain decoding's.
+# Most rows a call runs on torch's packed kernels; more go dense, near the crossover measured
+# by tools/bench_qlinear.py (docs/design.md "Compact weights"). 64 is also the largest DFlash
+# block, so every verify takes the packed path, as decode does. (The native kernels take any
+# number of rows.)
 GEMV_MAX_ROWS = 64
 _PACK_N = 64  # int4 packing pads rows to this (the AVX512 kernel's block of output rows)
 
@@ -272,8 +276,8 @@ class PackedLinear:
         self.out_features, self.in_features = rows.shape
         self.splits = rows.splits or (self.out_features,)
         self.dtype = dtype
-        # Batch-invariant mode (`Model.load(batch_invariant=True)`): calls of any size take
-        # the packed kernel, 64 rows at a time, so no row depends on how many came with it.
+        # Batch-invariant mode (`Model.load(batch_invariant=True)`): torch's kernels too take
+        # calls of any size, 64 rows at a time, so no row depends on how many came with it.
         self.invariant = False
         self._codes: torch.Tensor | None = None  # kept only if the int4 layout is unknown
         self.gpu: weight_only.Int4Tiles | weight_only.Int8Rows | None = None
@@ -332,7 +336,7 @@ class PackedLinear:
         lead, k = x.shape[:-1], self.in_features
         x2 = x.reshape(-1, k)
         invariant = self.invariant or _ROW_EXACT.get()
-        if x2.shape[0] <= GEMV_MAX_ROWS or (invariant and self.native is not None):
+        if x2.shape[0] <= GEMV_MAX_ROWS or self.native is not None:
             y = self.gemv(x2)  # the native kernels are row-invariant at any M
         elif invariant:
             y = torch.cat([self.gemv(part) for part in x2.split(GEMV_MAX_ROWS)])
@@ -343,15 +347,10 @@ class PackedLinear:
 
     def fuses(self, x: torch.Tensor) -> bool:
         """Whether a call on x goes to the native kernel, which can also transform its input
-        and add a residual (`fused`): float32 rows x [m, ...], as many as the kernel takes
-        (any number in batch-invariant mode). Every call that could take the kernel takes
-        this path, so a row's value never depends on how many came with it."""
-        return (
-            self.native is not None
-            and x.dtype == torch.float32
-            and x.dim() == 2
-            and (x.shape[0] <= GEMV_MAX_ROWS or self.invariant or _ROW_EXACT.get())
-        )
+        and add a residual (`fused`): float32 rows x [m, ...], any m. Every call that could
+        take the kernel takes this path, so a row's value never depends on how many came
+        with it."""
+        return self.native is not None and x.dtype == torch.float32 and x.dim() == 2
 
     def fused(
         self,

@@ -383,20 +383,22 @@ OPTIONS: tuple[Option, ...] = (
     Option(
         "kv_dtype", "kv", "str", "auto",
         "dtype of the K/V cache. `auto` = `--dtype`. bfloat16 / float16 halve the KV "
-        "memory of a float32 model. On CPUs decode attention reads 16-bit rows in luced's "
-        "kernel with float32 arithmetic (bfloat16 is the faster at long contexts, README: "
-        "KV dtype and attention at long contexts); prefill and GPUs attend in the cache's "
-        "dtype.",
+        "memory of a float32 model. On CPUs attention (decode and prefill) reads 16-bit "
+        "rows in luced's kernel with float32 arithmetic (bfloat16 is the faster at long "
+        "contexts, README: KV dtype and attention at long contexts); GPUs attend in the "
+        "cache's dtype.",
         choices=("auto", "float32", "bfloat16", "float16"),
     ),
     Option(
         "batch_invariant", "model", "bool", False,
-        "Make every token's logits independent of how tokens are grouped into forwards: "
-        "greedy speculative decoding then equals plain decoding, and a prompt restored "
-        "from the prefix cache gives the fresh prompt's logits, bit for bit. Covers "
-        "matrices held packed (`--weights auto`, `int4`, `int8`) and attention; a "
-        "verify or prefill costs more (attention row by row, packed kernels 64 rows at a "
-        "time). Not covered: float-held matrices, MoE experts, Gated DeltaNet, KV Flash.",
+        "Make every token's logits independent of how tokens are grouped into forwards "
+        "where luced's native kernels do not already: they do by default for packed "
+        "matrices (`--weights auto`, `int4`, `int8`) and for attention on CPUs, so a "
+        "prompt restored from the prefix cache gives the fresh prompt's logits bit for bit "
+        "without this (README: Exactness). This adds torch's packed kernels "
+        "(`LUCED_KERNELS=torch`, no compiler: 64 rows at a time instead of dense) and "
+        "attention the native kernel does not take (SDPA query by query), at a cost. Not "
+        "covered: float-held matrices, MoE routers, Gated DeltaNet, KV Flash.",
     ),
     Option(
         "threads", "model", "int", None, "Torch threads per CPU worker.",

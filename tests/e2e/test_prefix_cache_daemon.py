@@ -19,6 +19,14 @@ from test_daemon import client, raw_post
 from luced.runtime.tiny import make_tiny_gguf
 
 PROMPT = "The printing press changed how people shared ideas across Europe. " * 4
+# Prose, not a repeated line: its continuation has the near-ties that rounding can move.
+HISTORY = (
+    "Rivers shaped the first cities. Farmers along the Nile learned to read its floods, "
+    "and scribes kept records of each year's height so that taxes matched the harvest. In "
+    "Mesopotamia the Tigris and Euphrates were less kind: their floods came late and "
+    "violent, so the people there dug canals, built levees and argued for centuries over "
+    "who owned the water. Trade followed the same routes, carrying copper, cedar and grain. "
+)
 
 
 def complete(d: DaemonProcess, prompt: str = PROMPT, max_tokens: int = 12) -> dict:
@@ -121,6 +129,41 @@ def test_two_turn_chat_lucectl_and_worker_kill(smollm2_gguf, tmp_path) -> None:
     finally:
         assert d.stop() == 0
     assert d.segments() == []
+
+
+@pytest.mark.real_model
+def test_a_prompt_restored_part_way_answers_as_fresh(smollm2_gguf, tmp_path) -> None:
+    """The daemon's defaults (`--weights auto`, prefill chunks of 512): a prompt whose first
+    418 of 436 tokens are restored from another prompt's snapshot answers with the tokens
+    and logprobs of the same prompt computed whole, bit for bit."""
+    from luced.gguf_file import GGUFFile
+    from luced.text.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_gguf(GGUFFile(smollm2_gguf))
+    ids = tok.encode(HISTORY * 6)[:436]
+    assert len(ids) == 436
+    other = ids[:418] + tok.encode(" Nobody in the villages had heard of it yet.")
+
+    def ask(prompt: list[int], max_tokens: int) -> dict:
+        body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
+        body |= {"logprobs": 2, "ignore_eos": True}
+        status, _, reply = raw_post(d, "/v1/completions", json.dumps(body).encode())
+        assert status == 200, reply
+        return reply
+
+    d = DaemonProcess(smollm2_gguf, tmp_path).start()
+    try:
+        ask(other, 1)
+        restored = ask(ids, 8)
+        assert cached(restored) == 418
+        assert d.lucectl_json("cache", "clear", "--yes")["cleared"] == 2
+        fresh = ask(ids, 8)
+        assert cached(fresh) == 0
+    finally:
+        assert d.stop() == 0
+    assert d.segments() == []
+    assert restored["choices"][0]["logprobs"] == fresh["choices"][0]["logprobs"]
+    assert text(restored) == text(fresh)
 
 
 # -- disk tier: restarts and bad files, on tiny models --------------------------------------

@@ -37,7 +37,8 @@ async def test_speculative_and_restored_equal_plain_bit_for_bit(smollm2_gguf: Pa
 async def test_speculative_equals_plain_bit_for_bit_by_default(smollm2_gguf: Path) -> None:
     """Without the mode too: a verify block (up to 64 tokens) attends query by query, as
     its decode steps do, and the packed kernels take it whole, so greedy speculation gives
-    plain decoding's tokens and logprobs. (The mode is then for prefills past 64 tokens.)"""
+    plain decoding's tokens and logprobs. (On the native kernels every call does: the mode
+    is for the paths they do not take.)"""
     prompt = Tokenizer.from_gguf(smollm2_gguf).encode(TEXT)
     common = {"weights": "auto", "context": 256}
     async with engine_for(smollm2_gguf, **common) as engine:

@@ -13,7 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from engine_harness import engine_for
+from engine_harness import engine_for, generate
 
 from luced.engine.core import Engine, GenerationRequest
 from luced.engine.kvflash import PagerConfig
@@ -242,3 +242,42 @@ async def test_real_models_restore_equals_fresh(
     if with_draft:
         _, draft, _ = make_tiny_draft(target, tmp_path / "draft", seed=2, block_size=4)
     await check_restore_equals_fresh(target, devices, draft)
+
+
+# Natural text, so the greedy continuation meets the near-ties real prompts have.
+ESSAY = (
+    "The printing press changed how people shared ideas across Europe. Before it, a book "
+    "was copied by hand, letter by letter, and a monastery might spend a year on one Bible. "
+    "After Gutenberg set his first pages in Mainz, printers spread to Venice, Paris, Lyon "
+    "and London within a few decades, and the price of a book fell so far that merchants, "
+    "lawyers and even some craftsmen could own a small shelf of them. Pamphlets carried "
+    "arguments about faith and politics faster than any preacher could travel. "
+)
+
+
+@pytest.mark.real_model
+@pytest.mark.parametrize("kv_dtype", ["", "bfloat16"])
+async def test_smollm2_partial_restores_equal_fresh_bit_for_bit(
+    smollm2_gguf: Path, kv_dtype: str
+) -> None:
+    """The daemon's prefill (chunks of 512, packed weights under `auto`): a prompt restored
+    at any position, then prefilled from there, gives the fresh prompt's greedy tokens and
+    logprobs bit for bit. 418 of 436 was the reported case (18 rows after a restore against
+    436 in one call); 385 sits just past a 64-row group, 513 just past a chunk boundary.
+    With 16-bit K/V rows too (the reported case only)."""
+    tok = Tokenizer.from_gguf(GGUFFile(smollm2_gguf))
+    essay = tok.encode(ESSAY * 8)
+    other = tok.encode(" None of that mattered to the farmers, who kept their own calendars.")
+    engine = {"weights": "auto", "context": 1024, "max_batch_tokens": 512, "kv_dtype": kv_dtype}
+    cases = [(essay[:436], 418), (essay[:436], 385), (essay[:600], 513)]
+    cases = cases[:1] if kv_dtype else cases
+    async with engine_for(smollm2_gguf, **engine) as fresh:
+        expected = {len(p): await generate(fresh, p, 8, logprobs=2) for p, _ in cases}
+    async with engine_for(smollm2_gguf, prefix_cache_bytes=64 << 20, **engine) as cached:
+        for prompt, cut in cases:
+            await cached.prefix_cache.clear()
+            await generate(cached, prompt[:cut] + other, 1)  # its snapshot shares `cut` tokens
+            tokens, handle, lps = await generate(cached, prompt, 8, logprobs=2)
+            want, _, want_lps = expected[len(prompt)]
+            assert handle.cached_tokens == cut
+            assert (tokens, lps) == (want, want_lps), f"restored at {cut} of {len(prompt)}"

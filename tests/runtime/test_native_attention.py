@@ -168,6 +168,36 @@ def test_long_queries_are_cut_into_chunks_and_merged(window: int | None, dtype: 
         torch.testing.assert_close(batched[s], expected.flatten(), rtol=1e-5, atol=2e-6)
 
 
+def test_more_entries_than_one_call_takes_go_in_slices():
+    """A prefill chunk of 150 queries (past `MAX_ENTRIES`, and across position 512) and a
+    step of 70 sequences storing their rows: each entry's output is the one it gives alone,
+    however the call is sliced."""
+    g = torch.Generator().manual_seed(13)
+    n, start = 150, 450
+    assert n > native_attention.MAX_ENTRIES
+    kv = Storage(*(torch.randn(3, start + n, 64, generator=g) for _ in range(2)))
+    q = torch.randn(n, 9, 64, generator=g)
+    each = list(range(start, start + n))
+    chunk = native_attention.decode_attention(q, None, [kv] * n, each, None, 0.125)
+    alone = [
+        native_attention.decode_attention(q[i : i + 1], None, [kv], [p], None, 0.125)
+        for i, p in enumerate(each)
+    ]
+    assert torch.equal(chunk, torch.cat(alone))
+    b = 70
+    positions = [(37 * s) % 600 for s in range(b)]
+    storage = [Storage(*(torch.randn(3, 600, 64, generator=g) for _ in range(2))) for _ in range(b)]
+    q = torch.randn(b, 9, 64, generator=g)
+    k_new, v_new = torch.randn(2, b, 3, 64, generator=g)
+    copies = [Storage(s.k.clone(), s.v.clone()) for s in storage]
+    step = native_attention.decode_attention(q, (k_new, v_new), copies, positions, None, 0.125)
+    for i, (s, p) in enumerate(zip(storage, positions, strict=True)):
+        assert torch.equal(copies[i].k[:, p], k_new[i]) and torch.equal(copies[i].v[:, p], v_new[i])
+        new = (k_new[i : i + 1], v_new[i : i + 1])
+        one = native_attention.decode_attention(q[i : i + 1], new, [s], [p], None, 0.125)
+        assert torch.equal(step[i : i + 1], one), f"sequence {i}"
+
+
 def test_long_context_softmax_is_exact_enough():
     """Scores spread over many magnitudes (the exp polynomial's whole range) still match."""
     kv = _sequence(1, 4096, 64, 4)

@@ -9,6 +9,7 @@ bf16 scales and activations the kernels take make results differ from float32.
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
 import pytest
@@ -88,15 +89,17 @@ def test_requantizing_in_row_chunks_gives_the_whole_matrixs_bits(
         assert torch.equal(chunked.zeros, whole.zeros)
 
 
+@pytest.mark.parametrize("kernels", ["auto", "torch"])
 @pytest.mark.parametrize("form", ["int4", "int8"])
 @pytest.mark.parametrize("m", [1, 5, GEMV_MAX_ROWS, GEMV_MAX_ROWS + 1, 2 * GEMV_MAX_ROWS + 6])
 def test_packed_linear_equals_its_dequantized_matrix(
-    files: dict[str, Path], form: str, m: int
+    files: dict[str, Path], form: str, m: int, kernels: str
 ) -> None:
-    """Both dispatch paths (packed kernel for few rows, dense over the scratch buffer for
-    many) compute x @ W^T of the matrix the codes define, up to bf16 activations/outputs."""
+    """Every dispatch path (the packed kernels; past 64 rows on torch's, dense over the
+    scratch buffer) computes x @ W^T of the matrix the codes define, up to the rounding of
+    the activations and outputs."""
     rows, _ = _load(files["Q4_1"], form)
-    packed = PackedLinear(rows, torch.float32)
+    packed = PackedLinear(rows, torch.float32, kernels)
     x = torch.randn(m, rows.shape[1], generator=torch.Generator().manual_seed(m))
     want = x.to(torch.bfloat16).float() @ rows.dequantize().T
     got = linear(x, packed)
@@ -159,7 +162,7 @@ FAMILY_QTYPE = {"qwen35": "Q8_0", "qwen35moe": "Q8_0"}
 def test_every_family_runs_packed(tmp_path: Path, family: str, weights: str) -> None:
     """Each family under a packed mode: logits close to the exact path and the same greedy
     token at most positions (the tiny random models have small logit margins), on a
-    prompt long enough for the dense path too; decode token by token agrees with it."""
+    prompt past 64 rows (torch's kernels go dense there); decode token by token agrees."""
     path = make_tiny_gguf(family, tmp_path / "m.gguf", seed=5, qtype="Q4_0").path
     ids = torch.arange(3, 3 + GEMV_MAX_ROWS + 8)
     ref = Model.load(path)
@@ -220,14 +223,20 @@ ROW_EXACT_FAMILIES = ["llama", "qwen3", "gemma3"]
 
 
 @pytest.mark.parametrize("family", ROW_EXACT_FAMILIES)
-def test_batch_invariant_mode_gives_decodes_very_logits(tmp_path: Path, family: str) -> None:
-    """Under packed weights (bf16 activations) and batch_invariant, a token's logits do not
-    depend on the call it came in: a 16-token verify block equals 16 decode steps, and a
-    100-token prompt (past the 64 rows of one packed call) prefilled fresh equals the same
-    prompt restored in pieces: what greedy DFlash == plain and restored == fresh rest on
-    when the weights are compact."""
+@pytest.mark.parametrize("invariant", [False, True], ids=["default", "batch-invariant"])
+def test_a_tokens_logits_do_not_depend_on_its_call(
+    tmp_path: Path, family: str, invariant: bool
+) -> None:
+    """Under packed weights a token's logits do not depend on the call it came in: by
+    default on luced's native kernels (every call takes them, and every query attends as
+    its decode step), with batch_invariant on any kernels. A 16-token verify block equals
+    16 decode steps, and a 100-token prompt prefilled in one call equals the same prompt
+    fed in pieces, one of them past 64 rows: what greedy DFlash == plain and restored ==
+    fresh rest on when the weights are compact."""
+    if not invariant and native.kernels(torch.device("cpu"), "auto") is None:
+        pytest.skip("by default only luced's native kernels are row-invariant past 64 rows")
     path = make_tiny_gguf(family, tmp_path / "m.gguf", seed=3, qtype="Q4_0").path
-    model = Model.load(path, weights="int4", batch_invariant=True)
+    model = Model.load(path, weights="int4", batch_invariant=invariant)
     ids = torch.arange(5, 5 + 100)
     prefix, end = 24, 40
     cache = model.new_cache(128)
@@ -238,17 +247,24 @@ def test_batch_invariant_mode_gives_decodes_very_logits(tmp_path: Path, family: 
     steps = torch.cat([model.forward(ids[i : i + 1], cache, i) for i in range(prefix, end)])
     assert torch.equal(verify, steps)
     fresh = model.forward(ids, model.new_cache(128), 0)
-    cache = model.new_cache(128)
-    pieces = [model.forward(ids[a:b], cache, a) for a, b in ((0, 37), (37, 99), (99, 100))]
-    assert torch.equal(fresh, torch.cat(pieces))
+    for cuts in ((0, 37, 99, 100), (0, 30, 100)):
+        cache = model.new_cache(128)
+        pieces = [model.forward(ids[a:b], cache, a) for a, b in itertools.pairwise(cuts)]
+        assert torch.equal(fresh, torch.cat(pieces)), cuts
 
 
-def test_packed_calls_past_64_rows_are_batch_invariant_on_request(files: dict[str, Path]) -> None:
-    """Past GEMV_MAX_ROWS a call goes dense (bf16 or float32 rounding of its own) unless the
-    matrix is in batch-invariant mode, where every row takes the packed kernel."""
-    packed = PackedLinear(_load(files["Q4_0"], "int4")[0], torch.float32)
+@pytest.mark.parametrize("kernels", ["native", "torch"])
+def test_packed_calls_past_64_rows(files: dict[str, Path], kernels: str) -> None:
+    """Past GEMV_MAX_ROWS a call stays on the native kernel, row for row as one row alone (a
+    prefill chunk's rows are their decode steps' own); torch's kernels go dense there (bf16
+    or float32 rounding of its own) unless the matrix is in batch-invariant mode."""
+    rows = _load(files["Q4_0"], "int4")[0]
+    if kernels == "native" and native.kernels(rows.codes.device, "auto") is None:
+        pytest.skip("the native kernels are not built here")
+    packed = PackedLinear(rows, torch.float32, kernels)
     x = torch.randn(2 * GEMV_MAX_ROWS + 6, packed.in_features)
     one_by_one = torch.cat([linear(x[i : i + 1], packed) for i in range(x.shape[0])])
+    assert torch.equal(linear(x, packed), one_by_one) == (kernels == "native")
     packed.invariant = True
     assert torch.equal(linear(x, packed), one_by_one)
 

@@ -49,7 +49,6 @@ from luced.runtime.layers import (
     matrix_row_select,
     rms_norm,
 )
-from luced.runtime.qlinear import GEMV_MAX_ROWS
 from luced.runtime.ragged import Ragged, Span
 
 if TYPE_CHECKING:
@@ -60,11 +59,6 @@ if TYPE_CHECKING:
 # a family whose code reads them through `layers.linears` / `gated_ffn` (as `attend` does)
 # names these as its FUSED groups; a layer without a group's matrices keeps what it has.
 FUSED = (("attn_q", "attn_k", "attn_v"), ("ffn_gate", "ffn_up"))
-
-# Blocks of up to this many queries (verify blocks, short prefill chunks) attend query by
-# query in the native decode kernel where it applies, as the packed kernels take up to
-# `qlinear.GEMV_MAX_ROWS` rows whole: such a block's logits are its decode steps' own.
-ROW_EXACT_BLOCK = GEMV_MAX_ROWS
 
 
 class ModelParts(Protocol):
@@ -310,12 +304,13 @@ def cached_attention(
         cache.store(layer, start, *kv)
         cache.observe_query(layer, q, window)  # KV Flash qk scores chunks by it
     dtype = q.dtype
-    if n > 1 and (cache.row_exact or n <= ROW_EXACT_BLOCK):
+    if n > 1:
         # Each query attends exactly as a decode step at its position would. One SDPA call
-        # over n queries differs from n calls in the last float bits, and the packed
-        # kernels' activations grow that into different logits (0.66 on SmolLM2 under
-        # --weights auto); so a verify block (and, in batch-invariant mode, a prefill)
-        # gives decode's very logits, and speculative decoding plain decoding's tokens.
+        # over n queries differs from n calls in the last float bits (and with the number
+        # of keys it is given), and the packed kernels' activations grow that into
+        # different logits (0.66 on SmolLM2 under --weights auto); so a verify block gives
+        # decode's very logits, and a prompt's rows are the same wherever its prefill was
+        # cut (a prefix-cache restore, a chunk boundary).
         storage = cache.decode_storage(layer)
         in_order = storage is not None and storage.positions is None  # no evicted gaps
         if in_order and native_attention.supported(q, [storage]):  # type: ignore[list-item]
@@ -394,12 +389,10 @@ def _native_blocks(
     scale: float,
     rope: Rope | None,
 ) -> torch.Tensor | None:
-    """A step whose sequences feed blocks of up to `ROW_EXACT_BLOCK` tokens (verify blocks
-    beside decode tokens) in one native call: the rows are stored first, then every query
-    attends as its own decode step, as each sequence's queries do alone. None where it
-    does not apply (a longer prefill chunk, a cache that seals or scores what it stores)."""
-    if max(batch.sizes) > ROW_EXACT_BLOCK:
-        return None
+    """A step whose sequences feed several tokens (verify blocks, prefill chunks beside
+    decode tokens) in one native call: the rows are stored first, then every query attends
+    as its own decode step, as each sequence's queries do alone. None where it does not
+    apply (a cache that seals or scores what it stores, or whose rows are out of order)."""
     stores: list[KVStore] = [s.cache for s in batch.spans]  # type: ignore[misc]
     if any(c.observes_queries or not c.writes_in_place for c in stores):
         return None

@@ -159,7 +159,9 @@ class Engine:
         self._idle.set()
         self._loop_task: asyncio.Task | None = None
         self._tasks: set[asyncio.Task] = set()
-        self._grammar_vocab: GrammarTokenizer | None = None  # built on the first grammar
+        # Built once, on the first grammar (seconds on a large vocabulary): requests arriving
+        # meanwhile await the same build.
+        self._grammar_vocab: asyncio.Future[GrammarTokenizer] | None = None
         target.watch(self._workers_changed)
 
     # -- state ----------------------------------------------------------------------------
@@ -314,8 +316,9 @@ class Engine:
         assert grammar is not None
         try:
             if self._grammar_vocab is None:
-                self._grammar_vocab = await asyncio.to_thread(GrammarTokenizer, self.tokenizer)
-            vocab = self._grammar_vocab
+                build = asyncio.to_thread(GrammarTokenizer, self.tokenizer)
+                self._grammar_vocab = asyncio.ensure_future(build)
+            vocab = await asyncio.shield(self._grammar_vocab)
             matcher = await asyncio.to_thread(vocab.matcher, grammar)
         except GrammarError as exc:  # valid alone, but not over this vocabulary
             if self.scheduler.cancel_waiting(seq):

@@ -113,7 +113,7 @@ INT_RANGES: dict[str, tuple[int, int]] = {
     "seed": (-(2**63), 2**64 - 1),  # what torch.Generator.manual_seed takes
     "max_tokens": (1, INT32_MAX),
     "max_completion_tokens": (1, INT32_MAX),
-    "n": (1, INT32_MAX),
+    "n": (1, 128),  # OpenAI's bound
     "best_of": (1, INT32_MAX),
     "logprobs": (0, MAX_TOP_LOGPROBS),
     "top_logprobs": (0, MAX_TOP_LOGPROBS),

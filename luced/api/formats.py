@@ -1,15 +1,18 @@
 """Engine output -> OpenAI response bodies and server-sent events: pure functions, no I/O.
 
-One `ChatFormat` / `CompletionFormat` per request. Non-streaming: `response(deltas, ...)`.
-Streaming, as OpenAI sends it:
+One `ChatFormat` / `CompletionFormat` per choice of a reply (its `index`; a reply of n
+choices has n of them, sharing id, model and created). Non-streaming:
+`body([fmt.choice(deltas, reason) for each choice], usage)`. Streaming, as OpenAI sends it,
+each choice's chunks interleaved with the others' as they come:
 
     start()          chat: one chunk with {"role": "assistant", "content": ""}
     chunk(delta)     one chunk per engine delta that has text or logprobs (else None)
-    end(reason, ...) a chunk with an empty delta and finish_reason; then, when
-                     stream_options.include_usage, a chunk with "choices": [] and the usage
-                     (every earlier chunk then carries "usage": null)
+    finish(reason)   a chunk with an empty delta and finish_reason
+    usage_chunks(u)  once every choice finished, when stream_options.include_usage: a
+                     chunk with "choices": [] and the usage (every earlier chunk then
+                     carries "usage": null)
 
-each written as `sse(chunk)`, and `SSE_DONE` last. A request that ends in error instead
+each written as `sse(chunk)`, and `SSE_DONE` last. A reply that ends in error instead
 gets `sse(error_body)` before `SSE_DONE` (the openai client raises it as an APIError).
 """
 
@@ -113,7 +116,7 @@ def completion_logprobs(
 
 
 class OutputFormat:
-    """Shapes one request's output. Streaming: start(), chunk(delta)..., end(...)."""
+    """Shapes one choice of a reply (the module docstring)."""
 
     object_name = ""
     chunk_object_name = ""
@@ -127,8 +130,10 @@ class OutputFormat:
         top_logprobs: int | None = None,
         include_usage: bool = False,
         system_fingerprint: str | None = None,
+        index: int = 0,
     ) -> None:
         self.id = response_id
+        self.index = index
         self.model = model
         self.created = created
         # OpenAI's name for the backend configuration that produced the output: the same
@@ -136,8 +141,6 @@ class OutputFormat:
         self.system_fingerprint = system_fingerprint
         self.top_logprobs = top_logprobs
         self.include_usage = include_usage
-        # Extra usage fields the server learns at the end (DFlash draft / accepted counts).
-        self.usage_extra: dict[str, Any] = {}
 
     def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {
@@ -149,8 +152,18 @@ class OutputFormat:
             "choices": choices,
         }
 
+    def body(self, choices: list[dict[str, Any]], usage: dict[str, Any]) -> dict[str, Any]:
+        """The whole reply, not streamed: every choice's `choice(...)`, in index order."""
+        body = self._envelope(self.object_name, choices)
+        body["usage"] = usage
+        return body
+
+    def choice(self, deltas: Sequence[Delta], finish_reason: str) -> dict[str, Any]:
+        """This choice of a reply that is not streamed."""
+        raise NotImplementedError
+
     def _chunk(self, choice: dict[str, Any]) -> dict[str, Any]:
-        chunk = self._envelope(self.chunk_object_name, [{"index": 0, **choice}])
+        chunk = self._envelope(self.chunk_object_name, [{"index": self.index, **choice}])
         if self.include_usage:
             chunk["usage"] = None  # OpenAI: null on every chunk but the last
         return chunk
@@ -158,15 +171,21 @@ class OutputFormat:
     def start(self) -> list[dict[str, Any]]:
         return []
 
-    def end(
-        self, finish_reason: str, prompt_tokens: int, completion_tokens: int
-    ) -> list[dict[str, Any]]:
-        chunks = [self._chunk(self._final_choice(finish_reason))]
-        if self.include_usage:
-            last = self._envelope(self.chunk_object_name, [])
-            last["usage"] = usage(prompt_tokens, completion_tokens) | self.usage_extra
-            chunks.append(last)
-        return chunks
+    def chunk(self, delta: Delta) -> dict[str, Any] | None:
+        """The chunk for one engine delta; None if it carries nothing to send."""
+        raise NotImplementedError
+
+    def finish(self, finish_reason: str) -> list[dict[str, Any]]:
+        """This choice's last chunks."""
+        return [self._chunk(self._final_choice(finish_reason))]
+
+    def usage_chunks(self, usage: dict[str, Any]) -> list[dict[str, Any]]:
+        """The reply's usage, after every choice finished: a chunk when asked for."""
+        if not self.include_usage:
+            return []
+        last = self._envelope(self.chunk_object_name, [])
+        last["usage"] = usage
+        return [last]
 
     def _final_choice(self, finish_reason: str) -> dict[str, Any]:
         raise NotImplementedError
@@ -176,27 +195,18 @@ class ChatFormat(OutputFormat):
     object_name = "chat.completion"
     chunk_object_name = "chat.completion.chunk"
 
-    def response(
-        self,
-        deltas: Sequence[Delta],
-        finish_reason: str,
-        prompt_tokens: int,
-        completion_tokens: int,
-    ) -> dict[str, Any]:
+    def choice(self, deltas: Sequence[Delta], finish_reason: str) -> dict[str, Any]:
         text = "".join(d.text for d in deltas)
         logprobs = None
         if self.top_logprobs is not None:
             items = [t for d in deltas for t in d.logprobs or ()]
             logprobs = {"content": chat_logprobs(items, self.top_logprobs), "refusal": None}
-        choice = {
-            "index": 0,
+        return {
+            "index": self.index,
             "message": {"role": "assistant", "content": text, "refusal": None},
             "logprobs": logprobs,
             "finish_reason": finish_reason,
         }
-        body = self._envelope(self.object_name, [choice])
-        body["usage"] = usage(prompt_tokens, completion_tokens) | self.usage_extra
-        return body
 
     def start(self) -> list[dict[str, Any]]:
         first = {
@@ -207,7 +217,6 @@ class ChatFormat(OutputFormat):
         return [self._chunk(first)]
 
     def chunk(self, delta: Delta) -> dict[str, Any] | None:
-        """The chunk for one engine delta; None if it carries nothing to send."""
         logprobs = None
         if self.top_logprobs is not None and delta.logprobs:
             logprobs = {
@@ -232,26 +241,17 @@ class CompletionFormat(OutputFormat):
         super().__init__(*args, **kwargs)
         self._offset = 0  # characters streamed so far, for text_offset
 
-    def response(
-        self,
-        deltas: Sequence[Delta],
-        finish_reason: str,
-        prompt_tokens: int,
-        completion_tokens: int,
-    ) -> dict[str, Any]:
+    def choice(self, deltas: Sequence[Delta], finish_reason: str) -> dict[str, Any]:
         logprobs = None
         if self.top_logprobs is not None:
             items = [t for d in deltas for t in d.logprobs or ()]
             logprobs, _ = completion_logprobs(items, self.top_logprobs, 0)
-        choice = {
-            "index": 0,
+        return {
+            "index": self.index,
             "text": "".join(d.text for d in deltas),
             "logprobs": logprobs,
             "finish_reason": finish_reason,
         }
-        body = self._envelope(self.object_name, [choice])
-        body["usage"] = usage(prompt_tokens, completion_tokens) | self.usage_extra
-        return body
 
     def chunk(self, delta: Delta) -> dict[str, Any] | None:
         logprobs = None

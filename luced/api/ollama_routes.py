@@ -119,7 +119,7 @@ async def _reply(
     def error_line(err: APIError) -> list[bytes]:
         return [line({"error": err.message})]
 
-    async with stream_guard(handle, resp, request_id, error_line):
+    async with stream_guard([handle], resp, request_id, error_line):
         await resp.prepare(request)
         async for delta in handle:
             if (chunk := fmt.chunk(delta)) is not None:

@@ -2,13 +2,16 @@
 
 The HTTP edge (`luced.api.server`) reads bytes, calls `luced.api.fields.decode_body`,
 `parse_chat` / `parse_completion`, renders and tokenizes the prompt (`chat_prompt` /
-`completion_prompt`) and hands the engine `generation_request(...)`; `luced.api.formats`
-shapes what comes back. Raw JSON never travels past this module; every failure is an
-`APIError` whose `param` names the offending field (`messages[2].content[0].type`).
+`completion_prompts`) and hands the engine `generation_requests(...)`, one request per
+choice; `luced.api.choices` relays them and `luced.api.formats` shapes what comes back.
+Raw JSON never travels past this module; every failure is an `APIError` whose `param`
+names the offending field (`messages[2].content[0].type`).
 
 Field policy (OpenAI's Chat Completions and legacy Completions APIs):
 
-* Honoured: model, messages / prompt, stream, stream_options.include_usage, stop,
+* Honoured: model, messages / prompt (completions: a string, token ids, or a list of
+  either: one prompt after another), n (choices per prompt, at most MAX_CHOICES; choice
+  j of prompt i has index i * n + j), stream, stream_options.include_usage, stop,
   max_tokens, max_completion_tokens (wins over max_tokens), temperature, top_p, seed,
   frequency_penalty, presence_penalty, logprobs, top_logprobs (chat), logprobs (int,
   completions), logit_bias (token id strings -> -100..100, at most 300; the logprobs then
@@ -20,7 +23,7 @@ Field policy (OpenAI's Chat Completions and legacy Completions APIs):
   clients built for one server often send another's extras, and a field we do not know
   cannot change what we do. Known fields we cannot honour are rejected with a 400 when
   set to anything but their neutral value, because ignoring them would silently return
-  something else than asked for: n > 1, best_of > 1, echo: true, a non-empty suffix, the
+  something else than asked for: best_of > 1, echo: true, a non-empty suffix, the
   deprecated functions (unless function_call is "none"),
   audio, modalities other than ["text"]. `tools` and `tool_choice` are honoured
   (`luced.api.tools`, `luced.text.tool_calls`); not with a response_format grammar.
@@ -30,6 +33,9 @@ Field policy (OpenAI's Chat Completions and legacy Completions APIs):
 * `model` may be omitted (the served model); any other name is a 404 model_not_found.
 * `stop`: a string or up to 16 strings (OpenAI allows 4; stop strings cost us a little per
   token, so a bound stays), each at most 256 characters; empty strings are dropped.
+* `seed` with n > 1: choice j of each prompt samples with seed + j (wrapped into the
+  seed's range), so the choices differ and each one is reproducible alone: choice 0 is
+  what the same request with n = 1 gives. Greedy choices are all the same.
 * `max_tokens` default: chat none (up to the context, or the daemon's
   --default-max-tokens); completions 16, as OpenAI documents for that endpoint.
 * Roles: system, developer (rendered as system: chat templates do not know it), user,
@@ -43,7 +49,7 @@ Field policy (OpenAI's Chat Completions and legacy Completions APIs):
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from luced.api.fields import (
@@ -71,6 +77,7 @@ if TYPE_CHECKING:
     from luced.text.tokenizer import Tokenizer
 
 MAX_STOP = 16
+MAX_CHOICES = INT_RANGES["n"][1]  # OpenAI's bound on n
 MAX_STOP_CHARS = 256
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 ROLES = {
@@ -99,6 +106,7 @@ class Options:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     grammar: str | None = None  # from response_format
+    n: int = 1  # choices per prompt
 
     @property
     def top_logprobs(self) -> int | None:
@@ -118,10 +126,13 @@ class ChatRequest:
         return self.tool_choice.mode != "none"
 
 
+Prompt = str | tuple[int, ...]  # text to tokenize, or token ids as given
+
+
 @dataclass(frozen=True)
 class CompletionRequest:
     options: Options
-    prompt: str | tuple[int, ...]  # text to tokenize, or token ids as given
+    prompts: tuple[Prompt, ...]  # one, or a list's in order
 
 
 def parse_chat(body: Mapping[str, Any], *, model_name: str, vocab_size: int) -> ChatRequest:
@@ -158,7 +169,7 @@ def parse_completion(
     if max_tokens is None:
         max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS
     options = _options(body, model_name, vocab_size, logprobs, max_tokens)
-    return CompletionRequest(options, _prompt(body.get("prompt"), vocab_size))
+    return CompletionRequest(options, _prompts(body.get("prompt"), vocab_size))
 
 
 def check_model(body: Mapping[str, Any], model_name: str) -> None:
@@ -203,6 +214,7 @@ def _options(
         ),
         ignore_eos=read_bool(body, "ignore_eos"),
         grammar=response_format_grammar(body.get("response_format")),
+        n=read_int(body, "n", *INT_RANGES["n"]) or 1,
     )
 
 
@@ -297,9 +309,6 @@ def _token_ids(param: str, value: Any, vocab_size: int, allow_empty: bool) -> tu
 
 
 def _reject_unsupported(body: Mapping[str, Any], chat: bool) -> None:
-    n = read_int(body, "n", *INT_RANGES["n"])
-    if n is not None and n > 1:
-        raise bad("n", "n > 1 is not supported")
     if chat:
         if body.get("functions") and body.get("function_call") != "none":
             raise bad("functions", "functions (deprecated) is not supported; send tools")
@@ -368,24 +377,30 @@ def _content(param: str, value: Any) -> str:
     return "\n".join(texts)
 
 
-def _prompt(value: Any, vocab_size: int) -> str | tuple[int, ...]:
+def _prompts(value: Any, vocab_size: int) -> tuple[Prompt, ...]:
+    """OpenAI's four shapes: a string, token ids, or a list of strings or of token-id lists."""
     if isinstance(value, str):
-        return read_text("prompt", value)
+        return (read_text("prompt", value),)
     if not isinstance(value, list) or not value:
         got = "an empty array" if value == [] else json_kind(value)
-        raise bad("prompt", f"prompt must be a string or an array of token ids, got {got}")
-    if all(isinstance(x, int | float) and not isinstance(x, bool) for x in value):
-        return _token_ids("prompt", value, vocab_size, allow_empty=False)
-    if len(value) > 1:
-        raise bad("prompt", "a batch of prompts is not supported; send one prompt per request")
-    (only,) = value
-    if isinstance(only, str):
-        return read_text("prompt[0]", only)
-    if isinstance(only, list):
-        return _token_ids("prompt[0]", only, vocab_size, allow_empty=False)
-    raise bad(
-        "prompt[0]", f"prompt[0] must be a string or an array of token ids, got {json_kind(only)}"
-    )
+        raise bad(
+            "prompt",
+            f"prompt must be a string, an array of token ids or an array of prompts, got {got}",
+        )
+    if isinstance(value[0], int | float) and not isinstance(value[0], bool):
+        return (_token_ids("prompt", value, vocab_size, allow_empty=False),)
+    prompts: list[Prompt] = []
+    for i, item in enumerate(value):
+        param = f"prompt[{i}]"
+        if isinstance(item, str):
+            prompts.append(read_text(param, item))
+        elif isinstance(item, list):
+            prompts.append(_token_ids(param, item, vocab_size, allow_empty=False))
+        else:
+            raise bad(
+                param, f"{param} must be a string or an array of token ids, got {json_kind(item)}"
+            )
+    return tuple(prompts)
 
 
 # --- prompts -----------------------------------------------------------------------------
@@ -409,26 +424,54 @@ def chat_prompt(
         raise bad("messages", str(exc)) from None
 
 
-def completion_prompt(req: CompletionRequest, tokenizer: Tokenizer) -> list[int]:
-    """Token ids of the prompt: ids as given, or the text with the file's BOS rule.
+def completion_prompts(req: CompletionRequest, tokenizer: Tokenizer) -> list[list[int]]:
+    """Token ids of each prompt: ids as given, or the text with the file's BOS rule.
 
     No chat template runs: the caller owns the whole prompt. A string is tokenized as
     it always was, special-token parsing off (`<|im_start|>` in it is text); a caller who
     wants control tokens sends the prompt as token ids."""
-    ids = tokenizer.encode(req.prompt) if isinstance(req.prompt, str) else list(req.prompt)
-    if not ids:
-        raise bad("prompt", "prompt must not be empty")
-    return ids
+    out = []
+    for i, prompt in enumerate(req.prompts):
+        ids = tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        if not ids:
+            param = "prompt" if len(req.prompts) == 1 else f"prompt[{i}]"
+            raise bad(param, f"{param} must not be empty")
+        out.append(ids)
+    return out
 
 
-def generation_request(request_id: str, options: Options, prompt: list[int]) -> GenerationRequest:
+def generation_request(
+    request_id: str, options: Options, prompt: list[int], *, choice: int = 0
+) -> GenerationRequest:
+    """The engine request of one choice of `prompt`: choice j > 0 is a sibling of the one
+    before it (it shares that prompt's KV) and, with a seed, samples with seed + j."""
+    params = options.params
+    if choice and params.seed is not None:
+        lo, hi = INT_RANGES["seed"]
+        params = replace(params, seed=(params.seed + choice - lo) % (hi - lo + 1) + lo)
     return GenerationRequest(
         request_id=request_id,
         prompt=prompt,
-        params=options.params,
+        params=params,
         max_tokens=options.max_tokens,
         stop=options.stop,
         stop_token_ids=options.stop_token_ids,
         ignore_eos=options.ignore_eos,
         grammar=options.grammar,
+        share_prompt=choice > 0,
     )
+
+
+def generation_requests(
+    reply_id: str, options: Options, prompts: list[list[int]]
+) -> list[GenerationRequest]:
+    """One engine request per choice, in the reply's order: choice j of prompt i is the
+    reply's choice i * n + j (OpenAI's index)."""
+    n = options.n
+    if n * len(prompts) == 1:
+        return [generation_request(reply_id, options, prompts[0])]
+    return [
+        generation_request(f"{reply_id}-{i * n + j}", options, prompt, choice=j)
+        for i, prompt in enumerate(prompts)
+        for j in range(n)
+    ]

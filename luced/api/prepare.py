@@ -45,6 +45,7 @@ from luced.api.fields import (
     MAX_CHARS_PER_TOKEN,
     APIError,
     as_int,
+    bad,
     decode_body,
     json_kind,
     read_bool,
@@ -55,7 +56,7 @@ from luced.api.openai import (
     CompletionRequest,
     Options,
     chat_prompt,
-    completion_prompt,
+    completion_prompts,
     parse_chat,
     parse_completion,
 )
@@ -89,6 +90,11 @@ class Prepared(Generic[R]):
     options: Options  # the request's, with its tools' grammar when it calls tools
     tools: ToolFormat | None = None  # how its tool calls are read back, when it calls tools
     thinking: anthropic.Thinking | None = None  # a Messages reply that thinks
+    others: tuple[list[int], ...] = ()  # completions: a list's prompts after the first
+
+    @property
+    def prompts(self) -> list[list[int]]:
+        return [self.prompt, *self.others]
 
 
 class Preparer:
@@ -202,6 +208,7 @@ def prepare_chat(engine: Engine, body: dict[str, Any]) -> Prepared[ChatRequest]:
     check_size(body, CHAT_FIELDS, engine.context_length)
     vocab = engine.tokenizer.vocab_size
     req = parse_chat(body, model_name=engine.model_name, vocab_size=vocab)
+    check_choices(engine, req.options.n, 1)
     return _chat(engine, req, chat_prompt)
 
 
@@ -238,8 +245,29 @@ def prepare_completion(engine: Engine, body: dict[str, Any]) -> Prepared[Complet
     check_size(body, COMPLETION_FIELDS, engine.context_length)
     vocab = engine.tokenizer.vocab_size
     req = parse_completion(body, model_name=engine.model_name, vocab_size=vocab)
+    check_choices(engine, req.options.n, len(req.prompts))
     _check(req.options.grammar)
-    return Prepared(req, completion_prompt(req, engine.tokenizer), req.options)
+    first, *others = completion_prompts(req, engine.tokenizer)
+    if others and (total := len(first) + sum(map(len, others))) > engine.max_queued_tokens:
+        raise bad(
+            "prompt",
+            f"the prompts have {total} tokens together; at most {engine.max_queued_tokens} "
+            "may wait in the queue (--max-queued-tokens)",
+        )
+    return Prepared(req, first, req.options, others=tuple(others))
+
+
+def check_choices(engine: Engine, n: int, prompts: int) -> None:
+    """A 400 for more choices than the engine's queue takes at once: every choice is an
+    engine request, and they are queued together."""
+    if n * prompts > engine.max_queue:
+        param = "n" if prompts == 1 else "prompt"
+        what = f"n = {n}" if prompts == 1 else f"{prompts} prompts × n = {n}"
+        raise bad(
+            param,
+            f"{what} asks for {n * prompts} choices; at most {engine.max_queue} requests may "
+            "wait in the queue (--max-queue)",
+        )
 
 
 def prepare_tokenize(engine: Engine, body: dict[str, Any]) -> tuple[list[int], bool]:

@@ -16,7 +16,8 @@
 A request's trace: the handler reads the body, `luced.api.openai` validates it (a 400
 naming the field, or 404 for another model), the chat template and tokenizer run in a
 thread (long prompts would stall the loop), `Engine.submit` queues it (429/400/503 as
-`EngineError`), and the handler relays the engine's deltas through `luced.api.formats`.
+`EngineError`; chat and completions: a request per choice, `luced.api.choices`), and the
+handler relays the engine's deltas through `luced.api.formats`.
 
 Disconnects: serve with `web.AppRunner(app, handler_cancellation=True)`. Then a client
 that goes away while its request waits in the queue, in prefill or in decode cancels the
@@ -45,6 +46,7 @@ runs in a thread, bounded before any costly step (`luced.api.prepare`).
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
 import logging
 import math
@@ -58,20 +60,19 @@ from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web_protocol import RequestPayloadError
 
-from luced.api import anthropic, ollama_routes, page, status
+from luced.api import anthropic, choices, ollama_routes, page, status
 from luced.api.fields import APIError
 from luced.api.formats import (
-    SSE_DONE,
     ChatFormat,
     CompletionFormat,
     OutputFormat,
     dumps,
     finish_error,
-    sse,
 )
 from luced.api.ollama_models import ModelFacts
-from luced.api.openai import Options, generation_request
+from luced.api.openai import generation_request
 from luced.api.prepare import (
+    Prepared,
     Preparer,
     max_body_bytes,
     prepare_chat,
@@ -81,7 +82,7 @@ from luced.api.prepare import (
     prepare_responses,
     prepare_tokenize,
 )
-from luced.api.relay import all_deltas, stream_guard, whole_text
+from luced.api.relay import event_stream, stream_guard, whole_text
 from luced.api.responses import ResponseFormat
 from luced.api.responses import usage as responses_usage
 from luced.api.tools import ToolChatFormat
@@ -369,33 +370,34 @@ def _abandon_body(request: web.Request) -> None:
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
-    engine = request.app[ENGINE]
     prep = await prepare(request, prepare_chat)
-    options = prep.options
-    head = (f"chatcmpl-{uuid.uuid4().hex}", engine.model_name, int(time.time()))
-    shape = {
-        "top_logprobs": options.top_logprobs,
-        "include_usage": options.include_usage,
-        "system_fingerprint": request.app[SYSTEM_FINGERPRINT] or None,
-    }
-    if prep.tools is None:
-        return await _generate(request, ChatFormat(*head, **shape), options, prep.prompt)
-    fmt = ToolChatFormat(*head, tools=prep.tools, **shape)
-    return await _generate(request, fmt, options, prep.prompt)
+    tools = prep.tools
+    make = ChatFormat if tools is None else functools.partial(ToolChatFormat, tools=tools)
+    return await _choices(request, prep, "chatcmpl", make)
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
-    engine = request.app[ENGINE]
     prep = await prepare(request, prepare_completion)
-    fmt = CompletionFormat(
-        f"cmpl-{uuid.uuid4().hex}",
-        engine.model_name,
-        int(time.time()),
-        top_logprobs=prep.options.top_logprobs,
-        include_usage=prep.options.include_usage,
-        system_fingerprint=request.app[SYSTEM_FINGERPRINT] or None,
-    )
-    return await _generate(request, fmt, prep.options, prep.prompt)
+    return await _choices(request, prep, "cmpl", CompletionFormat)
+
+
+async def _choices(
+    request: web.Request, prep: Prepared, prefix: str, make: Callable[..., OutputFormat]
+) -> web.StreamResponse:
+    """Chat and completions: a format per choice (n of each prompt), then `choices.generate`."""
+    engine, options = request.app[ENGINE], prep.options
+    head = (f"{prefix}-{uuid.uuid4().hex}", engine.model_name, int(time.time()))
+    fmts = [
+        make(
+            *head,
+            top_logprobs=options.top_logprobs,
+            include_usage=options.include_usage,
+            system_fingerprint=request.app[SYSTEM_FINGERPRINT] or None,
+            index=k,
+        )
+        for k in range(options.n * len(prep.prompts))
+    ]
+    return await choices.generate(request, engine, fmts, options, prep.prompts)
 
 
 async def messages(request: web.Request) -> web.StreamResponse:
@@ -435,8 +437,8 @@ async def responses(request: web.Request) -> web.StreamResponse:
         return web.json_response(
             fmt.response(text, handle.finish_reason or "stop", used()), dumps=dumps
         )
-    resp = _event_stream()
-    async with stream_guard(handle, resp, fmt.id, fmt.error_events):
+    resp = event_stream()
+    async with stream_guard([handle], resp, fmt.id, fmt.error_events):
         await resp.prepare(request)
         for ev in fmt.start():
             await resp.write(ev)
@@ -459,12 +461,12 @@ def _anthropic_usage(handle: RequestHandle) -> dict[str, int]:
 async def _stream_messages(
     request: web.Request, fmt: anthropic.MessageFormat, handle: RequestHandle
 ) -> web.StreamResponse:
-    resp = _event_stream()
+    resp = event_stream()
 
     def error_events(err: APIError) -> list[bytes]:
         return [anthropic.event("error", anthropic.error_body(err))]
 
-    async with stream_guard(handle, resp, fmt.id, error_events):
+    async with stream_guard([handle], resp, fmt.id, error_events):
         await resp.prepare(request)
         for ev in fmt.start(handle.prompt_tokens):
             await resp.write(ev)
@@ -484,68 +486,6 @@ async def count_tokens(request: web.Request) -> web.Response:
     """Anthropic's POST /v1/messages/count_tokens: the prompt a Messages body would make."""
     prep = await prepare(request, prepare_messages, True)
     return web.json_response({"input_tokens": len(prep.prompt)}, dumps=dumps)
-
-
-def _event_stream() -> web.StreamResponse:
-    return web.StreamResponse(
-        headers={
-            "Content-Type": "text/event-stream; charset=utf-8",
-            "Cache-Control": "no-cache",
-            "X-Accel-Buffering": "no",  # a proxy must not hold the tokens back
-        }
-    )
-
-
-async def _generate(
-    request: web.Request, fmt: OutputFormat, options: Options, prompt: list[int]
-) -> web.StreamResponse:
-    handle = request.app[ENGINE].submit(generation_request(fmt.id, options, prompt))
-    if options.stream:
-        return await _stream(request, fmt, handle)
-    deltas = await all_deltas(handle)
-    fmt.usage_extra = usage_extra(handle)
-    body = fmt.response(
-        deltas, handle.finish_reason or "stop", handle.prompt_tokens, handle.completion_tokens
-    )
-    return web.json_response(body, dumps=dumps)
-
-
-def usage_extra(handle: RequestHandle) -> dict:
-    """`usage` beyond the token counts: prompt tokens restored from the prefix cache (as
-    OpenAI reports cached tokens) and, when the request decoded speculatively, the DFlash
-    counts: drafts (verify steps), draft_tokens (proposed) and accepted_tokens."""
-    extra: dict = {"prompt_tokens_details": {"cached_tokens": handle.cached_tokens}}
-    if handle.spec["drafts"]:
-        extra["speculative"] = dict(handle.spec)
-    return extra
-
-
-async def _stream(
-    request: web.Request, fmt: OutputFormat, handle: RequestHandle
-) -> web.StreamResponse:
-    resp = _event_stream()
-
-    def error_events(err: APIError) -> list[bytes]:
-        return [sse(err.body()), SSE_DONE]
-
-    async with stream_guard(handle, resp, fmt.id, error_events):
-        await resp.prepare(request)
-        for chunk in fmt.start():
-            await resp.write(sse(chunk))
-        async for delta in handle:
-            if (chunk := fmt.chunk(delta)) is not None:
-                await resp.write(sse(chunk))
-        err = finish_error(handle.finish_reason, handle.error)
-        if err is not None:
-            tail = [err.body()]
-        else:
-            reason = handle.finish_reason or "stop"
-            fmt.usage_extra = usage_extra(handle)
-            tail = fmt.end(reason, handle.prompt_tokens, handle.completion_tokens)
-        for event in tail:
-            await resp.write(sse(event))
-        await resp.write(SSE_DONE)
-    return resp
 
 
 # --- llama-server's token utilities ------------------------------------------------------

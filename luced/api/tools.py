@@ -127,30 +127,21 @@ class ToolChatFormat(ChatFormat):
         self.tools = tools
         self._text: list[str] = []
 
-    def response(
-        self,
-        deltas: Sequence[Delta],
-        finish_reason: str,
-        prompt_tokens: int,
-        completion_tokens: int,
-    ) -> dict[str, Any]:
-        body = super().response(deltas, finish_reason, prompt_tokens, completion_tokens)
-        (choice,) = body["choices"]
+    def choice(self, deltas: Sequence[Delta], finish_reason: str) -> dict[str, Any]:
+        choice = super().choice(deltas, finish_reason)
         parsed = self.tools.parse(choice["message"]["content"])
         choice["message"]["content"] = parsed.content
         if parsed.calls:
             choice["message"]["tool_calls"] = openai_tool_calls(parsed.calls)
             choice["finish_reason"] = _finish(finish_reason)
-        return body
+        return choice
 
     def chunk(self, delta: Delta) -> dict[str, Any] | None:
         self._text.append(delta.text)
         held = Delta("", delta.token_ids, delta.logprobs)  # logprobs still stream
         return super().chunk(held)
 
-    def end(
-        self, finish_reason: str, prompt_tokens: int, completion_tokens: int
-    ) -> list[dict[str, Any]]:
+    def finish(self, finish_reason: str) -> list[dict[str, Any]]:
         parsed = self.tools.parse("".join(self._text))
         chunks = []
         if parsed.content:
@@ -159,7 +150,7 @@ class ToolChatFormat(ChatFormat):
             calls = [{"index": i, **c} for i, c in enumerate(openai_tool_calls(parsed.calls))]
             chunks.append(self._delta({"tool_calls": calls}))
             finish_reason = _finish(finish_reason)
-        return chunks + super().end(finish_reason, prompt_tokens, completion_tokens)
+        return chunks + super().finish(finish_reason)
 
     def _delta(self, delta: dict[str, Any]) -> dict[str, Any]:
         return self._chunk({"delta": delta, "logprobs": None, "finish_reason": None})

@@ -218,7 +218,9 @@ class Engine:
         return self.scheduler.block_sizes
 
     def queued_tokens(self) -> int:
-        return sum(s.handle.prompt_tokens for s in self.scheduler.waiting)
+        """Prompt tokens waiting; a sibling's (`share_prompt`) are its first's."""
+        waiting = self.scheduler.waiting
+        return sum(s.handle.prompt_tokens for s in waiting if not s.handle.request.share_prompt)
 
     # -- submission -----------------------------------------------------------------------
 
@@ -259,7 +261,8 @@ class Engine:
                 raise InvalidGrammar(f"grammar: {exc}") from None
         waiting = self.scheduler.waiting
         full = len(waiting) >= self.max_queue
-        if full or (waiting and self.queued_tokens() + n > self.max_queued_tokens):
+        queued = 0 if req.share_prompt else n  # a sibling's prompt is its first's
+        if full or (waiting and self.queued_tokens() + queued > self.max_queued_tokens):
             raise QueueFull(
                 f"the queue is full ({len(waiting)} requests, {self.queued_tokens()} "
                 "prompt tokens waiting)",
@@ -290,6 +293,7 @@ class Engine:
             out=out,
             tokens=list(req.prompt),
             ready=req.grammar is None,
+            waits_to_share=req.share_prompt,  # `PrefixReuse.hold`: any prefix is worth it
         )
         seq.speculates = self.target.draft is not None or self.lookup_drafts
         if self.lookup_drafts:

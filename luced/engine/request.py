@@ -76,6 +76,10 @@ class GenerationRequest:
     # llguidance Lark grammar (luced.text.grammar): every token is constrained by it, and
     # the request stops ("stop") once the grammar is complete.
     grammar: str | None = None
+    # A sibling of the request submitted before it, with the same prompt (one of OpenAI's
+    # n choices): it waits for that prompt's prefill and shares its blocks, however short
+    # the prompt, and its prompt is not counted again against the queue's token bound.
+    share_prompt: bool = False
 
 
 _END = object()

@@ -16,9 +16,11 @@ from luced.api.formats import (
     SSE_DONE,
     ChatFormat,
     CompletionFormat,
+    OutputFormat,
     dumps,
     finish_error,
     sse,
+    usage,
 )
 from luced.engine.output import Delta, TokenLogprob
 
@@ -52,8 +54,18 @@ def decode_events(events: list[bytes]) -> list[Any]:
     return out
 
 
+def response(fmt: OutputFormat, deltas: list[Delta], reason: str, prompt: int, completion: int):
+    """A reply of one choice, not streamed."""
+    return fmt.body([fmt.choice(deltas, reason)], usage(prompt, completion))
+
+
+def end(fmt: OutputFormat, reason: str, prompt: int, completion: int) -> list[dict[str, Any]]:
+    """The last chunks of a streamed reply of one choice."""
+    return fmt.finish(reason) + fmt.usage_chunks(usage(prompt, completion))
+
+
 def chat_stream(fmt: ChatFormat, deltas: list[Delta], reason: str = "stop") -> list[Any]:
-    chunks = [*fmt.start(), *filter(None, map(fmt.chunk, deltas)), *fmt.end(reason, 7, 5)]
+    chunks = [*fmt.start(), *filter(None, map(fmt.chunk, deltas)), *end(fmt, reason, 7, 5)]
     return decode_events([*map(sse, chunks), SSE_DONE])
 
 
@@ -62,7 +74,7 @@ def chat_stream(fmt: ChatFormat, deltas: list[Delta], reason: str = "stop") -> l
 
 def test_chat_response_shape() -> None:
     fmt = ChatFormat("chatcmpl-abc", "smol", 1700000000, system_fingerprint="luced-1-ab")
-    body = fmt.response(DELTAS, "length", prompt_tokens=7, completion_tokens=5)
+    body = response(fmt, DELTAS, "length", 7, 5)
     parsed = ChatCompletion.model_validate(body)
     assert parsed.id == "chatcmpl-abc" and parsed.object == "chat.completion"
     assert (parsed.model, parsed.created) == ("smol", 1700000000)
@@ -80,7 +92,7 @@ def test_chat_response_shape() -> None:
 
 
 def test_chat_logprobs_non_stream() -> None:
-    body = ChatFormat("chatcmpl-1", "smol", 0, top_logprobs=2).response(DELTAS, "stop", 7, 5)
+    body = response(ChatFormat("chatcmpl-1", "smol", 0, top_logprobs=2), DELTAS, "stop", 7, 5)
     content = ChatCompletion.model_validate(body).choices[0].logprobs.content
     assert [c.token for c in content] == ["Hello", " wor", "ld", "!"]
     assert [c.logprob for c in content] == [-0.1, -0.5, MIN_LOGPROB, -0.2]  # -inf floored
@@ -94,7 +106,7 @@ def test_chat_logprobs_non_stream() -> None:
 
 
 def test_chat_top_logprobs_zero_gives_chosen_tokens_only() -> None:
-    body = ChatFormat("c", "m", 0, top_logprobs=0).response(DELTAS, "stop", 1, 5)
+    body = response(ChatFormat("c", "m", 0, top_logprobs=0), DELTAS, "stop", 1, 5)
     content = body["choices"][0]["logprobs"]["content"]
     assert len(content) == 4 and all(c["top_logprobs"] == [] for c in content)
 
@@ -146,7 +158,7 @@ def test_a_delta_with_logprobs_but_no_text_still_streams() -> None:
 
 def test_completion_response_shape_and_logprobs() -> None:
     fmt = CompletionFormat("cmpl-1", "smol", 9, top_logprobs=1)
-    body = fmt.response(DELTAS, "stop", prompt_tokens=3, completion_tokens=5)
+    body = response(fmt, DELTAS, "stop", 3, 5)
     parsed = Completion.model_validate(body)
     assert (parsed.id, parsed.object) == ("cmpl-1", "text_completion")
     (choice,) = parsed.choices
@@ -166,8 +178,8 @@ def test_completion_response_shape_and_logprobs() -> None:
 
 def test_completion_stream_offsets_continue_across_chunks() -> None:
     fmt = CompletionFormat("cmpl-2", "smol", 9, top_logprobs=0, include_usage=True)
-    *chunks, end, last = [c for c in map(fmt.chunk, DELTAS) if c is not None] + fmt.end(
-        "length", 3, 5
+    *chunks, final, last = [c for c in map(fmt.chunk, DELTAS) if c is not None] + end(
+        fmt, "length", 3, 5
     )
     # The openai types want a finish_reason on every Completion; streamed chunks carry
     # null until the end (as OpenAI and vLLM send them), so only the ends are validated.
@@ -176,8 +188,8 @@ def test_completion_stream_offsets_continue_across_chunks() -> None:
     offsets = [c["choices"][0]["logprobs"]["text_offset"] for c in chunks]
     assert offsets == [[0], [5], [9, 11]]
     assert all(c["object"] == "text_completion" and c["usage"] is None for c in chunks)
-    end, last = Completion.model_validate(end), Completion.model_validate(last)
-    assert (end.choices[0].text, end.choices[0].finish_reason) == ("", "length")
+    final, last = Completion.model_validate(final), Completion.model_validate(last)
+    assert (final.choices[0].text, final.choices[0].finish_reason) == ("", "length")
     assert last.choices == [] and last.usage.completion_tokens == 5
     assert fmt.start() == []
 
@@ -205,3 +217,42 @@ def test_dumps_is_always_valid_utf8_json(text: str) -> None:
     out = dumps({"t": text})
     assert json.loads(out.encode("utf-8")) == {"t": text}
     assert sse({"t": text}).decode("utf-8").startswith('data: {"t":')
+
+
+# --- a reply of several choices ----------------------------------------------------------
+
+
+def test_the_choices_of_one_reply_name_their_index() -> None:
+    """n choices: one format each (index k), one body or one stream, the usage once."""
+    fmts = [CompletionFormat("cmpl-n", "smol", 9, include_usage=True, index=k) for k in range(2)]
+    choices = [fmts[0].choice(DELTAS, "stop"), fmts[1].choice(DELTAS[:1], "length")]
+    body = fmts[0].body(choices, usage(3, 6))
+    parsed = Completion.model_validate(body)
+    assert [(c.index, c.text, c.finish_reason) for c in parsed.choices] == [
+        (0, "Hello world!", "stop"),
+        (1, "Hello", "length"),
+    ]
+    chats = [ChatFormat("c", "smol", 5, include_usage=True, index=k) for k in range(3)]
+    chunks = [
+        *(c for f in chats for c in f.start()),
+        chats[2].chunk(DELTAS[0]),
+        chats[0].chunk(DELTAS[1]),
+        *chats[2].finish("stop"),
+        *chats[0].finish("length"),
+        *chats[1].finish("stop"),
+        *chats[0].usage_chunks(usage(7, 2)),
+    ]
+    parsed = [ChatCompletionChunk.model_validate(c) for c in chunks]
+    assert [[c.index for c in p.choices] for p in parsed] == [
+        [0],
+        [1],
+        [2],
+        [2],
+        [0],
+        [2],
+        [0],
+        [1],
+        [],
+    ]
+    assert [p.choices[0].finish_reason for p in parsed[5:8]] == ["stop", "length", "stop"]
+    assert parsed[-1].usage.total_tokens == 9 and all(c["usage"] is None for c in chunks[:-1])

@@ -12,10 +12,12 @@ from hypothesis import strategies as st
 from luced.api.fields import APIError, decode_body
 from luced.api.openai import (
     COMPLETIONS_DEFAULT_MAX_TOKENS,
+    MAX_CHOICES,
     MAX_STOP,
     chat_prompt,
-    completion_prompt,
+    completion_prompts,
     generation_request,
+    generation_requests,
     parse_chat,
     parse_completion,
 )
@@ -94,7 +96,7 @@ def test_chat_defaults() -> None:
 def test_completion_defaults_to_openais_16_tokens() -> None:
     req = completion()
     assert req.options.max_tokens == COMPLETIONS_DEFAULT_MAX_TOKENS == 16
-    assert req.prompt == "Hello"
+    assert req.prompts == ("Hello",)
     assert completion(max_tokens=200).options.max_tokens == 200
 
 
@@ -203,8 +205,9 @@ BAD_FIELDS = [
     ("stop", 5, "stop must be a string or an array"),
     ("stop", ["a"] * (MAX_STOP + 1), f"at most {MAX_STOP}"),
     ("stop_token_ids", 3, "must be an array of token ids"),
-    ("n", 2, "n > 1 is not supported"),
-    ("n", 0, "n must be in [1, 2147483647]"),
+    ("n", 0, "n must be in [1, 128]"),
+    ("n", MAX_CHOICES + 1, "n must be in [1, 128]"),
+    ("n", 1.5, "n must be an integer"),
     ("logit_bias", [5], "logit_bias must be an object"),
     ("logit_bias", {"a": 1}, "'a' is not a token id"),
     ("logit_bias", {"-1": 1}, "'-1' is not a token id"),
@@ -456,26 +459,37 @@ def test_template_errors_are_400(smol_tokenizer: Tokenizer) -> None:
 
 
 def test_completion_prompt_forms(smol_tokenizer: Tokenizer) -> None:
-    text_ids = smol_tokenizer.encode("Hello world")
-    assert completion_prompt(completion(prompt="Hello world"), smol_tokenizer) == text_ids
-    assert completion_prompt(completion(prompt=["Hello world"]), smol_tokenizer) == text_ids
-    assert completion_prompt(completion(prompt=[5, 6, 7]), smol_tokenizer) == [5, 6, 7]
-    assert completion_prompt(completion(prompt=[[5, 6]]), smol_tokenizer) == [5, 6]
+    """OpenAI's four shapes: a string, token ids, a list of strings, a list of id lists
+    (a list mixing the two is fine too)."""
+    text = smol_tokenizer.encode("Hello world")
+    other = smol_tokenizer.encode("Bye")
+
+    def ids(prompt: Any) -> list[list[int]]:
+        return completion_prompts(completion(prompt=prompt), smol_tokenizer)
+
+    assert ids("Hello world") == ids(["Hello world"]) == [text]
+    assert ids([5, 6, 7]) == [[5, 6, 7]]
+    assert ids([[5, 6]]) == [[5, 6]]
+    assert ids(["Hello world", "Bye"]) == [text, other]
+    assert ids([[5, 6], [7], [8, 9, 10]]) == [[5, 6], [7], [8, 9, 10]]
+    assert ids(["Bye", [5, 6]]) == [other, [5, 6]]
 
 
 @pytest.mark.parametrize(
     ("prompt", "param", "fragment"),
     [
-        (None, "prompt", "must be a string or an array"),
+        (None, "prompt", "must be a string, an array of token ids or an array of prompts"),
         ([], "prompt", "an empty array"),
-        (["a", "b"], "prompt", "batch of prompts is not supported"),
-        ([[1], [2]], "prompt", "batch of prompts is not supported"),
         ([1, VOCAB], "prompt[1]", "not in [0, 49152)"),
         ([1, -1], "prompt[1]", "not in [0, 49152)"),
-        ([1, True], "prompt", "batch of prompts"),
+        ([1, True], "prompt[1]", "must be an integer"),
+        ([1, "a"], "prompt[1]", "must be an integer"),
         ([[]], "prompt[0]", "must not be empty"),
         ([{}], "prompt[0]", "must be a string or an array"),
-        ({"text": "a"}, "prompt", "must be a string or an array"),
+        (["a", 1], "prompt[1]", "must be a string or an array of token ids, got integer"),
+        (["a", [1, VOCAB]], "prompt[1][1]", "not in [0, 49152)"),
+        (["a", None], "prompt[1]", "got null"),
+        ({"text": "a"}, "prompt", "must be a string, an array of token ids or an array of"),
     ],
 )
 def test_bad_prompts_name_the_field(prompt: Any, param: str, fragment: str) -> None:
@@ -487,7 +501,10 @@ def test_bad_prompts_name_the_field(prompt: Any, param: str, fragment: str) -> N
 def test_empty_text_prompt_is_a_400(smol_tokenizer: Tokenizer) -> None:
     assert not smol_tokenizer.add_bos  # SmolLM2: "" has no tokens at all
     with pytest.raises(APIError, match="prompt must not be empty"):
-        completion_prompt(completion(prompt=""), smol_tokenizer)
+        completion_prompts(completion(prompt=""), smol_tokenizer)
+    with pytest.raises(APIError, match=r"prompt\[1\] must not be empty") as info:
+        completion_prompts(completion(prompt=["a", ""]), smol_tokenizer)
+    assert info.value.param == "prompt[1]"
 
 
 def test_generation_request_carries_the_options() -> None:
@@ -504,6 +521,27 @@ def test_generation_request_carries_the_options() -> None:
     assert (req.request_id, req.prompt, req.max_tokens) == ("chatcmpl-1", [1, 2, 3], 3)
     assert (req.stop, req.stop_token_ids, req.ignore_eos) == (("x",), (2,), True)
     assert req.params.logprobs == 2 and req.params.greedy
+    assert not req.share_prompt
+
+
+def test_n_choices_of_each_prompt_in_openais_order() -> None:
+    """Choice j of prompt i is the reply's choice i * n + j; the choices after a prompt's
+    first share its prompt; seeded, choice j samples with seed + j."""
+    o = completion(n=3, seed=41, temperature=0.8).options
+    assert o.n == 3 and chat(n=3).options.n == 3 and chat().options.n == 1
+    reqs = generation_requests("cmpl-1", o, [[1, 2], [3]])
+    assert [r.request_id for r in reqs] == [f"cmpl-1-{k}" for k in range(6)]
+    assert [r.prompt for r in reqs] == [[1, 2]] * 3 + [[3]] * 3
+    assert [r.share_prompt for r in reqs] == [False, True, True] * 2
+    assert [r.params.seed for r in reqs] == [41, 42, 43] * 2
+    assert all(r.params.temperature == 0.8 for r in reqs)
+    # One choice of one prompt keeps the reply's id as its request id.
+    (only,) = generation_requests("cmpl-2", completion(seed=41).options, [[1, 2]])
+    assert (only.request_id, only.params.seed, only.share_prompt) == ("cmpl-2", 41, False)
+    # Unseeded choices stay unseeded; a seed at the top of its range wraps.
+    assert {r.params.seed for r in generation_requests("c", chat(n=2).options, [[1]])} == {None}
+    top = generation_requests("c", chat(n=2, seed=2**64 - 1).options, [[1]])
+    assert [r.params.seed for r in top] == [2**64 - 1, -(2**63)]
 
 
 # --- fuzzing: a 400 or a request, never anything else ------------------------------------
@@ -604,7 +642,7 @@ def test_fuzzed_chat_bodies(
 ) -> None:
     def build() -> None:
         req = parse_chat(body, model_name=MODEL, vocab_size=VOCAB)
-        generation_request("x", req.options, chat_prompt(req, smol_template, smol_tokenizer))
+        generation_requests("x", req.options, [chat_prompt(req, smol_template, smol_tokenizer)])
 
     _only_client_errors(build)
 
@@ -614,7 +652,7 @@ def test_fuzzed_chat_bodies(
 def test_fuzzed_completion_bodies(body: dict, smol_tokenizer: Tokenizer) -> None:
     def build() -> None:
         req = parse_completion(body, model_name=MODEL, vocab_size=VOCAB)
-        generation_request("x", req.options, completion_prompt(req, smol_tokenizer))
+        generation_requests("x", req.options, completion_prompts(req, smol_tokenizer))
 
     _only_client_errors(build)
 

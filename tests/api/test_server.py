@@ -116,8 +116,14 @@ async def test_request_errors_are_openai_shaped(loading: TestClient) -> None:
     js = {"Content-Type": "application/json"}
     err = await error_of(await post("/v1/chat/completions", data=b"{oops", headers=js), 400)
     assert "not valid JSON" in err["message"]
-    err = await error_of(await post("/v1/chat/completions", json={"messages": USER, "n": 3}), 400)
-    assert (err["param"], err["message"]) == ("n", "n > 1 is not supported")
+    err = await error_of(await post("/v1/chat/completions", json={"messages": USER, "n": 17}), 400)
+    assert err["param"] == "n"
+    assert err["message"] == (
+        "n = 17 asks for 17 choices; at most 16 requests may wait in the queue (--max-queue)"
+    )
+    two = {"prompt": ["a", "b"], "n": 9}
+    err = await error_of(await post("/v1/completions", json=two), 400)
+    assert err["param"] == "prompt" and "2 prompts × n = 9 asks for 18 choices" in err["message"]
     err = await error_of(await post("/v1/completions", json={"prompt": "x", "top_p": 0}), 400)
     assert err["param"] == "top_p"
     err = await error_of(

@@ -146,8 +146,9 @@ def test_errors_are_openai_shaped(smol) -> None:
         client(smol).chat.completions.create(
             model="no-such-model", messages=[{"role": "user", "content": "hi"}]
         )
-    with pytest.raises(openai.BadRequestError, match="n > 1"):
-        chat(smol, "hi", n=2)
+    with pytest.raises(openai.BadRequestError, match="--max-queue") as bad:
+        chat(smol, "hi", n=17)
+    assert bad.value.body["param"] == "n"
     status, _, body = raw_post(smol, "/v1/chat/completions", b"{not json")
     assert status == 400 and body["error"]["type"] == "invalid_request_error"
     status, _, body = raw_post(

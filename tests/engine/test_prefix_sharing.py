@@ -11,7 +11,7 @@ import pytest
 import torch
 from engine_harness import engine_for
 
-from luced.engine.core import Engine, GenerationRequest, RequestHandle
+from luced.engine.core import Engine, GenerationRequest, QueueFull, RequestHandle
 from luced.runtime.model import Model
 from luced.runtime.tiny import make_tiny_draft, make_tiny_gguf
 from luced.sampling_params import SamplingParams
@@ -193,3 +193,53 @@ async def test_a_dflash_request_shares_the_prefix_and_its_captures(tmp_path: Pat
     _, caps = model.forward_layers(model.embed(fed), model.new_cache(len(fed)), 0, layers)
     expected = torch.stack([caps[layer] for layer in layers], 1)
     torch.testing.assert_close(torch.from_numpy(rows[: len(fed)]), expected, atol=1e-4, rtol=1e-4)
+
+
+async def test_the_choices_of_a_short_prompt_compute_it_once(tiny: Path) -> None:
+    """OpenAI's n choices: three requests for one 20-token prompt (too short to wait for
+    on its own), the later two its siblings (`share_prompt`): they wait for the first's
+    prefill and share its blocks, and each gives its output alone, greedy or seeded."""
+    prompt = FIRST[:20]
+    seeded = [SamplingParams(temperature=0.9, seed=s) for s in (5, 6, 7)]
+    choices = [[GREEDY] * 3, seeded]
+
+    def group(params: list[SamplingParams], share: bool) -> list[GenerationRequest]:
+        return [
+            GenerationRequest(f"c{j}", prompt, p, 16, ignore_eos=True, share_prompt=share and j > 0)
+            for j, p in enumerate(params)
+        ]
+
+    async with engine_for(tiny, context=512) as engine:  # one at a time: nothing shared
+        want = [[await tokens(engine.submit(r)) for r in group(p, False)] for p in choices]
+    assert want[0][0] == want[0][2] and len({tuple(w) for w in want[1]}) == 3
+    async with engine_for(tiny, context=512, max_running=4) as engine:
+        got, cached = [], []
+        for params in choices:
+            handles = [engine.submit(r) for r in group(params, share=True)]
+            got.append(await asyncio.gather(*(tokens(h) for h in handles)))
+            cached.append([h.cached_tokens for h in handles])
+        assert engine.totals["shared_prompt_tokens"] == 4 * 19
+        # Without `share_prompt`, requests sent together share no prompt this short.
+        handles = [engine.submit(r) for r in group(seeded, share=False)]
+        alone = await asyncio.gather(*(tokens(h) for h in handles))
+        assert [h.cached_tokens for h in handles] == [0, 0, 0]
+    assert got == want and alone == want[1]
+    assert cached == [[0, 19, 19]] * 2  # all but the last prompt token, fed to sample
+
+
+async def test_a_choices_prompt_counts_once_against_the_queued_tokens(tiny: Path) -> None:
+    """A sibling's prompt is its first's: three choices of a 20-token prompt queue under a
+    bound of 30 prompt tokens, where a third distinct request does not."""
+    prompt = FIRST[:20]
+    async with engine_for(tiny, context=512, max_running=4) as engine:
+        engine.max_queued_tokens = 30
+        requests = [
+            GenerationRequest(f"c{j}", prompt, GREEDY, 4, ignore_eos=True, share_prompt=j > 0)
+            for j in range(3)
+        ]
+        handles = [engine.submit(r) for r in requests]
+        assert engine.queued_tokens() == 20
+        with pytest.raises(QueueFull):
+            engine.submit(GenerationRequest("other", FIRST[20:40], GREEDY, 4))
+        outs = await asyncio.gather(*(tokens(h) for h in handles))
+    assert outs[0] == outs[1] == outs[2] and len(outs[0]) == 4

@@ -21,8 +21,10 @@ Reuse rules. Attention-only models (default): K/V rows ``[0, m)`` of any snapsho
 K/V of its first m tokens, so any common prefix is reusable. ``exact_cuts`` (recurrent
 state): only an entry's cut points are restorable; a snapshot holds the state at each of
 its cuts (``save`` is told the positions where the model kept it, plus the end). A restore
-always leaves at least one prompt token to compute (the model must produce logits), and a
-match shorter than ``min_tokens`` is not worth the copy.
+always leaves at least one prompt token to compute (the model must produce logits). A
+prompt shorter than ``min_tokens`` is not worth a snapshot of its own, and a match shorter
+than ``min_reuse`` is not worth the copy; any longer common prefix is reused, to the token,
+as a server that keeps its last prompt's KV would.
 
 A block holds the layout's tensors (token axis sized to the entry's length N; a recurrent
 state's cut axis to its number of cuts C) and ``tokens`` (int32 ``[N]``).
@@ -158,6 +160,7 @@ class PrefixCache:
         *,
         disk_budget: int | None = None,
         min_tokens: int = 16,
+        min_reuse: int = 4,
         exact_cuts: bool = False,
         clock: Callable[[], float] = time.time,
     ) -> None:
@@ -170,6 +173,7 @@ class PrefixCache:
         self.disk_budget = disk_budget
         self.disk_problem: str | None = None  # set by the daemon when the directory failed
         self.min_tokens = max(1, min_tokens)
+        self.min_reuse = max(1, min_reuse)
         self.exact_cuts = exact_cuts
         self._clock = clock
         self._index = PrefixIndex()
@@ -211,10 +215,10 @@ class PrefixCache:
         """
         self.queries += 1
         prompt = as_tokens(prompt)
-        if len(prompt) <= self.min_tokens:
+        if len(prompt) <= self.min_reuse:
             return None
         found = self._index.longest(prompt[:-1], cuts_only=self.exact_cuts, key=self._rank)
-        if found is None or found[1] < self.min_tokens:
+        if found is None or found[1] < self.min_reuse:
             return None
         entry_id, n = found
         return Hit(entry_id, n, self._entries[entry_id].tier)

@@ -174,13 +174,14 @@ async def test_restore_then_prefill_equals_a_fresh_prefill(owner: ShmOwner) -> N
 
 
 async def test_short_matches_and_prompts_are_not_worth_it(owner: ShmOwner) -> None:
-    cache = make(owner, min_tokens=16)
+    cache = make(owner, min_tokens=16, min_reuse=4)
     a = toks((1, 40))
     await serve(cache, a)
-    assert cache.lookup(np.concatenate([a[:15], toks((3, 30))])) is None  # 15 < 16
-    assert cache.lookup(np.concatenate([a[:16], toks((3, 30))])).n == 16  # type: ignore[union-attr]
-    assert cache.lookup(a[:16]) is None  # 16 tokens leave 15 to reuse
-    assert cache.lookup(a[:17]).n == 16  # type: ignore[union-attr]
+    assert cache.lookup(np.concatenate([a[:3], toks((3, 30))])) is None  # 3 < 4
+    assert cache.lookup(np.concatenate([a[:4], toks((3, 30))])).n == 4  # type: ignore[union-attr]
+    assert cache.lookup(np.concatenate([a[:15], toks((3, 30))])).n == 15  # type: ignore[union-attr]
+    assert cache.lookup(a[:4]) is None  # 4 tokens leave 3 to reuse
+    assert cache.lookup(a[:5]).n == 4  # type: ignore[union-attr]
     assert await cache.save(a[:10], 10, NumpyModel()) is None  # too short to keep
     assert len(cache.entries()) == 1
     await cache.close()

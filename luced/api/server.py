@@ -5,16 +5,19 @@
     POST /v1/messages            Anthropic Messages, streaming or not (luced.api.anthropic)
     POST /v1/messages/count_tokens   the prompt's token count for a Messages body
     POST /tokenize, /detokenize  llama-server's token utilities
-    GET  /v1/models              the served model; GET /v1/models/{id} one model card
+    GET  /v1/models              the served models; GET /v1/models/{id} one model card
     GET  /health                 200 {"status": "ok"} when ready, else 503 {"status": state}
+                                 (several models: luced.serve.models)
     GET  /metrics                Prometheus text (luced.engine.metrics)
     GET  /v1/status, /v1/status/history   the state and the last minutes (luced.api.status)
     GET  /, /static/...          the web page: chat, status, plots (luced.api.page)
 
-A request's trace: the handler reads the body, `luced.api.openai` validates it (a 400
-naming the field, or 404 for another model), the chat template and tokenizer run in a
-thread (long prompts would stall the loop), `Engine.submit` queues it (429/400/503 as
-`EngineError`), and the handler relays the engine's deltas through `luced.api.formats`.
+A request's trace: the handler reads the body, leases the engine of its `model` from the
+app's catalog (`luced.api.catalog`: a 404 for a model not served; a model not loaded is
+loaded first), `luced.api.openai` validates the body (a 400 naming the field), the chat
+template and tokenizer run in a thread (long prompts would stall the loop),
+`Engine.submit` queues it (429/400/503 as `EngineError`), and the handler relays the
+engine's deltas through `luced.api.formats`, holding the lease until its reply ends.
 
 Disconnects: serve with `web.AppRunner(app, handler_cancellation=True)`. Then a client
 that goes away while its request waits in the queue, in prefill or in decode cancels the
@@ -59,6 +62,7 @@ from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web_protocol import RequestPayloadError
 
 from luced.api import anthropic, page, status
+from luced.api.catalog import Catalog, SingleModel
 from luced.api.fields import APIError, as_int, decode_body, json_kind, read_bool, read_text
 from luced.api.formats import (
     SSE_DONE,
@@ -83,6 +87,7 @@ from luced.api.responses import usage as responses_usage
 from luced.api.tools import ToolChatFormat
 from luced.engine.core import Engine, EngineError, RequestHandle
 from luced.engine.metrics import CONTENT_TYPE, Metrics
+from luced.text.tokenizer import Tokenizer
 from luced.text.tool_calls import ToolFormat, has_tool_turns, tool_format
 
 log = logging.getLogger(__name__)
@@ -90,11 +95,9 @@ log = logging.getLogger(__name__)
 # Long contexts are long JSON: 128k tokens of text with escapes is a few MiB.
 DEFAULT_MAX_BODY = 32 * 1024 * 1024
 
-ENGINE = web.AppKey("engine", Engine)
-METRICS = web.AppKey("metrics", Metrics)
+MODELS = web.AppKey("models", Catalog)
 API_KEY = web.AppKey("api_key", str)  # "" = no key required
 GUARD = web.AppKey("guard", "Guard")
-STARTED = web.AppKey("started", int)  # unix time, the model card's "created"
 BODY_TIMEOUT = web.AppKey("body_timeout", float)  # seconds to receive a request body
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -142,21 +145,22 @@ class Guard:
 
 
 def make_app(
-    engine: Engine,
-    metrics: Metrics,
+    models: Catalog | Engine,
+    metrics: Metrics | None = None,
     *,
     api_key: str | None = None,
     client_max_size: int = DEFAULT_MAX_BODY,
     guard: Guard | None = None,
     body_timeout: float = 30.0,
 ) -> web.Application:
+    """The app over `models`' catalog, or over one engine and its metrics."""
+    if isinstance(models, Engine):
+        models = SingleModel(models, metrics or Metrics())
     app = web.Application(middlewares=[_errors, _guard, _auth], client_max_size=client_max_size)
     app[GUARD] = guard or Guard()
     app[BODY_TIMEOUT] = body_timeout
-    app[ENGINE] = engine
-    app[METRICS] = metrics
+    app[MODELS] = models
     app[API_KEY] = api_key or ""
-    app[STARTED] = int(time.time())
     app.add_routes(
         [
             web.post("/v1/chat/completions", chat_completions),
@@ -172,7 +176,7 @@ def make_app(
             web.get("/metrics", prometheus),
         ]
     )
-    status.add_routes(app, engine, metrics)
+    status.add_routes(app, models)
     page.add_routes(app)
     return app
 
@@ -312,16 +316,23 @@ async def read_json(request: web.Request) -> dict[str, Any]:
     return decode_body(raw)
 
 
-def check_chars(request: web.Request, n_chars: int, param: str) -> None:
+def check_chars(engine: Engine, n_chars: int, param: str) -> None:
     """A 400 for prompt text that cannot fit the context, before any tokenizing."""
-    limit = request.app[ENGINE].context_length * MAX_CHARS_PER_TOKEN
+    limit = engine.context_length * MAX_CHARS_PER_TOKEN
     if n_chars > limit:
         raise APIError(
             400,
             f"{param}: {n_chars} characters cannot fit the context of "
-            f"{request.app[ENGINE].context_length} tokens (at most {limit} characters)",
+            f"{engine.context_length} tokens (at most {limit} characters)",
             param=param,
         )
+
+
+def _lease(request: web.Request, body: dict[str, Any]) -> contextlib.AbstractAsyncContextManager:
+    """The engine of the body's `model` (the app's only model when it names none), held
+    until the reply ends (`luced.api.catalog`)."""
+    model = body.get("model")
+    return request.app[MODELS].lease(None if model is None else read_text("model", model))
 
 
 def _tool_format(engine: Engine, req: ChatRequest | anthropic.MessagesRequest) -> ToolFormat | None:
@@ -340,10 +351,14 @@ def _text_chars(messages: Any) -> int:
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
-    engine = request.app[ENGINE]
     body = await read_json(request)
+    async with _lease(request, body) as engine:
+        return await _chat(request, engine, body)
+
+
+async def _chat(request: web.Request, engine: Engine, body: dict) -> web.StreamResponse:
     req = parse_chat(body, model_name=engine.model_name, vocab_size=engine.tokenizer.vocab_size)
-    check_chars(request, _text_chars(req.messages), "messages")
+    check_chars(engine, _text_chars(req.messages), "messages")
     tools = _tool_format(engine, req)
     prompt = await asyncio.to_thread(
         chat_prompt, req, engine.chat_template, engine.tokenizer, tools
@@ -351,37 +366,41 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     head = (f"chatcmpl-{uuid.uuid4().hex}", engine.model_name, int(time.time()))
     shape = {"top_logprobs": req.options.top_logprobs, "include_usage": req.options.include_usage}
     if tools is None or not req.calls_tools:
-        return await _generate(request, ChatFormat(*head, **shape), req.options, prompt)
+        return await _generate(request, engine, ChatFormat(*head, **shape), req.options, prompt)
     fmt = ToolChatFormat(*head, tools=tools, **shape)
     options = replace(req.options, grammar=tools.grammar(req.tools, req.tool_choice))
-    return await _generate(request, fmt, options, prompt)
+    return await _generate(request, engine, fmt, options, prompt)
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
-    engine = request.app[ENGINE]
     body = await read_json(request)
-    req = parse_completion(
-        body, model_name=engine.model_name, vocab_size=engine.tokenizer.vocab_size
-    )
-    if isinstance(req.prompt, str):
-        check_chars(request, len(req.prompt), "prompt")
-    prompt = await asyncio.to_thread(completion_prompt, req, engine.tokenizer)
-    fmt = CompletionFormat(
-        f"cmpl-{uuid.uuid4().hex}",
-        engine.model_name,
-        int(time.time()),
-        top_logprobs=req.options.top_logprobs,
-        include_usage=req.options.include_usage,
-    )
-    return await _generate(request, fmt, req.options, prompt)
+    async with _lease(request, body) as engine:
+        req = parse_completion(
+            body, model_name=engine.model_name, vocab_size=engine.tokenizer.vocab_size
+        )
+        if isinstance(req.prompt, str):
+            check_chars(engine, len(req.prompt), "prompt")
+        prompt = await asyncio.to_thread(completion_prompt, req, engine.tokenizer)
+        fmt = CompletionFormat(
+            f"cmpl-{uuid.uuid4().hex}",
+            engine.model_name,
+            int(time.time()),
+            top_logprobs=req.options.top_logprobs,
+            include_usage=req.options.include_usage,
+        )
+        return await _generate(request, engine, fmt, req.options, prompt)
 
 
 async def messages(request: web.Request) -> web.StreamResponse:
     """Anthropic's POST /v1/messages, on the same engine path as chat completions."""
-    engine = request.app[ENGINE]
     body = await read_json(request)
+    async with _lease(request, body) as engine:
+        return await _messages(request, engine, body)
+
+
+async def _messages(request: web.Request, engine: Engine, body: dict) -> web.StreamResponse:
     req = anthropic.parse_messages(body, model_name=engine.model_name)
-    check_chars(request, _text_chars(req.messages) + len(req.prefill), "messages")
+    check_chars(engine, _text_chars(req.messages) + len(req.prefill), "messages")
     tools = _tool_format(engine, req)
     prompt = await asyncio.to_thread(
         anthropic.message_prompt, req, engine.chat_template, engine.tokenizer, tools
@@ -405,10 +424,14 @@ async def messages(request: web.Request) -> web.StreamResponse:
 
 async def responses(request: web.Request) -> web.StreamResponse:
     """OpenAI's POST /v1/responses (stateless), on the chat completions path."""
-    engine = request.app[ENGINE]
     body = await read_json(request)
+    async with _lease(request, body) as engine:
+        return await _responses(request, engine, body)
+
+
+async def _responses(request: web.Request, engine: Engine, body: dict) -> web.StreamResponse:
     req = parse_responses(body, model_name=engine.model_name)
-    check_chars(request, _text_chars(req.messages), "input")
+    check_chars(engine, _text_chars(req.messages), "input")
     tools = _tool_format(engine, req)
     prompt = await asyncio.to_thread(
         chat_prompt, req, engine.chat_template, engine.tokenizer, tools
@@ -489,17 +512,17 @@ async def _stream_messages(
 
 async def count_tokens(request: web.Request) -> web.Response:
     """Anthropic's POST /v1/messages/count_tokens: the prompt a Messages body would make."""
-    engine = request.app[ENGINE]
     body = await read_json(request)
-    req = anthropic.parse_messages(body, model_name=engine.model_name, count_only=True)
-    check_chars(request, _text_chars(req.messages) + len(req.prefill), "messages")
-    prompt = await asyncio.to_thread(
-        anthropic.message_prompt,
-        req,
-        engine.chat_template,
-        engine.tokenizer,
-        _tool_format(engine, req),
-    )
+    async with _lease(request, body) as engine:
+        req = anthropic.parse_messages(body, model_name=engine.model_name, count_only=True)
+        check_chars(engine, _text_chars(req.messages) + len(req.prefill), "messages")
+        prompt = await asyncio.to_thread(
+            anthropic.message_prompt,
+            req,
+            engine.chat_template,
+            engine.tokenizer,
+            _tool_format(engine, req),
+        )
     return web.json_response({"input_tokens": len(prompt)}, dumps=dumps)
 
 
@@ -514,9 +537,9 @@ def _event_stream() -> web.StreamResponse:
 
 
 async def _generate(
-    request: web.Request, fmt: OutputFormat, options: Options, prompt: list[int]
+    request: web.Request, engine: Engine, fmt: OutputFormat, options: Options, prompt: list[int]
 ) -> web.StreamResponse:
-    handle = request.app[ENGINE].submit(generation_request(fmt.id, options, prompt))
+    handle = engine.submit(generation_request(fmt.id, options, prompt))
     if options.stream:
         return await _stream(request, fmt, handle)
     try:
@@ -606,16 +629,17 @@ async def tokenize(request: web.Request) -> web.Response:
     written in content are tokens, default true), "with_pieces"} -> {"tokens": [...]};
     with_pieces, each token is {"id", "piece"} (piece: text, or a byte list when the
     token is not whole UTF-8)."""
-    tokenizer = request.app[ENGINE].tokenizer
     body = await read_json(request)
     content = read_text("content", body.get("content"))
-    check_chars(request, len(content), "content")
     add_bos = read_bool(body, "add_special")
     special = read_bool(body, "parse_special", default=True)
     with_pieces = read_bool(body, "with_pieces")
-    ids = await asyncio.to_thread(
-        tokenizer.encode, content, add_bos=add_bos, allow_special=special, add_eos=False
-    )
+    async with _lease(request, body) as engine:
+        check_chars(engine, len(content), "content")
+        tokenizer = engine.tokenizer
+        ids = await asyncio.to_thread(
+            tokenizer.encode, content, add_bos=add_bos, allow_special=special, add_eos=False
+        )
     if not with_pieces:
         return web.json_response({"tokens": ids}, dumps=dumps)
     out = []
@@ -632,8 +656,12 @@ async def tokenize(request: web.Request) -> web.Response:
 async def detokenize(request: web.Request) -> web.Response:
     """{"tokens": [ids]} -> {"content": text}; control tokens appear as their text, so
     detokenize inverts tokenize."""
-    tokenizer = request.app[ENGINE].tokenizer
     body = await read_json(request)
+    async with _lease(request, body) as engine:
+        return _detokenize(engine.tokenizer, body)
+
+
+def _detokenize(tokenizer: Tokenizer, body: dict) -> web.Response:
     tokens = body.get("tokens")
     if not isinstance(tokens, list):
         raise APIError(
@@ -655,36 +683,21 @@ async def detokenize(request: web.Request) -> web.Response:
 # --- models, health, metrics -------------------------------------------------------------
 
 
-def _model_card(app: web.Application) -> dict[str, Any]:
-    engine = app[ENGINE]
-    return {
-        "id": engine.model_name,
-        "object": "model",
-        "created": app[STARTED],
-        "owned_by": "luced",
-        "max_model_len": engine.context_length,  # vLLM's extra field
-    }
-
-
 async def list_models(request: web.Request) -> web.Response:
-    return web.json_response({"object": "list", "data": [_model_card(request.app)]}, dumps=dumps)
+    cards = request.app[MODELS].cards()
+    return web.json_response({"object": "list", "data": cards}, dumps=dumps)
 
 
 async def get_model(request: web.Request) -> web.Response:
-    name = request.match_info["model"]
-    if name != request.app[ENGINE].model_name:
-        raise APIError(404, f"The model {name!r} does not exist", code="model_not_found")
-    return web.json_response(_model_card(request.app), dumps=dumps)
+    card = request.app[MODELS].card(request.match_info["model"])
+    return web.json_response(card, dumps=dumps)
 
 
 async def health(request: web.Request) -> web.Response:
-    state = request.app[ENGINE].state
-    if state == "ready":
-        return web.json_response({"status": "ok"})
-    return web.json_response({"status": state}, status=503)
+    status, body = request.app[MODELS].health()
+    return web.json_response(body, status=status)
 
 
 async def prometheus(request: web.Request) -> web.Response:
-    metrics = request.app[METRICS]
-    metrics.refresh(request.app[ENGINE].status())
-    return web.Response(body=metrics.exposition(), headers={"Content-Type": CONTENT_TYPE})
+    body = request.app[MODELS].exposition()
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})

@@ -28,6 +28,7 @@ from luced.serve.options import (
     GROUPS,
     OPTIONS,
     ConfigError,
+    ModelEntry,
     default_runtime_dir,
 )
 
@@ -64,6 +65,12 @@ SAMPLES: dict[str, tuple[str, str, Any]] = {
     "allowed_hosts": ("a.example,b", '["a.example", "b"]', ("a.example", "b")),
     "allowed_origins": ("http://x:1", '["http://x:1"]', ("http://x:1",)),
     "model_name": ("smol", '"smol"', "smol"),
+    "models": ("a=/m/a.gguf", '{ a = "/m/a.gguf" }', (ModelEntry("a", Path("/m/a.gguf")),)),
+    "models_dir": ("/m", '"/m"', Path("/m")),
+    "preload": ("a,b", '["a", "b"]', ("a", "b")),
+    "model_keep_alive": ("60", "60", 60.0),
+    "models_memory_budget": ("8G", '"8G"', 8 * 2**30),
+    "model_load_timeout": ("90", "90.0", 90.0),
     "dtype": ("bfloat16", '"bfloat16"', "bfloat16"),
     "weights": ("int4", '"int4"', "int4"),
     "kernels": ("torch", '"torch"', "torch"),
@@ -387,14 +394,19 @@ def test_example_toml_is_current_and_lists_every_option() -> None:
     assert text == example_toml(), "regenerate: python -m luced.serve.config toml > " + str(EXAMPLE)
 
 
-def test_example_toml_values_are_valid(tmp_path: Path) -> None:
+@pytest.mark.parametrize("several", [False, True], ids=["MODEL", "models"])
+def test_example_toml_values_are_valid(several: bool, tmp_path: Path) -> None:
     # Uncomment every setting: the result must be valid TOML and a valid configuration.
-    text = re.sub(r"^#(\w+ = )", r"\1", EXAMPLE.read_text(), flags=re.M)
+    # MODEL (model, model_name) and several models (models, models_dir) exclude each other.
+    skip = ("model", "model_name") if several else ("models", "models_dir")
+    text = re.sub(rf"^#(?!(?:{'|'.join(skip)}) = )(\w+ = )", r"\1", EXAMPLE.read_text(), flags=re.M)
     path = tmp_path / "luced.toml"
     path.write_text(text)
     config = load_config(["--config", str(path)], env={}, default_config_path=None)
     assert config.daemon.admin_socket == Path("/run/luced/admin.sock")
-    assert all(src.startswith(str(path)) for src in config.sources.values())
+    given = {n: src for n, src in config.sources.items() if n not in skip}
+    assert all(src.startswith(str(path)) for src in given.values())
+    assert config.registry.several == several
 
 
 def test_draft_ngram_is_the_lookup_drafter() -> None:

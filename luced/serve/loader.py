@@ -241,6 +241,18 @@ class LoadedModel:
             reservation = reserve_disk_dir(cfg.kv, spec.path)
         except ValueError as exc:
             raise StartupError(str(exc)) from exc
+        try:
+            target, engine = cls._make(spec, owner, metrics, name)
+        except ValueError as exc:  # e.g. a step too small for the running requests
+            reservation.release()
+            raise StartupError(str(exc)) from exc
+        return cls(spec, owner, target, engine, reservation, name)
+
+    @staticmethod
+    def _make(
+        spec: ModelSpec, owner: ShmOwner, metrics: Metrics, name: str
+    ) -> tuple[Target, Engine]:
+        cfg = spec.config
         deadlines = Deadlines(call=cfg.daemon.worker_timeout, start=cfg.daemon.worker_start_timeout)
         sched, running = cfg.scheduler, spec.running
         step = sched.max_step_tokens or (
@@ -271,7 +283,7 @@ class LoadedModel:
             max_running=running,
             kv_pool_tokens=spec.kv_pool,
         )
-        return cls(spec, owner, target, engine, reservation, name)
+        return target, engine
 
     async def start(self) -> None:
         """Start and load the workers, then the draft, the adaptive block size's costs and

@@ -173,7 +173,6 @@ class ModelRegistry:
         self.preloading = False
         self._room = asyncio.Lock()  # one load makes room at a time
         self._changed = asyncio.Event()  # a lease ended, a model unloaded or failed
-        self._tasks: set[asyncio.Task] = set()
         if self.single:
             model = self._add(ModelEntry(config.model.served_model_name(), None), None)
             model.pinned = True
@@ -201,7 +200,7 @@ class ModelRegistry:
             # A table without a path is completed by the directory's NAME.gguf (`_scan`).
             config = self.config.for_model(entry, path) if path is not None else self.config
             segments = f"m{len(self.models) + 1}-{_UNSAFE.sub('_', entry.name)[:48]}"
-        pending = entry if path is None else None
+        pending = entry if path is None and not self.single else None
         model = self.models[entry.name] = ServedModel(entry.name, config, segments, pending)
         return model
 

@@ -212,6 +212,26 @@ def test_repeatable_backend_python(tmp_path: Path) -> None:
     assert both.model.backend_python == (("cpu", Path("/c/py")),)
 
 
+def test_served_models_by_flag_env_and_file(tmp_path: Path) -> None:
+    by_flag = load(["--model", "a=/m/a.gguf", "--model", "/m/qwen3:8b.gguf"])
+    assert by_flag.registry.models == (
+        ModelEntry("a", Path("/m/a.gguf")),
+        ModelEntry("qwen3:8b", Path("/m/qwen3:8b.gguf")),  # a bare path: named by its stem
+    )
+    assert by_flag.registry.several and by_flag.model.model is None
+    by_env = load(env={"LUCED_MODELS": "a=/m/a.gguf, qwen3:8b=/m/qwen3:8b.gguf"})
+    assert by_env.registry.models == by_flag.registry.models
+    toml = '[models.a]\nmodel = "/m/a.gguf"\nmax_running = 2\n[models.b]\nkv_flash = "auto"\n'
+    by_file = load(toml=toml, tmp_path=tmp_path)
+    assert by_file.registry.models == (
+        ModelEntry("a", Path("/m/a.gguf"), (("max_running", 2),)),
+        ModelEntry("b", None, (("kv_flash", "auto"),)),  # its file: models_dir's b.gguf
+    )
+    # flags replace the file's table as a whole, settings included
+    both = load(["--model", "c=/m/c.gguf"], toml=toml, tmp_path=tmp_path)
+    assert both.registry.models == (ModelEntry("c", Path("/m/c.gguf")),)
+
+
 @pytest.mark.parametrize(
     ("argv", "env", "toml", "message"),
     [

@@ -3,8 +3,9 @@
 Both sides use it: the daemon reads the tokenizer and chat template, workers
 read weights (dequantized by `luced.runtime.weights` with the `gguf` package's
 quant routines). We parse the header ourselves instead of using
-`gguf.GGUFReader` because that reader builds a numpy view per array element:
-8 s for Gemma 3's 262k-token vocabulary, against ~0.2 s here. Types, block
+`gguf.GGUFReader` because that reader builds a numpy view per array element, which
+takes seconds for Gemma 3's 262k-token vocabulary (README, "Measurements behind the
+code"). Types, block
 sizes and dequantization still come from the `gguf` package.
 
 File layout (little endian)::

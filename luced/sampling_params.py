@@ -9,12 +9,20 @@ model distribution at temperature 1.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, fields, replace
 
 # torch.Generator.manual_seed accepts [-2**63, 2**64); OpenAI's `seed` is an int64.
 _SEED_MIN = -(2**63)
 _SEED_MAX = 2**64 - 1
+# OpenAI's bounds on logit_bias: at most 300 tokens, each biased by -100 to 100. The map
+# travels in every step's frame, so its size stays bounded here too.
+MAX_LOGIT_BIAS = 300
+LOGIT_BIAS_RANGE = (-100.0, 100.0)
+
+# The frames' ``sampling`` map (``SamplingParams.to_wire``): scalars by field name, and
+# logit_bias as {"token id": bias} (msgpack map keys are strings).
+SamplingWire = dict[str, int | float | dict[str, float] | None]
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,6 +47,9 @@ class SamplingParams:
     logprobs: None = no logprobs; k >= 0 = the chosen token's logprob plus the k most likely
         (token, logprob) pairs (vLLM semantics, so OpenAI's `logprobs: true, top_logprobs: 0`
         maps to 0).
+    logit_bias: (token id, bias) pairs, ids ascending: each bias (-100 to 100) is added to
+        its token's logit after the penalties, greedy decoding included; () = off. Given as
+        a mapping or pairs, stored as a sorted tuple (so the params stay hashable).
     """
 
     temperature: float = 1.0
@@ -51,6 +62,7 @@ class SamplingParams:
     penalty_window: int = 64
     seed: int | None = None
     logprobs: int | None = None
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         temperature = _real("temperature", self.temperature)
@@ -77,14 +89,18 @@ class SamplingParams:
             raise ValueError(f"seed must be in [-2**63, 2**64), got {self.seed}")
         if self.logprobs is not None and _integer("logprobs", self.logprobs) < 0:
             raise ValueError(f"logprobs must be None or >= 0, got {self.logprobs}")
+        object.__setattr__(self, "logit_bias", _logit_bias(self.logit_bias))
 
-    def to_wire(self) -> dict[str, int | float]:
+    def to_wire(self) -> SamplingWire:
         """The frames' ``sampling`` map: only the fields that differ from their defaults."""
-        return {
+        wire: SamplingWire = {
             f.name: getattr(self, f.name)
             for f in fields(self)
             if getattr(self, f.name) != f.default
         }
+        if self.logit_bias:
+            wire["logit_bias"] = {str(token): bias for token, bias in self.logit_bias}
+        return wire
 
     @classmethod
     def from_wire(cls, wire: Mapping[str, object]) -> SamplingParams:
@@ -132,3 +148,33 @@ def _integer(name: str, value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise ValueError(f"{name} must be an int, got {type(value).__name__}")
     return value
+
+
+def _logit_bias(value: object) -> tuple[tuple[int, float], ...]:
+    """(id, bias) pairs from a mapping (ids as ints or decimal strings, as on the wire) or
+    from pairs; sorted by id, each checked."""
+    if isinstance(value, Mapping):
+        items: Iterable[object] = value.items()
+    elif isinstance(value, tuple | list):
+        items = value
+    else:
+        raise ValueError(f"logit_bias must map token ids to biases, got {type(value).__name__}")
+    pairs: dict[int, float] = {}
+    for item in items:
+        if not isinstance(item, tuple | list) or len(item) != 2:
+            raise ValueError(f"logit_bias entries are (token id, bias) pairs, got {item!r}")
+        key, bias = item
+        if isinstance(key, str) and key.isascii() and key.isdigit():
+            key = int(key)
+        token = _integer("logit_bias token id", key)
+        if token < 0:
+            raise ValueError(f"logit_bias token ids must be >= 0, got {token}")
+        if token in pairs:
+            raise ValueError(f"logit_bias names token {token} twice")
+        lo, hi = LOGIT_BIAS_RANGE
+        pairs[token] = _real(f"logit_bias of token {token}", bias)
+        if not lo <= pairs[token] <= hi:
+            raise ValueError(f"logit_bias of token {token} must be in [{lo:g}, {hi:g}], got {bias}")
+    if len(pairs) > MAX_LOGIT_BIAS:
+        raise ValueError(f"logit_bias takes at most {MAX_LOGIT_BIAS} tokens, got {len(pairs)}")
+    return tuple(sorted(pairs.items()))

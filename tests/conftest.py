@@ -1,13 +1,9 @@
-"""Shared test setup: offline Hugging Face, tools/ importable, cached model paths."""
+"""Shared test setup: offline Hugging Face, cached model paths."""
 
 import os
-import sys
 from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tools"))
 
 # No network here: transformers must never try a hub download.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -15,10 +11,16 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 # Imported here, once, on the main thread before any test runs: a first import deep inside
-# a test (tools/make_tiny_gguf.py imports it lazily) can be re-entered by a finalizer that
+# a test (one that builds a tiny model's twin, say) can be re-entered by a finalizer that
 # imports in the middle of it, which Python 3.11's import locks turn into a KeyError (seen
 # in CI as "KeyError" from importlib._bootstrap while importing regex).
-import transformers  # noqa: E402, F401
+import transformers  # noqa: F401
+from cuda_support import device_under_test
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    if item.get_closest_marker("cuda") is not None and device_under_test() is None:
+        pytest.skip("needs a CUDA GPU (LUCED_CUDA_TESTS_ON=cpu runs it against the CPU)")
 
 
 @pytest.fixture(scope="session", autouse=True)

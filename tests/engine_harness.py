@@ -81,6 +81,7 @@ async def engine_for(
     kv_pool_tokens: int | None = None,
     kv_dtype: str = "",
     kv_block: int | None = None,
+    dtype: str = "float32",
 ) -> AsyncIterator[Engine]:
     """One worker thread each (2 cores, shared with the test); prompts longer than 64
     tokens span several prefill chunks. A draft (or the n-gram lookup) is set up for
@@ -93,7 +94,7 @@ async def engine_for(
         placement = TargetPlacement.split(
             model=str(path),
             n_layers=int(gguf.require(f"{gguf.arch}.block_count")),
-            dtype="float32",
+            dtype=dtype,
             kv_capacity=context,
             max_batch_tokens=64,
             devices=devices,
@@ -145,7 +146,7 @@ async def engine_for(
                 layout = await target.kv_layout()
                 disk = None
                 if kv_cache_dir is not None:  # a disk tier too
-                    ident = DiskIdentity(path.name, "none", f"{devices}", "float32")
+                    ident = DiskIdentity(path.name, "none", f"{devices}", dtype)
                     disk = SnapshotDisk(kv_cache_dir, ident, layout)
                 engine.prefix_cache = PrefixCache(layout, arena, disk, exact_cuts=target.recurrent)
             engine.start()

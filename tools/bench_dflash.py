@@ -10,7 +10,7 @@ once and measured interleaved so drift on a shared machine hits them alike; each
 reproduce plain greedy decoding token for token:
 
     plain     no draft: one target forward per token
-    random    a random-weight draft sized for the target (tools/make_tiny_draft.py):
+    random    a random-weight draft sized for the target (luced.runtime.tiny.draft):
               acceptance ~ 0, so every step costs a draft + a B-token verify and yields
               one token: the overhead of speculation
     oracle    the same draft loaded (captures on, same frames) but its proposals replaced
@@ -19,13 +19,13 @@ reproduce plain greedy decoding token for token:
     half      the random draft's frames, its proposals the target's own greedy
               continuation for the first half of the block and wrong after it
               (`HalfOracle`): every block is cut in the middle
-    trained   a draft from tools/train_dflash.py (--trained-draft PATH)
+    trained   a draft from `luced train-draft` (--trained-draft PATH)
 
 `--rollbacks select,replay`: for a hybrid target (recurrent state), one engine per
 rollback of a rejected suffix (`Target.rollback`) for each drafted kind: "select" keeps
 the state after each verified position, "replay" rewinds to the window's start and
 re-feeds the accepted tokens. `--model tiny-qwen35` / `tiny-qwen35moe` (any
-tools/make_tiny_gguf.py family after `tiny-`) builds an 8-layer tiny random model.
+luced.runtime.tiny family after `tiny-`) builds an 8-layer tiny random model.
 
 Reported per engine (medians over rounds): decode tok/s (after the first token), tokens
 per target forward, mean acceptance length (1 + accepted / drafts), the cost of one
@@ -47,11 +47,9 @@ import time
 from pathlib import Path
 from typing import Any, ClassVar
 
-import bench_prompts
-import make_tiny_draft
-import make_tiny_gguf
-
-from luced.engine.core import Engine, GenerationRequest
+from luced.cli.train_draft import context_length
+from luced.cli.train_draft import greedy as generate
+from luced.engine.core import Engine
 from luced.engine.placement import WorkerSpec
 from luced.engine.runner import ModelRunner
 from luced.engine.scheduler import Work, WorkOutput
@@ -59,9 +57,14 @@ from luced.engine.spec.proposer import Proposer
 from luced.engine.target import ROLLBACK, Target, TargetPlacement
 from luced.gguf_file import GGUFFile
 from luced.ipc.shm import ShmOwner
-from luced.sampling_params import SamplingParams
+from luced.runtime.tiny import make_tiny_draft, make_tiny_gguf
 from luced.serve.bundled import gemma3_path, smollm2_path
 from luced.text.tokenizer import Tokenizer
+
+if __package__:  # imported as tools.bench_dflash (the tests import its oracle targets)
+    from tools import bench_prompts
+else:  # run as a script: tools/ is on sys.path
+    import bench_prompts
 
 MODELS = {"smollm2": smollm2_path, "gemma3": gemma3_path}
 
@@ -130,15 +133,9 @@ def model_path(name: str, tmp: Path) -> Path:
         return MODELS[name]()
     if name.startswith("tiny-"):
         path = tmp / f"{name}.gguf"
-        make_tiny_gguf.build(name.removeprefix("tiny-"), path, seed=1, layers=8, context=2048)
+        make_tiny_gguf(name.removeprefix("tiny-"), path, seed=1, layers=8, context=2048)
         return path
     return Path(name)
-
-
-def context_length(model: Path) -> int:
-    """2048 tokens, or less for a model that holds less (the tiny test models)."""
-    gguf = GGUFFile(model)
-    return min(2048, int(gguf.get(f"{gguf.arch}.context_length") or 2048))
 
 
 def make_target(owner: ShmOwner, model: Path, args: Any, name: str) -> Target:
@@ -147,34 +144,13 @@ def make_target(owner: ShmOwner, model: Path, args: Any, name: str) -> Target:
         model=str(model),
         n_layers=int(gguf.require(f"{gguf.arch}.block_count")),
         dtype="float32",
-        kv_capacity=context_length(model),
+        kv_capacity=context_length(gguf),
         max_batch_tokens=256,
         worker=WorkerSpec("cpu", ("cpu",), threads=args.threads),
-        # tools/train_dflash.py's evaluation passes only threads, block size and draft
-        weights_mode=getattr(args, "weights", "dequant"),
-        batch_invariant=getattr(args, "batch_invariant", False),
+        weights_mode=args.weights,
+        batch_invariant=args.batch_invariant,
     )
     return Target(owner, placement, name=name, step_tokens=256 + 64)
-
-
-async def generate(
-    engine: Engine, prompt: list[int], n: int, grammar: str | None = None
-) -> tuple[list[int], float, dict]:
-    """Greedy, EOS ignored (a grammar still ends it); (tokens, decode seconds after the
-    first token, spec counts)."""
-    req = GenerationRequest(
-        "bench", prompt, SamplingParams(temperature=0), n, ignore_eos=True, grammar=grammar
-    )
-    handle = engine.submit(req)
-    tokens: list[int] = []
-    first = 0.0
-    async for delta in handle:
-        if not tokens and delta.token_ids:
-            first = time.perf_counter()
-        tokens += delta.token_ids
-    if handle.finish_reason not in ("length", "stop"):
-        raise RuntimeError(f"generation ended with {handle.finish_reason}: {handle.error}")
-    return tokens, time.perf_counter() - first, dict(handle.spec)
 
 
 # engine name -> (proposer class, drafter: "model" | "ngram" | None, adaptive window size)
@@ -217,7 +193,7 @@ async def start_engine(
         tokenizer,
         None,
         model_name=label,
-        context_length=context_length(model),
+        context_length=context_length(GGUFFile(model)),
         block_size=args.block_size,
         lookup_drafts=drafter == "ngram",
         adaptive_blocks=adaptive,
@@ -241,7 +217,7 @@ async def bench(args: argparse.Namespace) -> None:
         tokenizer = Tokenizer.from_gguf(gguf)
         HalfOracle.vocab = tokenizer.vocab_size
         workloads = {w: bench_prompts.prompts(w, gguf, tokenizer, args) for w in args.workloads}
-        _, draft, _ = make_tiny_draft.build(
+        _, draft, _ = make_tiny_draft(
             model, Path(tmp) / "draft", seed=1, block_size=args.block_size
         )
         engines: dict[str, Engine] = {}
@@ -346,7 +322,7 @@ def main() -> None:
     ap.add_argument(
         "--trained-draft",
         type=Path,
-        help="a draft from tools/train_dflash.py (OUT_DIR/draft.gguf): the trained engine",
+        help="a draft from `luced train-draft` (OUT_DIR/draft.gguf): the trained engine",
     )
     ap.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) - 1))
     ap.add_argument("--rollbacks", default=ROLLBACK, help="comma-separated: select,replay")

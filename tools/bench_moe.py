@@ -31,6 +31,7 @@ from luced.engine.driver import Driver
 from luced.engine.target import Target, TargetPlacement
 from luced.gguf_file import GGUFFile
 from luced.ipc.shm import ShmOwner
+from luced.runtime.tiny import make_tiny_gguf
 
 SIZE = dict(hidden=256, layers=4, experts=32, experts_used=4, expert_ffn=1024, context=1024)
 HOT = 16
@@ -39,10 +40,8 @@ PLACEMENTS["remote"] = {"moe_hot": HOT, "moe_expert_device": "cpu:1"}
 
 
 def build(directory: Path) -> Path:
-    import make_tiny_gguf  # tools/ is on sys.path when run as a script
-
     path = directory / "bench-qwen3moe.gguf"
-    make_tiny_gguf.build("qwen3moe", path, seed=1, **SIZE)
+    make_tiny_gguf("qwen3moe", path, seed=1, **SIZE)
     return path
 
 

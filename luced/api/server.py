@@ -11,24 +11,25 @@
     GET  /metrics                Prometheus text (luced.engine.metrics)
     GET  /v1/status, /v1/status/history   the state and the last minutes (luced.api.status)
     GET  /, /static/...          the web page: chat, status, plots (luced.api.page)
+    /api/chat, /api/generate, /api/tags, /api/ps, /api/show, /api/version, /api/embed
+                                 Ollama's API (luced.api.ollama_routes)
 
-A request's trace: the handler reads the body, leases the engine of its `model` from the
-app's catalog (`luced.api.catalog`: a 404 for a model not served; a model not loaded is
-loaded first), `luced.api.openai` validates the body (a 400 naming the field), the chat
-template and tokenizer run in a thread (long prompts would stall the loop),
-`Engine.submit` queues it (429/400/503 as `EngineError`), and the handler relays the
-engine's deltas through `luced.api.formats`, holding the lease until its reply ends.
+A request's trace: the handler reads the body and holds the lease of the model it names
+until its reply ends (`luced.api.lease`: a 404 for a model not served; one not loaded is
+loaded first), `luced.api.prepare` validates it (a 400 naming the field) and renders and
+tokenizes its prompt in a thread, `Engine.submit` queues it (429/400/503 as
+`EngineError`), and the handler relays the engine's deltas through `luced.api.formats`.
 
 Disconnects: serve with `web.AppRunner(app, handler_cancellation=True)`. Then a client
 that goes away while its request waits in the queue, in prefill or in decode cancels the
 handler, and the handler cancels the engine's work (`RequestHandle.cancel`). Without it,
 aiohttp lets the handler run on, and only a stream notices, at its next write.
 
-With an api_key, every /v1/ route and /tokenize, /detokenize (and /metrics unless
-metrics_public) want `Authorization: Bearer KEY` or Anthropic's `x-api-key: KEY` (401
+With an api_key, every /v1/ and /api/ route and /tokenize, /detokenize (and /metrics
+unless metrics_public) want `Authorization: Bearer KEY` or Anthropic's `x-api-key: KEY` (401
 otherwise); /health stays open for probes, and so does the web page, which holds nothing
 secret and asks its user for the key. Errors are shaped by the API a path belongs to:
-Anthropic's under /v1/messages, OpenAI's everywhere else.
+Anthropic's under /v1/messages, Ollama's under /api/, OpenAI's everywhere else.
 
 A web page must not drive a local daemon (`_guard`): a POST needs `Content-Type:
 application/json` (415 otherwise), which a cross-site form or fetch cannot send without a
@@ -38,32 +39,27 @@ the bound address (a loopback name when bound to loopback) or one of allowed_hos
 otherwise), which defeats DNS rebinding. Our own page is same-origin: its requests carry
 this Host as their Origin, or no Origin at all.
 
-Bodies: a body with a bad Content-Encoding is a 400; bodies over 1 MiB are decoded in a
-thread; prompt text longer than MAX_CHARS_PER_TOKEN characters per context token is a 400
-before any tokenizing (the tokenizer holds the GIL, so a 30 MB prompt would stall every
-client), and tokenizing runs in a thread.
+Bodies: a body with a bad Content-Encoding is a 400 (and the connection closes: the rest
+of its stream cannot be read). Everything from the body's bytes to the prompt's token ids
+runs in a thread, bounded before any costly step (`luced.api.prepare`).
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import hmac
 import logging
 import math
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, replace
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
-from aiohttp.http_exceptions import HttpProcessingError
-from aiohttp.web_protocol import RequestPayloadError
 
-from luced.api import anthropic, page, status
+from luced.api import anthropic, ollama_routes, page, status
 from luced.api.catalog import Catalog, SingleModel
-from luced.api.fields import APIError, as_int, decode_body, json_kind, read_bool, read_text
+from luced.api.fields import APIError
 from luced.api.formats import (
     SSE_DONE,
     ChatFormat,
@@ -73,38 +69,45 @@ from luced.api.formats import (
     finish_error,
     sse,
 )
-from luced.api.openai import (
-    ChatRequest,
-    Options,
-    chat_prompt,
-    completion_prompt,
-    generation_request,
-    parse_chat,
-    parse_completion,
+from luced.api.lease import (
+    BODY_TIMEOUT,
+    LEASE,
+    MAX_BODY,
+    MODELS,
+    PREPARER,
+    leased_engine,
+    leasing,
+    prepare,
 )
-from luced.api.responses import ResponseFormat, parse_responses
+from luced.api.ollama_models import ModelFacts
+from luced.api.openai import Options, generation_request
+from luced.api.prepare import (
+    Preparer,
+    prepare_chat,
+    prepare_completion,
+    prepare_detokenize,
+    prepare_messages,
+    prepare_responses,
+    prepare_tokenize,
+)
+from luced.api.relay import all_deltas, stream_guard, whole_text
+from luced.api.responses import ResponseFormat
 from luced.api.responses import usage as responses_usage
 from luced.api.tools import ToolChatFormat
 from luced.engine.core import Engine, EngineError, RequestHandle
 from luced.engine.metrics import CONTENT_TYPE, Metrics
-from luced.text.tokenizer import Tokenizer
-from luced.text.tool_calls import ToolFormat, has_tool_turns, tool_format
 
 log = logging.getLogger(__name__)
 
 # Long contexts are long JSON: 128k tokens of text with escapes is a few MiB.
 DEFAULT_MAX_BODY = 32 * 1024 * 1024
 
-MODELS = web.AppKey("models", Catalog)
 API_KEY = web.AppKey("api_key", str)  # "" = no key required
 GUARD = web.AppKey("guard", "Guard")
-BODY_TIMEOUT = web.AppKey("body_timeout", float)  # seconds to receive a request body
+__all__ = ["MODELS", "Guard", "make_app"]
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
-
-# No token is this long; a prompt longer than this per context token cannot fit anyway.
-MAX_CHARS_PER_TOKEN = 32
 _LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1", "[::1]"})
 _ANY_ADDRESS = frozenset({"0.0.0.0", "::", "[::]", ""})
 
@@ -152,15 +155,22 @@ def make_app(
     client_max_size: int = DEFAULT_MAX_BODY,
     guard: Guard | None = None,
     body_timeout: float = 30.0,
+    model: ModelFacts | None = None,
+    system_fingerprint: str = "",
 ) -> web.Application:
-    """The app over `models`' catalog, or over one engine and its metrics."""
+    """The app over `models`' catalog, or over one engine and its metrics; then `model`:
+    what Ollama's listings say about its GGUF (none: only its name), and
+    `system_fingerprint`: what chat and completions replies name their backend by."""
     if isinstance(models, Engine):
-        models = SingleModel(models, metrics or Metrics())
+        models = SingleModel(models, metrics or Metrics(), model, system_fingerprint)
     app = web.Application(middlewares=[_errors, _guard, _auth], client_max_size=client_max_size)
     app[GUARD] = guard or Guard()
     app[BODY_TIMEOUT] = body_timeout
     app[MODELS] = models
     app[API_KEY] = api_key or ""
+    app[PREPARER] = Preparer()
+    app[MAX_BODY] = client_max_size
+    app.on_cleanup.append(_close_preparer)
     app.add_routes(
         [
             web.post("/v1/chat/completions", chat_completions),
@@ -177,8 +187,13 @@ def make_app(
         ]
     )
     status.add_routes(app, models)
+    ollama_routes.add_routes(app, models)
     page.add_routes(app)
     return app
+
+
+async def _close_preparer(app: web.Application) -> None:
+    app[PREPARER].close()
 
 
 # --- middlewares -------------------------------------------------------------------------
@@ -279,7 +294,7 @@ async def _auth(request: web.Request, handler: Handler) -> web.StreamResponse:
     return await handler(request)
 
 
-_KEYED = ("/v1/", "/tokenize", "/detokenize")
+_KEYED = ("/v1/", "/api/", "/tokenize", "/detokenize")
 
 
 def error_response(exc: APIError, request: web.Request | None = None) -> web.Response:
@@ -290,6 +305,8 @@ def error_response(exc: APIError, request: web.Request | None = None) -> web.Res
     body = exc.body()
     if request is not None and _is_anthropic(request):
         body = anthropic.error_body(exc)
+    elif request is not None and request.path.startswith("/api/"):
+        body = {"error": exc.message}  # Ollama's shape
     return web.json_response(body, status=exc.status, headers=headers, dumps=dumps)
 
 
@@ -297,164 +314,86 @@ def _is_anthropic(request: web.Request) -> bool:
     return request.path == "/v1/messages" or request.path.startswith("/v1/messages/")
 
 
-async def read_json(request: web.Request) -> dict[str, Any]:
-    """The body as a JSON object: 400 for a bad Content-Encoding (corrupt gzip) or bad
-    JSON; a large body is parsed in a thread so that other clients are not held up."""
-    try:
-        async with asyncio.timeout(request.app[BODY_TIMEOUT]):
-            raw = await request.read()
-    except TimeoutError:
-        raise APIError(
-            408, f"the request body did not arrive within {request.app[BODY_TIMEOUT]:g} s"
-        ) from None
-    except (RequestPayloadError, HttpProcessingError, ValueError, OSError) as exc:
-        if isinstance(exc, ConnectionResetError):
-            raise
-        raise APIError(400, f"the request body cannot be decoded: {exc}") from None
-    if len(raw) > 1 << 20:
-        return await asyncio.to_thread(decode_body, raw)
-    return decode_body(raw)
-
-
-def check_chars(engine: Engine, n_chars: int, param: str) -> None:
-    """A 400 for prompt text that cannot fit the context, before any tokenizing."""
-    limit = engine.context_length * MAX_CHARS_PER_TOKEN
-    if n_chars > limit:
-        raise APIError(
-            400,
-            f"{param}: {n_chars} characters cannot fit the context of "
-            f"{engine.context_length} tokens (at most {limit} characters)",
-            param=param,
-        )
-
-
-def _lease(request: web.Request, body: dict[str, Any]) -> contextlib.AbstractAsyncContextManager:
-    """The engine of the body's `model` (the app's only model when it names none), held
-    until the reply ends (`luced.api.catalog`)."""
-    model = body.get("model")
-    return request.app[MODELS].lease(None if model is None else read_text("model", model))
-
-
-def _tool_format(engine: Engine, req: ChatRequest | anthropic.MessagesRequest) -> ToolFormat | None:
-    """How the template shows tools, when the request offers some or its history holds
-    calls or results (a template without tools cannot render those as they came)."""
-    if req.calls_tools or has_tool_turns(req.messages):
-        return tool_format(engine.chat_template)
-    return None
-
-
-def _text_chars(messages: Any) -> int:
-    return sum(len(v) for m in messages for v in m.values() if isinstance(v, str))
-
-
 # --- generation --------------------------------------------------------------------------
 
 
+def _fingerprint(request: web.Request) -> str | None:
+    return request[LEASE].served.fingerprint or None
+
+
+@leasing
 async def chat_completions(request: web.Request) -> web.StreamResponse:
-    body = await read_json(request)
-    async with _lease(request, body) as engine:
-        return await _chat(request, engine, body)
-
-
-async def _chat(request: web.Request, engine: Engine, body: dict) -> web.StreamResponse:
-    req = parse_chat(body, model_name=engine.model_name, vocab_size=engine.tokenizer.vocab_size)
-    check_chars(engine, _text_chars(req.messages), "messages")
-    tools = _tool_format(engine, req)
-    prompt = await asyncio.to_thread(
-        chat_prompt, req, engine.chat_template, engine.tokenizer, tools
-    )
+    engine = leased_engine(request)
+    prep = await prepare(request, prepare_chat)
+    options = prep.options
     head = (f"chatcmpl-{uuid.uuid4().hex}", engine.model_name, int(time.time()))
-    shape = {"top_logprobs": req.options.top_logprobs, "include_usage": req.options.include_usage}
-    if tools is None or not req.calls_tools:
-        return await _generate(request, engine, ChatFormat(*head, **shape), req.options, prompt)
-    fmt = ToolChatFormat(*head, tools=tools, **shape)
-    options = replace(req.options, grammar=tools.grammar(req.tools, req.tool_choice))
-    return await _generate(request, engine, fmt, options, prompt)
+    shape = {
+        "top_logprobs": options.top_logprobs,
+        "include_usage": options.include_usage,
+        "system_fingerprint": _fingerprint(request),
+    }
+    if prep.tools is None:
+        return await _generate(request, ChatFormat(*head, **shape), options, prep.prompt)
+    fmt = ToolChatFormat(*head, tools=prep.tools, **shape)
+    return await _generate(request, fmt, options, prep.prompt)
 
 
+@leasing
 async def completions(request: web.Request) -> web.StreamResponse:
-    body = await read_json(request)
-    async with _lease(request, body) as engine:
-        req = parse_completion(
-            body, model_name=engine.model_name, vocab_size=engine.tokenizer.vocab_size
-        )
-        if isinstance(req.prompt, str):
-            check_chars(engine, len(req.prompt), "prompt")
-        prompt = await asyncio.to_thread(completion_prompt, req, engine.tokenizer)
-        fmt = CompletionFormat(
-            f"cmpl-{uuid.uuid4().hex}",
-            engine.model_name,
-            int(time.time()),
-            top_logprobs=req.options.top_logprobs,
-            include_usage=req.options.include_usage,
-        )
-        return await _generate(request, engine, fmt, req.options, prompt)
+    engine = leased_engine(request)
+    prep = await prepare(request, prepare_completion)
+    fmt = CompletionFormat(
+        f"cmpl-{uuid.uuid4().hex}",
+        engine.model_name,
+        int(time.time()),
+        top_logprobs=prep.options.top_logprobs,
+        include_usage=prep.options.include_usage,
+        system_fingerprint=_fingerprint(request),
+    )
+    return await _generate(request, fmt, prep.options, prep.prompt)
 
 
+@leasing
 async def messages(request: web.Request) -> web.StreamResponse:
     """Anthropic's POST /v1/messages, on the same engine path as chat completions."""
-    body = await read_json(request)
-    async with _lease(request, body) as engine:
-        return await _messages(request, engine, body)
-
-
-async def _messages(request: web.Request, engine: Engine, body: dict) -> web.StreamResponse:
-    req = anthropic.parse_messages(body, model_name=engine.model_name)
-    check_chars(engine, _text_chars(req.messages) + len(req.prefill), "messages")
-    tools = _tool_format(engine, req)
-    prompt = await asyncio.to_thread(
-        anthropic.message_prompt, req, engine.chat_template, engine.tokenizer, tools
-    )
+    engine = leased_engine(request)
+    prep = await prepare(request, prepare_messages, False)
     message_id = f"msg_{uuid.uuid4().hex}"
-    options = req.options
-    if tools is None or not req.calls_tools:
-        fmt = anthropic.MessageFormat(message_id, engine.model_name)
+    if prep.tools is None:
+        fmt = anthropic.MessageFormat(message_id, engine.model_name, prep.thinking)
     else:
-        fmt = anthropic.ToolMessageFormat(message_id, engine.model_name, tools)
-        options = replace(options, grammar=tools.grammar(req.tools, req.tool_choice))
-    handle = engine.submit(generation_request(fmt.id, options, prompt))
-    if req.options.stream:
+        fmt = anthropic.ToolMessageFormat(message_id, engine.model_name, prep.tools, prep.thinking)
+    handle = engine.submit(generation_request(fmt.id, prep.options, prep.prompt))
+    if prep.options.stream:
         return await _stream_messages(request, fmt, handle)
-    text = await _whole_text(handle)
+    text = await whole_text(handle)
     body = fmt.response(
         text, handle.finish_reason or "stop", handle.stop_string, _anthropic_usage(handle)
     )
     return web.json_response(body, dumps=dumps)
 
 
+@leasing
 async def responses(request: web.Request) -> web.StreamResponse:
     """OpenAI's POST /v1/responses (stateless), on the chat completions path."""
-    body = await read_json(request)
-    async with _lease(request, body) as engine:
-        return await _responses(request, engine, body)
-
-
-async def _responses(request: web.Request, engine: Engine, body: dict) -> web.StreamResponse:
-    req = parse_responses(body, model_name=engine.model_name)
-    check_chars(engine, _text_chars(req.messages), "input")
-    tools = _tool_format(engine, req)
-    prompt = await asyncio.to_thread(
-        chat_prompt, req, engine.chat_template, engine.tokenizer, tools
-    )
-    options, offered = req.options, None
-    if tools is not None and req.calls_tools:
-        options = replace(options, grammar=tools.grammar(req.tools, req.tool_choice))
-        offered = tools
+    engine = leased_engine(request)
+    prep = await prepare(request, prepare_responses)
+    options = prep.options
     fmt = ResponseFormat(
-        f"resp_{uuid.uuid4().hex}", engine.model_name, int(time.time()), req, offered
+        f"resp_{uuid.uuid4().hex}", engine.model_name, int(time.time()), prep.request, prep.tools
     )
-    handle = engine.submit(generation_request(fmt.id, options, prompt))
+    handle = engine.submit(generation_request(fmt.id, options, prep.prompt))
 
     def used() -> dict[str, Any]:
         return responses_usage(handle.prompt_tokens, handle.cached_tokens, handle.completion_tokens)
 
     if not options.stream:
-        text = await _whole_text(handle)
+        text = await whole_text(handle)
         return web.json_response(
             fmt.response(text, handle.finish_reason or "stop", used()), dumps=dumps
         )
     resp = _event_stream()
-    async with _stream_guard(handle, resp, fmt.id, fmt.error_events):
+    async with stream_guard(handle, resp, fmt.id, fmt.error_events):
         await resp.prepare(request)
         for ev in fmt.start():
             await resp.write(ev)
@@ -470,18 +409,6 @@ async def _responses(request: web.Request, engine: Engine, body: dict) -> web.St
     return resp
 
 
-async def _whole_text(handle: RequestHandle) -> str:
-    """A non-streamed request's text, once it ends; its error as an APIError."""
-    try:
-        text = "".join([delta.text async for delta in handle])
-    except BaseException:  # cancelled (the client went away) or the engine broke
-        handle.cancel()
-        raise
-    if (err := finish_error(handle.finish_reason, handle.error)) is not None:
-        raise err
-    return text
-
-
 def _anthropic_usage(handle: RequestHandle) -> dict[str, int]:
     return anthropic.usage(handle.prompt_tokens, handle.cached_tokens, handle.completion_tokens)
 
@@ -494,7 +421,7 @@ async def _stream_messages(
     def error_events(err: APIError) -> list[bytes]:
         return [anthropic.event("error", anthropic.error_body(err))]
 
-    async with _stream_guard(handle, resp, fmt.id, error_events):
+    async with stream_guard(handle, resp, fmt.id, error_events):
         await resp.prepare(request)
         for ev in fmt.start(handle.prompt_tokens):
             await resp.write(ev)
@@ -510,20 +437,11 @@ async def _stream_messages(
     return resp
 
 
+@leasing
 async def count_tokens(request: web.Request) -> web.Response:
     """Anthropic's POST /v1/messages/count_tokens: the prompt a Messages body would make."""
-    body = await read_json(request)
-    async with _lease(request, body) as engine:
-        req = anthropic.parse_messages(body, model_name=engine.model_name, count_only=True)
-        check_chars(engine, _text_chars(req.messages) + len(req.prefill), "messages")
-        prompt = await asyncio.to_thread(
-            anthropic.message_prompt,
-            req,
-            engine.chat_template,
-            engine.tokenizer,
-            _tool_format(engine, req),
-        )
-    return web.json_response({"input_tokens": len(prompt)}, dumps=dumps)
+    prep = await prepare(request, prepare_messages, True)
+    return web.json_response({"input_tokens": len(prep.prompt)}, dumps=dumps)
 
 
 def _event_stream() -> web.StreamResponse:
@@ -537,18 +455,12 @@ def _event_stream() -> web.StreamResponse:
 
 
 async def _generate(
-    request: web.Request, engine: Engine, fmt: OutputFormat, options: Options, prompt: list[int]
+    request: web.Request, fmt: OutputFormat, options: Options, prompt: list[int]
 ) -> web.StreamResponse:
-    handle = engine.submit(generation_request(fmt.id, options, prompt))
+    handle = leased_engine(request).submit(generation_request(fmt.id, options, prompt))
     if options.stream:
         return await _stream(request, fmt, handle)
-    try:
-        deltas = [delta async for delta in handle]
-    except BaseException:  # cancelled (the client went away) or the engine broke
-        handle.cancel()
-        raise
-    if (err := finish_error(handle.finish_reason, handle.error)) is not None:
-        raise err
+    deltas = await all_deltas(handle)
     fmt.usage_extra = usage_extra(handle)
     body = fmt.response(
         deltas, handle.finish_reason or "stop", handle.prompt_tokens, handle.completion_tokens
@@ -574,7 +486,7 @@ async def _stream(
     def error_events(err: APIError) -> list[bytes]:
         return [sse(err.body()), SSE_DONE]
 
-    async with _stream_guard(handle, resp, fmt.id, error_events):
+    async with stream_guard(handle, resp, fmt.id, error_events):
         await resp.prepare(request)
         for chunk in fmt.start():
             await resp.write(sse(chunk))
@@ -594,52 +506,17 @@ async def _stream(
     return resp
 
 
-@contextlib.asynccontextmanager
-async def _stream_guard(
-    handle: RequestHandle,
-    resp: web.StreamResponse,
-    stream_id: str,
-    error_events: Callable[[APIError], list[bytes]],
-) -> AsyncIterator[None]:
-    """Around a streamed reply: a client that went away cancels its request; an internal
-    failure after the headers went out ends the stream with the API's error event(s)."""
-    try:
-        yield
-    except ConnectionResetError:  # the client went away mid-stream
-        handle.cancel()
-    except asyncio.CancelledError:
-        handle.cancel()
-        raise
-    except Exception as exc:
-        handle.cancel()
-        if not resp.prepared:
-            raise
-        # Headers are out, so no error status: end the stream with an error event.
-        log.exception("stream %s failed", stream_id)
-        with contextlib.suppress(ConnectionResetError):
-            for event in error_events(APIError(500, f"internal error: {exc}")):
-                await resp.write(event)
-
-
 # --- llama-server's token utilities ------------------------------------------------------
 
 
+@leasing
 async def tokenize(request: web.Request) -> web.Response:
     """{"content", "add_special" (BOS, default false), "parse_special" (control tokens
     written in content are tokens, default true), "with_pieces"} -> {"tokens": [...]};
     with_pieces, each token is {"id", "piece"} (piece: text, or a byte list when the
     token is not whole UTF-8)."""
-    body = await read_json(request)
-    content = read_text("content", body.get("content"))
-    add_bos = read_bool(body, "add_special")
-    special = read_bool(body, "parse_special", default=True)
-    with_pieces = read_bool(body, "with_pieces")
-    async with _lease(request, body) as engine:
-        check_chars(engine, len(content), "content")
-        tokenizer = engine.tokenizer
-        ids = await asyncio.to_thread(
-            tokenizer.encode, content, add_bos=add_bos, allow_special=special, add_eos=False
-        )
+    tokenizer = leased_engine(request).tokenizer
+    ids, with_pieces = await prepare(request, prepare_tokenize)
     if not with_pieces:
         return web.json_response({"tokens": ids}, dumps=dumps)
     out = []
@@ -653,31 +530,12 @@ async def tokenize(request: web.Request) -> web.Response:
     return web.json_response({"tokens": out}, dumps=dumps)
 
 
+@leasing
 async def detokenize(request: web.Request) -> web.Response:
     """{"tokens": [ids]} -> {"content": text}; control tokens appear as their text, so
     detokenize inverts tokenize."""
-    body = await read_json(request)
-    async with _lease(request, body) as engine:
-        return _detokenize(engine.tokenizer, body)
-
-
-def _detokenize(tokenizer: Tokenizer, body: dict) -> web.Response:
-    tokens = body.get("tokens")
-    if not isinstance(tokens, list):
-        raise APIError(
-            400, f"tokens must be an array of token ids, got {json_kind(tokens)}", param="tokens"
-        )
-    ids = []
-    for i, t in enumerate(tokens):
-        n = as_int(f"tokens[{i}]", t)
-        if not 0 <= n < tokenizer.vocab_size:
-            raise APIError(
-                400,
-                f"tokens[{i}]: token id {n} is not in [0, {tokenizer.vocab_size})",
-                param=f"tokens[{i}]",
-            )
-        ids.append(n)
-    return web.json_response({"content": tokenizer.decode(ids, skip_special=False)}, dumps=dumps)
+    content = await prepare(request, prepare_detokenize)
+    return web.json_response({"content": content}, dumps=dumps)
 
 
 # --- models, health, metrics -------------------------------------------------------------

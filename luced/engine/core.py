@@ -302,15 +302,14 @@ class Engine:
             and (req.params.greedy or req.params.seed is None)
         ):
             # A lookup starts from its priors, not --block-size: its fresh matches are often
-            # wrong, and a first window of 16 cost ~3 plain steps per open-chat request.
+            # wrong, and a first window of 16 costs several plain steps.
             priors = PromptLookup.FIRST_ACCEPTANCE if self.lookup_drafts else None
             seq.sizer = BlockSizer(self.step_costs, self.block_size, priors=priors)
         return seq
 
     async def _constrain(self, seq: Sequence) -> None:
         """The request's grammar over this model's vocabulary, built off the event loop:
-        the vocabulary once (0.24 s for SmolLM2's 49k tokens, 2.9 s for Gemma's 262k),
-        the matcher per request (milliseconds for a JSON schema)."""
+        the vocabulary once (seconds for a large vocabulary), the matcher per request."""
         grammar = seq.handle.request.grammar
         assert grammar is not None
         try:
@@ -569,8 +568,7 @@ class Engine:
 
     def _observe_finish(self, handle: RequestHandle) -> None:
         if self.metrics is not None and handle.finish_reason is not None:
-            self.metrics.observe("e2e", time.monotonic() - handle.submitted_at)
-            self.metrics.finished(handle.finish_reason)
+            self.metrics.request_finished(handle)
 
     def status(self) -> dict:
         return engine_status(self)

@@ -8,7 +8,11 @@ process do not collide.
     luced:time_to_first_token_seconds   histogram  submit -> first sampled token
     luced:inter_token_latency_seconds   histogram  between consecutive sampled tokens
     luced:e2e_request_latency_seconds   histogram  submit -> finished
+    luced:request_queue_time_seconds    histogram  submit -> first admitted (waiting)
+    luced:request_prefill_time_seconds  histogram  first admitted -> first token
+    luced:request_decode_time_seconds   histogram  first token -> last token
     luced:request_prompt_tokens         histogram  prompt length per request
+    luced:request_generation_tokens     histogram  tokens generated per request
     luced:num_requests_running          gauge      requests in prefill or decode
     luced:num_requests_waiting          gauge      requests in the queue
     luced:kv_cache_usage_perc           gauge      KV positions the running requests hold,
@@ -37,8 +41,13 @@ process do not collide.
     luced:event_loop_lag_seconds        histogram  how late the daemon's event loop ran a
                                                    task due every 0.25 s (a stall shows
                                                    as one long lag)
+    process_*                           prometheus_client's process collector (CPU
+                                        seconds, resident memory, open fds, start
+                                        time), as vLLM exports it; no model_name label
 
-The engine reports through `observe(what, value)` and `finished(reason)`; the HTTP
+The engine reports through `observe(what, value)` and, once per request when it ends,
+`request_finished(handle)` (the finish reason, the latency and the phase times from the
+handle's timestamps, the tokens it generated); the HTTP
 layer refreshes the gauges from `Engine.status()` on every scrape (and once a second),
 so they are right even if an engine path forgot to report. Every observation also goes
 to `timeline` (luced.engine.timeline): the last ten minutes, a sample a second, which
@@ -47,15 +56,17 @@ them too, but globally; we filter our own output instead).
 
 A daemon serving several models keeps a `Metrics` per model (its series labelled with
 its name, kept while it is unloaded so that counters never go back) and one of its own
-for the event loop's lag; `merged_exposition` shows them as one page, each family once.
+for the event loop's lag and the process; `merged_exposition` shows them as one page,
+each family once.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, Protocol
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4, generate_latest
 from prometheus_client.metrics_core import Metric
 
@@ -90,6 +101,18 @@ LOOP_LAG_BUCKETS = (
 # The timeline's gauges, as Engine.status()'s queue names them.
 _QUEUE_KEYS = {"running": "running", "queue": "waiting", "kv_usage": "kv_usage"}
 REJECT_REASONS = ("max_queue", "max_queued_tokens", "context_length_exceeded")
+
+
+class FinishedRequest(Protocol):
+    """What `Metrics.request_finished` reads of a request that ended (the engine's
+    `RequestHandle`): `time.monotonic()` timestamps, None for a phase never reached."""
+
+    finish_reason: str | None
+    completion_tokens: int
+    submitted_at: float
+    admitted_at: float | None  # first taken from the queue to run
+    first_token_at: float | None
+    last_token_at: float | None
 
 
 class Metrics:
@@ -129,6 +152,27 @@ class Metrics:
         self.request_prompt_tokens = histogram(
             "request_prompt_tokens",
             "Number of prefill tokens processed per request.",
+            TOKEN_COUNT_BUCKETS,
+        )
+        # vLLM's request phases: waiting in the queue, prefill, decode (seconds each).
+        self.request_queue_time = histogram(
+            "request_queue_time_seconds",
+            "Seconds a request waited in the queue before it first ran.",
+            REQUEST_LATENCY_BUCKETS,
+        )
+        self.request_prefill_time = histogram(
+            "request_prefill_time_seconds",
+            "Seconds from a request's admission to its first token.",
+            REQUEST_LATENCY_BUCKETS,
+        )
+        self.request_decode_time = histogram(
+            "request_decode_time_seconds",
+            "Seconds from a request's first token to its last.",
+            REQUEST_LATENCY_BUCKETS,
+        )
+        self.request_generation_tokens = histogram(
+            "request_generation_tokens",
+            "Tokens generated per finished request.",
             TOKEN_COUNT_BUCKETS,
         )
         self.num_requests_running = family(
@@ -234,6 +278,8 @@ class Metrics:
             "How late the daemon's event loop ran a task that was due (seconds).",
             LOOP_LAG_BUCKETS,
         )
+        # process_cpu_seconds_total, process_resident_memory_bytes, ... of the daemon.
+        ProcessCollector(registry=self.registry)
         self._observers = {
             "ttft": self.time_to_first_token.observe,
             "itl": self.inter_token_latency.observe,
@@ -274,6 +320,23 @@ class Metrics:
             ) from None
         observer(value)
         self.timeline.add(what, value)
+
+    def request_finished(self, request: FinishedRequest) -> None:
+        """A request ended, whatever the reason: count it by its finish reason and observe
+        its latency, its phases (those it reached) and the tokens it generated. The engine
+        calls this once per request, after setting its finish reason."""
+        if request.finish_reason is None:
+            raise ValueError("request_finished needs a finished request (finish_reason is None)")
+        self.observe("e2e", time.monotonic() - request.submitted_at)
+        self.finished(request.finish_reason)
+        self.request_generation_tokens.observe(request.completion_tokens)
+        admitted, first, last = request.admitted_at, request.first_token_at, request.last_token_at
+        if admitted is not None:
+            self.request_queue_time.observe(admitted - request.submitted_at)
+            if first is not None:
+                self.request_prefill_time.observe(first - admitted)
+        if first is not None and last is not None:
+            self.request_decode_time.observe(last - first)
 
     def finished(self, reason: str) -> None:
         """A request ended with reason stop | length | abort | error."""
@@ -351,8 +414,12 @@ class Metrics:
         return generate_latest(_WithoutCreated(self.registry))
 
 
-# The daemon's own families: one event loop, whatever the models.
+# The daemon's own families, whatever the models: one event loop, one process (process_*).
 DAEMON_FAMILIES = frozenset({NAMESPACE + "event_loop_lag_seconds"})
+
+
+def _daemon_own(family: str) -> bool:
+    return family in DAEMON_FAMILIES or not family.startswith(NAMESPACE)
 
 
 def merged_exposition(daemon: Metrics, models: Iterable[Metrics]) -> bytes:
@@ -371,7 +438,7 @@ class _Merged:
         families: dict[str, Metric] = {}
         for registry, own in self._parts:
             for metric in registry.collect():
-                if (metric.name in DAEMON_FAMILIES) != own:
+                if _daemon_own(metric.name) != own:
                     continue
                 samples = _without_created(metric.samples)
                 if metric.name in families:

@@ -97,6 +97,7 @@ class RequestHandle:
         self.cancelled = False
         self.on_cancel: Callable[[RequestHandle], None] | None = None
         self.submitted_at = time.monotonic()
+        self.admitted_at: float | None = None  # first taken from the queue to run
         self.first_token_at: float | None = None
         self.last_token_at: float | None = None
         # Speculation counts for this request (reported in usage).

@@ -157,6 +157,8 @@ class Scheduler:
             self.waiting.remove(seq)
             seq.slot = seq.handle.slot = slot
             seq.status = Status.RUNNING
+            if seq.handle.admitted_at is None:  # a preempted one keeps its first admission
+                seq.handle.admitted_at = time.monotonic()
             self.running.append(seq)
             started.append(seq)
         if started:

@@ -30,7 +30,7 @@ raw bits; the worker views the same bytes as ``torch.bfloat16`` by the dtype nam
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Self
 
@@ -215,16 +215,25 @@ class RegionAllocator:
 class Attachments:
     """Worker side: segments attached on first use, by name, and closed together.
 
-    Never unlinks (attachers don't); ``close`` only unmaps.
+    Never unlinks (attachers don't); ``close`` only unmaps. ``on_attach(segment)`` runs after
+    a segment is mapped and ``on_close(segment)`` before it is unmapped (a GPU worker
+    page-locks the mapping in between: runtime/device_io.py).
     """
 
-    def __init__(self) -> None:
+    def __init__(
+        self,
+        on_attach: Callable[[Segment], object] | None = None,
+        on_close: Callable[[Segment], object] | None = None,
+    ) -> None:
         self._segments: dict[str, Segment] = {}
+        self._on_attach, self._on_close = on_attach, on_close
 
     def segment(self, name: str) -> Segment:
         seg = self._segments.get(name)
         if seg is None:
             seg = self._segments[name] = Segment.attach(name)
+            if self._on_attach is not None:
+                self._on_attach(seg)
         return seg
 
     def view(self, region: Region) -> np.ndarray:
@@ -235,6 +244,8 @@ class Attachments:
 
     def close(self) -> None:
         for seg in self._segments.values():
+            if self._on_close is not None:
+                self._on_close(seg)
             seg.close()
         self._segments.clear()
 

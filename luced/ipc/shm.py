@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import ctypes
 import glob
 import mmap
 import os
@@ -271,6 +272,15 @@ class Segment:
         count = int(np.prod(shape, dtype=np.int64))
         buf = self.buffer(offset, count * dt.itemsize)
         return np.frombuffer(buf, dtype=dt, count=count).reshape(shape)
+
+    def address(self) -> int:
+        """The mapping's base address (to page-lock it); valid until `close`. The buffer
+        export this takes is released before returning, so `close` still unmaps."""
+        view = (ctypes.c_char * self.size).from_buffer(self._mapped())
+        try:
+            return ctypes.addressof(view)
+        finally:
+            del view
 
     def _mapped(self) -> mmap.mmap:
         if self._mmap is None:

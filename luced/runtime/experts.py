@@ -179,7 +179,9 @@ def read_experts(
     else:
         gate_up = fuse_gate_up(stack("ffn_gate_exps"), stack("ffn_up_exps"))
     return StackedExperts(
-        pack(gate_up, dtype), pack(stack("ffn_down_exps"), dtype), ACTIVATIONS[cfg.act]
+        pack(gate_up, dtype, device),
+        pack(stack("ffn_down_exps"), dtype, device),
+        ACTIVATIONS[cfg.act],
     )
 
 

@@ -38,7 +38,7 @@ Attention over a sequence reads its rows in position order: a view of the pool w
 blocks lie in consecutive pool blocks (as `KVCache` hands out), a gather (`index_select`)
 otherwise. The values are the same either way, so the logits are `KVCache`'s bit for bit.
 Recurrent layers keep their state beside the pool exactly as in `KVCache`
-(`kv_cache.RecurrentLayers`); a cache with recurrent layers cannot share, because a state
+(`kv_cache.BaseKVCache`); a cache with recurrent layers cannot share, because a state
 sums up its whole prefix and exists only where a forward stopped.
 """
 
@@ -50,9 +50,8 @@ from collections.abc import Mapping
 import torch
 
 from luced.runtime.kv_cache import (
+    BaseKVCache,
     ContextOverflow,
-    LayerState,
-    RecurrentLayers,
     RecurrentShape,
     RecurrentState,
     layer_roles,
@@ -181,7 +180,7 @@ class BlockPool:
         return self.n_blocks * self.block_nbytes()
 
 
-class PagedKVCache(RecurrentLayers):
+class PagedKVCache(BaseKVCache):
     """The KVStore surface (see KVCache) over a BlockPool: position p lives in pool row
     table[p // block] * block + p % block."""
 
@@ -324,11 +323,7 @@ class PagedKVCache(RecurrentLayers):
         """Roll back to `pos` committed tokens and release the blocks wholly past it. With
         recurrent layers only to a position whose state is kept (else RecurrentRollback,
         no change)."""
-        if not 0 <= pos <= self.pos:
-            raise ValueError(f"cannot truncate to {pos}: fill position is {self.pos}")
-        if self.recurrent is not None:
-            self.recurrent.rewind(pos)
-        self.pos = pos
+        super().truncate(pos)
         self._release_from(-(-pos // self.pool.block))
 
     def _release_from(self, i: int) -> None:
@@ -339,9 +334,7 @@ class PagedKVCache(RecurrentLayers):
 
     def reset(self) -> None:
         """Empty the cache and release every block."""
-        if self.recurrent is not None:
-            self.recurrent.reset()
-        self.pos = 0
+        super().reset()
         self._release_from(0)
 
     def free(self) -> None:
@@ -372,42 +365,16 @@ class PagedKVCache(RecurrentLayers):
         self.commit(n)
         return n
 
-    def export_rows(self, layer: int, n: int, k_out: torch.Tensor, v_out: torch.Tensor) -> None:
-        """Copy `layer`'s committed rows [0, n) into k_out / v_out ([Hkv, >= n, D], the cache
-        dtype, any device)."""
-        if not 0 <= n <= self.pos:
-            raise ValueError(f"cannot export {n} rows: fill position is {self.pos}")
-        k, v = self._rows(layer, n)
-        k_out[:, :n].copy_(k)
-        v_out[:, :n].copy_(v)
+    def _committed_rows(self, layer: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._rows(layer, n)
 
-    def import_rows(
-        self,
-        n: int,
-        rows: Mapping[int, tuple[torch.Tensor, torch.Tensor]],
-        states: Mapping[int, LayerState] | None = None,
-    ) -> None:
-        """Replace the cache by rows [0, n) of each layer's (k, v) ([Hkv, >= n, D], the cache
-        dtype, any device) and `states` for recurrent layers (their state at n), then commit
-        n. The old blocks are released first; a failure after the checks (KVPoolFull, a
-        copy) leaves the cache empty."""
-        if n > self.capacity:
-            raise ContextOverflow(f"{n} positions exceed the KV capacity {self.capacity}")
-        self._check_import(n, rows, states)
-        self.reset()
-        try:
-            self.reserve(0, n)
-            if self.recurrent is not None:
-                assert states is not None
-                self.recurrent.load(n, states)
-            at = self.rows[:n]
-            for layer, (k, v) in rows.items():
-                self.pool.k[layer].index_copy_(1, at, k[:, :n].to(self.device))
-                self.pool.v[layer].index_copy_(1, at, v[:, :n].to(self.device))
-        except BaseException:
-            self.reset()
-            raise
-        self.pos = n
+    def _load_rows(self, n: int, rows: Mapping[int, tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Into fresh blocks (the old ones were released by `reset`; the pool may be full)."""
+        self.reserve(0, n)
+        at = self.rows[:n]
+        for layer, (k, v) in rows.items():
+            self.pool.k[layer].index_copy_(1, at, k[:, :n].to(self.device))
+            self.pool.v[layer].index_copy_(1, at, v[:, :n].to(self.device))
 
     def nbytes(self) -> int:
         """This sequence's share of the pool: each block it holds divided among its holders

@@ -312,19 +312,40 @@ def layer_roles(
     return shared, stored
 
 
-class RecurrentLayers:
-    """What a cache does for its recurrent layers (see the module docstring), shared by
-    `KVCache` and `kv_pool.PooledKVCache`: recurrent state is never pooled, so both keep
-    it alike. The cache provides the attributes below and `truncate`."""
+class BaseKVCache:
+    """What every cache (`KVCache`, `kv_pool.PooledKVCache`, `kv_blocks.PagedKVCache`) does
+    alike: its recurrent layers (see the module docstring; recurrent state is never pooled,
+    so all keep it alike), the rollback of the fill position, and a prefix snapshot's rows
+    out and in. A cache provides the attributes below and where its rows live:
+    `_committed_rows` (a layer's rows [0, n) to copy out) and `_load_rows` (rows [0, n) in,
+    after `reset`); `truncate` and `reset` it extends with its own bookkeeping."""
 
     recurrent: RecurrentState | None
     pos: int
+    capacity: int  # the most positions the cache holds
     stored: tuple[int, ...]  # the layers with K/V rows of their own
     shapes: dict[int, tuple[int, int]]  # stored layer -> (Hkv, D)
     dtype: torch.dtype
+    k: dict[int, torch.Tensor]  # stored layer -> its K rows [Hkv, rows, D] (V alike)
+    v: dict[int, torch.Tensor]
 
     def truncate(self, pos: int) -> None:
-        raise NotImplementedError
+        """Roll back to `pos` committed tokens (pos <= current fill position). With recurrent
+        layers only to a position whose state is kept (else RecurrentRollback, no change)."""
+        if not 0 <= pos <= self.pos:
+            raise ValueError(f"cannot truncate to {pos}: fill position is {self.pos}")
+        if self.recurrent is not None:
+            self.recurrent.rewind(pos)
+        self.pos = pos
+
+    def reset(self) -> None:
+        if self.recurrent is not None:
+            self.recurrent.reset()
+        self.pos = 0
+
+    def nbytes(self) -> int:
+        kv = sum(t.numel() * t.element_size() for t in (*self.k.values(), *self.v.values()))
+        return kv + (self.recurrent.nbytes() if self.recurrent is not None else 0)
 
     def commit(self, end: int) -> None:
         """Positions [0, end) are committed (and the recurrent layers' staged states)."""
@@ -381,14 +402,66 @@ class RecurrentLayers:
             raise RuntimeError("this cache has no recurrent layers")
         return self.recurrent
 
+    # Prefix snapshots (`kv_snapshot`): the same checks and order for every cache.
+
+    def export_rows(self, layer: int, n: int, k_out: torch.Tensor, v_out: torch.Tensor) -> None:
+        """Copy `layer`'s committed rows [0, n) into k_out / v_out ([Hkv, >= n, D], the cache
+        dtype, any device: `copy_` crosses devices)."""
+        if not 0 <= n <= self.pos:
+            raise ValueError(f"cannot export {n} rows: fill position is {self.pos}")
+        k, v = self._committed_rows(layer, n)
+        k_out[:, :n].copy_(k)
+        v_out[:, :n].copy_(v)
+
+    def import_rows(
+        self,
+        n: int,
+        rows: Mapping[int, tuple[torch.Tensor, torch.Tensor]],
+        states: Mapping[int, LayerState] | None = None,
+    ) -> None:
+        """Replace the cache by rows [0, n) of each layer's (k, v) ([Hkv, >= n, D], the cache
+        dtype, any device) and, for recurrent layers, `states` (each the layer's state at n),
+        then commit n. Every stored and recurrent layer must be given; n and the rows are
+        checked before anything changes. A failure after that (a state of the wrong shape, a
+        full pool, a copy) leaves the cache empty (pos 0)."""
+        self._check_import(n, rows, states)
+        self.reset()
+        try:
+            self._load_rows(n, rows)
+            if self.recurrent is not None:  # after the rows: placing them may rewind to 0
+                assert states is not None
+                self.recurrent.load(n, states)
+        except BaseException:
+            self.reset()
+            raise
+        self.pos = n
+
+    def _committed_rows(self, layer: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """`layer`'s K and V over positions [0, n) (committed), as [Hkv, n, D]; here row p
+        holds position p."""
+        return self.k[layer][:, :n], self.v[layer][:, :n]
+
+    def _load_rows(self, n: int, rows: Mapping[int, tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Store rows [0, n) of each stored layer's (k, v) at positions [0, n) (checked);
+        here into rows [0, n)."""
+        for layer, (k, v) in rows.items():
+            self.k[layer][:, :n].copy_(k[:, :n])
+            self.v[layer][:, :n].copy_(v[:, :n])
+
+    def _check_fits(self, n: int) -> None:
+        if n > self.capacity:
+            raise ContextOverflow(f"{n} positions exceed the KV capacity {self.capacity}")
+
     def _check_import(
         self,
         n: int,
         rows: Mapping[int, tuple[torch.Tensor, torch.Tensor]],
         states: Mapping[int, LayerState] | None,
     ) -> None:
-        """`import_rows`' checks, before anything changes: each stored layer's rows as
-        [Hkv, >= n, D] in the cache dtype, and states exactly when some layer is recurrent."""
+        """`import_rows`' checks, before anything changes: n fits, each stored layer's rows
+        as [Hkv, >= n, D] in the cache dtype, and states exactly when some layer is
+        recurrent."""
+        self._check_fits(n)
         if self.recurrent is None and states:
             raise ValueError(f"states for layers {sorted(states)}: no layer here is recurrent")
         if self.recurrent is not None and states is None:
@@ -410,7 +483,7 @@ class RecurrentLayers:
                     raise ValueError(f"layer {layer}: rows are {t.dtype}, the cache {self.dtype}")
 
 
-class KVCache(RecurrentLayers):
+class KVCache(BaseKVCache):
     def __init__(
         self,
         layers: range,
@@ -522,52 +595,7 @@ class KVCache(RecurrentLayers):
             storage = self._storage[source] = Storage(self.k[source], self.v[source])
         return storage
 
-    def truncate(self, pos: int) -> None:
-        """Roll back to `pos` committed tokens (pos <= current fill position). With recurrent
-        layers only to a position whose state is kept (else RecurrentRollback, no change)."""
-        if not 0 <= pos <= self.pos:
-            raise ValueError(f"cannot truncate to {pos}: fill position is {self.pos}")
-        if self.recurrent is not None:
-            self.recurrent.rewind(pos)
-        self.pos = pos
-
-    def reset(self) -> None:
-        if self.recurrent is not None:
-            self.recurrent.reset()
-        self.pos = 0
-
-    def export_rows(self, layer: int, n: int, k_out: torch.Tensor, v_out: torch.Tensor) -> None:
-        """Copy `layer`'s committed rows [0, n) into k_out / v_out ([Hkv, >= n, D], the cache
-        dtype, any device: `copy_` crosses devices)."""
-        if not 0 <= n <= self.pos:
-            raise ValueError(f"cannot export {n} rows: fill position is {self.pos}")
-        k_out[:, :n].copy_(self.k[layer][:, :n])
-        v_out[:, :n].copy_(self.v[layer][:, :n])
-
-    def import_rows(
-        self,
-        n: int,
-        rows: Mapping[int, tuple[torch.Tensor, torch.Tensor]],
-        states: Mapping[int, LayerState] | None = None,
-    ) -> None:
-        """Replace the cache by rows [0, n) of each layer's (k, v) ([Hkv, >= n, D], the cache
-        dtype, any device) and, for recurrent layers, `states` (each the layer's state at n),
-        then commit n. Every stored and recurrent layer must be given; the shapes are checked
-        before anything changes. A copy failing part-way leaves the cache empty (pos 0)."""
-        if n > self.capacity:
-            raise ContextOverflow(f"{n} positions exceed the KV capacity {self.capacity}")
-        self._check_import(n, rows, states)
-        self.pos = 0
-        if self.recurrent is not None:
-            assert states is not None
-            self.recurrent.load(n, states)  # checks the states' shapes first
+    def _load_rows(self, n: int, rows: Mapping[int, tuple[torch.Tensor, torch.Tensor]]) -> None:
         if n > self._allocated:  # nothing to keep: the old rows are being replaced
             self._grow(min(self.capacity, max(n, 2 * self._allocated)), keep=0)
-        for layer, (k, v) in rows.items():
-            self.k[layer][:, :n].copy_(k[:, :n])
-            self.v[layer][:, :n].copy_(v[:, :n])
-        self.pos = n
-
-    def nbytes(self) -> int:
-        kv = sum(t.numel() * t.element_size() for t in (*self.k.values(), *self.v.values()))
-        return kv + (self.recurrent.nbytes() if self.recurrent is not None else 0)
+        super()._load_rows(n, rows)

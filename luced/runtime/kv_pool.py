@@ -29,7 +29,7 @@ The copies are byte-exact. A paged-out block is not zeroed: the mask hides it.
 
 Recurrent layers (Gated DeltaNet, qwen35 / qwen35moe) keep no rows, only a state that
 sums up every committed position; it is never paged. It lives beside the pool exactly as
-in `KVCache` (`kv_cache.RecurrentLayers`: recurrent_state, stage_state, commit, truncate
+in `KVCache` (`kv_cache.BaseKVCache`: recurrent_state, stage_state, commit, truncate
 to a kept state, save_state, ...), so a hybrid pools its attention layers only and its
 host records hold their rows only.
 
@@ -46,9 +46,8 @@ from dataclasses import dataclass, field
 import torch
 
 from luced.runtime.kv_cache import (
+    BaseKVCache,
     ContextOverflow,
-    LayerState,
-    RecurrentLayers,
     RecurrentShape,
     RecurrentState,
     layer_roles,
@@ -71,7 +70,7 @@ class _Step:
     masks: dict[int | None, torch.Tensor | None] = field(default_factory=dict)
 
 
-class PooledKVCache(RecurrentLayers):
+class PooledKVCache(BaseKVCache):
     """The `KVCache` surface (reserve, write, mask, commit, truncate, reset, and the
     recurrent layers' state) over pool rows.
 
@@ -256,58 +255,32 @@ class PooledKVCache(RecurrentLayers):
         """Roll back to `pos`; stale rows stay until overwritten (the slot map hides them).
         With recurrent layers only to a position whose state is kept (else
         RecurrentRollback, no change)."""
-        if not 0 <= pos <= self.pos:
-            raise ValueError(f"cannot truncate to {pos}: fill position is {self.pos}")
-        if self.recurrent is not None:
-            self.recurrent.rewind(pos)
-        self.pos = pos
+        super().truncate(pos)
         self.qk.forget(pos)
 
     def reset(self) -> None:
-        if self.recurrent is not None:
-            self.recurrent.reset()
-        self.pos = 0
+        super().reset()
         self._step = None
         self.qk.reset()
-
-    def nbytes(self) -> int:
-        kv = sum(t.numel() * t.element_size() for t in (*self.k.values(), *self.v.values()))
-        return kv + (self.recurrent.nbytes() if self.recurrent is not None else 0)
 
     # Prefix snapshots: only in the identity layout (position p in row p), which the daemon
     # checks with its pager; the rows' map is checked here too.
 
-    def export_rows(self, layer: int, n: int, k_out: torch.Tensor, v_out: torch.Tensor) -> None:
-        """Copy positions [0, n) of `layer` into k_out / v_out ([Hkv, >= n, D]); the rows must
-        be in the identity layout."""
-        if not 0 <= n <= min(self.pos, self.pool):
-            raise ValueError(f"cannot export {n} rows: fill position {self.pos}, pool {self.pool}")
+    def _committed_rows(self, layer: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if n > self.pool:
+            raise ValueError(f"cannot export {n} rows: the pool holds {self.pool}")
         if not torch.equal(self._held[:n], self._arange[:n]):
             raise ValueError("KV Flash: a snapshot needs the identity layout (row p holds p)")
-        k_out[:, :n].copy_(self.k[layer][:, :n])
-        v_out[:, :n].copy_(self.v[layer][:, :n])
+        return super()._committed_rows(layer, n)
 
-    def import_rows(
-        self,
-        n: int,
-        rows: Mapping[int, tuple[torch.Tensor, torch.Tensor]],
-        states: Mapping[int, LayerState] | None = None,
-    ) -> None:
-        """Rows [0, n) of each layer's (k, v) into pool rows [0, n) (the identity layout the
-        daemon's pager then syncs to), `states` for the recurrent layers (their state at n),
-        and commit n."""
+    def _check_fits(self, n: int) -> None:
         if n > self.pool:
             raise ContextOverflow(f"{n} positions exceed the KV Flash pool of {self.pool} rows")
-        self._check_import(n, rows, states)
-        self.reset()
-        if self.recurrent is not None:
-            assert states is not None
-            self.recurrent.load(n, states)  # checks the states' shapes first
-        for layer, (k, v) in rows.items():
-            self.k[layer][:, :n].copy_(k[:, :n])
-            self.v[layer][:, :n].copy_(v[:, :n])
+
+    def _load_rows(self, n: int, rows: Mapping[int, tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Into pool rows [0, n): the identity layout the daemon's pager then syncs to."""
+        super()._load_rows(n, rows)
         self._held = torch.where(self._arange < n, self._arange, -1)
-        self.pos = n
         sealed = torch.arange(n // self.chunk, device=self.device)  # chunk c in block c
         for layer in self.stored:
             self.qk.seal(layer, sealed, self._blocks(layer)[:, sealed])

@@ -3,11 +3,10 @@
 Shapes use `n` for the tokens of one forward, `L` for the attended key length,
 `H`/`Hkv` for query/key-value heads and `D` for the head dimension.
 
-Matrix layout depends on the dtype, because CPU GEMV speed does (measured here,
-one row against the 49152 x 576 SmolLM2 head): float32 weights are stored
-transposed, `[in, out]`, and multiplied with `matmul` (3.5 ms vs 6.3 ms for
-`F.linear`); bfloat16 / float16 weights keep `[out, in]` for `F.linear` (1.6 ms vs
-3.9 ms for the transposed layout). `store_matrix` / `matrix_rows` / `linear` are the
+Matrix layout depends on the dtype, because CPU GEMV speed does (README, "Measurements
+behind the code"): float32 weights are stored transposed, `[in, out]`, and multiplied with
+`matmul`, which beats `F.linear` on them; bfloat16 / float16 weights keep `[out, in]` for
+`F.linear`, which beats the transposed layout. `store_matrix` / `matrix_rows` / `linear` are the
 only places that know this. A stack of matrices (MoE experts, `[E, out, in]`) is stored
 the same way per matrix, so `w[e]` is a matrix `linear` takes (packed: a list of them).
 

@@ -113,7 +113,7 @@ class Model:
             raise GGUFError(f"{gguf.path}: {exc}") from exc
         groups = getattr(family, "FUSED", ())
         fuse_rows(tensors, ([f"{i}.{name}" for name in group] for i in span for group in groups))
-        pack_weights(tensors, torch_dtype)  # after prepare, which may reorder rows
+        pack_weights(tensors, torch_dtype, torch_device)  # after prepare, which may reorder rows
         model = cls(family, cfg, tensors, span, torch_dtype, torch_device, gguf.path)  # type: ignore[arg-type]
         model.weights_mode = weights
         model.batch_invariant = batch_invariant
@@ -173,13 +173,14 @@ class Model:
             state_dtype=self.dtype,
         )
 
-    def new_block_pool(self, block: int) -> BlockPool:
+    def new_block_pool(self, block: int, initial_blocks: int = 64) -> BlockPool:
         """One K/V pool for every sequence of this shard, in blocks of `block` rows (each
         stored layer in its own shape; it grows as sequences need rows)."""
         cfg = self.cfg
         _, stored = layer_roles(self.layers, self._kv_sources(), self._recurrent_shapes())
+        shapes = {i: cfg.kv_shape(i) for i in stored}
         return BlockPool(
-            {i: cfg.kv_shape(i) for i in stored}, self.kv_dtype, self.device, block=block
+            shapes, self.kv_dtype, self.device, block=block, initial_blocks=initial_blocks
         )
 
     def new_paged_cache(self, pool: BlockPool, capacity: int | None = None) -> PagedKVCache:

@@ -151,7 +151,7 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
 
 def activation_levels() -> int:
     """`LUCED_ACTIVATIONS`: int16 (default: two int8 levels, finer than the bf16 activations
-    torch's kernels take) or int8 (one level, llama.cpp's Q8 activations: ~15% faster decode,
+    torch's kernels take) or int8 (one level, llama.cpp's Q8 activations: faster decode, but
     a few knife-edge greedy answers flip; see docs/design.md "Compact weights")."""
     name = os.environ.get("LUCED_ACTIVATIONS", "int16")
     if name not in ("int8", "int16"):
@@ -184,8 +184,9 @@ def kernels(device: torch.device, mode: str | None = None) -> Kernels | None:
     found = _kernels(cpu_flags())
     if found is None and mode == "native":
         raise RuntimeError("LUCED_KERNELS=native but the native kernels could not be built")
-    # The portable variant is ~8x slower than a vector one: a reference and a last resort
-    # when asked for, not a default over torch's kernels.
+    # The portable variant is several times slower than a vector one (README, "Measurements
+    # behind the code"): a reference and a last resort when asked for, not a default over
+    # torch's kernels.
     if found is not None and mode == "auto" and best_isa(cpu_flags()) == "scalar":
         return None
     return found

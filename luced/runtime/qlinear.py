@@ -1,5 +1,5 @@
-"""Compact linear layers: GGUF matrices kept quantized in memory for torch's weight-only
-CPU kernels, instead of expanded to float32 at load.
+"""Compact linear layers: GGUF matrices kept quantized in memory for weight-only kernels,
+instead of expanded to float32 at load.
 
 Forms (`--weights`):
     int4     32-wide groups along the input, asymmetric: w = (q - 8)·scale + zero, q in 0..15
@@ -21,7 +21,9 @@ per expert; `pack_weights` turns each into a `PackedLinear` after the family's `
 Kernels (`LUCED_KERNELS=auto|native|torch`): on a CPU where `native` built its library
 (csrc/qgemm.c: int8 activations, integer dot products, AVX512-VNNI / AVX2 / C variants chosen
 at run time), the matrix is held in that library's layout and few-row calls run there; with
-`torch` (or no gcc) it is held in torch's int4/int8 pack for the aten kernels above.
+`torch` (or no gcc) it is held in torch's int4/int8 pack for the aten kernels above. On a
+CUDA device it is held for aten's GPU kernels (`weight_only`: tinygemm int4, int8), which take
+any number of rows.
 
 Dispatch by rows (M = tokens in the call): M <= GEMV_MAX_ROWS runs the packed kernel, which
 reads 4.5 or 8 bits per weight (decode is memory-bound); more rows dequantize the matrix into
@@ -48,16 +50,16 @@ from gguf import quants as gguf_quants
 from gguf.constants import GGMLQuantizationType as Q
 
 from luced.ipc.frames import WEIGHT_MODES
-from luced.runtime import native
+from luced.runtime import native, weight_only
 from luced.runtime.native import cpu_flags
 
 log = logging.getLogger(__name__)
 
-GROUP = 32  # int4 group width: GGUF's Q4_0 / Q4_1 block
-# Most rows a call runs on the packed kernel; more go dense. The measured crossover
-# (tools/bench_qlinear.py, docs/design.md "Compact weights") lies between 32 and 512 rows on
-# an AVX512-BF16 EPYC; 64 is also the largest DFlash block, so every verify takes the
-# packed path, as decode does, and greedy speculative output equals plain decoding's.
+GROUP = weight_only.GROUP  # int4 group width: GGUF's Q4_0 / Q4_1 block
+# Most rows a call runs on the packed kernel; more go dense, near the crossover measured by
+# tools/bench_qlinear.py (docs/design.md "Compact weights"). 64 is also the largest DFlash
+# block, so every verify takes the packed path, as decode does, and greedy speculative
+# output equals plain decoding's.
 GEMV_MAX_ROWS = 64
 _PACK_N = 64  # int4 packing pads rows to this (the AVX512 kernel's block of output rows)
 
@@ -67,15 +69,17 @@ FLOAT = frozenset({Q.F32, Q.F16, Q.BF16})
 
 
 def kernels_vectorized(device: torch.device) -> bool:
-    """Whether torch's packed int4/int8 kernels have a vector path on this device (CPU with
-    AVX2 or AVX512; elsewhere they are scalar loops or absent)."""
+    """Whether packed int4/int8 kernels run fast on this device: a CUDA device (aten's GPU
+    kernels), a CPU with AVX2 or AVX512 (elsewhere they are scalar loops or absent)."""
+    if device.type == "cuda":
+        return True
     return device.type == "cpu" and torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
 
 
 @functools.cache
 def dense_dtype(device_type: str = "cpu") -> torch.dtype:
     """The dtype of the dense (many-row) path: bf16 where the CPU multiplies it natively
-    (AVX512-BF16, AMX), float32 where bf16 is emulated (AVX2 only: 6-9x slower)."""
+    (AVX512-BF16, AMX), float32 where bf16 is emulated (AVX2 only: several times slower)."""
     if device_type != "cpu":
         return torch.bfloat16
     native = {"avx512_bf16", "amx_bf16"} & cpu_flags()
@@ -90,7 +94,7 @@ def choose_form(mode: str, ggml_type: int, shape: tuple[int, ...], device: torch
     # ones quantization hurts (MoE routers, small gates), and they are small.
     if mode == "dequant" or len(shape) != 2 or ggml_type == Q.F32:
         return "dequant"
-    if device.type != "cpu":  # the CUDA twins pack differently; not built yet: exact path
+    if device.type not in ("cpu", "cuda"):  # no weight-only kernels (MPS): the exact path
         return "dequant"
     int4_fits = shape[1] % GROUP == 0
     if mode == "int4":
@@ -254,9 +258,16 @@ class PackedLinear:
     """A linear layer's weight [out, in] held packed for a weight-only kernel; `layers.linear`
     calls it. `dtype` is the model's compute dtype: outputs and `rows` come back in it.
     `kernels`: "auto" (native where available), "native" or "torch"; None reads
-    `LUCED_KERNELS`."""
+    `LUCED_KERNELS`. `device`: where the matrix lives (default: where the rows are); a CUDA
+    device holds it for aten's GPU kernels (`gpu`)."""
 
-    def __init__(self, rows: QuantRows, dtype: torch.dtype, kernels: str | None = None) -> None:
+    def __init__(
+        self,
+        rows: QuantRows,
+        dtype: torch.dtype,
+        kernels: str | None = None,
+        device: torch.device | str | None = None,
+    ) -> None:
         self.form = rows.form
         self.out_features, self.in_features = rows.shape
         self.splits = rows.splits or (self.out_features,)
@@ -265,6 +276,15 @@ class PackedLinear:
         # the packed kernel, 64 rows at a time, so no row depends on how many came with it.
         self.invariant = False
         self._codes: torch.Tensor | None = None  # kept only if the int4 layout is unknown
+        self.gpu: weight_only.Int4Tiles | weight_only.Int8Rows | None = None
+        target = torch.device(device) if device is not None else rows.codes.device
+        if target.type != "cpu":  # every call, of any size, takes the GPU kernel
+            self.native = None
+            if rows.form == "int8":
+                self.gpu = weight_only.Int8Rows(rows.codes, rows.scales, target)
+            else:
+                self.gpu = weight_only.Int4Tiles(rows.codes, rows.scales, rows.zeros, target)  # type: ignore[arg-type]
+            return
         # Native layout: `codes` with `sz` (int4) or `scale` (int8); torch's pack otherwise.
         self.native = native.kernels(rows.codes.device, kernels)
         if self.native is not None:
@@ -295,12 +315,18 @@ class PackedLinear:
         return self.out_features, self.in_features
 
     def nbytes(self) -> int:
+        if self.gpu is not None:
+            return self.gpu.nbytes()
         names = ("weight", "_codes", "scales", "scales_zeros", "codes", "sz", "scale")
         parts = (getattr(self, n, None) for n in names)
         return sum(t.numel() * t.element_size() for t in parts if t is not None)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., in] -> [..., out] in x's dtype."""
+        if self.gpu is not None:
+            lead = x.shape[:-1]
+            y = self.gpu.mm(x.reshape(-1, self.in_features))
+            return y.to(x.dtype).view(*lead, self.out_features)
         if x.dim() == 2 and x.shape[0] <= GEMV_MAX_ROWS:  # decode's call: no reshapes
             return self.gemv(x).to(x.dtype)
         lead, k = x.shape[:-1], self.in_features
@@ -361,6 +387,8 @@ class PackedLinear:
     def gemv(self, x: torch.Tensor) -> torch.Tensor:
         """x [m, in] -> [m, out] on the packed kernel: float32 out of the native kernels
         (which quantize x to int8 per 32 inputs), bf16 out of torch's (bf16 activations)."""
+        if self.gpu is not None:
+            return self.gpu.mm(x)
         if self.native is not None:
             return self.fused(x.to(torch.float32))  # the native call, nothing fused
         x = x.to(torch.bfloat16)
@@ -371,8 +399,10 @@ class PackedLinear:
 
     def dense(self, dtype: torch.dtype) -> torch.Tensor:
         """The whole matrix [out, in] dequantized into the shared scratch buffer (valid until
-        the next call)."""
+        the next call; on a GPU a tensor of its own)."""
         n, k = self.shape
+        if self.gpu is not None:
+            return self.gpu.dense().to(dtype)
         if self.native is not None:
             return self._native_dense(dtype)
         if self.form == "int8" or self._codes is not None:
@@ -396,6 +426,8 @@ class PackedLinear:
         """Dequantized rows [len(ids), in] in the compute dtype: the embedding lookup of a
         head tied to the embedding, without a float copy of the table."""
         ids = ids.reshape(-1)
+        if self.gpu is not None:
+            return self.gpu.rows(ids).to(self.dtype)
         out = torch.empty(ids.shape[0], self.in_features, dtype=self.dtype, device=ids.device)
         self._dequantize_into(ids, out)
         return out
@@ -445,17 +477,19 @@ def _unpack_int4(packed: torch.Tensor, ids: torch.Tensor, k: int) -> torch.Tenso
     return torch.where((r < half)[:, None], byte & 15, byte >> 4)
 
 
-def pack(value: object, dtype: torch.dtype) -> object:
-    """`QuantRows` as its `PackedLinear`, a list of them (a compact expert stack) as a list
-    of those; anything else as it is."""
+def pack(value: object, dtype: torch.dtype, device: torch.device | str | None = None) -> object:
+    """`QuantRows` as its `PackedLinear` on `device` (default: the rows'), a list of them (a
+    compact expert stack) as a list of those; anything else as it is."""
     if isinstance(value, QuantRows):
-        return PackedLinear(value, dtype)
+        return PackedLinear(value, dtype, device=device)
     if isinstance(value, list) and value and isinstance(value[0], QuantRows):
-        return [PackedLinear(rows, dtype) for rows in value]
+        return [PackedLinear(rows, dtype, device=device) for rows in value]
     return value
 
 
-def pack_weights(weights: dict[str, object], dtype: torch.dtype) -> None:
-    """Pack every `QuantRows` in a loaded weight dict (in place)."""
+def pack_weights(
+    weights: dict[str, object], dtype: torch.dtype, device: torch.device | str | None = None
+) -> None:
+    """Pack every `QuantRows` in a loaded weight dict (in place), onto `device`."""
     for key, value in weights.items():
-        weights[key] = pack(value, dtype)
+        weights[key] = pack(value, dtype, device)

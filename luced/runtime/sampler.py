@@ -8,6 +8,7 @@ default chain differs in applying temperature last, after the truncations):
          logit, multiply a negative one), then frequency / presence (OpenAI: subtract
          freq * count + presence * (count > 0)); all three count the last `penalty_window`
          tokens of prompt + output, as llama.cpp's `penalty_last_n` does
+      -> logit_bias (OpenAI): each listed token's bias added to its logit
       -> a grammar's mask (`bias`, when given): -inf added to every token it refuses
       -> temperature: divide (0 = greedy: argmax here, nothing below applies)   = "processed"
       -> top_k -> top_p -> min_p: mask to -inf, each stage on the renormalized survivors of
@@ -18,12 +19,12 @@ default chain differs in applying temperature last, after the truncations):
 distribution `sample()` draws from, which speculative rejection sampling needs for both the
 target and the draft.
 
-Logprobs are log_softmax of the *processed* logits (after penalties, a grammar's mask and
-temperature, before truncation; temperature counts as 1 when greedy). We chose this over the
-raw model distribution that OpenAI reports because it describes the distribution the token
-was actually drawn from, and over the truncated one because that gives -inf to most of the
-top-k alternatives. With the default parameters (temperature 1, no penalties, no grammar) it
-is the raw model distribution, so OpenAI-style clients see the numbers they expect.
+Logprobs are log_softmax of the *processed* logits (after penalties, logit_bias, a grammar's
+mask and temperature, before truncation; temperature counts as 1 when greedy). We chose this
+over the raw model distribution that OpenAI reports because it describes the distribution the
+token was actually drawn from, and over the truncated one because that gives -inf to most of
+the top-k alternatives. With the default parameters (temperature 1, no penalties, no grammar)
+it is the raw model distribution, so OpenAI-style clients see the numbers they expect.
 
 Cost at vocab 262144 on CPU: no Python loop touches the vocabulary. With top_k set the
 truncations work on the top_k candidates from `torch.topk`, never a full sort. top_p without
@@ -56,9 +57,9 @@ __all__ = [
 # position. Python ints or a 1-D integer tensor; only the last `penalty_window` are read.
 History = Sequence[Sequence[int] | torch.Tensor]
 
-# Prefix lengths top_p tries (with torch.topk) before a full sort of the row. A trained LM's
-# nucleus almost always lies inside the first; high temperatures need the second. At vocab
-# 262144 on CPU: topk 1024 ~0.7 ms, topk 16384 ~2.5 ms, a full sort 20-40 ms per row.
+# Prefix lengths top_p tries (with torch.topk) before a full sort of the row, which costs
+# far more at a large vocabulary (README, "Measurements behind the code"). A trained LM's
+# nucleus almost always lies inside the first; high temperatures need the second.
 _TOP_P_PREFIXES = (1024, 16384)
 
 # Safety for every value SamplingParams accepts (tests/runtime/test_sampler.py checks it with
@@ -145,6 +146,8 @@ def _processed(
         # Extreme penalties overflow float32 (inf, or 0 * inf = NaN); keep every logit finite
         # so the row max is finite and argmax never picks a NaN.
         x = torch.nan_to_num(x, nan=-_F32_MAX, posinf=_F32_MAX, neginf=-_F32_MAX)
+    if params.logit_bias:
+        x = _add_logit_bias(x, params.logit_bias)
     if bias is not None:  # out of place: x may be the caller's logits
         x = x + bias.to(x.device)
     if params.greedy:
@@ -154,6 +157,19 @@ def _processed(
     # Shift by the row max first: softmax is unchanged and a tiny temperature cannot overflow.
     # The max is finite (a mask leaves at least one token), so every row keeps a 0.
     return (x - x.amax(dim=-1, keepdim=True)).div_(t)
+
+
+def _add_logit_bias(x: torch.Tensor, logit_bias: Sequence[tuple[int, float]]) -> torch.Tensor:
+    """x [n, vocab] with each (id, bias) added to column id of every row; a new tensor (x
+    may be the caller's logits). The same adds on every row, so a row's result does not
+    depend on what else shares the batch."""
+    vocab = x.shape[-1]
+    if logit_bias[-1][0] >= vocab:  # sorted by id (SamplingParams)
+        raise ValueError(f"logit_bias names token {logit_bias[-1][0]}, outside [0, {vocab})")
+    ids = torch.tensor([token for token, _ in logit_bias], device=x.device)
+    values = torch.tensor([b for _, b in logit_bias], dtype=x.dtype, device=x.device)
+    # A finite float32 plus at most 100 stays finite (it rounds at the edge of the range).
+    return x.index_add(1, ids, values.expand(x.shape[0], -1))
 
 
 def _truncate(x: torch.Tensor, params: SamplingParams) -> _Candidates:

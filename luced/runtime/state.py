@@ -26,13 +26,14 @@ import torch
 
 from luced.ipc import frames as F
 from luced.ipc.regions import Attachments, Region
+from luced.runtime.device_io import DeviceIO
 from luced.runtime.dflash.draft import Draft
 from luced.runtime.kv_blocks import BlockPool, PagedKVCache
 from luced.runtime.kv_cache import KVCache
 from luced.runtime.kv_pool import PooledKVCache
 from luced.runtime.model import Model
 from luced.runtime.sampler import Sampler
-from luced.sampling_params import SamplingParams
+from luced.sampling_params import SamplingParams, SamplingWire
 
 
 class WorkerError(Exception):
@@ -88,7 +89,7 @@ class SequenceState:
     caches: list[SequenceCache]
     tokens: list[int] = field(default_factory=list)
     sampler: Sampler | None = None
-    sampling: dict[str, int | float | None] | None = None
+    sampling: SamplingWire | None = None
 
     @property
     def position(self) -> int:
@@ -109,7 +110,7 @@ class SequenceState:
 
 def kept_sampler(
     holder: SequenceState,
-    sampling: dict[str, int | float | None],
+    sampling: SamplingWire,
     logprobs: int | None,
 ) -> Sampler:
     """The kept sampler, or a new one when none exists or the sampling map changed;
@@ -217,7 +218,12 @@ class WorkerState:
         self.instance: str | None = None  # the daemon's, from hello
         self.loaded: Loaded | None = None
         self.draft: DraftState | None = None
-        self.attachments = Attachments()
+        # A GPU worker page-locks each segment it maps (runtime/device_io.py).
+        self.device_io = DeviceIO(devices)
+        self.attachments = Attachments(
+            on_attach=lambda seg: self.device_io.attach(seg.name, seg.address(), seg.size),
+            on_close=lambda seg: self.device_io.detach(seg.name),
+        )
         self.forward_count = 0
         self.tokens_processed = 0
         self.busy_s = 0.0
@@ -241,6 +247,11 @@ class WorkerState:
         if region.dtype == "bfloat16":  # numpy holds the raw bits as uint16
             return torch.from_numpy(array).view(torch.bfloat16)
         return torch.from_numpy(array)
+
+    def upload(self, region: Region, device: torch.device) -> torch.Tensor:
+        """A region's view on `device`: no copy on the CPU, one DMA from a page-locked
+        segment, a staged copy from one CUDA refused."""
+        return self.device_io.upload(self.tensor(region), device, region.segment)
 
     def fed_inputs(
         self, tokens: Region | None, hidden_in: Region | None, n: int, m: Loaded

@@ -110,12 +110,14 @@ class ModelOptions(Options):
             )
 
     def model_path(self) -> Path:
-        """The GGUF to serve; resolving the bundled default only when asked."""
-        if self.model is not None:
-            return self.model
-        from luced.serve.bundled import default_model_path
+        """The GGUF to serve: MODEL's path, or a bundled model by name or by default,
+        resolved only when asked (assembling Gemma's file takes a while)."""
+        from luced.serve.bundled import UnknownModel, resolve
 
-        return default_model_path()
+        try:
+            return resolve(self.model)
+        except UnknownModel as exc:
+            raise ConfigError(f"{self.label('model')}: {exc}") from None
 
     def served_model_name(self) -> str:
         return self.model_name or self.model_path().name.removesuffix(".gguf")

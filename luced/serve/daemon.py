@@ -34,7 +34,13 @@ from luced.engine.core import Engine
 from luced.engine.watchdog import LoopWatchdog
 from luced.ipc.shm import ShmOwner, cleanup_stale
 from luced.serve import sdnotify
-from luced.serve.admin import AdminSocketError, CommandError, start_admin_server
+from luced.serve.admin import (
+    AdminSocketError,
+    CommandError,
+    arg_bool,
+    arg_str,
+    start_admin_server,
+)
 from luced.serve.config import Config, ConfigError
 from luced.serve.listener import listen
 from luced.serve.loader import StartupError
@@ -44,6 +50,8 @@ from luced.serve.prefix_setup import snapshot_handlers
 __all__ = ["Daemon", "StartupError", "run"]
 
 log = logging.getLogger("luced")
+
+GIL_SWITCH_S = 0.001
 
 
 class Daemon:
@@ -55,6 +63,7 @@ class Daemon:
         self.stopping = asyncio.Event()
         self.owner = ShmOwner()
         self.registry: ModelRegistry | None = None
+        self.catalog: Catalog | None = None  # what the HTTP side serves
         self.started = time.time()
 
     async def run(self) -> int:
@@ -82,7 +91,9 @@ class Daemon:
             # The model's Target and Engine (no worker yet) before the port and the admin
             # socket: a bad option or a taken cache directory stops the start here.
             loaded = registry.prepare_single()
-            catalog, lag = SingleModel(loaded.engine, model.metrics), model.metrics
+            spec = loaded.spec
+            catalog = SingleModel(loaded.engine, model.metrics, spec.facts, spec.fingerprint)
+            lag = model.metrics
         try:
             runner, admin = await self._open(catalog)
         except BaseException:
@@ -125,6 +136,7 @@ class Daemon:
         return 0
 
     async def _open(self, catalog: Catalog) -> tuple[Any, Any]:
+        self.catalog = catalog
         """The HTTP site and the admin socket, each a one-line StartupError when taken."""
         http = self.config.http
         try:
@@ -190,6 +202,11 @@ class Daemon:
                 return {"workers": [{"model": n, **w} for n, e in engines for w in e.workers()]}
             return {"workers": self._engine(args).workers()}
 
+        async def metrics(_: dict) -> dict:
+            # What GET /metrics serves, without the HTTP side's API key.
+            assert self.catalog is not None
+            return {"text": self.catalog.exposition().decode()}
+
         async def drain(_: dict) -> dict:
             # Same as SIGTERM: stop accepting, finish what runs, then exit 0.
             registry.draining = True
@@ -207,12 +224,13 @@ class Daemon:
             return {"model": model.name, "state": model.describe(), "load_s": model.load_s}
 
         async def unload(args: dict) -> dict:
-            model = await registry.unload(_name(args), force=bool(args.get("force")))
+            model = await registry.unload(_name(args), force=arg_bool(args, "force"))
             return {"model": model.name, "state": model.describe()}
 
         return {
             "status": status,
             "workers": workers,
+            "metrics": metrics,
             "drain": drain,
             "models": models,
             "load": load,
@@ -222,8 +240,8 @@ class Daemon:
 
 
 def _name(args: dict) -> str:
-    name = args.get("model")
-    if not isinstance(name, str) or not name:
+    name = arg_str(args, "model")
+    if not name:
         raise CommandError('give the model\'s name: {"model": NAME}')
     return name
 
@@ -236,4 +254,7 @@ def run(config: Config) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
+    # A thread preparing a large request runs Python; the event loop waits for the GIL
+    # up to this long at each hand-over (5 ms by default, a few per /health answer).
+    sys.setswitchinterval(GIL_SWITCH_S)
     return uvloop.run(Daemon(config).run())

@@ -17,10 +17,14 @@ option: at start it stops the daemon; for a model loaded on demand its requests 
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from dataclasses import dataclass
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
+from luced.api.catalog import About
+from luced.api.ollama_models import ModelFacts
 from luced.engine.core import Engine
 from luced.engine.executor import Deadlines, WorkerDied, WorkerReplyError
 from luced.engine.kv_budget import resolve_kv_pool
@@ -39,7 +43,12 @@ from luced.ipc.shm import ShmOwner
 from luced.serve import routing_profile
 from luced.serve.config import Config
 from luced.serve.options import usable_cores
-from luced.serve.prefix_setup import DiskReservation, open_prefix_cache, reserve_disk_dir
+from luced.serve.prefix_setup import (
+    DiskReservation,
+    model_fingerprint,
+    open_prefix_cache,
+    reserve_disk_dir,
+)
 from luced.text.chat_template import ChatTemplate
 from luced.text.tokenizer import Tokenizer
 
@@ -68,6 +77,8 @@ class ModelSpec:
     kv_flash: PagerConfig | None
     placement: TargetPlacement
     memory: int  # bytes, estimated: the file, the KV, the prefix-cache arena, the draft
+    facts: ModelFacts  # what Ollama's /api/tags, /api/show list
+    fingerprint: str  # OpenAI's system_fingerprint of its replies
 
     @property
     def name(self) -> str:
@@ -81,7 +92,7 @@ def read_spec(cfg: Config) -> ModelSpec:
     path = str(model.model_path())
     gguf = GGUFFile(path)
     tokenizer = Tokenizer.from_gguf(gguf)
-    tokenizer.special_pattern  # noqa: B018 - built now (0.4 s for Gemma), not on a request
+    tokenizer.special_pattern  # noqa: B018 - built now (slow for Gemma), not on a request
     template = ChatTemplate.from_gguf(gguf, gguf.arch)
     n_layers = int(gguf.require(f"{gguf.arch}.block_count"))
     context = model.effective_context_length(int(gguf.require(f"{gguf.arch}.context_length")))
@@ -95,6 +106,7 @@ def read_spec(cfg: Config) -> ModelSpec:
     )
     moe, moe_profile = cfg.moe, _moe_profile(cfg, gguf)
     kv_sources = gguf.kv_sources()  # a layer split keeps these layers with their sources
+    facts = ModelFacts.from_gguf(gguf)
     del gguf
     if moe.moe_expert_device is not None:
         if moe.moe_hot_experts is None:
@@ -124,9 +136,9 @@ def read_spec(cfg: Config) -> ModelSpec:
         pythons={g: str(p) for g, p in model.backend_python},
         # Only one worker computes at a time, but idle workers' OpenMP threads still
         # contend: sharing the cores measured faster than every worker using all. The
-        # daemon's own work (HTTP, detokenizing) is light beside the native kernels: on
-        # 2 cores a 2-thread worker served 1.3x (one stream) to 1.45x (eight) the
-        # tokens of a 1-thread one that left a core to the daemon (README, Performance).
+        # daemon's own work (HTTP, detokenizing) is light beside the native kernels: a
+        # worker on every core served more tokens than one that left a core to the
+        # daemon (README, Performance).
         threads=model.threads,
         cores=usable_cores(),
         moe_hot=moe.moe_hot_experts,
@@ -145,8 +157,30 @@ def read_spec(cfg: Config) -> ModelSpec:
     )
     return ModelSpec(
         cfg, path, tokenizer, template, n_layers, context, running, kv_pool, kv_flash,
-        placement, memory,
+        placement, memory, facts, system_fingerprint(cfg, path),
     )  # fmt: skip
+
+
+def describe(cfg: Config) -> About:
+    """The model as Ollama's /api/show describes it, read from its GGUF's header alone."""
+    gguf = GGUFFile(str(cfg.model.model_path()))
+    template = ChatTemplate.from_gguf(gguf, gguf.arch)
+    context = cfg.model.effective_context_length(int(gguf.require(f"{gguf.arch}.context_length")))
+    return About(ModelFacts.from_gguf(gguf), template.source, context)
+
+
+def system_fingerprint(cfg: Config, model_path: str) -> str:
+    """OpenAI's `system_fingerprint`: `luced-<version>-<hash>`, the hash over the model
+    file and the options that change its numbers, so a client sees when the same request
+    may give other tokens."""
+    try:
+        build = version("luced")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        build = "dev"
+    m = cfg.model
+    numbers = (model_fingerprint(model_path), m.weights, m.dtype, cfg.effective_kv_dtype())
+    identity = "/".join([*numbers, str(m.batch_invariant)])
+    return f"luced-{build}-{hashlib.sha256(identity.encode()).hexdigest()[:10]}"
 
 
 def _size(path: Path) -> int:

@@ -1,9 +1,12 @@
 """lucectl: ask a running luced about itself over the admin socket.
 
-    lucectl [--socket PATH] [--json] [--timeout S] COMMAND [--json]
+    lucectl [--socket PATH] [--json] [--timeout S] COMMAND [--json] [--timeout S]
 
-    status | workers | drain | snapshot list | snapshot drop ID | snapshot save
-    | cache clear [--disk] --yes | models | load NAME | unload NAME [--force]
+    status | workers | metrics | drain [--no-wait] | snapshot list | snapshot drop ID
+    | snapshot save | cache clear [--disk] --yes | models | load NAME | unload NAME [--force]
+
+``--json`` and ``--timeout`` go before or after the command. ``drain`` waits until the
+daemon has stopped; its ``--timeout`` bounds that wait (exit 1 when it passes).
 
 A daemon serving several models: `models` lists them (state, memory, last use), `load`
 and `unload` change that (`load` waits for the load; `unload` refuses a model with
@@ -264,6 +267,8 @@ def _prefix_cache(c: Any) -> str:
     disk = ""
     if c.get("disk_budget") is not None:
         disk = f", disk {human_bytes(c.get('disk_bytes'))} of {human_bytes(c.get('disk_budget'))}"
+    if c.get("disk_error"):
+        disk += f", disk writes PAUSED: {c.get('disk_error')}"
     if c.get("disk_problem"):
         disk = f", disk tier OFF (memory only): {c.get('disk_problem')}"
     return (
@@ -403,6 +408,8 @@ def render(cmd: str, reply: Mapping[str, Any]) -> str:
         return workers_table(reply.get("workers") or [])
     if cmd == "snapshot_list":
         return render_snapshots(reply)
+    if cmd == "metrics":
+        return str(reply.get("text", "")).rstrip("\n")
     return render_plain(reply)
 
 
@@ -423,8 +430,9 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="S",
         help=f"seconds to wait for the reply (default {DEFAULT_TIMEOUT:g}; drain waits)",
     )
-    # --json is also accepted after the subcommand (`lucectl status --json`); SUPPRESS
-    # keeps a subparser from resetting the value given before it.
+    # --json and --timeout are also accepted after the subcommand (`lucectl status --json`,
+    # `lucectl drain --timeout 60`); SUPPRESS keeps a subparser from resetting the value
+    # given before it.
     late = argparse.ArgumentParser(add_help=False)
     late.add_argument(
         "--json", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS
@@ -435,13 +443,27 @@ def build_parser() -> argparse.ArgumentParser:
     which = argparse.ArgumentParser(add_help=False)
     which.add_argument("--model", metavar="NAME", help="the served model (of several)")
 
-    def add(group: Any, name: str, help: str, model: bool = False) -> argparse.ArgumentParser:
-        return group.add_parser(name, help=help, parents=[late, which] if model else [late])
+    def add(
+        group: Any,
+        name: str,
+        help: str,
+        timeout_help: str = argparse.SUPPRESS,
+        model: bool = False,
+    ) -> argparse.ArgumentParser:
+        command = group.add_parser(name, help=help, parents=[late, which] if model else [late])
+        command.add_argument(
+            "--timeout", type=float, metavar="S", default=argparse.SUPPRESS, help=timeout_help
+        )
+        return command
 
     add(sub, "status", "model, state, placement, queue, uptime, token counts", model=True)
     add(sub, "workers", "the backend worker processes", model=True)
+    add(sub, "metrics", "the Prometheus metrics, as GET /metrics serves them")
     drain = add(
-        sub, "drain", "stop accepting requests, let running ones finish; wait until it stops"
+        sub,
+        "drain",
+        "stop accepting requests, let running ones finish; wait until it stops",
+        timeout_help="give up waiting after S seconds (exit 1); the daemon keeps draining",
     )
     drain.add_argument(
         "--no-wait", action="store_true", help="return once the daemon has started draining"

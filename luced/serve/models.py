@@ -47,7 +47,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from luced.api.catalog import model_card, unknown_model
+from luced.api.catalog import About, Served, model_card, unknown_model
 from luced.api.fields import APIError
 from luced.engine.core import Engine
 from luced.engine.metrics import Metrics, merged_exposition
@@ -55,7 +55,7 @@ from luced.engine.request import Unavailable
 from luced.ipc.shm import ShmOwner
 from luced.serve.admin import CommandError
 from luced.serve.config import Config
-from luced.serve.loader import SINGLE, LoadedModel, StartupError, read_spec
+from luced.serve.loader import SINGLE, LoadedModel, StartupError, describe, read_spec
 from luced.serve.options import ConfigError, ModelEntry
 
 log = logging.getLogger("luced")
@@ -114,6 +114,8 @@ class ServedModel:
         self.error: str | None = None
         self.loading: asyncio.Task | None = None
         self.unloading: asyncio.Task | None = None
+        self.unload_asap = False  # unload once idle (Ollama's keep_alive 0)
+        self.about: About | None = None  # read from its GGUF when asked, unloaded
         self.last_used = time.monotonic()
         self.last_used_unix: float | None = None
 
@@ -124,6 +126,15 @@ class ServedModel:
     def used(self) -> None:
         self.last_used = time.monotonic()
         self.last_used_unix = time.time()
+
+    def served(self) -> Served:
+        """Its engine and what replies and listings say of it (loaded)."""
+        assert self.loaded is not None
+        spec, keep = self.loaded.spec, self.config.registry.model_keep_alive
+        expires = None
+        if keep and not self.pinned and not self.leases:
+            expires = (self.last_used_unix or time.time()) + keep
+        return Served(self.loaded.engine, spec.facts, spec.fingerprint, expires)
 
     def describe(self) -> str:
         """Its state, the engine's own while it is loaded (ready, degraded, draining)."""
@@ -228,13 +239,26 @@ class ModelRegistry:
 
     # -- the HTTP side (api.catalog.Catalog) -----------------------------------------------
 
+    @property
+    def several(self) -> bool:
+        return not self.single
+
+    def names(self) -> list[str]:
+        self._scan()
+        return list(self.models)
+
+    def context_bound(self) -> int | None:
+        contexts = [m.context for m in self.models.values()]
+        return None if None in contexts else max(c for c in contexts if c is not None)
+
     @contextlib.asynccontextmanager
-    async def lease(self, name: str | None) -> AsyncIterator[Engine]:
+    async def lease(self, name: str | None) -> AsyncIterator[Served]:
         model = self._resolve(name)
         model.leases += 1
         model.used()
         try:
-            yield await self._ready(model)
+            await self._ready(model)
+            yield model.served()
         finally:
             model.leases -= 1
             model.used()
@@ -310,6 +334,26 @@ class ModelRegistry:
     def peek(self, name: str | None) -> Engine | None:
         model = self._resolve(name) if name is not None else self._last_used()
         return model.engine if model is not None else None
+
+    def running(self) -> list[Served]:
+        return [m.served() for m in self.models.values() if m.state == READY and m.loaded]
+
+    async def about(self, name: str | None) -> About:
+        model = self._resolve(name)
+        if model.loaded is not None:
+            spec = model.loaded.spec
+            return About(spec.facts, spec.template.source, spec.context)
+        if model.about is None:
+            try:
+                model.about = await asyncio.to_thread(describe, model.config)
+            except Exception as exc:  # a file that is not a model, or is gone
+                raise APIError(
+                    503, f"model {model.name!r} cannot be read: {exc}", code="model_load_failed"
+                ) from None
+        return model.about
+
+    def unload_when_idle(self, name: str) -> None:
+        self._resolve(name).unload_asap = True
 
     def overview(self) -> dict[str, Any]:
         return {"models": self.rows()}
@@ -443,7 +487,7 @@ class ModelRegistry:
         """Unload a ready model: its state turns "unloading" now, so no lease takes it; the
         returned task stops it."""
         assert model.state == READY and model.loaded is not None
-        model.state = UNLOADING
+        model.state, model.unload_asap = UNLOADING, False
         loaded, model.loaded = model.loaded, None
         model.unloading = asyncio.create_task(
             self._finish_unload(model, loaded, reason), name=f"unload {model.name}"
@@ -511,8 +555,13 @@ class ModelRegistry:
             for model in list(self.models.values()):
                 keep = model.config.registry.model_keep_alive
                 idle = model.state == READY and not model.leases and not model.pinned
-                if keep and idle and now - model.last_used >= keep:
-                    log.info("unloading %s: idle for %g s", model.name, keep)
+                expired = keep and now - model.last_used >= keep
+                if idle and (expired or model.unload_asap):
+                    log.info(
+                        "unloading %s: idle %s",
+                        model.name,
+                        f"for {keep:g} s" if expired else "(asked)",
+                    )
                     self._begin_unload(model, "idle")
 
     # -- the daemon's life -----------------------------------------------------------------

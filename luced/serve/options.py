@@ -32,6 +32,7 @@ from typing import Any
 from luced.engine.placement import PlacementError, parse_device, parse_devices, parse_weights
 from luced.ipc.frames import WEIGHT_MODES
 from luced.serve.admission import Network, parse_networks
+from luced.serve.bundled import BUNDLED
 
 CONTEXT_CAP = 8192  # default context when the model's own is longer (KV memory)
 ADMIN_SOCKET_NAME = "admin.sock"
@@ -385,9 +386,10 @@ def _num(x: float) -> str:
 
 OPTIONS: tuple[Option, ...] = (
     Option(
-        "model", "model", "path", None, "GGUF model file to serve.",
+        "model", "model", "path", None,
+        f"GGUF model file to serve, or a bundled model by name: {', '.join(BUNDLED)}.",
         nullable=True, positional=True, metavar="MODEL",
-        default_doc="the bundled SmolLM2-135M-Instruct",
+        default_doc="the bundled SmolLM2-135M-Instruct (smollm2-135m)",
         example="/var/lib/luced/models/model.gguf",
     ),
     Option("host", "http", "str", "127.0.0.1", "Address the HTTP server listens on."),
@@ -396,7 +398,7 @@ OPTIONS: tuple[Option, ...] = (
     ),
     Option(
         "api_key", "http", "str", None,
-        "If set, /v1/* requests (and /tokenize, /detokenize, and /metrics unless "
+        "If set, /v1/* and /api/* requests (and /tokenize, /detokenize, and /metrics unless "
         "metrics_public) must send `Authorization: Bearer KEY` or `x-api-key: KEY`. A flag "
         "shows in `ps`: prefer the environment or api_key_file.",
         nullable=True, default_doc="unset (no key)", example="change-me",
@@ -479,9 +481,10 @@ OPTIONS: tuple[Option, ...] = (
         "How the workers hold weight matrices. `int4` / `int8`: packed for weight-only "
         "kernels (see `kernels`; 4.5 / 8 bits per weight read per decoded token; GGUF Q4_0 "
         "and Q4_1 map to int4 exactly, other types are requantized). `auto`: per tensor "
-        "(4-bit types int4, 5- to 8-bit types int8, float tensors exact) where the CPU has "
-        "the kernels' AVX2 / AVX512 paths, else `dequant`. `dequant`: every matrix "
-        "expanded to the compute dtype (the exact path; GPUs use it for now).",
+        "(4-bit types int4, 5- to 8-bit types int8, float tensors exact) on a CUDA GPU "
+        "(torch's tinygemm int4 and int8 kernels) and where the CPU has the kernels' AVX2 / "
+        "AVX512 paths, else `dequant`. `dequant`: every matrix expanded to the compute "
+        "dtype (the exact path).",
         choices=WEIGHT_MODES,
     ),
     Option(

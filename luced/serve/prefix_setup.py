@@ -33,7 +33,7 @@ from luced.cache.prefix_cache import PrefixCache
 from luced.engine.core import Engine
 from luced.engine.target import Target
 from luced.ipc.shm import SHM_DIR, ShmOwner
-from luced.serve.admin import CommandError
+from luced.serve.admin import CommandError, arg_bool, arg_str
 from luced.serve.config import KVOptions
 
 log = logging.getLogger(__name__)
@@ -206,7 +206,7 @@ def snapshot_handlers(engine_of: Callable[[dict], Engine]) -> dict[str, Callable
         return {"snapshots": snapshot_rows(engine.prefix_cache, engine.tokenizer)}
 
     async def snapshot_drop(req: dict) -> dict:
-        entry_id = str(req.get("id", ""))
+        entry_id = arg_str(req, "id")
         if not await cache(req).drop(entry_id):
             raise CommandError(f"no snapshot {entry_id!r} (see `lucectl snapshot list`)")
         return {"dropped": entry_id}
@@ -218,7 +218,7 @@ def snapshot_handlers(engine_of: Callable[[dict], Engine]) -> dict[str, Callable
         return {"saved": await c.save_all()}
 
     async def cache_clear(req: dict) -> dict:
-        return {"cleared": await cache(req).clear(disk=bool(req.get("disk")))}
+        return {"cleared": await cache(req).clear(disk=arg_bool(req, "disk"))}
 
     return {
         "snapshot_list": snapshot_list,

@@ -8,6 +8,8 @@ import pytest
 
 from luced.api.anthropic import (
     MessageFormat,
+    Thinking,
+    ToolMessageFormat,
     error_body,
     message_prompt,
     parse_messages,
@@ -15,8 +17,9 @@ from luced.api.anthropic import (
     usage,
 )
 from luced.api.fields import APIError
-from luced.text.chat_template import ChatTemplate
+from luced.text.chat_template import CHATML_TEMPLATE, ChatTemplate
 from luced.text.tokenizer import Tokenizer
+from luced.text.tool_calls import tool_format
 
 MODEL = "smol"
 USER = [{"role": "user", "content": "Hi"}]
@@ -97,6 +100,8 @@ def test_turns_merge_and_a_last_assistant_turn_is_a_prefill() -> None:
         ({"max_tokens": 1, "messages": USER, "temperature": 1e-400, "top_p": 5e-324}, 200, ""),
         ({"max_tokens": 1, "messages": USER, "stop_sequences": "x"}, 400, "stop_sequences"),
         ({"max_tokens": 1, "messages": USER, "thinking": {"type": "enabled"}}, 400, "thinking"),
+        ({"max_tokens": 1, "messages": USER, "thinking": {"type": "on"}}, 400, "thinking.type"),
+        ({"max_tokens": 1, "messages": USER, "thinking": "on"}, 400, "thinking"),
         ({"max_tokens": 1, "messages": [{"role": "assistant", "content": "x"}]}, 400, "messages"),
         ({"max_tokens": 1, "messages": USER, "model": "claude"}, 404, "model"),
     ],
@@ -257,3 +262,219 @@ def test_tool_use_and_results_become_chat_turns() -> None:
 def test_bad_tools(body: dict, where: str) -> None:
     err = rejected(**{"max_tokens": 1, "messages": USER, **body})
     assert (err.status, err.param) == (400, where), err.message
+
+
+# --- thinking --------------------------------------------------------------------------------
+
+# A template that thinks the way Qwen3's does (written for this test): an assistant turn
+# after the last user message shows its reasoning_content in a think block, and a
+# generation prompt with enable_thinking false carries an empty one.
+THINKING_TEMPLATE = (
+    "{%- set ns = namespace(last_user=-1) -%}"
+    "{%- for m in messages -%}{%- if m.role == 'user' -%}{%- set ns.last_user = loop.index0 -%}"
+    "{%- endif -%}{%- endfor -%}"
+    "{%- for m in messages -%}"
+    "{{- '<|im_start|>' + m.role + '\\n' -}}"
+    "{%- if m.role == 'assistant' and m.reasoning_content and loop.index0 > ns.last_user -%}"
+    "{{- '<think>\\n' + m.reasoning_content + '\\n</think>\\n\\n' -}}{%- endif -%}"
+    "{{- (m.content or '') + '<|im_end|>\\n' -}}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}"
+    "{%- if enable_thinking is defined and enable_thinking is false -%}"
+    "{{- '<think>\\n\\n</think>\\n\\n' -}}{%- endif -%}{%- endif -%}"
+)
+THOUGHT = {"type": "thinking", "thinking": "Oslo is cold.", "signature": "c2ln"}
+REDACTED = {"type": "redacted_thinking", "data": "ZW5jcnlwdGVk"}
+
+
+@pytest.mark.parametrize(
+    ("thinking", "shown"),
+    [
+        (None, None),
+        ({"type": "disabled"}, None),
+        ({"type": "enabled", "budget_tokens": 50}, "summarized"),  # llama.cpp's tests send 50
+        ({"type": "enabled", "budget_tokens": 2048.0, "display": "omitted"}, "omitted"),
+        ({"type": "adaptive"}, "summarized"),
+    ],
+)
+def test_thinking_is_read(thinking: dict | None, shown: str | None) -> None:
+    assert parse(thinking=thinking).thinking == shown
+    counted = parse_messages(
+        {"messages": USER, "thinking": thinking}, model_name=MODEL, count_only=True
+    )
+    assert counted.thinking == shown
+
+
+@pytest.mark.parametrize(
+    "thinking",
+    [
+        {"type": "enabled", "budget_tokens": 0},
+        {"type": "enabled", "budget_tokens": "1024"},
+        {"type": "enabled", "budget_tokens": 1024, "display": "full"},
+    ],
+)
+def test_bad_thinking(thinking: dict) -> None:
+    err = rejected(max_tokens=1, messages=USER, thinking=thinking)
+    assert err.status == 400 and err.message.startswith(err.param)
+    assert err.param in ("thinking.budget_tokens", "thinking.display")
+
+
+def test_earlier_thinking_blocks_are_accepted_and_kept_as_reasoning() -> None:
+    use = {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Oslo"}}
+    result = {"type": "tool_result", "tool_use_id": "toolu_1", "content": "-3 C"}
+    messages = [
+        {"role": "user", "content": "Weather in Oslo?"},
+        {"role": "assistant", "content": [THOUGHT, REDACTED, use]},
+        {"role": "user", "content": [result]},
+        {"role": "assistant", "content": [THOUGHT, {"type": "text", "text": "Cold."}]},
+        *USER,
+    ]
+    turns = parse(messages=messages, tools=[WEATHER]).messages
+    assert [t["role"] for t in turns] == ["user", "assistant", "tool", "assistant", "user"]
+    assert turns[1]["reasoning_content"] == "Oslo is cold." and turns[1]["content"] is None
+    assert turns[3] == {
+        "role": "assistant",
+        "content": "Cold.",
+        "reasoning_content": "Oslo is cold.",
+    }
+    err = rejected(max_tokens=1, messages=[{"role": "user", "content": [THOUGHT]}])
+    assert (err.param, err.status) == ("messages.0.content.0.type", 400)
+    assert "thinking blocks belong in an assistant message" in err.message
+
+
+def test_thinking_renders_as_the_template_allows(
+    smol_tokenizer: Tokenizer, smol_template: ChatTemplate
+) -> None:
+    """A template that shows earlier thinking renders it in the current tool loop; one that
+    does not (SmolLM2's) drops it; `enable_thinking` follows whether the reply thinks."""
+    thinking = ChatTemplate(THINKING_TEMPLATE)
+    use = {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Oslo"}}
+    result = {"type": "tool_result", "tool_use_id": "toolu_1", "content": "-3 C"}
+    loop = [
+        *USER,
+        {"role": "assistant", "content": [THOUGHT, use]},
+        {"role": "user", "content": [result]},
+    ]
+    bare = [*USER, {"role": "assistant", "content": [use]}, {"role": "user", "content": [result]}]
+    on = {"type": "enabled", "budget_tokens": 1024}
+    req, plain = (
+        parse(messages=loop, thinking=on, tools=[WEATHER]),
+        parse(messages=bare, tools=[WEATHER]),
+    )
+    assert req.thinks(thinking, constrained=False) and not req.thinks(smol_template, False)
+    assert not req.thinks(thinking, constrained=True)  # a forced call leaves no room
+    assert not parse(thinking=on, messages=[*USER, {"role": "assistant", "content": "So"}]).thinks(
+        thinking, False
+    )  # a prefill is continued, not thought about
+
+    def text(r, template, think, tools=None) -> str:
+        return smol_tokenizer.decode(
+            message_prompt(r, template, smol_tokenizer, tools, think), skip_special=False
+        )
+
+    shown = text(req, thinking, True)
+    assert "<|im_start|>assistant\n<think>\nOslo is cold.\n</think>\n\n" in shown
+    assert shown.endswith("<|im_start|>assistant\n")
+    assert text(req, thinking, False).endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    generic = tool_format(smol_template)
+    dropped = text(req, smol_template, False, generic)
+    assert "Oslo is cold." not in dropped and dropped == text(plain, smol_template, False, generic)
+    assert not ChatTemplate(CHATML_TEMPLATE).source.count("</think>")
+
+
+def events_of(raw: bytes) -> list[tuple[str, dict]]:
+    out = []
+    for block in raw.decode().strip().split("\n\n"):
+        name, data = block.split("\n")
+        out.append((name.removeprefix("event: "), json.loads(data.removeprefix("data: "))))
+    return out
+
+
+REPLY = "<think>\nThe user greets me.\n</think>\n\nHello!"
+
+
+@pytest.mark.parametrize("cuts", [[len(REPLY)], [3, 9, 20, 33, 35, 40], list(range(1, len(REPLY)))])
+def test_a_reply_that_thinks_streams_its_blocks(cuts: list[int]) -> None:
+    import anthropic
+
+    fmt = MessageFormat("msg_t", MODEL, Thinking())
+    body = fmt.response(REPLY, "stop", None, usage(5, 0, 9))
+    message = anthropic.types.Message.model_validate(body)
+    assert [b.type for b in message.content] == ["thinking", "text"]
+    assert (message.content[0].thinking, message.content[0].signature) == (
+        "The user greets me.",
+        "",
+    )
+    assert message.content[1].text == "Hello!"
+
+    stream = MessageFormat("msg_t", MODEL, Thinking())
+    pieces = [REPLY[a:b] for a, b in zip([0, *cuts], [*cuts, len(REPLY)], strict=True)]
+    raw = b"".join(
+        [*stream.start(5), *map(stream.delta, pieces), *stream.end("stop", None, usage(5, 0, 9))]
+    )
+    events = events_of(raw)
+    names = [n for n, _ in events]
+    assert names[:2] == ["message_start", "ping"] and names[-2:] == [
+        "message_delta",
+        "message_stop",
+    ]
+    starts = [
+        (d["index"], d["content_block"]["type"]) for n, d in events if n == "content_block_start"
+    ]
+    assert starts == [(0, "thinking"), (1, "text")]
+    stops = [d["index"] for n, d in events if n == "content_block_stop"]
+    assert stops == [0, 1]
+    deltas = [d["delta"] for n, d in events if n == "content_block_delta"]
+    kinds = [d["type"] for d in deltas]
+    assert "signature_delta" in kinds and kinds.index("signature_delta") < kinds.index("text_delta")
+    thought = "".join(d["thinking"] for d in deltas if d["type"] == "thinking_delta")
+    said = "".join(d["text"] for d in deltas if d["type"] == "text_delta")
+    assert (thought, said) == ("The user greets me.", "Hello!")
+
+
+def test_omitted_thinking_and_a_reply_without_any() -> None:
+    hidden = MessageFormat("m", MODEL, Thinking(omitted=True))
+    body = hidden.response(REPLY, "stop", None, usage(5, 0, 9))
+    assert body["content"] == [
+        {"type": "thinking", "thinking": "", "signature": ""},
+        {"type": "text", "text": "Hello!"},
+    ]
+    raw = b"".join(
+        [*hidden.start(5), hidden.delta(REPLY), *hidden.end("stop", None, usage(5, 0, 9))]
+    )
+    assert b"thinking_delta" not in raw and b"signature_delta" in raw
+    # A thinking model that answered at once; the prompt that opened the block (R1's).
+    assert MessageFormat("m", MODEL, Thinking()).response("Hi.", "stop", None, {})["content"] == [
+        {"type": "text", "text": "Hi."}
+    ]
+    opened = MessageFormat("m", MODEL, Thinking(opened=True)).response(
+        "Hmm.</think>Hi.", "stop", None, {}
+    )
+    assert [b["type"] for b in opened["content"]] == ["thinking", "text"]
+    # Nothing written at all: one empty text block, as without thinking.
+    empty = MessageFormat("m", MODEL, Thinking())
+    raw = b"".join([*empty.start(5), *empty.end("length", None, usage(5, 0, 0))])
+    assert [n for n, _ in events_of(raw)] == [
+        "message_start", "ping", "content_block_start", "content_block_stop",
+        "message_delta", "message_stop",
+    ]  # fmt: skip
+
+
+def test_a_tool_call_after_thinking(smol_template: ChatTemplate) -> None:
+    import anthropic
+
+    generic = tool_format(smol_template)
+    call = '{"tool_call": {"name": "get_weather", "arguments": {"city": "Oslo"}}}'
+    text = f"<think>I need the weather.</think>\n{call}"
+    fmt = ToolMessageFormat("m", MODEL, generic, Thinking())
+    body = fmt.response(text, "stop", None, usage(5, 0, 9))
+    assert [b["type"] for b in body["content"]] == ["thinking", "tool_use"]
+    assert body["stop_reason"] == "tool_use"
+    streamed = ToolMessageFormat("m", MODEL, generic, Thinking())
+    raw = b"".join(
+        [*streamed.start(5), streamed.delta(text), *streamed.end("stop", None, usage(5, 0, 9))]
+    )
+    events = events_of(raw)
+    starts = [d["content_block"]["type"] for n, d in events if n == "content_block_start"]
+    assert starts == ["thinking", "tool_use"]
+    anthropic.types.Message.model_validate(body)

@@ -61,11 +61,15 @@ def chat_stream(fmt: ChatFormat, deltas: list[Delta], reason: str = "stop") -> l
 
 
 def test_chat_response_shape() -> None:
-    fmt = ChatFormat("chatcmpl-abc", "smol", 1700000000)
+    fmt = ChatFormat("chatcmpl-abc", "smol", 1700000000, system_fingerprint="luced-1-ab")
     body = fmt.response(DELTAS, "length", prompt_tokens=7, completion_tokens=5)
     parsed = ChatCompletion.model_validate(body)
     assert parsed.id == "chatcmpl-abc" and parsed.object == "chat.completion"
     assert (parsed.model, parsed.created) == ("smol", 1700000000)
+    assert parsed.system_fingerprint == "luced-1-ab"
+    # Every chunk of a stream carries it too, as OpenAI's do.
+    chunks = chat_stream(fmt, DELTAS)[:-1]
+    assert chunks and {c["system_fingerprint"] for c in chunks} == {"luced-1-ab"}
     (choice,) = parsed.choices
     assert choice.message.role == "assistant"
     assert choice.message.content == "Hello world!"

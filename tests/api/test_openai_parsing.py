@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
@@ -45,20 +46,36 @@ def rejected(parse, **fields: Any) -> APIError:
 # --- the body ----------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("yielding", [False, True])
 @pytest.mark.parametrize(
     "raw", [b"{", b"", b'{"a": 1,}', b"\xff\xfe{}", b"[" * 100_000 + b"]" * 100_000]
 )
-def test_malformed_json_is_a_400(raw: bytes) -> None:
+def test_malformed_json_is_a_400(raw: bytes, yielding: bool) -> None:
     with pytest.raises(APIError) as info:
-        decode_body(raw)
+        decode_body(raw, yielding=yielding)
     assert info.value.status == 400
     assert "not valid JSON" in info.value.message
 
 
+@pytest.mark.parametrize("yielding", [False, True])
 @pytest.mark.parametrize("raw", [b"[]", b"1", b'"x"', b"null"])
-def test_body_must_be_an_object(raw: bytes) -> None:
+def test_body_must_be_an_object(raw: bytes, yielding: bool) -> None:
     with pytest.raises(APIError, match="must be a JSON object"):
-        decode_body(raw)
+        decode_body(raw, yielding=yielding)
+
+
+JSON = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(),
+    lambda kids: st.lists(kids) | st.dictionaries(st.text(), kids),
+    max_leaves=30,
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.dictionaries(st.text(), JSON), st.sampled_from(["utf-8", "utf-16", "utf-32"]))
+def test_the_yielding_decoder_reads_what_the_c_one_does(body: dict, encoding: str) -> None:
+    raw = json.dumps(body, ensure_ascii=False).encode(encoding, "surrogatepass")
+    assert decode_body(raw, yielding=True) == decode_body(raw) == body
 
 
 # --- defaults ----------------------------------------------------------------------------
@@ -133,6 +150,13 @@ def test_sampling_fields_map_into_sampling_params() -> None:
     assert (o.max_tokens, o.stop_token_ids, o.ignore_eos) == (30, (2, 5), True)
 
 
+def test_logit_bias_maps_token_ids_to_biases() -> None:
+    for parse in (chat, completion):
+        params = parse(logit_bias={"198": -100, "7": 2.5, "0": 100}).options.params
+        assert params.logit_bias == ((0, 100.0), (7, 2.5), (198, -100.0))
+    assert chat(logit_bias={}).options.params == SamplingParams()
+
+
 def test_top_k_minus_one_is_off_as_in_vllm() -> None:
     assert chat(top_k=-1).options.params.top_k == 0
 
@@ -181,7 +205,14 @@ BAD_FIELDS = [
     ("stop_token_ids", 3, "must be an array of token ids"),
     ("n", 2, "n > 1 is not supported"),
     ("n", 0, "n must be in [1, 2147483647]"),
-    ("logit_bias", {"50256": -100}, "logit_bias is not supported"),
+    ("logit_bias", [5], "logit_bias must be an object"),
+    ("logit_bias", {"a": 1}, "'a' is not a token id"),
+    ("logit_bias", {"-1": 1}, "'-1' is not a token id"),
+    ("logit_bias", {str(VOCAB): 1}, f"token id {VOCAB} is not in [0, {VOCAB})"),
+    ("logit_bias", {"5": 100.5}, "logit_bias[5] must be a number in [-100, 100], got 100.5"),
+    ("logit_bias", {"5": "1"}, "logit_bias[5] must be a number in [-100, 100], got string"),
+    ("logit_bias", {"5": 1, "05": 2}, "logit_bias names token 5 twice"),
+    ("logit_bias", {str(i): 1 for i in range(301)}, "at most 300 tokens, got 301"),
     ("model", 3, "model must be a string"),
 ]
 

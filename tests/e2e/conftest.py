@@ -6,10 +6,11 @@ from __future__ import annotations
 from collections.abc import Iterator
 from pathlib import Path
 
-import make_tiny_gguf
 import openai
 import pytest
 from daemon_proc import DaemonProcess
+
+from luced.runtime.tiny import make_tiny_gguf
 
 
 @pytest.fixture(autouse=True)
@@ -24,7 +25,7 @@ def stop_leftover_daemons() -> Iterator[None]:
 def tiny_gguf(tmp_path_factory) -> Path:
     """A tiny random llama (fast): for the queue, disconnect and failure paths."""
     path = tmp_path_factory.mktemp("tiny") / "tiny-llama.gguf"
-    make_tiny_gguf.build("llama", path, seed=5, context=4096)
+    make_tiny_gguf("llama", path, seed=5, context=4096)
     return path
 
 

@@ -10,19 +10,19 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import make_tiny_draft
-import make_tiny_gguf
 import pytest
 from daemon_proc import DaemonProcess
 from test_daemon import raw_post
+
+from luced.runtime.tiny import make_tiny_draft, make_tiny_gguf
 
 
 @pytest.fixture(scope="module")
 def tiny_pair(tmp_path_factory) -> tuple[Path, Path]:
     root = tmp_path_factory.mktemp("dflash")
     target = root / "tiny-qwen3.gguf"
-    make_tiny_gguf.build("qwen3", target, seed=7, layers=8, context=2048)
-    _, draft_gguf, _ = make_tiny_draft.build(target, root / "draft", seed=3, block_size=4)
+    make_tiny_gguf("qwen3", target, seed=7, layers=8, context=2048)
+    _, draft_gguf, _ = make_tiny_draft(target, root / "draft", seed=3, block_size=4)
     return target, draft_gguf
 
 
@@ -110,8 +110,8 @@ def test_split_target_with_the_draft_in_its_own_worker(tiny_pair, plain_texts, t
 def test_draft_for_another_target_is_a_startup_error(tiny_pair, tmp_path) -> None:
     target, _ = tiny_pair
     other = tmp_path / "other.gguf"
-    make_tiny_gguf.build("llama", other, seed=1, hidden=96)
-    _, wrong, _ = make_tiny_draft.build(other, tmp_path / "wrong")
+    make_tiny_gguf("llama", other, seed=1, hidden=96)
+    _, wrong, _ = make_tiny_draft(other, tmp_path / "wrong")
     d = DaemonProcess(target, tmp_path, "--draft", str(wrong))
     with pytest.raises(RuntimeError, match=r"--draft .*hidden"):
         d.start(timeout=60)
@@ -121,7 +121,7 @@ def test_draft_for_another_target_is_a_startup_error(tiny_pair, tmp_path) -> Non
 @pytest.mark.parametrize("model", ["smollm2", "gemma3"])
 def test_real_models_with_a_random_draft(model, request, tmp_path) -> None:
     target = request.getfixturevalue(f"{model}_gguf")
-    _, draft, _ = make_tiny_draft.build(target, tmp_path / "draft", seed=2, block_size=4)
+    _, draft, _ = make_tiny_draft(target, tmp_path / "draft", seed=2, block_size=4)
     prompt = "The history of the printing press"
     plain = DaemonProcess(target, tmp_path / "plain").start()
     try:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import make_tiny_gguf
 import openai
 import pytest
 import torch
@@ -19,6 +18,7 @@ from daemon_proc import DaemonProcess
 
 from luced.runtime.generate import generate
 from luced.runtime.model import Model
+from luced.runtime.tiny import FAMILIES, make_tiny_gguf
 from luced.sampling_params import SamplingParams
 from luced.text.tokenizer import Tokenizer
 
@@ -38,9 +38,9 @@ def runtime_greedy(path: Path) -> list[int]:
         torch.set_num_threads(threads)
 
 
-@pytest.mark.parametrize("family", make_tiny_gguf.FAMILIES)
+@pytest.mark.parametrize("family", FAMILIES)
 def test_default_daemon_answers_the_runtimes_greedy_tokens(family: str, tmp_path: Path) -> None:
-    path = make_tiny_gguf.build(family, tmp_path / f"tiny-{family}.gguf", seed=1, tied=False).path
+    path = make_tiny_gguf(family, tmp_path / f"tiny-{family}.gguf", seed=1, tied=False).path
     want = runtime_greedy(path)
     tokenizer = Tokenizer.from_gguf(path)
     d = DaemonProcess(path, tmp_path).start()

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import make_tiny_gguf
 import openai
 from daemon_proc import DaemonProcess
 
+from luced.runtime.tiny import make_tiny_gguf
+
 
 def test_serve_answers_a_chat_completion(tmp_path: Path) -> None:
-    tiny = make_tiny_gguf.build("gemma4", tmp_path / "tiny-gemma4.gguf").path
+    tiny = make_tiny_gguf("gemma4", tmp_path / "tiny-gemma4.gguf").path
     daemon = DaemonProcess(tiny, tmp_path).start()
     try:
         client = openai.OpenAI(base_url=f"{daemon.url}/v1", api_key="x", max_retries=0)

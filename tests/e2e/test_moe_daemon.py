@@ -19,13 +19,13 @@ import sys
 import time
 from pathlib import Path
 
-import make_tiny_gguf
 import openai
 import pytest
 from daemon_proc import DaemonProcess
 from test_daemon import ROOT, client, generate_tool
 
 from luced.runtime import experts
+from luced.runtime.tiny import make_tiny_gguf
 from luced.serve.routing_profile import RoutingProfile
 
 FLAGS = ("--moe-hot-experts", "4", "--moe-expert-device", "cpu:1")
@@ -35,7 +35,7 @@ PROMPT = "hello world"
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("moe") / "tiny-qwen3moe.gguf"
-    return make_tiny_gguf.build("qwen3moe", path, seed=5, qtype="Q8_0").path
+    return make_tiny_gguf("qwen3moe", path, seed=5, qtype="Q8_0").path
 
 
 @pytest.fixture(scope="module")
@@ -145,7 +145,7 @@ def start_error(model: Path, tmp_path: Path, *flags: str) -> str:
 
 
 def test_bad_routing_profiles_stop_the_start(tiny: Path, profile: Path, tmp_path: Path) -> None:
-    other = make_tiny_gguf.build("qwen3moe", tmp_path / "other.gguf", seed=6, qtype="Q8_0").path
+    other = make_tiny_gguf("qwen3moe", tmp_path / "other.gguf", seed=6, qtype="Q8_0").path
     flag = ("--moe-routing-profile", str(profile))
     assert start_error(other, tmp_path / "a", *FLAGS, *flag).startswith(
         "luced: --moe-routing-profile: recorded for another model: its routers"

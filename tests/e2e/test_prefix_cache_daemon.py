@@ -12,10 +12,11 @@ import shutil
 import signal
 from pathlib import Path
 
-import make_tiny_gguf
 import pytest
 from daemon_proc import DaemonProcess
 from test_daemon import client, raw_post
+
+from luced.runtime.tiny import make_tiny_gguf
 
 PROMPT = "The printing press changed how people shared ideas across Europe. " * 4
 
@@ -45,7 +46,7 @@ def tiny(tmp_path_factory) -> dict[str, Path]:
     out = {}
     for name, family, seed in (("a", "llama", 5), ("b", "qwen3", 6)):
         out[name] = root / f"tiny-{name}.gguf"
-        make_tiny_gguf.build(family, out[name], seed=seed, layers=4, context=2048)
+        make_tiny_gguf(family, out[name], seed=seed, layers=4, context=2048)
     return out
 
 
@@ -224,7 +225,7 @@ def test_hybrid_serves_with_defaults(tmp_path) -> None:
     exact-cut mode: a prompt that extends a cached one restores all of it, a repeated one
     nothing (its state exists only at the end), and the replies equal uncached ones."""
     model = tmp_path / "tiny-qwen35.gguf"
-    make_tiny_gguf.build("qwen35", model, seed=5, layers=4, context=2048)
+    make_tiny_gguf("qwen35", model, seed=5, layers=4, context=2048)
     first, longer = PROMPT.strip(), PROMPT.strip() + " Then what happened next?"
     d = DaemonProcess(model, tmp_path).start()
     try:

@@ -12,16 +12,17 @@ import socket
 import time
 from pathlib import Path
 
-import make_tiny_gguf
 import openai
 import pytest
 from daemon_proc import DaemonProcess
+
+from luced.runtime.tiny import make_tiny_gguf
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("tiny") / "tiny-llama.gguf"
-    make_tiny_gguf.build("llama", path, seed=5, context=4096)
+    make_tiny_gguf("llama", path, seed=5, context=4096)
     return path
 
 

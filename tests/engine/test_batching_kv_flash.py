@@ -10,12 +10,12 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
-import make_tiny_gguf
 import pytest
 from engine_harness import engine_for
 
 from luced.engine.core import Engine, GenerationRequest
 from luced.engine.kvflash import PagerConfig
+from luced.runtime.tiny import make_tiny_gguf
 from luced.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -33,7 +33,7 @@ PROMPTS = [
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("cb-flash") / "qwen3.gguf"
-    return make_tiny_gguf.build("qwen3", path, seed=7, layers=4, context=1024).path
+    return make_tiny_gguf("qwen3", path, seed=7, layers=4, context=1024).path
 
 
 def requests() -> list[GenerationRequest]:

@@ -7,8 +7,6 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
-import make_tiny_draft
-import make_tiny_gguf
 import pytest
 import torch
 from engine_harness import engine_for
@@ -16,6 +14,7 @@ from engine_harness import engine_for
 from luced.engine.core import Engine, GenerationRequest, RequestHandle
 from luced.engine.kv_budget import RESERVE_STEP, KVBudget, resolve_kv_pool
 from luced.runtime.model import Model
+from luced.runtime.tiny import make_tiny_draft, make_tiny_gguf
 from luced.sampling_params import SamplingParams
 from luced.serve.bundled import smollm2_path
 
@@ -40,7 +39,7 @@ PARAMS = [
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("cb") / "qwen3.gguf"
-    return make_tiny_gguf.build("qwen3", path, seed=7, layers=4, context=512).path
+    return make_tiny_gguf("qwen3", path, seed=7, layers=4, context=512).path
 
 
 def request(i: int) -> GenerationRequest:
@@ -117,7 +116,7 @@ async def test_a_long_prompt_does_not_stall_the_running_streams(tmp_path: Path) 
     """While a 1500-token prompt prefills (24 chunks of 64), a running stream keeps
     decoding: its steps run between the chunks, so it gains about a token per chunk
     instead of waiting for the whole prompt."""
-    path = make_tiny_gguf.build("llama", tmp_path / "m.gguf", seed=3, context=2048).path
+    path = make_tiny_gguf("llama", tmp_path / "m.gguf", seed=3, context=2048).path
     async with engine_for(path, context=2048, max_running=2) as engine:
         greedy = SamplingParams(temperature=0)
         running = engine.submit(GenerationRequest("a", PROMPTS[0], greedy, 400, ignore_eos=True))
@@ -343,8 +342,8 @@ async def test_lookup_verify_blocks_batch_with_plain_steps(tiny: Path) -> None:
 def drafted(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     """An 8-layer target (deep enough for the draft's captures) and a random draft."""
     root = tmp_path_factory.mktemp("cbd")
-    target = make_tiny_gguf.build("qwen3", root / "qwen3.gguf", seed=7, layers=8, context=512)
-    return target.path, make_tiny_draft.build(target.path, root / "draft", seed=3, block_size=4)[1]
+    target = make_tiny_gguf("qwen3", root / "qwen3.gguf", seed=7, layers=8, context=512)
+    return target.path, make_tiny_draft(target.path, root / "draft", seed=3, block_size=4)[1]
 
 
 @pytest.mark.parametrize("draft_device", [None, "cpu:1"], ids=["draft-in-target", "draft-apart"])
@@ -424,7 +423,7 @@ async def test_prefix_cache_hits_restore_into_running_lanes(tiny: Path) -> None:
 async def test_remote_experts_carry_the_whole_batch(tmp_path: Path) -> None:
     """MoE with cold experts in an expert worker: a batched step's expert calls carry every
     sequence's rows, and each output equals the all-local model's alone."""
-    target = make_tiny_gguf.build("qwen3moe", tmp_path / "moe.gguf", seed=7, layers=4).path
+    target = make_tiny_gguf("qwen3moe", tmp_path / "moe.gguf", seed=7, layers=4).path
     greedy = SamplingParams(temperature=0)
     reqs = [
         GenerationRequest(f"m{i}", p, greedy, 20, ignore_eos=True) for i, p in enumerate(PROMPTS)

@@ -12,16 +12,15 @@ import json
 from pathlib import Path
 
 import jsonschema
-import make_tiny_draft
-import make_tiny_gguf
 import pytest
 import pytest_asyncio
-from bench_dflash import HalfOracle
 from engine_harness import engine_for
 
 from luced.engine.core import Engine, GenerationRequest, InvalidGrammar
+from luced.runtime.tiny import make_tiny_draft, make_tiny_gguf
 from luced.sampling_params import SamplingParams
 from luced.text.grammar import json_schema_grammar
+from tools.bench_dflash import HalfOracle
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -43,8 +42,8 @@ MAX_TOKENS = 120
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     root = tmp_path_factory.mktemp("grammar")
     target = root / "qwen3.gguf"
-    make_tiny_gguf.build("qwen3", target, seed=7, layers=8, context=512)
-    _, draft, _ = make_tiny_draft.build(target, root / "draft", seed=3, block_size=4)
+    make_tiny_gguf("qwen3", target, seed=7, layers=8, context=512)
+    _, draft, _ = make_tiny_draft(target, root / "draft", seed=3, block_size=4)
     return target, draft
 
 

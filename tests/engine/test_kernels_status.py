@@ -7,17 +7,17 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-import make_tiny_gguf
 import pytest
 from engine_harness import engine_for
 
 from luced.engine.executor import kernels_summary
+from luced.runtime.tiny import make_tiny_gguf
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("ks") / "llama.gguf"
-    return make_tiny_gguf.build("llama", path, seed=4, layers=2, context=512).path
+    return make_tiny_gguf("llama", path, seed=4, layers=2, context=512).path
 
 
 async def test_a_worker_without_compiler_or_cache_reports_torch_fallback(

@@ -14,7 +14,6 @@ from __future__ import annotations
 import secrets
 from pathlib import Path
 
-import make_tiny_draft
 import numpy as np
 import pytest
 from engine_harness import split_target
@@ -26,6 +25,7 @@ from luced.engine.executor import WorkerReplyError
 from luced.ipc.frames import KVExport, KVImport
 from luced.ipc.regions import Region, RegionAllocator, required_bytes, view
 from luced.runtime.model import Model
+from luced.runtime.tiny import make_tiny_draft
 
 N = len(PROMPT)
 SAMPLED = {"temperature": 0.9, "seed": 11, "repetition_penalty": 1.5}
@@ -230,7 +230,7 @@ async def test_draft_reads_no_ring_row_below_a_restored_snapshot_floor(
     """A snapshot of 20 positions with a ring of 8 holds valid ring rows for [12, 20) only.
     Restored to 15, the draft's context must stay inside [12, 15): poisoning the ring rows
     of the positions below (7..11, still in the ring's slots) changes nothing."""
-    _, draft, _ = make_tiny_draft.build(tiny["gemma3"], tmp_path / "d", seed=1, captures=2)
+    _, draft, _ = make_tiny_draft(tiny["gemma3"], tmp_path / "d", seed=1, captures=2)
     prompt = PROMPT * 2
     async with split_target(tiny["gemma3"], ("cpu",)) as target:
         await target.target.load_draft(str(draft), ring_cap=8, block_size=4)

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import make_tiny_gguf
 import numpy as np
 import pytest
 import pytest_asyncio
@@ -22,6 +21,7 @@ from test_speculative_loop import run_logprobs
 
 from luced.engine.driver import Driver
 from luced.runtime.sampler import probs
+from luced.runtime.tiny import make_tiny_gguf
 from luced.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -37,7 +37,7 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     # Seeds whose greedy output repeats some of itself, so that proposals get accepted.
     for family, seed in (("qwen3", 7), ("qwen35", 11)):
         out[family] = root / f"{family}.gguf"
-        make_tiny_gguf.build(family, out[family], seed=seed, layers=4, context=512)
+        make_tiny_gguf(family, out[family], seed=seed, layers=4, context=512)
     return out
 
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import re
+import time
+from dataclasses import dataclass
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -19,6 +21,12 @@ VLLM_NAMES = {
     "luced:prompt_tokens": "counter",
     "luced:generation_tokens": "counter",
     "luced:request_success": "counter",
+    # The phases and sizes a vLLM Grafana dashboard plots.
+    "luced:request_queue_time_seconds": "histogram",
+    "luced:request_prefill_time_seconds": "histogram",
+    "luced:request_decode_time_seconds": "histogram",
+    "luced:request_generation_tokens": "histogram",
+    "luced:request_prompt_tokens": "histogram",
 }
 
 
@@ -121,6 +129,53 @@ def test_each_instance_has_its_own_registry() -> None:
     assert samples(b)["luced:generation_tokens_total", ()] == 0
 
 
+@dataclass
+class Ended:
+    """A request as the engine's handle holds it at its end (Metrics.FinishedRequest)."""
+
+    finish_reason: str | None
+    completion_tokens: int
+    submitted_at: float
+    admitted_at: float | None = None
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+
+
+def test_a_finished_request_gives_its_phases() -> None:
+    m = Metrics("smol")
+    t0 = time.monotonic() - 10.0
+    # Waited 0.2 s, prefilled 0.7 s, decoded 4 s; then one cancelled while queued.
+    m.request_finished(Ended("stop", 9, t0, t0 + 0.2, t0 + 0.9, t0 + 4.9))
+    m.request_finished(Ended("abort", 0, time.monotonic()))
+    s = samples(m)
+
+    def histogram(name: str) -> tuple[float, float]:
+        return s[f"luced:{name}_count", ()], s[f"luced:{name}_sum", ()]
+
+    assert histogram("request_queue_time_seconds") == (1, pytest.approx(0.2))
+    assert histogram("request_prefill_time_seconds") == (1, pytest.approx(0.7))
+    assert histogram("request_decode_time_seconds") == (1, pytest.approx(4.0))
+    assert histogram("request_generation_tokens") == (2, 9)
+    assert s["luced:request_generation_tokens_bucket", (("le", "10.0"),)] == 2
+    assert s["luced:request_generation_tokens_bucket", (("le", "5.0"),)] == 1
+    count, total = histogram("e2e_request_latency_seconds")
+    assert count == 2 and 10.0 <= total < 60.0
+    reasons = {
+        r: s["luced:request_success_total", (("finished_reason", r),)] for r in FINISH_REASONS
+    }
+    assert reasons == {"stop": 1, "length": 0, "abort": 1, "error": 0}
+    with pytest.raises(ValueError, match="needs a finished request"):
+        m.request_finished(Ended(None, 0, t0))
+
+
+def test_process_metrics_are_exported() -> None:
+    """prometheus_client's process collector, as vLLM exports it (no model_name label)."""
+    s = samples(Metrics("smol"))
+    assert s["process_resident_memory_bytes", ()] > 0
+    assert s["process_cpu_seconds_total", ()] >= 0
+    assert s["process_open_fds", ()] >= 3
+
+
 def test_merged_exposition_shows_each_family_once_with_every_model() -> None:
     """Several models: one page, each family once, each model's series by its label, and
     the event loop's lag once, the daemon's own (no model label)."""
@@ -143,4 +198,6 @@ def test_merged_exposition_shows_each_family_once_with_every_model() -> None:
         s for s in families["luced:event_loop_lag_seconds"].samples if s.name.endswith("_count")
     ]
     assert count.labels == {} and count.value == 1
+    (rss,) = families["process_resident_memory_bytes"].samples  # one process, once
+    assert rss.labels == {} and rss.value > 0
     assert "_created" not in text

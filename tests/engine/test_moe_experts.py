@@ -6,11 +6,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import make_tiny_draft
-import make_tiny_gguf
 import pytest
 from engine_harness import engine_for
 from test_speculative_loop import run
+
+from luced.runtime.tiny import make_tiny_draft, make_tiny_gguf
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -20,8 +20,8 @@ HOT = 4  # of 8 experts per layer
 @pytest.mark.parametrize("family", ["qwen3moe", "qwen35moe", "laguna"])
 async def test_remote_experts_equal_all_local(tmp_path: Path, family: str) -> None:
     target = tmp_path / f"{family}.gguf"
-    make_tiny_gguf.build(family, target, seed=7, context=512, layers=8)
-    _, draft, _ = make_tiny_draft.build(target, tmp_path / "draft", seed=3, block_size=4)
+    make_tiny_gguf(family, target, seed=7, context=512, layers=8)
+    _, draft, _ = make_tiny_draft(target, tmp_path / "draft", seed=3, block_size=4)
     async with engine_for(target) as engine:
         plain, _ = await run(engine)
     remote = {"moe_hot": HOT, "moe_expert_device": "cpu:2"}

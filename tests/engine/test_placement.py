@@ -7,7 +7,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import make_tiny_gguf
 import pytest
 
 from luced.engine.placement import (
@@ -18,6 +17,7 @@ from luced.engine.placement import (
     parse_devices,
     plan_workers,
 )
+from luced.runtime.tiny import make_tiny_gguf
 from luced.serve.config import ConfigError, load_config
 
 
@@ -110,7 +110,7 @@ def test_split_plans_come_from_the_gguf_header(tmp_path: Path) -> None:
     from luced.gguf_file import GGUFFile
 
     model = tmp_path / "g4.gguf"
-    make_tiny_gguf.build("gemma4", model)
+    make_tiny_gguf("gemma4", model)
     sources = GGUFFile(model).kv_sources()
     assert sources == TINY_GEMMA4
     p = TargetPlacement.split(
@@ -186,7 +186,7 @@ def serve(*args: str) -> subprocess.CompletedProcess:
 
 def test_daemon_refuses_bad_placements_at_startup(tmp_path: Path) -> None:
     model = tmp_path / "tiny.gguf"
-    make_tiny_gguf.build("llama", model)  # 2 layers
+    make_tiny_gguf("llama", model)  # 2 layers
     out = serve(str(model), "--target-devices", "cpu,cpu:1,cpu:2")
     assert out.returncode == 2
     assert "--target-devices: 3 shards for a model of 2 layers" in out.stderr

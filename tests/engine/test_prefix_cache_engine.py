@@ -12,14 +12,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import make_tiny_draft
-import make_tiny_gguf
 import pytest
 from engine_harness import engine_for
 
 from luced.engine.core import Engine, GenerationRequest
 from luced.engine.kvflash import PagerConfig
 from luced.gguf_file import GGUFFile
+from luced.runtime.tiny import make_tiny_draft, make_tiny_gguf
 from luced.sampling_params import SamplingParams
 from luced.text.tokenizer import Tokenizer
 from luced.text.turns import TurnMarker
@@ -91,8 +90,8 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Path
     for family in ("llama", "qwen3", "gemma3", "qwen35", *NEWER):
         target = root / f"{family}.gguf"
         extra = {} if family in ("gemma3", "gemma4") else {"layers": 8}
-        make_tiny_gguf.build(family, target, seed=5, context=1024, **extra)
-        _, draft, _ = make_tiny_draft.build(target, root / f"draft-{family}", seed=1)
+        make_tiny_gguf(family, target, seed=5, context=1024, **extra)
+        _, draft, _ = make_tiny_draft(target, root / f"draft-{family}", seed=1)
         out[family] = (target, draft)
     return out
 
@@ -176,7 +175,7 @@ async def test_hybrid_restore_into_a_kv_flash_pool_equals_fresh(tiny) -> None:
     async with engine_for(path, context=1024, prefix_cache_bytes=64 << 20, kv_flash=pool) as cached:
         await run(cached, first)
         assert await run(cached, turn2) == (expected, 150)
-        assert cached.target.flash is not None and cached.target.flash.is_identity
+        assert cached.target.flash(0) is not None and cached.target.identity_layout(0)
 
 
 def turn_prompts(vocab: int) -> tuple[int, list[list[int]]]:
@@ -241,5 +240,5 @@ async def test_real_models_restore_equals_fresh(
     target = request.getfixturevalue(f"{model}_gguf")
     draft = None
     if with_draft:
-        _, draft, _ = make_tiny_draft.build(target, tmp_path / "draft", seed=2, block_size=4)
+        _, draft, _ = make_tiny_draft(target, tmp_path / "draft", seed=2, block_size=4)
     await check_restore_equals_fresh(target, devices, draft)

@@ -7,14 +7,13 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
-import make_tiny_draft
-import make_tiny_gguf
 import pytest
 import torch
 from engine_harness import engine_for
 
 from luced.engine.core import Engine, GenerationRequest, RequestHandle
 from luced.runtime.model import Model
+from luced.runtime.tiny import make_tiny_draft, make_tiny_gguf
 from luced.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0)
@@ -29,7 +28,7 @@ LATER = [
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("share") / "qwen3.gguf"
-    return make_tiny_gguf.build("qwen3", path, seed=7, layers=4, context=512).path
+    return make_tiny_gguf("qwen3", path, seed=7, layers=4, context=512).path
 
 
 def request(name: str, prompt: list[int], max_tokens: int = 16) -> GenerationRequest:
@@ -177,8 +176,8 @@ async def test_a_dflash_request_shares_the_prefix_and_its_captures(tmp_path: Pat
     """With a DFlash draft model: the request that shares a running one's prefix also gets
     that prefix's captured layer outputs in its lane's feature ring (the draft's context),
     so its ring equals a fresh forward's captures, and its output is plain decoding's."""
-    target = make_tiny_gguf.build("qwen3", tmp_path / "qwen3.gguf", seed=7, layers=8).path
-    draft = make_tiny_draft.build(target, tmp_path / "draft", seed=3, block_size=4)[1]
+    target = make_tiny_gguf("qwen3", tmp_path / "qwen3.gguf", seed=7, layers=8).path
+    draft = make_tiny_draft(target, tmp_path / "draft", seed=3, block_size=4)[1]
     prompts = [FIRST[:100] + FIRST[:20], [*FIRST[:100], 99, 9, 14, 3, 22, 7, 40, 2]]
     want = await fresh(target, prompts)
     async with engine_for(target, context=256, draft=draft, block_size=4, max_running=2) as engine:

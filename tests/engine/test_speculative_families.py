@@ -5,11 +5,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import make_tiny_draft
-import make_tiny_gguf
 import pytest
 from engine_harness import engine_for
 from test_speculative_loop import run
+
+from luced.runtime.tiny import make_tiny_draft, make_tiny_gguf
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -25,8 +25,8 @@ FAMILIES = {
 @pytest.mark.parametrize("family", list(FAMILIES))
 async def test_greedy_speculative_equals_plain(tmp_path: Path, family: str) -> None:
     target = tmp_path / f"{family}.gguf"
-    make_tiny_gguf.build(family, target, seed=7, context=512, **FAMILIES[family])
-    _, draft, _ = make_tiny_draft.build(target, tmp_path / "draft", seed=3, block_size=4)
+    make_tiny_gguf(family, target, seed=7, context=512, **FAMILIES[family])
+    _, draft, _ = make_tiny_draft(target, tmp_path / "draft", seed=3, block_size=4)
     async with engine_for(target) as engine:
         plain, _ = await run(engine)
     async with engine_for(target, draft=draft, block_size=4) as engine:

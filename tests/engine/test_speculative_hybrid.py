@@ -13,8 +13,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import make_tiny_draft
-import make_tiny_gguf
 import numpy as np
 import pytest
 import pytest_asyncio
@@ -23,6 +21,7 @@ from test_speculative_loop import PROMPT, N, run
 
 from luced.engine.driver import Driver
 from luced.engine.executor import WorkerReplyError
+from luced.runtime.tiny import make_tiny_draft, make_tiny_gguf
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 GREEDY = {"temperature": 0}
@@ -32,8 +31,8 @@ GREEDY = {"temperature": 0}
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     root = tmp_path_factory.mktemp("spec-hybrid")
     target = root / "qwen35.gguf"
-    make_tiny_gguf.build("qwen35", target, seed=7, layers=8, context=512)
-    _, draft, _ = make_tiny_draft.build(target, root / "draft", seed=3, block_size=4)
+    make_tiny_gguf("qwen35", target, seed=7, layers=8, context=512)
+    _, draft, _ = make_tiny_draft(target, root / "draft", seed=3, block_size=4)
     return target, draft
 
 

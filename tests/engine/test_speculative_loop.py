@@ -13,19 +13,18 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import make_tiny_draft
-import make_tiny_gguf
 import numpy as np
 import pytest
 import pytest_asyncio
 import torch
-from bench_dflash import OracleProposer
 from engine_harness import engine_for, generate
 
 from luced.engine.core import Engine
 from luced.engine.driver import Driver
 from luced.runtime.sampler import probs
+from luced.runtime.tiny import make_tiny_draft, make_tiny_gguf
 from luced.sampling_params import SamplingParams
+from tools.bench_dflash import OracleProposer
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -38,8 +37,8 @@ N = 40
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     root = tmp_path_factory.mktemp("spec")
     target = root / "qwen3.gguf"
-    make_tiny_gguf.build("qwen3", target, seed=7, layers=8, context=512)
-    _, draft, _ = make_tiny_draft.build(target, root / "draft", seed=3, block_size=4)
+    make_tiny_gguf("qwen3", target, seed=7, layers=8, context=512)
+    _, draft, _ = make_tiny_draft(target, root / "draft", seed=3, block_size=4)
     return target, draft
 
 
@@ -94,8 +93,8 @@ def tiny_q4(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     """A Q4_0 target (float32 matrices stay exact in every weights mode)."""
     root = tmp_path_factory.mktemp("spec-q4")
     target = root / "qwen3.gguf"
-    make_tiny_gguf.build("qwen3", target, seed=7, layers=8, context=512, qtype="Q4_0")
-    _, draft, _ = make_tiny_draft.build(target, root / "draft", seed=3, block_size=4)
+    make_tiny_gguf("qwen3", target, seed=7, layers=8, context=512, qtype="Q4_0")
+    _, draft, _ = make_tiny_draft(target, root / "draft", seed=3, block_size=4)
     return target, draft
 
 

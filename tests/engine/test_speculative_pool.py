@@ -13,13 +13,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import make_tiny_draft
-import make_tiny_gguf
 import pytest
 from engine_harness import engine_for
 from test_speculative_loop import run
 
 from luced.engine.kvflash import PagerConfig
+from luced.runtime.tiny import make_tiny_draft, make_tiny_gguf
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -29,8 +28,8 @@ LONG = [(13 * i + 5) % 97 + 2 for i in range(560)]
 def target_and_draft(tmp_path_factory: pytest.TempPathFactory, family: str) -> tuple[Path, Path]:
     root = tmp_path_factory.mktemp(f"spec-pool-{family}")
     target = root / f"{family}.gguf"
-    make_tiny_gguf.build(family, target, seed=7, layers=8, context=1024)
-    _, draft, _ = make_tiny_draft.build(target, root / "draft", seed=3, block_size=4)
+    make_tiny_gguf(family, target, seed=7, layers=8, context=1024)
+    _, draft, _ = make_tiny_draft(target, root / "draft", seed=3, block_size=4)
     return target, draft
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import make_tiny_gguf
 import pytest
 from engine_harness import split_target
 
@@ -13,6 +12,7 @@ from luced.engine.driver import Driver
 from luced.engine.scheduler import Work
 from luced.runtime.generate import generate
 from luced.runtime.model import Model
+from luced.runtime.tiny import make_tiny_gguf
 from luced.sampling_params import SamplingParams
 
 PROMPTS = {0: [5, 9, 14, 3, 22, 7], 3: [40, 2, 2, 19], 7: [11, 61, 8, 30, 4, 4, 17, 9, 2]}
@@ -24,7 +24,7 @@ STEPS = 5
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("tb") / "llama.gguf"
-    return make_tiny_gguf.build("llama", path, seed=4, layers=4, context=256).path
+    return make_tiny_gguf("llama", path, seed=4, layers=4, context=256).path
 
 
 def alone(model: Model, prompt: list[int], steps: int) -> list[int]:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import itertools
 from pathlib import Path
 
-import make_tiny_gguf
 import numpy as np
 import pytest
 import torch
@@ -21,6 +20,7 @@ from engine_harness import split_target
 from luced.engine.driver import Driver
 from luced.runtime.generate import generate
 from luced.runtime.model import Model
+from luced.runtime.tiny import make_tiny_gguf
 from luced.sampling_params import SamplingParams
 
 KV = 64
@@ -35,7 +35,7 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     out = {}
     for family in ("llama", "qwen3", "gemma3"):
         extra = {} if family == "gemma3" else {"layers": 4}
-        make_tiny_gguf.build(family, d / f"{family}.gguf", seed=3, **extra)
+        make_tiny_gguf(family, d / f"{family}.gguf", seed=3, **extra)
         out[family] = d / f"{family}.gguf"
     return out
 

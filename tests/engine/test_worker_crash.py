@@ -9,11 +9,11 @@ import os
 import signal
 from pathlib import Path
 
-import make_tiny_gguf
 import pytest
 from engine_harness import engine_for
 
 from luced.engine.core import RESUME_LOST, Engine, GenerationRequest, RequestHandle
+from luced.runtime.tiny import make_tiny_gguf
 from luced.sampling_params import SamplingParams
 
 OLDER = [(7 * i + 3) % 120 + 2 for i in range(90)]
@@ -24,7 +24,7 @@ FRESH = [3, 17, 5, 42, 8, 99, 23, 4, 61, 7]
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("crash") / "qwen3.gguf"
-    return make_tiny_gguf.build("qwen3", path, seed=7, layers=4, context=512).path
+    return make_tiny_gguf("qwen3", path, seed=7, layers=4, context=512).path
 
 
 def request(name: str, prompt: list[int], max_tokens: int, **params) -> GenerationRequest:

@@ -123,7 +123,12 @@ def sample_requests() -> dict[str, F.Request]:
                     start=7,
                     n=2,
                     n_out=2,
-                    sampling={"temperature": 0.8, "seed": 5, "min_p": None},
+                    sampling={
+                        "temperature": 0.8,
+                        "seed": 5,
+                        "min_p": None,
+                        "logit_bias": {"7": -1.5},
+                    },
                     verify=True,
                     ring=region(4096, (64, 3, 576), "float32"),
                     kv_plan={

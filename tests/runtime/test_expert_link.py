@@ -25,9 +25,9 @@ from luced.runtime import experts
 from luced.runtime.expert_link import RemoteExperts
 from luced.runtime.model import Model
 from luced.runtime.qlinear import PackedLinear
+from luced.runtime.tiny import make_tiny_gguf
 from tests.runtime.test_experts import PROMPT, greedy, highest_ids_most_routed, placed
 from tests.worker_harness import TAG, WorkerProc, no_segments_left  # noqa: F401
-from tools import make_tiny_gguf
 
 HOT = 4  # of the tiny models' 8 experts per layer: half cold
 
@@ -35,7 +35,7 @@ HOT = 4  # of the tiny models' 8 experts per layer: half cold
 @pytest.fixture(scope="module", params=["qwen3moe", "qwen35moe", "laguna"])
 def tiny(request, tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp(request.param) / "m.gguf"
-    make_tiny_gguf.build(request.param, path, seed=5, qtype="Q8_0")
+    make_tiny_gguf(request.param, path, seed=5, qtype="Q8_0")
     return path
 
 

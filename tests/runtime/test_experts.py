@@ -16,7 +16,7 @@ from luced.gguf_file import GGUFFile
 from luced.runtime import experts
 from luced.runtime.model import Model
 from luced.runtime.qlinear import PackedLinear
-from tools import make_tiny_gguf
+from luced.runtime.tiny import make_tiny_gguf
 
 MOE_FAMILIES = ["qwen3moe", "qwen35moe", "laguna", "gemma4"]
 # gemma4's MoE block is optional: on, with the other families' tiny expert sizes
@@ -96,9 +96,7 @@ def test_bad_input_is_refused() -> None:
 @pytest.fixture(scope="module", params=MOE_FAMILIES)
 def tiny(request, tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp(request.param) / "m.gguf"
-    make_tiny_gguf.build(
-        request.param, path, seed=5, qtype="Q8_0", **OVERRIDES.get(request.param, {})
-    )
+    make_tiny_gguf(request.param, path, seed=5, qtype="Q8_0", **OVERRIDES.get(request.param, {}))
     return path
 
 
@@ -188,7 +186,7 @@ def test_cold_experts_in_process_equal_all_local(tiny: Path, hot: int, weights: 
 def test_packed_experts_stay_close_to_dequantized(tmp_path: Path, weights: str) -> None:
     """Each expert's matrices packed for the weight-only kernels (Q4_0 blocks are int4 block
     for block; int8 requantizes them) against the exact float experts."""
-    path = make_tiny_gguf.build("qwen3moe", tmp_path / "m.gguf", seed=5, qtype="Q4_0").path
+    path = make_tiny_gguf("qwen3moe", tmp_path / "m.gguf", seed=5, qtype="Q4_0").path
     gguf, cfg = GGUFFile(path), Model.load(path).cfg
     layer, ids = gguf.moe_layers()[-1], [1, 4, 6]
     exact = experts.read_experts(gguf, layer, ids, cfg.moe, torch.float32)

@@ -1,20 +1,22 @@
 """Every family on tiny random models vs transformers holding the very same weights.
 
-tools/make_tiny_gguf.py writes the GGUF as llama.cpp would and returns the transformers
-twin with exactly the dequantized weights, so the comparison is like for like in float32.
+luced.runtime.tiny writes the GGUF as llama.cpp would and returns the transformers twin's
+config and exactly the dequantized weights (tests/tiny_hf.py builds the model), so the
+comparison is like for like in float32.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-import make_tiny_gguf
 import pytest
 import torch
+from tiny_hf import hf_config, hf_model
 
 from luced.engine.placement import layer_ranges
 from luced.gguf_file import GGUFFile
 from luced.runtime.model import Model
+from luced.runtime.tiny import TinyModel, make_tiny_gguf
 
 VARIANTS = {
     "llama": ("llama", {}),
@@ -76,14 +78,14 @@ def greedy_ours(model: Model, ids: list[int], n: int) -> list[int]:
 
 
 @pytest.fixture(scope="module", params=sorted(VARIANTS))
-def tiny(request, tmp_path_factory) -> make_tiny_gguf.TinyModel:
+def tiny(request, tmp_path_factory) -> TinyModel:
     family, overrides = VARIANTS[request.param]
     path = tmp_path_factory.mktemp("tiny") / f"{request.param}.gguf"
-    return make_tiny_gguf.build(family, path, seed=3, **overrides)
+    return make_tiny_gguf(family, path, seed=3, **overrides)
 
 
 def test_logits_match_transformers(tiny) -> None:
-    hf = tiny.hf_model()
+    hf = hf_model(tiny)
     ours = Model.load(tiny.path)
     for ids in PROMPTS:
         with torch.no_grad():
@@ -93,7 +95,7 @@ def test_logits_match_transformers(tiny) -> None:
 
 
 def test_greedy_matches_transformers(tiny) -> None:
-    hf = tiny.hf_model()
+    hf = hf_model(tiny)
     ours = Model.load(tiny.path)
     for ids in PROMPTS[:2]:
         assert greedy_ours(ours, ids, 32) == greedy_hf(hf, ids, 32)
@@ -129,7 +131,7 @@ def test_captures_are_layer_outputs(tiny) -> None:
     cache = model.new_cache(64)
     _, caps = model.forward_layers(model.embed(ids), cache, 0, capture={0, last}, ids=ids)
     with torch.no_grad():
-        states = tiny.hf_model()(ids[None], output_hidden_states=True).hidden_states
+        states = hf_model(tiny)(ids[None], output_hidden_states=True).hidden_states
     torch.testing.assert_close(caps[0], states[1][0], rtol=1e-4, atol=1e-5)
     assert set(caps) == {0, last}
 
@@ -138,10 +140,10 @@ def test_captures_are_layer_outputs(tiny) -> None:
     "qtype", ["F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q4_K", "Q5_K", "Q6_K"]
 )
 def test_quant_types_dequantize_like_transformers(qtype: str, tmp_path: Path) -> None:
-    tiny = make_tiny_gguf.build("llama", tmp_path / f"{qtype}.gguf", seed=1, qtype=qtype)
+    tiny = make_tiny_gguf("llama", tmp_path / f"{qtype}.gguf", seed=1, qtype=qtype)
     ids = PROMPTS[0]
     with torch.no_grad():
-        ref = tiny.hf_model()(torch.tensor([ids])).logits[0].float()
+        ref = hf_model(tiny)(torch.tensor([ids])).logits[0].float()
     ours = Model.load(tiny.path)
     got = ours.forward(torch.tensor(ids), ours.new_cache(16), 0)
     assert max_rel_err(got, ref) <= 1e-4
@@ -160,10 +162,10 @@ def test_quant_types_dequantize_like_transformers(qtype: str, tmp_path: Path) ->
 )
 def test_quantized_experts_dequantize_like_transformers(family, qtype, tmp_path: Path) -> None:
     """3-D expert stacks load from quantized blocks as the twin holds them."""
-    tiny = make_tiny_gguf.build(family, tmp_path / f"{qtype}.gguf", seed=1, qtype=qtype)
+    tiny = make_tiny_gguf(family, tmp_path / f"{qtype}.gguf", seed=1, qtype=qtype)
     ids = PROMPTS[1]
     with torch.no_grad():
-        ref = tiny.hf_model()(torch.tensor([ids])).logits[0].float()
+        ref = hf_model(tiny)(torch.tensor([ids])).logits[0].float()
     ours = Model.load(tiny.path)
     got = ours.forward(torch.tensor(ids), ours.new_cache(32), 0)
     assert max_rel_err(got, ref) <= 1e-4
@@ -175,7 +177,7 @@ def test_quantized_experts_dequantize_like_transformers(family, qtype, tmp_path:
 @pytest.mark.parametrize("family", ["qwen3", "laguna"])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_reduced_precision_stays_close(family: str, dtype: str, tmp_path: Path) -> None:
-    tiny = make_tiny_gguf.build(family, tmp_path / "q.gguf", seed=4)
+    tiny = make_tiny_gguf(family, tmp_path / "q.gguf", seed=4)
     ids = torch.tensor(PROMPTS[1])
     full = Model.load(tiny.path)
     half = Model.load(tiny.path, dtype=dtype)
@@ -190,15 +192,15 @@ def test_reduced_precision_stays_close(family: str, dtype: str, tmp_path: Path) 
 
 
 @pytest.fixture(scope="module")
-def gemma4(tmp_path_factory) -> make_tiny_gguf.TinyModel:
-    return make_tiny_gguf.build("gemma4", tmp_path_factory.mktemp("g4") / "g4.gguf", seed=3)
+def gemma4(tmp_path_factory) -> TinyModel:
+    return make_tiny_gguf("gemma4", tmp_path_factory.mktemp("g4") / "g4.gguf", seed=3)
 
 
 def test_gemma4_tiny_has_every_layer_kind(gemma4) -> None:
     cfg = Model.load(gemma4.path).cfg
     assert cfg.sliding_layers == (True, True, False, True, True, False)
     assert [cfg.kv_source(i) for i in range(6)] == [0, 1, 2, 1, 1, 2]  # HF: store 1, 2; reuse 3-5
-    assert gemma4.hf_config.kv_sharing_modes == [None, "store", "store", *["reuse"] * 3]
+    assert hf_config(gemma4).kv_sharing_modes == [None, "store", "store", *["reuse"] * 3]
     assert [cfg.kv_shape(i) for i in (0, 2)] == [(2, 16), (1, 32)]
     assert cfg.k_eq_v == (False, False, True, False, False, False)
     assert cfg.ple_dim == 32 and cfg.final_softcap == 30.0
@@ -229,10 +231,10 @@ def test_gemma4_decode_steps_match_one_prefill(gemma4) -> None:
     "qtype", ["F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q4_K", "Q5_K", "Q6_K"]
 )
 def test_gemma4_quant_types(qtype: str, tmp_path: Path) -> None:
-    tiny = make_tiny_gguf.build("gemma4", tmp_path / f"{qtype}.gguf", seed=1, qtype=qtype)
+    tiny = make_tiny_gguf("gemma4", tmp_path / f"{qtype}.gguf", seed=1, qtype=qtype)
     ids = PROMPTS[1]
     with torch.no_grad():
-        ref = tiny.hf_model()(torch.tensor([ids])).logits[0].float()
+        ref = hf_model(tiny)(torch.tensor([ids])).logits[0].float()
     ours = Model.load(tiny.path)
     got = ours.forward(torch.tensor(ids), ours.new_cache(32), 0)
     assert max_rel_err(got, ref) <= 1e-4

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-import make_tiny_gguf
 import pytest
 import torch
 
@@ -15,6 +14,7 @@ from luced.runtime import native_attention
 from luced.runtime.kv_blocks import BlockPool, KVPoolFull, PagedKVCache
 from luced.runtime.kv_cache import ContextOverflow
 from luced.runtime.model import Model
+from luced.runtime.tiny import make_tiny_gguf
 
 CAPACITY = 256
 
@@ -28,7 +28,7 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Model]:
 
     def load(family: str) -> Model:
         if family not in models:
-            path = make_tiny_gguf.build(family, root / f"{family}.gguf", seed=5).path
+            path = make_tiny_gguf(family, root / f"{family}.gguf", seed=5).path
             models[family] = Model.load(path)
         return models[family]
 

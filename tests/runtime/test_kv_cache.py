@@ -5,12 +5,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import make_tiny_gguf
 import pytest
 import torch
 
 from luced.runtime.kv_cache import ContextOverflow, KVCache, RecurrentRollback
 from luced.runtime.model import Model
+from luced.runtime.tiny import make_tiny_gguf
 
 
 @pytest.fixture(scope="module")
@@ -109,10 +109,8 @@ ACCEPTED = torch.tensor([44, 45, 46])
 
 @pytest.fixture(scope="module")
 def hybrid(tmp_path_factory: pytest.TempPathFactory) -> Model:
-    import make_tiny_gguf
-
     path = tmp_path_factory.mktemp("hybrid") / "q.gguf"
-    return Model.load(make_tiny_gguf.build("qwen35", path, seed=2, linear_v_heads=4).path)
+    return Model.load(make_tiny_gguf("qwen35", path, seed=2, linear_v_heads=4).path)
 
 
 def fresh_logits(model: Model, *pieces: torch.Tensor) -> torch.Tensor:
@@ -300,7 +298,7 @@ def test_a_half_precision_cache_holds_half_the_bytes_and_close_logits(
 
 
 def test_recurrent_states_keep_the_compute_dtype(tmp_path: Path) -> None:
-    tiny = make_tiny_gguf.build("qwen35", tmp_path / "h.gguf", seed=3).path
+    tiny = make_tiny_gguf("qwen35", tmp_path / "h.gguf", seed=3).path
     model = Model.load(tiny, kv_dtype="bfloat16")
     cache = model.new_cache(64)
     assert cache.k[cache.stored[0]].dtype == torch.bfloat16

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import random
 
-import make_tiny_gguf
 import pytest
 import torch
 
@@ -31,6 +30,7 @@ from luced.runtime.kv_pool import (
     page_out,
 )
 from luced.runtime.model import Model
+from luced.runtime.tiny import make_tiny_gguf
 
 FAMILIES = ("llama", "qwen3", "gemma3", "qwen3moe", "laguna", "gemma4", "qwen35", "qwen35moe")
 CONTEXT = 1024
@@ -41,7 +41,7 @@ STEPS = [128, 128, 44] + [1, 5, 1, 16, 1, 3, 32] * 6
 @pytest.fixture(scope="module", params=FAMILIES)
 def model(request, tmp_path_factory) -> Model:
     path = tmp_path_factory.mktemp("tiny") / f"{request.param}.gguf"
-    make_tiny_gguf.build(request.param, path, seed=5, context=CONTEXT)
+    make_tiny_gguf(request.param, path, seed=5, context=CONTEXT)
     return Model.load(path)
 
 

@@ -13,7 +13,6 @@ import secrets
 from collections.abc import Iterator
 from pathlib import Path
 
-import make_tiny_gguf
 import numpy as np
 import pytest
 import torch
@@ -27,6 +26,7 @@ from luced.runtime.backend import Backend
 from luced.runtime.kv_cache import ContextOverflow, KVCache
 from luced.runtime.model import Model
 from luced.runtime.state import SequenceState, WorkerError
+from luced.runtime.tiny import make_tiny_gguf
 
 KV = 64
 ROWS = 32
@@ -41,10 +41,10 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     per-layer query heads, sliding windows); gemma4 with its 6, of two shapes, layers 3 and 4
     sharing the KV of 1, layer 5 that of 2."""
     d = tmp_path_factory.mktemp("kvsnap")
-    make_tiny_gguf.build("llama", d / "llama.gguf", seed=3, layers=4)
-    make_tiny_gguf.build("gemma3", d / "gemma3.gguf", seed=3)
-    make_tiny_gguf.build("laguna", d / "laguna.gguf", seed=3)
-    make_tiny_gguf.build("gemma4", d / "gemma4.gguf", seed=3)
+    make_tiny_gguf("llama", d / "llama.gguf", seed=3, layers=4)
+    make_tiny_gguf("gemma3", d / "gemma3.gguf", seed=3)
+    make_tiny_gguf("laguna", d / "laguna.gguf", seed=3)
+    make_tiny_gguf("gemma4", d / "gemma4.gguf", seed=3)
     return {f: d / f"{f}.gguf" for f in ("llama", "gemma3", "laguna", "gemma4")}
 
 
@@ -419,7 +419,7 @@ def test_recurrent_states_restore_at_each_cut(owner: ShmOwner, tmp_path: Path, d
     and a position where a forward stopped with keep_state. Restoring either == the fresh
     prefill of that prefix, bitwise. A state exists only where it was kept: exporting any
     other cut is refused, with nothing written."""
-    path = make_tiny_gguf.build("qwen35", tmp_path / "q.gguf", seed=3).path
+    path = make_tiny_gguf("qwen35", tmp_path / "q.gguf", seed=3).path
     d = Daemon(owner, path, devices=devices)
     layout = d.layout()
     assert [t[0] for t in layout.tensors] == ["k.3", "v.3"]

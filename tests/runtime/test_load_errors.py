@@ -7,9 +7,7 @@ import re
 import struct
 from pathlib import Path
 
-import make_tiny_gguf
 import pytest
-import tiny_qwen35
 from gguf import GGMLQuantizationType
 from gguf_samples import write_gguf
 
@@ -17,6 +15,7 @@ from luced.gguf_file import GGUFError, GGUFFile
 from luced.ipc import frames as F
 from luced.runtime.backend import Backend
 from luced.runtime.model import Model
+from luced.runtime.tiny import make_tiny_gguf, qwen35
 from luced.runtime.weights import dequantize_tensor
 
 
@@ -66,7 +65,7 @@ def _patched(tiny_path: Path, old: bytes, new: bytes) -> Path:
 
 @pytest.mark.parametrize("family", ["qwen3moe", "qwen35moe"])
 def test_expert_count_disagreeing_with_the_expert_tensors(tmp_path: Path, family: str) -> None:
-    tiny = make_tiny_gguf.build(family, tmp_path / "moe.gguf")  # 8 experts, hidden 64
+    tiny = make_tiny_gguf(family, tmp_path / "moe.gguf")  # 8 experts, hidden 64
     key = f"{family}.expert_count".encode()
     u32, eight, six = struct.pack("<I", 4), struct.pack("<I", 8), struct.pack("<I", 6)
     path = _patched(tiny.path, key + u32 + eight, key + u32 + six)
@@ -87,7 +86,7 @@ def test_expert_count_disagreeing_with_the_expert_tensors(tmp_path: Path, family
     ],
 )
 def test_missing_expert_tensor(tmp_path: Path, family: str, tensor: str) -> None:
-    tiny = make_tiny_gguf.build(family, tmp_path / f"{family}.gguf")
+    tiny = make_tiny_gguf(family, tmp_path / f"{family}.gguf")
     path = _patched(tiny.path, tensor.encode(), tensor.encode()[:-1] + b"X")
     with pytest.raises(
         GGUFError, match=rf"bad-{family}\.gguf: missing tensor '{re.escape(tensor)}'"
@@ -111,15 +110,15 @@ def test_worker_rejects_a_qwen35_without_an_ssm_tensor(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The converter's file minus layer 1's ssm_a: the worker's load names the tensor."""
-    shapes = tiny_qwen35.hf_shapes
+    shapes = qwen35.hf_shapes
     monkeypatch.setattr(
-        tiny_qwen35,
+        qwen35,
         "hf_shapes",
         lambda spec: {
             k: v for k, v in shapes(spec).items() if not k.endswith("1.linear_attn.A_log")
         },
     )
-    path = make_tiny_gguf.build("qwen35", tmp_path / "no-a.gguf").path
+    path = make_tiny_gguf("qwen35", tmp_path / "no-a.gguf").path
     with pytest.raises(GGUFError, match=r"no-a\.gguf: missing tensor 'blk\.1\.ssm_a'"):
         Backend("cpu", ("cpu",)).load(_load_req(path, 4))
 
@@ -128,13 +127,13 @@ def test_worker_rejects_a_qwen35_whose_conv_contradicts_the_metadata(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Metadata saying kernel 3 beside conv weights of kernel 4."""
-    write = tiny_qwen35.write_metadata
+    write = qwen35.write_metadata
     monkeypatch.setattr(
-        tiny_qwen35,
+        qwen35,
         "write_metadata",
         lambda w, spec: write(w, dataclasses.replace(spec, conv_kernel=3)),
     )
-    path = make_tiny_gguf.build("qwen35", tmp_path / "conv.gguf").path
+    path = make_tiny_gguf("qwen35", tmp_path / "conv.gguf").path
     with pytest.raises(
         GGUFError,
         match=r"conv\.gguf: tensor 'blk\.0\.ssm_conv1d\.weight' is \[96, 4\], "
@@ -145,7 +144,7 @@ def test_worker_rejects_a_qwen35_whose_conv_contradicts_the_metadata(
 
 @pytest.mark.parametrize("name", ["per_layer_token_embd.weight", "blk.2.attn_k.weight"])
 def test_gemma4_missing_tensor_is_named(tmp_path: Path, name: str) -> None:
-    tiny = make_tiny_gguf.build("gemma4", tmp_path / "g4.gguf", seed=1)
+    tiny = make_tiny_gguf("gemma4", tmp_path / "g4.gguf", seed=1)
     data = tiny.path.read_bytes()
     assert data.count(name.encode()) == 1
     cut = tmp_path / "g4-cut.gguf"  # the tensor renamed in the header: the file lacks it

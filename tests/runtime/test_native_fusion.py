@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import make_tiny_gguf
 import pytest
 import torch
 import torch.nn.functional as F
@@ -22,6 +21,7 @@ from luced.runtime.layers import Rope, apply_rope, gelu_tanh, rms_norm, rope_inv
 from luced.runtime.model import Model
 from luced.runtime.native_attention import Storage
 from luced.runtime.qlinear import PackedLinear, quantize
+from luced.runtime.tiny import make_tiny_gguf
 
 pytestmark = pytest.mark.skipif(
     native.kernels(torch.device("cpu"), "auto") is None, reason="native kernels not built here"
@@ -165,7 +165,7 @@ def test_head_dimension_off_16_stays_on_sdpa() -> None:
 @pytest.fixture(scope="module")
 def llama_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("fusion")
-    return make_tiny_gguf.build("llama", root / "m.gguf", seed=7, qtype="Q4_0").path
+    return make_tiny_gguf("llama", root / "m.gguf", seed=7, qtype="Q4_0").path
 
 
 def test_decode_step_runs_the_layer_inside_native_calls(

@@ -18,7 +18,6 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-import make_tiny_gguf
 import pytest
 import torch
 
@@ -27,6 +26,7 @@ from luced.runtime import native, native_build, qlinear
 from luced.runtime.layers import linear, matrix_row_select
 from luced.runtime.model import Model
 from luced.runtime.qlinear import PackedLinear, QuantRows, quantize
+from luced.runtime.tiny import make_tiny_gguf
 from luced.runtime.weights import WeightLoader
 
 CPU = torch.device("cpu")
@@ -159,7 +159,7 @@ def test_batch_invariance_bit_exact(kern: native.Kernels, form: str, threads: in
 
 
 def _gguf_rows(tmp_path: Path, qtype: str, form: str) -> QuantRows:
-    path = make_tiny_gguf.build("llama", tmp_path / f"{qtype}.gguf", seed=2, qtype=qtype).path
+    path = make_tiny_gguf("llama", tmp_path / f"{qtype}.gguf", seed=2, qtype=qtype).path
     rows = WeightLoader(GGUFFile(path), torch.float32, "cpu", form).tensor(
         "blk.0.ffn_up.weight", matrix=True
     )

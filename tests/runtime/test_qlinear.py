@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import make_tiny_gguf
 import pytest
 import torch
 
@@ -21,18 +20,17 @@ from luced.runtime.families import FAMILIES
 from luced.runtime.layers import linear, matrix_row_select
 from luced.runtime.model import Model
 from luced.runtime.qlinear import GEMV_MAX_ROWS, PackedLinear, QuantRows
+from luced.runtime.tiny import QTYPES, make_tiny_gguf
 from luced.runtime.weights import WeightLoader, dequantize_tensor
 
-QTYPES = [q for q in make_tiny_gguf.QTYPES if q != "F32"]  # F32 matrices stay exact
+QTYPES = [q for q in QTYPES if q != "F32"]  # F32 matrices stay exact
 MATRIX = "blk.0.ffn_up.weight"
 
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("q")
-    return {
-        q: make_tiny_gguf.build("llama", root / f"{q}.gguf", seed=2, qtype=q).path for q in QTYPES
-    }
+    return {q: make_tiny_gguf("llama", root / f"{q}.gguf", seed=2, qtype=q).path for q in QTYPES}
 
 
 def _load(path: Path, mode: str, name: str = MATRIX) -> tuple[QuantRows, torch.Tensor]:
@@ -162,7 +160,7 @@ def test_every_family_runs_packed(tmp_path: Path, family: str, weights: str) -> 
     """Each family under a packed mode: logits close to the exact path and the same greedy
     token at most positions (the tiny random models have small logit margins), on a
     prompt long enough for the dense path too; decode token by token agrees with it."""
-    path = make_tiny_gguf.build(family, tmp_path / "m.gguf", seed=5, qtype="Q4_0").path
+    path = make_tiny_gguf(family, tmp_path / "m.gguf", seed=5, qtype="Q4_0").path
     ids = torch.arange(3, 3 + GEMV_MAX_ROWS + 8)
     ref = Model.load(path)
     want = ref.forward(ids, ref.new_cache(128), 0)
@@ -228,7 +226,7 @@ def test_batch_invariant_mode_gives_decodes_very_logits(tmp_path: Path, family: 
     100-token prompt (past the 64 rows of one packed call) prefilled fresh equals the same
     prompt restored in pieces: what greedy DFlash == plain and restored == fresh rest on
     when the weights are compact."""
-    path = make_tiny_gguf.build(family, tmp_path / "m.gguf", seed=3, qtype="Q4_0").path
+    path = make_tiny_gguf(family, tmp_path / "m.gguf", seed=3, qtype="Q4_0").path
     model = Model.load(path, weights="int4", batch_invariant=True)
     ids = torch.arange(5, 5 + 100)
     prefix, end = 24, 40
@@ -261,7 +259,7 @@ def test_fused_projections_equal_separate_ones(
 ) -> None:
     """Q/K/V and gate/up stacked at load (`layers.fuse_rows`: one packed call each) give the
     logits the separate matrices give, bit for bit: the kernels compute each row alone."""
-    path = make_tiny_gguf.build(family, tmp_path / "m.gguf", seed=5, qtype=qtype).path
+    path = make_tiny_gguf(family, tmp_path / "m.gguf", seed=5, qtype=qtype).path
     weights = "int4" if qtype == "Q4_0" else "int8"
     fused = Model.load(path, weights=weights)
     assert "0.attn_q+0.attn_k+0.attn_v" in fused.weights and "0.attn_q" not in fused.weights

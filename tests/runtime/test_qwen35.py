@@ -9,12 +9,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import make_tiny_gguf
 import pytest
 import torch
+from tiny_hf import hf_model
 
 from luced.runtime.families import qwen35
 from luced.runtime.model import Model
+from luced.runtime.tiny import TinyModel, make_tiny_gguf
 
 LONG = [(i * 37 + 11) % 500 + 3 for i in range(150)]  # > two chunks of 64
 KV_HEADS_DIFFER = {"linear_v_heads": 4, "tied": True}
@@ -25,10 +26,10 @@ def max_rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 @pytest.fixture(scope="module", params=["equal-heads", "kv-heads-differ"])
-def tiny(request, tmp_path_factory) -> make_tiny_gguf.TinyModel:
+def tiny(request, tmp_path_factory) -> TinyModel:
     overrides = KV_HEADS_DIFFER if request.param == "kv-heads-differ" else {}
     path = tmp_path_factory.mktemp("qwen35") / f"{request.param}.gguf"
-    return make_tiny_gguf.build("qwen35", path, seed=5, **overrides)
+    return make_tiny_gguf("qwen35", path, seed=5, **overrides)
 
 
 def test_layer_pattern_and_cache_kinds(tiny) -> None:
@@ -45,7 +46,7 @@ def test_layer_pattern_and_cache_kinds(tiny) -> None:
 def test_prefill_then_decode_matches_transformers_cache(tiny) -> None:
     """130 tokens at once, then 20 one at a time; transformers runs the same with its cache
     (chunked rule for the prefill, recurrent rule per step)."""
-    hf, ours = tiny.hf_model(), Model.load(tiny.path)
+    hf, ours = hf_model(tiny), Model.load(tiny.path)
     cache = ours.new_cache(160)
     prefill, steps = LONG[:130], LONG[130:]
     with torch.no_grad():
@@ -72,7 +73,7 @@ def test_prompt_in_pieces_equals_whole(tiny) -> None:
     assert start == len(LONG)
     assert max_rel_err(torch.cat(pieces), whole) <= 5e-5  # float32 rounding, other chunking
     with torch.no_grad():
-        ref = tiny.hf_model()(ids[None]).logits[0]
+        ref = hf_model(tiny)(ids[None]).logits[0]
     assert max_rel_err(torch.cat(pieces), ref) <= 1e-4
 
 
@@ -121,12 +122,12 @@ def test_split_equals_unsplit_through_decode(tiny, cut: int) -> None:
     "qtype", ["F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q4_K", "Q5_K", "Q6_K"]
 )
 def test_quant_types_match_transformers(qtype: str, tmp_path: Path) -> None:
-    tiny = make_tiny_gguf.build(
+    tiny = make_tiny_gguf(
         "qwen35", tmp_path / f"{qtype}.gguf", seed=1, qtype=qtype, **KV_HEADS_DIFFER
     )
     ids = LONG[:70]
     with torch.no_grad():
-        ref = tiny.hf_model()(torch.tensor([ids])).logits[0]
+        ref = hf_model(tiny)(torch.tensor([ids])).logits[0]
     ours = Model.load(tiny.path)
     assert max_rel_err(ours.forward(torch.tensor(ids), ours.new_cache(80), 0), ref) <= 1e-4
 

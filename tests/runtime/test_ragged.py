@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import make_tiny_gguf
 import pytest
 import torch
 
 from luced.runtime.families import FAMILIES
 from luced.runtime.model import Model
 from luced.runtime.ragged import Ragged, Span
+from luced.runtime.tiny import make_tiny_gguf
 
 # Three sequences at different points: a prefill chunk after a short history, one decode
 # token deep into its context, and a verify-sized block; their histories differ too.
@@ -48,7 +48,7 @@ def test_batched_equals_alone_for_every_family(tmp_path: Path, family: str) -> N
     """Each sequence's logits in the batch are its logits alone (float32: within the dense
     matmuls' rounding, 1e-4 as against transformers), and each cache comes out as if it ran
     alone: the next decode step from it gives the same logits."""
-    tiny = make_tiny_gguf.build(family, tmp_path / "m.gguf", seed=5)
+    tiny = make_tiny_gguf(family, tmp_path / "m.gguf", seed=5)
     model = Model.load(tiny.path)
     prompts = _prompts(model.cfg.vocab)
     alone, batched, alone_caches, batch_caches = _alone_and_batched(model, prompts)
@@ -71,7 +71,7 @@ def test_batched_equals_alone_for_every_family(tmp_path: Path, family: str) -> N
 def test_batched_equals_alone_exactly_under_packed_weights(tmp_path: Path, family: str) -> None:
     """The packed kernels are batch-invariant up to 64 rows and attention runs per sequence,
     so under int4 weights a batch gives every sequence its very logits alone."""
-    tiny = make_tiny_gguf.build(family, tmp_path / "m.gguf", seed=5, qtype="Q4_0")
+    tiny = make_tiny_gguf(family, tmp_path / "m.gguf", seed=5, qtype="Q4_0")
     model = Model.load(tiny.path, weights="int4")
     alone, batched, *_ = _alone_and_batched(model, _prompts(model.cfg.vocab))
     for a, b in zip(alone, batched, strict=True):
@@ -79,7 +79,7 @@ def test_batched_equals_alone_exactly_under_packed_weights(tmp_path: Path, famil
 
 
 def test_a_batch_is_refused_when_malformed(tmp_path: Path) -> None:
-    tiny = make_tiny_gguf.build("llama", tmp_path / "m.gguf", seed=5)
+    tiny = make_tiny_gguf("llama", tmp_path / "m.gguf", seed=5)
     model = Model.load(tiny.path)
     cache = model.new_cache(64)
     with pytest.raises(ValueError, match="at least one sequence"):

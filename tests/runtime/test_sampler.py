@@ -372,6 +372,13 @@ def test_logprobs_are_log_softmax_of_processed_logits() -> None:
         ({"seed": 2**64}, "seed"),
         ({"seed": 1.0}, "seed"),
         ({"logprobs": -1}, "logprobs"),
+        ({"logit_bias": {5: 100.5}}, "logit_bias"),
+        ({"logit_bias": {-1: 1.0}}, "logit_bias"),
+        ({"logit_bias": {"x": 1.0}}, "logit_bias"),
+        ({"logit_bias": {"5": 1.0, 5: 2.0}}, "logit_bias"),
+        ({"logit_bias": {3: math.nan}}, "logit_bias"),
+        ({"logit_bias": dict.fromkeys(range(301), 1.0)}, "logit_bias"),
+        ({"logit_bias": [1.0]}, "logit_bias"),
     ],
 )
 def test_validation_names_the_field(kwargs: dict, field: str) -> None:
@@ -423,6 +430,7 @@ _params = st.builds(
     penalty_window=st.sampled_from([-1, 0, 4, 64]),
     seed=st.integers(-(2**63), 2**64 - 1),
     logprobs=st.one_of(st.none(), st.integers(0, 20)),
+    logit_bias=st.dictionaries(st.integers(0, 7), st.floats(-100.0, 100.0), max_size=8),
 )
 
 
@@ -468,3 +476,67 @@ def test_issue_extremes(kwargs: dict) -> None:
     out = Sampler(SamplingParams(**kwargs)).sample(logits, [list(range(16))])
     assert 0 <= int(out.tokens[0]) < 16
     assert bool(torch.isfinite(probs(logits, SamplingParams(**kwargs), [list(range(16))])).all())
+
+
+# --- logit_bias (OpenAI) -----------------------------------------------------------------
+
+
+def test_logit_bias_is_added_before_everything_else_greedy_too() -> None:
+    logits = _random_logits(4, 50, seed=21)
+    top = logits.argmax(dim=-1)
+    # +100 on one token forces it, greedy or sampled, whatever the row.
+    for temperature in (0.0, 1.0):
+        forced = SamplingParams(temperature=temperature, seed=1, logit_bias={17: 100})
+        assert Sampler(forced).sample(logits).tokens.tolist() == [17] * 4
+    # -100 on every row's argmax forbids it: greedy takes the runner-up.
+    runner_up = logits.topk(2, dim=-1).indices[:, 1]
+    for row in range(4):
+        banned = SamplingParams(temperature=0.0, logit_bias={int(top[row]): -100})
+        assert int(sample(logits[row : row + 1], banned).tokens[0]) == int(runner_up[row])
+    # The bias is an addition to the logit: probs equal those of biased logits.
+    params = SamplingParams(top_k=10, logit_bias={3: 2.5, 40: -1.25})
+    biased = logits.clone()
+    biased[:, 3] += 2.5
+    biased[:, 40] -= 1.25
+    no_bias = replace(params, logit_bias=())
+    torch.testing.assert_close(probs(logits, params), probs(biased, no_bias), rtol=0, atol=0)
+    # Logprobs describe the biased distribution the token was drawn from.
+    lp = token_logprobs(logits, replace(params, logprobs=2), top)
+    want = token_logprobs(biased, replace(no_bias, logprobs=2), top)
+    torch.testing.assert_close(lp.logprobs, want.logprobs, rtol=0, atol=0)
+
+
+def test_a_banned_token_is_never_drawn() -> None:
+    logits = torch.zeros(1, 4)
+    logits[0, 2] = 5.0  # the favourite, ~95 % without the bias
+    params = SamplingParams(seed=4, logit_bias={2: -100})
+    tokens = Sampler(params).sample(logits.expand(20000, -1)).tokens
+    assert not bool((tokens == 2).any())
+    stat, df = _chi2(torch.bincount(tokens, minlength=4), probs(logits, params)[0])
+    assert stat < _CHI2_CRIT_001[df]
+
+
+def test_logit_bias_rows_do_not_depend_on_the_batch() -> None:
+    """A row's result is the same alone as among others (continuous batching): its
+    distribution, its greedy token and its logprobs."""
+    logits = _random_logits(6, 300, seed=22, scale=2.0)
+    params = SamplingParams(temperature=0.7, top_p=0.9, logprobs=3, logit_bias={7: 4.0, 99: -50})
+    rows = [logits[i : i + 1] for i in range(6)]
+    assert torch.equal(probs(logits, params), torch.cat([probs(r, params) for r in rows]))
+    greedy = replace(params, temperature=0.0)
+    together = sample(logits, greedy)
+    alone = [sample(r, greedy) for r in rows]
+    for name in ("tokens", "logprobs", "top_ids", "top_logprobs"):
+        joined = torch.cat([getattr(a, name) for a in alone])
+        assert torch.equal(getattr(together, name), joined), name
+
+
+def test_logit_bias_wire_form_and_vocabulary() -> None:
+    params = SamplingParams(temperature=0, logit_bias={"12": 5, 3: -100.0})
+    assert params.logit_bias == ((3, -100.0), (12, 5.0))
+    wire = params.to_wire()
+    assert wire == {"temperature": 0, "logit_bias": {"3": -100.0, "12": 5.0}}
+    assert SamplingParams.from_wire(wire) == params
+    assert SamplingParams().to_wire() == {}
+    with pytest.raises(ValueError, match=r"logit_bias names token 50, outside \[0, 50\)"):
+        sample(torch.zeros(1, 50), SamplingParams(logit_bias={50: 1.0}))

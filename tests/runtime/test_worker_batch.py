@@ -8,7 +8,6 @@ import secrets
 from collections.abc import Iterator
 from pathlib import Path
 
-import make_tiny_gguf
 import pytest
 import torch
 from worker_harness import TAG, Regions, WorkerProc, no_segments_left  # noqa: F401 - fixture
@@ -18,6 +17,7 @@ from luced.ipc.channel import RemoteError
 from luced.ipc.shm import ShmOwner
 from luced.runtime.generate import generate
 from luced.runtime.model import Model
+from luced.runtime.tiny import make_tiny_gguf
 from luced.sampling_params import SamplingParams
 
 ROWS = 64
@@ -29,7 +29,7 @@ GREEDY = {"temperature": 0}
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("batch") / "llama.gguf"
-    return make_tiny_gguf.build("llama", path, seed=4, layers=4, context=256).path
+    return make_tiny_gguf("llama", path, seed=4, layers=4, context=256).path
 
 
 @pytest.fixture(scope="module")
@@ -277,7 +277,7 @@ def blocks_used(w: WorkerProc) -> int:
 def varied(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny model whose greedy continuations vary from token to token."""
     path = tmp_path_factory.mktemp("share") / "qwen3.gguf"
-    return make_tiny_gguf.build("qwen3", path, seed=7, layers=4, context=256).path
+    return make_tiny_gguf("qwen3", path, seed=7, layers=4, context=256).path
 
 
 def test_kv_share_starts_a_sequence_on_anothers_blocks(tmp_path, owner, io, varied) -> None:

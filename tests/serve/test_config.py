@@ -319,6 +319,29 @@ def test_lazy_model_resolution(smollm2_gguf: Path) -> None:
     assert load(["/m/x.gguf", "--model-name", "x"]).model.served_model_name() == "x"
 
 
+def test_bundled_models_by_name(
+    gemma3_gguf: Path, smollm2_gguf: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`luced serve gemma3-270m` serves the bundled Gemma 3; a path still works; an unknown
+    bare name is an error that lists the bundled names."""
+    gemma = load(["gemma3-270m"]).model
+    assert gemma.model_path() == gemma3_gguf
+    assert gemma.served_model_name() == gemma3_gguf.stem
+    assert load(["smollm2-135m"]).model.model_path() == smollm2_gguf
+    assert load(env={"LUCED_MODEL": "gemma3-270m"}).model.model_path() == gemma3_gguf
+    monkeypatch.chdir(tmp_path)
+    Path("gemma3-270m").write_bytes(b"GGUF")  # a file of that name is served as the file
+    assert load(["gemma3-270m"]).model.model_path() == Path("gemma3-270m")
+    with pytest.raises(ConfigError) as info:
+        load(["gemma3"]).model.model_path()
+    assert str(info.value) == (
+        "MODEL: 'gemma3' is neither a file nor a bundled model; the bundled models are "
+        "smollm2-135m, gemma3-270m (or give the path of a .gguf file)"
+    )
+    with pytest.raises(ConfigError, match=r"^LUCED_MODEL: 'qwen' is neither"):
+        load(env={"LUCED_MODEL": "qwen"}).model.served_model_name()
+
+
 def test_effective_context_length() -> None:
     assert load().model.effective_context_length(2048) == 2048
     assert load().model.effective_context_length(131072) == CONTEXT_CAP

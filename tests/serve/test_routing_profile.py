@@ -10,9 +10,10 @@ import pytest
 
 from luced.gguf_file import GGUFFile
 from luced.runtime.model import Model
+from luced.runtime.tiny import make_tiny_gguf
 from luced.serve import routing_profile
 from luced.serve.routing_profile import ProfileError, RoutingProfile
-from tools import make_tiny_gguf, moe_profile
+from tools import moe_profile
 
 PROMPTS = [[5, 17, 42, 99, 3, 250, 7, 64], [11, 300, 2]]
 DECODED = 3
@@ -21,7 +22,7 @@ DECODED = 3
 def tiny(tmp: Path, family: str = "qwen3moe", seed: int = 5) -> Path:
     path = tmp / f"{family}-{seed}.gguf"
     if not path.exists():
-        make_tiny_gguf.build(family, path, seed=seed, qtype="Q8_0")
+        make_tiny_gguf(family, path, seed=seed, qtype="Q8_0")
     return path
 
 

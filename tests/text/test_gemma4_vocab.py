@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import make_tiny_gguf
 import pytest
 
 from luced.gguf_file import GGUFFile
+from luced.runtime.tiny import make_tiny_gguf
 from luced.text.tokenizer import Tokenizer
 
 TEXTS = [
@@ -36,7 +36,7 @@ def tiny(tmp_path_factory) -> Path:
     # k_eq_v off: transformers' tokenizer loader also reads the config, and it refuses the
     # per-layer head_count_kv that K = V writes. The vocabulary is the same either way.
     path = tmp_path_factory.mktemp("g4") / "tiny-gemma4.gguf"
-    return make_tiny_gguf.build("gemma4", path, k_eq_v=False).path
+    return make_tiny_gguf("gemma4", path, k_eq_v=False).path
 
 
 def test_ids_and_text_match_transformers(tiny: Path, tmp_path: Path) -> None:

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import make_tiny_gguf
 import pytest
 
 from luced.gguf_file import GGUFFile
+from luced.runtime.tiny import make_tiny_gguf
 from luced.text.chat_template import GEMMA_TEMPLATE, ChatTemplate
 from luced.text.prompt import chat_ids
 from luced.text.tokenizer import Tokenizer
@@ -40,7 +40,7 @@ def models(tmp_path_factory, smollm2_gguf: Path, gemma3_gguf: Path) -> dict:
     folder = tmp_path_factory.mktemp("tiny-prompt")
     for family in ("llama", "qwen3", "gemma3"):
         path = folder / f"tiny-{family}.gguf"
-        make_tiny_gguf.build(family, path, seed=1)
+        make_tiny_gguf(family, path, seed=1)
         out[f"tiny-{family}"] = _load(path, family, cache)
     return out
 
@@ -125,7 +125,7 @@ def test_sentencepiece_stretch_after_a_marker_gets_no_prefix_space(tmp_path: Pat
     """A vocabulary whose tokenizer prepends "▁" only at the very start of the text: the
     stretches after a control token must not get one (the twin backend)."""
     path = tmp_path / "tiny-gemma3.gguf"
-    make_tiny_gguf.build("gemma3", path, seed=2)
+    make_tiny_gguf("gemma3", path, seed=2)
     md = dict(GGUFFile(path).metadata)
     md["tokenizer.ggml.add_space_prefix"] = True
     md["general.architecture"] = "llama"  # SentencePiece as Llama 2 uses it

@@ -7,11 +7,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-import make_tiny_gguf as mtg
 import torch
 
 from luced.runtime.generate import generate
 from luced.runtime.model import Model
+from luced.runtime.tiny import make_tiny_gguf
 from luced.sampling_params import SamplingParams
 
 TOOL = Path(__file__).resolve().parents[2] / "tools" / "generate.py"
@@ -23,7 +23,7 @@ def run(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_prompt_ids_equal_in_process_greedy(tmp_path: Path) -> None:
-    path = mtg.build("qwen3", tmp_path / "qwen3.gguf").path
+    path = make_tiny_gguf("qwen3", tmp_path / "qwen3.gguf").path
     ids = ",".join(map(str, IDS))
     proc = run("--model", str(path), "--prompt-ids", ids, "--json", "--max-tokens", "12",
                "--ignore-eos", "--threads", "1")  # fmt: skip
@@ -35,7 +35,7 @@ def test_prompt_ids_equal_in_process_greedy(tmp_path: Path) -> None:
 
 
 def test_bad_prompt_ids_are_refused(tmp_path: Path) -> None:
-    path = mtg.build("llama", tmp_path / "llama.gguf").path
+    path = make_tiny_gguf("llama", tmp_path / "llama.gguf").path
     assert "want comma-separated token ids" in run("--prompt-ids", "1,x").stderr
     assert "not allowed with argument" in run("--prompt-ids", "1", "--prompt", "hi").stderr
     bad = run("--model", str(path), "--prompt-ids", "1,99999")

@@ -3,8 +3,8 @@ and the whole tool on a tiny random model."""
 
 from __future__ import annotations
 
-import replay_lookup
-from replay_lookup import replay
+from tools import replay_lookup
+from tools.replay_lookup import replay
 
 # A verify of n tokens costs 1 + 0.25 (n - 1) plain steps.
 COSTS = {n: 1.0 + 0.25 * (n - 1) for n in range(1, 17)}

@@ -26,14 +26,12 @@ class PromptLookup:
     """One sequence's n-gram index (prompt and output so far)."""
 
     # The adaptive block size's prior for a kind's first proposal (`BlockSizer` priors),
-    # where it is not the default one half: a copy under way had its first proposal
-    # accepted in 179 of 182 steps (SmolLM2's greedy answers to bench_dflash's chat, code
-    # and grounded prompts, auto and dequant weights, replayed at block 16).
+    # where it is not the default one half: a copy under way almost always has its first
+    # proposal accepted (README, "Measurements behind the code").
     FIRST_ACCEPTANCE: ClassVar[dict[str, float]] = {"run": 0.9}
 
-    # n = 1 matches are common in free text and rarely continue: on SmolLM2 (two
-    # bench_dflash runs, each against its own plain baseline) min 2 instead of 1 took
-    # open chat from 0.72x to 0.98x of plain decoding and a copy task from 0.99x to 1.77x.
+    # n = 1 matches are common in free text and rarely continue: requiring 2 made open chat
+    # and copy tasks faster (README, "Measurements behind the code").
     def __init__(self, max_ngram: int = 4, min_ngram: int = 2) -> None:
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError(f"n-gram sizes need 1 <= min ({min_ngram}) <= max ({max_ngram})")

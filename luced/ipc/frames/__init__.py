@@ -67,8 +67,9 @@ n_out and ``n_rows_out`` (greedy verify blocks batched); ``load`` ``kv_dtype``;
 ``kv_share`` (a sequence starts on another's prefix blocks, without copying);
 14: ``load`` replies ``kernels``, what runs the worker's matrices and decode attention;
 15: progress notes: a worker at one of the ``SLOW`` requests (its start, a load) says twice
-a second that it is still at work, so the daemon bounds its silence, not its time.
-16: one ``forward`` verb for one sequence or several (``spans``, ``Span``), replacing
+a second that it is still at work, so the daemon bounds its silence, not its time;
+16: a ``sampling`` map may carry ``logit_bias`` ({"token id": bias}, a nested map);
+17: one ``forward`` verb for one sequence or several (``spans``, ``Span``), replacing
 ``forward_batch``; a span may start below its sequence's committed length (a roll back);
 want="topk" and ``positions`` removed (``Span.n_out``), verify is a span's flag;
 ``draft`` ``sequence`` (a kept draft sampler per sequence).

@@ -20,6 +20,7 @@ from luced.ipc.frames.base import (
 )
 from luced.ipc.regions import Region
 from luced.ipc.typed import Record
+from luced.sampling_params import SamplingWire
 
 # -- forward --------------------------------------------------------------------------------
 
@@ -81,7 +82,7 @@ class Span(Record):
     start: int
     n: int
     n_out: int = 1
-    sampling: dict[str, int | float | None] = field(default_factory=dict)
+    sampling: SamplingWire = field(default_factory=dict)
     verify: bool = False
     q_row: int = 0
     # Keep the recurrent state reached by this span (a prefix-cache cut point: a later

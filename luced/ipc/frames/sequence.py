@@ -19,6 +19,7 @@ from luced.ipc.frames.base import (
     _op,
 )
 from luced.ipc.regions import Region
+from luced.sampling_params import SamplingWire
 
 # -- load_draft, draft ---------------------------------------------------------------------
 
@@ -83,7 +84,7 @@ class DraftBlock(Request):
     block_size: int | None = None
     mask_token_id: int | None = None
     ctx_window: int = 4096
-    sampling: dict[str, int | float | None] = field(default_factory=dict)
+    sampling: SamplingWire = field(default_factory=dict)
     sequence: int = 0  # whose window: a sampled draft keeps a generator per sequence
 
     @property

@@ -33,7 +33,8 @@ from luced.runtime.model import Model
 
 def native_bf16() -> bool:
     """Whether this CPU multiplies bf16 natively (AVX512-BF16 or AMX): there bf16 autocast
-    is ~4x float32 on GEMMs; elsewhere bf16 is emulated and slower than float32."""
+    is several times faster than float32 on GEMMs; elsewhere bf16 is emulated and slower
+    than float32."""
     if torch.backends.cpu.get_cpu_capability() == "AMX":  # AMX implies bf16 tiles
         return True
     try:

@@ -38,6 +38,7 @@ import torch
 
 from luced.gguf_file import GGUFError, GGUFFile
 from luced.runtime import native_attention
+from luced.runtime.decode_graph import StepBatch
 from luced.runtime.layers import (
     Norm,
     Rope,
@@ -288,7 +289,9 @@ def cached_attention(
     rows; rope: the rotation q and the new k still need (None: they are roped), which the
     native decode kernel applies as it stores the row. -> the heads' outputs [n, H*D],
     before the output projection. A ragged batch (as `start` and `cache`) attends each
-    sequence over its own cache."""
+    sequence over its own cache; a captured decode step's batch attends in fixed shapes."""
+    if isinstance(cache, StepBatch):
+        return cache.attend(layer, q, kv, window=window, scale=scale, rope=rope)
     fused = _native_decode(layer, q, start, cache, kv, window, scale, rope)
     if fused is not None:
         return fused

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import make_tiny_gguf
 import pytest
 from test_transport import GREEDY, flash_target
 
 from luced.engine.kvflash.transport import bytes_per_token
+from luced.runtime.tiny import make_tiny_gguf
 
 MIB = 2**20
 POOL = 512
@@ -21,9 +21,7 @@ POOL = 512
 @pytest.fixture(scope="module")
 def wide(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("kvflash-rss") / "wide.gguf"
-    make_tiny_gguf.build(
-        "llama", path, seed=1, layers=8, heads=8, kv_heads=8, head_dim=128, context=4096
-    )
+    make_tiny_gguf("llama", path, seed=1, layers=8, heads=8, kv_heads=8, head_dim=128, context=4096)
     return path
 
 

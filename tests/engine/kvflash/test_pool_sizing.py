@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import make_tiny_gguf
 import pytest
 
 from luced.engine.kvflash.transport import (
@@ -17,6 +16,7 @@ from luced.gguf_file import GGUFFile
 from luced.ipc.frames import FrameError, Load, Span
 from luced.ipc.regions import Region
 from luced.runtime.model import Model
+from luced.runtime.tiny import FAMILIES, make_tiny_gguf
 
 MIB = 2**20
 
@@ -47,13 +47,13 @@ def test_auto_sizes_from_free_memory_with_a_cap() -> None:
         KVFlashSettings(0)
 
 
-@pytest.mark.parametrize("family", make_tiny_gguf.FAMILIES)
+@pytest.mark.parametrize("family", FAMILIES)
 def test_bytes_per_token_is_what_the_workers_allocate(family: str, tmp_path: Path) -> None:
     # The daemon's header-only count against the runtime's own pool: per-layer head
     # counts (laguna's query heads, gemma4's KV heads), gemma4's two head dims and its
     # KV-sharing layers (no rows), qwen35's DeltaNet layers (a state, no rows).
     path = tmp_path / f"{family}.gguf"
-    make_tiny_gguf.build(family, path, seed=1)
+    make_tiny_gguf(family, path, seed=1)
     model = Model.load(path)
     pool = model.new_block_pool(block=1)
     tensors = (*pool.k.values(), *pool.v.values())

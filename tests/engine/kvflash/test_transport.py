@@ -12,7 +12,6 @@ import contextlib
 from collections.abc import AsyncIterator
 from pathlib import Path
 
-import make_tiny_gguf
 import pytest
 import torch
 from engine_harness import Driver
@@ -25,6 +24,7 @@ from luced.ipc.shm import ShmOwner, scan
 from luced.runtime.generate import generate
 from luced.runtime.kv_pool import HostTier, apply_moves, chunk_nbytes
 from luced.runtime.model import Model
+from luced.runtime.tiny import make_tiny_gguf
 from luced.sampling_params import SamplingParams
 
 THREADS = torch.get_num_threads()
@@ -38,9 +38,9 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     for family in ("llama", "qwen3", "gemma3", "gemma4", "qwen35"):
         # qwen35: layers 3 and 7 attend, so each half of a split pools one.
         extra = {"gemma3": {}, "gemma4": {}, "qwen35": {"layers": 8}}.get(family, {"layers": 4})
-        make_tiny_gguf.build(family, d / f"{family}.gguf", seed=5, **extra)
+        make_tiny_gguf(family, d / f"{family}.gguf", seed=5, **extra)
         out[family] = d / f"{family}.gguf"
-    make_tiny_gguf.build("llama", d / "long.gguf", seed=5, layers=3, context=1024)
+    make_tiny_gguf("llama", d / "long.gguf", seed=5, layers=3, context=1024)
     out["long"] = d / "long.gguf"
     return out
 

@@ -7,30 +7,30 @@ import dataclasses
 import json
 from pathlib import Path
 
-import make_tiny_draft as mtd
-import make_tiny_gguf as mtg
 import pytest
 import torch
 
 from luced.gguf_file import GGUFFile
 from luced.runtime.dflash.draft import Draft, project_with_target_head
 from luced.runtime.dflash.loader import reference_capture_layers
+from luced.runtime.dflash.writer import DraftSpec, random_weights, write_gguf, write_safetensors
 from luced.runtime.layers import rms_norm
 from luced.runtime.model import Model
+from luced.runtime.tiny import make_tiny_draft, make_tiny_gguf
 
 HIDDEN, TARGET_LAYERS = 64, 12
 CTX, BLOCK, CTX_START = 12, 16, 5
 
 
-def _spec(**kw) -> mtd.DraftSpec:
-    return mtd.DraftSpec(hidden=HIDDEN, target_layers=TARGET_LAYERS, vocab_size=300, **kw)
+def _spec(**kw) -> DraftSpec:
+    return DraftSpec(hidden=HIDDEN, target_layers=TARGET_LAYERS, vocab_size=300, **kw)
 
 
-def _write(tmp: Path, spec: mtd.DraftSpec, **gguf_kw) -> tuple[Path, Path]:
-    weights = mtd.make_weights(spec)
+def _write(tmp: Path, spec: DraftSpec, **gguf_kw) -> tuple[Path, Path]:
+    weights = random_weights(spec)
     return (
-        mtd.write_gguf(spec, weights, tmp / "draft.gguf", **gguf_kw),
-        mtd.write_safetensors(spec, weights, tmp / "draft"),
+        write_gguf(spec, weights, tmp / "draft.gguf", **gguf_kw),
+        write_safetensors(spec, weights, tmp / "draft"),
     )
 
 
@@ -38,7 +38,7 @@ def _load(path: Path, hidden: int = HIDDEN, n_layers: int = TARGET_LAYERS) -> Dr
     return Draft.load(path, target_hidden=hidden, target_n_layers=n_layers)
 
 
-def _inputs(spec: mtd.DraftSpec, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+def _inputs(spec: DraftSpec, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     ctx = torch.randn(CTX, spec.captures * spec.hidden, generator=g)
     return ctx, torch.randn(BLOCK, spec.hidden, generator=g)
@@ -196,7 +196,7 @@ def test_load_errors_name_the_file(tmp_path: Path) -> None:
             _load(path, n_layers=4)
 
     # capture count: metadata / config disagree with the fc input width
-    bad = mtd.write_gguf(spec, mtd.make_weights(spec), tmp_path / "n.gguf", n_target_layers=4)
+    bad = write_gguf(spec, random_weights(spec), tmp_path / "n.gguf", n_target_layers=4)
     with pytest.raises(ValueError, match=rf"{bad}.*4 captured target layers .* 3"):
         _load(bad)
     config = json.loads((folder / "config.json").read_text())
@@ -205,24 +205,24 @@ def test_load_errors_name_the_file(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=rf"{folder}.*2 entries .* 3 captures"):
         _load(folder)
 
-    weights = mtd.make_weights(spec)
-    missing = mtd.write_gguf(spec, weights, tmp_path / "m.gguf", drop=("blk.1.ffn_down.weight",))
+    weights = random_weights(spec)
+    missing = write_gguf(spec, weights, tmp_path / "m.gguf", drop=("blk.1.ffn_down.weight",))
     with pytest.raises(ValueError, match=rf"{missing}.*blk\.1\.ffn_down\.weight"):
         _load(missing)
     st = tmp_path / "missing"
-    mtd.write_safetensors(spec, weights, st, drop=("layers.1.mlp.down_proj.weight",))
+    write_safetensors(spec, weights, st, drop=("layers.1.mlp.down_proj.weight",))
     with pytest.raises(ValueError, match=rf"{st}.*layers\.1\.mlp\.down_proj\.weight"):
         _load(st)
 
 
 def test_target_gguf_is_not_a_draft(tmp_path: Path) -> None:
-    target = mtg.build("qwen3", tmp_path / "t.gguf", seed=1).path
+    target = make_tiny_gguf("qwen3", tmp_path / "t.gguf", seed=1).path
     with pytest.raises(ValueError, match=rf"{target}.*not a DFlash draft"):
         _load(target)
 
 
 def test_projection_is_the_head_without_the_final_norm(tmp_path: Path) -> None:
-    tiny = mtg.build("gemma3", tmp_path / "g.gguf", seed=2)
+    tiny = make_tiny_gguf("gemma3", tmp_path / "g.gguf", seed=2)
     target = Model.load(tiny.path)
     # Give the target a final softcap: the projection must apply it (gemma2-style configs).
     target.cfg = dataclasses.replace(target.cfg, final_softcap=3.0)
@@ -234,8 +234,8 @@ def test_projection_is_the_head_without_the_final_norm(tmp_path: Path) -> None:
     assert not torch.allclose(project_with_target_head(target, h), target.logits(h))
 
 
-def _bundled(target: Path, tmp: Path) -> tuple[mtd.DraftSpec, Draft, Draft]:
-    spec, gguf_path, folder = mtd.build(target, tmp, seed=1, layers=1, captures=3)
+def _bundled(target: Path, tmp: Path) -> tuple[DraftSpec, Draft, Draft]:
+    spec, gguf_path, folder = make_tiny_draft(target, tmp, seed=1, layers=1, captures=3)
     g = GGUFFile(target)
     hidden = int(g.require(f"{g.arch}.embedding_length"))
     n_layers = int(g.require(f"{g.arch}.block_count"))

@@ -9,8 +9,6 @@ import dataclasses
 from collections.abc import Iterator
 from pathlib import Path
 
-import make_tiny_draft as mtd
-import make_tiny_gguf as mtg
 import numpy as np
 import pytest
 import torch
@@ -28,8 +26,10 @@ from luced.ipc.regions import Region
 from luced.ipc.shm import ShmOwner
 from luced.runtime.dflash.draft import Draft, project_with_target_head
 from luced.runtime.dflash.verbs import draft_seed
+from luced.runtime.dflash.writer import DraftSpec, random_weights, write_gguf
 from luced.runtime.model import Model
 from luced.runtime.sampler import Sampler, probs
+from luced.runtime.tiny import make_tiny_draft, make_tiny_gguf
 from luced.sampling_params import SamplingParams
 
 KV = 64
@@ -44,13 +44,13 @@ SAMPLING = {"temperature": 0.8, "top_k": 40, "seed": 5}
 def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     d = tmp_path_factory.mktemp("draft")
     target = d / "qwen3.gguf"  # untied: the edges loader reads both embedding and head
-    mtg.build("qwen3", target, seed=4, layers=4)
-    _, gguf_draft, st_draft = mtd.build(
+    make_tiny_gguf("qwen3", target, seed=4, layers=4)
+    _, gguf_draft, st_draft = make_tiny_draft(
         target, d / "ok", seed=1, block_size=BLOCK, captures=2, capture_layers=(1, 3)
     )
     # A draft for a target of another width: load_draft must refuse it.
-    spec = mtd.DraftSpec(hidden=32, target_layers=4, vocab_size=300, captures=2)
-    wrong = mtd.write_gguf(spec, mtd.make_weights(spec), d / "wrong.gguf")
+    spec = DraftSpec(hidden=32, target_layers=4, vocab_size=300, captures=2)
+    wrong = write_gguf(spec, random_weights(spec), d / "wrong.gguf")
     return {"target": target, "gguf": gguf_draft, "st": st_draft, "wrong": wrong}
 
 

@@ -1,5 +1,5 @@
-"""The `qwen35` family of make_tiny_gguf: Qwen3.5's hybrid stack (Gated DeltaNet + gated full
-attention), the tensors and keys llama.cpp's converter writes for it, and the transformers twin
+"""The tiny `qwen35` family: Qwen3.5's hybrid stack (Gated DeltaNet + gated full attention),
+the tensors and keys llama.cpp's converter writes for it, and the transformers twin's config
 (`Qwen3_5TextConfig`, model_type `qwen3_5_text` -> `Qwen3_5ForCausalLM`).
 
 Converter conventions (llama.cpp `conversion/qwen.py`, Qwen3NextModel and its Qwen3.5 subclasses),
@@ -23,10 +23,10 @@ rope.dimension_count (head_dim * partial_rotary) and rope.dimension_sections ([t
 with an expert FFN in every layer: router `mlp.gate`, experts, `mlp.shared_expert` and its
 `mlp.shared_expert_gate` [1, hidden]. The converter (Qwen2MoeModel.modify_tensors) splits
 `mlp.experts.gate_up_proj` into ffn_gate_exps + ffn_up_exps, so the random weights are drawn
-under the split names and tiny_moe.hf_state_dict joins them back; it writes the expert_* keys
+under the split names and moe.hf_state_dict joins them back; it writes the expert_* keys
 and no feed_forward_length (the HF config has no intermediate_size).
 
-This module imports nothing from make_tiny_gguf; make_tiny_gguf calls it.
+This module imports nothing from the rest of the package; build.py calls it.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ import gguf
 import numpy as np
 import torch
 
-# Spec fields of this family (make_tiny_gguf.TinySpec) and their defaults: 4 layers, so layers
+# Spec fields of this family (spec.TinySpec) and their defaults: 4 layers, so layers
 # 0-2 are DeltaNet and layer 3 full attention.
 DEFAULTS: dict[str, Any] = dict(
     layers=4,
@@ -215,10 +215,11 @@ def write_metadata(w: gguf.GGUFWriter, spec: Any) -> None:
     w.add_rope_dimension_count(rope_dims(spec))
 
 
-def hf_config(spec: Any, common: dict[str, Any], rope: dict[str, Any]) -> Any:
-    import transformers
-
+def hf_config(spec: Any, common: dict[str, Any], rope: dict[str, Any]) -> dict[str, Any]:
+    """The transformers twin's config.json: Qwen3_5TextConfig or Qwen3_5MoeTextConfig fields."""
+    head = dict(model_type="qwen3_5_text", architectures=["Qwen3_5ForCausalLM"])
     if spec.family == "qwen35moe":
+        head = dict(model_type="qwen3_5_moe_text", architectures=["Qwen3_5MoeForCausalLM"])
         common = {k: v for k, v in common.items() if k != "intermediate_size"}
         common |= dict(
             num_experts=spec.experts,
@@ -226,12 +227,8 @@ def hf_config(spec: Any, common: dict[str, Any], rope: dict[str, Any]) -> Any:
             moe_intermediate_size=spec.expert_ffn,
             shared_expert_intermediate_size=spec.shared_ffn,
         )
-    config = (
-        transformers.Qwen3_5MoeTextConfig
-        if spec.family == "qwen35moe"
-        else transformers.Qwen3_5TextConfig
-    )
-    return config(
+    return dict(
+        **head,
         **common,
         linear_conv_kernel_dim=spec.conv_kernel,
         linear_key_head_dim=spec.linear_k_dim,

@@ -1,18 +1,20 @@
-"""tools/tiny_qwen35.py through make_tiny_gguf: the qwen35 GGUF holds what llama.cpp's converter
-writes (keys, tensor names, types, the stored forms of A_log, the norms, the conv and the value
-heads), and the transformers twin holds what those bytes mean. transformers cannot read qwen35
-GGUF files, so the stored forms are checked here one by one; the logits in tests/runtime."""
+"""luced.runtime.tiny's qwen35 family: the GGUF holds what llama.cpp's converter writes (keys,
+tensor names, types, the stored forms of A_log, the norms, the conv and the value heads), and
+the transformers twin holds what those bytes mean. transformers cannot read qwen35 GGUF files,
+so the stored forms are checked here one by one; the logits in tests/runtime."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import gguf
-import make_tiny_gguf as mtg
 import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
+
+from luced.runtime.tiny import QTYPES, TinyModel, make_tiny_gguf
+from luced.runtime.tiny.cli import gguf_main
 
 KV_DIFFER = {"linear_v_heads": 4}  # 2 key heads, 4 value heads: llama.cpp reorders V heads
 FFN = "attn_norm post_attention_norm ffn_gate ffn_up ffn_down"
@@ -48,8 +50,8 @@ def _tiled(w: np.ndarray, axis: int, hk: int, hv: int, size: int) -> np.ndarray:
 
 
 @pytest.fixture(scope="module")
-def kv_differ(tmp_path_factory) -> mtg.TinyModel:
-    return mtg.build("qwen35", tmp_path_factory.mktemp("q35") / "q.gguf", seed=4, **KV_DIFFER)
+def kv_differ(tmp_path_factory) -> TinyModel:
+    return make_tiny_gguf("qwen35", tmp_path_factory.mktemp("q35") / "q.gguf", seed=4, **KV_DIFFER)
 
 
 def test_keys_tensor_names_and_types(kv_differ) -> None:
@@ -140,8 +142,8 @@ def test_converter_conventions(kv_differ) -> None:
 
 @pytest.mark.parametrize("qtype", ["Q8_0", "Q4_K"])
 def test_qtypes_store_matrices_and_keep_f32_where_llama_cpp_does(tmp_path, qtype) -> None:
-    tiny = mtg.build("qwen35", tmp_path / "q.gguf", qtype=qtype, **KV_DIFFER)
-    ggml_type = mtg.QTYPES[qtype][0]
+    tiny = make_tiny_gguf("qwen35", tmp_path / "q.gguf", qtype=qtype, **KV_DIFFER)
+    ggml_type = QTYPES[qtype][0]
     for name, (_, t) in _stored(gguf.GGUFReader(tiny.path)).items():
         f32 = name.endswith(("_norm.weight", "ssm_a", ".bias", "ssm_conv1d.weight"))
         assert t == (Q.F32 if f32 else ggml_type), name
@@ -155,8 +157,8 @@ def test_cli_writes_gguf_and_a_transformers_dir(tmp_path) -> None:
     out, hf_dir = tmp_path / "cli.gguf", tmp_path / "hf"
     overrides = ["layers=6", "full_attention_interval=3", "linear_v_heads=4", "tied=true"]
     args = ["qwen35", str(out), "--seed", "5", "--qtype", "Q8_0", "--hf-dir", str(hf_dir)]
-    mtg.main(args + [arg for o in overrides for arg in ("--set", o)])
-    again = mtg.build(
+    gguf_main(args + [arg for o in overrides for arg in ("--set", o)])
+    again = make_tiny_gguf(
         "qwen35",
         tmp_path / "again.gguf",
         seed=5,
@@ -179,9 +181,9 @@ def test_cli_writes_gguf_and_a_transformers_dir(tmp_path) -> None:
 
 def test_bad_specs(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="multiple of linear_k_heads"):
-        mtg.build("qwen35", tmp_path / "a.gguf", linear_v_heads=3)
+        make_tiny_gguf("qwen35", tmp_path / "a.gguf", linear_v_heads=3)
     with pytest.raises(ValueError, match=r"multiples of 256: linear_v_heads \* linear_v_dim"):
-        mtg.build("qwen35", tmp_path / "b.gguf", qtype="Q4_K", linear_v_dim=16)
+        make_tiny_gguf("qwen35", tmp_path / "b.gguf", qtype="Q4_K", linear_v_dim=16)
 
 
 # -- qwen35moe: the same stack, experts in every layer ----------------------------------------
@@ -193,7 +195,7 @@ MOE_KEYS = """{a}.expert_count {a}.expert_used_count {a}.expert_feed_forward_len
 
 
 def test_qwen35moe_file_follows_the_converter(tmp_path) -> None:
-    tiny = mtg.build("qwen35moe", tmp_path / "m.gguf", qtype="Q8_0", seed=4, **KV_DIFFER)
+    tiny = make_tiny_gguf("qwen35moe", tmp_path / "m.gguf", qtype="Q8_0", seed=4, **KV_DIFFER)
     reader = gguf.GGUFReader(tiny.path)
     keys = set((KEYS + " " + MOE_KEYS).format(a="qwen35moe").split())
     keys.remove("qwen35moe.feed_forward_length")  # no dense FFN, no intermediate_size
@@ -220,8 +222,8 @@ def test_qwen35moe_cli_hf_dir_loads_with_from_pretrained(tmp_path) -> None:
     from transformers import AutoModelForCausalLM
 
     out, hf_dir = tmp_path / "cli.gguf", tmp_path / "hf"
-    mtg.main(["qwen35moe", str(out), "--seed", "5", "--hf-dir", str(hf_dir), "--set", "experts=4"])
-    again = mtg.build("qwen35moe", tmp_path / "again.gguf", seed=5, experts=4)
+    gguf_main(["qwen35moe", str(out), "--seed", "5", "--hf-dir", str(hf_dir), "--set", "experts=4"])
+    again = make_tiny_gguf("qwen35moe", tmp_path / "again.gguf", seed=5, experts=4)
     assert out.read_bytes() == again.path.read_bytes()
     model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
     assert type(model).__name__ == "Qwen3_5MoeForCausalLM"

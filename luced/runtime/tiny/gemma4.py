@@ -1,7 +1,7 @@
-"""The tiny `gemma4` model of make_tiny_gguf.py: a GGUF as llama.cpp's converter writes it
-(`Gemma4Model` in conversion/gemma.py) and the `Gemma4ForCausalLM` twin holding the same weights.
+"""The tiny `gemma4` model: a GGUF as llama.cpp's converter writes it (`Gemma4Model` in
+conversion/gemma.py) and the `Gemma4ForCausalLM` twin holding the same weights.
 
-    tiny = make_tiny_gguf.build("gemma4", path, seed=3, shared_layers=2, k_eq_v=False)
+    tiny = make_tiny_gguf("gemma4", path, seed=3, shared_layers=3, k_eq_v=False)
 
 Default shape (6 layers, sliding window 8): layer i is full attention iff (i + 1) % swa_period
 == 0 (period 3: S S F S S F; transformers forces the last layer full), the last `shared_layers`
@@ -32,10 +32,12 @@ from pathlib import Path
 from typing import Any
 
 import gguf
-import make_tiny_gguf as mtg
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType as Q
+
+from luced.runtime.tiny.spec import QTYPES, TinyModel, TinySpec, as_f32, check_rows, hf_common
+from luced.runtime.tiny.vocab import Vocab, make_vocab, write_vocab
+from luced.runtime.tiny.weights import add_tensor, random_hf, write_out
 
 FAMILY = "gemma4"
 _MOE_SCALES = {"scale": "ffn_gate_inp.scale", "per_expert_scale": "ffn_down_exps.scale"}
@@ -43,7 +45,7 @@ LOCAL_ROPE_BASE = 10000.0  # rope_parameters["sliding_attention"]
 
 
 @dataclass(frozen=True)
-class Gemma4Spec(mtg.TinySpec):
+class Gemma4Spec(TinySpec):
     """TinySpec's fields describe the sliding layers; these the rest of Gemma 4."""
 
     swa_period: int = 3  # layer i is full iff (i + 1) % swa_period == 0, and the last one
@@ -81,17 +83,15 @@ KQUANT_DEFAULTS = dict(hidden=256, ffn=512, head_dim=64, global_head_dim=128, pl
 
 
 def make_spec(qtype: str, seed: int, overrides: dict[str, Any]) -> Gemma4Spec:
-    if qtype not in mtg.QTYPES:
-        raise ValueError(f"unknown qtype {qtype!r}; choose one of {tuple(mtg.QTYPES)}")
+    """The spec (qtype already checked), or ValueError."""
     values = dict(DEFAULTS, name=f"tiny-{FAMILY}")
-    if mtg.QTYPES[qtype][2] == 256:
+    if QTYPES[qtype][2] == 256:
         values.update(KQUANT_DEFAULTS)
     values.update(overrides)
     unknown = set(values) - {f.name for f in fields(Gemma4Spec)} - {"family", "qtype", "seed"}
     if unknown:
         raise ValueError(f"unknown overrides {sorted(unknown)}")
     spec = Gemma4Spec(family=FAMILY, qtype=qtype, seed=seed, **values)
-    block = mtg.QTYPES[qtype][2]
     rows = {
         "hidden": spec.hidden,
         "ffn": spec.ffn,
@@ -100,9 +100,7 @@ def make_spec(qtype: str, seed: int, overrides: dict[str, Any]) -> Gemma4Spec:
         "ple_dim": spec.ple_dim,
         "expert_ffn": spec.expert_ffn,
     }
-    for what, n in rows.items():
-        if n % block:
-            raise ValueError(f"{qtype} needs rows that are multiples of {block}: {what} = {n}")
+    check_rows(qtype, rows)
     kv = (spec.kv_heads, spec.global_kv_heads if spec.k_eq_v else spec.kv_heads)
     if any(spec.heads % k for k in kv) or spec.head_dim % 2 or spec.global_head_dim % 2:
         raise ValueError("heads must be a multiple of the kv heads, head dims even")
@@ -124,9 +122,8 @@ def make_spec(qtype: str, seed: int, overrides: dict[str, Any]) -> Gemma4Spec:
     return spec
 
 
-def hf_config(spec: Gemma4Spec, vocab: mtg.Vocab) -> Any:
-    import transformers
-
+def hf_config(spec: Gemma4Spec, vocab: Vocab) -> dict[str, Any]:
+    """The transformers twin's config.json: Gemma4TextConfig fields."""
     extra = {"num_global_key_value_heads": spec.global_kv_heads} if spec.k_eq_v else {}
     if spec.experts:
         extra |= dict(
@@ -135,29 +132,19 @@ def hf_config(spec: Gemma4Spec, vocab: mtg.Vocab) -> Any:
             top_k_experts=spec.experts_used,
             moe_intermediate_size=spec.expert_ffn,
         )
-    return transformers.Gemma4TextConfig(
-        vocab_size=spec.vocab_size,
-        hidden_size=spec.hidden,
-        intermediate_size=spec.ffn,
-        num_hidden_layers=spec.layers,
-        num_attention_heads=spec.heads,
-        num_key_value_heads=spec.kv_heads,
-        head_dim=spec.head_dim,
+    return dict(
+        model_type="gemma4_text",
+        architectures=["Gemma4ForCausalLM"],
+        **hf_common(spec, vocab),
         global_head_dim=spec.global_head_dim,
         attention_k_eq_v=spec.k_eq_v,
-        max_position_embeddings=spec.context,
-        rms_norm_eps=mtg._f32(spec.rms_eps),
-        tie_word_embeddings=spec.tied,
-        bos_token_id=vocab.ids["bos"],
-        eos_token_id=vocab.ids["eos"],
-        pad_token_id=vocab.ids["pad"],
         hidden_activation="gelu_pytorch_tanh",
         rope_parameters={
             "sliding_attention": {"rope_type": "default", "rope_theta": LOCAL_ROPE_BASE},
             "full_attention": {
                 "rope_type": "proportional",
                 "partial_rotary_factor": spec.partial_rotary,
-                "rope_theta": mtg._f32(spec.rope_base),
+                "rope_theta": as_f32(spec.rope_base),
             },
         },
         sliding_window=spec.sliding_window,
@@ -171,20 +158,48 @@ def hf_config(spec: Gemma4Spec, vocab: mtg.Vocab) -> Any:
     )
 
 
-def _hf_shapes(config: Any, tied: bool) -> dict[str, tuple[int, ...]]:
-    """Parameter (and persistent buffer) name -> shape of the transformers model, built on
-    the meta device: the names and shapes are transformers' own."""
-    import transformers
-
-    with torch.device("meta"):
-        model = transformers.AutoModelForCausalLM.from_config(config)
-    shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-    if tied:
-        del shapes["lm_head.weight"]
+def hf_shapes(spec: Gemma4Spec) -> dict[str, tuple[int, ...]]:
+    """Parameter (and persistent buffer) name -> shape of the transformers model."""
+    h, v, p, e = spec.hidden, spec.vocab_size, spec.ple_dim, spec.experts
+    shapes = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,)}
+    if not spec.tied:
+        shapes["lm_head.weight"] = (v, h)
+    if p:  # per-layer embeddings: one p-wide slice per layer
+        shapes["model.embed_tokens_per_layer.weight"] = (v, spec.layers * p)
+        shapes["model.per_layer_model_projection.weight"] = (spec.layers * p, h)
+        shapes["model.per_layer_projection_norm.weight"] = (p,)
+    first_shared = spec.layers - spec.shared_layers
+    for i, kind in enumerate(spec.layer_types):
+        full = kind == "full_attention"
+        d = spec.global_head_dim if full else spec.head_dim
+        kv = (spec.global_kv_heads if spec.k_eq_v else spec.kv_heads) if full else spec.kv_heads
+        f = 2 * spec.ffn if spec.double_wide and i >= first_shared else spec.ffn
+        layer = {"layer_scalar": (1,), "self_attn.q_proj.weight": (spec.heads * d, h)}
+        layer |= {"self_attn.q_norm.weight": (d,), "self_attn.o_proj.weight": (h, spec.heads * d)}
+        if i < first_shared:  # a KV-shared layer has no K/V of its own
+            layer |= {"self_attn.k_proj.weight": (kv * d, h), "self_attn.k_norm.weight": (d,)}
+            if not (full and spec.k_eq_v):
+                layer["self_attn.v_proj.weight"] = (kv * d, h)
+        layer |= {"mlp.gate_proj.weight": (f, h), "mlp.up_proj.weight": (f, h)}
+        layer["mlp.down_proj.weight"] = (h, f)
+        norms = ["input_layernorm", "post_attention_layernorm"]
+        norms += ["pre_feedforward_layernorm", "post_feedforward_layernorm"]
+        if p:
+            layer |= {"per_layer_input_gate.weight": (p, h), "per_layer_projection.weight": (h, p)}
+            norms.append("post_per_layer_input_norm")
+        if e:
+            g = spec.expert_ffn
+            layer |= {"router.scale": (h,), "router.per_expert_scale": (e,)}
+            layer |= {"router.proj.weight": (e, h), "experts.gate_up_proj": (e, 2 * g, h)}
+            layer["experts.down_proj"] = (e, h, g)
+            norms += ["post_feedforward_layernorm_1", "post_feedforward_layernorm_2"]
+            norms.append("pre_feedforward_layernorm_2")
+        layer |= {f"{norm}.weight": (h,) for norm in norms}
+        shapes |= {f"model.layers.{i}.{name}": shape for name, shape in layer.items()}
     return shapes
 
 
-def _write_metadata(w: gguf.GGUFWriter, spec: Gemma4Spec, vocab: mtg.Vocab) -> None:
+def _write_metadata(w: gguf.GGUFWriter, spec: Gemma4Spec, vocab: Vocab) -> None:
     """The keys TextModel, Gemma3Model and Gemma4Model.set_gguf_parameters leave, in order."""
     sliding = [t == "sliding_attention" for t in spec.layer_types]
     first_shared = spec.layers - spec.shared_layers
@@ -209,7 +224,7 @@ def _write_metadata(w: gguf.GGUFWriter, spec: Gemma4Spec, vocab: mtg.Vocab) -> N
     w.add_layer_norm_rms_eps(spec.rms_eps)
     w.add_key_length(spec.global_head_dim)
     w.add_value_length(spec.global_head_dim)
-    w.add_file_type(mtg.QTYPES[spec.qtype][1])
+    w.add_file_type(QTYPES[spec.qtype][1])
     if spec.final_softcap:
         w.add_final_logit_softcapping(spec.final_softcap)
     w.add_sliding_window(spec.sliding_window)
@@ -225,7 +240,7 @@ def _write_metadata(w: gguf.GGUFWriter, spec: Gemma4Spec, vocab: mtg.Vocab) -> N
         w.add_expert_used_count(spec.experts_used)
         w.add_expert_feed_forward_length(spec.expert_ffn)
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
-    mtg._write_vocab(w, vocab)
+    write_vocab(w, vocab)
 
 
 def rope_freqs(spec: Gemma4Spec) -> np.ndarray:
@@ -234,10 +249,9 @@ def rope_freqs(spec: Gemma4Spec) -> np.ndarray:
     return np.array([1.0] * n_rot + [1e30] * (spec.global_head_dim // 2 - n_rot), np.float32)
 
 
-def build(path: Path, *, seed: int = 0, qtype: str = "F32", **overrides: Any) -> mtg.TinyModel:
+def build(path: Path, *, seed: int = 0, qtype: str = "F32", **overrides: Any) -> TinyModel:
     spec = make_spec(qtype, seed, overrides)
-    vocab = mtg._vocab(FAMILY, spec.vocab_size)
-    config = hf_config(spec, vocab)
+    vocab = make_vocab(FAMILY, spec.vocab_size)
     tensor_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH.GEMMA4, spec.layers)
     path.parent.mkdir(parents=True, exist_ok=True)
     writer = gguf.GGUFWriter(path, FAMILY)
@@ -245,7 +259,7 @@ def build(path: Path, *, seed: int = 0, qtype: str = "F32", **overrides: Any) ->
     writer.add_tensor("rope_freqs.weight", rope_freqs(spec))  # generate_extra_tensors: first
 
     state_dict: dict[str, torch.Tensor] = {}
-    for hf_name, shape in sorted(_hf_shapes(config, spec.tied).items()):
+    for hf_name, shape in sorted(hf_shapes(spec).items()):
         # filter_tensors: `layer_scalar` (a buffer) gets a ".weight" to map as layer_output_scale
         suffixed = hf_name if hf_name.endswith(".weight") else f"{hf_name}.weight"
         gguf_name = _MOE_SCALES.get(hf_name.rsplit(".", 1)[-1])  # modify_tensors' renames
@@ -255,16 +269,9 @@ def build(path: Path, *, seed: int = 0, qtype: str = "F32", **overrides: Any) ->
             gguf_name = tensor_map.get_name(suffixed, try_suffixes=(".weight",))
         if gguf_name is None:
             raise AssertionError(f"gguf-py has no name for {hf_name}")
-        stored, ggml_type = mtg._encode(spec, hf_name, mtg._random_hf(spec, hf_name, shape))
-        writer.add_tensor(
-            gguf_name, stored, raw_dtype=None if ggml_type in (Q.F32, Q.F16) else ggml_type
-        )
-        back = gguf.quants.dequantize(stored, ggml_type).astype(np.float32).reshape(shape)
+        back = add_tensor(writer, spec, gguf_name, hf_name, random_hf(spec, hf_name, shape))
         state_dict[hf_name] = torch.from_numpy(np.ascontiguousarray(back))
     if spec.tied:
         state_dict["lm_head.weight"] = state_dict["model.embed_tokens.weight"]
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return mtg.TinyModel(path, FAMILY, spec, config, state_dict)
+    write_out(writer)
+    return TinyModel(path, FAMILY, spec, hf_config(spec, vocab), state_dict)

@@ -1,4 +1,4 @@
-"""The MoE families of tools/make_tiny_gguf.py: `qwen3moe` and `laguna`.
+"""The tiny MoE families: `qwen3moe` and `laguna`.
 
 What differs from the dense families, following llama.cpp's converter
 (conversion/qwen.py Qwen2MoeModel / Qwen3MoeModel, conversion/laguna.py LagunaModel):
@@ -200,17 +200,22 @@ def write_metadata(w: gguf.GGUFWriter, spec: Any) -> None:
         w.add_rope_dimension_count_swa(spec.head_dim)
 
 
-def hf_config(spec: Any, common: dict[str, Any], rope: dict[str, Any]) -> Any:
-    import transformers
-
+def hf_config(spec: Any, common: dict[str, Any], rope: dict[str, Any]) -> dict[str, Any]:
+    """The transformers twin's config.json: Qwen3MoeConfig or LagunaConfig fields."""
     moe = dict(
         num_experts=spec.experts,
         num_experts_per_tok=spec.experts_used,
         moe_intermediate_size=spec.expert_ffn,
     )
     if spec.family == "qwen3moe":  # llama.cpp renormalises unconditionally
-        return transformers.Qwen3MoeConfig(
-            **common, **moe, rope_parameters=rope, norm_topk_prob=True, decoder_sparse_step=1
+        return dict(
+            model_type="qwen3_moe",
+            architectures=["Qwen3MoeForCausalLM"],
+            **common,
+            **moe,
+            rope_parameters=rope,
+            norm_topk_prob=True,
+            decoder_sparse_step=1,
         )
     full = rope | dict(
         rope_type="yarn",
@@ -223,7 +228,9 @@ def hf_config(spec: Any, common: dict[str, Any], rope: dict[str, Any]) -> Any:
         ropes["sliding_attention"] = {"rope_type": "default", "rope_theta": spec.swa_rope_base}
     layer_types = ["full_attention" if f else "sliding_attention" for f in _full_layers(spec)]
     dense = spec.dense_layers
-    return transformers.LagunaConfig(
+    return dict(
+        model_type="laguna",
+        architectures=["LagunaForCausalLM"],
         **common,
         **moe,
         num_attention_heads_per_layer=_layer_heads(spec),

@@ -1,4 +1,6 @@
-"""`luced` command line: `luced serve [MODEL.gguf] [options]` (see `luced serve --help`)."""
+"""`luced` command line: `luced serve [MODEL.gguf | NAME] [options]` (see `luced serve --help`;
+NAME is a bundled model's, `luced.serve.bundled.BUNDLED`) and `luced train-draft TARGET.gguf
+OUT_DIR [options]` (train_draft.py)."""
 
 from __future__ import annotations
 
@@ -27,10 +29,15 @@ def explain(exc: BaseException) -> str:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in {"-h", "--help"}:
+        from luced.serve.bundled import BUNDLED
+
         print(
-            "usage: luced serve [MODEL.gguf] [options]\n\n"
-            "Serve a GGUF model over an OpenAI-compatible HTTP API.\n"
-            "Run `luced serve --help` for the options."
+            "usage: luced serve [MODEL.gguf | NAME] [options]\n"
+            "       luced train-draft TARGET.gguf OUT_DIR [options]\n\n"
+            f"serve        Serve a GGUF model (or a bundled one by NAME: {', '.join(BUNDLED)})\n"
+            "             over an OpenAI-compatible HTTP API.\n"
+            "train-draft  Train a DFlash draft for a target model on its own answers.\n"
+            "Run `luced serve --help` or `luced train-draft --help` for the options."
         )
         return 0 if argv else 2
     if argv[0] == "--version":
@@ -38,6 +45,10 @@ def main(argv: list[str] | None = None) -> int:
 
         print(f"luced {version('luced')}")
         return 0
+    if argv[0] == "train-draft":
+        from luced.cli import train_draft
+
+        return train_draft.main(argv[1:])
     if argv[0] != "serve":
         print(f"luced: unknown command {argv[0]!r} (try `luced serve --help`)", file=sys.stderr)
         return 2
@@ -60,7 +71,3 @@ def main(argv: list[str] | None = None) -> int:
         # Start-up problems a user can fix: one clear line, no traceback.
         print(f"luced: {explain(exc)}", file=sys.stderr)
         return 2
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,18 +1,27 @@
-"""tools/make_tiny_gguf.py: the GGUF says what llama.cpp's converter would, and transformers'
-GGUF loader (which undoes llama.cpp's conventions on its own) reads back exactly our state dict."""
+"""luced.runtime.tiny: the GGUF says what llama.cpp's converter would, and transformers' GGUF
+loader (which undoes llama.cpp's conventions on its own) reads back exactly our state dict; the
+command (tools/make_tiny_gguf.py) needs nothing beyond the runtime's dependencies."""
 
 from __future__ import annotations
 
 import hashlib
+import subprocess
+import sys
 from pathlib import Path
 
 import gguf
-import make_tiny_gguf as mtg
 import numpy as np
 import pytest
-import tiny_moe
 import torch
+import transformers
 from gguf import GGMLQuantizationType as Q
+from tiny_hf import GGUF_LOADER_GAPS, gguf_loader_kwargs, hf_config, hf_model
+
+from luced.runtime.tiny import FAMILIES, QTYPES, TinyModel, TinySpec, gemma4, make_tiny_gguf, moe
+from luced.runtime.tiny.cli import gguf_main
+from luced.runtime.tiny.vocab import make_vocab
+
+ROOT = Path(__file__).resolve().parents[3]
 
 VARIANTS = {
     "llama": ("llama", {}),
@@ -24,16 +33,16 @@ VARIANTS = {
     "laguna-m1": ("laguna", {"sliding_window": 0, "gating": "per-element", "dense_layers": 2}),
 }
 # transformers' GGUF loader has no laguna: its twin is checked against the file directly.
-TRANSFORMERS_READS = [f for f in mtg.FAMILIES if f in mtg.GGUF_LOADER_GAPS]
+TRANSFORMERS_READS = [f for f in FAMILIES if f in GGUF_LOADER_GAPS]
 # 16 positions: longer than gemma3's sliding window of 8.
 IDS = torch.tensor([[2, 5, 17, 200, 33, 9, 100, 250, 7, 8, 44, 300, 12, 13, 400, 3]])
 
 
-def _build(tmp: Path, family: str, **kw) -> mtg.TinyModel:
-    return mtg.build(family, tmp / f"{family}.gguf", **kw)
+def _build(tmp: Path, family: str, **kw) -> TinyModel:
+    return make_tiny_gguf(family, tmp / f"{family}.gguf", **kw)
 
 
-def _from_gguf(tiny: mtg.TinyModel):
+def _from_gguf(tiny: TinyModel):
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(
@@ -41,16 +50,16 @@ def _from_gguf(tiny: mtg.TinyModel):
         gguf_file=tiny.path.name,
         dtype=torch.float32,
         attn_implementation="eager",
-        **tiny.gguf_loader_kwargs(),
+        **gguf_loader_kwargs(tiny),
     )
     return model.eval()
 
 
-def _reader(tiny: mtg.TinyModel) -> gguf.GGUFReader:
+def _reader(tiny: TinyModel) -> gguf.GGUFReader:
     return gguf.GGUFReader(tiny.path)
 
 
-def _needs_transformers_gguf(tiny: mtg.TinyModel) -> None:
+def _needs_transformers_gguf(tiny: TinyModel) -> None:
     if tiny.family not in TRANSFORMERS_READS:
         pytest.skip(f"transformers cannot read {tiny.family} GGUF files")
 
@@ -61,7 +70,7 @@ def _tensor(reader: gguf.GGUFReader, name: str) -> np.ndarray:
 
 
 @pytest.fixture(scope="module", params=list(VARIANTS))
-def variant(request, tmp_path_factory) -> mtg.TinyModel:
+def variant(request, tmp_path_factory) -> TinyModel:
     family, overrides = VARIANTS[request.param]
     return _build(tmp_path_factory.mktemp(request.param), family, seed=3, **overrides)
 
@@ -74,7 +83,7 @@ def test_transformers_reads_our_weights_and_logits(variant):
     for name, ours in variant.state_dict.items():
         assert torch.equal(theirs[name], ours), name
     with torch.no_grad():
-        expected = variant.hf_model()(IDS).logits
+        expected = hf_model(variant)(IDS).logits
         got = loaded(IDS).logits
     assert expected.std() > 1.0  # logits spread out, so greedy tests are not decided by noise
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-6)
@@ -90,7 +99,7 @@ def test_transformers_reads_our_config_from_metadata(variant):
 
     _needs_transformers_gguf(variant)
     read = AutoConfig.from_pretrained(variant.path.parent, gguf_file=variant.path.name)
-    ours = variant.hf_config
+    ours = hf_config(variant)
     fields = CONFIG_FIELDS.split()
     if variant.family == "gemma3":
         fields += ["sliding_window", "layer_types", "rope_parameters", "head_dim"]
@@ -103,7 +112,7 @@ def test_transformers_reads_our_config_from_metadata(variant):
     if variant.family != "gemma3":
         assert read.rope_parameters["rope_theta"] == ours.rope_parameters["rope_theta"]
     # The loader's known gaps; if one closes, drop it from GGUF_LOADER_GAPS.
-    gaps = mtg.GGUF_LOADER_GAPS[variant.family]
+    gaps = GGUF_LOADER_GAPS[variant.family]
     if variant.family == "llama" and variant.spec.rope_scaling is None:
         gaps = ()  # default rope: nothing lost
     for name in gaps:
@@ -150,7 +159,7 @@ LAYER_TENSORS = {
 }
 
 
-def _layer_tensors(spec: mtg.TinySpec, layer: int) -> set[str]:
+def _layer_tensors(spec: TinySpec, layer: int) -> set[str]:
     if spec.family != "laguna":
         return {f"{t}.weight" for t in LAYER_TENSORS[spec.family].split()}
     if layer < spec.dense_layers:
@@ -213,10 +222,10 @@ def test_gemma3_norms_stored_as_one_plus_w(tmp_path):
     for gguf_name, hf_name in pairs.items():
         stored = _tensor(reader, f"{gguf_name}.weight")
         np.testing.assert_array_equal(stored, tiny.state_dict[f"{hf_name}.weight"].numpy() + 1)
-    layer_types = tiny.hf_config.layer_types  # llama.cpp: global iff i % 6 == 5
+    layer_types = hf_config(tiny).layer_types  # llama.cpp: global iff i % 6 == 5
     assert layer_types == ["sliding_attention"] * 5 + ["full_attention"]
-    assert tiny.hf_config.sliding_window == 8 < IDS.shape[1]
-    assert tiny.hf_config.query_pre_attn_scalar == tiny.spec.head_dim
+    assert hf_config(tiny).sliding_window == 8 < IDS.shape[1]
+    assert hf_config(tiny).query_pre_attn_scalar == tiny.spec.head_dim
 
 
 def test_llama3_rope_freqs_match_transformers_scaling(tmp_path):
@@ -229,7 +238,7 @@ def test_llama3_rope_freqs_match_transformers_scaling(tmp_path):
     assert 1.0 in factors and 8.0 in factors and ((factors > 1) & (factors < 8)).any()
     d = tiny.spec.head_dim
     base = 1.0 / (tiny.spec.rope_base ** (np.arange(0, d, 2, dtype=np.float32) / d))
-    inv_freq, scale = ROPE_INIT_FUNCTIONS["llama3"](tiny.hf_config, "cpu")
+    inv_freq, scale = ROPE_INIT_FUNCTIONS["llama3"](hf_config(tiny), "cpu")
     assert scale == 1.0
     # llama.cpp divides each pair's angle by its factor; transformers scales inv_freq.
     np.testing.assert_allclose(base / factors, inv_freq.numpy(), rtol=1e-6)
@@ -265,7 +274,7 @@ def test_same_seed_same_bytes_other_seed_other_weights(tmp_path):
 def test_qtype_stores_every_matrix_and_state_dict_is_its_dequantization(tmp_path, qtype, family):
     tiny = _build(tmp_path, family, qtype=qtype)
     reader = _reader(tiny)
-    ggml_type, file_type, block = mtg.QTYPES[qtype]
+    ggml_type, file_type, block = QTYPES[qtype]
     assert reader.fields["general.file_type"].contents() == int(file_type)
     matrices = [t for t in reader.tensors if len(t.shape) == 2]
     assert len(matrices) >= 7 * tiny.spec.layers + 1
@@ -302,13 +311,13 @@ def test_transformers_tokenizer_from_gguf(tmp_path, family):
     assert tok.decode(ids, skip_special_tokens=True) == text
     # add_bos only there: gemma4 files say add_bos too, but transformers follows the reference
     # tokenizer (the chat template writes <bos>), while llama.cpp forces BOS on.
-    assert (ids[0] == tiny.hf_config.bos_token_id) == (family == "gemma3")
+    assert (ids[0] == hf_config(tiny).bos_token_id) == (family == "gemma3")
     gemma = family in ("gemma3", "gemma4")
     if gemma:
         assert tok.convert_tokens_to_ids(["<start_of_turn>", "<end_of_turn>"]) == [5, 6]
         assert tok.encode("é", add_special_tokens=False) == [9 + 0xC3, 9 + 0xA9]  # byte fallback
     else:
-        assert tok.encode("<|im_end|>", add_special_tokens=False) == [tiny.hf_config.eos_token_id]
+        assert tok.encode("<|im_end|>", add_special_tokens=False) == [hf_config(tiny).eos_token_id]
         chat = tok.apply_chat_template(
             [{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True
         )
@@ -319,7 +328,7 @@ def test_cli_writes_gguf_and_hf_dir(tmp_path):
     from transformers import AutoModelForCausalLM
 
     out, hf_dir = tmp_path / "cli.gguf", tmp_path / "hf"
-    mtg.main(
+    gguf_main(
         [
             "gemma3",
             str(out),
@@ -346,26 +355,26 @@ def test_cli_writes_gguf_and_hf_dir(tmp_path):
 # ---------------------------------------------------------------- MoE families
 
 
-def _file_state_dict(tiny: mtg.TinyModel) -> dict[str, torch.Tensor]:
+def _file_state_dict(tiny: TinyModel) -> dict[str, torch.Tensor]:
     """The twin's state dict rebuilt from the file alone: every tensor dequantized under its
     converter name, then experts joined as transformers keeps them."""
     reader = _reader(tiny)
     converted = {}
-    for hf_name in tiny_moe.hf_shapes(tiny.spec):
-        stored = _tensor(reader, tiny_moe.gguf_name(tiny.spec, hf_name))
+    for hf_name in moe.hf_shapes(tiny.spec):
+        stored = _tensor(reader, moe.gguf_name(tiny.spec, hf_name))
         converted[hf_name] = torch.from_numpy(np.array(stored, dtype=np.float32))
-    out = tiny_moe.hf_state_dict(tiny.spec, converted)
+    out = moe.hf_state_dict(tiny.spec, converted)
     if tiny.spec.tied:
         out["lm_head.weight"] = out["model.embed_tokens.weight"]
     return out
 
 
-@pytest.mark.parametrize("family", tiny_moe.FAMILIES)
-@pytest.mark.parametrize("qtype", [q for q in mtg.QTYPES if q != "F32"])
+@pytest.mark.parametrize("family", moe.FAMILIES)
+@pytest.mark.parametrize("qtype", [q for q in QTYPES if q != "F32"])
 def test_moe_qtypes_store_experts_and_state_dict_is_the_file(tmp_path, family, qtype):
     tiny = _build(tmp_path, family, qtype=qtype, seed=2)
     reader = _reader(tiny)
-    ggml_type, file_type, _ = mtg.QTYPES[qtype]
+    ggml_type, file_type, _ = QTYPES[qtype]
     assert reader.fields["general.file_type"].contents() == int(file_type)
     for t in reader.tensors:
         router = t.name.endswith("ffn_gate_inp.weight")  # the converter keeps routers in F32
@@ -378,7 +387,7 @@ def test_moe_qtypes_store_experts_and_state_dict_is_the_file(tmp_path, family, q
     for name, w in ours.items():
         assert torch.isfinite(w).all(), name
         assert torch.equal(theirs[name], w), name
-    assert sorted(ours) == sorted(tiny.hf_model().state_dict())  # the twin takes them all
+    assert sorted(ours) == sorted(hf_model(tiny).state_dict())  # the twin takes them all
     if family in TRANSFORMERS_READS:
         loaded = _from_gguf(tiny).state_dict()
         for name, w in ours.items():
@@ -404,7 +413,7 @@ def test_laguna_layout(tmp_path):
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     tiny = _build(tmp_path, "laguna")
-    reader, cfg = _reader(tiny), tiny.hf_config
+    reader, cfg = _reader(tiny), hf_config(tiny)
     assert list(reader.fields["laguna.attention.head_count"].contents()) == [4, 8, 8, 8]
     assert cfg.num_attention_heads_per_layer == [4, 8, 8, 8]
     # llama.cpp's default pattern (no key is written): full attention iff i % 4 == 0
@@ -432,7 +441,7 @@ def test_cli_writes_moe_gguf_and_hf_dir(tmp_path):
     from transformers import AutoModelForCausalLM
 
     out, hf_dir = tmp_path / "cli.gguf", tmp_path / "hf"
-    mtg.main(["laguna", str(out), "--seed", "4", "--hf-dir", str(hf_dir), "--set", "experts=4"])
+    gguf_main(["laguna", str(out), "--seed", "4", "--hf-dir", str(hf_dir), "--set", "experts=4"])
     again = _build(tmp_path / "again", "laguna", seed=4, experts=4)
     assert out.read_bytes() == again.path.read_bytes()
     model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
@@ -444,7 +453,7 @@ def test_cli_writes_moe_gguf_and_hf_dir(tmp_path):
         assert torch.equal(state[name], w), name
 
 
-# -- gemma4 (tools/tiny_gemma4.py) ----------------------------------------------------------
+# -- gemma4 (gemma4.py) ------------------------------------------------------------------
 # transformers' GGUF loader reads too little of a gemma4 file (layer types, shared layers, PLE
 # width, head dims) to load it back; the twin is built from the state dict instead.
 
@@ -504,7 +513,7 @@ def test_gemma4_overrides_reach_file_and_twin(tmp_path):
     reader = _reader(tiny)
     assert reader.fields["gemma4.attention.head_count_kv"].contents() == 2  # one value again
     assert reader.fields["gemma4.feed_forward_length"].contents() == [128] * 3 + [256] * 4
-    assert tiny.hf_config.layer_types == [
+    assert hf_config(tiny).layer_types == [
         "sliding_attention",
         "sliding_attention",
         "full_attention",
@@ -521,16 +530,16 @@ def test_gemma4_overrides_reach_file_and_twin(tmp_path):
         _build(tmp_path, "gemma4", qtype="Q8_0", ple_dim=16)
 
 
-@pytest.mark.parametrize("qtype", list(mtg.QTYPES))
+@pytest.mark.parametrize("qtype", list(QTYPES))
 def test_gemma4_every_qtype(tmp_path, qtype):
     tiny = _build(tmp_path, "gemma4", qtype=qtype)
     reader = _reader(tiny)
-    ggml_type = mtg.QTYPES[qtype][0]
+    ggml_type = QTYPES[qtype][0]
     for t in reader.tensors:
         assert t.tensor_type == (ggml_type if len(t.shape) == 2 else Q.F32), t.name
     for name, ours in tiny.state_dict.items():
         assert torch.isfinite(ours).all(), name
-    model = tiny.hf_model()  # strict: every parameter and buffer of transformers' model
+    model = hf_model(tiny)  # strict: every parameter and buffer of transformers' model
     assert sum(p.numel() for p in model.parameters()) > 0
 
 
@@ -538,7 +547,7 @@ def test_gemma4_cli_hf_dir_loads_with_from_pretrained(tmp_path):
     from transformers import AutoModelForCausalLM
 
     out, hf_dir = tmp_path / "cli.gguf", tmp_path / "hf"
-    mtg.main(
+    gguf_main(
         ["gemma4", str(out), "--seed", "5", "--hf-dir", str(hf_dir), "--set", "shared_layers=3"]
     )
     again = _build(tmp_path / "again", "gemma4", seed=5, shared_layers=3)
@@ -550,4 +559,71 @@ def test_gemma4_cli_hf_dir_loads_with_from_pretrained(tmp_path):
     for name, w in model.state_dict().items():
         assert torch.equal(w, again.state_dict[name]), name
     with torch.no_grad():
-        torch.testing.assert_close(model(IDS).logits, again.hf_model()(IDS).logits, rtol=0, atol=0)
+        torch.testing.assert_close(model(IDS).logits, hf_model(again)(IDS).logits, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {},
+        {"k_eq_v": False, "double_wide": True, "tied": False, "layers": 7, "shared_layers": 4},
+        {"experts": 4, "experts_used": 2, "expert_ffn": 32, "ple_dim": 0, "shared_layers": 0},
+    ],
+)
+def test_gemma4_tensors_are_transformers_own(overrides):
+    """gemma4.hf_shapes, written out by hand, names what transformers' model holds."""
+    spec = gemma4.make_spec("F32", 0, overrides)
+    vocab = make_vocab(gemma4.FAMILY, spec.vocab_size)
+    config = transformers.AutoConfig.for_model(**gemma4.hf_config(spec, vocab))
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    theirs = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    if spec.tied:
+        del theirs["lm_head.weight"]
+    assert gemma4.hf_shapes(spec) == theirs
+
+
+# ---------------------------------------------------------------- the command
+
+
+def _run_without_transformers(tool: str, *args: str) -> subprocess.CompletedProcess:
+    """tools/TOOL.py run as a user runs it, in an interpreter where transformers (the test
+    extra) cannot be imported."""
+    code = (
+        "import runpy, sys\n"
+        "sys.modules['transformers'] = None  # import transformers raises ImportError\n"
+        f"sys.argv = [{tool!r}, *{list(args)!r}]\n"
+        f"runpy.run_path({str(ROOT / 'tools' / tool)!r}, run_name='__main__')\n"
+    )
+    return subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300
+    )
+
+
+def test_tools_run_without_the_test_extra(tmp_path):
+    """Every family and a draft, with the twin's folder, from the runtime's dependencies."""
+    for family in FAMILIES:
+        out, hf_dir = tmp_path / f"{family}.gguf", tmp_path / f"{family}-hf"
+        proc = _run_without_transformers(
+            "make_tiny_gguf.py", family, str(out), "--hf-dir", str(hf_dir), "--seed", "2"
+        )
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        assert (
+            out.read_bytes()
+            == make_tiny_gguf(family, tmp_path / "again.gguf", seed=2).path.read_bytes()
+        )
+        assert (hf_dir / "config.json").exists() and (hf_dir / "model.safetensors").exists()
+    proc = _run_without_transformers(
+        "make_tiny_draft.py", str(tmp_path / "qwen3.gguf"), str(tmp_path / "draft")
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert (tmp_path / "draft" / "draft.gguf").exists()
+    assert (tmp_path / "draft" / "draft" / "config.json").exists()
+
+
+def test_command_rejects_a_bad_override_in_one_line(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exc:
+        gguf_main(["llama", str(tmp_path / "x.gguf"), "--set", "hidden=48", "--qtype", "Q8_0"])
+    assert exc.value.code == 2
+    assert "Q8_0 needs rows that are multiples of 32: hidden = 48" in capsys.readouterr().err
+    assert not (tmp_path / "x.gguf").exists()

@@ -1,0 +1,292 @@
+"""A decode step as fixed-shape device work, captured once per bucket as a CUDA graph and
+replayed, so GPU decoding is not bound by Python and kernel launches.
+
+An eager decode step of an 8B model is about a thousand small kernels, each launched by
+Python at a few microseconds apiece: on an H100 that is longer than reading the weights.
+A CUDA graph replays them all with one launch. A graph fixes every shape and every
+address, and runs no Python: positions, row maps and the token fed must come from device
+tensors that the host fills before each replay, never from Python integers.
+
+So the step runs over the paged K/V of `kv_blocks` (one `BlockPool` for every sequence of
+the shard) through a `StepBatch`, a ragged batch of one token per sequence whose fields are
+fixed-size device tensors (B = the bucket's sequences, L = its attended rows):
+
+    ids        [B] int64      the token each sequence feeds
+    positions  [B] int64      its position (its cache's fill position)
+    rows       [B, L] int64   its row map (`PagedKVCache.rows`): the pool row of each
+                              position < L; rows past its position point anywhere (masked)
+
+The families take the batch as their `start` and `cache`, as they take a `Ragged`: RoPE
+reads `positions` (`Rope.tables`), and `common.cached_attention` hands the attention to
+`StepBatch.attend`, which stores each new K/V row at rows[b, positions[b]] and attends with
+SDPA over the rows gathered through the map ([B, Hkv, L, D]), masked past each position and
+outside a sliding window. Unused slots of a bucket feed token 0 at position 0 through a
+scratch block the runner holds, so their writes land nowhere that is read.
+
+`DecodeGraphs` keeps one graph per (B, L) bucket (B a power of two up to 64, L a power of two
+from 256 up to the capacity), captured on first use from a warm-up with the real inputs
+(the warm-up writes the very rows the replay writes). A pool that reallocates (it grew)
+drops every graph. On the CPU there is nothing to capture: the same step runs eagerly,
+which is how its values are checked against the model's own batched forward without a GPU.
+
+Scope: whole models (one shard holding the embedding and the head) of attention families
+whose decode step syncs nothing with the host: llama, qwen3, gemma3, gemma4 without MoE.
+MoE routing counts tokens per expert on the host and recurrent layers step per sequence;
+those decode eagerly.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from types import ModuleType
+from typing import Any, Protocol
+
+import torch
+import torch.nn.functional as F
+
+from luced.runtime.kv_blocks import BlockPool, PagedKVCache
+from luced.runtime.layers import Rope, apply_rope
+from luced.runtime.ragged import Ragged
+
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+
+
+class WholeModel(Protocol):
+    """What the runner uses of a loaded model (`luced.runtime.model.Model`, which imports
+    the families, which import this module: a protocol keeps the imports one way)."""
+
+    family: ModuleType
+    cfg: Any
+    layers: range
+    ropes: dict[int, Rope]
+    owns_embed: bool
+    owns_head: bool
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor: ...
+
+    def forward_layers(
+        self, hidden: torch.Tensor, cache: Any, start: Any, capture: Any = (), ids: Any = None
+    ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]: ...
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
+
+    def _kv_sources(self) -> dict[int, int]: ...
+
+
+MIN_ROWS = 256  # the smallest attended length L
+
+
+def bucket(n: int, sizes: Sequence[int]) -> int:
+    """The smallest size that holds n."""
+    for size in sizes:
+        if n <= size:
+            return size
+    raise ValueError(f"{n} exceeds the largest bucket {sizes[-1]}")
+
+
+def row_buckets(capacity: int) -> tuple[int, ...]:
+    """Attended lengths: powers of two from MIN_ROWS, then the capacity itself."""
+    sizes, size = [], MIN_ROWS
+    while size < capacity:
+        sizes.append(size)
+        size *= 2
+    return (*sizes, capacity)
+
+
+class StepBatch(Ragged):
+    """One decode token for each of B sequences, as fixed-size device tensors (module
+    docstring). `reserve` and `commit` do nothing: the runner does both on the caches,
+    outside the captured work."""
+
+    def __init__(
+        self, pool: BlockPool, batch: int, rows: int, sources: dict[int, int] | None = None
+    ) -> None:
+        """sources: a KV-sharing layer -> the layer whose rows it reads."""
+        device = pool.device
+        self.pool = pool
+        self.sources = dict(sources or {})
+        self.spans = ()
+        self.sizes = [1] * batch
+        self.n = batch
+        self.end = rows  # RoPE tables reach this far (grown before a capture)
+        self.ids = torch.zeros(batch, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(batch, dtype=torch.int64, device=device)
+        self.position_list = []  # the native CPU kernels never see this batch
+        self.rows = torch.zeros(batch, rows, dtype=torch.int64, device=device)
+        # key j of sequence b is visible iff j <= positions[b] (and inside a window)
+        self._keys = torch.arange(rows, device=device)
+
+    def reserve(self) -> None:
+        pass
+
+    def commit(self) -> None:
+        pass
+
+    def per_sequence(self, fn: Callable[..., torch.Tensor], *rows: torch.Tensor | None):
+        raise NotImplementedError("a captured decode step runs no per-sequence code")
+
+    def attend(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        kv: tuple[torch.Tensor, torch.Tensor] | None,
+        *,
+        window: int | None,
+        scale: float,
+        rope: Rope | None,
+    ) -> torch.Tensor:
+        """q [B, H, D]; kv: this layer's new rows [B, Hkv, D] to store (None: a KV-sharing
+        layer, which reads its source's); rope: the rotation q and k still need -> [B, H·D]."""
+        if rope is not None:
+            cos, sin = rope.tables(self, self.n, q.dtype)
+            q = apply_rope(q, cos, sin)
+            if kv is not None:
+                kv = (apply_rope(kv[0], cos, sin), kv[1])
+        source = self.sources.get(layer, layer)
+        keys, values = self.pool.k[source], self.pool.v[source]  # [Hkv, pool rows, D]
+        if kv is not None:
+            at = self.rows.gather(1, self.positions[:, None])[:, 0]  # [B]
+            keys.index_copy_(1, at, kv[0].transpose(0, 1).to(keys.dtype))
+            values.index_copy_(1, at, kv[1].transpose(0, 1).to(values.dtype))
+        b, heads, dim = q.shape
+        hkv, length = keys.shape[0], self.rows.shape[1]
+        flat = self.rows.view(-1)
+        k = keys.index_select(1, flat).view(hkv, b, length, dim).transpose(0, 1)
+        v = values.index_select(1, flat).view(hkv, b, length, dim).transpose(0, 1)
+        visible = self._keys[None, :] <= self.positions[:, None]  # [B, L]
+        if window is not None:
+            visible &= (self.positions[:, None] - self._keys[None, :]) < window
+        out = F.scaled_dot_product_attention(
+            q.to(k.dtype)[:, :, None, :],  # [B, H, 1, D]
+            k,
+            v,
+            attn_mask=visible[:, None, None, :],
+            scale=scale,
+            enable_gqa=heads != hkv,
+        )
+        return out.reshape(b, heads * dim).to(q.dtype)
+
+
+def supports(model: WholeModel) -> str | None:
+    """Why `model` cannot decode through a captured step, or None when it can."""
+    if not (model.owns_embed and model.owns_head):
+        return "a split model (graphs cover a whole model)"
+    recurrent = getattr(model.family, "recurrent_shapes", None)
+    if recurrent is not None and recurrent(model.cfg, model.layers):
+        return "recurrent layers step per sequence"
+    if getattr(getattr(model.cfg, "moe", None), "n_experts", 0):
+        return "MoE routing syncs with the host"
+    return None
+
+
+class DecodeGraphs:
+    """Decode steps of a whole model over one `BlockPool`, one graph per (B, L) bucket on a
+    CUDA device, eager elsewhere. `step(caches, ids)` feeds ids[i] to caches[i] (paged caches
+    of `pool`, each fed only through this runner or the model) and returns the logits
+    [len(caches), vocab] float32."""
+
+    def __init__(
+        self, model: WholeModel, pool: BlockPool, capacity: int, *, capture: bool = True
+    ) -> None:
+        """capture False: run the same fixed-shape step eagerly on a GPU too (what a graph
+        saves is measured against it)."""
+        why = supports(model)
+        if why is not None:
+            raise ValueError(f"no captured decode for this model: {why}")
+        self.model = model
+        self.pool = pool
+        self.capacity = capacity
+        self.row_sizes = row_buckets(capacity)
+        self.graphs: dict[tuple[int, int], _Captured] = {}
+        self.captures = 0  # graphs captured (a pool that grows makes more)
+        self._scratch = pool.allocate()  # the padding slots' rows, held for good
+        self._generation = pool.generation
+        for rope in {id(r): r for r in model.ropes.values()}.values():
+            rope.table(capacity)  # grown now: a graph reads the tables it saw
+        on_gpu = capture and pool.device.type == "cuda"
+        self._graph_pool = torch.cuda.graph_pool_handle() if on_gpu else None
+
+    def step(self, caches: Sequence[PagedKVCache], ids: torch.Tensor) -> torch.Tensor:
+        n = len(caches)
+        if n != ids.numel() or not n:
+            raise ValueError(f"{ids.numel()} ids for {n} sequences")
+        if any(c.pool is not self.pool for c in caches):
+            raise ValueError("every sequence of a captured step must hold its rows in its pool")
+        end = max(c.pos for c in caches) + 1
+        if end > self.capacity:
+            raise ValueError(f"position {end - 1} is past the captured capacity {self.capacity}")
+        for c in caches:
+            c.reserve(c.pos, 1)  # may grow the pool: checked below, before any capture
+        if self.pool.generation != self._generation:
+            self.graphs.clear()  # they read the tensors the pool replaced
+            self._generation = self.pool.generation
+        key = (bucket(n, BATCH_BUCKETS), bucket(end, self.row_sizes))
+        captured = self.graphs.get(key)
+        if captured is None:
+            captured = self.graphs[key] = _Captured(self.model, self.pool, *key)
+        self._fill(captured.batch, caches, ids)
+        logits = captured.run(self._graph_pool)
+        self.captures += captured.take_capture()
+        for c in caches:
+            c.commit(c.pos + 1)
+        return logits[:n]
+
+    def _fill(self, batch: StepBatch, caches: Sequence[PagedKVCache], ids: torch.Tensor) -> None:
+        """The host's side of a replay: copy the step's inputs into the batch's tensors."""
+        n, length = len(caches), batch.rows.shape[1]
+        b = self.pool.block
+        scratch = torch.arange(self._scratch * b, self._scratch * b + b, device=self.pool.device)
+        batch.rows.copy_(scratch.repeat(math.ceil(length / b))[:length].expand_as(batch.rows))
+        for i, c in enumerate(caches):
+            visible = min(length, c.pos + 1)
+            batch.rows[i, :visible] = c.rows[:visible]
+        batch.ids.zero_()
+        batch.ids[:n] = ids.to(batch.ids.device, torch.int64)
+        batch.positions.zero_()
+        batch.positions[:n] = torch.tensor([c.pos for c in caches], device=batch.positions.device)
+
+
+class _Captured:
+    """One bucket's batch tensors and, on CUDA, its graph and output."""
+
+    def __init__(self, model: WholeModel, pool: BlockPool, batch: int, rows: int) -> None:
+        self.model = model
+        self.batch = StepBatch(pool, batch, rows, model._kv_sources())
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.out: torch.Tensor | None = None
+        self._new = 0
+
+    def forward(self) -> torch.Tensor:
+        m, batch = self.model, self.batch
+        hidden = m.embed(batch.ids)
+        h, _ = m.forward_layers(hidden, batch, batch, ids=batch.ids)
+        return m.logits(h)
+
+    def run(self, graph_pool: object) -> torch.Tensor:
+        """graph_pool None: eagerly (the CPU, or capture off)."""
+        if graph_pool is None:
+            return self.forward()
+        if self.graph is None:
+            self._capture(graph_pool)
+        assert self.graph is not None and self.out is not None
+        self.graph.replay()
+        return self.out
+
+    def _capture(self, graph_pool: object) -> None:
+        # Warm-up on a side stream (allocator, cuBLAS handles, lazy tables), then capture.
+        # Both compute this step's very K/V rows, so writing them early changes nothing.
+        stream = torch.cuda.Stream(self.batch.ids.device)
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                self.forward()
+        torch.cuda.current_stream().wait_stream(stream)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, pool=graph_pool):
+            self.out = self.forward()
+        self._new = 1
+
+    def take_capture(self) -> int:
+        new, self._new = self._new, 0
+        return new

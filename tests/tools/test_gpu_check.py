@@ -1,0 +1,38 @@
+"""tools/gpu_check.sh on the CPU (`--device cpu --quick`): the script a GPU session runs, so
+it is known to work before one does. Its tests stage (the `cuda` tests against the CPU, a
+few minutes) is skipped here; `tools/gpu_check.sh --device cpu` runs it. This checks the
+script and the benchmark's plumbing on tiny shapes, nothing about a GPU."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+SECTIONS = {"env", "bandwidth", "load", "decode", "batch", "verify", "transfer"}
+
+
+def test_the_gpu_check_runs_on_the_cpu(tmp_path: Path) -> None:
+    env = {**os.environ, "PYTHON": sys.executable}
+    proc = subprocess.run(
+        ["tools/gpu_check.sh", "--device", "cpu", "--quick", "--skip", "tests", "--out",
+         str(tmp_path)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    report = json.loads((tmp_path / "report.json").read_text())
+    stages = report["stages"]
+    assert list(stages) == ["setup", "model", "bench", "done"]  # --quick: no http stage
+    assert stages["setup"]["missing"] == [] and stages["done"]["ok"]
+    bench = stages["bench"]["bench"]
+    assert set(bench) == SECTIONS
+    assert bench["env"]["device"] == "cpu"
+    assert bench["decode"]["tok_per_s"]["graph"] > 0 and bench["decode"]["graph_captures"] == 0
+    assert set(bench["batch"]["tok_per_s"]["graph"]) == {"1", "8"}
+    assert 4.5 <= bench["load"]["packed_bits_per_weight"] <= 5.5
+    files = sorted(p.name for p in tmp_path.iterdir())
+    assert files == ["bench.json", "bench.log", "report.json"]
+    assert not list(Path("/tmp").glob(f"luced-gpu-check-*/{'tiny.gguf'}"))  # scratch removed

@@ -1,0 +1,288 @@
+#!/usr/bin/env python3
+"""GPU decode benchmark, in process, on one model: what tools/gpu_check.py reports.
+
+    python tools/bench_gpu.py MODEL.gguf --out bench.json [--device cuda:0] [--quick]
+
+Sections (each written to --out as soon as it is measured, so a run cut short still reports):
+    env        device, torch, CUDA
+    bandwidth  a device-to-device copy of 1 GiB: bytes read + written over its time (median
+               of 10): the ceiling's numerator
+    load       load seconds, bytes held by the packed matrices and in all, bytes per weight
+    decode     batch-1 greedy tok/s: eager (the runtime's `Model.forward` over a KVCache),
+               the fixed-shape step eager, and its CUDA graph (runtime/decode_graph.py),
+               interleaved rounds, medians; bytes read per token (every matrix once, plus
+               the K/V attended) and the fraction of the bandwidth ceiling each reaches
+    batch      aggregate tok/s at 1, 8, 32, 64 sequences: eager batched forward
+               (`Model.forward_batch`, the worker's batched verb) against graph replays
+    verify     a 16-token forward against one decode step (eager and graph): what a DFlash
+               verify costs, and the speedup an oracle drafter (all 16 accepted) would give
+    transfer   host -> device GB/s of a 256 MiB shared-memory region: pageable, page-locked
+               (runtime/device_io.py), and through the pinned staging buffer
+
+Every step syncs with the host (the token comes back, as the worker's sampler needs it).
+On the CPU (`--device cpu`, a dry run of the script) the graph columns run eagerly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import secrets
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from luced.ipc.regions import Attachments, RegionAllocator
+from luced.ipc.shm import ShmOwner
+from luced.runtime.decode_graph import DecodeGraphs
+from luced.runtime.device_io import DeviceIO
+from luced.runtime.model import Model
+from luced.runtime.qlinear import PackedLinear
+
+PROMPT = 32
+
+
+class Report:
+    """The JSON file, rewritten whole after every section."""
+
+    def __init__(self, path: Path) -> None:
+        self.path, self.data = path, {}
+
+    def add(self, section: str, values: dict) -> None:
+        self.data[section] = values
+        self.path.write_text(json.dumps(self.data, indent=1))
+        print(f"[bench] {section}: {json.dumps(values)}", flush=True)
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def seconds(fn: Callable[[], object], device: torch.device) -> float:
+    sync(device)
+    t0 = time.perf_counter()
+    fn()
+    sync(device)
+    return time.perf_counter() - t0
+
+
+def bandwidth(device: torch.device, nbytes: int) -> dict:
+    src = torch.empty(nbytes // 4, dtype=torch.float32, device=device).normal_()
+    dst = torch.empty_like(src)
+    times = [seconds(lambda: dst.copy_(src), device) for _ in range(12)][2:]
+    t = statistics.median(times)
+    return {"bytes": nbytes, "gb_per_s": 2 * nbytes / t / 1e9}
+
+
+def held_bytes(model: Model) -> tuple[int, int, int]:
+    """(bytes of the packed matrices, of every tensor, weights they hold)."""
+    packed = dense = count = 0
+    for w in model.weights.values():
+        mats = w if isinstance(w, list) else [w]
+        for m in mats:
+            if isinstance(m, PackedLinear):
+                packed += m.nbytes()
+                count += m.out_features * m.in_features
+            elif torch.is_tensor(m):
+                dense += m.numel() * m.element_size()
+    return packed, packed + dense, count
+
+
+def prompt_ids(n: int, vocab: int, device: torch.device, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(1, vocab, (n,), generator=g).to(device)
+
+
+def eager_decode(model: Model, steps: int, device: torch.device) -> float:
+    """Seconds per token of greedy decoding through `Model.forward` over a KVCache."""
+    cache = model.new_cache(PROMPT + steps + 1)
+    logits = model.forward(prompt_ids(PROMPT, model.cfg.vocab, device, 0), cache, 0)
+    token = int(logits[-1].argmax())
+    t0 = time.perf_counter()
+    for i in range(steps):
+        logits = model.forward(torch.tensor([token], device=device), cache, PROMPT + i)
+        token = int(logits[-1].argmax())
+    return (time.perf_counter() - t0) / steps
+
+
+def step_decode(model: Model, batch: int, steps: int, device: torch.device, capture: bool):
+    """Seconds per step of `batch` sequences through the fixed-shape step (a graph when
+    `capture` on a GPU); the first step (a capture) is not timed. -> (seconds, captures)."""
+    pool = model.new_block_pool(16)
+    caches = [model.new_paged_cache(pool, PROMPT + steps + 2) for _ in range(batch)]
+    for i, c in enumerate(caches):
+        model.forward(prompt_ids(PROMPT, model.cfg.vocab, device, i), c, 0)
+    graphs = DecodeGraphs(model, pool, PROMPT + steps + 2, capture=capture)
+    ids = torch.ones(batch, dtype=torch.int64, device=device)
+    ids = graphs.step(caches, ids).argmax(-1)
+    ids.tolist()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        ids = graphs.step(caches, ids).argmax(-1)
+        ids.tolist()  # the tokens go back to the host, as a worker's sampler needs them
+    return (time.perf_counter() - t0) / steps, graphs.captures
+
+
+def batched_decode(model: Model, batch: int, steps: int, device: torch.device) -> float:
+    """Seconds per step of `batch` sequences through `Model.forward_batch` (paged caches)."""
+    pool = model.new_block_pool(16)
+    caches = [model.new_paged_cache(pool, PROMPT + steps + 1) for _ in range(batch)]
+    for i, c in enumerate(caches):
+        model.forward(prompt_ids(PROMPT, model.cfg.vocab, device, i), c, 0)
+    tokens = [1] * batch
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        ids = [torch.tensor([t], device=device) for t in tokens]
+        logits = model.forward_batch(ids, caches, [c.pos for c in caches])
+        tokens = torch.cat(logits).argmax(-1).tolist()
+    return (time.perf_counter() - t0) / steps
+
+
+def verify_cost(model: Model, device: torch.device, repeats: int) -> float:
+    """Seconds of one 16-token forward after a prompt (a DFlash verify block)."""
+    times = []
+    for r in range(repeats):
+        cache = model.new_cache(PROMPT + 17)
+        model.forward(prompt_ids(PROMPT, model.cfg.vocab, device, r), cache, 0)
+        block = prompt_ids(16, model.cfg.vocab, device, 100 + r)
+        times.append(seconds(lambda c=cache, b=block: model.forward(b, c, PROMPT), device))
+    return statistics.median(times)
+
+
+def transfer(device: torch.device, nbytes: int) -> dict:
+    """GB/s of host -> device copies out of a shared-memory region (median of 5)."""
+    rows = nbytes // (4 * 4096)
+    out = {}
+    with ShmOwner(secrets.token_hex(4)) as owner:
+        seg = owner.create("bench", nbytes + 4096)
+        region = RegionAllocator.for_segment(seg).alloc("x", (rows, 4096), "float32")
+        plain = Attachments()
+        host = torch.from_numpy(plain.view(region))
+        host.fill_(1.5)
+        out["pageable"] = _rate(lambda: host.to(device), nbytes, device)
+        host = None
+        plain.close()
+        io = DeviceIO((str(device),))
+        pinned = Attachments(
+            on_attach=lambda s: io.attach(s.name, s.address(), s.size),
+            on_close=lambda s: io.detach(s.name),
+        )
+        host = torch.from_numpy(pinned.view(region))
+        out["page_locked"] = _rate(lambda: io.upload(host, device, seg.name), nbytes, device)
+        out["page_locked_ok"] = seg.name in io.pins.pinned
+        staging = DeviceIO((str(device),))
+        staging.pins.refused[seg.name] = -1  # as if CUDA had refused it
+        out["staged"] = _rate(lambda: staging.upload(host, device, seg.name), nbytes, device)
+        host = None
+        pinned.close()
+    return out
+
+
+def _rate(copy: Callable[[], object], nbytes: int, device: torch.device) -> float:
+    times = [seconds(copy, device) for _ in range(6)][1:]
+    return nbytes / statistics.median(times) / 1e9
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("model", type=Path)
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--device", default="cuda:0")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--weights", default="auto")
+    ap.add_argument("--quick", action="store_true", help="fewer steps, batches and rounds")
+    args = ap.parse_args(argv)
+    device = torch.device(args.device)
+    report = Report(args.out)
+    gpu = device.type == "cuda"
+    steps, rounds = (16, 2) if args.quick or not gpu else (32, 3)
+    batches = (1, 8) if args.quick or not gpu else (1, 8, 32, 64)
+    torch.set_grad_enabled(False)
+    report.add(
+        "env",
+        {
+            "device": torch.cuda.get_device_name(device) if gpu else "cpu",
+            "torch": torch.__version__,
+            "cuda": torch.version.cuda,
+            "model": args.model.name,
+            "dtype": args.dtype,
+            "weights": args.weights,
+        },
+    )
+    report.add("bandwidth", bandwidth(device, (1 << 30) if gpu else (64 << 20)))
+    t0 = time.monotonic()
+    model = Model.load(args.model, device=device, dtype=args.dtype, weights=args.weights)
+    sync(device)
+    load_s = time.monotonic() - t0
+    packed, total, count = held_bytes(model)
+    report.add(
+        "load",
+        {
+            "seconds": load_s,
+            "packed_bytes": packed,
+            "all_bytes": total,
+            "packed_bits_per_weight": 8 * packed / max(count, 1),
+            "device_allocated": torch.cuda.memory_allocated(device) if gpu else None,
+        },
+    )
+    # Decode at batch 1, interleaved: eager runtime, fixed-shape step eager, graph.
+    eager, step, graph, captures = [], [], [], 0
+    for _ in range(rounds):
+        eager.append(eager_decode(model, steps, device))
+        step.append(step_decode(model, 1, steps, device, capture=False)[0])
+        t, n = step_decode(model, 1, steps, device, capture=True)
+        graph.append(t)
+        captures += n
+    kv_row = sum(2 * h * d * model.kv_dtype.itemsize for h, d in (model.cfg.kv_shape(i)
+             for i in model.layers))  # fmt: skip
+    per_token = packed + (total - packed - _embedding_bytes(model)) + kv_row * (PROMPT + steps)
+    ceiling = report.data["bandwidth"]["gb_per_s"] * 1e9 / per_token
+    tok = {
+        k: 1 / statistics.median(v) for k, v in (("eager", eager), ("step", step), ("graph", graph))
+    }
+    report.add(
+        "decode",
+        {
+            "tok_per_s": tok,
+            "bytes_per_token": per_token,
+            "ceiling_tok_per_s": ceiling,
+            "fraction_of_ceiling": {k: v / ceiling for k, v in tok.items()},
+            "graph_captures": captures,
+            "rounds": rounds,
+            "steps": steps,
+        },
+    )
+    rates: dict[str, dict[int, float]] = {"eager_batched": {}, "graph": {}}
+    for b in batches:
+        rates["eager_batched"][b] = b / batched_decode(model, b, steps, device)
+        rates["graph"][b] = b / step_decode(model, b, steps, device, capture=True)[0]
+    scale = {k: v[batches[-1]] / v[1] for k, v in rates.items()}
+    report.add("batch", {"tok_per_s": rates, f"ratio_{batches[-1]}_vs_1": scale})
+    v16 = verify_cost(model, device, rounds + 2)
+    step1 = statistics.median(eager)
+    graph1 = statistics.median(graph)
+    report.add(
+        "verify",
+        {
+            "verify16_s": v16,
+            "verify16_over_eager_step": v16 / step1,
+            "verify16_over_graph_step": v16 / graph1,
+            "oracle_speedup_over_eager": 16 * step1 / v16,
+            "oracle_speedup_over_graph": 16 * graph1 / v16,
+        },
+    )
+    report.add("transfer", transfer(device, (256 << 20) if gpu else (16 << 20)))
+
+
+def _embedding_bytes(model: Model) -> int:
+    """An untied embedding is held dense but read one row per token: not in the ceiling."""
+    w = model.weights.get("tok_embd")
+    return w.numel() * w.element_size() if torch.is_tensor(w) else 0
+
+
+if __name__ == "__main__":
+    main()

@@ -73,7 +73,11 @@ async def leased(request: web.Request, name: str | None) -> AsyncIterator[Served
     chunks = await read_body(request)
     async with request.app[MODELS].lease(name) as served:
         request[LEASE] = Lease(served, chunks)
-        yield served
+        try:
+            yield served
+        finally:
+            # A kept-alive connection may keep its last request: not the model with it.
+            del request[LEASE]
 
 
 def leasing(handler: Handler) -> Handler:

@@ -14,14 +14,15 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from datetime import datetime
 from pathlib import Path
 
-import make_tiny_gguf
 import openai
 import pytest
 from daemon_proc import DaemonProcess
 
 from luced.ipc.shm import pid_alive
+from luced.runtime.tiny import make_tiny_gguf
 from luced.serve.config import load_config
 from luced.serve.loader import read_spec
 from luced.serve.options import ModelEntry
@@ -35,8 +36,8 @@ PROMPT = "The quick brown fox"
 def models_dir(tmp_path_factory) -> Path:
     """Two tiny models of different families, so that each answers in its own way."""
     d = tmp_path_factory.mktemp("models")
-    make_tiny_gguf.build("llama", d / f"{A}.gguf", seed=5, context=4096)
-    make_tiny_gguf.build("qwen3", d / f"{B}.gguf", seed=7, context=2048)
+    make_tiny_gguf("llama", d / f"{A}.gguf", seed=5, context=4096)
+    make_tiny_gguf("qwen3", d / f"{B}.gguf", seed=7, context=2048)
     return d
 
 
@@ -67,12 +68,10 @@ def stream(d: DaemonProcess, model: str, max_tokens: int) -> openai.Stream:
     )
 
 
-def post(d: DaemonProcess, body: dict) -> tuple[int, dict, dict]:
-    """POST /v1/completions: (status, headers, JSON body), errors included."""
+def post(d: DaemonProcess, body: dict, path: str = "/v1/completions") -> tuple[int, dict, dict]:
+    """POST a JSON body: (status, headers, JSON body), errors included."""
     req = urllib.request.Request(
-        d.url + "/v1/completions",
-        json.dumps(body).encode(),
-        {"Content-Type": "application/json"},
+        d.url + path, json.dumps(body).encode(), {"Content-Type": "application/json"}
     )
     try:
         with urllib.request.urlopen(req, timeout=300) as r:
@@ -233,6 +232,35 @@ def test_lucectl_loads_and_unloads(preloaded: DaemonProcess) -> None:
     assert {n: r["state"] for n, r in rows(d).items()} == {A: "unloaded", B: "unloaded"}
     assert d.lucectl_json("workers")["workers"] == []
     assert complete(d, A).model == A  # a request loads it again
+
+
+def test_ollama_lists_describes_loads_and_unloads_each_model(preloaded: DaemonProcess) -> None:
+    d = preloaded
+    d.lucectl("unload", B, check=False)
+    wait_state(d, B, "unloaded")
+    tags = json.loads(urllib.request.urlopen(d.url + "/api/tags").read())["models"]
+    assert {t["name"] for t in tags} == {f"{A}:latest", f"{B}:latest"}
+    assert all(t["size"] > 0 and t["details"]["format"] == "gguf" for t in tags)
+    # /api/show reads the file: it does not load the model
+    status, _, show = post(d, {"model": B.upper()}, "/api/show")
+    assert status == 200 and show["template"] and "num_ctx" in show["parameters"]
+    assert rows(d)[B]["state"] == "unloaded"
+    generate = {"model": f"{B}:latest", "prompt": PROMPT, "stream": False}
+    status, _, reply = post(d, {**generate, "options": {"num_predict": 4}}, "/api/generate")
+    assert status == 200 and reply["model"] == f"{B}:latest" and reply["done"], reply
+    running = json.loads(urllib.request.urlopen(d.url + "/api/ps").read())["models"]
+    (b,) = [m for m in running if m["name"] == f"{B}:latest"]
+    expires = datetime.fromisoformat(b["expires_at"].replace("Z", "+00:00")).timestamp()
+    assert b["context_length"] == 2048 and expires < time.time() + 3600  # its keep-alive
+    # keep_alive 0 and nothing to generate: Ollama's "unload", which does not load it again
+    unload = {"model": B, "keep_alive": 0, "stream": False}
+    assert post(d, unload, "/api/generate")[2]["done_reason"] == "unload"
+    wait_state(d, B, "unloaded")
+    assert post(d, unload, "/api/generate")[2]["done_reason"] == "unload"
+    assert rows(d)[B]["state"] == "unloaded"
+    status, _, body = post(d, {"model": "nope", "messages": []}, "/api/chat")
+    assert status == 404
+    assert body == {"error": f"model 'nope' not found; luced serves '{A}:latest', '{B}:latest'"}
 
 
 def test_the_memory_budget_unloads_only_idle_models(models_dir: Path, tmp_path: Path) -> None:

@@ -21,10 +21,11 @@ Field policy:
   that room (Ollama would shift the context). num_ctx: the request's context; smaller than
   the daemon's it bounds prompt + reply, larger it changes nothing (luced's context is
   fixed at start). A prompt that does not fit is a 400 (Ollama would truncate it).
-* keep_alive (seconds, or a duration such as "5m", "1h30m", "-1") is read and ignored:
-  luced serves one model, loaded from start to stop. An empty prompt (generate) or no
-  messages (chat) is Ollama's "load" idiom, answered done_reason "load"; with keep_alive 0
-  its "unload" idiom, answered done_reason "unload" while the model stays loaded.
+* keep_alive (seconds, or a duration such as "5m", "1h30m", "-1") is read and ignored,
+  but for its 0. An empty prompt (generate) or no messages (chat) is Ollama's "load"
+  idiom, answered done_reason "load" once the model is loaded; with keep_alive 0 its
+  "unload" idiom, answered done_reason "unload": a daemon serving several models unloads
+  it once no request holds it (one started with MODEL keeps its model loaded).
 * think (true, false, "low", "medium", "high", "max"): the reply comes without a thinking
   phase (templates that know `enable_thinking` render it off) and without `thinking`.
 * Refused (400) when set: images, suffix, template (luced renders the GGUF's own Jinja
@@ -33,8 +34,8 @@ Field policy:
 * Ignored: the load-time options (num_batch, num_gpu, main_gpu, num_thread, use_mmap,
   use_mlock, numa, low_vram, ...: set when the daemon starts), num_keep, penalize_newline,
   shift, truncate, and unknown fields and options (Ollama ignores those too).
-* `model` may be omitted (the served model); it matches the served name with or without
-  a ":latest" tag, any case; another name is a 404.
+* `model` may be omitted (the served model, when there is one); it matches a served name
+  with or without a ":latest" tag, any case; another name is a 404.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ from __future__ import annotations
 import contextlib
 import math
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
@@ -205,10 +206,42 @@ def check_model(body: Mapping[str, Any], model_name: str, field: str = "model") 
     if model is None or model == "":
         return served_name(model_name)
     model = read_text(field, model)
-    wanted = model.casefold().removesuffix(TAG)
-    if wanted != model_name.casefold().removesuffix(TAG):
-        raise APIError(404, f"model '{model}' not found; luced serves '{served_name(model_name)}'")
+    match_model(model, [model_name])
     return model
+
+
+def match_model(model: str, served: Sequence[str]) -> str:
+    """The served model that `model` names as Ollama matches names (any case, with or
+    without ":latest"); a 404 in Ollama's words naming the served ones otherwise."""
+    wanted = model.casefold().removesuffix(TAG)
+    for name in served:
+        if name.casefold().removesuffix(TAG) == wanted:
+            return name
+    names = ", ".join(f"'{served_name(n)}'" for n in served)
+    raise APIError(404, f"model '{model}' not found; luced serves {names}")
+
+
+@dataclass(frozen=True)
+class Named:
+    """What a route reads of a body before it has a model (a daemon serving several)."""
+
+    model: str | None  # as the client named it; None: not named
+    unload: bool = False  # Ollama's "unload" idiom: nothing to generate, keep_alive 0
+
+
+def named_request(body: Mapping[str, Any]) -> Named:
+    """An /api/chat or /api/generate body's model, and whether it only asks to unload."""
+    model = body.get("model")
+    idle = not body.get("messages") and not body.get("prompt")
+    unload = idle and keep_alive_seconds(body.get("keep_alive")) == 0
+    return Named(read_text("model", model) if model else None, unload)
+
+
+def named_show(body: Mapping[str, Any]) -> Named:
+    """/api/show names its model as `model` (or the older `name`)."""
+    field = "model" if body.get("model") else "name"
+    model = body.get(field)
+    return Named(read_text(field, model) if model else None)
 
 
 def keep_alive_seconds(value: Any) -> float | None:

@@ -1,10 +1,10 @@
 """The served model as Ollama's `/api/tags`, `/api/ps` and `/api/show` describe it: pure
 functions over `ModelFacts`, read from the GGUF once when the daemon starts.
 
-    /api/tags  the one model luced serves, as "name:latest" with the file's size and time
-    /api/ps    the same, loaded: size_vram is the share of its layers on accelerators,
-               expires_at a century ahead (luced keeps it loaded until the daemon stops;
-               Ollama's clients show "Forever")
+    /api/tags  each model luced serves, as "name:latest" with the file's size and time
+    /api/ps    the loaded ones: size_vram is the share of its layers on accelerators,
+               expires_at when it unloads if still idle, or a century ahead for a model
+               kept until the daemon stops (Ollama's clients show "Forever")
     /api/show  details, model_info (the GGUF's metadata; arrays as [] as Ollama shows them
                unless verbose, which luced does not fill), the chat template (Jinja, not
                Ollama's Go template), the sampling defaults Ollama clients get, and a
@@ -125,10 +125,18 @@ def tags(facts: ModelFacts, model_name: str) -> dict[str, Any]:
 
 
 def ps(
-    facts: ModelFacts, model_name: str, context_length: int, placement: Sequence[Mapping]
+    facts: ModelFacts,
+    model_name: str,
+    context_length: int,
+    placement: Sequence[Mapping],
+    expires_at: float | None = None,
 ) -> dict[str, Any]:
-    """The loaded model; `placement`: the engine's shards (devices, layers)."""
-    expires = datetime.now(UTC) + FOREVER
+    """The loaded model; `placement`: the engine's shards (devices, layers); `expires_at`:
+    the unix time it is unloaded if still idle (None: kept until the daemon stops)."""
+    if expires_at is None:
+        expires = datetime.now(UTC) + FOREVER
+    else:
+        expires = datetime.fromtimestamp(expires_at, UTC)
     entry = {
         **_entry(facts, model_name),
         "expires_at": expires.isoformat().replace("+00:00", "Z"),

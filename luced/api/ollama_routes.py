@@ -1,15 +1,17 @@
 """Ollama's API beside the OpenAI one: the routes, on the engine path every API shares.
 
     GET  /api/version           {"version"}: the Ollama API release these routes follow
-    GET  /api/tags, /api/ps     the served model (luced.api.ollama_models)
-    POST /api/show              its details, model_info, template, parameters
+    GET  /api/tags, /api/ps     the served models, the loaded ones (luced.api.ollama_models)
+    POST /api/show              a model's details, model_info, template, parameters
     POST /api/chat              chat, streamed as NDJSON unless "stream": false
     POST /api/generate          a prompt through the chat template (or raw), likewise
     POST /api/embed, /api/embeddings   501: luced computes no embeddings yet
 
-A request's trace: `prepare` (the server's: read the body, then `luced.api.ollama`
-validates it, renders and tokenizes the prompt, off the event loop), `Engine.submit`, and
+A request's trace: the lease of its model (`luced.api.lease`; a daemon serving several
+reads the name first, as Ollama matches names), `prepare` (`luced.api.ollama` validates
+the body, renders and tokenizes the prompt, off the event loop), `Engine.submit`, and
 the deltas relayed through `luced.api.ollama_format` as NDJSON lines, or as one object.
+/api/show describes a model without loading it; the "unload" idiom does not load one.
 Errors are Ollama's `{"error": message}` with the status (`luced.api.server` shapes them
 for every /api/ path); one that comes after the first line is the stream's last line.
 """
@@ -18,17 +20,25 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Mapping
-from typing import Any
+from collections.abc import Callable
 
 from aiohttp import web
 
 from luced.api import ollama_models
+from luced.api.catalog import Catalog
 from luced.api.fields import APIError
 from luced.api.formats import dumps, finish_error
-from luced.api.ollama import Prepared, check_model, prepare_chat, prepare_generate
+from luced.api.lease import leased, prepare, requested
+from luced.api.ollama import (
+    Named,
+    Prepared,
+    match_model,
+    named_request,
+    named_show,
+    prepare_chat,
+    prepare_generate,
+)
 from luced.api.ollama_format import NDJSON, OllamaReply, Timings, line
-from luced.api.ollama_models import ModelFacts
 from luced.api.openai import generation_request
 from luced.api.relay import all_deltas, stream_guard
 from luced.engine.core import Engine
@@ -40,34 +50,40 @@ NO_EMBEDDINGS = (
     "embeddings are not supported yet: luced serves text generation only (/api/chat, /api/generate)"
 )
 
-# The server's body reader: fn(engine, *args, body) run off the event loop once the body
-# is in (luced.api.server.prepare).
-Prepare = Callable[..., Awaitable[Any]]
 
-
-def add_routes(app: web.Application, engine: Engine, facts: ModelFacts, prepare: Prepare) -> None:
+def add_routes(app: web.Application, models: Catalog) -> None:
     async def version(request: web.Request) -> web.Response:
         return web.json_response({"version": OLLAMA_VERSION})
 
     async def tags(request: web.Request) -> web.Response:
-        return web.json_response(ollama_models.tags(facts, engine.model_name), dumps=dumps)
+        listed = []
+        for name in models.names():
+            about = await models.about(name)
+            listed += ollama_models.tags(about.facts, name)["models"]
+        return web.json_response({"models": listed}, dumps=dumps)
 
     async def ps(request: web.Request) -> web.Response:
-        body = ollama_models.ps(facts, engine.model_name, engine.context_length, engine.workers())
-        return web.json_response(body, dumps=dumps)
+        listed = []
+        for served in models.running():
+            e = served.engine
+            entry = ollama_models.ps(
+                served.facts, e.model_name, e.context_length, e.workers(), served.expires
+            )
+            listed += entry["models"]
+        return web.json_response({"models": listed}, dumps=dumps)
 
     async def show(request: web.Request) -> web.Response:
-        await prepare(request, _show_model)
-        body = ollama_models.show(facts, engine.chat_template.source, engine.context_length)
+        named = await requested(request, named_show, always=True)
+        assert named is not None
+        about = await models.about(_served(models, named))
+        body = ollama_models.show(about.facts, about.template, about.context_length)
         return web.json_response(body, dumps=dumps)
 
     async def chat(request: web.Request) -> web.StreamResponse:
-        arrived = time.monotonic()
-        return await _reply(request, engine, await prepare(request, prepare_chat), arrived)
+        return await _answer(request, models, "chat", prepare_chat)
 
     async def generate(request: web.Request) -> web.StreamResponse:
-        arrived = time.monotonic()
-        return await _reply(request, engine, await prepare(request, prepare_generate), arrived)
+        return await _answer(request, models, "generate", prepare_generate)
 
     async def embed(request: web.Request) -> web.Response:
         raise APIError(501, NO_EMBEDDINGS)
@@ -86,10 +102,28 @@ def add_routes(app: web.Application, engine: Engine, facts: ModelFacts, prepare:
     )
 
 
-def _show_model(engine: Engine, body: Mapping[str, Any]) -> str:
-    """/api/show names its model as `model` (or the older `name`)."""
-    field = "model" if body.get("model") else "name"
-    return check_model(body, engine.model_name, field)
+def _served(models: Catalog, named: Named | None) -> str | None:
+    """The served model a body names as Ollama matches names (None: not named)."""
+    if named is None or named.model is None:
+        return None
+    return match_model(named.model, models.names())
+
+
+async def _answer(
+    request: web.Request, models: Catalog, kind: str, fn: Callable[..., Prepared]
+) -> web.StreamResponse:
+    arrived = time.monotonic()
+    named = await requested(request, named_request)
+    name = _served(models, named)
+    if named is not None and named.unload and name is not None and models.peek(name) is None:
+        # "Unload" a model that is not loaded: nothing to do, and nothing to load for it.
+        reply = OllamaReply(kind, named.model or name).idle("unload")
+        return web.json_response(reply, dumps=dumps)
+    async with leased(request, name) as served:
+        prep = await prepare(request, fn)
+        if prep.request.idle and prep.request.done_reason == "unload":
+            models.unload_when_idle(served.engine.model_name)
+        return await _reply(request, served.engine, prep, arrived)
 
 
 async def _reply(
@@ -103,7 +137,7 @@ async def _reply(
         top_logprobs=prep.options.top_logprobs,
         prompt=prep.prompt if req.kind == "generate" and req.raw is None else None,
     )
-    if req.idle:  # Ollama's load / unload idioms: luced's one model stays loaded
+    if req.idle:  # Ollama's load / unload idioms: the model is loaded now
         if req.done_reason == "load" and engine.state != "ready":
             # "loaded" would be untrue: the client is told to come back, as a request is
             raise APIError(503, f"luced is {engine.state}; try again later", retry_after=1.0)

@@ -109,6 +109,13 @@ class Preparer:
         call = functools.partial(_prepare, fn, engine, args, chunks)
         return await asyncio.get_running_loop().run_in_executor(pool, call)
 
+    async def peek(self, chunks: list[bytes], fn: Callable[[Any], T]) -> T:
+        """`fn(body)` in a thread, the body decoded there: what a route reads of a body
+        before it has an engine (the model it names, when the daemon serves several)."""
+        pool = self._large if sum(map(len, chunks)) > LARGE_BODY else None
+        call = functools.partial(_peek, fn, chunks)
+        return await asyncio.get_running_loop().run_in_executor(pool, call)
+
     def close(self) -> None:
         self._large.shutdown(wait=False, cancel_futures=True)
 
@@ -123,6 +130,21 @@ def _prepare(fn: Callable[..., T], engine: Engine, args: tuple[Any, ...], chunks
     except APIError as exc:
         # Its frames hold the body, and would free it on the event loop along with them.
         exc.__traceback__ = exc.__context__ = None
+        raise
+    finally:
+        if many:
+            _let_go(held)
+
+
+def _peek(fn: Callable[[Any], T], chunks: list[bytes]) -> T:
+    raw = b"".join(chunks)
+    many = raw.count(b",") > MANY_VALUES  # no context to bound it by yet: decoded yielding
+    held = [decode_body(raw, yielding=many)]
+    del raw
+    try:
+        return fn(held[0])
+    except APIError as exc:
+        exc.__traceback__ = exc.__context__ = None  # as in _prepare
         raise
     finally:
         if many:

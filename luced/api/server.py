@@ -5,17 +5,19 @@
     POST /v1/messages            Anthropic Messages, streaming or not (luced.api.anthropic)
     POST /v1/messages/count_tokens   the prompt's token count for a Messages body
     POST /tokenize, /detokenize  llama-server's token utilities
-    GET  /v1/models              the served model; GET /v1/models/{id} one model card
+    GET  /v1/models              the served models; GET /v1/models/{id} one model card
     GET  /health                 200 {"status": "ok"} when ready, else 503 {"status": state}
+                                 (several models: luced.serve.models)
     GET  /metrics                Prometheus text (luced.engine.metrics)
     GET  /v1/status, /v1/status/history   the state and the last minutes (luced.api.status)
     GET  /, /static/...          the web page: chat, status, plots (luced.api.page)
     /api/chat, /api/generate, /api/tags, /api/ps, /api/show, /api/version, /api/embed
                                  Ollama's API (luced.api.ollama_routes)
 
-A request's trace: the handler reads the body, `luced.api.openai` validates it (a 400
-naming the field, or 404 for another model), the chat template and tokenizer run in a
-thread (long prompts would stall the loop), `Engine.submit` queues it (429/400/503 as
+A request's trace: the handler reads the body and holds the lease of the model it names
+until its reply ends (`luced.api.lease`: a 404 for a model not served; one not loaded is
+loaded first), `luced.api.prepare` validates it (a 400 naming the field) and renders and
+tokenizes its prompt in a thread, `Engine.submit` queues it (429/400/503 as
 `EngineError`; chat and completions: a request per choice, `luced.api.choices`), and the
 handler relays the engine's deltas through `luced.api.formats`.
 
@@ -45,7 +47,6 @@ runs in a thread, bounded before any costly step (`luced.api.prepare`).
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import hmac
 import logging
@@ -57,10 +58,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
-from aiohttp.http_exceptions import HttpProcessingError
-from aiohttp.web_protocol import RequestPayloadError
 
 from luced.api import anthropic, choices, ollama_routes, page, status
+from luced.api.catalog import Catalog, SingleModel
 from luced.api.fields import APIError
 from luced.api.formats import (
     ChatFormat,
@@ -69,12 +69,21 @@ from luced.api.formats import (
     dumps,
     finish_error,
 )
+from luced.api.lease import (
+    BODY_TIMEOUT,
+    LEASE,
+    MAX_BODY,
+    MODELS,
+    PREPARER,
+    leased_engine,
+    leasing,
+    prepare,
+)
 from luced.api.ollama_models import ModelFacts
 from luced.api.openai import generation_request
 from luced.api.prepare import (
     Prepared,
     Preparer,
-    max_body_bytes,
     prepare_chat,
     prepare_completion,
     prepare_detokenize,
@@ -94,17 +103,9 @@ log = logging.getLogger(__name__)
 # Long contexts are long JSON: 128k tokens of text with escapes is a few MiB.
 DEFAULT_MAX_BODY = 32 * 1024 * 1024
 
-ENGINE = web.AppKey("engine", Engine)
-METRICS = web.AppKey("metrics", Metrics)
 API_KEY = web.AppKey("api_key", str)  # "" = no key required
 GUARD = web.AppKey("guard", "Guard")
-STARTED = web.AppKey("started", int)  # unix time, the model card's "created"
-BODY_TIMEOUT = web.AppKey("body_timeout", float)  # seconds to receive a request body
-# OpenAI's system_fingerprint on chat and completions ("" = none): this build and model.
-SYSTEM_FINGERPRINT = web.AppKey("system_fingerprint", str)
-PREPARER = web.AppKey("preparer", Preparer)
-MAX_BODY = web.AppKey("max_body", int)  # bytes
-YIELD_BYTES = 1 << 20
+__all__ = ["MODELS", "Guard", "make_app"]
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -148,8 +149,8 @@ class Guard:
 
 
 def make_app(
-    engine: Engine,
-    metrics: Metrics,
+    models: Catalog | Engine,
+    metrics: Metrics | None = None,
     *,
     api_key: str | None = None,
     client_max_size: int = DEFAULT_MAX_BODY,
@@ -158,16 +159,16 @@ def make_app(
     model: ModelFacts | None = None,
     system_fingerprint: str = "",
 ) -> web.Application:
-    """model: what Ollama's listings say about the served GGUF (none: only its name);
-    system_fingerprint: what chat and completions replies name their backend by."""
+    """The app over `models`' catalog, or over one engine and its metrics; then `model`:
+    what Ollama's listings say about its GGUF (none: only its name), and
+    `system_fingerprint`: what chat and completions replies name their backend by."""
+    if isinstance(models, Engine):
+        models = SingleModel(models, metrics or Metrics(), model, system_fingerprint)
     app = web.Application(middlewares=[_errors, _guard, _auth], client_max_size=client_max_size)
     app[GUARD] = guard or Guard()
     app[BODY_TIMEOUT] = body_timeout
-    app[SYSTEM_FINGERPRINT] = system_fingerprint
-    app[ENGINE] = engine
-    app[METRICS] = metrics
+    app[MODELS] = models
     app[API_KEY] = api_key or ""
-    app[STARTED] = int(time.time())
     app[PREPARER] = Preparer()
     app[MAX_BODY] = client_max_size
     app.on_cleanup.append(_close_preparer)
@@ -186,8 +187,8 @@ def make_app(
             web.get("/metrics", prometheus),
         ]
     )
-    status.add_routes(app, engine, metrics)
-    ollama_routes.add_routes(app, engine, model or ModelFacts(), prepare)
+    status.add_routes(app, models)
+    ollama_routes.add_routes(app, models)
     page.add_routes(app)
     return app
 
@@ -314,61 +315,14 @@ def _is_anthropic(request: web.Request) -> bool:
     return request.path == "/v1/messages" or request.path.startswith("/v1/messages/")
 
 
-async def prepare(request: web.Request, fn: Callable[..., Any], *args: Any) -> Any:
-    """`fn(engine, *args, body bytes)` in a thread (`luced.api.prepare`), once the body is in."""
-    chunks = await read_body(request)
-    return await request.app[PREPARER].run(chunks, fn, request.app[ENGINE], *args)
-
-
-async def read_body(request: web.Request) -> list[bytes]:
-    """The body's bytes, as they came: 413 past the body limit or the most a request the
-    context can take has (`max_body_bytes`; from Content-Length before reading a byte),
-    408 when the body does not arrive within the body timeout, 400 for a bad
-    Content-Encoding (corrupt gzip). The loop is let go every YIELD_BYTES: bytes already
-    buffered are read without waiting, tens of MB in one step otherwise."""
-    context = request.app[ENGINE].context_length
-    most = min(request.app[MAX_BODY], max_body_bytes(context))
-    why = f"bytes: at most {most}"
-    if most < request.app[MAX_BODY]:
-        why += f" (a context of {context} tokens takes no more)"
-    if (request.content_length or 0) > most:
-        raise APIError(413, f"the request body has {request.content_length} {why}")
-    chunks: list[bytes] = []
-    size = unyielded = 0
-    try:
-        async with asyncio.timeout(request.app[BODY_TIMEOUT]):
-            async for chunk in request.content.iter_any():
-                size += len(chunk)
-                if size > most:
-                    raise APIError(413, f"the request body has more than {most} {why}")
-                chunks.append(chunk)
-                unyielded += len(chunk)
-                if unyielded > YIELD_BYTES:
-                    unyielded = 0
-                    await asyncio.sleep(0)
-    except TimeoutError:
-        raise APIError(
-            408, f"the request body did not arrive within {request.app[BODY_TIMEOUT]:g} s"
-        ) from None
-    except (RequestPayloadError, HttpProcessingError, ValueError, OSError) as exc:
-        if isinstance(exc, ConnectionResetError):
-            raise
-        _abandon_body(request)
-        raise APIError(400, f"the request body cannot be decoded: {exc}") from None
-    return chunks
-
-
-def _abandon_body(request: web.Request) -> None:
-    """The rest of a body that failed to decode is never read: close the connection after
-    the answer. Otherwise aiohttp reads on to empty the stream for the next request, meets
-    the same failure again and logs it as an unhandled exception."""
-    request.content.feed_eof()
-    request.protocol.close()
-
-
 # --- generation --------------------------------------------------------------------------
 
 
+def _fingerprint(request: web.Request) -> str | None:
+    return request[LEASE].served.fingerprint or None
+
+
+@leasing
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     prep = await prepare(request, prepare_chat)
     tools = prep.tools
@@ -376,6 +330,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     return await _choices(request, prep, "chatcmpl", make)
 
 
+@leasing
 async def completions(request: web.Request) -> web.StreamResponse:
     prep = await prepare(request, prepare_completion)
     return await _choices(request, prep, "cmpl", CompletionFormat)
@@ -385,14 +340,14 @@ async def _choices(
     request: web.Request, prep: Prepared, prefix: str, make: Callable[..., OutputFormat]
 ) -> web.StreamResponse:
     """Chat and completions: a format per choice (n of each prompt), then `choices.generate`."""
-    engine, options = request.app[ENGINE], prep.options
+    engine, options = leased_engine(request), prep.options
     head = (f"{prefix}-{uuid.uuid4().hex}", engine.model_name, int(time.time()))
     fmts = [
         make(
             *head,
             top_logprobs=options.top_logprobs,
             include_usage=options.include_usage,
-            system_fingerprint=request.app[SYSTEM_FINGERPRINT] or None,
+            system_fingerprint=_fingerprint(request),
             index=k,
         )
         for k in range(options.n * len(prep.prompts))
@@ -400,9 +355,10 @@ async def _choices(
     return await choices.generate(request, engine, fmts, options, prep.prompts)
 
 
+@leasing
 async def messages(request: web.Request) -> web.StreamResponse:
     """Anthropic's POST /v1/messages, on the same engine path as chat completions."""
-    engine = request.app[ENGINE]
+    engine = leased_engine(request)
     prep = await prepare(request, prepare_messages, False)
     message_id = f"msg_{uuid.uuid4().hex}"
     if prep.tools is None:
@@ -419,9 +375,10 @@ async def messages(request: web.Request) -> web.StreamResponse:
     return web.json_response(body, dumps=dumps)
 
 
+@leasing
 async def responses(request: web.Request) -> web.StreamResponse:
     """OpenAI's POST /v1/responses (stateless), on the chat completions path."""
-    engine = request.app[ENGINE]
+    engine = leased_engine(request)
     prep = await prepare(request, prepare_responses)
     options = prep.options
     fmt = ResponseFormat(
@@ -482,6 +439,7 @@ async def _stream_messages(
     return resp
 
 
+@leasing
 async def count_tokens(request: web.Request) -> web.Response:
     """Anthropic's POST /v1/messages/count_tokens: the prompt a Messages body would make."""
     prep = await prepare(request, prepare_messages, True)
@@ -491,12 +449,13 @@ async def count_tokens(request: web.Request) -> web.Response:
 # --- llama-server's token utilities ------------------------------------------------------
 
 
+@leasing
 async def tokenize(request: web.Request) -> web.Response:
     """{"content", "add_special" (BOS, default false), "parse_special" (control tokens
     written in content are tokens, default true), "with_pieces"} -> {"tokens": [...]};
     with_pieces, each token is {"id", "piece"} (piece: text, or a byte list when the
     token is not whole UTF-8)."""
-    tokenizer = request.app[ENGINE].tokenizer
+    tokenizer = leased_engine(request).tokenizer
     ids, with_pieces = await prepare(request, prepare_tokenize)
     if not with_pieces:
         return web.json_response({"tokens": ids}, dumps=dumps)
@@ -511,6 +470,7 @@ async def tokenize(request: web.Request) -> web.Response:
     return web.json_response({"tokens": out}, dumps=dumps)
 
 
+@leasing
 async def detokenize(request: web.Request) -> web.Response:
     """{"tokens": [ids]} -> {"content": text}; control tokens appear as their text, so
     detokenize inverts tokenize."""
@@ -521,36 +481,21 @@ async def detokenize(request: web.Request) -> web.Response:
 # --- models, health, metrics -------------------------------------------------------------
 
 
-def _model_card(app: web.Application) -> dict[str, Any]:
-    engine = app[ENGINE]
-    return {
-        "id": engine.model_name,
-        "object": "model",
-        "created": app[STARTED],
-        "owned_by": "luced",
-        "max_model_len": engine.context_length,  # vLLM's extra field
-    }
-
-
 async def list_models(request: web.Request) -> web.Response:
-    return web.json_response({"object": "list", "data": [_model_card(request.app)]}, dumps=dumps)
+    cards = request.app[MODELS].cards()
+    return web.json_response({"object": "list", "data": cards}, dumps=dumps)
 
 
 async def get_model(request: web.Request) -> web.Response:
-    name = request.match_info["model"]
-    if name != request.app[ENGINE].model_name:
-        raise APIError(404, f"The model {name!r} does not exist", code="model_not_found")
-    return web.json_response(_model_card(request.app), dumps=dumps)
+    card = request.app[MODELS].card(request.match_info["model"])
+    return web.json_response(card, dumps=dumps)
 
 
 async def health(request: web.Request) -> web.Response:
-    state = request.app[ENGINE].state
-    if state == "ready":
-        return web.json_response({"status": "ok"})
-    return web.json_response({"status": state}, status=503)
+    status, body = request.app[MODELS].health()
+    return web.json_response(body, status=status)
 
 
 async def prometheus(request: web.Request) -> web.Response:
-    metrics = request.app[METRICS]
-    metrics.refresh(request.app[ENGINE].status())
-    return web.Response(body=metrics.exposition(), headers={"Content-Type": CONTENT_TYPE})
+    body = request.app[MODELS].exposition()
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})

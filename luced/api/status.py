@@ -8,6 +8,10 @@
                                     (luced.engine.timeline), only the seconds after unix
                                     time T when given: a poller asks for what is new
 
+Both take `?model=NAME` to show one served model (a daemon serving several); without it,
+the model used last. A model that is not loaded shows no engine status: /v1/status then
+holds the daemon's state and every model's row (`models`, as `lucectl models` lists them).
+
 They sit under /v1/, so with an API key they want it like the rest of the API. The
 timeline's gauges (running, waiting, KV use) are sampled once a second by a task that
 the app owns (in its cleanup_ctx).
@@ -25,11 +29,10 @@ from typing import Any
 
 from aiohttp import web
 
+from luced.api.catalog import Catalog
 from luced.api.fields import APIError
 from luced.api.formats import dumps
 from luced.cache.prefix_cache import PrefixCache
-from luced.engine.core import Engine
-from luced.engine.metrics import Metrics
 from luced.engine.timeline import SPAN_S
 from luced.text.tokenizer import Tokenizer
 
@@ -61,19 +64,26 @@ def snapshot_rows(cache: PrefixCache | None, tokenizer: Tokenizer) -> list[dict[
     ]
 
 
-def add_routes(app: web.Application, engine: Engine, metrics: Metrics) -> None:
+def add_routes(app: web.Application, models: Catalog) -> None:
     """The two routes, and the task that samples the gauges while the app runs."""
 
     async def status(request: web.Request) -> web.Response:
-        snapshots = snapshot_rows(engine.prefix_cache, engine.tokenizer)
-        return web.json_response({**engine.status(), "snapshots": snapshots}, dumps=dumps)
+        engine = models.peek(request.query.get("model"))
+        body = models.overview()
+        if engine is not None:
+            snapshots = snapshot_rows(engine.prefix_cache, engine.tokenizer)
+            body = {**engine.status(), "snapshots": snapshots, **body}
+        else:  # no model loaded: the daemon's state
+            body = {"model": None, "state": models.health()[1]["status"], **body}
+        return web.json_response(body, dumps=dumps)
 
     async def history(request: web.Request) -> web.Response:
-        series = metrics.timeline.since(_since(request))
+        timeline = models.metrics_of(request.query.get("model")).timeline
+        series = timeline.since(_since(request))
         return web.json_response({"interval_s": 1, "span_s": SPAN_S, **series}, dumps=dumps)
 
     async def sample_every_second(app: web.Application) -> AsyncIterator[None]:
-        task = asyncio.create_task(_sample(engine, metrics), name="status-sampler")
+        task = asyncio.create_task(_sample(models), name="status-sampler")
         yield
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
@@ -96,13 +106,13 @@ def _since(request: web.Request) -> float | None:
     return t
 
 
-async def _sample(engine: Engine, metrics: Metrics) -> None:
+async def _sample(models: Catalog) -> None:
     """Refresh the gauges (the timeline's among them) in the middle of every second."""
     failed = False
     while True:
         await asyncio.sleep(1.5 - time.time() % 1.0)
         try:
-            metrics.refresh(engine.status())
+            models.refresh()
         except Exception:
             if not failed:  # logged once, not every second
                 log.exception("sampling the status for the timeline failed")

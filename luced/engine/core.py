@@ -374,8 +374,9 @@ class Engine:
         self.scheduler.chunk = self._chunk(self.target.prompt_chunk)  # known once loaded
         self._loop_task = asyncio.get_running_loop().create_task(self._run(), name="engine")
 
-    async def stop(self) -> None:
-        """End everything still queued or running with an error, then stop the loop."""
+    async def stop(self, reason: str = "luced is shutting down") -> None:
+        """End everything still queued or running with an error (`reason`), then stop the
+        loop."""
         unfinished = [*self.scheduler.waiting, *self.scheduler.running]
         for task in [self._loop_task, *self._tasks]:
             if task is not None:
@@ -383,7 +384,7 @@ class Engine:
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
         for seq in unfinished:
-            seq.handle._finish("error", "luced is shutting down")
+            seq.handle._finish("error", reason)
             self._observe_finish(seq.handle)
         self.scheduler.waiting.clear()
         self.scheduler.running.clear()

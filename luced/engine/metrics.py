@@ -53,6 +53,11 @@ so they are right even if an engine path forgot to report. Every observation als
 to `timeline` (luced.engine.timeline): the last ten minutes, a sample a second, which
 the web page plots. `_created` series are left out of the exposition (vLLM disables
 them too, but globally; we filter our own output instead).
+
+A daemon serving several models keeps a `Metrics` per model (its series labelled with
+its name, kept while it is unloaded so that counters never go back) and one of its own
+for the event loop's lag and the process; `merged_exposition` shows them as one page,
+each family once.
 """
 
 from __future__ import annotations
@@ -407,6 +412,41 @@ class Metrics:
         names but not in HELP/TYPE lines, which would split each metric in two.
         """
         return generate_latest(_WithoutCreated(self.registry))
+
+
+# The daemon's own families, whatever the models: one event loop, one process (process_*).
+DAEMON_FAMILIES = frozenset({NAMESPACE + "event_loop_lag_seconds"})
+
+
+def _daemon_own(family: str) -> bool:
+    return family in DAEMON_FAMILIES or not family.startswith(NAMESPACE)
+
+
+def merged_exposition(daemon: Metrics, models: Iterable[Metrics]) -> bytes:
+    """Several models' metrics and the daemon's own as one exposition: each family once,
+    with every model's samples (told apart by their model_name label)."""
+    return generate_latest(_Merged(daemon, list(models)))
+
+
+class _Merged:
+    """A collector of the daemon's families from `daemon` and the rest from `models`."""
+
+    def __init__(self, daemon: Metrics, models: list[Metrics]) -> None:
+        self._parts = [(daemon.registry, True)] + [(m.registry, False) for m in models]
+
+    def collect(self) -> Iterator[Metric]:
+        families: dict[str, Metric] = {}
+        for registry, own in self._parts:
+            for metric in registry.collect():
+                if _daemon_own(metric.name) != own:
+                    continue
+                samples = _without_created(metric.samples)
+                if metric.name in families:
+                    families[metric.name].samples += samples
+                else:
+                    metric.samples = samples
+                    families[metric.name] = metric
+        yield from families.values()
 
 
 class _WithoutCreated:

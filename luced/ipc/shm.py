@@ -33,7 +33,8 @@ Who writes, who reads, in which order:
 
 Who unlinks: only the owner, on every exit path: ``Segment``'s context manager,
 ``ShmOwner.unlink_all`` (the daemon calls it at the end of its shutdown and may install
-it for signals; ``atexit`` is the last resort). Attaching processes never unlink; they
+it for signals; ``atexit`` is the last resort), ``ShmOwner.release`` for one served
+model's segments when the daemon unloads it. Attaching processes never unlink; they
 only unmap. Unlinking removes the name; mappings stay valid until each process unmaps,
 so a worker mid-step is not disturbed. A daemon killed with -9 leaves its segments
 behind; the next daemon removes them with ``cleanup_stale`` at start.
@@ -395,6 +396,22 @@ class ShmOwner:
                 seg._unlinked = True
             self._names.pop(full, None)
             done.append(full)
+        return done
+
+    def release(self, prefix: str) -> list[str]:
+        """Unlink and unmap the segments whose names start with ``prefix`` (one served
+        model's, when the daemon unloads it); returns their full names. A mapping that
+        numpy views still hold is unmapped when the last of them dies."""
+        start = f"/{PREFIX}{self.instance}-{prefix}"
+        done = [full for full in self._names if full.startswith(start)]
+        for full in done:
+            with contextlib.suppress(posix_ipc.ExistentialError):
+                posix_ipc.unlink_shared_memory(full)
+            self._names.pop(full, None)
+            seg = self._segments.pop(full, None)
+            if seg is not None:
+                seg._unlinked = True
+                seg.close()
         return done
 
     def close_all(self) -> None:

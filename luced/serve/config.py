@@ -4,6 +4,7 @@
 ``serve.options.OPTIONS`` (which says each option's group, type, default and checks)::
 
     cfg.model        ModelOptions        the GGUF, dtype, weights, kernels, threads, placement
+    cfg.registry     RegistryOptions     several served models: which, when loaded, budget
     cfg.scheduler    SchedulerOptions    queue and batch limits
     cfg.kv           KVOptions           K/V dtype and pool, prefix cache, KV Flash
     cfg.speculation  SpeculationOptions  draft, block size
@@ -19,10 +20,11 @@ group keeps the sources of its own options for later errors (``cfg.kv.label(...)
 
 Precedence, per option: flags > ``LUCED_*`` environment > config file > defaults. The
 config file is ``--config PATH``, else ``$LUCED_CONFIG``, else ``/etc/luced/luced.toml``
-when it exists; its keys are the option names, top level (no tables per group). A
-repeatable option (``backend_python``) is replaced as a whole by a higher layer, never
-merged. ``python -m luced.serve.config markdown|toml`` prints the generated docs
-(``serve.config_docs``).
+when it exists; its keys are the option names, top level (no tables per group), and
+``[models.NAME]`` tables, one per served model, with its path and its own settings
+(``Config.for_model``). A repeatable option (``backend_python``, ``models``) is replaced
+as a whole by a higher layer, never merged. ``python -m luced.serve.config
+markdown|toml`` prints the generated docs (``serve.config_docs``).
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ import os
 import sys
 import tomllib
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, ClassVar, get_type_hints
 
@@ -46,6 +48,7 @@ from luced.serve.options import (
     OPTIONS,
     ConfigError,
     Env,
+    ModelEntry,
     Option,
     Pairs,
 )
@@ -133,6 +136,24 @@ class ModelOptions(Options):
     def worker_python(self, group: str) -> str:
         """The interpreter that runs a backend group's worker."""
         return str(dict(self.backend_python).get(group, sys.executable))
+
+
+@dataclass(frozen=True)
+class RegistryOptions(Options):
+    """Which models a daemon serving several serves, when they load and unload."""
+
+    group: ClassVar[str] = "registry"
+    models: tuple[ModelEntry, ...]
+    models_dir: Path | None  # None: only `models`
+    preload: tuple[str, ...]
+    model_keep_alive: float  # 0: never unloaded for being idle
+    models_memory_budget: int  # 0: no budget
+    model_load_timeout: float
+
+    @property
+    def several(self) -> bool:
+        """Whether the daemon serves named models (`models`, `models_dir`), not MODEL."""
+        return bool(self.models) or self.models_dir is not None
 
 
 @dataclass(frozen=True)
@@ -244,6 +265,7 @@ class Config:
     ``Config.from_values``; checks across groups run on construction."""
 
     model: ModelOptions
+    registry: RegistryOptions
     scheduler: SchedulerOptions
     kv: KVOptions
     speculation: SpeculationOptions
@@ -257,6 +279,32 @@ class Config:
             raise ConfigError(
                 f"{self.label('default_max_tokens')}: {limit} exceeds context_length {context}"
             )
+        if self.registry.several:
+            for name in ("model", "model_name"):  # each served model has its path and name
+                if self.value(name) is not None:
+                    raise ConfigError(
+                        f"{self.label(name)}: not with {self.label('models')} / "
+                        f"{self.label('models_dir')}, which name their models themselves"
+                    )
+
+    def for_model(self, entry: ModelEntry, path: Path) -> Config:
+        """The config of one served model: this one with `entry`'s GGUF and name, and its
+        table's settings over the top-level values (errors name them as
+        ``FILE: models.NAME.KEY``). It serves that model alone (no `models`)."""
+        values: dict[str, Any] = {"model": path, "model_name": entry.name}
+        values.update(entry.settings)
+        table = f"{self.label('models')}.{entry.name}"
+        labels = {k: f"{table}.{k}" for k, _ in entry.settings}
+        values.update(models=(), models_dir=None, preload=())
+        groups = {}
+        for name in GROUPS:
+            group = getattr(self, name)
+            mine = {k: v for k, v in values.items() if OPTION_BY_NAME[k].group == name}
+            if mine:
+                sources = {**group.sources, **{k: labels[k] for k in mine if k in labels}}
+                group = replace(group, **mine, sources=sources)
+            groups[name] = group
+        return Config(**groups)
 
     @classmethod
     def from_values(
@@ -370,7 +418,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             continue
         kwargs: dict[str, Any] = {"dest": opt.name, "default": argparse.SUPPRESS, "help": text}
         if opt.repeatable:
-            kwargs.update(action="append", metavar="GROUP=PATH")
+            kwargs.update(action="append", metavar=opt.metavar or "GROUP=PATH")
         elif opt.choices:
             kwargs["metavar"] = "{" + ",".join(opt.choices) + "}"
         elif opt.type in ("devices", "weights", "strs"):

@@ -45,7 +45,7 @@ def options_markdown() -> str:
     for opt in OPTIONS:
         flag = f"`{opt.flag}` (positional)" if opt.positional else code(opt.flag)
         if opt.repeatable:
-            flag = f"`{opt.flag} GROUP=PATH` (repeatable)"
+            flag = f"`{opt.flag} {opt.metavar or 'GROUP=PATH'}` (repeatable)"
         default = opt.default_text
         if opt.default_doc is None:
             default = code(default)

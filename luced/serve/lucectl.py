@@ -3,10 +3,16 @@
     lucectl [--socket PATH] [--json] [--timeout S] COMMAND [--json] [--timeout S]
 
     status | workers | metrics | drain [--no-wait] | snapshot list | snapshot drop ID
-    | snapshot save | cache clear [--disk] --yes
+    | snapshot save | cache clear [--disk] --yes | models | load NAME | unload NAME [--force]
 
 ``--json`` and ``--timeout`` go before or after the command. ``drain`` waits until the
 daemon has stopped; its ``--timeout`` bounds that wait (exit 1 when it passes).
+
+A daemon serving several models: `models` lists them (state, memory, last use), `load`
+and `unload` change that (`load` waits for the load; `unload` refuses a model with
+requests running or queued unless --force, which ends them with an error), and status,
+workers, snapshot and cache take `--model NAME` (status and workers without it: every
+model).
 
 The socket: ``--socket``, else ``$LUCED_ADMIN_SOCKET``, else the daemon's default
 (``luced.serve.options.default_admin_socket``); when that does not exist but the systemd
@@ -302,6 +308,7 @@ def render_status(reply: Mapping[str, Any]) -> str:
     if model is not None or path is not None:
         rows.append(("model", fmt(model) + (f"  ({path})" if path else "")))
     workers = body.pop("workers", None)
+    models = body.pop("models", None)
     placement = body.get("placement")
     if (
         workers is None
@@ -329,6 +336,8 @@ def render_status(reply: Mapping[str, Any]) -> str:
     out = "\n".join(f"{k.ljust(width)}  {v}" for k, v in rows)
     if workers is not None:
         out += "\n\nworkers\n" + workers_table(workers)
+    if isinstance(models, list):
+        out += "\n\nmodels\n" + render_models(models)
     return out
 
 
@@ -362,7 +371,37 @@ def render_plain(reply: Mapping[str, Any]) -> str:
     return "\n".join(f"{k.ljust(width)}  {fmt(v)}" for k, v in body.items())
 
 
+MODEL_HEADER = ("NAME", "STATE", "MEMORY", "REQUESTS", "LAST USE", "LOAD", "KEEP ALIVE")
+
+
+def render_models(models: Sequence[Mapping[str, Any]], now: float | None = None) -> str:
+    """The served models, one row each, then the errors of those that failed to load."""
+    now = time.time() if now is None else now
+
+    def keep(m: Mapping[str, Any]) -> str:
+        s = m.get("keep_alive_s")
+        return "never unloaded" if s is None else "until needed" if s == 0 else human_duration(s)
+
+    rows = [
+        [
+            fmt(m.get("name")),
+            fmt(m.get("state")),
+            human_bytes(m.get("memory_bytes")),
+            f"{fmt(m.get('running', 0))} running, {fmt(m.get('waiting', 0))} waiting",
+            human_age(m.get("last_used"), now),
+            f"{m['load_s']:.1f}s" if isinstance(m.get("load_s"), int | float) else "-",
+            keep(m),
+        ]
+        for m in models
+    ]
+    text = table(MODEL_HEADER, rows) if rows else "(no models)"
+    errors = [f"{m.get('name')}: {m['error']}" for m in models if m.get("error")]
+    return "\n".join([text, *errors])
+
+
 def render(cmd: str, reply: Mapping[str, Any]) -> str:
+    if cmd == "models":
+        return render_models(reply.get("models") or [])
     if cmd == "status":
         return render_status(reply)
     if cmd == "workers":
@@ -400,17 +439,25 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
+    # --model NAME: which served model a verb is about (a daemon serving several).
+    which = argparse.ArgumentParser(add_help=False)
+    which.add_argument("--model", metavar="NAME", help="the served model (of several)")
+
     def add(
-        group: Any, name: str, help: str, timeout_help: str = argparse.SUPPRESS
+        group: Any,
+        name: str,
+        help: str,
+        timeout_help: str = argparse.SUPPRESS,
+        model: bool = False,
     ) -> argparse.ArgumentParser:
-        command = group.add_parser(name, help=help, parents=[late])
+        command = group.add_parser(name, help=help, parents=[late, which] if model else [late])
         command.add_argument(
             "--timeout", type=float, metavar="S", default=argparse.SUPPRESS, help=timeout_help
         )
         return command
 
-    add(sub, "status", "model, state, placement, queue, uptime, token counts")
-    add(sub, "workers", "the backend worker processes")
+    add(sub, "status", "model, state, placement, queue, uptime, token counts", model=True)
+    add(sub, "workers", "the backend worker processes", model=True)
     add(sub, "metrics", "the Prometheus metrics, as GET /metrics serves them")
     drain = add(
         sub,
@@ -423,26 +470,39 @@ def build_parser() -> argparse.ArgumentParser:
     )
     snap = add(sub, "snapshot", "prefix-cache snapshots")
     snap_sub = snap.add_subparsers(dest="snapshot_command", required=True, metavar="COMMAND")
-    add(snap_sub, "list", "list the snapshots")
-    drop = add(snap_sub, "drop", "remove one snapshot from memory and disk")
+    add(snap_sub, "list", "list the snapshots", model=True)
+    drop = add(snap_sub, "drop", "remove one snapshot from memory and disk", model=True)
     drop.add_argument("id", help="a snapshot id from `snapshot list`")
-    add(snap_sub, "save", "write every memory snapshot to the disk tier now")
+    add(snap_sub, "save", "write every memory snapshot to the disk tier now", model=True)
     cache = add(sub, "cache", "the prefix cache as a whole")
     cache_sub = cache.add_subparsers(dest="cache_command", required=True, metavar="COMMAND")
-    clear = add(cache_sub, "clear", "drop the memory tier (and the disk tier)")
+    clear = add(cache_sub, "clear", "drop the memory tier (and the disk tier)", model=True)
     clear.add_argument("--disk", action="store_true", help="delete the snapshot files too")
     clear.add_argument("--yes", action="store_true", help="confirm (required)")
+    add(sub, "models", "the served models: state, memory, requests, last use")
+    load = add(sub, "load", "load a served model now (waits until it is loaded)")
+    load.add_argument("name", help="a model name from `lucectl models`")
+    unload = add(sub, "unload", "unload a served model: stop its workers, free its memory")
+    unload.add_argument("name", help="a model name from `lucectl models`")
+    unload.add_argument(
+        "--force", action="store_true", help="end its running and queued requests with an error"
+    )
     return parser
 
 
 def command(args: argparse.Namespace) -> tuple[str, dict[str, Any]]:
     """The admin command and its arguments for parsed command-line args."""
+    which = {"model": args.model} if getattr(args, "model", None) else {}
     if args.command == "snapshot":
         extra = {"id": args.id} if args.snapshot_command == "drop" else {}
-        return f"snapshot_{args.snapshot_command}", extra
+        return f"snapshot_{args.snapshot_command}", {**extra, **which}
     if args.command == "cache":
-        return "cache_clear", {"disk": args.disk}
-    return args.command, {}
+        return "cache_clear", {"disk": args.disk, **which}
+    if args.command == "load":
+        return "load", {"model": args.name}
+    if args.command == "unload":
+        return "unload", {"model": args.name, "force": args.force}
+    return args.command, which
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -452,7 +512,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("cache clear drops snapshots for good: add --yes to confirm")
     cmd, extra = command(args)
     timeout = args.timeout
-    if timeout is None and cmd not in ("drain", "snapshot_save"):  # these may take long
+    if timeout is None and cmd not in ("drain", "snapshot_save", "load", "unload"):  # long
         timeout = DEFAULT_TIMEOUT
     path = resolve_socket(args.socket)
     try:

@@ -38,7 +38,15 @@ CONTEXT_CAP = 8192  # default context when the model's own is longer (KV memory)
 ADMIN_SOCKET_NAME = "admin.sock"
 
 # The groups, in the order `Config` holds them: what each option configures.
-GROUPS = ("model", "scheduler", "kv", "speculation", "moe", "http", "daemon")
+GROUPS = ("model", "registry", "scheduler", "kv", "speculation", "moe", "http", "daemon")
+
+# What a served model's `[models.NAME]` table may set for that model alone: how it is
+# computed, placed, drafted and scheduled, and how long it stays loaded. Not the daemon's
+# own options (HTTP, admin, the other models), nor `kernels` (the workers' environment),
+# nor `model_name` (the table's name).
+PER_MODEL_GROUPS = frozenset({"model", "scheduler", "kv", "speculation", "moe"})
+_DAEMON_WIDE = frozenset({"model", "model_name", "kernels"})
+_MODEL_OWN = frozenset({"model_keep_alive"})
 
 Pairs = tuple[tuple[str, Path], ...]  # (group, interpreter) in the order given
 Env = Mapping[str, str]
@@ -46,6 +54,8 @@ Env = Mapping[str, str]
 DefaultFn = Callable[[Env, Mapping[str, Any]], Any]
 
 _GROUP_RE = re.compile(r"[A-Za-z0-9_.:-]+")
+# A served model's name: what requests put in `model` (`qwen3`, `org/model`, `llama3:8b`).
+_MODEL_NAME_RE = re.compile(r"[A-Za-z0-9_.:@/+-]{1,128}")
 
 
 class ConfigError(ValueError):
@@ -168,18 +178,21 @@ def _to_path(v: Any) -> Path:
     return Path(_to_str(v)).expanduser()
 
 
+def _items(v: Any, what: str) -> list[Any]:
+    """A repeatable option's items: "a,b" (env), a list (flags, file) or a table's pairs."""
+    if isinstance(v, str):
+        return [s for s in (p.strip() for p in v.split(",")) if s]
+    if isinstance(v, Mapping):
+        return list(v.items())
+    if isinstance(v, list | tuple):
+        return list(v)
+    raise ValueError(f"not a list of {what}: {v!r}")
+
+
 def _to_pairs(v: Any) -> Pairs:
     """GROUP=PATH items: "a=/x,b=/y" (env), a list of "GROUP=PATH", a TOML table, or pairs."""
-    if isinstance(v, str):
-        items: list[Any] = [s for s in (p.strip() for p in v.split(",")) if s]
-    elif isinstance(v, Mapping):
-        items = list(v.items())
-    elif isinstance(v, list | tuple):
-        items = list(v)
-    else:
-        raise ValueError(f"not a list of GROUP=PATH: {v!r}")
     out: dict[str, Path] = {}
-    for item in items:
+    for item in _items(v, "GROUP=PATH"):
         if isinstance(item, str):
             group, sep, path = item.partition("=")
             if not sep:
@@ -197,6 +210,65 @@ def _to_pairs(v: Any) -> Pairs:
         except ValueError as exc:
             raise ValueError(f"group {group!r}: {exc}") from None
     return tuple(out.items())
+
+
+@dataclass(frozen=True)
+class ModelEntry:
+    """One served model of `models`: its name, its GGUF (None: NAME.gguf of models_dir),
+    and the options its table sets for it alone (typed; see PER_MODEL_GROUPS)."""
+
+    name: str
+    path: Path | None
+    settings: tuple[tuple[str, Any], ...] = ()
+
+
+def per_model(name: str) -> bool:
+    """Whether a `[models.NAME]` table may set option `name` (see PER_MODEL_GROUPS)."""
+    opt = OPTION_BY_NAME[name]
+    return name in _MODEL_OWN or (opt.group in PER_MODEL_GROUPS and name not in _DAEMON_WIDE)
+
+
+def _to_models(v: Any) -> tuple[ModelEntry, ...]:
+    """Served models: NAME=PATH or PATH (named by its stem) items: "a=/x.gguf,b=/y.gguf"
+    (env), a list (flags), or a TOML table of NAME = PATH or NAME = {model = PATH, ...}."""
+    out: dict[str, ModelEntry] = {}
+    for item in _items(v, "NAME=PATH"):
+        entry = _model_entry(item)
+        if entry.name in out:
+            raise ValueError(f"model {entry.name!r} given twice")
+        out[entry.name] = entry
+    return tuple(out.values())
+
+
+def _model_entry(item: Any) -> ModelEntry:
+    if isinstance(item, ModelEntry):
+        return item
+    if isinstance(item, str):
+        name, sep, path = item.partition("=")
+        if not sep:  # a bare path: named by its file's stem
+            name, path = Path(item).name.removesuffix(".gguf"), item
+        return ModelEntry(_model_name(name), _to_path(path))
+    if not (isinstance(item, tuple | list) and len(item) == 2):
+        raise ValueError(f"not NAME=PATH: {item!r}")
+    name, spec = _model_name(item[0]), item[1]
+    if not isinstance(spec, Mapping):
+        return ModelEntry(name, _to_path(spec))
+    settings = []
+    for key, value in spec.items():
+        if key == "model":
+            continue
+        if key not in OPTION_BY_NAME or not per_model(key):
+            allowed = ", ".join(o.name for o in OPTIONS if per_model(o.name))
+            raise ValueError(f"models.{name}: {key!r} is not a per-model option ({allowed})")
+        settings.append((key, OPTION_BY_NAME[key].convert(value, f"models.{name}.{key}")))
+    path = spec.get("model")
+    return ModelEntry(name, None if path is None else _to_path(path), tuple(settings))
+
+
+def _model_name(name: Any) -> str:
+    if not isinstance(name, str) or not _MODEL_NAME_RE.fullmatch(name):
+        raise ValueError(f"bad model name {name!r} (1-128 of letters, digits, _ . : @ / + -)")
+    return name
 
 
 def _unflagged(parse: Callable[[Any], Any]) -> Callable[[Any], Any]:
@@ -231,6 +303,7 @@ KINDS: dict[str, Kind] = {
     "str": Kind(_to_str, str),
     "path": Kind(_to_path, Path),
     "pairs": Kind(_to_pairs, Pairs),
+    "models": Kind(_to_models, tuple[ModelEntry, ...]),
     "bool": Kind(_to_bool, bool),
     "strs": Kind(_to_strs, tuple[str, ...]),
     "networks": Kind(parse_networks, tuple[Network, ...]),
@@ -254,10 +327,13 @@ class Option:
     example: Any = None  # value shown in the example TOML when the default is not one
     positional: bool = False  # the one positional argument of `luced serve`
     metavar: str | None = None
+    flag_name: str | None = None  # the flag, when not the name's (`models`: --model)
 
     @property
     def flag(self) -> str:
-        return self.metavar if self.positional else "--" + self.name.replace("_", "-")
+        if self.positional:
+            return self.metavar or self.name
+        return self.flag_name or "--" + self.name.replace("_", "-")
 
     @property
     def env(self) -> str:
@@ -265,7 +341,7 @@ class Option:
 
     @property
     def repeatable(self) -> bool:
-        return self.type == "pairs"
+        return self.type in ("pairs", "models")
 
     @property
     def annotation(self) -> Any:
@@ -354,6 +430,47 @@ OPTIONS: tuple[Option, ...] = (
         "model_name", "model", "str", None,
         "Model id served on /v1/models and expected in requests.",
         nullable=True, default_doc="the GGUF file name without .gguf", example="smollm2",
+    ),
+    Option(
+        "models", "registry", "models", (),
+        "Serve several models: NAME=PATH (or a PATH, named by its file's stem), each loaded "
+        "on its first request (README: Several models). Repeat the flag; the environment "
+        "variable takes a comma-separated list; the file a table, `[models.NAME]` with "
+        "`model = PATH` and that model's own settings. Not with MODEL.",
+        default_doc="none (MODEL alone)", flag_name="--model", metavar="NAME=PATH",
+        example=(("qwen3", Path("/var/lib/luced/models/qwen3.gguf")),),
+    ),
+    Option(
+        "models_dir", "registry", "path", None,
+        "Serve every *.gguf of this directory, each named by its file's stem, loaded on its "
+        "first request; a new file is found when a request names it. Not with MODEL.",
+        nullable=True, default_doc="none", example="/var/lib/luced/models",
+    ),
+    Option(
+        "preload", "registry", "strs", (),
+        "Served models loaded at start; /health says 503 `loading` until they are.",
+        default_doc="none (each on its first request)", example=("qwen3",),
+    ),
+    Option(
+        "model_keep_alive", "registry", "float", 300.0,
+        "Seconds a served model stays loaded with no request running or queued before it "
+        "is unloaded (its workers stopped, its memory freed). 0: until the memory budget "
+        "needs the room. A `[models.NAME]` table may set its own.",
+        minimum=0,
+    ),
+    Option(
+        "models_memory_budget", "registry", "bytes", 0,
+        "Memory the loaded models may take together (e.g. `24G`), estimated per model as "
+        "its file, its KV pool and its prefix-cache arena. Before a load, the least "
+        "recently used idle models are unloaded until it fits; a model that is serving is "
+        "never unloaded, so a load may wait for one to finish. 0: no budget.",
+        minimum=0, default_doc="0 (no budget)", example="24G",
+    ),
+    Option(
+        "model_load_timeout", "registry", "float", 300.0,
+        "Seconds a request waits for its model to load (and for the memory budget to make "
+        "room) before a 503 with Retry-After; the load itself goes on.",
+        minimum=1,
     ),
     Option(
         "dtype", "model", "str", "float32", "Compute dtype of the workers.",

@@ -1,7 +1,7 @@
 """The daemon's prefix cache as operators see it: built from the config, served to lucectl.
 
     cache = await open_prefix_cache(cfg.kv, cfg.model.dtype, target, owner, model_path, template)
-    handlers = snapshot_handlers(lambda: engine.prefix_cache, tokenizer)   # admin verbs
+    handlers = snapshot_handlers(engine_of)   # admin verbs; engine_of(args) -> the Engine
 
 A file of the disk tier is only restored by a daemon with the same identity: the same
 model file (fingerprint: size + SHA-256 of its first and last MiB, which hold the GGUF
@@ -30,11 +30,11 @@ from luced.cache.disk import (
     lock_model_dir,
 )
 from luced.cache.prefix_cache import PrefixCache
+from luced.engine.core import Engine
 from luced.engine.target import Target
 from luced.ipc.shm import SHM_DIR, ShmOwner
 from luced.serve.admin import CommandError, arg_bool, arg_str
 from luced.serve.config import KVOptions
-from luced.text.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -129,11 +129,12 @@ async def open_prefix_cache(
     model_path: str,
     template: Any,
     reservation: DiskReservation | None = None,
+    arena: str = "prefix-arena",
 ) -> PrefixCache | None:
     """The prefix cache the KV options ask for (None: --prefix-cache-bytes 0), for a model
-    computed in ``dtype``. A directory that cannot be used is a warning (memory tier only,
-    `lucectl status` says why); one held by another daemon is a ValueError naming the
-    option."""
+    computed in ``dtype``, its snapshots in the shared-memory segment named ``arena``. A
+    directory that cannot be used is a warning (memory tier only, `lucectl status` says
+    why); one held by another daemon is a ValueError naming the option."""
     if kv.prefix_cache_bytes <= 0:
         return None
     if target.recurrent:
@@ -161,13 +162,13 @@ async def open_prefix_cache(
             raise ValueError(f"{kv.label('kv_cache_dir')}: {exc}") from exc
         except (OSError, SnapshotDirError) as exc:
             problem = _unusable(kv, exc).problem
-    arena = SnapshotArena(owner, arena_bytes(kv.prefix_cache_bytes))
+    arena_segment = SnapshotArena(owner, arena_bytes(kv.prefix_cache_bytes), arena)
     t0 = time.monotonic()
     exact = bool(target.recurrent)
     try:
         cache = PrefixCache(
             layout,
-            arena,
+            arena_segment,
             disk,
             disk_budget=kv.kv_cache_budget if disk else None,
             exact_cuts=exact,
@@ -176,7 +177,7 @@ async def open_prefix_cache(
         assert disk is not None
         disk.close()
         disk, problem = None, _unusable(kv, exc).problem
-        cache = PrefixCache(layout, arena, None, exact_cuts=exact)
+        cache = PrefixCache(layout, arena_segment, None, exact_cuts=exact)
     cache.disk_problem = problem
     stats = cache.stats()
     log.info(
@@ -190,34 +191,34 @@ async def open_prefix_cache(
     return cache
 
 
-def snapshot_handlers(
-    get_cache: Callable[[], PrefixCache | None], tokenizer: Tokenizer
-) -> dict[str, Callable]:
-    """Admin verbs: snapshot_list, snapshot_drop, snapshot_save, cache_clear."""
+def snapshot_handlers(engine_of: Callable[[dict], Engine]) -> dict[str, Callable]:
+    """Admin verbs: snapshot_list, snapshot_drop, snapshot_save, cache_clear, each on the
+    prefix cache of the engine that ``engine_of(request)`` picks (its `model` argument)."""
 
-    def cache() -> PrefixCache:
-        c = get_cache()
+    def cache(req: dict) -> PrefixCache:
+        c = engine_of(req).prefix_cache
         if c is None:
             raise CommandError("the prefix cache is off (--prefix-cache-bytes 0) or not loaded")
         return c
 
-    async def snapshot_list(_: dict) -> dict:
-        return {"snapshots": snapshot_rows(get_cache(), tokenizer)}
+    async def snapshot_list(req: dict) -> dict:
+        engine = engine_of(req)
+        return {"snapshots": snapshot_rows(engine.prefix_cache, engine.tokenizer)}
 
     async def snapshot_drop(req: dict) -> dict:
         entry_id = arg_str(req, "id")
-        if not await cache().drop(entry_id):
+        if not await cache(req).drop(entry_id):
             raise CommandError(f"no snapshot {entry_id!r} (see `lucectl snapshot list`)")
         return {"dropped": entry_id}
 
-    async def snapshot_save(_: dict) -> dict:
-        c = cache()
+    async def snapshot_save(req: dict) -> dict:
+        c = cache(req)
         if c.disk is None:
             raise CommandError("no disk tier: start luced with --kv-cache-dir DIR")
         return {"saved": await c.save_all()}
 
     async def cache_clear(req: dict) -> dict:
-        return {"cleared": await cache().clear(disk=arg_bool(req, "disk"))}
+        return {"cleared": await cache(req).clear(disk=arg_bool(req, "disk"))}
 
     return {
         "snapshot_list": snapshot_list,

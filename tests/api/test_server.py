@@ -23,7 +23,7 @@ from openai import AsyncOpenAI
 from prometheus_client.parser import text_string_to_metric_families
 
 from luced.api.prepare import BYTES_PER_CHAR, LARGE_BODY, MANY_VALUES, MAX_CHARS_PER_TOKEN
-from luced.api.server import ENGINE, Guard, make_app
+from luced.api.server import MODELS, Guard, make_app
 from luced.engine.core import Engine
 from luced.engine.metrics import Metrics
 from luced.engine.placement import WorkerSpec
@@ -377,7 +377,7 @@ async def test_a_web_page_cannot_drive_it(loading: TestClient) -> None:
 
 
 async def test_allowed_hosts_and_origins(loading: TestClient) -> None:
-    engine = loading.app[ENGINE]
+    engine = loading.app[MODELS].peek(None)
     guard = Guard("127.0.0.1", ("luced.lan",), ("http://app.lan",), metrics_public=True)
     app = make_app(engine, Metrics(), api_key="k", guard=guard)
     async with TestClient(TestServer(app)) as client:
@@ -471,7 +471,7 @@ async def test_status_and_its_history(loading: TestClient) -> None:
 
 
 async def test_bad_encodings_and_huge_prompts_are_400s(loading: TestClient) -> None:
-    engine = loading.app[ENGINE]
+    engine = loading.app[MODELS].peek(None)
     huge = "x" * (engine.context_length * MAX_CHARS_PER_TOKEN + 1)
     resp = await loading.post("/v1/completions", json={"prompt": huge})
     assert (await error_of(resp, 400))["param"] == "prompt"

@@ -28,9 +28,10 @@ class DaemonProcess:
     # Started and not yet stopped: tests/e2e/conftest.py stops what a failed test left.
     running: ClassVar[set[DaemonProcess]] = set()
 
-    def __init__(self, model: Path, tmp: Path, *extra: str, env: dict | None = None) -> None:
+    def __init__(self, model: Path | None, tmp: Path, *extra: str, env: dict | None = None) -> None:
+        """model: the GGUF to serve (MODEL); None when `extra` names several models."""
         self.port = free_port()
-        self.model_name = model.name.removesuffix(".gguf")
+        self.model_name = model.name.removesuffix(".gguf") if model is not None else ""
         self.runtime_dir = tmp / "run"
         self.runtime_dir.mkdir(parents=True, exist_ok=True)
         self.admin_socket = self.runtime_dir / "admin.sock"
@@ -40,7 +41,7 @@ class DaemonProcess:
             "-m",
             "luced.cli",
             "serve",
-            str(model),
+            *([str(model)] if model is not None else []),
             "--port",
             str(self.port),
             "--runtime-dir",

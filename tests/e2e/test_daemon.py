@@ -237,6 +237,11 @@ def test_lucectl_status_and_workers(smol) -> None:
     # Earlier chats in this module left prefix-cache snapshots of their prompts.
     assert "TOKENS" in lucectl("snapshot", "list").stdout
     assert oct(os.stat(smol.admin_socket).st_mode & 0o777) == "0o600"
+    # A daemon started with MODEL serves that one model, loaded for good.
+    (row,) = json.loads(lucectl("--json", "models").stdout)["models"]
+    assert (row["name"], row["state"], row["keep_alive_s"]) == (status["model"], "ready", None)
+    refused = lucectl("unload", status["model"])
+    assert refused.returncode == 1 and "this daemon's only model" in refused.stderr
 
 
 # -- queue, disconnects, failures: SmolLM2 decodes slowly enough to act mid-request ----

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from luced.engine.metrics import CONTENT_TYPE, FINISH_REASONS, Metrics
+from luced.engine.metrics import CONTENT_TYPE, FINISH_REASONS, Metrics, merged_exposition
 
 # The issue's list: vLLM's names under our namespace.
 VLLM_NAMES = {
@@ -174,3 +174,30 @@ def test_process_metrics_are_exported() -> None:
     assert s["process_resident_memory_bytes", ()] > 0
     assert s["process_cpu_seconds_total", ()] >= 0
     assert s["process_open_fds", ()] >= 3
+
+
+def test_merged_exposition_shows_each_family_once_with_every_model() -> None:
+    """Several models: one page, each family once, each model's series by its label, and
+    the event loop's lag once, the daemon's own (no model label)."""
+    daemon, a, b = Metrics(), Metrics("a"), Metrics("b")
+    a.finished("stop")
+    b.finished("stop")
+    b.finished("length")
+    daemon.observe("loop_lag", 0.002)
+    a.observe("loop_lag", 9.0)  # not the daemon's: left out
+    text = merged_exposition(daemon, [a, b]).decode()
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    names = [line.split()[2] for line in text.splitlines() if line.startswith("# TYPE")]
+    assert len(names) == len(set(names))  # each family once
+    done = {
+        (s.labels["model_name"], s.labels["finished_reason"]): s.value
+        for s in families["luced:request_success"].samples
+    }
+    assert (done[("a", "stop")], done[("b", "stop")], done[("b", "length")]) == (1, 1, 1)
+    (count,) = [
+        s for s in families["luced:event_loop_lag_seconds"].samples if s.name.endswith("_count")
+    ]
+    assert count.labels == {} and count.value == 1
+    (rss,) = families["process_resident_memory_bytes"].samples  # one process, once
+    assert rss.labels == {} and rss.value > 0
+    assert "_created" not in text

@@ -184,6 +184,17 @@ def test_unlink_all_is_idempotent_and_keeps_mappings(instance: str) -> None:
     assert seg.closed
 
 
+def test_release_unlinks_and_unmaps_one_prefix(instance: str) -> None:
+    """One served model's segments go when it is unloaded; the other model's stay."""
+    with ShmOwner(instance) as owner:
+        a_io, a_ring = owner.create("m1-a-io", 64), owner.create("m1-a-ring0", 64)
+        other = owner.create("m10-a-io", 64)  # a prefix of m1-a- only as text: kept
+        assert owner.release("m1-a-") == [a_io.name, a_ring.name]
+        assert not exists(a_io.name) and not exists(a_ring.name) and a_io.closed
+        assert exists(other.name) and owner.names == [other.name]
+        assert owner.release("m1-a-") == []
+
+
 def test_forked_child_never_unlinks_parent_segments(instance: str) -> None:
     with ShmOwner(instance) as owner:
         seg = owner.create("a", 64)

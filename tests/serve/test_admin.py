@@ -18,6 +18,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -164,7 +165,8 @@ class Tiers:
 
 async def test_cache_clear_takes_only_a_boolean_disk(sock_path: Path) -> None:
     tiers = Tiers()
-    handlers = snapshot_handlers(lambda: tiers, tokenizer=None)  # type: ignore[arg-type]
+    engine = SimpleNamespace(prefix_cache=tiers, tokenizer=None)  # what the verbs read
+    handlers = snapshot_handlers(lambda _: engine)  # type: ignore[arg-type, return-value]
     async with await start_admin_server(sock_path, handlers):
         replies = await ask(
             sock_path,
@@ -677,3 +679,48 @@ def test_status_says_what_a_torch_fallback_costs() -> None:
         f"kernels  {fell} (decode runs several times slower than on native kernels)"
     )
     assert lucectl.render_status({"kernels": "native avx2"}) == "kernels  native avx2"
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (["models"], ("models", {})),
+        (["load", "qwen3:8b"], ("load", {"model": "qwen3:8b"})),
+        (["unload", "a"], ("unload", {"model": "a", "force": False})),
+        (["unload", "a", "--force"], ("unload", {"model": "a", "force": True})),
+        (["status", "--model", "a"], ("status", {"model": "a"})),
+        (["status"], ("status", {})),
+        (["workers", "--model", "a"], ("workers", {"model": "a"})),
+        (["snapshot", "drop", "7", "--model", "a"], ("snapshot_drop", {"id": "7", "model": "a"})),
+        (
+            ["cache", "clear", "--yes", "--model", "a"],
+            ("cache_clear", {"disk": False, "model": "a"}),
+        ),
+    ],
+)  # fmt: skip
+def test_lucectl_model_verbs(argv: list[str], expected: tuple[str, dict]) -> None:
+    assert lucectl.command(lucectl.build_parser().parse_args(argv)) == expected
+
+
+def test_models_table() -> None:
+    now = 1000.0
+    models = [
+        {
+            "name": "qwen3", "state": "ready", "memory_bytes": 3 << 30, "running": 1,
+            "waiting": 2, "last_used": now - 5, "load_s": 12.34, "keep_alive_s": 300.0,
+        },
+        {
+            "name": "gemma", "state": "failed", "memory_bytes": None, "running": 0,
+            "waiting": 0, "last_used": None, "load_s": None, "keep_alive_s": 0.0,
+            "error": "--draft /x: no such file",
+        },
+    ]  # fmt: skip
+    assert lucectl.render_models(models, now).splitlines() == [
+        "NAME   STATE   MEMORY   REQUESTS              LAST USE  LOAD   KEEP ALIVE",
+        "qwen3  ready   3.0 GiB  1 running, 2 waiting  5s ago    12.3s  5m 00s",
+        "gemma  failed  -        0 running, 0 waiting  -         -      until needed",
+        "gemma: --draft /x: no such file",
+    ]
+    # a daemon serving one model: it is never unloaded
+    (row,) = lucectl.render_models([{"name": "smol", "keep_alive_s": None}], now).splitlines()[1:]
+    assert row.endswith("never unloaded")

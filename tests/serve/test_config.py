@@ -28,6 +28,7 @@ from luced.serve.options import (
     GROUPS,
     OPTIONS,
     ConfigError,
+    ModelEntry,
     default_runtime_dir,
 )
 
@@ -64,6 +65,12 @@ SAMPLES: dict[str, tuple[str, str, Any]] = {
     "allowed_hosts": ("a.example,b", '["a.example", "b"]', ("a.example", "b")),
     "allowed_origins": ("http://x:1", '["http://x:1"]', ("http://x:1",)),
     "model_name": ("smol", '"smol"', "smol"),
+    "models": ("a=/m/a.gguf", '{ a = "/m/a.gguf" }', (ModelEntry("a", Path("/m/a.gguf")),)),
+    "models_dir": ("/m", '"/m"', Path("/m")),
+    "preload": ("a,b", '["a", "b"]', ("a", "b")),
+    "model_keep_alive": ("60", "60", 60.0),
+    "models_memory_budget": ("8G", '"8G"', 8 * 2**30),
+    "model_load_timeout": ("90", "90.0", 90.0),
     "dtype": ("bfloat16", '"bfloat16"', "bfloat16"),
     "weights": ("int4", '"int4"', "int4"),
     "kernels": ("torch", '"torch"', "torch"),
@@ -203,6 +210,26 @@ def test_repeatable_backend_python(tmp_path: Path) -> None:
     # a higher layer replaces the list as a whole
     both = load(["--backend-python", "cpu=/c/py"], {"LUCED_BACKEND_PYTHON": "cuda=/a/py"})
     assert both.model.backend_python == (("cpu", Path("/c/py")),)
+
+
+def test_served_models_by_flag_env_and_file(tmp_path: Path) -> None:
+    by_flag = load(["--model", "a=/m/a.gguf", "--model", "/m/qwen3:8b.gguf"])
+    assert by_flag.registry.models == (
+        ModelEntry("a", Path("/m/a.gguf")),
+        ModelEntry("qwen3:8b", Path("/m/qwen3:8b.gguf")),  # a bare path: named by its stem
+    )
+    assert by_flag.registry.several and by_flag.model.model is None
+    by_env = load(env={"LUCED_MODELS": "a=/m/a.gguf, qwen3:8b=/m/qwen3:8b.gguf"})
+    assert by_env.registry.models == by_flag.registry.models
+    toml = '[models.a]\nmodel = "/m/a.gguf"\nmax_running = 2\n[models.b]\nkv_flash = "auto"\n'
+    by_file = load(toml=toml, tmp_path=tmp_path)
+    assert by_file.registry.models == (
+        ModelEntry("a", Path("/m/a.gguf"), (("max_running", 2),)),
+        ModelEntry("b", None, (("kv_flash", "auto"),)),  # its file: models_dir's b.gguf
+    )
+    # flags replace the file's table as a whole, settings included
+    both = load(["--model", "c=/m/c.gguf"], toml=toml, tmp_path=tmp_path)
+    assert both.registry.models == (ModelEntry("c", Path("/m/c.gguf")),)
 
 
 @pytest.mark.parametrize(
@@ -410,14 +437,19 @@ def test_example_toml_is_current_and_lists_every_option() -> None:
     assert text == example_toml(), "regenerate: python -m luced.serve.config toml > " + str(EXAMPLE)
 
 
-def test_example_toml_values_are_valid(tmp_path: Path) -> None:
+@pytest.mark.parametrize("several", [False, True], ids=["MODEL", "models"])
+def test_example_toml_values_are_valid(several: bool, tmp_path: Path) -> None:
     # Uncomment every setting: the result must be valid TOML and a valid configuration.
-    text = re.sub(r"^#(\w+ = )", r"\1", EXAMPLE.read_text(), flags=re.M)
+    # MODEL (model, model_name) and several models (models, models_dir) exclude each other.
+    skip = ("model", "model_name") if several else ("models", "models_dir")
+    text = re.sub(rf"^#(?!(?:{'|'.join(skip)}) = )(\w+ = )", r"\1", EXAMPLE.read_text(), flags=re.M)
     path = tmp_path / "luced.toml"
     path.write_text(text)
     config = load_config(["--config", str(path)], env={}, default_config_path=None)
     assert config.daemon.admin_socket == Path("/run/luced/admin.sock")
-    assert all(src.startswith(str(path)) for src in config.sources.values())
+    given = {n: src for n, src in config.sources.items() if n not in skip}
+    assert all(src.startswith(str(path)) for src in given.values())
+    assert config.registry.several == several
 
 
 def test_draft_ngram_is_the_lookup_drafter() -> None:

@@ -9,6 +9,7 @@ object and a field name and return the value checked, or raise a 400 naming the 
 from __future__ import annotations
 
 import json
+import json.scanner
 import math
 from collections.abc import Mapping
 from typing import Any
@@ -67,10 +68,20 @@ def bad(param: str, message: str) -> APIError:
 # --- JSON in ----------------------------------------------------------------------------
 
 
-def decode_body(raw: bytes) -> dict[str, Any]:
-    """The request body as a JSON object, or a 400."""
+def decode_body(raw: bytes, yielding: bool = False) -> dict[str, Any]:
+    """The request body as a JSON object, or a 400.
+
+    `yielding`: with the json module's pure-Python scanner (its own fallback, the same
+    results), which lets other threads run between values; the C decoder holds the GIL
+    throughout, a second or more for millions of small values. Ten times slower: for
+    bodies of many values, decoded in a thread."""
     try:
-        body = json.loads(raw)
+        if yielding:
+            decoder = json.JSONDecoder()
+            decoder.scan_once = json.scanner.py_make_scanner(decoder)
+            body = decoder.decode(raw.decode(json.detect_encoding(raw), "surrogatepass"))
+        else:
+            body = json.loads(raw)
     except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
         raise APIError(400, f"the request body is not valid JSON: {exc}") from None
     if not isinstance(body, dict):
@@ -86,6 +97,8 @@ def decode_body(raw: bytes) -> dict[str, Any]:
 # over all of SamplingParams' range (tests/runtime/test_sampler.py), so these bounds are
 # about sense, not safety. Anthropic's routes narrow temperature and top_p to [0, 1].
 INT32_MAX = 2**31 - 1
+# No token is this long; a prompt longer than this per context token cannot fit anyway.
+MAX_CHARS_PER_TOKEN = 32
 MAX_TOP_LOGPROBS = 20  # the worker returns at most 20 alternatives per token
 NUMBER_RANGES: dict[str, tuple[float, float]] = {
     "temperature": (0.0, 100.0),  # OpenAI documents [0, 2]; vLLM takes any value >= 0

@@ -195,7 +195,7 @@ def _options(
         include_usage=include_usage,
         params=sampling_params(body, logprobs),
         max_tokens=max_tokens,
-        stop=_stop(body.get("stop")),
+        stop=read_stop(body.get("stop")),
         stop_token_ids=_token_ids(
             "stop_token_ids", body.get("stop_token_ids"), vocab_size, allow_empty=True
         ),
@@ -221,17 +221,18 @@ def sampling_params(body: Mapping[str, Any], logprobs: int | None) -> SamplingPa
         raise APIError(400, str(exc), param=name if name in body else None) from None
 
 
-def _stop(value: Any) -> tuple[str, ...]:
+def read_stop(value: Any, name: str = "stop") -> tuple[str, ...]:
+    """Stop strings: a string or an array of them (field `name`); empty ones dropped."""
     if value is None:
         return ()
     items = [value] if isinstance(value, str) else value
     if not isinstance(items, list):
-        raise bad("stop", f"stop must be a string or an array of strings, got {json_kind(value)}")
+        raise bad(name, f"{name} must be a string or an array of strings, got {json_kind(value)}")
     if len(items) > MAX_STOP:
-        raise bad("stop", f"stop takes at most {MAX_STOP} strings, got {len(items)}")
+        raise bad(name, f"{name} takes at most {MAX_STOP} strings, got {len(items)}")
     out = []
     for i, item in enumerate(items):
-        param = "stop" if isinstance(value, str) else f"stop[{i}]"
+        param = name if isinstance(value, str) else f"{name}[{i}]"
         text = read_text(param, item)
         if len(text) > MAX_STOP_CHARS:
             raise bad(param, f"{param} is longer than {MAX_STOP_CHARS} characters")

@@ -10,6 +10,8 @@
     GET  /metrics                Prometheus text (luced.engine.metrics)
     GET  /v1/status, /v1/status/history   the state and the last minutes (luced.api.status)
     GET  /, /static/...          the web page: chat, status, plots (luced.api.page)
+    /api/chat, /api/generate, /api/tags, /api/ps, /api/show, /api/version, /api/embed
+                                 Ollama's API (luced.api.ollama_routes)
 
 A request's trace: the handler reads the body, `luced.api.openai` validates it (a 400
 naming the field, or 404 for another model), the chat template and tokenizer run in a
@@ -21,11 +23,11 @@ that goes away while its request waits in the queue, in prefill or in decode can
 handler, and the handler cancels the engine's work (`RequestHandle.cancel`). Without it,
 aiohttp lets the handler run on, and only a stream notices, at its next write.
 
-With an api_key, every /v1/ route and /tokenize, /detokenize (and /metrics unless
-metrics_public) want `Authorization: Bearer KEY` or Anthropic's `x-api-key: KEY` (401
+With an api_key, every /v1/ and /api/ route and /tokenize, /detokenize (and /metrics
+unless metrics_public) want `Authorization: Bearer KEY` or Anthropic's `x-api-key: KEY` (401
 otherwise); /health stays open for probes, and so does the web page, which holds nothing
 secret and asks its user for the key. Errors are shaped by the API a path belongs to:
-Anthropic's under /v1/messages, OpenAI's everywhere else.
+Anthropic's under /v1/messages, Ollama's under /api/, OpenAI's everywhere else.
 
 A web page must not drive a local daemon (`_guard`): a POST needs `Content-Type:
 application/json` (415 otherwise), which a cross-site form or fetch cannot send without a
@@ -35,31 +37,29 @@ the bound address (a loopback name when bound to loopback) or one of allowed_hos
 otherwise), which defeats DNS rebinding. Our own page is same-origin: its requests carry
 this Host as their Origin, or no Origin at all.
 
-Bodies: a body with a bad Content-Encoding is a 400; bodies over 1 MiB are decoded in a
-thread; prompt text longer than MAX_CHARS_PER_TOKEN characters per context token is a 400
-before any tokenizing (the tokenizer holds the GIL, so a 30 MB prompt would stall every
-client), and tokenizing runs in a thread.
+Bodies: a body with a bad Content-Encoding is a 400 (and the connection closes: the rest
+of its stream cannot be read). Everything from the body's bytes to the prompt's token ids
+runs in a thread, bounded before any costly step (`luced.api.prepare`).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hmac
 import logging
 import math
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, replace
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web_protocol import RequestPayloadError
 
-from luced.api import anthropic, page, status
-from luced.api.fields import APIError, as_int, decode_body, json_kind, read_bool, read_text
+from luced.api import anthropic, ollama_routes, page, status
+from luced.api.fields import APIError
 from luced.api.formats import (
     SSE_DONE,
     ChatFormat,
@@ -69,21 +69,24 @@ from luced.api.formats import (
     finish_error,
     sse,
 )
-from luced.api.openai import (
-    ChatRequest,
-    Options,
-    chat_prompt,
-    completion_prompt,
-    generation_request,
-    parse_chat,
-    parse_completion,
+from luced.api.ollama_models import ModelFacts
+from luced.api.openai import Options, generation_request
+from luced.api.prepare import (
+    Preparer,
+    max_body_bytes,
+    prepare_chat,
+    prepare_completion,
+    prepare_detokenize,
+    prepare_messages,
+    prepare_responses,
+    prepare_tokenize,
 )
-from luced.api.responses import ResponseFormat, parse_responses
+from luced.api.relay import all_deltas, stream_guard, whole_text
+from luced.api.responses import ResponseFormat
 from luced.api.responses import usage as responses_usage
 from luced.api.tools import ToolChatFormat
 from luced.engine.core import Engine, EngineError, RequestHandle
 from luced.engine.metrics import CONTENT_TYPE, Metrics
-from luced.text.tool_calls import ToolFormat, has_tool_turns, tool_format
 
 log = logging.getLogger(__name__)
 
@@ -96,12 +99,12 @@ API_KEY = web.AppKey("api_key", str)  # "" = no key required
 GUARD = web.AppKey("guard", "Guard")
 STARTED = web.AppKey("started", int)  # unix time, the model card's "created"
 BODY_TIMEOUT = web.AppKey("body_timeout", float)  # seconds to receive a request body
+PREPARER = web.AppKey("preparer", Preparer)
+MAX_BODY = web.AppKey("max_body", int)  # bytes
+YIELD_BYTES = 1 << 20
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
-
-# No token is this long; a prompt longer than this per context token cannot fit anyway.
-MAX_CHARS_PER_TOKEN = 32
 _LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1", "[::1]"})
 _ANY_ADDRESS = frozenset({"0.0.0.0", "::", "[::]", ""})
 
@@ -149,7 +152,9 @@ def make_app(
     client_max_size: int = DEFAULT_MAX_BODY,
     guard: Guard | None = None,
     body_timeout: float = 30.0,
+    model: ModelFacts | None = None,
 ) -> web.Application:
+    """model: what Ollama's listings say about the served GGUF (none: only its name)."""
     app = web.Application(middlewares=[_errors, _guard, _auth], client_max_size=client_max_size)
     app[GUARD] = guard or Guard()
     app[BODY_TIMEOUT] = body_timeout
@@ -157,6 +162,9 @@ def make_app(
     app[METRICS] = metrics
     app[API_KEY] = api_key or ""
     app[STARTED] = int(time.time())
+    app[PREPARER] = Preparer()
+    app[MAX_BODY] = client_max_size
+    app.on_cleanup.append(_close_preparer)
     app.add_routes(
         [
             web.post("/v1/chat/completions", chat_completions),
@@ -173,8 +181,13 @@ def make_app(
         ]
     )
     status.add_routes(app, engine, metrics)
+    ollama_routes.add_routes(app, engine, model or ModelFacts(), prepare)
     page.add_routes(app)
     return app
+
+
+async def _close_preparer(app: web.Application) -> None:
+    app[PREPARER].close()
 
 
 # --- middlewares -------------------------------------------------------------------------
@@ -275,7 +288,7 @@ async def _auth(request: web.Request, handler: Handler) -> web.StreamResponse:
     return await handler(request)
 
 
-_KEYED = ("/v1/", "/tokenize", "/detokenize")
+_KEYED = ("/v1/", "/api/", "/tokenize", "/detokenize")
 
 
 def error_response(exc: APIError, request: web.Request | None = None) -> web.Response:
@@ -286,6 +299,8 @@ def error_response(exc: APIError, request: web.Request | None = None) -> web.Res
     body = exc.body()
     if request is not None and _is_anthropic(request):
         body = anthropic.error_body(exc)
+    elif request is not None and request.path.startswith("/api/"):
+        body = {"error": exc.message}  # Ollama's shape
     return web.json_response(body, status=exc.status, headers=headers, dumps=dumps)
 
 
@@ -293,12 +308,38 @@ def _is_anthropic(request: web.Request) -> bool:
     return request.path == "/v1/messages" or request.path.startswith("/v1/messages/")
 
 
-async def read_json(request: web.Request) -> dict[str, Any]:
-    """The body as a JSON object: 400 for a bad Content-Encoding (corrupt gzip) or bad
-    JSON; a large body is parsed in a thread so that other clients are not held up."""
+async def prepare(request: web.Request, fn: Callable[..., Any], *args: Any) -> Any:
+    """`fn(engine, *args, body bytes)` in a thread (`luced.api.prepare`), once the body is in."""
+    chunks = await read_body(request)
+    return await request.app[PREPARER].run(chunks, fn, request.app[ENGINE], *args)
+
+
+async def read_body(request: web.Request) -> list[bytes]:
+    """The body's bytes, as they came: 413 past the body limit or the most a request the
+    context can take has (`max_body_bytes`; from Content-Length before reading a byte),
+    408 when the body does not arrive within the body timeout, 400 for a bad
+    Content-Encoding (corrupt gzip). The loop is let go every YIELD_BYTES: bytes already
+    buffered are read without waiting, tens of MB in one step otherwise."""
+    context = request.app[ENGINE].context_length
+    most = min(request.app[MAX_BODY], max_body_bytes(context))
+    why = f"bytes: at most {most}"
+    if most < request.app[MAX_BODY]:
+        why += f" (a context of {context} tokens takes no more)"
+    if (request.content_length or 0) > most:
+        raise APIError(413, f"the request body has {request.content_length} {why}")
+    chunks: list[bytes] = []
+    size = unyielded = 0
     try:
         async with asyncio.timeout(request.app[BODY_TIMEOUT]):
-            raw = await request.read()
+            async for chunk in request.content.iter_any():
+                size += len(chunk)
+                if size > most:
+                    raise APIError(413, f"the request body has more than {most} {why}")
+                chunks.append(chunk)
+                unyielded += len(chunk)
+                if unyielded > YIELD_BYTES:
+                    unyielded = 0
+                    await asyncio.sleep(0)
     except TimeoutError:
         raise APIError(
             408, f"the request body did not arrive within {request.app[BODY_TIMEOUT]:g} s"
@@ -306,34 +347,17 @@ async def read_json(request: web.Request) -> dict[str, Any]:
     except (RequestPayloadError, HttpProcessingError, ValueError, OSError) as exc:
         if isinstance(exc, ConnectionResetError):
             raise
+        _abandon_body(request)
         raise APIError(400, f"the request body cannot be decoded: {exc}") from None
-    if len(raw) > 1 << 20:
-        return await asyncio.to_thread(decode_body, raw)
-    return decode_body(raw)
+    return chunks
 
 
-def check_chars(request: web.Request, n_chars: int, param: str) -> None:
-    """A 400 for prompt text that cannot fit the context, before any tokenizing."""
-    limit = request.app[ENGINE].context_length * MAX_CHARS_PER_TOKEN
-    if n_chars > limit:
-        raise APIError(
-            400,
-            f"{param}: {n_chars} characters cannot fit the context of "
-            f"{request.app[ENGINE].context_length} tokens (at most {limit} characters)",
-            param=param,
-        )
-
-
-def _tool_format(engine: Engine, req: ChatRequest | anthropic.MessagesRequest) -> ToolFormat | None:
-    """How the template shows tools, when the request offers some or its history holds
-    calls or results (a template without tools cannot render those as they came)."""
-    if req.calls_tools or has_tool_turns(req.messages):
-        return tool_format(engine.chat_template)
-    return None
-
-
-def _text_chars(messages: Any) -> int:
-    return sum(len(v) for m in messages for v in m.values() if isinstance(v, str))
+def _abandon_body(request: web.Request) -> None:
+    """The rest of a body that failed to decode is never read: close the connection after
+    the answer. Otherwise aiohttp reads on to empty the stream for the next request, meets
+    the same failure again and logs it as an unhandled exception."""
+    request.content.feed_eof()
+    request.protocol.close()
 
 
 # --- generation --------------------------------------------------------------------------
@@ -341,62 +365,42 @@ def _text_chars(messages: Any) -> int:
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     engine = request.app[ENGINE]
-    body = await read_json(request)
-    req = parse_chat(body, model_name=engine.model_name, vocab_size=engine.tokenizer.vocab_size)
-    check_chars(request, _text_chars(req.messages), "messages")
-    tools = _tool_format(engine, req)
-    prompt = await asyncio.to_thread(
-        chat_prompt, req, engine.chat_template, engine.tokenizer, tools
-    )
+    prep = await prepare(request, prepare_chat)
+    options = prep.options
     head = (f"chatcmpl-{uuid.uuid4().hex}", engine.model_name, int(time.time()))
-    shape = {"top_logprobs": req.options.top_logprobs, "include_usage": req.options.include_usage}
-    if tools is None or not req.calls_tools:
-        return await _generate(request, ChatFormat(*head, **shape), req.options, prompt)
-    fmt = ToolChatFormat(*head, tools=tools, **shape)
-    options = replace(req.options, grammar=tools.grammar(req.tools, req.tool_choice))
-    return await _generate(request, fmt, options, prompt)
+    shape = {"top_logprobs": options.top_logprobs, "include_usage": options.include_usage}
+    if prep.tools is None:
+        return await _generate(request, ChatFormat(*head, **shape), options, prep.prompt)
+    fmt = ToolChatFormat(*head, tools=prep.tools, **shape)
+    return await _generate(request, fmt, options, prep.prompt)
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
     engine = request.app[ENGINE]
-    body = await read_json(request)
-    req = parse_completion(
-        body, model_name=engine.model_name, vocab_size=engine.tokenizer.vocab_size
-    )
-    if isinstance(req.prompt, str):
-        check_chars(request, len(req.prompt), "prompt")
-    prompt = await asyncio.to_thread(completion_prompt, req, engine.tokenizer)
+    prep = await prepare(request, prepare_completion)
     fmt = CompletionFormat(
         f"cmpl-{uuid.uuid4().hex}",
         engine.model_name,
         int(time.time()),
-        top_logprobs=req.options.top_logprobs,
-        include_usage=req.options.include_usage,
+        top_logprobs=prep.options.top_logprobs,
+        include_usage=prep.options.include_usage,
     )
-    return await _generate(request, fmt, req.options, prompt)
+    return await _generate(request, fmt, prep.options, prep.prompt)
 
 
 async def messages(request: web.Request) -> web.StreamResponse:
     """Anthropic's POST /v1/messages, on the same engine path as chat completions."""
     engine = request.app[ENGINE]
-    body = await read_json(request)
-    req = anthropic.parse_messages(body, model_name=engine.model_name)
-    check_chars(request, _text_chars(req.messages) + len(req.prefill), "messages")
-    tools = _tool_format(engine, req)
-    prompt = await asyncio.to_thread(
-        anthropic.message_prompt, req, engine.chat_template, engine.tokenizer, tools
-    )
+    prep = await prepare(request, prepare_messages, False)
     message_id = f"msg_{uuid.uuid4().hex}"
-    options = req.options
-    if tools is None or not req.calls_tools:
+    if prep.tools is None:
         fmt = anthropic.MessageFormat(message_id, engine.model_name)
     else:
-        fmt = anthropic.ToolMessageFormat(message_id, engine.model_name, tools)
-        options = replace(options, grammar=tools.grammar(req.tools, req.tool_choice))
-    handle = engine.submit(generation_request(fmt.id, options, prompt))
-    if req.options.stream:
+        fmt = anthropic.ToolMessageFormat(message_id, engine.model_name, prep.tools)
+    handle = engine.submit(generation_request(fmt.id, prep.options, prep.prompt))
+    if prep.options.stream:
         return await _stream_messages(request, fmt, handle)
-    text = await _whole_text(handle)
+    text = await whole_text(handle)
     body = fmt.response(
         text, handle.finish_reason or "stop", handle.stop_string, _anthropic_usage(handle)
     )
@@ -406,32 +410,23 @@ async def messages(request: web.Request) -> web.StreamResponse:
 async def responses(request: web.Request) -> web.StreamResponse:
     """OpenAI's POST /v1/responses (stateless), on the chat completions path."""
     engine = request.app[ENGINE]
-    body = await read_json(request)
-    req = parse_responses(body, model_name=engine.model_name)
-    check_chars(request, _text_chars(req.messages), "input")
-    tools = _tool_format(engine, req)
-    prompt = await asyncio.to_thread(
-        chat_prompt, req, engine.chat_template, engine.tokenizer, tools
-    )
-    options, offered = req.options, None
-    if tools is not None and req.calls_tools:
-        options = replace(options, grammar=tools.grammar(req.tools, req.tool_choice))
-        offered = tools
+    prep = await prepare(request, prepare_responses)
+    options = prep.options
     fmt = ResponseFormat(
-        f"resp_{uuid.uuid4().hex}", engine.model_name, int(time.time()), req, offered
+        f"resp_{uuid.uuid4().hex}", engine.model_name, int(time.time()), prep.request, prep.tools
     )
-    handle = engine.submit(generation_request(fmt.id, options, prompt))
+    handle = engine.submit(generation_request(fmt.id, options, prep.prompt))
 
     def used() -> dict[str, Any]:
         return responses_usage(handle.prompt_tokens, handle.cached_tokens, handle.completion_tokens)
 
     if not options.stream:
-        text = await _whole_text(handle)
+        text = await whole_text(handle)
         return web.json_response(
             fmt.response(text, handle.finish_reason or "stop", used()), dumps=dumps
         )
     resp = _event_stream()
-    async with _stream_guard(handle, resp, fmt.id, fmt.error_events):
+    async with stream_guard(handle, resp, fmt.id, fmt.error_events):
         await resp.prepare(request)
         for ev in fmt.start():
             await resp.write(ev)
@@ -447,18 +442,6 @@ async def responses(request: web.Request) -> web.StreamResponse:
     return resp
 
 
-async def _whole_text(handle: RequestHandle) -> str:
-    """A non-streamed request's text, once it ends; its error as an APIError."""
-    try:
-        text = "".join([delta.text async for delta in handle])
-    except BaseException:  # cancelled (the client went away) or the engine broke
-        handle.cancel()
-        raise
-    if (err := finish_error(handle.finish_reason, handle.error)) is not None:
-        raise err
-    return text
-
-
 def _anthropic_usage(handle: RequestHandle) -> dict[str, int]:
     return anthropic.usage(handle.prompt_tokens, handle.cached_tokens, handle.completion_tokens)
 
@@ -471,7 +454,7 @@ async def _stream_messages(
     def error_events(err: APIError) -> list[bytes]:
         return [anthropic.event("error", anthropic.error_body(err))]
 
-    async with _stream_guard(handle, resp, fmt.id, error_events):
+    async with stream_guard(handle, resp, fmt.id, error_events):
         await resp.prepare(request)
         for ev in fmt.start(handle.prompt_tokens):
             await resp.write(ev)
@@ -489,18 +472,8 @@ async def _stream_messages(
 
 async def count_tokens(request: web.Request) -> web.Response:
     """Anthropic's POST /v1/messages/count_tokens: the prompt a Messages body would make."""
-    engine = request.app[ENGINE]
-    body = await read_json(request)
-    req = anthropic.parse_messages(body, model_name=engine.model_name, count_only=True)
-    check_chars(request, _text_chars(req.messages) + len(req.prefill), "messages")
-    prompt = await asyncio.to_thread(
-        anthropic.message_prompt,
-        req,
-        engine.chat_template,
-        engine.tokenizer,
-        _tool_format(engine, req),
-    )
-    return web.json_response({"input_tokens": len(prompt)}, dumps=dumps)
+    prep = await prepare(request, prepare_messages, True)
+    return web.json_response({"input_tokens": len(prep.prompt)}, dumps=dumps)
 
 
 def _event_stream() -> web.StreamResponse:
@@ -519,13 +492,7 @@ async def _generate(
     handle = request.app[ENGINE].submit(generation_request(fmt.id, options, prompt))
     if options.stream:
         return await _stream(request, fmt, handle)
-    try:
-        deltas = [delta async for delta in handle]
-    except BaseException:  # cancelled (the client went away) or the engine broke
-        handle.cancel()
-        raise
-    if (err := finish_error(handle.finish_reason, handle.error)) is not None:
-        raise err
+    deltas = await all_deltas(handle)
     fmt.usage_extra = usage_extra(handle)
     body = fmt.response(
         deltas, handle.finish_reason or "stop", handle.prompt_tokens, handle.completion_tokens
@@ -551,7 +518,7 @@ async def _stream(
     def error_events(err: APIError) -> list[bytes]:
         return [sse(err.body()), SSE_DONE]
 
-    async with _stream_guard(handle, resp, fmt.id, error_events):
+    async with stream_guard(handle, resp, fmt.id, error_events):
         await resp.prepare(request)
         for chunk in fmt.start():
             await resp.write(sse(chunk))
@@ -571,33 +538,6 @@ async def _stream(
     return resp
 
 
-@contextlib.asynccontextmanager
-async def _stream_guard(
-    handle: RequestHandle,
-    resp: web.StreamResponse,
-    stream_id: str,
-    error_events: Callable[[APIError], list[bytes]],
-) -> AsyncIterator[None]:
-    """Around a streamed reply: a client that went away cancels its request; an internal
-    failure after the headers went out ends the stream with the API's error event(s)."""
-    try:
-        yield
-    except ConnectionResetError:  # the client went away mid-stream
-        handle.cancel()
-    except asyncio.CancelledError:
-        handle.cancel()
-        raise
-    except Exception as exc:
-        handle.cancel()
-        if not resp.prepared:
-            raise
-        # Headers are out, so no error status: end the stream with an error event.
-        log.exception("stream %s failed", stream_id)
-        with contextlib.suppress(ConnectionResetError):
-            for event in error_events(APIError(500, f"internal error: {exc}")):
-                await resp.write(event)
-
-
 # --- llama-server's token utilities ------------------------------------------------------
 
 
@@ -607,15 +547,7 @@ async def tokenize(request: web.Request) -> web.Response:
     with_pieces, each token is {"id", "piece"} (piece: text, or a byte list when the
     token is not whole UTF-8)."""
     tokenizer = request.app[ENGINE].tokenizer
-    body = await read_json(request)
-    content = read_text("content", body.get("content"))
-    check_chars(request, len(content), "content")
-    add_bos = read_bool(body, "add_special")
-    special = read_bool(body, "parse_special", default=True)
-    with_pieces = read_bool(body, "with_pieces")
-    ids = await asyncio.to_thread(
-        tokenizer.encode, content, add_bos=add_bos, allow_special=special, add_eos=False
-    )
+    ids, with_pieces = await prepare(request, prepare_tokenize)
     if not with_pieces:
         return web.json_response({"tokens": ids}, dumps=dumps)
     out = []
@@ -632,24 +564,8 @@ async def tokenize(request: web.Request) -> web.Response:
 async def detokenize(request: web.Request) -> web.Response:
     """{"tokens": [ids]} -> {"content": text}; control tokens appear as their text, so
     detokenize inverts tokenize."""
-    tokenizer = request.app[ENGINE].tokenizer
-    body = await read_json(request)
-    tokens = body.get("tokens")
-    if not isinstance(tokens, list):
-        raise APIError(
-            400, f"tokens must be an array of token ids, got {json_kind(tokens)}", param="tokens"
-        )
-    ids = []
-    for i, t in enumerate(tokens):
-        n = as_int(f"tokens[{i}]", t)
-        if not 0 <= n < tokenizer.vocab_size:
-            raise APIError(
-                400,
-                f"tokens[{i}]: token id {n} is not in [0, {tokenizer.vocab_size})",
-                param=f"tokens[{i}]",
-            )
-        ids.append(n)
-    return web.json_response({"content": tokenizer.decode(ids, skip_special=False)}, dumps=dumps)
+    content = await prepare(request, prepare_detokenize)
+    return web.json_response({"content": content}, dumps=dumps)
 
 
 # --- models, health, metrics -------------------------------------------------------------

@@ -372,6 +372,7 @@ class SnapshotDisk:
         """Write one snapshot (layout tensors + ``tokens``) durably; registers and returns it.
 
         ``arrays`` must be C-contiguous (arena views are); blocking (run it in a thread).
+        A failure of the filesystem (a full disk) raises OSError with its errno.
         """
         final = self.path(entry_id)
         tokens = np.asarray(arrays[TOKENS])
@@ -403,7 +404,7 @@ class SnapshotDisk:
         with contextlib.suppress(FileNotFoundError):
             tmp.unlink()  # so that a planted symlink is not written through
         try:
-            safetensors.serialize_file(specs, str(tmp), metadata)
+            _serialize(specs, tmp, metadata)
             fd = _open_regular(tmp)
             try:
                 os.fsync(fd)
@@ -655,6 +656,19 @@ class SnapshotDisk:
             os.fsync(fd)
         finally:
             os.close(fd)
+
+
+def _serialize(specs: dict, path: Path, metadata: dict[str, str]) -> None:
+    """safetensors.serialize_file, its I/O errors as the OSError they are: it reports a
+    full disk as SafetensorError("... I/O error: No space left on device (os error 28)")."""
+    try:
+        safetensors.serialize_file(specs, str(path), metadata)
+    except safetensors.SafetensorError as exc:
+        found = re.search(r"\(os error (\d+)\)", str(exc))
+        if found is None:
+            raise
+        code = int(found.group(1))
+        raise OSError(code, os.strerror(code), str(path)) from exc
 
 
 def _read_header(path: Path) -> tuple[dict, int, int]:

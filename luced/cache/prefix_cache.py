@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
 import secrets
 import time
@@ -54,6 +55,9 @@ from luced.ipc.regions import Region, view
 log = logging.getLogger(__name__)
 
 MEMORY, DISK, BOTH = "memory", "disk", "both"
+# After a disk write fails at the OS (a full disk), no writes for this long, doubling with
+# each failure up to the most: one warning, not a traceback per snapshot.
+DISK_RETRY_S, DISK_RETRY_MAX_S = 30.0, 600.0
 
 
 class KVMover(Protocol):
@@ -114,6 +118,7 @@ class CacheStats:
     disk_write_errors: int
     restore_errors: int  # disk entries found corrupt on restore (quarantined)
     disk_problem: str | None = None  # why --kv-cache-dir is not in use (memory tier only)
+    disk_error: str | None = None  # why disk writes are paused (the OS's error), until one works
 
 
 @dataclass(eq=False)
@@ -174,6 +179,9 @@ class PrefixCache:
         self._write_lock = asyncio.Lock()  # one disk write at a time, in save order
         self.queries = self.hits = self.hit_tokens = 0
         self.disk_writes = self.disk_write_errors = self.restore_errors = 0
+        self.disk_error: str | None = None
+        self._disk_retry_at = 0.0  # the cache's clock; writes wait for it after a failure
+        self._disk_backoff = DISK_RETRY_S
         if disk is not None:
             for d in disk.scan():
                 e = _Entry(
@@ -289,8 +297,10 @@ class PrefixCache:
         for r in self._redundant(e):
             if r.block is not None:
                 self._drop_memory(r)
-        if self.disk is not None and (
-            self.disk_budget is None or e.nbytes <= self.disk_budget  # layout >= file data
+        if (
+            self.disk is not None
+            and (self.disk_budget is None or e.nbytes <= self.disk_budget)  # layout >= data
+            and self._clock() >= self._disk_retry_at
         ):
             self._schedule_write(e)
         self._unpin(e)
@@ -373,6 +383,7 @@ class PrefixCache:
             disk_write_errors=self.disk_write_errors,
             restore_errors=self.restore_errors,
             disk_problem=self.disk_problem,
+            disk_error=self.disk_error,
         )
 
     async def flush(self) -> None:
@@ -536,6 +547,7 @@ class PrefixCache:
 
                 e.disk_bytes = await asyncio.to_thread(write)
                 self.disk_writes += 1
+                self._disk_works()
                 if e.doomed:
                     return  # released (file deleted) at the unpin below
                 # This file serves every use of its redundant entries: drop theirs.
@@ -549,12 +561,36 @@ class PrefixCache:
                             if v.block is None:
                                 self._forget(v)
                     await self._delete_files(victims)
+        except OSError as exc:
+            self.disk_write_errors += 1
+            self._disk_failed(exc)
         except Exception:
             self.disk_write_errors += 1
             log.exception("prefix cache: writing snapshot %s to disk failed", e.id)
         finally:
             e.writing = False
             self._unpin(e)
+
+    def _disk_failed(self, exc: OSError) -> None:
+        """The OS refused a write: pause writing (see DISK_RETRY_S) and say so once."""
+        name = errno.errorcode.get(exc.errno or 0, "")
+        problem = f"{exc.strerror or exc}{f' ({name})' if name else ''}"
+        self._disk_retry_at = self._clock() + self._disk_backoff
+        if self.disk_error is None:
+            log.warning(
+                "prefix cache: cannot write snapshots to disk: %s; they stay in memory, "
+                "next try in %.0f s",
+                problem,
+                self._disk_backoff,
+            )
+        self.disk_error = problem
+        self._disk_backoff = min(2 * self._disk_backoff, DISK_RETRY_MAX_S)
+
+    def _disk_works(self) -> None:
+        if self.disk_error is not None:
+            log.info("prefix cache: writing snapshots to disk again")
+        self.disk_error = None
+        self._disk_backoff = DISK_RETRY_S
 
     async def _delete_files(self, ids: list[str]) -> None:
         if not ids or self.disk is None:

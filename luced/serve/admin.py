@@ -12,7 +12,10 @@ number of requests per connection, in order::
     <- {"ok": true, ...reply fields}
     <- {"ok": false, "error": "unknown command 'x' (known: drain, status, ...)"}
 
-A request line is at most ``MAX_LINE`` bytes. Handlers run on the daemon's event loop
+A request line is at most ``MAX_LINE`` bytes; one that is not JSON (or holds a number
+Python will not read, an integer of 5,000 digits) gets an error reply and the connection
+stays open. Arguments are typed strictly (``arg_bool``, ``arg_str``): ``"disk": "no"`` is
+an error, not true. Handlers run on the daemon's event loop
 (the single owner of engine state); a slow one (``drain``) holds only its connection.
 
 Replies the daemon supplies, as ``lucectl`` renders them (unknown keys are shown too,
@@ -28,6 +31,7 @@ missing ones are left out; see ``luced.engine.core.Engine.status``):
                    in_use, prefix}]
     snapshot_drop  {id} -> dropped          snapshot_save -> saved (entries written)
     cache_clear    {disk: bool} -> cleared (entries affected)
+    (the status's prefix_cache has disk_error while the disk tier cannot write: a full disk)
 """
 
 from __future__ import annotations
@@ -63,6 +67,25 @@ class AdminSocketError(RuntimeError):
 class CommandError(Exception):
     """A command that cannot be done as asked: its message is the whole answer (no
     traceback in the log; e.g. an unknown snapshot id)."""
+
+
+def arg_bool(request: Mapping[str, Any], name: str, default: bool = False) -> bool:
+    """A boolean argument: true or false (absent or null: `default`); anything else is an
+    error, since guessing ("no" is a non-empty string) could clear what was meant to stay."""
+    value = request.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise CommandError(f"{name} must be true or false, got {value!r:.40}")
+    return value
+
+
+def arg_str(request: Mapping[str, Any], name: str) -> str:
+    """A string argument (absent: "")."""
+    value = request.get(name, "")
+    if not isinstance(value, str):
+        raise CommandError(f"{name} must be a string, got {type(value).__name__}")
+    return value
 
 
 def same_uid_or_root(uid: int) -> bool:
@@ -229,7 +252,7 @@ class AdminServer:
     async def _dispatch(self, line: bytes) -> bytes:
         try:
             request = json.loads(line)
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        except (ValueError, RecursionError) as exc:  # bad UTF-8 or JSON, a 5,000-digit int
             return _encode(_error(f"malformed JSON: {exc}"))
         if not isinstance(request, dict) or not isinstance(request.get("cmd"), str):
             return _encode(_error('a request is a JSON object with a string "cmd"'))

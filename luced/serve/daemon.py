@@ -21,6 +21,7 @@ import signal
 import sys
 from pathlib import Path
 
+from luced.api.ollama_models import ModelFacts
 from luced.api.server import Guard, make_app
 from luced.engine.core import Engine
 from luced.engine.executor import Deadlines, WorkerDied, WorkerReplyError
@@ -55,6 +56,7 @@ from luced.text.tokenizer import Tokenizer
 log = logging.getLogger("luced")
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+GIL_SWITCH_S = 0.001
 
 
 class StartupError(RuntimeError):
@@ -109,6 +111,7 @@ class Daemon:
         )
         moe_profile = self._moe_profile(gguf)
         kv_pool = self._kv_pool(gguf, context, running)
+        facts = ModelFacts.from_gguf(gguf)  # what Ollama's /api/tags, /api/show list
         del gguf
         moe = cfg.moe
         if moe.moe_expert_device is not None:
@@ -194,7 +197,12 @@ class Daemon:
             raise StartupError(str(exc)) from exc
         guard = Guard(http.host, http.allowed_hosts, http.allowed_origins, http.metrics_public)
         app = make_app(
-            engine, metrics, api_key=api_key, guard=guard, body_timeout=http.http_timeout
+            engine,
+            metrics,
+            api_key=api_key,
+            guard=guard,
+            body_timeout=http.http_timeout,
+            model=facts,
         )
         try:
             runner = await listen(app, http)
@@ -403,4 +411,7 @@ def run(config: Config) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
+    # A thread preparing a large request runs Python; the event loop waits for the GIL
+    # up to this long at each hand-over (5 ms by default, a few per /health answer).
+    sys.setswitchinterval(GIL_SWITCH_S)
     return uvloop.run(Daemon(config).run())

@@ -19,7 +19,7 @@ keep every other client out. Three things keep that bounded:
 Errors aiohttp answers before any route runs (an oversized header) are JSON too
 (``JSONErrorHandler``).
 
-The body has its own deadline where the API reads it (``api.server.read_json``).
+The body has its own deadline where the API reads it (``api.server.read_body``).
 """
 
 from __future__ import annotations

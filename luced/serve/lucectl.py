@@ -258,6 +258,8 @@ def _prefix_cache(c: Any) -> str:
     disk = ""
     if c.get("disk_budget") is not None:
         disk = f", disk {human_bytes(c.get('disk_bytes'))} of {human_bytes(c.get('disk_budget'))}"
+    if c.get("disk_error"):
+        disk += f", disk writes PAUSED: {c.get('disk_error')}"
     if c.get("disk_problem"):
         disk = f", disk tier OFF (memory only): {c.get('disk_problem')}"
     return (

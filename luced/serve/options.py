@@ -320,7 +320,7 @@ OPTIONS: tuple[Option, ...] = (
     ),
     Option(
         "api_key", "http", "str", None,
-        "If set, /v1/* requests (and /tokenize, /detokenize, and /metrics unless "
+        "If set, /v1/* and /api/* requests (and /tokenize, /detokenize, and /metrics unless "
         "metrics_public) must send `Authorization: Bearer KEY` or `x-api-key: KEY`. A flag "
         "shows in `ps`: prefer the environment or api_key_file.",
         nullable=True, default_doc="unset (no key)", example="change-me",

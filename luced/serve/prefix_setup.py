@@ -32,7 +32,7 @@ from luced.cache.disk import (
 from luced.cache.prefix_cache import PrefixCache
 from luced.engine.target import Target
 from luced.ipc.shm import SHM_DIR, ShmOwner
-from luced.serve.admin import CommandError
+from luced.serve.admin import CommandError, arg_bool, arg_str
 from luced.serve.config import KVOptions
 from luced.text.tokenizer import Tokenizer
 
@@ -205,7 +205,7 @@ def snapshot_handlers(
         return {"snapshots": snapshot_rows(get_cache(), tokenizer)}
 
     async def snapshot_drop(req: dict) -> dict:
-        entry_id = str(req.get("id", ""))
+        entry_id = arg_str(req, "id")
         if not await cache().drop(entry_id):
             raise CommandError(f"no snapshot {entry_id!r} (see `lucectl snapshot list`)")
         return {"dropped": entry_id}
@@ -217,7 +217,7 @@ def snapshot_handlers(
         return {"saved": await c.save_all()}
 
     async def cache_clear(req: dict) -> dict:
-        return {"cleared": await cache().clear(disk=bool(req.get("disk")))}
+        return {"cleared": await cache().clear(disk=arg_bool(req, "disk"))}
 
     return {
         "snapshot_list": snapshot_list,

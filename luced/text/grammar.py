@@ -16,6 +16,7 @@ rejected speculative proposals.
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from collections.abc import Mapping
@@ -23,6 +24,7 @@ from typing import Any
 
 import llguidance
 
+from luced.text.schema_refs import ref_loop
 from luced.text.tokenizer import Tokenizer
 
 # Any JSON object (OpenAI's response_format {"type": "json_object"}).
@@ -43,8 +45,8 @@ def json_schema_grammar(schema: Mapping[str, Any] | None) -> str:
     """The Lark grammar of JSON values matching `schema` (None: any JSON object), written
     on one line (`JSON_LAYOUT`).
 
-    Raises GrammarError when the schema is not a JSON object or llguidance cannot compile
-    it (an unknown type, a bad $ref, ...)."""
+    Raises GrammarError when the schema is not a JSON object, llguidance cannot compile
+    it (an unknown type, a bad $ref, ...) or no finite value matches it (a $ref loop)."""
     return f"start: {json_value(schema)}"
 
 
@@ -68,14 +70,30 @@ def json_value(schema: Mapping[str, Any] | None) -> str:
         check_grammar(f"start: {term}")
     except GrammarError as exc:  # the place in a grammar the caller never wrote: drop it
         raise GrammarError(re.sub(r"^at \d+\(\d+\): ", "", str(exc))) from None
+    if (problem := ref_loop(schema)) is not None:  # it compiles, to a grammar of nothing
+        raise GrammarError(problem)
     return term
 
 
 def check_grammar(grammar: str, tokenizer: llguidance.LLTokenizer | None = None) -> None:
-    """GrammarError unless `grammar` compiles (with `tokenizer`: for that vocabulary)."""
+    """GrammarError unless `grammar` compiles (with `tokenizer`: for that vocabulary).
+
+    A grammar that compiled is remembered, so the engine's check of a request's grammar,
+    on its event loop, is free when the API checked it first, off the loop (a large
+    schema takes a tenth of a second)."""
+    problem = _problem(grammar) if tokenizer is None else _validate(grammar, tokenizer)
+    if problem is not None:
+        raise GrammarError(problem)
+
+
+@functools.lru_cache(maxsize=8)
+def _problem(grammar: str) -> str | None:
+    return _validate(grammar, None)
+
+
+def _validate(grammar: str, tokenizer: llguidance.LLTokenizer | None) -> str | None:
     is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, tokenizer)
-    if is_error:
-        raise GrammarError(_first_line(messages[0]))
+    return _first_line(messages[0]) if is_error else None
 
 
 def _first_line(error: str) -> str:

@@ -177,7 +177,7 @@ class Tokenizer:
         with self._lock:
             if self._backend.encode_special_tokens == allow_special:
                 self._backend.encode_special_tokens = not allow_special
-            ids = self._backend.encode(text, add_special_tokens=False).ids
+            ids = _encode(self._backend, text)
         if (self.add_bos if add_bos is None else add_bos) and self.bos_id is not None:
             ids.insert(0, self.bos_id)
         if (self.add_eos if add_eos is None else add_eos) and self.eos_id is not None:
@@ -219,7 +219,7 @@ class Tokenizer:
         # ("first" scheme), but a stretch encoded alone would get one: encode it with a
         # twin that never prepends. Other backends treat every stretch alike (twin None).
         with self._lock:
-            return twin.encode(text, add_special_tokens=False).ids
+            return _encode(twin, text)
 
     @property
     def special_strings(self) -> list[str]:
@@ -279,6 +279,13 @@ class Tokenizer:
             f"Tokenizer({self._spec.source!r}, {self._spec.model}, vocab={self.vocab_size}, "
             f"bos={self.bos_id}, eos={sorted(self.eos_ids)})"
         )
+
+
+def _encode(backend: tokenizers.Tokenizer, text: str) -> list[int]:
+    # The batch call lets go of the GIL while it works (`encode` holds it throughout: half a
+    # second for a megabyte of text, in which the daemon's event loop could not run), and
+    # without offsets it is also about three times faster. The ids are the same.
+    return backend.encode_batch_fast([text], add_special_tokens=False)[0].ids
 
 
 def _trie_regex(words: list[str]) -> str:

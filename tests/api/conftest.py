@@ -1,4 +1,5 @@
-"""The default model's real tokenizer and chat template, shared by the API tests."""
+"""The default model's real tokenizer and chat template, and an engine over them that never
+starts (what preparing a request reads; state "loading"), shared by the API tests."""
 
 from __future__ import annotations
 
@@ -6,8 +7,14 @@ from pathlib import Path
 
 import pytest
 
+from luced.engine.core import Engine
+from luced.engine.placement import WorkerSpec
+from luced.engine.target import Target, TargetPlacement
+from luced.ipc.shm import ShmOwner
 from luced.text.chat_template import ChatTemplate
 from luced.text.tokenizer import Tokenizer
+
+UNSTARTED_CONTEXT = 256  # tests/api/test_ollama.py relies on it
 
 
 @pytest.fixture(scope="session")
@@ -18,3 +25,25 @@ def smol_tokenizer(smollm2_gguf: Path) -> Tokenizer:
 @pytest.fixture(scope="session")
 def smol_template(smollm2_gguf: Path) -> ChatTemplate:
     return ChatTemplate.from_gguf(smollm2_gguf, "llama")
+
+
+@pytest.fixture(scope="module")
+def unstarted_engine(
+    smollm2_gguf: Path, smol_tokenizer: Tokenizer, smol_template: ChatTemplate
+) -> Engine:
+    """An engine named "smol" of UNSTARTED_CONTEXT tokens whose target never starts."""
+    placement = TargetPlacement(
+        model=str(smollm2_gguf),
+        n_layers=30,
+        dtype="float32",
+        kv_capacity=UNSTARTED_CONTEXT,
+        max_batch_tokens=128,
+        worker=WorkerSpec("cpu", ("cpu",), threads=1),
+    )
+    return Engine(
+        Target(ShmOwner(), placement),
+        smol_tokenizer,
+        smol_template,
+        model_name="smol",
+        context_length=UNSTARTED_CONTEXT,
+    )

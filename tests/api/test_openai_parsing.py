@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
@@ -45,20 +46,36 @@ def rejected(parse, **fields: Any) -> APIError:
 # --- the body ----------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("yielding", [False, True])
 @pytest.mark.parametrize(
     "raw", [b"{", b"", b'{"a": 1,}', b"\xff\xfe{}", b"[" * 100_000 + b"]" * 100_000]
 )
-def test_malformed_json_is_a_400(raw: bytes) -> None:
+def test_malformed_json_is_a_400(raw: bytes, yielding: bool) -> None:
     with pytest.raises(APIError) as info:
-        decode_body(raw)
+        decode_body(raw, yielding=yielding)
     assert info.value.status == 400
     assert "not valid JSON" in info.value.message
 
 
+@pytest.mark.parametrize("yielding", [False, True])
 @pytest.mark.parametrize("raw", [b"[]", b"1", b'"x"', b"null"])
-def test_body_must_be_an_object(raw: bytes) -> None:
+def test_body_must_be_an_object(raw: bytes, yielding: bool) -> None:
     with pytest.raises(APIError, match="must be a JSON object"):
-        decode_body(raw)
+        decode_body(raw, yielding=yielding)
+
+
+JSON = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(),
+    lambda kids: st.lists(kids) | st.dictionaries(st.text(), kids),
+    max_leaves=30,
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.dictionaries(st.text(), JSON), st.sampled_from(["utf-8", "utf-16", "utf-32"]))
+def test_the_yielding_decoder_reads_what_the_c_one_does(body: dict, encoding: str) -> None:
+    raw = json.dumps(body, ensure_ascii=False).encode(encoding, "surrogatepass")
+    assert decode_body(raw, yielding=True) == decode_body(raw) == body
 
 
 # --- defaults ----------------------------------------------------------------------------

@@ -44,6 +44,7 @@ def test_each_form_maps_to_its_grammar(parse) -> None:
             "response_format.json_schema.schema",
             "missing",
         ),
+        (json_schema(schema={"$ref": "#"}), "response_format.json_schema.schema", "loops"),
         (json_schema(name=3, schema=SCHEMA), "response_format.json_schema.name", "string"),
         (
             json_schema(strict="yes", schema=SCHEMA),
@@ -56,3 +57,12 @@ def test_a_bad_format_is_a_400_naming_the_field(fmt: Any, param: str, says: str)
     err = rejected(chat, response_format=fmt)
     assert (err.status, err.param) == (400, param)
     assert says in err.message
+
+
+def test_a_tool_whose_parameters_loop_is_a_400_naming_them() -> None:
+    """Its calls could match nothing: the reply would be empty, with a 200."""
+    loop = {"type": "object", "properties": {"self": {"$ref": "#"}}, "required": ["self"]}
+    tool = {"type": "function", "function": {"name": "f", "parameters": loop}}
+    err = rejected(chat, tools=[tool])
+    assert (err.status, err.param) == (400, "tools[0].function.parameters")
+    assert "$ref '#' loops back" in err.message

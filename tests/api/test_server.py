@@ -5,6 +5,7 @@ real worker process, driven by the official openai client and by raw HTTP."""
 from __future__ import annotations
 
 import asyncio
+import io
 import json
 import os
 import re
@@ -21,7 +22,8 @@ from aiohttp.test_utils import TestClient, TestServer
 from openai import AsyncOpenAI
 from prometheus_client.parser import text_string_to_metric_families
 
-from luced.api.server import ENGINE, MAX_CHARS_PER_TOKEN, Guard, make_app
+from luced.api.prepare import BYTES_PER_CHAR, LARGE_BODY, MANY_VALUES, MAX_CHARS_PER_TOKEN
+from luced.api.server import ENGINE, Guard, make_app
 from luced.engine.core import Engine
 from luced.engine.metrics import Metrics
 from luced.engine.placement import WorkerSpec
@@ -220,6 +222,7 @@ async def served(
     assert not [i.name for i in scan() if i.header and i.header.instance == owner.instance]
 
 
+JSON_TYPE = {"Content-Type": "application/json"}
 GREEDY = {"model": MODEL, "messages": USER, "temperature": 0, "max_tokens": 8}
 
 
@@ -473,3 +476,68 @@ async def test_bad_encodings_and_huge_prompts_are_400s(loading: TestClient) -> N
     js = {"Content-Type": "application/json", "Content-Encoding": "gzip"}
     resp = await loading.post("/v1/chat/completions", data=b"not gzip at all", headers=js)
     assert "cannot be decoded" in (await error_of(resp, 400))["message"]
+
+
+async def test_every_text_bearing_field_is_bounded_before_parsing(loading: TestClient) -> None:
+    """Tools, schemas, tool-call history, Anthropic system blocks, Responses items and
+    token-id prompts count against the context's characters too, each a 400 naming the
+    field in its API's shape (the model is still loading: the bound comes first)."""
+    over = CONTEXT * MAX_CHARS_PER_TOKEN + 1
+    text = "x" * over
+    tool = {"type": "function", "function": {"name": "f", "description": text}}
+    schema = {"type": "object", "properties": {"a": {"type": "string", "description": text}}}
+    call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": text}}
+    turns = [*USER, {"role": "assistant", "content": None, "tool_calls": [call]}]
+    cases = [
+        ("/v1/chat/completions", {"messages": USER, "tools": [tool]}, "tools"),
+        (
+            "/v1/chat/completions",
+            {"messages": USER, "response_format": {"type": "json_schema", "json_schema": {
+                "name": "s", "schema": schema}}},
+            "response_format",
+        ),
+        ("/v1/chat/completions", {"messages": turns}, "messages"),
+        ("/v1/completions", {"prompt": [1] * over}, "prompt"),
+        ("/v1/responses", {"input": [{"type": "function_call_output", "call_id": "c",
+                                      "output": {"rows": [text]}}]}, "input"),
+        ("/tokenize", {"content": text}, "content"),
+        ("/detokenize", {"tokens": [1] * over}, "tokens"),
+    ]  # fmt: skip
+    for path, body, field in cases:
+        err = await error_of(await loading.post(path, json=body), 400)
+        assert err["param"] == field, (path, err)
+        assert err["message"].startswith(f"{field}: "), err
+    system = [{"type": "text", "text": text}]
+    for path in ("/v1/messages", "/v1/messages/count_tokens"):
+        body = {"max_tokens": 1, "system": system, "messages": USER}
+        resp = await loading.post(path, json=body)
+        assert resp.status == 400
+        err = await resp.json()
+        assert err["type"] == "error" and err["error"]["type"] == "invalid_request_error"
+        assert err["error"]["message"].startswith("system: "), err
+    resp = await loading.post(
+        "/v1/messages",
+        json={
+            "max_tokens": 1,
+            "messages": USER,
+            "tools": [{"name": "f", "description": text, "input_schema": schema}],
+        },
+    )
+    assert (await resp.json())["error"]["message"].startswith("tools: ")
+
+
+async def test_bodies_no_request_of_the_context_could_be_are_refused_undecoded(
+    loading: TestClient,
+) -> None:
+    """Larger than any request the context takes: 413; more commas than its values and
+    characters: 400; many values, decoded the slow way that lets the loop run: bounded."""
+    limit = CONTEXT * MAX_CHARS_PER_TOKEN
+    big = json.dumps({"prompt": "hi", "pad": "x" * (BYTES_PER_CHAR * limit + LARGE_BODY)})
+    resp = await loading.post("/v1/completions", data=io.BytesIO(big.encode()), headers=JSON_TYPE)
+    assert "a context of 512 tokens takes no more" in (await error_of(resp, 413))["message"]
+    commas = {"prompt": "hi", "pad": [0] * (3 * limit + LARGE_BODY // 16)}
+    err = await error_of(await loading.post("/v1/completions", json=commas), 400)
+    assert "commas: more JSON values than a context of 512 tokens" in err["message"]
+    ids = {"prompt": [1] * (MANY_VALUES + 1)}  # decoded by the yielding scanner
+    err = await error_of(await loading.post("/v1/completions", json=ids), 400)
+    assert err["param"] == "prompt"

@@ -18,11 +18,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import safetensors
 
 from luced.cache.arena import TOKENS_SPEC, SnapshotArena, layout_bytes
 from luced.cache.disk import QUARANTINE, DiskIdentity, SnapshotDisk, model_dir_name
 from luced.cache.layout import TensorSpec
-from luced.cache.prefix_cache import PrefixCache
+from luced.cache.prefix_cache import DISK_RETRY_S, PrefixCache
 from luced.ipc.regions import Attachments, Region, numpy_dtype
 from luced.ipc.shm import ShmOwner
 
@@ -446,7 +447,7 @@ async def test_writes_run_in_the_background(
         raise OSError(28, "No space left on device")
 
     cache.disk.write = failing_write  # type: ignore[method-assign]
-    with caplog.at_level(logging.ERROR):
+    with caplog.at_level(logging.WARNING):  # a warning (no traceback): disk writes pause
         await cache.save(toks((2, 40)), 40, _filled(toks((2, 40))))
         await cache.flush()
     assert "No space left" in caplog.text and cache.stats().disk_write_errors == 1
@@ -497,6 +498,46 @@ async def test_admin_drop_clear_save_all(owner: ShmOwner, tmp_path: Path) -> Non
     assert cache.entries() == [] and not list(files_of(kv).glob("*.safetensors"))
     st = cache.stats()
     assert (st.entries, st.memory_bytes, st.disk_bytes) == (0, 0, 0)
+    await cache.close()
+
+
+async def test_a_full_disk_pauses_writes_with_one_warning(
+    owner: ShmOwner,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A full filesystem: safetensors' own error at the OS boundary, as it raises it."""
+    now = [1000.0]
+    disk = SnapshotDisk(tmp_path / "kv", IDENT, LAYOUT)
+    cache = PrefixCache(LAYOUT, SnapshotArena(owner, 1 << 20), disk, clock=lambda: now[0])
+    tries: list[str] = []
+
+    def full(specs: object, path: str, metadata: object) -> None:
+        tries.append(path)
+        raise safetensors.SafetensorError(
+            "Error while serializing: I/O error: No space left on device (os error 28)"
+        )
+
+    monkeypatch.setattr(safetensors, "serialize_file", full)
+    for seed in (1, 2, 3):
+        await serve(cache, toks((seed, 40)))
+        await cache.flush()
+        now[0] += 1
+    assert len(tries) == 1  # then no writes for DISK_RETRY_S
+    st = cache.stats()
+    assert (st.disk_error, st.disk_write_errors) == ("No space left on device (ENOSPC)", 1)
+    assert {e.tier for e in cache.entries()} == {"memory"}
+    assert [p.name for p in files_of(tmp_path / "kv").iterdir()] == [".lock"]  # no temp left
+    said = [r for r in caplog.records if r.name == "luced.cache.prefix_cache"]
+    assert [(r.levelno, r.exc_info) for r in said] == [(logging.WARNING, None)]
+    assert "No space left on device" in said[0].getMessage()
+
+    monkeypatch.undo()  # space again; the next write after the pause lands
+    now[0] += DISK_RETRY_S
+    await serve(cache, toks((4, 40)))
+    await cache.flush()
+    assert cache.stats().disk_error is None and cache.entries()[0].tier == "both"
     await cache.close()
 
 

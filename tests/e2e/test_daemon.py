@@ -554,3 +554,37 @@ def test_fuzzed_bodies_never_5xx(tiny_daemon, body: dict, path: str) -> None:
     status, _, reply = raw_post_any(tiny_daemon, path, payload)
     assert status < 500, (status, reply)
     assert tiny_daemon.health()[0] == 200
+
+
+# Ollama's routes: its own fields, and options whose num_predict keeps every reply short (a
+# num_predict <= 0 would generate to the end of the context). A stream's failure shows as
+# an error line, not a status, so its body must not hold an internal error either.
+OLLAMA_OPTIONS = ("num_ctx", "temperature", "top_k", "top_p", "min_p", "seed", "stop")
+_ollama_options = st.fixed_dictionaries(
+    {"num_predict": st.one_of(st.integers(1, 8), st.just("x"))},
+    optional=dict.fromkeys((*OLLAMA_OPTIONS, "repeat_penalty", "typical_p", "mirostat"), _values),
+)
+_ollama_fields = [
+    *("model", "prompt", "system", "raw", "context", "format", "stream", "keep_alive"),
+    *("think", "images", "suffix", "template", "tools", "logprobs", "top_logprobs", "name"),
+]
+_ollama_body = st.dictionaries(st.sampled_from(_ollama_fields), _values, max_size=6).flatmap(
+    lambda d: st.fixed_dictionaries(
+        {
+            **{k: st.just(v) for k, v in d.items()},
+            "messages": st.lists(_message, max_size=3),
+            "options": _ollama_options,
+        }
+    )
+)
+
+
+@settings(
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(body=_ollama_body, path=st.sampled_from(["/api/chat", "/api/generate", "/api/show"]))
+def test_fuzzed_ollama_bodies_never_fail_inside(tiny_daemon, body: dict, path: str) -> None:
+    payload = json.dumps(body, allow_nan=True).encode()
+    status, _, reply = raw_post_any(tiny_daemon, path, payload)
+    assert status < 500 and b"internal error" not in reply, (status, reply)
+    assert tiny_daemon.health()[0] == 200

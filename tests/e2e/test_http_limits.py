@@ -10,6 +10,7 @@ import json
 import socket
 import threading
 import time
+import urllib.request
 
 import make_tiny_gguf
 import pytest
@@ -26,6 +27,9 @@ def _daemon(tmp_path_factory, http_timeout: str, max_connections: str):
     yield d
     assert d.stop() == 0
     assert d.segments() == []
+
+
+CHAT = "/v1/chat/completions"
 
 
 @pytest.fixture(scope="module")
@@ -121,8 +125,8 @@ def test_a_30mb_body_does_not_hold_up_a_small_request(limited) -> None:
     status, _, body = raw_post(d, "/v1/completions", b'{"prompt": "hi", "max_tokens": 2}')
     assert status == 200 and body["usage"]["completion_tokens"] == 2
     t.join(120)
-    status, _, body = result["big"]
-    assert status == 400 and body["error"]["param"] == "prompt"
+    status, _, body = result["big"]  # more bytes than any request of 4096 tokens has
+    assert status == 413 and "a context of 4096 tokens takes no more" in body["error"]["message"]
     assert d.health()[0] == 200
 
 
@@ -137,6 +141,58 @@ def test_oversized_headers_are_a_json_400(limited) -> None:
     answer = read_all(s)
     assert answer.split(b" ", 2)[1] == b"400", answer[:300]  # (HTTP/1.0: it never parsed)
     assert json.loads(answer.split(b"\r\n\r\n", 1)[1])["error"]["type"] == "invalid_request_error"
+
+
+def post_polling_health(d: DaemonProcess, body: bytes) -> tuple[int, dict]:
+    """POST `body` to the chat route while /health is polled: every poll must be answered
+    (a generous bound: once, a large request held the event loop for minutes)."""
+    result: dict = {}
+    sender = threading.Thread(target=lambda: result.update(big=raw_post(d, CHAT, body)))
+    sender.start()
+    polls = 0
+    while sender.is_alive() or polls == 0:
+        with urllib.request.urlopen(d.url + "/health", timeout=10) as r:
+            assert r.status == 200
+        polls += 1
+        time.sleep(0.05)
+    sender.join()
+    status, _, reply = result["big"]
+    return status, reply
+
+
+def test_huge_tool_descriptions_are_refused_and_health_answers_meanwhile(limited) -> None:
+    """The issue's body, 128 tools of 234 KB descriptions (30 MB), has more bytes than any
+    request the context takes (413); one of 4 MB has fewer, but its text is still past the
+    bound: a 400 naming tools, before any schema compiles or any template renders."""
+    user = [{"role": "user", "content": "hi"}]
+    for description_chars, answer in ((234_000, 413), (32_000, 400)):
+        text = ("lorem ipsum dolor sit amet " * 8_700)[:description_chars]
+        tools = [{"type": "function", "function": {"name": f"t{i}", "description": text}}
+                 for i in range(128)]  # fmt: skip
+        body = json.dumps({"messages": user, "tools": tools}).encode()
+        status, reply = post_polling_health(limited, body)
+        assert status == answer, reply
+        if answer == 400:
+            assert reply["error"]["param"] == "tools", reply
+
+
+def test_a_corrupt_gzip_body_is_a_400_without_a_traceback(limited) -> None:
+    d = limited
+    for data in (b"not gzip at all", b"\x1f\x8b\x08\x00\x00\x00\x00\x00\x00\x03garbage"):
+        s = connect(d)
+        s.sendall(
+            f"POST {CHAT} HTTP/1.1\r\nHost: 127.0.0.1:{d.port}\r\n"
+            "Content-Type: application/json\r\nContent-Encoding: gzip\r\n"
+            f"Content-Length: {len(data)}\r\n\r\n".encode()
+            + data
+        )
+        answer = read_all(s)  # answered, then closed: the rest of the stream is unreadable
+        assert answer.startswith(b"HTTP/1.1 400"), answer[:200]
+        error = json.loads(answer.split(b"\r\n\r\n", 1)[1])["error"]
+        assert "cannot be decoded" in error["message"]
+    assert d.health()[0] == 200
+    log = d.log()
+    assert "Traceback" not in log and "Unhandled exception" not in log, log[-3000:]
 
 
 @pytest.mark.parametrize("held", ["kept-alive", "half-sent"])

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import os
 import re
 import shutil
@@ -30,6 +31,7 @@ from luced.serve.admin import (
     start_admin_server,
 )
 from luced.serve.options import default_admin_socket
+from luced.serve.prefix_setup import snapshot_handlers
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -135,6 +137,55 @@ async def test_overlong_request_is_refused(sock_path: Path) -> None:
     async with await start_admin_server(sock_path, {"status": lambda a: {}}):
         [reply] = await ask(sock_path, cmd("status", pad="x" * 70_000))
     assert reply == {"ok": False, "error": "request longer than 65536 bytes"}
+
+
+async def test_a_number_python_will_not_read_is_an_error_reply(
+    sock_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    async with await start_admin_server(sock_path, {"status": lambda a: {"state": "ready"}}):
+        huge = b'{"cmd": "status", "n": ' + b"9" * 5000 + b"}"
+        replies = await ask(sock_path, huge, cmd("status"))
+    assert replies[0]["ok"] is False and replies[0]["error"].startswith("malformed JSON")
+    assert replies[1] == {"ok": True, "state": "ready"}  # the same connection, still served
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+
+
+class Tiers:
+    """The prefix cache as cache_clear sees it: what it was asked to clear."""
+
+    def __init__(self) -> None:
+        self.disk = None
+        self.cleared: list[bool] = []
+
+    async def clear(self, disk: bool = False) -> int:
+        self.cleared.append(disk)
+        return 0
+
+
+async def test_cache_clear_takes_only_a_boolean_disk(sock_path: Path) -> None:
+    tiers = Tiers()
+    handlers = snapshot_handlers(lambda: tiers, tokenizer=None)  # type: ignore[arg-type]
+    async with await start_admin_server(sock_path, handlers):
+        replies = await ask(
+            sock_path,
+            cmd("cache_clear", disk="no"),
+            cmd("cache_clear", disk=1),
+            cmd("cache_clear", disk=False),
+            cmd("cache_clear"),
+            cmd("cache_clear", disk=True),
+            cmd("snapshot_drop", id=12),
+        )
+    assert replies[0] == {"ok": False, "error": "disk must be true or false, got 'no'"}
+    assert replies[1] == {"ok": False, "error": "disk must be true or false, got 1"}
+    assert [r["ok"] for r in replies[2:5]] == [True, True, True]
+    assert tiers.cleared == [False, False, True]  # "no" and 1 cleared nothing
+    assert replies[5] == {"ok": False, "error": "id must be a string, got int"}
+
+
+def test_lucectl_shows_paused_disk_writes() -> None:
+    status = {"entries": 1, "memory_entries": 1, "disk_entries": 0, "disk_budget": None}
+    line = lucectl._prefix_cache({**status, "disk_error": "No space left on device (ENOSPC)"})
+    assert ", disk writes PAUSED: No space left on device (ENOSPC);" in line
 
 
 async def test_concurrent_connections_do_not_wait_for_a_slow_command(sock_path: Path) -> None:

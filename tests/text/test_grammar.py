@@ -4,6 +4,8 @@ naming the problem), and composition of a JSON value inside a larger grammar."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from luced.text.grammar import (
@@ -78,3 +80,46 @@ def test_bad_schemas_say_why(schema, says: str) -> None:
 def test_bad_grammars_say_why() -> None:
     with pytest.raises(GrammarError, match='unknown name: "value"'):
         check_grammar("start: value")
+
+
+LOOP = "no finite JSON value matches the schema: its $ref '{}' loops back"
+
+
+@pytest.mark.parametrize(
+    ("schema", "ref"),
+    [
+        ({"$ref": "#"}, "#"),
+        ({"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}},
+         "#/$defs/a"),
+        ({"$ref": "#/$defs/a", "$defs": {"a": {"anyOf": [{"$ref": "#/$defs/a"}]}}}, "#/$defs/a"),
+        ({"allOf": [{"$ref": "#"}]}, "#"),
+        # an object that must hold one of its own kind, which must hold one, ...
+        ({"type": "object", "properties": {"x": {"$ref": "#"}}, "required": ["x"]}, "#"),
+        ({"type": "array", "items": {"$ref": "#"}, "minItems": 1}, "#"),
+        ({"type": "object", "properties": {"n": {"$ref": "#/$defs/a~1b"}}, "required": ["n"],
+          "$defs": {"a/b": {"$ref": "#"}}}, "#/$defs/a~1b"),
+    ],
+)  # fmt: skip
+def test_a_ref_loop_that_matches_nothing_is_refused(schema, ref: str) -> None:
+    """llguidance compiles these into a grammar of nothing: the reply would be empty."""
+    with pytest.raises(GrammarError, match=re.escape(LOOP.format(ref))):
+        json_schema_grammar(schema)
+
+
+def test_recursion_that_can_end_is_kept(vocab) -> None:
+    tree = {
+        "type": "object",
+        "properties": {"v": {"type": "integer"}, "kids": {"type": "array", "items": {"$ref": "#"}}},
+        "required": ["v"],
+    }
+    assert accepts(vocab, json_schema_grammar(tree), '{"v": 1, "kids": [{"v": 2}]}')
+    node = {
+        "type": "object",
+        "properties": {"next": {"$ref": "#/$defs/node"}},
+        "required": ["next"],
+    }
+    linked = {"$ref": "#/$defs/node", "$defs": {"node": {"anyOf": [{"type": "null"}, node]}}}
+    assert accepts(vocab, json_schema_grammar(linked), '{"next": {"next": null}}')
+    # Without "type", a number matches properties/required vacuously: not a loop.
+    untyped = {"properties": {"x": {"$ref": "#/properties/x"}}, "required": ["x"]}
+    assert accepts(vocab, json_schema_grammar(untyped), "5")

@@ -2,9 +2,11 @@
 
 `build(family, path)` writes a deterministic (seeded) GGUF for `llama`, `qwen3`, `gemma3`,
 the hybrids `qwen35` and `qwen35moe` (their pieces live in tools/tiny_qwen35.py), the MoE
-families `qwen3moe` and `laguna` (tools/tiny_moe.py) or `gemma4` (built whole by
-tools/tiny_gemma4.py, see `MODULE_FAMILIES`) and returns a `TinyModel` with the matching
-transformers config and state dict, so parity tests run luced and transformers on the same weights:
+families `qwen3moe` and `laguna` (tools/tiny_moe.py), `gemma4` (built whole by
+tools/tiny_gemma4.py, see `MODULE_FAMILIES`) or the encoders `bert` and `nomic-bert`
+(tools/tiny_bert.py: their twin is an encoder, not a *ForCausalLM) and returns a `TinyModel`
+with the matching transformers config and state dict, so parity tests run luced and
+transformers on the same weights:
 
     tiny = build("gemma3", tmp_path / "g.gguf", seed=1, qtype="Q8_0")
     ref = tiny.hf_model()                      # Gemma3ForCausalLM, eval, float32, eager attention
@@ -61,9 +63,25 @@ from gguf import GGMLQuantizationType as Q
 from gguf import LlamaFileType as FT
 from gguf import TokenType as TT
 
-FAMILIES = ("llama", "qwen3", "gemma3", *tiny_qwen35.FAMILIES, *tiny_moe.FAMILIES, "gemma4")
-# Families whose builder is a module beside this one: its build(path, seed=, qtype=, **overrides).
-MODULE_FAMILIES = {"gemma4": "tiny_gemma4"}
+FAMILIES = (
+    "llama",
+    "qwen3",
+    "gemma3",
+    *tiny_qwen35.FAMILIES,
+    *tiny_moe.FAMILIES,
+    "gemma4",
+    "bert",
+    "nomic-bert",
+)
+ENCODERS = ("bert", "nomic-bert")  # no LM head: they serve embeddings only
+DECODERS = tuple(f for f in FAMILIES if f not in ENCODERS)
+# Families whose builder is a module beside this one: (module, its function taking
+# (path, seed=, qtype=, **overrides)).
+MODULE_FAMILIES = {
+    "gemma4": ("tiny_gemma4", "build"),
+    "bert": ("tiny_bert", "build_bert"),
+    "nomic-bert": ("tiny_bert", "build_nomic_bert"),
+}
 # qtype -> (ggml type, general.file_type, block size in elements)
 QTYPES: dict[str, tuple[Q, FT, int]] = {
     "F32": (Q.F32, FT.ALL_F32, 1),
@@ -671,8 +689,9 @@ def build(
 ) -> TinyModel:
     """Write the tiny GGUF to `path`; return it with its transformers twin (see module doc)."""
     if family in MODULE_FAMILIES:
-        module = importlib.import_module(MODULE_FAMILIES[family])
-        return module.build(Path(path), seed=seed, qtype=qtype, **overrides)
+        module, function = MODULE_FAMILIES[family]
+        builder = getattr(importlib.import_module(module), function)
+        return builder(Path(path), seed=seed, qtype=qtype, **overrides)
     spec = _make_spec(family, qtype, seed, overrides)
     vocab = _vocab(tiny_moe.VOCAB if family in tiny_moe.FAMILIES else family, spec.vocab_size)
     path = Path(path)

@@ -462,6 +462,7 @@ def prepare_generate(engine: Engine, body: Mapping[str, Any]) -> Prepared:
 def _prepare(engine: Engine, req: OllamaRequest) -> Prepared:
     if req.idle:
         return Prepared(req, [], req.options)
+    engine.check_generates()
     _check_chars(req, engine.context_length)
     tools = None
     if req.calls_tools or has_tool_turns(req.messages):

@@ -5,7 +5,8 @@
     POST /api/show              its details, model_info, template, parameters
     POST /api/chat              chat, streamed as NDJSON unless "stream": false
     POST /api/generate          a prompt through the chat template (or raw), likewise
-    POST /api/embed, /api/embeddings   501: luced computes no embeddings yet
+    POST /api/embed             embeddings, unit length (luced.api.embeddings)
+    POST /api/embeddings        Ollama's older route: one prompt, its vector as pooled
 
 A request's trace: `prepare` (the server's: read the body, then `luced.api.ollama`
 validates it, renders and tokenizes the prompt, off the event loop), `Engine.submit`, and
@@ -16,6 +17,7 @@ for every /api/ path); one that comes after the first line is the stream's last 
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Mapping
@@ -24,6 +26,12 @@ from typing import Any
 from aiohttp import web
 
 from luced.api import ollama_models
+from luced.api.embeddings import (
+    embed_all,
+    prepare_ollama_embed,
+    prepare_ollama_embeddings,
+    vectors_json,
+)
 from luced.api.fields import APIError
 from luced.api.formats import dumps, finish_error
 from luced.api.ollama import Prepared, check_model, prepare_chat, prepare_generate
@@ -36,9 +44,6 @@ from luced.engine.core import Engine
 # The Ollama release whose API these routes follow: clients gate features (tools,
 # structured outputs, think) on the version they read here.
 OLLAMA_VERSION = "0.32.0"
-NO_EMBEDDINGS = (
-    "embeddings are not supported yet: luced serves text generation only (/api/chat, /api/generate)"
-)
 
 # The server's body reader: fn(engine, *args, body) run off the event loop once the body
 # is in (luced.api.server.prepare).
@@ -58,7 +63,8 @@ def add_routes(app: web.Application, engine: Engine, facts: ModelFacts, prepare:
 
     async def show(request: web.Request) -> web.Response:
         await prepare(request, _show_model)
-        body = ollama_models.show(facts, engine.chat_template.source, engine.context_length)
+        template = engine.chat_template.source if engine.chat_template is not None else ""
+        body = ollama_models.show(facts, template, engine.context_length)
         return web.json_response(body, dumps=dumps)
 
     async def chat(request: web.Request) -> web.StreamResponse:
@@ -70,7 +76,23 @@ def add_routes(app: web.Application, engine: Engine, facts: ModelFacts, prepare:
         return await _reply(request, engine, await prepare(request, prepare_generate), arrived)
 
     async def embed(request: web.Request) -> web.Response:
-        raise APIError(501, NO_EMBEDDINGS)
+        arrived = time.monotonic()
+        prep = await prepare(request, prepare_ollama_embed)
+        vectors = await embed_all(engine, prep.inputs, f"ollama-{uuid.uuid4().hex}")
+        rows = await asyncio.to_thread(vectors_json, vectors)
+        tail = {
+            "total_duration": int((time.monotonic() - arrived) * 1e9),
+            "load_duration": 0,
+            "prompt_eval_count": sum(map(len, prep.inputs)),
+        }
+        text = f'{{"model":{dumps(prep.model)},"embeddings":{rows},{dumps(tail)[1:]}'
+        return web.Response(text=text, content_type="application/json")
+
+    async def embeddings(request: web.Request) -> web.Response:
+        prep = await prepare(request, prepare_ollama_embeddings)
+        vectors = await embed_all(engine, prep.inputs, f"ollama-{uuid.uuid4().hex}")
+        rows = vectors_json(vectors, normalize=False)[1:-1]  # one vector, or none
+        return web.Response(text=f'{{"embedding":{rows or "[]"}}}', content_type="application/json")
 
     app.add_routes(
         [
@@ -81,7 +103,7 @@ def add_routes(app: web.Application, engine: Engine, facts: ModelFacts, prepare:
             web.post("/api/chat", chat),
             web.post("/api/generate", generate),
             web.post("/api/embed", embed),
-            web.post("/api/embeddings", embed),
+            web.post("/api/embeddings", embeddings),
         ]
     )
 

@@ -196,7 +196,7 @@ def _options(
         params=sampling_params(body, logprobs),
         max_tokens=max_tokens,
         stop=read_stop(body.get("stop")),
-        stop_token_ids=_token_ids(
+        stop_token_ids=token_ids(
             "stop_token_ids", body.get("stop_token_ids"), vocab_size, allow_empty=True
         ),
         ignore_eos=read_bool(body, "ignore_eos"),
@@ -241,7 +241,7 @@ def read_stop(value: Any, name: str = "stop") -> tuple[str, ...]:
     return tuple(out)
 
 
-def _token_ids(param: str, value: Any, vocab_size: int, allow_empty: bool) -> tuple[int, ...]:
+def token_ids(param: str, value: Any, vocab_size: int, allow_empty: bool) -> tuple[int, ...]:
     if value is None:
         return ()
     if not isinstance(value, list):
@@ -338,14 +338,14 @@ def _prompt(value: Any, vocab_size: int) -> str | tuple[int, ...]:
         got = "an empty array" if value == [] else json_kind(value)
         raise bad("prompt", f"prompt must be a string or an array of token ids, got {got}")
     if all(isinstance(x, int | float) and not isinstance(x, bool) for x in value):
-        return _token_ids("prompt", value, vocab_size, allow_empty=False)
+        return token_ids("prompt", value, vocab_size, allow_empty=False)
     if len(value) > 1:
         raise bad("prompt", "a batch of prompts is not supported; send one prompt per request")
     (only,) = value
     if isinstance(only, str):
         return read_text("prompt[0]", only)
     if isinstance(only, list):
-        return _token_ids("prompt[0]", only, vocab_size, allow_empty=False)
+        return token_ids("prompt[0]", only, vocab_size, allow_empty=False)
     raise bad(
         "prompt[0]", f"prompt[0] must be a string or an array of token ids, got {json_kind(only)}"
     )

@@ -217,6 +217,7 @@ def prepare_messages(
 
 
 def prepare_completion(engine: Engine, body: dict[str, Any]) -> Prepared[CompletionRequest]:
+    engine.check_generates()
     check_size(body, COMPLETION_FIELDS, engine.context_length)
     vocab = engine.tokenizer.vocab_size
     req = parse_completion(body, model_name=engine.model_name, vocab_size=vocab)
@@ -264,6 +265,7 @@ def _chat(
     """A chat-shaped request's prompt, and its tools' grammar when it calls tools (a
     template without tools cannot render calls or results as they came, so a history
     holding them goes through the tool format too)."""
+    engine.check_generates()
     tools = None
     if req.calls_tools or has_tool_turns(req.messages):
         tools = tool_format(engine.chat_template)

@@ -4,6 +4,7 @@
     POST /v1/completions         legacy completions, streaming or not
     POST /v1/messages            Anthropic Messages, streaming or not (luced.api.anthropic)
     POST /v1/messages/count_tokens   the prompt's token count for a Messages body
+    POST /v1/embeddings          embeddings (luced.api.embeddings)
     POST /tokenize, /detokenize  llama-server's token utilities
     GET  /v1/models              the served model; GET /v1/models/{id} one model card
     GET  /health                 200 {"status": "ok"} when ready, else 503 {"status": state}
@@ -59,6 +60,7 @@ from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web_protocol import RequestPayloadError
 
 from luced.api import anthropic, ollama_routes, page, status
+from luced.api.embeddings import embed_all, prepare_embeddings, response_json
 from luced.api.fields import APIError
 from luced.api.formats import (
     SSE_DONE,
@@ -172,6 +174,7 @@ def make_app(
             web.post("/v1/messages", messages),
             web.post("/v1/messages/count_tokens", count_tokens),
             web.post("/v1/responses", responses),
+            web.post("/v1/embeddings", embeddings),
             web.post("/tokenize", tokenize),
             web.post("/detokenize", detokenize),
             web.get("/v1/models", list_models),
@@ -440,6 +443,17 @@ async def responses(request: web.Request) -> web.StreamResponse:
         for ev in tail:
             await resp.write(ev)
     return resp
+
+
+async def embeddings(request: web.Request) -> web.Response:
+    """OpenAI's POST /v1/embeddings: each input pooled in the engine's steps."""
+    engine = request.app[ENGINE]
+    prep = await prepare(request, prepare_embeddings)
+    vectors = await embed_all(engine, prep.inputs, f"embd-{uuid.uuid4().hex}")
+    n_tokens = sum(map(len, prep.inputs))
+    fmt = prep.request.encoding_format
+    text = await asyncio.to_thread(response_json, vectors, fmt, engine.model_name, n_tokens)
+    return web.Response(text=text, content_type="application/json")
 
 
 def _anthropic_usage(handle: RequestHandle) -> dict[str, int]:

@@ -10,7 +10,7 @@
      pipeline hands the hidden rows on through ``act.boundary-k``. All or nothing: a
      failure, or a worker at the wrong positions after it, rolls every sequence back to
      its span's start on the workers that advanced
-  5. each work's rows are read back
+  5. each work's rows are read back (an embedding's pooled row from ``act.embeddings``)
 
 A sequence's span may start below what its KV holds (the rejected rows of its last draft
 window): the worker rolls it back first, so a verify costs no extra round trip.
@@ -80,6 +80,9 @@ class ModelRunner:
         outputs = self._outputs(n_out, k if asked else None) if want == "sample" else {}
         if logits_out is not None:
             outputs = {"logits": logits_out}
+        pooled = [j for j, w in enumerate(works) if w.pool]
+        if pooled:  # one row each, in work order
+            outputs["embeddings"] = t.regions["embeddings"].rows(0, len(pooled))
         tokens = sum(len(w.tokens) for w in works)
         sampled = [w.verifies and not w.seq.params.greedy for w in works]
         q_rows = [
@@ -108,6 +111,7 @@ class ModelRunner:
                         keep_block_states=keep_blocks and w.verifies,
                         ring=ring.region if ring is not None else None,
                         kv_plan=plans[j][i] if plans[j] else {},
+                        pool=w.pool if last else "",  # type: ignore[arg-type]
                     )
                 )
             return Forward(
@@ -142,17 +146,16 @@ class ModelRunner:
                 flash.after_step()  # qk: reselect; the copies ride with the next plan
         self.last_wall_us = int((time.perf_counter() - t0) * 1e6)
         self.last_compute_us = sum(r.elapsed_us for r in replies)
-        if want != "sample":
-            return [WorkOutput([]) for _ in works]
-        accepted = replies[-1].accepted or (-1,) * len(works)
-        out: list[WorkOutput | None] = []
-        for w, r, a in zip(works, rows, accepted, strict=True):
-            n = a + 1 if a >= 0 else r.n
-            got = self._read_rows(r.first, n, outputs)
-            out.append(
-                WorkOutput([_trimmed(s, w.seq.logprobs) for s in got], a if a >= 0 else None)
-            )
-        return out
+        out = [WorkOutput([]) for _ in works]
+        if want == "sample":
+            accepted = replies[-1].accepted or (-1,) * len(works)
+            for i, (w, r, a) in enumerate(zip(works, rows, accepted, strict=True)):
+                got = self._read_rows(r.first, a + 1 if a >= 0 else r.n, outputs)
+                out[i].rows = [_trimmed(s, w.seq.logprobs) for s in got]
+                out[i].accepted = a if a >= 0 else None
+        for k, j in enumerate(pooled):
+            out[j].pooled = t.arrays["embeddings"][k].copy()
+        return list(out)
 
     def _write_tokens(self, works: list[Work]) -> None:
         """The fed ids into ``io.tokens``, one work after another."""

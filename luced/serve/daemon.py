@@ -34,6 +34,7 @@ from luced.engine.kvflash.transport import (
     resolve_pool,
 )
 from luced.engine.metrics import Metrics
+from luced.engine.pooling import declared_pooling, is_encoder
 from luced.engine.target import Target, TargetPlacement
 from luced.engine.watchdog import LoopWatchdog
 from luced.gguf_file import GGUFFile
@@ -73,7 +74,7 @@ class Daemon:
         self.owner = ShmOwner()
         self.engine: Engine | None = None
         self.target: Target | None = None
-        self.template: ChatTemplate | None = None
+        self.template: ChatTemplate | None = None  # None: an encoder's (embeddings only)
         self.tokenizer: Tokenizer | None = None
         self.disk_reservation = DiskReservation()
 
@@ -98,7 +99,8 @@ class Daemon:
         sdnotify.status(f"reading {Path(model_path).name}")
         tokenizer = Tokenizer.from_gguf(gguf)
         tokenizer.special_pattern  # noqa: B018 - built now (0.4 s for Gemma), not on a request
-        template = ChatTemplate.from_gguf(gguf, gguf.arch)
+        # An encoder generates nothing: no chat template is needed (nor usually present).
+        template = None if is_encoder(gguf) else ChatTemplate.from_gguf(gguf, gguf.arch)
         self.template, self.tokenizer = template, tokenizer
         n_layers = int(gguf.require(f"{gguf.arch}.block_count"))
         kv_sources = gguf.kv_sources()  # a layer split keeps these layers with their sources
@@ -112,6 +114,11 @@ class Daemon:
         moe_profile = self._moe_profile(gguf)
         kv_pool = self._kv_pool(gguf, context, running)
         facts = ModelFacts.from_gguf(gguf)  # what Ollama's /api/tags, /api/show list
+        encoder = is_encoder(gguf)
+        pooling = model.pooling if model.pooling != "auto" else declared_pooling(gguf) or "mean"
+        log.info(
+            "embeddings: %s pooling%s", pooling, "; an encoder: embeddings only" if encoder else ""
+        )
         del gguf
         moe = cfg.moe
         if moe.moe_expert_device is not None:
@@ -189,6 +196,8 @@ class Daemon:
             metrics=metrics,
             max_running=running,
             kv_pool_tokens=kv_pool,
+            encoder=encoder,
+            pooling=pooling,
         )
         http = cfg.http
         try:

@@ -53,7 +53,7 @@ class ModelRunner:
         self.last_wall_us = 0
         self.last_compute_us = 0
 
-    async def execute(self, batch: Batch) -> list[WorkOutput | None]:
+    async def execute(self, batch: Batch) -> list[WorkOutput]:
         t = self.target
         for seq in batch.preempted:
             with contextlib.suppress(Exception):  # a dead worker forgot it anyway
@@ -66,7 +66,7 @@ class ModelRunner:
 
     async def forward(
         self, works: list[Work], want: str = "sample", logits_out: Region | None = None
-    ) -> list[WorkOutput | None]:
+    ) -> list[WorkOutput]:
         """One forward of `works` (windows filled); `want` "logits" writes each output row's
         logits to `logits_out` instead of sampling."""
         t = self.target
@@ -155,7 +155,7 @@ class ModelRunner:
                 out[i].accepted = a if a >= 0 else None
         for k, j in enumerate(pooled):
             out[j].pooled = t.arrays["embeddings"][k].copy()
-        return list(out)
+        return out
 
     def _write_tokens(self, works: list[Work]) -> None:
         """The fed ids into ``io.tokens``, one work after another."""

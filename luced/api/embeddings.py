@@ -18,7 +18,9 @@ runs. `usage`: prompt_tokens = total_tokens = the inputs' tokens.
 
 A request's inputs go into the queue as it takes them (`embed_all`): when it is full, the
 rest wait for this request's own earlier inputs to finish, and only a request none of whose
-inputs is in flight gets the queue's 429.
+inputs is in flight gets the queue's 429. Its body is bounded (`luced.api.prepare`) by what
+MAX_INPUTS inputs of the longest length carry (`embedding_tokens`), where a generation's
+is bounded by one context: a client that sends token ids sends many values.
 """
 
 from __future__ import annotations
@@ -149,6 +151,12 @@ def check_dimensions(engine: Engine, dimensions: int | None) -> None:
             f"dimensions: this model gives {size}-dimensional embeddings and does not declare "
             f"that shorter ones keep their meaning (got {dimensions})",
         )
+
+
+def embedding_tokens(engine: Engine) -> int:
+    """The most tokens one request's inputs carry together: what bounds its body (its
+    bytes and values), where a generation's is bounded by the context."""
+    return MAX_INPUTS * engine.embedding_limit
 
 
 @dataclass(frozen=True)

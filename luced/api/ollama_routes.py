@@ -28,6 +28,7 @@ from aiohttp import web
 from luced.api import ollama_models
 from luced.api.embeddings import (
     embed_all,
+    embedding_tokens,
     prepare_ollama_embed,
     prepare_ollama_embeddings,
     vectors_json,
@@ -77,7 +78,7 @@ def add_routes(app: web.Application, engine: Engine, facts: ModelFacts, prepare:
 
     async def embed(request: web.Request) -> web.Response:
         arrived = time.monotonic()
-        prep = await prepare(request, prepare_ollama_embed)
+        prep = await prepare(request, prepare_ollama_embed, tokens=embedding_tokens(engine))
         vectors = await embed_all(engine, prep.inputs, f"ollama-{uuid.uuid4().hex}")
         rows = await asyncio.to_thread(vectors_json, vectors)
         tail = {

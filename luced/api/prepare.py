@@ -95,19 +95,31 @@ class Preparer:
     def __init__(self, threads: int = PREPARE_THREADS) -> None:
         self._large = ThreadPoolExecutor(threads, thread_name_prefix="luced-prepare")
 
-    async def run(self, chunks: list[bytes], fn: Callable[..., T], engine: Engine, *args: Any) -> T:
-        """`fn(engine, *args, body)` in a thread, the body decoded there from its chunks."""
+    async def run(
+        self,
+        chunks: list[bytes],
+        fn: Callable[..., T],
+        engine: Engine,
+        *args: Any,
+        tokens: int | None = None,
+    ) -> T:
+        """`fn(engine, *args, body)` in a thread, the body decoded there from its chunks.
+        `tokens`: what the request may carry in all, which bounds its values (default:
+        the context; a request of many embedding inputs carries more)."""
         pool = self._large if sum(map(len, chunks)) > LARGE_BODY else None
-        call = functools.partial(_prepare, fn, engine, args, chunks)
+        bound = tokens or engine.context_length
+        call = functools.partial(_prepare, fn, engine, args, chunks, bound)
         return await asyncio.get_running_loop().run_in_executor(pool, call)
 
     def close(self) -> None:
         self._large.shutdown(wait=False, cancel_futures=True)
 
 
-def _prepare(fn: Callable[..., T], engine: Engine, args: tuple[Any, ...], chunks: list[bytes]) -> T:
+def _prepare(
+    fn: Callable[..., T], engine: Engine, args: tuple[Any, ...], chunks: list[bytes], tokens: int
+) -> T:
     raw = b"".join(chunks)
-    many = check_commas(raw, engine.context_length)
+    many = check_commas(raw, tokens)
     held = [decode_body(raw, yielding=many)]  # the one reference, for `_let_go`
     del raw
     try:

@@ -60,7 +60,12 @@ from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web_protocol import RequestPayloadError
 
 from luced.api import anthropic, ollama_routes, page, status
-from luced.api.embeddings import embed_all, prepare_embeddings, response_json
+from luced.api.embeddings import (
+    embed_all,
+    embedding_tokens,
+    prepare_embeddings,
+    response_json,
+)
 from luced.api.fields import APIError
 from luced.api.formats import (
     SSE_DONE,
@@ -311,19 +316,22 @@ def _is_anthropic(request: web.Request) -> bool:
     return request.path == "/v1/messages" or request.path.startswith("/v1/messages/")
 
 
-async def prepare(request: web.Request, fn: Callable[..., Any], *args: Any) -> Any:
-    """`fn(engine, *args, body bytes)` in a thread (`luced.api.prepare`), once the body is in."""
-    chunks = await read_body(request)
-    return await request.app[PREPARER].run(chunks, fn, request.app[ENGINE], *args)
+async def prepare(
+    request: web.Request, fn: Callable[..., Any], *args: Any, tokens: int | None = None
+) -> Any:
+    """`fn(engine, *args, body bytes)` in a thread (`luced.api.prepare`), once the body is in.
+    `tokens`: what the request may carry in all (default: the context), its body's bound."""
+    context = tokens or request.app[ENGINE].context_length
+    chunks = await read_body(request, context)
+    return await request.app[PREPARER].run(chunks, fn, request.app[ENGINE], *args, tokens=context)
 
 
-async def read_body(request: web.Request) -> list[bytes]:
-    """The body's bytes, as they came: 413 past the body limit or the most a request the
-    context can take has (`max_body_bytes`; from Content-Length before reading a byte),
+async def read_body(request: web.Request, context: int) -> list[bytes]:
+    """The body's bytes, as they came: 413 past the body limit or the most a request of
+    `context` tokens has (`max_body_bytes`; from Content-Length before reading a byte),
     408 when the body does not arrive within the body timeout, 400 for a bad
     Content-Encoding (corrupt gzip). The loop is let go every YIELD_BYTES: bytes already
     buffered are read without waiting, tens of MB in one step otherwise."""
-    context = request.app[ENGINE].context_length
     most = min(request.app[MAX_BODY], max_body_bytes(context))
     why = f"bytes: at most {most}"
     if most < request.app[MAX_BODY]:
@@ -448,7 +456,7 @@ async def responses(request: web.Request) -> web.StreamResponse:
 async def embeddings(request: web.Request) -> web.Response:
     """OpenAI's POST /v1/embeddings: each input pooled in the engine's steps."""
     engine = request.app[ENGINE]
-    prep = await prepare(request, prepare_embeddings)
+    prep = await prepare(request, prepare_embeddings, tokens=embedding_tokens(engine))
     vectors = await embed_all(engine, prep.inputs, f"embd-{uuid.uuid4().hex}")
     n_tokens = sum(map(len, prep.inputs))
     fmt = prep.request.encoding_format

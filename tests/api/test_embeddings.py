@@ -151,6 +151,17 @@ async def test_routes_on_an_engine_that_is_loading(client: TestClient) -> None:
 
 
 @pytest.mark.asyncio(loop_scope="module")
+async def test_a_body_may_carry_many_inputs_of_token_ids(client: TestClient) -> None:
+    """500 inputs of 200 ids are more values than one context's request may carry (a
+    chat's body would be a 400 before decoding), not more than 2048 inputs may."""
+    many = {"input": [[7] * 200] * 500}
+    resp = await client.post("/v1/completions", json={"prompt": many["input"]})
+    assert resp.status == 400 and "commas" in (await resp.json())["error"]["message"]
+    resp = await client.post("/v1/embeddings", json=many)
+    assert resp.status == 503  # decoded, parsed and bounded: only the loading engine refuses
+
+
+@pytest.mark.asyncio(loop_scope="module")
 async def test_an_encoder_refuses_generation_before_rendering(
     client: TestClient, unstarted_engine: Engine, monkeypatch: pytest.MonkeyPatch
 ) -> None:

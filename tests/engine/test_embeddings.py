@@ -52,6 +52,15 @@ async def test_decoder_embeddings_equal_transformers(tmp_path: Path, family: str
         close(await embed(engine, short, "mean"), pooled(hf_states(tiny, short), "mean"))
 
 
+async def test_a_split_target_pools_in_its_last_worker(tmp_path: Path) -> None:
+    """Two workers: the first hands its rows on (want="hidden"), the last pools them."""
+    tiny = make_tiny_gguf.build("llama", tmp_path / "m.gguf", seed=8, layers=4)
+    async with engine_for(tiny.path, ("cpu", "cpu:1"), context=256) as engine:
+        assert len(engine.target.executor.workers()) == 2
+        for kind in ("mean", "last"):
+            close(await embed(engine, LONG, kind), pooled(hf_states(tiny, LONG), kind))
+
+
 async def test_embeddings_run_in_the_steps_of_a_generation(tmp_path: Path) -> None:
     """Two embeddings submitted beside a generation share its steps: the generation's
     tokens are the ones it makes alone, each vector is transformers'."""

@@ -12,7 +12,6 @@ import numpy as np
 import pytest
 import pytest_asyncio
 from aiohttp.test_utils import TestClient, TestServer
-from conftest import UNSTARTED_CONTEXT
 
 from luced.api.embeddings import (
     MAX_INPUTS,
@@ -27,6 +26,7 @@ from luced.engine.core import Engine
 from luced.engine.metrics import Metrics
 
 VOCAB = 49152
+UNSTARTED_CONTEXT = 256  # the unstarted engine's (tests/api/conftest.py)
 
 
 def parse(**body: object):

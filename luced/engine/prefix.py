@@ -105,7 +105,7 @@ class PrefixReuse:
         """Start `seq` (just admitted, its slot empty) on the longest prefix held elsewhere;
         -> the positions that need no computing (its `computed`)."""
         if seq.generated or seq.pooler is not None:
-            return 0  # a resumed sequence recomputes (its sampler lives on in the slot)
+            return 0  # recomputed (a resumed one's sampler lives on in the slot), or pooled
         prompt = seq.prompt
         hit = None
         if self.cache is not None:

@@ -7,6 +7,7 @@ import contextlib
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from luced.cache.arena import SnapshotArena
@@ -15,6 +16,7 @@ from luced.cache.prefix_cache import PrefixCache
 from luced.engine.core import Engine, GenerationRequest, RequestHandle
 from luced.engine.driver import Driver
 from luced.engine.kvflash import PagerConfig
+from luced.engine.pooling import is_encoder
 from luced.engine.spec.proposer import Proposer
 from luced.engine.target import Target, TargetPlacement
 from luced.gguf_file import GGUFFile
@@ -132,6 +134,7 @@ async def engine_for(
             adaptive_blocks=adaptive_blocks,
             max_running=max_running,
             kv_pool_tokens=kv_pool_tokens,
+            encoder=is_encoder(gguf),
         )
         if proposer_cls is not None:  # drafts of the test's own making
             engine.runner.proposer = proposer_cls(target)
@@ -175,3 +178,12 @@ async def generate(
         lps += [(lp.logprob, [t[0] for t in lp.top]) for lp in delta.logprobs or []]
     assert handle.finish_reason == "length", handle.error
     return tokens, handle, lps
+
+
+async def embed(engine: Engine, prompt: list[int], pooling: str = "mean") -> np.ndarray:
+    """An embedding request's pooled vector (float32 [hidden]), once it ends."""
+    handle = engine.submit(GenerationRequest("e", prompt, SamplingParams(), pooling=pooling))
+    async for _ in handle:
+        raise AssertionError("an embedding request streams no deltas")
+    assert handle.finish_reason == "stop" and handle.embedding is not None, handle.error
+    return handle.embedding

@@ -8,7 +8,8 @@ from typing import Any
 import torch
 import transformers
 
-from luced.runtime.tiny import TinyModel
+from luced.runtime.tiny import ENCODERS, TinyModel
+from luced.runtime.tiny.bert import TinyEncoder
 
 # Config fields transformers' GGUF loader does not recover; pass them as from_pretrained kwargs.
 GGUF_LOADER_GAPS = {
@@ -27,13 +28,23 @@ def hf_config(tiny: TinyModel) -> Any:
 
 
 def hf_model(tiny: TinyModel) -> Any:
-    """The transformers *ForCausalLM holding the tiny model's weights: eval, float32, eager
-    attention."""
-    model = transformers.AutoModelForCausalLM.from_config(
-        hf_config(tiny), attn_implementation="eager", dtype=torch.float32
-    )
+    """The transformers *ForCausalLM holding the tiny model's weights (an encoder's: its
+    BertModel / NomicBertModel, no pooler): eval, float32, eager attention."""
+    kwargs: dict[str, Any] = dict(attn_implementation="eager", dtype=torch.float32)
+    if tiny.family in ENCODERS:
+        auto = transformers.AutoModel
+        kwargs["add_pooling_layer"] = False
+    else:
+        auto = transformers.AutoModelForCausalLM
+    model = auto.from_config(hf_config(tiny), **kwargs)
     model.load_state_dict(tiny.state_dict, strict=True)
     return model.eval()
+
+
+def hf_tokenizer(tiny: TinyEncoder) -> Any:
+    """transformers' BERT tokenizer (uncased) over a tiny encoder's vocab.txt."""
+    vocab = {p: i for i, p in enumerate(tiny.wordpieces)}
+    return transformers.BertTokenizer(vocab=vocab, do_lower_case=True)
 
 
 def gguf_loader_kwargs(tiny: TinyModel) -> dict[str, Any]:

@@ -26,6 +26,7 @@ from luced.api.fields import APIError
 from luced.api.ollama_models import ModelFacts
 from luced.engine.core import Engine
 from luced.engine.metrics import Metrics
+from luced.text.chat_template import ChatTemplate
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,11 @@ class About:
     facts: ModelFacts
     template: str  # the chat template's source
     context_length: int
+
+
+def template_source(template: ChatTemplate | None) -> str:
+    """What /api/show says of a chat template: an encoder's (embeddings only) is none."""
+    return "" if template is None else template.source
 
 
 class Catalog(Protocol):
@@ -177,7 +183,7 @@ class SingleModel:
 
     async def about(self, name: str | None) -> About:
         self._check(name)
-        source = self.engine.chat_template.source
+        source = template_source(self.engine.chat_template)
         return About(self.served.facts, source, self.engine.context_length)
 
     def unload_when_idle(self, name: str) -> None:

@@ -10,6 +10,8 @@ the model it names (a daemon serving several: `peek`, in a thread), and holds th
 model's lease from the app's catalog (`luced.api.catalog`) while the handler runs, so a
 model is never unloaded under a request, and a model not loaded is loaded first. A
 catalog of one model needs no name: its request's `model` is checked while it is parsed.
+A route whose body carries many inputs (embeddings) is `@leasing_inputs(n)`: its body is
+bounded by n contexts, not one.
 """
 
 from __future__ import annotations
@@ -82,9 +84,18 @@ async def leased(request: web.Request, name: str | None) -> AsyncIterator[Served
 
 def leasing(handler: Handler) -> Handler:
     """Run `handler` under the lease of the model its body's `model` names."""
+    return _leasing(handler, 1)
 
+
+def leasing_inputs(inputs: int) -> Callable[[Handler], Handler]:
+    """`leasing` for a route whose body carries up to `inputs` inputs of a context each."""
+    return functools.partial(_leasing, contexts=inputs)
+
+
+def _leasing(handler: Handler, contexts: int) -> Handler:
     @functools.wraps(handler)
     async def run(request: web.Request) -> web.StreamResponse:
+        await read_body(request, contexts)
         async with leased(request, await requested(request, requested_model)):
             return await handler(request)
 
@@ -95,27 +106,36 @@ def leased_engine(request: web.Request) -> Engine:
     return request[LEASE].served.engine
 
 
-async def prepare(request: web.Request, fn: Callable[..., T], *args: Any) -> T:
-    """`fn(engine, *args, body)` in a thread (`luced.api.prepare`), under the lease."""
+async def prepare(
+    request: web.Request, fn: Callable[..., T], *args: Any, tokens: int | None = None
+) -> T:
+    """`fn(engine, *args, body)` in a thread (`luced.api.prepare`), under the lease.
+    `tokens`: what the request may carry in all, its values' bound (default: the context)."""
     lease = request[LEASE]
-    return await request.app[PREPARER].run(lease.chunks, fn, lease.served.engine, *args)
+    engine = lease.served.engine
+    return await request.app[PREPARER].run(lease.chunks, fn, engine, *args, tokens=tokens)
 
 
-async def read_body(request: web.Request) -> list[bytes]:
+async def read_body(request: web.Request, contexts: int = 1) -> list[bytes]:
     """The body's bytes, as they came (read once, kept on the request): 413 past the body
-    limit or the most a request the context can take has (`max_body_bytes`; from
-    Content-Length before reading a byte), 408 when the body does not arrive within the
-    body timeout, 400 for a bad Content-Encoding (corrupt gzip). The loop is let go every
-    YIELD_BYTES: bytes already buffered are read without waiting, tens of MB in one step
-    otherwise. Serving several models, the context is the largest known, if any."""
+    limit or the most a request of `contexts` contexts can take has (`max_body_bytes`;
+    from Content-Length before reading a byte), 408 when the body does not arrive within
+    the body timeout, 400 for a bad Content-Encoding (corrupt gzip). The loop is let go
+    every YIELD_BYTES: bytes already buffered are read without waiting, tens of MB in one
+    step otherwise. Serving several models, the context is the largest known, if any."""
     if BODY in request:
         return request[BODY]
     context = request.app[MODELS].context_bound()
     limit = request.app[MAX_BODY]
-    most = limit if context is None else min(limit, max_body_bytes(context))
+    most = limit if context is None else min(limit, max_body_bytes(contexts * context))
     why = f"bytes: at most {most}"
     if most < limit:
-        why += f" (a context of {context} tokens takes no more)"
+        held = (
+            f"a context of {context} tokens takes"
+            if contexts == 1
+            else (f"{contexts} inputs of a context of {context} tokens take")
+        )
+        why += f" ({held} no more)"
     if (request.content_length or 0) > most:
         raise APIError(413, f"the request body has {request.content_length} {why}")
     chunks: list[bytes] = []

@@ -237,6 +237,12 @@ def named_request(body: Mapping[str, Any]) -> Named:
     return Named(read_text("model", model) if model else None, unload)
 
 
+def named_model(body: Mapping[str, Any]) -> Named:
+    """An /api/embed or /api/embeddings body's model."""
+    model = body.get("model")
+    return Named(read_text("model", model) if model else None)
+
+
 def named_show(body: Mapping[str, Any]) -> Named:
     """/api/show names its model as `model` (or the older `name`)."""
     field = "model" if body.get("model") else "name"
@@ -495,6 +501,7 @@ def prepare_generate(engine: Engine, body: Mapping[str, Any]) -> Prepared:
 def _prepare(engine: Engine, req: OllamaRequest) -> Prepared:
     if req.idle:
         return Prepared(req, [], req.options)
+    engine.check_generates()
     _check_chars(req, engine.context_length)
     tools = None
     if req.calls_tools or has_tool_turns(req.messages):

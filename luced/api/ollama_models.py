@@ -31,6 +31,7 @@ from luced.gguf_file import GGUFFile
 
 FOREVER = timedelta(days=100 * 365)
 CAPABILITIES = ["completion", "tools"]  # every template gets tools (luced.text.tool_calls)
+ENCODER_CAPABILITIES = ["embedding"]  # bidirectional attention: it cannot generate
 
 
 @dataclass(frozen=True)
@@ -160,6 +161,14 @@ def accelerated_share(placement: Sequence[Mapping]) -> float:
     return fast / total if total else 0.0
 
 
+def capabilities(facts: ModelFacts) -> list[str]:
+    """What the model serves, as Ollama names it: an encoder (`attention.causal` false)
+    embeds only; a decoder generates and calls tools (and embeds, unlisted, as Ollama's do)."""
+    if not facts.metadata.get(f"{facts.arch}.attention.causal", True):
+        return ENCODER_CAPABILITIES
+    return CAPABILITIES
+
+
 def show(facts: ModelFacts, template: str, context_length: int) -> dict[str, Any]:
     parameters = {"num_ctx": context_length, **DEFAULTS}
     lines = "\n".join(f"{k:<30} {v}" for k, v in parameters.items())
@@ -178,6 +187,6 @@ def show(facts: ModelFacts, template: str, context_length: int) -> dict[str, Any
         "template": template,
         "details": details(facts),
         "model_info": dict(facts.metadata),
-        "capabilities": CAPABILITIES,
+        "capabilities": capabilities(facts),
         "modified_at": _time(facts.modified),
     }

@@ -5,7 +5,8 @@
     POST /api/show              a model's details, model_info, template, parameters
     POST /api/chat              chat, streamed as NDJSON unless "stream": false
     POST /api/generate          a prompt through the chat template (or raw), likewise
-    POST /api/embed, /api/embeddings   501: luced computes no embeddings yet
+    POST /api/embed             embeddings, unit length (luced.api.embeddings)
+    POST /api/embeddings        Ollama's older route: one prompt, its vector as pooled
 
 A request's trace: the lease of its model (`luced.api.lease`; a daemon serving several
 reads the name first, as Ollama matches names), `prepare` (`luced.api.ollama` validates
@@ -18,21 +19,32 @@ for every /api/ path); one that comes after the first line is the stream's last 
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 
 from aiohttp import web
 
 from luced.api import ollama_models
 from luced.api.catalog import Catalog
+from luced.api.embeddings import (
+    MAX_INPUTS,
+    embed_all,
+    embedding_tokens,
+    prepare_ollama_embed,
+    prepare_ollama_embeddings,
+    vectors_json,
+)
 from luced.api.fields import APIError
 from luced.api.formats import dumps, finish_error
-from luced.api.lease import leased, prepare, requested
+from luced.api.lease import leased, leased_engine, prepare, read_body, requested
 from luced.api.ollama import (
     Named,
     Prepared,
     match_model,
+    named_model,
     named_request,
     named_show,
     prepare_chat,
@@ -46,9 +58,6 @@ from luced.engine.core import Engine
 # The Ollama release whose API these routes follow: clients gate features (tools,
 # structured outputs, think) on the version they read here.
 OLLAMA_VERSION = "0.32.0"
-NO_EMBEDDINGS = (
-    "embeddings are not supported yet: luced serves text generation only (/api/chat, /api/generate)"
-)
 
 
 def add_routes(app: web.Application, models: Catalog) -> None:
@@ -86,7 +95,26 @@ def add_routes(app: web.Application, models: Catalog) -> None:
         return await _answer(request, models, "generate", prepare_generate)
 
     async def embed(request: web.Request) -> web.Response:
-        raise APIError(501, NO_EMBEDDINGS)
+        arrived = time.monotonic()
+        async with _embedding_lease(request, models) as engine:
+            tokens = embedding_tokens(engine)
+            prep = await prepare(request, prepare_ollama_embed, tokens=tokens)
+            vectors = await embed_all(engine, prep.inputs, f"ollama-{uuid.uuid4().hex}")
+        rows = await asyncio.to_thread(vectors_json, vectors)
+        tail = {
+            "total_duration": int((time.monotonic() - arrived) * 1e9),
+            "load_duration": 0,
+            "prompt_eval_count": sum(map(len, prep.inputs)),
+        }
+        text = f'{{"model":{dumps(prep.model)},"embeddings":{rows},{dumps(tail)[1:]}'
+        return web.Response(text=text, content_type="application/json")
+
+    async def embeddings(request: web.Request) -> web.Response:
+        async with _embedding_lease(request, models) as engine:
+            prep = await prepare(request, prepare_ollama_embeddings)
+            vectors = await embed_all(engine, prep.inputs, f"ollama-{uuid.uuid4().hex}")
+        rows = vectors_json(vectors, normalize=False)[1:-1]  # one vector, or none
+        return web.Response(text=f'{{"embedding":{rows or "[]"}}}', content_type="application/json")
 
     app.add_routes(
         [
@@ -97,7 +125,7 @@ def add_routes(app: web.Application, models: Catalog) -> None:
             web.post("/api/chat", chat),
             web.post("/api/generate", generate),
             web.post("/api/embed", embed),
-            web.post("/api/embeddings", embed),
+            web.post("/api/embeddings", embeddings),
         ]
     )
 
@@ -107,6 +135,15 @@ def _served(models: Catalog, named: Named | None) -> str | None:
     if named is None or named.model is None:
         return None
     return match_model(named.model, models.names())
+
+
+@contextlib.asynccontextmanager
+async def _embedding_lease(request: web.Request, models: Catalog) -> AsyncIterator[Engine]:
+    """The engine of the model an embeddings body names (as Ollama matches names), leased
+    for the block; the body may carry MAX_INPUTS inputs (`luced.api.lease.read_body`)."""
+    await read_body(request, MAX_INPUTS)
+    async with leased(request, _served(models, await requested(request, named_model))):
+        yield leased_engine(request)
 
 
 async def _answer(

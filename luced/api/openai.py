@@ -48,7 +48,7 @@ Field policy (OpenAI's Chat Completions and legacy Completions APIs):
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
@@ -209,7 +209,7 @@ def _options(
         params=sampling_params(body, logprobs, _logit_bias(body.get("logit_bias"), vocab_size)),
         max_tokens=max_tokens,
         stop=read_stop(body.get("stop")),
-        stop_token_ids=_token_ids(
+        stop_token_ids=token_ids(
             "stop_token_ids", body.get("stop_token_ids"), vocab_size, allow_empty=True
         ),
         ignore_eos=read_bool(body, "ignore_eos"),
@@ -292,7 +292,7 @@ def read_stop(value: Any, name: str = "stop") -> tuple[str, ...]:
     return tuple(out)
 
 
-def _token_ids(param: str, value: Any, vocab_size: int, allow_empty: bool) -> tuple[int, ...]:
+def token_ids(param: str, value: Any, vocab_size: int, allow_empty: bool) -> tuple[int, ...]:
     if value is None:
         return ()
     if not isinstance(value, list):
@@ -388,19 +388,27 @@ def _prompts(value: Any, vocab_size: int) -> tuple[Prompt, ...]:
             f"prompt must be a string, an array of token ids or an array of prompts, got {got}",
         )
     if isinstance(value[0], int | float) and not isinstance(value[0], bool):
-        return (_token_ids("prompt", value, vocab_size, allow_empty=False),)
-    prompts: list[Prompt] = []
-    for i, item in enumerate(value):
-        param = f"prompt[{i}]"
+        return (token_ids("prompt", value, vocab_size, allow_empty=False),)
+    return texts_or_ids("prompt", value, vocab_size, read_text)
+
+
+def texts_or_ids(
+    name: str, items: list[Any], vocab_size: int, text: Callable[[str, Any], str]
+) -> tuple[Prompt, ...]:
+    """Each of `items` (`name[i]`): a string, read by `text`, or a non-empty array of
+    token ids (the list shapes of completions' prompt and embeddings' input)."""
+    out: list[Prompt] = []
+    for i, item in enumerate(items):
+        param = f"{name}[{i}]"
         if isinstance(item, str):
-            prompts.append(read_text(param, item))
+            out.append(text(param, item))
         elif isinstance(item, list):
-            prompts.append(_token_ids(param, item, vocab_size, allow_empty=False))
+            out.append(token_ids(param, item, vocab_size, allow_empty=False))
         else:
             raise bad(
                 param, f"{param} must be a string or an array of token ids, got {json_kind(item)}"
             )
-    return tuple(prompts)
+    return tuple(out)
 
 
 # --- prompts -----------------------------------------------------------------------------

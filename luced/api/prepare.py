@@ -103,10 +103,20 @@ class Preparer:
     def __init__(self, threads: int = PREPARE_THREADS) -> None:
         self._large = ThreadPoolExecutor(threads, thread_name_prefix="luced-prepare")
 
-    async def run(self, chunks: list[bytes], fn: Callable[..., T], engine: Engine, *args: Any) -> T:
-        """`fn(engine, *args, body)` in a thread, the body decoded there from its chunks."""
+    async def run(
+        self,
+        chunks: list[bytes],
+        fn: Callable[..., T],
+        engine: Engine,
+        *args: Any,
+        tokens: int | None = None,
+    ) -> T:
+        """`fn(engine, *args, body)` in a thread, the body decoded there from its chunks.
+        `tokens`: what the request may carry in all, which bounds its values (default:
+        the context; a request of many embedding inputs carries more)."""
         pool = self._large if sum(map(len, chunks)) > LARGE_BODY else None
-        call = functools.partial(_prepare, fn, engine, args, chunks)
+        bound = tokens or engine.context_length
+        call = functools.partial(_prepare, fn, engine, args, chunks, bound)
         return await asyncio.get_running_loop().run_in_executor(pool, call)
 
     async def peek(self, chunks: list[bytes], fn: Callable[[Any], T]) -> T:
@@ -120,9 +130,11 @@ class Preparer:
         self._large.shutdown(wait=False, cancel_futures=True)
 
 
-def _prepare(fn: Callable[..., T], engine: Engine, args: tuple[Any, ...], chunks: list[bytes]) -> T:
+def _prepare(
+    fn: Callable[..., T], engine: Engine, args: tuple[Any, ...], chunks: list[bytes], tokens: int
+) -> T:
     raw = b"".join(chunks)
-    many = check_commas(raw, engine.context_length)
+    many = check_commas(raw, tokens)
     held = [decode_body(raw, yielding=many)]  # the one reference, for `_let_go`
     del raw
     try:
@@ -264,6 +276,7 @@ def _constrained(engine: Engine, req: anthropic.MessagesRequest) -> bool:
 
 
 def prepare_completion(engine: Engine, body: dict[str, Any]) -> Prepared[CompletionRequest]:
+    engine.check_generates()
     check_size(body, COMPLETION_FIELDS, engine.context_length)
     vocab = engine.tokenizer.vocab_size
     req = parse_completion(body, model_name=engine.model_name, vocab_size=vocab)
@@ -332,6 +345,7 @@ def _chat(
     """A chat-shaped request's prompt, and its tools' grammar when it calls tools (a
     template without tools cannot render calls or results as they came, so a history
     holding them goes through the tool format too)."""
+    engine.check_generates()
     tools = None
     if req.calls_tools or has_tool_turns(req.messages):
         tools = tool_format(engine.chat_template)

@@ -4,6 +4,7 @@
     POST /v1/completions         legacy completions, streaming or not
     POST /v1/messages            Anthropic Messages, streaming or not (luced.api.anthropic)
     POST /v1/messages/count_tokens   the prompt's token count for a Messages body
+    POST /v1/embeddings          embeddings (luced.api.embeddings)
     POST /tokenize, /detokenize  llama-server's token utilities
     GET  /v1/models              the served models; GET /v1/models/{id} one model card
     GET  /health                 200 {"status": "ok"} when ready, else 503 {"status": state}
@@ -47,6 +48,7 @@ runs in a thread, bounded before any costly step (`luced.api.prepare`).
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import hmac
 import logging
@@ -61,6 +63,13 @@ from aiohttp import web
 
 from luced.api import anthropic, choices, ollama_routes, page, status
 from luced.api.catalog import Catalog, SingleModel
+from luced.api.embeddings import (
+    MAX_INPUTS,
+    embed_all,
+    embedding_tokens,
+    prepare_embeddings,
+    response_json,
+)
 from luced.api.fields import APIError
 from luced.api.formats import (
     ChatFormat,
@@ -77,6 +86,7 @@ from luced.api.lease import (
     PREPARER,
     leased_engine,
     leasing,
+    leasing_inputs,
     prepare,
 )
 from luced.api.ollama_models import ModelFacts
@@ -179,6 +189,7 @@ def make_app(
             web.post("/v1/messages", messages),
             web.post("/v1/messages/count_tokens", count_tokens),
             web.post("/v1/responses", responses),
+            web.post("/v1/embeddings", embeddings),
             web.post("/tokenize", tokenize),
             web.post("/detokenize", detokenize),
             web.get("/v1/models", list_models),
@@ -409,6 +420,18 @@ async def responses(request: web.Request) -> web.StreamResponse:
         for ev in tail:
             await resp.write(ev)
     return resp
+
+
+@leasing_inputs(MAX_INPUTS)
+async def embeddings(request: web.Request) -> web.Response:
+    """OpenAI's POST /v1/embeddings: each input pooled in the engine's steps."""
+    engine = leased_engine(request)
+    prep = await prepare(request, prepare_embeddings, tokens=embedding_tokens(engine))
+    vectors = await embed_all(engine, prep.inputs, f"embd-{uuid.uuid4().hex}")
+    n_tokens = sum(map(len, prep.inputs))
+    fmt = prep.request.encoding_format
+    text = await asyncio.to_thread(response_json, vectors, fmt, engine.model_name, n_tokens)
+    return web.Response(text=text, content_type="application/json")
 
 
 def _anthropic_usage(handle: RequestHandle) -> dict[str, int]:

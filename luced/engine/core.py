@@ -3,6 +3,11 @@
     handle = engine.submit(GenerationRequest(...))   # raises EngineError (429/400/503)
     async for delta in handle: ...                    # text deltas, token ids, logprobs
     handle.finish_reason                              # "stop" | "length" | "abort" | "error"
+    handle.embedding                                  # with `pooling`: the pooled vector
+
+An embedding request (`GenerationRequest.pooling`, engine/pooling.py) feeds its input in
+the steps beside everything else and ends with its vector; an encoder model (`encoder`:
+bidirectional attention, BERT) serves nothing else.
 
 The loop runs `step()` while there is work:
 
@@ -35,9 +40,11 @@ from luced.engine.constraint import Constraint
 from luced.engine.executor import WorkerDied, WorkerReplyError
 from luced.engine.kv_budget import KVBudget
 from luced.engine.output import OutputBuilder
+from luced.engine.pooling import Pooler
 from luced.engine.prefix import PrefixReuse
 from luced.engine.request import (
     ContextTooLong,
+    EmbeddingsOnly,
     EngineError,
     GenerationRequest,
     InvalidGrammar,
@@ -61,6 +68,7 @@ from luced.text.turns import TurnMarker
 
 __all__ = [
     "ContextTooLong",
+    "EmbeddingsOnly",
     "Engine",
     "EngineError",
     "GenerationRequest",
@@ -97,9 +105,13 @@ class Engine:
         prefix_cache: PrefixCache | None = None,
         max_running: int = 1,
         kv_pool_tokens: int | None = None,
+        encoder: bool = False,
+        pooling: str = "mean",
     ) -> None:
         """kv_pool_tokens: the KV positions the running requests hold together (at least
-        one context); None: max_running whole contexts, so nothing is ever preempted."""
+        one context); None: max_running whole contexts, so nothing is ever preempted.
+        encoder: the model's attention is bidirectional, so it serves embeddings only;
+        pooling: how the APIs pool embeddings (engine/pooling.py)."""
         self.target = target
         self.tokenizer = tokenizer
         self.chat_template = chat_template
@@ -135,6 +147,8 @@ class Engine:
         )
         self.scheduler.window = self._window
         self.scheduler.room = self._room
+        self.scheduler.encoder = self.encoder = encoder
+        self.pooling = pooling
         self.runner = ModelRunner(target)
         turns = TurnMarker.learn(chat_template, tokenizer)  # the prefix cache's cut points
         self.prefix = PrefixReuse(target, prefix_cache, turns, self.kv, self._observe)
@@ -222,6 +236,19 @@ class Engine:
         waiting = self.scheduler.waiting
         return sum(s.handle.prompt_tokens for s in waiting if not s.handle.request.share_prompt)
 
+    @property
+    def embedding_limit(self) -> int:
+        """The most tokens an embedding input may have: the context, and for an encoder,
+        which sees its input in one step, the step's budget."""
+        if self.encoder:
+            return min(self.context_length, self.target.step_tokens)
+        return self.context_length
+
+    @property
+    def embedding_length(self) -> int:
+        """An embedding's dimensions (the model's hidden size; 0 until loaded)."""
+        return self.target.hidden
+
     # -- submission -----------------------------------------------------------------------
 
     def submit(self, req: GenerationRequest) -> RequestHandle:
@@ -242,27 +269,20 @@ class Engine:
         n = len(req.prompt)
         if n == 0:
             raise ContextTooLong("the prompt is empty")
-        if n >= self.context_length:
-            raise ContextTooLong(
-                f"the prompt has {n} tokens; the context holds {self.context_length} "
-                "(prompt plus at least one generated token)"
-            )
-        room = self.context_length - n
-        if req.max_tokens is not None and req.max_tokens > room:
-            raise ContextTooLong(
-                f"prompt ({n} tokens) + max_tokens ({req.max_tokens}) exceeds the context "
-                f"length {self.context_length}"
-            )
-        max_tokens = req.max_tokens or min(room, self.default_max_tokens or room)
+        if req.pooling is not None:
+            self._check_embedding(n)
+            max_tokens = 0
+        else:
+            max_tokens = self._check_generation(req, n)
         if req.grammar is not None:
             try:
                 check_grammar(req.grammar)  # vocabulary-free: the matcher is built later
             except GrammarError as exc:
                 raise InvalidGrammar(f"grammar: {exc}") from None
         waiting = self.scheduler.waiting
-        full = len(waiting) >= self.max_queue
         queued = 0 if req.share_prompt else n  # a sibling's prompt is its first's
-        if full or (waiting and self.queued_tokens() + queued > self.max_queued_tokens):
+        if not self.queue_takes(queued):
+            full = len(waiting) >= self.max_queue
             raise QueueFull(
                 f"the queue is full ({len(waiting)} requests, {self.queued_tokens()} "
                 "prompt tokens waiting)",
@@ -281,6 +301,46 @@ class Engine:
         self._wakeup.set()
         return handle
 
+    def queue_takes(self, n: int) -> bool:
+        """Whether a request of n prompt tokens finds room in the queue now."""
+        waiting = self.scheduler.waiting
+        if len(waiting) >= self.max_queue:
+            return False
+        return not waiting or self.queued_tokens() + n <= self.max_queued_tokens
+
+    def _check_embedding(self, n: int) -> None:
+        limit = self.embedding_limit
+        if n > limit:
+            why = "the context length"
+            if limit < self.context_length:
+                why = "--max-step-tokens: an encoder sees a whole input in one step"
+            raise ContextTooLong(f"the input has {n} tokens; at most {limit} fit ({why})")
+
+    def check_generates(self) -> None:
+        """EmbeddingsOnly (400) when the model cannot generate (an encoder). The APIs ask
+        before they render a prompt; `submit` asks again."""
+        if self.encoder:
+            raise EmbeddingsOnly(
+                f"{self.model_name} is an embedding model (bidirectional attention): it "
+                "cannot generate text; it serves POST /v1/embeddings"
+            )
+
+    def _check_generation(self, req: GenerationRequest, n: int) -> int:
+        """-> the request's max_tokens."""
+        self.check_generates()
+        if n >= self.context_length:
+            raise ContextTooLong(
+                f"the prompt has {n} tokens; the context holds {self.context_length} "
+                "(prompt plus at least one generated token)"
+            )
+        room = self.context_length - n
+        if req.max_tokens is not None and req.max_tokens > room:
+            raise ContextTooLong(
+                f"prompt ({n} tokens) + max_tokens ({req.max_tokens}) exceeds the context "
+                f"length {self.context_length}"
+            )
+        return req.max_tokens or min(room, self.default_max_tokens or room)
+
     def _sequence(self, handle: RequestHandle) -> Sequence:
         req = handle.request
         stops = set(req.stop_token_ids) | (set() if req.ignore_eos else self.tokenizer.eos_ids)
@@ -295,6 +355,9 @@ class Engine:
             ready=req.grammar is None,
             waits_to_share=req.share_prompt,  # `PrefixReuse.hold`: any prefix is worth it
         )
+        if req.pooling is not None:
+            seq.pooler = Pooler(req.pooling, len(req.prompt))
+            return seq
         seq.speculates = self.target.draft is not None or self.lookup_drafts
         if self.lookup_drafts:
             seq.lookup = PromptLookup(*self.lookup_ngrams)

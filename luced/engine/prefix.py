@@ -14,6 +14,8 @@ end at the latest MAX_STATE_CUTS turn starts and the workers keep the state ther
 prefix cache's exact-cut mode).
 
 A resumed (preempted) sequence reuses nothing: an import would start its sampler over.
+Nor does an embedding sequence, whose pooled rows need every position computed, and its
+KV is neither shared nor saved (an encoder keeps none).
 """
 
 from __future__ import annotations
@@ -73,7 +75,7 @@ class PrefixReuse:
         if not self.target.shares_prefixes:
             return best
         for other in running:
-            if other is seq or other.slot < 0:
+            if other is seq or other.slot < 0 or other.pooler is not None:
                 continue
             n = min(common_prefix(seq.prompt[:-1], other.prompt), other.computed)
             if n > best[1]:
@@ -84,14 +86,14 @@ class PrefixReuse:
         """Whether `seq` should wait for a running prefill of its prompt's beginning: it
         starts waiting when that prefill will hold WAIT_TO_SHARE positions more than any
         sequence holds now, and then waits until the prefill has passed them."""
-        if seq.generated or not self.target.shares_prefixes:
+        if seq.generated or seq.pooler is not None or not self.target.shares_prefixes:
             return False
         _, held = self._source(seq, running)
         coming = max(
             (
                 common_prefix(seq.prompt[:-1], other.prompt)
                 for other in running
-                if other.prefilling and not other.generated
+                if other.prefilling and not other.generated and other.pooler is None
             ),
             default=0,
         )
@@ -102,8 +104,8 @@ class PrefixReuse:
     async def reuse(self, seq: Sequence, running: list[Sequence]) -> int:
         """Start `seq` (just admitted, its slot empty) on the longest prefix held elsewhere;
         -> the positions that need no computing (its `computed`)."""
-        if seq.generated:
-            return 0  # a resumed sequence recomputes (its sampler lives on in the slot)
+        if seq.generated or seq.pooler is not None:
+            return 0  # recomputed (a resumed one's sampler lives on in the slot), or pooled
         prompt = seq.prompt
         hit = None
         if self.cache is not None:
@@ -167,7 +169,7 @@ class PrefixReuse:
         """Snapshot the prompt's KV (the slot holds exactly the prompt, or more for an
         attention-only model), restorable at its cut points and its end. The disk copy is
         written in the background."""
-        if self.cache is None:
+        if self.cache is None or seq.pooler is not None:
             return
         prompt = seq.prompt
         if not self.target.identity_layout(seq.slot):

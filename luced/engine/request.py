@@ -1,7 +1,9 @@
 """Requests and sequences: what a client asked for, and where its generation stands.
 
-    GenerationRequest   the parsed request (prompt ids, sampling, limits, stops, grammar)
-    RequestHandle       the client's side: its stream of deltas, counts, finish reason
+    GenerationRequest   the parsed request (prompt ids, sampling, limits, stops, grammar),
+                        or an embedding request (`pooling`: its input's pooled states)
+    RequestHandle       the client's side: its stream of deltas, counts, finish reason,
+                        an embedding request's vector
     Sequence            the engine's side (vLLM's Request): the workers' slot it runs in,
                         every token it knows, how many of them its KV holds, its output
                         builder, grammar and drafter
@@ -24,8 +26,11 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from luced.engine.constraint import Constraint
 from luced.engine.output import Delta, OutputBuilder
+from luced.engine.pooling import Pooler
 from luced.engine.spec.ngram import PromptLookup
 from luced.engine.spec.sizer import BlockSizer
 from luced.sampling_params import SamplingParams
@@ -64,6 +69,13 @@ class InvalidGrammar(EngineError):
     code = "invalid_grammar"
 
 
+class EmbeddingsOnly(EngineError):
+    """A generation request to a model that serves embeddings only (an encoder)."""
+
+    status = 400
+    code = "model_not_supported"
+
+
 @dataclass(frozen=True)
 class GenerationRequest:
     request_id: str
@@ -80,6 +92,9 @@ class GenerationRequest:
     # n choices): it waits for that prompt's prefill and shares its blocks, however short
     # the prompt, and its prompt is not counted again against the queue's token bound.
     share_prompt: bool = False
+    # An embedding request ("mean", "cls" or "last", engine/pooling.py): the prompt is fed
+    # and its last-layer states pooled into `RequestHandle.embedding`; nothing is generated.
+    pooling: str | None = None
 
 
 _END = object()
@@ -108,6 +123,7 @@ class RequestHandle:
         self.spec = {"drafts": 0, "draft_tokens": 0, "accepted_tokens": 0}
         self.cached_tokens = 0  # prompt tokens restored or shared, not computed
         self.slot = -1  # the workers' sequence it runs in (kept after it ends: diagnostics)
+        self.embedding: np.ndarray | None = None  # an embedding request's, float32 [hidden]
         self._events: asyncio.Queue[Any] = asyncio.Queue()
 
     def cancel(self) -> None:
@@ -172,6 +188,7 @@ class Sequence:
     last_start: int = 0
     last_block_states: bool = False
     waits_to_share: bool = False  # held back for a running prefill of its prompt's start
+    pooler: Pooler | None = None  # an embedding sequence's: it pools, never decodes
 
     @property
     def prompt(self) -> list[int]:

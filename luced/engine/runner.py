@@ -10,7 +10,7 @@
      pipeline hands the hidden rows on through ``act.boundary-k``. All or nothing: a
      failure, or a worker at the wrong positions after it, rolls every sequence back to
      its span's start on the workers that advanced
-  5. each work's rows are read back
+  5. each work's rows are read back (an embedding's pooled row from ``act.embeddings``)
 
 A sequence's span may start below what its KV holds (the rejected rows of its last draft
 window): the worker rolls it back first, so a verify costs no extra round trip.
@@ -53,7 +53,7 @@ class ModelRunner:
         self.last_wall_us = 0
         self.last_compute_us = 0
 
-    async def execute(self, batch: Batch) -> list[WorkOutput | None]:
+    async def execute(self, batch: Batch) -> list[WorkOutput]:
         t = self.target
         for seq in batch.preempted:
             with contextlib.suppress(Exception):  # a dead worker forgot it anyway
@@ -66,7 +66,7 @@ class ModelRunner:
 
     async def forward(
         self, works: list[Work], want: str = "sample", logits_out: Region | None = None
-    ) -> list[WorkOutput | None]:
+    ) -> list[WorkOutput]:
         """One forward of `works` (windows filled); `want` "logits" writes each output row's
         logits to `logits_out` instead of sampling."""
         t = self.target
@@ -80,6 +80,9 @@ class ModelRunner:
         outputs = self._outputs(n_out, k if asked else None) if want == "sample" else {}
         if logits_out is not None:
             outputs = {"logits": logits_out}
+        pooled = [j for j, w in enumerate(works) if w.pool]
+        if pooled:  # one row each, in work order
+            outputs["embeddings"] = t.regions["embeddings"].rows(0, len(pooled))
         tokens = sum(len(w.tokens) for w in works)
         sampled = [w.verifies and not w.seq.params.greedy for w in works]
         q_rows = [
@@ -108,6 +111,7 @@ class ModelRunner:
                         keep_block_states=keep_blocks and w.verifies,
                         ring=ring.region if ring is not None else None,
                         kv_plan=plans[j][i] if plans[j] else {},
+                        pool=w.pool if last else "",  # type: ignore[arg-type]
                     )
                 )
             return Forward(
@@ -142,16 +146,15 @@ class ModelRunner:
                 flash.after_step()  # qk: reselect; the copies ride with the next plan
         self.last_wall_us = int((time.perf_counter() - t0) * 1e6)
         self.last_compute_us = sum(r.elapsed_us for r in replies)
-        if want != "sample":
-            return [WorkOutput([]) for _ in works]
-        accepted = replies[-1].accepted or (-1,) * len(works)
-        out: list[WorkOutput | None] = []
-        for w, r, a in zip(works, rows, accepted, strict=True):
-            n = a + 1 if a >= 0 else r.n
-            got = self._read_rows(r.first, n, outputs)
-            out.append(
-                WorkOutput([_trimmed(s, w.seq.logprobs) for s in got], a if a >= 0 else None)
-            )
+        out = [WorkOutput([]) for _ in works]
+        if want == "sample":
+            accepted = replies[-1].accepted or (-1,) * len(works)
+            for i, (w, r, a) in enumerate(zip(works, rows, accepted, strict=True)):
+                got = self._read_rows(r.first, a + 1 if a >= 0 else r.n, outputs)
+                out[i].rows = [_trimmed(s, w.seq.logprobs) for s in got]
+                out[i].accepted = a if a >= 0 else None
+        for k, j in enumerate(pooled):
+            out[j].pooled = t.arrays["embeddings"][k].copy()
         return out
 
     def _write_tokens(self, works: list[Work]) -> None:

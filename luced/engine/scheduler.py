@@ -14,10 +14,12 @@ it is tested without a model (tests/engine/test_scheduler.py). Each engine step:
                  2. prompt chunks of the prefilling sequences, oldest first, while the budget
                     lasts. A chunk ends at the next multiple of `chunk` positions (or a
                     recurrent model's cut point, or the prompt's end): how a prompt is cut
-                    never depends on the budget, nor on where a restored prefix ended
+                    never depends on the budget, nor on where a restored prefix ended. An
+                    embedding sequence's chunks ask for pooled rows instead of a token
+                    (engine/pooling.py); an encoder's input is one span, never cut
     update()     each work's outputs: positions advance, tokens are emitted (text, stop
-                 strings, logprobs), draft windows accepted or rejected, finished
-                 sequences leave
+                 strings, logprobs), draft windows accepted or rejected, pooled rows
+                 gathered (an embedding ends with its input), finished sequences leave
 
 The budget counts tokens fed. A chunk and one token of every running sequence fit in it,
 and while a prompt waits a chunk's worth is kept from the decodes' windows: decodes and
@@ -31,6 +33,8 @@ import time
 from collections import Counter, deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from luced.acceptance import clip, verify_greedy
 from luced.engine.kv_budget import KVBudget
@@ -55,6 +59,7 @@ class Work:
     window: int = 1  # the draft window asked for (the proposer fills tokens[1:])
     keep_state: bool = False  # a recurrent model keeps its state at the span's end
     draft_kind: str = ""  # what drafted the window (the sizer learns per kind)
+    pool: str = ""  # an embedding's span: the pooled row it gives (frames.Span.pool)
 
     @property
     def verifies(self) -> bool:
@@ -79,6 +84,7 @@ class WorkOutput:
 
     rows: list[Sampled]
     accepted: int | None = None
+    pooled: np.ndarray | None = None  # a pooling work's row, float32 [hidden]
 
 
 @dataclass
@@ -120,6 +126,7 @@ class Scheduler:
         # or rewinds to the window's start and feeds the kept tokens again ("replay").
         self.select_rollback = True
         self.recurrent = False
+        self.encoder = False  # bidirectional attention: an input is fed in one span
         self.block_sizes: Counter[int] = Counter()  # draft windows by size (1: plain steps)
         self.preemptions = 0
 
@@ -198,12 +205,16 @@ class Scheduler:
             if seq.status is not Status.RUNNING or not seq.prefilling:
                 continue
             start = seq.computed
-            end = min(self.chunk_end(seq, start), seq.feed_end)
+            end = seq.feed_end if self.encoder else min(self.chunk_end(seq, start), seq.feed_end)
             if end - start > budget:
                 break  # whole chunks, oldest first
-            last = end == seq.feed_end and not seq.generated
             tokens = seq.tokens[start:end]
-            batch.works.append(Work(seq, start, tokens, int(last), keep_state=end in seq.cuts))
+            if seq.pooler is not None:
+                work = Work(seq, start, tokens, 0, pool=seq.pooler.ask(start, end))
+            else:
+                last = end == seq.feed_end and not seq.generated
+                work = Work(seq, start, tokens, int(last), keep_state=end in seq.cuts)
+            batch.works.append(work)
             budget -= end - start
         return batch
 
@@ -236,6 +247,8 @@ class Scheduler:
         seq.status, seq.computed = Status.WAITING, 0
         seq.last_start, seq.last_block_states = 0, False
         seq.ring_floor = 0
+        if seq.pooler is not None:
+            seq.pooler.reset()  # its chunks run again
         kept_slot = seq.slot if seq.generated else -1
         seq.slot = kept_slot
         after = next((i for i, s in enumerate(self.waiting) if s.ticket > seq.ticket), None)
@@ -267,6 +280,8 @@ class Scheduler:
                 seq.last_start, seq.last_block_states = work.start, False
                 if work.start + len(work.tokens) == len(seq.prompt) and not seq.generated:
                     result.prefilled.append(seq)  # snapshot it before it moves on
+                if seq.pooler is not None:
+                    self._pooled(seq, work, out)
                 if work.n_out:
                     token = out.rows[0].token
                     self.emit(seq, out.rows[0])
@@ -279,6 +294,18 @@ class Scheduler:
                 seq.handle._finish("abort")
                 self.finish(seq, result)
         return result
+
+    @staticmethod
+    def _pooled(seq: Sequence, work: Work, out: WorkOutput) -> None:
+        """An embedding's span ran: its row is gathered; after the input's last, the
+        vector is the request's answer."""
+        assert seq.pooler is not None
+        if work.pool:
+            assert out.pooled is not None, "a pooling work came back without its row"
+            seq.pooler.take(out.pooled)
+        if seq.computed == seq.feed_end:
+            seq.handle.embedding = seq.pooler.result()
+            seq.handle._finish("stop")
 
     def _plain_step(self, seq: Sequence, token: int, counted: bool) -> None:
         """A speculating sequence fed one token (no draft, or a window of 1): its drafter

@@ -20,6 +20,8 @@ created by the daemon, attached by the workers, unlinked by the daemon)::
          logits         float32 [logit_rows, vocab]       last worker writes
          allowed        int32   [step_tokens, ceil(vocab/32)]  daemon writes a grammar's
                                                           masks (a bit per id, constraint.py)
+         embeddings     float32 [sequences, hidden]     last worker: a pooled row per
+                                                          embedding span (pooling.py)
     draft (with speculation)
          draft_ids      int32   [slots * block]           the draft's worker: a window's ids
          draft_probs    float32 [slots * (block-1), vocab]  q rows of sampled windows
@@ -200,6 +202,7 @@ class Target:
         specs = {f"boundary-{k}": ([n, self.hidden], dt) for k in range(n_boundaries)}
         specs["logits"] = ([self.placement.logit_rows, self.vocab], "float32")
         specs["allowed"] = ([n, (self.vocab + 31) // 32], "int32")
+        specs["embeddings"] = ([self.sequences, self.hidden], "float32")  # a row per span
         self._carve("act", specs)
 
     def _make_flash(self, cfg: PagerConfig) -> None:

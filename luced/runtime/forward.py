@@ -30,6 +30,7 @@ from luced.ipc import frames as F
 from luced.runtime import kv_flash_step, qlinear, token_mask
 from luced.runtime.dflash.verify import verify_sampled
 from luced.runtime.kv_cache import ContextOverflow
+from luced.runtime.model import Model
 from luced.runtime.ragged import Ragged
 from luced.runtime.ragged import Span as RaggedSpan
 from luced.runtime.sampler import Sampler, histories, token_logprobs, write_rows
@@ -85,7 +86,9 @@ def forward(worker: WorkerState, req: F.Forward) -> F.ForwardReply:
                 kv_flash_step.write_scores(state.caches, worker.tensor(scores))
         if req.want == "hidden":
             outputs["hidden"][:n_tokens].copy_(hidden)
-        elif req.n_out:  # else the spans only feed (prompt chunks before the last)
+        elif req.n_pooled:
+            _pool(last, hidden, spans, bounds, outputs["embeddings"])
+        if req.want != "hidden" and req.n_out:  # else the spans only feed (prompt chunks)
             ends = zip(spans, bounds[1:], strict=False)
             picked = [i for s, b in ends for i in range(b - s.n_out, b)]
             # Several spans' rows through the head as each span's own would go.
@@ -162,8 +165,9 @@ def _outputs(worker: WorkerState, req: F.Forward, m: Loaded) -> dict[str, torch.
         raise WorkerError(f'want="{req.want}" needs the LM head; this worker has no head')
     if "logits" in req.outputs:
         worker.check_width("outputs.logits", req.outputs["logits"], m.reply.vocab)
-    if "hidden" in req.outputs:
-        worker.check_width("outputs.hidden", req.outputs["hidden"], m.reply.hidden)
+    for name in ("hidden", "embeddings"):
+        if name in req.outputs:
+            worker.check_width(f"outputs.{name}", req.outputs[name], m.reply.hidden)
     return {name: worker.tensor(r) for name, r in req.outputs.items()}
 
 
@@ -279,6 +283,20 @@ def _group_layers(
             )
             _write_captures(caps, capture, [spans[j] for j in group], [rings[j] for j in group])
     return hidden
+
+
+def _pool(
+    last: Model, hidden: torch.Tensor, spans: Sequence[F.Span], bounds: list[int], out: torch.Tensor
+) -> None:
+    """Each pooling span's row of `out` (`frames.Span.pool`), in span order."""
+    k = 0
+    for j, span in enumerate(spans):
+        if not span.pool:
+            continue
+        a, b = bounds[j], bounds[j + 1]
+        rows = {"sum": slice(a, b), "first": slice(a, a + 1), "last": slice(b - 1, b)}[span.pool]
+        out[k].copy_(last.final_hidden(hidden[rows]).float().sum(0))
+        k += 1
 
 
 def _write_captures(

@@ -170,6 +170,16 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
     return (xf if weight is None else xf * weight.float()).to(x.dtype)
 
 
+def layer_norm(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float
+) -> torch.Tensor:
+    """LayerNorm over the last dimension in float32 (the encoders' norm), cast back."""
+    shape = x.shape[-1:]
+    if x.dtype == torch.float32:
+        return F.layer_norm(x, shape, weight, bias, eps)
+    return F.layer_norm(x.float(), shape, weight.float(), bias.float(), eps).to(x.dtype)
+
+
 class Rope:
     """Rotate-half (NEOX-style) rotary embedding with a cached cos/sin table.
 

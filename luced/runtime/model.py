@@ -5,6 +5,7 @@
     h = model.embed(ids)                                  # first shard only
     h, caps = model.forward_layers(h, cache, start, capture={3, 9}, ids=ids)
     logits = model.logits(h[-1:])                         # last shard only
+    rows = model.final_hidden(h)                          # last shard: what embeddings pool
 
 A shard owns layers [a, b); the first shard owns the embedding, the last the final
 norm and head. `forward_layers` writes K/V at [start, start + n) and then commits
@@ -33,7 +34,7 @@ from luced.runtime.families.common import ModelConfig
 from luced.runtime.kv_blocks import BlockPool, PagedKVCache
 from luced.runtime.kv_cache import KVCache, KVStore, RecurrentShape, layer_roles
 from luced.runtime.kv_pool import PooledKVCache
-from luced.runtime.layers import fuse_rows
+from luced.runtime.layers import fuse_rows, rms_norm
 from luced.runtime.qlinear import PackedLinear, pack_weights
 from luced.runtime.ragged import Ragged, Span
 from luced.runtime.weights import WeightLoader, parse_dtype
@@ -251,6 +252,17 @@ class Model:
         else:
             cache.commit(start + n)
         return x, captures
+
+    @torch.inference_mode()
+    def final_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The last layer's rows as the head reads them (after the final norm): what an
+        embedding pools (HF's last_hidden_state). Last shard only."""
+        if not self.owns_head:
+            raise RuntimeError("this shard does not hold the last layer")
+        final_norm = getattr(self.family, "final_norm", None)
+        if final_norm is not None:
+            return final_norm(self, hidden)
+        return rms_norm(hidden, self.weights["out_norm"], self.cfg.rms_eps)
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

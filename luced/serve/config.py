@@ -96,6 +96,7 @@ class ModelOptions(Options):
     batch_invariant: bool
     threads: int | None  # None: the usable cores shared among the workers
     context_length: int | None  # None: the model's, capped (see effective_context_length)
+    pooling: str  # "auto": the GGUF's pooling_type, else mean
     backend_python: Pairs
     target_devices: tuple[str, ...]
     target_layer_split: tuple[float, ...] | None  # None: equal shares

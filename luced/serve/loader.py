@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
-from luced.api.catalog import About
+from luced.api.catalog import About, template_source
 from luced.api.ollama_models import ModelFacts
 from luced.engine.core import Engine
 from luced.engine.executor import Deadlines, WorkerDied, WorkerReplyError
@@ -36,6 +36,7 @@ from luced.engine.kvflash.transport import (
     resolve_pool,
 )
 from luced.engine.metrics import Metrics
+from luced.engine.pooling import declared_pooling, is_encoder
 from luced.engine.target import Target, TargetPlacement
 from luced.gguf_file import GGUFFile
 from luced.ipc.frames import MoeCounts
@@ -69,7 +70,7 @@ class ModelSpec:
     config: Config
     path: str
     tokenizer: Tokenizer
-    template: ChatTemplate
+    template: ChatTemplate | None  # None: an encoder's (it serves embeddings only)
     n_layers: int
     context: int
     running: int
@@ -79,6 +80,8 @@ class ModelSpec:
     memory: int  # bytes, estimated: the file, the KV, the prefix-cache arena, the draft
     facts: ModelFacts  # what Ollama's /api/tags, /api/show list
     fingerprint: str  # OpenAI's system_fingerprint of its replies
+    encoder: bool = False  # bidirectional attention (BERT): embeddings only
+    pooling: str = "mean"  # how the APIs pool its embeddings (engine/pooling.py)
 
     @property
     def name(self) -> str:
@@ -93,7 +96,7 @@ def read_spec(cfg: Config) -> ModelSpec:
     gguf = GGUFFile(path)
     tokenizer = Tokenizer.from_gguf(gguf)
     tokenizer.special_pattern  # noqa: B018 - built now (slow for Gemma), not on a request
-    template = ChatTemplate.from_gguf(gguf, gguf.arch)
+    template = _template(gguf)
     n_layers = int(gguf.require(f"{gguf.arch}.block_count"))
     context = model.effective_context_length(int(gguf.require(f"{gguf.arch}.context_length")))
     running = cfg.scheduler.max_running
@@ -107,6 +110,14 @@ def read_spec(cfg: Config) -> ModelSpec:
     moe, moe_profile = cfg.moe, _moe_profile(cfg, gguf)
     kv_sources = gguf.kv_sources()  # a layer split keeps these layers with their sources
     facts = ModelFacts.from_gguf(gguf)
+    encoder = is_encoder(gguf)
+    pooling = model.pooling if model.pooling != "auto" else declared_pooling(gguf) or "mean"
+    log.info(
+        "%s embeddings: %s pooling%s",
+        model.served_model_name(),
+        pooling,
+        "; an encoder: embeddings only" if encoder else "",
+    )
     del gguf
     if moe.moe_expert_device is not None:
         if moe.moe_hot_experts is None:
@@ -157,16 +168,21 @@ def read_spec(cfg: Config) -> ModelSpec:
     )
     return ModelSpec(
         cfg, path, tokenizer, template, n_layers, context, running, kv_pool, kv_flash,
-        placement, memory, facts, system_fingerprint(cfg, path),
+        placement, memory, facts, system_fingerprint(cfg, path), encoder, pooling,
     )  # fmt: skip
 
 
 def describe(cfg: Config) -> About:
     """The model as Ollama's /api/show describes it, read from its GGUF's header alone."""
     gguf = GGUFFile(str(cfg.model.model_path()))
-    template = ChatTemplate.from_gguf(gguf, gguf.arch)
+    template = _template(gguf)
     context = cfg.model.effective_context_length(int(gguf.require(f"{gguf.arch}.context_length")))
-    return About(ModelFacts.from_gguf(gguf), template.source, context)
+    return About(ModelFacts.from_gguf(gguf), template_source(template), context)
+
+
+def _template(gguf: GGUFFile) -> ChatTemplate | None:
+    """The chat template; an encoder generates nothing: none is needed (nor usually present)."""
+    return None if is_encoder(gguf) else ChatTemplate.from_gguf(gguf, gguf.arch)
 
 
 def system_fingerprint(cfg: Config, model_path: str) -> str:
@@ -316,6 +332,8 @@ class LoadedModel:
             metrics=metrics,
             max_running=running,
             kv_pool_tokens=spec.kv_pool,
+            encoder=spec.encoder,
+            pooling=spec.pooling,
         )
         return target, engine
 

@@ -47,7 +47,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from luced.api.catalog import About, Served, model_card, unknown_model
+from luced.api.catalog import About, Served, model_card, template_source, unknown_model
 from luced.api.fields import APIError
 from luced.engine.core import Engine
 from luced.engine.metrics import Metrics, merged_exposition
@@ -342,7 +342,7 @@ class ModelRegistry:
         model = self._resolve(name)
         if model.loaded is not None:
             spec = model.loaded.spec
-            return About(spec.facts, spec.template.source, spec.context)
+            return About(spec.facts, template_source(spec.template), spec.context)
         if model.about is None:
             try:
                 model.about = await asyncio.to_thread(describe, model.config)

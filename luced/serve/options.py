@@ -529,6 +529,13 @@ OPTIONS: tuple[Option, ...] = (
         default_doc=f"the model's, at most {CONTEXT_CAP}", example=CONTEXT_CAP,
     ),
     Option(
+        "pooling", "model", "str", "auto",
+        "How `/v1/embeddings` (and Ollama's `/api/embed`) pool an input's last-layer states "
+        "into one vector: `mean` of every token's, the first token's (`cls`) or the last "
+        "token's (`last`). `auto`: what the GGUF declares (`pooling_type`), else `mean`.",
+        choices=("auto", "mean", "cls", "last"),
+    ),
+    Option(
         "max_queue", "scheduler", "int", 16,
         "Requests that may wait behind the running ones; more are answered 429.", minimum=0,
     ),

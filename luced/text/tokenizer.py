@@ -317,6 +317,8 @@ def _token_bytes_table(
 ) -> list[bytes]:
     """id -> bytes, as the tokenizers decoder would produce them (see the module docstring)."""
     pieces = [backend.id_to_token(i) or "" for i in range(vocab_size)]
+    if spec.model == "bert":  # the file's own spelling: "▁word" starts a word, "ing" goes on
+        pieces = spec.tokens + pieces[len(spec.tokens) :]
     if spec.model == "gpt2":
         # The byte alphabet back to bytes: translate to Latin-1 code points, then encode. Pieces
         # with other characters (raw added tokens) keep those as UTF-8, like the ByteLevel decoder.

@@ -12,6 +12,13 @@ special ids as metadata under llama.cpp's key names. We rebuild the tokenizer wi
     tokenizer.ggml.model = "gemma4" Gemma 4's SentencePiece BPE as llama.cpp's converter writes
                                     it: merges in the file, byte fallback, no pre-tokenizer
                                     key; text is one BPE word with " " read as "▁" (as Gemma)
+    tokenizer.ggml.model = "bert"   BERT's WordPiece, stored in "phantom space" form: a piece
+                                    that starts a word is "▁piece", one that continues a word
+                                    is bare ("##piece" in BERT's own vocab.txt), [CLS]-style
+                                    tokens as they are. Text is lowercased, accents stripped
+                                    and split on whitespace and punctuation as uncased BERT
+                                    does (llama.cpp lowercases every WordPiece vocabulary too);
+                                    [CLS] and [SEP] are the file's BOS and EOS, added around it
 
 Control tokens (type 3) become special added tokens: matched whole in text only when the caller
 allows special tokens, and dropped by `decode(skip_special=True)`. User-defined tokens (type 4,
@@ -98,7 +105,7 @@ class TokenizerSpec:
     """The tokenizer metadata of one GGUF, checked and typed."""
 
     source: str  # the file, for error messages
-    model: str  # "gpt2" | "llama"
+    model: str  # "gpt2" | "llama" | "gemma4" | "bert"
     pre: str | None
     arch: str
     tokens: list[str]
@@ -124,9 +131,10 @@ class TokenizerSpec:
         model = get("model")
         if model is None:
             raise TokenizerError(f"{source}: no tokenizer.ggml.model in metadata")
-        if model not in ("gpt2", "llama", "gemma4"):
+        if model not in ("gpt2", "llama", "gemma4", "bert"):
             raise TokenizerError(
-                f"{source}: unsupported tokenizer type {model!r} (supported: gpt2, llama, gemma4)"
+                f"{source}: unsupported tokenizer type {model!r} "
+                "(supported: gpt2, llama, gemma4, bert)"
             )
         tokens = get("tokens")
         if not isinstance(tokens, list) or not tokens:
@@ -155,6 +163,11 @@ class TokenizerSpec:
             return int(value)
 
         extra = tuple(i for k in ("eot_token_id", "eom_token_id") if (i := token_id(k)) is not None)
+        bos, eos = token_id("bos_token_id"), token_id("eos_token_id")
+        if model == "bert":  # older converters name only [SEP]; [CLS] opens every input
+            bos = bos if bos is not None else _find(tokens, "[CLS]")
+            eos = eos if eos is not None else token_id("seperator_token_id")  # (sic)
+        wordpiece = model == "bert"
         return cls(
             source=source,
             model=model,
@@ -164,14 +177,15 @@ class TokenizerSpec:
             token_types=types,
             scores=scores,
             merges=list(merges) if merges else None,
-            bos_id=token_id("bos_token_id"),
-            eos_id=token_id("eos_token_id"),
+            bos_id=bos,
+            eos_id=eos,
             unk_id=token_id("unknown_token_id"),
             pad_id=token_id("padding_token_id"),
             extra_eos_ids=extra,
-            # llama.cpp (and transformers) add BOS to SentencePiece vocabularies that do not say.
-            add_bos=bool(get("add_bos_token", model == "llama")),
-            add_eos=bool(get("add_eos_token", False)),
+            # llama.cpp (and transformers) add BOS to SentencePiece vocabularies that do not say,
+            # and [CLS] ... [SEP] around a WordPiece input.
+            add_bos=bool(get("add_bos_token", model == "llama" or wordpiece)),
+            add_eos=bool(get("add_eos_token", get("add_sep_token", wordpiece))),
             add_space_prefix=bool(get("add_space_prefix", True)),
         )
 
@@ -186,8 +200,11 @@ class TokenizerSpec:
 
     @property
     def strips_leading_space(self) -> bool:
-        """SentencePiece with a prefix space: encode adds "▁" in front, decode drops one space."""
-        return self.model == "llama" and not self.is_gemma and self.add_space_prefix
+        """SentencePiece with a prefix space: encode adds "▁" in front, decode drops one space
+        (a WordPiece text's first word is "▁word" too)."""
+        return (self.model == "llama" and not self.is_gemma and self.add_space_prefix) or (
+            self.model == "bert"
+        )
 
     def cache_key(self) -> str:
         """A hash of everything the built tokenizer depends on."""
@@ -214,8 +231,9 @@ class TokenizerSpec:
 
 def build_backend(spec: TokenizerSpec) -> tokenizers.Tokenizer:
     """The `tokenizers` object for a spec (slow for big SentencePiece vocabularies)."""
+    build = {"gpt2": _byte_level, "bert": _wordpiece}.get(spec.model, _sentencepiece)
     try:
-        backend = _byte_level(spec) if spec.model == "gpt2" else _sentencepiece(spec)
+        backend = build(spec)
         _add_added_tokens(backend, spec)
     except TokenizerError:
         raise
@@ -310,6 +328,34 @@ def _sentencepiece(spec: TokenizerSpec) -> tokenizers.Tokenizer:
             steps.append(decoders.Strip(content=" ", left=1, right=0))
     backend.decoder = decoders.Sequence(steps)
     return backend
+
+
+def _wordpiece(spec: TokenizerSpec) -> tokenizers.Tokenizer:
+    """BERT's WordPiece from the file's phantom-space pieces (see the module docstring)."""
+    vocab: dict[str, int] = {}
+    for i, token in enumerate(spec.tokens):
+        vocab.setdefault(wordpiece_spelling(token), i)
+    unk = spec.tokens[spec.unk_id] if spec.unk_id is not None else "[UNK]"
+    backend = tokenizers.Tokenizer(models.WordPiece(vocab, unk_token=unk))
+    backend.normalizer = normalizers.BertNormalizer(lowercase=True)
+    backend.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    backend.decoder = decoders.WordPiece()
+    return backend
+
+
+def wordpiece_spelling(piece: str) -> str:
+    """A GGUF WordPiece piece as BERT's vocab.txt spells it: "▁word" -> "word", "ing" ->
+    "##ing"; bracketed tokens ([CLS], [unused0]) stay as they are."""
+    if piece.startswith("[") and piece.endswith("]"):
+        return piece
+    return piece[1:] if piece.startswith(SPIECE_SPACE) else "##" + piece
+
+
+def _find(tokens: list[str], piece: str) -> int | None:
+    try:
+        return tokens.index(piece)
+    except ValueError:
+        return None
 
 
 def derive_merges(vocab: Mapping[str, int], rank: Mapping[str, float]) -> list[tuple[str, str]]:

@@ -93,11 +93,11 @@ async def test_request_errors_are_ollama_shaped(client: TestClient) -> None:
     assert err == "options.temperature must be a number, got string"
     form = {**AUTH, "Content-Type": "application/x-www-form-urlencoded"}
     await ollama_error(await post("/api/generate", data=b"{}", headers=form), 415)
-    for path in ("/api/embed", "/api/embeddings"):
-        err = await ollama_error(
-            await post(path, json={"model": "smol", "input": "x"}, headers=AUTH), 501
-        )
-        assert err.startswith("embeddings are not supported yet")
+    err = await ollama_error(await post("/api/embed", json={"input": 5}, headers=AUTH), 400)
+    assert err == "input must be a string or an array of strings, got integer"
+    body = {"model": "x", "prompt": "hi"}
+    err = await ollama_error(await post("/api/embeddings", json=body, headers=AUTH), 404)
+    assert "not found" in err
 
 
 async def test_unknown_routes_and_methods(client: TestClient) -> None:

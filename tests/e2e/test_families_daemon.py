@@ -1,6 +1,6 @@
 """Every family served over HTTP with the default flags.
 
-For each of the eight families, `luced serve` on its tiny GGUF (the harness adds only
+For each decoder family, `luced serve` on its tiny GGUF (the harness adds only
 `--threads 1`) answers a completion of token ids with the runtime's greedy continuation of
 the same ids, token by token. The daemons start one after another, each stopped (and its
 shared memory gone) before the next. The heads are untied: a tiny random model with a tied
@@ -18,7 +18,7 @@ from daemon_proc import DaemonProcess
 
 from luced.runtime.generate import generate
 from luced.runtime.model import Model
-from luced.runtime.tiny import FAMILIES, make_tiny_gguf
+from luced.runtime.tiny import DECODERS, make_tiny_gguf
 from luced.sampling_params import SamplingParams
 from luced.text.tokenizer import Tokenizer
 
@@ -38,7 +38,7 @@ def runtime_greedy(path: Path) -> list[int]:
         torch.set_num_threads(threads)
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", DECODERS)
 def test_default_daemon_answers_the_runtimes_greedy_tokens(family: str, tmp_path: Path) -> None:
     path = make_tiny_gguf(family, tmp_path / f"tiny-{family}.gguf", seed=1, tied=False).path
     want = runtime_greedy(path)

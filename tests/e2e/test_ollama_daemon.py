@@ -235,18 +235,29 @@ def test_errors_in_ollamas_shape(smol, client) -> None:
     with pytest.raises(ollama.ResponseError) as exc:
         client.chat(model=MODEL, messages=[{**QUESTION[0], "images": [b"\x89PNG"]}])
     assert "images are not supported" in error_of(exc, 400)
-    for call in (
-        lambda: client.embed(model=MODEL, input="x"),
-        lambda: client.embeddings(model=MODEL, prompt="x"),
-    ):
-        with pytest.raises(ollama.ResponseError) as exc:
-            call()
-        assert error_of(exc, 501).startswith("embeddings are not supported yet")
+    with pytest.raises(ollama.ResponseError) as exc:
+        client.embed(model=MODEL, input="x" * 300_000, truncate=False)
+    assert "this model embeds at most" in error_of(exc, 400)
     status, _, raw = post(smol, "/api/chat", {"model": MODEL, "messages": QUESTION}, key=None)
     assert status == 401 and set(json.loads(raw)) == {"error"}
     with pytest.raises(ollama.ResponseError) as exc:
         ollama.Client(host=smol.url, headers={"Authorization": "Bearer wrong"}).list()
     assert "API key" in error_of(exc, 401)
+
+
+def test_embed_gives_openais_vectors(smol, client) -> None:
+    """/api/embed's vectors are the OpenAI route's (unit length, in order); the older
+    /api/embeddings gives the same direction, unnormalised."""
+    texts = ["The capital of France is Paris.", "Bonjour"]
+    reply = client.embed(model=MODEL, input=texts)
+    oai = openai.OpenAI(base_url=smol.url + "/v1", api_key=KEY, max_retries=0, timeout=120)
+    want = oai.embeddings.create(model=MODEL, input=texts, encoding_format="float")
+    assert reply.model == MODEL and reply.prompt_eval_count == want.usage.prompt_tokens
+    for got, ref in zip(reply.embeddings, want.data, strict=True):
+        assert got == pytest.approx(ref.embedding, abs=1e-6)
+    raw = client.embeddings(model=MODEL, prompt=texts[0]).embedding
+    norm = sum(x * x for x in raw) ** 0.5
+    assert norm > 1.5 and [x / norm for x in raw] == pytest.approx(want.data[0].embedding, abs=1e-6)
 
 
 def test_a_client_that_leaves_mid_stream_frees_its_request(smol) -> None:

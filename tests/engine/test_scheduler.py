@@ -4,10 +4,12 @@ from given outputs (what is emitted, where each sequence stands, who finishes)."
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from luced.engine.kv_budget import RESERVE_STEP, KVBudget
 from luced.engine.output import OutputBuilder, Sampled
+from luced.engine.pooling import Pooler
 from luced.engine.request import GenerationRequest, RequestHandle, Sequence, Status
 from luced.engine.scheduler import Scheduler, StepResult, WorkOutput
 from luced.engine.spec.ngram import PromptLookup
@@ -299,3 +301,94 @@ def test_a_recurrent_replay_rewinds_to_the_window_start(make) -> None:
     assert seq.generated == [20, 21, 50] and seq.computed == 4  # the state kept at 4
     s.window = lambda q: (1, "")
     assert spans(s.schedule()) == [("r1", 4, 2, 0)]  # anchor and p1 fed again, then 50
+
+
+# -- embeddings -----------------------------------------------------------------------------
+
+
+def embedding(make: Maker, n: int, kind: str) -> Sequence:
+    """An embedding sequence of n input tokens, pooled by `kind` (as Engine._sequence)."""
+    seq = make(n, max_tokens=0)
+    seq.pooler = Pooler(kind, n)
+    return seq
+
+
+def pooled_rows(batch) -> list[WorkOutput]:
+    """What the workers give back: a pooling work's row is [its end, its start] here."""
+    return [
+        WorkOutput([], pooled=np.array([w.start + len(w.tokens), w.start], np.float32))
+        if w.pool
+        else out(7)
+        if w.n_out
+        else WorkOutput([])
+        for w in batch.works
+    ]
+
+
+def run(s: Scheduler, *seqs: Sequence) -> list[list[tuple[str, int, int, str]]]:
+    """Steps until every `seqs` finished: each step's works as (request, start, fed, pool)."""
+    steps = []
+    while not all(q.handle.finished for q in seqs):
+        batch = s.schedule()
+        steps.append(
+            [(w.seq.handle.request_id, w.start, len(w.tokens), w.pool) for w in batch.works]
+        )
+        s.update(batch, pooled_rows(batch))
+    return steps
+
+
+@pytest.mark.parametrize(
+    ("kind", "pools", "vector"),
+    [
+        ("mean", ["sum", "sum", "sum"], [(8 + 16 + 20) / 20, (0 + 8 + 16) / 20]),
+        ("cls", ["first", "", ""], [8, 0]),
+        ("last", ["", "", "last"], [20, 16]),
+    ],
+)
+def test_an_embedding_pools_its_chunks_and_ends_with_its_input(make, kind, pools, vector) -> None:
+    """A 20-token input runs as a prompt does (chunks of 8 at absolute multiples), samples
+    nothing, asks each chunk for what its pooling needs, and ends with the vector."""
+    s = scheduler(step=64)
+    seq = embedding(make, 20, kind)
+    s.add(seq)
+    s.admit()
+    steps = run(s, seq)
+    assert [w[1:3] for (w,) in steps] == [(0, 8), (8, 8), (16, 4)]
+    assert [w[3] for (w,) in steps] == pools
+    assert seq.handle.finish_reason == "stop" and seq.generated == []
+    assert seq.handle.embedding.tolist() == pytest.approx(vector)
+    assert seq.status is Status.FINISHED and s.running == [] and s.kv.held == {}
+
+
+def test_an_encoders_input_is_one_span_beside_the_decodes(make) -> None:
+    """An encoder sees its whole input at once: one span past the chunk, in a step beside
+    a decoding sequence (whose token comes first)."""
+    s = scheduler(step=64)
+    s.encoder = True
+    dec = make(4)
+    s.add(dec)
+    s.admit()
+    s.update(s.schedule(), [out(9)])
+    a, b = embedding(make, 20, "cls"), embedding(make, 30, "mean")
+    s.add(a)
+    s.add(b)
+    s.admit()
+    steps = run(s, a, b)
+    assert steps == [[("r1", 4, 1, ""), ("r2", 0, 20, "first"), ("r3", 0, 30, "sum")]]
+    assert a.handle.embedding.tolist() == [20, 0] and b.handle.embedding.tolist() == [1, 0]
+    assert s.running == [dec] and dec.generated == [9, 7]
+
+
+def test_a_preempted_embedding_pools_again_from_its_start(make) -> None:
+    """Preempted after its first chunk, an embedding forgets that chunk's row: run again
+    from position 0, its mean counts every row once."""
+    s = scheduler(step=64)
+    seq = embedding(make, 20, "mean")
+    s.add(seq)
+    s.admit()
+    batch = s.schedule()
+    s.update(batch, pooled_rows(batch))
+    s.preempt(seq, batch)
+    assert seq.computed == 0 and seq.slot == -1 and s.admit() == [seq]
+    assert [w[1] for (w,) in run(s, seq)] == [0, 8, 16]
+    assert seq.handle.embedding.tolist() == pytest.approx([(8 + 16 + 20) / 20, 24 / 20])

@@ -114,6 +114,8 @@ def forward(**kw: object) -> F.Forward:
         ({"kv_plan": {**PLAN, "kv_pool": PLAN["kv_map"]}}, r"kv_plan keys are among"),
         ({"kv_plan": {**PLAN, "kv_moves": R(64, (2, 4), "int64")}}, "needs kv_map and kv_host"),
         ({"kv_plan": {**PLAN, "kv_slots": R(1024, (3,), "int64")}}, r"kv_slots must be int64"),
+        ({"pool": "sum"}, "a pooling span samples nothing: n_out must be 0, got 1"),
+        ({"pool": "max", "n_out": 0}, r"pool: expected one of \['', 'sum', 'first', 'last'\]"),
     ],
 )
 def test_span_validation(kw: dict, match: str) -> None:
@@ -190,6 +192,25 @@ def test_span_validation(kw: dict, match: str) -> None:
             },
             'a verify span needs want="sample"',
         ),
+        (
+            {"spans": (span(n_out=0, pool="sum"),), "outputs": {"ids": R(64, (0,), "int32")}},
+            r"needs outputs \['embeddings', 'ids'\]",
+        ),
+        (
+            {
+                "spans": (span(n_out=0, pool="sum"), span(sequence=1, n_out=0, pool="last")),
+                "outputs": {"ids": R(64, (0,), "int32"), "embeddings": R(64, (1, 8), "float32")},
+            },
+            r"outputs.embeddings must be float32 with 2 dim\(s\) and >= 2 rows",
+        ),
+        (
+            {
+                "spans": (span(n_out=0, pool="first"),),
+                "want": "hidden",
+                "outputs": {"hidden": R(64, (4, 8), "float32")},
+            },
+            "a pooling span goes to the last shard",
+        ),
     ],
 )
 def test_forward_validation(kw: dict, match: str) -> None:
@@ -221,6 +242,12 @@ def test_forward_accepts_the_intended_shapes() -> None:
     back = F.Forward.from_wire(two.to_wire())
     assert back == two and back.spans[0].kv_plan["kv_map"].shape == (448,)
     assert (two.n_tokens, two.n_out) == (8, 5)
+    embeds = forward(  # an embedding's span beside a decode token: one pooled row
+        spans=(span(n_out=0, pool="sum"), span(sequence=1, start=9, n=1)),
+        outputs={"ids": R(64, (1,), "int32"), "embeddings": R(128, (4, 16), "float32")},
+    )
+    assert (embeds.n_out, embeds.n_pooled) == (1, 1)
+    assert F.Forward.from_wire(embeds.to_wire()).spans[0].pool == "sum"
 
 
 def draft_block(**kw: object) -> F.DraftBlock:

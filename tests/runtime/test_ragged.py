@@ -7,10 +7,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from luced.runtime.families import FAMILIES
 from luced.runtime.model import Model
 from luced.runtime.ragged import Ragged, Span
-from luced.runtime.tiny import make_tiny_gguf
+from luced.runtime.tiny import DECODERS, make_tiny_gguf
 
 # Three sequences at different points: a prefill chunk after a short history, one decode
 # token deep into its context, and a verify-sized block; their histories differ too.
@@ -43,7 +42,7 @@ def _alone_and_batched(model: Model, prompts: list[torch.Tensor]):
     return alone, batched, alone_caches, batch_caches
 
 
-@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("family", sorted(DECODERS))
 def test_batched_equals_alone_for_every_family(tmp_path: Path, family: str) -> None:
     """Each sequence's logits in the batch are its logits alone (float32: within the dense
     matmuls' rounding, 1e-4 as against transformers), and each cache comes out as if it ran

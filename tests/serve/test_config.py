@@ -76,6 +76,7 @@ SAMPLES: dict[str, tuple[str, str, Any]] = {
     "kernels": ("torch", '"torch"', "torch"),
     "threads": ("3", "3", 3),
     "context_length": ("4096", "4096", 4096),
+    "pooling": ("last", '"last"', "last"),
     "max_queue": ("0", "0", 0),
     "max_running": ("3", "3", 3),
     "kv_pool_tokens": ("8192", "8192", 8192),

@@ -22,7 +22,7 @@ The ops (request fields -> reply fields):
                                                kv_capacity, load_s, recurrent, kv_pool,
                                                kv_chunk_bytes
     forward   spans (sequence, start, n, n_out, sampling, verify, q_row, keep_state,
-              keep_block_states, ring, kv_plan), tokens | hidden_in, want, outputs,
+              keep_block_states, ring, kv_plan, pool), tokens | hidden_in, want, outputs,
               top_logprobs, capture, draft_probs, allowed
                                             -> positions, elapsed_us, accepted
     load_draft path, dtype, device, target  -> capture_layers, block_size, mask_token_id,
@@ -72,7 +72,9 @@ a second that it is still at work, so the daemon bounds its silence, not its tim
 17: one ``forward`` verb for one sequence or several (``spans``, ``Span``), replacing
 ``forward_batch``; a span may start below its sequence's committed length (a roll back);
 want="topk" and ``positions`` removed (``Span.n_out``), verify is a span's flag;
-``draft`` ``sequence`` (a kept draft sampler per sequence).
+``draft`` ``sequence`` (a kept draft sampler per sequence);
+17: ``Span.pool`` and the ``embeddings`` output: a span may give one pooled row of its
+last-layer states (their sum, its first or its last row) instead of sampled rows.
 
 Expert compute (``luced.runtime.expert_link``): an expert worker answers ``load_experts``
 from the daemon, and ``expert_mix`` from target workers over direct worker-to-worker

@@ -25,6 +25,9 @@ from luced.sampling_params import SamplingWire
 # -- forward --------------------------------------------------------------------------------
 
 Want = Literal["sample", "logits", "hidden"]
+# A span's pooled row (`Span.pool`): the sum of its rows' last-layer states after the
+# final norm, its first row's or its last row's ("": none).
+Pool = Literal["", "sum", "first", "last"]
 
 # Output regions by want: (required, optional). Shapes (rows may exceed what is used):
 #   ids            int32   [n_out]             sampled (or greedy) token ids
@@ -33,10 +36,15 @@ Want = Literal["sample", "logits", "hidden"]
 #   topk_logprobs  float32 [n_out, k]
 #   logits         float32 [n_out, vocab]      raw logits after the head's scaling/softcap
 #   hidden         float   [n_tokens, hidden]  boundary activations for the next shard
+#   embeddings     float32 [n_pooled, hidden]  one row per span with a `pool`, in span order
 # n_out is the sum of the spans' n_out: each span's output rows follow the previous span's.
+# `embeddings` comes with "sample" or "logits" whenever a span pools (required then).
 OUTPUTS: dict[str, tuple[frozenset[str], frozenset[str]]] = {
-    "sample": (frozenset({"ids"}), frozenset({"logprobs", "topk_ids", "topk_logprobs"})),
-    "logits": (frozenset({"logits"}), frozenset()),
+    "sample": (
+        frozenset({"ids"}),
+        frozenset({"logprobs", "topk_ids", "topk_logprobs", "embeddings"}),
+    ),
+    "logits": (frozenset({"logits"}), frozenset({"embeddings"})),
     "hidden": (frozenset({"hidden"}), frozenset()),
 }
 _OUTPUT_DTYPES = {
@@ -46,6 +54,7 @@ _OUTPUT_DTYPES = {
     "topk_logprobs": ("float32",),
     "logits": ("float32",),
     "hidden": COMPUTE_DTYPES,
+    "embeddings": ("float32",),
 }
 _OUTPUT_NDIM = {"ids": 1, "logprobs": 1, "topk_ids": 2, "topk_logprobs": 2, "logits": 2}
 # A KV Flash step's plan for one sequence (`Span.kv_plan`'s keys), in the daemon's
@@ -76,6 +85,11 @@ class Span(Record):
     window [anchor, proposals...]; the worker rejection-samples the proposals against the
     draft's q (``Forward.draft_probs`` rows ``q_row ..``) and writes the step's tokens (the
     accepted proposals, then its own), ``accepted + 1`` rows (``ForwardReply.accepted``).
+
+    ``pool`` (an embedding's span, with ``n_out`` 0): the last shard writes one row of
+    ``outputs["embeddings"]`` from the span's last-layer states after the final norm: their
+    float32 sum ("sum"; the daemon adds a long input's chunks and divides), the span's
+    first row ("first": [CLS], in the span from position 0) or its last ("last").
     """
 
     sequence: int
@@ -94,6 +108,7 @@ class Span(Record):
     # The sequence's feature ring (DFlash captures), float [ring_cap, len(capture), hidden].
     ring: Region | None = None
     kv_plan: dict[str, Region] = field(default_factory=dict)  # KV Flash (keys of KV_PLAN)
+    pool: Pool = ""
 
     def _check(self) -> None:
         if self.sequence < 0 or self.start < 0 or self.n < 1 or self.q_row < 0:
@@ -103,6 +118,8 @@ class Span(Record):
             raise self._fail(f"n_out must be 0, 1 or n ({self.n}), got {self.n_out}")
         if self.verify and (self.n < 2 or self.n_out != self.n):
             raise self._fail("a verify span feeds n >= 2 tokens with n_out = n")
+        if self.pool and self.n_out:
+            raise self._fail(f"a pooling span samples nothing: n_out must be 0, got {self.n_out}")
         if self.ring is not None and self.ring.shape[0] < self.n:
             raise self._fail(f"its ring holds {self.ring.shape[0]} positions, fewer than {self.n}")
         unknown = self.kv_plan.keys() - set(KV_PLAN)
@@ -160,12 +177,18 @@ class Forward(Request):
     def n_out(self) -> int:
         return sum(s.n_out for s in self.spans)
 
+    @property
+    def n_pooled(self) -> int:
+        return sum(bool(s.pool) for s in self.spans)
+
     def _check(self) -> None:
         if not self.spans:
             raise self._fail("a forward needs at least one span")
         sequences = [s.sequence for s in self.spans]
         if len(set(sequences)) != len(sequences):
             raise self._fail(f"a sequence appears twice: {sequences}")
+        if self.want == "hidden" and self.n_pooled:
+            raise self._fail('a pooling span goes to the last shard (want "sample" or "logits")')
         _check_input(self)
         _check_outputs(self)
         _check_rings(self, self.capture, tuple(s.ring for s in self.spans if s.ring))
@@ -243,13 +266,15 @@ def _check_outputs(frame: Forward) -> None:
         raise frame._fail(f"top_logprobs must be >= 0, got {frame.top_logprobs}")
     if frame.want == "sample" and frame.top_logprobs:
         required = required | {"topk_ids", "topk_logprobs"}
+    if frame.n_pooled:
+        required = required | {"embeddings"}
     if not required <= names or not names <= required | optional:
         raise frame._fail(
             f'want="{frame.want}" needs outputs {sorted(required)} (optional '
             f"{sorted(optional - required)}), got {sorted(names)}"
         )
     for name, r in frame.outputs.items():
-        rows = frame.n_tokens if name == "hidden" else frame.n_out
+        rows = {"hidden": frame.n_tokens, "embeddings": frame.n_pooled}.get(name, frame.n_out)
         ndim = _OUTPUT_NDIM.get(name, 2)
         if r.dtype not in _OUTPUT_DTYPES[name] or len(r.shape) != ndim or r.shape[0] < rows:
             raise frame._fail(

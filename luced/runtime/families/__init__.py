@@ -6,6 +6,7 @@ from types import ModuleType
 
 from luced.gguf_file import GGUFError, GGUFFile
 from luced.runtime.families import (
+    bert,
     gemma3,
     gemma4,
     laguna,
@@ -17,8 +18,8 @@ from luced.runtime.families import (
 )
 
 FAMILIES: dict[str, ModuleType] = {
-    m.ARCH: m for m in (llama, qwen3, gemma3, gemma4, qwen3moe, laguna, qwen35, qwen35moe)
-}
+    m.ARCH: m for m in (llama, qwen3, gemma3, gemma4, qwen3moe, laguna, qwen35, qwen35moe, bert)
+} | {bert.NOMIC: bert}
 
 
 def family_for(gguf: GGUFFile) -> ModuleType:

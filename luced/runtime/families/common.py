@@ -21,6 +21,10 @@ and optionally::
                                                  reads besides the hidden state (Gemma 4's
                                                  per-layer embeddings), once per forward;
                                                  passed to `block` as keyword arguments
+    final_norm(model, x) -> [n, hidden]         the last layer's rows as the head reads
+                                                 them, what embeddings pool (default: the
+                                                 RMSNorm by `out_norm`; an encoder's blocks
+                                                 end normed)
 
 Keys of the weight dict are `tok_embd` (or `tied_embd`), `out_norm`, `head` and `{layer}.{name}`
 (e.g. `3.attn_q`); matrices are stored in `layers.linear`'s layout for their dtype.
@@ -138,6 +142,11 @@ def base_fields(gguf: GGUFFile, **known: Any) -> dict[str, Any]:
     vocab = gguf.get(key("vocab_size"))
     if vocab is None:
         vocab = gguf.info("token_embd.weight").shape[0]
+    eps = (
+        known["rms_eps"]
+        if "rms_eps" in known
+        else gguf.require(key("attention.layer_norm_rms_epsilon"))
+    )
     return {
         "arch": arch,
         "n_layers": n_layers,
@@ -149,7 +158,7 @@ def base_fields(gguf: GGUFFile, **known: Any) -> dict[str, Any]:
         "head_dim": head_dim,
         "ffn": int(ffn),
         "vocab": int(vocab),
-        "rms_eps": float(gguf.require(key("attention.layer_norm_rms_epsilon"))),
+        "rms_eps": float(eps),
         "rope_base": float(gguf.get(key("rope.freq_base"), 10000.0)),
         "rope_dims": int(gguf.get(key("rope.dimension_count"), head_dim)),
         "context_length": int(gguf.get(key("context_length"), 2048)),

@@ -8,8 +8,10 @@ check (`tools/make_tiny_gguf.py`), built from the runtime's own dependencies.
     _, draft, _ = make_tiny_draft(tiny.path, tmp_path / "draft", seed=3)   # draft.py
 
 Families: `llama`, `qwen3`, `gemma3` (build.py), the hybrids `qwen35` and `qwen35moe`
-(qwen35.py), the MoE families `qwen3moe` and `laguna` (moe.py) and `gemma4` (gemma4.py).
-The tests build transformers' model from the twin (tests/tiny_hf.py) and compare.
+(qwen35.py), the MoE families `qwen3moe` and `laguna` (moe.py), `gemma4` (gemma4.py) and
+the encoders `bert` and `nomic-bert` (bert.py: their twin is an encoder, not a
+*ForCausalLM, and they serve embeddings only; DECODERS are the rest). The tests build
+transformers' model from the twin (tests/tiny_hf.py) and compare.
 
 The file follows llama.cpp's `convert_hf_to_gguf.py` for the same HF model: gguf-py's tensor
 names, the metadata keys its TextModel / family classes write, and its tensor conventions:
@@ -28,6 +30,15 @@ llama.cpp).
 
 from luced.runtime.tiny.build import make_tiny_gguf
 from luced.runtime.tiny.draft import make_tiny_draft
-from luced.runtime.tiny.spec import FAMILIES, QTYPES, TinyModel, TinySpec
+from luced.runtime.tiny.spec import DECODERS, ENCODERS, FAMILIES, QTYPES, TinyModel, TinySpec
 
-__all__ = ["FAMILIES", "QTYPES", "TinyModel", "TinySpec", "make_tiny_draft", "make_tiny_gguf"]
+__all__ = [
+    "DECODERS",
+    "ENCODERS",
+    "FAMILIES",
+    "QTYPES",
+    "TinyModel",
+    "TinySpec",
+    "make_tiny_draft",
+    "make_tiny_gguf",
+]

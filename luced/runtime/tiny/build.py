@@ -1,5 +1,6 @@
 """`make_tiny_gguf`: a family's tiny GGUF, written as llama.cpp's converter would write the
-Hugging Face model it returns (see the package docstring); gemma4 is built by gemma4.py."""
+Hugging Face model it returns (see the package docstring); gemma4 is built by gemma4.py,
+the encoders by bert.py."""
 
 from __future__ import annotations
 
@@ -11,8 +12,9 @@ import gguf
 import numpy as np
 import torch
 
-from luced.runtime.tiny import gemma4, moe, qwen35
+from luced.runtime.tiny import bert, gemma4, moe, qwen35
 from luced.runtime.tiny.spec import (
+    ENCODERS,
     LLAMA3_ORIGINAL_CONTEXT,
     QTYPES,
     TinyModel,
@@ -38,6 +40,9 @@ def make_tiny_gguf(
     if family == gemma4.FAMILY:
         check_qtype(qtype)
         return gemma4.build(path, seed=seed, qtype=qtype, **overrides)
+    if family in ENCODERS:
+        check_qtype(qtype)
+        return bert.build(path, family=family, seed=seed, qtype=qtype, **overrides)
     spec = make_spec(family, qtype, seed, overrides)
     vocab = make_vocab(moe.VOCAB if family in moe.FAMILIES else family, spec.vocab_size)
     path.parent.mkdir(parents=True, exist_ok=True)

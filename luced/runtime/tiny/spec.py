@@ -16,7 +16,9 @@ from gguf import LlamaFileType as FT
 from luced.runtime.tiny import moe, qwen35
 from luced.runtime.tiny.vocab import Vocab
 
-FAMILIES = ("llama", "qwen3", "gemma3", *qwen35.FAMILIES, *moe.FAMILIES, "gemma4")
+ENCODERS = ("bert", "nomic-bert")  # bert.py: no LM head, they serve embeddings only
+FAMILIES = ("llama", "qwen3", "gemma3", *qwen35.FAMILIES, *moe.FAMILIES, "gemma4", *ENCODERS)
+DECODERS = tuple(f for f in FAMILIES if f not in ENCODERS)
 # qtype -> (ggml type, general.file_type, block size in elements)
 QTYPES: dict[str, tuple[Q, FT, int]] = {
     "F32": (Q.F32, FT.ALL_F32, 1),
@@ -94,7 +96,8 @@ KQUANT_DEFAULTS = {"hidden": 256, "ffn": 512, "head_dim": 64}
 
 
 def make_spec(family: str, qtype: str, seed: int, overrides: dict[str, Any]) -> TinySpec:
-    """The spec of a family other than gemma4 (gemma4.make_spec), or ValueError."""
+    """The spec of a family other than gemma4 and the encoders (gemma4.make_spec,
+    bert.make_spec), or ValueError."""
     if family not in DEFAULTS:
         raise ValueError(f"unknown family {family!r}; choose one of {FAMILIES}")
     check_qtype(qtype)

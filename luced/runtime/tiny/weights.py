@@ -16,13 +16,16 @@ from gguf import GGMLQuantizationType as Q
 from luced.runtime.tiny import moe, qwen35
 from luced.runtime.tiny.spec import QTYPES, TinySpec
 
-# The converter keeps routers (FFN_GATE_INP, FFN_GATE_INP_SHEXP) and SSM_CONV1D in F32
-# whatever the file type.
+# The converter keeps routers (FFN_GATE_INP, FFN_GATE_INP_SHEXP), SSM_CONV1D and BERT's
+# position and token type embeddings (named as in the GGUF by bert.py) in F32 whatever the
+# file type.
 ALWAYS_F32 = (
     ".mlp.gate.weight",
     ".mlp.shared_expert_gate.weight",
     ".router.proj.weight",
     "conv1d.weight",
+    "position_embd.weight",
+    "token_types.weight",
 )
 
 

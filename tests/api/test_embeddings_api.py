@@ -5,6 +5,7 @@ and the routes on an engine whose worker never starts."""
 from __future__ import annotations
 
 import base64
+import io
 import json
 from collections.abc import AsyncIterator
 
@@ -159,6 +160,25 @@ async def test_a_body_may_carry_many_inputs_of_token_ids(client: TestClient) -> 
     assert resp.status == 400 and "commas" in (await resp.json())["error"]["message"]
     resp = await client.post("/v1/embeddings", json=many)
     assert resp.status == 503  # decoded, parsed and bounded: only the loading engine refuses
+
+
+@pytest.mark.asyncio(loop_scope="module")
+async def test_a_body_may_be_as_large_as_its_inputs_may_carry(client: TestClient) -> None:
+    """More bytes than a request of one context may carry (a completion's is a 413 before
+    its body is read), not more than 2048 inputs may: the embedding routes lease their
+    model with that bound (luced.api.lease.leasing_inputs, Ollama's too)."""
+
+    async def post(path: str, body: dict) -> int:
+        data = io.BytesIO(json.dumps(body).encode())  # streamed: aiohttp warns of raw bytes
+        resp = await client.post(path, data=data, headers={"Content-Type": "application/json"})
+        return resp.status
+
+    ids = [[100] * 250] * 1500  # ~1.9 MB of JSON; a context of 256 tokens takes 1.3 MB
+    assert await post("/v1/completions", {"prompt": ids}) == 413
+    # read, parsed and bounded: only the loading engine refuses
+    assert await post("/v1/embeddings", {"input": ids}) == 503
+    texts = ["word " * 1600] * 200  # 8000 characters each, 1.6 MB in all
+    assert await post("/api/embed", {"model": "smol", "input": texts}) == 503
 
 
 @pytest.mark.asyncio(loop_scope="module")

@@ -28,6 +28,7 @@ from luced.api.ollama_models import ModelFacts, accelerated_share, parameter_siz
 from luced.engine.core import Engine, GenerationRequest, RequestHandle
 from luced.engine.output import Delta, TokenLogprob
 from luced.gguf_file import GGUFFile
+from luced.runtime.tiny import make_tiny_gguf
 from luced.sampling_params import SamplingParams
 from luced.text.chat_template import ChatTemplate
 from luced.text.prompt import chat_ids
@@ -518,6 +519,12 @@ def test_listings(smollm2_gguf: Path) -> None:
     assert show["template"] == "{{ messages }}" and show["capabilities"] == ["completion", "tools"]
     assert show["model_info"]["general.architecture"] == "llama"
     assert "num_ctx" in show["parameters"] and f"FROM {smollm2_gguf}" in show["modelfile"]
+
+
+def test_an_encoder_shows_only_the_embedding_capability(tmp_path: Path) -> None:
+    facts = ModelFacts.from_gguf(GGUFFile(make_tiny_gguf("bert", tmp_path / "b.gguf").path))
+    show = ollama_models.show(facts, "", 128)
+    assert show["capabilities"] == ["embedding"] and show["template"] == ""
 
 
 @pytest.mark.parametrize(

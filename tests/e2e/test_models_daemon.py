@@ -306,3 +306,44 @@ def test_the_memory_budget_unloads_only_idle_models(models_dir: Path, tmp_path: 
     assert {n: r["state"] for n, r in rows(d).items()} == {A: "unloaded", B: "ready"}
     assert f"unloading {A} to make room for {B}" in d.log()
     assert d.stop() == 0 and d.segments() == []
+
+
+def test_an_encoder_among_several_models_embeds_through_its_lease(tmp_path: Path) -> None:
+    """A BERT beside a decoder: /api/show describes it from its file (no template, only
+    the `embedding` capability) without loading it; each API's embedding route loads and
+    leases the model it names (Ollama's as Ollama matches names), the decoder embeds too,
+    and the encoder refuses to generate."""
+    models = tmp_path / "models"
+    make_tiny_gguf("bert", models / "tiny-bert.gguf", seed=13)
+    make_tiny_gguf("llama", models / f"{A}.gguf", seed=5, context=512)
+    d = serve(models, tmp_path)
+    try:
+        status, _, show = post(d, {"model": "TINY-BERT"}, "/api/show")
+        assert status == 200 and show["capabilities"] == ["embedding"], show
+        assert show["template"] == "" and rows(d)["tiny-bert"]["state"] == "unloaded"
+        status, _, out = post(
+            d, {"model": "tiny-bert", "input": ["hello", "world"]}, "/v1/embeddings"
+        )
+        assert status == 200 and [e["index"] for e in out["data"]] == [0, 1], out
+        assert len(out["data"][0]["embedding"]) == 64 and out["model"] == "tiny-bert"
+        body = {"model": "tiny-bert:latest", "input": "hello"}
+        status, _, embed = post(d, body, "/api/embed")
+        assert status == 200 and embed["model"] == "tiny-bert:latest", embed
+        # the same vector (alone here, in a batch of two there: float32 rounding apart)
+        (vector,) = embed["embeddings"]
+        want = out["data"][0]["embedding"]
+        assert max(abs(x - y) for x, y in zip(vector, want, strict=True)) < 1e-5
+        status, _, old = post(d, {"model": "Tiny-Bert", "prompt": "hello"}, "/api/embeddings")
+        assert status == 200 and len(old["embedding"]) == 64, old
+        status, _, out = post(d, {"model": A, "input": "hello"}, "/v1/embeddings")
+        assert status == 200 and out["model"] == A and len(out["data"]) == 1, out
+        assert {n: r["state"] for n, r in rows(d).items()} == {A: "ready", "tiny-bert": "ready"}
+        status, _, err = post(
+            d, {"model": "tiny-bert", "prompt": "hi", "stream": False}, "/api/generate"
+        )
+        assert status == 400 and "cannot generate" in err["error"], err
+        status, _, err = post(d, {"model": "nope", "input": "hi"}, "/api/embed")
+        assert status == 404 and "model 'nope' not found" in err["error"], err
+    finally:
+        assert d.stop() == 0
+    assert d.segments() == []

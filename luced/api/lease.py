@@ -130,11 +130,9 @@ async def read_body(request: web.Request, contexts: int = 1) -> list[bytes]:
     most = limit if context is None else min(limit, max_body_bytes(contexts * context))
     why = f"bytes: at most {most}"
     if most < limit:
-        held = (
-            f"a context of {context} tokens takes"
-            if contexts == 1
-            else (f"{contexts} inputs of a context of {context} tokens take")
-        )
+        held = f"a context of {context} tokens takes"
+        if contexts > 1:
+            held = f"{contexts} inputs of a context of {context} tokens take"
         why += f" ({held} no more)"
     if (request.content_length or 0) > most:
         raise APIError(413, f"the request body has {request.content_length} {why}")

@@ -14,11 +14,13 @@ single-client HTTP runs, and reports the daemon path's cost in decode speed. Wit
 --rounds times, alternating, runs every concurrency level on each, and reports each
 setting's medians side by side with the throughput ratio to the first setting;
 --variants "A;B" compares `luced serve` option strings the same way (each with every
---max-running value), e.g. --variants "--kv-block-size 0;--kv-block-size 16".
+--max-running value), e.g. --variants "--kv-block-size 0;--kv-block-size 16", and
+--trees "OLD;NEW" source trees (each daemon runs with PYTHONPATH=TREE), e.g. a worktree
+of an older commit against this one.
 
     python tools/bench_http.py [--model PATH] [--concurrency 1,4,8,16] [--requests N]
         [--prompt-tokens 128] [--max-tokens 64] [--threads 2] [--compare]
-        [--max-running 1,8] [--variants "A;B"] [--rounds 2]
+        [--max-running 1,8] [--variants "A;B"] [--trees "OLD;NEW"] [--rounds 2]
 """
 
 from __future__ import annotations
@@ -153,7 +155,12 @@ def pct(xs: list[float], q: float) -> float:
 
 
 def start_daemon(
-    model: str | None, port: int, threads: int, tmp: Path, extra: tuple[str, ...] = ()
+    model: str | None,
+    port: int,
+    threads: int,
+    tmp: Path,
+    extra: tuple[str, ...] = (),
+    tree: str | None = None,
 ) -> subprocess.Popen:
     cmd = [
         sys.executable,
@@ -172,7 +179,8 @@ def start_daemon(
     ]
     if model:
         cmd.insert(4, model)
-    proc = subprocess.Popen(cmd)
+    env = None if tree is None else {**os.environ, "PYTHONPATH": tree}
+    proc = subprocess.Popen(cmd, env=env)
     for _ in range(600):
         try:
             with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2):
@@ -223,8 +231,9 @@ def main() -> int:
         "--variants",
         help="`luced serve` option strings to compare, ';'-separated (with each --max-running)",
     )
+    ap.add_argument("--trees", help="source trees to compare, ';'-separated (PYTHONPATH each)")
     args = ap.parse_args()
-    if args.max_running or args.variants:
+    if args.max_running or args.variants or args.trees:
         return compare_settings(args)
 
     prompt = prompt_text(args.prompt_tokens)
@@ -298,28 +307,32 @@ def warm_up(url: str, prompt: str, max_tokens: int) -> None:
 
 
 def compare_settings(args: argparse.Namespace) -> int:
-    """One daemon per setting (each --max-running value with each --variants string),
-    every concurrency level on each, settings alternating over rounds (drift hits them
-    alike); medians per setting and level, and aggregate tok/s against the first setting
-    at the same level."""
+    """One daemon per setting (each --trees tree with each --max-running value and each
+    --variants string), every concurrency level on each, settings alternating over rounds
+    (drift hits them alike); medians per setting and level, and aggregate tok/s against
+    the first setting at the same level."""
     running = args.max_running.split(",") if args.max_running else [""]
     variants = args.variants.split(";") if args.variants else [""]
+    trees = args.trees.split(";") if args.trees else [""]
+    combos = list(itertools.product(trees, running, variants))
     settings = [
-        " ".join(filter(None, (f"max_running={m}" if m else "", v.strip())))
-        for m in running
-        for v in variants
+        " ".join(filter(None, (Path(t).name, f"max_running={m}" if m else "", v.strip())))
+        for t, m, v in combos
     ]
     serve = {
         label: (*(("--max-running", m) if m else ()), *v.split(), *args.serve_args.split())
-        for label, (m, v) in zip(settings, itertools.product(running, variants), strict=True)
+        for label, (_, m, v) in zip(settings, combos, strict=True)
     }
+    tree_of = {label: t or None for label, (t, _, _) in zip(settings, combos, strict=True)}
     prompt = prompt_text(args.prompt_tokens)
     runs: dict[tuple[str, int], list[Load]] = {}
     for _ in range(args.rounds):
         for m in settings:
             with tempfile.TemporaryDirectory(prefix="luced-bench-") as tmp:
                 extra = serve[m]
-                proc = start_daemon(args.model, args.port, args.threads, Path(tmp), extra)
+                proc = start_daemon(
+                    args.model, args.port, args.threads, Path(tmp), extra, tree_of[m]
+                )
                 try:
                     url = f"http://127.0.0.1:{args.port}"
                     warm_up(url, prompt, args.max_tokens)

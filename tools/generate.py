@@ -18,6 +18,8 @@ import logging
 import sys
 import time
 
+from luced.serve.options import OPTION_BY_NAME
+
 T_START = time.perf_counter()
 
 
@@ -35,11 +37,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's)")
+    weights = OPTION_BY_NAME["weights"]
     p.add_argument(
         "--weights",
-        default="dequant",
-        choices=["auto", "int4", "int8", "dequant"],
-        help="how weight matrices are held (luced serve --weights; default: the exact path)",
+        default=weights.default,  # luced serve's, so that the two agree out of the box
+        choices=weights.choices,
+        help=f"how weight matrices are held, as luced serve --weights (default: {weights.default})",
     )
     p.add_argument("--ignore-eos", action="store_true", help="generate max-tokens tokens")
     p.add_argument("--json", action="store_true", help="print one JSON object at the end")

@@ -58,10 +58,18 @@ from luced.engine.executor import (
 )
 from luced.engine.experts import ExpertWorker
 from luced.engine.feature_ring import FeatureRing
+from luced.engine.hops import Hops
 from luced.engine.kv_transfer import KVTransfer
 from luced.engine.kvflash.pager import PagerConfig
 from luced.engine.kvflash.transport import KVFlash
-from luced.engine.placement import TargetPlacement, WorkerSpec, parse_device
+from luced.engine.placement import (
+    TargetPlacement,
+    WorkerSpec,
+    local_device,
+    parse_device,
+    worker_spec,
+)
+from luced.engine.remote import RemoteSettings, RemoteWorker
 from luced.ipc.frames import (
     KVShare,
     KVShareReply,
@@ -101,6 +109,7 @@ class Target:
         deadlines: Deadlines | None = None,  # of worker calls and starts (default: Deadlines())
         sequences: int = 1,  # slots: the sequences the workers hold at once
         step_tokens: int | None = None,  # tokens one step feeds (--max-step-tokens)
+        remote: RemoteSettings | None = None,  # to reach workers on other hosts (tcp://)
     ) -> None:
         self.owner = owner
         # Default: a prompt chunk beside a draft window of 16 for every sequence.
@@ -112,14 +121,24 @@ class Target:
         self._record_bytes: dict[tuple[int, int], int] = {}  # worker layers -> host record
         self.name = name
         self.placement = placement
+        deadlines = deadlines or Deadlines()
+        if kv_flash is not None and any(spec.remote for spec, _ in placement.workers):
+            raise ValueError("KV Flash does not run with workers on other hosts")
+
+        def remote_worker(spec: WorkerSpec, on_exit: Callable) -> RemoteWorker:
+            assert remote is not None
+            return RemoteWorker(spec, owner.instance, owner, remote, on_exit, deadlines)
+
         self.executor = Executor(
             owner.instance,
             placement.workers,
             self._load,
             on_state_change,
-            deadlines or Deadlines(),
+            deadlines,
             inboxes=placement.moe_expert is not None,
+            remote=remote_worker if remote is not None else None,
         )
+        self.hops = Hops(self.executor, timeout=deadlines.call)
         self.experts = (
             ExpertWorker(owner, name, placement, self.executor) if placement.moe_expert else None
         )
@@ -277,6 +296,7 @@ class Target:
         self.n_layers, self.hidden, self.vocab = reply.n_layers, reply.hidden, reply.vocab
         if self._draft_path is not None and self.executor.draft_slot is None:
             await self._load_draft_into(worker)  # a restarted worker gets its draft back
+        await self.hops.ensure()  # its hops to workers on other hosts, when both ends are up
         return None
 
     # -- sequences -----------------------------------------------------------------------
@@ -416,9 +436,7 @@ class Target:
         if len(slots) == 1 and device in first.plan.devices and group == first.spec.group:
             reply = await self._load_draft_into(self.executor.workers()[0])
         else:
-            spec = WorkerSpec(
-                group, (device,), python=python or first.spec.python, threads=first.spec.threads
-            )
+            spec = worker_spec(device, {group: python or first.spec.python}, first.spec.threads)
             started = await self.executor.add_draft_slot(spec)
             assert isinstance(started, LoadDraftReply)
             reply = started
@@ -457,7 +475,7 @@ class Target:
             LoadDraft(
                 path=str(self._draft_path),
                 dtype=self.placement.dtype,  # type: ignore[arg-type]
-                device=self._draft_device,
+                device=local_device(self._draft_device),
                 target=target,
             )
         )

@@ -1,0 +1,157 @@
+"""Hops: where a pipeline's hidden rows cross hosts, a torch.distributed link carries them.
+
+Between two stages on the daemon's host the rows go through its shared memory
+(``act.boundary-k``: stage k writes, stage k + 1 reads). Where a boundary has a worker on
+another host on either side, the two stages are linked as a torch.distributed group of
+two (a *hop*, ``runtime/hops.py``), and the rows travel over it, never through the
+daemon: stage k's ``forward`` carries ``relay_out`` of the rows it writes, stage
+k + 1's a ``relay_in`` of the same region::
+
+    cpu ──shm boundary-0── cpu:1 ──hop "act-1"── tcp://10.0.0.2:7070/cpu ──hop "act-2"── tcp://…
+
+Linking: when both ends of a hop are ready (after a load, a restart or a reconnect), both
+are sent ``link`` at once with the next generation. The store is a remote end's (its
+hello says where; rank 0); each end binds its data sockets to its own address on the
+route to the other (a local worker's: the source address the daemon's host uses to
+reach the remote one). A hop whose step failed, or whose ends are not the handles it was
+linked with, is linked again before its next use.
+
+Steps: every transfer on a hop has the next step number of its direction, named in both
+frames, so a receiver skips what a failed step left on the link (``runtime/hops.py``).
+
+Accounting: each hop counts the bytes it moved and the tokens they were for, so status
+and the benchmark report bytes per token on each hop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import socket
+
+from luced.engine.executor import Executor, WorkerDied, WorkerHandle
+from luced.ipc import tcp
+from luced.ipc.frames import Carry, Link, Relay
+from luced.ipc.regions import Region
+
+log = logging.getLogger(__name__)
+
+
+def route_source(host: str) -> str:
+    """The local address this host sends from to reach `host` (no packet is sent)."""
+    family, _, _, _, addr = socket.getaddrinfo(host, 9, proto=socket.IPPROTO_UDP)[0]
+    with socket.socket(family, socket.SOCK_DGRAM) as s:
+        s.connect(addr)
+        return s.getsockname()[0]
+
+
+@dataclasses.dataclass
+class Hop:
+    """The link across boundary `k`: between pipeline slots k and k + 1."""
+
+    name: str
+    k: int
+    generation: int = 0
+    linked: tuple[WorkerHandle, WorkerHandle] | None = None  # the ends it was linked with
+    stale: bool = False  # a step failed on it: link again before the next
+    steps: int = 0
+    bytes: int = 0
+    tokens: int = 0
+    lock: asyncio.Lock = dataclasses.field(default_factory=asyncio.Lock)
+
+    def describe(self) -> dict:
+        per_token = round(self.bytes / self.tokens, 1) if self.tokens else None
+        return {
+            "hop": self.name,
+            "between": [self.k, self.k + 1],
+            "link": "torch.distributed gloo",
+            "generation": self.generation,
+            "bytes": self.bytes,
+            "tokens": self.tokens,
+            "bytes_per_token": per_token,
+        }
+
+
+class Hops:
+    """The pipeline's hops (module docstring); `timeout` bounds every transfer (seconds)."""
+
+    def __init__(self, executor: Executor, timeout: float) -> None:
+        self.executor = executor
+        self.timeout = timeout
+        slots = executor.slots
+        self.hops: dict[int, Hop] = {
+            k: Hop(f"act-{k}", k)
+            for k in range(len(slots) - 1)
+            if slots[k].spec.remote or slots[k + 1].spec.remote
+        }
+
+    async def ensure(self) -> None:
+        """Link every hop whose ends are ready and not linked as they are now."""
+        for hop in self.hops.values():
+            a, b = (self.executor.slots[i].handle for i in (hop.k, hop.k + 1))
+            if a is None or b is None or a.state != "ready" or b.state != "ready":
+                continue
+            async with hop.lock:
+                if hop.linked != (a, b) or hop.stale:
+                    await self._link(hop, a, b)
+
+    async def _link(self, hop: Hop, a: WorkerHandle, b: WorkerHandle) -> None:
+        host = b if b.spec.remote else a  # whose store: a remote end's (rank 0)
+        assert host.hello is not None and host.hello.store
+        store_host = tcp.parse_address(host.hello.store)[0]
+        hop.generation += 1
+        hop.linked = None
+
+        def end(w: WorkerHandle) -> Link:
+            address = (
+                tcp.parse_address(w.spec.address)[0] if w.spec.remote else route_source(store_host)
+            )
+            return Link(
+                hop=hop.name,
+                generation=hop.generation,
+                rank=0 if w is host else 1,
+                store=host.hello.store,  # type: ignore[union-attr]
+                address=address,
+                timeout_s=self.timeout,
+            )
+
+        try:
+            await asyncio.gather(a.call(end(a)), b.call(end(b)))
+        except Exception as exc:
+            raise WorkerDied(f"hop {hop.name} could not be linked: {exc}") from exc
+        hop.linked, hop.stale = (a, b), False
+        log.info(
+            "hop %s linked (generation %d, store %s)", hop.name, hop.generation, host.hello.store
+        )
+
+    def carries(self, boundaries: list[Region], tokens: int) -> list[Carry | None]:
+        """Each pipeline worker's relays for one forward: worker k sends `boundaries[k]`
+        over hop k, worker k + 1 receives it; None where a worker relays nothing."""
+        n = len(self.executor.slots)
+        out: list[Carry | None] = [None] * n
+        for k, hop in self.hops.items():
+            relay = Relay(hop=hop.name, step=hop.steps, regions=(boundaries[k],))
+            hop.steps += 1
+            hop.bytes += relay.nbytes
+            hop.tokens += tokens
+            out[k] = _with(out[k], relay_out=relay)
+            out[k + 1] = _with(out[k + 1], relay_in=relay)
+        return out
+
+    def failed(self) -> None:
+        """A step failed: its hops may hold half a transfer; link them again before use."""
+        for hop in self.hops.values():
+            hop.stale = True
+
+    def describe(self) -> list[dict]:
+        return [hop.describe() for hop in self.hops.values()]
+
+
+def _with(carry: Carry | None, **relay: Relay) -> Carry:
+    carry = carry or Carry()
+    return dataclasses.replace(
+        carry,
+        relay_in=carry.relay_in + ((relay["relay_in"],) if "relay_in" in relay else ()),
+        relay_out=carry.relay_out + ((relay["relay_out"],) if "relay_out" in relay else ()),
+    )

@@ -1,4 +1,7 @@
-"""`luced` command line: `luced serve [MODEL.gguf] [options]` (see `luced serve --help`)."""
+"""`luced` command line: `luced serve [MODEL.gguf] [options]` (see `luced serve --help`),
+and `luced worker --listen ADDR:PORT ...`, a backend worker for a daemon on another host
+(`luced worker --help`; it runs ``luced.runtime.listen`` in this interpreter, so this
+module never imports torch)."""
 
 from __future__ import annotations
 
@@ -28,9 +31,11 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in {"-h", "--help"}:
         print(
-            "usage: luced serve [MODEL.gguf] [options]\n\n"
-            "Serve a GGUF model over an OpenAI-compatible HTTP API.\n"
-            "Run `luced serve --help` for the options."
+            "usage: luced serve [MODEL.gguf] [options]\n"
+            "       luced worker --listen ADDR:PORT --worker-key-file FILE --model FILE\n\n"
+            "Serve a GGUF model over an OpenAI-compatible HTTP API, or run a backend worker\n"
+            "for a daemon on another host.\n"
+            "Run `luced serve --help` or `luced worker --help` for the options."
         )
         return 0 if argv else 2
     if argv[0] == "--version":
@@ -38,6 +43,8 @@ def main(argv: list[str] | None = None) -> int:
 
         print(f"luced {version('luced')}")
         return 0
+    if argv[0] == "worker":
+        os.execv(sys.executable, [sys.executable, "-m", "luced.runtime.listen", *argv[1:]])
     if argv[0] != "serve":
         print(f"luced: unknown command {argv[0]!r} (try `luced serve --help`)", file=sys.stderr)
         return 2

@@ -347,7 +347,7 @@ class WorkerHandle:
     def describe(self) -> dict:
         return {
             "group": self.spec.group,
-            "devices": list(self.spec.devices),
+            "devices": self.spec.names(),
             "pid": self.pid,
             "state": self.state,
             "layers": list(self.loaded.layers) if self.loaded else None,
@@ -584,16 +584,16 @@ class Executor:
             info = slot.handle.describe()
             for device, layers in zip(slot.plan.devices, slot.plan.shard_ranges(), strict=True):
                 shard = dict(info)
-                shard["devices"] = [device]
+                shard["devices"] = [slot.spec.named(device)]
                 shard["layers"] = list(layers)
                 shard["restarts"] = slot.restarts
                 out.append(shard)
         d = self.draft_slot
         if d is not None and d.handle is not None:
-            info = {**d.handle.describe(), "devices": list(d.spec.devices), "layers": "draft"}
+            info = {**d.handle.describe(), "devices": d.spec.names(), "layers": "draft"}
             out.append({**info, "role": "draft", "restarts": d.restarts})
         x = self.expert_slot
         if x is not None and x.handle is not None:
-            info = {**x.handle.describe(), "devices": list(x.spec.devices), "layers": "experts"}
+            info = {**x.handle.describe(), "devices": x.spec.names(), "layers": "experts"}
             out.append({**info, **x.detail, "role": "experts", "restarts": x.restarts})
         return out

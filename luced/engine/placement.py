@@ -279,6 +279,13 @@ class WorkerSpec:
     def remote(self) -> bool:
         return bool(self.address)
 
+    def named(self, device: str) -> str:
+        """One of its devices as the placement names it (``tcp://HOST:PORT/cpu``)."""
+        return f"{REMOTE_SCHEME}{self.address}/{device}" if self.remote else device
+
+    def names(self) -> list[str]:
+        return [self.named(d) for d in self.devices]
+
 
 def worker_spec(
     device: str, pythons: Mapping[str, str], threads: int | None, devices: tuple[str, ...] = ()

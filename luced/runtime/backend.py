@@ -358,7 +358,8 @@ class Backend(WorkerState):
         return F.PingReply()
 
     def link(self, req: F.Link) -> F.LinkReply:
-        return self.hops.link(req)
+        assert self.instance is not None  # (handle refuses a link before hello)
+        return self.hops.link(req, self.instance)
 
     def forward(self, req: F.Forward) -> F.ForwardReply:
         before = self._moe_counts()

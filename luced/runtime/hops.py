@@ -72,7 +72,9 @@ class Hops:
         self.own_store = own_store
         self._hops: dict[str, _Hop] = {}
 
-    def link(self, req: F.Link) -> F.LinkReply:
+    def link(self, req: F.Link, instance: str) -> F.LinkReply:
+        """Join hop `req.hop` anew; `instance` (the daemon's) scopes its rendezvous keys: a
+        store outlives daemons, and a new daemon counts generations from 1 again."""
         t0 = time.perf_counter()
         self.drop(req.hop)
         timeout = datetime.timedelta(seconds=req.timeout_s)
@@ -85,7 +87,7 @@ class Hops:
         options._timeout = timeout
         # The data sockets listen on the named address only (the private network).
         options._devices = [dist.ProcessGroupGloo.create_device(hostname=req.address)]
-        scoped = dist.PrefixStore(f"luced/{req.hop}/{req.generation}", store)
+        scoped = dist.PrefixStore(f"luced/{instance}/{req.hop}/{req.generation}", store)
         try:
             group = dist.ProcessGroupGloo(scoped, req.rank, 2, options)
         except RuntimeError as exc:

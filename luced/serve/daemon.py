@@ -33,11 +33,14 @@ from luced.engine.kvflash.transport import (
     resolve_pool,
 )
 from luced.engine.metrics import Metrics
+from luced.engine.remote import RemoteSettings
 from luced.engine.target import Target, TargetPlacement
 from luced.engine.watchdog import LoopWatchdog
 from luced.gguf_file import GGUFFile
+from luced.ipc.files import identify
 from luced.ipc.frames import MoeCounts
 from luced.ipc.shm import ShmOwner, cleanup_stale
+from luced.ipc.tcp import KeyFileError, read_key
 from luced.serve import routing_profile, sdnotify
 from luced.serve.admin import AdminSocketError, start_admin_server
 from luced.serve.config import Config, ConfigError
@@ -170,6 +173,7 @@ class Daemon:
             deadlines=deadlines,
             sequences=running,
             step_tokens=max(step, sched.max_batch_tokens + running),
+            remote=await self._remote_settings(model_path),
         )
         self.engine = engine = Engine(
             self.target,
@@ -259,6 +263,27 @@ class Daemon:
             self.disk_reservation.release()
         log.info("stopped")
         return 0
+
+    async def _remote_settings(self, model_path: str) -> RemoteSettings | None:
+        """The key and the model files' identities for workers on other hosts (None when
+        every worker is local). Hashing reads each file once (about 1 GB/s)."""
+        cfg = self.config
+        remote = cfg.remote_devices()
+        if not remote:
+            return None
+        assert cfg.daemon.worker_key_file is not None  # Config checked it
+        try:
+            key = read_key(cfg.daemon.worker_key_file)
+        except KeyFileError as exc:
+            raise StartupError(f"{cfg.daemon.label('worker_key_file')}: {exc}") from None
+        paths = [model_path]
+        draft = cfg.speculation.draft
+        if draft is not None and not cfg.speculation.lookup_drafts:
+            paths.append(str(draft))
+        sdnotify.status("hashing the model files for the workers on other hosts")
+        log.info("workers on other hosts: %s; hashing %s", ", ".join(remote), ", ".join(paths))
+        files = {p: await asyncio.to_thread(identify, p) for p in paths}
+        return RemoteSettings(key=key, files=files)
 
     def _moe_profile(self, gguf: GGUFFile) -> MoeCounts:
         """--moe-routing-profile's counts, checked against the model; () without one."""

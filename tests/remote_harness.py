@@ -102,7 +102,9 @@ class WorkerProc:
                 if re.search(pattern, line):
                     return line
             if self.proc is not None and self.proc.poll() is not None:
-                raise AssertionError(f"worker exited {self.proc.returncode}:\n" + "\n".join(self.lines))
+                raise AssertionError(
+                    f"worker exited {self.proc.returncode}:\n" + "\n".join(self.lines)
+                )
             time.sleep(0.1)
         raise AssertionError(f"no log line like {pattern!r}:\n" + "\n".join(self.lines[-30:]))
 

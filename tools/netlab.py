@@ -125,7 +125,18 @@ class Lab:
         _run(*in_b, *me, "csum-off", self.if_b)
         _run(IP, "netns", "exec", self.ns_wire, *me, "csum-off", wa, wb)
         self._bridge = subprocess.Popen(
-            [IP, "netns", "exec", self.ns_wire, *me, "bridge", wa, wb, "--control", str(self.control)]
+            [
+                IP,
+                "netns",
+                "exec",
+                self.ns_wire,
+                *me,
+                "bridge",
+                wa,
+                wb,
+                "--control",
+                str(self.control),
+            ]
         )
         deadline = time.monotonic() + 20
         while not self.control.exists():

@@ -104,7 +104,11 @@ class Hops:
     def drop(self, name: str) -> None:
         hop = self._hops.pop(name, None)
         if hop is not None:
-            hop.pending.clear()  # the group goes with its references
+            hop.pending.clear()
+            try:  # fails what is pending and closes its connections: nothing waits on a dead peer
+                hop.group.abort()
+            except RuntimeError as exc:
+                log.warning("hop %s: abort: %s", name, _first_line(exc))
 
     def close(self) -> None:
         for name in list(self._hops):

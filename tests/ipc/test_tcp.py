@@ -90,7 +90,7 @@ async def test_something_else_on_the_port_is_named() -> None:
 
 def test_a_silent_peer_times_out_and_a_replayed_answer_fails() -> None:
     a, b = socket.socketpair()
-    with a, b, pytest.raises(tcp.AuthError, match="no handshake within 0.2 s"):
+    with a, b, pytest.raises(tcp.AuthError, match=r"no handshake within 0\.2 s"):
         tcp.accept_peer(a, KEY, timeout=0.2)
     # A recorded answer to another challenge is worthless: the worker's nonce is new.
     a, b = socket.socketpair()
@@ -116,7 +116,7 @@ def test_key_files(tmp_path: Path) -> None:
     shared = tmp_path / "shared.key"
     shared.write_bytes(KEY)
     shared.chmod(0o644)
-    with pytest.raises(tcp.KeyFileError, match="open to other users .*chmod 600"):
+    with pytest.raises(tcp.KeyFileError, match=r"open to other users .*chmod 600"):
         tcp.read_key(shared)
     with pytest.raises(tcp.KeyFileError, match="No such file"):
         tcp.read_key(tmp_path / "missing.key")

@@ -31,7 +31,7 @@ def both(fa: Callable[[], object], fb: Callable[[], object]) -> tuple:
     def run(i: int, f: Callable[[], object]) -> None:
         try:
             out[i] = f()
-        except Exception as exc:  # noqa: BLE001 - handed to the test
+        except Exception as exc:
             out[i] = exc
 
     threads = [threading.Thread(target=run, args=(i, f)) for i, f in enumerate((fa, fb))]

@@ -30,7 +30,7 @@ import dataclasses
 import logging
 import socket
 
-from luced.engine.executor import Executor, WorkerDied, WorkerHandle
+from luced.engine.executor import Executor, Slot, WorkerDied, WorkerHandle
 from luced.ipc import tcp
 from luced.ipc.frames import Carry, Link, Relay
 from luced.ipc.regions import Region
@@ -48,23 +48,31 @@ def route_source(host: str) -> str:
 
 @dataclasses.dataclass
 class Hop:
-    """The link across boundary `k`: between pipeline slots k and k + 1."""
+    """A link between two slots' workers (whichever processes serve them now)."""
 
     name: str
-    k: int
+    ends: tuple[Slot, Slot]
     generation: int = 0
-    linked: tuple[WorkerHandle, WorkerHandle] | None = None  # the ends it was linked with
+    linked: tuple[WorkerHandle, WorkerHandle] | None = None  # the handles it was linked with
     stale: bool = False  # a step failed on it: link again before the next
-    steps: int = 0
+    steps: int = 0  # transfers so far (the next one's number)
     bytes: int = 0
     tokens: int = 0
     lock: asyncio.Lock = dataclasses.field(default_factory=asyncio.Lock)
+
+    def relay(self, regions: tuple[Region, ...], tokens: int) -> Relay:
+        """The next transfer of `regions` (for `tokens` tokens: the accounting)."""
+        relay = Relay(hop=self.name, step=self.steps, regions=regions)
+        self.steps += 1
+        self.bytes += relay.nbytes
+        self.tokens += tokens
+        return relay
 
     def describe(self) -> dict:
         per_token = round(self.bytes / self.tokens, 1) if self.tokens else None
         return {
             "hop": self.name,
-            "between": [self.k, self.k + 1],
+            "between": [end.spec.group for end in self.ends],
             "link": "torch.distributed gloo",
             "generation": self.generation,
             "bytes": self.bytes,
@@ -74,22 +82,29 @@ class Hop:
 
 
 class Hops:
-    """The pipeline's hops (module docstring); `timeout` bounds every transfer (seconds)."""
+    """The hops between the target's workers (module docstring); `timeout` bounds every
+    transfer (seconds)."""
 
     def __init__(self, executor: Executor, timeout: float) -> None:
         self.executor = executor
         self.timeout = timeout
+        self.hops: dict[str, Hop] = {}
         slots = executor.slots
-        self.hops: dict[int, Hop] = {
-            k: Hop(f"act-{k}", k)
+        self.boundaries: dict[int, Hop] = {  # pipeline boundary k -> its hop
+            k: self.add(f"act-{k}", slots[k], slots[k + 1])
             for k in range(len(slots) - 1)
             if slots[k].spec.remote or slots[k + 1].spec.remote
         }
 
+    def add(self, name: str, a: Slot, b: Slot) -> Hop:
+        """A hop between two slots (one of them on another host)."""
+        hop = self.hops[name] = Hop(name, (a, b))
+        return hop
+
     async def ensure(self) -> None:
         """Link every hop whose ends are ready and not linked as they are now."""
         for hop in self.hops.values():
-            a, b = (self.executor.slots[i].handle for i in (hop.k, hop.k + 1))
+            a, b = (end.handle for end in hop.ends)
             if a is None or b is None or a.state != "ready" or b.state != "ready":
                 continue
             async with hop.lock:
@@ -128,15 +143,11 @@ class Hops:
     def carries(self, boundaries: list[Region], tokens: int) -> list[Carry | None]:
         """Each pipeline worker's relays for one forward: worker k sends `boundaries[k]`
         over hop k, worker k + 1 receives it; None where a worker relays nothing."""
-        n = len(self.executor.slots)
-        out: list[Carry | None] = [None] * n
-        for k, hop in self.hops.items():
-            relay = Relay(hop=hop.name, step=hop.steps, regions=(boundaries[k],))
-            hop.steps += 1
-            hop.bytes += relay.nbytes
-            hop.tokens += tokens
-            out[k] = _with(out[k], relay_out=relay)
-            out[k + 1] = _with(out[k + 1], relay_in=relay)
+        out: list[Carry | None] = [None] * len(self.executor.slots)
+        for k, hop in self.boundaries.items():
+            relay = hop.relay((boundaries[k],), tokens)
+            out[k] = with_relays(out[k], relay_out=relay)
+            out[k + 1] = with_relays(out[k + 1], relay_in=relay)
         return out
 
     def failed(self) -> None:
@@ -148,7 +159,8 @@ class Hops:
         return [hop.describe() for hop in self.hops.values()]
 
 
-def _with(carry: Carry | None, **relay: Relay) -> Carry:
+def with_relays(carry: Carry | None, **relay: Relay) -> Carry:
+    """`carry` (or an empty one) with one more relay in, or out."""
     carry = carry or Carry()
     return dataclasses.replace(
         carry,

@@ -180,7 +180,8 @@ class RemoteWorker(WorkerHandle):
             reads, full = inline_carry(req, carry, self.layers)
         except ValueError as exc:
             raise WorkerDied(f"worker tcp://{self.spec.address}: {exc}") from None
-        puts = tuple(Put(region=r, data=bytes(self._bytes(r))) for r in reads)
+        given = carry.put if carry is not None else ()  # rows the caller read itself
+        puts = given + tuple(Put(region=r, data=bytes(self._bytes(r))) for r in reads)
         full = dataclasses.replace(full, put=puts)
         self._last_call = time.monotonic()
         reply, carried = await super().exchange(req, full)

@@ -124,6 +124,9 @@ class ModelRunner:
 
         t0 = time.perf_counter()
         starts = {w.seq.slot: w.start for w in works}
+        if t.ring_relay is not None:  # the rows from each start on change in the rings
+            for w in works:
+                t.ring_relay.wrote(w.seq.slot, w.start)
         ends = tuple(w.start + len(w.tokens) for w in works)
         flashes = [t.flash(w.seq.slot) for w in works]
         try:
@@ -248,7 +251,7 @@ class ModelRunner:
         advanced: list[WorkerHandle] = []
         replies: list[ForwardReply] = []
         carries: list[Carry | None] = [None] * len(workers)
-        if t.hops.hops:  # boundaries across hosts go over their hops, not shared memory
+        if t.hops.boundaries:  # boundaries across hosts go over their hops, not shared memory
             await t.hops.ensure()
             n = sum(ends) - sum(starts.values())
             carries = t.hops.carries([self._boundary(k, n) for k in range(len(workers) - 1)], n)

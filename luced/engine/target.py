@@ -70,6 +70,7 @@ from luced.engine.placement import (
     worker_spec,
 )
 from luced.engine.remote import RemoteSettings, RemoteWorker
+from luced.engine.ring_relay import RingRelay
 from luced.ipc.frames import (
     KVShare,
     KVShareReply,
@@ -139,6 +140,7 @@ class Target:
             remote=remote_worker if remote is not None else None,
         )
         self.hops = Hops(self.executor, timeout=deadlines.call)
+        self.ring_relay: RingRelay | None = None  # a draft on another host: its rings' rows
         self.experts = (
             ExpertWorker(owner, name, placement, self.executor) if placement.moe_expert else None
         )
@@ -261,7 +263,9 @@ class Target:
             await self.experts.load(slot, worker)
             return None
         if plan is None:
-            return await self._load_draft_into(worker, target=p.model)
+            reply = await self._load_draft_into(worker, target=p.model)
+            await self.hops.ensure()  # its hop, when it is on another host
+            return reply
         reply = await worker.load(
             Load(
                 model=p.model,
@@ -376,6 +380,8 @@ class Target:
         if lo < n:
             slots = np.arange(lo, n) % cap
             mine.array[slots] = theirs.array[slots]
+            if self.ring_relay is not None:
+                self.ring_relay.wrote(slot, lo)
         return min(lo, n)
 
     # -- captures and the draft ------------------------------------------------------------
@@ -440,12 +446,24 @@ class Target:
             started = await self.executor.add_draft_slot(spec)
             assert isinstance(started, LoadDraftReply)
             reply = started
+            if spec.remote:
+                await self._relay_rings()
         if reply.mask_token_id is None:
             raise ValueError(f"{path}: the draft config names no mask_token_id")
         self.draft = reply
         self.enable_capture(reply.capture_layers, min(ring_cap, self.placement.kv_capacity))
         self._make_draft(block_size)
         return reply
+
+    async def _relay_rings(self) -> None:
+        """A draft on another host reads the rings' rows through a local pipeline worker
+        (the last one), over the hop "draft" (``ring_relay.py``); inline without one."""
+        draft = self.executor.draft_slot
+        assert draft is not None
+        local = [s for s in self.executor.slots if not s.spec.remote]
+        hop = self.hops.add("draft", local[-1], draft) if local else None
+        await self.hops.ensure()
+        self.ring_relay = RingRelay(hop, local[-1] if local else None)
 
     def enable_lookup_drafts(self, block_size: int) -> None:
         """Room for a model-free drafter's windows (``--draft ngram``): its proposals are
@@ -582,3 +600,5 @@ class KVMover:
         if ring is not None:
             # A snapshot of N positions holds valid ring rows only from N - ring_cap on.
             self._floor(max(0, regions["ring"].shape[0] - ring.ring_cap))
+            if t.ring_relay is not None:
+                t.ring_relay.wrote(self.slot, 0)

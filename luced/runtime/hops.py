@@ -15,11 +15,13 @@ One transfer on the wire, both directions alike::
 
 Sends are asynchronous, from a copy: gloo completes a send only once the peer has posted
 its receive, and the peer's frame comes only after the sender has replied to the daemon.
-So a sender never waits for its sends; it keeps them (and their copies) until they
-complete, at most MAX_PENDING. A receiver knows the step it wants: an older header is a
-transfer whose receiving frame never came (a failed step) and is skipped; a newer one,
-or an abort of its own step, fails the frame. Every receive is bounded by the link's
-timeout. Only the serving thread uses this (one frame at a time).
+So a send is waited for only before the hop's next one, by which time the daemon has had
+the receiver's reply. A step whose receiving frame never came leaves a send nobody takes:
+the daemon links the hop again after any failed step (a new group), and the wait, bounded
+by the link's timeout, only catches what it missed. A receiver knows the step it wants:
+an older header is skipped, a newer one or an abort of its own step fails the frame.
+Every receive is bounded by the link's timeout. Only the serving thread uses this (one
+frame at a time).
 """
 
 from __future__ import annotations
@@ -39,7 +41,6 @@ from luced.ipc.tcp import parse_address
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-MAX_PENDING = 64  # sends (headers and bodies) the peer has not taken yet
 
 
 class HopError(RuntimeError):
@@ -59,6 +60,12 @@ class _Hop:
     pending: list[tuple[dist.Work, torch.Tensor]] = field(default_factory=list)
     sent: int = 0  # body bytes each way
     received: int = 0
+
+    def wait_sends(self) -> None:
+        """The previous transfer's sends, taken by the peer by now (module docstring)."""
+        for work, _ in self.pending:
+            work.wait(self.timeout)
+        self.pending.clear()
 
 
 class Hops:
@@ -131,6 +138,7 @@ class Hops:
         hop = self._usable(relay)
         body = torch.cat(data) if len(data) > 1 else data[0].clone()
         header = torch.tensor([relay.step, body.numel(), 1], dtype=torch.int64)
+        self._guard(hop, hop.wait_sends)
         self._post(hop, header)
         if body.numel():
             self._post(hop, body)
@@ -142,6 +150,7 @@ class Hops:
         if hop is None or hop.broken:
             return
         try:
+            self._guard(hop, hop.wait_sends)
             self._post(hop, torch.tensor([relay.step, 0, 0], dtype=torch.int64))
         except HopError as exc:
             log.warning("%s", exc)
@@ -179,10 +188,6 @@ class Hops:
         self._guard(hop, lambda: hop.group.recv([into], hop.peer, 0).wait(hop.timeout))
 
     def _post(self, hop: _Hop, tensor: torch.Tensor) -> None:
-        hop.pending = [(w, t) for w, t in hop.pending if not w.is_completed()]
-        if len(hop.pending) >= MAX_PENDING:
-            hop.broken = f"{MAX_PENDING} sends not taken by the peer"
-            raise HopError(f"hop {hop.name}: {hop.broken}")
         work = self._guard(hop, lambda: hop.group.send([tensor], hop.peer, 0))
         hop.pending.append((work, tensor))  # the copy lives until the peer took it
 

@@ -73,29 +73,41 @@ def relay(step: int, *sizes: int) -> F.Relay:
     return F.Relay(hop="act-0", step=step, regions=regions)
 
 
-def test_transfers_arrive_in_order_and_failed_steps_are_skipped(hops) -> None:
+def test_transfers_arrive_in_order_and_failed_steps_fail_fast(hops) -> None:
     a, b = hops
-    link(a, b)
+    link(a, b, timeout=2.0)
     out = [torch.arange(10, dtype=torch.uint8), torch.full((3,), 7, dtype=torch.uint8)]
     a.send(relay(0, 10, 3), out)
     into = [torch.zeros(10, dtype=torch.uint8), torch.zeros(3, dtype=torch.uint8)]
     b.recv(relay(0, 10, 3), into)
     assert [t.tolist() for t in into] == [t.tolist() for t in out]
-    # Step 1's receiving frame never comes (the daemon's step failed after the sender's
-    # reply); step 2 is what the receiver wants next: step 1 is skipped.
-    a.send(relay(1, 4), [torch.full((4,), 1, dtype=torch.uint8)])
-    a.abort(relay(2, 4))  # and the sender's frame of step 2 failed: the receiver learns it
-    with pytest.raises(HopError, match="step 2 of 4 bytes wanted; its frame failed"):
-        b.recv(relay(2, 4), [torch.zeros(4, dtype=torch.uint8)])
+    # The sender's frame of step 1 failed: the receiver learns it at once, not at a timeout.
+    a.abort(relay(1, 4))
+    with pytest.raises(HopError, match="step 1 of 4 bytes wanted; its frame failed"):
+        b.recv(relay(1, 4), [torch.zeros(4, dtype=torch.uint8)])
     with pytest.raises(HopError, match="down until linked again"):
-        b.recv(relay(3, 4), [torch.zeros(4, dtype=torch.uint8)])
+        b.recv(relay(2, 4), [torch.zeros(4, dtype=torch.uint8)])
+    # A send nobody takes (the receiving frame of a failed step never came) holds up the
+    # next one for the link's timeout at most: the daemon links such a hop anew first.
+    link(a, b, generation=2, timeout=1.0)
+    a.send(relay(2, 4), [torch.full((4,), 1, dtype=torch.uint8)])
+    with pytest.raises(HopError, match="hop act-0"):
+        a.send(relay(3, 4), [torch.full((4,), 2, dtype=torch.uint8)])
     # A new generation starts clean; the byte counts say what moved.
-    link(a, b, generation=2)
+    link(a, b, generation=3)
     a.send(relay(3, 2), [torch.tensor([5, 6], dtype=torch.uint8)])
     got = torch.zeros(2, dtype=torch.uint8)
     b.recv(relay(3, 2), [got])
     assert got.tolist() == [5, 6]
     assert a.stats() == {"hop_act-0_sent_bytes": 2, "hop_act-0_received_bytes": 0}
+
+    # A step the receiver does not want (an abort it never waited for) is skipped.
+    def sender() -> None:
+        a.abort(relay(4, 2))
+        a.send(relay(5, 2), [torch.tensor([8, 9], dtype=torch.uint8)])
+
+    both(sender, lambda: b.recv(relay(5, 2), [got]))
+    assert got.tolist() == [8, 9]
 
 
 def test_a_silent_or_dead_peer_is_a_hop_error_within_the_timeout(hops) -> None:

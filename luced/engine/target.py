@@ -139,12 +139,12 @@ class Target:
             inboxes=placement.moe_expert is not None,
             remote=remote_worker if remote is not None else None,
         )
-        self.hops = Hops(self.executor, timeout=deadlines.call)
         self.ring_relay: RingRelay | None = None  # a draft on another host: its rings' rows
         self.experts = (
             ExpertWorker(owner, name, placement, self.executor) if placement.moe_expert else None
         )
-        self.transfer = KVTransfer(self.executor, owner.instance)
+        self.hops = Hops(self.executor, timeout=deadlines.call)
+        self.transfer = KVTransfer(self.executor, owner.instance, self.hops)
         self.load_s = 0.0
         self.n_layers = 0
         self.hidden = 0

@@ -99,3 +99,28 @@ async def test_a_slow_wire_changes_nothing(
         await check_split_equals_unsplit(path, ("cpu", worker.device()), remote=settings(key, path))
     finally:
         host.wire("delay 0")
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen35"])
+async def test_prefix_cache_snapshots_of_a_remote_shard_restore_exactly(
+    worker: WorkerProc, key: Path, models: dict[str, Path], name: str
+) -> None:
+    """The remote shard's K/V rows (a hybrid's recurrent states too) reach the snapshot arena
+    through its local neighbour over the hop, and come back on a hit: a restored request
+    equals the fresh one, token for token."""
+    path = models[name]
+    first = [(7 * i + 3) % 120 + 2 for i in range(150)]
+    second = first + [(11 * i + 5) % 120 + 2 for i in range(40)]
+    async with engine_for(path) as engine:
+        fresh = (await generate(engine, second, 12))[0]
+    remote = settings(key, path)
+    async with engine_for(
+        path, ("cpu", worker.device()), prefix_cache_bytes=64 << 20, remote=remote
+    ) as engine:
+        await generate(engine, first, 4)
+        saved = engine.target.hops.describe()[0]["snapshot_bytes"]
+        tokens, handle, _ = await generate(engine, second, 12)
+        restored = engine.target.hops.describe()[0]["snapshot_bytes"] - saved
+    assert handle.cached_tokens >= 100
+    assert tokens == fresh
+    assert saved > 0 and restored > 0  # the snapshot's rows went over the hop, both ways

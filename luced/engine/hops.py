@@ -52,6 +52,7 @@ class Hop:
 
     name: str
     ends: tuple[Slot, Slot]
+    serve: str = ""  # what the second end serves on it (Link.serve): "experts"
     generation: int = 0
     linked: tuple[WorkerHandle, WorkerHandle] | None = None  # the handles it was linked with
     stale: bool = False  # a step failed on it: link again before the next
@@ -101,20 +102,28 @@ class Hops:
             if slots[k].spec.remote or slots[k + 1].spec.remote
         }
 
-    def add(self, name: str, a: Slot, b: Slot) -> Hop:
-        """A hop between two slots (one of them on another host)."""
-        hop = self.hops[name] = Hop(name, (a, b))
+    def add(self, name: str, a: Slot, b: Slot, serve: str = "") -> Hop:
+        """A hop between two slots (one of them on another host); `b` serves `serve`."""
+        hop = self.hops[name] = Hop(name, (a, b), serve)
         return hop
 
     async def ensure(self) -> None:
-        """Link every hop whose ends are ready and not linked as they are now."""
+        """Link every hop whose ends are ready and not linked as they are now. A hop to the
+        expert worker, which is not needed to serve (its layers fall back in process), is
+        left for the next try when it cannot be linked; any other failure is raised."""
         for hop in self.hops.values():
             a, b = (end.handle for end in hop.ends)
             if a is None or b is None or a.state != "ready" or b.state != "ready":
                 continue
             async with hop.lock:
                 if hop.linked != (a, b) or hop.stale:
-                    await self._link(hop, a, b)
+                    try:
+                        await self._link(hop, a, b)
+                    except WorkerDied as exc:
+                        if hop.serve != "experts":
+                            raise
+                        hop.stale = True
+                        log.warning("%s; its cold experts run in process meanwhile", exc)
 
     async def _link(self, hop: Hop, a: WorkerHandle, b: WorkerHandle) -> None:
         host = b if b.spec.remote else a  # whose store: a remote end's (rank 0)
@@ -134,6 +143,7 @@ class Hops:
                 store=host.hello.store,  # type: ignore[union-attr]
                 address=address,
                 timeout_s=self.timeout,
+                serve=hop.serve if w is b else "",
             )
 
         try:

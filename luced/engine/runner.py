@@ -251,8 +251,9 @@ class ModelRunner:
         advanced: list[WorkerHandle] = []
         replies: list[ForwardReply] = []
         carries: list[Carry | None] = [None] * len(workers)
-        if t.hops.boundaries:  # boundaries across hosts go over their hops, not shared memory
+        if t.hops.hops:  # links to workers on other hosts, made anew where one failed
             await t.hops.ensure()
+        if t.hops.boundaries:  # boundaries across hosts go over their hops, not shared memory
             n = sum(ends) - sum(starts.values())
             carries = t.hops.carries([self._boundary(k, n) for k in range(len(workers) - 1)], n)
         try:

@@ -140,10 +140,12 @@ class Target:
             remote=remote_worker if remote is not None else None,
         )
         self.ring_relay: RingRelay | None = None  # a draft on another host: its rings' rows
-        self.experts = (
-            ExpertWorker(owner, name, placement, self.executor) if placement.moe_expert else None
-        )
         self.hops = Hops(self.executor, timeout=deadlines.call)
+        self.experts = (
+            ExpertWorker(owner, name, placement, self.executor, self.hops)
+            if placement.moe_expert
+            else None
+        )
         self.transfer = KVTransfer(self.executor, owner.instance, self.hops)
         self.load_s = 0.0
         self.n_layers = 0
@@ -287,7 +289,7 @@ class Target:
             )
         )
         if self.experts is not None:
-            await self.experts.pipeline_loaded(worker, reply)
+            await self.experts.pipeline_loaded(slot, worker, reply)
         if self.flash_cfg is not None:
             if reply.kv_pool != self.flash_cfg.pool_tokens:
                 raise WorkerReplyError(

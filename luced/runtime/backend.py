@@ -49,7 +49,7 @@ from luced.ipc import frames as F
 from luced.runtime import experts, kv_snapshot, native
 from luced.runtime import forward as forward_verb
 from luced.runtime.dflash import verbs as draft_verbs
-from luced.runtime.expert_link import ExpertServer, RemoteExperts
+from luced.runtime.expert_link import ExpertServer, HopExperts, RemoteExperts
 from luced.runtime.hops import Hops
 from luced.runtime.kv_blocks import BlockPool
 from luced.runtime.kv_pool import PooledKVCache, chunk_nbytes
@@ -100,8 +100,9 @@ class Backend(WorkerState):
         # Worker-to-worker links arrive here (luced.ipc.links): a target worker's to the
         # expert worker, or, in the expert worker, one per target worker.
         self.inbox = inbox
-        self.remote: RemoteExperts | None = None
+        self.remote: RemoteExperts | HopExperts | None = None
         self.expert_server = ExpertServer(self.tensor)
+        self.hops.servers["experts"] = self.expert_server.serve_hop
         self.device_problem: str | None = None
         self._load_request: F.Load | None = None  # the load in hand (reuse_load)
         try:  # checked now, reported by hello: the daemon learns it with a clear message
@@ -196,7 +197,9 @@ class Backend(WorkerState):
         if self.remote is not None:  # its link goes too: the daemon links after this load
             self.remote.close()
             self.remote = None
-        if req.moe_scratch is not None and self.inbox is not None:
+        if req.moe_link:  # the expert worker is on another host than this one
+            self.remote = HopExperts(self.hops, req.moe_link)
+        elif req.moe_scratch is not None and self.inbox is not None:
             self.remote = RemoteExperts(self.inbox, req.moe_scratch, self.tensor)
         placement = self._plan_experts(req)
         split = placement if placement is not None and not placement.all_hot else None
@@ -269,10 +272,11 @@ class Backend(WorkerState):
             raise WorkerError(f"moe_hot: {exc}") from None
 
     def load_experts(self, req: F.LoadExperts) -> F.LoadExpertsReply:
-        if self.inbox is None:
-            raise WorkerError("load_experts needs a worker started with --inbox")
+        if self.inbox is None and self.hops.own_store is None:
+            raise WorkerError("load_experts needs a worker started with --inbox (or --listen)")
         reply = self.expert_server.load(req)
-        self.expert_server.serve_inbox(self.inbox)
+        if self.inbox is not None:
+            self.expert_server.serve_inbox(self.inbox)  # (on another host: hops, as linked)
         return reply
 
     def truncate(self, req: F.Truncate) -> F.TruncateReply:

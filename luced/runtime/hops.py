@@ -75,6 +75,9 @@ class Hops:
     def __init__(self, own_store: tuple[str, dist.TCPStore] | None = None) -> None:
         self.own_store = own_store
         self._hops: dict[str, _Hop] = {}
+        # What a `link` with `serve` starts on its new group: (group, peer rank) -> None,
+        # returning at once (a thread of its own answers the peer until the group ends).
+        self.servers: dict[str, Callable[[dist.ProcessGroup, int], None]] = {}
 
     def link(self, req: F.Link, instance: str) -> F.LinkReply:
         """Join hop `req.hop` anew; `instance` (the daemon's) scopes its rendezvous keys: a
@@ -99,11 +102,30 @@ class Hops:
         self._hops[req.hop] = _Hop(
             req.hop, req.generation, req.rank, group, store, timeout, 1 - req.rank
         )
+        if req.serve:
+            server = self.servers.get(req.serve)
+            if server is None:
+                raise HopError(f"hop {req.hop}: this worker serves no {req.serve}")
+            server(group, 1 - req.rank)
         log.info(
             "hop %s linked (generation %d, rank %d, data on %s, store %s)",
             req.hop, req.generation, req.rank, req.address, req.store,
         )  # fmt: skip
         return F.LinkReply(elapsed_us=int((time.perf_counter() - t0) * 1e6))
+
+    def group(self, name: str) -> tuple[dist.ProcessGroup, int, datetime.timedelta] | None:
+        """A usable hop's group, its peer's rank and its timeout (None: not linked, or
+        broken), for a caller that speaks its own protocol on it (HopExperts)."""
+        hop = self._hops.get(name)
+        if hop is None or hop.broken:
+            return None
+        return hop.group, hop.peer, hop.timeout
+
+    def broke(self, name: str, why: str) -> None:
+        """A caller's transfer on hop `name` failed: it moves nothing more until linked."""
+        hop = self._hops.get(name)
+        if hop is not None:
+            hop.broken = why
 
     def drop(self, name: str) -> None:
         hop = self._hops.pop(name, None)

@@ -78,7 +78,8 @@ want="topk" and ``positions`` removed (``Span.n_out``), verify is a span's flag;
 17: workers on other hosts (``frames/remote.py``): ``hello`` ``files`` (each model file's
 size and hash) and its reply's ``store``; ``ping``; ``link`` (a hop: a torch.distributed
 group of two); the envelope's ``carry`` (regions put, got and relayed beside a request)
-and a reply's ``carried`` (the bytes of the regions got).
+and a reply's ``carried`` (the bytes of the regions got); ``load`` ``moe_link`` and
+``link`` ``serve`` (cold experts over a hop).
 
 Expert compute (``luced.runtime.expert_link``): an expert worker answers ``load_experts``
 from the daemon, and ``expert_mix`` from target workers over direct worker-to-worker

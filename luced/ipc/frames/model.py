@@ -96,6 +96,9 @@ class Load(Request):
     moe_hot: int = -1
     moe_scratch: Region | None = None
     moe_required: bool = False
+    # The expert worker is on another host than this one: cold experts go over this hop
+    # (a ``link`` with serve="experts" at the other end), not through moe_scratch.
+    moe_link: str = ""
     moe_profile: MoeCounts = ()  # the most routed experts are the hot ones; (): lowest ids
     weights: str = "dequant"  # one of WEIGHT_MODES
     # Logits independent of how tokens are grouped into calls (runtime.model.Model.load).

@@ -65,7 +65,9 @@ class Link(Request):
     """Join hop ``hop`` as ``rank`` of a new torch.distributed group of two (gloo), through
     the TCP store at ``store`` ("host:port"), binding this end's data sockets to
     ``address``. A new ``generation`` replaces the hop's old group (a group does not
-    survive a dead peer). ``timeout_s`` bounds the rendezvous and every send and receive."""
+    survive a dead peer). ``timeout_s`` bounds the rendezvous and every send and receive.
+    ``serve``: what this end serves on the hop rather than relays ("experts": an expert
+    worker answers its peer's calls, ``runtime.expert_link.HopExperts``)."""
 
     hop: str
     generation: int
@@ -73,6 +75,7 @@ class Link(Request):
     store: str
     address: str
     timeout_s: float
+    serve: str = ""
 
     def _check(self) -> None:
         if not self.hop or self.rank not in (0, 1) or self.generation < 0:
@@ -82,6 +85,8 @@ class Link(Request):
             raise self._fail(f"store must be host:port and address a host, got {self.store!r}")
         if not self.timeout_s > 0:
             raise self._fail(f"timeout_s must be > 0, got {self.timeout_s}")
+        if self.serve not in ("", "experts"):
+            raise self._fail(f'serve must be "" or "experts", got {self.serve!r}')
 
 
 @_op("link", REPLIES)

@@ -626,6 +626,16 @@ OPTIONS: tuple[Option, ...] = (
         minimum=1.0,
     ),
     Option(
+        "worker_key_file", "daemon", "path", None,
+        "Key shared with workers on other hosts: devices written `tcp://HOST:PORT/DEVICE` in "
+        "--target-devices, --draft-device or --moe-expert-device, each a `luced worker "
+        "--listen HOST:PORT` started there with the same key. Every control connection "
+        "proves that both ends hold it (nothing is encrypted: keep those hosts on a private "
+        "network). At least 32 bytes, in a file only its owner may read.",
+        nullable=True, default_doc="none (every worker on this host)",
+        example="/etc/luced/worker.key",
+    ),
+    Option(
         "runtime_dir", "daemon", "path",
         lambda env, values: default_runtime_dir(env),
         "Directory for the admin socket.",

@@ -10,13 +10,12 @@ from __future__ import annotations
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 
 import openai
 import pytest
 from daemon_proc import DaemonProcess
-from remote_harness import WorkerProc, key_file, two_hosts
+from remote_harness import WorkerProc, key_file
 
 PROMPT = "the quick brown fox"
 
@@ -28,17 +27,6 @@ def complete(d: DaemonProcess, max_tokens: int = 12) -> str:
         extra_body={"ignore_eos": True},
     )  # fmt: skip
     return out.choices[0].text
-
-
-@pytest.fixture(scope="module")
-def host() -> Iterator:
-    with two_hosts() as h:
-        yield h
-
-
-@pytest.fixture(scope="module")
-def key(tmp_path_factory) -> Path:
-    return key_file(tmp_path_factory.mktemp("key"))
 
 
 @pytest.fixture(scope="module")

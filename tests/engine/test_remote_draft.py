@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 from engine_harness import engine_for
-from remote_harness import WorkerProc, key_file, settings, two_hosts
+from remote_harness import WorkerProc, settings
 
 from luced.engine.core import Engine, GenerationRequest, RequestHandle
 from luced.runtime.tiny import make_tiny_draft, make_tiny_gguf
@@ -23,21 +23,10 @@ PROMPTS = [[(7 * i + 3) % 120 + 2 for i in range(40)], [11, 12, 13, 14, 15, 16, 
 
 
 @pytest.fixture(scope="module")
-def host() -> Iterator:
-    with two_hosts() as h:
-        yield h
-
-
-@pytest.fixture(scope="module")
 def drafted(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     root = tmp_path_factory.mktemp("rd")
     target = make_tiny_gguf("qwen3", root / "qwen3.gguf", seed=7, layers=8, context=512)
     return target.path, make_tiny_draft(target.path, root / "draft", seed=3, block_size=4)[1]
-
-
-@pytest.fixture(scope="module")
-def key(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return key_file(tmp_path_factory.mktemp("key"))
 
 
 @pytest.fixture(scope="module")

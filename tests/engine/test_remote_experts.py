@@ -8,12 +8,11 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from engine_harness import engine_for, generate
-from remote_harness import WorkerProc, key_file, settings, two_hosts
+from remote_harness import WorkerProc, settings
 
 from luced.engine.core import Engine
 from luced.engine.executor import Deadlines
@@ -25,20 +24,9 @@ HOT = 4  # of 8 experts per layer
 
 
 @pytest.fixture(scope="module")
-def host() -> Iterator:
-    with two_hosts() as h:
-        yield h
-
-
-@pytest.fixture(scope="module")
 def moe(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("rx") / "qwen3moe.gguf"
     return make_tiny_gguf("qwen3moe", path, seed=7, context=512, layers=4).path
-
-
-@pytest.fixture(scope="module")
-def key(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return key_file(tmp_path_factory.mktemp("key"))
 
 
 @pytest.fixture(scope="module")

@@ -9,11 +9,12 @@ from __future__ import annotations
 import asyncio
 import itertools
 from collections.abc import Iterator
+from contextlib import AbstractAsyncContextManager
 from pathlib import Path
 
 import pytest
 from engine_harness import engine_for, generate
-from remote_harness import WorkerProc, key_file, needs_wire, settings, two_hosts
+from remote_harness import WorkerProc, needs_wire, settings
 
 from luced.engine.core import Engine, GenerationRequest, RequestHandle, Unavailable
 from luced.engine.executor import Deadlines, WorkerDied, WorkerReplyError
@@ -31,20 +32,9 @@ QUICK = Deadlines(call=3.0, start=20.0)
 
 
 @pytest.fixture(scope="module")
-def host() -> Iterator:
-    with two_hosts() as h:
-        yield h
-
-
-@pytest.fixture(scope="module")
 def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("faults") / "qwen3.gguf"
     return make_tiny_gguf("qwen3", path, seed=7, layers=4, context=512).path
-
-
-@pytest.fixture(scope="module")
-def key(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return key_file(tmp_path_factory.mktemp("key"))
 
 
 @pytest.fixture
@@ -97,6 +87,12 @@ async def check_recovers(engine: Engine, alone: list[int]) -> None:
     assert (await generate(engine, PROMPT, 16))[0] == alone
 
 
+def remote_engine(worker: WorkerProc, key: Path, model: Path) -> AbstractAsyncContextManager:
+    """An Engine whose second stage is `worker`, with QUICK deadlines."""
+    remote = settings(key, model)
+    return engine_for(model, ("cpu", worker.device()), remote=remote, deadlines=QUICK)
+
+
 async def remote_stats(engine: Engine) -> dict:
     handle = engine.target.executor.slots[1].handle
     assert handle is not None
@@ -108,10 +104,7 @@ async def remote_stats(engine: Engine) -> dict:
 async def test_a_killed_worker_fails_the_running_request_and_is_reconnected(
     worker: WorkerProc, key: Path, model: Path, alone: list[int]
 ) -> None:
-    remote = settings(key, model)
-    async with engine_for(
-        model, ("cpu", worker.device()), remote=remote, deadlines=QUICK
-    ) as engine:
+    async with remote_engine(worker, key, model) as engine:
         handle, stream = await started(engine)
         worker.kill()
         async for _ in stream:
@@ -127,25 +120,30 @@ async def test_a_killed_worker_fails_the_running_request_and_is_reconnected(
         assert stats["kv_sequences"] <= 1  # only what the last request left in its slot
 
 
+async def cut_mid_decode(host, engine: Engine, what: str) -> RequestHandle:
+    """A long request cut off mid-decode by the wire (`what`: "partition" or "reset"): it
+    ends with an error, and while the wire stays cut the engine is degraded and refuses
+    new requests; then the wire is restored."""
+    needs_wire(host)
+    handle, stream = await started(engine)
+    host.wire(f"{what} on")
+    try:
+        async for _ in stream:
+            pass
+        assert handle.finish_reason == "error"
+        await until(lambda: engine.state == "degraded")
+        check_refused(engine)
+    finally:
+        host.wire(f"{what} off")
+    return handle
+
+
 async def test_a_partition_during_decode_is_an_error_then_the_link_comes_back(
     host, worker: WorkerProc, key: Path, model: Path, alone: list[int]
 ) -> None:
-    needs_wire(host)
-    remote = settings(key, model)
-    async with engine_for(
-        model, ("cpu", worker.device()), remote=remote, deadlines=QUICK
-    ) as engine:
-        handle, stream = await started(engine)
-        host.wire("partition on")
-        try:
-            async for _ in stream:
-                pass
-            assert handle.finish_reason == "error"
-            assert "did not answer" in handle.error or "died" in handle.error, handle.error
-            await until(lambda: engine.state == "degraded")
-            check_refused(engine)
-        finally:
-            host.wire("partition off")
+    async with remote_engine(worker, key, model) as engine:
+        handle = await cut_mid_decode(host, engine, "partition")
+        assert "did not answer" in handle.error or "died" in handle.error, handle.error
         await check_recovers(engine, alone)
         # The worker dropped the old daemon connection's state before serving the new one.
         worker.wait_log("newer connection replaces|daemon disconnected")
@@ -155,19 +153,8 @@ async def test_a_partition_during_decode_is_an_error_then_the_link_comes_back(
 async def test_reset_connections_end_the_request_and_are_reconnected(
     host, worker: WorkerProc, key: Path, model: Path, alone: list[int]
 ) -> None:
-    needs_wire(host)
-    remote = settings(key, model)
-    async with engine_for(
-        model, ("cpu", worker.device()), remote=remote, deadlines=QUICK
-    ) as engine:
-        handle, stream = await started(engine)
-        host.wire("reset on")
-        try:
-            async for _ in stream:
-                pass
-            assert handle.finish_reason == "error"
-        finally:
-            host.wire("reset off")
+    async with remote_engine(worker, key, model) as engine:
+        await cut_mid_decode(host, engine, "reset")
         await check_recovers(engine, alone)
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from engine_harness import engine_for, generate
-from remote_harness import WorkerProc, key_file, needs_wire, settings, two_hosts
+from remote_harness import WorkerProc, needs_wire, settings
 from test_target_split import check_split_equals_unsplit
 
 from luced.runtime.tiny import make_tiny_gguf
@@ -25,22 +25,11 @@ PORTS = itertools.count(7170)
 
 
 @pytest.fixture(scope="module")
-def host() -> Iterator:
-    with two_hosts() as h:
-        yield h
-
-
-@pytest.fixture(scope="module")
 def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     d = tmp_path_factory.mktemp("remote-split")
     make_tiny_gguf("llama", d / "llama.gguf", seed=3, layers=4)
     make_tiny_gguf("qwen35", d / "qwen35.gguf", seed=7)
     return {"llama": d / "llama.gguf", "qwen35": d / "qwen35.gguf"}
-
-
-@pytest.fixture(scope="module")
-def key(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return key_file(tmp_path_factory.mktemp("key"))
 
 
 @pytest.fixture(scope="module")

@@ -62,6 +62,24 @@ def gemma3_gguf() -> Path:
     return gemma3_path()
 
 
+@pytest.fixture(scope="module")
+def host():
+    """Host B for workers on other hosts (tests/remote_harness.py): a network namespace,
+    else loopback; one per test module."""
+    from remote_harness import two_hosts
+
+    with two_hosts() as h:
+        yield h
+
+
+@pytest.fixture(scope="module")
+def key(tmp_path_factory) -> Path:
+    """A worker key file (mode 0600) for workers on other hosts."""
+    from remote_harness import key_file
+
+    return key_file(tmp_path_factory.mktemp("key"))
+
+
 def load_hf_tokenizer(path: Path):
     """transformers' tokenizer read from the GGUF itself: the oracle for ours."""
     from transformers import AutoTokenizer

@@ -15,8 +15,10 @@ from luced.cache.disk import DiskIdentity, SnapshotDisk
 from luced.cache.prefix_cache import PrefixCache
 from luced.engine.core import Engine, GenerationRequest, RequestHandle
 from luced.engine.driver import Driver
+from luced.engine.executor import Deadlines
 from luced.engine.kvflash import PagerConfig
 from luced.engine.pooling import is_encoder
+from luced.engine.remote import RemoteSettings
 from luced.engine.spec.proposer import Proposer
 from luced.engine.target import Target, TargetPlacement
 from luced.gguf_file import GGUFFile
@@ -35,6 +37,7 @@ async def split_target(
     kv_capacity: int = 64,
     threads: int = torch.get_num_threads(),  # as in process: the float math is identical
     sequences: int = 8,
+    remote: RemoteSettings | None = None,  # workers on other hosts (tcp:// devices)
 ) -> AsyncIterator[Driver]:
     """A bare Target over `devices` (layers shared by `weights`), `threads` per worker,
     driven by hand (`Driver`)."""
@@ -52,7 +55,7 @@ async def split_target(
             threads=threads,
             logit_rows=rows,
         )
-        target = Target(owner, placement, step_tokens=64, sequences=sequences)
+        target = Target(owner, placement, step_tokens=64, sequences=sequences, remote=remote)
         try:
             await target.start()
             yield Driver(target)
@@ -85,6 +88,8 @@ async def engine_for(
     kv_block: int | None = None,
     dtype: str = "float32",
     max_batch_tokens: int = 64,
+    remote: RemoteSettings | None = None,
+    deadlines: Deadlines | None = None,
 ) -> AsyncIterator[Engine]:
     """One worker thread each (2 cores, shared with the test); prompts longer than
     `max_batch_tokens` (64; the daemon's default is 512) span several prefill chunks. A
@@ -121,6 +126,8 @@ async def engine_for(
             kv_flash=kv_flash,
             step_tokens=max_batch_tokens + max_running * block_size,
             sequences=max_running,
+            remote=remote,
+            deadlines=deadlines,
         )
         tokenizer = Tokenizer.from_gguf(gguf)
         engine = Engine(

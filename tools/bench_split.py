@@ -1,7 +1,9 @@
-"""Layer split cost: decode tok/s and TTFT, unsplit vs 2- and 3-worker splits, in one run.
+"""Layer split cost: decode tok/s and TTFT, unsplit vs 2- and 3-worker splits, in one run;
+with --remote, the same split across two hosts vs over shared memory.
 
     python tools/bench_split.py [--models smollm2,gemma3] [--prompt 64] [--tokens 64]
                                 [--rounds 3] [--cores N]
+    python tools/bench_split.py --remote [--delays 0,1,5] ...      (root: tools/netlab.py)
 
 Every placement is a real Target (worker subprocesses, shared memory, frames), all
 loaded at once and measured interleaved (round 1: A B C .., round 2: A B C ..), so
@@ -21,6 +23,8 @@ the total thread count equal to the cores.
 orch µs/step = wall time of a decode step minus the workers' compute time in it
 (ForwardReply.elapsed_us summed over workers): frames, wakeups, waits, and the daemon's
 own handling. TTFT = reset + prefill of the prompt + the first sampled token.
+
+--remote: bench_remote.py (host B a network namespace behind a bridge that adds a delay).
 """
 
 from __future__ import annotations
@@ -125,7 +129,15 @@ async def main() -> None:
     p.add_argument("--tokens", type=int, default=64, help="generated tokens per run")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--cores", type=int, default=len(os.sched_getaffinity(0)))
+    p.add_argument("--remote", action="store_true", help="split across hosts vs shared memory")
+    p.add_argument("--delays", default="0,1,5", help="--remote: ms added each way on the wire")
     args = p.parse_args()
+    if args.remote:
+        from bench_remote import bench_remote  # run as a script: tools/ is on sys.path
+
+        for name in args.models.split(","):
+            await bench_remote(name, MODELS[name](), args)
+        return
     header = ["model", "placement", "workers x threads", "layers", "tok/s", "vs unsplit"]
     header += ["TTFT ms", "orch µs/step"]
     rows = []

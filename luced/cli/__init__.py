@@ -1,6 +1,8 @@
 """`luced` command line: `luced serve [MODEL.gguf | NAME] [options]` (see `luced serve --help`;
-NAME is a bundled model's, `luced.serve.bundled.BUNDLED`) and `luced train-draft TARGET.gguf
-OUT_DIR [options]` (train_draft.py)."""
+NAME is a bundled model's, `luced.serve.bundled.BUNDLED`), `luced train-draft TARGET.gguf
+OUT_DIR [options]` (train_draft.py), and `luced worker --listen ADDR:PORT ...`, a backend
+worker for a daemon on another host (`luced worker --help`; it runs ``luced.runtime.listen``
+in this interpreter, so this module never imports torch)."""
 
 from __future__ import annotations
 
@@ -33,11 +35,14 @@ def main(argv: list[str] | None = None) -> int:
 
         print(
             "usage: luced serve [MODEL.gguf | NAME] [options]\n"
-            "       luced train-draft TARGET.gguf OUT_DIR [options]\n\n"
+            "       luced train-draft TARGET.gguf OUT_DIR [options]\n"
+            "       luced worker --listen ADDR:PORT --worker-key-file FILE --model FILE\n\n"
             f"serve        Serve a GGUF model (or a bundled one by NAME: {', '.join(BUNDLED)})\n"
             "             over an OpenAI-compatible HTTP API.\n"
             "train-draft  Train a DFlash draft for a target model on its own answers.\n"
-            "Run `luced serve --help` or `luced train-draft --help` for the options."
+            "worker       Run a backend worker for a daemon on another host.\n"
+            "Run `luced serve --help`, `luced train-draft --help` or `luced worker --help`\n"
+            "for the options."
         )
         return 0 if argv else 2
     if argv[0] == "--version":
@@ -49,6 +54,8 @@ def main(argv: list[str] | None = None) -> int:
         from luced.cli import train_draft
 
         return train_draft.main(argv[1:])
+    if argv[0] == "worker":
+        os.execv(sys.executable, [sys.executable, "-m", "luced.runtime.listen", *argv[1:]])
     if argv[0] != "serve":
         print(f"luced: unknown command {argv[0]!r} (try `luced serve --help`)", file=sys.stderr)
         return 2

@@ -35,6 +35,7 @@ from luced.ipc.channel import AsyncChannel, ChannelClosedError, RemoteError
 from luced.ipc.frames import (
     KERNELS_FALLBACK,
     SLOW,
+    Carry,
     DraftBlock,
     Forward,
     Hello,
@@ -73,6 +74,8 @@ class WorkerReplyError(RuntimeError):
 
 
 START_FLAG = "--worker-start-timeout"
+RESTART_MAX_S = 30.0  # the longest wait between restarts of a local worker
+RECONNECT_MAX_S = 5.0  # ... and between attempts to reach a worker on another host
 
 
 @dataclass(frozen=True)
@@ -217,10 +220,18 @@ class WorkerHandle:
         self.state = "ready"
         return reply
 
-    async def call(self, req: Request) -> Reply:
+    async def call(self, req: Request, carry: Carry | None = None) -> Reply:
         """One request, one reply, within a deadline on the worker's silence: a start or
         a load (`SLOW`: their length is the machine's and the model's) may take as long
-        as it needs while progress notes come. Raises WorkerDied / WorkerReplyError."""
+        as it needs while progress notes come. `carry`: relays through the worker's hops
+        (workers on other hosts). Raises WorkerDied / WorkerReplyError."""
+        reply, _ = await self.exchange(req, carry)
+        return reply
+
+    async def exchange(
+        self, req: Request, carry: Carry | None = None
+    ) -> tuple[Reply, tuple[bytes, ...]]:
+        """`call`, -> (the reply, the bytes of the regions its carry got)."""
         if self.state == "dead" or self.channel is None:
             raise WorkerDied(f"worker {self.spec.group} is not running")
         limit = self.deadlines.start if isinstance(req, SLOW) else self.deadline(req)
@@ -230,18 +241,27 @@ class WorkerHandle:
                 # asyncio.timeout (in Silence), not wait_for: on 3.11 wait_for loses a
                 # cancel that lands as the reply arrives, and a cancelled decode loop runs on.
                 async with Silence(limit) as silence:
-                    reply = await self.channel.call(req, on_progress=silence.heard)
+                    reply, carried = await self.channel.exchange(req, carry, silence.heard)
             except RemoteError as exc:
                 raise WorkerReplyError(exc.error) from None
             except (ChannelClosedError, ConnectionError, asyncio.IncompleteReadError) as exc:
                 self.state = "dead"
-                raise WorkerDied(f"worker {self.spec.group} (pid {self.pid}) died") from exc
+                self._lost()
+                raise WorkerDied(f"worker {self.spec.group} ({self.where}) died") from exc
             except TimeoutError:
                 self._kill_hung(req, limit)
                 raise self._silence_error(req, silence) from None
         if isinstance(req, Forward):
             self._observe_speed((time.monotonic() - began) / req.n_tokens)
-        return reply
+        return reply, carried
+
+    @property
+    def where(self) -> str:
+        """How logs and errors name the process: its pid (on another host, its address)."""
+        return f"pid {self.pid}"
+
+    def _lost(self) -> None:
+        """The connection broke (the process watcher reports a local worker's exit)."""
 
     def deadline(self, req: Request) -> float:
         """Seconds the worker gets for `req`: the floor plus DEADLINE_SLACK times what
@@ -260,9 +280,9 @@ class WorkerHandle:
 
     def _kill_hung(self, req: Request, deadline: float) -> None:
         log.error(
-            "worker %s (pid %s) missed its deadline of %.1f s for %s: killing it",
+            "worker %s (%s) missed its deadline of %.1f s for %s: killing it",
             self.spec.group,
-            self.pid,
+            self.where,
             deadline,
             req.OP,
         )
@@ -272,7 +292,7 @@ class WorkerHandle:
             self.proc.kill()  # SIGKILL ends a stopped process too
 
     def _silence_error(self, req: Request, silence: Silence) -> WorkerDied:
-        who = f"worker {self.spec.group} (pid {self.pid})"
+        who = f"worker {self.spec.group} ({self.where})"
         if not isinstance(req, SLOW):
             return WorkerDied(
                 f"{who} did not answer {req.OP} within {silence.limit:.1f} s; "
@@ -327,7 +347,7 @@ class WorkerHandle:
     def describe(self) -> dict:
         return {
             "group": self.spec.group,
-            "devices": list(self.spec.devices),
+            "devices": self.spec.names(),
             "pid": self.pid,
             "state": self.state,
             "layers": list(self.loaded.layers) if self.loaded else None,
@@ -365,6 +385,8 @@ class Slot:
 
 # Loads a freshly started worker with its slot's share (the target's layers, or the draft).
 Loader = Callable[[Slot, WorkerHandle], Awaitable[object]]
+# Makes the handle of a worker on another host (engine/remote.py), given its exit callback.
+RemoteFactory = Callable[[WorkerSpec, Callable[[WorkerHandle, int], None]], WorkerHandle]
 
 
 class Executor:
@@ -384,8 +406,10 @@ class Executor:
         deadlines: Deadlines = Deadlines(),
         *,
         inboxes: bool = False,  # pipeline workers get an inbox (they link to the experts)
+        remote: RemoteFactory | None = None,  # handles of workers on other hosts
     ) -> None:
         self.instance = instance
+        self.remote = remote
         self.deadlines = deadlines  # each worker's (WorkerHandle)
         self.slots = [Slot(i, spec, plan) for i, (spec, plan) in enumerate(workers)]
         self.draft_slot: Slot | None = None  # the draft's own worker, when it has one
@@ -473,13 +497,14 @@ class Executor:
 
     async def start_slot(self, slot: Slot) -> object:
         inbox = slot.role == "experts" or (slot.role == "pipeline" and self.inboxes)
-        worker = WorkerHandle(
-            slot.spec,
-            self.instance,
-            self._exit_handler(slot),
-            self.deadlines,
-            inbox=inbox,
-        )
+        if slot.spec.remote:
+            if self.remote is None:
+                raise WorkerDied(f"worker {slot.spec.group} is on another host: no worker key")
+            worker = self.remote(slot.spec, self._exit_handler(slot))
+        else:
+            worker = WorkerHandle(
+                slot.spec, self.instance, self._exit_handler(slot), self.deadlines, inbox=inbox
+            )
         slot.handle = worker
         self._notify()
         await worker.start()
@@ -503,13 +528,16 @@ class Executor:
         return on_exit
 
     async def _restart(self, slot: Slot) -> None:
-        """Replace one dead worker with the same share; the others keep their weights."""
-        delay = 0.5
+        """Replace one dead worker with the same share; the others keep their weights. A
+        worker on another host is reconnected (someone else runs it), soon after it is back."""
+        delay, longest = 0.5, (RECONNECT_MAX_S if slot.spec.remote else RESTART_MAX_S)
+        verb = "reconnecting to" if slot.spec.remote else "restarting"
         try:
             while not self._closing:
                 slot.restarts += 1
                 log.warning(
-                    "restarting worker %s, %s (restart #%d)",
+                    "%s worker %s, %s (restart #%d)",
+                    verb,
                     slot.spec.group,
                     slot.share,
                     slot.restarts,
@@ -532,7 +560,7 @@ class Executor:
                     slot.restart_error = error_text(exc)
                     self._notify()  # the engine fails what waits for it (core.py)
                     await asyncio.sleep(delay)
-                    delay = min(delay * 2, 30.0)
+                    delay = min(delay * 2, longest)
         finally:
             slot.restart_task = None
 
@@ -556,16 +584,16 @@ class Executor:
             info = slot.handle.describe()
             for device, layers in zip(slot.plan.devices, slot.plan.shard_ranges(), strict=True):
                 shard = dict(info)
-                shard["devices"] = [device]
+                shard["devices"] = [slot.spec.named(device)]
                 shard["layers"] = list(layers)
                 shard["restarts"] = slot.restarts
                 out.append(shard)
         d = self.draft_slot
         if d is not None and d.handle is not None:
-            info = {**d.handle.describe(), "devices": list(d.spec.devices), "layers": "draft"}
+            info = {**d.handle.describe(), "devices": d.spec.names(), "layers": "draft"}
             out.append({**info, "role": "draft", "restarts": d.restarts})
         x = self.expert_slot
         if x is not None and x.handle is not None:
-            info = {**x.handle.describe(), "devices": list(x.spec.devices), "layers": "experts"}
+            info = {**x.handle.describe(), "devices": x.spec.names(), "layers": "experts"}
             out.append({**info, **x.detail, "role": "experts", "restarts": x.restarts})
         return out

@@ -17,6 +17,13 @@ path (workers call each other directly; ``luced.runtime.expert_link``):
                Meanwhile the pipeline workers compute cold experts in process (or fail
                the forward with ``--moe-expert-required``)
     account    each ``forward`` reply's moe_* deltas add up to /metrics' counters
+
+Across hosts (the expert worker, or a pipeline worker, on another host): no scratch or
+socketpair can reach it, so each such pipeline worker and the expert worker are linked by
+a hop "experts-k" (``engine/hops.py``; the pipeline worker's ``load`` names it,
+``moe_link``) and the rows go over torch.distributed (``runtime/expert_link.HopExperts``).
+A forward whose reply counts fallbacks had a hop fail: they are linked again before the
+next one.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ from __future__ import annotations
 import logging
 
 from luced.engine.executor import Executor, Slot, WorkerHandle, error_text
+from luced.engine.hops import Hop, Hops
 from luced.engine.placement import TargetPlacement
 from luced.ipc.frames import (
     ForwardReply,
@@ -40,10 +48,17 @@ log = logging.getLogger(__name__)
 
 class ExpertWorker:
     def __init__(
-        self, owner: ShmOwner, name: str, placement: TargetPlacement, executor: Executor
+        self,
+        owner: ShmOwner,
+        name: str,
+        placement: TargetPlacement,
+        executor: Executor,
+        hops: Hops,
     ) -> None:
         assert placement.moe_expert is not None and placement.moe_hot is not None
         self.owner, self.name, self.placement, self.executor = owner, name, placement, executor
+        self.hops = hops
+        self.links: list[Hop] = []  # the hops to pipeline workers on other hosts than it
         self.scratch: dict[int, Region] = {}  # pipeline slot index -> its scratch
         self.fingerprint = ""  # of the placement the running expert worker complements
         self.totals = {"remote_calls": 0, "fallbacks": 0, "remote_bytes": 0}
@@ -56,8 +71,18 @@ class ExpertWorker:
             alloc = RegionAllocator.for_segment(seg)
             self.scratch[slot.index] = alloc.alloc("scratch", [nbytes], "uint8")
 
+    def crosses(self, slot: Slot) -> bool:
+        """Whether `slot` and the expert worker are on different hosts (a hop, no scratch)."""
+        expert = self.placement.moe_expert
+        return slot.spec.remote or (expert is not None and expert.remote)
+
     def load_fields(self, slot: Slot) -> dict:
         """What a pipeline worker's ``load`` carries for its experts."""
+        if self.crosses(slot):
+            return {
+                "moe_link": f"experts-{slot.index}",
+                "moe_required": self.placement.moe_required,
+            }
         return {
             "moe_scratch": self.scratch.get(slot.index),
             "moe_required": self.placement.moe_required,
@@ -73,6 +98,7 @@ class ExpertWorker:
         except Exception as exc:
             if self.placement.moe_required:
                 raise
+            self._add_hops()
             log.error(
                 "expert worker on %s did not start (%s): experts in process",
                 spec.devices[0],
@@ -99,13 +125,26 @@ class ExpertWorker:
             "fingerprint": reply.fingerprint,
         }
         log.info("expert worker holds %s (placement %s)", slot.detail["experts"], self.fingerprint)
+        self._add_hops()
         for target in self.executor.slots:
             h = target.handle
             if h is not None and h.state == "ready" and h.loaded is not None:
-                self._link(h, h.loaded)
+                self._link(target, h, h.loaded)
+        await self.hops.ensure()
         return reply
 
-    async def pipeline_loaded(self, worker: WorkerHandle, reply: LoadReply) -> None:
+    def _add_hops(self) -> None:
+        """The hops to the pipeline workers on other hosts than the expert worker (once)."""
+        expert = self.executor.expert_slot
+        if self.links or expert is None:
+            return
+        self.links = [
+            self.hops.add(f"experts-{s.index}", s, expert, serve="experts")
+            for s in self.executor.slots
+            if self.crosses(s)
+        ]
+
+    async def pipeline_loaded(self, slot: Slot, worker: WorkerHandle, reply: LoadReply) -> None:
         """A (re)loaded pipeline worker: link it to the running expert worker, reloading
         the experts first when the placement changed."""
         experts = self.executor.expert_worker()
@@ -116,9 +155,9 @@ class ExpertWorker:
             log.info("expert placement changed: reloading the expert worker")
             await self.load(self.executor.expert_slot, experts)
             return
-        self._link(worker, reply)
+        self._link(slot, worker, reply)
 
-    def _link(self, worker: WorkerHandle, reply: LoadReply) -> None:
+    def _link(self, slot: Slot, worker: WorkerHandle, reply: LoadReply) -> None:
         if reply.moe_fingerprint != self.fingerprint:
             log.error(
                 "worker %s placed experts as %s, the expert worker as %s: not linked "
@@ -128,9 +167,13 @@ class ExpertWorker:
                 self.fingerprint,
             )
             return
-        self.executor.link_experts(worker)
+        if not self.crosses(slot):  # else its hop links it (Hops.ensure)
+            self.executor.link_experts(worker)
 
     def account(self, reply: ForwardReply) -> None:
         self.totals["remote_calls"] += reply.moe_remote_calls
         self.totals["fallbacks"] += reply.moe_fallbacks
         self.totals["remote_bytes"] += reply.moe_remote_bytes
+        if reply.moe_fallbacks:  # a hop failed (or a local link): link the hops anew
+            for hop in self.links:
+                hop.stale = True

@@ -61,3 +61,27 @@ class FeatureRing:
         if not 0 <= start <= stop or stop - start > self.ring_cap:
             raise ValueError(f"positions [{start}, {stop}) do not fit a ring of {self.ring_cap}")
         return self.array[np.arange(start, stop) % self.ring_cap].copy()
+
+
+def cells(ring: Region, start: int, n: int, columns: tuple[int, int]) -> list[Region]:
+    """The cells of positions [start, start + n) and captures [j0, j1) as regions (for a
+    worker on another host, which writes or reads them in its mirror): whole rows make
+    one region per run of slots up to the ring's end; some columns, one per slot."""
+    cap, n_capture, hidden = ring.shape
+    j0, j1 = columns
+    row = n_capture * hidden * ring.itemsize
+    out: list[Region] = []
+    if (j0, j1) == (0, n_capture):
+        pos = start
+        while pos < start + n:
+            slot = pos % cap
+            run = min(start + n - pos, cap - slot)
+            out.append(
+                Region(ring.segment, ring.offset + slot * row, (run, n_capture, hidden), ring.dtype)
+            )
+            pos += run
+        return out
+    for pos in range(start, start + n):
+        offset = ring.offset + (pos % cap) * row + j0 * hidden * ring.itemsize
+        out.append(Region(ring.segment, offset, (j1 - j0, hidden), ring.dtype))
+    return out

@@ -24,24 +24,31 @@ n (h == n) and every exported ring row is right; exporting n < h copies stale ro
 
 The target (``target.py``) keeps the committed position and the shards' agreement; this
 module only checks regions and moves bytes.
+
+A worker on another host cannot map the arena: its rows travel over the hop to a local
+neighbour in the pipeline (``hops.py``), which relays them for the daemon (a ``ping``
+carrying the relay beside its own frame; the remote worker's mirror forgets the arena
+after the frame), or inline in its frames when no neighbour is local.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping
+from collections.abc import Awaitable, Mapping
 
 from luced.cache.layout import TensorSpec
-from luced.engine.executor import Executor
+from luced.engine.executor import Executor, WorkerHandle
 from luced.engine.feature_ring import FeatureRing
-from luced.ipc.frames import KVExport, KVImport, KVLayout, KVLayoutReply
+from luced.engine.hops import Hops
+from luced.ipc.frames import Carry, KVExport, KVImport, KVLayout, KVLayoutReply, Ping
 from luced.ipc.regions import Attachments, Region
 
 
 class KVTransfer:
-    def __init__(self, executor: Executor, instance: str) -> None:
+    def __init__(self, executor: Executor, instance: str, hops: Hops | None = None) -> None:
         self.executor = executor
         self.instance = instance
+        self.hops = hops
         # Each worker's tensors (fixed by its plan, so asked once) and the snapshot arena's
         # mapping here (for the ring rows), kept for the target's life.
         self._specs: list[list[TensorSpec]] | None = None
@@ -131,13 +138,43 @@ class KVTransfer:
         return self._specs
 
     async def _call_all(self, frames: list[KVExport] | list[KVImport]) -> None:
-        """One frame per worker, concurrently; waits for all, then raises the first error."""
+        """One frame per worker, concurrently (with the relays of workers on other hosts);
+        waits for all, then raises the first error."""
         workers = self.executor.workers()
-        calls = (w.call(f) for w, f in zip(workers, frames, strict=True))
+        calls: list[Awaitable[object]] = []
+        for k, (worker, frame) in enumerate(zip(workers, frames, strict=True)):
+            carry, relay = self._relay(k, worker, frame)
+            calls.append(worker.call(frame, carry))
+            if relay is not None:
+                calls.append(relay)
         results = await asyncio.gather(*calls, return_exceptions=True)
         for r in results:
             if isinstance(r, BaseException):
+                if self.hops is not None:
+                    self.hops.failed()  # a relay may be half done: new links
                 raise r
+
+    def _relay(
+        self, k: int, worker: WorkerHandle, frame: KVExport | KVImport
+    ) -> tuple[Carry | None, Awaitable[object] | None]:
+        """A worker on another host: its frame's carry and, when it has a local neighbour,
+        the neighbour's ping that relays the rows (module docstring)."""
+        if not worker.spec.remote:
+            return None, None
+        regions = tuple(frame.regions.values())
+        forget = tuple({r.segment for r in regions})  # the arena: used once per snapshot
+        found = self.hops.neighbour(k) if self.hops is not None else None
+        if found is None:  # no local neighbour: the rows go inline
+            return Carry(forget=forget), None
+        hop, local = found
+        relay = hop.relay(regions)
+        neighbour = local.handle
+        assert neighbour is not None
+        if isinstance(frame, KVExport):
+            ping = neighbour.call(Ping(), Carry(relay_in=(relay,)))
+            return Carry(relay_out=(relay,), forget=forget), ping
+        ping = neighbour.call(Ping(), Carry(relay_out=(relay,)))
+        return Carry(relay_in=(relay,), forget=forget), ping
 
     def _check(
         self,

@@ -12,6 +12,12 @@ so `cpu,cpu:1` is two workers (the cross-process path on one machine) and `cpu,c
 one worker holding two shards (the in-process path). A group's devices must be
 adjacent in the list, so each worker holds one contiguous layer range.
 
+A device on another host is ``tcp://HOST:PORT/DEVICE``: the worker listening there
+(``luced worker --listen``; ``engine/remote.py``) drives DEVICE. Its group is
+``tcp://HOST:PORT``, one worker per address, so ``cpu,tcp://10.0.0.2:7070/cpu`` is a
+local worker and a remote one, and ``tcp://h:7070/cuda:0,tcp://h:7070/cuda:1`` two
+shards in one remote worker.
+
 Layer ranges (pure integers, deterministic): with weights w (equal when not given),
 ``cum_i = w_0 + .. + w_i`` and ``end_i = round(cum_i / sum(w) * n_layers)``, clamped to
 ``[begin_i + 1, n_layers - (G - 1 - i)]`` so every shard keeps at least one layer;
@@ -42,11 +48,14 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from luced.ipc.frames import MoeCounts
+from luced.ipc.tcp import parse_address
 
 DEVICE_KINDS = ("cpu", "cuda", "hip", "mps")
 DEVICES_FLAG = "--target-devices"
 SPLIT_FLAG = "--target-layer-split"
 _DEVICE_RE = re.compile(r"(?P<kind>[a-z]+)(?::(?P<index>\d+))?")
+REMOTE_SCHEME = "tcp://"
+_REMOTE_RE = re.compile(r"tcp://(?P<address>[^/]+)/(?P<device>[^/]+)")
 
 log = logging.getLogger(__name__)
 
@@ -78,8 +87,30 @@ class WorkerPlan:
         return [(bounds[i], bounds[i + 1]) for i in range(len(self.devices))]
 
 
+def remote_address(name: str) -> str | None:
+    """HOST:PORT of a device on another host (``tcp://HOST:PORT/DEVICE``), else None."""
+    m = _REMOTE_RE.fullmatch(name)
+    return m["address"] if m else None
+
+
+def local_device(name: str) -> str:
+    """The device as its worker names it: ``tcp://h:7070/cuda:1`` -> ``cuda:1``."""
+    m = _REMOTE_RE.fullmatch(name)
+    return m["device"] if m else name
+
+
 def parse_device(name: str) -> tuple[str, str]:
     """(device, group) of one entry of --target-devices."""
+    if name.startswith(REMOTE_SCHEME):
+        m = _REMOTE_RE.fullmatch(name)
+        try:
+            if m is None:
+                raise ValueError("want tcp://HOST:PORT/DEVICE")
+            parse_address(m["address"])
+        except ValueError as exc:
+            raise PlacementError(f"{DEVICES_FLAG}: bad remote device {name!r}: {exc}") from None
+        parse_device(m["device"])  # the remote worker's own device
+        return name, REMOTE_SCHEME + m["address"]
     m = _DEVICE_RE.fullmatch(name)
     if m is None or m["kind"] not in DEVICE_KINDS:
         raise PlacementError(
@@ -213,7 +244,7 @@ def plan_workers(
             plans.append(
                 WorkerPlan(
                     group=parse_device(d)[1],
-                    devices=tuple(devices[j] for j in run),
+                    devices=tuple(local_device(devices[j]) for j in run),
                     layers=(ranges[run[0]][0], ranges[run[-1]][1]),
                     device_splits=tuple(ranges[j][0] for j in run[1:]),
                     n_layers=n_layers,
@@ -238,16 +269,38 @@ def check_interpreters(plans: Sequence[WorkerPlan], pythons: Mapping[str, str]) 
 class WorkerSpec:
     """How to start one worker process."""
 
-    group: str  # backend group name: "cpu", "cpu:1", "cuda", ...
-    devices: tuple[str, ...]
+    group: str  # backend group name: "cpu", "cpu:1", "cuda", ..., "tcp://HOST:PORT"
+    devices: tuple[str, ...]  # as the worker names them
     python: str = sys.executable  # a group may bring its own interpreter (ROCm torch)
     threads: int | None = None
+    address: str = ""  # HOST:PORT of a worker on another host (started there, not by us)
+
+    @property
+    def remote(self) -> bool:
+        return bool(self.address)
+
+    def named(self, device: str) -> str:
+        """One of its devices as the placement names it (``tcp://HOST:PORT/cpu``)."""
+        return f"{REMOTE_SCHEME}{self.address}/{device}" if self.remote else device
+
+    def names(self) -> list[str]:
+        return [self.named(d) for d in self.devices]
 
 
-def expert_spec(device: str, pythons: Mapping[str, str], threads: int | None) -> WorkerSpec:
-    """The MoE expert worker on `device` (a group of its own, like the draft's worker)."""
+def worker_spec(
+    device: str, pythons: Mapping[str, str], threads: int | None, devices: tuple[str, ...] = ()
+) -> WorkerSpec:
+    """The worker of a group of its own on `device` (or on `devices`, given the group's),
+    local or on another host."""
     group = parse_device(device)[1]
-    return WorkerSpec(group, (device,), python=pythons.get(group, sys.executable), threads=threads)
+    address = remote_address(device) or ""
+    return WorkerSpec(
+        group,
+        devices or (local_device(device),),
+        python=pythons.get(group, sys.executable),
+        threads=None if address else threads,
+        address=address,
+    )
 
 
 @dataclass(frozen=True)
@@ -311,16 +364,14 @@ class TargetPlacement:
         `kv_sources` (the GGUF's KV-sharing layers) keeps sharing layers with their sources;
         `threads` None shares `cores` among the workers."""
         plans = plan_workers(devices, weights, n_layers, kv_sources)
-        if threads is None:
-            threads = max(1, cores // len(plans))
+        local = [p for p in plans if not p.group.startswith(REMOTE_SCHEME)]
+        if threads is None:  # a worker on another host has that host's cores
+            threads = max(1, cores // max(1, len(local)))
         pythons = dict(pythons or {})
-        check_interpreters(plans, pythons)
-        workers = []
-        for p in plans:
-            spec = WorkerSpec(p.group, p.devices, threads=threads)
-            if p.group in pythons:
-                spec = WorkerSpec(p.group, p.devices, python=pythons[p.group], threads=threads)
-            workers.append((spec, p))
+        check_interpreters(local, pythons)
+        names = parse_devices(list(devices))
+        first = {parse_device(d)[1]: d for d in reversed(names)}  # each group's first device
+        workers = [(worker_spec(first[p.group], pythons, threads, p.devices), p) for p in plans]
         return cls(
             model=model,
             n_layers=n_layers,
@@ -330,7 +381,7 @@ class TargetPlacement:
             workers=tuple(workers),
             logit_rows=logit_rows,
             moe_hot=moe_hot,
-            moe_expert=expert_spec(moe_expert_device, pythons, threads)
+            moe_expert=worker_spec(moe_expert_device, pythons, threads)
             if moe_expert_device
             else None,
             moe_required=moe_required,

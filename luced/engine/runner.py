@@ -30,7 +30,7 @@ from luced.engine.output import Sampled
 from luced.engine.scheduler import Batch, Work, WorkOutput
 from luced.engine.spec.proposer import Proposer
 from luced.engine.target import MAX_TOP_LOGPROBS, Target
-from luced.ipc.frames import Forward, ForwardReply, Span, Truncate
+from luced.ipc.frames import Carry, Forward, ForwardReply, Span, Truncate
 from luced.ipc.regions import Region
 
 log = logging.getLogger(__name__)
@@ -128,6 +128,9 @@ class ModelRunner:
 
         t0 = time.perf_counter()
         starts = {w.seq.slot: w.start for w in works}
+        if t.ring_relay is not None:  # the rows from each start on change in the rings
+            for w in works:
+                t.ring_relay.wrote(w.seq.slot, w.start)
         ends = tuple(w.start + len(w.tokens) for w in works)
         flashes = [t.flash(w.seq.slot) for w in works]
         try:
@@ -250,9 +253,15 @@ class ModelRunner:
         workers = t.executor.workers()
         advanced: list[WorkerHandle] = []
         replies: list[ForwardReply] = []
+        carries: list[Carry | None] = [None] * len(workers)
+        if t.hops.hops:  # links to workers on other hosts, made anew where one failed
+            await t.hops.ensure()
+        if t.hops.boundaries:  # boundaries across hosts go over their hops, not shared memory
+            n = sum(ends) - sum(starts.values())
+            carries = t.hops.carries([self._boundary(k, n) for k in range(len(workers) - 1)], n)
         try:
             for k, worker in enumerate(workers):
-                reply = await worker.call(frame_for(k, k == len(workers) - 1))
+                reply = await worker.call(frame_for(k, k == len(workers) - 1), carries[k])
                 assert isinstance(reply, ForwardReply)
                 advanced.append(worker)
                 replies.append(reply)
@@ -264,6 +273,8 @@ class ModelRunner:
                         f"expected {list(ends)}: the shards disagree"
                     )
         except BaseException:
+            if t.hops.hops:
+                t.hops.failed()
             for worker in advanced:  # keep the shards agreeing: undo where it happened
                 for seq, start in starts.items():
                     with contextlib.suppress(Exception):

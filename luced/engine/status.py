@@ -67,4 +67,6 @@ def engine_status(engine: Any) -> dict:
         "prefix_cache": dataclasses.asdict(cache.stats()) if cache is not None else None,
         "kv_flash": engine.target.flash_status(),
         "moe_experts": engine.target.moe_status(),
+        # Links across hosts (torch.distributed): bytes moved, and per token fed.
+        "hops": engine.target.hops.describe() or None,
     }

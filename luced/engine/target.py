@@ -60,10 +60,19 @@ from luced.engine.executor import (
 )
 from luced.engine.experts import ExpertWorker
 from luced.engine.feature_ring import FeatureRing
+from luced.engine.hops import Hops
 from luced.engine.kv_transfer import KVTransfer
 from luced.engine.kvflash.pager import PagerConfig
 from luced.engine.kvflash.transport import KVFlash
-from luced.engine.placement import TargetPlacement, WorkerSpec, parse_device
+from luced.engine.placement import (
+    TargetPlacement,
+    WorkerSpec,
+    local_device,
+    parse_device,
+    worker_spec,
+)
+from luced.engine.remote import RemoteSettings, RemoteWorker
+from luced.engine.ring_relay import RingRelay
 from luced.ipc.frames import (
     KVShare,
     KVShareReply,
@@ -103,6 +112,7 @@ class Target:
         deadlines: Deadlines | None = None,  # of worker calls and starts (default: Deadlines())
         sequences: int = 1,  # slots: the sequences the workers hold at once
         step_tokens: int | None = None,  # tokens one step feeds (--max-step-tokens)
+        remote: RemoteSettings | None = None,  # to reach workers on other hosts (tcp://)
     ) -> None:
         self.owner = owner
         # Default: a prompt chunk beside a draft window of 16 for every sequence.
@@ -114,18 +124,31 @@ class Target:
         self._record_bytes: dict[tuple[int, int], int] = {}  # worker layers -> host record
         self.name = name
         self.placement = placement
+        deadlines = deadlines or Deadlines()
+        if kv_flash is not None and any(spec.remote for spec, _ in placement.workers):
+            raise ValueError("KV Flash does not run with workers on other hosts")
+
+        def remote_worker(spec: WorkerSpec, on_exit: Callable) -> RemoteWorker:
+            assert remote is not None
+            return RemoteWorker(spec, owner.instance, owner, remote, on_exit, deadlines)
+
         self.executor = Executor(
             owner.instance,
             placement.workers,
             self._load,
             on_state_change,
-            deadlines or Deadlines(),
+            deadlines,
             inboxes=placement.moe_expert is not None,
+            remote=remote_worker if remote is not None else None,
         )
+        self.ring_relay: RingRelay | None = None  # a draft on another host: its rings' rows
+        self.hops = Hops(self.executor, timeout=deadlines.call)
         self.experts = (
-            ExpertWorker(owner, name, placement, self.executor) if placement.moe_expert else None
+            ExpertWorker(owner, name, placement, self.executor, self.hops)
+            if placement.moe_expert
+            else None
         )
-        self.transfer = KVTransfer(self.executor, owner.instance)
+        self.transfer = KVTransfer(self.executor, owner.instance, self.hops)
         self.load_s = 0.0
         self.n_layers = 0
         self.hidden = 0
@@ -245,7 +268,9 @@ class Target:
             await self.experts.load(slot, worker)
             return None
         if plan is None:
-            return await self._load_draft_into(worker, target=p.model)
+            reply = await self._load_draft_into(worker, target=p.model)
+            await self.hops.ensure()  # its hop, when it is on another host
+            return reply
         reply = await worker.load(
             Load(
                 model=p.model,
@@ -267,7 +292,7 @@ class Target:
             )
         )
         if self.experts is not None:
-            await self.experts.pipeline_loaded(worker, reply)
+            await self.experts.pipeline_loaded(slot, worker, reply)
         if self.flash_cfg is not None:
             if reply.kv_pool != self.flash_cfg.pool_tokens:
                 raise WorkerReplyError(
@@ -280,6 +305,7 @@ class Target:
         self.n_layers, self.hidden, self.vocab = reply.n_layers, reply.hidden, reply.vocab
         if self._draft_path is not None and self.executor.draft_slot is None:
             await self._load_draft_into(worker)  # a restarted worker gets its draft back
+        await self.hops.ensure()  # its hops to workers on other hosts, when both ends are up
         return None
 
     # -- sequences -----------------------------------------------------------------------
@@ -359,6 +385,8 @@ class Target:
         if lo < n:
             slots = np.arange(lo, n) % cap
             mine.array[slots] = theirs.array[slots]
+            if self.ring_relay is not None:
+                self.ring_relay.wrote(slot, lo)
         return min(lo, n)
 
     # -- captures and the draft ------------------------------------------------------------
@@ -419,18 +447,28 @@ class Target:
         if len(slots) == 1 and device in first.plan.devices and group == first.spec.group:
             reply = await self._load_draft_into(self.executor.workers()[0])
         else:
-            spec = WorkerSpec(
-                group, (device,), python=python or first.spec.python, threads=first.spec.threads
-            )
+            spec = worker_spec(device, {group: python or first.spec.python}, first.spec.threads)
             started = await self.executor.add_draft_slot(spec)
             assert isinstance(started, LoadDraftReply)
             reply = started
+            if spec.remote:
+                await self._relay_rings()
         if reply.mask_token_id is None:
             raise ValueError(f"{path}: the draft config names no mask_token_id")
         self.draft = reply
         self.enable_capture(reply.capture_layers, min(ring_cap, self.placement.kv_capacity))
         self._make_draft(block_size)
         return reply
+
+    async def _relay_rings(self) -> None:
+        """A draft on another host reads the rings' rows through a local pipeline worker
+        (the last one), over the hop "draft" (``ring_relay.py``); inline without one."""
+        draft = self.executor.draft_slot
+        assert draft is not None
+        local = [s for s in self.executor.slots if not s.spec.remote]
+        hop = self.hops.add("draft", local[-1], draft) if local else None
+        await self.hops.ensure()
+        self.ring_relay = RingRelay(hop, local[-1] if local else None)
 
     def enable_lookup_drafts(self, block_size: int) -> None:
         """Room for a model-free drafter's windows (``--draft ngram``): its proposals are
@@ -460,7 +498,7 @@ class Target:
             LoadDraft(
                 path=str(self._draft_path),
                 dtype=self.placement.dtype,  # type: ignore[arg-type]
-                device=self._draft_device,
+                device=local_device(self._draft_device),
                 target=target,
             )
         )
@@ -567,3 +605,5 @@ class KVMover:
         if ring is not None:
             # A snapshot of N positions holds valid ring rows only from N - ring_cap on.
             self._floor(max(0, regions["ring"].shape[0] - ring.ring_cap))
+            if t.ring_relay is not None:
+                t.ring_relay.wrote(self.slot, 0)

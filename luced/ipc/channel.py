@@ -18,6 +18,11 @@ frame read half-way is finished by the next read.
 A ``SLOW`` request (a worker's start, a load) is answered under ``keep_alive``: progress
 notes every ``PROGRESS_INTERVAL`` until the reply, so the caller can tell a slow peer
 from a frozen one; ``call`` hands them to ``on_progress`` and reads on.
+
+A request's ``Carry`` (``frames/remote.py``: regions put, got and relayed beside it) is
+applied by the serving side's ``Carrier`` around the handler: ``before`` it (puts, relays
+in), ``after`` it (relays out; the bytes got, returned in the reply), or ``failed`` when
+the request failed (the relays out tell their peers so).
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ import struct
 import threading
 from collections.abc import Callable, Iterator
 from types import TracebackType
-from typing import Self
+from typing import Protocol, Self
 
 from luced.ipc.codec import (
     MAX_FRAME_BYTES,
@@ -38,11 +43,21 @@ from luced.ipc.codec import (
     encode_progress,
     encode_reply,
     encode_request,
+    pop_carried,
     progress_stage,
     reply_from_wire,
     unpack_reply,
 )
-from luced.ipc.frames import REPLIES, SLOW, ErrorReply, FrameError, Reply, Request, Shutdown
+from luced.ipc.frames import (
+    REPLIES,
+    SLOW,
+    Carry,
+    ErrorReply,
+    FrameError,
+    Reply,
+    Request,
+    Shutdown,
+)
 
 _LEN = struct.Struct("<I")
 PROGRESS_INTERVAL = 0.5  # seconds between the progress notes of a slow request
@@ -83,11 +98,36 @@ def _checked_reply(req: Request, reply: Reply) -> Reply:
     return reply
 
 
-def answer(req: Request, seq: int, handler: Callable[[Request], Reply]) -> bytes:
-    """The reply payload for ``req``: the handler's reply, or its exception as a failure."""
+class Carrier(Protocol):
+    """The serving side of a request's carry (module docstring)."""
+
+    def before(self, carry: Carry) -> None: ...
+
+    def after(self, carry: Carry) -> tuple[bytes, ...]: ...
+
+    def failed(self, carry: Carry) -> None: ...
+
+
+def answer(
+    req: Request,
+    seq: int,
+    handler: Callable[[Request], Reply],
+    carry: Carry | None = None,
+    carrier: Carrier | None = None,
+) -> bytes:
+    """The reply payload for ``req``: the handler's reply (with the bytes its carry got),
+    or its exception as a failure."""
     try:
-        return encode_reply(seq, _checked_reply(req, handler(req)))
+        if carry is not None:
+            if carrier is None:
+                raise FrameError("this peer takes no carry (it shares the daemon's memory)")
+            carrier.before(carry)
+        reply = _checked_reply(req, handler(req))
+        carried = carrier.after(carry) if carry is not None and carrier is not None else ()
+        return encode_reply(seq, reply, carried)
     except Exception as e:  # the peer gets the message; the serving loop goes on
+        if carry is not None and carrier is not None:
+            carrier.failed(carry)
         return encode_reply(seq, ErrorReply(f"{type(e).__name__}: {e}"))
 
 
@@ -120,7 +160,7 @@ class BlockingChannel:
             got += k
         return bytes(buf)
 
-    def recv_request(self) -> tuple[int, Request]:
+    def recv_request(self) -> tuple[int, Request, Carry | None]:
         return decode_request(self.recv())
 
     def reply(self, seq: int, reply: Reply | ErrorReply) -> None:
@@ -140,13 +180,14 @@ class BlockingChannel:
             raise RemoteError(req.OP, rep.error)
         return rep
 
-    def serve(self, handler: Callable[[Request], Reply]) -> None:
+    def serve(self, handler: Callable[[Request], Reply], carrier: Carrier | None = None) -> None:
         """Answer requests until ``shutdown`` (after replying to it) or the peer closes.
 
         A handler exception becomes a failure reply and serving goes on. A frame whose
         seq cannot even be read (not msgpack, not a map) cannot be answered: FrameError
         propagates and the caller should close the connection. A ``SLOW`` request is
-        answered under ``keep_alive``, its stage first set to its op.
+        answered under ``keep_alive``, its stage first set to its op. ``carrier`` applies
+        the requests' carries (without one, a request with a carry fails).
         """
         while True:
             try:
@@ -154,7 +195,7 @@ class BlockingChannel:
             except ChannelClosedError:
                 return
             try:
-                seq, req = decode_request(payload)
+                seq, req, carry = decode_request(payload)
             except FrameError as e:
                 if e.seq is None:
                     raise
@@ -163,9 +204,9 @@ class BlockingChannel:
             if isinstance(req, SLOW):
                 self.stage = req.OP
                 with self.keep_alive(seq):
-                    reply = answer(req, seq, handler)
+                    reply = answer(req, seq, handler, carry, carrier)
             else:
-                reply = answer(req, seq, handler)
+                reply = answer(req, seq, handler, carry, carrier)
             self.send(reply)
             if isinstance(req, Shutdown):
                 return
@@ -249,7 +290,7 @@ class AsyncChannel:
             mid = " mid-frame" if e.partial or self._pending_len is not None else ""
             raise ChannelClosedError(f"peer closed the connection{mid}") from None
 
-    async def recv_request(self) -> tuple[int, Request]:
+    async def recv_request(self) -> tuple[int, Request, Carry | None]:
         return decode_request(await self.recv())
 
     async def reply(self, seq: int, reply: Reply | ErrorReply) -> None:
@@ -261,11 +302,21 @@ class AsyncChannel:
 
         Wrap in ``asyncio.timeout`` to bound it; the late reply is then dropped.
         """
+        reply, _ = await self.exchange(req, None, on_progress)
+        return reply
+
+    async def exchange(
+        self,
+        req: Request,
+        carry: Carry | None,
+        on_progress: Callable[[str], object] | None = None,
+    ) -> tuple[Reply, tuple[bytes, ...]]:
+        """``call`` with a carry: -> (the reply, the bytes of the regions it got)."""
         async with self._lock:
             self._seq += 1
             seq = self._seq
             self._outstanding[seq] = req.OP
-            await self.send(encode_request(seq, req))
+            await self.send(encode_request(seq, req, carry))
             while True:
                 got, obj = unpack_reply(await self.recv())
                 stage = progress_stage(got, obj)
@@ -281,10 +332,11 @@ class AsyncChannel:
                 if got == seq:
                     break
                 # else: the reply to a cancelled call; dropped
+            carried = pop_carried(got, obj)
             rep = reply_from_wire(got, obj, op)
         if isinstance(rep, ErrorReply):
             raise RemoteError(req.OP, rep.error)
-        return rep
+        return rep, carried
 
     async def serve(self, handler: Callable[[Request], Reply]) -> None:
         """The async twin of ``BlockingChannel.serve`` (daemon-side peers, tests)."""
@@ -294,13 +346,13 @@ class AsyncChannel:
             except ChannelClosedError:
                 return
             try:
-                seq, req = decode_request(payload)
+                seq, req, carry = decode_request(payload)
             except FrameError as e:
                 if e.seq is None:
                     raise
                 await self.reply(e.seq, ErrorReply(str(e)))
                 continue
-            await self.send(answer(req, seq, handler))
+            await self.send(answer(req, seq, handler, carry))
             if isinstance(req, Shutdown):
                 return
 

@@ -4,6 +4,9 @@ A payload is one msgpack map (``use_bin_type=True`` / ``raw=False``, strict type
 extension types, no pickle) of at most ``MAX_FRAME_BYTES``; ``channel.py`` adds the length
 prefix. Decoding checks the envelope (``op``, ``seq``, ``ok``) here and the fields in the
 frame classes, so a malformed payload is a ``FrameError`` carrying ``seq`` when readable.
+
+A request may carry a ``Carry`` (``frames/remote.py``) under the envelope key "carry", and
+its reply the bytes of the regions it got under "carried" (a list, in the carry's order).
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ from typing import Any
 
 import msgpack
 
-from luced.ipc.frames import REPLIES, REQUESTS, ErrorReply, Reply, Request
+from luced.ipc.frames import REPLIES, REQUESTS, Carry, ErrorReply, Reply, Request
 from luced.ipc.typed import FrameError
 
 MAX_FRAME_BYTES = 16 * 1024 * 1024
@@ -58,14 +61,18 @@ def _seq(obj: dict[str, Any]) -> int:
     return seq
 
 
-def encode_request(seq: int, req: Request) -> bytes:
-    """The msgpack payload of ``req`` (no length prefix)."""
+def encode_request(seq: int, req: Request, carry: Carry | None = None) -> bytes:
+    """The msgpack payload of ``req`` (no length prefix), with its carry when not empty."""
     _seq({"seq": seq})
-    return _pack({"op": req.OP, "seq": seq, **req.to_wire()})
+    obj = {"op": req.OP, "seq": seq, **req.to_wire()}
+    if carry is not None and not carry.empty:
+        obj["carry"] = carry.to_wire()
+    return _pack(obj)
 
 
-def decode_request(payload: bytes) -> tuple[int, Request]:
-    """Parse a request payload; raises FrameError (with ``seq`` when it was readable)."""
+def decode_request(payload: bytes) -> tuple[int, Request, Carry | None]:
+    """Parse a request payload -> (seq, request, its carry or None); raises FrameError
+    (with ``seq`` when it was readable)."""
     obj = _unpack(payload)
     seq = _seq(obj)
     op = obj.pop("op", None)
@@ -74,17 +81,36 @@ def decode_request(payload: bytes) -> tuple[int, Request]:
     if cls is None:
         raise FrameError(f"unknown op {op!r}; known: {sorted(REQUESTS)}", seq)
     try:
-        return seq, cls.from_wire(obj)
+        wire = obj.pop("carry", None)
+        carry = None if wire is None else Carry.from_wire(_mapping(wire, "carry"))
+        return seq, cls.from_wire(obj), carry
     except FrameError as e:
         e.seq = seq
         raise
 
 
-def encode_reply(seq: int, reply: Reply | ErrorReply) -> bytes:
+def _mapping(v: object, what: str) -> dict[str, Any]:
+    if not isinstance(v, dict):
+        raise FrameError(f"{what} must be a map, got {type(v).__name__}")
+    return v
+
+
+def encode_reply(seq: int, reply: Reply | ErrorReply, carried: tuple[bytes, ...] = ()) -> bytes:
     _seq({"seq": seq})
     if isinstance(reply, ErrorReply):
         return _pack({"seq": seq, "ok": False, "error": reply.error})
-    return _pack({"seq": seq, "ok": True, **reply.to_wire()})
+    obj = {"seq": seq, "ok": True, **reply.to_wire()}
+    if carried:
+        obj["carried"] = list(carried)
+    return _pack(obj)
+
+
+def pop_carried(seq: int, obj: dict[str, Any]) -> tuple[bytes, ...]:
+    """The bytes a reply carries back (a map from ``unpack_reply``; removed from it)."""
+    carried = obj.pop("carried", [])
+    if not isinstance(carried, list) or not all(isinstance(b, bytes) for b in carried):
+        raise FrameError("a reply's carried must be a list of bytes", seq)
+    return tuple(carried)
 
 
 def unpack_reply(payload: bytes) -> tuple[int, dict[str, Any]]:

@@ -374,6 +374,10 @@ class ShmOwner:
     def names(self) -> list[str]:
         return list(self._names)
 
+    def segment(self, name: str) -> Segment | None:
+        """The segment this owner created under the full name `name`, if any."""
+        return self._segments.get(name)
+
     def unlink(self, seg: Segment) -> None:
         seg.unlink()
         self._names.pop(seg.name, None)

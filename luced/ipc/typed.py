@@ -4,7 +4,7 @@ A ``Record`` is a frozen dataclass whose construction checks every field against
 annotation (and normalises: numpy ints to ``int``, lists to tuples, region maps to
 ``Region``), then runs the record's own ``_check``. ``to_wire`` gives plain msgpack
 types; ``from_wire`` rejects missing and unknown keys. Supported annotations: ``bool``,
-``int``, ``float``, ``str``, ``None``, ``Region``, ``Literal[str, ...]``, unions,
+``int``, ``float``, ``str``, ``bytes``, ``None``, ``Region``, ``Literal[str, ...]``, unions,
 ``tuple[X, ...]``, ``tuple[X, Y]``, ``dict[str, X]`` and another ``Record`` (a map on the
 wire, checked by that record's own rules). The frame declarations live in
 ``frames.py``; this module is only the machinery.
@@ -64,6 +64,9 @@ def coerce(v: Any, tp: Any, path: str) -> Any:
     elif tp is str:
         if isinstance(v, str):
             return str(v)
+    elif tp is bytes:
+        if isinstance(v, bytes | bytearray | memoryview):
+            return bytes(v)
     elif tp is type(None):
         if v is None:
             return None

@@ -49,9 +49,11 @@ from luced.ipc import frames as F
 from luced.runtime import experts, kv_snapshot, native
 from luced.runtime import forward as forward_verb
 from luced.runtime.dflash import verbs as draft_verbs
-from luced.runtime.expert_link import ExpertServer, RemoteExperts
+from luced.runtime.expert_link import ExpertServer, HopExperts, RemoteExperts
+from luced.runtime.hops import Hops
 from luced.runtime.kv_blocks import BlockPool
 from luced.runtime.kv_pool import PooledKVCache, chunk_nbytes
+from luced.runtime.mirror import Mirror
 from luced.runtime.model import Model
 from luced.runtime.state import (
     Loaded,
@@ -84,15 +86,25 @@ class Backend(WorkerState):
     """The state of one worker process and its verbs (see the module docstring)."""
 
     def __init__(
-        self, group: str, devices: tuple[str, ...], inbox: socket.socket | None = None
+        self,
+        group: str,
+        devices: tuple[str, ...],
+        inbox: socket.socket | None = None,
+        *,
+        mirror: Mirror | None = None,  # on another host than the daemon's (runtime.listen)
+        hops: Hops | None = None,
     ) -> None:
-        super().__init__(group, devices)
+        super().__init__(group, devices, mirror)
+        # Links to workers on other hosts (bulk data: runtime.hops); the carry uses them.
+        self.hops = hops if hops is not None else Hops()
         # Worker-to-worker links arrive here (luced.ipc.links): a target worker's to the
         # expert worker, or, in the expert worker, one per target worker.
         self.inbox = inbox
-        self.remote: RemoteExperts | None = None
+        self.remote: RemoteExperts | HopExperts | None = None
         self.expert_server = ExpertServer(self.tensor)
+        self.hops.servers["experts"] = self.expert_server.serve_hop
         self.device_problem: str | None = None
+        self._load_request: F.Load | None = None  # the load in hand (reuse_load)
         try:  # checked now, reported by hello: the daemon learns it with a clear message
             self.torch_devices = tuple(torch_device(d) for d in devices)
         except WorkerError as e:
@@ -113,21 +125,48 @@ class Backend(WorkerState):
             F.KVShare: self.kv_share,
             F.Stats: self.stats,
             F.Shutdown: self.shutdown,
+            F.Ping: self.ping,
+            F.Link: self.link,
         }
 
     def handle(self, req: F.Request) -> F.Reply:
         try:
-            if self.instance is None and not isinstance(req, F.Hello | F.Stats | F.Shutdown):
+            if self.instance is None and not isinstance(
+                req, F.Hello | F.Stats | F.Shutdown | F.Ping
+            ):
                 raise WorkerError(f"{req.OP} before hello: the daemon opens with hello")
             return self._handlers[type(req)](req)
         except Exception as e:
             log.warning("%s failed: %s: %s", req.OP, type(e).__name__, e)
             raise
 
+    def detach(self) -> None:
+        """The daemon went away (a worker on another host serves the next one): drop its
+        sequences, regions and links; keep the weights for a daemon that loads the same."""
+        if self.loaded is not None:
+            for sequence in list(self.loaded.sequences):
+                self.loaded.release(sequence)
+        if self.draft is not None:
+            self.draft.samplers.clear()
+        self.instance = None
+        self.hops.close()
+        self.attachments.close()
+
+    def reuse_load(self, req: F.Load) -> F.LoadReply | None:
+        """The reply of the load in hand when `req` asks for exactly it again (a daemon
+        that reconnected), else None: the weights stay, every sequence starts empty."""
+        if self.loaded is None or req != self._load_request:
+            return None
+        for sequence in list(self.loaded.sequences):
+            self.loaded.release(sequence)
+        log.info("layers %s of %s already loaded: reused", list(req.layers), req.model)
+        return dataclasses.replace(self.loaded.reply, load_s=0.0)
+
     def close(self) -> None:
         self.loaded = self.draft = None
         if self.remote is not None:
             self.remote.close()
+        self.hops.close()
         self.attachments.close()  # unmap only; the daemon unlinks
 
     # -- verbs ---------------------------------------------------------------------------
@@ -158,7 +197,9 @@ class Backend(WorkerState):
         if self.remote is not None:  # its link goes too: the daemon links after this load
             self.remote.close()
             self.remote = None
-        if req.moe_scratch is not None and self.inbox is not None:
+        if req.moe_link:  # the expert worker is on another host than this one
+            self.remote = HopExperts(self.hops, req.moe_link)
+        elif req.moe_scratch is not None and self.inbox is not None:
             self.remote = RemoteExperts(self.inbox, req.moe_scratch, self.tensor)
         placement = self._plan_experts(req)
         split = placement if placement is not None and not placement.all_hot else None
@@ -217,6 +258,7 @@ class Backend(WorkerState):
 
         self.loaded = Loaded(Path(req.model), shards, reply, new_caches, blocks)
         self.loaded.sequences[0] = SequenceState(first)
+        self._load_request = req
         return reply
 
     def _plan_experts(self, req: F.Load) -> experts.Placement | None:
@@ -230,10 +272,11 @@ class Backend(WorkerState):
             raise WorkerError(f"moe_hot: {exc}") from None
 
     def load_experts(self, req: F.LoadExperts) -> F.LoadExpertsReply:
-        if self.inbox is None:
-            raise WorkerError("load_experts needs a worker started with --inbox")
+        if self.inbox is None and self.hops.own_store is None:
+            raise WorkerError("load_experts needs a worker started with --inbox (or --listen)")
         reply = self.expert_server.load(req)
-        self.expert_server.serve_inbox(self.inbox)
+        if self.inbox is not None:
+            self.expert_server.serve_inbox(self.inbox)  # (on another host: hops, as linked)
         return reply
 
     def truncate(self, req: F.Truncate) -> F.TruncateReply:
@@ -300,6 +343,7 @@ class Backend(WorkerState):
             "kernels": m.reply.kernels if m else "",
             "draft": str(self.draft.draft.path) if self.draft else "",
             "expert_calls_served": self.expert_server.calls,
+            **self.hops.stats(),
         }
         for key in ("cold_calls", "fallbacks"):
             stats[f"moe_{key}"] = sum(s.get(key, 0) for s in self._splits())
@@ -313,6 +357,13 @@ class Backend(WorkerState):
 
     def shutdown(self, req: F.Shutdown) -> F.ShutdownReply:
         return F.ShutdownReply()  # the serving loop ends after sending this
+
+    def ping(self, req: F.Ping) -> F.PingReply:
+        return F.PingReply()
+
+    def link(self, req: F.Link) -> F.LinkReply:
+        assert self.instance is not None  # (handle refuses a link before hello)
+        return self.hops.link(req, self.instance)
 
     def forward(self, req: F.Forward) -> F.ForwardReply:
         before = self._moe_counts()

@@ -18,10 +18,24 @@ in several calls. The connection is a socketpair the daemon hands to both worker
 (`luced.ipc.links`); the target picks up a new one before each call, so a restarted expert
 worker is used again as soon as the daemon links it. A closed or refusing peer raises
 `ExpertsUnavailable`, and `experts.Split` falls back.
+
+Across hosts (`HopExperts`: the two workers on different hosts) the rows travel over a
+torch.distributed hop instead (``runtime/hops.py``; the daemon links it, the expert
+worker's end with serve="experts"), one request and one answer per call::
+
+    target worker                                    expert worker (a thread per hop)
+    int64 [4]  layer, n, k, 0          ---->
+    uint8 [n*H*4 + 2*n*k*4]  x f32, ids i32, weights f32
+                                       <----         int64 [2]  n, 1 (0: refused, no rows)
+                                       <----         float32 [n, H]  Σ w_i · expert_i(x)
+
+A failed or refused call breaks the hop (`ExpertsUnavailable`, the fallback computes the
+layer); the daemon sees the fallbacks in the forward's reply and links the hop again.
 """
 
 from __future__ import annotations
 
+import datetime
 import logging
 import socket
 import threading
@@ -29,6 +43,7 @@ import time
 from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
 
 from luced.gguf_file import GGUFFile
 from luced.ipc import frames as F
@@ -38,6 +53,7 @@ from luced.ipc.links import expert_layout, scratch_rows
 from luced.ipc.regions import Region
 from luced.runtime.experts import ExpertsUnavailable, LocalExperts, plan
 from luced.runtime.families import family_for
+from luced.runtime.hops import Hops
 from luced.runtime.state import torch_device
 from luced.runtime.weights import parse_dtype
 
@@ -117,6 +133,59 @@ class RemoteExperts:
         return vx.clone()
 
 
+def _unpack(body: torch.Tensor, n: int, hidden: int, k: int) -> tuple[torch.Tensor, ...]:
+    """x [n, hidden] f32, ids [n, k] i32, weights [n, k] f32 from one request body."""
+    a, b = n * hidden * 4, n * hidden * 4 + n * k * 4
+    return (
+        body[:a].view(torch.float32).view(n, hidden),
+        body[a:b].view(torch.int32).view(n, k),
+        body[b:].view(torch.float32).view(n, k),
+    )
+
+
+class HopExperts:
+    """`experts.ExpertCompute` through an expert worker on another host, over the hop
+    `name` (module docstring). Stats as `RemoteExperts`'."""
+
+    def __init__(self, hops: Hops, name: str) -> None:
+        self.hops, self.name = hops, name
+        self.stats = {"remote_calls": 0, "remote_bytes": 0, "remote_us": 0, "remote_compute_us": 0}
+
+    def close(self) -> None:
+        self.hops.drop(self.name)
+
+    def mix(
+        self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
+    ) -> torch.Tensor:
+        linked = self.hops.group(self.name)
+        if linked is None:
+            raise ExpertsUnavailable(f"hop {self.name} to the expert worker is not linked")
+        group, peer, timeout = linked
+        n, hidden = x.shape
+        k = ids.shape[1]
+        body = torch.cat(
+            [t.contiguous().view(-1).view(torch.uint8) for t in (x.float(), ids, weights)]
+        )
+        t0 = time.perf_counter()
+        answer = torch.empty(2, dtype=torch.int64)
+        y = torch.empty(n, hidden, dtype=torch.float32)
+        try:
+            group.send([torch.tensor([layer, n, k, 0], dtype=torch.int64)], peer, 0).wait(timeout)
+            group.send([body], peer, 0).wait(timeout)
+            group.recv([answer], peer, 0).wait(timeout)
+            if answer[1] != 1:
+                raise ExpertsUnavailable(f"the expert worker refused layer {layer}")
+            group.recv([y], peer, 0).wait(timeout)
+        except (RuntimeError, ExpertsUnavailable) as exc:
+            why = str(exc).splitlines()[0][:200]
+            self.hops.broke(self.name, why)  # the daemon links it anew
+            raise ExpertsUnavailable(f"hop {self.name}: {why}") from None
+        self.stats["remote_calls"] += 1
+        self.stats["remote_bytes"] += body.numel() + y.numel() * 4
+        self.stats["remote_us"] += int((time.perf_counter() - t0) * 1e6)
+        return y.to(x.device, x.dtype)
+
+
 class ExpertServer:
     """The expert worker's experts and its `expert_mix` verb, served on every link the
     daemon hands over (a thread per link; the compute itself is serialised)."""
@@ -162,29 +231,67 @@ class ExpertServer:
 
     def mix(self, req: F.ExpertMix) -> F.ExpertMixReply:
         t0 = time.perf_counter()
+        if req.x.dtype != "float32" or req.x.shape[1] != self.hidden:
+            raise ValueError(
+                f"x must be float32 [n, {self.hidden}], got {req.x.dtype} {list(req.x.shape)}"
+            )
+        x = self.view(req.x)
+        x.copy_(self.answer(req.layer, x, self.view(req.ids), self.view(req.weights)))
+        return F.ExpertMixReply(elapsed_us=int((time.perf_counter() - t0) * 1e6))
+
+    def answer(
+        self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
+    ) -> torch.Tensor:
+        """Σ_i weights[:, i] · expert(ids[:, i])(x) of this worker's experts of `layer`;
+        ValueError for a request it cannot serve (the header's checks)."""
         with self.lock:
             experts = self.experts
             if experts is None:
                 raise ValueError("expert_mix before load_experts")
-            held = experts.held.get(req.layer)
+            held = experts.held.get(layer)
             if held is None:
                 raise ValueError(
-                    f"layer {req.layer} has no experts here (MoE layers: {sorted(experts.held)})"
+                    f"layer {layer} has no experts here (MoE layers: {sorted(experts.held)})"
                 )
-            n, hidden = req.x.shape
-            k = req.ids.shape[1]
-            if hidden != self.hidden or req.x.dtype != "float32":
+            n, hidden = x.shape
+            if hidden != self.hidden:
+                raise ValueError(f"x must be [n, {self.hidden}], got {list(x.shape)}")
+            if ids.shape[1] > self.n_used:
                 raise ValueError(
-                    f"x must be float32 [n, {self.hidden}], got {req.x.dtype} {list(req.x.shape)}"
+                    f"k = {ids.shape[1]} exceeds the model's {self.n_used} experts per token"
                 )
-            if k > self.n_used:
-                raise ValueError(f"k = {k} exceeds the model's {self.n_used} experts per token")
-            x, ids, weights = self.view(req.x), self.view(req.ids), self.view(req.weights)
             if n and (int(ids.min()) < -1 or int(ids.max()) >= len(held)):
-                raise ValueError(f"ids outside [-1, {len(held)}) for layer {req.layer}")
-            x.copy_(experts.mix(req.layer, x, ids, weights))
+                raise ValueError(f"ids outside [-1, {len(held)}) for layer {layer}")
             self.calls += 1
-        return F.ExpertMixReply(elapsed_us=int((time.perf_counter() - t0) * 1e6))
+            return experts.mix(layer, x, ids, weights)
+
+    def serve_hop(self, group: dist.ProcessGroup, peer: int) -> None:
+        """Answer a target worker's calls on a hop (module docstring), on a thread of its
+        own until the group ends (a new link, or the peer gone)."""
+        threading.Thread(
+            target=self._serve_hop, args=(group, peer), name="expert-hop", daemon=True
+        ).start()
+
+    def _serve_hop(self, group: dist.ProcessGroup, peer: int) -> None:
+        idle = datetime.timedelta(days=365)  # calls come when the target computes a layer
+        try:
+            while True:
+                head = torch.empty(4, dtype=torch.int64)
+                group.recv([head], peer, 0).wait(idle)
+                layer, n, k, _ = head.tolist()
+                body = torch.empty(n * (self.hidden + 2 * k) * 4, dtype=torch.uint8)
+                group.recv([body], peer, 0).wait()
+                x, ids, weights = _unpack(body, n, self.hidden, k)
+                try:
+                    y, ok = self.answer(layer, x, ids, weights), 1
+                except ValueError as exc:
+                    log.warning("refused an expert call on a hop: %s", exc)
+                    y, ok = torch.empty(0), 0
+                group.send([torch.tensor([n, ok], dtype=torch.int64)], peer, 0).wait()
+                if ok:
+                    group.send([y.float().contiguous()], peer, 0).wait()
+        except RuntimeError as exc:  # the group was aborted (a new link) or the peer left
+            log.info("expert hop closed: %s", str(exc).splitlines()[0][:200])
 
     def _handle_peer(self, req: F.Request) -> F.Reply:
         if not isinstance(req, F.ExpertMix):

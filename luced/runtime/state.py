@@ -11,7 +11,8 @@ private methods and none imports the dispatcher.
               PooledKVCache driven by the daemon's pager
     draft     a DFlash draft, beside the target or alone in the worker
     regions   shared-memory regions viewed as tensors, attached lazily by segment name;
-              only segments of the daemon instance that said hello
+              only segments of the daemon instance that said hello (a worker on another
+              host views its mirror of them instead: ``runtime.mirror``)
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from luced.runtime.dflash.draft import Draft
 from luced.runtime.kv_blocks import BlockPool, PagedKVCache
 from luced.runtime.kv_cache import KVCache
 from luced.runtime.kv_pool import PooledKVCache
+from luced.runtime.mirror import Mirror
 from luced.runtime.model import Model
 from luced.runtime.sampler import Sampler
 from luced.sampling_params import SamplingParams, SamplingWire
@@ -212,7 +214,7 @@ class DraftState:
 class WorkerState:
     """One worker's loaded target, draft, region views and counters (module docstring)."""
 
-    def __init__(self, group: str, devices: tuple[str, ...]) -> None:
+    def __init__(self, group: str, devices: tuple[str, ...], mirror: Mirror | None = None) -> None:
         self.group = group
         self.devices = devices
         self.instance: str | None = None  # the daemon's, from hello
@@ -220,9 +222,14 @@ class WorkerState:
         self.draft: DraftState | None = None
         # A GPU worker page-locks each segment it maps (runtime/device_io.py).
         self.device_io = DeviceIO(devices)
-        self.attachments = Attachments(
-            on_attach=lambda seg: self.device_io.attach(seg.name, seg.address(), seg.size),
-            on_close=lambda seg: self.device_io.detach(seg.name),
+        # The daemon's segments, mapped; on another host, the mirror standing for them.
+        self.attachments: Attachments | Mirror = (
+            mirror
+            if mirror is not None
+            else Attachments(
+                on_attach=lambda seg: self.device_io.attach(seg.name, seg.address(), seg.size),
+                on_close=lambda seg: self.device_io.detach(seg.name),
+            )
         )
         self.forward_count = 0
         self.tokens_processed = 0
@@ -235,14 +242,24 @@ class WorkerState:
             raise WorkerError(f"{op} before load: no model is loaded")
         return self.loaded
 
-    def tensor(self, region: Region) -> torch.Tensor:
-        """A torch view of a shared-memory region (no copy; host memory)."""
+    def _check_segment(self, region: Region) -> None:
         prefix = f"/luced-{self.instance}-"
         if not region.segment.startswith(prefix):
             raise WorkerError(
                 f"region segment {region.segment} does not belong to daemon instance "
                 f"{self.instance}"
             )
+
+    def bytes_of(self, region: Region) -> torch.Tensor:
+        """A region's bytes as a uint8 tensor view (no copy)."""
+        self._check_segment(region)
+        if not region.nbytes:
+            return torch.empty(0, dtype=torch.uint8)
+        return torch.frombuffer(self.attachments.buffer(region), dtype=torch.uint8)
+
+    def tensor(self, region: Region) -> torch.Tensor:
+        """A torch view of a shared-memory region (no copy; host memory)."""
+        self._check_segment(region)
         array = self.attachments.view(region)  # attaches on first use; checks bounds
         if region.dtype == "bfloat16":  # numpy holds the raw bits as uint16
             return torch.from_numpy(array).view(torch.bfloat16)

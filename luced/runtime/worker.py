@@ -41,6 +41,7 @@ import signal
 import socket
 import sys
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from luced.ipc import frames as F
@@ -49,6 +50,7 @@ from luced.ipc.frames import FrameError
 
 if TYPE_CHECKING:
     from luced.runtime.backend import Backend
+    from luced.runtime.carry import Carrier
 
 log = logging.getLogger("luced.runtime.worker")
 
@@ -112,6 +114,30 @@ def start_backend(args: argparse.Namespace, channel: BlockingChannel) -> Backend
     return backend
 
 
+class _BackendCarrier:
+    """The backend's carrier (``runtime.carry``), once the first request has started it."""
+
+    def __init__(self, backend: Callable[[], Backend | None]) -> None:
+        self._backend = backend
+
+    def _carrier(self) -> Carrier:
+        from luced.runtime.carry import Carrier
+
+        backend = self._backend()
+        if backend is None:
+            raise FrameError("a carry before hello")
+        return Carrier(backend, backend.hops)
+
+    def before(self, carry: F.Carry) -> None:
+        self._carrier().before(carry)
+
+    def after(self, carry: F.Carry) -> tuple[bytes, ...]:
+        return self._carrier().after(carry)
+
+    def failed(self, carry: F.Carry) -> None:
+        self._carrier().failed(carry)
+
+
 def main(argv: list[str] | None = None) -> int:
     # First, before the slow torch import: a signal in that window must not kill us either.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -145,7 +171,9 @@ def main(argv: list[str] | None = None) -> int:
 
     code = 0
     try:
-        channel.serve(handle)  # returns after shutdown or when the daemon closes
+        # Returns after shutdown or when the daemon closes. A carry (relays to workers on
+        # other hosts) never comes before hello, which starts the backend.
+        channel.serve(handle, _BackendCarrier(lambda: backend))
     except FrameError as e:
         log.error("unreadable frame, closing: %s", e)
         code = 1

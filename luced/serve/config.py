@@ -39,7 +39,7 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, ClassVar, get_type_hints
 
-from luced.engine.placement import parse_device
+from luced.engine.placement import parse_device, remote_address
 from luced.serve.admission import Network
 from luced.serve.options import (
     CONTEXT_CAP,
@@ -255,6 +255,7 @@ class DaemonOptions(Options):
     group: ClassVar[str] = "daemon"
     worker_timeout: float
     worker_start_timeout: float
+    worker_key_file: Path | None
     runtime_dir: Path
     admin_socket: Path
     log_level: str
@@ -287,6 +288,23 @@ class Config:
                         f"{self.label(name)}: not with {self.label('models')} / "
                         f"{self.label('models_dir')}, which name their models themselves"
                     )
+        remote = self.remote_devices()
+        if remote and self.daemon.worker_key_file is None:
+            raise ConfigError(
+                f"{remote[0]} is a worker on another host: give {self.label('worker_key_file')}, "
+                "the key it was started with"
+            )
+        if remote and self.kv.kv_flash is not None:
+            raise ConfigError(
+                f"{self.label('kv_flash')}: KV Flash does not run with workers on other hosts "
+                f"({remote[0]})"
+            )
+
+    def remote_devices(self) -> list[str]:
+        """The devices on other hosts (``tcp://``) of the target, the draft and the experts."""
+        named = [*self.model.target_devices, self.speculation.draft_device]
+        named.append(self.moe.moe_expert_device)
+        return [d for d in named if d is not None and remote_address(d) is not None]
 
     def for_model(self, entry: ModelEntry, path: Path) -> Config:
         """The config of one served model: this one with `entry`'s GGUF and name, and its

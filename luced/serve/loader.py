@@ -37,11 +37,14 @@ from luced.engine.kvflash.transport import (
 )
 from luced.engine.metrics import Metrics
 from luced.engine.pooling import declared_pooling, is_encoder
+from luced.engine.remote import RemoteSettings
 from luced.engine.target import Target, TargetPlacement
 from luced.gguf_file import GGUFFile
+from luced.ipc.files import identify
 from luced.ipc.frames import MoeCounts
 from luced.ipc.shm import ShmOwner
-from luced.serve import routing_profile
+from luced.ipc.tcp import KeyFileError, read_key
+from luced.serve import routing_profile, sdnotify
 from luced.serve.config import Config
 from luced.serve.options import usable_cores
 from luced.serve.prefix_setup import (
@@ -80,6 +83,7 @@ class ModelSpec:
     memory: int  # bytes, estimated: the file, the KV, the prefix-cache arena, the draft
     facts: ModelFacts  # what Ollama's /api/tags, /api/show list
     fingerprint: str  # OpenAI's system_fingerprint of its replies
+    remote: RemoteSettings | None  # the key and file identities for workers on other hosts
     encoder: bool = False  # bidirectional attention (BERT): embeddings only
     pooling: str = "mean"  # how the APIs pool its embeddings (engine/pooling.py)
 
@@ -168,8 +172,29 @@ def read_spec(cfg: Config) -> ModelSpec:
     )
     return ModelSpec(
         cfg, path, tokenizer, template, n_layers, context, running, kv_pool, kv_flash,
-        placement, memory, facts, system_fingerprint(cfg, path), encoder, pooling,
+        placement, memory, facts, system_fingerprint(cfg, path), _remote(cfg, path), encoder,
+        pooling,
     )  # fmt: skip
+
+
+def _remote(cfg: Config, path: str) -> RemoteSettings | None:
+    """The key and the model files' identities for workers on other hosts (None when every
+    worker is local). Hashing reads each file once (about 1 GB/s)."""
+    remote = cfg.remote_devices()
+    if not remote:
+        return None
+    assert cfg.daemon.worker_key_file is not None  # Config checked it
+    try:
+        key = read_key(cfg.daemon.worker_key_file)
+    except KeyFileError as exc:
+        raise StartupError(f"{cfg.daemon.label('worker_key_file')}: {exc}") from None
+    paths = [path]
+    draft = cfg.speculation.draft
+    if draft is not None and not cfg.speculation.lookup_drafts:
+        paths.append(str(draft))
+    sdnotify.status("hashing the model files for the workers on other hosts")
+    log.info("workers on other hosts: %s; hashing %s", ", ".join(remote), ", ".join(paths))
+    return RemoteSettings(key=key, files={p: identify(p) for p in paths})
 
 
 def describe(cfg: Config) -> About:
@@ -316,6 +341,7 @@ class LoadedModel:
             deadlines=deadlines,
             sequences=running,
             step_tokens=max(step, sched.max_batch_tokens + running),
+            remote=spec.remote,
         )
         engine = Engine(
             target,

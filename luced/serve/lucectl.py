@@ -293,6 +293,22 @@ def _kv_flash(f: Any) -> str:
     )
 
 
+def _hops(h: Any) -> str:
+    """The links between workers on different hosts, one a line ("none" when null)."""
+    if not h:
+        return "none"
+    if not isinstance(h, list):
+        return fmt(h)
+    return "\n  ".join(
+        f"{fmt(x.get('hop'))} (workers {fmt(x.get('between'))}), {fmt(x.get('link'))}, "
+        f"generation {fmt(x.get('generation'))}: {human_bytes(x.get('bytes'))} for "
+        f"{fmt(x.get('tokens'))} tokens, {fmt(x.get('bytes_per_token'))} B/token, "
+        f"{human_bytes(x.get('snapshot_bytes'))} of prefix-cache rows"
+        for x in h
+        if isinstance(x, dict)
+    )
+
+
 def _kernels(k: Any) -> str:
     text = fmt(k)
     if KERNELS_FALLBACK in text:
@@ -327,6 +343,7 @@ def render_status(reply: Mapping[str, Any]) -> str:
         "prefix_cache": _prefix_cache,
         "kv_flash": _kv_flash,
         "kernels": _kernels,
+        "hops": _hops,
     }
     for key, show in named.items():
         if key in body:

@@ -21,7 +21,6 @@ two in step: same names, same order, and the field's annotation is the row's typ
 
 from __future__ import annotations
 
-import math
 import os
 import re
 from collections.abc import Callable, Mapping
@@ -33,6 +32,15 @@ from luced.engine.placement import PlacementError, parse_device, parse_devices, 
 from luced.ipc.frames import WEIGHT_MODES
 from luced.serve.admission import Network, parse_networks
 from luced.serve.bundled import BUNDLED
+from luced.serve.values import (
+    to_bool,
+    to_bytes,
+    to_float,
+    to_int,
+    to_path,
+    to_str,
+    to_strs,
+)
 
 CONTEXT_CAP = 8192  # default context when the model's own is longer (KV memory)
 ADMIN_SOCKET_NAME = "admin.sock"
@@ -88,49 +96,11 @@ def usable_cores() -> int:
 
 
 # --- conversion: each returns the typed value or raises ValueError(reason) ----------
-def _to_int(v: Any) -> int:
-    if isinstance(v, bool):
-        raise ValueError(f"not an integer: {v!r}")
-    if isinstance(v, int):
-        return v
-    if isinstance(v, str):
-        try:
-            return int(v.strip())
-        except ValueError:
-            pass
-    raise ValueError(f"not an integer: {v!r}")
-
-
-_BYTE_UNITS = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
-
-
-def _to_bytes(v: Any) -> int:
-    """A byte count: an integer, or a number with a binary unit ("512M", "1.5G", "2GiB")."""
-    if isinstance(v, str):
-        m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([kmgt]?)(?:i?b)?\s*", v.lower())
-        if m is None:
-            raise ValueError(f"not a byte count (e.g. 4096, 512M, 2G): {v!r}")
-        return int(float(m[1]) * _BYTE_UNITS[m[2]])
-    return _to_int(v)
-
-
-def _to_float(v: Any) -> float:
-    if isinstance(v, bool):
-        raise ValueError(f"not a number: {v!r}")
-    try:
-        x = float(v.strip() if isinstance(v, str) else v)
-    except (TypeError, ValueError):
-        raise ValueError(f"not a number: {v!r}") from None
-    if not math.isfinite(x):
-        raise ValueError(f"not a finite number: {v!r}")
-    return x
-
-
 def _to_pool(v: Any) -> int | str:
     """KV Flash pool: a token count, or "auto"."""
     if isinstance(v, str) and v.strip().lower() == "auto":
         return "auto"
-    n = _to_int(v)
+    n = to_int(v)
     if n < 1:
         raise ValueError(f"a pool needs tokens (or auto), got {n}")
     return n
@@ -140,42 +110,10 @@ def _to_experts(v: Any) -> int | None:
     """MoE hot experts per layer: a count, or "all" (None)."""
     if isinstance(v, str) and v.strip().lower() == "all":
         return None
-    n = _to_int(v)
+    n = to_int(v)
     if n < 0:
         raise ValueError(f"a count of experts (or all), got {n}")
     return n
-
-
-def _to_str(v: Any) -> str:
-    if not isinstance(v, str):
-        raise ValueError(f"not a string: {v!r}")
-    if not v:
-        raise ValueError("empty string")
-    return v
-
-
-def _to_bool(v: Any) -> bool:
-    if isinstance(v, bool):
-        return v
-    if isinstance(v, str) and v.strip().lower() in ("1", "true", "yes", "on"):
-        return True
-    if isinstance(v, str) and v.strip().lower() in ("0", "false", "no", "off"):
-        return False
-    raise ValueError(f"not a boolean (true / false): {v!r}")
-
-
-def _to_strs(v: Any) -> tuple[str, ...]:
-    """A list of names: "a,b" (flag, env) or a TOML array of strings."""
-    items = v.split(",") if isinstance(v, str) else v
-    if not isinstance(items, list | tuple):
-        raise ValueError(f"not a list of strings: {v!r}")
-    return tuple(_to_str(s.strip() if isinstance(s, str) else s) for s in items if s != "")
-
-
-def _to_path(v: Any) -> Path:
-    if isinstance(v, Path):
-        return v
-    return Path(_to_str(v)).expanduser()
 
 
 def _items(v: Any, what: str) -> list[Any]:
@@ -206,7 +144,7 @@ def _to_pairs(v: Any) -> Pairs:
         if group in out:
             raise ValueError(f"group {group!r} given twice")
         try:
-            out[group] = _to_path(path)
+            out[group] = to_path(path)
         except ValueError as exc:
             raise ValueError(f"group {group!r}: {exc}") from None
     return tuple(out.items())
@@ -247,12 +185,12 @@ def _model_entry(item: Any) -> ModelEntry:
         name, sep, path = item.partition("=")
         if not sep:  # a bare path: named by its file's stem
             name, path = Path(item).name.removesuffix(".gguf"), item
-        return ModelEntry(_model_name(name), _to_path(path))
+        return ModelEntry(_model_name(name), to_path(path))
     if not (isinstance(item, tuple | list) and len(item) == 2):
         raise ValueError(f"not NAME=PATH: {item!r}")
     name, spec = _model_name(item[0]), item[1]
     if not isinstance(spec, Mapping):
-        return ModelEntry(name, _to_path(spec))
+        return ModelEntry(name, to_path(spec))
     settings = []
     for key, value in spec.items():
         if key == "model":
@@ -262,7 +200,7 @@ def _model_entry(item: Any) -> ModelEntry:
             raise ValueError(f"models.{name}: {key!r} is not a per-model option ({allowed})")
         settings.append((key, OPTION_BY_NAME[key].convert(value, f"models.{name}.{key}")))
     path = spec.get("model")
-    return ModelEntry(name, None if path is None else _to_path(path), tuple(settings))
+    return ModelEntry(name, None if path is None else to_path(path), tuple(settings))
 
 
 def _model_name(name: Any) -> str:
@@ -295,17 +233,17 @@ KINDS: dict[str, Kind] = {
     "devices": Kind(_unflagged(parse_devices), tuple[str, ...]),
     "device": Kind(_unflagged(lambda v: parse_device(str(v).strip())[0]), str),
     "weights": Kind(_unflagged(parse_weights), tuple[float, ...]),
-    "int": Kind(_to_int, int),
+    "int": Kind(to_int, int),
     "pool": Kind(_to_pool, int | str),
     "experts": Kind(_to_experts, int | None),
-    "bytes": Kind(_to_bytes, int),
-    "float": Kind(_to_float, float),
-    "str": Kind(_to_str, str),
-    "path": Kind(_to_path, Path),
+    "bytes": Kind(to_bytes, int),
+    "float": Kind(to_float, float),
+    "str": Kind(to_str, str),
+    "path": Kind(to_path, Path),
     "pairs": Kind(_to_pairs, Pairs),
     "models": Kind(_to_models, tuple[ModelEntry, ...]),
-    "bool": Kind(_to_bool, bool),
-    "strs": Kind(_to_strs, tuple[str, ...]),
+    "bool": Kind(to_bool, bool),
+    "strs": Kind(to_strs, tuple[str, ...]),
     "networks": Kind(parse_networks, tuple[Network, ...]),
 }
 
@@ -631,6 +569,16 @@ OPTIONS: tuple[Option, ...] = (
         "stuck. Raise it on a machine so busy that a worker cannot even run its first "
         "imports in this time.",
         minimum=1.0,
+    ),
+    Option(
+        "worker_key_file", "daemon", "path", None,
+        "Key shared with workers on other hosts: devices written `tcp://HOST:PORT/DEVICE` in "
+        "--target-devices, --draft-device or --moe-expert-device, each a `luced worker "
+        "--listen HOST:PORT` started there with the same key. Every control connection "
+        "proves that both ends hold it (nothing is encrypted: keep those hosts on a private "
+        "network). At least 32 bytes, in a file only its owner may read.",
+        nullable=True, default_doc="none (every worker on this host)",
+        example="/etc/luced/worker.key",
     ),
     Option(
         "runtime_dir", "daemon", "path",

@@ -14,9 +14,11 @@ from luced.ipc.frames import Reply, Request, Shutdown, ShutdownReply
 class AnsweringChannel:
     """A channel whose reply is ready one turn of the loop after the request went out."""
 
-    async def call(self, req: Request, on_progress: object = None) -> Reply:
+    async def exchange(
+        self, req: Request, carry: object = None, on_progress: object = None
+    ) -> tuple[Reply, tuple[bytes, ...]]:
         await asyncio.sleep(0)
-        return ShutdownReply()
+        return ShutdownReply(), ()
 
 
 def test_a_cancel_at_any_turn_of_the_call_is_not_lost() -> None:

@@ -53,10 +53,11 @@ async def run_tokens(d: Driver, sampling: dict, n: int, logprobs=None) -> list[i
     return out
 
 
-async def check_split_equals_unsplit(path: Path, devices: tuple[str, ...]) -> None:
+async def check_split_equals_unsplit(path: Path, devices: tuple[str, ...], **target) -> None:
+    """`target`: more arguments of `split_target` (workers on other hosts)."""
     ref = Model.load(path)
     n_layers = ref.cfg.n_layers
-    async with split_target(path, devices) as d:
+    async with split_target(path, devices, **target) as d:
         shards = d.target.describe()
         assert len(shards) == len(devices)
         assert [s["devices"] for s in shards] == [[d] for d in devices]

@@ -81,7 +81,10 @@ def region(offset: int, shape: tuple[int, ...], dtype: str) -> Region:
 def sample_requests() -> dict[str, F.Request]:
     """One populated request per op (covering optional fields where there are any)."""
     return {
-        "hello": F.Hello(instance="0123abcd"),
+        "hello": F.Hello(
+            instance="0123abcd",
+            files={"/models/x.gguf": F.FileIdentity(size=123, sha256="ab" * 32)},
+        ),
         "load": F.Load(
             model="/models/x.gguf",
             layers=(4, 30),
@@ -185,8 +188,17 @@ def sample_requests() -> dict[str, F.Request]:
         "kv_share": F.KVShare(sequence=2, source=1, position=96),
         "truncate": F.Truncate(position=57),
         "reset": F.Reset(sequence=3, release=True, keep_sampler=True),
+        "ping": F.Ping(),
+        "link": F.Link(
+            hop="act-0",
+            generation=3,
+            rank=1,
+            store="10.0.0.2:7071",
+            address="10.0.0.1",
+            timeout_s=30.0,
+        ),
         "stats": F.Stats(),
-        "shutdown": F.Shutdown(),
+        "shutdown": F.Shutdown(),  # last: a served channel ends after it
     }
 
 
@@ -198,6 +210,7 @@ def sample_replies() -> dict[str, F.Reply]:
             group="cpu:1",
             devices=("cpu",),
             versions={"python": "3.11.7", "torch": "2.13.0"},
+            store="10.0.0.2:7071",
         ),
         "load": F.LoadReply(
             n_layers=30,
@@ -227,5 +240,7 @@ def sample_replies() -> dict[str, F.Reply]:
         "kv_share": F.KVShareReply(position=96),
         "reset": F.ResetReply(),
         "stats": F.StatsReply(stats={"rss_bytes": 123456789, "busy_s": 1.5, "device": "cpu"}),
+        "ping": F.PingReply(),
+        "link": F.LinkReply(elapsed_us=2500),
         "shutdown": F.ShutdownReply(),
     }

@@ -47,7 +47,7 @@ def test_blocking_frames_roundtrip_every_op(pair, sample_requests, sample_replie
     a, b = BlockingChannel(pair[0]), BlockingChannel(pair[1])
     for seq, (op, req) in enumerate(sample_requests.items()):
         a.send(codec.encode_request(seq, req))
-        assert b.recv_request() == (seq, req)
+        assert b.recv_request() == (seq, req, None)
         b.reply(seq, sample_replies[op])
         assert codec.decode_reply(a.recv(), op) == (seq, sample_replies[op])
 
@@ -70,7 +70,7 @@ async def test_async_frames_roundtrip_every_op(pair, sample_requests, sample_rep
     b = await AsyncChannel.from_socket(pair[1])
     for seq, (op, req) in enumerate(sample_requests.items()):
         await a.send(codec.encode_request(seq, req))
-        assert await b.recv_request() == (seq, req)
+        assert await b.recv_request() == (seq, req, None)
         await b.reply(seq, sample_replies[op])
         assert codec.decode_reply(await a.recv(), op) == (seq, sample_replies[op])
     server = asyncio.create_task(b.serve(replier(sample_replies)))
@@ -117,7 +117,7 @@ async def test_version_mismatch_through_the_channel(pair, sample_replies) -> Non
         daemon = await AsyncChannel.from_socket(a)
         worker = BlockingChannel(b)
         task = asyncio.create_task(daemon.call(F.Hello(instance="x")))
-        seq, _ = await asyncio.to_thread(worker.recv_request)
+        seq, *_ = await asyncio.to_thread(worker.recv_request)
         other = F.PROTOCOL_VERSION + 1
         worker.send(msgpack.packb({"seq": seq, "ok": True, "protocol": other, "pid": 1}))
         want = f"peer speaks {other}, this side speaks {F.PROTOCOL_VERSION}"
@@ -248,7 +248,7 @@ async def test_bad_progress_notes_are_frame_errors(pair) -> None:
     daemon = await AsyncChannel.from_socket(pair[0])
     worker = BlockingChannel(pair[1])
     task = asyncio.create_task(daemon.call(F.Hello(instance="x")))
-    seq, _ = await asyncio.to_thread(worker.recv_request)
+    seq, *_ = await asyncio.to_thread(worker.recv_request)
     worker.send(codec.encode_progress(seq + 5, "loading"))
     with pytest.raises(F.FrameError, match=f"progress note for seq {seq + 5}: no such request"):
         await task

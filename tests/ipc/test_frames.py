@@ -40,7 +40,7 @@ def test_every_request_and_reply_roundtrips(sample_requests: dict, sample_replie
     for i, (op, req) in enumerate(sample_requests.items()):
         payload = codec.encode_request(1000 + i, req)
         assert msgpack.unpackb(payload, raw=False)["op"] == op
-        assert codec.decode_request(payload) == (1000 + i, req)
+        assert codec.decode_request(payload) == (1000 + i, req, None)
         rep = sample_replies[op]
         assert codec.decode_reply(codec.encode_reply(7, rep), op) == (7, rep)
     failed = codec.encode_reply(9, F.ErrorReply("out of memory"))

@@ -88,6 +88,7 @@ SAMPLES: dict[str, tuple[str, str, Any]] = {
     "shutdown_timeout": ("2.5", "2.5", 2.5),
     "worker_timeout": ("4.5", "4.5", 4.5),
     "worker_start_timeout": ("120", "120.0", 120.0),
+    "worker_key_file": ("/k/worker.key", '"/k/worker.key"', Path("/k/worker.key")),
     "http_timeout": ("7.5", "7.5", 7.5),
     "max_connections": ("64", "64", 64),
     "trusted_proxies": (

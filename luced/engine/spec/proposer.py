@@ -66,22 +66,32 @@ class Proposer:
         if sampling is not None:
             q = self.q_row(seq.slot)
             outputs["probs"] = t.regions["draft_probs"].rows(q, q + size - 1)
-        await t.executor.draft_worker().call(
-            DraftBlock(
-                ring=ring.region,
-                committed=seq.computed,
-                anchor=work.tokens[0],
-                outputs=outputs,
-                block_size=size,
-                mask_token_id=t.draft.mask_token_id,
-                # A verify feeds up to B positions past the committed ones and rolls back:
-                # their slots overwrote the oldest B rows of the ring, so those stay unread;
-                # nor are rows below the floor a restored snapshot left valid.
-                ctx_window=max(1, min(ring.ring_cap - size, seq.computed - seq.ring_floor)),
-                sampling=sampling or {},
-                sequence=seq.slot,
-            )
+        # A verify feeds up to B positions past the committed ones and rolls back: their
+        # slots overwrote the oldest B rows of the ring, so those stay unread; nor are rows
+        # below the floor a restored snapshot left valid.
+        ctx = max(1, min(ring.ring_cap - size, seq.computed - seq.ring_floor))
+        frame = DraftBlock(
+            ring=ring.region,
+            committed=seq.computed,
+            anchor=work.tokens[0],
+            outputs=outputs,
+            block_size=size,
+            mask_token_id=t.draft.mask_token_id,
+            ctx_window=ctx,
+            sampling=sampling or {},
+            sequence=seq.slot,
         )
+        relay = t.ring_relay  # a draft on another host: the rows it reads go to its mirror
+        if relay is None:
+            await t.executor.draft_worker().call(frame)
+        else:
+            lo = max(0, seq.computed - ctx)
+            carry = await relay.carry(seq.slot, ring, lo, seq.computed)
+            try:
+                await t.executor.draft_worker().call(frame, carry)
+            except BaseException:
+                relay.forget(seq.slot)
+                raise
         return t.arrays["draft_ids"][base + 1 : base + size].tolist()
 
     def _set_point_mass(self, slot: int, proposals: list[int]) -> None:

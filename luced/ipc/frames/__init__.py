@@ -15,7 +15,7 @@ shared memory (see ``regions.py``). A frame is at most ``codec.MAX_FRAME_BYTES``
 
 The ops (request fields -> reply fields):
 
-    hello     instance, protocol            -> protocol, pid, group, devices, versions
+    hello     instance, protocol, files     -> protocol, pid, group, devices, versions, store
     load      model, layers=[a, b), dtype, devices, kv_capacity, owns_embed, owns_head,
               device_splits, kv_pool, kv_block
                                             -> n_layers, hidden, vocab, layers, dtype,
@@ -37,6 +37,9 @@ The ops (request fields -> reply fields):
     reset                                   -> (nothing)
     stats                                   -> stats
     shutdown                                -> (nothing)
+    ping                                    -> (nothing)
+    link      hop, generation, rank, store, address, timeout_s
+                                            -> elapsed_us
 
 The daemon opens with ``hello``; both sides check ``protocol == PROTOCOL_VERSION`` (a
 mismatch raises ``ProtocolVersionError`` naming both versions). Any change to a field
@@ -73,8 +76,13 @@ a second that it is still at work, so the daemon bounds its silence, not its tim
 ``forward_batch``; a span may start below its sequence's committed length (a roll back);
 want="topk" and ``positions`` removed (``Span.n_out``), verify is a span's flag;
 ``draft`` ``sequence`` (a kept draft sampler per sequence);
-17: ``Span.pool`` and the ``embeddings`` output: a span may give one pooled row of its
+18: ``Span.pool`` and the ``embeddings`` output: a span may give one pooled row of its
 last-layer states (their sum, its first or its last row) instead of sampled rows.
+19: workers on other hosts (``frames/remote.py``): ``hello`` ``files`` (each model file's
+size and hash) and its reply's ``store``; ``ping``; ``link`` (a hop: a torch.distributed
+group of two); the envelope's ``carry`` (regions put, got and relayed beside a request)
+and a reply's ``carried`` (the bytes of the regions got); ``load`` ``moe_link`` and
+``link`` ``serve`` (cold experts over a hop).
 
 Expert compute (``luced.runtime.expert_link``): an expert worker answers ``load_experts``
 from the daemon, and ``expert_mix`` from target workers over direct worker-to-worker
@@ -121,6 +129,16 @@ from luced.ipc.frames.model import (
     Stats,
     StatsReply,
 )
+from luced.ipc.frames.remote import (
+    Carry,
+    FileIdentity,
+    Link,
+    LinkReply,
+    Ping,
+    PingReply,
+    Put,
+    Relay,
+)
 from luced.ipc.frames.sequence import (
     DraftBlock,
     DraftBlockReply,
@@ -143,7 +161,7 @@ from luced.ipc.typed import FrameError
 
 # Requests that may take minutes (the first one starts the worker's backend: torch's import;
 # a load reads a whole model): the worker sends progress notes until it replies.
-SLOW: tuple[type[Request], ...] = (Hello, Load, LoadDraft, LoadExperts)
+SLOW: tuple[type[Request], ...] = (Hello, Load, LoadDraft, LoadExperts, Link)
 
 __all__ = [
     "COMPUTE_DTYPES",
@@ -156,12 +174,14 @@ __all__ = [
     "REQUESTS",
     "SLOW",
     "WEIGHT_MODES",
+    "Carry",
     "ComputeDtype",
     "DraftBlock",
     "DraftBlockReply",
     "ErrorReply",
     "ExpertMix",
     "ExpertMixReply",
+    "FileIdentity",
     "Forward",
     "ForwardReply",
     "FrameError",
@@ -175,6 +195,8 @@ __all__ = [
     "KVLayoutReply",
     "KVShare",
     "KVShareReply",
+    "Link",
+    "LinkReply",
     "Load",
     "LoadDraft",
     "LoadDraftReply",
@@ -182,7 +204,11 @@ __all__ = [
     "LoadExpertsReply",
     "LoadReply",
     "MoeCounts",
+    "Ping",
+    "PingReply",
     "ProtocolVersionError",
+    "Put",
+    "Relay",
     "Reply",
     "Request",
     "Reset",

@@ -11,9 +11,11 @@ from luced.ipc.regions import Region
 from luced.ipc.typed import FrameError, Record
 from luced.sampling_params import SamplingParams
 
-PROTOCOL_VERSION = 17
+PROTOCOL_VERSION = 19
 
-_ENVELOPE = frozenset({"op", "seq", "ok", "error", "progress"})  # no op may use these as fields
+_ENVELOPE = frozenset(
+    {"op", "seq", "ok", "error", "progress", "carry", "carried"}
+)  # no op may use these as fields
 
 
 class ProtocolVersionError(FrameError):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Self
 
 from luced.ipc.frames.base import (
@@ -22,6 +22,7 @@ from luced.ipc.frames.base import (
     _check_protocol,
     _op,
 )
+from luced.ipc.frames.remote import FileIdentity
 from luced.ipc.regions import Region
 
 # -- hello ----------------------------------------------------------------------------------
@@ -32,6 +33,9 @@ from luced.ipc.regions import Region
 class Hello(Request):
     instance: str  # the daemon's instance id (its segment names carry it)
     protocol: int = PROTOCOL_VERSION
+    # A remote worker's: each file the daemon will name (its path there) -> its size and
+    # hash; the worker answers only when it holds a copy of each (empty: same host).
+    files: dict[str, FileIdentity] = field(default_factory=dict)
 
     @classmethod
     def from_wire(cls, d: Mapping[str, Any]) -> Self:
@@ -50,6 +54,7 @@ class HelloReply(Reply):
     devices: tuple[str, ...]  # devices this worker drives, e.g. ("cuda:0", "cuda:1")
     versions: dict[str, str]  # {"python": ..., "torch": ..., "luced": ...}
     protocol: int = PROTOCOL_VERSION
+    store: str = ""  # a remote worker's torch.distributed store, "host:port" (link)
 
     @classmethod
     def from_wire(cls, d: Mapping[str, Any]) -> Self:
@@ -91,6 +96,9 @@ class Load(Request):
     moe_hot: int = -1
     moe_scratch: Region | None = None
     moe_required: bool = False
+    # The expert worker is on another host than this one: cold experts go over this hop
+    # (a ``link`` with serve="experts" at the other end), not through moe_scratch.
+    moe_link: str = ""
     moe_profile: MoeCounts = ()  # the most routed experts are the hot ones; (): lowest ids
     weights: str = "dequant"  # one of WEIGHT_MODES
     # Logits independent of how tokens are grouped into calls (runtime.model.Model.load).

@@ -158,12 +158,15 @@ def test_an_idle_model_is_unloaded_with_its_workers_and_memory(
         c["id"]: c for c in json.loads(urllib.request.urlopen(d.url + "/v1/models").read())["data"]
     }
     assert cards[A]["max_model_len"] == 512 and cards[B]["max_model_len"] == 2048  # its table
-    pids = worker_pids(d, A)
 
     def segment(model: str) -> re.Pattern:  # a model's segments: luced-<instance>-m<i>-<name>-
         return re.compile(rf"luced-{d.instance()}-m\d+-{model}-")
 
-    assert any(segment(A).match(s) for s in d.segments()) and segment(A).search(mapped(d))
+    # A running stream holds A loaded (its keep-alive is 1 s) while its workers are read.
+    with stream(d, A, max_tokens=64) as held:
+        next(iter(held))
+        pids = worker_pids(d, A)
+        assert any(segment(A).match(s) for s in d.segments()) and segment(A).search(mapped(d))
     wait_state(d, A, "unloaded")
     assert not any(pid_alive(pid) for pid in pids)  # its workers are gone, their memory too
     assert not any(segment(A).match(s) for s in d.segments())  # its segments unlinked

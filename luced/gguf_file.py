@@ -4,7 +4,7 @@ Both sides use it: the daemon reads the tokenizer and chat template, workers
 read weights (dequantized by `luced.runtime.weights` with the `gguf` package's
 quant routines). We parse the header ourselves instead of using
 `gguf.GGUFReader` because that reader builds a numpy view per array element, which
-takes seconds for Gemma 3's 262k-token vocabulary (README, "Measurements behind the
+takes seconds for Gemma 3's 262k-token vocabulary (docs/performance.md, "Measurements behind the
 code"). Types, block
 sizes and dequantization still come from the `gguf` package.
 

@@ -3,7 +3,7 @@
 Shapes use `n` for the tokens of one forward, `L` for the attended key length,
 `H`/`Hkv` for query/key-value heads and `D` for the head dimension.
 
-Matrix layout depends on the dtype, because CPU GEMV speed does (README, "Measurements
+Matrix layout depends on the dtype, because CPU GEMV speed does (docs/performance.md, "Measurements
 behind the code"): float32 weights are stored transposed, `[in, out]`, and multiplied with
 `matmul`, which beats `F.linear` on them; bfloat16 / float16 weights keep `[out, in]` for
 `F.linear`, which beats the transposed layout. `store_matrix` / `matrix_rows` / `linear` are the

@@ -85,7 +85,7 @@ class Model:
         token's logits do not depend on the call it came in (a verify block, a prefill
         chunk, a ragged batch) for the packed matrices and attention: every packed call
         takes the kernel 64 rows at a time and attention runs row by row, at a cost
-        (README, "Batch-invariant mode"). `experts`: MoE layer -> the global ids of the
+        (docs/features.md, "Batch-invariant mode"). `experts`: MoE layer -> the global ids of the
         routed experts to hold (a placement's hot ones; the stacks then have only those,
         in that order); other layers hold all. `kv_dtype`: the K/V rows' dtype (default
         `dtype`); attention then runs in it."""

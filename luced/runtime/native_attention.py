@@ -4,7 +4,7 @@
 A decode step gives each sequence one query. Through SDPA that is, per sequence and layer,
 a KV write (two strided copies), the transposes around the call and the flash kernel's own
 setup, which outweigh one query's arithmetic and are paid again for each batched sequence
-(README, "Measurements behind the code"). The native
+(docs/performance.md, "Measurements behind the code"). The native
 kernel stores every sequence's new K/V row (rotating q and k by RoPE first when given the
 tables) and attends all of them in one call, threads over (sequence, KV head), and reads
 each K and V row once for the head's grouped queries.

@@ -29,7 +29,7 @@ Dispatch by rows (M = tokens in the call): the native kernels take calls of any 
 row's result never depends on the rows that came with it (each output sums its groups in the
 same order whatever M is): a prefill row is computed as its decode step would be, so a prompt
 restored at any position continues exactly as the fresh prompt does, a verify block gives
-plain decoding's logits, and a batched row its result alone (README, "Exactness": what it
+plain decoding's logits, and a batched row its result alone (docs/features.md, "Exactness": what it
 costs against the dense path). torch's kernels (no native build, or `LUCED_KERNELS=torch`)
 are compute-bound per row, so past GEMV_MAX_ROWS rows they dequantize the matrix into one
 scratch buffer shared by every layer, in the CPU's fast dense dtype, and run a dense matmul,

@@ -6,7 +6,7 @@ i % 32 of word i // 32 is set (llguidance's layout; written by the daemon,
 
 Each byte of the mask picks its 8 bias values from a 256-row table (one embedding
 lookup): about half the time of shifting the words into a bool mask and `torch.where`
-(README, "Measurements behind the code").
+(docs/performance.md, "Measurements behind the code").
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Documentation generated from the option table: the README's options table and
+"""Documentation generated from the option table: the options table of docs/configuration.md and
 ``systemd/luced.toml.example``. ``python -m luced.serve.config markdown|toml`` prints
 them (``main``); tests/serve/test_config.py fails when the checked-in copies are stale."""
 
@@ -28,7 +28,7 @@ def _toml_value(v: Any) -> str:
 
 
 def options_markdown() -> str:
-    """The README options table."""
+    """The options table of docs/configuration.md."""
 
     def cell(text: str) -> str:
         return text.replace("|", "\\|")

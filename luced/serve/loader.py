@@ -153,7 +153,7 @@ def read_spec(cfg: Config) -> ModelSpec:
         # contend: sharing the cores measured faster than every worker using all. The
         # daemon's own work (HTTP, detokenizing) is light beside the native kernels: a
         # worker on every core served more tokens than one that left a core to the
-        # daemon (README, Performance).
+        # daemon (docs/performance.md).
         threads=model.threads,
         cores=usable_cores(),
         moe_hot=moe.moe_hot_experts,

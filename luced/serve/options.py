@@ -8,7 +8,7 @@ Every option is one ``Option`` row. From that row come:
 * the environment variable (``port`` -> ``LUCED_PORT``; empty means unset),
 * the TOML key: a top-level key of the config file (``port = 8000``; the groups do not
   show in the file),
-* the README table and ``systemd/luced.toml.example`` (``serve.config_docs``).
+* the table in docs/configuration.md and ``systemd/luced.toml.example`` (``serve.config_docs``).
 
 A new option is a row here (in the order the docs list it) and a typed field of the same
 name in its group's class in ``serve.config``. That field is the one thing said twice, on
@@ -289,7 +289,7 @@ class Option:
 
     @property
     def default_text(self) -> str:
-        """The default as prose (help, README): derived ones by their description."""
+        """The default as prose (help, docs): derived ones by their description."""
         if self.default_doc is not None:
             return self.default_doc
         if self.type in ("int", "float"):
@@ -372,7 +372,7 @@ OPTIONS: tuple[Option, ...] = (
     Option(
         "models", "registry", "models", (),
         "Serve several models: NAME=PATH (or a PATH, named by its file's stem), each loaded "
-        "on its first request (README: Several models). Repeat the flag; the environment "
+        "on its first request (docs/features.md: Several models). Repeat the flag; the environment "
         "variable takes a comma-separated list; the file a table, `[models.NAME]` with "
         "`model = PATH` and that model's own settings. Not with MODEL.",
         default_doc="none (MODEL alone)", flag_name="--model", metavar="NAME=PATH",
@@ -440,7 +440,7 @@ OPTIONS: tuple[Option, ...] = (
         "dtype of the K/V cache. `auto` = `--dtype`. bfloat16 / float16 halve the KV "
         "memory of a float32 model. On CPUs attention (decode and prefill) reads 16-bit "
         "rows in luced's kernel with float32 arithmetic (bfloat16 is the faster at long "
-        "contexts, README: KV dtype and attention at long contexts); GPUs attend in the "
+        "contexts, docs/performance.md: KV dtype and attention at long contexts); GPUs attend in the "
         "cache's dtype.",
         choices=("auto", "float32", "bfloat16", "float16"),
     ),
@@ -450,7 +450,7 @@ OPTIONS: tuple[Option, ...] = (
         "where luced's native kernels do not already: they do by default for packed "
         "matrices (`--weights auto`, `int4`, `int8`) and for attention on CPUs, so a "
         "prompt restored from the prefix cache gives the fresh prompt's logits bit for bit "
-        "without this (README: Exactness). This adds torch's packed kernels "
+        "without this (docs/features.md: Exactness). This adds torch's packed kernels "
         "(`LUCED_KERNELS=torch`, no compiler: 64 rows at a time instead of dense) and "
         "attention the native kernel does not take (SDPA query by query), at a cost. Not "
         "covered: float-held matrices, MoE routers, Gated DeltaNet, KV Flash.",
@@ -542,7 +542,7 @@ OPTIONS: tuple[Option, ...] = (
         "descriptor: keep it below the process's open-file limit. When all are taken, a "
         "new connection displaces the longest-idle kept-alive one, else the oldest slow "
         "sender of an address over its share; else it gets one of the places kept for "
-        "/health (an eighth, at most 8), or a 503 (README: Using it).",
+        "/health (an eighth, at most 8), or a 503 (docs/api.md: Routes and fields).",
         minimum=1,
     ),
     Option(

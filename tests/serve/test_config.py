@@ -406,17 +406,17 @@ def test_kernels_choice_reaches_the_workers(monkeypatch: pytest.MonkeyPatch) -> 
 # --- generated documentation ---------------------------------------------------------------
 
 
-def test_readme_options_table_is_current() -> None:
-    readme = ROOT / "README.md"
-    text = readme.read_text() if readme.exists() else ""
+def test_configuration_docs_options_table_is_current() -> None:
+    doc = ROOT / "docs" / "configuration.md"
+    text = doc.read_text() if doc.exists() else ""
     m = re.search(r"<!-- options:begin -->\n(.*?)<!-- options:end -->", text, re.S)
     assert m, (
-        "README.md needs the options table between <!-- options:begin --> and "
+        "docs/configuration.md needs the options table between <!-- options:begin --> and "
         "<!-- options:end --> (each marker on its own line): paste "
         "`python -m luced.serve.config markdown`"
     )
     assert m.group(1).strip() == options_markdown().strip(), (
-        "README options table is stale: paste `python -m luced.serve.config markdown`"
+        "docs/configuration.md options table is stale: paste `python -m luced.serve.config markdown`"
     )
 
 

@@ -27,11 +27,11 @@ class PromptLookup:
 
     # The adaptive block size's prior for a kind's first proposal (`BlockSizer` priors),
     # where it is not the default one half: a copy under way almost always has its first
-    # proposal accepted (README, "Measurements behind the code").
+    # proposal accepted (docs/performance.md, "Measurements behind the code").
     FIRST_ACCEPTANCE: ClassVar[dict[str, float]] = {"run": 0.9}
 
     # n = 1 matches are common in free text and rarely continue: requiring 2 made open chat
-    # and copy tasks faster (README, "Measurements behind the code").
+    # and copy tasks faster (docs/performance.md, "Measurements behind the code").
     def __init__(self, max_ngram: int = 4, min_ngram: int = 2) -> None:
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError(f"n-gram sizes need 1 <= min ({min_ngram}) <= max ({max_ngram})")

@@ -105,7 +105,7 @@ class BlockSizer:
         self.probe_block = min(probe_block, max_block)
         # Decayed counts, from priors worth two observations: a first proposal is right
         # half the time unless `priors` knows its kind better, a later one 9 times in 10 (a
-        # copy tends to go on; README, "Measurements behind the code").
+        # copy tends to go on; docs/performance.md, "Measurements behind the code").
         self.priors = dict(priors or {})
         self._first: dict[str, list[float]] = {}  # kind -> [accepted, rejected]
         self._then = [1.8, 0.2]  # later proposals: [accepted, rejections]

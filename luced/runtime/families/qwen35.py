@@ -274,7 +274,7 @@ def delta_net(model: ModelParts, layer: int, x: torch.Tensor, cache: KVCache) ->
 
     # Causal depthwise conv over the window [K-1 earlier inputs, this forward's n]: token t
     # sees window rows t..t+K-1. A product and a sum, far cheaper per decode step than
-    # F.conv1d's mkldnn path (README, "Measurements behind the code").
+    # F.conv1d's mkldnn path (docs/performance.md, "Measurements behind the code").
     window = torch.cat([conv_state, qkv])  # [K-1+n, channels]
     taps = window.unfold(0, cfg.conv_kernel, 1)  # [n, channels, K] view
     mixed = F.silu((taps * w[f"{layer}.ssm_conv"]).sum(-1))  # [n, channels]

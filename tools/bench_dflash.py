@@ -259,7 +259,8 @@ async def measure(engine: Engine, prompt: list[int], script: list[int], args: An
     pairs = zip(tokens, script, strict=False)
     agree = next((i for i, (a, b) in enumerate(pairs) if a != b), len(tokens))
     # Exact where verify and decode round alike; packed weights without batch-invariant
-    # mode may follow a near-tie elsewhere (docs/features.md, "Batch-invariant mode"): then report it.
+    # mode may follow a near-tie elsewhere (docs/features.md, "Batch-invariant mode"):
+    # then report it.
     if agree < len(tokens) and (args.weights == "dequant" or args.batch_invariant):
         raise AssertionError(f"{engine.model_name}: output differs from plain greedy")
     fwd = r.forwards - before - (len(prompt) + 255) // 256  # minus prefill

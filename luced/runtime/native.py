@@ -184,9 +184,9 @@ def kernels(device: torch.device, mode: str | None = None) -> Kernels | None:
     found = _kernels(cpu_flags())
     if found is None and mode == "native":
         raise RuntimeError("LUCED_KERNELS=native but the native kernels could not be built")
-    # The portable variant is several times slower than a vector one (docs/performance.md, "Measurements
-    # behind the code"): a reference and a last resort when asked for, not a default over
-    # torch's kernels.
+    # The portable variant is several times slower than a vector one (docs/performance.md,
+    # "Measurements behind the code"): a reference and a last resort when asked for, not a
+    # default over torch's kernels.
     if found is not None and mode == "auto" and best_isa(cpu_flags()) == "scalar":
         return None
     return found

@@ -58,8 +58,9 @@ __all__ = [
 History = Sequence[Sequence[int] | torch.Tensor]
 
 # Prefix lengths top_p tries (with torch.topk) before a full sort of the row, which costs
-# far more at a large vocabulary (docs/performance.md, "Measurements behind the code"). A trained LM's
-# nucleus almost always lies inside the first; high temperatures need the second.
+# far more at a large vocabulary (docs/performance.md, "Measurements behind the code").
+# A trained LM's nucleus almost always lies inside the first; high temperatures need the
+# second.
 _TOP_P_PREFIXES = (1024, 16384)
 
 # Safety for every value SamplingParams accepts (tests/runtime/test_sampler.py checks it with

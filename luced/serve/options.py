@@ -440,8 +440,8 @@ OPTIONS: tuple[Option, ...] = (
         "dtype of the K/V cache. `auto` = `--dtype`. bfloat16 / float16 halve the KV "
         "memory of a float32 model. On CPUs attention (decode and prefill) reads 16-bit "
         "rows in luced's kernel with float32 arithmetic (bfloat16 is the faster at long "
-        "contexts, docs/performance.md: KV dtype and attention at long contexts); GPUs attend in the "
-        "cache's dtype.",
+        "contexts, docs/performance.md: KV dtype and attention at long contexts); GPUs "
+        "attend in the cache's dtype.",
         choices=("auto", "float32", "bfloat16", "float16"),
     ),
     Option(

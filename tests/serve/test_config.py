@@ -416,7 +416,8 @@ def test_configuration_docs_options_table_is_current() -> None:
         "`python -m luced.serve.config markdown`"
     )
     assert m.group(1).strip() == options_markdown().strip(), (
-        "docs/configuration.md options table is stale: paste `python -m luced.serve.config markdown`"
+        "docs/configuration.md options table is stale: paste "
+        "`python -m luced.serve.config markdown`"
     )
 
 

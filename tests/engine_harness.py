@@ -84,6 +84,7 @@ async def engine_for(
     batch_invariant: bool = False,
     max_running: int = 1,
     kv_pool_tokens: int | None = None,
+    kv_keep_tokens: int = 0,
     kv_dtype: str = "",
     kv_block: int | None = None,
     dtype: str = "float32",
@@ -141,6 +142,7 @@ async def engine_for(
             adaptive_blocks=adaptive_blocks,
             max_running=max_running,
             kv_pool_tokens=kv_pool_tokens,
+            kv_keep_tokens=kv_keep_tokens,
             encoder=is_encoder(gguf),
         )
         if proposer_cls is not None:  # drafts of the test's own making

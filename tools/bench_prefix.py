@@ -8,6 +8,9 @@ cache (arena + a disk tier in a temporary directory). Every request shares a ~`p
 token document and ends in its own question, as a chat over one long context does:
 
     cold      nothing cached (the cache is cleared first): prefill of the whole prompt
+    kept      right after `cold`: that request's blocks are kept in the workers' pool
+              (--kv-keep-tokens) and the new request takes them (no copy) + prefill of
+              the question
     memory    the document's snapshot is in the arena: restore + prefill of the question
     disk      the memory tier was dropped, the file remains: read into the arena,
               restore, prefill of the question
@@ -18,8 +21,9 @@ token document and ends in its own question, as a chat over one long context doe
               + prefill of the rest
 
 TTFT = submit -> first token out of the engine (includes the snapshot of the new prompt
-taken after its prefill). Medians over rounds; the modes are interleaved per round. The
-engine runs up to 2 requests at once over K/V blocks of 16 (the daemon's defaults); for
+taken after its prefill). Kept blocks are dropped before every mode but `kept`. Medians
+over rounds; the modes are interleaved per round. The engine runs up to 2 requests at
+once over K/V blocks of 16 (the daemon's defaults); for
 the +1 modes it also reports the K/V blocks the workers hold at the new request's first
 token against the blocks the two requests' tables map (what they hold without sharing).
 """
@@ -60,6 +64,13 @@ async def ttft(engine: Engine, prompt: list[int]) -> tuple[float, int]:
         first = first or time.perf_counter()
     assert first is not None and handle.finish_reason == "length", handle.error
     return first - t0, handle.cached_tokens
+
+
+async def drop_kept(engine: Engine) -> None:
+    """No finished request's blocks stay in the pool (the loop frees them)."""
+    engine.drop_kept()
+    while engine.kv.evicted:
+        await asyncio.sleep(0.005)
 
 
 async def beside(
@@ -104,7 +115,7 @@ async def bench(args: argparse.Namespace) -> None:
         worker=WorkerSpec("cpu", ("cpu",), threads=args.threads),
         kv_block=BLOCK,
     )
-    modes = ("cold", "memory", "disk", "memory+1", "shared+1")
+    modes = ("cold", "kept", "memory", "disk", "memory+1", "shared+1")
     rows: dict[str, list[float]] = {mode: [] for mode in modes}
     blocks: dict[str, list[tuple[int, int]]] = {"memory+1": [], "shared+1": []}
     with tempfile.TemporaryDirectory() as tmp, ShmOwner() as owner:
@@ -116,6 +127,7 @@ async def bench(args: argparse.Namespace) -> None:
             model_name="bench",
             context_length=placement.kv_capacity,
             max_running=2,
+            kv_keep_tokens=placement.kv_capacity,
         )
         await target.start()
         layout = await target.kv_layout()
@@ -128,22 +140,30 @@ async def bench(args: argparse.Namespace) -> None:
             q = iter(questions)
             for _ in range(args.rounds):
                 await cache.clear(disk=True)
+                await drop_kept(engine)
                 t, n = await ttft(engine, prefix + next(q))
                 assert n == 0
                 rows["cold"].append(t)
+                t, n = await ttft(engine, prefix + next(q))
+                assert n >= len(prefix) and len(engine.kv.kept) == 1
+                rows["kept"].append(t)
+                await drop_kept(engine)
                 await cache.flush()  # the disk copy is written in the background
                 t, n = await ttft(engine, prefix + next(q))
                 assert n >= len(prefix)
                 rows["memory"].append(t)
+                await drop_kept(engine)
                 t, n, held = await beside(engine, other + next(q), prefix + next(q))
                 assert n >= len(prefix)
                 rows["memory+1"].append(t)
                 blocks["memory+1"].append(held)
                 await cache.flush()
                 await cache.clear(disk=False)  # only the files remain
+                await drop_kept(engine)
                 t, n = await ttft(engine, prefix + next(q))
                 assert n >= len(prefix), n
                 rows["disk"].append(t)
+                await drop_kept(engine)
                 t, n, held = await beside(engine, prefix + next(q), prefix + next(q))
                 assert n >= len(prefix) - BLOCK, n
                 rows["shared+1"].append(t)

@@ -38,7 +38,8 @@ from typing import Any
 from luced.cache.prefix_cache import PrefixCache
 from luced.engine.constraint import Constraint
 from luced.engine.executor import WorkerDied, WorkerReplyError
-from luced.engine.kv_budget import KVBudget
+from luced.engine.kv.budget import KVBudget
+from luced.engine.kv.finished import FinishedPrefixes
 from luced.engine.output import OutputBuilder
 from luced.engine.pooling import Pooler
 from luced.engine.prefix import PrefixReuse
@@ -105,11 +106,14 @@ class Engine:
         prefix_cache: PrefixCache | None = None,
         max_running: int = 1,
         kv_pool_tokens: int | None = None,
+        kv_keep_tokens: int = 0,
         encoder: bool = False,
         pooling: str = "mean",
     ) -> None:
         """kv_pool_tokens: the KV positions the running requests hold together (at least
         one context); None: max_running whole contexts, so nothing is ever preempted.
+        kv_keep_tokens: the most positions finished requests' K/V may keep of that pool
+        for later requests to share (engine/kv/finished.py); 0: none is kept.
         encoder: the model's attention is bidirectional, so it serves embeddings only;
         pooling: how the APIs pool embeddings (engine/pooling.py)."""
         self.target = target
@@ -137,6 +141,8 @@ class Engine:
                 f"({context_length}): else a long request could never finish"
             )
         self.kv = KVBudget(pool)
+        keep = min(kv_keep_tokens, pool)
+        self.finished = FinishedPrefixes(self.kv, max_running, keep) if keep else None
         self.scheduler = Scheduler(
             max_running=max_running,
             max_step_tokens=target.step_tokens,
@@ -147,11 +153,14 @@ class Engine:
         )
         self.scheduler.window = self._window
         self.scheduler.room = self._room
+        self.scheduler.keep = self._keep_lane
         self.scheduler.encoder = self.encoder = encoder
         self.pooling = pooling
         self.runner = ModelRunner(target)
         turns = TurnMarker.learn(chat_template, tokenizer)  # the prefix cache's cut points
-        self.prefix = PrefixReuse(target, prefix_cache, turns, self.kv, self._observe)
+        self.prefix = PrefixReuse(
+            target, prefix_cache, turns, self.kv, self._observe, self.finished
+        )
         self.rejected: dict[str, int] = {}  # refused submissions by reason
         self._tickets = itertools.count(1)
         self.steps = 0  # forwards run, and the sequences in them (mean batch size)
@@ -419,6 +428,8 @@ class Engine:
         and they have streamed tokens). A failed restart ends the queue with a 503: the
         worker is retried with backoff, and may not come back soon."""
         if not self.target.ready:
+            if self.finished is not None:  # gone with the worker; the others free theirs
+                self.finished.forget_all()
             for seq in [s for s in self.scheduler.waiting if s.slot >= 0]:
                 self.totals["errors"] += 1
                 self.scheduler.cancel_waiting(seq)
@@ -503,7 +514,7 @@ class Engine:
 
     def _has_work(self) -> bool:
         s = self.scheduler
-        if self._releases or any(q.handle.cancelled for q in s.running):
+        if self._releases or self.kv.evicted or any(q.handle.cancelled for q in s.running):
             return True
         if not self.target.ready:
             return bool(s.running)  # they fail; the queue waits for the restart
@@ -517,9 +528,12 @@ class Engine:
         self.scheduler.recurrent = self.target.recurrent
         self.scheduler.select_rollback = self.target.rollback == "select"
         if self.target.ready:
-            for seq in self.scheduler.admit(self._hold):
+            started = self.scheduler.admit(self._hold)
+            await self._free_evicted()  # kept lanes admission gave up
+            for seq in started:
                 await self._reuse_prefix(seq)
         batch = self.scheduler.schedule()
+        await self._free_evicted()  # and those growth gave up
         began = time.perf_counter()
         outputs = await self.runner.execute(batch)
         self._observe_step(batch, time.perf_counter() - began)
@@ -540,6 +554,53 @@ class Engine:
             self.totals["shared_prompt_tokens"] = self.prefix.shared_tokens
             self._wakeup.set()
 
+    def drop_kept(self) -> int:
+        """Give up every finished sequence's kept blocks (`lucectl cache clear`, a
+        benchmark's cold start); the loop frees them in the workers. -> how many."""
+        if self.finished is None:
+            return 0
+        n = len(self.kv.kept)
+        self.finished.forget_all()
+        self._wakeup.set()
+        return n
+
+    async def _free_evicted(self) -> None:
+        """Free in the workers the kept lanes the budget gave up."""
+        if self.finished is None:
+            return
+        for lane in self.finished.forget_evicted():
+            with contextlib.suppress(Exception):  # a dead worker forgot it anyway
+                await self.target.release(lane)
+
+    def _keep_lane(self, seq: Sequence) -> int | None:
+        """The kept lane a finished sequence's K/V moves to, or None (freed): kept when it
+        ended well, the workers share blocks, and no feature ring would need its rows.
+        Only its prompt's positions are kept, as only a running sequence's prompt is
+        shared: decode steps computed the output's rows in other groupings than a fresh
+        prefill would, and reused they would break restored == fresh."""
+        if (
+            self.finished is None
+            or seq.pooler is not None
+            or seq.handle.finish_reason == "error"
+            or not self.target.ready
+            or not self.target.shares_prefixes
+            or self.target.capture is not None
+        ):
+            return None
+        return self.finished.lane_for(seq.prompt[: seq.computed])
+
+    async def _keep(self, seq: Sequence, lane: int) -> None:
+        """Move a finished sequence's blocks to its kept lane (shared, not copied; its slot
+        is released after)."""
+        if self.finished is None or lane not in self.kv.kept:  # given up meanwhile
+            return
+        try:
+            await self.target.share(lane, seq.slot, len(self.finished.tokens[lane]))
+        except Exception as exc:  # the lane is reset in the workers: nothing is kept
+            log.warning("keeping the K/V of %s failed: %s", seq.handle.request_id, exc)
+            if lane in self.kv.kept:
+                self.kv.evict(lane)
+
     async def _release_slots(self) -> None:
         releases, self._releases = self._releases, []
         for slot, keep in releases:
@@ -553,6 +614,9 @@ class Engine:
             self.totals["cached_prompt_tokens"] += seq.handle.cached_tokens
             self._observe("prompt_tokens", seq.handle.prompt_tokens)
             await self.prefix.save(seq)
+        await self._free_evicted()  # lanes first: a kept one may take a freed id
+        for seq, lane in result.kept:
+            await self._keep(seq, lane)
         for seq in result.finished:
             self._releases.append((seq.slot, False))
             self._observe_finish(seq.handle)

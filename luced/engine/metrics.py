@@ -246,6 +246,12 @@ class Metrics:
             "prefix_shared_tokens",
             "Prompt tokens whose K/V blocks a request shared with a running one, not computed.",
         )
+        self.prefix_kept = family(
+            Counter,
+            "prefix_kept_tokens",
+            "Prompt tokens shared from a finished request's K/V blocks kept in the pool "
+            "(counted in prefix_shared_tokens too).",
+        )
         self._prefix_cache_bytes = family(
             Gauge, "prefix_cache_bytes", "Bytes of prefix-cache snapshots per tier.", ["tier"]
         )
@@ -291,6 +297,7 @@ class Metrics:
             "prefix_queries": self.prefix_cache_queries.inc,
             "prefix_hits": self.prefix_cache_hits.inc,
             "prefix_shared": self.prefix_shared.inc,
+            "prefix_kept_hits": self.prefix_kept.inc,
             "block_size": self.spec_decode_block_size.observe,
             "batch_size": self.batch_size.observe,
             "preemptions": self.num_preemptions.inc,
@@ -306,7 +313,8 @@ class Metrics:
         per-request histogram); generation_tokens: tokens just generated; queue, running:
         the current number of waiting / running requests; prefix_queries / prefix_hits:
         prompt tokens looked up in / restored from the prefix cache; prefix_shared: prompt
-        tokens shared from a running request's K/V blocks; block_size: the
+        tokens shared from a running (or kept) request's K/V blocks; prefix_kept_hits:
+        those of a finished request kept in the pool; block_size: the
         block of one speculative step; batch_size: the sequences of one batched step;
         preemptions: requests just preempted; loop_lag: how late the event loop ran a
         task that was due (seconds; the daemon's watchdog).

@@ -1,8 +1,9 @@
 """Where a new sequence's prompt is computed already, and where its own is kept for later.
 
 At admission a sequence starts on the longest prefix of its prompt that is held
-elsewhere: a running sequence's prompt blocks, shared in the workers' block pool without
-computing or copying them (`Target.share`), or a prefix-cache snapshot, restored into its
+elsewhere: a running sequence's prompt blocks or a finished one's kept in the pool
+(engine/kv/finished.py), shared in the workers' block pool without computing or copying
+them (`Target.share`), or a prefix-cache snapshot, restored into its
 slot (a copy; the snapshot arena, maybe read from disk first). Sharing wins a tie: it
 copies nothing. A sequence arriving while another one is still prefilling a prefix of its
 prompt, WAIT_TO_SHARE positions or more past anything held now, waits for that prefill to
@@ -23,11 +24,10 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterable
 
-import numpy as np
-
 from luced.cache.prefix_cache import PrefixCache
 from luced.engine.executor import WorkerReplyError
-from luced.engine.kv_budget import KVBudget
+from luced.engine.kv.budget import KVBudget
+from luced.engine.kv.finished import FinishedPrefixes, common_prefix
 from luced.engine.request import Sequence
 from luced.engine.target import Target
 from luced.text.turns import TurnMarker
@@ -43,14 +43,6 @@ MAX_STATE_CUTS = 4
 WAIT_TO_SHARE = 64
 
 
-def common_prefix(a: list[int], b: list[int]) -> int:
-    """The length of the longest common prefix of two token lists (compared in numpy:
-    waiting requests compare whole prompts every step)."""
-    n = min(len(a), len(b))
-    differ = np.flatnonzero(np.asarray(a[:n]) != np.asarray(b[:n]))
-    return int(differ[0]) if differ.size else n
-
-
 class PrefixReuse:
     def __init__(
         self,
@@ -59,19 +51,25 @@ class PrefixReuse:
         turns: TurnMarker | None,
         kv: KVBudget,
         observe: Callable[[str, float], None],
+        finished: FinishedPrefixes | None = None,
     ) -> None:
+        """finished: the finished sequences kept in the pool (None: none are kept)."""
         self.target = target
+        self.finished = finished
         self.cache = cache
         self.turns = turns
         self.kv = kv
         self.observe = observe
-        self.shared_tokens = 0  # prompt positions shared from running sequences
+        self.shared_tokens = 0  # prompt positions shared from running or kept sequences
 
-    def _source(self, seq: Sequence, running: Iterable[Sequence]) -> tuple[Sequence | None, int]:
-        """The running sequence whose KV holds the longest prefix of `seq`'s prompt (all but
-        its last token, which is fed to sample from), at most its own prompt: shared
-        blocks are computed as a fresh prefill computes them."""
-        best: tuple[Sequence | None, int] = (None, 0)
+    def _source(
+        self, seq: Sequence, running: Iterable[Sequence]
+    ) -> tuple[int, int, Sequence | None]:
+        """Where the longest prefix of `seq`'s prompt (all but its last token, which is fed
+        to sample from) is held: a running sequence's KV, at most its prompt (shared blocks
+        are computed as a fresh prefill computes them), or a finished one kept in the pool.
+        -> (its lane, positions, the running sequence or None); lane -1 when none."""
+        best: tuple[int, int, Sequence | None] = (-1, 0, None)
         if not self.target.shares_prefixes:
             return best
         for other in running:
@@ -79,16 +77,24 @@ class PrefixReuse:
                 continue
             n = min(common_prefix(seq.prompt[:-1], other.prompt), other.computed)
             if n > best[1]:
-                best = (other, n)
+                best = (other.slot, n, other)
+        if self.finished is not None:
+            lane, n = self.finished.match(seq.prompt)
+            if n > best[1]:
+                best = (lane, n, None)
         return best
 
     def hold(self, seq: Sequence, running: list[Sequence]) -> bool:
         """Whether `seq` should wait for a running prefill of its prompt's beginning: it
         starts waiting when that prefill will hold WAIT_TO_SHARE positions more than any
-        sequence holds now, and then waits until the prefill has passed them."""
+        sequence holds now, and then waits until the prefill has passed them. A kept lane
+        it would start on becomes the last to be reclaimed, so its own admission does not
+        give that lane up to make room."""
         if seq.generated or seq.pooler is not None or not self.target.shares_prefixes:
             return False
-        _, held = self._source(seq, running)
+        lane, held, source = self._source(seq, running)
+        if source is None and held:
+            self.kv.touch(lane)
         coming = max(
             (
                 common_prefix(seq.prompt[:-1], other.prompt)
@@ -111,10 +117,10 @@ class PrefixReuse:
         if self.cache is not None:
             self.observe("prefix_queries", len(prompt))
             hit = self.cache.lookup(prompt)
-        source, common = self._source(seq, running)
+        lane, common, source = self._source(seq, running)
         reused = 0
-        if source is not None and common >= (hit.n if hit is not None else 0):
-            reused = await self._share(seq, source, common)
+        if common and common >= (hit.n if hit is not None else 0):
+            reused = await self._share(seq, lane, common, source)
         if not reused and hit is not None:
             reused = await self._restore(seq, hit)
         seq.computed = reused
@@ -122,18 +128,25 @@ class PrefixReuse:
         seq.cuts = self._cut_points(prompt, reused)
         return reused
 
-    async def _share(self, seq: Sequence, source: Sequence, n: int) -> int:
+    async def _share(self, seq: Sequence, lane: int, n: int, source: Sequence | None) -> int:
+        """Start `seq` on `lane`'s first n positions: a running `source`'s, or a kept one's
+        (no feature ring: a target with a draft keeps none)."""
         try:
-            shared = await self.target.share(seq.slot, source.slot, n)
+            shared = await self.target.share(seq.slot, lane, n)
         except WorkerReplyError as exc:  # the slot is reset: restore or compute instead
-            log.warning("sharing %d prompt tokens of slot %d failed: %s", n, source.slot, exc)
+            log.warning("sharing %d prompt tokens of lane %d failed: %s", n, lane, exc)
             return 0
-        seq.ring_floor = self.target.share_ring(
-            seq.slot, source.slot, shared, source.ring_floor, source.computed
-        )
+        if source is not None:
+            seq.ring_floor = self.target.share_ring(
+                seq.slot, lane, shared, source.ring_floor, source.computed
+            )
+        else:
+            self.kv.touch(lane)
+            self.observe("prefix_kept_hits", shared)
         self.shared_tokens += shared
         self.observe("prefix_shared", shared)
-        self.kv.share(seq.slot, source.slot, shared)  # charged once, to the source
+        if lane in self.kv.held:  # charged once, to the lane that holds it
+            self.kv.share(seq.slot, lane, shared)  # (a kept lane may be given up meanwhile)
         return shared
 
     async def _restore(self, seq: Sequence, hit) -> int:

@@ -4,7 +4,8 @@ Torch-free and worker-free: it reads and changes `Sequence` objects and integers
 it is tested without a model (tests/engine/test_scheduler.py). Each engine step:
 
     admit()      waiting sequences start, first come first served, while a slot is free and
-                 their KV fits the pool (a preempted one keeps its slot: the workers hold its
+                 their KV fits the pool, finished sequences' kept KV given up as needed
+                 (engine/kv/finished.py; a preempted one keeps its slot: the workers hold its
                  sampler there; it comes back once the running ones, grown to their limits,
                  leave it room: a second recompute would cost more than the wait)
     schedule()   one batch under the step's token budget:
@@ -37,7 +38,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from luced.acceptance import clip, verify_greedy
-from luced.engine.kv_budget import KVBudget
+from luced.engine.kv.budget import KVBudget
 from luced.engine.output import Sampled
 from luced.engine.request import Sequence, Status
 
@@ -91,6 +92,8 @@ class WorkOutput:
 class StepResult:
     finished: list[Sequence] = field(default_factory=list)
     prefilled: list[Sequence] = field(default_factory=list)  # prompts now in the KV
+    # Finished sequences whose KV moves to a kept lane (engine/kv/finished.py), with it.
+    kept: list[tuple[Sequence, int]] = field(default_factory=list)
 
 
 class Scheduler:
@@ -122,6 +125,8 @@ class Scheduler:
         # past its committed ones its KV may take (KV Flash: no eviction past one chunk).
         self.window: Callable[[Sequence], tuple[int, str]] = lambda seq: (1, "")
         self.room: Callable[[Sequence, int], int] = lambda seq, want: want
+        # The kept lane a finished sequence's KV moves to, or None: it is freed.
+        self.keep: Callable[[Sequence], int | None] = lambda seq: None
         # Whether a recurrent model's verify keeps a state per position (rollback "select")
         # or rewinds to the window's start and feeds the kept tokens again ("replay").
         self.select_rollback = True
@@ -158,7 +163,7 @@ class Scheduler:
             # A preempted sequence comes back only when the running ones cannot push it out
             # again: recomputing it twice would cost more than waiting.
             margin = self._growth() if seq.generated else 0
-            if not self.kv.fits(seq.feed_end + margin):
+            if not self.kv.reclaim(seq.feed_end + margin):  # kept lanes give way first
                 break  # in order: a later request never overtakes one waiting for room
             self.kv.admit(slot, seq.ticket, seq.feed_end)
             self.waiting.remove(seq)
@@ -393,7 +398,12 @@ class Scheduler:
         workers before the next step)."""
         if seq in self.running:
             self.running.remove(seq)
-            self.kv.release(seq.slot)
+            lane = self.keep(seq)
+            if lane is None:
+                self.kv.release(seq.slot)
+            else:
+                self.kv.keep(seq.slot, lane, min(seq.computed, len(seq.prompt)))
+                result.kept.append((seq, lane))
         elif seq in self.waiting:
             self.waiting.remove(seq)
         seq.status = Status.FINISHED

@@ -43,6 +43,9 @@ def engine_status(engine: Any) -> dict:
             # KV positions the running requests hold, over the pool (--kv-pool-tokens).
             "kv_usage": sum(s.computed for s in running) / engine.kv.positions,
             "kv_pool_tokens": engine.kv.positions,
+            # Finished requests' K/V kept in the pool for later prompts (engine/kv/finished.py).
+            "kv_kept_requests": len(engine.kv.kept),
+            "kv_kept_tokens": engine.finished.positions if engine.finished is not None else 0,
             "preempted": len(engine.preempted),
             "batched_steps": engine.steps,
             "mean_batch": round(engine.stepped_sequences / engine.steps, 2)

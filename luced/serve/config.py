@@ -178,6 +178,7 @@ class KVOptions(Options):
     kv_dtype: str
     kv_pool_tokens: int
     kv_block_size: int
+    kv_keep_tokens: int | None  # None: one context, at most a quarter of the pool
     prefix_cache_bytes: int
     kv_cache_dir: Path | None  # None: memory tier only
     kv_cache_budget: int

@@ -27,7 +27,7 @@ from luced.api.catalog import About, template_source
 from luced.api.ollama_models import ModelFacts
 from luced.engine.core import Engine
 from luced.engine.executor import Deadlines, WorkerDied, WorkerReplyError
-from luced.engine.kv_budget import resolve_kv_pool
+from luced.engine.kv.budget import resolve_kv_pool
 from luced.engine.kvflash.pager import PagerConfig
 from luced.engine.kvflash.transport import (
     KVFlashSettings,
@@ -248,6 +248,11 @@ def _moe_profile(cfg: Config, gguf: GGUFFile) -> MoeCounts:
         raise StartupError(f"{label}: {exc}") from None
 
 
+def _kv_keep(keep: int | None, context: int, pool: int) -> int:
+    """--kv-keep-tokens resolved: auto keeps one context, at most a quarter of the pool."""
+    return keep if keep is not None else min(context, pool // 4)
+
+
 def _kv_pool(cfg: Config, context: int, running: int, per_token: int) -> int:
     """--kv-pool-tokens resolved (auto: from the free memory), logged."""
     try:
@@ -358,6 +363,7 @@ class LoadedModel:
             metrics=metrics,
             max_running=running,
             kv_pool_tokens=spec.kv_pool,
+            kv_keep_tokens=_kv_keep(cfg.kv.kv_keep_tokens, spec.context, spec.kv_pool),
             encoder=spec.encoder,
             pooling=spec.pooling,
         )

@@ -506,6 +506,18 @@ OPTIONS: tuple[Option, ...] = (
         minimum=0, maximum=1024,
     ),
     Option(
+        "kv_keep_tokens", "kv", "int", None,
+        "KV positions that finished requests' blocks may keep in the pool: a later request "
+        "whose prompt starts with the same tokens (a chat's next turn, a repeated prompt) "
+        "takes them without computing or copying them. They hold only room the running "
+        "requests do not use, and give way first, least recently used. 0: nothing is "
+        "kept. Needs the block pool (`--kv-block-size`, `--max-running` > 1); not with a "
+        "DFlash draft, `--kv-flash` or a hybrid (recurrent) model. The prefix cache "
+        "(`--prefix-cache-bytes`) is the copy behind it that outlives a restart.",
+        minimum=0, nullable=True, example=8192,
+        default_doc="one context, at most a quarter of the KV pool",
+    ),
+    Option(
         "max_queued_tokens", "scheduler", "int", 32768,
         "Prompt tokens that may wait in the queue; more are answered 429.", minimum=1,
     ),

@@ -218,7 +218,9 @@ def snapshot_handlers(engine_of: Callable[[dict], Engine]) -> dict[str, Callable
         return {"saved": await c.save_all()}
 
     async def cache_clear(req: dict) -> dict:
-        return {"cleared": await cache(req).clear(disk=arg_bool(req, "disk"))}
+        cleared = await cache(req).clear(disk=arg_bool(req, "disk"))
+        # Finished requests' blocks kept in the pool go too: nothing is reused after.
+        return {"cleared": cleared, "kept_dropped": engine_of(req).drop_kept()}
 
     return {
         "snapshot_list": snapshot_list,

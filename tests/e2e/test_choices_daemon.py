@@ -36,16 +36,20 @@ def shared_tokens(d: DaemonProcess) -> float:
 
 def test_greedy_choices_are_one_reply_n_times_and_share_the_prompt(smol, client) -> None:
     """n = 3 greedy: three identical choices, the prompt counted once in usage, computed
-    once (the two later choices share its blocks: all but its last token each)."""
+    once (the two later choices share its blocks: all but its last token each). The first
+    choice takes them from the n = 1 request before, whose prompt blocks were kept."""
     one = chat(client, temperature=0, max_tokens=12)
     before = shared_tokens(smol)
+    kept_before = smol.metric("luced:prefix_kept_tokens_total")
     three = chat(client, temperature=0, max_tokens=12, n=3)
     assert contents(three) == [one.choices[0].message.content] * 3
     assert {c.finish_reason for c in three.choices} == {one.choices[0].finish_reason}
     assert three.usage.prompt_tokens == one.usage.prompt_tokens
     assert three.usage.completion_tokens == 3 * one.usage.completion_tokens
     assert three.usage.total_tokens == three.usage.prompt_tokens + three.usage.completion_tokens
-    assert shared_tokens(smol) - before == 2 * (one.usage.prompt_tokens - 1)
+    assert shared_tokens(smol) - before == 3 * (one.usage.prompt_tokens - 1)
+    kept = smol.metric("luced:prefix_kept_tokens_total") - kept_before
+    assert kept == one.usage.prompt_tokens - 1
 
 
 def test_seeded_choices_are_reproducible_and_differ(client) -> None:

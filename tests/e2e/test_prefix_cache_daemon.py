@@ -82,13 +82,16 @@ def test_two_turn_chat_lucectl_and_worker_kill(smollm2_gguf, tmp_path) -> None:
             model=d.model_name, messages=messages, temperature=0, max_tokens=16
         )
         hit = second.usage.prompt_tokens_details.cached_tokens
-        # The whole first prompt (system + first user turn + the assistant header) is reused.
+        # The whole first prompt (system + first user turn + the assistant header) is reused:
+        # its blocks were kept in the workers' pool (--kv-keep-tokens), which wins over a
+        # restore of its snapshot (a copy).
         assert first.usage.prompt_tokens - 1 <= hit < second.usage.prompt_tokens
         totals = d.lucectl_json("status")["totals"]
         assert totals["cached_prompt_tokens"] == hit
         computed = totals["prompt_tokens"] - totals["cached_prompt_tokens"]
         assert computed == first.usage.prompt_tokens + second.usage.prompt_tokens - hit
-        assert d.metric("luced:prefix_cache_hits_total") == hit
+        assert d.metric("luced:prefix_kept_tokens_total") == hit
+        assert d.metric("luced:prefix_cache_hits_total") == 0
         assert d.metric("luced:prefix_cache_queries_total") == totals["prompt_tokens"]
         assert d.metric("luced:prefix_cache_bytes", 'tier="memory"') > 0
 
@@ -108,8 +111,10 @@ def test_two_turn_chat_lucectl_and_worker_kill(smollm2_gguf, tmp_path) -> None:
         again = oa.chat.completions.create(
             model=d.model_name, messages=messages, temperature=0, max_tokens=16
         )
+        # The kept blocks died with the worker: the snapshot in the arena is restored.
         assert again.usage.prompt_tokens_details.cached_tokens == second.usage.prompt_tokens - 1
         assert again.choices[0].message.content == second.choices[0].message.content
+        assert d.metric("luced:prefix_cache_hits_total") == second.usage.prompt_tokens - 1
 
         # drop, save without a disk tier, clear.
         victim = listed["id"]

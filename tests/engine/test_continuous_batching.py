@@ -12,7 +12,7 @@ import torch
 from engine_harness import engine_for
 
 from luced.engine.core import Engine, GenerationRequest, RequestHandle
-from luced.engine.kv_budget import RESERVE_STEP, KVBudget, resolve_kv_pool
+from luced.engine.kv.budget import RESERVE_STEP, KVBudget, resolve_kv_pool
 from luced.runtime.model import Model
 from luced.runtime.tiny import make_tiny_draft, make_tiny_gguf
 from luced.sampling_params import SamplingParams

@@ -7,7 +7,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from luced.engine.kv_budget import RESERVE_STEP, KVBudget
+from luced.engine.kv.budget import RESERVE_STEP, KVBudget
+from luced.engine.kv.finished import FinishedPrefixes
 from luced.engine.output import OutputBuilder, Sampled
 from luced.engine.pooling import Pooler
 from luced.engine.request import GenerationRequest, RequestHandle, Sequence, Status
@@ -169,6 +170,29 @@ def test_a_full_pool_preempts_the_newest_and_it_resumes_by_recomputing(make) -> 
     assert b.slot == 1 and late.slot == 0
     recompute = s.schedule()
     assert [w for w in spans(recompute) if w[0] == "r2"] == [("r2", 0, 8, 0)]
+
+
+def test_a_finished_sequence_is_kept_and_gives_way_before_anyone_is_preempted(make) -> None:
+    """A pool of 60: a finishes and its prompt's 20 positions stay in a kept lane
+    (engine/kv/finished.py; its output's are freed); b's admission fits beside it; when b
+    grows past the room, the kept lane is given up, not b."""
+    s = scheduler(step=64, pool=60)
+    kept = FinishedPrefixes(s.kv, 4, limit=60)
+    s.keep = lambda seq: kept.lane_for(seq.prompt[: seq.computed])
+    a = make(20, max_tokens=5)
+    s.add(a)
+    s.admit()
+    while a.status is Status.RUNNING:
+        batch = s.schedule()
+        result = s.update(batch, [out(11) if w.n_out else WorkOutput([]) for w in batch.works])
+    assert result.kept == [(a, 4)] and s.kv.held == {4: 20} and a.computed == 24
+    b = make(35, max_tokens=30)
+    s.add(b)
+    assert s.admit() == [b] and not s.kv.evicted
+    while b.status is Status.RUNNING and not s.kv.evicted:
+        batch = s.schedule()
+        s.update(batch, [out(12) if w.n_out else WorkOutput([]) for w in batch.works])
+    assert s.kv.evicted == [4] and b.status is Status.RUNNING and s.preemptions == 0
 
 
 def test_a_preempted_sequence_returns_once_the_running_cannot_push_it_out_again(make) -> None:

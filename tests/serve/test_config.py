@@ -81,6 +81,7 @@ SAMPLES: dict[str, tuple[str, str, Any]] = {
     "max_running": ("3", "3", 3),
     "kv_pool_tokens": ("8192", "8192", 8192),
     "kv_block_size": ("32", "32", 32),
+    "kv_keep_tokens": ("0", "0", 0),
     "max_queued_tokens": ("1000", "1000", 1000),
     "max_batch_tokens": ("64", "64", 64),
     "max_step_tokens": ("700", "700", 700),

@@ -17,9 +17,16 @@ positions, the one sharing the most (the heir) pays for them from then on, credi
 what the source itself had shared, and the others share the heir's instead; so a release
 never charges more than it frees. Admission still asks for a whole prompt: the credit
 comes once the share is made.
+
+A finished request's positions may be kept (`keep`, engine/kv/finished.py): its lane
+becomes a kept lane, charged like a running one but first to go. Admission and growth
+`reclaim` kept lanes, least recently used first, before anything waits or is preempted;
+the workers free them before the next forward (`evicted`).
 """
 
 from __future__ import annotations
+
+from collections import OrderedDict
 
 from luced.engine.kvflash.transport import available_memory
 
@@ -36,10 +43,23 @@ class KVBudget:
         self.tickets: dict[int, int] = {}  # lane -> its request's arrival order
         # lane -> (the lane whose blocks it shares, its first positions that lane pays for)
         self.credits: dict[int, tuple[int, int]] = {}
+        # Finished requests' lanes kept for their prefix, least recently used first, and
+        # those reclaimed since the engine last freed them in the workers.
+        self.kept: OrderedDict[int, None] = OrderedDict()
+        self.evicted: list[int] = []
 
     @property
     def used(self) -> int:
         return sum(self.held.values()) - sum(n for _, n in self.credits.values())
+
+    def charge(self, lane: int) -> int:
+        """The positions charged to `lane`: its own less what it shares."""
+        credit = self.credits.get(lane)
+        return self.held.get(lane, 0) - (credit[1] if credit is not None else 0)
+
+    @property
+    def kept_positions(self) -> int:
+        return sum(self.charge(lane) for lane in self.kept)
 
     def share(self, lane: int, source: int, n: int) -> None:
         """The lane's first n positions are the source lane's, charged to it alone."""
@@ -73,7 +93,45 @@ class KVBudget:
         if self.fits(end - have):  # the spare does not fit, the need does
             self.held[lane] = end
             return True
+        if self.evict() is not None:  # a kept lane gives way before anyone waits
+            return self.grow(lane, end)
         return False
+
+    def keep(self, lane: int, kept: int, positions: int) -> None:
+        """A finished request's first `positions` stay held, under the kept lane `kept`:
+        what it shared it still shares, and its sharers share `kept` now."""
+        if kept in self.held:
+            raise ValueError(f"lane {kept} already holds a reservation")
+        self.held[kept] = min(positions, self.held.pop(lane))
+        self.tickets.pop(lane, None)
+        if (own := self.credits.pop(lane, None)) is not None:
+            self.credits[kept] = (own[0], min(own[1], self.held[kept]))
+        for s, (source, n) in list(self.credits.items()):
+            if source == lane:
+                self.credits[s] = (kept, min(n, self.held[kept]))
+        self.kept[kept] = None
+
+    def touch(self, kept: int) -> None:
+        """A kept lane was just reused: the last to be reclaimed."""
+        self.kept.move_to_end(kept)
+
+    def evict(self, kept: int | None = None) -> int | None:
+        """Give up a kept lane (the least recently used by default) -> it, or None when
+        none is kept. The engine frees it in the workers (`evicted`)."""
+        if kept is None:
+            kept = next(iter(self.kept), None)
+            if kept is None:
+                return None
+        del self.kept[kept]
+        self.release(kept)
+        self.evicted.append(kept)
+        return kept
+
+    def reclaim(self, positions: int) -> bool:
+        """Whether `positions` fit, once kept lanes are given up as needed."""
+        while not self.fits(positions) and self.evict() is not None:
+            pass
+        return self.fits(positions)
 
     def release(self, lane: int) -> None:
         self.held.pop(lane, None)

@@ -1,0 +1,108 @@
+"""Finished requests' K/V kept in the workers' block pool, for the next request that starts
+with the same tokens: a chat's next turn (its prompt is the last one's, the answer and a
+new message), the same prompt again, several clients with one system prompt.
+
+When a request finishes, its sequence's blocks move to a kept lane: a sequence id past
+the running ones (`first_lane` on), which the workers hold like any other sequence. The
+move is a `kv_share` of every computed position from the finished slot into the lane, then
+the slot's release: the blocks change owner, nothing is copied. A later request whose
+prompt starts with a kept lane's tokens shares its blocks exactly as it shares a running
+sequence's (`PrefixReuse`), so a multi-turn chat prefills only its new message.
+
+Kept lanes are charged to the KV budget (engine/kv/budget.py) like running ones, and give
+way first: admission and growth reclaim the least recently used before a request waits or
+is preempted, and they hold at most `limit` positions together (`--kv-keep-tokens`). A
+kept lane whose tokens a newer one extends is dropped at once: the newer one holds
+every block it does.
+
+The prefix cache (cache/) is the tier behind: snapshots copied into host memory and
+onto disk, which outlive an eviction and a restart.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from luced.engine.kv.budget import KVBudget
+
+# Sequence ids the workers keep finished sequences under, past the running ones (the
+# workers hold 256; --max-running is at most 64).
+KEPT_LANES = 64
+
+# Shorter sequences are recomputed sooner than their blocks are found.
+MIN_KEPT = 16
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """The length of the longest common prefix of two token lists."""
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:  # the usual case when they match (a list compare runs in C)
+        return n
+    lo, hi = 0, n  # a[:lo] == b[:lo], a[:hi] != b[:hi]
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+class FinishedPrefixes:
+    def __init__(self, budget: KVBudget, first_lane: int, limit: int) -> None:
+        """limit: the most positions kept lanes hold together."""
+        self.budget = budget
+        self.lanes = range(first_lane, first_lane + KEPT_LANES)
+        self.limit = limit
+        self.tokens: dict[int, list[int]] = {}  # kept lane -> the tokens its K/V holds
+
+    def lane_for(self, tokens: list[int]) -> int | None:
+        """The lane a finished sequence holding `tokens` is kept under, making room for it;
+        None when it is not kept (too short, or longer than every kept lane may hold)."""
+        n = len(tokens)
+        if n < MIN_KEPT or n > self.limit:
+            return None
+        budget = self.budget
+        for lane, held in list(self.tokens.items()):
+            if lane in budget.kept and len(held) <= n and tokens[: len(held)] == held:
+                budget.evict(lane)  # this one holds every block that one does
+        while budget.kept_positions + n > self.limit and budget.evict() is not None:
+            pass
+        lane = self._free_lane()
+        if lane is None:
+            budget.evict()
+            lane = self._free_lane()
+        if lane is not None:
+            self.tokens[lane] = tokens
+        return lane
+
+    def _free_lane(self) -> int | None:
+        """A lane neither kept nor waiting for the workers to free it."""
+        taken = self.budget.held.keys() | set(self.budget.evicted)
+        return next((lane for lane in self.lanes if lane not in taken), None)
+
+    def match(self, prompt: list[int]) -> tuple[int, int]:
+        """The kept lane holding the longest prefix of `prompt` but its last token (fed to
+        sample from) -> (lane, positions), or (-1, 0)."""
+        best = (-1, 0)
+        for lane in self.budget.kept:
+            n = common_prefix(prompt[:-1], self.tokens[lane])
+            if n > best[1]:
+                best = (lane, n)
+        return best
+
+    def forget_evicted(self) -> list[int]:
+        """The lanes given up since the last call, for the workers to free; forgotten here."""
+        lanes, self.budget.evicted = self.budget.evicted, []
+        for lane in lanes:
+            self.tokens.pop(lane, None)
+        return lanes
+
+    def forget_all(self) -> None:
+        """A worker restarted: its kept sequences are gone (the others free theirs)."""
+        for lane in list(self.budget.kept):
+            self.budget.evict(lane)
+
+    @property
+    def positions(self) -> int:
+        return sum(len(self.tokens[lane]) for lane in self.budget.kept)

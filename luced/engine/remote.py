@@ -18,8 +18,9 @@ restarts the process::
 
 What a frame reads or writes is the frame's own business (``Forward``'s tokens, outputs,
 rings; ``DraftBlock``'s ring and outputs; a snapshot's regions): ``inline_carry`` lists it
-per op. KV Flash plans (a host tier in the daemon's memory, moves in both directions) are
-not carried: a placement with a worker on another host refuses KV Flash at start.
+per op. A KV Flash plan's slots, map and moves go inline and its qk scores come back; its
+host records stay on the worker's host (its mirror of `kv_host` is its host tier: the
+daemon never reads them), so a remote shard pages to its own memory.
 """
 
 from __future__ import annotations
@@ -76,7 +77,7 @@ def inline_carry(
 ) -> tuple[list[Region], Carry]:
     """The regions `req` reads from the daemon's memory (to put) and the carry, getting
     what it writes there, less what its hops relay; `layers` (a pipeline worker's) picks
-    the ring cells its captures write. ValueError for what cannot travel (KV Flash plans)."""
+    the ring cells its captures write."""
     reads: list[Region] = []
     writes: list[Region] = []
     if isinstance(req, Forward):
@@ -86,8 +87,13 @@ def inline_carry(
                 reads.append(region.rows(0, rows))
         if req.draft_probs is not None:
             reads.append(req.draft_probs.rows(0, max(s.q_row + s.n - 1 for s in req.spans)))
-        if any(s.kv_plan for s in req.spans):
-            raise ValueError("KV Flash does not run on workers on other hosts")
+        for span in req.spans:  # KV Flash: the pager's plan in, the qk scores out
+            plan = span.kv_plan
+            reads += [plan[k] for k in ("kv_slots", "kv_map", "kv_moves") if k in plan]
+            if "kv_scores" in plan:
+                writes.append(plan["kv_scores"])
+            # kv_host travels neither way: only this worker reads and writes its records,
+            # so its mirror of them is its own host tier, in its host's memory.
         for name, region in req.outputs.items():
             writes.append(region.rows(0, n if name == "hidden" else n_out))
         held = [

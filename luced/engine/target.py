@@ -125,8 +125,6 @@ class Target:
         self.name = name
         self.placement = placement
         deadlines = deadlines or Deadlines()
-        if kv_flash is not None and any(spec.remote for spec, _ in placement.workers):
-            raise ValueError("KV Flash does not run with workers on other hosts")
 
         def remote_worker(spec: WorkerSpec, on_exit: Callable) -> RemoteWorker:
             assert remote is not None

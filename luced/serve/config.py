@@ -295,11 +295,6 @@ class Config:
                 f"{remote[0]} is a worker on another host: give {self.label('worker_key_file')}, "
                 "the key it was started with"
             )
-        if remote and self.kv.kv_flash is not None:
-            raise ConfigError(
-                f"{self.label('kv_flash')}: KV Flash does not run with workers on other hosts "
-                f"({remote[0]})"
-            )
 
     def remote_devices(self) -> list[str]:
         """The devices on other hosts (``tcp://``) of the target, the draft and the experts."""

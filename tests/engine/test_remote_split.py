@@ -19,6 +19,7 @@ from engine_harness import engine_for, generate
 from remote_harness import WorkerProc, needs_wire, settings
 from test_target_split import check_split_equals_unsplit
 
+from luced.engine.kvflash import PagerConfig
 from luced.runtime.tiny import make_tiny_gguf
 
 PORTS = itertools.count(7170)
@@ -29,7 +30,8 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     d = tmp_path_factory.mktemp("remote-split")
     make_tiny_gguf("llama", d / "llama.gguf", seed=3, layers=4)
     make_tiny_gguf("qwen35", d / "qwen35.gguf", seed=7)
-    return {"llama": d / "llama.gguf", "qwen35": d / "qwen35.gguf"}
+    make_tiny_gguf("qwen3", d / "qwen3.gguf", seed=7, layers=4, context=1024)
+    return {n: d / f"{n}.gguf" for n in ("llama", "qwen35", "qwen3")}
 
 
 @pytest.fixture(scope="module")
@@ -114,3 +116,32 @@ async def test_prefix_cache_snapshots_of_a_remote_shard_restore_exactly(
     assert handle.cached_tokens >= 100
     assert tokens == fresh
     assert saved > 0 and restored > 0  # the snapshot's rows went over the hop, both ways
+
+
+async def test_kv_flash_pages_on_both_hosts_as_on_one(
+    worker: WorkerProc, key: Path, models: dict[str, Path]
+) -> None:
+    """KV Flash (qk) over a split whose second stage is on host B: both shards run every
+    plan, host B paging to its own memory (its host tier never crosses the wire) and
+    sending its qk scores back; evictions, recalls, logprobs and tokens are the unsplit
+    run's."""
+    path = models["qwen3"]
+    prompt = [(13 * i + 5) % 97 + 2 for i in range(560)]  # past the 448-token pool
+    pool = PagerConfig(pool_tokens=448, policy="qk")
+    async with engine_for(path, context=1024, kv_flash=pool) as engine:
+        want, _, want_lps = await generate(engine, prompt, 24, logprobs=1)
+        want_status = engine.target.flash_status()
+    remote = settings(key, path)
+    devices = ("cpu", worker.device())
+    async with engine_for(path, devices, context=1024, kv_flash=pool, remote=remote) as engine:
+        got, _, got_lps = await generate(engine, prompt, 24, logprobs=1)
+        status = engine.target.flash_status()
+    assert want_status is not None and status is not None
+    assert want_status["evictions"] > 0 and want_status["recalls"] > 0
+    assert (status["evictions"], status["recalls"]) == (
+        want_status["evictions"],
+        want_status["recalls"],
+    )
+    assert got == want
+    for (lp, top), (want_lp, want_top) in zip(got_lps, want_lps, strict=True):
+        assert top == want_top and abs(lp - want_lp) < 1e-4

@@ -12,9 +12,10 @@ wire, checked by that record's own rules). The frame declarations live in
 
 from __future__ import annotations
 
+import functools
 import numbers
 import types
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import MISSING, dataclass, fields
 from typing import Any, Literal, Self, Union, get_args, get_origin, get_type_hints
 
@@ -48,80 +49,202 @@ def _typename(tp: Any) -> str:
     return str(tp).replace("typing.", "").replace("luced.ipc.regions.", "")
 
 
+Coercer = Callable[[Any, str], Any]
+# The exact Python types each plain annotation's check takes (a union dispatches on them).
+_TAKES: dict[Any, tuple[type, ...]] = {
+    bool: (bool,),
+    int: (int,),
+    float: (int, float),
+    str: (str,),
+    bytes: (bytes, bytearray, memoryview),
+}
+
+
 def coerce(v: Any, tp: Any, path: str) -> Any:
     """Check ``v`` against the annotation ``tp``; return it normalised."""
+    return _coercer(tp)(v, path)
+
+
+def _mismatch(v: Any, tp: Any, path: str) -> FrameError:
+    shown = repr(v) if len(repr(v)) <= 60 else repr(v)[:57] + "..."
+    return FrameError(f"{path}: expected {_typename(tp)}, got {type(v).__name__} {shown}")
+
+
+_COERCERS: dict[Any, Coercer] = {}
+
+
+def _coercer(tp: Any) -> Coercer:
+    """The check of one annotation, worked out once: a frame of many spans checks the same
+    few annotations thousands of times a second, and every step waits for it."""
+    key = _ordered(tp)
+    got = _COERCERS.get(key)
+    if got is None:
+        got = _COERCERS[key] = _compile(tp)
+    return got
+
+
+def _ordered(tp: Any) -> Any:
+    """An annotation as a key that tells `int | float` from `float | int` (unions and
+    literals compare equal whatever their order; their checks try the arms in order)."""
+    args = get_args(tp)
+    return (get_origin(tp), tuple(_ordered(a) for a in args)) if args else tp
+
+
+def _compile(tp: Any) -> Coercer:
     if tp is bool:
-        if type(v) is bool:
-            return v
+
+        def check(v: Any, path: str) -> Any:
+            if type(v) is bool:
+                return v
+            raise _mismatch(v, tp, path)
+
     elif tp is int:
-        if isinstance(v, numbers.Integral) and not isinstance(v, bool):
-            if not -(2**63) <= v < 2**64:  # what msgpack can carry
-                raise FrameError(f"{path}: {v} is outside the 64-bit integer range")
-            return int(v)
+
+        def check(v: Any, path: str) -> Any:
+            if type(v) is int or (isinstance(v, numbers.Integral) and not isinstance(v, bool)):
+                if not -(2**63) <= v < 2**64:  # what msgpack can carry
+                    raise FrameError(f"{path}: {v} is outside the 64-bit integer range")
+                return int(v)
+            raise _mismatch(v, tp, path)
+
     elif tp is float:
-        if isinstance(v, numbers.Real) and not isinstance(v, bool):
-            return float(v)
+
+        def check(v: Any, path: str) -> Any:
+            if type(v) is float:
+                return v
+            if isinstance(v, numbers.Real) and not isinstance(v, bool):
+                return float(v)
+            raise _mismatch(v, tp, path)
+
     elif tp is str:
-        if isinstance(v, str):
-            return str(v)
+
+        def check(v: Any, path: str) -> Any:
+            if isinstance(v, str):
+                return str(v)
+            raise _mismatch(v, tp, path)
+
     elif tp is bytes:
-        if isinstance(v, bytes | bytearray | memoryview):
-            return bytes(v)
+
+        def check(v: Any, path: str) -> Any:
+            if isinstance(v, bytes | bytearray | memoryview):
+                return bytes(v)
+            raise _mismatch(v, tp, path)
+
     elif tp is type(None):
-        if v is None:
-            return None
+
+        def check(v: Any, path: str) -> Any:
+            if v is None:
+                return None
+            raise _mismatch(v, tp, path)
+
     elif isinstance(tp, type) and issubclass(tp, Record):
-        if isinstance(v, tp):
-            return v
-        if isinstance(v, Mapping):
-            try:
-                return tp.from_wire(v)
-            except FrameError as e:
-                raise FrameError(f"{path}: {e}") from None
+
+        def check(v: Any, path: str) -> Any:
+            if isinstance(v, tp):
+                return v
+            if isinstance(v, Mapping):
+                try:
+                    return tp.from_wire(v)
+                except FrameError as e:
+                    raise FrameError(f"{path}: {e}") from None
+            raise _mismatch(v, tp, path)
+
     elif tp is Region:
-        if isinstance(v, Region):
-            return v
-        try:
-            return Region.from_wire(v)
-        except RegionError as e:
-            raise FrameError(f"{path}: {e}") from None
+
+        def check(v: Any, path: str) -> Any:
+            if isinstance(v, Region):
+                return v
+            try:
+                return Region.from_wire(v)
+            except RegionError as e:
+                raise FrameError(f"{path}: {e}") from None
+
     else:
-        origin, args = get_origin(tp), get_args(tp)
-        if origin is Literal:
+        check = _generic(tp)
+    return check
+
+
+def _generic(tp: Any) -> Coercer:
+    """The check of a parametrised annotation (Literal, a union, tuple, dict)."""
+    origin, args = get_origin(tp), get_args(tp)
+    if origin is Literal:
+
+        def literal(v: Any, path: str) -> Any:
             if isinstance(v, str) and v in args:
                 return v
             raise FrameError(f"{path}: expected one of {list(args)}, got {v!r}")
-        if origin in (Union, types.UnionType):
-            arms = [a for a in args if a is not type(None)]
-            if v is None and len(arms) < len(args):
+
+        return literal
+    if origin in (Union, types.UnionType):
+        arms = [_coercer(a) for a in args if a is not type(None)]
+        optional = len(arms) < len(args)
+        if len(arms) == 1:  # X | None: keep X's precise error
+            (arm,) = arms
+
+            def maybe(v: Any, path: str) -> Any:
+                return None if v is None and optional else arm(v, path)
+
+            return maybe
+
+        # A value of a plain type goes straight to the first arm that takes it (as trying
+        # the arms in order would: no arm before it takes that type), sparing the failed
+        # tries of the arms before.
+        direct: dict[type, Coercer | None] = {}
+        for a in args:
+            if get_origin(a) is Literal:
+                direct.setdefault(str, None)  # it may take a string: try the arms in order
+            for t in _TAKES.get(a, ()):
+                direct.setdefault(t, _coercer(a))
+
+        def union(v: Any, path: str) -> Any:
+            if v is None and optional:
                 return None
-            if len(arms) == 1:
-                return coerce(v, arms[0], path)  # X | None: keep X's precise error
+            if (arm := direct.get(type(v))) is not None:
+                return arm(v, path)
             for arm in arms:
                 try:
-                    return coerce(v, arm, path)
+                    return arm(v, path)
                 except FrameError:
                     pass
-        elif origin is tuple:
+            raise _mismatch(v, tp, path)
+
+        return union
+    if origin is tuple:
+        if len(args) == 2 and args[1] is Ellipsis:
+            item = _coercer(args[0])
+
+            def items(v: Any, path: str) -> Any:
+                if isinstance(v, list | tuple):
+                    return tuple(item(x, f"{path}[{i}]") for i, x in enumerate(v))
+                raise _mismatch(v, tp, path)
+
+            return items
+        parts = [_coercer(a) for a in args]
+
+        def fixed(v: Any, path: str) -> Any:
             if isinstance(v, list | tuple):
-                if len(args) == 2 and args[1] is Ellipsis:
-                    return tuple(coerce(x, args[0], f"{path}[{i}]") for i, x in enumerate(v))
-                if len(v) != len(args):
-                    raise FrameError(f"{path}: expected {len(args)} items, got {len(v)}")
-                pairs = enumerate(zip(v, args, strict=True))
-                return tuple(coerce(x, a, f"{path}[{i}]") for i, (x, a) in pairs)
-        elif origin is dict:
+                if len(v) != len(parts):
+                    raise FrameError(f"{path}: expected {len(parts)} items, got {len(v)}")
+                pairs = enumerate(zip(v, parts, strict=True))
+                return tuple(part(x, f"{path}[{i}]") for i, (x, part) in pairs)
+            raise _mismatch(v, tp, path)
+
+        return fixed
+    if origin is dict:
+        value = _coercer(args[1])
+
+        def mapping(v: Any, path: str) -> Any:
             if isinstance(v, Mapping):
                 out = {}
                 for k, x in v.items():
                     if not isinstance(k, str):
                         raise FrameError(f"{path}: keys must be strings, got {k!r}")
-                    out[k] = coerce(x, args[1], f"{path}.{k}")
+                    out[k] = value(x, f"{path}.{k}")
                 return out
-        else:  # pragma: no cover - an annotation this module does not support
-            raise TypeError(f"{path}: unsupported field type {tp!r}")
-    shown = repr(v) if len(repr(v)) <= 60 else repr(v)[:57] + "..."
-    raise FrameError(f"{path}: expected {_typename(tp)}, got {type(v).__name__} {shown}")
+            raise _mismatch(v, tp, path)
+
+        return mapping
+    raise TypeError(f"unsupported field type {tp!r}")  # pragma: no cover
 
 
 def to_wire(v: Any) -> Any:
@@ -145,9 +268,8 @@ class Record:
         return cls.__name__
 
     def __post_init__(self) -> None:
-        where = self.label()
-        for name, tp in _hints(type(self)):
-            object.__setattr__(self, name, coerce(getattr(self, name), tp, f"{where}: {name}"))
+        for name, check, path in _checks(type(self)):
+            object.__setattr__(self, name, check(getattr(self, name), path))
         self._check()
 
     def _check(self) -> None:
@@ -161,9 +283,7 @@ class Record:
 
     @classmethod
     def from_wire(cls, d: Mapping[str, Any]) -> Self:
-        fs = fields(cls)
-        names = {f.name for f in fs}
-        required = {f.name for f in fs if f.default is MISSING and f.default_factory is MISSING}
+        names, required = _keys(cls)
         missing, unknown = required - d.keys(), d.keys() - names
         if missing or unknown:
             parts = []
@@ -173,3 +293,17 @@ class Record:
                 parts.append(f"unknown field(s) {sorted(map(str, unknown))}")
             raise FrameError(f"{cls.label()}: {'; '.join(parts)}")
         return cls(**d)
+
+
+@functools.cache
+def _checks(cls: type[Record]) -> list[tuple[str, Coercer, str]]:
+    """(field, its check, the path its errors name) for each field of a record class."""
+    return [(name, _coercer(tp), f"{cls.label()}: {name}") for name, tp in _hints(cls)]
+
+
+@functools.cache
+def _keys(cls: type[Record]) -> tuple[frozenset[str], frozenset[str]]:
+    """A record class's field names, and those without a default (the wire must carry)."""
+    fs = fields(cls)
+    required = (f.name for f in fs if f.default is MISSING and f.default_factory is MISSING)
+    return frozenset(f.name for f in fs), frozenset(required)

@@ -33,7 +33,13 @@ from luced.runtime.kv_cache import ContextOverflow
 from luced.runtime.model import Model
 from luced.runtime.ragged import Ragged
 from luced.runtime.ragged import Span as RaggedSpan
-from luced.runtime.sampler import Sampler, histories, token_logprobs, write_rows
+from luced.runtime.sampler import (
+    Sampler,
+    argmax_only,
+    histories,
+    token_logprobs,
+    write_rows,
+)
 from luced.runtime.state import Loaded, SequenceState, WorkerError, WorkerState, kept_sampler
 
 
@@ -98,12 +104,13 @@ def forward(worker: WorkerState, req: F.Forward) -> F.ForwardReply:
             if req.want == "logits":
                 outputs["logits"][: len(picked)].copy_(logits)
             else:
+                argmaxed = _argmax_picks(logits, spans, samplers, bias is None, outputs)
                 heads = zip(spans, states, samplers, own, strict=True)
                 row = 0
                 for j, (span, state, sampler, mine) in enumerate(heads):
                     part = slice(row, row + span.n_out)
                     rows_bias = None if bias is None else bias[part].to(logits.device)
-                    if sampler is not None:
+                    if sampler is not None and j not in argmaxed:
                         seen = state.tokens + mine
                         if span.verify:
                             assert q is not None and ids is not None
@@ -194,7 +201,7 @@ def _samplers(req: F.Forward, states: list[SequenceState], has_ids: bool) -> lis
         sampler = kept_sampler(state, span.sampling, k)
         if sampler.params.has_penalties and (not has_ids or len(state.tokens) < span.start):
             raise WorkerError("penalties need the token history; this shard was fed hidden_in")
-        if span.verify and sampler.params.greedy:
+        if span.verify and argmax_only(sampler.params):
             raise WorkerError("a verify span needs temperature > 0 (greedy windows: n_out = n)")
         out.append(sampler)
     return out
@@ -283,6 +290,34 @@ def _group_layers(
             )
             _write_captures(caps, capture, [spans[j] for j in group], [rings[j] for j in group])
     return hidden
+
+
+def _argmax_picks(
+    logits: torch.Tensor,
+    spans: Sequence[F.Span],
+    samplers: list[Sampler | None],
+    unmasked: bool,
+    outputs: dict[str, torch.Tensor],
+) -> set[int]:
+    """The spans whose tokens are their rows' argmax and nothing else (`argmax_only`), picked
+    in one call rather than a call per span (the same ids: each row's argmax is its own);
+    -> their indices."""
+    if not unmasked:
+        return set()
+    rows: list[int] = []
+    picked: set[int] = set()
+    row = 0
+    for j, (span, sampler) in enumerate(zip(spans, samplers, strict=True)):
+        if sampler is not None and not span.verify and argmax_only(sampler.params):
+            rows.extend(range(row, row + span.n_out))
+            picked.add(j)
+        row += span.n_out
+    if len(picked) < 2:  # one span's call is already one call
+        return set()
+    best = logits.argmax(dim=-1).to("cpu", torch.int32)  # every row: no copy of the logits
+    at = torch.tensor(rows)
+    outputs["ids"][at] = best[at]
+    return picked
 
 
 def _pool(

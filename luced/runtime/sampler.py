@@ -257,6 +257,17 @@ def probs(
     return torch.zeros_like(x).scatter_(1, cand.ids, p)
 
 
+def argmax_only(params: SamplingParams) -> bool:
+    """Whether `sample` with `params` (and no grammar mask) draws each row's argmax of the
+    raw logits and reports nothing else: greedy, no penalties, logit bias or logprobs."""
+    return (
+        params.greedy
+        and not params.has_penalties
+        and not params.logit_bias
+        and params.logprobs is None
+    )
+
+
 def sample(
     logits: torch.Tensor,
     params: SamplingParams,

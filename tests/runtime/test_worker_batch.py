@@ -146,6 +146,44 @@ def test_batched_decode_equals_each_sequence_alone(worker, io, tiny) -> None:
         assert got[seq] == alone(model, prompt, len(got[seq])), f"sequence {seq}"
 
 
+def test_plain_greedy_spans_beside_penalized_ones_pick_as_alone(worker, io) -> None:
+    """The spans whose tokens are their rows' argmax are picked in one call; the spans beside
+    them with a repetition penalty or a logit bias keep their own draws, from their own rows.
+    Sequences 0-3 decode in one batch, 4-7 (the same prompts and sampling) one span per frame:
+    every sequence gets the same tokens as its twin."""
+    sampling = [
+        GREEDY,
+        {"temperature": 0, "repetition_penalty": 3.0, "penalty_window": 8},
+        GREEDY,
+        {"temperature": 0, "logit_bias": {"7": 100.0}},
+    ]
+    prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[2], [3, 3, 8, 1, 9]]
+
+    def step(feeds: dict[int, tuple[int, list[int]]]) -> list[int]:
+        spans = tuple(
+            F.Span(sequence=seq, start=start, n=len(ids), sampling=sampling[seq % 4])
+            for seq, (start, ids) in feeds.items()
+        )
+        flat = [t for _, ids in feeds.values() for t in ids]
+        io.a("tokens")[: len(flat)] = flat
+        outputs = {"ids": io.r["ids"]}
+        worker.call(F.Forward(spans, "sample", outputs, tokens=io.r["tokens"]))
+        return [int(t) for t in io.a("ids")[: len(spans)]]
+
+    got: dict[int, list[int]] = {}
+    for seq in range(8):
+        worker.call(F.Reset(sequence=seq, release=True))
+        got[seq] = step({seq: (0, prompts[seq % 4])})
+    for _ in range(5):
+        feeds = {s: (len(prompts[s]) + len(got[s]) - 1, got[s][-1:]) for s in range(4)}
+        for s, token in zip(range(4), step(feeds), strict=True):
+            got[s].append(token)
+        for s in range(4, 8):
+            got[s] += step({s: (len(prompts[s % 4]) + len(got[s]) - 1, got[s][-1:])})
+    assert [got[s] for s in range(4)] == [got[s] for s in range(4, 8)]
+    assert 7 in got[3]  # the bias drew its token
+
+
 def test_a_verify_block_in_a_batch_samples_every_row_as_alone(worker, io, tiny) -> None:
     """Sequence 1 feeds a block and gets the greedy token after each of its rows (a
     speculative verify) while sequence 0 takes a decode step, in one batch; the rows

@@ -1,0 +1,183 @@
+#!/usr/bin/env python3
+"""The worker's cost of one decode step of B sequences, source tree against source tree.
+
+    python tools/bench_step.py --trees "A;B" [--batches 8,16] [--context 160] [--rounds 20]
+        [--steps 5] [--threads 1] [--clock cpu|wall] [--model PATH]
+
+For each tree and batch size, one process (PYTHONPATH=TREE) plays the daemon to an
+in-process worker (`runtime.backend.Backend`, over real shared memory): it loads the model
+(`--weights auto`, a block pool as the daemon's default), primes B sequences with
+`--context` tokens each, then runs decode steps of B single-token greedy spans. A step is
+what the worker does for it and what the daemon does to send it: the `forward` frame built,
+encoded, decoded, handled, and its reply encoded (no socket). The trees' processes run side
+by side and take turns, `--steps` steps at a time for `--rounds` rounds, so both see the
+same load on a shared machine. `--clock cpu` (default) times the process's CPU time, which
+other jobs on the machine disturb less than wall time; keep `--threads 1` with it (idle
+OpenMP threads spin). Reported per batch size: each tree's median and minimum step, and the
+ratio of each tree to the first (median of the rounds' ratios). The bundled SmolLM2-135M by
+default.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import secrets
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+GREEDY = {"temperature": 0}
+
+
+def serve(model: str, batch: int, context: int, threads: int, clock: str) -> None:
+    """The child: load, prime, then run the steps each line of stdin asks for ("N")."""
+    import torch
+
+    from luced.ipc import codec
+    from luced.ipc import frames as F
+    from luced.ipc.regions import RegionAllocator, required_bytes
+    from luced.ipc.shm import ShmOwner
+    from luced.runtime.backend import Backend
+
+    torch.set_num_threads(threads)
+    now = time.process_time if clock == "cpu" else time.perf_counter
+
+    def call(backend: Backend, req: F.Request) -> F.Reply:
+        _, decoded, _ = codec.decode_request(codec.encode_request(1, req))
+        reply = backend.handle(decoded)  # raises what the worker would answer as an error
+        codec.encode_reply(1, reply)
+        return reply
+
+    with ShmOwner("bench" + secrets.token_hex(2)) as owner:
+        specs = {"tokens": ((batch * context,), "int32"), "ids": ((batch,), "int32")}
+        seg = owner.create("io", required_bytes(specs.values()))
+        alloc = RegionAllocator.for_segment(seg)
+        r = {n: alloc.alloc(n, shape, dt) for n, (shape, dt) in specs.items()}
+        tokens = seg.array(r["tokens"].offset, r["tokens"].shape, "int32")
+        ids = seg.array(r["ids"].offset, r["ids"].shape, "int32")
+        backend = Backend("cpu", ("cpu",))
+        call(backend, F.Hello(instance=owner.instance))
+        load = F.Load(
+            model=model,
+            layers=(0, _layers(model)),
+            dtype="float32",
+            devices=("cpu",),
+            kv_capacity=context + 4096,
+            owns_embed=True,
+            owns_head=True,
+            weights="auto",
+            kv_block=16,
+        )
+        call(backend, load)
+
+        def forward(spans: tuple[F.Span, ...]) -> None:
+            outputs = {"ids": r["ids"]}
+            call(backend, F.Forward(spans, "sample", outputs, tokens=r["tokens"]))
+
+        g = torch.Generator().manual_seed(0)
+        last = []
+        for seq in range(batch):  # each prompt alone, as the daemon prefills
+            tokens[:context] = torch.randint(1000, 30000, (context,), generator=g).numpy()
+            forward((F.Span(sequence=seq, start=0, n=context, sampling=GREEDY),))
+            last.append(int(ids[0]))
+        tokens[:batch] = last
+        pos = context
+        print("ready", flush=True)
+        for line in sys.stdin:
+            times = []
+            for _ in range(int(line)):
+                t = now()
+                spans = tuple(
+                    F.Span(sequence=seq, start=pos, n=1, sampling=GREEDY) for seq in range(batch)
+                )
+                forward(spans)
+                times.append(now() - t)
+                tokens[:batch] = ids[:batch]
+                pos += 1
+            print(json.dumps(times), flush=True)
+
+
+def _layers(model: str) -> int:
+    from luced.gguf_file import GGUFFile
+
+    gguf = GGUFFile(model)
+    return int(gguf.require(f"{gguf.require('general.architecture')}.block_count"))
+
+
+def compare(args: argparse.Namespace, trees: list[str], batch: int) -> None:
+    procs = []
+    for tree in trees:
+        env = {**os.environ, "PYTHONPATH": tree}
+        cmd = [sys.executable, __file__, "--serve", "--model", args.model]
+        cmd += ["--batches", str(batch), "--context", str(args.context)]
+        cmd += ["--threads", str(args.threads), "--clock", args.clock]
+        procs.append(
+            subprocess.Popen(cmd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        )
+    try:
+        for p in procs:
+            if p.stdout.readline().strip() != "ready":  # type: ignore[union-attr]
+                raise SystemExit(f"a step process failed to start (exit {p.wait()})")
+
+        def run(p: subprocess.Popen, n: int) -> list[float]:
+            p.stdin.write(f"{n}\n")  # type: ignore[union-attr]
+            p.stdin.flush()  # type: ignore[union-attr]
+            return json.loads(p.stdout.readline())  # type: ignore[union-attr]
+
+        for p in procs:
+            run(p, 2)  # warm-up
+        times: list[list[float]] = [[] for _ in trees]
+        ratios: list[list[float]] = [[] for _ in trees]
+        for r in range(args.rounds):
+            order = list(range(len(trees)))
+            if r % 2:
+                order.reverse()
+            medians = [0.0] * len(trees)
+            for i in order:
+                got = run(procs[i], args.steps)
+                times[i] += got
+                medians[i] = statistics.median(got)
+            for i in range(len(trees)):
+                ratios[i].append(medians[i] / medians[0])
+    finally:
+        for p in procs:
+            p.stdin.close()  # type: ignore[union-attr]
+            p.wait()
+    for i, tree in enumerate(trees):
+        med, low = statistics.median(times[i]) * 1e3, min(times[i]) * 1e3
+        ratio = statistics.median(ratios[i])
+        print(f"| {batch} | {tree} | {med:.2f} | {low:.2f} | {ratio:.3f} |", flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--trees", default=str(Path(__file__).resolve().parent.parent))
+    ap.add_argument("--batches", default="8,16")
+    ap.add_argument("--context", type=int, default=160)
+    ap.add_argument("--rounds", type=int, default=20)
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--clock", choices=("cpu", "wall"), default="cpu")
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)  # the child
+    args = ap.parse_args()
+    if args.model is None:
+        from luced.serve.bundled import smollm2_path
+
+        args.model = str(smollm2_path())
+    if args.serve:
+        serve(args.model, int(args.batches), args.context, args.threads, args.clock)
+        return
+    print(f"decode step, context {args.context}, {args.threads} thread(s), {args.clock} time")
+    print("| B | tree | median ms | min ms | ratio to first |")
+    print("|---|---|---|---|---|")
+    for batch in (int(b) for b in args.batches.split(",")):
+        compare(args, args.trees.split(";"), batch)
+
+
+if __name__ == "__main__":
+    main()

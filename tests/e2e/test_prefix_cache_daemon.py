@@ -129,8 +129,10 @@ def test_two_turn_chat_lucectl_and_worker_kill(smollm2_gguf, tmp_path) -> None:
         oa.chat.completions.create(
             model=d.model_name, messages=messages[:2], temperature=0, max_tokens=2
         )
-        assert d.lucectl_json("cache", "clear", "--yes")["cleared"] == 1
+        cleared = d.lucectl_json("cache", "clear", "--yes")
+        assert cleared["cleared"] == 1 and cleared["kept_dropped"] == 1  # that request's blocks
         assert snapshots(d) == []
+        assert d.lucectl_json("status")["queue"]["kv_kept_requests"] == 0
     finally:
         assert d.stop() == 0
     assert d.segments() == []

@@ -75,6 +75,7 @@ def test_finished_prefixes_drop_what_a_newer_one_extends_and_keep_within_the_lim
     assert finish(1, SYSTEM[: MIN_KEPT - 1]) is None  # too short to keep
     second = finish(1, SYSTEM)  # the next turn extends the first: the first goes
     assert second == 9 and kv.evicted == [8] and kept.forget_evicted() == [8]
+    assert finish(2, SYSTEM[:50]) is None  # the second holds all of it already
     assert kept.match([*SYSTEM[:110], 1, 2]) == (9, 110)
     other = finish(2, [9] * 200)  # the limit (300) takes the older one out
     assert other is not None and list(kv.kept) == [other] and kv.evicted == [9]

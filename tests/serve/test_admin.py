@@ -165,7 +165,8 @@ class Tiers:
 
 async def test_cache_clear_takes_only_a_boolean_disk(sock_path: Path) -> None:
     tiers = Tiers()
-    engine = SimpleNamespace(prefix_cache=tiers, tokenizer=None)  # what the verbs read
+    # What the verbs read; clearing also drops the finished requests' kept blocks.
+    engine = SimpleNamespace(prefix_cache=tiers, tokenizer=None, drop_kept=lambda: 2)
     handlers = snapshot_handlers(lambda _: engine)  # type: ignore[arg-type, return-value]
     async with await start_admin_server(sock_path, handlers):
         replies = await ask(
@@ -180,6 +181,7 @@ async def test_cache_clear_takes_only_a_boolean_disk(sock_path: Path) -> None:
     assert replies[0] == {"ok": False, "error": "disk must be true or false, got 'no'"}
     assert replies[1] == {"ok": False, "error": "disk must be true or false, got 1"}
     assert [r["ok"] for r in replies[2:5]] == [True, True, True]
+    assert [r["kept_dropped"] for r in replies[2:5]] == [2, 2, 2]
     assert tiers.cleared == [False, False, True]  # "no" and 1 cleared nothing
     assert replies[5] == {"ok": False, "error": "id must be a string, got int"}
 

@@ -13,7 +13,8 @@ Kept lanes are charged to the KV budget (engine/kv/budget.py) like running ones,
 way first: admission and growth reclaim the least recently used before a request waits or
 is preempted, and they hold at most `limit` positions together (`--kv-keep-tokens`). A
 kept lane whose tokens a newer one extends is dropped at once: the newer one holds
-every block it does.
+every block it does; a finished sequence whose tokens a kept lane holds whole is not
+kept.
 
 The prefix cache (cache/) is the tier behind: snapshots copied into host memory and
 onto disk, which outlive an eviction and a restart.
@@ -58,13 +59,19 @@ class FinishedPrefixes:
 
     def lane_for(self, tokens: list[int]) -> int | None:
         """The lane a finished sequence holding `tokens` is kept under, making room for it;
-        None when it is not kept (too short, or longer than every kept lane may hold)."""
+        None when it is not kept (too short, longer than every kept lane may hold, or
+        held whole by a kept lane already)."""
         n = len(tokens)
         if n < MIN_KEPT or n > self.limit:
             return None
         budget = self.budget
         for lane, held in list(self.tokens.items()):
-            if lane in budget.kept and len(held) <= n and tokens[: len(held)] == held:
+            if lane not in budget.kept:
+                continue
+            if len(held) >= n and held[:n] == tokens:  # that one holds all of these
+                budget.touch(lane)
+                return None
+            if tokens[: len(held)] == held:
                 budget.evict(lane)  # this one holds every block that one does
         while budget.kept_positions + n > self.limit and budget.evict() is not None:
             pass

@@ -241,6 +241,11 @@ def _queue(q: Any) -> str:
             text += f" (max {q['max_queued_tokens']})"
     if q.get("mean_batch") is not None:
         text += f"; {q['batched_steps']} batched steps, {q['mean_batch']} sequences each"
+    if q.get("kv_kept_requests"):  # finished requests' prompt blocks, for later prompts
+        text += (
+            f"; finished prompts kept in the KV pool: {q['kv_kept_requests']} "
+            f"({q.get('kv_kept_tokens', 0)} tokens)"
+        )
     # Each running and waiting request and its tokens so far.
     for key, label in (("requests", "running"), ("waiting_requests", "waiting")):
         for r in q.get(key) or []:

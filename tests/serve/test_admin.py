@@ -675,6 +675,13 @@ def test_status_shows_the_running_and_waiting_requests() -> None:
     ]
 
 
+def test_status_shows_the_finished_prompts_kept_in_the_pool() -> None:
+    queue = {"running": 0, "waiting": 0, "kv_kept_requests": 2, "kv_kept_tokens": 300}
+    assert lucectl.render_status({"queue": queue}) == (
+        "queue  0 running, 0 waiting; finished prompts kept in the KV pool: 2 (300 tokens)"
+    )
+
+
 def test_status_says_what_a_torch_fallback_costs() -> None:
     fell = "torch fallback: no C compiler (gcc, cc or $CC) and no cached build in /x"
     assert lucectl.render_status({"kernels": fell}) == (

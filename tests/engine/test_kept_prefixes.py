@@ -1,5 +1,6 @@
 """Finished requests' K/V kept in the block pool (engine/kv/finished.py): the account of
-kept lanes (torch-free), and end to end over real workers, where a later request that
+kept lanes (torch-free), and end to end over real workers (test_prefix_sharing's
+helpers), where a later request that
 starts with a finished one's tokens shares its blocks and gives its fresh output."""
 
 from __future__ import annotations
@@ -9,14 +10,12 @@ from pathlib import Path
 
 import pytest
 from engine_harness import engine_for
+from test_prefix_sharing import kv_blocks_used, request, tokens
 
-from luced.engine.core import GenerationRequest, RequestHandle
 from luced.engine.kv.budget import KVBudget
 from luced.engine.kv.finished import KEPT_LANES, MIN_KEPT, FinishedPrefixes, common_prefix
 from luced.runtime.tiny import make_tiny_gguf
-from luced.sampling_params import SamplingParams
 
-GREEDY = SamplingParams(temperature=0)
 SYSTEM = [(7 * i + 3) % 120 + 2 for i in range(120)]
 
 
@@ -114,19 +113,6 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_gguf("qwen3", path, seed=7, layers=4, context=512).path
 
 
-def request(name: str, prompt: list[int], max_tokens: int = 16) -> GenerationRequest:
-    return GenerationRequest(name, prompt, GREEDY, max_tokens, ignore_eos=True)
-
-
-async def tokens(handle: RequestHandle) -> list[int]:
-    return [t async for delta in handle for t in delta.token_ids]
-
-
-async def blocks_used(engine) -> list[int]:
-    stats = await engine.target.stats()
-    return [w["kv_blocks_used"] for w in stats["workers"]]
-
-
 @pytest.mark.parametrize("devices", [("cpu",), ("cpu", "cpu:1")], ids=["unsplit", "split"])
 async def test_a_chats_next_turn_shares_the_finished_turns_blocks(tiny: Path, devices) -> None:
     """Turn 1 finishes; turn 2's prompt is turn 1's, its answer and a new message: it
@@ -139,7 +125,7 @@ async def test_a_chats_next_turn_shares_the_finished_turns_blocks(tiny: Path, de
     async with engine_for(tiny, devices, context=512, max_running=2, kv_keep_tokens=512) as engine:
         assert await tokens(engine.submit(request("t1", SYSTEM))) == answer
         assert engine.status()["queue"]["kv_kept_requests"] == 1
-        held = await blocks_used(engine)
+        held = await kv_blocks_used(engine)
         second = engine.submit(request("t2", turn2))
         assert await tokens(second) == want
         # Turn 2's prompt extends turn 1's, so turn 1's lane is dropped and turn 2's kept:
@@ -147,7 +133,7 @@ async def test_a_chats_next_turn_shares_the_finished_turns_blocks(tiny: Path, de
         assert second.cached_tokens == len(SYSTEM)
         assert engine.totals["shared_prompt_tokens"] == second.cached_tokens
         assert engine.status()["queue"]["kv_kept_tokens"] == len(turn2)
-        now = await blocks_used(engine)
+        now = await kv_blocks_used(engine)
         assert all(n - h <= 2 for h, n in zip(held, now, strict=True))
 
 
@@ -165,7 +151,7 @@ async def test_kept_blocks_give_way_to_running_requests(tiny: Path) -> None:
         for i, p in enumerate(prompts):
             await tokens(engine.submit(request(f"p{i}", p)))
         assert len(engine.kv.kept) == 3
-        kept_blocks = await blocks_used(engine)
+        kept_blocks = await kv_blocks_used(engine)
         assert kept_blocks[0] >= 3 * 115 // 16
         got = await tokens(engine.submit(request("long", long, max_tokens=40)))
         assert got == want and engine.totals["preemptions"] == 0

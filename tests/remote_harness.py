@@ -67,8 +67,10 @@ class WorkerProc:
         models: list[Path],
         port: int,
         threads: int = 1,
+        args: tuple[str, ...] = (),
     ) -> None:
         self.host, self.key, self.models, self.port, self.threads = host, key, models, port, threads
+        self.args = args  # more flags of `luced worker`
         self.proc: subprocess.Popen | None = None
         self.lines: list[str] = []
 
@@ -84,21 +86,24 @@ class WorkerProc:
         argv += ["--worker-key-file", str(self.key), "--threads", str(self.threads)]
         for model in self.models:
             argv += ["--model", str(model)]
+        argv += self.args
         env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
+        since = len(self.lines)  # a restart: the last run's lines are there too
         self.proc = self.host.popen_b(argv, stderr=subprocess.PIPE, text=True, env=env)
         threading.Thread(target=self._read, args=(self.proc,), daemon=True).start()
-        self.wait_log("listening on", timeout)
+        self.wait_log("listening on", timeout, since)
         return self
 
     def _read(self, proc: subprocess.Popen) -> None:
         for line in proc.stderr:
             self.lines.append(line.rstrip())
 
-    def wait_log(self, pattern: str, timeout: float = 60) -> str:
-        """The first log line matching `pattern` (a regex), waiting for it."""
+    def wait_log(self, pattern: str, timeout: float = 60, since: int = 0) -> str:
+        """The first log line matching `pattern` (a regex) from line `since` on, waiting
+        for it."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            for line in list(self.lines):
+            for line in self.lines[since:]:
                 if re.search(pattern, line):
                     return line
             if self.proc is not None and self.proc.poll() is not None:

@@ -1,6 +1,6 @@
 """The layering rule, checked on every import (module level, function level, TYPE_CHECKING):
 
-    ipc + shared leaves  <  text, cache, runtime  <  engine  <  api  <  serve  <  cli
+    ipc, cache + shared leaves  <  text, runtime  <  engine  <  api  <  serve  <  cli
 
 A module imports only from its own package or from a lower rank; nothing outside
 ``luced/runtime`` imports it; no import cycle between modules; and the daemon side never
@@ -16,12 +16,12 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "luced"
 
-SHARED_LEAVES = ("luced.sampling_params", "luced.gguf_file", "luced.acceptance")
+SHARED_LEAVES = ("luced.sampling_params", "luced.gguf_file", "luced.acceptance", "luced.values")
 RANKS = {
     "luced.ipc": 0,
     **dict.fromkeys(SHARED_LEAVES, 0),
+    "luced.cache": 0,
     "luced.text": 1,
-    "luced.cache": 1,
     "luced.runtime": 1,
     "luced.engine": 2,
     "luced.api": 3,

@@ -20,6 +20,7 @@ Daemon side: no torch here (``tests/test_layering.py``).
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from luced.ipc.regions import numpy_dtype
@@ -55,3 +56,14 @@ class TensorSpec:
         if self.token_axis is None:
             return self.bytes_per_token * n_cuts  # one whole state per cut, whatever n
         return self.bytes_per_token * n_tokens
+
+
+def tensor_specs(
+    tensors: Sequence[tuple[str, int, int]],
+    dtype: str,
+    states: Sequence[tuple[str, Sequence[int], str]] = (),
+) -> list[TensorSpec]:
+    """A worker's snapshot tensors from its ``kv_layout`` reply: K/V as (name, n_kv_heads,
+    head_dim) in the cache dtype, recurrent states as (name, shape, dtype)."""
+    specs = [TensorSpec(name, (heads, 1, dim), dtype, 1) for name, heads, dim in tensors]
+    return specs + [TensorSpec(name, tuple(shape), dt, None) for name, shape, dt in states]

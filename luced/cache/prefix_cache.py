@@ -28,8 +28,8 @@ as a server that keeps its last prompt's KV would.
 
 A block holds the layout's tensors (token axis sized to the entry's length N; a recurrent
 state's cut axis to its number of cuts C) and ``tokens`` (int32 ``[N]``).
-``export_kv(n, regions, cuts)`` fills state slot i with the state at ``cuts[i]``;
-``import_kv(n, regions, tokens)`` gets regions sized N >= n, reads the first n positions
+``export_kv(n, regions, cuts, entry)`` fills state slot i with the state at ``cuts[i]``;
+``import_kv(n, regions, tokens, entry)`` gets regions sized N >= n, reads the first n positions
 along each tensor's token axis, and each state from a one-slot region (the slot of cut n).
 """
 
@@ -69,15 +69,21 @@ class KVMover(Protocol):
         """The snapshot tensors, token axis sized 1 (asked once, before building the cache)."""
         ...
 
-    async def export_kv(self, n: int, regions: dict[str, Region], cuts: Sequence[int]) -> None:
+    async def export_kv(
+        self, n: int, regions: dict[str, Region], cuts: Sequence[int], entry: str
+    ) -> None:
         """Copy the live KV positions ``[0, n)`` into ``regions`` (token axis sized n), and
-        each recurrent state at ``cuts[i]`` (ascending, the last one n) into its slot i."""
+        each recurrent state at ``cuts[i]`` (ascending, the last one n) into its slot i.
+        ``entry``: the entry's id, under which a part kept elsewhere (a worker on another
+        host) is kept."""
         ...
 
-    async def import_kv(self, n: int, regions: dict[str, Region], tokens: Region) -> None:
+    async def import_kv(
+        self, n: int, regions: dict[str, Region], tokens: Region, entry: str
+    ) -> None:
         """Make the live KV hold positions ``[0, n)`` from ``regions`` (token axis >= n; a
-        recurrent state one slot, the state at n); ``tokens`` (int32, >= n) are the ids at
-        those positions."""
+        recurrent state one slot, the state at n) and the part kept elsewhere as ``entry``;
+        ``tokens`` (int32, >= n) are the ids at those positions."""
         ...
 
 
@@ -172,6 +178,9 @@ class PrefixCache:
         self.disk = disk
         self.disk_budget = disk_budget
         self.disk_problem: str | None = None  # set by the daemon when the directory failed
+        # Told each entry id that leaves the index for good (the engine tells the workers
+        # on other hosts, which keep their part of it).
+        self.on_drop: Callable[[str], None] | None = None
         self.min_tokens = max(1, min_tokens)
         self.min_reuse = max(1, min_reuse)
         self.exact_cuts = exact_cuts
@@ -240,7 +249,7 @@ class PrefixCache:
             assert e.block is not None
             regions = self.arena.regions(e.block, self.specs, len(e.tokens), len(e.cuts))
             tokens = regions.pop(TOKENS)
-            await mover.import_kv(hit.n, self._state_slot(regions, e, hit.n), tokens)
+            await mover.import_kv(hit.n, self._state_slot(regions, e, hit.n), tokens, e.id)
         finally:
             self._unpin(e)
         e.hits += 1
@@ -291,7 +300,7 @@ class PrefixCache:
         try:
             regions = self.arena.regions(block, self.specs, n, len(cut_list))
             view(self.arena.segment, regions.pop(TOKENS))[:] = saved
-            await mover.export_kv(n, regions, cut_list)
+            await mover.export_kv(n, regions, cut_list, e.id)
         except BaseException:
             e.block = None
             self.arena.free(block)
@@ -433,6 +442,8 @@ class PrefixCache:
         """Out of the index (bookkeeping only)."""
         if self._entries.pop(e.id, None) is not None:
             self._index.remove(e.id)
+            if self.on_drop is not None:
+                self.on_drop(e.id)
 
     def _discard(self, e: _Entry) -> list[str]:
         """Remove ``e`` entirely; returns the ids whose files the caller deletes."""

@@ -124,13 +124,18 @@ class Driver:
         return await self.target.kv_layout()
 
     async def export_kv(
-        self, n: int, regions: dict[str, Region], cuts: Seq[int] = (), slot: int = 0
+        self,
+        n: int,
+        regions: dict[str, Region],
+        cuts: Seq[int] = (),
+        entry: str = "",
+        slot: int = 0,
     ) -> None:
         mover = self.target.mover(slot, self.position(slot), lambda f: None)
-        await mover.export_kv(n, regions, cuts)
+        await mover.export_kv(n, regions, cuts, entry)
 
     async def import_kv(
-        self, n: int, regions: dict[str, Region], tokens: Region, slot: int = 0
+        self, n: int, regions: dict[str, Region], tokens: Region, entry: str = "", slot: int = 0
     ) -> None:
         seq = self.seq(slot)
 
@@ -139,7 +144,7 @@ class Driver:
 
         mover = self.target.mover(slot, seq.computed, floor)
         try:
-            await mover.import_kv(n, regions, tokens)
+            await mover.import_kv(n, regions, tokens, entry)
         finally:  # n, or unchanged when refused, or 0 when a worker failed part-way
             seq.computed = mover.position
 

@@ -58,23 +58,19 @@ class Hop:
     stale: bool = False  # a step failed on it: link again before the next
     steps: int = 0  # transfers so far (the next one's number)
     bytes: int = 0  # everything it moved
-    tokens: int = 0  # tokens whose rows it moved (hidden states, ring rows) ...
-    token_bytes: int = 0  # ... and their bytes; the rest: prefix-cache rows
+    tokens: int = 0  # tokens whose rows it moved (hidden states, ring rows)
     lock: asyncio.Lock = dataclasses.field(default_factory=asyncio.Lock)
 
-    def relay(self, regions: tuple[Region, ...], tokens: int | None = None) -> Relay:
-        """The next transfer of `regions`: the rows of `tokens` tokens, or (None) a
-        snapshot's rows (the accounting)."""
+    def relay(self, regions: tuple[Region, ...], tokens: int) -> Relay:
+        """The next transfer of `regions`: the rows of `tokens` tokens."""
         relay = Relay(hop=self.name, step=self.steps, regions=regions)
         self.steps += 1
         self.bytes += relay.nbytes
-        if tokens is not None:
-            self.tokens += tokens
-            self.token_bytes += relay.nbytes
+        self.tokens += tokens
         return relay
 
     def describe(self) -> dict:
-        per_token = round(self.token_bytes / self.tokens, 1) if self.tokens else None
+        per_token = round(self.bytes / self.tokens, 1) if self.tokens else None
         return {
             "hop": self.name,
             "between": [end.spec.group for end in self.ends],
@@ -83,7 +79,6 @@ class Hop:
             "bytes": self.bytes,
             "tokens": self.tokens,
             "bytes_per_token": per_token,
-            "snapshot_bytes": self.bytes - self.token_bytes,  # prefix-cache rows
         }
 
 
@@ -164,16 +159,6 @@ class Hops:
             out[k] = with_relays(out[k], relay_out=relay)
             out[k + 1] = with_relays(out[k + 1], relay_in=relay)
         return out
-
-    def neighbour(self, k: int) -> tuple[Hop, Slot] | None:
-        """A hop from pipeline slot k (on another host) to a local neighbour, and that
-        neighbour: the local worker that relays slot k's bulk for the daemon."""
-        slots = self.executor.slots
-        for b, other in ((k - 1, k - 1), (k, k + 1)):
-            hop = self.boundaries.get(b)
-            if hop is not None and not slots[other].spec.remote:
-                return hop, slots[other]
-        return None
 
     def failed(self) -> None:
         """A step failed: its hops may hold half a transfer; link them again before use."""

@@ -25,42 +25,46 @@ n (h == n) and every exported ring row is right; exporting n < h copies stale ro
 The target (``target.py``) keeps the committed position and the shards' agreement; this
 module only checks regions and moves bytes.
 
-A worker on another host cannot map the arena: its rows travel over the hop to a local
-neighbour in the pipeline (``hops.py``), which relays them for the daemon (a ``ping``
-carrying the relay beside its own frame; the remote worker's mirror forgets the arena
-after the frame), or inline in its frames when no neighbour is local.
+A worker on another host keeps its layers' part of a snapshot on its own host
+(``runtime/kv_store.py``): ``kv_export`` and ``kv_import`` name the prefix cache's entry
+id (``store``) instead of regions, so the layout here, the arena and the daemon's disk
+files hold only the local workers' tensors, and no KV row crosses the network.
+``forget`` tells those workers which entries the prefix cache dropped.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Mapping
+import logging
+from collections.abc import Mapping, Sequence
 
-from luced.cache.layout import TensorSpec
-from luced.engine.executor import Executor, WorkerHandle
+from luced.cache.layout import TensorSpec, tensor_specs
+from luced.engine.executor import Executor
 from luced.engine.feature_ring import FeatureRing
-from luced.engine.hops import Hops
-from luced.ipc.frames import Carry, KVExport, KVImport, KVLayout, KVLayoutReply, Ping
+from luced.ipc.frames import Carry, KVExport, KVForget, KVImport, KVLayout, KVLayoutReply
 from luced.ipc.regions import Attachments, Region
+
+log = logging.getLogger(__name__)
 
 
 class KVTransfer:
-    def __init__(self, executor: Executor, instance: str, hops: Hops | None = None) -> None:
+    def __init__(self, executor: Executor, instance: str) -> None:
         self.executor = executor
         self.instance = instance
-        self.hops = hops
-        # Each worker's tensors (fixed by its plan, so asked once) and the snapshot arena's
-        # mapping here (for the ring rows), kept for the target's life.
-        self._specs: list[list[TensorSpec]] | None = None
+        # Each worker's tensors (fixed by its plan, so asked once; None for a worker on
+        # another host, which keeps its own) and the snapshot arena's mapping here (for
+        # the ring rows), kept for the target's life.
+        self._specs: list[list[TensorSpec] | None] | None = None
         self._maps = Attachments()
 
     def close(self) -> None:
         self._maps.close()
 
     async def layout(self, ring: FeatureRing | None) -> list[TensorSpec]:
-        """Every tensor of a snapshot: each worker's K/V in layer order, then the ring."""
+        """Every tensor of a snapshot held in this daemon: each local worker's K/V in
+        layer order, then the ring (a remote worker's part stays on its host)."""
         per_worker = await self._worker_layouts()
-        return [spec for specs in per_worker for spec in specs] + _ring_spec(ring)
+        return [spec for specs in per_worker for spec in specs or ()] + _ring_spec(ring)
 
     async def export(
         self,
@@ -69,20 +73,23 @@ class KVTransfer:
         ring: FeatureRing | None,
         cuts: tuple[int, ...] = (),
         sequence: int = 0,
+        entry: str = "",
     ) -> None:
         """Copy positions [0, n) into `regions`, one per spec of `layout`, and each
-        recurrent state at cuts[i] (default (n,)) into its slot i. Nothing is written
-        before every region checked out; when a worker fails the others have finished too
-        (the regions are free again) and the first error is raised."""
+        recurrent state at cuts[i] (default (n,)) into its slot i; a remote worker keeps
+        its part as `entry`. Nothing is written before every region checked out; when a
+        worker fails the others have finished too (the regions are free again) and the
+        first error is raised."""
         per_worker = await self._worker_layouts()
         cuts = cuts or (n,)
-        self._check(per_worker, ring, regions, n, len(cuts))
+        self._check(per_worker, ring, regions, n, len(cuts), entry)
         frames = [
             KVExport(
                 position=n,
-                regions={s.name: regions[s.name] for s in specs},
+                regions={s.name: regions[s.name] for s in specs or ()},
                 cuts=cuts,
                 sequence=sequence,
+                store=entry if specs is None else "",
             )
             for specs in per_worker
         ]
@@ -97,17 +104,20 @@ class KVTransfer:
         tokens: Region,
         ring: FeatureRing | None,
         sequence: int = 0,
+        entry: str = "",
     ) -> list[KVImport]:
-        """Each worker's import of positions [0, n), every region checked first: a bad
-        one raises here, before anything changes."""
+        """Each worker's import of positions [0, n) (a remote one's from its own copy of
+        `entry`), every region checked first: a bad one raises here, before anything
+        changes."""
         per_worker = await self._worker_layouts()
-        self._check(per_worker, ring, regions, n, 1)
+        self._check(per_worker, ring, regions, n, 1, entry)
         return [
             KVImport(
                 position=n,
-                regions={s.name: regions[s.name] for s in specs},
+                regions={s.name: regions[s.name] for s in specs or ()},
                 tokens=tokens,
                 sequence=sequence,
+                store=entry if specs is None else "",
             )
             for specs in per_worker
         ]
@@ -122,69 +132,68 @@ class KVTransfer:
             assert region is not None
             self._copy_ring(ring, region, frames[0].position, into_ring=True)
 
-    async def _worker_layouts(self) -> list[list[TensorSpec]]:
-        """Each worker's K/V specs, in pipeline order (asked once: a worker restarted
-        later serves the same layers in the same dtype)."""
+    async def forget(self, entries: Sequence[str]) -> None:
+        """Tell the workers on other hosts that the prefix cache dropped `entries` (their
+        copies go); one that cannot hear it now keeps them until its own budget evicts
+        them, and refuses them if asked (an entry that fails to restore is dropped)."""
+        if not entries:
+            return
+        frame = KVForget(ids=tuple(entries))
+        for slot in self.executor.slots:
+            h = slot.handle
+            if not slot.spec.remote or h is None or h.state != "ready":
+                continue
+            try:
+                await h.call(frame)
+            except Exception as exc:  # the worker is gone or going: nothing to undo
+                log.info("%s keeps %d dropped snapshot(s): %s", slot.spec.group, len(entries), exc)
+
+    async def _worker_layouts(self) -> list[list[TensorSpec] | None]:
+        """Each local worker's K/V specs, in pipeline order, None for a remote one (asked
+        once: a worker restarted later serves the same layers in the same dtype)."""
         if self._specs is None:
             workers = self.executor.workers()
-            replies = await asyncio.gather(*(w.call(KVLayout()) for w in workers))
-            out = []
-            for reply in replies:
+            replies = await asyncio.gather(
+                *(w.call(KVLayout()) for w in workers if not w.spec.remote)
+            )
+            local = iter(replies)
+            out: list[list[TensorSpec] | None] = []
+            for w in workers:
+                if w.spec.remote:
+                    out.append(None)
+                    continue
+                reply = next(local)
                 assert isinstance(reply, KVLayoutReply)
-                specs = [TensorSpec(nm, (h, 1, d), reply.dtype, 1) for nm, h, d in reply.tensors]
-                specs += [TensorSpec(nm, shape, dt, None) for nm, shape, dt in reply.states]
-                out.append(specs)
+                out.append(tensor_specs(reply.tensors, reply.dtype, reply.states))
             self._specs = out
         return self._specs
 
     async def _call_all(self, frames: list[KVExport] | list[KVImport]) -> None:
-        """One frame per worker, concurrently (with the relays of workers on other hosts);
-        waits for all, then raises the first error."""
-        workers = self.executor.workers()
-        calls: list[Awaitable[object]] = []
-        for k, (worker, frame) in enumerate(zip(workers, frames, strict=True)):
-            carry, relay = self._relay(k, worker, frame)
-            calls.append(worker.call(frame, carry))
-            if relay is not None:
-                calls.append(relay)
+        """One frame per worker, concurrently; waits for all, then raises the first error.
+        A remote worker gets the token ids inline and forgets the arena after the frame."""
+        calls = [
+            worker.call(frame, Carry(forget=(frame.tokens.segment,)))
+            if isinstance(frame, KVImport) and worker.spec.remote
+            else worker.call(frame)
+            for worker, frame in zip(self.executor.workers(), frames, strict=True)
+        ]
         results = await asyncio.gather(*calls, return_exceptions=True)
         for r in results:
             if isinstance(r, BaseException):
-                if self.hops is not None:
-                    self.hops.failed()  # a relay may be half done: new links
                 raise r
-
-    def _relay(
-        self, k: int, worker: WorkerHandle, frame: KVExport | KVImport
-    ) -> tuple[Carry | None, Awaitable[object] | None]:
-        """A worker on another host: its frame's carry and, when it has a local neighbour,
-        the neighbour's ping that relays the rows (module docstring)."""
-        if not worker.spec.remote:
-            return None, None
-        regions = tuple(frame.regions.values())
-        forget = tuple({r.segment for r in regions})  # the arena: used once per snapshot
-        found = self.hops.neighbour(k) if self.hops is not None else None
-        if found is None:  # no local neighbour: the rows go inline
-            return Carry(forget=forget), None
-        hop, local = found
-        relay = hop.relay(regions)
-        neighbour = local.handle
-        assert neighbour is not None
-        if isinstance(frame, KVExport):
-            ping = neighbour.call(Ping(), Carry(relay_in=(relay,)))
-            return Carry(relay_out=(relay,), forget=forget), ping
-        ping = neighbour.call(Ping(), Carry(relay_out=(relay,)))
-        return Carry(relay_in=(relay,), forget=forget), ping
 
     def _check(
         self,
-        per_worker: list[list[TensorSpec]],
+        per_worker: list[list[TensorSpec] | None],
         ring: FeatureRing | None,
         regions: Mapping[str, Region],
         n: int,
         slots: int,
+        entry: str,
     ) -> None:
-        specs = [s for specs in per_worker for s in specs] + _ring_spec(ring)
+        if None in per_worker and not entry:
+            raise ValueError("a snapshot with workers on other hosts needs its entry id")
+        specs = [s for specs in per_worker for s in specs or ()] + _ring_spec(ring)
         names = {s.name for s in specs}
         missing, unknown = names - regions.keys(), regions.keys() - names
         if missing or unknown:

@@ -21,6 +21,7 @@ KV is neither shared nor saved (an encoder keeps none).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Callable, Iterable
 
@@ -56,11 +57,25 @@ class PrefixReuse:
         """finished: the finished sequences kept in the pool (None: none are kept)."""
         self.target = target
         self.finished = finished
-        self.cache = cache
         self.turns = turns
         self.kv = kv
         self.observe = observe
         self.shared_tokens = 0  # prompt positions shared from running or kept sequences
+        # Workers on other hosts keep their part of each snapshot: tell them what the
+        # cache drops, batched per turn of the loop.
+        self._dropped: list[str] = []
+        self._tasks: set[asyncio.Task[None]] = set()
+        self.cache = cache  # after the above: the setter wires the cache to them
+
+    @property
+    def cache(self) -> PrefixCache | None:
+        return self._cache
+
+    @cache.setter
+    def cache(self, cache: PrefixCache | None) -> None:
+        self._cache = cache
+        if cache is not None and any(s.spec.remote for s in self.target.executor.slots):
+            cache.on_drop = self._drop_remote
 
     def _source(
         self, seq: Sequence, running: Iterable[Sequence]
@@ -161,9 +176,21 @@ class PrefixReuse:
         except WorkerReplyError as exc:  # a refused import changes nothing: prefill it all
             log.warning("prefix cache: restoring %s failed (%s); prefilling", hit.entry_id, exc)
             await self.target.reset(seq.slot)
+            await self.cache.drop(hit.entry_id)  # e.g. its remote part is lost: never again
             return 0
         self.observe("prefix_hits", restored)
         return restored
+
+    def _drop_remote(self, entry_id: str) -> None:
+        self._dropped.append(entry_id)
+        if len(self._dropped) == 1:  # the first of this turn: one frame takes them all
+            task = asyncio.get_running_loop().create_task(self._forget_dropped())
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def _forget_dropped(self) -> None:
+        ids, self._dropped = self._dropped, []
+        await self.target.transfer.forget(ids)
 
     def _cut_points(self, prompt: list[int], cached: int) -> tuple[int, ...]:
         """Where the prompt's snapshot may be restored besides its end: the chat-turn

@@ -146,7 +146,7 @@ class Target:
             if placement.moe_expert
             else None
         )
-        self.transfer = KVTransfer(self.executor, owner.instance, self.hops)
+        self.transfer = KVTransfer(self.executor, owner.instance)
         self.load_s = 0.0
         self.n_layers = 0
         self.hidden = 0
@@ -559,10 +559,13 @@ class KVMover:
     async def kv_layout(self) -> list[TensorSpec]:
         return await self.target.kv_layout()
 
-    async def export_kv(self, n: int, regions: dict[str, Region], cuts: Sequence[int] = ()) -> None:
+    async def export_kv(
+        self, n: int, regions: dict[str, Region], cuts: Sequence[int] = (), entry: str = ""
+    ) -> None:
         """Copy positions [0, n) (n <= position) into `regions`; all or nothing. A recurrent
         model's state regions get one slot per cut (ascending to n; the workers kept those
-        states). The KV is never changed."""
+        states). A worker on another host keeps its part as `entry`. The KV is never
+        changed."""
         t = self.target
         t.check_in_sync()
         if not 0 <= n <= self.position:
@@ -570,10 +573,13 @@ class KVMover:
         if not t.identity_layout(self.slot):
             raise ValueError("KV Flash: a snapshot needs the identity layout (prompt <= pool)")
         cuts = tuple(cuts) if t.recurrent else ()
-        await t.transfer.export(n, regions, t.ring(self.slot), cuts, self.slot)
+        await t.transfer.export(n, regions, t.ring(self.slot), cuts, self.slot, entry)
 
-    async def import_kv(self, n: int, regions: dict[str, Region], tokens: Region) -> None:
-        """Restore positions [0, n) from a snapshot (its token axis may be longer than n);
+    async def import_kv(
+        self, n: int, regions: dict[str, Region], tokens: Region, entry: str = ""
+    ) -> None:
+        """Restore positions [0, n) from a snapshot (its token axis may be longer than n;
+        a worker on another host imports its own copy of `entry`);
         `tokens` (int32 [>= n]) are the ids at those positions. All or nothing: regions are
         checked first (a bad one changes nothing); if a worker fails after that, every
         worker's copy of the slot is reset and the first error raised."""
@@ -587,7 +593,7 @@ class KVMover:
         if tokens.dtype != "int32" or len(tokens.shape) != 1 or tokens.shape[0] < n:
             raise ValueError(f"tokens must be int32 [>= {n}], got {tokens.dtype} {tokens.shape}")
         ring = t.ring(self.slot)
-        frames = await t.transfer.import_frames(n, regions, tokens, ring, self.slot)
+        frames = await t.transfer.import_frames(n, regions, tokens, ring, self.slot, entry)
         t.executor.in_sync = False  # the shards may disagree until every one has imported
         try:
             await t.transfer.import_(frames, regions.get("ring"), ring)

@@ -122,6 +122,7 @@ class Backend(WorkerState):
             F.KVLayout: self.kv_layout,
             F.KVExport: self.kv_export,
             F.KVImport: self.kv_import,
+            F.KVForget: self.kv_forget,
             F.KVShare: self.kv_share,
             F.Stats: self.stats,
             F.Shutdown: self.shutdown,
@@ -314,6 +315,9 @@ class Backend(WorkerState):
 
     def kv_import(self, req: F.KVImport) -> F.KVImportReply:
         return kv_snapshot.import_(self, req)
+
+    def kv_forget(self, req: F.KVForget) -> F.KVForgetReply:
+        return kv_snapshot.forget(self, req)
 
     def kv_share(self, req: F.KVShare) -> F.KVShareReply:
         shared = self.model("kv_share").share(req.sequence, req.source, req.position)

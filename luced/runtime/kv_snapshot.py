@@ -34,13 +34,16 @@ import only) leaves the worker empty, as a ``reset`` does: never half a prefix.
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
+import numpy as np
 import torch
 
+from luced.cache.layout import TensorSpec, tensor_specs
 from luced.ipc import frames as F
-from luced.ipc.regions import Region
+from luced.ipc.regions import Region, numpy_dtype
 from luced.runtime.kv_cache import ContextOverflow, RecurrentRollback
+from luced.runtime.kv_store import Held, ShardSnapshots
 from luced.runtime.state import Loaded, SequenceCache, WorkerError, WorkerState
 
 # layer -> (its shard's cache, K view, V view) for K/V layers, (its shard's cache, conv
@@ -82,7 +85,18 @@ def export(worker: WorkerState, req: F.KVExport) -> F.KVExportReply:
         )
     t0 = time.perf_counter()
     cuts = req.state_cuts
-    resolved = _resolve(worker, m, state.caches, req.regions, n, len(cuts))
+    held = None
+    if req.store:  # this host's own store: fresh host arrays, kept once filled
+        store = _store(worker)
+        slots = len(cuts)
+        arrays = {
+            s.name: np.empty(s.shape_for(n, slots), numpy_dtype(s.dtype)) for s in store.layout
+        }
+        tokens = np.asarray(state.tokens[:n], dtype=np.int32)
+        held = Held(arrays, tokens, cuts)
+        resolved = _bind(state.caches, _array_views(store.layout, arrays))
+    else:
+        resolved = _resolve(worker, m, state.caches, req.regions, n, len(cuts))
     try:  # every cut's state found before the first copy
         kept = {
             id(cache): [cache.state_at(c) for c in cuts]
@@ -99,6 +113,8 @@ def export(worker: WorkerState, req: F.KVExport) -> F.KVExportReply:
                 b[slot].copy_(delta)
         else:
             cache.export_rows(layer, n, a, b)
+    if held is not None:
+        _store(worker).put(req.store, held)
     elapsed = time.perf_counter() - t0
     worker.busy_s += elapsed
     return F.KVExportReply(position=n, elapsed_us=int(elapsed * 1e6))
@@ -114,8 +130,11 @@ def import_(worker: WorkerState, req: F.KVImport) -> F.KVImportReply:
         )
     t0 = time.perf_counter()
     state = m.sequence(req.sequence)
-    resolved = _resolve(worker, m, state.caches, req.regions, n, 1)
     ids = worker.tensor(req.tokens)[:n]
+    if req.store:
+        resolved = _stored(worker, state.caches, req.store, n, ids)
+    else:
+        resolved = _resolve(worker, m, state.caches, req.regions, n, 1)
     if n:
         lo, hi = (int(x) for x in torch.aminmax(ids))
         if lo < 0 or hi >= m.reply.vocab:
@@ -143,6 +162,55 @@ def import_(worker: WorkerState, req: F.KVImport) -> F.KVImportReply:
     return F.KVImportReply(position=state.position, elapsed_us=int(elapsed * 1e6))
 
 
+def forget(worker: WorkerState, req: F.KVForget) -> F.KVForgetReply:
+    return F.KVForgetReply(dropped=_store(worker).forget(req.ids))
+
+
+def snapshot_specs(worker: WorkerState) -> list[TensorSpec]:
+    """This worker's part of a snapshot, as the daemon's ``KVTransfer`` describes it."""
+    reply = layout(worker, F.KVLayout())
+    return tensor_specs(reply.tensors, reply.dtype, reply.states)
+
+
+def _store(worker: WorkerState) -> ShardSnapshots:
+    if worker.snapshots is None:
+        raise WorkerError(
+            "this worker keeps no snapshot store (only a worker on another host does)"
+        )
+    return worker.snapshots
+
+
+def _stored(
+    worker: WorkerState, caches: list[SequenceCache], entry_id: str, n: int, ids: torch.Tensor
+) -> _Resolved:
+    """The store's entry as the caches' views, one state slot (cut n); refused, changing
+    nothing, when this host does not hold it or it holds other tokens."""
+    held = _store(worker).get(entry_id)
+    if held is None:
+        raise WorkerError(f"snapshot {entry_id} is not held on this host (evicted or lost)")
+    if len(held.tokens) < n or not np.array_equal(held.tokens[:n], ids.numpy()):
+        raise WorkerError(f"snapshot {entry_id} on this host holds other tokens")
+    store, arrays = _store(worker), held.arrays
+    if any(c.recurrent is not None for c in caches):
+        if n not in held.cuts:
+            raise WorkerError(f"snapshot {entry_id} keeps its state at {list(held.cuts)}, not {n}")
+        slot = held.cuts.index(n)
+        states = {s for c in caches for s in _state_refs(c)}
+        arrays = {k: a[slot : slot + 1] if k in states else a for k, a in arrays.items()}
+    return _bind(caches, _array_views(store.layout, arrays))
+
+
+def _array_views(
+    layout: Sequence[TensorSpec], arrays: dict[str, np.ndarray]
+) -> dict[str, torch.Tensor]:
+    """Torch views of host arrays named as the regions are (bfloat16 from its bits)."""
+    bf16 = {s.name for s in layout if s.dtype == "bfloat16"}
+    return {
+        name: torch.from_numpy(a).view(torch.bfloat16) if name in bf16 else torch.from_numpy(a)
+        for name, a in arrays.items()
+    }
+
+
 def _state_refs(cache: SequenceCache) -> dict[str, tuple[int, torch.Tensor]]:
     """Region name -> (layer, a reference tensor of its shape and dtype) for every recurrent
     layer of one shard's cache: "conv.l" and "delta.l" (the zero state's tensors have the
@@ -167,13 +235,7 @@ def _resolve(
 ) -> _Resolved:
     """Every layer's K and V region as torch views, all checked (no copy yet); a state
     region has ``slots`` states. `caches`: the sequence's, one per shard."""
-    expected: dict[str, tuple[SequenceCache, int]] = {}
-    refs: dict[str, torch.Tensor] = {}  # state regions: exact shape and dtype
-    for cache in caches:
-        for layer in cache.stored:
-            expected[f"k.{layer}"] = expected[f"v.{layer}"] = (cache, layer)
-        for name, (layer, ref) in _state_refs(cache).items():
-            expected[name], refs[name] = (cache, layer), ref
+    expected, refs = _expected(caches)
     missing, unknown = expected.keys() - regions.keys(), regions.keys() - expected.keys()
     if missing or unknown:
         a, b = m.reply.layers
@@ -203,8 +265,28 @@ def _resolve(
         if shape[1] < n:
             raise WorkerError(f"region {name} holds {shape[1]} positions, fewer than {n}")
         views[name] = worker.tensor(region)  # attaches: a bad segment fails here, too
+    return _bind(caches, views)
+
+
+def _expected(
+    caches: list[SequenceCache],
+) -> tuple[dict[str, tuple[SequenceCache, int]], dict[str, torch.Tensor]]:
+    """Region name -> (its shard's cache, layer) for every tensor of a snapshot of this
+    worker, and each state's reference tensor (its exact shape and dtype)."""
+    expected: dict[str, tuple[SequenceCache, int]] = {}
+    refs: dict[str, torch.Tensor] = {}
+    for cache in caches:
+        for layer in cache.stored:
+            expected[f"k.{layer}"] = expected[f"v.{layer}"] = (cache, layer)
+        for name, (layer, ref) in _state_refs(cache).items():
+            expected[name], refs[name] = (cache, layer), ref
+    return expected, refs
+
+
+def _bind(caches: list[SequenceCache], views: Mapping[str, torch.Tensor]) -> _Resolved:
+    """The layer -> (cache, K or conv view, V or delta view) map of checked views."""
     out: _Resolved = {}
-    for name, (cache, layer) in expected.items():
+    for name, (cache, layer) in _expected(caches)[0].items():
         if name[0] == "k":
             out[layer] = (cache, views[name], views[f"v.{layer}"])
         elif name.startswith("conv."):

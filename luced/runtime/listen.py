@@ -2,7 +2,8 @@
 
     luced worker --listen 10.0.0.2:7070 --worker-key-file /etc/luced/worker.key \\
                  --model /srv/models/model.gguf [--model /srv/models/draft.gguf] \\
-                 [--devices cpu] [--threads N] [--data-port 7071]
+                 [--devices cpu] [--threads N] [--data-port 7071] \\
+                 [--prefix-cache-bytes 1G] [--kv-cache-dir DIR] [--kv-cache-budget 8G]
 
 Started by hand or by systemd (``systemd/luced-worker.service``), never by the daemon, and
 it outlives daemons: it serves one daemon connection at a time. When that connection ends
@@ -19,6 +20,10 @@ Files: the daemon names model files by its own paths; ``hello`` says each one's 
 SHA-256, and this worker maps them onto the ``--model`` files with the same identity (a
 missing or different copy fails hello, naming both). Each ``--model`` file is hashed once
 at start.
+
+Prefix cache: the rows of this worker's layers stay on this host (``kv_store.py``), in
+memory (``--prefix-cache-bytes``) and, with ``--kv-cache-dir``, on its disk; the daemon's
+index names them by id. They outlive daemon connections and, on disk, restarts.
 
 Data links: a torch.distributed TCP store listens on ADDR:--data-port (any free port by
 default; ``hello``'s reply says which), and each hop's gloo sockets on ADDR. None of them
@@ -47,6 +52,7 @@ from luced.ipc import frames as F
 from luced.ipc.channel import BlockingChannel
 from luced.ipc.files import identify
 from luced.ipc.tcp import AuthError, KeyFileError, accept_peer, parse_address, read_key
+from luced.values import to_bytes
 
 log = logging.getLogger("luced.runtime.listen")
 
@@ -75,6 +81,24 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument(
+        "--prefix-cache-bytes",
+        type=_byte_count,
+        default=2**30,
+        help="memory for this host's part of the prefix cache (e.g. 512M; default 1G)",
+    )
+    p.add_argument(
+        "--kv-cache-dir",
+        type=Path,
+        default=None,
+        help="directory of this host's prefix-cache disk tier (default: memory only)",
+    )
+    p.add_argument(
+        "--kv-cache-budget",
+        type=_byte_count,
+        default=8 * 2**30,
+        help="most bytes the disk tier keeps (default 8G)",
+    )
+    p.add_argument(
         "--data-port",
         type=int,
         default=0,
@@ -90,6 +114,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.threads is not None and args.threads < 1:
         p.error("--threads must be >= 1")
     return args
+
+
+def _byte_count(text: str) -> int:
+    try:
+        return to_bytes(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 class Files:
@@ -119,6 +150,10 @@ class Files:
                 "daemon's file here (same bytes) and name it with --model"
             )
         self.names = {p: str(self.by_identity[i]) for p, i in wanted.items()}
+
+    def sha256(self, path: str) -> str:
+        """The hash of one of our files (a translated path)."""
+        return next(i.sha256 for i, p in self.by_identity.items() if str(p) == path)
 
     def translate(self, req: F.Request) -> F.Request:
         """`req` with the daemon's file paths replaced by ours."""
@@ -226,6 +261,8 @@ def main(argv: list[str] | None = None) -> int:
     from luced.runtime.backend import Backend
     from luced.runtime.carry import Carrier
     from luced.runtime.hops import Hops
+    from luced.runtime.kv_snapshot import snapshot_specs
+    from luced.runtime.kv_store import ShardSnapshots
     from luced.runtime.mirror import Mirror, regions_of
 
     if args.threads:
@@ -248,6 +285,8 @@ def main(argv: list[str] | None = None) -> int:
         log.error("%s", backend.device_problem)
         return 2
     carrier = Carrier(backend, hops, mirror)
+    snapshots = ShardSnapshots(args.prefix_cache_bytes, args.kv_cache_dir, args.kv_cache_budget)
+    backend.snapshots = snapshots
 
     def stop(signum: int, frame: object) -> None:
         log.info("signal %d: exiting after the frame in hand", signum)
@@ -268,8 +307,14 @@ def main(argv: list[str] | None = None) -> int:
             assert isinstance(reply, F.HelloReply)
             return dataclasses.replace(reply, store=store_at)
         req = files.translate(req)
-        if isinstance(req, F.Load) and (same := backend.reuse_load(req)) is not None:
-            return same
+        if isinstance(req, F.Load):
+            reply = backend.reuse_load(req) or backend.handle(req)
+            if isinstance(reply, F.LoadReply):  # this load's snapshots (the same: kept)
+                a, b = req.layers
+                key = (files.sha256(req.model), req.weights, req.batch_invariant, req.moe_hot)
+                dtype = req.kv_dtype or req.dtype
+                snapshots.open(repr(key), dtype, f"{a}-{b}", snapshot_specs(backend))
+            return reply
         mirror.reserve(regions_of(req))  # nothing merges while the frame runs
         return backend.handle(req)
 
@@ -284,6 +329,7 @@ def main(argv: list[str] | None = None) -> int:
             backend.detach()
             log.info("daemon disconnected; waiting for the next")
     backend.close()
+    snapshots.close()
     log.info("exiting")
     return 0
 

@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -36,6 +37,9 @@ from luced.runtime.mirror import Mirror
 from luced.runtime.model import Model
 from luced.runtime.sampler import Sampler
 from luced.sampling_params import SamplingParams, SamplingWire
+
+if TYPE_CHECKING:
+    from luced.runtime.kv_store import ShardSnapshots
 
 
 class WorkerError(Exception):
@@ -231,6 +235,8 @@ class WorkerState:
                 on_close=lambda seg: self.device_io.detach(seg.name),
             )
         )
+        # A worker on another host keeps its layers' prefix-cache rows itself (runtime.listen).
+        self.snapshots: ShardSnapshots | None = None
         self.forward_count = 0
         self.tokens_processed = 0
         self.busy_s = 0.0

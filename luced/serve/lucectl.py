@@ -307,8 +307,7 @@ def _hops(h: Any) -> str:
     return "\n  ".join(
         f"{fmt(x.get('hop'))} (workers {fmt(x.get('between'))}), {fmt(x.get('link'))}, "
         f"generation {fmt(x.get('generation'))}: {human_bytes(x.get('bytes'))} for "
-        f"{fmt(x.get('tokens'))} tokens, {fmt(x.get('bytes_per_token'))} B/token, "
-        f"{human_bytes(x.get('snapshot_bytes'))} of prefix-cache rows"
+        f"{fmt(x.get('tokens'))} tokens, {fmt(x.get('bytes_per_token'))} B/token"
         for x in h
         if isinstance(x, dict)
     )

@@ -32,7 +32,7 @@ from luced.engine.placement import PlacementError, parse_device, parse_devices, 
 from luced.ipc.frames import WEIGHT_MODES
 from luced.serve.admission import Network, parse_networks
 from luced.serve.bundled import BUNDLED
-from luced.serve.values import (
+from luced.values import (
     to_bool,
     to_bytes,
     to_float,

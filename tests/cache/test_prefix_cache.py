@@ -76,7 +76,9 @@ class NumpyModel:
     async def kv_layout(self) -> list[TensorSpec]:
         return list(LAYOUT)
 
-    async def export_kv(self, n: int, regions: dict[str, Region], cuts: Sequence[int]) -> None:
+    async def export_kv(
+        self, n: int, regions: dict[str, Region], cuts: Sequence[int], entry: str
+    ) -> None:
         assert set(regions) == {s.name for s in LAYOUT} and n <= self.position
         assert cuts[-1] == n
         if self.fail_export:
@@ -86,7 +88,9 @@ class NumpyModel:
             assert dst.shape[0] == n
             dst[:] = self.rows(s.name)[:n]
 
-    async def import_kv(self, n: int, regions: dict[str, Region], tokens: Region) -> None:
+    async def import_kv(
+        self, n: int, regions: dict[str, Region], tokens: Region, entry: str
+    ) -> None:
         assert set(regions) == {s.name for s in LAYOUT}
         if self.gate is not None:
             await self.gate.wait()
@@ -225,6 +229,27 @@ async def test_memory_eviction_is_lru_by_bytes(owner: ShmOwner) -> None:
     big = toks((6, 200))
     assert await cache.save(big, 200, _filled(big)) is None  # larger than the arena
     assert len(cache.entries()) == 2  # and nothing was evicted for it
+    await cache.close()
+
+
+async def test_each_entry_leaving_the_index_is_told_once(owner: ShmOwner) -> None:
+    """What a worker on another host drops: every id the index forgets, and only those."""
+    cache = make(owner, arena_bytes=2 * make_size(40))
+    told: list[str] = []
+    cache.on_drop = told.append
+    a, b = toks((1, 40)), toks((2, 40))
+    await serve(cache, a)
+    await serve(cache, b)
+    ea, eb = sorted(cache.entries(), key=lambda e: e.created)
+    await serve(cache, toks((3, 40)))  # the arena holds two: a's entry (LRU) is evicted
+    assert told == [ea.id]
+    (ec,) = {e.id for e in cache.entries()} - {eb.id}
+    # b's next turn: its restore makes c's entry the LRU one, evicted for the new entry,
+    # which makes b's redundant.
+    await serve(cache, np.concatenate([b, toks((4, 8))]))
+    assert told == [ea.id, ec, eb.id]
+    (newest,) = cache.entries()
+    assert await cache.drop(newest.id) and told == [ea.id, ec, eb.id, newest.id]
     await cache.close()
 
 
@@ -592,7 +617,9 @@ class StateModel:
             self.tokens = np.asarray(prompt[:stop], np.int32)
             self.kept[stop] = self.states(stop)
 
-    async def export_kv(self, n: int, regions: dict[str, Region], cuts: Sequence[int]) -> None:
+    async def export_kv(
+        self, n: int, regions: dict[str, Region], cuts: Sequence[int], entry: str
+    ) -> None:
         assert n == len(self.tokens) == cuts[-1]
         for s in HYBRID:
             dst = self.att.view(regions[s.name])
@@ -603,7 +630,9 @@ class StateModel:
             else:
                 dst[:] = self.tokens[None, :, None]
 
-    async def import_kv(self, n: int, regions: dict[str, Region], tokens: Region) -> None:
+    async def import_kv(
+        self, n: int, regions: dict[str, Region], tokens: Region, entry: str
+    ) -> None:
         self.tokens = self.att.view(tokens)[:n].copy()
         for s in HYBRID:
             src = self.att.view(regions[s.name])

@@ -9,6 +9,7 @@ own unsplit run; and a wire that adds 5 ms each way changes nothing.
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 from collections.abc import Iterator
 from pathlib import Path
@@ -93,29 +94,112 @@ async def test_a_slow_wire_changes_nothing(
         host.wire("delay 0")
 
 
+FIRST = [(7 * i + 3) % 120 + 2 for i in range(150)]
+SECOND = FIRST + [(11 * i + 5) % 120 + 2 for i in range(40)]
+
+
+async def until(condition, timeout: float = 120) -> None:
+    async with asyncio.timeout(timeout):
+        while not condition():
+            await asyncio.sleep(0.05)
+
+
+async def snapshot_files(directory: Path, count: int) -> list[Path]:
+    """The snapshot files under `directory` once there are `count` (host B writes and
+    deletes them in the background)."""
+    found: list[Path] = []
+
+    def done() -> bool:
+        nonlocal found
+        found = sorted(directory.rglob("*.safetensors"))
+        return len(found) == count
+
+    await until(done, timeout=60)
+    return found
+
+
 @pytest.mark.parametrize("name", ["llama", "qwen35"])
-async def test_prefix_cache_snapshots_of_a_remote_shard_restore_exactly(
-    worker: WorkerProc, key: Path, models: dict[str, Path], name: str
+async def test_a_remote_shard_keeps_its_snapshot_rows_on_its_host(
+    host, key: Path, models: dict[str, Path], name: str, tmp_path: Path
 ) -> None:
-    """The remote shard's K/V rows (a hybrid's recurrent states too) reach the snapshot arena
-    through its local neighbour over the hop, and come back on a hit: a restored request
-    equals the fresh one, token for token."""
+    """Host B keeps its layers' rows (a hybrid's recurrent states too) in its memory and on
+    its disk; the daemon's arena and files hold only host A's, and no row crosses the
+    wire. A hit restores both halves, == fresh; so does one after the daemon and the
+    worker restart, from both disks."""
     path = models[name]
-    first = [(7 * i + 3) % 120 + 2 for i in range(150)]
-    second = first + [(11 * i + 5) % 120 + 2 for i in range(40)]
     async with engine_for(path) as engine:
-        fresh = (await generate(engine, second, 12))[0]
+        fresh = (await generate(engine, SECOND, 12))[0]
     remote = settings(key, path)
-    async with engine_for(
-        path, ("cpu", worker.device()), prefix_cache_bytes=64 << 20, remote=remote
-    ) as engine:
-        await generate(engine, first, 4)
-        saved = engine.target.hops.describe()[0]["snapshot_bytes"]
-        tokens, handle, _ = await generate(engine, second, 12)
-        restored = engine.target.hops.describe()[0]["snapshot_bytes"] - saved
-    assert handle.cached_tokens >= 100
-    assert tokens == fresh
-    assert saved > 0 and restored > 0  # the snapshot's rows went over the hop, both ways
+    b_dir, a_dir = tmp_path / "host-b", tmp_path / "host-a"
+    w = WorkerProc(host, key, [path], next(PORTS), args=("--kv-cache-dir", str(b_dir))).start()
+    devices = ("cpu", w.device())
+    try:
+        opts = dict(prefix_cache_bytes=64 << 20, kv_cache_dir=a_dir, remote=remote)
+        async with engine_for(path, devices, **opts) as engine:  # type: ignore[arg-type]
+            await generate(engine, FIRST, 4)
+            tokens, handle, _ = await generate(engine, SECOND, 12)
+            (hop,) = engine.target.hops.describe()
+            cache = engine.prefix_cache
+            assert cache is not None
+            held = {s.name for s in cache.specs}
+            (second,) = (e.id for e in cache.entries() if len(e.tokens) == len(SECOND))
+            # Host B writes its part in the background (the first prompt's entry may be
+            # dropped as redundant meanwhile, on both hosts).
+            await until(lambda: second in {p.stem for p in b_dir.rglob("*.safetensors")})
+        assert handle.cached_tokens >= 100 and tokens == fresh
+        assert hop["bytes_per_token"] == engine.target.hidden * 4  # activations only
+        layers = {int(n.split(".")[1]) for n in held if "." in n}
+        first = engine.target.placement.workers[0][1].layers[1]
+        assert layers and max(layers) < first  # host A's layers only
+        w.stop()
+        w.start()  # host B's memory is gone; its disk is not
+        async with engine_for(path, devices, **opts) as engine:  # type: ignore[arg-type]
+            tokens, handle, _ = await generate(engine, SECOND, 12)
+        assert handle.cached_tokens >= 100 and tokens == fresh
+        assert w.wait_log(r"snapshot store: [12] snapshot\(s\)")
+    finally:
+        w.stop()
+
+
+async def test_a_snapshot_host_b_lost_is_prefilled_and_dropped(
+    host, key: Path, models: dict[str, Path], tmp_path: Path
+) -> None:
+    """An entry whose remote half is gone (host B restarted without a disk tier) is
+    refused there: the request is prefilled (== fresh) and the entry dropped. Dropping an
+    entry in the daemon deletes host B's file."""
+    path = models["llama"]
+    async with engine_for(path) as engine:
+        fresh = (await generate(engine, SECOND, 12))[0]
+    remote = settings(key, path)
+    w = WorkerProc(host, key, [path], next(PORTS)).start()
+    devices = ("cpu", w.device())
+    try:
+        async with engine_for(path, devices, prefix_cache_bytes=64 << 20, remote=remote) as engine:
+            await generate(engine, FIRST, 4)
+            w.stop()
+            await until(lambda: engine.state == "degraded")
+            w.start()  # without a disk tier: its snapshots are gone
+            await until(lambda: engine.state == "ready")
+            cache = engine.prefix_cache
+            assert cache is not None and len(cache.entries()) == 1
+            tokens, handle, _ = await generate(engine, SECOND, 12)
+            assert handle.cached_tokens == 0 and tokens == fresh
+            assert w.wait_log("is not held on this host")
+            assert [len(e.tokens) for e in cache.entries()] == [len(SECOND)]  # the new one
+    finally:
+        w.stop()
+    w = WorkerProc(host, key, [path], next(PORTS), args=("--kv-cache-dir", str(tmp_path))).start()
+    try:
+        opts = dict(prefix_cache_bytes=64 << 20, remote=remote)
+        async with engine_for(path, ("cpu", w.device()), **opts) as engine:  # type: ignore[arg-type]
+            await generate(engine, FIRST, 4)
+            (entry,) = engine.prefix_cache.entries()  # type: ignore[union-attr]
+            (file,) = await snapshot_files(tmp_path, 1)
+            assert file.stem == entry.id
+            assert await engine.prefix_cache.drop(entry.id)  # type: ignore[union-attr]
+            await snapshot_files(tmp_path, 0)
+    finally:
+        w.stop()
 
 
 async def test_kv_flash_pages_on_both_hosts_as_on_one(

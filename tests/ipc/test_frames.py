@@ -354,6 +354,21 @@ def test_kv_share_validation(kw: dict, match: str) -> None:
         F.KVShare(**{"sequence": 2, "source": 1, "position": 32, **kw})
 
 
+def test_snapshots_kept_by_a_worker_are_named_by_id() -> None:
+    tokens = Region("/luced-x-arena", 64, (8,), "int32")
+    kept = F.KVImport(position=8, regions={}, tokens=tokens, store="3f9a0c12d4e1")
+    assert kept.store == "3f9a0c12d4e1"
+    k = Region("/luced-x-arena", 128, (1, 8, 4), "float32")
+    with pytest.raises(F.FrameError, match="regions must be empty when store"):
+        F.KVExport(position=8, regions={"k.0": k}, store="3f9a")
+    with pytest.raises(F.FrameError, match="store must be a snapshot id"):
+        F.KVExport(position=8, regions={}, store="../x")
+    with pytest.raises(F.FrameError, match="regions is empty"):
+        F.KVExport(position=8, regions={})
+    with pytest.raises(F.FrameError, match="ids must be snapshot ids"):
+        F.KVForget(ids=("3f9a", "a b"))
+
+
 def test_decode_errors_name_the_problem_and_keep_the_seq(sample_requests: dict) -> None:
     good = msgpack.unpackb(codec.encode_request(5, sample_requests["truncate"]), raw=False)
     cases = [

@@ -30,8 +30,11 @@ The ops (request fields -> reply fields):
     draft     ring, committed, anchor, outputs, block_size, mask_token_id, ctx_window,
               sampling, sequence            -> n, ctx, elapsed_us
     kv_layout                               -> tensors, dtype, states
-    kv_export position, regions, cuts       -> position, elapsed_us
-    kv_import position, regions, tokens     -> position, elapsed_us
+    kv_export position, regions, cuts,      -> position, elapsed_us
+              store
+    kv_import position, regions, tokens,    -> position, elapsed_us
+              store
+    kv_forget ids                           -> dropped
     kv_share  sequence, source, position    -> position
     truncate  position                      -> position
     reset                                   -> (nothing)
@@ -83,6 +86,8 @@ size and hash) and its reply's ``store``; ``ping``; ``link`` (a hop: a torch.dis
 group of two); the envelope's ``carry`` (regions put, got and relayed beside a request)
 and a reply's ``carried`` (the bytes of the regions got); ``load`` ``moe_link`` and
 ``link`` ``serve`` (cold experts over a hop).
+20: ``kv_export`` / ``kv_import`` ``store`` and ``kv_forget``: a worker on another host
+keeps its layers' prefix-cache rows in its own store, in its memory and on its disk.
 
 Expert compute (``luced.runtime.expert_link``): an expert worker answers ``load_experts``
 from the daemon, and ``expert_mix`` from target workers over direct worker-to-worker
@@ -144,6 +149,8 @@ from luced.ipc.frames.sequence import (
     DraftBlockReply,
     KVExport,
     KVExportReply,
+    KVForget,
+    KVForgetReply,
     KVImport,
     KVImportReply,
     KVLayout,
@@ -189,6 +196,8 @@ __all__ = [
     "HelloReply",
     "KVExport",
     "KVExportReply",
+    "KVForget",
+    "KVForgetReply",
     "KVImport",
     "KVImportReply",
     "KVLayout",

@@ -147,9 +147,16 @@ class DraftBlockReply(Reply):
 
 _KV_NAME = re.compile(r"^[kv]\.(0|[1-9][0-9]{0,5})$")
 _STATE_NAME = re.compile(r"^(conv|delta)\.(0|[1-9][0-9]{0,5})$")
+_STORE_ID = re.compile(r"^[0-9a-f]{1,64}$")
 
 
 def _check_kv_regions(frame: KVExport | KVImport) -> None:
+    if frame.store:
+        if frame.regions:
+            raise frame._fail("regions must be empty when store names the snapshot")
+        if not _STORE_ID.match(frame.store):
+            raise frame._fail(f"store must be a snapshot id (hex digits), got {frame.store!r}")
+        return
     if not frame.regions:
         raise frame._fail("regions is empty")
     for name, r in frame.regions.items():
@@ -196,12 +203,17 @@ class KVExport(Request):
     kept by ``forward`` ``keep_state``); empty ``cuts`` means ``(position,)``. Everything
     is checked before the first copy; the KV is never changed. The worker writes the
     regions before replying; nobody reads them before the reply.
+
+    ``store`` (a worker on another host): keep the rows in this worker's own snapshot
+    store under that id instead (``regions`` empty): in its memory, and on its host's
+    disk when it has a directory (``runtime/kv_store.py``).
     """
 
     position: int
     regions: dict[str, Region]
     cuts: tuple[int, ...] = ()
     sequence: int = 0
+    store: str = ""
 
     @property
     def state_cuts(self) -> tuple[int, ...]:
@@ -240,12 +252,17 @@ class KVImport(Request):
     token history (penalties). Sampler state is dropped as by ``reset``. Everything is
     checked before the KV is touched (a rejected import changes nothing); after the reply
     the KV holds ``position`` positions. The daemon wrote the regions before the frame.
+
+    ``store``: the rows come from this worker's own snapshot store (``kv_export``
+    ``store``), ``regions`` empty; an id it does not hold (any more) is refused, and
+    changes nothing.
     """
 
     position: int
     regions: dict[str, Region]
     tokens: Region
     sequence: int = 0
+    store: str = ""
 
     def _check(self) -> None:
         _check_sequence(self)
@@ -263,6 +280,26 @@ class KVImport(Request):
 class KVImportReply(Reply):
     position: int  # committed KV length now
     elapsed_us: int
+
+
+@_op("kv_forget", REQUESTS)
+@dataclass(frozen=True)
+class KVForget(Request):
+    """Drop these snapshots from this worker's own store, memory and disk (the daemon
+    dropped them from its prefix cache). Ids it does not hold are ignored."""
+
+    ids: tuple[str, ...]
+
+    def _check(self) -> None:
+        bad = [i for i in self.ids if not _STORE_ID.match(i)]
+        if bad:
+            raise self._fail(f"ids must be snapshot ids (hex digits), got {bad[:4]}")
+
+
+@_op("kv_forget", REPLIES)
+@dataclass(frozen=True)
+class KVForgetReply(Reply):
+    dropped: int  # of the ids, those it held
 
 
 # -- truncate, reset, stats, shutdown -------------------------------------------------------

@@ -1,5 +1,6 @@
-"""The scalar values of the daemon's options (``serve.options``): each converter returns
-the typed value, or raises ValueError(reason) that the option's label prefixes."""
+"""The scalar values of luced's options (the daemon's ``serve.options``, the remote
+worker's flags in ``runtime.listen``): each converter returns the typed value, or raises
+ValueError(reason) that the option's label prefixes."""
 
 from __future__ import annotations
 

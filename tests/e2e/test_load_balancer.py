@@ -37,13 +37,21 @@ class Outcome:
     status: int
     finish: str  # the choice's finish_reason; the body when there is none
     error: str = ""
+    cached: int = 0  # prompt tokens the node had cached (not streamed)
+    text: str = ""  # the answer (not streamed)
 
 
-def haproxy_config(port: int, nodes: dict[str, int]) -> str:
+def haproxy_config(port: int, nodes: dict[str, int], affinity: bool = False) -> str:
     """The example with this machine's frontend port and daemons, checked every 3 s: a
-    drained node gets requests before its check notices, which must be retried."""
+    drained node gets requests before its check notices, which must be retried.
+    `affinity`: its prefix-affinity lines in place of leastconn."""
     text = EXAMPLE.read_text()
     assert f"hdr Host {NAME}" in text
+    if affinity:
+        hashed = re.findall(r"(?m)^    #     ((?:http-request |balance hash |hash-).*)$", text)
+        assert len(hashed) == 5, hashed
+        lines = "".join(f"    {line}\n" for line in hashed)
+        text = text.replace("    balance leastconn\n", lines)
     text = re.sub(r"(?m)^    bind :8080$", f"    bind 127.0.0.1:{port}", text)
     text = re.sub(r"(?m)^    server .*\n", "", text)
     text = text.replace("inter 1s", "inter 3s")
@@ -54,6 +62,18 @@ def haproxy_config(port: int, nodes: dict[str, int]) -> str:
 @pytest.fixture
 def balanced(tiny_gguf: Path, tmp_path: Path) -> Iterator[tuple[str, dict[str, DaemonProcess]]]:
     """Daemons node1 and node2 behind a running HAProxy; its URL and the daemons."""
+    yield from run_balanced(tiny_gguf, tmp_path, affinity=False)
+
+
+@pytest.fixture
+def by_prefix(tiny_gguf: Path, tmp_path: Path) -> Iterator[tuple[str, dict[str, DaemonProcess]]]:
+    """The same, HAProxy routing by the hash of each body's beginning."""
+    yield from run_balanced(tiny_gguf, tmp_path, affinity=True)
+
+
+def run_balanced(
+    tiny_gguf: Path, tmp_path: Path, affinity: bool
+) -> Iterator[tuple[str, dict[str, DaemonProcess]]]:
     nodes = {
         name: DaemonProcess(
             tiny_gguf, tmp_path / name, "--allowed-hosts", NAME, "--trusted-proxies", "127.0.0.1"
@@ -62,7 +82,7 @@ def balanced(tiny_gguf: Path, tmp_path: Path) -> Iterator[tuple[str, dict[str, D
     }
     port = free_port()
     cfg = tmp_path / "haproxy.cfg"
-    cfg.write_text(haproxy_config(port, {n: d.port for n, d in nodes.items()}))
+    cfg.write_text(haproxy_config(port, {n: d.port for n, d in nodes.items()}, affinity))
     check = subprocess.run(["haproxy", "-c", "-f", str(cfg)], capture_output=True, text=True)
     assert check.returncode == 0, check.stdout + check.stderr
     log = (tmp_path / "haproxy.log").open("w")
@@ -70,7 +90,10 @@ def balanced(tiny_gguf: Path, tmp_path: Path) -> Iterator[tuple[str, dict[str, D
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 30
-        while {ask(url, stream=False, max_tokens=1).node for _ in range(4)} != set(nodes):
+        while any(ask(url, stream=False, max_tokens=1).status != 200 for _ in nodes):
+            assert time.monotonic() < deadline, "HAProxy never served"
+            time.sleep(0.2)
+        while not affinity and {ask(url, False, max_tokens=1).node for _ in nodes} != set(nodes):
             assert time.monotonic() < deadline, "HAProxy never sent to both nodes"
             time.sleep(0.2)
         yield url, nodes
@@ -82,10 +105,12 @@ def balanced(tiny_gguf: Path, tmp_path: Path) -> Iterator[tuple[str, dict[str, D
             d.stop()
 
 
-def ask(url: str, stream: bool, max_tokens: int = 12) -> Outcome:
+def ask(
+    url: str, stream: bool, max_tokens: int = 12, messages: list[dict] | None = None
+) -> Outcome:
     """One chat completion through the balancer; the streamed one read to [DONE]."""
     body = {
-        "messages": [{"role": "user", "content": "Tell me about the sea."}],
+        "messages": messages or [{"role": "user", "content": "Tell me about the sea."}],
         "max_tokens": max_tokens,
         "stream": stream,
     }
@@ -103,7 +128,11 @@ def ask(url: str, stream: bool, max_tokens: int = 12) -> Outcome:
     except OSError as e:
         return Outcome("?", 0, "", f"{type(e).__name__}: {e}")
     if not stream:
-        return Outcome(node, status, json.loads(raw)["choices"][0]["finish_reason"] or raw)
+        reply = json.loads(raw)
+        choice = reply["choices"][0]
+        cached = reply["usage"]["prompt_tokens_details"]["cached_tokens"]
+        text = choice["message"]["content"]
+        return Outcome(node, status, choice["finish_reason"] or raw, cached=cached, text=text)
     events = [line[6:] for line in raw.splitlines() if line.startswith("data: ")]
     if not events or events[-1] != "[DONE]":
         return Outcome(node, status, raw, "the stream did not end with [DONE]")
@@ -151,3 +180,28 @@ def test_draining_a_node_behind_haproxy_fails_no_request(
     assert failed == [], failed
     assert {o.finish for _, o in outcomes} <= {"length", "stop"}
     assert {o.node for sent, o in outcomes if sent > gone} == {"node2"}
+
+
+def conversation(url: str, topic: int, turns: int) -> list[Outcome]:
+    """One chat, turn after turn, each repeating the conversation so far."""
+    messages = [{"role": "system", "content": "You answer briefly."}]
+    out = []
+    for turn in range(turns):
+        messages.append({"role": "user", "content": f"Question {turn} about topic {topic}."})
+        o = ask(url, stream=False, max_tokens=8, messages=messages)
+        assert o.status == 200, o
+        messages.append({"role": "assistant", "content": o.text})
+        out.append(o)
+    return out
+
+
+def test_prefix_affinity_keeps_each_chat_on_the_node_that_caches_it(
+    by_prefix: tuple[str, dict[str, DaemonProcess]],
+) -> None:
+    """With the example's hash on the body's beginning, every turn of a chat reaches one
+    node, so each turn after the first finds the conversation so far in its cache."""
+    url, _ = by_prefix
+    chats = [conversation(url, topic, turns=3) for topic in range(6)]
+    for chat in chats:
+        assert len({o.node for o in chat}) == 1, [o.node for o in chat]
+        assert all(o.cached > 0 for o in chat[1:]), [o.cached for o in chat]

@@ -26,6 +26,21 @@ def tiny(tmp_path_factory) -> Path:
     return path
 
 
+def waiting_for_a_frame(pid: int, timeout: float = 30) -> None:
+    """Until the worker's main thread sleeps (blocked reading its socket) for 0.3 s."""
+    deadline, since = time.monotonic() + timeout, None
+    while time.monotonic() < deadline:
+        state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
+        if state != "S":
+            since = None
+        elif since is None:
+            since = time.monotonic()
+        elif time.monotonic() - since > 0.3:
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"worker {pid} did not answer within {timeout} s")
+
+
 def test_a_stopped_daemon_kills_no_worker(tiny: Path, tmp_path: Path) -> None:
     """Mid-stream, the worker and then the daemon are stopped for 3 s, far past the
     0.5 s deadlines; the worker continues first and answers into the socket. When the
@@ -48,7 +63,7 @@ def test_a_stopped_daemon_kills_no_worker(tiny: Path, tmp_path: Path) -> None:
         os.kill(d.proc.pid, signal.SIGSTOP)
         time.sleep(3)
         os.kill(pid, signal.SIGCONT)
-        time.sleep(0.5)
+        waiting_for_a_frame(pid)  # it answered (on a loaded machine that takes a while)
         os.kill(d.proc.pid, signal.SIGCONT)
         rest = list(chunks)
         assert rest[-1].choices[0].finish_reason == "length"

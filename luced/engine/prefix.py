@@ -28,7 +28,8 @@ from collections.abc import Callable, Iterable
 from luced.cache.prefix_cache import PrefixCache
 from luced.engine.executor import WorkerReplyError
 from luced.engine.kv.budget import KVBudget
-from luced.engine.kv.finished import FinishedPrefixes, common_prefix
+from luced.engine.kv.finished import FinishedPrefixes
+from luced.engine.kv.prefix_blocks import PrefixBlocks, common_prefix
 from luced.engine.request import Sequence
 from luced.engine.target import Target
 from luced.text.turns import TurnMarker
@@ -61,6 +62,7 @@ class PrefixReuse:
         self.kv = kv
         self.observe = observe
         self.shared_tokens = 0  # prompt positions shared from running or kept sequences
+        self.running_blocks = PrefixBlocks()  # the running sequences' computed prompts
         # Workers on other hosts keep their part of each snapshot: tell them what the
         # cache drops, batched per turn of the loop.
         self._dropped: list[str] = []
@@ -87,12 +89,16 @@ class PrefixReuse:
         best: tuple[int, int, Sequence | None] = (-1, 0, None)
         if not self.target.shares_prefixes:
             return best
+        blocks, holding = self.running_blocks, {}
         for other in running:
             if other is seq or other.slot < 0 or other.pooler is not None:
                 continue
-            n = min(common_prefix(seq.prompt[:-1], other.prompt), other.computed)
-            if n > best[1]:
-                best = (other.slot, n, other)
+            blocks.hold(other.slot, other.prompt, min(other.computed, len(other.prompt)))
+            holding[other.slot] = other
+        blocks.keep_only(holding.keys())  # those gone, and `seq` itself
+        lane, n = blocks.longest(seq.prompt[:-1])
+        if n:
+            best = (lane, n, holding[lane])
         if self.finished is not None:
             lane, n = self.finished.match(seq.prompt)
             if n > best[1]:

@@ -13,7 +13,8 @@ from engine_harness import engine_for
 from test_prefix_sharing import kv_blocks_used, request, tokens
 
 from luced.engine.kv.budget import KVBudget
-from luced.engine.kv.finished import KEPT_LANES, MIN_KEPT, FinishedPrefixes, common_prefix
+from luced.engine.kv.finished import KEPT_LANES, MIN_KEPT, FinishedPrefixes
+from luced.engine.kv.prefix_blocks import common_prefix
 from luced.runtime.tiny import make_tiny_gguf
 
 SYSTEM = [(7 * i + 3) % 120 + 2 for i in range(120)]

@@ -22,9 +22,8 @@ onto disk, which outlive an eviction and a restart.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 from luced.engine.kv.budget import KVBudget
+from luced.engine.kv.prefix_blocks import PrefixBlocks
 
 # Sequence ids the workers keep finished sequences under, past the running ones (the
 # workers hold 256; --max-running is at most 64).
@@ -34,21 +33,6 @@ KEPT_LANES = 64
 MIN_KEPT = 16
 
 
-def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    """The length of the longest common prefix of two token lists."""
-    n = min(len(a), len(b))
-    if a[:n] == b[:n]:  # the usual case when they match (a list compare runs in C)
-        return n
-    lo, hi = 0, n  # a[:lo] == b[:lo], a[:hi] != b[:hi]
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if a[:mid] == b[:mid]:
-            lo = mid
-        else:
-            hi = mid
-    return lo
-
-
 class FinishedPrefixes:
     def __init__(self, budget: KVBudget, first_lane: int, limit: int) -> None:
         """limit: the most positions kept lanes hold together."""
@@ -56,6 +40,7 @@ class FinishedPrefixes:
         self.lanes = range(first_lane, first_lane + KEPT_LANES)
         self.limit = limit
         self.tokens: dict[int, list[int]] = {}  # kept lane -> the tokens its K/V holds
+        self.blocks = PrefixBlocks()  # the same, by block hash (match)
 
     def lane_for(self, tokens: list[int]) -> int | None:
         """The lane a finished sequence holding `tokens` is kept under, making room for it;
@@ -81,6 +66,7 @@ class FinishedPrefixes:
             lane = self._free_lane()
         if lane is not None:
             self.tokens[lane] = tokens
+            self.blocks.hold(lane, tokens, len(tokens))
         return lane
 
     def _free_lane(self) -> int | None:
@@ -91,18 +77,14 @@ class FinishedPrefixes:
     def match(self, prompt: list[int]) -> tuple[int, int]:
         """The kept lane holding the longest prefix of `prompt` but its last token (fed to
         sample from) -> (lane, positions), or (-1, 0)."""
-        best = (-1, 0)
-        for lane in self.budget.kept:
-            n = common_prefix(prompt[:-1], self.tokens[lane])
-            if n > best[1]:
-                best = (lane, n)
-        return best
+        return self.blocks.longest(prompt[:-1], among=self.budget.kept)
 
     def forget_evicted(self) -> list[int]:
         """The lanes given up since the last call, for the workers to free; forgotten here."""
         lanes, self.budget.evicted = self.budget.evicted, []
         for lane in lanes:
             self.tokens.pop(lane, None)
+            self.blocks.drop(lane)
         return lanes
 
     def forget_all(self) -> None:

@@ -211,7 +211,8 @@ class Sequence:
     def feed_end(self) -> int:
         """Where its KV must reach before it decodes: its prompt, or with generated tokens
         all of them but the last, which the next decode step feeds."""
-        return len(self.tokens) - 1 if self.generated else len(self.tokens)
+        n = len(self.tokens)  # not `generated`: a copy of them, and this runs at every step
+        return n - 1 if n > len(self.prompt) else n
 
     @property
     def prefilling(self) -> bool:

@@ -3,7 +3,9 @@
 A ``Record`` is a frozen dataclass whose construction checks every field against its
 annotation (and normalises: numpy ints to ``int``, lists to tuples, region maps to
 ``Region``), then runs the record's own ``_check``. ``to_wire`` gives plain msgpack
-types; ``from_wire`` rejects missing and unknown keys. Supported annotations: ``bool``,
+types; ``from_wire`` rejects unknown keys and missing ones without a default. A record
+with ``OMIT_DEFAULTS`` leaves each field equal to its default off the wire (``from_wire``
+fills it back, so the decoded record equals the sent one). Supported annotations: ``bool``,
 ``int``, ``float``, ``str``, ``bytes``, ``None``, ``Region``, ``Literal[str, ...]``, unions,
 ``tuple[X, ...]``, ``tuple[X, Y]``, ``dict[str, X]`` and another ``Record`` (a map on the
 wire, checked by that record's own rules). The frame declarations live in
@@ -13,11 +15,12 @@ wire, checked by that record's own rules). The frame declarations live in
 from __future__ import annotations
 
 import functools
+import math
 import numbers
 import types
 from collections.abc import Callable, Mapping
 from dataclasses import MISSING, dataclass, fields
-from typing import Any, Literal, Self, Union, get_args, get_origin, get_type_hints
+from typing import Any, ClassVar, Literal, Self, Union, get_args, get_origin, get_type_hints
 
 from luced.ipc.regions import Region, RegionError
 
@@ -258,9 +261,44 @@ def to_wire(v: Any) -> Any:
     return v
 
 
+Encoder = Callable[[Any], Any]
+# Checked values of these annotations are msgpack types already: they go on the wire as they are.
+_PLAIN = (bool, int, float, str, bytes, type(None))
+
+
+def _wire_form(tp: Any) -> Encoder | None:
+    """How a checked value of the annotation ``tp`` goes on the wire (None: as it is),
+    worked out once per field, as its check is."""
+    origin, args = get_origin(tp), get_args(tp)
+    if tp in _PLAIN or origin is Literal:
+        return None
+    if tp is Region or (isinstance(tp, type) and issubclass(tp, Record)):
+        return tp.to_wire
+    if origin in (Union, types.UnionType):
+        return None if all(_wire_form(a) is None for a in args) else to_wire
+    if origin is tuple:
+        forms = {_wire_form(a) for a in args if a is not Ellipsis}
+        if forms == {None}:
+            return list
+        if len(args) == 2 and args[1] is Ellipsis:
+            (item,) = forms
+            return lambda v: [item(x) for x in v]
+    if origin is dict:
+        value = _wire_form(args[1])
+        if value is None:
+            return dict  # a copy: the wire map never aliases the frozen record's own
+        return lambda v: {k: value(x) for k, x in v.items()}
+    return to_wire
+
+
 @dataclass(frozen=True)
 class Record:
     """Base of typed frames; subclasses are frozen dataclasses."""
+
+    # Frames sent at every step set this: their fields are mostly at their defaults, and a
+    # default costs its key and value in the encoder, the bytes and the decoder. A frame
+    # whose defaults must travel (hello's protocol version) leaves it False.
+    OMIT_DEFAULTS: ClassVar[bool] = False
 
     @classmethod
     def label(cls) -> str:
@@ -268,8 +306,10 @@ class Record:
         return cls.__name__
 
     def __post_init__(self) -> None:
-        for name, check, path in _checks(type(self)):
-            object.__setattr__(self, name, check(getattr(self, name), path))
+        for name, check, path, default in _checks(type(self)):
+            value = getattr(self, name)
+            if value is not default:  # the declared default passed its check once, unchanged
+                object.__setattr__(self, name, check(value, path))
         self._check()
 
     def _check(self) -> None:
@@ -279,7 +319,7 @@ class Record:
         return FrameError(f"{self.label()}: {message}")
 
     def to_wire(self) -> dict[str, Any]:
-        return {name: to_wire(getattr(self, name)) for name, _ in _hints(type(self))}
+        return _encoder(type(self))(self)
 
     @classmethod
     def from_wire(cls, d: Mapping[str, Any]) -> Self:
@@ -295,10 +335,52 @@ class Record:
         return cls(**d)
 
 
+_NO_DEFAULT: Any = object()  # a field that has none: no value is it
+
+
 @functools.cache
-def _checks(cls: type[Record]) -> list[tuple[str, Coercer, str]]:
-    """(field, its check, the path its errors name) for each field of a record class."""
-    return [(name, _coercer(tp), f"{cls.label()}: {name}") for name, tp in _hints(cls)]
+def _checks(cls: type[Record]) -> list[tuple[str, Coercer, str, Any]]:
+    """(field, its check, the path its errors name, a default that needs no check) for
+    each field of a record class. A declared default that its check would change (an int
+    for a float) is checked every time, as any value."""
+    out = []
+    for f, (name, tp) in zip(fields(cls), _hints(cls), strict=True):
+        check, path = _coercer(tp), f"{cls.label()}: {name}"
+        default = f.default
+        if default is MISSING or check(default, path) is not default:
+            default = _NO_DEFAULT
+        out.append((name, check, path, default))
+    return out
+
+
+@functools.cache
+def _encoder(cls: type[Record]) -> Callable[[Record], dict[str, Any]]:
+    """A record class's ``to_wire``: each field's wire form, and with ``OMIT_DEFAULTS``
+    the test that leaves it off: its value is its default (as its check gives it), of the
+    same type, and for a float of the same sign (-0.0 is not sent as 0.0)."""
+    plan = []
+    for f, (name, tp) in zip(fields(cls), _hints(cls), strict=True):
+        default = _NO_DEFAULT
+        if cls.OMIT_DEFAULTS and f.default is not MISSING:
+            default = _coercer(tp)(f.default, name)
+        elif cls.OMIT_DEFAULTS and f.default_factory is not MISSING:
+            default = _coercer(tp)(f.default_factory(), name)
+        plan.append((name, _wire_form(tp), default))
+
+    def encode(record: Record) -> dict[str, Any]:
+        wire = {}
+        for name, form, default in plan:
+            v = getattr(record, name)
+            if (
+                type(v) is type(default)
+                and v == default
+                and (type(v) is not float or math.copysign(1.0, v) == math.copysign(1.0, default))
+            ):
+                continue
+            wire[name] = v if form is None else form(v)
+        return wire
+
+    return encode
 
 
 @functools.cache

@@ -52,11 +52,108 @@ def test_wire_shape_of_a_forward(sample_requests: dict) -> None:
     wire = msgpack.unpackb(codec.encode_request(3, sample_requests["forward"]), raw=False)
     assert wire["op"] == "forward" and wire["seq"] == 3
     assert wire["tokens"] == {"segment": SEG, "offset": 960, "shape": [512], "dtype": "int32"}
-    assert wire["capture"] == [1, 14, 27] and wire["hidden_in"] is None
+    assert wire["capture"] == [1, 14, 27] and "hidden_in" not in wire  # a default
     span = wire["spans"][0]  # a span is a plain map on the wire
     assert span["sequence"] == 3 and span["n_out"] == 16
     assert span["sampling"]["seed"] == 2**40 and wire["spans"][1]["sampling"]["min_p"] is None
     assert wire["spans"][1]["kv_plan"]["kv_map"]["shape"] == [448]
+
+
+SPAN_DEFAULTS = ("n_out", "verify", "q_row", "keep_state", "keep_block_states", "ring")
+
+
+def test_a_decode_step_sends_only_what_differs_from_the_defaults() -> None:
+    spans = tuple(F.Span(sequence=j, start=40, n=1, sampling={"seed": j}) for j in range(16))
+    frame = F.Forward(
+        spans, "sample", {"ids": R(64, (16,), "int32")}, tokens=R(128, (16,), "int32")
+    )
+    payload = codec.encode_request(4, frame)
+    wire = msgpack.unpackb(payload, raw=False)
+    assert wire["spans"][3] == {"sequence": 3, "start": 40, "n": 1, "sampling": {"seed": 3}}
+    assert set(wire) == {"op", "seq", "spans", "want", "outputs", "tokens"}
+    for name in (*SPAN_DEFAULTS, "kv_plan", "pool", "hidden_in", "top_logprobs", "capture"):
+        assert name.encode() not in payload
+    assert codec.decode_request(payload) == (4, frame, None)  # the decoder fills them back
+    reply = F.ForwardReply(positions=(41,) * 16, elapsed_us=8150)
+    got = codec.encode_reply(4, reply)
+    assert msgpack.unpackb(got, raw=False) == {
+        "seq": 4,
+        "ok": True,
+        "positions": [41] * 16,
+        "elapsed_us": 8150,
+    }
+    assert codec.decode_reply(got, "forward") == (4, reply)
+
+
+def test_values_other_than_the_defaults_travel(sample_requests: dict) -> None:
+    frame = sample_requests["forward"]
+    wire = msgpack.unpackb(codec.encode_request(1, frame), raw=False)
+    verify = wire["spans"][1]
+    assert verify["verify"] is True and verify["kv_plan"]["kv_slots"]["shape"] == [16]
+    assert set(SPAN_DEFAULTS) - set(verify) == {"q_row", "keep_state", "keep_block_states"}
+    pooled = F.Span(sequence=1, start=0, n=3, n_out=0, q_row=2, keep_state=True, pool="first")
+    wired = pooled.to_wire()
+    assert wired == {
+        "sequence": 1,
+        "start": 0,
+        "n": 3,
+        "n_out": 0,
+        "q_row": 2,
+        "keep_state": True,
+        "pool": "first",
+    }
+    assert F.Span.from_wire(wired) == pooled
+    reply = F.ForwardReply(positions=(3,), elapsed_us=0, accepted=(0,), moe_fallbacks=2)
+    assert codec.decode_reply(codec.encode_reply(2, reply), "forward") == (2, reply)
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "match"),
+    [
+        ("verify", 1, r"spans\[0\]: Span: verify: expected bool, got int 1"),
+        ("n_out", 2, r"n_out must be 0, 1 or n \(4\), got 2"),
+        ("n_out", None, "Span: n_out: expected int, got NoneType"),
+        ("ring", {"segment": SEG}, r"spans\[0\]: Span: ring: "),
+        ("pool", "max", r"pool: expected one of \['', 'sum', 'first', 'last'\]"),
+        ("kv_plan", [], "Span: kv_plan: expected dict"),
+        ("sampling", {"seed": 1.0}, "sampling.seed must be an int"),
+    ],
+)
+def test_a_bad_value_of_a_defaulted_field_is_refused(field: str, value: object, match: str) -> None:
+    wire = msgpack.unpackb(codec.encode_request(6, forward()), raw=False)
+    wire["spans"][0][field] = value
+    with pytest.raises(F.FrameError, match=match) as info:
+        codec.decode_request(raw(wire))
+    assert info.value.seq == 6
+    del wire["spans"][0]["n"]  # no default: it must travel
+    with pytest.raises(F.FrameError, match=r"Span: missing field\(s\) \['n'\]"):
+        codec.decode_request(raw(wire))
+
+
+def test_a_sampling_map_is_checked_with_its_types() -> None:
+    # A map checked once passes without a second check; one equal to it with other value
+    # types is checked afresh.
+    span(sampling={"seed": 5, "top_k": 1, "temperature": 0})
+    for bad, match in [
+        ({"seed": 5.0, "top_k": 1, "temperature": 0}, "sampling.seed must be an int"),
+        ({"seed": 5, "top_k": 1.0, "temperature": 0}, "sampling.top_k must be an int"),
+    ]:
+        with pytest.raises(F.FrameError, match=match):
+            span(sampling=bad)
+        with pytest.raises(F.FrameError, match=match):
+            span(sampling=bad)
+
+
+def test_hello_sends_its_protocol_version() -> None:
+    # hello's defaults travel: a peer must read the version it was built with
+    wire = msgpack.unpackb(codec.encode_request(1, F.Hello(instance="ab")), raw=False)
+    assert wire == {
+        "op": "hello",
+        "seq": 1,
+        "instance": "ab",
+        "protocol": F.PROTOCOL_VERSION,
+        "files": {},
+    }
 
 
 def test_construction_normalises_types() -> None:

@@ -4,7 +4,7 @@ takes and normalises what it took before, and names the same path in its errors.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import ClassVar, Literal
 
 import numpy as np
 import pytest
@@ -27,6 +27,45 @@ class Item(Record):
 class Outer(Record):
     items: tuple[Item, ...]
     note: str | None = None
+
+
+@dataclass(frozen=True)
+class Sparse(Record):
+    OMIT_DEFAULTS: ClassVar[bool] = True
+
+    n: int
+    scale: float = 0  # an int default: normalised to 0.0 as any int
+    bias: float = 0.0
+    items: tuple[Item, ...] = ()
+    note: str | None = None
+
+
+def test_defaults_stay_off_the_wire_of_a_record_that_omits_them() -> None:
+    sparse = Sparse(n=1)
+    assert type(sparse.scale) is float
+    assert sparse.to_wire() == {"n": 1} and Sparse.from_wire({"n": 1}) == sparse
+    assert Item(n=1).to_wire() == {
+        "n": 1,
+        "x": 0,
+        "y": 0.0,
+        "mode": "a",
+        "xs": [],
+        "pair": [0, ""],
+        "named": {},
+    }  # a record without OMIT_DEFAULTS sends every field
+    given = Sparse(n=2, scale=0.0, bias=-0.0, items=(Item(n=3),), note="")
+    wire = given.to_wire()
+    assert wire == {"n": 2, "bias": -0.0, "items": [Item(n=3).to_wire()], "note": ""}
+    back = Sparse.from_wire(wire)
+    assert back == given and str(back.bias) == "-0.0"
+    for bad, message in [
+        ({"n": 1, "scale": "0"}, "Sparse: scale: expected float, got str '0'"),
+        ({"n": 1, "items": [{"n": 1, "xs": [True]}]}, "items[0]: Item: xs[0]: expected int"),
+        ({"scale": 1.0}, "Sparse: missing field(s) ['n']"),
+    ]:
+        with pytest.raises(FrameError) as info:
+            Sparse.from_wire(bad)
+        assert message in str(info.value)
 
 
 def test_unions_take_the_first_arm_that_accepts() -> None:

@@ -9,9 +9,11 @@ types, no extension types, no pickle; ``codec.py``), sent length-prefixed by
     failure   {"seq": int, "ok": false, "error": str}
     progress  {"seq": int, "progress": str}   (any number, before the reply)
 
-``seq`` is chosen by the sender of a request and echoed in its reply. Bulk data never
-travels in a frame: fields carry ``Region`` maps (segment, offset, shape, dtype) naming
-shared memory (see ``regions.py``). A frame is at most ``codec.MAX_FRAME_BYTES``.
+``seq`` is chosen by the sender of a request and echoed in its reply. The frames sent at
+every step (``forward``, its spans and its reply: ``Record.OMIT_DEFAULTS``) leave fields at
+their defaults out of their maps; the receiver fills them back. Bulk data never travels in
+a frame: fields carry ``Region`` maps (segment, offset, shape, dtype) naming shared memory
+(see ``regions.py``). A frame is at most ``codec.MAX_FRAME_BYTES``.
 
 The ops (request fields -> reply fields):
 

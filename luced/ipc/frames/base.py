@@ -3,6 +3,7 @@ reply bases with their registries, and the checks and constants several ops use.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import Any, ClassVar, Literal, TypeVar
@@ -94,11 +95,23 @@ def _check_sequence(frame: Any) -> None:
 
 def _check_sampling_map(frame: Any) -> None:
     """The map must be a ``SamplingParams`` wire form (the one definition of the fields)."""
+    sampling = frame.sampling
     try:
-        SamplingParams.from_wire(frame.sampling)
+        try:
+            _check_sampling_items(tuple(sampling.items()), tuple(map(type, sampling.values())))
+        except TypeError:  # a nested logit_bias map cannot be a cache key
+            SamplingParams.from_wire(sampling)
     except ValueError as e:
         where = "" if str(e).startswith("unknown") else "sampling."
         raise frame._fail(f"{where}{e}") from None
+
+
+@functools.lru_cache(maxsize=1024)
+def _check_sampling_items(items: tuple[tuple[str, Any], ...], types: tuple[type, ...]) -> None:
+    """A map that passed is not checked again (a sequence sends one at every step, and the
+    daemon and each worker check it). Keyed by its values' types too: 1, 1.0 and True are
+    equal keys, and not all are valid; a map that fails is not cached."""
+    SamplingParams.from_wire(dict(items))
 
 
 def _check_rings(frame: Request, capture: tuple[int, ...], rings: tuple[Region, ...]) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import ClassVar, Literal
 
 from luced.ipc.frames.base import (
     COMPUTE_DTYPES,
@@ -92,6 +92,8 @@ class Span(Record):
     first row ("first": [CLS], in the span from position 0) or its last ("last").
     """
 
+    OMIT_DEFAULTS: ClassVar[bool] = True  # a decode step's span is mostly defaults
+
     sequence: int
     start: int
     n: int
@@ -122,10 +124,11 @@ class Span(Record):
             raise self._fail(f"a pooling span samples nothing: n_out must be 0, got {self.n_out}")
         if self.ring is not None and self.ring.shape[0] < self.n:
             raise self._fail(f"its ring holds {self.ring.shape[0]} positions, fewer than {self.n}")
-        unknown = self.kv_plan.keys() - set(KV_PLAN)
-        if unknown:
-            raise self._fail(f"kv_plan keys are among {list(KV_PLAN)}; got {sorted(unknown)}")
-        _check_kv_plan(self, self.kv_plan, self.n)
+        if self.kv_plan:
+            unknown = self.kv_plan.keys() - set(KV_PLAN)
+            if unknown:
+                raise self._fail(f"kv_plan keys are among {list(KV_PLAN)}; got {sorted(unknown)}")
+            _check_kv_plan(self, self.kv_plan, self.n)
         _check_sampling_map(self)
 
 
@@ -158,6 +161,8 @@ class Forward(Request):
     exactly one writer. All or nothing: a failure leaves every sequence's KV at its span's
     start.
     """
+
+    OMIT_DEFAULTS: ClassVar[bool] = True
 
     spans: tuple[Span, ...]
     want: Want
@@ -300,6 +305,8 @@ def _check_allowed(frame: Forward) -> None:
 @_op("forward", REPLIES)
 @dataclass(frozen=True)
 class ForwardReply(Reply):
+    OMIT_DEFAULTS: ClassVar[bool] = True
+
     positions: tuple[int, ...]  # each span's sequence's committed KV length after the forward
     elapsed_us: int  # worker-side compute time
     # Per span: proposals its verify accepted (ids rows: accepted + 1); -1 for other spans.

@@ -69,11 +69,14 @@ def serve(batch: int) -> None:
 
 def compare(args: argparse.Namespace, trees: list[str], batch: int) -> None:
     procs = []
-    for tree in trees:
+    for tree in map(os.path.abspath, trees):
         env = {**os.environ, "PYTHONPATH": tree}
         cmd = [sys.executable, __file__, "--serve", "--batches", str(batch)]
         procs.append(
-            subprocess.Popen(cmd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+            # cwd: `python -m luced.runtime.worker` puts it first on the workers' sys.path
+            subprocess.Popen(
+                cmd, env=env, cwd=tree, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+            )
         )
     try:
         sizes = [json.loads(p.stdout.readline())["bytes"] for p in procs]  # type: ignore[union-attr]

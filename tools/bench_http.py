@@ -178,9 +178,12 @@ def start_daemon(
         *extra,
     ]
     if model:
-        cmd.insert(4, model)
+        cmd.insert(4, str(Path(model).resolve()) if Path(model).exists() else model)
+    tree = None if tree is None else os.path.abspath(tree)
     env = None if tree is None else {**os.environ, "PYTHONPATH": tree}
-    proc = subprocess.Popen(cmd, env=env)
+    # `python -m` puts the working directory first on sys.path, before PYTHONPATH, for the
+    # daemon and for the workers it starts: run in the tree, or another tree's code runs.
+    proc = subprocess.Popen(cmd, env=env, cwd=tree)
     for _ in range(600):
         try:
             with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2):

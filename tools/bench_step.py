@@ -110,13 +110,16 @@ def _layers(model: str) -> int:
 
 def compare(args: argparse.Namespace, trees: list[str], batch: int) -> None:
     procs = []
-    for tree in trees:
+    for tree in map(os.path.abspath, trees):
         env = {**os.environ, "PYTHONPATH": tree}
-        cmd = [sys.executable, __file__, "--serve", "--model", args.model]
+        cmd = [sys.executable, __file__, "--serve", "--model", os.path.abspath(args.model)]
         cmd += ["--batches", str(batch), "--context", str(args.context)]
         cmd += ["--threads", str(args.threads), "--clock", args.clock]
         procs.append(
-            subprocess.Popen(cmd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+            # cwd: `python -m luced.runtime.worker` puts it first on the workers' sys.path
+            subprocess.Popen(
+                cmd, env=env, cwd=tree, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+            )
         )
     try:
         for p in procs:

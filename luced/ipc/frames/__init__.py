@@ -89,7 +89,8 @@ group of two); the envelope's ``carry`` (regions put, got and relayed beside a r
 and a reply's ``carried`` (the bytes of the regions got); ``load`` ``moe_link`` and
 ``link`` ``serve`` (cold experts over a hop).
 20: ``kv_export`` / ``kv_import`` ``store`` and ``kv_forget``: a worker on another host
-keeps its layers' prefix-cache rows in its own store, in its memory and on its disk.
+keeps its layers' prefix-cache rows in its own store, in its memory and on its disk;
+``forward``, its spans and its reply leave fields at their defaults off the wire.
 
 Expert compute (``luced.runtime.expert_link``): an expert worker answers ``load_experts``
 from the daemon, and ``expert_mix`` from target workers over direct worker-to-worker

@@ -26,6 +26,11 @@ snapshot restores any shorter prefix) and sets the token history from ``tokens``
 copies are ``copy_`` between the cache (on its device) and the torch view of the region
 (host memory): device -> host and host -> device on a GPU, a memcpy on the CPU.
 
+A worker on another host keeps its part in its own store instead (``store`` names the
+entry; ``runtime/kv_store.py``): export fills fresh host arrays and keeps them, import
+reads them back (refused, changing nothing, when the entry is gone or holds other
+tokens), and ``kv_forget`` drops entries.
+
 Both verbs resolve and check every region (names, shapes, dtypes, segment) before the
 first copy, so a rejected request changes nothing. A copy that fails after that (an
 import only) leaves the worker empty, as a ``reset`` does: never half a prefix.

@@ -18,12 +18,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
+
+from tree_procs import TreeProcs  # run as a script: tools/ is on sys.path
 
 PARTS = ("build", "encode", "decode", "reply")
 SEG = "/luced-bench-io"
@@ -68,41 +68,21 @@ def serve(batch: int) -> None:
 
 
 def compare(args: argparse.Namespace, trees: list[str], batch: int) -> None:
-    procs = []
-    for tree in map(os.path.abspath, trees):
-        env = {**os.environ, "PYTHONPATH": tree}
-        cmd = [sys.executable, __file__, "--serve", "--batches", str(batch)]
-        procs.append(
-            # cwd: `python -m luced.runtime.worker` puts it first on the workers' sys.path
-            subprocess.Popen(
-                cmd, env=env, cwd=tree, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
-            )
-        )
+    children = TreeProcs(trees, [__file__, "--serve", "--batches", str(batch)])
     try:
-        sizes = [json.loads(p.stdout.readline())["bytes"] for p in procs]  # type: ignore[union-attr]
-
-        def run(p: subprocess.Popen, reps: int) -> dict[str, float]:
-            p.stdin.write(f"{reps}\n")  # type: ignore[union-attr]
-            p.stdin.flush()  # type: ignore[union-attr]
-            return json.loads(p.stdout.readline())  # type: ignore[union-attr]
-
-        for p in procs:
-            run(p, args.reps)  # warm-up
+        sizes = [json.loads(children.readline(i))["bytes"] for i in range(len(trees))]
+        for i in range(len(trees)):
+            children.ask(i, args.reps)  # warm-up
         got: list[list[dict[str, float]]] = [[] for _ in trees]
         ratios: list[list[float]] = [[] for _ in trees]
-        for r in range(args.rounds):
-            order = list(range(len(trees)))
-            if r % 2:
-                order.reverse()
+        for order in children.orders(args.rounds):
             for i in order:
-                got[i].append(run(procs[i], args.reps))
+                got[i].append(children.ask(i, args.reps))
             totals = [sum(g[-1].values()) for g in got]
             for i in range(len(trees)):
                 ratios[i].append(totals[i] / totals[0])
     finally:
-        for p in procs:
-            p.stdin.close()  # type: ignore[union-attr]
-            p.wait()
+        children.close()
     for i, tree in enumerate(trees):
         med = {p: statistics.median(g[p] for g in got[i]) for p in PARTS}
         cells = " | ".join(f"{med[p]:.1f}" for p in PARTS)

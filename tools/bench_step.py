@@ -25,10 +25,11 @@ import json
 import os
 import secrets
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
+
+from tree_procs import TreeProcs  # run as a script: tools/ is on sys.path
 
 GREEDY = {"temperature": 0}
 
@@ -109,47 +110,29 @@ def _layers(model: str) -> int:
 
 
 def compare(args: argparse.Namespace, trees: list[str], batch: int) -> None:
-    procs = []
-    for tree in map(os.path.abspath, trees):
-        env = {**os.environ, "PYTHONPATH": tree}
-        cmd = [sys.executable, __file__, "--serve", "--model", os.path.abspath(args.model)]
-        cmd += ["--batches", str(batch), "--context", str(args.context)]
-        cmd += ["--threads", str(args.threads), "--clock", args.clock]
-        procs.append(
-            # cwd: `python -m luced.runtime.worker` puts it first on the workers' sys.path
-            subprocess.Popen(
-                cmd, env=env, cwd=tree, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
-            )
-        )
+    argv = [__file__, "--serve", "--model", os.path.abspath(args.model)]
+    argv += ["--batches", str(batch), "--context", str(args.context)]
+    argv += ["--threads", str(args.threads), "--clock", args.clock]
+    children = TreeProcs(trees, argv)
     try:
-        for p in procs:
-            if p.stdout.readline().strip() != "ready":  # type: ignore[union-attr]
-                raise SystemExit(f"a step process failed to start (exit {p.wait()})")
-
-        def run(p: subprocess.Popen, n: int) -> list[float]:
-            p.stdin.write(f"{n}\n")  # type: ignore[union-attr]
-            p.stdin.flush()  # type: ignore[union-attr]
-            return json.loads(p.stdout.readline())  # type: ignore[union-attr]
-
-        for p in procs:
-            run(p, 2)  # warm-up
+        for i in range(len(trees)):
+            if children.readline(i).strip() != "ready":
+                raise SystemExit(
+                    f"a step process failed to start (exit {children.procs[i].wait()})"
+                )
+            children.ask(i, 2)  # warm-up
         times: list[list[float]] = [[] for _ in trees]
         ratios: list[list[float]] = [[] for _ in trees]
-        for r in range(args.rounds):
-            order = list(range(len(trees)))
-            if r % 2:
-                order.reverse()
+        for order in children.orders(args.rounds):
             medians = [0.0] * len(trees)
             for i in order:
-                got = run(procs[i], args.steps)
+                got = children.ask(i, args.steps)
                 times[i] += got
                 medians[i] = statistics.median(got)
             for i in range(len(trees)):
                 ratios[i].append(medians[i] / medians[0])
     finally:
-        for p in procs:
-            p.stdin.close()  # type: ignore[union-attr]
-            p.wait()
+        children.close()
     for i, tree in enumerate(trees):
         med, low = statistics.median(times[i]) * 1e3, min(times[i]) * 1e3
         ratio = statistics.median(ratios[i])

@@ -90,7 +90,7 @@ def export(worker: WorkerState, req: F.KVExport) -> F.KVExportReply:
         )
     t0 = time.perf_counter()
     cuts = req.state_cuts
-    held = None
+    held, store = None, None
     if req.store:  # this host's own store: fresh host arrays, kept once filled
         store = _store(worker)
         slots = len(cuts)
@@ -118,8 +118,8 @@ def export(worker: WorkerState, req: F.KVExport) -> F.KVExportReply:
                 b[slot].copy_(delta)
         else:
             cache.export_rows(layer, n, a, b)
-    if held is not None:
-        _store(worker).put(req.store, held)
+    if store is not None and held is not None:
+        store.put(req.store, held)
     elapsed = time.perf_counter() - t0
     worker.busy_s += elapsed
     return F.KVExportReply(position=n, elapsed_us=int(elapsed * 1e6))
@@ -190,12 +190,13 @@ def _stored(
 ) -> _Resolved:
     """The store's entry as the caches' views, one state slot (cut n); refused, changing
     nothing, when this host does not hold it or it holds other tokens."""
-    held = _store(worker).get(entry_id)
+    store = _store(worker)
+    held = store.get(entry_id)
     if held is None:
         raise WorkerError(f"snapshot {entry_id} is not held on this host (evicted or lost)")
     if len(held.tokens) < n or not np.array_equal(held.tokens[:n], ids.numpy()):
         raise WorkerError(f"snapshot {entry_id} on this host holds other tokens")
-    store, arrays = _store(worker), held.arrays
+    arrays = held.arrays
     if any(c.recurrent is not None for c in caches):
         if n not in held.cuts:
             raise WorkerError(f"snapshot {entry_id} keeps its state at {list(held.cuts)}, not {n}")

@@ -12,12 +12,15 @@ Sections (each written to --out as soon as it is measured, so a run cut short st
                the fixed-shape step eager, and its CUDA graph (runtime/decode_graph.py),
                interleaved rounds, medians; bytes read per token (every matrix once, plus
                the K/V attended) and the fraction of the bandwidth ceiling each reaches
+    matmul     each distinct packed matrix shape alone at one row (20 calls in a CUDA graph, so
+               launches are not timed): microseconds, GB/s, and all matrices of a token
+               against the graph step, which says how much of decode is the int4 kernel
+    transfer   host -> device GB/s of a 256 MiB shared-memory region: pageable, page-locked
+               (runtime/device_io.py), and through the pinned staging buffer
     batch      aggregate tok/s at 1, 8, 32, 64 sequences: eager batched forward
                (`Model.forward_batch`, the worker's batched verb) against graph replays
     verify     a 16-token forward against one decode step (eager and graph): what a DFlash
                verify costs, and the speedup an oracle drafter (all 16 accepted) would give
-    transfer   host -> device GB/s of a 256 MiB shared-memory region: pageable, page-locked
-               (runtime/device_io.py), and through the pinned staging buffer
 
 Every step syncs with the host (the token comes back, as the worker's sampler needs it).
 On the CPU (`--device cpu`, a dry run of the script) the graph columns run eagerly.
@@ -153,6 +156,40 @@ def verify_cost(model: Model, device: torch.device, repeats: int) -> float:
     return statistics.median(times)
 
 
+def kernel_seconds(fn: Callable[[], object], device: torch.device, calls: int = 20) -> float:
+    """Seconds per call of `fn`, launches excluded on a GPU (a graph of `calls` calls)."""
+    if device.type != "cuda":
+        return statistics.median(seconds(fn, device) for _ in range(calls))
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        fn()  # warm-up outside the capture, as torch's graph docs ask
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    times = [seconds(graph.replay, device) for _ in range(7)][2:]
+    return statistics.median(times) / calls
+
+
+def matmuls(model: Model, device: torch.device) -> dict:
+    """Each distinct packed matrix shape at one row (module docstring)."""
+    groups: dict[tuple[str, int, int], list[PackedLinear]] = {}
+    for w in model.weights.values():
+        for m in w if isinstance(w, list) else [w]:
+            if isinstance(m, PackedLinear):
+                groups.setdefault((m.form, m.out_features, m.in_features), []).append(m)
+    shapes, total = [], 0.0
+    for (form, n, k), mats in groups.items():
+        x = torch.randn(1, k, dtype=torch.bfloat16, device=device)
+        t = kernel_seconds(lambda m=mats[0], x=x: m(x), device)
+        total += t * len(mats)
+        shapes.append({"form": form, "out": n, "in": k, "count": len(mats), "us": t * 1e6,
+                       "gb_per_s": mats[0].nbytes() / t / 1e9})  # fmt: skip
+    return {"shapes": shapes, "all_matrices_s": total}
+
+
 def transfer(device: torch.device, nbytes: int) -> dict:
     """GB/s of host -> device copies out of a shared-memory region (median of 5)."""
     rows = nbytes // (4 * 4096)
@@ -256,12 +293,10 @@ def main(argv: list[str] | None = None) -> None:
             "steps": steps,
         },
     )
-    rates: dict[str, dict[int, float]] = {"eager_batched": {}, "graph": {}}
-    for b in batches:
-        rates["eager_batched"][b] = b / batched_decode(model, b, steps, device)
-        rates["graph"][b] = b / step_decode(model, b, steps, device, capture=True)[0]
-    scale = {k: v[batches[-1]] / v[1] for k, v in rates.items()}
-    report.add("batch", {"tok_per_s": rates, f"ratio_{batches[-1]}_vs_1": scale})
+    mm = matmuls(model, device)
+    mm["share_of_graph_step"] = mm["all_matrices_s"] / statistics.median(graph)
+    report.add("matmul", mm)
+    report.add("transfer", transfer(device, (256 << 20) if gpu else (16 << 20)))
     v16 = verify_cost(model, device, rounds + 2)
     step1 = statistics.median(eager)
     graph1 = statistics.median(graph)
@@ -275,7 +310,12 @@ def main(argv: list[str] | None = None) -> None:
             "oracle_speedup_over_graph": 16 * graph1 / v16,
         },
     )
-    report.add("transfer", transfer(device, (256 << 20) if gpu else (16 << 20)))
+    rates: dict[str, dict[int, float]] = {"eager_batched": {}, "graph": {}}
+    for b in batches:
+        rates["eager_batched"][b] = b / batched_decode(model, b, steps, device)
+        rates["graph"][b] = b / step_decode(model, b, steps, device, capture=True)[0]
+    scale = {k: v[batches[-1]] / v[1] for k, v in rates.items()}
+    report.add("batch", {"tok_per_s": rates, f"ratio_{batches[-1]}_vs_1": scale})
 
 
 def _embedding_bytes(model: Model) -> int:

@@ -244,7 +244,7 @@ def main() -> int:
     tmp = Path(tempfile.mkdtemp(prefix="luced-bench-"))
     url = args.url
     if url is None:
-        proc = start_daemon(args.model, args.port, args.threads, tmp)
+        proc = start_daemon(args.model, args.port, args.threads, tmp, args.serve_args.split())
         url = f"http://127.0.0.1:{args.port}"
     try:
         print(

@@ -216,7 +216,7 @@ def _model_stages(
         serve = "--target-devices cpu" if cpu else "--target-devices cuda:0 --dtype bfloat16"
         cmd = [py, "tools/bench_http.py", "--model", str(model), "--concurrency", levels,
                "--max-tokens", "32", "--prompt-tokens", "64", "--threads", "1",
-               "--serve-args", f"{serve} --max-running 64"]  # fmt: skip
+               "--serve-args", f"{serve} --max-running 64 --max-queue 128"]  # fmt: skip
         result = run(cmd, args.out / "http.log", budget["http"])
         result["tail"] = (args.out / "http.log").read_text().splitlines()[-16:]
         report.stage("http", **result)

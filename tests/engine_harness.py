@@ -87,6 +87,7 @@ async def engine_for(
     kv_keep_tokens: int = 0,
     kv_dtype: str = "",
     kv_block: int | None = None,
+    decode_graphs: str = "auto",
     dtype: str = "float32",
     max_batch_tokens: int = 64,
     remote: RemoteSettings | None = None,
@@ -120,6 +121,7 @@ async def engine_for(
             batch_invariant=batch_invariant,
             kv_dtype=kv_dtype,
             kv_block=kv_block,
+            decode_graphs=decode_graphs,
         )
         target = Target(
             owner,

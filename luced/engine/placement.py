@@ -325,6 +325,7 @@ class TargetPlacement:
     batch_invariant: bool = False  # logits independent of how tokens are grouped in calls
     kv_dtype: str = ""  # the K/V rows' dtype; "" = dtype
     kv_block: int = 0  # rows per block of the workers' K/V block pools; 0: none (frames.Load)
+    decode_graphs: str = "auto"  # decode through a captured step (frames.Load)
 
     def __post_init__(self) -> None:
         if not self.workers:
@@ -359,6 +360,7 @@ class TargetPlacement:
         batch_invariant: bool = False,
         kv_dtype: str = "",
         kv_block: int = 0,
+        decode_graphs: str = "auto",
     ) -> TargetPlacement:
         """--target-devices / --target-layer-split -> workers; raises PlacementError.
         `kv_sources` (the GGUF's KV-sharing layers) keeps sharing layers with their sources;
@@ -391,4 +393,5 @@ class TargetPlacement:
             batch_invariant=batch_invariant,
             kv_dtype=kv_dtype,
             kv_block=kv_block,
+            decode_graphs=decode_graphs,
         )

@@ -287,6 +287,7 @@ class Target:
                 batch_invariant=p.batch_invariant,
                 kv_dtype=p.kv_dtype,
                 kv_block=0 if self.flash_cfg else p.kv_block,
+                decode_graphs=p.decode_graphs,
             )
         )
         if self.experts is not None:

@@ -48,6 +48,7 @@ import torch
 from luced.ipc import frames as F
 from luced.runtime import experts, kv_snapshot, native
 from luced.runtime import forward as forward_verb
+from luced.runtime.decode_graph import DecodeGraphs, supports
 from luced.runtime.dflash import verbs as draft_verbs
 from luced.runtime.expert_link import ExpertServer, HopExperts, RemoteExperts
 from luced.runtime.hops import Hops
@@ -257,7 +258,8 @@ class Backend(WorkerState):
                 ]
             return [s.model.new_cache(req.kv_capacity) for s in shards]
 
-        self.loaded = Loaded(Path(req.model), shards, reply, new_caches, blocks)
+        graphs = _decode_graphs(req, shards, blocks)
+        self.loaded = Loaded(Path(req.model), shards, reply, new_caches, blocks, graphs)
         self.loaded.sequences[0] = SequenceState(first)
         self._load_request = req
         return reply
@@ -344,6 +346,7 @@ class Backend(WorkerState):
             "kv_blocks_used": sum(p.used_blocks for p in m.block_pools) if m else 0,
             "kv_blocks_mapped": sum(p.mapped_blocks for p in m.block_pools) if m else 0,
             "kv_pool_bytes": sum(p.nbytes() for p in m.block_pools) if m else 0,
+            "decode_graph_steps": m.decode_graphs.steps if m and m.decode_graphs else 0,
             "kernels": m.reply.kernels if m else "",
             "draft": str(self.draft.draft.path) if self.draft else "",
             "expert_calls_served": self.expert_server.calls,
@@ -439,3 +442,24 @@ def rss_bytes() -> int:
         import resource
 
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _decode_graphs(
+    req: F.Load, shards: list[Shard], blocks: list[BlockPool]
+) -> DecodeGraphs | None:
+    """The load's captured decode step (frames.Load.decode_graphs), or None; says which."""
+    device = shards[0].model.device
+    if req.decode_graphs == "off" or (req.decode_graphs == "auto" and device.type != "cuda"):
+        return None
+    if not blocks:
+        why: str | None = "no K/V block pool (--max-running 1, --kv-flash or --kv-block-size 0)"
+    elif len(shards) > 1:
+        why = "the layers span several devices"
+    else:
+        why = supports(shards[0].model)
+    if why is not None:
+        log.info("decode graphs: off, %s", why)
+        return None
+    how = "captured as CUDA graphs" if device.type == "cuda" else "run eagerly on the CPU"
+    log.info("decode graphs: decode steps take the fixed-shape step, %s", how)
+    return DecodeGraphs(shards[0].model, blocks[0], req.kv_capacity)

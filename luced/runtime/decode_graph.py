@@ -200,6 +200,7 @@ class DecodeGraphs:
         self.row_sizes = row_buckets(capacity)
         self.graphs: dict[tuple[int, int], _Captured] = {}
         self.captures = 0  # graphs captured (a pool that grows makes more)
+        self.steps = 0  # steps run
         self._scratch = pool.allocate()  # the padding slots' rows, held for good
         self._generation = pool.generation
         for rope in {id(r): r for r in model.ropes.values()}.values():
@@ -230,6 +231,7 @@ class DecodeGraphs:
         self.captures += captured.take_capture()
         for c in caches:
             c.commit(c.pos + 1)
+        self.steps += 1
         return logits[:n]
 
     def _fill(self, batch: StepBatch, caches: Sequence[PagedKVCache], ids: torch.Tensor) -> None:

@@ -68,7 +68,10 @@ def forward(worker: WorkerState, req: F.Forward) -> F.ForwardReply:
     for state, span in zip(states, spans, strict=True):  # KV Flash: host-tier moves, slots
         kv_flash_step.apply_plan(worker, m, state.caches, span.start, span.n, span.kv_plan)
     first, last = m.shards[0].model, m.shards[-1].model
-    if hidden_in is None:
+    graphs = m.decode_graphs if _graphed(m, req, states) else None
+    if graphs is not None:
+        hidden = None  # the captured step embeds the ids itself
+    elif hidden_in is None:
         assert ids is not None
         hidden = first.embed(ids.to(first.device, torch.int64))
     else:
@@ -86,23 +89,24 @@ def forward(worker: WorkerState, req: F.Forward) -> F.ForwardReply:
     try:
         for rec, keep in recurrent:  # a verify window: a state per position, to cut inside
             rec.track_positions = keep
-        hidden = _layers(m, hidden, spans, states, bounds, req.capture, rings, ids)
-        for state, span in zip(states, spans, strict=True):
-            if (scores := span.kv_plan.get("kv_scores")) is not None:
-                kv_flash_step.write_scores(state.caches, worker.tensor(scores))
-        if req.want == "hidden":
-            outputs["hidden"][:n_tokens].copy_(hidden)
-        elif req.n_pooled:
-            _pool(last, hidden, spans, bounds, outputs["embeddings"])
-        if req.want != "hidden" and req.n_out:  # else the spans only feed (prompt chunks)
-            ends = zip(spans, bounds[1:], strict=False)
-            picked = [i for s, b in ends for i in range(b - s.n_out, b)]
-            # Several spans' rows through the head as each span's own would go.
-            exact = len(spans) > 1 and max(s.n_out for s in spans) <= qlinear.GEMV_MAX_ROWS
-            with qlinear.row_exact() if exact else contextlib.nullcontext():
-                logits = last.logits(hidden[torch.tensor(picked, device=hidden.device)])
+        if graphs is not None:
+            assert ids is not None
+            logits = graphs.step([state.caches[0] for state in states], ids)
+        else:
+            assert hidden is not None
+            hidden = _layers(m, hidden, spans, states, bounds, req.capture, rings, ids)
+            for state, span in zip(states, spans, strict=True):
+                if (scores := span.kv_plan.get("kv_scores")) is not None:
+                    kv_flash_step.write_scores(state.caches, worker.tensor(scores))
+            if req.want == "hidden":
+                outputs["hidden"][:n_tokens].copy_(hidden)
+            elif req.n_pooled:
+                _pool(last, hidden, spans, bounds, outputs["embeddings"])
+            sampled = req.want != "hidden" and req.n_out  # else they only feed (prompt chunks)
+            logits = _head(last, hidden, spans, bounds) if sampled else None
+        if logits is not None:
             if req.want == "logits":
-                outputs["logits"][: len(picked)].copy_(logits)
+                outputs["logits"][: logits.shape[0]].copy_(logits)
             else:
                 argmaxed = _argmax_picks(logits, spans, samplers, bias is None, outputs)
                 heads = zip(spans, states, samplers, own, strict=True)
@@ -217,6 +221,30 @@ def _draft_probs(
         raise WorkerError("a verify span needs the window's token ids (tokens)")
     worker.check_width("draft_probs", req.draft_probs, m.reply.vocab)
     return worker.tensor(req.draft_probs)
+
+
+def _graphed(m: Loaded, req: F.Forward, states: list[SequenceState]) -> bool:
+    """Whether this frame is decode steps the load's captured step takes: one new token
+    per sequence, sampled or returned, from ids, over the block pool's caches, with nothing
+    else asked (no captures, KV Flash plans, verify windows or pooling)."""
+    graphs = m.decode_graphs
+    if graphs is None or req.tokens is None or req.capture or req.want == "hidden":
+        return False
+    if any(s.n != 1 or s.n_out != 1 or s.verify or s.kv_plan or s.pool for s in req.spans):
+        return False
+    return all(getattr(state.caches[0], "pool", None) is graphs.pool for state in states)
+
+
+def _head(
+    last: Model, hidden: torch.Tensor, spans: Sequence[F.Span], bounds: list[int]
+) -> torch.Tensor:
+    """The logits of each span's sampled rows (its last n_out), several spans' rows
+    through the head as each span's own would go."""
+    ends = zip(spans, bounds[1:], strict=False)
+    picked = [i for s, b in ends for i in range(b - s.n_out, b)]
+    exact = len(spans) > 1 and max(s.n_out for s in spans) <= qlinear.GEMV_MAX_ROWS
+    with qlinear.row_exact() if exact else contextlib.nullcontext():
+        return last.logits(hidden[torch.tensor(picked, device=hidden.device)])
 
 
 def _groups(spans: Sequence[F.Span], invariant: bool) -> list[list[int]]:

@@ -28,6 +28,7 @@ import torch
 
 from luced.ipc import frames as F
 from luced.ipc.regions import Attachments, Region
+from luced.runtime.decode_graph import DecodeGraphs
 from luced.runtime.device_io import DeviceIO
 from luced.runtime.dflash.draft import Draft
 from luced.runtime.kv_blocks import BlockPool, PagedKVCache
@@ -145,6 +146,8 @@ class Loaded:
     reply: F.LoadReply
     new_caches: Callable[[], list[SequenceCache]]  # a new sequence's, per shard
     block_pools: list[BlockPool] = field(default_factory=list)  # per shard, with kv_block
+    # Decode steps through the captured fixed-shape step (load decode_graphs), or None.
+    decode_graphs: DecodeGraphs | None = None
     sequences: dict[int, SequenceState] = field(default_factory=dict)
 
     def sequence(self, sequence: int) -> SequenceState:

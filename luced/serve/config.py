@@ -94,6 +94,7 @@ class ModelOptions(Options):
     weights: str
     kernels: str
     batch_invariant: bool
+    decode_graphs: str
     threads: int | None  # None: the usable cores shared among the workers
     context_length: int | None  # None: the model's, capped (see effective_context_length)
     pooling: str  # "auto": the GGUF's pooling_type, else mean

@@ -139,6 +139,7 @@ def read_spec(cfg: Config) -> ModelSpec:
         dtype=model.dtype,
         weights_mode=model.weights,
         batch_invariant=model.batch_invariant,
+        decode_graphs=model.decode_graphs,
         kv_dtype=cfg.effective_kv_dtype(),
         # Several running requests hold their K/V in blocks of one pool per worker, so
         # one can start on another's prompt prefix; KV Flash pools each on its own.

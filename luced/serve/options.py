@@ -456,6 +456,17 @@ OPTIONS: tuple[Option, ...] = (
         "covered: float-held matrices, MoE routers, Gated DeltaNet, KV Flash.",
     ),
     Option(
+        "decode_graphs", "model", "str", "auto",
+        "Run decode steps (one new token for each running request) through a fixed-shape "
+        "step over the K/V block pool, captured once per batch size as a CUDA graph and "
+        "replayed: a GPU then launches one graph per step instead of a thousand small "
+        "kernels. `auto`: on CUDA workers; `on`: on CPU workers too (the same step, run "
+        "eagerly: a check, not a speed-up); `off`. Needs the block pool (`--max-running` > "
+        "1, no `--kv-flash`) and a whole attention model in one worker (no split, MoE or "
+        "recurrent layers); other steps run as before.",
+        choices=("auto", "on", "off"),
+    ),
+    Option(
         "threads", "model", "int", None, "Torch threads per CPU worker.",
         minimum=1, nullable=True, example=4,
         default_doc="the usable CPU cores, shared among the target's workers (at least 1 "

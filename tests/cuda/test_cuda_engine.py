@@ -98,6 +98,20 @@ async def test_batched_equals_alone(tiny, gpu: str, weights: str) -> None:
     compare("batched_vs_alone", alone, list(together), TOL[weights], weights=weights)
 
 
+@pytest.mark.parametrize("weights", ["dequant", "auto"])
+async def test_graph_decode_follows_the_eager_forward(tiny, gpu: str, weights: str) -> None:
+    runs = {}
+    for mode in ("off", "on"):  # on a GPU, "on" is the default (auto)
+        async with engine_for(
+            tiny[0], (gpu,), weights=weights, max_running=4, decode_graphs=mode
+        ) as engine:
+            alone = await each(engine)
+            runs[mode] = [*alone, *await asyncio.gather(*(greedy(engine, p) for p in PROMPTS))]
+            (worker,) = (await engine.target.stats())["workers"]
+        assert (worker["decode_graph_steps"] > 0) == (mode == "on")
+    compare("graph_vs_eager_decode", runs["off"], runs["on"], TOL[weights], weights=weights)
+
+
 @pytest.mark.parametrize(("drafter", "weights"), [("dflash", "dequant"), ("dflash", "auto"),
                                                   ("ngram", "dequant")])  # fmt: skip
 async def test_speculative_equals_plain(tiny, gpu: str, drafter: str, weights: str) -> None:

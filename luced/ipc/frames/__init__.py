@@ -91,6 +91,7 @@ and a reply's ``carried`` (the bytes of the regions got); ``load`` ``moe_link`` 
 20: ``kv_export`` / ``kv_import`` ``store`` and ``kv_forget``: a worker on another host
 keeps its layers' prefix-cache rows in its own store, in its memory and on its disk;
 ``forward``, its spans and its reply leave fields at their defaults off the wire.
+21: ``load`` ``decode_graphs`` (decode steps through a captured fixed-shape step).
 
 Expert compute (``luced.runtime.expert_link``): an expert worker answers ``load_experts``
 from the daemon, and ``expert_mix`` from target workers over direct worker-to-worker
@@ -109,6 +110,7 @@ from __future__ import annotations
 
 from luced.ipc.frames.base import (
     COMPUTE_DTYPES,
+    DECODE_GRAPHS,
     KV_CHUNK,
     PROTOCOL_VERSION,
     REPLIES,
@@ -175,6 +177,7 @@ SLOW: tuple[type[Request], ...] = (Hello, Load, LoadDraft, LoadExperts, Link)
 
 __all__ = [
     "COMPUTE_DTYPES",
+    "DECODE_GRAPHS",
     "KERNELS_FALLBACK",
     "KV_CHUNK",
     "KV_PLAN",

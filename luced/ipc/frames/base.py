@@ -12,7 +12,7 @@ from luced.ipc.regions import Region
 from luced.ipc.typed import FrameError, Record
 from luced.sampling_params import SamplingParams
 
-PROTOCOL_VERSION = 20
+PROTOCOL_VERSION = 21
 
 _ENVELOPE = frozenset(
     {"op", "seq", "ok", "error", "progress", "carry", "carried"}
@@ -82,6 +82,8 @@ ComputeDtype = Literal["float32", "bfloat16", "float16"]
 # How a worker holds weight matrices (luced.runtime.qlinear): packed int4 / int8 for the
 # weight-only kernels, "auto" per tensor and CPU, "dequant" the exact float path.
 WEIGHT_MODES = ("auto", "int4", "int8", "dequant")
+# When a worker decodes through a captured fixed-shape step (luced.runtime.decode_graph).
+DECODE_GRAPHS = ("auto", "on", "off")
 # A MoE routing profile's counts (luced.serve.routing_profile): per MoE layer, how often
 # each expert was routed to, as ((layer, (count per expert, ...)), ...).
 MoeCounts = tuple[tuple[int, tuple[int, ...]], ...]

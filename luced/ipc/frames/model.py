@@ -10,6 +10,7 @@ from typing import Any, Self
 
 from luced.ipc.frames.base import (
     COMPUTE_DTYPES,
+    DECODE_GRAPHS,
     KV_CHUNK,
     PROTOCOL_VERSION,
     REPLIES,
@@ -108,8 +109,16 @@ class Load(Request):
     # (runtime.kv_blocks), so sequences may share a prefix's blocks (kv_share); 0: each
     # sequence's K/V contiguous on its own. Not with kv_pool (KV Flash pools per sequence).
     kv_block: int = 0
+    # Decode steps of whole sequences through a fixed-shape step over the block pool,
+    # captured once per batch bucket as a CUDA graph (runtime.decode_graph): "auto" on CUDA
+    # devices, "on" on any (the CPU runs the same step eagerly), "off". Needs kv_block.
+    decode_graphs: str = "auto"
 
     def _check(self) -> None:
+        if self.decode_graphs not in DECODE_GRAPHS:
+            raise self._fail(
+                f"decode_graphs must be one of {DECODE_GRAPHS}, got {self.decode_graphs!r}"
+            )
         if self.kv_block < 0 or (self.kv_block and self.kv_pool):
             raise self._fail(
                 f"kv_block must be >= 0 and 0 under kv_pool, got {self.kv_block} "

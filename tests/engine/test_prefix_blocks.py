@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import random
 
-from luced.engine.kv.prefix_blocks import BLOCK, PrefixBlocks, common_prefix
+from luced.cache.index import common_prefix
+from luced.engine.kv.prefix_blocks import BLOCK, PrefixBlocks
 
 
 def oracle(lanes: dict[int, tuple[list[int], int]], prompt: list[int]) -> tuple[int, int]:

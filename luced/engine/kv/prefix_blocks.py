@@ -16,26 +16,13 @@ length (docs/performance.md, "Finished requests' blocks against the prefix cache
 
 from __future__ import annotations
 
-from collections.abc import Container, Sequence
+from collections.abc import Container
 from dataclasses import dataclass, field
+
+from luced.cache.index import common_prefix
 
 # Tokens per hashed block: a match is found to the block, then extended to the token.
 BLOCK = 16
-
-
-def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    """The length of the longest common prefix of two token lists."""
-    n = min(len(a), len(b))
-    if a[:n] == b[:n]:  # the usual case when they match (a list compare runs in C)
-        return n
-    lo, hi = 0, n  # a[:lo] == b[:lo], a[:hi] != b[:hi]
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if a[:mid] == b[:mid]:
-            lo = mid
-        else:
-            hi = mid
-    return lo
 
 
 @dataclass

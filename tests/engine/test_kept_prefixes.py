@@ -93,7 +93,7 @@ def test_a_lane_is_handed_out_again_only_once_the_workers_freed_it() -> None:
 
     assert [finish(i) for i in range(KEPT_LANES)] == list(kept.lanes)
     assert finish(KEPT_LANES) is None and kv.evicted == [8]
-    assert kept.forget_evicted() == [8] and 8 not in kept.tokens
+    assert kept.forget_evicted() == [8] and 8 not in kept.blocks.lanes
     assert finish(KEPT_LANES + 1) == 8
 
 

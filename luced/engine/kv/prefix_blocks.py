@@ -41,6 +41,10 @@ class PrefixBlocks:
     def lanes(self) -> list[int]:
         return list(self._lanes)
 
+    def tokens(self, lane: int) -> list[int]:
+        """The tokens `lane` was last held with (the K/V of their first n is held)."""
+        return self._lanes[lane].tokens
+
     def hold(self, lane: int, tokens: list[int], n: int) -> None:
         """`lane` holds the K/V of tokens[:n]. The same list again with n grown indexes
         only the new blocks; other tokens (the lane's next sequence) start over."""

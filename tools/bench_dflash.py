@@ -50,7 +50,6 @@ from typing import Any, ClassVar
 from luced.cli.train_draft import context_length
 from luced.cli.train_draft import greedy as generate
 from luced.engine.core import Engine
-from luced.engine.placement import WorkerSpec
 from luced.engine.runner import ModelRunner
 from luced.engine.scheduler import Work, WorkOutput
 from luced.engine.spec.proposer import Proposer
@@ -140,13 +139,11 @@ def model_path(name: str, tmp: Path) -> Path:
 
 def make_target(owner: ShmOwner, model: Path, args: Any, name: str) -> Target:
     gguf = GGUFFile(model)
-    placement = TargetPlacement(
-        model=str(model),
-        n_layers=int(gguf.require(f"{gguf.arch}.block_count")),
-        dtype="float32",
+    placement = TargetPlacement.one_cpu_worker(
+        gguf,
+        threads=args.threads,
         kv_capacity=context_length(gguf),
         max_batch_tokens=256,
-        worker=WorkerSpec("cpu", ("cpu",), threads=args.threads),
         weights_mode=args.weights,
         batch_invariant=args.batch_invariant,
     )

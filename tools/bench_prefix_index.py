@@ -17,7 +17,8 @@ import random
 import statistics
 import time
 
-from luced.engine.kv.prefix_blocks import PrefixBlocks, common_prefix
+from luced.cache.index import common_prefix
+from luced.engine.kv.prefix_blocks import PrefixBlocks
 
 
 def main() -> None:

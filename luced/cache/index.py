@@ -35,13 +35,28 @@ _FIRST_CHUNK = 64  # a mismatch near the start costs one small comparison ...
 _MAX_CHUNK = 1 << 16  # ... a full match of a long edge costs a few large ones
 
 
-def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
-    """Length of the common prefix of two int32 arrays (chunked; stops at the first mismatch)."""
+def common_prefix(a: Sequence[int] | np.ndarray, b: Sequence[int] | np.ndarray) -> int:
+    """Length of the common prefix of two token sequences: lists (the engine's prompts, which
+    converting to numpy would cost more than comparing) or int32 arrays (this index's edges).
+
+    Lists are compared whole in C, the usual case when they match, and a mismatch is found
+    by bisecting. Arrays are compared in growing chunks, stopping at the first mismatch."""
     n = min(len(a), len(b))
+    if isinstance(a, list) and isinstance(b, list):
+        if a[:n] == b[:n]:
+            return n
+        lo, hi = 0, n  # a[:lo] == b[:lo], a[lo:hi] != b[lo:hi]
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if a[lo:mid] == b[lo:mid]:
+                lo = mid
+            else:
+                hi = mid
+        return lo
     i, chunk = 0, _FIRST_CHUNK
     while i < n:
         j = min(n, i + chunk)
-        diff = np.flatnonzero(a[i:j] != b[i:j])
+        diff = np.flatnonzero(np.not_equal(a[i:j], b[i:j]))
         if diff.size:
             return i + int(diff[0])
         i, chunk = j, min(chunk * 4, _MAX_CHUNK)

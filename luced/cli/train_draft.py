@@ -41,7 +41,7 @@ from typing import Any
 
 from luced.cli.prompt_sets import humaneval_prompts, sharegpt_first_turns
 from luced.engine.core import Engine, GenerationRequest
-from luced.engine.placement import TargetPlacement, WorkerSpec
+from luced.engine.placement import TargetPlacement
 from luced.engine.target import Target
 from luced.gguf_file import GGUFFile
 from luced.ipc.shm import ShmOwner
@@ -140,13 +140,8 @@ async def _start_engine(
 ) -> Engine:
     """One engine on one CPU worker, with `draft` loaded (None: plain decoding)."""
     gguf = GGUFFile(target)
-    placement = TargetPlacement(
-        model=str(target),
-        n_layers=int(gguf.require(f"{gguf.arch}.block_count")),
-        dtype="float32",
-        kv_capacity=context_length(gguf),
-        max_batch_tokens=256,
-        worker=WorkerSpec("cpu", ("cpu",), threads=args.threads),
+    placement = TargetPlacement.one_cpu_worker(
+        gguf, threads=args.threads, kv_capacity=context_length(gguf), max_batch_tokens=256
     )
     worker = Target(owner, placement, name=name)
     await worker.start()

@@ -595,7 +595,7 @@ class Engine:
         if self.finished is None or lane not in self.kv.kept:  # given up meanwhile
             return
         try:
-            await self.target.share(lane, seq.slot, len(self.finished.tokens[lane]))
+            await self.target.share(lane, seq.slot, len(self.finished.tokens(lane)))
         except Exception as exc:  # the lane is reset in the workers: nothing is kept
             log.warning("keeping the K/V of %s failed: %s", seq.handle.request_id, exc)
             if lane in self.kv.kept:

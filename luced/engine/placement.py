@@ -46,7 +46,9 @@ import re
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
+from luced.gguf_file import GGUFFile
 from luced.ipc.frames import MoeCounts
 from luced.ipc.tcp import parse_address
 
@@ -334,6 +336,29 @@ class TargetPlacement:
             w = self.worker
             plan = WorkerPlan(w.group, w.devices[:1], (0, self.n_layers), (), self.n_layers)
             object.__setattr__(self, "workers", ((w, plan),))
+
+    @classmethod
+    def one_cpu_worker(
+        cls,
+        gguf: GGUFFile,
+        *,
+        threads: int | None,
+        kv_capacity: int,
+        max_batch_tokens: int,
+        dtype: str = "float32",
+        **fields: Any,
+    ) -> TargetPlacement:
+        """Every layer of `gguf`'s model in one CPU worker (the tools' and `luced
+        train-draft`'s engines); `fields` are the placement's others (weights_mode, ...)."""
+        return cls(
+            model=str(gguf.path),
+            n_layers=int(gguf.require(f"{gguf.arch}.block_count")),
+            dtype=dtype,
+            kv_capacity=kv_capacity,
+            max_batch_tokens=max_batch_tokens,
+            worker=WorkerSpec("cpu", ("cpu",), threads=threads),
+            **fields,
+        )
 
     @classmethod
     def split(

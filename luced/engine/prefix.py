@@ -25,11 +25,12 @@ import asyncio
 import logging
 from collections.abc import Callable, Iterable
 
+from luced.cache.index import common_prefix
 from luced.cache.prefix_cache import PrefixCache
 from luced.engine.executor import WorkerReplyError
 from luced.engine.kv.budget import KVBudget
 from luced.engine.kv.finished import FinishedPrefixes
-from luced.engine.kv.prefix_blocks import PrefixBlocks, common_prefix
+from luced.engine.kv.prefix_blocks import PrefixBlocks
 from luced.engine.request import Sequence
 from luced.engine.target import Target
 from luced.text.turns import TurnMarker

@@ -123,6 +123,17 @@ def test_common_prefix_in_chunks() -> None:
     assert common_prefix(a, a[:10]) == 10
 
 
+def test_common_prefix_finds_where_two_lists_part() -> None:
+    a = list(range(100_000))
+    for k in (0, 1, 37, 99, 64, 50_000, 99_999):
+        assert common_prefix(a, [*a[:k], -1, *a[k + 1 :]]) == k
+    assert common_prefix(a, a[:40]) == 40 and common_prefix(a, a) == len(a)
+    assert common_prefix([], a) == 0
+    # A list against an array (either way round) takes the array path.
+    arr = np.asarray(a, dtype=np.int32)
+    assert common_prefix(a[:300], arr) == 300 and common_prefix(arr, [*a[:70], -1]) == 70
+
+
 @pytest.mark.parametrize("cuts_only", [False, True])
 def test_random_operations_match_brute_force(cuts_only: bool) -> None:
     rng = random.Random(1234 + cuts_only)

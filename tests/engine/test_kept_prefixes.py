@@ -14,20 +14,12 @@ from test_prefix_sharing import kv_blocks_used, request, tokens
 
 from luced.engine.kv.budget import KVBudget
 from luced.engine.kv.finished import KEPT_LANES, MIN_KEPT, FinishedPrefixes
-from luced.engine.kv.prefix_blocks import common_prefix
 from luced.runtime.tiny import make_tiny_gguf
 
 SYSTEM = [(7 * i + 3) % 120 + 2 for i in range(120)]
 
 
 # -- the account ----------------------------------------------------------------------------
-
-
-def test_common_prefix_finds_where_two_lists_part() -> None:
-    a = list(range(100))
-    for k in (0, 1, 37, 99):
-        assert common_prefix(a, [*a[:k], -1, *a[k + 1 :]]) == k
-    assert common_prefix(a, a[:40]) == 40 and common_prefix(a, a) == 100
 
 
 def test_a_kept_lane_takes_the_finished_lanes_charge_and_its_sharers() -> None:
@@ -101,7 +93,7 @@ def test_a_lane_is_handed_out_again_only_once_the_workers_freed_it() -> None:
 
     assert [finish(i) for i in range(KEPT_LANES)] == list(kept.lanes)
     assert finish(KEPT_LANES) is None and kv.evicted == [8]
-    assert kept.forget_evicted() == [8] and 8 not in kept.tokens
+    assert kept.forget_evicted() == [8] and 8 not in kept.blocks.lanes
     assert finish(KEPT_LANES + 1) == 8
 
 

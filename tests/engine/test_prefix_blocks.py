@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import random
 
-from luced.engine.kv.prefix_blocks import BLOCK, PrefixBlocks, common_prefix
+from luced.cache.index import common_prefix
+from luced.engine.kv.prefix_blocks import BLOCK, PrefixBlocks
 
 
 def oracle(lanes: dict[int, tuple[list[int], int]], prompt: list[int]) -> tuple[int, int]:
@@ -43,7 +44,7 @@ def test_a_lane_grows_changes_and_goes() -> None:
     assert index.longest(tokens, among={8}) == (-1, 0)
     other = [*tokens[:20], 0, *tokens[21:]]
     index.hold(7, other, 60)  # the slot's next sequence
-    assert index.longest(tokens) == (7, 20)
+    assert index.longest(tokens) == (7, 20) and index.tokens(7) is other
     index.hold(9, tokens, 100)
     index.keep_only({9})
     assert index.lanes == [9] and index.longest(tokens[:50]) == (9, 50)

@@ -39,8 +39,7 @@ class FinishedPrefixes:
         self.budget = budget
         self.lanes = range(first_lane, first_lane + KEPT_LANES)
         self.limit = limit
-        self.tokens: dict[int, list[int]] = {}  # kept lane -> the tokens its K/V holds
-        self.blocks = PrefixBlocks()  # the same, by block hash (match)
+        self.blocks = PrefixBlocks()  # kept lane -> the tokens its K/V holds, by block hash
 
     def lane_for(self, tokens: list[int]) -> int | None:
         """The lane a finished sequence holding `tokens` is kept under, making room for it;
@@ -50,9 +49,10 @@ class FinishedPrefixes:
         if n < MIN_KEPT or n > self.limit:
             return None
         budget = self.budget
-        for lane, held in list(self.tokens.items()):
+        for lane in self.blocks.lanes:
             if lane not in budget.kept:
                 continue
+            held = self.blocks.tokens(lane)
             if len(held) >= n and held[:n] == tokens:  # that one holds all of these
                 budget.touch(lane)
                 return None
@@ -65,7 +65,6 @@ class FinishedPrefixes:
             budget.evict()
             lane = self._free_lane()
         if lane is not None:
-            self.tokens[lane] = tokens
             self.blocks.hold(lane, tokens, len(tokens))
         return lane
 
@@ -83,7 +82,6 @@ class FinishedPrefixes:
         """The lanes given up since the last call, for the workers to free; forgotten here."""
         lanes, self.budget.evicted = self.budget.evicted, []
         for lane in lanes:
-            self.tokens.pop(lane, None)
             self.blocks.drop(lane)
         return lanes
 
@@ -92,6 +90,10 @@ class FinishedPrefixes:
         for lane in list(self.budget.kept):
             self.budget.evict(lane)
 
+    def tokens(self, lane: int) -> list[int]:
+        """The tokens kept `lane`'s K/V holds."""
+        return self.blocks.tokens(lane)
+
     @property
     def positions(self) -> int:
-        return sum(len(self.tokens[lane]) for lane in self.budget.kept)
+        return sum(len(self.blocks.tokens(lane)) for lane in self.budget.kept)

@@ -16,26 +16,13 @@ length (docs/performance.md, "Finished requests' blocks against the prefix cache
 
 from __future__ import annotations
 
-from collections.abc import Container, Sequence
+from collections.abc import Container
 from dataclasses import dataclass, field
+
+from luced.cache.index import common_prefix
 
 # Tokens per hashed block: a match is found to the block, then extended to the token.
 BLOCK = 16
-
-
-def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    """The length of the longest common prefix of two token lists."""
-    n = min(len(a), len(b))
-    if a[:n] == b[:n]:  # the usual case when they match (a list compare runs in C)
-        return n
-    lo, hi = 0, n  # a[:lo] == b[:lo], a[:hi] != b[:hi]
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if a[:mid] == b[:mid]:
-            lo = mid
-        else:
-            hi = mid
-    return lo
 
 
 @dataclass
@@ -53,6 +40,10 @@ class PrefixBlocks:
     @property
     def lanes(self) -> list[int]:
         return list(self._lanes)
+
+    def tokens(self, lane: int) -> list[int]:
+        """The tokens `lane` was last held with (the K/V of their first n is held)."""
+        return self._lanes[lane].tokens
 
     def hold(self, lane: int, tokens: list[int], n: int) -> None:
         """`lane` holds the K/V of tokens[:n]. The same list again with n grown indexes

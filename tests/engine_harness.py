@@ -88,6 +88,7 @@ async def engine_for(
     kv_dtype: str = "",
     kv_block: int | None = None,
     decode_graphs: str = "auto",
+    decode_ahead: str = "auto",
     dtype: str = "float32",
     max_batch_tokens: int = 64,
     remote: RemoteSettings | None = None,
@@ -147,6 +148,7 @@ async def engine_for(
             kv_keep_tokens=kv_keep_tokens,
             encoder=is_encoder(gguf),
         )
+        engine.runner.decode_ahead = decode_ahead
         if proposer_cls is not None:  # drafts of the test's own making
             engine.runner.proposer = proposer_cls(target)
         try:

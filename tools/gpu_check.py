@@ -9,7 +9,8 @@ stage, so a run cut short still reports what it measured.
     model   an 8B-shaped Q4_0 llama built on the machine (tools/make_shaped_gguf.py;
             --quick: 8 of its 32 layers; --device cpu: the tiny shape), or --model PATH
     bench   tools/bench_gpu.py on it -> bench.json
-    http    tools/bench_http.py: a daemon on the device, 1, 8, 32, 64 concurrent clients
+    http    tools/bench_http.py: a daemon on the device, 1, 8, 32, 64 concurrent clients, with
+            and without --decode-ahead
             (skipped with --quick)
 
 Output (--out, at most 8 files): report.json, checks.jsonl, junit.xml, tests.log,
@@ -38,11 +39,11 @@ ROOT = Path(__file__).resolve().parent.parent
 NEEDED = ("torch", "numpy", "gguf", "posix_ipc", "llguidance", "pytest", "pytest_asyncio",
           "xdist", "pytest_timeout", "aiohttp", "uvloop", "msgpack", "tokenizers", "jinja2",
           "transformers", "prometheus_client", "safetensors", "tqdm")  # fmt: skip
-# Seconds per stage on a GPU machine: (full, --quick); at most 6.2 minutes in all, 3.3 with
+# Seconds per stage on a GPU machine: (full, --quick); at most 7.2 minutes in all, 3.3 with
 # --quick (a stage that runs out is killed and reported; the next one runs).
 # A CPU dry run gets CPU_SCALE times as long (2 shared cores run the same tests serially).
 BUDGETS = {"setup": (20, 20), "tests": (110, 110), "model": (40, 20), "bench": (100, 45),
-           "http": (100, 0)}  # fmt: skip
+           "http": (160, 0)}  # fmt: skip
 CPU_SCALE = 4
 
 
@@ -214,8 +215,10 @@ def _model_stages(
     if "http" not in skip and budget["http"] and model.exists():
         levels = "1,2" if cpu else "1,8,32,64"
         serve = "--target-devices cpu" if cpu else "--target-devices cuda:0 --dtype bfloat16"
+        # each level with the worker decoding one step ahead and without (--decode-ahead)
         cmd = [py, "tools/bench_http.py", "--model", str(model), "--concurrency", levels,
                "--max-tokens", "32", "--prompt-tokens", "64", "--threads", "1",
+               "--variants", "--decode-ahead off;--decode-ahead on", "--rounds", "1",
                "--serve-args", f"{serve} --max-running 64 --max-queue 128"]  # fmt: skip
         result = run(cmd, args.out / "http.log", budget["http"])
         result["tail"] = (args.out / "http.log").read_text().splitlines()[-16:]

@@ -12,6 +12,13 @@
      its span's start on the workers that advanced
   5. each work's rows are read back (an embedding's pooled row from ``act.embeddings``)
 
+Decoding ahead (``decode_ahead``, runtime/lookahead.py): a step of plain decodes on one
+local worker asks it to feed the tokens it samples at once, into ``ahead`` regions, while
+this side reads the reply and writes the next frame; the worker answers that next frame
+without computing when it is exactly that step. The io regions' two halves alternate for
+it: a step's ids and outputs use one half while the worker writes the next step's rows
+into the other.
+
 A sequence's span may start below what its KV holds (the rejected rows of its last draft
 window): the worker rolls it back first, so a verify costs no extra round trip.
 """
@@ -21,12 +28,14 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import os
 import time
 from collections.abc import Callable
 
 from luced.engine.executor import WorkerHandle, WorkerReplyError
 from luced.engine.kvflash.transport import KVFlash
 from luced.engine.output import Sampled
+from luced.engine.placement import WorkerSpec
 from luced.engine.scheduler import Batch, Work, WorkOutput
 from luced.engine.spec.proposer import Proposer
 from luced.engine.target import MAX_TOP_LOGPROBS, Target
@@ -52,6 +61,8 @@ class ModelRunner:
         # difference is the orchestration cost (frames, wakeups, waits).
         self.last_wall_us = 0
         self.last_compute_us = 0
+        self.decode_ahead = "auto"  # --decode-ahead (`ahead_pays`)
+        self._base = 0  # the io regions' first row for the next frame (a half, when ahead)
 
     async def execute(self, batch: Batch) -> list[WorkOutput]:
         t = self.target
@@ -71,19 +82,25 @@ class ModelRunner:
         logits to `logits_out` instead of sampling."""
         t = self.target
         rows, masks = self._rows(works)
-        self._write_tokens(works)
+        tokens = sum(len(w.tokens) for w in works)
+        n_out = sum(r.n for r in rows)
+        half = t.step_tokens // 2
+        base = self._base if max(tokens, n_out) <= half else 0
+        self._write_tokens(works, base)
         plans = self._plans(works)
         k = max((w.seq.logprobs or 0 for w in works), default=0)
         k = min(k, MAX_TOP_LOGPROBS)
         asked = any(w.seq.logprobs is not None for w in works)
-        n_out = sum(r.n for r in rows)
-        outputs = self._outputs(n_out, k if asked else None) if want == "sample" else {}
+        logprobs = k if asked else None
+        outputs = self._outputs(n_out, logprobs, base) if want == "sample" else {}
+        ahead = {}
+        if want == "sample" and self._ahead(works, rows, masks, plans, max(tokens, n_out)):
+            ahead = self._outputs(n_out, logprobs, half - base)
         if logits_out is not None:
             outputs = {"logits": logits_out}
         pooled = [j for j, w in enumerate(works) if w.pool]
         if pooled:  # one row each, in work order
             outputs["embeddings"] = t.regions["embeddings"].rows(0, len(pooled))
-        tokens = sum(len(w.tokens) for w in works)
         sampled = [w.verifies and not w.seq.params.greedy for w in works]
         q_rows = [
             self.proposer.q_row(w.seq.slot) if s else 0 for w, s in zip(works, sampled, strict=True)
@@ -118,12 +135,13 @@ class ModelRunner:
                 spans=tuple(spans),
                 want=want if last else "hidden",  # type: ignore[arg-type]
                 outputs=outputs if last else {"hidden": self._boundary(i, tokens)},
-                tokens=t.regions["tokens"].rows(0, tokens),
+                tokens=t.regions["tokens"].rows(base, base + tokens),
                 hidden_in=self._boundary(i - 1, tokens) if i else None,
                 top_logprobs=k if last and asked else 0,
                 capture=capture,
                 draft_probs=t.regions["draft_probs"] if last and any(sampled) else None,
                 allowed=masks if last else None,
+                ahead=ahead if last else {},
             )
 
         t0 = time.perf_counter()
@@ -147,26 +165,55 @@ class ModelRunner:
         for flash in flashes:
             if flash is not None:
                 flash.after_step()  # qk: reselect; the copies ride with the next plan
+        if ahead:  # the next frame's rows are where the worker writes them now
+            self._base = half - base
         self.last_wall_us = int((time.perf_counter() - t0) * 1e6)
         self.last_compute_us = sum(r.elapsed_us for r in replies)
         out = [WorkOutput([]) for _ in works]
         if want == "sample":
             accepted = replies[-1].accepted or (-1,) * len(works)
             for i, (w, r, a) in enumerate(zip(works, rows, accepted, strict=True)):
-                got = self._read_rows(r.first, a + 1 if a >= 0 else r.n, outputs)
+                got = self._read_rows(base + r.first, a + 1 if a >= 0 else r.n, outputs)
                 out[i].rows = [_trimmed(s, w.seq.logprobs) for s in got]
                 out[i].accepted = a if a >= 0 else None
         for k, j in enumerate(pooled):
             out[j].pooled = t.arrays["embeddings"][k].copy()
         return out
 
-    def _write_tokens(self, works: list[Work]) -> None:
-        """The fed ids into ``io.tokens``, one work after another."""
+    def _write_tokens(self, works: list[Work], base: int) -> None:
+        """The fed ids into ``io.tokens`` from row `base`, one work after another."""
         t = self.target
         total = sum(len(w.tokens) for w in works)
-        if total > t.step_tokens:
+        if base + total > t.step_tokens:
             raise ValueError(f"a step of {total} tokens exceeds the budget of {t.step_tokens}")
-        t.arrays["tokens"][:total] = [tok for w in works for tok in w.tokens]
+        t.arrays["tokens"][base : base + total] = [tok for w in works for tok in w.tokens]
+
+    def _ahead(
+        self,
+        works: list[Work],
+        rows: list[_Rows],
+        masks: Region | None,
+        plans: list[list[dict[str, Region]]],
+        n: int,
+    ) -> bool:
+        """Whether the worker should decode this step's successor ahead (module docstring):
+        one local worker, plain decodes that each continue (no grammar, drafts, KV Flash
+        plans, captures or pooling, budget for another token), in half the io rows."""
+        t = self.target
+        spec = t.executor.slots[0].spec
+        if self.decode_ahead == "off" or len(t.executor.workers()) != 1 or spec.remote:
+            return False
+        if self.decode_ahead == "auto" and not ahead_pays(spec):
+            return False
+        if masks is not None or t.capture is not None or any(any(p) for p in plans):
+            return False
+        if 2 * n > t.step_tokens:
+            return False
+        return all(
+            r.n == 1 and not w.verifies and not w.pool and w.seq.constraint is None
+            and not w.seq.speculates and w.seq.budget > 1
+            for w, r in zip(works, rows, strict=True)
+        )  # fmt: skip
 
     def _rows(self, works: list[Work]) -> tuple[list[_Rows], Region | None]:
         """Each work's output rows, in order, and a grammar's allowed-token mask per output
@@ -213,16 +260,17 @@ class ModelRunner:
             raise
         return plans
 
-    def _outputs(self, n: int, logprobs: int | None) -> dict[str, Region]:
-        """Output regions for n rows of ids, and logprobs + top k when asked."""
+    def _outputs(self, n: int, logprobs: int | None, base: int = 0) -> dict[str, Region]:
+        """Output regions for n rows of ids from row `base`, and logprobs + top k when
+        asked."""
         r = self.target.regions
-        outputs = {"ids": r["ids"].rows(0, n)}
+        outputs = {"ids": r["ids"].rows(base, base + n)}
         k = min(logprobs or 0, MAX_TOP_LOGPROBS)
         if logprobs is not None:
-            outputs["logprobs"] = r["logprobs"].rows(0, n)
+            outputs["logprobs"] = r["logprobs"].rows(base, base + n)
         if k:
-            outputs["topk_ids"] = self._topk_region("topk_ids", n, k)
-            outputs["topk_logprobs"] = self._topk_region("topk_logprobs", n, k)
+            outputs["topk_ids"] = self._topk_region("topk_ids", n, k, base)
+            outputs["topk_logprobs"] = self._topk_region("topk_logprobs", n, k, base)
         return outputs
 
     def _read_rows(self, first: int, n: int, outputs: dict[str, Region]) -> list[Sampled]:
@@ -285,10 +333,24 @@ class ModelRunner:
     def _boundary(self, k: int, n: int) -> Region:
         return self.target.regions[f"boundary-{k}"].rows(0, n)
 
-    def _topk_region(self, name: str, n: int, k: int) -> Region:
-        """n rows of k, packed (the region is step_tokens * MAX_TOP_LOGPROBS long)."""
-        base = self.target.regions[name]
-        return Region(base.segment, base.offset, (n, k), base.dtype)
+    def _topk_region(self, name: str, n: int, k: int, base: int) -> Region:
+        """n rows of k from row `base`, packed (the region is step_tokens *
+        MAX_TOP_LOGPROBS long)."""
+        whole = self.target.regions[name]
+        offset = whole.offset + base * k * whole.itemsize
+        return Region(whole.segment, offset, (n, k), whole.dtype)
+
+
+def ahead_pays(spec: WorkerSpec) -> bool:
+    """Whether a worker gains from decoding ahead (`--decode-ahead auto`): only while the
+    daemon has a processor the step does not use, so that turning one step into the next
+    overlaps the step rather than taking cores from it. A GPU worker leaves the processor
+    free; a CPU worker does when its threads leave a core. Measured in
+    docs/performance.md."""
+    if spec.group.startswith("cuda"):
+        return True
+    cores = len(os.sched_getaffinity(0))
+    return spec.threads is not None and spec.threads < cores
 
 
 def _trimmed(sampled: Sampled, logprobs: int | None) -> Sampled:

@@ -180,14 +180,20 @@ class BlockingChannel:
             raise RemoteError(req.OP, rep.error)
         return rep
 
-    def serve(self, handler: Callable[[Request], Reply], carrier: Carrier | None = None) -> None:
+    def serve(
+        self,
+        handler: Callable[[Request], Reply],
+        carrier: Carrier | None = None,
+        idle: Callable[[], None] | None = None,
+    ) -> None:
         """Answer requests until ``shutdown`` (after replying to it) or the peer closes.
 
         A handler exception becomes a failure reply and serving goes on. A frame whose
         seq cannot even be read (not msgpack, not a map) cannot be answered: FrameError
         propagates and the caller should close the connection. A ``SLOW`` request is
         answered under ``keep_alive``, its stage first set to its op. ``carrier`` applies
-        the requests' carries (without one, a request with a carry fails).
+        the requests' carries (without one, a request with a carry fails). ``idle`` runs
+        after each reply went out, before the next request is read.
         """
         while True:
             try:
@@ -210,6 +216,8 @@ class BlockingChannel:
             self.send(reply)
             if isinstance(req, Shutdown):
                 return
+            if idle is not None:
+                idle()
 
     @contextlib.contextmanager
     def keep_alive(self, seq: int, interval: float = PROGRESS_INTERVAL) -> Iterator[None]:

@@ -137,10 +137,20 @@ class Backend(WorkerState):
                 req, F.Hello | F.Stats | F.Shutdown | F.Ping
             ):
                 raise WorkerError(f"{req.OP} before hello: the daemon opens with hello")
+            if not isinstance(req, F.Forward | F.Stats | F.Ping):  # it may touch a sequence
+                self.lookahead.drop(self)
             return self._handlers[type(req)](req)
         except Exception as e:
             log.warning("%s failed: %s: %s", req.OP, type(e).__name__, e)
             raise
+
+    def after_reply(self) -> None:
+        """Between a reply and the next request: the step decoded ahead, if one is planned."""
+        try:
+            self.lookahead.run(self, forward_verb.compute)
+        except Exception:  # the next frame computes its step itself
+            log.exception("decoding ahead failed")
+            self.lookahead.drop(self)
 
     def detach(self) -> None:
         """The daemon went away (a worker on another host serves the next one): drop its
@@ -347,6 +357,9 @@ class Backend(WorkerState):
             "kv_blocks_mapped": sum(p.mapped_blocks for p in m.block_pools) if m else 0,
             "kv_pool_bytes": sum(p.nbytes() for p in m.block_pools) if m else 0,
             "decode_graph_steps": m.decode_graphs.steps if m and m.decode_graphs else 0,
+            # Forwards answered from the step decoded ahead, and such steps rolled back.
+            "ahead_served": self.lookahead.served,
+            "ahead_dropped": self.lookahead.dropped,
             "kernels": m.reply.kernels if m else "",
             "draft": str(self.draft.draft.path) if self.draft else "",
             "expert_calls_served": self.expert_server.calls,

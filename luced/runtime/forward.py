@@ -45,13 +45,28 @@ from luced.runtime.state import Loaded, SequenceState, WorkerError, WorkerState,
 
 @torch.inference_mode()
 def forward(worker: WorkerState, req: F.Forward) -> F.ForwardReply:
+    """The verb: answered from the step computed ahead when it is this frame's
+    (runtime.lookahead), else computed; then the next step ahead is planned."""
+    reply = worker.lookahead.take(worker, req)
+    if reply is None:
+        reply = compute(worker, req)
+    worker.lookahead.plan(worker, req)
+    return reply
+
+
+@torch.inference_mode()
+def compute(worker: WorkerState, req: F.Forward, fed: torch.Tensor | None = None) -> F.ForwardReply:
+    """One pass of the frame's spans; `fed`: the ids to feed instead of `req.tokens`'s."""
     m = worker.model("forward")
     t0 = time.perf_counter()
     spans = req.spans
     states = [m.sequence(s.sequence) for s in spans]
     _check_spans(m, spans, states)
     n_tokens = req.n_tokens
-    ids, hidden_in = worker.fed_inputs(req.tokens, req.hidden_in, n_tokens, m)
+    if fed is None:
+        ids, hidden_in = worker.fed_inputs(req.tokens, req.hidden_in, n_tokens, m)
+    else:
+        ids, hidden_in = fed, None
     outputs = _outputs(worker, req, m)
     rings = _rings(worker, req, m)
     samplers = _samplers(req, states, ids is not None)

@@ -327,6 +327,15 @@ class Sampler:
         self.params = params
         self._generator: torch.Generator | None = None
 
+    def generator_state(self) -> torch.Tensor | None:
+        """The generator's state (None before its first draw), for `restore_generator`."""
+        return None if self._generator is None else self._generator.get_state()
+
+    def restore_generator(self, state: torch.Tensor | None) -> None:
+        """Back to a state `generator_state` gave (draws made since are undone)."""
+        if state is not None and self._generator is not None:
+            self._generator.set_state(state)
+
     def generator(self, device: torch.device) -> torch.Generator:
         """The request's generator (also for the uniforms of speculative rejection sampling)."""
         if self._generator is None:

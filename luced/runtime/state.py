@@ -34,6 +34,7 @@ from luced.runtime.dflash.draft import Draft
 from luced.runtime.kv_blocks import BlockPool, PagedKVCache
 from luced.runtime.kv_cache import KVCache
 from luced.runtime.kv_pool import PooledKVCache
+from luced.runtime.lookahead import Lookahead
 from luced.runtime.mirror import Mirror
 from luced.runtime.model import Model
 from luced.runtime.sampler import Sampler
@@ -240,6 +241,7 @@ class WorkerState:
         )
         # A worker on another host keeps its layers' prefix-cache rows itself (runtime.listen).
         self.snapshots: ShardSnapshots | None = None
+        self.lookahead = Lookahead()  # the step decoded ahead (frames.Forward.ahead)
         self.forward_count = 0
         self.tokens_processed = 0
         self.busy_s = 0.0

@@ -169,11 +169,15 @@ def main(argv: list[str] | None = None) -> int:
             backend = start_backend(args, channel)
         return backend.handle(req)
 
+    def idle() -> None:
+        if backend is not None:
+            backend.after_reply()
+
     code = 0
     try:
         # Returns after shutdown or when the daemon closes. A carry (relays to workers on
         # other hosts) never comes before hello, which starts the backend.
-        channel.serve(handle, _BackendCarrier(lambda: backend))
+        channel.serve(handle, _BackendCarrier(lambda: backend), idle)
     except FrameError as e:
         log.error("unreadable frame, closing: %s", e)
         code = 1

@@ -168,6 +168,7 @@ class SchedulerOptions(Options):
     max_queued_tokens: int
     max_batch_tokens: int
     max_step_tokens: int  # 0: a chunk beside every running request's window
+    decode_ahead: str  # "auto": on for a GPU worker
     default_max_tokens: int | None  # None: up to the context length
 
 

@@ -368,6 +368,7 @@ class LoadedModel:
             encoder=spec.encoder,
             pooling=spec.pooling,
         )
+        engine.runner.decode_ahead = sched.decode_ahead
         return target, engine
 
     async def start(self) -> None:

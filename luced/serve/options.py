@@ -544,6 +544,18 @@ OPTIONS: tuple[Option, ...] = (
         minimum=0, default_doc="0 (a chunk beside every running request's window)", example=640,
     ),
     Option(
+        "decode_ahead", "scheduler", "str", "auto",
+        "While the daemon turns a decode step's tokens into the next step, the worker "
+        "already runs that next step on the tokens it sampled, and answers it at once when "
+        "it comes (nothing changes in the output; a step that turns out different is rolled "
+        "back). It hides the round trip between the daemon and a single local worker; "
+        "steps with a grammar, drafts, KV Flash or a split run as before. `auto`: on where "
+        "the daemon has a core the step does not use: a GPU worker, or a CPU worker whose "
+        "--threads leave one free. A CPU worker on every core would lose that core to the "
+        "daemon during its step (docs/performance.md).",
+        choices=("auto", "on", "off"),
+    ),
+    Option(
         "default_max_tokens", "scheduler", "int", None,
         "Completion limit for requests that give no max_tokens.",
         minimum=1, nullable=True, default_doc="up to the context length", example=1024,

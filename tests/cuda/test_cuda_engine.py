@@ -112,6 +112,19 @@ async def test_graph_decode_follows_the_eager_forward(tiny, gpu: str, weights: s
     compare("graph_vs_eager_decode", runs["off"], runs["on"], TOL[weights], weights=weights)
 
 
+async def test_decoding_ahead_changes_no_output(tiny, gpu: str) -> None:
+    runs = {}
+    for mode in ("off", "on"):  # on a GPU, "on" is the default (auto)
+        async with engine_for(
+            tiny[0], (gpu,), weights="auto", max_running=4, decode_ahead=mode
+        ) as engine:
+            alone = await each(engine)
+            runs[mode] = [*alone, *await asyncio.gather(*(greedy(engine, p) for p in PROMPTS))]
+            (worker,) = (await engine.target.stats())["workers"]
+        assert (worker["ahead_served"] > 0) == (mode == "on")
+    compare("ahead_vs_plain", runs["off"], runs["on"], TOL["auto"], weights="auto")
+
+
 @pytest.mark.parametrize(("drafter", "weights"), [("dflash", "dequant"), ("dflash", "auto"),
                                                   ("ngram", "dequant")])  # fmt: skip
 async def test_speculative_equals_plain(tiny, gpu: str, drafter: str, weights: str) -> None:

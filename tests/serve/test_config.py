@@ -63,6 +63,7 @@ SAMPLES: dict[str, tuple[str, str, Any]] = {
     "kv_dtype": ("bfloat16", "\"bfloat16\"", "bfloat16"),
     "batch_invariant": ("true", "true", True),
     "decode_graphs": ("off", '"off"', "off"),
+    "decode_ahead": ("on", '"on"', "on"),
     "allowed_hosts": ("a.example,b", '["a.example", "b"]', ("a.example", "b")),
     "allowed_origins": ("http://x:1", '["http://x:1"]', ("http://x:1",)),
     "model_name": ("smol", '"smol"', "smol"),

@@ -173,6 +173,9 @@ class Forward(Request):
     capture: tuple[int, ...] = ()
     draft_probs: Region | None = None  # float32 [>= q rows, vocab]: verify spans' q rows
     allowed: Region | None = None  # int32 [>= n_out, ceil(vocab / 32)]
+    # Decode one step ahead (runtime.lookahead): after replying, feed each span's sampled
+    # token and write that step's rows here, regions like `outputs` (none: no step ahead).
+    ahead: dict[str, Region] = field(default_factory=dict)
 
     @property
     def n_tokens(self) -> int:
@@ -203,6 +206,12 @@ class Forward(Request):
             raise self._fail('a verify span needs want="sample"')
         self._check_verify()
         _check_allowed(self)
+        if self.ahead and (
+            self.want != "sample"
+            or {k: r.shape for k, r in self.ahead.items()}
+            != {k: r.shape for k, r in self.outputs.items()}
+        ):
+            raise self._fail('ahead needs want="sample" and regions shaped as the outputs')
 
     def _check_verify(self) -> None:
         q = self.draft_probs

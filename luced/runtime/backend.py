@@ -96,6 +96,7 @@ class Backend(WorkerState):
         hops: Hops | None = None,
     ) -> None:
         super().__init__(group, devices, mirror)
+        self._moe_ahead: dict[str, int] = {}  # MoE counts of steps decoded ahead, unreported
         # Links to workers on other hosts (bulk data: runtime.hops); the carry uses them.
         self.hops = hops if hops is not None else Hops()
         # Worker-to-worker links arrive here (luced.ipc.links): a target worker's to the
@@ -146,11 +147,14 @@ class Backend(WorkerState):
 
     def after_reply(self) -> None:
         """Between a reply and the next request: the step decoded ahead, if one is planned."""
+        before = self._moe_counts()
         try:
             self.lookahead.run(self, forward_verb.compute)
         except Exception:  # the next frame computes its step itself
             log.exception("decoding ahead failed")
             self.lookahead.drop(self)
+        for k, v in self._moe_counts().items():  # reported with the next forward's reply
+            self._moe_ahead[k] = self._moe_ahead.get(k, 0) + v - before[k]
 
     def detach(self) -> None:
         """The daemon went away (a worker on another host serves the next one): drop its
@@ -388,7 +392,9 @@ class Backend(WorkerState):
     def forward(self, req: F.Forward) -> F.ForwardReply:
         before = self._moe_counts()
         reply = forward_verb.forward(self, req)
-        moe = {k: v - before[k] for k, v in self._moe_counts().items()}
+        # with what the steps decoded ahead since the last reply did (served or dropped)
+        ahead, self._moe_ahead = self._moe_ahead, {}
+        moe = {k: v - before[k] + ahead.get(k, 0) for k, v in self._moe_counts().items()}
         return dataclasses.replace(reply, **moe)
 
     def _moe_counts(self) -> dict[str, int]:

@@ -20,18 +20,26 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import torch
 
 from luced.ipc import frames as F
+from luced.ipc.regions import Region
 from luced.runtime.sampler import Sampler
 
-if TYPE_CHECKING:  # state.py holds a Lookahead
-    from luced.runtime.state import WorkerState
+
+class WorkerState(Protocol):
+    """What this module uses of `state.WorkerState` (which holds a Lookahead: a protocol
+    keeps the imports one way)."""
+
+    loaded: Any  # state.Loaded | None
+
+    def tensor(self, region: Region) -> torch.Tensor: ...
+
 
 # computes a frame from the given fed ids (forward.compute)
-Compute = Callable[["WorkerState", F.Forward, torch.Tensor], F.ForwardReply]
+Compute = Callable[[Any, F.Forward, torch.Tensor], F.ForwardReply]
 
 log = logging.getLogger(__name__)
 

@@ -22,6 +22,9 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from luced.engine.core import Engine, GenerationRequest
+from luced.sampling_params import SamplingParams
+
 
 def device_under_test() -> str | None:
     """'cuda:0' with a GPU; 'cpu' under LUCED_CUDA_TESTS_ON=cpu (a dry run); else None."""
@@ -60,6 +63,18 @@ def agree(ref: Run, got: Run, tol: float) -> Agreement:
             )
             return Agreement(n, i, False, i, margin)
     return Agreement(n, n, len(ref.tokens) == len(got.tokens), None, None)
+
+
+async def run_length(engine: Engine, prompt: list[int], sampling: SamplingParams, n: int) -> Run:
+    """n tokens of `prompt` through an engine (EOS ignored), with each position's top-2
+    margin (`sampling` must ask for logprobs=2)."""
+    handle = engine.submit(GenerationRequest("r", prompt, sampling, n, ignore_eos=True))
+    tokens, tops = [], []
+    async for delta in handle:
+        tokens += delta.token_ids
+        tops += [[t[1] for t in lp.top] for lp in delta.logprobs or []]
+    assert handle.finish_reason == "length", handle.error
+    return Run(tokens, margins(tops))
 
 
 def margins(top: list[list[float]]) -> list[float]:

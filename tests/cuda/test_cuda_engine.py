@@ -16,7 +16,7 @@ import asyncio
 from pathlib import Path
 
 import pytest
-from cuda_support import Run, agree, device_under_test, margins, record
+from cuda_support import Run, agree, device_under_test, record, run_length
 from engine_harness import engine_for
 
 from luced.engine.core import Engine, GenerationRequest
@@ -59,16 +59,7 @@ def tiny(tmp_path_factory) -> tuple[Path, Path]:
 
 
 async def greedy(engine: Engine, prompt: list[int], n: int = N) -> Run:
-    req = GenerationRequest(
-        "r", prompt, SamplingParams(temperature=0, logprobs=2), n, ignore_eos=True
-    )
-    handle = engine.submit(req)
-    tokens, tops = [], []
-    async for delta in handle:
-        tokens += delta.token_ids
-        tops += [[t[1] for t in lp.top] for lp in delta.logprobs or []]
-    assert handle.finish_reason == "length", handle.error
-    return Run(tokens, margins(tops))
+    return await run_length(engine, prompt, SamplingParams(temperature=0, logprobs=2), n)
 
 
 async def each(engine: Engine, prompts: list[list[int]] = PROMPTS) -> list[Run]:

@@ -11,10 +11,10 @@ import asyncio
 from pathlib import Path
 
 import pytest
-from cuda_support import Run, agree, margins
+from cuda_support import Run, agree, run_length
 from engine_harness import engine_for
 
-from luced.engine.core import Engine, GenerationRequest
+from luced.engine.core import Engine
 from luced.runtime.tiny import make_tiny_gguf
 from luced.sampling_params import SamplingParams
 
@@ -28,19 +28,9 @@ N = 20
 TOL = 1e-3  # nats: float32 everywhere, only the attention's summation order differs
 
 
-async def generate(engine: Engine, prompt: list[int], sampling: SamplingParams) -> Run:
-    handle = engine.submit(GenerationRequest("r", prompt, sampling, N, ignore_eos=True))
-    tokens, tops = [], []
-    async for delta in handle:
-        tokens += delta.token_ids
-        tops += [[t[1] for t in lp.top] for lp in delta.logprobs or []]
-    assert handle.finish_reason == "length", handle.error
-    return Run(tokens, margins(tops))
-
-
 async def runs(engine: Engine, sampling: SamplingParams) -> list[Run]:
-    alone = [await generate(engine, p, sampling) for p in PROMPTS]
-    together = await asyncio.gather(*(generate(engine, p, sampling) for p in PROMPTS))
+    alone = [await run_length(engine, p, sampling, N) for p in PROMPTS]
+    together = await asyncio.gather(*(run_length(engine, p, sampling, N) for p in PROMPTS))
     return [*alone, *together]
 
 

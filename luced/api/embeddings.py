@@ -13,7 +13,7 @@ Each input is one engine request (`GenerationRequest.pooling`, `luced.engine.poo
 tokens, with the file's own BOS / EOS ([CLS] ... [SEP] for BERT; token-id inputs as given),
 are fed in the steps beside every other request's work, and its last-layer states pooled
 as the daemon's --pooling says. The API makes each vector unit length, as OpenAI's are. An
-input longer than the model takes (`Engine.embedding_limit`) is a 400 before any input
+input longer than the model takes (`Intake.embedding_limit`) is a 400 before any input
 runs. `usage`: prompt_tokens = total_tokens = the inputs' tokens.
 
 A request's inputs go into the queue as it takes them (`embed_all`): when it is full, the
@@ -101,7 +101,7 @@ def input_ids(
     than the model takes is a 400 naming it (a text that long in characters before it is
     tokenized), or with `truncate` (Ollama's) is cut to fit, keeping its last token (the
     EOS / [SEP]) when the tokenizer adds one."""
-    limit = engine.embedding_limit
+    limit = engine.intake.embedding_limit
     tokenizer = engine.tokenizer
     chars = limit * MAX_CHARS_PER_TOKEN  # no token is longer: more cannot fit
     out = []
@@ -145,7 +145,7 @@ def check_dimensions(engine: Engine, dimensions: int | None) -> None:
 def embedding_tokens(engine: Engine) -> int:
     """The most tokens one request's inputs carry together: what bounds its body (its
     bytes and values), where a generation's is bounded by the context."""
-    return MAX_INPUTS * engine.embedding_limit
+    return MAX_INPUTS * engine.intake.embedding_limit
 
 
 @dataclass(frozen=True)
@@ -212,7 +212,7 @@ async def embed_all(engine: Engine, inputs: list[list[int]], request_id: str) ->
     ends: list[asyncio.Task] = []
     try:
         for i, ids in enumerate(inputs):
-            while not engine.queue_takes(len(ids)) and not all(t.done() for t in ends):
+            while not engine.intake.queue_takes(len(ids)) and not all(t.done() for t in ends):
                 await asyncio.wait(
                     [t for t in ends if not t.done()], return_when=asyncio.FIRST_COMPLETED
                 )

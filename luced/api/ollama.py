@@ -501,7 +501,7 @@ def prepare_generate(engine: Engine, body: Mapping[str, Any]) -> Prepared:
 def _prepare(engine: Engine, req: OllamaRequest) -> Prepared:
     if req.idle:
         return Prepared(req, [], req.options)
-    engine.check_generates()
+    engine.intake.check_generates()
     _check_chars(req, engine.context_length)
     tools = None
     if req.calls_tools or has_tool_turns(req.messages):
@@ -514,7 +514,7 @@ def _prepare(engine: Engine, req: OllamaRequest) -> Prepared:
             req.options.max_tokens,
             req.num_ctx,
             engine.context_length,
-            engine.default_max_tokens,
+            engine.intake.default_max_tokens,
         ),
     )
     if tools is None or not req.calls_tools:

@@ -276,17 +276,17 @@ def _constrained(engine: Engine, req: anthropic.MessagesRequest) -> bool:
 
 
 def prepare_completion(engine: Engine, body: dict[str, Any]) -> Prepared[CompletionRequest]:
-    engine.check_generates()
+    engine.intake.check_generates()
     check_size(body, COMPLETION_FIELDS, engine.context_length)
     vocab = engine.tokenizer.vocab_size
     req = parse_completion(body, model_name=engine.model_name, vocab_size=vocab)
     check_choices(engine, req.options.n, len(req.prompts))
     _check(req.options.grammar)
     first, *others = completion_prompts(req, engine.tokenizer)
-    if others and (total := len(first) + sum(map(len, others))) > engine.max_queued_tokens:
+    if others and (total := len(first) + sum(map(len, others))) > engine.intake.max_queued_tokens:
         raise bad(
             "prompt",
-            f"the prompts have {total} tokens together; at most {engine.max_queued_tokens} "
+            f"the prompts have {total} tokens together; at most {engine.intake.max_queued_tokens} "
             "may wait in the queue (--max-queued-tokens)",
         )
     return Prepared(req, first, req.options, others=tuple(others))
@@ -295,12 +295,13 @@ def prepare_completion(engine: Engine, body: dict[str, Any]) -> Prepared[Complet
 def check_choices(engine: Engine, n: int, prompts: int) -> None:
     """A 400 for more choices than the engine's queue takes at once: every choice is an
     engine request, and they are queued together."""
-    if n * prompts > engine.max_queue:
+    most = engine.intake.max_queue
+    if n * prompts > most:
         param = "n" if prompts == 1 else "prompt"
         what = f"n = {n}" if prompts == 1 else f"{prompts} prompts × n = {n}"
         raise bad(
             param,
-            f"{what} asks for {n * prompts} choices; at most {engine.max_queue} requests may "
+            f"{what} asks for {n * prompts} choices; at most {most} requests may "
             "wait in the queue (--max-queue)",
         )
 
@@ -345,7 +346,7 @@ def _chat(
     """A chat-shaped request's prompt, and its tools' grammar when it calls tools (a
     template without tools cannot render calls or results as they came, so a history
     holding them goes through the tool format too)."""
-    engine.check_generates()
+    engine.intake.check_generates()
     tools = None
     if req.calls_tools or has_tool_turns(req.messages):
         tools = tool_format(engine.chat_template)

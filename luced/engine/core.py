@@ -30,18 +30,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import logging
 import time
 from typing import Any
 
 from luced.cache.prefix_cache import PrefixCache
-from luced.engine.constraint import Constraint
 from luced.engine.executor import WorkerDied, WorkerReplyError
+from luced.engine.intake import Intake
 from luced.engine.kv.budget import KVBudget
 from luced.engine.kv.finished import FinishedPrefixes
-from luced.engine.output import OutputBuilder
-from luced.engine.pooling import Pooler
 from luced.engine.prefix import PrefixReuse
 from luced.engine.request import (
     ContextTooLong,
@@ -58,12 +55,11 @@ from luced.engine.request import (
 from luced.engine.runner import ModelRunner
 from luced.engine.scheduler import Batch, Scheduler, StepResult
 from luced.engine.spec.calibrate import calibrate
-from luced.engine.spec.ngram import PromptLookup
-from luced.engine.spec.sizer import BlockSizer, StepCosts
+from luced.engine.spec.windows import DraftWindows
 from luced.engine.status import engine_status
-from luced.engine.target import MAX_BLOCK, Target
+from luced.engine.target import Target
 from luced.sampling_params import SamplingParams
-from luced.text.grammar import GrammarError, GrammarTokenizer, check_grammar
+from luced.text.grammar import GrammarError
 from luced.text.tokenizer import Tokenizer
 from luced.text.turns import TurnMarker
 
@@ -121,14 +117,9 @@ class Engine:
         self.chat_template = chat_template
         self.model_name = model_name
         self.context_length = context_length
-        self.max_queue = max_queue
-        self.max_queued_tokens = max_queued_tokens
-        self.default_max_tokens = default_max_tokens
-        self.block_size = block_size
-        self.lookup_drafts = lookup_drafts  # --draft ngram: prompt lookup, no draft model
-        self.lookup_ngrams = (4, 2)  # its longest and shortest n-gram (spec/ngram.py)
-        self.adaptive_blocks = adaptive_blocks
-        self.step_costs = StepCosts()  # the adaptive window size's cost model
+        self.speculation = DraftWindows(
+            block_size, lookup_drafts=lookup_drafts, adaptive_blocks=adaptive_blocks
+        )
         self.metrics = metrics
         self.started_at = time.time()
         self.draining = False
@@ -151,18 +142,29 @@ class Engine:
             observe=self._observe,
             drafted=self._drafted,
         )
-        self.scheduler.window = self._window
+        self.scheduler.window = self.speculation.window
         self.scheduler.room = self._room
         self.scheduler.keep = self._keep_lane
-        self.scheduler.encoder = self.encoder = encoder
+        self.scheduler.encoder = encoder
         self.pooling = pooling
+        self.intake = Intake(
+            target,
+            tokenizer,
+            self.scheduler,
+            self.speculation,
+            model_name=model_name,
+            context_length=context_length,
+            max_queue=max_queue,
+            max_queued_tokens=max_queued_tokens,
+            default_max_tokens=default_max_tokens,
+            encoder=encoder,
+        )
         self.runner = ModelRunner(target)
         turns = TurnMarker.learn(chat_template, tokenizer)  # the prefix cache's cut points
         self.prefix = PrefixReuse(
             target, prefix_cache, turns, self.kv, self._observe, self.finished
         )
         self.rejected: dict[str, int] = {}  # refused submissions by reason
-        self._tickets = itertools.count(1)
         self.steps = 0  # forwards run, and the sequences in them (mean batch size)
         self.stepped_sequences = 0
         self.totals = {
@@ -182,9 +184,6 @@ class Engine:
         self._idle.set()
         self._loop_task: asyncio.Task | None = None
         self._tasks: set[asyncio.Task] = set()
-        # Built once, on the first grammar (seconds on a large vocabulary): requests arriving
-        # meanwhile await the same build.
-        self._grammar_vocab: asyncio.Future[GrammarTokenizer] | None = None
         target.watch(self._workers_changed)
 
     # -- state ----------------------------------------------------------------------------
@@ -240,19 +239,6 @@ class Engine:
     def block_sizes(self) -> dict[int, int]:
         return self.scheduler.block_sizes
 
-    def queued_tokens(self) -> int:
-        """Prompt tokens waiting; a sibling's (`share_prompt`) are its first's."""
-        waiting = self.scheduler.waiting
-        return sum(s.handle.prompt_tokens for s in waiting if not s.handle.request.share_prompt)
-
-    @property
-    def embedding_limit(self) -> int:
-        """The most tokens an embedding input may have: the context, and for an encoder,
-        which sees its input in one step, the step's budget."""
-        if self.encoder:
-            return min(self.context_length, self.target.step_tokens)
-        return self.context_length
-
     @property
     def embedding_length(self) -> int:
         """An embedding's dimensions (the model's hidden size; 0 until loaded)."""
@@ -275,133 +261,25 @@ class Engine:
         state = self.state
         if state != "ready":
             raise Unavailable(f"luced is {state}; try again later", retry_after=1.0, reason=state)
-        n = len(req.prompt)
-        if n == 0:
-            raise ContextTooLong("the prompt is empty")
-        if req.pooling is not None:
-            self._check_embedding(n)
-            max_tokens = 0
-        else:
-            max_tokens = self._check_generation(req, n)
-        if req.grammar is not None:
-            try:
-                check_grammar(req.grammar)  # vocabulary-free: the matcher is built later
-            except GrammarError as exc:
-                raise InvalidGrammar(f"grammar: {exc}") from None
-        waiting = self.scheduler.waiting
-        queued = 0 if req.share_prompt else n  # a sibling's prompt is its first's
-        if not self.queue_takes(queued):
-            full = len(waiting) >= self.max_queue
-            raise QueueFull(
-                f"the queue is full ({len(waiting)} requests, {self.queued_tokens()} "
-                "prompt tokens waiting)",
-                retry_after=float(max(1, len(waiting))),
-                reason="max_queue" if full else "max_queued_tokens",
-            )
-        handle = RequestHandle(req, max_tokens)
-        seq = self._sequence(handle)
+        handle = RequestHandle(req, self.intake.check(req))
+        seq = self.intake.sequence(handle)
         handle.on_cancel = lambda _: self._cancelled(seq)
         self.scheduler.add(seq)
         self.totals["requests"] += 1
         self._idle.clear()
-        self._observe("queue", len(waiting))
+        self._observe("queue", len(self.scheduler.waiting))
         if req.grammar is not None:
             self._spawn(self._constrain(seq), f"grammar-{req.request_id}")
         self._wakeup.set()
         return handle
 
-    def queue_takes(self, n: int) -> bool:
-        """Whether a request of n prompt tokens finds room in the queue now."""
-        waiting = self.scheduler.waiting
-        if len(waiting) >= self.max_queue:
-            return False
-        return not waiting or self.queued_tokens() + n <= self.max_queued_tokens
-
-    def _check_embedding(self, n: int) -> None:
-        limit = self.embedding_limit
-        if n > limit:
-            why = "the context length"
-            if limit < self.context_length:
-                why = "--max-step-tokens: an encoder sees a whole input in one step"
-            raise ContextTooLong(f"the input has {n} tokens; at most {limit} fit ({why})")
-
-    def check_generates(self) -> None:
-        """EmbeddingsOnly (400) when the model cannot generate (an encoder). The APIs ask
-        before they render a prompt; `submit` asks again."""
-        if self.encoder:
-            raise EmbeddingsOnly(
-                f"{self.model_name} is an embedding model (bidirectional attention): it "
-                "cannot generate text; it serves POST /v1/embeddings"
-            )
-
-    def _check_generation(self, req: GenerationRequest, n: int) -> int:
-        """-> the request's max_tokens."""
-        self.check_generates()
-        if n >= self.context_length:
-            raise ContextTooLong(
-                f"the prompt has {n} tokens; the context holds {self.context_length} "
-                "(prompt plus at least one generated token)"
-            )
-        room = self.context_length - n
-        if req.max_tokens is not None and req.max_tokens > room:
-            raise ContextTooLong(
-                f"prompt ({n} tokens) + max_tokens ({req.max_tokens}) exceeds the context "
-                f"length {self.context_length}"
-            )
-        return req.max_tokens or min(room, self.default_max_tokens or room)
-
-    def _sequence(self, handle: RequestHandle) -> Sequence:
-        req = handle.request
-        stops = set(req.stop_token_ids) | (set() if req.ignore_eos else self.tokenizer.eos_ids)
-        out = OutputBuilder(self.tokenizer, req.stop, want_logprobs=req.params.logprobs is not None)
-        seq = Sequence(
-            handle,
-            ticket=next(self._tickets),
-            sampling=req.params.to_wire(),
-            stops=frozenset(stops),
-            out=out,
-            tokens=list(req.prompt),
-            ready=req.grammar is None,
-            waits_to_share=req.share_prompt,  # `PrefixReuse.hold`: any prefix is worth it
-        )
-        if req.pooling is not None:
-            seq.pooler = Pooler(req.pooling, len(req.prompt))
-            return seq
-        seq.speculates = self.target.draft is not None or self.lookup_drafts
-        if self.lookup_drafts:
-            seq.lookup = PromptLookup(*self.lookup_ngrams)
-            seq.lookup.extend(req.prompt)
-        # A seeded sampled request keeps the fixed window: which uniforms its generator
-        # draws for what depends on the window sizes, and timing-driven sizes would make the
-        # same seed give other tokens. Greedy output does not depend on them at all.
-        if (
-            seq.speculates
-            and self.adaptive_blocks
-            and (req.params.greedy or req.params.seed is None)
-        ):
-            # A lookup starts from its priors, not --block-size: its fresh matches are often
-            # wrong, and a first window of 16 costs several plain steps.
-            priors = PromptLookup.FIRST_ACCEPTANCE if self.lookup_drafts else None
-            seq.sizer = BlockSizer(self.step_costs, self.block_size, priors=priors)
-        return seq
-
     async def _constrain(self, seq: Sequence) -> None:
-        """The request's grammar over this model's vocabulary, built off the event loop:
-        the vocabulary once (seconds for a large vocabulary), the matcher per request."""
-        grammar = seq.handle.request.grammar
-        assert grammar is not None
         try:
-            if self._grammar_vocab is None:
-                build = asyncio.to_thread(GrammarTokenizer, self.tokenizer)
-                self._grammar_vocab = asyncio.ensure_future(build)
-            vocab = await asyncio.shield(self._grammar_vocab)
-            matcher = await asyncio.to_thread(vocab.matcher, grammar)
+            await self.intake.constrain(seq)
         except GrammarError as exc:  # valid alone, but not over this vocabulary
             if self.scheduler.cancel_waiting(seq):
                 self._end(seq, "error", f"grammar: {exc}")
             return
-        seq.constraint = Constraint(matcher, vocab, seq.stops, self.target.arrays["allowed"])
-        seq.ready = True
         self._wakeup.set()
 
     def _cancelled(self, seq: Sequence) -> None:
@@ -647,17 +525,6 @@ class Engine:
 
     # -- speculation ----------------------------------------------------------------------
 
-    def _window(self, seq: Sequence) -> tuple[int, str]:
-        """The draft window `seq` asks for this step and what drafts it: (1, "") for a
-        plain step."""
-        if not seq.speculates:
-            return 1, ""
-        kind = seq.lookup.kind() if seq.lookup is not None else "draft"
-        if kind is None:
-            return 1, ""  # the lookup found nothing to propose
-        want = seq.sizer.next_block(kind) if seq.sizer is not None else self.block_size
-        return min(want, self.block_size, MAX_BLOCK), kind
-
     def _room(self, seq: Sequence, want: int) -> int:
         """How many positions a window may feed from `seq`'s committed ones: with KV Flash,
         no more than needs no eviction past the first chunk (`Pager.lookahead`)."""
@@ -673,14 +540,16 @@ class Engine:
     async def calibrate(self, sizes: tuple[int, ...] = (2, 4, 8, 16, 32)) -> dict[int, float]:
         """Measure the adaptive window size's cost model before the first request
         (``spec/calibrate.py``)."""
-        sizes = tuple(sorted({b for b in sizes if b < self.block_size} | {self.block_size}))
-        seq = self._sequence(
+        block = self.speculation.block_size
+        sizes = tuple(sorted({b for b in sizes if b < block} | {block}))
+        seq = self.intake.sequence(
             RequestHandle(
                 GenerationRequest("calibrate", [self.tokenizer.bos_id or 0] * 8, _GREEDY),
                 1 << 20,
             )
         )
-        return await calibrate(self.runner, self.step_costs, seq, sizes, self.lookup_drafts)
+        spec = self.speculation
+        return await calibrate(self.runner, spec.step_costs, seq, sizes, spec.lookup_drafts)
 
     # -- observability --------------------------------------------------------------------
 
@@ -698,7 +567,7 @@ class Engine:
         self._observe("batch_size", len(batch.works))
         (only,) = batch.works if len(batch.works) == 1 else (None,)
         if only is not None and not only.seq.prefilling and only.start >= len(only.seq.prompt):
-            self.step_costs.observe(len(only.tokens), seconds)  # a step of its own
+            self.speculation.step_costs.observe(len(only.tokens), seconds)  # a step of its own
 
     def _observe_finish(self, handle: RequestHandle) -> None:
         if self.metrics is not None and handle.finish_reason is not None:

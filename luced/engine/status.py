@@ -33,7 +33,7 @@ def engine_status(engine: Any) -> dict:
         "uptime_s": round(time.time() - engine.started_at, 1),
         "queue": {
             "waiting": len(engine.scheduler.waiting),
-            "queued_tokens": engine.queued_tokens(),
+            "queued_tokens": engine.intake.queued_tokens(),
             "running": len(running),
             "max_running": engine.max_running,
             # Each running and each waiting request with its tokens so far (a
@@ -51,8 +51,8 @@ def engine_status(engine: Any) -> dict:
             "mean_batch": round(engine.stepped_sequences / engine.steps, 2)
             if engine.steps
             else None,
-            "max_queue": engine.max_queue,
-            "max_queued_tokens": engine.max_queued_tokens,
+            "max_queue": engine.intake.max_queue,
+            "max_queued_tokens": engine.intake.max_queued_tokens,
         },
         "totals": dict(engine.totals),
         "rejected": dict(engine.rejected),

@@ -124,7 +124,7 @@ async def test_speculative_equals_plain(tiny, gpu: str, drafter: str, weights: s
     kind = {"draft": tiny[1]} if drafter == "dflash" else {"lookup_drafts": True}
     async with engine_for(tiny[0], (gpu,), weights=weights, **kind) as engine:
         for block in (4, 16):
-            engine.block_size = block
+            engine.speculation.block_size = block
             spec = await each(engine)
             compare("speculative_vs_plain", plain, spec, TOL[weights], drafter=drafter,
                     weights=weights, block=block)  # fmt: skip

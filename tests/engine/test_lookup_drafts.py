@@ -67,10 +67,10 @@ async def test_greedy_lookup_equals_plain(models, plain, case: str) -> None:
     family, devices = CASES[case]
     async with engine_for(models[family], devices, lookup_drafts=True) as engine:
         if family == "qwen35":  # this tiny hybrid repeats single tokens, not pairs
-            engine.lookup_ngrams = (4, 1)
+            engine.speculation.lookup_ngrams = (4, 1)
         accepted = proposed = 0
         for block in (2, 5, 16):
-            engine.block_size = block
+            engine.speculation.block_size = block
             tokens, spec = await run(engine)
             assert tokens == plain[family], f"block {block}"
             accepted += spec["accepted_tokens"]
@@ -81,7 +81,7 @@ async def test_greedy_lookup_equals_plain(models, plain, case: str) -> None:
 
 async def test_adaptive_blocks_keep_greedy_output(models, plain) -> None:
     async with engine_for(models["qwen3"], lookup_drafts=True, adaptive_blocks=True) as engine:
-        costs = engine.step_costs.table()
+        costs = engine.speculation.step_costs.table()
         assert set(costs) == {1, 2, 4, 8, 16} and all(s > 0 for s in costs.values())
         tokens, _ = await run(engine)
         assert tokens == plain["qwen3"]
@@ -100,7 +100,7 @@ async def test_adaptive_blocks_keep_greedy_output(models, plain) -> None:
 
 async def test_sampled_lookup_is_seeded(models) -> None:
     async with engine_for(models["qwen35"], lookup_drafts=True, block_size=6) as engine:
-        engine.lookup_ngrams = (4, 1)  # single-token repeats: drafts to verify
+        engine.speculation.lookup_ngrams = (4, 1)  # single-token repeats: drafts to verify
         a, spec = await run(engine, temperature=0.7, seed=5)
         b, _ = await run(engine, temperature=0.7, seed=5)
         c, _ = await run(engine, temperature=0.7, seed=6)

@@ -232,13 +232,13 @@ async def test_a_choices_prompt_counts_once_against_the_queued_tokens(tiny: Path
     bound of 30 prompt tokens, where a third distinct request does not."""
     prompt = FIRST[:20]
     async with engine_for(tiny, context=512, max_running=4) as engine:
-        engine.max_queued_tokens = 30
+        engine.intake.max_queued_tokens = 30
         requests = [
             GenerationRequest(f"c{j}", prompt, GREEDY, 4, ignore_eos=True, share_prompt=j > 0)
             for j in range(3)
         ]
         handles = [engine.submit(r) for r in requests]
-        assert engine.queued_tokens() == 20
+        assert engine.intake.queued_tokens() == 20
         with pytest.raises(QueueFull):
             engine.submit(GenerationRequest("other", FIRST[20:40], GREEDY, 4))
         outs = await asyncio.gather(*(tokens(h) for h in handles))

@@ -331,7 +331,7 @@ def test_a_recurrent_replay_rewinds_to_the_window_start(make) -> None:
 
 
 def embedding(make: Maker, n: int, kind: str) -> Sequence:
-    """An embedding sequence of n input tokens, pooled by `kind` (as Engine._sequence)."""
+    """An embedding sequence of n input tokens, pooled by `kind` (as Intake.sequence)."""
     seq = make(n, max_tokens=0)
     seq.pooler = Pooler(kind, n)
     return seq

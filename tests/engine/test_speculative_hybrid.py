@@ -49,7 +49,7 @@ async def test_greedy_speculative_equals_plain(tiny, plain, devices, rollback) -
     async with engine_for(tiny[0], devices, draft=tiny[1]) as engine:
         engine.target.rollback = rollback
         for block in (2, 4, 16):
-            engine.block_size = block
+            engine.speculation.block_size = block
             tokens, spec = await run(engine)
             assert tokens == plain, f"block {block}"
             assert spec["drafts"] > 0

@@ -76,7 +76,7 @@ async def test_greedy_speculative_equals_plain(tiny, plain, placement: str) -> N
             roles = [w.get("role") for w in engine.workers()]
             assert roles.count("draft") == 1  # the draft runs in a worker of its own
         for block in (2, 4, 16):
-            engine.block_size = block
+            engine.speculation.block_size = block
             tokens, spec = await run(engine)
             assert tokens == plain, f"block {block}"
             # Full blocks, but near the end a block shrinks to the tokens still wanted.
@@ -106,7 +106,7 @@ async def test_greedy_speculative_equals_plain_in_every_weights_mode(tiny_q4, we
         want = (await run_logprobs(engine, prompt=LONG_PROMPT))[0]
     async with engine_for(tiny_q4[0], draft=tiny_q4[1], weights=weights) as engine:
         for block in (4, 16):
-            engine.block_size = block
+            engine.speculation.block_size = block
             assert (await run_logprobs(engine, prompt=LONG_PROMPT))[0] == want, f"block {block}"
 
 
@@ -183,7 +183,7 @@ async def test_oracle_draft_accepts_every_proposal(tiny, plain) -> None:
     block = 4
     OracleProposer.script = PROMPT + plain
     async with engine_for(tiny[0], draft=tiny[1], proposer_cls=OracleProposer) as engine:
-        engine.block_size = block
+        engine.speculation.block_size = block
         # N - 1 tokens after the first (from the prefill) = whole blocks of B: no clipping.
         n = 1 + block * 6
         tokens, spec = await run(engine, max_tokens=n)

@@ -28,10 +28,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from luced.engine.placement import PlacementError, parse_device, parse_devices, parse_weights
+from luced.engine.placement import parse_device, parse_devices, parse_weights
 from luced.ipc.frames import WEIGHT_MODES
 from luced.serve.admission import Network, parse_networks
 from luced.serve.bundled import BUNDLED
+from luced.serve.option_values import Pairs, items, to_experts, to_pairs, to_pool, unflagged
 from luced.values import (
     to_bool,
     to_bytes,
@@ -56,12 +57,10 @@ PER_MODEL_GROUPS = frozenset({"model", "scheduler", "kv", "speculation", "moe"})
 _DAEMON_WIDE = frozenset({"model", "model_name", "kernels"})
 _MODEL_OWN = frozenset({"model_keep_alive"})
 
-Pairs = tuple[tuple[str, Path], ...]  # (group, interpreter) in the order given
 Env = Mapping[str, str]
 # A derived default sees the environment and the options resolved before it.
 DefaultFn = Callable[[Env, Mapping[str, Any]], Any]
 
-_GROUP_RE = re.compile(r"[A-Za-z0-9_.:-]+")
 # A served model's name: what requests put in `model` (`qwen3`, `org/model`, `llama3:8b`).
 _MODEL_NAME_RE = re.compile(r"[A-Za-z0-9_.:@/+-]{1,128}")
 
@@ -95,61 +94,6 @@ def usable_cores() -> int:
         return os.cpu_count() or 1
 
 
-# --- conversion: each returns the typed value or raises ValueError(reason) ----------
-def _to_pool(v: Any) -> int | str:
-    """KV Flash pool: a token count, or "auto"."""
-    if isinstance(v, str) and v.strip().lower() == "auto":
-        return "auto"
-    n = to_int(v)
-    if n < 1:
-        raise ValueError(f"a pool needs tokens (or auto), got {n}")
-    return n
-
-
-def _to_experts(v: Any) -> int | None:
-    """MoE hot experts per layer: a count, or "all" (None)."""
-    if isinstance(v, str) and v.strip().lower() == "all":
-        return None
-    n = to_int(v)
-    if n < 0:
-        raise ValueError(f"a count of experts (or all), got {n}")
-    return n
-
-
-def _items(v: Any, what: str) -> list[Any]:
-    """A repeatable option's items: "a,b" (env), a list (flags, file) or a table's pairs."""
-    if isinstance(v, str):
-        return [s for s in (p.strip() for p in v.split(",")) if s]
-    if isinstance(v, Mapping):
-        return list(v.items())
-    if isinstance(v, list | tuple):
-        return list(v)
-    raise ValueError(f"not a list of {what}: {v!r}")
-
-
-def _to_pairs(v: Any) -> Pairs:
-    """GROUP=PATH items: "a=/x,b=/y" (env), a list of "GROUP=PATH", a TOML table, or pairs."""
-    out: dict[str, Path] = {}
-    for item in _items(v, "GROUP=PATH"):
-        if isinstance(item, str):
-            group, sep, path = item.partition("=")
-            if not sep:
-                raise ValueError(f"not GROUP=PATH: {item!r}")
-        elif isinstance(item, tuple | list) and len(item) == 2:
-            group, path = item
-        else:
-            raise ValueError(f"not GROUP=PATH: {item!r}")
-        if not isinstance(group, str) or not _GROUP_RE.fullmatch(group):
-            raise ValueError(f"bad group name {group!r} (letters, digits, _ . : -)")
-        if group in out:
-            raise ValueError(f"group {group!r} given twice")
-        try:
-            out[group] = to_path(path)
-        except ValueError as exc:
-            raise ValueError(f"group {group!r}: {exc}") from None
-    return tuple(out.items())
-
-
 @dataclass(frozen=True)
 class ModelEntry:
     """One served model of `models`: its name, its GGUF (None: NAME.gguf of models_dir),
@@ -170,7 +114,7 @@ def _to_models(v: Any) -> tuple[ModelEntry, ...]:
     """Served models: NAME=PATH or PATH (named by its stem) items: "a=/x.gguf,b=/y.gguf"
     (env), a list (flags), or a TOML table of NAME = PATH or NAME = {model = PATH, ...}."""
     out: dict[str, ModelEntry] = {}
-    for item in _items(v, "NAME=PATH"):
+    for item in items(v, "NAME=PATH"):
         entry = _model_entry(item)
         if entry.name in out:
             raise ValueError(f"model {entry.name!r} given twice")
@@ -209,18 +153,6 @@ def _model_name(name: Any) -> str:
     return name
 
 
-def _unflagged(parse: Callable[[Any], Any]) -> Callable[[Any], Any]:
-    """A placement parser whose errors drop their flag prefix (the label adds the source)."""
-
-    def convert(v: Any) -> Any:
-        try:
-            return parse(v)
-        except PlacementError as exc:
-            raise ValueError(str(exc).split(": ", 1)[-1]) from None
-
-    return convert
-
-
 @dataclass(frozen=True)
 class Kind:
     """How an option's values are read: the converter and the type it returns."""
@@ -230,17 +162,17 @@ class Kind:
 
 
 KINDS: dict[str, Kind] = {
-    "devices": Kind(_unflagged(parse_devices), tuple[str, ...]),
-    "device": Kind(_unflagged(lambda v: parse_device(str(v).strip())[0]), str),
-    "weights": Kind(_unflagged(parse_weights), tuple[float, ...]),
+    "devices": Kind(unflagged(parse_devices), tuple[str, ...]),
+    "device": Kind(unflagged(lambda v: parse_device(str(v).strip())[0]), str),
+    "weights": Kind(unflagged(parse_weights), tuple[float, ...]),
     "int": Kind(to_int, int),
-    "pool": Kind(_to_pool, int | str),
-    "experts": Kind(_to_experts, int | None),
+    "pool": Kind(to_pool, int | str),
+    "experts": Kind(to_experts, int | None),
     "bytes": Kind(to_bytes, int),
     "float": Kind(to_float, float),
     "str": Kind(to_str, str),
     "path": Kind(to_path, Path),
-    "pairs": Kind(_to_pairs, Pairs),
+    "pairs": Kind(to_pairs, Pairs),
     "models": Kind(_to_models, tuple[ModelEntry, ...]),
     "bool": Kind(to_bool, bool),
     "strs": Kind(to_strs, tuple[str, ...]),

@@ -15,7 +15,7 @@ import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from luced.api.fields import bad, json_kind, read_text
+from luced.api.fields import OPENAI, bad, json_kind, read_text
 from luced.api.formats import ChatFormat
 from luced.engine.output import Delta
 from luced.text.grammar import GrammarError, json_value
@@ -48,14 +48,11 @@ def read_tools(
 
 
 def _tool(param: str, value: Any) -> Tool:
-    if not isinstance(value, Mapping):
-        raise bad(param, f"{param} must be an object, got {json_kind(value)}")
-    if value.get("type") != "function":
+    if OPENAI.object(param, value).get("type") != "function":
         raise bad(f"{param}.type", f'{param}.type must be "function", got {value.get("type")!r}')
-    fn = value.get("function")
-    if not isinstance(fn, Mapping):
-        raise bad(f"{param}.function", f"{param}.function must be an object, got {json_kind(fn)}")
-    return function_tool(f"{param}.function", fn)
+    return function_tool(
+        f"{param}.function", OPENAI.object(f"{param}.function", value.get("function"))
+    )
 
 
 def function_tool(param: str, spec: Mapping[str, Any], schema_key: str = "parameters") -> Tool:

@@ -21,7 +21,7 @@ from typing import Any
 
 from luced.api.content import text_parts
 from luced.api.fields import ANTHROPIC, bad, read_text
-from luced.api.tools import function_tool, read_tools
+from luced.api.tools import function_choice, function_tool, read_tools
 from luced.text.tool_calls import Tool, ToolChoice
 
 
@@ -54,9 +54,7 @@ def _choice(value: Any, tools: tuple[Tool, ...]) -> ToolChoice:
         return ToolChoice("required")
     if kind == "tool":
         name = value.get("name")
-        if not any(t.name == name for t in tools):
-            raise bad("tool_choice", f"tool_choice.name: {name!r} is not among the tools")
-        return ToolChoice("function", name)
+        return function_choice(name, tools, f"tool_choice.name: {name!r} is not among the tools")
     raise bad(
         "tool_choice",
         'tool_choice: expected {"type": "auto"}, {"type": "any"}, {"type": "none"} or '

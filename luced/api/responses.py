@@ -36,8 +36,8 @@ from luced.api.content import objects, read_role, text_parts
 from luced.api.fields import INT_RANGES, APIError, bad, json_kind, read_bool, read_int, read_text
 from luced.api.openai import ChatRequest, Options, check_model, sampling_params
 from luced.api.response_format import response_format_grammar
-from luced.api.tools import function_tool, read_tools
-from luced.text.tool_calls import Tool, ToolChoice, ToolFormat
+from luced.api.tools import function_tool, read_choice, read_tools
+from luced.text.tool_calls import Tool, ToolFormat
 
 ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
 TEXT_PARTS = ("input_text", "output_text")
@@ -61,7 +61,7 @@ def parse_responses(body: Mapping[str, Any], *, model_name: str) -> ChatRequest:
         max_tokens=read_int(body, "max_output_tokens", *INT_RANGES["max_tokens"]),
         grammar=_text_format(body.get("text")),
     )
-    choice = _choice(body.get("tool_choice"), tools)
+    choice = read_choice(body.get("tool_choice"), tools, flat=True)
     if choice.mode != "none" and options.grammar is not None:
         raise bad("text.format", "text.format cannot be combined with tools")
     messages = []
@@ -108,26 +108,6 @@ def _tool(p: str, t: Any) -> Tool:
         kind = t.get("type")
         raise bad(f"{p}.type", f'{p}.type: only "function" tools are supported, got {kind!r}')
     return function_tool(p, t)
-
-
-def _choice(value: Any, tools: tuple[Tool, ...]) -> ToolChoice:
-    if value is None or value == "auto":
-        return ToolChoice("auto" if tools else "none")
-    if value == "none":
-        return ToolChoice("none")
-    if value == "required":
-        if not tools:
-            raise bad("tool_choice", 'tool_choice "required" needs tools')
-        return ToolChoice("required")
-    if isinstance(value, Mapping) and value.get("type") == "function":
-        name = value.get("name")
-        if not any(t.name == name for t in tools):
-            raise bad("tool_choice", f"tool_choice names {name!r}, which is not among the tools")
-        return ToolChoice("function", name)
-    raise bad(
-        "tool_choice",
-        'tool_choice must be "auto", "none", "required" or {"type": "function", "name": ...}',
-    )
 
 
 def _input(value: Any) -> list[dict[str, Any]]:

@@ -30,7 +30,6 @@ from bench_dflash import generate
 
 from luced.engine.constraint import Constraint
 from luced.engine.core import Engine
-from luced.engine.placement import WorkerSpec
 from luced.engine.target import Target, TargetPlacement
 from luced.gguf_file import GGUFFile
 from luced.ipc.shm import ShmOwner
@@ -95,13 +94,8 @@ async def bench(args: argparse.Namespace) -> None:
     t0 = time.perf_counter()
     vocab = GrammarTokenizer(tokenizer)
     vocab_s = time.perf_counter() - t0
-    placement = TargetPlacement(
-        model=str(model),
-        n_layers=int(gguf.require(f"{gguf.arch}.block_count")),
-        dtype=args.dtype,
-        kv_capacity=2048,
-        max_batch_tokens=256,
-        worker=WorkerSpec("cpu", ("cpu",), threads=args.threads),
+    placement = TargetPlacement.one_cpu_worker(
+        gguf, threads=args.threads, kv_capacity=2048, max_batch_tokens=256, dtype=args.dtype
     )
     rows: dict[str, list[float]] = {"plain": [], "constrained": [], "mask": []}
     with ShmOwner() as owner:

@@ -42,7 +42,6 @@ from luced.cache.arena import SnapshotArena
 from luced.cache.disk import DiskIdentity, SnapshotDisk
 from luced.cache.prefix_cache import PrefixCache
 from luced.engine.core import Engine, GenerationRequest
-from luced.engine.placement import WorkerSpec
 from luced.engine.target import Target, TargetPlacement
 from luced.gguf_file import GGUFFile
 from luced.ipc.shm import ShmOwner
@@ -106,13 +105,12 @@ async def bench(args: argparse.Namespace) -> None:
     prefix = tokenizer.encode(doc)[: args.prefix]
     other = tokenizer.encode(doc.replace("printing press", "steam engine"))[: args.prefix]
     questions = [tokenizer.encode(f" Question {i}: what happened next?") for i in range(99)]
-    placement = TargetPlacement(
-        model=str(model),
-        n_layers=int(gguf.require(f"{gguf.arch}.block_count")),
-        dtype=args.dtype,
+    placement = TargetPlacement.one_cpu_worker(
+        gguf,
+        threads=args.threads,
         kv_capacity=args.prefix + 256,
         max_batch_tokens=512,
-        worker=WorkerSpec("cpu", ("cpu",), threads=args.threads),
+        dtype=args.dtype,
         kv_block=BLOCK,
     )
     modes = ("cold", "kept", "memory", "disk", "memory+1", "shared+1")

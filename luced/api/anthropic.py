@@ -41,7 +41,9 @@ from typing import Any
 
 from luced.api.anthropic_thinking import is_thinking_block, parse_thinking, reasoning_of
 from luced.api.anthropic_tools import assistant_turn, is_tool_block, parse_tools, tool_results
+from luced.api.content import objects, text_parts
 from luced.api.fields import (
+    ANTHROPIC,
     INT_RANGES,
     APIError,
     bad,
@@ -183,14 +185,8 @@ def _conversation(body: Mapping[str, Any]) -> list[dict[str, Any]]:
         if text:
             chat.append({"role": "system", "content": text})
     messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        got = "an empty array" if messages == [] else json_kind(messages)
-        raise bad("messages", f"messages: expected a non-empty array of messages, got {got}")
     turns: list[dict[str, Any]] = []
-    for i, m in enumerate(messages):
-        p = f"messages.{i}"
-        if not isinstance(m, dict):
-            raise bad(p, f"{p}: expected an object, got {json_kind(m)}")
+    for p, m in objects("messages", messages, "a non-empty array of messages", ANTHROPIC):
         role = m.get("role")
         if role not in ("user", "assistant"):
             raise bad(f"{p}.role", f"{p}.role: expected 'user' or 'assistant', got {role!r}")
@@ -220,24 +216,16 @@ def _conversation(body: Mapping[str, Any]) -> list[dict[str, Any]]:
 
 def _text_of(param: str, value: Any, *, skip_blocks: bool = False) -> str:
     """The text blocks' text; `skip_blocks`: tool and thinking blocks are read elsewhere."""
-    if isinstance(value, str):
-        return read_text(param, value)
-    if not isinstance(value, list):
-        raise bad(
-            param, f"{param}: expected a string or an array of blocks, got {json_kind(value)}"
-        )
-    texts = []
-    for j, block in enumerate(value):
-        pb = f"{param}.{j}"
-        if not isinstance(block, dict):
-            raise bad(pb, f"{pb}: expected an object, got {json_kind(block)}")
-        kind = block.get("type")
+
+    def text(pb: str, block: Any) -> str | None:
+        kind = ANTHROPIC.object(pb, block).get("type")
         if skip_blocks and (is_tool_block(block) or is_thinking_block(block)):
-            continue
+            return None
         if kind != "text":
             raise bad(f"{pb}.type", f"{pb}.type: {kind!r} blocks are not supported (only 'text')")
-        texts.append(read_text(f"{pb}.text", block.get("text")))
-    return "\n".join(texts)
+        return read_text(f"{pb}.text", block.get("text"))
+
+    return text_parts(param, value, text, "an array of blocks", ANTHROPIC)
 
 
 def message_prompt(

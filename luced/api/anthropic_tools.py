@@ -16,11 +16,12 @@ and `ToolChoice` (luced.text.tool_calls does the formats), and a message's `tool
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
-from luced.api.fields import bad, json_kind, read_text
-from luced.api.tools import function_tool, read_tools
+from luced.api.content import text_parts
+from luced.api.fields import ANTHROPIC, bad, read_text
+from luced.api.tools import function_choice, function_tool, read_tools
 from luced.text.tool_calls import Tool, ToolChoice
 
 
@@ -30,9 +31,7 @@ def parse_tools(body: Mapping[str, Any]) -> tuple[tuple[Tool, ...], ToolChoice]:
 
 
 def _tool(param: str, value: Any) -> Tool:
-    if not isinstance(value, Mapping):
-        raise bad(param, f"{param}: expected an object, got {json_kind(value)}")
-    if value.get("type") not in (None, "custom"):
+    if ANTHROPIC.object(param, value).get("type") not in (None, "custom"):
         raise bad(
             f"{param}.type", f"{param}.type: server tools ({value['type']!r}) are not supported"
         )
@@ -55,9 +54,7 @@ def _choice(value: Any, tools: tuple[Tool, ...]) -> ToolChoice:
         return ToolChoice("required")
     if kind == "tool":
         name = value.get("name")
-        if not any(t.name == name for t in tools):
-            raise bad("tool_choice", f"tool_choice.name: {name!r} is not among the tools")
-        return ToolChoice("function", name)
+        return function_choice(name, tools, f"tool_choice.name: {name!r} is not among the tools")
     raise bad(
         "tool_choice",
         'tool_choice: expected {"type": "auto"}, {"type": "any"}, {"type": "none"} or '
@@ -72,14 +69,9 @@ def is_tool_block(block: Any) -> bool:
 def assistant_turn(param: str, text: str, blocks: list[tuple[int, Mapping[str, Any]]]) -> dict:
     """An assistant turn with its text and the calls of its `tool_use` blocks."""
     calls = []
-    for j, block in blocks:
-        pb = f"{param}.{j}"
-        if block["type"] != "tool_use":
-            raise bad(f"{pb}.type", f"{pb}.type: tool_result blocks belong in a user message")
+    for j, pb, block in _only(param, blocks, "tool_use", "a user message"):
         name = read_text(f"{pb}.name", block.get("name"))
-        arguments = block.get("input", {})
-        if not isinstance(arguments, Mapping):
-            raise bad(f"{pb}.input", f"{pb}.input: expected an object, got {json_kind(arguments)}")
+        arguments = ANTHROPIC.object(f"{pb}.input", block.get("input", {}))
         call_id = read_text(f"{pb}.id", block.get("id", f"toolu_{j}"))
         function = {"name": name, "arguments": json.dumps(arguments)}
         calls.append({"id": call_id, "type": "function", "function": function})
@@ -89,10 +81,7 @@ def assistant_turn(param: str, text: str, blocks: list[tuple[int, Mapping[str, A
 def tool_results(param: str, blocks: list[tuple[int, Mapping[str, Any]]]) -> list[dict]:
     """The `tool` turns of a user message's `tool_result` blocks."""
     turns = []
-    for j, block in blocks:
-        pb = f"{param}.{j}"
-        if block["type"] != "tool_result":
-            raise bad(f"{pb}.type", f"{pb}.type: tool_use blocks belong in an assistant message")
+    for _, pb, block in _only(param, blocks, "tool_result", "an assistant message"):
         call_id = read_text(f"{pb}.tool_use_id", block.get("tool_use_id"))
         content = _result_text(f"{pb}.content", block.get("content", ""))
         if block.get("is_error"):
@@ -101,14 +90,25 @@ def tool_results(param: str, blocks: list[tuple[int, Mapping[str, Any]]]) -> lis
     return turns
 
 
+def _only(
+    param: str, blocks: list[tuple[int, Mapping[str, Any]]], kind: str, other_place: str
+) -> Iterator[tuple[int, str, Mapping[str, Any]]]:
+    """(j, path, block) of each `kind` block; a 400 for one of the other kind, which
+    belongs in `other_place`."""
+    for j, block in blocks:
+        pb = f"{param}.{j}"
+        if block["type"] != kind:
+            raise bad(f"{pb}.type", f"{pb}.type: {block['type']} blocks belong in {other_place}")
+        yield j, pb, block
+
+
 def _result_text(param: str, value: Any) -> str:
     if isinstance(value, str):
-        return value
-    if not isinstance(value, list):
-        raise bad(param, f"{param}: expected a string or text blocks, got {json_kind(value)}")
-    texts = []
-    for k, block in enumerate(value):
-        if not isinstance(block, Mapping) or block.get("type") != "text":
-            raise bad(f"{param}.{k}", f"{param}.{k}: only text blocks are supported in a result")
-        texts.append(read_text(f"{param}.{k}.text", block.get("text")))
-    return "\n".join(texts)
+        return value  # as the client sent it
+    return text_parts(param, value, _result_block, "text blocks", ANTHROPIC)
+
+
+def _result_block(param: str, block: Any) -> str:
+    if not isinstance(block, Mapping) or block.get("type") != "text":
+        raise bad(param, f"{param}: only text blocks are supported in a result")
+    return read_text(f"{param}.text", block.get("text"))

@@ -4,6 +4,8 @@
 it its own way (OpenAI's {"error": {...}} by `APIError.body`, Anthropic's
 {"type": "error", ...} by `luced.api.anthropic.error_body`). The readers take a JSON
 object and a field name and return the value checked, or raise a 400 naming the field.
+A `Spelling` names nested fields and words a wrong type as its API does (`OPENAI`, also
+Ollama's and the Responses API's, or `ANTHROPIC`).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import json
 import json.scanner
 import math
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 _ERROR_TYPES = {
@@ -197,3 +200,34 @@ def read_text(param: str, value: Any) -> str:
     except UnicodeEncodeError:  # JSON allows "\ud800"; no tokenizer does
         raise bad(param, f"{param} contains a lone UTF-16 surrogate") from None
     return value
+
+
+# --- nested fields ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Spelling:
+    """How an API names the field of an array item and words a wrong type:
+
+    OPENAI     messages[2].content   "messages[2] must be an object, got string"
+    ANTHROPIC  messages.2.content    "messages.2: expected an object, got string"
+    """
+
+    dotted: bool
+
+    def item(self, param: str, i: int) -> str:
+        return f"{param}.{i}" if self.dotted else f"{param}[{i}]"
+
+    def expected(self, param: str, what: str, got: str) -> APIError:
+        """A 400 on `param`: it must be `what` but is `got` (a JSON kind, or words)."""
+        verb = ": expected" if self.dotted else " must be"
+        return bad(param, f"{param}{verb} {what}, got {got}")
+
+    def object(self, param: str, value: Any) -> Mapping[str, Any]:
+        if not isinstance(value, Mapping):
+            raise self.expected(param, "an object", json_kind(value))
+        return value
+
+
+OPENAI = Spelling(dotted=False)
+ANTHROPIC = Spelling(dotted=True)

@@ -47,13 +47,14 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
+from luced.api.content import objects, read_role
 from luced.api.fields import (
     INT32_MAX,
     INT_RANGES,
     MAX_CHARS_PER_TOKEN,
     NUMBER_RANGES,
+    OPENAI,
     APIError,
-    as_int,
     bad,
     json_kind,
     read_bool,
@@ -61,7 +62,7 @@ from luced.api.fields import (
     read_number,
     read_text,
 )
-from luced.api.openai import NO_TOOLS, Options, read_stop
+from luced.api.openai import NO_TOOLS, Options, read_stop, token_ids
 from luced.api.tools import parse_tools
 from luced.sampling_params import SamplingParams
 from luced.text.chat_template import ChatTemplateError
@@ -174,7 +175,7 @@ def parse_generate(body: Mapping[str, Any], *, model_name: str, vocab_size: int)
             raise bad(name, f"{name} is not supported: {why}")
     prompt = read_text("prompt", body.get("prompt") or "")
     system = read_text("system", body.get("system") or "")
-    context = _context(body.get("context"), vocab_size)
+    context = token_ids("context", body.get("context"), vocab_size, allow_empty=True)
     raw = read_bool(body, "raw")
     if raw and (system or context):
         raise bad("raw", "raw mode does not support system or context")
@@ -306,33 +307,12 @@ def _refuse_images(param: str, value: Any) -> None:
         raise bad(param, f"{param}: luced serves text models; images are not supported")
 
 
-def _context(value: Any, vocab_size: int) -> tuple[int, ...]:
-    if value is None:
-        return ()
-    if not isinstance(value, list):
-        raise bad("context", f"context must be an array of token ids, got {json_kind(value)}")
-    ids = []
-    for i, item in enumerate(value):
-        t = as_int(f"context[{i}]", item)
-        if not 0 <= t < vocab_size:
-            raise bad(f"context[{i}]", f"context[{i}]: token id {t} is not in [0, {vocab_size})")
-        ids.append(t)
-    return tuple(ids)
-
-
 def _messages(value: Any) -> list[dict[str, Any]]:
     if value is None:
         return []
-    if not isinstance(value, list):
-        raise bad("messages", f"messages must be an array of messages, got {json_kind(value)}")
     out = []
-    for i, m in enumerate(value):
-        p = f"messages[{i}]"
-        if not isinstance(m, Mapping):
-            raise bad(p, f"{p} must be an object, got {json_kind(m)}")
-        role = m.get("role")
-        if role not in ROLES:
-            raise bad(f"{p}.role", f"{p}.role must be one of {', '.join(ROLES)}; got {role!r}")
+    for p, m in objects("messages", value, "an array of messages", non_empty=False):
+        role = read_role(p, m, ROLES)
         _refuse_images(f"{p}.images", m.get("images"))
         content = m.get("content")
         msg: dict[str, Any] = {"role": role, "content": read_text(f"{p}.content", content or "")}
@@ -371,11 +351,7 @@ def _history_calls(param: str, value: Any) -> list[dict[str, Any]]:
 
 def _options_of(body: Mapping[str, Any]) -> Mapping[str, Any]:
     opts = body.get("options")
-    if opts is None:
-        return {}
-    if not isinstance(opts, Mapping):
-        raise bad("options", f"options must be an object, got {json_kind(opts)}")
-    return opts
+    return {} if opts is None else OPENAI.object("options", opts)
 
 
 def _options(body: Mapping[str, Any], model_name: str) -> Options:

@@ -52,9 +52,11 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
+from luced.api.content import objects, read_role, text_parts
 from luced.api.fields import (
     INT_RANGES,
     NUMBER_RANGES,
+    OPENAI,
     APIError,
     as_int,
     bad,
@@ -328,18 +330,9 @@ def _reject_unsupported(body: Mapping[str, Any], chat: bool) -> None:
 
 
 def _messages(value: Any) -> tuple[dict[str, Any], ...]:
-    if not isinstance(value, list) or not value:
-        got = "an empty array" if value == [] else json_kind(value)
-        raise bad("messages", f"messages must be a non-empty array of messages, got {got}")
     out = []
-    for i, m in enumerate(value):
-        p = f"messages[{i}]"
-        if not isinstance(m, dict):
-            raise bad(p, f"{p} must be an object, got {json_kind(m)}")
-        role = m.get("role")
-        if role not in ROLES:
-            roles = ", ".join(ROLES)
-            raise bad(f"{p}.role", f"{p}.role must be one of {roles}; got {role!r}")
+    for p, m in objects("messages", value, "a non-empty array of messages"):
+        role = read_role(p, m, ROLES)
         msg: dict[str, Any] = {"role": ROLES[role]}
         content = m.get("content")
         if content is None and role == "assistant":
@@ -359,22 +352,14 @@ def _messages(value: Any) -> tuple[dict[str, Any], ...]:
 
 
 def _content(param: str, value: Any) -> str:
-    if isinstance(value, str):
-        return read_text(param, value)
-    if not isinstance(value, list):
-        raise bad(
-            param, f"{param} must be a string or an array of content parts, got {json_kind(value)}"
-        )
-    texts = []
-    for j, part in enumerate(value):
-        pp = f"{param}[{j}]"
-        if not isinstance(part, dict):
-            raise bad(pp, f"{pp} must be an object, got {json_kind(part)}")
-        kind = part.get("type")
-        if kind != "text":
-            raise bad(f"{pp}.type", f"{pp}.type {kind!r} is not supported (only 'text')")
-        texts.append(read_text(f"{pp}.text", part.get("text")))
-    return "\n".join(texts)
+    return text_parts(param, value, _text_part, "an array of content parts")
+
+
+def _text_part(param: str, part: Any) -> str:
+    kind = OPENAI.object(param, part).get("type")
+    if kind != "text":
+        raise bad(f"{param}.type", f"{param}.type {kind!r} is not supported (only 'text')")
+    return read_text(f"{param}.text", part.get("text"))
 
 
 def _prompts(value: Any, vocab_size: int) -> tuple[Prompt, ...]:

@@ -32,13 +32,15 @@ import uuid
 from collections.abc import Mapping
 from typing import Any
 
+from luced.api.content import objects, read_role, text_parts
 from luced.api.fields import INT_RANGES, APIError, bad, json_kind, read_bool, read_int, read_text
 from luced.api.openai import ChatRequest, Options, check_model, sampling_params
 from luced.api.response_format import response_format_grammar
-from luced.api.tools import function_tool, read_tools
-from luced.text.tool_calls import Tool, ToolChoice, ToolFormat
+from luced.api.tools import function_tool, read_choice, read_tools
+from luced.text.tool_calls import Tool, ToolFormat
 
 ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
+TEXT_PARTS = ("input_text", "output_text")
 
 
 def parse_responses(body: Mapping[str, Any], *, model_name: str) -> ChatRequest:
@@ -59,7 +61,7 @@ def parse_responses(body: Mapping[str, Any], *, model_name: str) -> ChatRequest:
         max_tokens=read_int(body, "max_output_tokens", *INT_RANGES["max_tokens"]),
         grammar=_text_format(body.get("text")),
     )
-    choice = _choice(body.get("tool_choice"), tools)
+    choice = read_choice(body.get("tool_choice"), tools, flat=True)
     if choice.mode != "none" and options.grammar is not None:
         raise bad("text.format", "text.format cannot be combined with tools")
     messages = []
@@ -108,42 +110,14 @@ def _tool(p: str, t: Any) -> Tool:
     return function_tool(p, t)
 
 
-def _choice(value: Any, tools: tuple[Tool, ...]) -> ToolChoice:
-    if value is None or value == "auto":
-        return ToolChoice("auto" if tools else "none")
-    if value == "none":
-        return ToolChoice("none")
-    if value == "required":
-        if not tools:
-            raise bad("tool_choice", 'tool_choice "required" needs tools')
-        return ToolChoice("required")
-    if isinstance(value, Mapping) and value.get("type") == "function":
-        name = value.get("name")
-        if not any(t.name == name for t in tools):
-            raise bad("tool_choice", f"tool_choice names {name!r}, which is not among the tools")
-        return ToolChoice("function", name)
-    raise bad(
-        "tool_choice",
-        'tool_choice must be "auto", "none", "required" or {"type": "function", "name": ...}',
-    )
-
-
 def _input(value: Any) -> list[dict[str, Any]]:
     if isinstance(value, str):
         return [{"role": "user", "content": read_text("input", value)}]
-    if not isinstance(value, list) or not value:
-        got = "an empty array" if value == [] else json_kind(value)
-        raise bad("input", f"input must be a string or a non-empty array of items, got {got}")
     turns: list[dict[str, Any]] = []
-    for i, item in enumerate(value):
-        p = f"input[{i}]"
-        if not isinstance(item, Mapping):
-            raise bad(p, f"{p} must be an object, got {json_kind(item)}")
+    for p, item in objects("input", value, "a string or a non-empty array of items"):
         kind = item.get("type", "message")
         if kind == "message":
-            role = item.get("role")
-            if role not in ROLES:
-                raise bad(f"{p}.role", f"{p}.role must be one of {', '.join(ROLES)}; got {role!r}")
+            role = read_role(p, item, ROLES)
             turns.append(
                 {"role": ROLES[role], "content": _content(f"{p}.content", item.get("content"))}
             )
@@ -171,18 +145,15 @@ def _input(value: Any) -> list[dict[str, Any]]:
 
 
 def _content(param: str, value: Any) -> str:
-    if isinstance(value, str):
-        return read_text(param, value)
-    if not isinstance(value, list):
-        raise bad(param, f"{param} must be a string or an array of parts, got {json_kind(value)}")
-    texts = []
-    for j, part in enumerate(value):
-        pp = f"{param}[{j}]"
-        if not isinstance(part, Mapping) or part.get("type") not in ("input_text", "output_text"):
-            kind = part.get("type") if isinstance(part, Mapping) else json_kind(part)
-            raise bad(pp, f"{pp}: {kind!r} parts are not supported (only input_text, output_text)")
-        texts.append(read_text(f"{pp}.text", part.get("text")))
-    return "\n".join(texts)
+    return text_parts(param, value, _text_part, "an array of parts")
+
+
+def _text_part(param: str, part: Any) -> str:
+    if not isinstance(part, Mapping) or part.get("type") not in TEXT_PARTS:
+        kind = part.get("type") if isinstance(part, Mapping) else json_kind(part)
+        only = ", ".join(TEXT_PARTS)
+        raise bad(param, f"{param}: {kind!r} parts are not supported (only {only})")
+    return read_text(f"{param}.text", part.get("text"))
 
 
 # --- responses ---------------------------------------------------------------------------

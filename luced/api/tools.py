@@ -15,7 +15,7 @@ import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from luced.api.fields import bad, json_kind, read_text
+from luced.api.fields import OPENAI, bad, json_kind, read_text
 from luced.api.formats import ChatFormat
 from luced.engine.output import Delta
 from luced.text.grammar import GrammarError, json_value
@@ -27,7 +27,7 @@ _NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")  # OpenAI's rule for function name
 
 def parse_tools(body: Mapping[str, Any]) -> tuple[tuple[Tool, ...], ToolChoice]:
     tools = read_tools(body.get("tools"), _tool, lambda i: f"tools[{i}]")
-    return tools, _choice(body.get("tool_choice"), tools)
+    return tools, read_choice(body.get("tool_choice"), tools)
 
 
 def read_tools(
@@ -48,14 +48,11 @@ def read_tools(
 
 
 def _tool(param: str, value: Any) -> Tool:
-    if not isinstance(value, Mapping):
-        raise bad(param, f"{param} must be an object, got {json_kind(value)}")
-    if value.get("type") != "function":
+    if OPENAI.object(param, value).get("type") != "function":
         raise bad(f"{param}.type", f'{param}.type must be "function", got {value.get("type")!r}')
-    fn = value.get("function")
-    if not isinstance(fn, Mapping):
-        raise bad(f"{param}.function", f"{param}.function must be an object, got {json_kind(fn)}")
-    return function_tool(f"{param}.function", fn)
+    return function_tool(
+        f"{param}.function", OPENAI.object(f"{param}.function", value.get("function"))
+    )
 
 
 def function_tool(param: str, spec: Mapping[str, Any], schema_key: str = "parameters") -> Tool:
@@ -89,7 +86,9 @@ def checked_parameters(param: str, schema: Any) -> dict[str, Any]:
     return dict(schema)
 
 
-def _choice(value: Any, tools: Sequence[Tool]) -> ToolChoice:
+def read_choice(value: Any, tools: Sequence[Tool], *, flat: bool = False) -> ToolChoice:
+    """OpenAI's `tool_choice`; `flat`: the Responses API's spelling of a named function,
+    {"type": "function", "name": ...}, not Chat Completions' {..., "function": {"name"}}."""
     if value is None:
         return ToolChoice("auto" if tools else "none")
     if value in ("auto", "none", "required"):
@@ -97,16 +96,24 @@ def _choice(value: Any, tools: Sequence[Tool]) -> ToolChoice:
             raise bad("tool_choice", 'tool_choice "required" needs tools')
         return ToolChoice(value if tools else "none")
     if isinstance(value, Mapping) and value.get("type") == "function":
-        fn = value.get("function")
+        fn = value if flat else value.get("function")
         name = fn.get("name") if isinstance(fn, Mapping) else None
-        if not any(t.name == name for t in tools):
-            raise bad("tool_choice", f"tool_choice names {name!r}, which is not among the tools")
-        return ToolChoice("function", name)
+        return function_choice(
+            name, tools, f"tool_choice names {name!r}, which is not among the tools"
+        )
+    named = '"name": ...' if flat else '"function": {"name": ...}'
     raise bad(
         "tool_choice",
-        'tool_choice must be "auto", "none", "required" or '
-        '{"type": "function", "function": {"name": ...}}',
+        f'tool_choice must be "auto", "none", "required" or {{"type": "function", {named}}}',
     )
+
+
+def function_choice(name: Any, tools: Sequence[Tool], unknown: str) -> ToolChoice:
+    """The choice to call tool `name`; a 400 on tool_choice saying `unknown` when no tool
+    has that name."""
+    if not any(t.name == name for t in tools):
+        raise bad("tool_choice", unknown)
+    return ToolChoice("function", name)
 
 
 def openai_tool_calls(calls: Sequence[ToolCall]) -> list[dict[str, Any]]:

@@ -84,14 +84,8 @@ class KVTransfer:
         cuts = cuts or (n,)
         self._check(per_worker, ring, regions, n, len(cuts), entry)
         frames = [
-            KVExport(
-                position=n,
-                regions={s.name: regions[s.name] for s in specs or ()},
-                cuts=cuts,
-                sequence=sequence,
-                store=entry if specs is None else "",
-            )
-            for specs in per_worker
+            KVExport(position=n, regions=mine, cuts=cuts, sequence=sequence, store=store)
+            for mine, store in _parts(per_worker, regions, entry)
         ]
         await self._call_all(frames)
         if ring is not None:
@@ -112,14 +106,8 @@ class KVTransfer:
         per_worker = await self._worker_layouts()
         self._check(per_worker, ring, regions, n, 1, entry)
         return [
-            KVImport(
-                position=n,
-                regions={s.name: regions[s.name] for s in specs or ()},
-                tokens=tokens,
-                sequence=sequence,
-                store=entry if specs is None else "",
-            )
-            for specs in per_worker
+            KVImport(position=n, regions=mine, tokens=tokens, sequence=sequence, store=store)
+            for mine, store in _parts(per_worker, regions, entry)
         ]
 
     async def import_(
@@ -229,6 +217,17 @@ class KVTransfer:
                 rows[p : p + k] = slots[slot : slot + k]
             p += k
         del rows  # no view may outlive the mapping, which close() unmaps
+
+
+def _parts(
+    per_worker: list[list[TensorSpec] | None], regions: Mapping[str, Region], entry: str
+) -> list[tuple[dict[str, Region], str]]:
+    """Each worker's part of a snapshot: (its regions, "") for a local worker, ({}, the
+    entry id) for a remote one, which keeps its part on its own host."""
+    return [
+        ({s.name: regions[s.name] for s in specs}, "") if specs is not None else ({}, entry)
+        for specs in per_worker
+    ]
 
 
 def _ring_spec(ring: FeatureRing | None) -> list[TensorSpec]:

@@ -108,6 +108,18 @@ class Carrier(Protocol):
     def failed(self, carry: Carry) -> None: ...
 
 
+def read_request(payload: bytes) -> tuple[int, Request, Carry | None] | bytes:
+    """A request frame's (seq, request, carry), or the failure reply owed to a frame that
+    names its seq but does not decode. FrameError when not even the seq can be read: such
+    a frame cannot be answered, and the caller should close the connection."""
+    try:
+        return decode_request(payload)
+    except FrameError as e:
+        if e.seq is None:
+            raise
+        return encode_reply(e.seq, ErrorReply(str(e)))
+
+
 def answer(
     req: Request,
     seq: int,
@@ -200,13 +212,11 @@ class BlockingChannel:
                 payload = self.recv()
             except ChannelClosedError:
                 return
-            try:
-                seq, req, carry = decode_request(payload)
-            except FrameError as e:
-                if e.seq is None:
-                    raise
-                self.reply(e.seq, ErrorReply(str(e)))
+            request = read_request(payload)
+            if isinstance(request, bytes):
+                self.send(request)
                 continue
+            seq, req, carry = request
             if isinstance(req, SLOW):
                 self.stage = req.OP
                 with self.keep_alive(seq):
@@ -353,13 +363,11 @@ class AsyncChannel:
                 payload = await self.recv()
             except ChannelClosedError:
                 return
-            try:
-                seq, req, carry = decode_request(payload)
-            except FrameError as e:
-                if e.seq is None:
-                    raise
-                await self.reply(e.seq, ErrorReply(str(e)))
+            request = read_request(payload)
+            if isinstance(request, bytes):
+                await self.send(request)
                 continue
+            seq, req, carry = request
             await self.send(answer(req, seq, handler, carry))
             if isinstance(req, Shutdown):
                 return

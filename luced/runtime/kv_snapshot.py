@@ -46,7 +46,7 @@ import torch
 
 from luced.cache.layout import TensorSpec, tensor_specs
 from luced.ipc import frames as F
-from luced.ipc.regions import Region, numpy_dtype
+from luced.ipc.regions import Region
 from luced.runtime.kv_cache import ContextOverflow, RecurrentRollback
 from luced.runtime.kv_store import Held, ShardSnapshots
 from luced.runtime.state import Loaded, SequenceCache, WorkerError, WorkerState
@@ -93,10 +93,7 @@ def export(worker: WorkerState, req: F.KVExport) -> F.KVExportReply:
     held, store = None, None
     if req.store:  # this host's own store: fresh host arrays, kept once filled
         store = _store(worker)
-        slots = len(cuts)
-        arrays = {
-            s.name: np.empty(s.shape_for(n, slots), numpy_dtype(s.dtype)) for s in store.layout
-        }
+        arrays = store.empty(n, len(cuts))
         tokens = np.asarray(state.tokens[:n], dtype=np.int32)
         held = Held(arrays, tokens, cuts)
         resolved = _bind(state.caches, _array_views(store.layout, arrays))

@@ -129,11 +129,8 @@ class ShardSnapshots:
         d = self.disk.get(entry_id) if self.disk is not None else None
         if d is None:
             return None
-        n, slots = len(d.tokens), len(d.cuts)
-        arrays = {
-            s.name: np.empty(s.shape_for(n, slots), numpy_dtype(s.dtype)) for s in self.layout
-        }
-        tokens = np.empty(n, np.int32)
+        arrays = self.empty(len(d.tokens), len(d.cuts))
+        tokens = np.empty(len(d.tokens), np.int32)
         assert self.disk is not None
         try:
             self.disk.read_into(d.path, {**arrays, TOKENS: tokens})
@@ -144,6 +141,11 @@ class ShardSnapshots:
         held = Held(arrays, tokens, d.cuts)
         self._keep(entry_id, held)  # not written again: it is on disk already
         return held
+
+    def empty(self, n: int, slots: int) -> dict[str, np.ndarray]:
+        """Fresh host arrays of an entry of n positions and `slots` cuts, one per tensor
+        of the layout (what `Held.arrays` holds)."""
+        return {s.name: np.empty(s.shape_for(n, slots), numpy_dtype(s.dtype)) for s in self.layout}
 
     def _keep(self, entry_id: str, held: Held) -> None:
         """In memory, most recently used, the least recently used going past the budget."""

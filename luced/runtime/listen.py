@@ -52,6 +52,7 @@ from luced.ipc import frames as F
 from luced.ipc.channel import BlockingChannel
 from luced.ipc.files import identify
 from luced.ipc.tcp import AuthError, KeyFileError, accept_peer, parse_address, read_key
+from luced.runtime.worker import add_device_args, check_device_args
 from luced.values import to_bytes
 
 log = logging.getLogger("luced.runtime.listen")
@@ -73,13 +74,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         type=Path,
         help="a model file this host holds (the target's GGUF, a draft); repeat for each",
     )
-    p.add_argument(
-        "--devices",
-        default=("cpu",),
-        type=lambda s: tuple(d.strip() for d in s.split(",") if d.strip()),
-        help="comma-separated devices this worker drives (default: cpu)",
-    )
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    add_device_args(p, ("cpu",), "comma-separated devices this worker drives (default: cpu)")
     p.add_argument(
         "--prefix-cache-bytes",
         type=_byte_count,
@@ -109,10 +104,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         args.address = parse_address(args.listen)
     except ValueError as exc:
         p.error(f"--listen: {exc}")
-    if not args.devices:
-        p.error("--devices is empty")
-    if args.threads is not None and args.threads < 1:
-        p.error("--threads must be >= 1")
+    check_device_args(p, args)
     return args
 
 

@@ -62,13 +62,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--fd", type=int, required=True, help="inherited, connected unix socket")
     p.add_argument("--group", required=True, help="backend group name, e.g. cpu or cuda")
-    p.add_argument(
-        "--devices",
-        required=True,
-        type=lambda s: tuple(d.strip() for d in s.split(",") if d.strip()),
-        help="comma-separated devices this worker drives, e.g. cuda:0,cuda:1",
-    )
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    add_device_args(p, None, "comma-separated devices this worker drives, e.g. cuda:0,cuda:1")
     p.add_argument(
         "--inbox",
         type=int,
@@ -77,11 +71,27 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "links (MoE expert compute)",
     )
     args = p.parse_args(argv)
+    check_device_args(p, args)
+    return args
+
+
+def add_device_args(p: argparse.ArgumentParser, default: tuple[str, ...] | None, help: str) -> None:
+    """--devices (required without a default) and --threads, as every worker takes them."""
+    p.add_argument(
+        "--devices",
+        required=default is None,
+        default=default,
+        type=lambda s: tuple(d.strip() for d in s.split(",") if d.strip()),
+        help=help,
+    )
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+
+
+def check_device_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if not args.devices:
         p.error("--devices is empty")
     if args.threads is not None and args.threads < 1:
         p.error("--threads must be >= 1")
-    return args
 
 
 def slow_start(stage: str) -> None:

@@ -31,6 +31,7 @@ from typing import Any
 from luced.api.catalog import Catalog, SingleModel
 from luced.api.server import Guard, make_app
 from luced.engine.core import Engine
+from luced.engine.executor import WorkerDied, WorkerReplyError
 from luced.engine.watchdog import LoopWatchdog
 from luced.ipc.shm import ShmOwner, cleanup_stale
 from luced.serve import sdnotify
@@ -52,6 +53,22 @@ __all__ = ["Daemon", "StartupError", "run"]
 log = logging.getLogger("luced")
 
 GIL_SWITCH_S = 0.001
+
+
+async def worker_rows(engine: Engine) -> list[dict]:
+    """`Engine.workers`' rows, each pipeline worker's with its process's counters under
+    "stats" (`Target.stats`: forwards, tokens, decode-graph steps, steps decoded ahead,
+    ...); none while one of them is starting, restarting or gone."""
+    rows = engine.workers()
+    if not rows:
+        return rows
+    try:
+        stats = (await engine.target.stats())["workers"]
+    except (WorkerDied, WorkerReplyError) as exc:  # not ready, or it went while we asked
+        log.info("worker counters unavailable: %s", exc)
+        return rows
+    by_pid = {s.get("pid"): s for s in stats}
+    return [{**r, "stats": by_pid[r["pid"]]} if r.get("pid") in by_pid else r for r in rows]
 
 
 class Daemon:
@@ -199,8 +216,9 @@ class Daemon:
         async def workers(args: dict) -> dict:
             if several and args.get("model") is None:
                 engines = [(m.name, m.engine) for m in registry.models.values() if m.engine]
-                return {"workers": [{"model": n, **w} for n, e in engines for w in e.workers()]}
-            return {"workers": self._engine(args).workers()}
+                rows = [(n, await worker_rows(e)) for n, e in engines]
+                return {"workers": [{"model": n, **w} for n, ws in rows for w in ws]}
+            return {"workers": await worker_rows(self._engine(args))}
 
         async def metrics(_: dict) -> dict:
             # What GET /metrics serves, without the HTTP side's API key.

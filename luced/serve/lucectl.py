@@ -190,27 +190,51 @@ def _layers(value: Any) -> str:
 
 
 WORKER_COLUMNS = ("group", "pid", "state", "devices", "layers", "restarts")
+# The counters of a worker process (a row's "stats", from the worker's `stats` frame) shown
+# as the last columns; --json has them all.
+WORKER_COUNTERS = {
+    "rss_bytes": "RSS",
+    "busy_s": "BUSY",
+    "forward_count": "FORWARDS",
+    "tokens_processed": "TOKENS",
+    "decode_graph_steps": "GRAPH_STEPS",
+    "ahead_served": "AHEAD_SERVED",
+    "ahead_dropped": "AHEAD_DROPPED",
+}
 
 
 def workers_table(workers: Sequence[Mapping[str, Any]]) -> str:
     if not workers:
         return "(no workers)"
+    rows = [_with_counters(w) for w in workers]
     keys = list(WORKER_COLUMNS)
-    for w in workers:  # extra fields the daemon reports become extra columns
+    for w in rows:  # extra fields the daemon reports become extra columns
         keys += [k for k in w if k not in keys]
-    keys = [k for k in keys if any(k in w for w in workers)]
+    keys = [k for k in keys if any(k in w for w in rows)]
 
     def cell(w: Mapping[str, Any], k: str) -> str:
+        value = w.get(k)
         if k == "layers":
-            return _layers(w.get(k))
+            return _layers(value)
+        if k == "busy_s" and isinstance(value, int | float) and value < 60:
+            return f"{value:.1f}s"  # compute time: a short run's is under a second
         if k.endswith("bytes"):
-            return human_bytes(w.get(k))
+            return human_bytes(value)
         if k.endswith("_s"):
-            return human_duration(w.get(k))
-        return fmt(w.get(k))
+            return human_duration(value)
+        return fmt(value)
 
-    header = [k.removesuffix("_s").upper() for k in keys]
-    return table(header, [[cell(w, k) for k in keys] for w in workers])
+    header = [WORKER_COUNTERS.get(k) or k.removesuffix("_s").upper() for k in keys]
+    return table(header, [[cell(w, k) for k in keys] for w in rows])
+
+
+def _with_counters(worker: Mapping[str, Any]) -> dict[str, Any]:
+    """A worker's row with its process's counters last, in place of its "stats"."""
+    row = {k: v for k, v in worker.items() if k != "stats"}
+    stats = worker.get("stats")
+    if isinstance(stats, Mapping):
+        row |= {k: stats[k] for k in WORKER_COUNTERS if k in stats}
+    return row
 
 
 def _placement(value: Any) -> str:

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from luced.engine.core import Engine
-from luced.engine.placement import WorkerSpec
 from luced.engine.target import Target, TargetPlacement
+from luced.gguf_file import GGUFFile
 from luced.ipc.shm import ShmOwner
 from luced.text.chat_template import ChatTemplate
 from luced.text.tokenizer import Tokenizer
@@ -32,13 +32,8 @@ def unstarted_engine(
     smollm2_gguf: Path, smol_tokenizer: Tokenizer, smol_template: ChatTemplate
 ) -> Engine:
     """An engine named "smol" of UNSTARTED_CONTEXT tokens whose target never starts."""
-    placement = TargetPlacement(
-        model=str(smollm2_gguf),
-        n_layers=30,
-        dtype="float32",
-        kv_capacity=UNSTARTED_CONTEXT,
-        max_batch_tokens=128,
-        worker=WorkerSpec("cpu", ("cpu",), threads=1),
+    placement = TargetPlacement.one_cpu_worker(
+        GGUFFile(smollm2_gguf), threads=1, kv_capacity=UNSTARTED_CONTEXT, max_batch_tokens=128
     )
     return Engine(
         Target(ShmOwner(), placement),

@@ -26,7 +26,6 @@ from luced.api.prepare import BYTES_PER_CHAR, LARGE_BODY, MANY_VALUES, MAX_CHARS
 from luced.api.server import MODELS, Guard, make_app
 from luced.engine.core import Engine
 from luced.engine.metrics import Metrics
-from luced.engine.placement import WorkerSpec
 from luced.engine.target import Target, TargetPlacement
 from luced.gguf_file import GGUFFile
 from luced.ipc.shm import ShmOwner, scan
@@ -43,15 +42,9 @@ USER = [{"role": "user", "content": "Name three colors."}]
 def make_engine(
     path: Path, tokenizer: Tokenizer, template: ChatTemplate, metrics: Metrics, **kw
 ) -> tuple[Engine, Target, ShmOwner]:
-    gguf = GGUFFile(path)
     owner = ShmOwner()
-    placement = TargetPlacement(
-        model=str(path),
-        n_layers=int(gguf.require(f"{gguf.arch}.block_count")),
-        dtype="float32",
-        kv_capacity=CONTEXT,
-        max_batch_tokens=128,
-        worker=WorkerSpec("cpu", ("cpu",), threads=1),  # 2 cores, shared with other tests
+    placement = TargetPlacement.one_cpu_worker(  # one thread: 2 cores, shared with other tests
+        GGUFFile(path), threads=1, kv_capacity=CONTEXT, max_batch_tokens=128
     )
     target = Target(owner, placement)
     engine = Engine(

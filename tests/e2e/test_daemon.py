@@ -233,7 +233,13 @@ def test_lucectl_status_and_workers(smol) -> None:
     status = json.loads(lucectl("--json", "status").stdout)
     assert status["state"] == "ready" and status["model"] == "SmolLM2-135M-Instruct.Q4_1"
     pid = smol.worker_pid()
-    assert str(pid) in lucectl("workers").stdout
+    table = lucectl("workers").stdout
+    assert str(pid) in table and "FORWARDS" in table and "AHEAD_SERVED" in table
+    # Each worker row carries its process's counters, from the worker's stats frame.
+    (worker,) = json.loads(lucectl("--json", "workers").stdout)["workers"]
+    assert worker["stats"]["pid"] == pid
+    counters = {"forward_count", "decode_graph_steps", "ahead_served", "ahead_dropped"}
+    assert counters <= worker["stats"].keys()
     # Earlier chats in this module left prefix-cache snapshots of their prompts.
     assert "TOKENS" in lucectl("snapshot", "list").stdout
     assert oct(os.stat(smol.admin_socket).st_mode & 0o777) == "0o600"

@@ -336,6 +336,22 @@ WORKERS = [
         "restarts": 1,
     }
 ]
+# Shaped like a worker's stats frame (luced.runtime.backend.Backend.stats), which the
+# daemon's `workers` verb adds to each row.
+WORKER_STATS = {
+    "pid": 41234,
+    "group": "cpu",
+    "rss_bytes": 612 * 2**20,
+    "uptime_s": 3720.0,
+    "forward_count": 1830,
+    "tokens_processed": 20512,
+    "busy_s": 41.25,
+    "kv_position": 90,
+    "decode_graph_steps": 1700,
+    "ahead_served": 1650,
+    "ahead_dropped": 12,
+    "kernels": "native",
+}
 STATUS = {
     "model": "SmolLM2-135M-Instruct.Q4_1",
     "state": "ready",
@@ -399,7 +415,7 @@ class FakeDaemon:
 
         async def workers(args: dict[str, Any]) -> dict[str, Any]:
             self.calls.append("workers")
-            return {"workers": WORKERS}
+            return {"workers": [{**w, "stats": WORKER_STATS} for w in WORKERS]}
 
         async def drain(args: dict[str, Any]) -> dict[str, Any]:
             self.calls.append("drain")
@@ -498,11 +514,40 @@ def test_lucectl_workers_table_is_aligned(
     code, out, _ = run_ctl(capsys, "--socket", str(daemon.path), "workers")
     assert code == 0
     header, row = out.splitlines()
-    assert header == "GROUP    PID  STATE  DEVICES  LAYERS   RESTARTS  UPTIME      PYTHON"
+    assert header.startswith("GROUP    PID  STATE  DEVICES  LAYERS   RESTARTS  UPTIME      PYTHON")
     # text columns start under their header, numeric ones end under it
     assert row.index("ready") == header.index("STATE")
     assert row.index("41234") + len("41234") == header.index("PID") + len("PID")
     assert row.index("[0, 30)") == header.index("LAYERS")
+    assert row.index("1830") + len("1830") == header.index("FORWARDS") + len("FORWARDS")
+
+
+def test_lucectl_workers_shows_the_worker_counters(
+    daemon: FakeDaemon, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, out, err = run_ctl(capsys, "--socket", str(daemon.path), "workers")
+    assert (code, err) == (0, "")
+    header, row = (re.split(r"\s{2,}", line.strip()) for line in out.splitlines())
+    cells = dict(zip(header, row, strict=True))
+    assert header[-7:] == [
+        "RSS", "BUSY", "FORWARDS", "TOKENS", "GRAPH_STEPS", "AHEAD_SERVED", "AHEAD_DROPPED",
+    ]  # fmt: skip
+    assert {k: cells[k] for k in header[-7:]} == {
+        "RSS": "612.0 MiB",
+        "BUSY": "41.2s",
+        "FORWARDS": "1830",
+        "TOKENS": "20512",
+        "GRAPH_STEPS": "1700",
+        "AHEAD_SERVED": "1650",
+        "AHEAD_DROPPED": "12",
+    }
+    assert cells["UPTIME"] == "1h 02m 00s"  # the row's own fields are not replaced
+    assert "stats" not in out.lower() and "KV_POSITION" not in header
+    # A worker that could not answer (restarting) has no counters: "-" in their columns.
+    restarting = {**WORKERS[0], "pid": 41300, "state": "starting"}
+    lines = lucectl.workers_table([{**WORKERS[0], "stats": WORKER_STATS}, restarting])
+    last = lines.splitlines()[-1].split()
+    assert last[:3] == ["cpu", "41300", "starting"] and last[-7:] == ["-"] * 7
 
 
 def test_lucectl_json_is_the_raw_reply(

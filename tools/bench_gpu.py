@@ -21,6 +21,9 @@ Sections (each written to --out as soon as it is measured, so a run cut short st
                (`Model.forward_batch`, the worker's batched verb) against graph replays
     verify     a 16-token forward against one decode step (eager and graph): what a DFlash
                verify costs, and the speedup an oracle drafter (all 16 accepted) would give
+    compiled   the graph step compiled by torch.compile first (`--decode-graphs compile`) at
+               1 and 32 sequences: tok/s, the first step's seconds (the compile), the
+               fraction of the ceiling at 1 and the speedup over the plain graph
 
 Every step syncs with the host (the token comes back, as the worker's sampler needs it).
 On the CPU (`--device cpu`, a dry run of the script) the graph columns run eagerly.
@@ -112,22 +115,28 @@ def eager_decode(model: Model, steps: int, device: torch.device) -> float:
     return (time.perf_counter() - t0) / steps
 
 
-def step_decode(model: Model, batch: int, steps: int, device: torch.device, capture: bool):
+def step_decode(
+    model: Model, batch: int, steps: int, device: torch.device, capture: bool, compile: bool = False
+):
     """Seconds per step of `batch` sequences through the fixed-shape step (a graph when
-    `capture` on a GPU); the first step (a capture) is not timed. -> (seconds, captures)."""
+    `capture` on a GPU; compiled by torch.compile first with `compile`); the first step (a
+    capture, a compile) is timed apart. -> (seconds, captures, the first step's seconds, why
+    the step was not compiled or None)."""
     pool = model.new_block_pool(16)
     caches = [model.new_paged_cache(pool, PROMPT + steps + 2) for _ in range(batch)]
     for i, c in enumerate(caches):
         model.forward(prompt_ids(PROMPT, model.cfg.vocab, device, i), c, 0)
-    graphs = DecodeGraphs(model, pool, PROMPT + steps + 2, capture=capture)
+    graphs = DecodeGraphs(model, pool, PROMPT + steps + 2, capture=capture, compile=compile)
     ids = torch.ones(batch, dtype=torch.int64, device=device)
+    t0 = time.perf_counter()
     ids = graphs.step(caches, ids).argmax(-1)
     ids.tolist()
+    first = time.perf_counter() - t0
     t0 = time.perf_counter()
     for _ in range(steps):
         ids = graphs.step(caches, ids).argmax(-1)
         ids.tolist()  # the tokens go back to the host, as a worker's sampler needs them
-    return (time.perf_counter() - t0) / steps, graphs.captures
+    return (time.perf_counter() - t0) / steps, graphs.captures, first, graphs.compile_error
 
 
 def batched_decode(model: Model, batch: int, steps: int, device: torch.device) -> float:
@@ -271,7 +280,7 @@ def main(argv: list[str] | None = None) -> None:
     for _ in range(rounds):
         eager.append(eager_decode(model, steps, device))
         step.append(step_decode(model, 1, steps, device, capture=False)[0])
-        t, n = step_decode(model, 1, steps, device, capture=True)
+        t, n, _, _ = step_decode(model, 1, steps, device, capture=True)
         graph.append(t)
         captures += n
     kv_row = sum(2 * h * d * model.kv_dtype.itemsize for h, d in (model.cfg.kv_shape(i)
@@ -316,6 +325,19 @@ def main(argv: list[str] | None = None) -> None:
         rates["graph"][b] = b / step_decode(model, b, steps, device, capture=True)[0]
     scale = {k: v[batches[-1]] / v[1] for k, v in rates.items()}
     report.add("batch", {"tok_per_s": rates, f"ratio_{batches[-1]}_vs_1": scale})
+    # Last: a compile may take minutes, and a stage cut short still has the rest.
+    compiled: dict = {"tok_per_s": {}, "compile_s": {}, "fraction_of_ceiling": {}}
+    for b in (1, 32) if gpu and not args.quick else (1,):
+        t, _, first, error = step_decode(model, b, steps, device, capture=True, compile=True)
+        compiled["compile_error"] = error  # None: compiled
+        compiled["tok_per_s"][b] = b / t
+        compiled["compile_s"][b] = first
+        if b == 1:
+            compiled["fraction_of_ceiling"][b] = 1 / t / ceiling
+            compiled["over_graph"] = graph1 / t
+        else:
+            compiled[f"ratio_{b}_vs_1"] = compiled["tok_per_s"][b] / compiled["tok_per_s"][1]
+        report.add("compiled", compiled)
 
 
 def _embedding_bytes(model: Model) -> int:

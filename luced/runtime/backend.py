@@ -479,6 +479,9 @@ def _decode_graphs(
     if why is not None:
         log.info("decode graphs: off, %s", why)
         return None
-    how = "captured as CUDA graphs" if device.type == "cuda" else "run eagerly on the CPU"
+    compile = req.decode_graphs == "compile"
+    how = "captured as CUDA graphs" if device.type == "cuda" else "run without a graph on the CPU"
+    if compile:
+        how += ", compiled by torch.compile on each batch size's first step"
     log.info("decode graphs: decode steps take the fixed-shape step, %s", how)
-    return DecodeGraphs(shards[0].model, blocks[0], req.kv_capacity)
+    return DecodeGraphs(shards[0].model, blocks[0], req.kv_capacity, compile=compile)

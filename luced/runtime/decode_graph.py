@@ -23,6 +23,15 @@ SDPA over the rows gathered through the map ([B, Hkv, L, D]), masked past each p
 outside a sliding window. Unused slots of a bucket feed token 0 at position 0 through a
 scratch block the runner holds, so their writes land nowhere that is read.
 
+Compiled (`compile=True`, `--decode-graphs compile`): each bucket's step also goes through
+`torch.compile` (Inductor) before it is captured, so the forty-odd small kernels of a layer
+(norms, RoPE, the K/V store, masks, residual adds) fuse into a few; the matrix kernels stay
+the packed ones. The first step of each bucket compiles (seconds on a GPU machine, more on a
+large model); on the CPU the compiled step runs without a graph, which is how it is checked.
+The model's own methods each hold an inference_mode that torch.compile cannot trace into,
+so the step calls their mode-free forms (`embed_rows`, `run_layers`, `head_logits`) inside
+one inference_mode of its own.
+
 `DecodeGraphs` keeps one graph per (B, L) bucket (B a power of two up to 64, L a power of two
 from 256 up to the capacity), captured on first use from a warm-up with the real inputs
 (the warm-up writes the very rows the replay writes). A pool that reallocates (it grew)
@@ -37,6 +46,7 @@ those decode eagerly.
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable, Sequence
 from types import ModuleType
@@ -48,6 +58,8 @@ import torch.nn.functional as F
 from luced.runtime.kv_blocks import BlockPool, PagedKVCache
 from luced.runtime.layers import Rope, apply_rope
 from luced.runtime.ragged import Ragged
+
+log = logging.getLogger(__name__)
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 
@@ -63,13 +75,13 @@ class WholeModel(Protocol):
     owns_embed: bool
     owns_head: bool
 
-    def embed(self, ids: torch.Tensor) -> torch.Tensor: ...
+    def embed_rows(self, ids: torch.Tensor) -> torch.Tensor: ...
 
-    def forward_layers(
+    def run_layers(
         self, hidden: torch.Tensor, cache: Any, start: Any, capture: Any = (), ids: Any = None
     ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]: ...
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
+    def head_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
 
     def _kv_sources(self) -> dict[int, int]: ...
 
@@ -187,10 +199,17 @@ class DecodeGraphs:
     [len(caches), vocab] float32."""
 
     def __init__(
-        self, model: WholeModel, pool: BlockPool, capacity: int, *, capture: bool = True
+        self,
+        model: WholeModel,
+        pool: BlockPool,
+        capacity: int,
+        *,
+        capture: bool = True,
+        compile: bool = False,
     ) -> None:
         """capture False: run the same fixed-shape step eagerly on a GPU too (what a graph
-        saves is measured against it)."""
+        saves is measured against it); compile: through torch.compile first (module
+        docstring)."""
         why = supports(model)
         if why is not None:
             raise ValueError(f"no captured decode for this model: {why}")
@@ -199,6 +218,12 @@ class DecodeGraphs:
         self.capacity = capacity
         self.row_sizes = row_buckets(capacity)
         self.graphs: dict[tuple[int, int], _Captured] = {}
+        self.compile = compile  # turned off when a step cannot be compiled
+        self.compile_error: str | None = None
+        if compile:  # each bucket is one more compile of the same step: let all of them be
+            buckets = len(BATCH_BUCKETS) * len(self.row_sizes)
+            dynamo = torch._dynamo.config
+            dynamo.recompile_limit = max(dynamo.recompile_limit, buckets + 8)
         self.captures = 0  # graphs captured (a pool that grows makes more)
         self.steps = 0  # steps run
         self._scratch = pool.allocate()  # the padding slots' rows, held for good
@@ -225,9 +250,15 @@ class DecodeGraphs:
         key = (bucket(n, BATCH_BUCKETS), bucket(end, self.row_sizes))
         captured = self.graphs.get(key)
         if captured is None:
-            captured = self.graphs[key] = _Captured(self.model, self.pool, *key)
+            captured = _Captured(self.model, self.pool, *key, compile=self.compile)
+            self.graphs[key] = captured
         self._fill(captured.batch, caches, ids)
         logits = captured.run(self._graph_pool)
+        if captured.compile_error is not None and self.compile:
+            self.compile, self.compile_error = False, captured.compile_error
+            log.warning(
+                "decode graphs: not compiled (%s); steps run uncompiled", self.compile_error
+            )
         self.captures += captured.take_capture()
         for c in caches:
             c.commit(c.pos + 1)
@@ -252,18 +283,35 @@ class DecodeGraphs:
 class _Captured:
     """One bucket's batch tensors and, on CUDA, its graph and output."""
 
-    def __init__(self, model: WholeModel, pool: BlockPool, batch: int, rows: int) -> None:
+    def __init__(
+        self, model: WholeModel, pool: BlockPool, batch: int, rows: int, *, compile: bool
+    ) -> None:
         self.model = model
         self.batch = StepBatch(pool, batch, rows, model._kv_sources())
         self.graph: torch.cuda.CUDAGraph | None = None
         self.out: torch.Tensor | None = None
         self._new = 0
+        self._run = (
+            torch.compile(self._step, fullgraph=True, dynamic=False) if compile else self._step
+        )
+        self.compile_error: str | None = None
+
+    def _step(self) -> torch.Tensor:
+        m, batch = self.model, self.batch
+        hidden = m.embed_rows(batch.ids)
+        h, _ = m.run_layers(hidden, batch, batch, ids=batch.ids)
+        return m.head_logits(h)
 
     def forward(self) -> torch.Tensor:
-        m, batch = self.model, self.batch
-        hidden = m.embed(batch.ids)
-        h, _ = m.forward_layers(hidden, batch, batch, ids=batch.ids)
-        return m.logits(h)
+        with torch.inference_mode():  # one around the step, which holds none (docstring)
+            try:
+                return self._run()
+            except torch._dynamo.exc.TorchDynamoException as exc:
+                # Not traceable (the CPU's packed kernels are ctypes calls): run it as it
+                # is. The step is the same either way, so the rows written twice are equal.
+                self.compile_error = str(exc).splitlines()[0][:200]
+                self._run = self._step
+                return self._step()
 
     def run(self, graph_pool: object) -> torch.Tensor:
         """graph_pool None: eagerly (the CPU, or capture off)."""

@@ -209,6 +209,11 @@ class Model:
 
     @torch.inference_mode()
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_rows(ids)
+
+    def embed_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """`embed` in the caller's grad mode (a compiled step: torch.compile cannot trace
+        into an inference_mode of its own; the caller holds one around it)."""
         if not self.owns_embed:
             raise RuntimeError("this shard does not own the embedding")
         return self.family.embed(self, ids.to(self.device))
@@ -222,7 +227,19 @@ class Model:
         capture: Iterable[int] = (),
         ids: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
-        """Run this shard's layers over hidden ([n, hidden]) at positions start..start+n-1,
+        return self.run_layers(hidden, cache, start, capture, ids)
+
+    def run_layers(
+        self,
+        hidden: torch.Tensor,
+        cache: KVStore | Ragged,
+        start: int | Ragged,
+        capture: Iterable[int] = (),
+        ids: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """`forward_layers` in the caller's grad mode (see `embed_rows`).
+
+        Run this shard's layers over hidden ([n, hidden]) at positions start..start+n-1,
         or over a ragged batch of sequences (the same `Ragged` as `cache` and `start`).
         `ids` ([n] token ids of those positions) feed families with per-token layer inputs.
 
@@ -266,6 +283,10 @@ class Model:
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.head_logits(hidden)
+
+    def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """`logits` in the caller's grad mode (see `embed_rows`)."""
         if not self.owns_head:
             raise RuntimeError("this shard does not own the output head")
         return self.family.head(self, hidden)

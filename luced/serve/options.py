@@ -393,10 +393,13 @@ OPTIONS: tuple[Option, ...] = (
         "step over the K/V block pool, captured once per batch size as a CUDA graph and "
         "replayed: a GPU then launches one graph per step instead of a thousand small "
         "kernels. `auto`: on CUDA workers; `on`: on CPU workers too (the same step, run "
-        "eagerly: a check, not a speed-up); `off`. Needs the block pool (`--max-running` > "
+        "eagerly: a check, not a speed-up); `compile`: as `on`, each step also compiled by "
+        "torch.compile, which fuses a layer's small kernels (the first step of each batch "
+        "size compiles: seconds to minutes; a CPU worker's packed kernels cannot be compiled, "
+        "and there it runs as `on`); `off`. Needs the block pool (`--max-running` > "
         "1, no `--kv-flash`) and a whole attention model in one worker (no split, MoE or "
         "recurrent layers); other steps run as before.",
-        choices=("auto", "on", "off"),
+        choices=("auto", "on", "compile", "off"),
     ),
     Option(
         "threads", "model", "int", None, "Torch threads per CPU worker.",

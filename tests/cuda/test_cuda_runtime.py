@@ -167,6 +167,31 @@ def test_captured_decode_equals_eager(gpu, q4, family: str) -> None:
         assert graphs.captures == 2  # buckets (1, 256) and (4, 256)
 
 
+def test_the_compiled_step_follows_the_captured_one(gpu, q4) -> None:
+    """`--decode-graphs compile`: the step compiled by torch.compile (Triton on the GPU) and
+    captured, against the uncompiled graph, on tiny llama in bfloat16 with packed weights:
+    fused kernels round otherwise, so within bf16's rounding, not bit for bit."""
+    model = Model.load(q4["llama"], device=gpu, dtype="bfloat16", weights="auto")
+    prompts = [list(range(20, 45)), [9, 10]]
+    pools = [model.new_block_pool(16) for _ in range(2)]
+    caches = [[model.new_paged_cache(pool, 512) for _ in prompts] for pool in pools]
+    for p, *each in zip(prompts, *caches, strict=True):
+        for c in each:
+            model.forward(torch.tensor(p, device=gpu), c, 0)
+    plain = DecodeGraphs(model, pools[0], 512)
+    compiled = DecodeGraphs(model, pools[1], 512, compile=True)
+    tokens, err = [p[-1] for p in prompts], 0.0
+    for _ in range(8):
+        ids = torch.tensor(tokens, device=gpu)
+        want = plain.step(caches[0], ids)
+        err = max(err, rel(compiled.step(caches[1], ids), want))
+        tokens = want.argmax(-1).tolist()
+    record("compiled_decode", rel=err, compile_error=compiled.compile_error)
+    if gpu.type == "cuda":
+        assert compiled.compile_error is None
+    assert err < 1e-2
+
+
 def test_page_locked_segments_copy_by_dma(gpu) -> None:
     """A worker's mapping of a daemon segment is registered with CUDA: its views are pinned
     memory, copies to and from the device are exact; a refused registration (the same

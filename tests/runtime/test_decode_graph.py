@@ -150,3 +150,48 @@ def test_models_a_graph_cannot_hold_are_refused(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="MoE"):
         model = Model.load(moe)
         DecodeGraphs(model, model.new_block_pool(16), 64)
+
+
+def test_the_compiled_step_equals_the_batched_forward(tmp_path: Path) -> None:
+    """`compile=True`: the step goes through torch.compile (Inductor's C++ code on the CPU,
+    one whole graph, no break) and still equals the batched forward. One family and one
+    bucket: a compile takes tens of seconds on two cores."""
+    from torch._dynamo.utils import counters
+
+    path = make_tiny_gguf("llama", tmp_path / "l.gguf", seed=4, context=512).path
+    model = Model.load(path)
+    ref_caches = _prefilled(model, model.new_block_pool(16))[:2]
+    pool = model.new_block_pool(16)
+    caches = _prefilled(model, pool)[:2]
+    graphs = DecodeGraphs(model, pool, 512, compile=True)
+    compiled = counters["stats"]["unique_graphs"]
+    tokens = [ids[-1] for ids in PROMPTS[:2]]
+    for _ in range(3):
+        starts = [c.pos for c in ref_caches]
+        ref = torch.cat(
+            model.forward_batch([torch.tensor([t]) for t in tokens], ref_caches, starts)
+        )
+        got = graphs.step(caches, torch.tensor(tokens))
+        assert float((got - ref).abs().max() / ref.abs().max()) < 1e-5
+        tokens = ref.argmax(-1).tolist()
+    assert set(graphs.graphs) == {(2, 256)}
+    assert counters["stats"]["unique_graphs"] == compiled + 1  # compiled once, then reused
+
+
+def test_a_step_that_cannot_compile_runs_uncompiled(tmp_path: Path, caplog) -> None:
+    """The CPU's packed int4 kernels are ctypes calls torch.compile cannot trace: the step
+    says why once and runs as `compile=False` would, with the same logits."""
+    path = make_tiny_gguf("llama", tmp_path / "q.gguf", seed=4, qtype="Q4_0", context=512).path
+    model = Model.load(path, weights="int4")
+    pools = [model.new_block_pool(16) for _ in range(2)]
+    plain = DecodeGraphs(model, pools[0], 512)
+    compiled = DecodeGraphs(model, pools[1], 512, compile=True)
+    caches = [_prefilled(model, pool)[:2] for pool in pools]
+    tokens = [ids[-1] for ids in PROMPTS[:2]]
+    for _ in range(2):
+        want = plain.step(caches[0], torch.tensor(tokens))
+        got = compiled.step(caches[1], torch.tensor(tokens))
+        assert torch.equal(got, want)
+        tokens = want.argmax(-1).tolist()
+    assert not compiled.compile and compiled.compile_error
+    assert sum("not compiled" in r.message for r in caplog.records) == 1

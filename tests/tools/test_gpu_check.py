@@ -12,7 +12,8 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-SECTIONS = {"env", "bandwidth", "load", "decode", "matmul", "transfer", "verify", "batch"}
+SECTIONS = {"env", "bandwidth", "load", "decode", "matmul", "transfer", "verify", "batch",
+            "compiled"}  # fmt: skip
 
 
 def test_the_gpu_check_runs_on_the_cpu(tmp_path: Path) -> None:
@@ -32,6 +33,8 @@ def test_the_gpu_check_runs_on_the_cpu(tmp_path: Path) -> None:
     assert bench["env"]["device"] == "cpu"
     assert bench["decode"]["tok_per_s"]["graph"] > 0 and bench["decode"]["graph_captures"] == 0
     assert set(bench["batch"]["tok_per_s"]["graph"]) == {"1", "8"}
+    # The CPU's packed kernels are not traceable: the compiled section runs uncompiled.
+    assert bench["compiled"]["tok_per_s"]["1"] > 0 and bench["compiled"]["compile_error"]
     assert {(s["out"], s["in"]) for s in bench["matmul"]["shapes"]} >= {(128, 128), (512, 128)}
     assert 4.5 <= bench["load"]["packed_bits_per_weight"] <= 5.5
     files = sorted(p.name for p in tmp_path.iterdir())

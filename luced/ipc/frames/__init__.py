@@ -92,6 +92,7 @@ and a reply's ``carried`` (the bytes of the regions got); ``load`` ``moe_link`` 
 keeps its layers' prefix-cache rows in its own store, in its memory and on its disk;
 ``forward``, its spans and its reply leave fields at their defaults off the wire.
 21: ``load`` ``decode_graphs`` (decode steps through a captured fixed-shape step).
+22: ``load`` ``decode_graphs`` ``compile`` (the captured step compiled by torch.compile).
 
 Expert compute (``luced.runtime.expert_link``): an expert worker answers ``load_experts``
 from the daemon, and ``expert_mix`` from target workers over direct worker-to-worker

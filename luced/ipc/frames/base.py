@@ -12,7 +12,7 @@ from luced.ipc.regions import Region
 from luced.ipc.typed import FrameError, Record
 from luced.sampling_params import SamplingParams
 
-PROTOCOL_VERSION = 21
+PROTOCOL_VERSION = 22
 
 _ENVELOPE = frozenset(
     {"op", "seq", "ok", "error", "progress", "carry", "carried"}
@@ -83,7 +83,7 @@ ComputeDtype = Literal["float32", "bfloat16", "float16"]
 # weight-only kernels, "auto" per tensor and CPU, "dequant" the exact float path.
 WEIGHT_MODES = ("auto", "int4", "int8", "dequant")
 # When a worker decodes through a captured fixed-shape step (luced.runtime.decode_graph).
-DECODE_GRAPHS = ("auto", "on", "off")
+DECODE_GRAPHS = ("auto", "on", "compile", "off")
 # A MoE routing profile's counts (luced.serve.routing_profile): per MoE layer, how often
 # each expert was routed to, as ((layer, (count per expert, ...)), ...).
 MoeCounts = tuple[tuple[int, tuple[int, ...]], ...]

@@ -361,6 +361,7 @@ class Backend(WorkerState):
             "kv_blocks_mapped": sum(p.mapped_blocks for p in m.block_pools) if m else 0,
             "kv_pool_bytes": sum(p.nbytes() for p in m.block_pools) if m else 0,
             "decode_graph_steps": m.decode_graphs.steps if m and m.decode_graphs else 0,
+            "decode_graph_windows": m.decode_graphs.windows if m and m.decode_graphs else 0,
             # Forwards answered from the step decoded ahead, and such steps rolled back.
             "ahead_served": self.lookahead.served,
             "ahead_dropped": self.lookahead.dropped,

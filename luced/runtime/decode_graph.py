@@ -8,20 +8,24 @@ address, and runs no Python: positions, row maps and the token fed must come fro
 tensors that the host fills before each replay, never from Python integers.
 
 So the step runs over the paged K/V of `kv_blocks` (one `BlockPool` for every sequence of
-the shard) through a `StepBatch`, a ragged batch of one token per sequence whose fields are
-fixed-size device tensors (B = the bucket's sequences, L = its attended rows):
+the shard) through a `StepBatch`, a ragged batch of T tokens per sequence (1 to decode, or
+a DFlash / n-gram verify window) whose fields are fixed-size device tensors (B = the
+bucket's sequences, T its tokens per sequence, L its attended rows):
 
-    ids        [B] int64      the token each sequence feeds
-    positions  [B] int64      its position (its cache's fill position)
-    rows       [B, L] int64   its row map (`PagedKVCache.rows`): the pool row of each
-                              position < L; rows past its position point anywhere (masked)
+    ids         [B·T] int64   the tokens each sequence feeds
+    positions   [B·T] int64   their positions (from its cache's fill position)
+    write_rows  [B·T] int64   the pool row each token's K/V goes to
+    rows        [B, L] int64  its row map (`PagedKVCache.rows`): the pool row of each
+                              position < L; rows past its last position point anywhere (masked)
 
 The families take the batch as their `start` and `cache`, as they take a `Ragged`: RoPE
 reads `positions` (`Rope.tables`), and `common.cached_attention` hands the attention to
-`StepBatch.attend`, which stores each new K/V row at rows[b, positions[b]] and attends with
-SDPA over the rows gathered through the map ([B, Hkv, L, D]), masked past each position and
-outside a sliding window. Unused slots of a bucket feed token 0 at position 0 through a
-scratch block the runner holds, so their writes land nowhere that is read.
+`StepBatch.attend`, which stores the new K/V rows at `write_rows` and attends with SDPA
+over the rows gathered through the map ([B, Hkv, L, D]), each token masked past its own
+position and outside a sliding window. Padding (unused slots of a bucket, a window shorter
+than T) feeds token 0 and writes a scratch block the runner holds, so those writes land
+nowhere that is read, and its logits are dropped. A window's rows past what verification
+accepts are rolled back by the cache's truncate, as in the eager forward.
 
 Compiled (`compile=True`, `--decode-graphs compile`): each bucket's step also goes through
 `torch.compile` (Inductor) before it is captured, so the forty-odd small kernels of a layer
@@ -62,6 +66,8 @@ from luced.runtime.ragged import Ragged
 log = logging.getLogger(__name__)
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+# Tokens per sequence: 1 to decode, a verify window's length rounded up to a power of two.
+TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 
 
 class WholeModel(Protocol):
@@ -107,26 +113,35 @@ def row_buckets(capacity: int) -> tuple[int, ...]:
 
 
 class StepBatch(Ragged):
-    """One decode token for each of B sequences, as fixed-size device tensors (module
-    docstring). `reserve` and `commit` do nothing: the runner does both on the caches,
-    outside the captured work."""
+    """T tokens for each of B sequences (one to decode, or a verify window), as fixed-size
+    device tensors (module docstring); row b·T + t is sequence b's token t. `reserve` and
+    `commit` do nothing: the runner does both on the caches, outside the captured work."""
 
     def __init__(
-        self, pool: BlockPool, batch: int, rows: int, sources: dict[int, int] | None = None
+        self,
+        pool: BlockPool,
+        batch: int,
+        rows: int,
+        sources: dict[int, int] | None = None,
+        tokens: int = 1,
     ) -> None:
         """sources: a KV-sharing layer -> the layer whose rows it reads."""
         device = pool.device
         self.pool = pool
         self.sources = dict(sources or {})
         self.spans = ()
-        self.sizes = [1] * batch
-        self.n = batch
+        self.batch, self.tokens = batch, tokens
+        self.sizes = [tokens] * batch
+        self.n = batch * tokens
         self.end = rows  # RoPE tables reach this far (grown before a capture)
-        self.ids = torch.zeros(batch, dtype=torch.int64, device=device)
-        self.positions = torch.zeros(batch, dtype=torch.int64, device=device)
+        self.ids = torch.zeros(self.n, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(self.n, dtype=torch.int64, device=device)
+        # the pool row each token's K/V goes to: its sequence's row of its position, or a
+        # scratch row for a padding token (a window shorter than T, an unused slot)
+        self.write_rows = torch.zeros(self.n, dtype=torch.int64, device=device)
         self.position_list = []  # the native CPU kernels never see this batch
         self.rows = torch.zeros(batch, rows, dtype=torch.int64, device=device)
-        # key j of sequence b is visible iff j <= positions[b] (and inside a window)
+        # key j is visible to a token at position p iff j <= p (and inside a window)
         self._keys = torch.arange(rows, device=device)
 
     def reserve(self) -> None:
@@ -148,8 +163,9 @@ class StepBatch(Ragged):
         scale: float,
         rope: Rope | None,
     ) -> torch.Tensor:
-        """q [B, H, D]; kv: this layer's new rows [B, Hkv, D] to store (None: a KV-sharing
-        layer, which reads its source's); rope: the rotation q and k still need -> [B, H·D]."""
+        """q [B·T, H, D]; kv: this layer's new rows [B·T, Hkv, D] to store (None: a
+        KV-sharing layer, which reads its source's); rope: the rotation q and k still need
+        -> [B·T, H·D]."""
         if rope is not None:
             cos, sin = rope.tables(self, self.n, q.dtype)
             q = apply_rope(q, cos, sin)
@@ -158,26 +174,27 @@ class StepBatch(Ragged):
         source = self.sources.get(layer, layer)
         keys, values = self.pool.k[source], self.pool.v[source]  # [Hkv, pool rows, D]
         if kv is not None:
-            at = self.rows.gather(1, self.positions[:, None])[:, 0]  # [B]
-            keys.index_copy_(1, at, kv[0].transpose(0, 1).to(keys.dtype))
-            values.index_copy_(1, at, kv[1].transpose(0, 1).to(values.dtype))
-        b, heads, dim = q.shape
+            keys.index_copy_(1, self.write_rows, kv[0].transpose(0, 1).to(keys.dtype))
+            values.index_copy_(1, self.write_rows, kv[1].transpose(0, 1).to(values.dtype))
+        n, heads, dim = q.shape
+        b, t = self.batch, self.tokens
         hkv, length = keys.shape[0], self.rows.shape[1]
         flat = self.rows.view(-1)
         k = keys.index_select(1, flat).view(hkv, b, length, dim).transpose(0, 1)
         v = values.index_select(1, flat).view(hkv, b, length, dim).transpose(0, 1)
-        visible = self._keys[None, :] <= self.positions[:, None]  # [B, L]
+        at = self.positions.view(b, t, 1)
+        visible = self._keys <= at  # [B, T, L]
         if window is not None:
-            visible &= (self.positions[:, None] - self._keys[None, :]) < window
+            visible &= (at - self._keys) < window
         out = F.scaled_dot_product_attention(
-            q.to(k.dtype)[:, :, None, :],  # [B, H, 1, D]
+            q.to(k.dtype).view(b, t, heads, dim).transpose(1, 2),  # [B, H, T, D]
             k,
             v,
-            attn_mask=visible[:, None, None, :],
+            attn_mask=visible[:, None],
             scale=scale,
             enable_gqa=heads != hkv,
         )
-        return out.reshape(b, heads * dim).to(q.dtype)
+        return out.transpose(1, 2).reshape(n, heads * dim).to(q.dtype)
 
 
 def supports(model: WholeModel) -> str | None:
@@ -221,11 +238,12 @@ class DecodeGraphs:
         self.compile = compile  # turned off when a step cannot be compiled
         self.compile_error: str | None = None
         if compile:  # each bucket is one more compile of the same step: let all of them be
-            buckets = len(BATCH_BUCKETS) * len(self.row_sizes)
+            buckets = len(BATCH_BUCKETS) * len(TOKEN_BUCKETS) * len(self.row_sizes)
             dynamo = torch._dynamo.config
             dynamo.recompile_limit = max(dynamo.recompile_limit, buckets + 8)
         self.captures = 0  # graphs captured (a pool that grows makes more)
         self.steps = 0  # steps run
+        self.windows = 0  # of them, steps with a verify window (more than a token a sequence)
         self._scratch = pool.allocate()  # the padding slots' rows, held for good
         self._generation = pool.generation
         for rope in {id(r): r for r in model.ropes.values()}.values():
@@ -233,26 +251,36 @@ class DecodeGraphs:
         on_gpu = capture and pool.device.type == "cuda"
         self._graph_pool = torch.cuda.graph_pool_handle() if on_gpu else None
 
-    def step(self, caches: Sequence[PagedKVCache], ids: torch.Tensor) -> torch.Tensor:
+    def step(
+        self,
+        caches: Sequence[PagedKVCache],
+        ids: torch.Tensor,
+        sizes: Sequence[int] | None = None,
+    ) -> torch.Tensor:
+        """Feed ids to the caches, sizes[i] of them to caches[i] from its position (default
+        one each: a decode step; more: a verify window) -> the logits of every fed token
+        [len(ids), vocab], in order."""
         n = len(caches)
-        if n != ids.numel() or not n:
-            raise ValueError(f"{ids.numel()} ids for {n} sequences")
+        sizes = [1] * n if sizes is None else list(sizes)
+        if not n or len(sizes) != n or sum(sizes) != ids.numel() or min(sizes) < 1:
+            raise ValueError(f"{ids.numel()} ids for {n} sequences of sizes {sizes}")
         if any(c.pool is not self.pool for c in caches):
             raise ValueError("every sequence of a captured step must hold its rows in its pool")
-        end = max(c.pos for c in caches) + 1
+        end = max(c.pos + k for c, k in zip(caches, sizes, strict=True))
         if end > self.capacity:
             raise ValueError(f"position {end - 1} is past the captured capacity {self.capacity}")
-        for c in caches:
-            c.reserve(c.pos, 1)  # may grow the pool: checked below, before any capture
+        for c, k in zip(caches, sizes, strict=True):
+            c.reserve(c.pos, k)  # may grow the pool: checked below, before any capture
         if self.pool.generation != self._generation:
             self.graphs.clear()  # they read the tensors the pool replaced
             self._generation = self.pool.generation
-        key = (bucket(n, BATCH_BUCKETS), bucket(end, self.row_sizes))
+        tokens = bucket(max(sizes), TOKEN_BUCKETS)
+        key = (bucket(n, BATCH_BUCKETS), tokens, bucket(end, self.row_sizes))
         captured = self.graphs.get(key)
         if captured is None:
             captured = _Captured(self.model, self.pool, *key, compile=self.compile)
             self.graphs[key] = captured
-        self._fill(captured.batch, caches, ids)
+        self._fill(captured.batch, caches, ids, sizes)
         logits = captured.run(self._graph_pool)
         if captured.compile_error is not None and self.compile:
             self.compile, self.compile_error = False, captured.compile_error
@@ -260,34 +288,60 @@ class DecodeGraphs:
                 "decode graphs: not compiled (%s); steps run uncompiled", self.compile_error
             )
         self.captures += captured.take_capture()
-        for c in caches:
-            c.commit(c.pos + 1)
+        for c, k in zip(caches, sizes, strict=True):
+            c.commit(c.pos + k)
         self.steps += 1
-        return logits[:n]
+        self.windows += tokens > 1
+        if tokens == 1:
+            return logits[:n]
+        fed = [i * tokens + j for i, k in enumerate(sizes) for j in range(k)]
+        return logits[torch.tensor(fed, device=logits.device)]
 
-    def _fill(self, batch: StepBatch, caches: Sequence[PagedKVCache], ids: torch.Tensor) -> None:
-        """The host's side of a replay: copy the step's inputs into the batch's tensors."""
-        n, length = len(caches), batch.rows.shape[1]
+    def _fill(
+        self,
+        batch: StepBatch,
+        caches: Sequence[PagedKVCache],
+        ids: torch.Tensor,
+        sizes: Sequence[int],
+    ) -> None:
+        """The host's side of a replay: copy the step's inputs into the batch's tensors.
+        A padding token (past a window's end, or in an unused slot) feeds token 0 at its
+        sequence's last position (0 in an unused slot) and writes a scratch row."""
+        length, t, device = batch.rows.shape[1], batch.tokens, self.pool.device
         b = self.pool.block
-        scratch = torch.arange(self._scratch * b, self._scratch * b + b, device=self.pool.device)
+        scratch = torch.arange(self._scratch * b, self._scratch * b + b, device=device)
         batch.rows.copy_(scratch.repeat(math.ceil(length / b))[:length].expand_as(batch.rows))
-        for i, c in enumerate(caches):
-            visible = min(length, c.pos + 1)
+        fed = torch.zeros(batch.n, dtype=torch.int64, device=ids.device)
+        positions = [0] * batch.n
+        writes = torch.full((batch.n,), self._scratch * b, dtype=torch.int64, device=device)
+        offset = 0
+        for i, (c, k) in enumerate(zip(caches, sizes, strict=True)):
+            visible = min(length, c.pos + k)
             batch.rows[i, :visible] = c.rows[:visible]
-        batch.ids.zero_()
-        batch.ids[:n] = ids.to(batch.ids.device, torch.int64)
-        batch.positions.zero_()
-        batch.positions[:n] = torch.tensor([c.pos for c in caches], device=batch.positions.device)
+            fed[i * t : i * t + k] = ids[offset : offset + k]
+            positions[i * t : (i + 1) * t] = [c.pos + min(j, k - 1) for j in range(t)]
+            writes[i * t : i * t + k] = c.rows[c.pos : c.pos + k]
+            offset += k
+        batch.ids.copy_(fed)
+        batch.positions.copy_(torch.tensor(positions))
+        batch.write_rows.copy_(writes)
 
 
 class _Captured:
     """One bucket's batch tensors and, on CUDA, its graph and output."""
 
     def __init__(
-        self, model: WholeModel, pool: BlockPool, batch: int, rows: int, *, compile: bool
+        self,
+        model: WholeModel,
+        pool: BlockPool,
+        batch: int,
+        tokens: int,
+        rows: int,
+        *,
+        compile: bool,
     ) -> None:
         self.model = model
-        self.batch = StepBatch(pool, batch, rows, model._kv_sources())
+        self.batch = StepBatch(pool, batch, rows, model._kv_sources(), tokens)
         self.graph: torch.cuda.CUDAGraph | None = None
         self.out: torch.Tensor | None = None
         self._new = 0

@@ -28,6 +28,7 @@ import torch
 
 from luced.ipc import frames as F
 from luced.runtime import kv_flash_step, qlinear, token_mask
+from luced.runtime.decode_graph import BATCH_BUCKETS, TOKEN_BUCKETS, bucket
 from luced.runtime.dflash.verify import verify_sampled
 from luced.runtime.kv_cache import ContextOverflow
 from luced.runtime.model import Model
@@ -106,7 +107,8 @@ def compute(worker: WorkerState, req: F.Forward, fed: torch.Tensor | None = None
             rec.track_positions = keep
         if graphs is not None:
             assert ids is not None
-            logits = graphs.step([state.caches[0] for state in states], ids)
+            sizes = [s.n for s in spans]
+            logits = graphs.step([state.caches[0] for state in states], ids, sizes)
         else:
             assert hidden is not None
             hidden = _layers(m, hidden, spans, states, bounds, req.capture, rings, ids)
@@ -239,13 +241,22 @@ def _draft_probs(
 
 
 def _graphed(m: Loaded, req: F.Forward, states: list[SequenceState]) -> bool:
-    """Whether this frame is decode steps the load's captured step takes: one new token
-    per sequence, sampled or returned, from ids, over the block pool's caches, with nothing
-    else asked (no captures, KV Flash plans, verify windows or pooling)."""
+    """Whether the load's captured step takes this frame: from ids, over the block pool's
+    caches, every span a row out for every token it feeds (a decode token, a verify
+    window of at most TOKEN_BUCKETS[-1]), with nothing else asked (no captures, KV Flash
+    plans or pooling). On the CPU, windows only while the bucket's rows stay on the packed
+    kernels' row-exact path, as they would in the eager forward."""
     graphs = m.decode_graphs
     if graphs is None or req.tokens is None or req.capture or req.want == "hidden":
         return False
-    if any(s.n != 1 or s.n_out != 1 or s.verify or s.kv_plan or s.pool for s in req.spans):
+    spans = req.spans
+    if any(s.n_out != s.n or s.kv_plan or s.pool or s.keep_block_states for s in spans):
+        return False
+    widest = max(s.n for s in spans)
+    if widest > TOKEN_BUCKETS[-1]:
+        return False
+    rows = bucket(len(spans), BATCH_BUCKETS) * bucket(widest, TOKEN_BUCKETS)
+    if widest > 1 and graphs.pool.device.type == "cpu" and rows > qlinear.GEMV_MAX_ROWS:
         return False
     return all(getattr(state.caches[0], "pool", None) is graphs.pool for state in states)
 

@@ -164,7 +164,35 @@ def test_captured_decode_equals_eager(gpu, q4, family: str) -> None:
            captures=graphs.captures)  # fmt: skip
     assert replay_err < 5e-3 and model_err < 2e-2
     if gpu.type == "cuda":
-        assert graphs.captures == 2  # buckets (1, 256) and (4, 256)
+        assert graphs.captures == 2  # buckets (1, 1, 256) and (4, 1, 256)
+
+
+def test_captured_verify_windows_equal_eager(gpu, q4) -> None:
+    """Verify windows (16 and 3 tokens, a bucket of 2 x 16) through the graph against the
+    same step run eagerly, in bfloat16 with packed weights, each window rolled back to its
+    first half after, as a rejection would."""
+    model = Model.load(q4["llama"], device=gpu, dtype="bfloat16", weights="auto")
+    prompts = [list(range(20, 45)), [9, 10, 11]]
+    pools = [model.new_block_pool(16) for _ in range(2)]
+    caches = [[model.new_paged_cache(pool, 512) for _ in prompts] for pool in pools]
+    for p, *each in zip(prompts, *caches, strict=True):
+        for c in each:
+            model.forward(torch.tensor(p, device=gpu), c, 0)
+    graphs = DecodeGraphs(model, pools[0], 512)
+    eager = DecodeGraphs(model, pools[1], 512, capture=False)
+    sizes, err = [16, 3], 0.0
+    for r in range(4):
+        ids = torch.arange(1, 20, device=gpu) * (r + 3) % 300 + 1
+        got, want = graphs.step(caches[0], ids, sizes), eager.step(caches[1], ids, sizes)
+        assert got.shape == (19, model.cfg.vocab)
+        err = max(err, rel(got, want))
+        for each in caches:
+            for c, n in zip(each, sizes, strict=True):
+                c.truncate(c.pos - n // 2)
+    record("graph_verify_window", replay_rel=err, captures=graphs.captures)
+    assert err < 5e-3
+    if gpu.type == "cuda":
+        assert graphs.captures == 1  # one bucket (2, 16, 256), replayed
 
 
 def test_the_compiled_step_follows_the_captured_one(gpu, q4) -> None:

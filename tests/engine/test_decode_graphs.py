@@ -51,3 +51,25 @@ async def test_the_captured_step_follows_the_forward(tmp_path: Path, family: str
         assert (steps > 0) == (mode == "on"), (mode, steps)
     for ref, got in zip(results["off"], results["on"], strict=True):
         agree(ref, got, TOL)
+
+
+async def test_verify_windows_take_the_captured_step(tmp_path: Path) -> None:
+    """n-gram drafts on repetitive prompts: the verify windows (greedy: a row after every
+    token) run through the captured step, and the tokens follow `off`'s."""
+    path = tmp_path / "llama.gguf"
+    make_tiny_gguf("llama", path, seed=11, layers=2, context=512)
+    greedy = SamplingParams(temperature=0, logprobs=2)
+    prompts = [[11, 12, 13, 14] * 8, [5, 6] * 12]
+    results, windows = {}, {}
+    for mode in ("off", "on"):
+        async with engine_for(
+            path, max_running=2, decode_graphs=mode, lookup_drafts=True, block_size=8
+        ) as engine:
+            results[mode] = await asyncio.gather(
+                *(run_length(engine, p, greedy, N) for p in prompts)
+            )
+            (worker,) = (await engine.target.stats())["workers"]
+            windows[mode] = worker["decode_graph_windows"]
+    assert windows["off"] == 0 and windows["on"] > 0, windows
+    for ref, got in zip(results["off"], results["on"], strict=True):
+        agree(ref, got, TOL)

@@ -75,7 +75,7 @@ def test_captured_step_equals_the_batched_forward(tiny: Path) -> None:
         err = float((got - ref).abs().max() / ref.abs().max())
         assert err < 1e-5, (step, err)
         tokens = ref.argmax(-1).tolist()
-    assert set(graphs.graphs) == {(4, 256), (4, 512)}
+    assert set(graphs.graphs) == {(4, 1, 256), (4, 1, 512)}
     assert graphs.captures == 0  # nothing is captured on the CPU
 
 
@@ -121,7 +121,7 @@ def test_a_pool_that_grows_drops_its_graphs(tiny: Path) -> None:
         got = graphs.step(caches, torch.tensor(tokens))
         assert float((got - want).abs().max() / want.abs().max()) < 1e-5
         generations.add(pool.generation)
-        batch = graphs.graphs[(2, 256)].batch
+        batch = graphs.graphs[(2, 1, 256)].batch
         if not any(b is batch for b in batches):  # (held: an id could be reused)
             batches.append(batch)
         tokens = want.argmax(-1).tolist()
@@ -174,7 +174,7 @@ def test_the_compiled_step_equals_the_batched_forward(tmp_path: Path) -> None:
         got = graphs.step(caches, torch.tensor(tokens))
         assert float((got - ref).abs().max() / ref.abs().max()) < 1e-5
         tokens = ref.argmax(-1).tolist()
-    assert set(graphs.graphs) == {(2, 256)}
+    assert set(graphs.graphs) == {(2, 1, 256)}
     assert counters["stats"]["unique_graphs"] == compiled + 1  # compiled once, then reused
 
 
@@ -195,3 +195,27 @@ def test_a_step_that_cannot_compile_runs_uncompiled(tmp_path: Path, caplog) -> N
         tokens = want.argmax(-1).tolist()
     assert not compiled.compile and compiled.compile_error
     assert sum("not compiled" in r.message for r in caplog.records) == 1
+
+
+def test_verify_windows_equal_the_batched_forward(tiny: Path) -> None:
+    """Windows of 5 and 2 tokens and a decode token (a bucket of 4 slots of 8 tokens: one
+    slot and most tokens padding), then a truncate to drop a window's rejected tail, as a
+    verify does: every fed token's logits equal the batched forward's, and the sequences'
+    rows stay the forward's (the next steps agree)."""
+    model = Model.load(tiny)
+    ref_caches = _prefilled(model, model.new_block_pool(16))
+    pool = model.new_block_pool(16)
+    caches = _prefilled(model, pool)
+    graphs = DecodeGraphs(model, pool, 512)
+    for sizes in ([5, 2, 1], [1, 1, 1], [3, 4, 2]):
+        windows = [[(7 * k + 3 * i) % 400 + 1 for i in range(n)] for k, n in enumerate(sizes)]
+        starts = [c.pos for c in ref_caches]
+        ref = model.forward_batch([torch.tensor(w) for w in windows], ref_caches, starts)
+        got = graphs.step(caches, torch.tensor([t for w in windows for t in w]), sizes)
+        ref = torch.cat(ref)
+        assert got.shape == ref.shape
+        assert float((got - ref).abs().max() / ref.abs().max()) < 1e-5
+        for c, r, n in zip(caches, ref_caches, sizes, strict=True):  # keep half the window
+            c.truncate(c.pos - n // 2)
+            r.truncate(r.pos - n // 2)
+    assert {key[1] for key in graphs.graphs} == {8, 1, 4}

@@ -33,6 +33,7 @@ def test_the_gpu_check_runs_on_the_cpu(tmp_path: Path) -> None:
     assert bench["env"]["device"] == "cpu"
     assert bench["decode"]["tok_per_s"]["graph"] > 0 and bench["decode"]["graph_captures"] == 0
     assert set(bench["batch"]["tok_per_s"]["graph"]) == {"1", "8"}
+    assert bench["verify"]["graph_verify16_over_graph_step"] > 0
     # The CPU's packed kernels are not traceable: the compiled section runs uncompiled.
     assert bench["compiled"]["tok_per_s"]["1"] > 0 and bench["compiled"]["compile_error"]
     assert {(s["out"], s["in"]) for s in bench["matmul"]["shapes"]} >= {(128, 128), (512, 128)}

@@ -129,6 +129,16 @@ def _teacher_forced(model: Model, ids: torch.Tensor, device: torch.device) -> to
     return torch.cat(out).float().cpu()
 
 
+def prefilled_pools(model: Model, prompts: list[list[int]], n: int) -> tuple[list, list]:
+    """n block pools, each with a paged cache per prompt, prefilled -> (pools, caches)."""
+    pools = [model.new_block_pool(16) for _ in range(n)]
+    caches = [[model.new_paged_cache(pool, 512) for _ in prompts] for pool in pools]
+    for p, *each in zip(prompts, *caches, strict=True):
+        for c in each:
+            model.forward(torch.tensor(p, device=model.device), c, 0)
+    return pools, caches
+
+
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
 def test_captured_decode_equals_eager(gpu, q4, family: str) -> None:
     """Graph replays of the decode step (buckets of 1 and 4 sequences) against the same
@@ -138,11 +148,7 @@ def test_captured_decode_equals_eager(gpu, q4, family: str) -> None:
     bf16's rounding)."""
     model = Model.load(q4[family], device=gpu, dtype="bfloat16", weights="auto")
     prompts = [[5, 6, 7], list(range(20, 45)), [9], list(range(100, 110))]
-    pools = [model.new_block_pool(16) for _ in range(3)]
-    caches = [[model.new_paged_cache(pool, 512) for _ in prompts] for pool in pools]
-    for p, *each in zip(prompts, *caches, strict=True):
-        for c in each:
-            model.forward(torch.tensor(p, device=gpu), c, 0)
+    pools, caches = prefilled_pools(model, prompts, 3)
     graphs = DecodeGraphs(model, pools[0], 512)
     eager = DecodeGraphs(model, pools[1], 512, capture=False)
     refs = caches[2]
@@ -173,11 +179,7 @@ def test_captured_verify_windows_equal_eager(gpu, q4) -> None:
     first half after, as a rejection would."""
     model = Model.load(q4["llama"], device=gpu, dtype="bfloat16", weights="auto")
     prompts = [list(range(20, 45)), [9, 10, 11]]
-    pools = [model.new_block_pool(16) for _ in range(2)]
-    caches = [[model.new_paged_cache(pool, 512) for _ in prompts] for pool in pools]
-    for p, *each in zip(prompts, *caches, strict=True):
-        for c in each:
-            model.forward(torch.tensor(p, device=gpu), c, 0)
+    pools, caches = prefilled_pools(model, prompts, 2)
     graphs = DecodeGraphs(model, pools[0], 512)
     eager = DecodeGraphs(model, pools[1], 512, capture=False)
     sizes, err = [16, 3], 0.0
@@ -201,11 +203,7 @@ def test_the_compiled_step_follows_the_captured_one(gpu, q4) -> None:
     fused kernels round otherwise, so within bf16's rounding, not bit for bit."""
     model = Model.load(q4["llama"], device=gpu, dtype="bfloat16", weights="auto")
     prompts = [list(range(20, 45)), [9, 10]]
-    pools = [model.new_block_pool(16) for _ in range(2)]
-    caches = [[model.new_paged_cache(pool, 512) for _ in prompts] for pool in pools]
-    for p, *each in zip(prompts, *caches, strict=True):
-        for c in each:
-            model.forward(torch.tensor(p, device=gpu), c, 0)
+    pools, caches = prefilled_pools(model, prompts, 2)
     plain = DecodeGraphs(model, pools[0], 512)
     compiled = DecodeGraphs(model, pools[1], 512, compile=True)
     tokens, err = [p[-1] for p in prompts], 0.0

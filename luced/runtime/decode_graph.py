@@ -260,6 +260,17 @@ class DecodeGraphs:
         """Feed ids to the caches, sizes[i] of them to caches[i] from its position (default
         one each: a decode step; more: a verify window) -> the logits of every fed token
         [len(ids), vocab], in order."""
+        return self.step_capturing(caches, ids, sizes)[0]
+
+    def step_capturing(
+        self,
+        caches: Sequence[PagedKVCache],
+        ids: torch.Tensor,
+        sizes: Sequence[int] | None = None,
+        capture: tuple[int, ...] = (),
+    ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """`step`, also returning the outputs of the layers in `capture` (a DFlash target's
+        feature rows) for every fed token: -> (logits, {layer: [len(ids), hidden]})."""
         n = len(caches)
         sizes = [1] * n if sizes is None else list(sizes)
         if not n or len(sizes) != n or sum(sizes) != ids.numel() or min(sizes) < 1:
@@ -275,13 +286,13 @@ class DecodeGraphs:
             self.graphs.clear()  # they read the tensors the pool replaced
             self._generation = self.pool.generation
         tokens = bucket(max(sizes), TOKEN_BUCKETS)
-        key = (bucket(n, BATCH_BUCKETS), tokens, bucket(end, self.row_sizes))
+        key = (bucket(n, BATCH_BUCKETS), tokens, bucket(end, self.row_sizes), capture)
         captured = self.graphs.get(key)
         if captured is None:
             captured = _Captured(self.model, self.pool, *key, compile=self.compile)
             self.graphs[key] = captured
         self._fill(captured.batch, caches, ids, sizes)
-        logits = captured.run(self._graph_pool)
+        logits, layers = captured.run(self._graph_pool)
         if captured.compile_error is not None and self.compile:
             self.compile, self.compile_error = False, captured.compile_error
             log.warning(
@@ -293,9 +304,11 @@ class DecodeGraphs:
         self.steps += 1
         self.windows += tokens > 1
         if tokens == 1:
-            return logits[:n]
-        fed = [i * tokens + j for i, k in enumerate(sizes) for j in range(k)]
-        return logits[torch.tensor(fed, device=logits.device)]
+            rows: slice | torch.Tensor = slice(0, n)
+        else:
+            fed = [i * tokens + j for i, k in enumerate(sizes) for j in range(k)]
+            rows = torch.tensor(fed, device=logits.device)
+        return logits[rows], {layer: layers[i][rows] for i, layer in enumerate(capture)}
 
     def _fill(
         self,
@@ -337,26 +350,30 @@ class _Captured:
         batch: int,
         tokens: int,
         rows: int,
+        capture: tuple[int, ...],
         *,
         compile: bool,
     ) -> None:
         self.model = model
         self.batch = StepBatch(pool, batch, rows, model._kv_sources(), tokens)
+        self.capture = capture
         self.graph: torch.cuda.CUDAGraph | None = None
-        self.out: torch.Tensor | None = None
+        self.out: tuple[torch.Tensor, torch.Tensor] | None = None
         self._new = 0
         self._run = (
             torch.compile(self._step, fullgraph=True, dynamic=False) if compile else self._step
         )
         self.compile_error: str | None = None
 
-    def _step(self) -> torch.Tensor:
+    def _step(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (logits, the captured layers' outputs [len(capture), B·T, hidden])."""
         m, batch = self.model, self.batch
         hidden = m.embed_rows(batch.ids)
-        h, _ = m.run_layers(hidden, batch, batch, ids=batch.ids)
-        return m.head_logits(h)
+        h, caps = m.run_layers(hidden, batch, batch, self.capture, ids=batch.ids)
+        layers = torch.stack([caps[i] for i in self.capture]) if self.capture else h[None, :0]
+        return m.head_logits(h), layers
 
-    def forward(self) -> torch.Tensor:
+    def forward(self) -> tuple[torch.Tensor, torch.Tensor]:
         with torch.inference_mode():  # one around the step, which holds none (docstring)
             try:
                 return self._run()
@@ -367,7 +384,7 @@ class _Captured:
                 self._run = self._step
                 return self._step()
 
-    def run(self, graph_pool: object) -> torch.Tensor:
+    def run(self, graph_pool: object) -> tuple[torch.Tensor, torch.Tensor]:
         """graph_pool None: eagerly (the CPU, or capture off)."""
         if graph_pool is None:
             return self.forward()

@@ -108,7 +108,9 @@ def compute(worker: WorkerState, req: F.Forward, fed: torch.Tensor | None = None
         if graphs is not None:
             assert ids is not None
             sizes = [s.n for s in spans]
-            logits = graphs.step([state.caches[0] for state in states], ids, sizes)
+            caches = [state.caches[0] for state in states]
+            logits, caps = graphs.step_capturing(caches, ids, sizes, req.capture)
+            _write_captures(caps, req.capture, list(spans), rings)
         else:
             assert hidden is not None
             hidden = _layers(m, hidden, spans, states, bounds, req.capture, rings, ids)
@@ -243,11 +245,11 @@ def _draft_probs(
 def _graphed(m: Loaded, req: F.Forward, states: list[SequenceState]) -> bool:
     """Whether the load's captured step takes this frame: from ids, over the block pool's
     caches, every span a row out for every token it feeds (a decode token, a verify
-    window of at most TOKEN_BUCKETS[-1]), with nothing else asked (no captures, KV Flash
-    plans or pooling). On the CPU, windows only while the bucket's rows stay on the packed
-    kernels' row-exact path, as they would in the eager forward."""
+    window of at most TOKEN_BUCKETS[-1]; a DFlash target's captured layers too), with no
+    KV Flash plan or pooling. On the CPU, windows only while the bucket's rows stay on the
+    packed kernels' row-exact path, as they would in the eager forward."""
     graphs = m.decode_graphs
-    if graphs is None or req.tokens is None or req.capture or req.want == "hidden":
+    if graphs is None or req.tokens is None or req.want == "hidden":
         return False
     spans = req.spans
     if any(s.n_out != s.n or s.kv_plan or s.pool or s.keep_block_states for s in spans):

@@ -170,7 +170,7 @@ def test_captured_decode_equals_eager(gpu, q4, family: str) -> None:
            captures=graphs.captures)  # fmt: skip
     assert replay_err < 5e-3 and model_err < 2e-2
     if gpu.type == "cuda":
-        assert graphs.captures == 2  # buckets (1, 1, 256) and (4, 1, 256)
+        assert graphs.captures == 2  # buckets (1, 1, 256, ()) and (4, 1, 256, ())
 
 
 def test_captured_verify_windows_equal_eager(gpu, q4) -> None:
@@ -194,7 +194,7 @@ def test_captured_verify_windows_equal_eager(gpu, q4) -> None:
     record("graph_verify_window", replay_rel=err, captures=graphs.captures)
     assert err < 5e-3
     if gpu.type == "cuda":
-        assert graphs.captures == 1  # one bucket (2, 16, 256), replayed
+        assert graphs.captures == 1  # one bucket (2, 16, 256, ()), replayed
 
 
 def test_the_compiled_step_follows_the_captured_one(gpu, q4) -> None:

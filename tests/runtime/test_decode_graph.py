@@ -75,7 +75,7 @@ def test_captured_step_equals_the_batched_forward(tiny: Path) -> None:
         err = float((got - ref).abs().max() / ref.abs().max())
         assert err < 1e-5, (step, err)
         tokens = ref.argmax(-1).tolist()
-    assert set(graphs.graphs) == {(4, 1, 256), (4, 1, 512)}
+    assert set(graphs.graphs) == {(4, 1, 256, ()), (4, 1, 512, ())}
     assert graphs.captures == 0  # nothing is captured on the CPU
 
 
@@ -121,7 +121,7 @@ def test_a_pool_that_grows_drops_its_graphs(tiny: Path) -> None:
         got = graphs.step(caches, torch.tensor(tokens))
         assert float((got - want).abs().max() / want.abs().max()) < 1e-5
         generations.add(pool.generation)
-        batch = graphs.graphs[(2, 1, 256)].batch
+        batch = graphs.graphs[(2, 1, 256, ())].batch
         if not any(b is batch for b in batches):  # (held: an id could be reused)
             batches.append(batch)
         tokens = want.argmax(-1).tolist()
@@ -174,7 +174,7 @@ def test_the_compiled_step_equals_the_batched_forward(tmp_path: Path) -> None:
         got = graphs.step(caches, torch.tensor(tokens))
         assert float((got - ref).abs().max() / ref.abs().max()) < 1e-5
         tokens = ref.argmax(-1).tolist()
-    assert set(graphs.graphs) == {(2, 1, 256)}
+    assert set(graphs.graphs) == {(2, 1, 256, ())}
     assert counters["stats"]["unique_graphs"] == compiled + 1  # compiled once, then reused
 
 

@@ -22,6 +22,9 @@ Sections (each written to --out as soon as it is measured, so a run cut short st
     verify     a 16-token forward against one decode step (eager and graph): what a DFlash
                verify costs, and the speedup an oracle drafter (all 16 accepted) would give;
                the same window through the captured step, against the graph decode step
+    attention  one layer's decode attention through the row map: gather + SDPA against the
+               Triton kernel (runtime/paged_attention.py), 1 and 32 sequences, 512 to 8192
+               rows (last, after the compile)
     compiled   the graph step compiled by torch.compile first (`--decode-graphs compile`) at
                1 and 32 sequences: tok/s, the first step's seconds (the compile), the
                fraction of the ceiling at 1 and the speedup over the plain graph
@@ -33,6 +36,7 @@ On the CPU (`--device cpu`, a dry run of the script) the graph columns run eager
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import secrets
 import statistics
@@ -179,6 +183,33 @@ def graph_verify_cost(model: Model, device: torch.device, repeats: int) -> float
         times.append(seconds(lambda b=block: graphs.step([cache], b, [16]), device))
         cache.truncate(PROMPT)
     return statistics.median(times[1:])
+
+
+def attention_costs(model: Model, device: torch.device, gpu: bool) -> dict:
+    """Microseconds of one layer's decode attention through the row map at the model's head
+    shapes, gather + SDPA against the Triton kernel (runtime/paged_attention.py), for 1 and
+    32 sequences over 512, 2048 and 8192 attended rows, each row map a random permutation of
+    the pool's rows (as blocks scattered by sharing and reuse)."""
+    from luced.runtime.paged_attention import gather_attention, triton, triton_attention
+
+    hkv, dim = model.cfg.kv_shape(model.layers[0])
+    heads = model.cfg.n_heads
+    ways = {"gather": gather_attention}
+    if gpu and triton is not None:
+        ways["triton"] = triton_attention
+    out: dict = {"heads": heads, "kv_heads": hkv, "head_dim": dim, "us": {}}
+    for batch in (1, 32):
+        for length in (512, 2048, 8192) if gpu else (512,):
+            pool_rows = batch * length
+            keys = torch.randn(hkv, pool_rows, dim, device=device, dtype=model.kv_dtype)
+            values = torch.randn_like(keys)
+            rows = torch.randperm(pool_rows, device=device).view(batch, length)
+            positions = torch.full((batch,), length - 1, device=device)
+            q = torch.randn(batch, heads, dim, device=device, dtype=model.kv_dtype)
+            for name, fn in ways.items():
+                call = functools.partial(fn, q, keys, values, rows, positions, None, dim**-0.5)
+                out["us"][f"{name}_b{batch}_l{length}"] = 1e6 * kernel_seconds(call, device)
+    return out
 
 
 def kernel_seconds(fn: Callable[[], object], device: torch.device, calls: int = 20) -> float:
@@ -358,6 +389,7 @@ def main(argv: list[str] | None = None) -> None:
         else:
             compiled[f"ratio_{b}_vs_1"] = compiled["tok_per_s"][b] / compiled["tok_per_s"][1]
         report.add("compiled", compiled)
+    report.add("attention", attention_costs(model, device, gpu))
 
 
 def _embedding_bytes(model: Model) -> int:

@@ -57,15 +57,16 @@ from types import ModuleType
 from typing import Any, Protocol
 
 import torch
-import torch.nn.functional as F
 
 from luced.runtime.kv_blocks import BlockPool, PagedKVCache
 from luced.runtime.layers import Rope, apply_rope
+from luced.runtime.paged_attention import gather_attention, triton_attention
 from luced.runtime.ragged import Ragged
 
 log = logging.getLogger(__name__)
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+ATTENTION = {"gather": gather_attention, "triton": triton_attention}
 # Tokens per sequence: 1 to decode, a verify window's length rounded up to a power of two.
 TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 
@@ -124,8 +125,10 @@ class StepBatch(Ragged):
         rows: int,
         sources: dict[int, int] | None = None,
         tokens: int = 1,
+        attention: str = "gather",
     ) -> None:
-        """sources: a KV-sharing layer -> the layer whose rows it reads."""
+        """sources: a KV-sharing layer -> the layer whose rows it reads; attention: "gather"
+        or "triton" (`paged_attention`)."""
         device = pool.device
         self.pool = pool
         self.sources = dict(sources or {})
@@ -141,8 +144,7 @@ class StepBatch(Ragged):
         self.write_rows = torch.zeros(self.n, dtype=torch.int64, device=device)
         self.position_list = []  # the native CPU kernels never see this batch
         self.rows = torch.zeros(batch, rows, dtype=torch.int64, device=device)
-        # key j is visible to a token at position p iff j <= p (and inside a window)
-        self._keys = torch.arange(rows, device=device)
+        self.attention = ATTENTION[attention]
 
     def reserve(self) -> None:
         pass
@@ -176,25 +178,8 @@ class StepBatch(Ragged):
         if kv is not None:
             keys.index_copy_(1, self.write_rows, kv[0].transpose(0, 1).to(keys.dtype))
             values.index_copy_(1, self.write_rows, kv[1].transpose(0, 1).to(values.dtype))
-        n, heads, dim = q.shape
-        b, t = self.batch, self.tokens
-        hkv, length = keys.shape[0], self.rows.shape[1]
-        flat = self.rows.view(-1)
-        k = keys.index_select(1, flat).view(hkv, b, length, dim).transpose(0, 1)
-        v = values.index_select(1, flat).view(hkv, b, length, dim).transpose(0, 1)
-        at = self.positions.view(b, t, 1)
-        visible = self._keys <= at  # [B, T, L]
-        if window is not None:
-            visible &= (at - self._keys) < window
-        out = F.scaled_dot_product_attention(
-            q.to(k.dtype).view(b, t, heads, dim).transpose(1, 2),  # [B, H, T, D]
-            k,
-            v,
-            attn_mask=visible[:, None],
-            scale=scale,
-            enable_gqa=heads != hkv,
-        )
-        return out.transpose(1, 2).reshape(n, heads * dim).to(q.dtype)
+        out = self.attention(q, keys, values, self.rows, self.positions, window, scale)
+        return out.flatten(1)
 
 
 def supports(model: WholeModel) -> str | None:
@@ -223,10 +208,11 @@ class DecodeGraphs:
         *,
         capture: bool = True,
         compile: bool = False,
+        attention: str = "gather",
     ) -> None:
         """capture False: run the same fixed-shape step eagerly on a GPU too (what a graph
         saves is measured against it); compile: through torch.compile first (module
-        docstring)."""
+        docstring); attention: "gather" or "triton" (`paged_attention`)."""
         why = supports(model)
         if why is not None:
             raise ValueError(f"no captured decode for this model: {why}")
@@ -235,6 +221,9 @@ class DecodeGraphs:
         self.capacity = capacity
         self.row_sizes = row_buckets(capacity)
         self.graphs: dict[tuple[int, int], _Captured] = {}
+        if attention not in ATTENTION:
+            raise ValueError(f"attention must be one of {sorted(ATTENTION)}, got {attention!r}")
+        self.attention = attention
         self.compile = compile  # turned off when a step cannot be compiled
         self.compile_error: str | None = None
         if compile:  # each bucket is one more compile of the same step: let all of them be
@@ -289,7 +278,9 @@ class DecodeGraphs:
         key = (bucket(n, BATCH_BUCKETS), tokens, bucket(end, self.row_sizes), capture)
         captured = self.graphs.get(key)
         if captured is None:
-            captured = _Captured(self.model, self.pool, *key, compile=self.compile)
+            captured = _Captured(
+                self.model, self.pool, *key, compile=self.compile, attention=self.attention
+            )
             self.graphs[key] = captured
         self._fill(captured.batch, caches, ids, sizes)
         logits, layers = captured.run(self._graph_pool)
@@ -353,9 +344,10 @@ class _Captured:
         capture: tuple[int, ...],
         *,
         compile: bool,
+        attention: str,
     ) -> None:
         self.model = model
-        self.batch = StepBatch(pool, batch, rows, model._kv_sources(), tokens)
+        self.batch = StepBatch(pool, batch, rows, model._kv_sources(), tokens, attention)
         self.capture = capture
         self.graph: torch.cuda.CUDAGraph | None = None
         self.out: tuple[torch.Tensor, torch.Tensor] | None = None

@@ -197,6 +197,40 @@ def test_captured_verify_windows_equal_eager(gpu, q4) -> None:
         assert graphs.captures == 1  # one bucket (2, 16, 256, ()), replayed
 
 
+def test_triton_attention_equals_the_gather(gpu, q4) -> None:
+    """The Triton decode attention against gather + SDPA, in bfloat16 at an 8B model's head
+    shapes (32 heads over 8, dim 128) over 2048 pooled rows, and as the attention of the
+    captured step on tiny llama (tests/runtime/test_paged_attention.py checks the kernel on
+    the CPU, under Triton's interpreter)."""
+    if gpu.type != "cuda":
+        pytest.skip("the Triton kernel runs on a GPU here")
+    from luced.runtime.paged_attention import gather_attention, triton_attention
+
+    torch.manual_seed(0)
+    keys = torch.randn(8, 4096, 128, device=gpu, dtype=torch.bfloat16)
+    values = torch.randn_like(keys)
+    rows = torch.stack([torch.randperm(4096, device=gpu)[:2048] for _ in range(4)])
+    positions = torch.tensor([2047, 100, 1500, 0, 700, 701, 702, 703], device=gpu)  # T = 2
+    q = torch.randn(8, 32, 128, device=gpu, dtype=torch.bfloat16)
+    kernel_err = max(
+        rel(triton_attention(q, keys, values, rows, positions, w, 0.088),
+            gather_attention(q, keys, values, rows, positions, w, 0.088))
+        for w in (None, 512)
+    )  # fmt: skip
+    model = Model.load(q4["llama"], device=gpu, dtype="bfloat16", weights="auto")
+    pools, caches = prefilled_pools(model, [list(range(20, 45)), [9, 10, 11]], 2)
+    gather = DecodeGraphs(model, pools[0], 512)
+    triton_step = DecodeGraphs(model, pools[1], 512, attention="triton")
+    step_err, tokens = 0.0, [44, 11]
+    for _ in range(6):
+        ids = torch.tensor(tokens, device=gpu)
+        want = gather.step(caches[0], ids)
+        step_err = max(step_err, rel(triton_step.step(caches[1], ids), want))
+        tokens = want.argmax(-1).tolist()
+    record("triton_attention", kernel_rel=kernel_err, step_rel=step_err)
+    assert kernel_err < 1e-2 and step_err < 1e-2
+
+
 def test_the_compiled_step_follows_the_captured_one(gpu, q4) -> None:
     """`--decode-graphs compile`: the step compiled by torch.compile (Triton on the GPU) and
     captured, against the uncompiled graph, on tiny llama in bfloat16 with packed weights:

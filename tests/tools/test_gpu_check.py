@@ -13,7 +13,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 SECTIONS = {"env", "bandwidth", "load", "decode", "matmul", "transfer", "verify", "batch",
-            "compiled"}  # fmt: skip
+            "compiled", "attention"}  # fmt: skip
 
 
 def test_the_gpu_check_runs_on_the_cpu(tmp_path: Path) -> None:
@@ -34,6 +34,7 @@ def test_the_gpu_check_runs_on_the_cpu(tmp_path: Path) -> None:
     assert bench["decode"]["tok_per_s"]["graph"] > 0 and bench["decode"]["graph_captures"] == 0
     assert set(bench["batch"]["tok_per_s"]["graph"]) == {"1", "8"}
     assert bench["verify"]["graph_verify16_over_graph_step"] > 0
+    assert set(bench["attention"]["us"]) == {"gather_b1_l512", "gather_b32_l512"}
     # The CPU's packed kernels are not traceable: the compiled section runs uncompiled.
     assert bench["compiled"]["tok_per_s"]["1"] > 0 and bench["compiled"]["compile_error"]
     assert {(s["out"], s["in"]) for s in bench["matmul"]["shapes"]} >= {(128, 128), (512, 128)}

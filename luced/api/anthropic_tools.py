@@ -103,8 +103,6 @@ def _only(
 
 
 def _result_text(param: str, value: Any) -> str:
-    if isinstance(value, str):
-        return value  # as the client sent it
     return text_parts(param, value, _result_block, "text blocks", ANTHROPIC)
 
 

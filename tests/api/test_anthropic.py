@@ -257,6 +257,25 @@ def test_tool_use_and_results_become_chat_turns() -> None:
             {"messages": [{"role": "assistant", "content": [{"type": "tool_result"}]}, *USER]},
             "messages.0.content.0.type",
         ),
+        (  # a lone surrogate no tokenizer takes, in a result given as a plain string
+            {
+                "messages": [
+                    *USER,
+                    {
+                        "role": "assistant",
+                        "content": [{"type": "tool_use", "id": "t", "name": "f", "input": {}}],
+                    },
+                    {
+                        "role": "user",
+                        "content": [
+                            {"type": "tool_result", "tool_use_id": "t", "content": "\ud800"}
+                        ],
+                    },
+                ],
+                "tools": [WEATHER],
+            },
+            "messages.2.content.0.content",
+        ),
     ],
 )
 def test_bad_tools(body: dict, where: str) -> None:

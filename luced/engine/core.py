@@ -38,7 +38,7 @@ from luced.cache.prefix_cache import PrefixCache
 from luced.engine.executor import WorkerDied, WorkerReplyError
 from luced.engine.intake import Intake
 from luced.engine.kv.budget import KVBudget
-from luced.engine.kv.finished import FinishedPrefixes
+from luced.engine.kv.finished import KEPT_LANES, FinishedPrefixes
 from luced.engine.prefix import PrefixReuse
 from luced.engine.request import (
     ContextTooLong,
@@ -134,6 +134,7 @@ class Engine:
         self.kv = KVBudget(pool)
         keep = min(kv_keep_tokens, pool)
         self.finished = FinishedPrefixes(self.kv, max_running, keep) if keep else None
+        target.size_blocks(pool, max_running + (KEPT_LANES if keep else 0))  # its tables
         self.scheduler = Scheduler(
             max_running=max_running,
             max_step_tokens=target.step_tokens,

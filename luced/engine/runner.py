@@ -96,6 +96,7 @@ class ModelRunner:
         ahead = {}
         if want == "sample" and self._ahead(works, rows, masks, plans, max(tokens, n_out)):
             ahead = self._outputs(n_out, logprobs, half - base)
+        grown = self._grow_tables(works, bool(ahead))
         if logits_out is not None:
             outputs = {"logits": logits_out}
         pooled = [j for j, w in enumerate(works) if w.pool]
@@ -129,6 +130,7 @@ class ModelRunner:
                         ring=ring.region if ring is not None else None,
                         kv_plan=plans[j][i] if plans[j] else {},
                         pool=w.pool if last else "",  # type: ignore[arg-type]
+                        **grown[j],
                     )
                 )
             return Forward(
@@ -178,6 +180,20 @@ class ModelRunner:
                 out[i].accepted = a if a >= 0 else None
         for k, j in enumerate(pooled):
             out[j].pooled = t.arrays["embeddings"][k].copy()
+        return out
+
+    def _grow_tables(self, works: list[Work], ahead: bool) -> list[dict]:
+        """Each work's span fields for its block table's growth (engine/kv/blocks.py): its
+        rows' blocks, and with `ahead` the next position's too (the worker writes it before
+        the next frame). Empty without a block pool."""
+        blocks = self.target.blocks
+        if blocks is None:
+            return [{} for _ in works]
+        cap = self.target.placement.kv_capacity
+        out = []
+        for w in works:
+            g = blocks.write(w.seq.slot, w.start, min(cap, w.start + len(w.tokens) + ahead))
+            out.append({"copies": g.copies, "blocks": g.blocks, "table": g.length})
         return out
 
     def _write_tokens(self, works: list[Work], base: int) -> None:

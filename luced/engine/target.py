@@ -61,6 +61,7 @@ from luced.engine.executor import (
 from luced.engine.experts import ExpertWorker
 from luced.engine.feature_ring import FeatureRing
 from luced.engine.hops import Hops
+from luced.engine.kv.blocks import BlockTables, pool_blocks
 from luced.engine.kv_transfer import KVTransfer
 from luced.engine.kvflash.pager import PagerConfig
 from luced.engine.kvflash.transport import KVFlash
@@ -161,8 +162,20 @@ class Target:
         self.draft: LoadDraftReply | None = None  # the DFlash draft, when one is loaded
         self._draft_path: str | None = None
         self._draft_device = ""
+        # The K/V block tables of the workers' pools (a load with kv_block): sized for the
+        # slots' whole contexts until the engine sizes them from its account (`size_blocks`).
+        self.blocks: BlockTables | None = None
+        if placement.kv_block and kv_flash is None:
+            self.size_blocks(sequences * placement.kv_capacity, sequences)
         self.lookup_drafts = False  # n-gram windows (`enable_lookup_drafts`)
         self.block_size = 0  # the longest draft window (with speculation)
+
+    def size_blocks(self, positions: int, lanes: int) -> None:
+        """The workers' pools hold `positions` (the KV account's) for at most `lanes`
+        tables at once (`pool_blocks`); before the first load."""
+        block = self.placement.kv_block
+        if block and self.flash_cfg is None:
+            self.blocks = BlockTables(pool_blocks(positions, lanes, block), block)
 
     # -- lifecycle -----------------------------------------------------------------------
 
@@ -286,7 +299,8 @@ class Target:
                 weights=p.weights_mode,
                 batch_invariant=p.batch_invariant,
                 kv_dtype=p.kv_dtype,
-                kv_block=0 if self.flash_cfg else p.kv_block,
+                kv_block=self.blocks.block if self.blocks else 0,
+                kv_blocks=self.blocks.n_blocks if self.blocks else 0,
                 decode_graphs=p.decode_graphs,
             )
         )
@@ -316,6 +330,8 @@ class Target:
     async def release(self, slot: int, keep_sampler: bool = False) -> None:
         """Forget `slot`'s sequence in every worker (its caches are freed); with
         `keep_sampler` the workers keep its sampler (a preempted sequence resumes there)."""
+        if self.blocks is not None:  # first: a worker that fails forgets it too
+            self.blocks.free(slot)
         reset = Reset(sequence=slot, release=True, keep_sampler=keep_sampler)
         await asyncio.gather(*(w.call(reset) for w in self.executor.workers()))
         if slot in self._flashes:
@@ -324,6 +340,8 @@ class Target:
     async def reset(self, slot: int) -> None:
         """Empty `slot`'s sequence in every worker (its sampler dropped): in sync again,
         unless a worker is gone."""
+        if self.blocks is not None:
+            self.blocks.free(slot)
         reset = Reset(sequence=slot)
         await asyncio.gather(*(w.call(reset) for w in self.executor.workers()))
         if slot in self._flashes:
@@ -333,6 +351,8 @@ class Target:
     async def truncate(self, slot: int, position: int) -> None:
         """Roll `slot`'s sequence back to `position` in every worker (the next span's start
         does this too; this is for a failed step's undo)."""
+        if self.blocks is not None:  # the blocks wholly past it go, as in the workers
+            self.blocks.truncate(slot, position)
         frame = Truncate(position=position, sequence=slot)
         await asyncio.gather(*(w.call(frame) for w in self.executor.workers()))
         if (flash := self._flashes.get(slot)) is not None:
@@ -360,6 +380,12 @@ class Target:
             raise ValueError("this target does not share prefixes (shares_prefixes)")
         frame = KVShare(sequence=slot, source=source, position=n)
         try:
+            if self.blocks is not None:  # the source's blocks, as each worker takes them
+                self.blocks.free(slot)
+                try:
+                    self.blocks.share(slot, source, n)
+                except ValueError as exc:  # as a worker would refuse it
+                    raise WorkerReplyError(f"kv_share: {exc}") from None
             replies = await asyncio.gather(*(w.call(frame) for w in self.executor.workers()))
         except BaseException:
             with contextlib.suppress(Exception):
@@ -597,6 +623,10 @@ class KVMover:
         frames = await t.transfer.import_frames(n, regions, tokens, ring, self.slot, entry)
         t.executor.in_sync = False  # the shards may disagree until every one has imported
         try:
+            if t.blocks is not None:  # the rows go to fresh blocks of the daemon's choosing
+                t.blocks.free(self.slot)
+                blocks = t.blocks.grow(self.slot, n)
+                frames = [dataclasses.replace(f, blocks=blocks) for f in frames]
             await t.transfer.import_(frames, regions.get("ring"), ring)
         except BaseException:
             self.position = 0

@@ -52,7 +52,7 @@ from luced.runtime.decode_graph import DecodeGraphs, supports
 from luced.runtime.dflash import verbs as draft_verbs
 from luced.runtime.expert_link import ExpertServer, HopExperts, RemoteExperts
 from luced.runtime.hops import Hops
-from luced.runtime.kv_blocks import BlockPool
+from luced.runtime.kv_blocks import BlockPool, PagedKVCache
 from luced.runtime.kv_pool import PooledKVCache, chunk_nbytes
 from luced.runtime.mirror import Mirror
 from luced.runtime.model import Model
@@ -238,7 +238,7 @@ class Backend(WorkerState):
                 pool = min(req.kv_pool, -(-req.kv_capacity // F.KV_CHUNK) * F.KV_CHUNK)
                 cache: SequenceCache = model.new_pool_cache(pool, req.kv_capacity)
             elif req.kv_block:  # one pool of blocks per shard for every sequence
-                blocks.append(model.new_block_pool(req.kv_block))
+                blocks.append(model.new_block_pool(req.kv_block, max_blocks=req.kv_blocks))
                 cache = model.new_paged_cache(blocks[-1], req.kv_capacity)
             else:
                 cache = model.new_cache(req.kv_capacity)
@@ -303,6 +303,9 @@ class Backend(WorkerState):
                 f"cannot truncate to {req.position}: the KV holds {state.position} positions"
             )
         state.truncate(req.position)
+        for cache in state.caches:  # a block table drops the blocks wholly past it
+            if isinstance(cache, PagedKVCache):
+                cache.release_past(req.position)
         return F.TruncateReply(position=state.position)
 
     def reset(self, req: F.Reset) -> F.ResetReply:
@@ -318,7 +321,7 @@ class Backend(WorkerState):
             return F.ResetReply()
         state = m.sequence(req.sequence)
         state.drop_sampler()
-        state.truncate(0)
+        state.clear()
         return F.ResetReply()
 
     # KV snapshots (prefix cache): luced.runtime.kv_snapshot has the copies.

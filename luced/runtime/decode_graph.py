@@ -23,9 +23,10 @@ reads `positions` (`Rope.tables`), and `common.cached_attention` hands the atten
 `StepBatch.attend`, which stores the new K/V rows at `write_rows` and attends with SDPA
 over the rows gathered through the map ([B, Hkv, L, D]), each token masked past its own
 position and outside a sliding window. Padding (unused slots of a bucket, a window shorter
-than T) feeds token 0 and writes a scratch block the runner holds, so those writes land
-nowhere that is read, and its logits are dropped. A window's rows past what verification
-accepts are rolled back by the cache's truncate, as in the eager forward.
+than T) feeds token 0 and writes a scratch block past the daemon's (`BlockPool.scratch`),
+so those writes land nowhere that is read, and its logits are dropped. A window's rows
+past what verification accepts are rolled back by the cache's truncate, as in the eager
+forward (the position moves; the blocks stay in the daemon's table).
 
 Compiled (`compile=True`, `--decode-graphs compile`): each bucket's step also goes through
 `torch.compile` (Inductor) before it is captured, so the forty-odd small kernels of a layer
@@ -233,7 +234,6 @@ class DecodeGraphs:
         self.captures = 0  # graphs captured (a pool that grows makes more)
         self.steps = 0  # steps run
         self.windows = 0  # of them, steps with a verify window (more than a token a sequence)
-        self._scratch = pool.allocate()  # the padding slots' rows, held for good
         self._generation = pool.generation
         for rope in {id(r): r for r in model.ropes.values()}.values():
             rope.table(capacity)  # grown now: a graph reads the tables it saw
@@ -270,7 +270,7 @@ class DecodeGraphs:
         if end > self.capacity:
             raise ValueError(f"position {end - 1} is past the captured capacity {self.capacity}")
         for c, k in zip(caches, sizes, strict=True):
-            c.reserve(c.pos, k)  # may grow the pool: checked below, before any capture
+            c.reserve(c.pos, k)  # (the daemon's blocks: `forward` followed them first)
         if self.pool.generation != self._generation:
             self.graphs.clear()  # they read the tensors the pool replaced
             self._generation = self.pool.generation
@@ -313,11 +313,12 @@ class DecodeGraphs:
         sequence's last position (0 in an unused slot) and writes a scratch row."""
         length, t, device = batch.rows.shape[1], batch.tokens, self.pool.device
         b = self.pool.block
-        scratch = torch.arange(self._scratch * b, self._scratch * b + b, device=device)
+        at = self.pool.scratch  # in no table: the padding's writes land nowhere read
+        scratch = torch.arange(at * b, at * b + b, device=device)
         batch.rows.copy_(scratch.repeat(math.ceil(length / b))[:length].expand_as(batch.rows))
         fed = torch.zeros(batch.n, dtype=torch.int64, device=ids.device)
         positions = [0] * batch.n
-        writes = torch.full((batch.n,), self._scratch * b, dtype=torch.int64, device=device)
+        writes = torch.full((batch.n,), at * b, dtype=torch.int64, device=device)
         offset = 0
         for i, (c, k) in enumerate(zip(caches, sizes, strict=True)):
             visible = min(length, c.pos + k)

@@ -77,10 +77,12 @@ def compute(worker: WorkerState, req: F.Forward, fed: torch.Tensor | None = None
         worker.check_width("allowed", req.allowed, (m.reply.vocab + 31) // 32)
         bias = token_mask.bias(worker.tensor(req.allowed)[: req.n_out], m.reply.vocab)
     # Checked: from here on the sequences change. A span below its sequence's committed
-    # length rolls it back first (a verify window's rejected rows).
+    # length rolls it back first (a verify window's rejected rows); a block table takes
+    # the daemon's growth (engine/kv/blocks.py).
     for state, span in zip(states, spans, strict=True):
         if span.start < state.position:
             state.truncate(span.start)
+        state.follow(span)
     for state, span in zip(states, spans, strict=True):  # KV Flash: host-tier moves, slots
         kv_flash_step.apply_plan(worker, m, state.caches, span.start, span.n, span.kv_plan)
     first, last = m.shards[0].model, m.shards[-1].model
@@ -186,6 +188,7 @@ def _check_spans(m: Loaded, spans: Sequence[F.Span], states: list[SequenceState]
                 f"context overflow: sequence {span.sequence}'s positions [{span.start}, "
                 f"{span.start + span.n}) exceed the KV capacity of {m.reply.kv_capacity} tokens"
             )
+        state.check_table(span)
     if bool(m.reply.kv_pool) and any(not s.kv_plan for s in spans):
         raise WorkerError("a KV Flash worker needs the pager's plan (kv_plan) for every span")
 

@@ -1,11 +1,12 @@
 """Paged K/V: one block pool per shard, and per-sequence caches that hold their rows in it
 through a block table, so sequences with a common prompt prefix share its rows.
 
-Layout: the pool holds each stored layer's K and V as `[Hkv, n_blocks * block, D]`, cut
-into blocks of `block` rows. A sequence's `table` maps its logical block i (positions
-`[i * block, (i + 1) * block)`) to a pool block, and its `rows` map each position to its
-pool row, `table[p // block] * block + p % block`: the native decode kernel reads and
-writes through that map, as it reads a KV Flash pool's::
+Layout: the pool holds each stored layer's K and V as `[Hkv, (n_blocks + 1) * block, D]`,
+cut into blocks of `block` rows (the last one the decode graphs' scratch, in no table). A
+sequence's `table` maps its logical block i (positions `[i * block, (i + 1) * block)`) to
+a pool block, and its `rows` map each position to its pool row,
+`table[p // block] * block + p % block`: the native decode kernel reads and writes
+through that map, as it reads a KV Flash pool's::
 
     pool rows of one layer's K (V alike), block = 4
 
@@ -16,42 +17,42 @@ writes through that map, as it reads a KV Flash pool's::
     A.table = [0, 2]    A.rows = [0 1 2 3  8  9 ...]
     B.table = [0, 1]    B.rows = [0 1 2 3  4  5  6 ...]
 
-Each block has a reference count: the number of tables that hold it. `share` makes an
-empty cache's first blocks another's, retaining each; sharing costs a table entry per
-block and nothing else, no copy. Copy-on-write keeps a block's rows from changing while
-it is shared: a `reserve` whose range touches a block with refcount > 1 first moves the
-writer onto a fresh block holding a copy of that block's rows (every stored layer),
-releasing the old one. So a prefix that ends inside a block is shared with that block,
-and whichever cache writes into it next (the sharer its first own position, or the
-source its next one) copies that one block; a source that truncates into the shared
-prefix and rewrites it copies the blocks it rewrites. A block whose
-count falls to 0 is free again; `truncate` releases the blocks wholly past the new end,
-`reset` (and `free`, when the worker drops a sequence) all of them.
+The daemon owns the tables (`luced/engine/kv/blocks.py` `BlockTables`, whose docstring
+states the rules): it picks every block, and the worker follows. A forward span brings
+what its table gained (`follow`: copy-on-write copies, each a copy of a shared block's
+rows of every stored layer into a fresh block, then new blocks) and the length the table
+must have after them; `share` takes a source's first blocks (kv_share); `release_past`
+drops the blocks wholly past a position (the `truncate` verb); `reset` / `free` all of
+them; an import places its rows in the blocks it is given. A roll back (`truncate`: a
+span below the committed length, a failure undone, a step ahead dropped) moves the
+position only. `reserve` checks, and changes nothing: a write must land in blocks the
+table covers and holds alone. Each block keeps a reference count here too (the tables
+holding it), so a block named twice, or released too often, is refused: a worker out of
+step with the daemon says so instead of mixing two sequences' rows.
 
-The pool allocates the lowest free block first and, when none is free, doubles (keeping
-every row; up to `max_blocks`, then `KVPoolFull`); it never shrinks, so a worker keeps
-the most K/V its sequences ever held at once until its next load (freed blocks are reused,
-not returned). Reallocation bumps `generation`: the
-caches' `decode_storage` objects, which name the tensors, are rebuilt on the next call.
+The pool's tensors grow as the daemon names higher blocks (doubling, keeping every row;
+up to the load's `max_blocks`, then `KVPoolFull`), so a small run stays small; it never
+shrinks. Reallocation bumps `generation`: the caches' `decode_storage` objects, which
+name the tensors, are rebuilt on the next call.
 
 Attention over a sequence reads its rows in position order: a view of the pool when its
-blocks lie in consecutive pool blocks (as `KVCache` hands out), a gather (`index_select`)
-otherwise. The values are the same either way, so the logits are `KVCache`'s bit for bit.
-Recurrent layers keep their state beside the pool exactly as in `KVCache`
-(`kv_cache.BaseKVCache`); a cache with recurrent layers cannot share, because a state
-sums up its whole prefix and exists only where a forward stopped.
+blocks lie in consecutive pool blocks, a gather (`index_select`) otherwise. The values are
+the same either way, so the logits are `KVCache`'s bit for bit. Recurrent layers keep
+their state beside the pool exactly as in `KVCache` (`kv_cache.BaseKVCache`); a cache
+with recurrent layers cannot share, because a state sums up its whole prefix and exists
+only where a forward stopped.
 """
 
 from __future__ import annotations
 
-import heapq
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping, Sequence
 
 import torch
 
 from luced.runtime.kv_cache import (
     BaseKVCache,
     ContextOverflow,
+    LayerState,
     RecurrentShape,
     RecurrentState,
     layer_roles,
@@ -61,12 +62,13 @@ from luced.runtime.native_attention import Storage
 
 
 class KVPoolFull(ContextOverflow):
-    """The pool has no free block and may not grow."""
+    """The pool cannot grow to hold the block the daemon named (memory ran out)."""
 
 
 class BlockPool:
     """One shard's K/V rows for every sequence: each stored layer's K and V [Hkv, rows, D],
-    handed out in blocks of `block` rows, each with a reference count."""
+    in blocks of `block` rows that the daemon hands out (module docstring), each with a
+    reference count."""
 
     def __init__(
         self,
@@ -78,35 +80,41 @@ class BlockPool:
         initial_blocks: int = 64,
         max_blocks: int | None = None,
     ) -> None:
-        """shapes: stored layer -> (Hkv, D); max_blocks: the most the pool grows to (None:
-        no bound but memory)."""
+        """shapes: stored layer -> (Hkv, D); max_blocks: the daemon's pool (Load.kv_blocks,
+        None: no bound but memory); the tensors start with room for initial_blocks."""
         if block < 1 or initial_blocks < 1:
             raise ValueError(f"blocks of {block} rows, {initial_blocks} of them: both must be >= 1")
-        if max_blocks is not None and max_blocks < initial_blocks:
-            raise ValueError(f"max_blocks {max_blocks} is below initial_blocks {initial_blocks}")
+        if max_blocks is not None:
+            initial_blocks = min(initial_blocks, max_blocks)
         self.shapes = dict(shapes)
         self.dtype = dtype
         self.device = torch.device(device)
         self.block = block
         self.max_blocks = max_blocks
-        self.k: dict[int, torch.Tensor] = {}  # layer -> [Hkv, n_blocks * block, D]
+        self.k: dict[int, torch.Tensor] = {}  # layer -> [Hkv, (n_blocks + 1) * block, D]
         self.v: dict[int, torch.Tensor] = {}
         self.generation = 0  # bumped whenever the tensors are reallocated
         self._refs: list[int] = []  # block -> the number of tables holding it
-        self._free: list[int] = []  # a heap: the lowest free block goes first
         self._grow(initial_blocks)
 
     @property
     def n_blocks(self) -> int:
+        """Blocks the tensors hold now (the scratch block past them aside)."""
         return len(self._refs)
 
     @property
-    def free_blocks(self) -> int:
-        return len(self._free)
+    def scratch(self) -> int:
+        """A block no table holds: the decode graphs' padding rows (it moves as the pool
+        grows, which bumps `generation`)."""
+        return self.n_blocks
 
     @property
     def used_blocks(self) -> int:
-        return self.n_blocks - self.free_blocks
+        return sum(1 for r in self._refs if r)
+
+    @property
+    def free_blocks(self) -> int:
+        return self.n_blocks - self.used_blocks
 
     @property
     def mapped_blocks(self) -> int:
@@ -114,13 +122,8 @@ class BlockPool:
         hold without sharing."""
         return sum(self._refs)
 
-    def available(self) -> int | float:
-        """How many more blocks `allocate` can give: the free ones and the growth left."""
-        room = float("inf") if self.max_blocks is None else self.max_blocks - self.n_blocks
-        return self.free_blocks + room
-
     def _grow(self, n_blocks: int) -> None:
-        keep, rows = self.n_blocks * self.block, n_blocks * self.block
+        keep, rows = self.n_blocks * self.block, (n_blocks + 1) * self.block
         # Normal tensors, not inference ones: writable inside inference mode (a forward) and
         # outside it (an import, a test) alike.
         with torch.inference_mode(False):
@@ -130,21 +133,31 @@ class BlockPool:
                     if keep:
                         t[:, :keep] = kv[layer][:, :keep]
                     kv[layer] = t
-        for block in range(self.n_blocks, n_blocks):
-            heapq.heappush(self._free, block)
         self._refs.extend([0] * (n_blocks - self.n_blocks))
         self.generation += 1
 
-    def allocate(self) -> int:
-        """A free block with refcount 1; the pool doubles (up to max_blocks) when none is."""
-        if not self._free:
+    def check_free(self, blocks: Iterable[int]) -> None:
+        """Whether the daemon may hand these blocks to a table: free here and inside the
+        pool (raises ValueError naming the first that is not)."""
+        cap = self.max_blocks
+        for block in blocks:
+            if block < 0 or (cap is not None and block >= cap):
+                raise ValueError(f"block {block} is outside the pool of {cap} blocks")
+            if block < self.n_blocks and self._refs[block]:
+                raise ValueError(f"block {block} is held already ({self._refs[block]} tables)")
+
+    def take(self, block: int) -> None:
+        """The daemon handed out `block` (checked free): refcount 1, the tensors grown
+        (doubling, up to max_blocks) to hold it."""
+        self.check_free((block,))
+        if block >= self.n_blocks:
+            want = max(block + 1, 2 * self.n_blocks)
             cap = self.max_blocks
-            if cap is not None and self.n_blocks >= cap:
-                raise KVPoolFull(f"the KV block pool is full: all {cap} blocks are in use")
-            self._grow(2 * self.n_blocks if cap is None else min(cap, 2 * self.n_blocks))
-        block = heapq.heappop(self._free)
+            try:
+                self._grow(want if cap is None else min(cap, want))
+            except torch.OutOfMemoryError as exc:  # the daemon's pool is larger than memory
+                raise KVPoolFull(f"the K/V block pool cannot grow to {want} blocks: {exc}") from exc
         self._refs[block] = 1
-        return block
 
     def retain(self, block: int) -> None:
         self._held(block)
@@ -154,11 +167,9 @@ class BlockPool:
         """Drop one reference; at 0 the block is free again."""
         self._held(block)
         self._refs[block] -= 1
-        if not self._refs[block]:
-            heapq.heappush(self._free, block)
 
     def refs(self, block: int) -> int:
-        return self._refs[block]
+        return self._refs[block] if 0 <= block < self.n_blocks else 0
 
     def _held(self, block: int) -> None:
         if not 0 <= block < self.n_blocks or not self._refs[block]:
@@ -177,7 +188,7 @@ class BlockPool:
         return sum(2 * h * self.block * d * item for h, d in self.shapes.values())
 
     def nbytes(self) -> int:
-        return self.n_blocks * self.block_nbytes()
+        return (self.n_blocks + 1) * self.block_nbytes()
 
 
 class PagedKVCache(BaseKVCache):
@@ -222,6 +233,7 @@ class PagedKVCache(BaseKVCache):
         self._base: int | None = None  # row of position 0 while the blocks are consecutive
         self._storage: dict[int, Storage] = {}  # decode_storage's, for `_generation`
         self._generation = pool.generation
+        self._incoming: tuple[int, ...] = ()  # an import's blocks (`import_rows`)
 
     def _assign(self, i: int, block: int) -> None:
         """Logical block i now lives in pool block `block` (held for this cache)."""
@@ -238,37 +250,61 @@ class PagedKVCache(BaseKVCache):
         consecutive = all(block == t[0] + i for i, block in enumerate(t))
         self._base = t[0] * self.pool.block if t and consecutive else None
 
+    def follow(self, copies: Sequence[tuple[int, int, int]], blocks: Sequence[int]) -> None:
+        """Apply what the daemon's table of this sequence gained (`frames.Span`): each copy
+        (logical block, src, dst) moves that block onto dst with src's rows, then `blocks`
+        are appended. Checked against the pool first (`check_follow`)."""
+        self.check_follow(copies, blocks, len(self.table) + len(blocks))
+        pool = self.pool
+        for i, src, dst in copies:  # copy-on-write
+            pool.take(dst)
+            pool.copy(src, dst)
+            pool.release(src)
+            self._assign(i, dst)
+        for block in blocks:
+            pool.take(block)
+            self._assign(len(self.table), block)
+        self._relink()
+
+    def check_follow(
+        self, copies: Sequence[tuple[int, int, int]], blocks: Sequence[int], length: int
+    ) -> None:
+        """ValueError unless `follow(copies, blocks)` leaves a table of `length` blocks
+        within the capacity, each copy moving a block this table holds onto a free one."""
+        after = len(self.table) + len(blocks)
+        if after != length:
+            raise ValueError(
+                f"its table holds {len(self.table)} blocks, + {len(blocks)} new makes "
+                f"{after}; the daemon's holds {length}"
+            )
+        if (after - 1) * self.pool.block >= self.capacity:
+            raise ContextOverflow(f"{after} blocks exceed the KV capacity {self.capacity}")
+        for i, src, _ in copies:
+            if i >= len(self.table) or self.table[i] != src:
+                held = self.table[i] if i < len(self.table) else None
+                raise ValueError(f"copy of logical block {i} from {src}: the table has {held}")
+        self.pool.check_free([*blocks, *(dst for _, _, dst in copies)])
+
     def reserve(self, start: int, n: int) -> None:
-        """Hold blocks for positions [start, start + n), copying any shared block the range
-        touches first. Checked before anything changes: a gap, the capacity, the pool."""
+        """Check that positions [start, start + n) may be written: no gap, within the
+        capacity, in blocks the table covers and holds alone (the daemon's growth came
+        first). With recurrent layers, roll back to start first."""
         if start > self.pos:
             raise ValueError(f"KV write at {start} would leave a gap after position {self.pos}")
-        end, b, pool = start + n, self.pool.block, self.pool
+        end, b = start + n, self.pool.block
         if end > self.capacity:
             raise ContextOverflow(
                 f"context of {end} tokens exceeds the KV capacity {self.capacity}"
             )
-        # the table after the recurrent layers' truncate(start), and what that frees
-        kept = -(-start // b) if self.recurrent is not None else len(self.table)
-        freed = sum(pool.refs(block) == 1 for block in self.table[kept:])
-        first, last = start // b, -(-end // b) if n else start // b
-        shared = [i for i in range(first, min(last, kept)) if pool.refs(self.table[i]) > 1]
-        need = max(0, last - kept) + len(shared)
-        if need > pool.available() + freed:
-            raise KVPoolFull(
-                f"the KV block pool is full: positions [{start}, {end}) need {need} more "
-                f"blocks of {b} rows, {pool.available() + freed} can be had"
+        if end > len(self.table) * b:
+            raise ValueError(
+                f"positions [{start}, {end}) are past the {len(self.table)} blocks of its table"
             )
+        shared = [i for i in range(start // b, -(-end // b)) if self.pool.refs(self.table[i]) > 1]
+        if n and shared:
+            raise ValueError(f"positions [{start}, {end}) would write shared blocks {shared}")
         if self.recurrent is not None:
             self.truncate(start)  # the recurrent layers continue from the state at start
-        for i in shared:  # copy-on-write
-            old, new = self.table[i], pool.allocate()
-            pool.copy(old, new)
-            pool.release(old)
-            self._assign(i, new)
-        while len(self.table) < last:
-            self._assign(len(self.table), pool.allocate())
-        self._relink()
 
     def store(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store k, v ([n, Hkv, D]) at positions [start, start + n) (reserved)."""
@@ -320,10 +356,15 @@ class PagedKVCache(BaseKVCache):
         return storage
 
     def truncate(self, pos: int) -> None:
-        """Roll back to `pos` committed tokens and release the blocks wholly past it. With
-        recurrent layers only to a position whose state is kept (else RecurrentRollback,
-        no change)."""
+        """Roll back to `pos` committed tokens; the blocks stay (the daemon's table keeps
+        them, to be written again). With recurrent layers only to a position whose state
+        is kept (else RecurrentRollback, no change)."""
         super().truncate(pos)
+
+    def release_past(self, pos: int) -> None:
+        """The blocks wholly past position `pos` go back to the pool (the truncate verb),
+        after a roll back to it."""
+        self.truncate(min(pos, self.pos))
         self._release_from(-(-pos // self.pool.block))
 
     def _release_from(self, i: int) -> None:
@@ -345,7 +386,8 @@ class PagedKVCache(BaseKVCache):
         """Make this (empty, pos 0) cache's first n positions the source's, without copying:
         it takes the source's blocks that hold them (n <= source.pos, committed there). A
         last block that holds positions past n too is shared as well; the first write into
-        it, by either cache, copies it (`reserve`). Returns n, committed."""
+        it, by either cache, is the daemon's copy-on-write (`follow`). Returns n,
+        committed."""
         if self.recurrent is not None or source.recurrent is not None:
             raise ValueError("a cache with recurrent layers cannot share rows: no state at n")
         if source.pool is not self.pool:
@@ -368,8 +410,35 @@ class PagedKVCache(BaseKVCache):
     def _committed_rows(self, layer: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self._rows(layer, n)
 
+    def check_import(self, n: int, blocks: Sequence[int]) -> None:
+        """ValueError unless `blocks` can hold an import of n positions: ceil(n / block)
+        of them, each free once this cache's own blocks are released."""
+        if len(blocks) != -(-n // self.pool.block):
+            raise ValueError(f"{n} positions need {-(-n // self.pool.block)} blocks, got {blocks}")
+        mine = set(self.table)
+        self.pool.check_free(
+            b for b in blocks if not (b in mine and self.pool.refs(b) == self.table.count(b))
+        )
+
+    def import_rows(
+        self,
+        n: int,
+        rows: Mapping[int, tuple[torch.Tensor, torch.Tensor]],
+        states: Mapping[int, LayerState] | None = None,
+        blocks: Sequence[int] = (),
+    ) -> None:
+        """`BaseKVCache.import_rows` into `blocks`, the daemon's for [0, n) (its table after
+        the import; the old one is released first)."""
+        self.check_import(n, blocks)
+        self._incoming = tuple(blocks)
+        try:
+            super().import_rows(n, rows, states)
+        finally:
+            self._incoming = ()
+
     def _load_rows(self, n: int, rows: Mapping[int, tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Into fresh blocks (the old ones were released by `reset`; the pool may be full)."""
+        """Into the blocks `import_rows` was given (the old ones were released by `reset`)."""
+        self.follow((), self._incoming)
         self.reserve(0, n)
         at = self.rows[:n]
         for layer, (k, v) in rows.items():

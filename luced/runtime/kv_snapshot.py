@@ -47,6 +47,7 @@ import torch
 from luced.cache.layout import TensorSpec, tensor_specs
 from luced.ipc import frames as F
 from luced.ipc.regions import Region
+from luced.runtime.kv_blocks import PagedKVCache
 from luced.runtime.kv_cache import ContextOverflow, RecurrentRollback
 from luced.runtime.kv_store import Held, ShardSnapshots
 from luced.runtime.state import Loaded, SequenceCache, WorkerError, WorkerState
@@ -137,6 +138,12 @@ def import_(worker: WorkerState, req: F.KVImport) -> F.KVImportReply:
         resolved = _stored(worker, state.caches, req.store, n, ids)
     else:
         resolved = _resolve(worker, m, state.caches, req.regions, n, 1)
+    for cache in state.caches:
+        if isinstance(cache, PagedKVCache):
+            try:
+                cache.check_import(n, req.blocks)
+            except ValueError as exc:
+                raise WorkerError(f"kv_import: {exc}") from None
     if n:
         lo, hi = (int(x) for x in torch.aminmax(ids))
         if lo < 0 or hi >= m.reply.vocab:
@@ -148,11 +155,15 @@ def import_(worker: WorkerState, req: F.KVImport) -> F.KVImportReply:
             mine = {layer: (a, b) for layer, (c, a, b) in resolved.items() if c is cache}
             rows = {layer: p for layer, p in mine.items() if not cache.is_recurrent(layer)}
             states = {layer: (a[0], b[0]) for layer, (a, b) in mine.items() if layer not in rows}
-            cache.import_rows(n, rows, states if cache.recurrent is not None else None)
+            states_in = states if cache.recurrent is not None else None
+            if isinstance(cache, PagedKVCache):  # into the daemon's blocks
+                cache.import_rows(n, rows, states_in, req.blocks)
+            else:
+                cache.import_rows(n, rows, states_in)
             if cache.recurrent is not None:
                 cache.save_state()  # the restored cut stays a cut of the next snapshot
     except BaseException:
-        state.truncate(0)  # all shards empty, no history: never half a prefix
+        state.clear()  # all shards empty, no history, no blocks: never half a prefix
         raise
     finally:
         state.drop_sampler()  # like reset: they belong to the old sequence

@@ -75,8 +75,13 @@ class Lookahead:
         if any(s.n_out != 1 or s.verify or s.pool or s.kv_plan or s.ring for s in req.spans):
             return
         ids = worker.tensor(req.outputs["ids"])[: len(req.spans)].tolist()
+        # The daemon's tables already cover the next position (it grew them one ahead):
+        # the next frame's spans gain no copies, maybe blocks past it (`take`).
         spans = tuple(
-            dataclasses.replace(s, start=s.start + s.n, n=1, keep_state=False) for s in req.spans
+            dataclasses.replace(
+                s, start=s.start + s.n, n=1, keep_state=False, copies=(), blocks=()
+            )
+            for s in req.spans
         )
         nxt = dataclasses.replace(req, spans=spans, outputs=dict(req.ahead), ahead={})
         self._planned = (nxt, ids)
@@ -111,7 +116,9 @@ class Lookahead:
         ran = self._ran
         if ran is None:
             return None
-        if _same_step(ran.frame, req) and _fed(worker, req) == ran.fed:
+        if _same_step(ran.frame, req) and _fed(worker, req) == ran.fed and _follows(worker, req):
+            for span in req.spans:  # blocks past the step it ran: its table's next growth
+                worker.loaded.sequences[span.sequence].follow(span)
             self._ran = None
             self.served += 1
             return ran.reply
@@ -134,12 +141,32 @@ class Lookahead:
 
 def _same_step(ran: F.Forward, req: F.Forward) -> bool:
     """Whether `req` asks for the step `ran` stands for: every field but where its ids are
-    (compared by value) and its own ahead regions."""
+    (compared by value), its own ahead regions and the blocks its spans' tables gained
+    past that step (the daemon grows one position ahead)."""
+    if len(req.spans) != len(ran.spans):
+        return False
+    for mine, theirs in zip(ran.spans, req.spans, strict=True):
+        if theirs.copies or theirs.table < len(theirs.blocks):
+            return False
+        before = dataclasses.replace(theirs, blocks=(), table=theirs.table - len(theirs.blocks))
+        if before != mine:
+            return False
     return all(
         getattr(req, f.name) == getattr(ran, f.name)
         for f in dataclasses.fields(req)
-        if f.name not in ("tokens", "ahead")
+        if f.name not in ("tokens", "ahead", "spans")
     )
+
+
+def _follows(worker: WorkerState, req: F.Forward) -> bool:
+    """Whether the sequences can take `req`'s table growth (else it is computed, and
+    refused there)."""
+    try:
+        for span in req.spans:
+            worker.loaded.sequences[span.sequence].check_table(span)
+    except Exception:
+        return False
+    return True
 
 
 def _fed(worker: WorkerState, req: F.Forward) -> list[int] | None:

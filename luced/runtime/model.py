@@ -174,14 +174,22 @@ class Model:
             state_dtype=self.dtype,
         )
 
-    def new_block_pool(self, block: int, initial_blocks: int = 64) -> BlockPool:
+    def new_block_pool(
+        self, block: int, initial_blocks: int = 64, max_blocks: int | None = None
+    ) -> BlockPool:
         """One K/V pool for every sequence of this shard, in blocks of `block` rows (each
-        stored layer in its own shape; it grows as sequences need rows)."""
+        stored layer in its own shape; it grows as the daemon hands out blocks, up to
+        max_blocks)."""
         cfg = self.cfg
         _, stored = layer_roles(self.layers, self._kv_sources(), self._recurrent_shapes())
         shapes = {i: cfg.kv_shape(i) for i in stored}
         return BlockPool(
-            shapes, self.kv_dtype, self.device, block=block, initial_blocks=initial_blocks
+            shapes,
+            self.kv_dtype,
+            self.device,
+            block=block,
+            initial_blocks=initial_blocks,
+            max_blocks=max_blocks,
         )
 
     def new_paged_cache(self, pool: BlockPool, capacity: int | None = None) -> PagedKVCache:

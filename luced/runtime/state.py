@@ -108,9 +108,40 @@ class SequenceState:
         return any(cache.recurrent is not None for cache in self.caches)
 
     def truncate(self, position: int) -> None:
+        """Roll back to `position` (a block table stays as it is: engine/kv/blocks.py)."""
         for cache in self.caches:
             cache.truncate(position)
         del self.tokens[position:]
+
+    def clear(self) -> None:
+        """Empty every cache, releasing a block table's blocks, and the token history."""
+        for cache in self.caches:
+            cache.reset()
+        self.tokens.clear()
+
+    def check_table(self, span: F.Span) -> None:
+        """WorkerError unless the span's table growth fits this sequence's block tables
+        (the daemon's and this worker's are in step); no change."""
+        for cache in self.caches:
+            if not isinstance(cache, PagedKVCache):
+                if span.table:
+                    raise WorkerError("a span with a block table, but no block pool is loaded")
+                continue
+            if not span.table:
+                raise WorkerError(f"sequence {span.sequence}: its span carries no block table")
+            try:
+                cache.check_follow(span.copies, span.blocks, span.table)
+            except ValueError as exc:
+                raise WorkerError(
+                    f"sequence {span.sequence} is out of step with the daemon's block table: "
+                    f"{exc}"
+                ) from None
+
+    def follow(self, span: F.Span) -> None:
+        """Apply the span's table growth (checked by `check_table`) on every shard."""
+        for cache in self.caches:
+            if isinstance(cache, PagedKVCache):
+                cache.follow(span.copies, span.blocks)
 
     def drop_sampler(self) -> None:
         self.sampler = self.sampling = None
@@ -190,14 +221,14 @@ class Loaded:
                 f"kv_share: sequence {source} holds {origin.position} positions, not {n}"
             )
         state = self.sequence(sequence)
-        state.truncate(0)
+        state.clear()  # its blocks go first, as the daemon's table's did
         shared = set()
         try:
             for mine, theirs in zip(state.caches, origin.caches, strict=True):
                 assert isinstance(mine, PagedKVCache) and isinstance(theirs, PagedKVCache)
                 shared.add(mine.share(theirs, n))
         except ValueError as exc:  # a recurrent cache: its state is not in blocks
-            state.truncate(0)
+            state.clear()
             raise WorkerError(f"kv_share: {exc}") from None
         (positions,) = shared  # every shard's pool has the same block size
         state.tokens[:] = origin.tokens[:positions]

@@ -98,6 +98,8 @@ def sample_requests() -> dict[str, F.Request]:
             moe_scratch=region(4096, (65536,), "uint8"),
             moe_required=True,
             kv_dtype="float16",
+            kv_block=16,
+            kv_blocks=600,
         ),
         "load_experts": F.LoadExperts(
             model="/models/x.gguf",
@@ -120,6 +122,9 @@ def sample_requests() -> dict[str, F.Request]:
                     n_out=16,
                     sampling={"temperature": 0.7, "top_k": 40, "top_p": 0.9, "seed": 2**40},
                     ring=region(4096, (64, 3, 576), "float32"),
+                    copies=((6, 40, 41),),
+                    blocks=(42,),
+                    table=8,
                 ),
                 F.Span(
                     sequence=5,
@@ -184,6 +189,7 @@ def sample_requests() -> dict[str, F.Request]:
                 "v.4": region(49216, (3, 128, 64), "bfloat16"),
             },
             tokens=region(98368, (128,), "int32"),
+            blocks=(3, 4, 5, 6, 7, 8),
         ),
         "kv_forget": F.KVForget(ids=("3f9a0c12d4e1", "0b")),
         "kv_share": F.KVShare(sequence=2, source=1, position=96),

@@ -213,6 +213,15 @@ def forward(**kw: object) -> F.Forward:
         ({"kv_plan": {**PLAN, "kv_slots": R(1024, (3,), "int64")}}, r"kv_slots must be int64"),
         ({"pool": "sum"}, "a pooling span samples nothing: n_out must be 0, got 1"),
         ({"pool": "max", "n_out": 0}, r"pool: expected one of \['', 'sum', 'first', 'last'\]"),
+        ({"blocks": (3,)}, "blocks and copies need a table length >= 1, got 0"),
+        ({"table": -1}, "need a table length >= 1, got -1"),
+        ({"blocks": (3, 4), "table": 1}, "2 blocks appended to a table of 1"),
+        ({"blocks": (3, 3), "table": 2}, r"new ones distinct, got \[3, 3\]"),
+        ({"blocks": (-1,), "table": 1}, "pool blocks must be >= 0"),
+        ({"copies": ((0, 1, 5),), "blocks": (5,), "table": 2}, "new ones distinct"),
+        ({"copies": ((1, 1, 5),), "blocks": (6,), "table": 2}, "blocks of the table before"),
+        ({"copies": ((0, 1, 5), (0, 2, 6)), "table": 2}, "a logical block is copied twice"),
+        ({"copies": ((0, 1),), "table": 2}, r"copies\[0\]: expected 3 items"),
     ],
 )
 def test_span_validation(kw: dict, match: str) -> None:
@@ -420,6 +429,8 @@ def test_draft_accepts_the_intended_shapes() -> None:
         ({"owns_head": 1}, "owns_head: expected bool, got int"),
         ({"kv_block": -1}, "kv_block must be >= 0"),
         ({"kv_block": 16, "kv_pool": 64}, "0 under kv_pool"),
+        ({"kv_block": 16}, r"kv_blocks \(the pool's blocks, 0\) comes with kv_block \(16\)"),
+        ({"kv_blocks": 8}, "comes with kv_block"),
     ],
 )
 def test_load_validation(kw: dict, match: str) -> None:
@@ -464,6 +475,8 @@ def test_snapshots_kept_by_a_worker_are_named_by_id() -> None:
         F.KVExport(position=8, regions={})
     with pytest.raises(F.FrameError, match="ids must be snapshot ids"):
         F.KVForget(ids=("3f9a", "a b"))
+    with pytest.raises(F.FrameError, match=r"blocks must be distinct pool blocks >= 0"):
+        F.KVImport(position=8, regions={}, tokens=tokens, store="3f9a", blocks=(2, 2))
 
 
 def test_decode_errors_name_the_problem_and_keep_the_seq(sample_requests: dict) -> None:

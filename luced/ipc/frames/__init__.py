@@ -19,12 +19,13 @@ The ops (request fields -> reply fields):
 
     hello     instance, protocol, files     -> protocol, pid, group, devices, versions, store
     load      model, layers=[a, b), dtype, devices, kv_capacity, owns_embed, owns_head,
-              device_splits, kv_pool, kv_block
+              device_splits, kv_pool, kv_block, kv_blocks
                                             -> n_layers, hidden, vocab, layers, dtype,
                                                kv_capacity, load_s, recurrent, kv_pool,
                                                kv_chunk_bytes
     forward   spans (sequence, start, n, n_out, sampling, verify, q_row, keep_state,
-              keep_block_states, ring, kv_plan, pool), tokens | hidden_in, want, outputs,
+              keep_block_states, ring, kv_plan, pool, copies, blocks, table),
+              tokens | hidden_in, want, outputs,
               top_logprobs, capture, draft_probs, allowed
                                             -> positions, elapsed_us, accepted
     load_draft path, dtype, device, target  -> capture_layers, block_size, mask_token_id,
@@ -35,7 +36,7 @@ The ops (request fields -> reply fields):
     kv_export position, regions, cuts,      -> position, elapsed_us
               store
     kv_import position, regions, tokens,    -> position, elapsed_us
-              store
+              store, blocks
     kv_forget ids                           -> dropped
     kv_share  sequence, source, position    -> position
     truncate  position                      -> position
@@ -93,6 +94,11 @@ keeps its layers' prefix-cache rows in its own store, in its memory and on its d
 ``forward``, its spans and its reply leave fields at their defaults off the wire.
 21: ``load`` ``decode_graphs`` (decode steps through a captured fixed-shape step).
 22: ``load`` ``decode_graphs`` ``compile`` (the captured step compiled by torch.compile).
+23: the daemon keeps the K/V block tables (``engine/kv/blocks.py``): ``load``
+``kv_blocks`` (the pool's block count); a ``Span``'s ``copies``, ``blocks`` and ``table``
+(what its table gained this step, and its length after, checked by the worker);
+``kv_import`` ``blocks`` (the daemon's blocks for the imported rows); the ``truncate``
+verb releases the blocks wholly past its position, a span's roll back none.
 
 Expert compute (``luced.runtime.expert_link``): an expert worker answers ``load_experts``
 from the daemon, and ``expert_mix`` from target workers over direct worker-to-worker

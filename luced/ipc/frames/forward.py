@@ -111,6 +111,13 @@ class Span(Record):
     ring: Region | None = None
     kv_plan: dict[str, Region] = field(default_factory=dict)  # KV Flash (keys of KV_PLAN)
     pool: Pool = ""
+    # A block-pool load (Load.kv_block): what the daemon's table of this sequence gained
+    # for this step (engine/kv/blocks.py has the rules): copy-on-write copies (logical
+    # block, src, dst), applied first, then the pool blocks appended; `table` is the
+    # table's length after both, which the worker checks (0: no block pool).
+    copies: tuple[tuple[int, int, int], ...] = ()
+    blocks: tuple[int, ...] = ()
+    table: int = 0
 
     def _check(self) -> None:
         if self.sequence < 0 or self.start < 0 or self.n < 1 or self.q_row < 0:
@@ -129,7 +136,29 @@ class Span(Record):
             if unknown:
                 raise self._fail(f"kv_plan keys are among {list(KV_PLAN)}; got {sorted(unknown)}")
             _check_kv_plan(self, self.kv_plan, self.n)
+        _check_table(self)
         _check_sampling_map(self)
+
+
+def _check_table(span: Span) -> None:
+    """The table fields: blocks and copies only with a table, that many entries at least,
+    copies at logical blocks inside it, pool blocks >= 0 and each named once."""
+    if span.table <= 0:
+        if span.blocks or span.copies or span.table < 0:
+            raise span._fail(f"blocks and copies need a table length >= 1, got {span.table}")
+        return
+    if len(span.blocks) > span.table:
+        raise span._fail(f"{len(span.blocks)} blocks appended to a table of {span.table}")
+    named = list(span.blocks) + [dst for _, _, dst in span.copies]
+    if min(named, default=0) < 0 or len(set(named)) != len(named):
+        raise span._fail(f"pool blocks must be >= 0 and new ones distinct, got {named}")
+    logical = [j for j, _, _ in span.copies]
+    if any(not 0 <= j < span.table - len(span.blocks) for j in logical) or any(
+        src < 0 for _, src, _ in span.copies
+    ):
+        raise span._fail(f"copies must name blocks of the table before growth: {span.copies}")
+    if len(set(logical)) != len(logical):
+        raise span._fail(f"a logical block is copied twice: {logical}")
 
 
 @_op("forward", REQUESTS)

@@ -109,6 +109,9 @@ class Load(Request):
     # (runtime.kv_blocks), so sequences may share a prefix's blocks (kv_share); 0: each
     # sequence's K/V contiguous on its own. Not with kv_pool (KV Flash pools per sequence).
     kv_block: int = 0
+    # With kv_block: the pool's block count, fixed by the daemon, which hands every block
+    # out itself (engine/kv/blocks.py); the worker may grow its tensors up to it lazily.
+    kv_blocks: int = 0
     # Decode steps of whole sequences through a fixed-shape step over the block pool,
     # captured once per batch bucket as a CUDA graph (runtime.decode_graph): "auto" on CUDA
     # devices, "on" on any (the CPU runs the same step eagerly), "off". Needs kv_block.
@@ -123,6 +126,11 @@ class Load(Request):
             raise self._fail(
                 f"kv_block must be >= 0 and 0 under kv_pool, got {self.kv_block} "
                 f"with kv_pool {self.kv_pool}"
+            )
+        if self.kv_blocks < 0 or bool(self.kv_blocks) != bool(self.kv_block):
+            raise self._fail(
+                f"kv_blocks (the pool's blocks, {self.kv_blocks}) comes with kv_block "
+                f"({self.kv_block}), both > 0, or neither"
             )
         if self.kv_dtype not in ("", *COMPUTE_DTYPES):
             raise self._fail(f"kv_dtype must be one of {COMPUTE_DTYPES}, got {self.kv_dtype!r}")

@@ -263,11 +263,16 @@ class KVImport(Request):
     tokens: Region
     sequence: int = 0
     store: str = ""
+    # A block-pool load: the sequence's table after the import, the daemon's fresh blocks
+    # covering [0, position) (its old blocks are released first).
+    blocks: tuple[int, ...] = ()
 
     def _check(self) -> None:
         _check_sequence(self)
         if self.position < 0:
             raise self._fail(f"position must be >= 0, got {self.position}")
+        if min(self.blocks, default=0) < 0 or len(set(self.blocks)) != len(self.blocks):
+            raise self._fail(f"blocks must be distinct pool blocks >= 0, got {self.blocks}")
         _check_kv_regions(self)
         t = self.tokens
         if t.dtype != "int32" or len(t.shape) != 1 or t.shape[0] < self.position:

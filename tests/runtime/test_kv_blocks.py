@@ -1,7 +1,9 @@
 """Paged K/V in a shared block pool: the paged cache against the plain `KVCache` as the
 oracle (bit-identical logits on every attention path: SDPA over gathered rows, the native
 decode kernel through the row map, verify blocks, ragged batches), prefix sharing with
-copy-on-write against each sequence computed alone, and the pool's exact block ids."""
+copy-on-write against each sequence computed alone, and the pool's exact block ids. The
+blocks are the daemon's: every write first follows its tables (engine/kv/blocks.py), as a
+forward span brings them to a worker."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
+from luced.engine.kv.blocks import BlockTables
 from luced.runtime import native_attention
 from luced.runtime.kv_blocks import BlockPool, KVPoolFull, PagedKVCache
 from luced.runtime.kv_cache import ContextOverflow
@@ -58,29 +61,95 @@ def ids(model: Model, n: int, seed: int) -> torch.Tensor:
     return torch.randint(3, model.cfg.vocab, (n,), generator=torch.Generator().manual_seed(seed))
 
 
+class Lanes:
+    """The daemon's tables over one worker pool: each cache made here is a lane, and its
+    writes, shares, truncations, imports and frees change both sides alike."""
+
+    def __init__(self, model: Model, block: int, initial_blocks: int = 64, n_blocks: int = 64):
+        self.model = model
+        self.tables = BlockTables(n_blocks, block)
+        self.pool = new_pool(model, block=block, initial_blocks=initial_blocks, max_blocks=n_blocks)
+        self.lanes: dict[int, int] = {}
+
+    def cache(self, capacity: int = CAPACITY) -> PagedKVCache:
+        c = paged(self.model, self.pool, capacity)
+        self.lanes[id(c)] = len(self.lanes)
+        DRIVERS[id(c)] = self
+        return c
+
+    def lane(self, c: PagedKVCache) -> int:
+        return self.lanes[id(c)]
+
+    def write(self, c: PagedKVCache, start: int, n: int) -> None:
+        grown = self.tables.write(self.lane(c), start, start + n)
+        c.follow(grown.copies, grown.blocks)
+        assert c.table == list(self.tables.table(self.lane(c)))
+
+    def share(self, c: PagedKVCache, source: PagedKVCache, n: int) -> int:
+        self.tables.share(self.lane(c), self.lane(source), n)
+        return c.share(source, n)
+
+    def truncate(self, c: PagedKVCache, n: int) -> None:
+        self.tables.truncate(self.lane(c), n)
+        c.release_past(n)
+
+    def free(self, c: PagedKVCache) -> None:
+        self.tables.free(self.lane(c))
+        c.free()
+
+    def import_rows(self, c: PagedKVCache, n: int, rows: dict) -> None:
+        self.tables.free(self.lane(c))
+        c.import_rows(n, rows, None, self.tables.grow(self.lane(c), n))
+
+
+DRIVERS: dict[int, Lanes] = {}  # a paged cache's id -> the tables it follows
+
+
+def forward(model: Model, tokens: torch.Tensor, cache, start: int) -> torch.Tensor:
+    """`model.forward`, a paged cache following its tables' growth first."""
+    if isinstance(cache, PagedKVCache):
+        DRIVERS[id(cache)].write(cache, start, len(tokens))
+    return model.forward(tokens, cache, start)
+
+
+def forward_batch(model: Model, feeds: list, caches: list, starts: list) -> list:
+    for f, c, p in zip(feeds, caches, starts, strict=True):
+        if isinstance(c, PagedKVCache):
+            DRIVERS[id(c)].write(c, p, len(f))
+    return model.forward_batch(feeds, caches, starts)
+
+
 def feed(model: Model, caches: list, tokens: torch.Tensor, start: int) -> list[torch.Tensor]:
-    return [model.forward(tokens, c, start) for c in caches]
+    return [forward(model, tokens, c, start) for c in caches]
 
 
 def test_block_pool_bookkeeping() -> None:
-    pool = BlockPool({0: (2, 16), 1: (1, 32)}, torch.float32, block=4, initial_blocks=2)
-    assert pool.k[0].shape == (2, 8, 16) and pool.v[1].shape == (1, 8, 32)
-    assert [pool.allocate() for _ in range(2)] == [0, 1]
+    pool = BlockPool(
+        {0: (2, 16), 1: (1, 32)}, torch.float32, block=4, initial_blocks=2, max_blocks=5
+    )
+    assert pool.k[0].shape == (2, 12, 16) and pool.v[1].shape == (1, 12, 32)  # + scratch
+    pool.take(0)
+    pool.take(1)
     generation = pool.generation
     pool.k[1][:, 4:8] = 7.0
-    assert pool.allocate() == 2  # none free: the pool doubles, keeping the rows
-    assert pool.n_blocks == 4 and pool.generation == generation + 1
-    assert pool.k[1].shape == (1, 16, 32) and bool((pool.k[1][:, 4:8] == 7).all())
+    pool.take(2)  # past the tensors: they double, keeping the rows
+    assert pool.n_blocks == 4 and pool.generation == generation + 1 and pool.scratch == 4
+    assert pool.k[1].shape == (1, 20, 32) and bool((pool.k[1][:, 4:8] == 7).all())
+    pool.take(4)  # up to the daemon's pool, not past it
+    assert pool.n_blocks == 5
+    with pytest.raises(ValueError, match="block 1 is held already"):
+        pool.take(1)
+    with pytest.raises(ValueError, match="block 5 is outside the pool of 5"):
+        pool.take(5)
     pool.retain(1)
     pool.release(0)
     pool.release(1)
     assert (pool.refs(0), pool.refs(1), pool.refs(2)) == (0, 1, 1)
-    assert (pool.used_blocks, pool.free_blocks) == (2, 2)
-    assert pool.allocate() == 0  # the lowest free block first
+    assert (pool.used_blocks, pool.free_blocks, pool.mapped_blocks) == (3, 2, 3)
     with pytest.raises(ValueError, match="block 3 is not held"):
         pool.release(3)
     assert pool.block_nbytes() == 4 * 4 * (2 * 16 + 32) * 2
-    assert pool.nbytes() == 4 * pool.block_nbytes()
+    assert pool.nbytes() == 6 * pool.block_nbytes()
 
 
 @pytest.mark.parametrize("scattered", [False, True], ids=["consecutive", "scattered"])
@@ -90,11 +159,14 @@ def test_paged_equals_plain(tiny, family: str, scattered: bool) -> None:
     reading through the row map), a verify block, a rollback and a re-feed: the same
     logits as the plain cache, bit for bit, while the pool grows under them."""
     model = tiny(family)
-    pool = new_pool(model, block=8, initial_blocks=4)
+    lanes = Lanes(model, block=8, initial_blocks=4)
+    pool = lanes.pool
     if scattered:  # the sequence's blocks are 1, 3, 4, ...: rows are gathered
-        held = [pool.allocate() for _ in range(3)]
-        pool.release(held[1])
-    cache, plain = paged(model, pool), model.new_cache(CAPACITY)
+        others = [lanes.cache() for _ in range(3)]
+        for other in others:
+            lanes.write(other, 0, 1)
+        lanes.free(others[1])
+    cache, plain = lanes.cache(), model.new_cache(CAPACITY)
     tokens = ids(model, 90, seed=1)
     steps = [(0, 70)] + [(p, 1) for p in range(70, 76)] + [(76, 4)]
     for start, n in steps:
@@ -106,6 +178,7 @@ def test_paged_equals_plain(tiny, family: str, scattered: bool) -> None:
     assert native_attention.supported(torch.zeros(1, 4, 16), [cache.decode_storage(layer)])
     for c in (cache, plain):
         c.truncate(76)  # the verify block is rejected (qwen35: back to the previous commit)
+    assert len(cache.table) == 10  # a roll back keeps the blocks: written again next
     other = ids(model, 6, seed=2)
     got, want = feed(model, [cache, plain], other[:3], 76)
     assert torch.equal(got, want)
@@ -119,16 +192,17 @@ def test_shared_prefix_and_copy_on_write(tiny) -> None:
     """B shares A's first two blocks; A then rewinds into them and rewrites: A moves to a
     copy, B's rows never change, and both equal their sequences computed alone."""
     model = tiny("llama")
-    pool = new_pool(model, block=16, initial_blocks=8)
+    lanes = Lanes(model, block=16, initial_blocks=8)
+    pool = lanes.pool
     a_ids, b_ids = ids(model, 40, seed=3), ids(model, 48, seed=4)
     b_ids[:32] = a_ids[:32]  # a common 32-token prompt prefix
-    a, a_alone = paged(model, pool), model.new_cache(64)
+    a, a_alone = lanes.cache(), model.new_cache(64)
     feed(model, [a, a_alone], a_ids[:32], 0)
     feed(model, [a, a_alone], a_ids[32:], 32)
     assert a.table == [0, 1, 2]
 
-    b, b_alone = paged(model, pool), model.new_cache(64)
-    assert b.share(a, 32) == 32 and b.pos == 32
+    b, b_alone = lanes.cache(), model.new_cache(64)
+    assert lanes.share(b, a, 32) == 32 and b.pos == 32
     assert b.table == [0, 1] and [pool.refs(i) for i in range(3)] == [2, 2, 1]
     model.forward(b_ids[:32], b_alone, 0)
     got, want = feed(model, [b, b_alone], b_ids[32:40], 32)
@@ -141,8 +215,8 @@ def test_shared_prefix_and_copy_on_write(tiny) -> None:
     for i, k in before.items():
         b.export_rows(i, 44, k, torch.empty_like(k))
 
-    for c in (a, a_alone):
-        c.truncate(20)
+    a_alone.truncate(20)
+    lanes.truncate(a, 20)  # the truncate verb
     assert a.table == [0, 1] and pool.refs(2) == 0  # its own block past 20 is released
     rewrite = ids(model, 10, seed=5)
     got, want = feed(model, [a, a_alone], rewrite, 20)
@@ -164,8 +238,8 @@ def test_shared_prefix_and_copy_on_write(tiny) -> None:
         paged(model, pool).share(a, 31)
     with pytest.raises(ValueError, match="another pool"):
         paged(model, new_pool(model)).share(a, 16)
-    a.free()
-    b.free()
+    lanes.free(a)
+    lanes.free(b)
     assert pool.used_blocks == 0 and a.table == b.table == [] and a.pos == b.pos == 0
 
 
@@ -174,16 +248,17 @@ def test_a_prefix_ending_inside_a_block_shares_it_until_a_write(tiny) -> None:
     C's first write (position 35) copies that block; A then writes its next positions into
     its own, unchanged block. Both equal their sequences alone."""
     model = tiny("llama")
-    pool = new_pool(model, block=16, initial_blocks=8)
+    lanes = Lanes(model, block=16, initial_blocks=8)
+    pool = lanes.pool
     a_ids, c_ids = ids(model, 44, seed=3), ids(model, 44, seed=9)
     c_ids[:35] = a_ids[:35]
-    a, a_alone = paged(model, pool), model.new_cache(64)
+    a, a_alone = lanes.cache(), model.new_cache(64)
     feed(model, [a, a_alone], a_ids[:40], 0)
-    c, c_alone = paged(model, pool), model.new_cache(64)
-    assert c.share(a, 35) == 35 and c.table == [0, 1, 2]
+    c, c_alone = lanes.cache(), model.new_cache(64)
+    assert lanes.share(c, a, 35) == 35 and c.table == [0, 1, 2]
     assert [pool.refs(i) for i in range(3)] == [2, 2, 2]
     model.forward(c_ids[:35], c_alone, 0)
-    got, want = feed(model, [c, c_alone], c_ids[35:38], 35)
+    got, want = feed(model, [c, c_alone], c_ids[35:38], 35)  # copies the shared block
     assert torch.equal(got, want)
     assert c.table == [0, 1, 3] and [pool.refs(i) for i in range(4)] == [2, 2, 1, 1]
     for p in range(40, 44):
@@ -196,9 +271,10 @@ def test_a_prefix_ending_inside_a_block_shares_it_until_a_write(tiny) -> None:
 
 def test_recurrent_caches_do_not_share(tiny) -> None:
     model = tiny("qwen35")
-    pool = new_pool(model, block=4)
-    a = paged(model, pool)
-    model.forward(ids(model, 8, seed=6), a, 0)
+    lanes = Lanes(model, block=4)
+    pool = lanes.pool
+    a = lanes.cache()
+    forward(model, ids(model, 8, seed=6), a, 0)
     with pytest.raises(ValueError, match="recurrent"):
         paged(model, pool).share(a, 8)
     assert pool.used_blocks == 2
@@ -209,8 +285,9 @@ def test_pool_growth_refreshes_decode_storage(tiny) -> None:
     twice: each sequence's steps equal a plain cache's, and its decode Storage is handed
     out once per pool generation."""
     model = tiny("llama")
-    pool = new_pool(model, block=4, initial_blocks=2)
-    caches = [paged(model, pool) for _ in range(2)]
+    lanes = Lanes(model, block=4, initial_blocks=2)
+    pool = lanes.pool
+    caches = [lanes.cache() for _ in range(2)]
     plains = [model.new_cache(64) for _ in range(2)]
     streams = [ids(model, 24, seed=s) for s in (7, 8)]
     first = caches[0].decode_storage(0)
@@ -227,27 +304,35 @@ def test_pool_growth_refreshes_decode_storage(tiny) -> None:
     assert caches[1].rows[:9].tolist() == [4, 5, 6, 7, 12, 13, 14, 15, 20]
 
 
-def test_a_full_pool_refuses_before_writing(tiny) -> None:
+def test_a_cache_out_of_step_with_the_daemon_refuses_before_writing(tiny) -> None:
+    """The worker follows, and checks: a table length other than the daemon's, a block it
+    holds already, a copy of a block the table does not hold, a write past the table or
+    into a shared block are refused, and nothing changes."""
     model = tiny("llama")
-    pool = new_pool(model, block=4, initial_blocks=2, max_blocks=3)
-    a = paged(model, pool)
-    model.forward(ids(model, 10, seed=9), a, 0)
-    assert a.table == [0, 1, 2] and pool.free_blocks == 0
-    with pytest.raises(KVPoolFull, match="need 1 more blocks of 4 rows, 0 can be had"):
-        model.forward(ids(model, 3, seed=10), a, 10)
+    lanes = Lanes(model, block=4, n_blocks=8)
+    pool = lanes.pool
+    a, b = lanes.cache(), lanes.cache()
+    forward(model, ids(model, 10, seed=9), a, 0)
+    assert a.table == [0, 1, 2]
+    with pytest.raises(ValueError, match="holds 3 blocks, \\+ 1 new makes 4; the daemon's holds 5"):
+        a.check_follow((), (3,), 5)
+    with pytest.raises(ValueError, match="block 2 is held already"):
+        b.follow((), (2,))
+    with pytest.raises(ValueError, match="copy of logical block 1 from 2: the table has 1"):
+        a.follow(((1, 2, 3),), ())
+    with pytest.raises(ValueError, match=r"positions \[10, 13\) are past the 3 blocks"):
+        model.forward(ids(model, 3, seed=10), a, 10)  # the daemon did not grow it
     assert (a.pos, a.table, pool.used_blocks) == (10, [0, 1, 2], 3)
-    assert issubclass(KVPoolFull, ContextOverflow)  # the worker reports it as such
-
-    b = paged(model, pool)
-    b.share(a, 8)
-    a.truncate(6)  # releases block 2; blocks 0 and 1 are shared
-    with pytest.raises(KVPoolFull, match="need 2 more"):  # a copy of block 1, and block 2
-        a.reserve(6, 3)
-    assert (a.pos, a.table, [pool.refs(i) for i in range(3)]) == (6, [0, 1], [2, 2, 0])
-    model.forward(ids(model, 2, seed=11), a, 6)  # the copy alone fits
-    assert a.table == [0, 2] and [pool.refs(i) for i in range(3)] == [2, 1, 1]
+    lanes.share(b, a, 8)
+    with pytest.raises(ValueError, match=r"would write shared blocks \[1\]"):
+        a.reserve(6, 2)  # no copy-on-write came first
+    forward(model, ids(model, 2, seed=11), a, 6)  # it did now: a copy of block 1
+    assert a.table == [0, 3, 2] and [pool.refs(i) for i in range(4)] == [2, 1, 1, 1]
     with pytest.raises(ContextOverflow, match="capacity 16"):
         paged(model, pool, capacity=16).reserve(0, 17)
+    with pytest.raises(ContextOverflow, match="5 blocks exceed the KV capacity 16"):
+        paged(model, pool, capacity=16).check_follow((), (4, 5, 6, 7, 8), 5)
+    assert issubclass(KVPoolFull, ContextOverflow)  # the worker reports it as such
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma4"])
@@ -255,10 +340,11 @@ def test_export_import_round_trip(tiny, family: str) -> None:
     """Rows exported from a paged cache are the plain cache's; imported into a paged cache
     that held other blocks (released first) they continue as the plain import does."""
     model = tiny(family)
-    pool = new_pool(model, block=8, initial_blocks=4)
-    cache, plain = paged(model, pool), model.new_cache(64)
-    other = paged(model, pool)
-    model.forward(ids(model, 5, seed=12), other, 0)  # interleaves the blocks
+    lanes = Lanes(model, block=8, initial_blocks=4)
+    pool = lanes.pool
+    cache, plain = lanes.cache(), model.new_cache(64)
+    other = lanes.cache()
+    forward(model, ids(model, 5, seed=12), other, 0)  # interleaves the blocks
     feed(model, [cache, plain], ids(model, 30, seed=13), 0)
     rows = {}
     for i in cache.stored:
@@ -271,9 +357,11 @@ def test_export_import_round_trip(tiny, family: str) -> None:
         assert torch.equal(got[1][:, :30], want[1][:, :30])
         rows[i] = got
     used = pool.used_blocks
-    restored, plain_restored = paged(model, pool), model.new_cache(64)
-    model.forward(ids(model, 12, seed=14), restored, 0)
-    restored.import_rows(30, rows)
+    restored, plain_restored = lanes.cache(), model.new_cache(64)
+    forward(model, ids(model, 12, seed=14), restored, 0)
+    with pytest.raises(ValueError, match="30 positions need 4 blocks"):
+        restored.import_rows(30, rows, None, (9, 10))
+    lanes.import_rows(restored, 30, rows)
     plain_restored.import_rows(30, rows)
     assert restored.pos == 30 and pool.used_blocks == used + 4  # its 2 old blocks released
     tokens = ids(model, 3, seed=15)
@@ -291,32 +379,33 @@ def test_ragged_batch_of_paged_caches(tiny, family: str) -> None:
     beside a decode token. The same logits as plain caches in the same batches, bit for
     bit, and each sequence's alone (to the dense matmuls' rounding)."""
     model = tiny(family)
-    pool = new_pool(model, block=16, initial_blocks=2)
+    lanes = Lanes(model, block=16, initial_blocks=2)
+    pool = lanes.pool
     a_ids, b_ids = ids(model, 120, seed=16), ids(model, 120, seed=17)
     b_ids[:32] = a_ids[:32]
-    a, b = paged(model, pool), paged(model, pool)
+    a, b = lanes.cache(), lanes.cache()
     plain = [model.new_cache(CAPACITY) for _ in range(2)]
-    alone = [paged(model, new_pool(model)) for _ in range(2)]
+    alone = [Lanes(model, block=16).cache() for _ in range(2)]
     for c in (a, plain[0], alone[0], plain[1], alone[1]):
-        model.forward(a_ids[:32], c, 0)
+        forward(model, a_ids[:32], c, 0)
     for c in (a, plain[0], alone[0]):
-        model.forward(a_ids[32:37], c, 32)
-    assert b.share(a, 32) == 32
+        forward(model, a_ids[32:37], c, 32)
+    assert lanes.share(b, a, 32) == 32
     for c in (b, plain[1], alone[1]):
-        model.forward(b_ids[32:44], c, 32)
+        forward(model, b_ids[32:44], c, 32)
     pos = [37, 44]
     for sizes in ([6, 1], [1, 1], [1, 70]):
         feeds = [t[p : p + n] for t, p, n in zip((a_ids, b_ids), pos, sizes, strict=True)]
-        got = model.forward_batch(feeds, [a, b], pos)
+        got = forward_batch(model, feeds, [a, b], pos)
         want = model.forward_batch(feeds, plain, pos)
-        single = [model.forward(f, c, p) for f, c, p in zip(feeds, alone, pos, strict=True)]
+        single = [forward(model, f, c, p) for f, c, p in zip(feeds, alone, pos, strict=True)]
         for g, w, s in zip(got, want, single, strict=True):
             assert torch.equal(g, w), sizes
             torch.testing.assert_close(g, s, rtol=1e-4, atol=1e-4)
         pos = [p + n for p, n in zip(pos, sizes, strict=True)]
     assert pool.refs(a.table[0]) == pool.refs(a.table[1]) == 2
-    a.free()
-    b.free()
+    lanes.free(a)
+    lanes.free(b)
     assert pool.used_blocks == 0
 
 

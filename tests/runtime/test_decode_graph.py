@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from block_lanes import Lanes, forward, forward_batch
 from fake_device import fake_accelerator
 
 from luced.runtime.decode_graph import DecodeGraphs, bucket, row_buckets, supports
@@ -46,11 +47,11 @@ def test_buckets() -> None:
     assert row_buckets(100) == (100,)
 
 
-def _prefilled(model: Model, pool) -> list:
+def _prefilled(lanes: Lanes) -> list:
     caches = []
     for ids in PROMPTS:
-        cache = model.new_paged_cache(pool, 512)
-        model.forward(torch.tensor(ids), cache, 0)
+        cache = lanes.cache(512)
+        forward(lanes.model, torch.tensor(ids), cache, 0)
         caches.append(cache)
     return caches
 
@@ -61,15 +62,16 @@ def test_captured_step_equals_the_batched_forward(tiny: Path) -> None:
     batched forward over its own pool's caches, to float rounding (SDPA over gathered
     rows against the native kernel)."""
     model = Model.load(tiny)
-    ref_caches = _prefilled(model, model.new_block_pool(16))
-    pool = model.new_block_pool(16)
-    caches = _prefilled(model, pool)
-    graphs = DecodeGraphs(model, pool, 512)
+    ref_caches = _prefilled(Lanes(model, 16))
+    lanes = Lanes(model, 16)
+    caches = _prefilled(lanes)
+    graphs = DecodeGraphs(model, lanes.pool, 512)
     tokens = [ids[-1] for ids in PROMPTS]
     for step in range(12):
         starts = [c.pos for c in ref_caches]
-        ref = model.forward_batch([torch.tensor([t]) for t in tokens], ref_caches, starts)
+        ref = forward_batch(model, [torch.tensor([t]) for t in tokens], ref_caches, starts)
         ref = torch.cat(ref)
+        lanes.step(caches)
         got = graphs.step(caches, torch.tensor(tokens))
         assert [c.pos for c in caches] == [c.pos for c in ref_caches]
         err = float((got - ref).abs().max() / ref.abs().max())
@@ -83,41 +85,41 @@ def test_a_lone_sequence_and_a_truncated_one(tiny: Path) -> None:
     """Batch of one (no padding), after a truncate (a rejected draft): the row map past the
     new position is overwritten, never read."""
     model = Model.load(tiny)
-    pool = model.new_block_pool(16)
-    cache = model.new_paged_cache(pool, 512)
-    model.forward(torch.tensor(PROMPTS[2]), cache, 0)
+    lanes = Lanes(model, 16)
+    cache = lanes.cache(512)
+    forward(model, torch.tensor(PROMPTS[2]), cache, 0)
     cache.truncate(10)
-    ref_pool = model.new_block_pool(16)
-    ref = model.new_paged_cache(ref_pool, 512)
-    model.forward(torch.tensor(PROMPTS[2][:10]), ref, 0)
-    graphs = DecodeGraphs(model, pool, 512)
+    ref = Lanes(model, 16).cache(512)
+    forward(model, torch.tensor(PROMPTS[2][:10]), ref, 0)
+    graphs = DecodeGraphs(model, lanes.pool, 512)
     token = 7
     for _ in range(4):
-        want = model.forward(torch.tensor([token]), ref, ref.pos)[-1]
+        want = forward(model, torch.tensor([token]), ref, ref.pos)[-1]
+        lanes.step([cache])
         got = graphs.step([cache], torch.tensor([token]))[0]
         assert float((got - want).abs().max() / want.abs().max()) < 1e-5
         token = int(want.argmax())
 
 
 def test_a_pool_that_grows_drops_its_graphs(tiny: Path) -> None:
-    """A pool of 4 blocks of 16 rows (one the runner's scratch) grows while two sequences
-    decode past it: the batch tensors (which name the old storage) are made anew, and the
-    steps still equal the batched forward."""
+    """A pool of 4 blocks of 16 rows grows while two sequences decode past it: the batch
+    tensors (which name the old storage) are made anew, and the steps still equal the
+    batched forward."""
     model = Model.load(tiny)
-    pool = model.new_block_pool(16, initial_blocks=4)
-    ref_pool = model.new_block_pool(16)
+    lanes, ref_lanes = Lanes(model, 16, initial_blocks=4), Lanes(model, 16)
+    pool = lanes.pool
     prompts = [list(range(1, 20)), list(range(30, 40))]
     caches, refs = [], []
     for p in prompts:
-        for pl, out in ((pool, caches), (ref_pool, refs)):
-            out.append(model.new_paged_cache(pl, 512))
-            model.forward(torch.tensor(p), out[-1], 0)
+        for ls, out in ((lanes, caches), (ref_lanes, refs)):
+            out.append(ls.cache(512))
+            forward(model, torch.tensor(p), out[-1], 0)
     graphs = DecodeGraphs(model, pool, 512)
     tokens, generations, batches = [p[-1] for p in prompts], {pool.generation}, []
     for _ in range(20):
-        want = torch.cat(
-            model.forward_batch([torch.tensor([t]) for t in tokens], refs, [c.pos for c in refs])
-        )
+        feeds = [torch.tensor([t]) for t in tokens]
+        want = torch.cat(forward_batch(model, feeds, refs, [c.pos for c in refs]))
+        lanes.step(caches)
         got = graphs.step(caches, torch.tensor(tokens))
         assert float((got - want).abs().max() / want.abs().max()) < 1e-5
         generations.add(pool.generation)
@@ -133,9 +135,10 @@ def test_the_step_holds_no_host_sync_and_no_cpu_tensor(tiny: Path) -> None:
     on device tensors alone, with nothing read back to the host."""
     with fake_accelerator() as device:
         model = Model.load(tiny, device=device, dtype="bfloat16", weights="auto")
-        pool = model.new_block_pool(16)
-        caches = _prefilled(model, pool)
-        graphs = DecodeGraphs(model, pool, 512)
+        lanes = Lanes(model, 16)
+        caches = _prefilled(lanes)
+        graphs = DecodeGraphs(model, lanes.pool, 512)
+        lanes.step(caches)
         logits = graphs.step(caches, torch.tensor([1, 2, 3], device=device))
         assert logits.shape == (3, model.cfg.vocab) and logits.device == device
 

@@ -11,8 +11,8 @@ from collections.abc import Callable
 
 import pytest
 import torch
+from block_lanes import Lanes, forward, forward_batch
 
-from luced.engine.kv.blocks import BlockTables
 from luced.runtime import native_attention
 from luced.runtime.kv_blocks import BlockPool, KVPoolFull, PagedKVCache
 from luced.runtime.kv_cache import ContextOverflow
@@ -59,64 +59,6 @@ def paged(model: Model, pool: BlockPool, capacity: int = CAPACITY) -> PagedKVCac
 
 def ids(model: Model, n: int, seed: int) -> torch.Tensor:
     return torch.randint(3, model.cfg.vocab, (n,), generator=torch.Generator().manual_seed(seed))
-
-
-class Lanes:
-    """The daemon's tables over one worker pool: each cache made here is a lane, and its
-    writes, shares, truncations, imports and frees change both sides alike."""
-
-    def __init__(self, model: Model, block: int, initial_blocks: int = 64, n_blocks: int = 64):
-        self.model = model
-        self.tables = BlockTables(n_blocks, block)
-        self.pool = new_pool(model, block=block, initial_blocks=initial_blocks, max_blocks=n_blocks)
-        self.lanes: dict[int, int] = {}
-
-    def cache(self, capacity: int = CAPACITY) -> PagedKVCache:
-        c = paged(self.model, self.pool, capacity)
-        self.lanes[id(c)] = len(self.lanes)
-        DRIVERS[id(c)] = self
-        return c
-
-    def lane(self, c: PagedKVCache) -> int:
-        return self.lanes[id(c)]
-
-    def write(self, c: PagedKVCache, start: int, n: int) -> None:
-        grown = self.tables.write(self.lane(c), start, start + n)
-        c.follow(grown.copies, grown.blocks)
-        assert c.table == list(self.tables.table(self.lane(c)))
-
-    def share(self, c: PagedKVCache, source: PagedKVCache, n: int) -> int:
-        self.tables.share(self.lane(c), self.lane(source), n)
-        return c.share(source, n)
-
-    def truncate(self, c: PagedKVCache, n: int) -> None:
-        self.tables.truncate(self.lane(c), n)
-        c.release_past(n)
-
-    def free(self, c: PagedKVCache) -> None:
-        self.tables.free(self.lane(c))
-        c.free()
-
-    def import_rows(self, c: PagedKVCache, n: int, rows: dict) -> None:
-        self.tables.free(self.lane(c))
-        c.import_rows(n, rows, None, self.tables.grow(self.lane(c), n))
-
-
-DRIVERS: dict[int, Lanes] = {}  # a paged cache's id -> the tables it follows
-
-
-def forward(model: Model, tokens: torch.Tensor, cache, start: int) -> torch.Tensor:
-    """`model.forward`, a paged cache following its tables' growth first."""
-    if isinstance(cache, PagedKVCache):
-        DRIVERS[id(cache)].write(cache, start, len(tokens))
-    return model.forward(tokens, cache, start)
-
-
-def forward_batch(model: Model, feeds: list, caches: list, starts: list) -> list:
-    for f, c, p in zip(feeds, caches, starts, strict=True):
-        if isinstance(c, PagedKVCache):
-            DRIVERS[id(c)].write(c, p, len(f))
-    return model.forward_batch(feeds, caches, starts)
 
 
 def feed(model: Model, caches: list, tokens: torch.Tensor, start: int) -> list[torch.Tensor]:

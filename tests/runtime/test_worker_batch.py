@@ -4,6 +4,7 @@ decoded alone in process."""
 
 from __future__ import annotations
 
+import dataclasses
 import secrets
 from collections.abc import Iterator
 from pathlib import Path
@@ -12,6 +13,7 @@ import pytest
 import torch
 from worker_harness import TAG, Regions, WorkerProc, no_segments_left  # noqa: F401 - fixture
 
+from luced.engine.kv.blocks import BlockTables
 from luced.ipc import frames as F
 from luced.ipc.channel import RemoteError
 from luced.ipc.shm import ShmOwner
@@ -58,6 +60,7 @@ def start_worker(
             owns_embed=layers[0] == 0,
             owns_head=layers[1] == 4,
             kv_block=kv_block,
+            kv_blocks=64 if kv_block else 0,
             weights=weights,
         )
     )
@@ -93,10 +96,12 @@ def batch_frame(
     feeds: dict[int, tuple[int, list[int]]],
     want: str = "sample",
     every_row: frozenset[int] = frozenset(),
+    tables: BlockTables | None = None,
     **kw: object,
 ) -> F.Forward:
     """feeds: sequence -> (start, ids), in batch order; `every_row`: sequences that get a
-    token after each of their rows (a verify window), the others after their last."""
+    token after each of their rows (a verify window), the others after their last;
+    `tables`: the daemon's block tables (a block-pool load), grown for the spans."""
     spans = tuple(
         F.Span(
             sequence=seq,
@@ -104,6 +109,7 @@ def batch_frame(
             n=len(ids),
             n_out=len(ids) if seq in every_row else 1,
             sampling=GREEDY if want == "sample" else {},
+            **_grown(tables, seq, start, start + len(ids)),
         )
         for seq, (start, ids) in feeds.items()
     )
@@ -118,8 +124,22 @@ def batch_frame(
     return F.Forward(spans, want, **fields)  # type: ignore[arg-type]
 
 
-def forward(w: WorkerProc, io: Regions, seq: int, start: int, ids: list[int]) -> int:
-    w.call(batch_frame(io, {seq: (start, ids)}))
+def _grown(tables: BlockTables | None, seq: int, start: int, end: int) -> dict:
+    if tables is None:
+        return {}
+    g = tables.write(seq, start, end)
+    return {"copies": g.copies, "blocks": g.blocks, "table": g.length}
+
+
+def forward(
+    w: WorkerProc,
+    io: Regions,
+    seq: int,
+    start: int,
+    ids: list[int],
+    tables: BlockTables | None = None,
+) -> int:
+    w.call(batch_frame(io, {seq: (start, ids)}, tables=tables))
     return int(io.a("ids")[0])
 
 
@@ -319,37 +339,74 @@ def varied(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_kv_share_starts_a_sequence_on_anothers_blocks(tmp_path, owner, io, varied) -> None:
-    """With a block pool (load kv_block 8): sequence 2 shares sequence 1's first 20 of 21
-    prompt positions (its 3 blocks, the last one partly), feeds the last, and decodes its
-    fresh continuation, holding only its own blocks besides: a copy of the block it wrote
-    into, and new ones. Refusals change nothing."""
+    """With a block pool (load kv_block 8), its blocks handed out by the daemon's tables:
+    sequence 2 shares sequence 1's first 20 of 21 prompt positions (its 3 blocks, the last
+    one partly), feeds the last, and decodes its fresh continuation, holding only its own
+    blocks besides: a copy of the block it wrote into, and new ones. Refusals change
+    nothing."""
     w = start_worker(tmp_path, owner, varied, (0, 4), kv_block=8)
+    tables = BlockTables(64, 8)
     try:
         prompt = [(5 * i + 2) % 60 + 1 for i in range(21)]
         with pytest.raises(RemoteError, match="sequence 1 holds no KV"):
             w.call(F.KVShare(sequence=2, source=1, position=8))
-        first = forward(w, io, 1, 0, prompt)
+        first = forward(w, io, 1, 0, prompt, tables)
         assert blocks_used(w) == 3  # positions 0..20
         with pytest.raises(RemoteError, match="holds 21 positions, not 24"):
             w.call(F.KVShare(sequence=2, source=1, position=24))
+        tables.share(2, 1, 20)
         reply = w.call(F.KVShare(sequence=2, source=1, position=20))
         assert isinstance(reply, F.KVShareReply) and reply.position == 20
         assert blocks_used(w) == 3  # nothing copied
-        got = [forward(w, io, 2, 20, prompt[20:])]
+        got = [forward(w, io, 2, 20, prompt[20:], tables)]
         assert blocks_used(w) == 4  # its copy of the block of positions 16..23
         for _ in range(4):
-            got.append(forward(w, io, 2, len(prompt) + len(got) - 1, got[-1:]))
+            got.append(forward(w, io, 2, len(prompt) + len(got) - 1, got[-1:], tables))
         model = Model.load(varied)
         want = alone(model, prompt, 5)
         assert got == want and first == want[0] and len(set(want)) > 2
         # The source goes: the shared blocks stay with sequence 2, which decodes on.
         assert blocks_used(w) == 5  # and a new one for positions 24..
+        tables.free(1)
         w.call(F.Reset(sequence=1, release=True))
         assert blocks_used(w) == 2 + 2  # the 2 shared, its own 2 (positions 16..31)
-        got.append(forward(w, io, 2, len(prompt) + len(got) - 1, got[-1:]))
+        got.append(forward(w, io, 2, len(prompt) + len(got) - 1, got[-1:], tables))
         assert got == alone(model, prompt, 6)
+        tables.free(2)
         w.call(F.Reset(sequence=2, release=True))
         assert blocks_used(w) == 0
+    finally:
+        w.stop()
+
+
+def test_a_span_out_of_step_with_the_daemons_table_is_refused(tmp_path, owner, io, varied):
+    """The worker checks each span's table against its own before anything changes: a
+    length other than the daemon's, a block it holds already, a copy of a block the
+    sequence does not hold, no table at all. Each refusal names the sequence and leaves
+    the sequence as it was: the right frame then continues it as if none had come."""
+    w = start_worker(tmp_path, owner, varied, (0, 4), kv_block=8)
+    tables = BlockTables(64, 8)
+    try:
+        prompt = [(3 * i + 1) % 50 + 2 for i in range(12)]
+        got = [forward(w, io, 1, 0, prompt, tables)]  # blocks 0, 1
+        step = {1: (12, got)}
+        bad = [
+            ({"blocks": (2,), "table": 4}, "sequence 1 is out of step .* the daemon's holds 4"),
+            ({"blocks": (0,), "table": 3}, "block 0 is held already"),
+            ({"copies": ((1, 5, 6),), "table": 2}, "copy of logical block 1 from 5"),
+            ({}, "sequence 1: its span carries no block table"),
+        ]
+        for fields, match in bad:
+            frame = batch_frame(io, step)
+            frame = dataclasses.replace(
+                frame, spans=(dataclasses.replace(frame.spans[0], **fields),)
+            )
+            with pytest.raises(RemoteError, match=match):
+                w.call(frame)
+            assert blocks_used(w) == 2
+        for _ in range(5):  # 12 .. 16: a new block at 16
+            got.append(forward(w, io, 1, len(prompt) + len(got) - 1, got[-1:], tables))
+        assert got == alone(Model.load(varied), prompt, 6) and blocks_used(w) == 3
     finally:
         w.stop()
 

@@ -146,6 +146,10 @@ async def test_kept_blocks_give_way_to_running_requests(tiny: Path) -> None:
         assert len(engine.kv.kept) == 3
         kept_blocks = await kv_blocks_used(engine)
         assert kept_blocks[0] >= 3 * 115 // 16
+        await engine._idle.wait()  # the last slot released
+        tables = engine.target.blocks  # the daemon's, in step with the worker's
+        assert tables is not None and [tables.used_blocks] == await kv_blocks_used(engine)
+        assert sorted(tables.lanes) == sorted(engine.kv.kept)
         got = await tokens(engine.submit(request("long", long, max_tokens=40)))
         assert got == want and engine.totals["preemptions"] == 0
         assert len(engine.kv.kept) <= 1  # the long one's own is kept after it

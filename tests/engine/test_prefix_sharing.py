@@ -107,6 +107,7 @@ async def test_a_sharer_outlives_its_source(tiny: Path) -> None:
         assert sharer.cached_tokens == 150
         assert await engine.drain(10)
         assert await kv_blocks_used(engine) == [0]
+        assert engine.target.blocks is not None and engine.target.blocks.used_blocks == 0
 
 
 async def test_without_a_block_pool_nothing_is_shared(tiny: Path) -> None:

@@ -46,10 +46,10 @@ class Lanes:
         self.tables.free(self.lane(c))
         c.free()
 
-    def step(self, caches: list[PagedKVCache]) -> None:
-        """Each cache's next position: a decode step's growth."""
-        for c in caches:
-            self.write(c, c.pos, 1)
+    def step(self, caches: list[PagedKVCache], sizes: list[int] | None = None) -> None:
+        """Each cache's next position (or its next sizes[i], a window): a step's growth."""
+        for i, c in enumerate(caches):
+            self.write(c, c.pos, 1 if sizes is None else sizes[i])
 
     def import_rows(self, c: PagedKVCache, n: int, rows: dict) -> None:
         self.tables.free(self.lane(c))

@@ -46,10 +46,12 @@ from pathlib import Path
 
 import torch
 
+from luced.engine.kv.blocks import BlockTables, pool_blocks
 from luced.ipc.regions import Attachments, RegionAllocator
 from luced.ipc.shm import ShmOwner
 from luced.runtime.decode_graph import DecodeGraphs
 from luced.runtime.device_io import DeviceIO
+from luced.runtime.kv_blocks import BlockPool, PagedKVCache
 from luced.runtime.model import Model
 from luced.runtime.qlinear import PackedLinear
 
@@ -120,6 +122,22 @@ def eager_decode(model: Model, steps: int, device: torch.device) -> float:
     return (time.perf_counter() - t0) / steps
 
 
+def paged(
+    model: Model, batch: int, capacity: int
+) -> tuple[BlockTables, BlockPool, list[PagedKVCache]]:
+    """`batch` paged caches of one pool and the daemon's tables that hand out its blocks
+    (engine/kv/blocks.py) -> (tables, pool, caches)."""
+    tables = BlockTables(pool_blocks(batch * capacity, batch, 16), 16)
+    pool = model.new_block_pool(16, max_blocks=tables.n_blocks)
+    return tables, pool, [model.new_paged_cache(pool, capacity) for _ in range(batch)]
+
+
+def grow(tables: BlockTables, lane: int, cache: PagedKVCache, end: int) -> None:
+    """The daemon's growth of `lane` to cover [0, end), followed by its cache."""
+    g = tables.write(lane, cache.pos, end)
+    cache.follow(g.copies, g.blocks)
+
+
 def step_decode(
     model: Model, batch: int, steps: int, device: torch.device, capture: bool, compile: bool = False
 ):
@@ -127,32 +145,40 @@ def step_decode(
     `capture` on a GPU; compiled by torch.compile first with `compile`); the first step (a
     capture, a compile) is timed apart. -> (seconds, captures, the first step's seconds, why
     the step was not compiled or None)."""
-    pool = model.new_block_pool(16)
-    caches = [model.new_paged_cache(pool, PROMPT + steps + 2) for _ in range(batch)]
+    tables, pool, caches = paged(model, batch, PROMPT + steps + 2)
     for i, c in enumerate(caches):
+        grow(tables, i, c, PROMPT)
         model.forward(prompt_ids(PROMPT, model.cfg.vocab, device, i), c, 0)
     graphs = DecodeGraphs(model, pool, PROMPT + steps + 2, capture=capture, compile=compile)
     ids = torch.ones(batch, dtype=torch.int64, device=device)
+
+    def step(ids: torch.Tensor) -> torch.Tensor:
+        for i, c in enumerate(caches):  # the daemon's growth comes with each step
+            grow(tables, i, c, c.pos + 1)
+        return graphs.step(caches, ids).argmax(-1)
+
     t0 = time.perf_counter()
-    ids = graphs.step(caches, ids).argmax(-1)
+    ids = step(ids)
     ids.tolist()
     first = time.perf_counter() - t0
     t0 = time.perf_counter()
     for _ in range(steps):
-        ids = graphs.step(caches, ids).argmax(-1)
+        ids = step(ids)
         ids.tolist()  # the tokens go back to the host, as a worker's sampler needs them
     return (time.perf_counter() - t0) / steps, graphs.captures, first, graphs.compile_error
 
 
 def batched_decode(model: Model, batch: int, steps: int, device: torch.device) -> float:
     """Seconds per step of `batch` sequences through `Model.forward_batch` (paged caches)."""
-    pool = model.new_block_pool(16)
-    caches = [model.new_paged_cache(pool, PROMPT + steps + 1) for _ in range(batch)]
+    tables, _, caches = paged(model, batch, PROMPT + steps + 1)
     for i, c in enumerate(caches):
+        grow(tables, i, c, PROMPT)
         model.forward(prompt_ids(PROMPT, model.cfg.vocab, device, i), c, 0)
     tokens = [1] * batch
     t0 = time.perf_counter()
     for _ in range(steps):
+        for i, c in enumerate(caches):
+            grow(tables, i, c, c.pos + 1)
         ids = [torch.tensor([t], device=device) for t in tokens]
         logits = model.forward_batch(ids, caches, [c.pos for c in caches])
         tokens = torch.cat(logits).argmax(-1).tolist()
@@ -173,8 +199,8 @@ def verify_cost(model: Model, device: torch.device, repeats: int) -> float:
 def graph_verify_cost(model: Model, device: torch.device, repeats: int) -> float:
     """Seconds of one 16-token window through the captured step (its bucket captured by a
     first call, not timed), the window rolled back after each call as a rejection would."""
-    pool = model.new_block_pool(16)
-    cache = model.new_paged_cache(pool, PROMPT + 17)
+    tables, pool, (cache,) = paged(model, 1, PROMPT + 17)
+    grow(tables, 0, cache, PROMPT + 16)  # the prompt and the window
     model.forward(prompt_ids(PROMPT, model.cfg.vocab, device, 0), cache, 0)
     graphs = DecodeGraphs(model, pool, PROMPT + 17)
     times = []

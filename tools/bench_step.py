@@ -21,6 +21,7 @@ default.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import secrets
@@ -62,6 +63,14 @@ def serve(model: str, batch: int, context: int, threads: int, clock: str) -> Non
         ids = seg.array(r["ids"].offset, r["ids"].shape, "int32")
         backend = Backend("cpu", ("cpu",))
         call(backend, F.Hello(instance=owner.instance))
+        # The daemon's block tables, in a tree that has them (protocol 22 on).
+        daemon_tables = "kv_blocks" in {f.name for f in dataclasses.fields(F.Load)}
+        pool = {}
+        if daemon_tables:
+            from luced.engine.kv.blocks import BlockTables, pool_blocks
+
+            tables = BlockTables(pool_blocks(batch * (context + 4096), batch, 16), 16)
+            pool = {"kv_blocks": tables.n_blocks}
         load = F.Load(
             model=model,
             layers=(0, _layers(model)),
@@ -72,8 +81,16 @@ def serve(model: str, batch: int, context: int, threads: int, clock: str) -> Non
             owns_head=True,
             weights="auto",
             kv_block=16,
+            **pool,
         )
         call(backend, load)
+
+        def span(seq: int, start: int, n: int) -> F.Span:
+            grown = {}
+            if daemon_tables:
+                g = tables.write(seq, start, start + n)
+                grown = {"copies": g.copies, "blocks": g.blocks, "table": g.length}
+            return F.Span(sequence=seq, start=start, n=n, sampling=GREEDY, **grown)
 
         def forward(spans: tuple[F.Span, ...]) -> None:
             outputs = {"ids": r["ids"]}
@@ -83,7 +100,7 @@ def serve(model: str, batch: int, context: int, threads: int, clock: str) -> Non
         last = []
         for seq in range(batch):  # each prompt alone, as the daemon prefills
             tokens[:context] = torch.randint(1000, 30000, (context,), generator=g).numpy()
-            forward((F.Span(sequence=seq, start=0, n=context, sampling=GREEDY),))
+            forward((span(seq, 0, context),))
             last.append(int(ids[0]))
         tokens[:batch] = last
         pos = context
@@ -92,10 +109,7 @@ def serve(model: str, batch: int, context: int, threads: int, clock: str) -> Non
             times = []
             for _ in range(int(line)):
                 t = now()
-                spans = tuple(
-                    F.Span(sequence=seq, start=pos, n=1, sampling=GREEDY) for seq in range(batch)
-                )
-                forward(spans)
+                forward(tuple(span(seq, pos, 1) for seq in range(batch)))
                 times.append(now() - t)
                 tokens[:batch] = ids[:batch]
                 pos += 1

@@ -78,9 +78,7 @@ class Lookahead:
         # The daemon's tables already cover the next position (it grew them one ahead):
         # the next frame's spans gain no copies, maybe blocks past it (`take`).
         spans = tuple(
-            dataclasses.replace(
-                s, start=s.start + s.n, n=1, keep_state=False, copies=(), blocks=()
-            )
+            dataclasses.replace(s, start=s.start + s.n, n=1, keep_state=False, copies=(), blocks=())
             for s in req.spans
         )
         nxt = dataclasses.replace(req, spans=spans, outputs=dict(req.ahead), ahead={})

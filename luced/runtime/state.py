@@ -133,8 +133,7 @@ class SequenceState:
                 cache.check_follow(span.copies, span.blocks, span.table)
             except ValueError as exc:
                 raise WorkerError(
-                    f"sequence {span.sequence} is out of step with the daemon's block table: "
-                    f"{exc}"
+                    f"sequence {span.sequence} is out of step with the daemon's block table: {exc}"
                 ) from None
 
     def follow(self, span: F.Span) -> None:

@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from block_lanes import Lanes, forward, forward_batch
 from cuda_support import device_under_test, record
 
 from luced.gguf_file import GGUFFile
@@ -130,13 +131,14 @@ def _teacher_forced(model: Model, ids: torch.Tensor, device: torch.device) -> to
 
 
 def prefilled_pools(model: Model, prompts: list[list[int]], n: int) -> tuple[list, list]:
-    """n block pools, each with a paged cache per prompt, prefilled -> (pools, caches)."""
-    pools = [model.new_block_pool(16) for _ in range(n)]
-    caches = [[model.new_paged_cache(pool, 512) for _ in prompts] for pool in pools]
+    """n block pools under the daemon's tables, each with a paged cache per prompt,
+    prefilled -> (lanes, caches)."""
+    lanes = [Lanes(model, 16) for _ in range(n)]
+    caches = [[pool.cache(512) for _ in prompts] for pool in lanes]
     for p, *each in zip(prompts, *caches, strict=True):
         for c in each:
-            model.forward(torch.tensor(p, device=model.device), c, 0)
-    return pools, caches
+            forward(model, torch.tensor(p, device=model.device), c, 0)
+    return lanes, caches
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
@@ -148,9 +150,9 @@ def test_captured_decode_equals_eager(gpu, q4, family: str) -> None:
     bf16's rounding)."""
     model = Model.load(q4[family], device=gpu, dtype="bfloat16", weights="auto")
     prompts = [[5, 6, 7], list(range(20, 45)), [9], list(range(100, 110))]
-    pools, caches = prefilled_pools(model, prompts, 3)
-    graphs = DecodeGraphs(model, pools[0], 512)
-    eager = DecodeGraphs(model, pools[1], 512, capture=False)
+    lanes, caches = prefilled_pools(model, prompts, 3)
+    graphs = DecodeGraphs(model, lanes[0].pool, 512)
+    eager = DecodeGraphs(model, lanes[1].pool, 512, capture=False)
     refs = caches[2]
     tokens = [p[-1] for p in prompts]
     replay_err = model_err = 0.0
@@ -158,10 +160,12 @@ def test_captured_decode_equals_eager(gpu, q4, family: str) -> None:
         n = 1 if step < 8 else 4
         ids = torch.tensor(tokens[:n], device=gpu)
         want = torch.cat(
-            model.forward_batch(
-                [ids[i : i + 1] for i in range(n)], refs[:n], [c.pos for c in refs[:n]]
+            forward_batch(
+                model, [ids[i : i + 1] for i in range(n)], refs[:n], [c.pos for c in refs[:n]]
             )
         )
+        lanes[0].step(caches[0][:n])
+        lanes[1].step(caches[1][:n])
         got = graphs.step(caches[0][:n], ids)
         same = eager.step(caches[1][:n], ids)
         replay_err, model_err = max(replay_err, rel(got, same)), max(model_err, rel(got, want))
@@ -179,12 +183,14 @@ def test_captured_verify_windows_equal_eager(gpu, q4) -> None:
     first half after, as a rejection would."""
     model = Model.load(q4["llama"], device=gpu, dtype="bfloat16", weights="auto")
     prompts = [list(range(20, 45)), [9, 10, 11]]
-    pools, caches = prefilled_pools(model, prompts, 2)
-    graphs = DecodeGraphs(model, pools[0], 512)
-    eager = DecodeGraphs(model, pools[1], 512, capture=False)
+    lanes, caches = prefilled_pools(model, prompts, 2)
+    graphs = DecodeGraphs(model, lanes[0].pool, 512)
+    eager = DecodeGraphs(model, lanes[1].pool, 512, capture=False)
     sizes, err = [16, 3], 0.0
     for r in range(4):
         ids = torch.arange(1, 20, device=gpu) * (r + 3) % 300 + 1
+        for pool, each in zip(lanes, caches, strict=True):
+            pool.step(each, sizes)
         got, want = graphs.step(caches[0], ids, sizes), eager.step(caches[1], ids, sizes)
         assert got.shape == (19, model.cfg.vocab)
         err = max(err, rel(got, want))
@@ -237,12 +243,14 @@ def test_the_compiled_step_follows_the_captured_one(gpu, q4) -> None:
     fused kernels round otherwise, so within bf16's rounding, not bit for bit."""
     model = Model.load(q4["llama"], device=gpu, dtype="bfloat16", weights="auto")
     prompts = [list(range(20, 45)), [9, 10]]
-    pools, caches = prefilled_pools(model, prompts, 2)
-    plain = DecodeGraphs(model, pools[0], 512)
-    compiled = DecodeGraphs(model, pools[1], 512, compile=True)
+    lanes, caches = prefilled_pools(model, prompts, 2)
+    plain = DecodeGraphs(model, lanes[0].pool, 512)
+    compiled = DecodeGraphs(model, lanes[1].pool, 512, compile=True)
     tokens, err = [p[-1] for p in prompts], 0.0
     for _ in range(8):
         ids = torch.tensor(tokens, device=gpu)
+        for pool, each in zip(lanes, caches, strict=True):
+            pool.step(each)
         want = plain.step(caches[0], ids)
         err = max(err, rel(compiled.step(caches[1], ids), want))
         tokens = want.argmax(-1).tolist()

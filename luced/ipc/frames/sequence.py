@@ -313,7 +313,9 @@ class KVForgetReply(Reply):
 @_op("truncate", REQUESTS)
 @dataclass(frozen=True)
 class Truncate(Request):
-    """Roll the KV cache of every shard in this worker back to ``position`` tokens."""
+    """Roll the KV cache of every shard in this worker back to ``position`` tokens; a
+    block table (load ``kv_block``) releases the blocks wholly past it, as the daemon's
+    does (``engine/kv/blocks.py``)."""
 
     position: int
     sequence: int = 0

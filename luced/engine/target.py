@@ -174,8 +174,14 @@ class Target:
         """The workers' pools hold `positions` (the KV account's) for at most `lanes`
         tables at once (`pool_blocks`); before the first load."""
         block = self.placement.kv_block
-        if block and self.flash_cfg is None:
-            self.blocks = BlockTables(pool_blocks(positions, lanes, block), block)
+        if not block or self.flash_cfg is not None:
+            return
+        n = pool_blocks(positions, lanes, block)
+        if self.blocks is not None and self.blocks.n_blocks != n and self.n_layers:
+            raise RuntimeError(
+                "the block pool is sized before the workers load (make the engine first)"
+            )
+        self.blocks = BlockTables(n, block)
 
     # -- lifecycle -----------------------------------------------------------------------
 

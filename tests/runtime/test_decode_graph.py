@@ -163,17 +163,18 @@ def test_the_compiled_step_equals_the_batched_forward(tmp_path: Path) -> None:
 
     path = make_tiny_gguf("llama", tmp_path / "l.gguf", seed=4, context=512).path
     model = Model.load(path)
-    ref_caches = _prefilled(model, model.new_block_pool(16))[:2]
-    pool = model.new_block_pool(16)
-    caches = _prefilled(model, pool)[:2]
-    graphs = DecodeGraphs(model, pool, 512, compile=True)
+    ref_caches = _prefilled(Lanes(model, 16))[:2]
+    lanes = Lanes(model, 16)
+    caches = _prefilled(lanes)[:2]
+    graphs = DecodeGraphs(model, lanes.pool, 512, compile=True)
     compiled = counters["stats"]["unique_graphs"]
     tokens = [ids[-1] for ids in PROMPTS[:2]]
     for _ in range(3):
         starts = [c.pos for c in ref_caches]
         ref = torch.cat(
-            model.forward_batch([torch.tensor([t]) for t in tokens], ref_caches, starts)
+            forward_batch(model, [torch.tensor([t]) for t in tokens], ref_caches, starts)
         )
+        lanes.step(caches)
         got = graphs.step(caches, torch.tensor(tokens))
         assert float((got - ref).abs().max() / ref.abs().max()) < 1e-5
         tokens = ref.argmax(-1).tolist()
@@ -186,12 +187,14 @@ def test_a_step_that_cannot_compile_runs_uncompiled(tmp_path: Path, caplog) -> N
     says why once and runs as `compile=False` would, with the same logits."""
     path = make_tiny_gguf("llama", tmp_path / "q.gguf", seed=4, qtype="Q4_0", context=512).path
     model = Model.load(path, weights="int4")
-    pools = [model.new_block_pool(16) for _ in range(2)]
-    plain = DecodeGraphs(model, pools[0], 512)
-    compiled = DecodeGraphs(model, pools[1], 512, compile=True)
-    caches = [_prefilled(model, pool)[:2] for pool in pools]
+    lanes = [Lanes(model, 16) for _ in range(2)]
+    plain = DecodeGraphs(model, lanes[0].pool, 512)
+    compiled = DecodeGraphs(model, lanes[1].pool, 512, compile=True)
+    caches = [_prefilled(pool)[:2] for pool in lanes]
     tokens = [ids[-1] for ids in PROMPTS[:2]]
     for _ in range(2):
+        for pool, each in zip(lanes, caches, strict=True):
+            pool.step(each)
         want = plain.step(caches[0], torch.tensor(tokens))
         got = compiled.step(caches[1], torch.tensor(tokens))
         assert torch.equal(got, want)
@@ -206,14 +209,15 @@ def test_verify_windows_equal_the_batched_forward(tiny: Path) -> None:
     verify does: every fed token's logits equal the batched forward's, and the sequences'
     rows stay the forward's (the next steps agree)."""
     model = Model.load(tiny)
-    ref_caches = _prefilled(model, model.new_block_pool(16))
-    pool = model.new_block_pool(16)
-    caches = _prefilled(model, pool)
-    graphs = DecodeGraphs(model, pool, 512)
+    ref_caches = _prefilled(Lanes(model, 16))
+    lanes = Lanes(model, 16)
+    caches = _prefilled(lanes)
+    graphs = DecodeGraphs(model, lanes.pool, 512)
     for sizes in ([5, 2, 1], [1, 1, 1], [3, 4, 2]):
         windows = [[(7 * k + 3 * i) % 400 + 1 for i in range(n)] for k, n in enumerate(sizes)]
         starts = [c.pos for c in ref_caches]
-        ref = model.forward_batch([torch.tensor(w) for w in windows], ref_caches, starts)
+        ref = forward_batch(model, [torch.tensor(w) for w in windows], ref_caches, starts)
+        lanes.step(caches, sizes)
         got = graphs.step(caches, torch.tensor([t for w in windows for t in w]), sizes)
         ref = torch.cat(ref)
         assert got.shape == ref.shape

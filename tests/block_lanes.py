@@ -40,6 +40,7 @@ class Lanes:
 
     def truncate(self, c: PagedKVCache, n: int) -> None:
         self.tables.truncate(self.lane(c), n)
+        c.truncate(n)
         c.release_past(n)
 
     def free(self, c: PagedKVCache) -> None:

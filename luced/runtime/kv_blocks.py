@@ -362,9 +362,10 @@ class PagedKVCache(BaseKVCache):
         super().truncate(pos)
 
     def release_past(self, pos: int) -> None:
-        """The blocks wholly past position `pos` go back to the pool (the truncate verb),
-        after a roll back to it."""
-        self.truncate(min(pos, self.pos))
+        """The blocks wholly past position `pos` go back to the pool (the truncate verb,
+        after its roll back to pos)."""
+        if pos < self.pos:
+            raise ValueError(f"release past {pos}: positions up to {self.pos} are committed")
         self._release_from(-(-pos // self.pool.block))
 
     def _release_from(self, i: int) -> None:

@@ -383,7 +383,8 @@ def test_a_span_out_of_step_with_the_daemons_table_is_refused(tmp_path, owner, i
     """The worker checks each span's table against its own before anything changes: a
     length other than the daemon's, a block it holds already, a copy of a block the
     sequence does not hold, no table at all. Each refusal names the sequence and leaves
-    the sequence as it was: the right frame then continues it as if none had come."""
+    the sequence as it was: the right frame then continues it as if none had come. A
+    truncate releases the blocks past it on both sides alike."""
     w = start_worker(tmp_path, owner, varied, (0, 4), kv_block=8)
     tables = BlockTables(64, 8)
     try:
@@ -407,6 +408,13 @@ def test_a_span_out_of_step_with_the_daemons_table_is_refused(tmp_path, owner, i
         for _ in range(5):  # 12 .. 16: a new block at 16
             got.append(forward(w, io, 1, len(prompt) + len(got) - 1, got[-1:], tables))
         assert got == alone(Model.load(varied), prompt, 6) and blocks_used(w) == 3
+        # The truncate verb releases the blocks wholly past its position, as the
+        # daemon's table does; the sequence then grows again from there.
+        tables.truncate(1, 8)
+        w.call(F.Truncate(position=8, sequence=1))
+        assert blocks_used(w) == 1
+        fed = (prompt + got)[8:17]
+        assert forward(w, io, 1, 8, fed, tables) == got[5] and blocks_used(w) == 3
     finally:
         w.stop()
 

@@ -224,12 +224,14 @@ def test_triton_attention_equals_the_gather(gpu, q4) -> None:
         for w in (None, 512)
     )  # fmt: skip
     model = Model.load(q4["llama"], device=gpu, dtype="bfloat16", weights="auto")
-    pools, caches = prefilled_pools(model, [list(range(20, 45)), [9, 10, 11]], 2)
-    gather = DecodeGraphs(model, pools[0], 512)
-    triton_step = DecodeGraphs(model, pools[1], 512, attention="triton")
+    lanes, caches = prefilled_pools(model, [list(range(20, 45)), [9, 10, 11]], 2)
+    gather = DecodeGraphs(model, lanes[0].pool, 512)
+    triton_step = DecodeGraphs(model, lanes[1].pool, 512, attention="triton")
     step_err, tokens = 0.0, [44, 11]
     for _ in range(6):
         ids = torch.tensor(tokens, device=gpu)
+        for pool, each in zip(lanes, caches, strict=True):
+            pool.step(each)
         want = gather.step(caches[0], ids)
         step_err = max(step_err, rel(triton_step.step(caches[1], ids), want))
         tokens = want.argmax(-1).tolist()

@@ -215,27 +215,17 @@ class Model:
         recurrent = getattr(self.family, "recurrent_shapes", None)
         return recurrent(self.cfg, self.layers) if recurrent is not None else None
 
-    @torch.inference_mode()
-    def embed(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.embed_rows(ids)
+    # `embed`, `forward_layers` and `logits` each run in an inference_mode of their own;
+    # `embed_rows`, `run_layers` and `head_logits` are the same in the caller's mode, for a
+    # compiled step (torch.compile cannot trace into a mode switch; the step holds one).
 
     def embed_rows(self, ids: torch.Tensor) -> torch.Tensor:
-        """`embed` in the caller's grad mode (a compiled step: torch.compile cannot trace
-        into an inference_mode of its own; the caller holds one around it)."""
+        """The token embeddings of ids (first shard only)."""
         if not self.owns_embed:
             raise RuntimeError("this shard does not own the embedding")
         return self.family.embed(self, ids.to(self.device))
 
-    @torch.inference_mode()
-    def forward_layers(
-        self,
-        hidden: torch.Tensor,
-        cache: KVStore | Ragged,
-        start: int | Ragged,
-        capture: Iterable[int] = (),
-        ids: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
-        return self.run_layers(hidden, cache, start, capture, ids)
+    embed = torch.inference_mode()(embed_rows)
 
     def run_layers(
         self,
@@ -245,9 +235,7 @@ class Model:
         capture: Iterable[int] = (),
         ids: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
-        """`forward_layers` in the caller's grad mode (see `embed_rows`).
-
-        Run this shard's layers over hidden ([n, hidden]) at positions start..start+n-1,
+        """Run this shard's layers over hidden ([n, hidden]) at positions start..start+n-1,
         or over a ragged batch of sequences (the same `Ragged` as `cache` and `start`).
         `ids` ([n] token ids of those positions) feed families with per-token layer inputs.
 
@@ -278,6 +266,8 @@ class Model:
             cache.commit(start + n)
         return x, captures
 
+    forward_layers = torch.inference_mode()(run_layers)
+
     @torch.inference_mode()
     def final_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
         """The last layer's rows as the head reads them (after the final norm): what an
@@ -289,15 +279,13 @@ class Model:
             return final_norm(self, hidden)
         return rms_norm(hidden, self.weights["out_norm"], self.cfg.rms_eps)
 
-    @torch.inference_mode()
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.head_logits(hidden)
-
     def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """`logits` in the caller's grad mode (see `embed_rows`)."""
+        """The output head's logits of hidden rows (last shard only)."""
         if not self.owns_head:
             raise RuntimeError("this shard does not own the output head")
         return self.family.head(self, hidden)
+
+    logits = torch.inference_mode()(head_logits)
 
     def forward(self, ids: torch.Tensor, cache: KVStore, start: int) -> torch.Tensor:
         """Whole-model convenience: token ids -> float32 logits for every position."""

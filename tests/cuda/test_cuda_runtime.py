@@ -227,16 +227,25 @@ def test_triton_attention_equals_the_gather(gpu, q4) -> None:
     lanes, caches = prefilled_pools(model, [list(range(20, 45)), [9, 10, 11]], 2)
     gather = DecodeGraphs(model, lanes[0].pool, 512)
     triton_step = DecodeGraphs(model, lanes[1].pool, 512, attention="triton")
-    step_err, tokens = 0.0, [44, 11]
-    for _ in range(6):
-        ids = torch.tensor(tokens, device=gpu)
-        for pool, each in zip(lanes, caches, strict=True):
-            pool.step(each)
-        want = gather.step(caches[0], ids)
-        step_err = max(step_err, rel(triton_step.step(caches[1], ids), want))
-        tokens = want.argmax(-1).tolist()
+    step_err = greedy_steps_apart(gather, triton_step, lanes, caches, [44, 11], 6)
     record("triton_attention", kernel_rel=kernel_err, step_rel=step_err)
     assert kernel_err < 1e-2 and step_err < 1e-2
+
+
+def greedy_steps_apart(
+    ref: DecodeGraphs, other: DecodeGraphs, lanes: list, caches: list, tokens: list[int], n: int
+) -> float:
+    """n greedy decode steps of the same sequences through two steps, each over its own
+    pool (`prefilled_pools`), fed `ref`'s tokens -> the largest relative logit difference."""
+    err = 0.0
+    for _ in range(n):
+        ids = torch.tensor(tokens, device=ref.pool.device)
+        for pool, each in zip(lanes, caches, strict=True):
+            pool.step(each)
+        want = ref.step(caches[0], ids)
+        err = max(err, rel(other.step(caches[1], ids), want))
+        tokens = want.argmax(-1).tolist()
+    return err
 
 
 def test_the_compiled_step_follows_the_captured_one(gpu, q4) -> None:
@@ -248,14 +257,7 @@ def test_the_compiled_step_follows_the_captured_one(gpu, q4) -> None:
     lanes, caches = prefilled_pools(model, prompts, 2)
     plain = DecodeGraphs(model, lanes[0].pool, 512)
     compiled = DecodeGraphs(model, lanes[1].pool, 512, compile=True)
-    tokens, err = [p[-1] for p in prompts], 0.0
-    for _ in range(8):
-        ids = torch.tensor(tokens, device=gpu)
-        for pool, each in zip(lanes, caches, strict=True):
-            pool.step(each)
-        want = plain.step(caches[0], ids)
-        err = max(err, rel(compiled.step(caches[1], ids), want))
-        tokens = want.argmax(-1).tolist()
+    err = greedy_steps_apart(plain, compiled, lanes, caches, [p[-1] for p in prompts], 8)
     record("compiled_decode", rel=err, compile_error=compiled.compile_error)
     if gpu.type == "cuda":
         assert compiled.compile_error is None

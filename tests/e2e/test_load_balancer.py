@@ -192,6 +192,10 @@ def conversation(url: str, topic: int, turns: int) -> list[Outcome]:
         assert o.status == 200, o
         messages.append({"role": "assistant", "content": o.text})
         out.append(o)
+        # HAProxy may still count the answered request open on its node for a moment; with
+        # one open there and none on the other, the balance factor (150%) would send the
+        # next turn on to the other node. A user's next turn comes seconds later.
+        time.sleep(0.3)
     return out
 
 

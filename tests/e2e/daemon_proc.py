@@ -95,12 +95,14 @@ class DaemonProcess:
         with urllib.request.urlopen(self.url + "/metrics", timeout=5) as r:
             return r.read().decode()
 
-    def metric(self, name: str, labels: str = "") -> float:
+    def metric(self, name: str, labels: str = "", scraped: str | None = None) -> float:
         """The value of one /metrics sample (0 when absent): `name`, with the labels of
-        `labels` (e.g. 'tier="memory"') among its own; the daemon adds model_name."""
+        `labels` (e.g. 'tier="memory"') among its own; the daemon adds model_name.
+        `scraped`: a /metrics text to read instead (several samples of one moment)."""
         wanted = dict(kv.split("=", 1) for kv in labels.split(",") if kv)
         wanted = {k.strip(): v.strip().strip('"') for k, v in wanted.items()}
-        for family in text_string_to_metric_families(self.metrics()):
+        text = self.metrics() if scraped is None else scraped
+        for family in text_string_to_metric_families(text):
             for sample in family.samples:
                 if sample.name == name and wanted.items() <= sample.labels.items():
                     return sample.value

@@ -97,10 +97,10 @@ async def engine_for(
     """One worker thread each (2 cores, shared with the test); prompts longer than
     `max_batch_tokens` (64; the daemon's default is 512) span several prefill chunks. A
     draft (or the n-gram lookup) is set up for blocks up to 16; adaptive blocks are
-    calibrated before the first request. `kv_block` None: as the daemon (blocks of 16 when
-    several requests run, without KV Flash)."""
+    calibrated before the first request. `kv_block` None: as the daemon (KV Flash's
+    blocks, else blocks of 16 when several requests run)."""
     if kv_block is None:
-        kv_block = 16 if max_running > 1 and kv_flash is None else 0
+        kv_block = kv_flash.block if kv_flash is not None else 16 if max_running > 1 else 0
     gguf = GGUFFile(path)
     with ShmOwner() as owner:
         placement = TargetPlacement.split(

@@ -134,7 +134,7 @@ class Engine:
         self.kv = KVBudget(pool)
         keep = min(kv_keep_tokens, pool)
         self.finished = FinishedPrefixes(self.kv, max_running, keep) if keep else None
-        target.size_blocks(pool, max_running + (KEPT_LANES if keep else 0))  # its tables
+        target.size_blocks(pool, max_running + (KEPT_LANES if keep else 0), keep)  # its tables
         self.scheduler = Scheduler(
             max_running=max_running,
             max_step_tokens=target.step_tokens,
@@ -466,7 +466,7 @@ class Engine:
             or self.target.capture is not None
         ):
             return None
-        return self.finished.lane_for(seq.prompt[: seq.computed])
+        return self.finished.lane_for(seq.prompt[: self.target.resident(seq.slot, seq.computed)])
 
     async def _keep(self, seq: Sequence, lane: int) -> None:
         """Move a finished sequence's blocks to its kept lane (shared, not copied; its slot
@@ -528,9 +528,9 @@ class Engine:
 
     def _room(self, seq: Sequence, want: int) -> int:
         """How many positions a window may feed from `seq`'s committed ones: with KV Flash,
-        no more than needs no eviction past the first chunk (`Pager.lookahead`)."""
-        flash = self.target.flash(seq.slot)
-        return want if flash is None else flash.pager.lookahead(seq.computed, want)
+        no more than needs no eviction past the first block (`Pager.lookahead`)."""
+        pager = self.target.pager(seq.slot)
+        return want if pager is None else pager.lookahead(seq.computed, want)
 
     def _drafted(self, proposed: int, accepted: int) -> None:
         self.totals["spec_drafts"] += 1

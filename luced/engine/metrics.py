@@ -35,9 +35,9 @@ process do not collide.
                                                    (1 = a plain step while speculating)
     luced:batch_size                    histogram  sequences in each batched decode step
                                                    (continuous batching, --max-running)
-    luced:kv_flash_evictions_total      counter    KV Flash chunks paged out of the pool
-    luced:kv_flash_recalls_total        counter    KV Flash chunks paged back in
-    luced:kv_flash_host_bytes           gauge      bytes of paged-out chunks in the host tier
+    luced:kv_flash_evictions_total      counter    KV Flash blocks paged out of the pool
+    luced:kv_flash_recalls_total        counter    KV Flash blocks paged back in
+    luced:kv_flash_host_bytes           gauge      bytes of paged-out blocks in the host tier
     luced:event_loop_lag_seconds        histogram  how late the daemon's event loop ran a
                                                    task due every 0.25 s (a stall shows
                                                    as one long lag)
@@ -256,13 +256,13 @@ class Metrics:
             Gauge, "prefix_cache_bytes", "Bytes of prefix-cache snapshots per tier.", ["tier"]
         )
         self.kv_flash_evictions = family(
-            Counter, "kv_flash_evictions", "KV Flash chunks paged out of the pool."
+            Counter, "kv_flash_evictions", "KV Flash blocks paged out of the pool."
         )
         self.kv_flash_recalls = family(
-            Counter, "kv_flash_recalls", "KV Flash chunks paged back into the pool."
+            Counter, "kv_flash_recalls", "KV Flash blocks paged back into the pool."
         )
         self._kv_flash_host_bytes = family(
-            Gauge, "kv_flash_host_bytes", "Bytes of KV Flash chunks in the host tier."
+            Gauge, "kv_flash_host_bytes", "Bytes of KV Flash blocks in the host tier."
         )
         self._kv_flash_seen = {"evictions": 0, "recalls": 0}  # the pager's running totals
         self._moe = {

@@ -5,7 +5,8 @@
   2. draft windows are filled (``spec/proposer.py``)
   3. inputs are written: every work's tokens one after another in ``io.tokens``, output rows
      assigned in work order, a grammar's masks for its rows (walking a window's proposals,
-     which may cut the window), KV Flash plans per sequence
+     which may cut the window); each span's block table grown, after its KV Flash
+     pager paged blocks out and in (the moves ride in the span)
   4. one ``forward`` frame per worker, in layer order: the spans of every work; a split
      pipeline hands the hidden rows on through ``act.boundary-k``. All or nothing: a
      failure, or a worker at the wrong positions after it, rolls every sequence back to
@@ -33,7 +34,7 @@ import time
 from collections.abc import Callable
 
 from luced.engine.executor import WorkerHandle, WorkerReplyError
-from luced.engine.kvflash.transport import KVFlash
+from luced.engine.kv.pager import PoolExhausted
 from luced.engine.output import Sampled
 from luced.engine.placement import WorkerSpec
 from luced.engine.scheduler import Batch, Work, WorkOutput
@@ -87,16 +88,16 @@ class ModelRunner:
         half = t.step_tokens // 2
         base = self._base if max(tokens, n_out) <= half else 0
         self._write_tokens(works, base)
-        plans = self._plans(works)
         k = max((w.seq.logprobs or 0 for w in works), default=0)
         k = min(k, MAX_TOP_LOGPROBS)
         asked = any(w.seq.logprobs is not None for w in works)
         logprobs = k if asked else None
         outputs = self._outputs(n_out, logprobs, base) if want == "sample" else {}
         ahead = {}
-        if want == "sample" and self._ahead(works, rows, masks, plans, max(tokens, n_out)):
+        if want == "sample" and self._ahead(works, rows, masks, max(tokens, n_out)):
             ahead = self._outputs(n_out, logprobs, half - base)
-        grown = self._grow_tables(works, bool(ahead))
+        grown, scored = self._grow_tables(works, bool(ahead))
+        moved = any(g.get("moves") for g in grown)
         if logits_out is not None:
             outputs = {"logits": logits_out}
         pooled = [j for j, w in enumerate(works) if w.pool]
@@ -128,8 +129,8 @@ class ModelRunner:
                         keep_state=w.keep_state,
                         keep_block_states=keep_blocks and w.verifies,
                         ring=ring.region if ring is not None else None,
-                        kv_plan=plans[j][i] if plans[j] else {},
                         pool=w.pool if last else "",  # type: ignore[arg-type]
+                        kv_scores=t.flash.scores(w.seq.slot, i) if scored[j] else None,  # type: ignore[union-attr]
                         **grown[j],
                     )
                 )
@@ -144,6 +145,7 @@ class ModelRunner:
                 draft_probs=t.regions["draft_probs"] if last and any(sampled) else None,
                 allowed=masks if last else None,
                 ahead=ahead if last else {},
+                kv_host=t.flash.host[i] if moved else None,  # type: ignore[union-attr]
             )
 
         t0 = time.perf_counter()
@@ -152,21 +154,15 @@ class ModelRunner:
             for w in works:
                 t.ring_relay.wrote(w.seq.slot, w.start)
         ends = tuple(w.start + len(w.tokens) for w in works)
-        flashes = [t.flash(w.seq.slot) for w in works]
         try:
             replies = await self._pipeline(frame, starts, ends)
         except BaseException:
-            if any(f is not None for f in flashes):
-                # Some workers may have run a plan's host-tier moves and others not: the
-                # pools may disagree, so every sequence must start over.
-                for flash, w in zip(flashes, works, strict=True):
-                    if flash is not None:
-                        flash.truncate(w.start)
+            if moved:  # some workers may have run the moves and others not: start over
                 t.executor.in_sync = False
             raise
-        for flash in flashes:
-            if flash is not None:
-                flash.after_step()  # qk: reselect; the copies ride with the next plan
+        for w, scores in zip(works, scored, strict=True):
+            if scores:  # qk: the pager reselects by them at its next plan
+                t.pager(w.seq.slot).score(t.flash.mean_scores(w.seq.slot))  # type: ignore[union-attr]
         if ahead:  # the next frame's rows are where the worker writes them now
             self._base = half - base
         self.last_wall_us = int((time.perf_counter() - t0) * 1e6)
@@ -182,19 +178,35 @@ class ModelRunner:
             out[j].pooled = t.arrays["embeddings"][k].copy()
         return out
 
-    def _grow_tables(self, works: list[Work], ahead: bool) -> list[dict]:
-        """Each work's span fields for its block table's growth (engine/kv/blocks.py): its
-        rows' blocks, and with `ahead` the next position's too (the worker writes it before
-        the next frame). Empty without a block pool."""
-        blocks = self.target.blocks
+    def _grow_tables(self, works: list[Work], ahead: bool) -> tuple[list[dict], list[bool]]:
+        """Each work's span fields for its block table (engine/kv/blocks.py): under KV
+        Flash its pager's moves first (blocks paged out to make room, the span's paged
+        in), then the growth: its rows' blocks, and with `ahead` the next position's too
+        (the worker writes it before the next frame). And whether each asks the workers
+        for its `qk` scores. Empty without a block pool."""
+        t = self.target
+        blocks = t.blocks
         if blocks is None:
-            return [{} for _ in works]
-        cap = self.target.placement.kv_capacity
-        out = []
-        for w in works:
-            g = blocks.write(w.seq.slot, w.start, min(cap, w.start + len(w.tokens) + ahead))
-            out.append({"copies": g.copies, "blocks": g.blocks, "table": g.length})
-        return out
+            return [{} for _ in works], [False] * len(works)
+        cap = t.placement.kv_capacity
+        out, scored = [], []
+        for i, w in enumerate(works):
+            end = min(cap, w.start + len(w.tokens) + ahead)
+            fields: dict = {}
+            pager = t.pager(w.seq.slot)
+            if pager is not None:
+                if w.n_out and not w.seq.generated and len(w.seq.prompt) > pager.cfg.pool_tokens:
+                    pager.ask_reselect()  # qk: select by the prompt's last query
+                try:
+                    fields["moves"] = tuple(tuple(m) for m in pager.plan(w.start, end - w.start))
+                except PoolExhausted:
+                    if i:  # the works before moved blocks no worker has moved
+                        t.executor.in_sync = False
+                    raise
+            scored.append(pager is not None and pager.reselect_due())
+            g = blocks.write(w.seq.slot, w.start, end)
+            out.append({**fields, "copies": g.copies, "blocks": g.blocks, "table": g.length})
+        return out, scored
 
     def _write_tokens(self, works: list[Work], base: int) -> None:
         """The fed ids into ``io.tokens`` from row `base`, one work after another."""
@@ -209,19 +221,19 @@ class ModelRunner:
         works: list[Work],
         rows: list[_Rows],
         masks: Region | None,
-        plans: list[list[dict[str, Region]]],
         n: int,
     ) -> bool:
         """Whether the worker should decode this step's successor ahead (module docstring):
-        one local worker, plain decodes that each continue (no grammar, drafts, KV Flash
-        plans, captures or pooling, budget for another token), in half the io rows."""
+        one local worker, plain decodes that each continue (no grammar, drafts, captures
+        or pooling, budget for another token), in half the io rows, and no KV Flash (only
+        the daemon's pager may make room for the next position)."""
         t = self.target
         spec = t.executor.slots[0].spec
         if self.decode_ahead == "off" or len(t.executor.workers()) != 1 or spec.remote:
             return False
         if self.decode_ahead == "auto" and not ahead_pays(spec):
             return False
-        if masks is not None or t.capture is not None or any(any(p) for p in plans):
+        if masks is not None or t.capture is not None or t.flash_cfg is not None:
             return False
         if 2 * n > t.step_tokens:
             return False
@@ -254,27 +266,6 @@ class ModelRunner:
             rows.append(_Rows(at, w.n_out))
             at += w.n_out
         return rows, t.regions["allowed"].rows(0, at) if masked and at else None
-
-    def _plans(self, works: list[Work]) -> list[list[dict[str, Region]]]:
-        """Each work's KV Flash plan (one per worker), or [] without KV Flash; a plan that
-        cannot be made undoes the ones made before it."""
-        t, plans = self.target, []
-        made: list[tuple[KVFlash, int]] = []
-        try:
-            for w in works:
-                flash = t.flash(w.seq.slot)
-                if flash is None:
-                    plans.append([])
-                    continue
-                if w.n_out and not w.seq.generated and len(w.seq.prompt) > flash.pool:
-                    flash.pager.ask_reselect()  # qk: select by the prompt's last query
-                plans.append(flash.plan(w.start, len(w.tokens)))  # PoolExhausted: no change
-                made.append((flash, w.start))
-        except BaseException:
-            for flash, start in made:
-                flash.truncate(start)
-            raise
-        return plans
 
     def _outputs(self, n: int, logprobs: int | None, base: int = 0) -> dict[str, Region]:
         """Output regions for n rows of ids from row `base`, and logprobs + top k when

@@ -28,9 +28,9 @@ created by the daemon, attached by the workers, unlinked by the daemon)::
     ring<slot> (with a DFlash draft)                      see feature_ring.py
 
 step_tokens is the step's token budget (`--max-step-tokens`). With KV Flash
-(`kv_flash`), the workers hold a fixed pool of K/V rows per sequence and each slot's pager
-(``kvflash/transport.py``: segments ``<name>[-lane<slot>]-kvflash``, ``-kvhost``) plans
-every span before its frame.
+(`kv_flash`), each running slot's pager (``engine/kv/pager.py``) bounds the blocks its
+table keeps resident, paging the others out to host records before each span
+(``kvflash/transport.py``: segments ``<name>-kvflash``, ``<name>-kvhost``).
 
 ``act`` is sized from the first load reply (hidden, vocab) and kept across restarts.
 Write ordering: a region's writer writes before the frame (daemon) or before its reply
@@ -43,7 +43,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import functools
 import logging
 from collections.abc import Callable, Sequence
 
@@ -63,8 +62,8 @@ from luced.engine.feature_ring import FeatureRing
 from luced.engine.hops import Hops
 from luced.engine.kv.blocks import BlockTables, pool_blocks
 from luced.engine.kv_transfer import KVTransfer
-from luced.engine.kvflash.pager import PagerConfig
-from luced.engine.kvflash.transport import KVFlash
+from luced.engine.kv.pager import Pager, PagerConfig
+from luced.engine.kvflash.transport import FlashRegions
 from luced.engine.placement import (
     TargetPlacement,
     WorkerSpec,
@@ -109,7 +108,7 @@ class Target:
         placement: TargetPlacement,
         on_state_change: Callable[[], None] | None = None,
         name: str = "target",  # segment name prefix: several targets may share one owner
-        kv_flash: PagerConfig | None = None,  # pool rows and policy; chunk_bytes filled in
+        kv_flash: PagerConfig | None = None,  # each sequence's resident bound and policy
         deadlines: Deadlines | None = None,  # of worker calls and starts (default: Deadlines())
         sequences: int = 1,  # slots: the sequences the workers hold at once
         step_tokens: int | None = None,  # tokens one step feeds (--max-step-tokens)
@@ -120,8 +119,8 @@ class Target:
         self.step_tokens = step_tokens or placement.max_batch_tokens + 16 * sequences
         self.sequences = sequences
         self.flash_cfg = kv_flash
-        self._flashes: dict[int, KVFlash] = {}  # each slot's pager, made on first use
-        self._flash_make: Callable[..., KVFlash] | None = None
+        self._pagers: dict[int, Pager] = {}  # each running slot's, made on first use
+        self.flash: FlashRegions | None = None  # KV Flash's host tier and scores (`start`)
         self._record_bytes: dict[tuple[int, int], int] = {}  # worker layers -> host record
         self.name = name
         self.placement = placement
@@ -165,23 +164,38 @@ class Target:
         # The K/V block tables of the workers' pools (a load with kv_block): sized for the
         # slots' whole contexts until the engine sizes them from its account (`size_blocks`).
         self.blocks: BlockTables | None = None
-        if placement.kv_block and kv_flash is None:
+        if kv_flash is not None and placement.kv_block != kv_flash.block:
+            raise ValueError(
+                f"KV Flash pages blocks of {kv_flash.block} rows: the placement's are "
+                f"{placement.kv_block}"
+            )
+        if placement.kv_block:
             self.size_blocks(sequences * placement.kv_capacity, sequences)
         self.lookup_drafts = False  # n-gram windows (`enable_lookup_drafts`)
         self.block_size = 0  # the longest draft window (with speculation)
 
-    def size_blocks(self, positions: int, lanes: int) -> None:
+    def size_blocks(self, positions: int, lanes: int, kept: int = 0) -> None:
         """The workers' pools hold `positions` (the KV account's) for at most `lanes`
-        tables at once (`pool_blocks`); before the first load."""
-        block = self.placement.kv_block
-        if not block or self.flash_cfg is not None:
+        tables at once (`pool_blocks`); before the first load. With KV Flash each running
+        slot keeps at most its pager's quota resident, and the lanes past them (finished
+        sequences' kept prompts) hold at most `kept` positions; every running slot may
+        page out a whole context to the host records."""
+        block, cfg = self.placement.kv_block, self.flash_cfg
+        if not block:
             return
-        n = pool_blocks(positions, lanes, block)
+        records = 0
+        if cfg is None:
+            n = pool_blocks(positions, lanes, block)
+        else:
+            n = self.sequences * (cfg.n_blocks + 1)
+            if lanes > self.sequences:
+                n += pool_blocks(kept, lanes - self.sequences, block)
+            records = self.sequences * -(-self.placement.kv_capacity // block)
         if self.blocks is not None and self.blocks.n_blocks != n and self.n_layers:
             raise RuntimeError(
                 "the block pool is sized before the workers load (make the engine first)"
             )
-        self.blocks = BlockTables(n, block)
+        self.blocks = BlockTables(n, block, records)
 
     # -- lifecycle -----------------------------------------------------------------------
 
@@ -207,7 +221,7 @@ class Target:
             await self.experts.start()  # first: the pipeline workers link as they load
         await self.executor.start()
         self._make_act()
-        if self.flash_cfg is not None:
+        if self.flash_cfg is not None and self.flash is None:
             self._make_flash(self.flash_cfg)
 
     async def close(self) -> None:
@@ -246,35 +260,47 @@ class Target:
         self._carve("act", specs)
 
     def _make_flash(self, cfg: PagerConfig) -> None:
+        """The host tier (each worker's records, from its load reply) and the scores."""
+        assert self.blocks is not None
         records = [
             self._record_bytes[s.plan.layers] for s in self.executor.slots if s.plan is not None
         ]
-        cfg = dataclasses.replace(cfg, chunk_bytes=sum(records))
-        p = self.placement
-        max_step = max(self.step_tokens, p.logit_rows, MAX_BLOCK)
-        self._flash_make = functools.partial(
-            KVFlash, self.owner, cfg=cfg, capacity=p.kv_capacity, max_step=max_step,
+        self.flash_cfg = dataclasses.replace(cfg, block_bytes=sum(records))
+        self.flash = FlashRegions(
+            self.owner,
+            self.name,
+            lanes=self.sequences,
+            records=self.blocks.records,
+            keys=-(-self.placement.kv_capacity // cfg.block),
             record_bytes=records,
-        )  # fmt: skip
+        )
 
     @property
     def prompt_chunk(self) -> int:
         """Positions one prompt chunk spans (chunks end at its multiples): --max-batch-tokens,
-        fewer with KV Flash, whose step must fit the pool (`KVFlash.step_limit`)."""
-        chunk = self.placement.max_batch_tokens
-        flash = self.flash(0)
-        return min(chunk, flash.step_limit) if flash is not None else chunk
+        fewer with KV Flash, whose step must fit a sequence's quota beside its sink (and
+        may straddle one more block)."""
+        chunk, cfg = self.placement.max_batch_tokens, self.flash_cfg
+        if cfg is None:
+            return chunk
+        return min(chunk, (cfg.n_blocks - cfg.sink_blocks - 1) * cfg.block)
 
-    def flash(self, slot: int) -> KVFlash | None:
-        """`slot`'s KV Flash pager and plan segments, made on first use (None without KV
-        Flash). A slot keeps them for the sequences that follow in it (reset between)."""
-        if self._flash_make is None:
-            return None
-        flash = self._flashes.get(slot)
-        if flash is None:
-            name = self.name + (f"-lane{slot}" if slot else "")
-            flash = self._flashes[slot] = self._flash_make(name=name)
-        return flash
+    def pager(self, slot: int) -> Pager | None:
+        """`slot`'s KV Flash pager over its block table, made on first use (None without
+        KV Flash, and for a kept lane). A slot keeps it for the sequences that follow in it (reset between)."""
+        if self.flash_cfg is None or self.blocks is None or slot >= self.sequences:
+            return None  # a kept lane never runs: it keeps what it was given
+        pager = self._pagers.get(slot)
+        if pager is None:
+            pager = self._pagers[slot] = Pager(self.flash_cfg, self.blocks, slot)
+        return pager
+
+    def resident(self, slot: int, n: int) -> int:
+        """How many of `slot`'s first n positions another sequence may share or a snapshot
+        copy: all of them, but under KV Flash only up to its first paged-out block."""
+        if self.flash_cfg is None or self.blocks is None:
+            return n
+        return min(n, self.blocks.resident_prefix(slot) * self.blocks.block)
 
     async def _load(self, slot: Slot, worker: WorkerHandle) -> LoadDraftReply | None:
         """The executor's loader: a pipeline slot gets its layers (and the draft back after
@@ -298,7 +324,7 @@ class Target:
                 owns_embed=plan.owns_embed,
                 owns_head=plan.owns_head,
                 device_splits=plan.device_splits,
-                kv_pool=self.flash_cfg.pool_tokens if self.flash_cfg else 0,
+                kv_scored=self.flash_cfg is not None and self.flash_cfg.policy == "qk",
                 moe_hot=-1 if p.moe_hot is None else p.moe_hot,
                 moe_profile=p.moe_profile,
                 **(self.experts.load_fields(slot) if self.experts else {}),
@@ -313,12 +339,14 @@ class Target:
         if self.experts is not None:
             await self.experts.pipeline_loaded(slot, worker, reply)
         if self.flash_cfg is not None:
-            if reply.kv_pool != self.flash_cfg.pool_tokens:
+            if self.flash is not None and reply.kv_record_bytes != self._record_bytes.get(
+                plan.layers
+            ):
                 raise WorkerReplyError(
-                    f"worker {slot.spec.group} pooled {reply.kv_pool} rows, "
-                    f"not {self.flash_cfg.pool_tokens}"
+                    f"worker {slot.spec.group}'s host records are of {reply.kv_record_bytes} "
+                    f"bytes, not {self._record_bytes.get(plan.layers)}"
                 )
-            self._record_bytes[plan.layers] = reply.kv_chunk_bytes
+            self._record_bytes[plan.layers] = reply.kv_record_bytes
         self.load_s = max(self.load_s, reply.load_s)
         self._recurrent[plan.layers] = reply.recurrent
         self.n_layers, self.hidden, self.vocab = reply.n_layers, reply.hidden, reply.vocab
@@ -338,20 +366,20 @@ class Target:
         `keep_sampler` the workers keep its sampler (a preempted sequence resumes there)."""
         if self.blocks is not None:  # first: a worker that fails forgets it too
             self.blocks.free(slot)
+        if slot in self._pagers:
+            self._pagers[slot].reset()
         reset = Reset(sequence=slot, release=True, keep_sampler=keep_sampler)
         await asyncio.gather(*(w.call(reset) for w in self.executor.workers()))
-        if slot in self._flashes:
-            self._flashes[slot].reset()
 
     async def reset(self, slot: int) -> None:
         """Empty `slot`'s sequence in every worker (its sampler dropped): in sync again,
         unless a worker is gone."""
         if self.blocks is not None:
             self.blocks.free(slot)
+        if slot in self._pagers:
+            self._pagers[slot].reset()
         reset = Reset(sequence=slot)
         await asyncio.gather(*(w.call(reset) for w in self.executor.workers()))
-        if slot in self._flashes:
-            self._flashes[slot].reset()
         self.executor.in_sync = True
 
     async def truncate(self, slot: int, position: int) -> None:
@@ -359,10 +387,10 @@ class Target:
         does this too; this is for a failed step's undo)."""
         if self.blocks is not None:  # the blocks wholly past it go, as in the workers
             self.blocks.truncate(slot, position)
+        if (pager := self._pagers.get(slot)) is not None:
+            pager.truncate(min(position, pager.end))
         frame = Truncate(position=position, sequence=slot)
         await asyncio.gather(*(w.call(frame) for w in self.executor.workers()))
-        if (flash := self._flashes.get(slot)) is not None:
-            flash.truncate(position)
 
     @property
     def recurrent(self) -> bool:
@@ -374,8 +402,9 @@ class Target:
     def shares_prefixes(self) -> bool:
         """Whether a sequence may start on another's prefix blocks (`share`): the workers
         hold every sequence's K/V in one block pool, and no per-sequence state outside the
-        K/V and the feature ring (a recurrent state, a KV Flash pager) would need it."""
-        return self.placement.kv_block > 0 and self.flash_cfg is None and not self.recurrent
+        K/V and the feature ring (a recurrent state) would need it. Under KV Flash only
+        a resident prefix is shared (`resident`)."""
+        return self.placement.kv_block > 0 and not self.recurrent
 
     async def share(self, slot: int, source: int, n: int) -> int:
         """Start `slot` (empty) on `source`'s first n committed positions, sharing their
@@ -401,6 +430,9 @@ class Target:
         if shared != {n}:
             await self.reset(slot)
             raise WorkerReplyError(f"the workers shared {sorted(shared)} positions, not {n}")
+        if (pager := self.pager(slot)) is not None:
+            pager.reset()
+            pager.sync(n)  # its blocks as if it had planned them
         return n
 
     def share_ring(self, slot: int, source: int, n: int, floor: int, position: int) -> int:
@@ -536,24 +568,24 @@ class Target:
 
     # -- status --------------------------------------------------------------------------
 
-    def identity_layout(self, slot: int) -> bool:
-        """Whether position p sits in row p of every layer of `slot` (always, without KV
-        Flash): the only layout a prefix snapshot may copy."""
-        flash = self._flashes.get(slot)
-        return flash is None or flash.is_identity
-
     def flash_status(self) -> dict | None:
-        """KV Flash counters (pool, resident / paged-out chunks, evictions, recalls, host
-        bytes) summed over the slots' pools, or None when the target has no pool."""
-        if not self._flashes:
+        """KV Flash counters (pool, resident / paged-out blocks, evictions, recalls, host
+        bytes) summed over the slots' pagers, or None without KV Flash."""
+        cfg = self.flash_cfg
+        if cfg is None:
             return None
-        total: dict = {}
-        for flash in self._flashes.values():
-            for key, value in flash.status().items():
-                total[key] = (
-                    total.get(key, 0) + value if key not in ("pool_tokens", "policy") else value
-                )
-        return {**total, "sequences": len(self._flashes)}
+        stats = [p.stats() for p in self._pagers.values()]
+        return {
+            "pool_tokens": cfg.pool_tokens,
+            "policy": cfg.policy,
+            "block": cfg.block,
+            "resident_blocks": sum(s.resident for s in stats),
+            "paged_out_blocks": sum(s.paged_out for s in stats),
+            "evictions": sum(s.evictions for s in stats),
+            "recalls": sum(s.recalls for s in stats),
+            "host_bytes": sum(s.host_bytes for s in stats),
+            "sequences": len(stats),
+        }
 
     async def stats(self) -> dict:
         """The first worker's stats, plus every worker's under "workers"."""
@@ -603,8 +635,8 @@ class KVMover:
         t.check_in_sync()
         if not 0 <= n <= self.position:
             raise ValueError(f"cannot export {n} positions: {self.position} are committed")
-        if not t.identity_layout(self.slot):
-            raise ValueError("KV Flash: a snapshot needs the identity layout (prompt <= pool)")
+        if t.resident(self.slot, n) < n:
+            raise ValueError("KV Flash: a snapshot copies resident blocks only (prompt <= pool)")
         cuts = tuple(cuts) if t.recurrent else ()
         await t.transfer.export(n, regions, t.ring(self.slot), cuts, self.slot, entry)
 
@@ -620,8 +652,8 @@ class KVMover:
         if not 0 <= n <= t.placement.kv_capacity:
             cap = t.placement.kv_capacity
             raise ValueError(f"cannot import {n} positions into a KV of {cap}")
-        flash = t.flash(self.slot)
-        if flash is not None and n > flash.pool:
+        pager = t.pager(self.slot)
+        if pager is not None and n > pager.cfg.pool_tokens:
             raise WorkerReplyError(f"a snapshot of {n} positions exceeds the KV Flash pool")
         if tokens.dtype != "int32" or len(tokens.shape) != 1 or tokens.shape[0] < n:
             raise ValueError(f"tokens must be int32 [>= {n}], got {tokens.dtype} {tokens.shape}")
@@ -641,8 +673,9 @@ class KVMover:
             raise
         t.executor.in_sync = True
         self.position = n
-        if flash is not None:
-            flash.sync_identity(n)  # the workers hold rows [0, n) in rows [0, n)
+        if pager is not None:
+            pager.reset()
+            pager.sync(n)  # its blocks as if it had planned them
         if ring is not None:
             # A snapshot of N positions holds valid ring rows only from N - ring_cap on.
             self._floor(max(0, regions["ring"].shape[0] - ring.ring_cap))

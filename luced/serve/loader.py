@@ -28,7 +28,7 @@ from luced.api.ollama_models import ModelFacts
 from luced.engine.core import Engine
 from luced.engine.executor import Deadlines, WorkerDied, WorkerReplyError
 from luced.engine.kv.budget import resolve_kv_pool
-from luced.engine.kvflash.pager import PagerConfig
+from luced.engine.kv.pager import PagerConfig
 from luced.engine.kvflash.transport import (
     KVFlashSettings,
     model_bytes_per_token,
@@ -142,8 +142,8 @@ def read_spec(cfg: Config) -> ModelSpec:
         decode_graphs=model.decode_graphs,
         kv_dtype=cfg.effective_kv_dtype(),
         # Several running requests hold their K/V in blocks of one pool per worker, so
-        # one can start on another's prompt prefix; KV Flash pools each on its own.
-        kv_block=cfg.kv.kv_block_size if running > 1 and kv_flash is None else 0,
+        # one can start on another's prompt prefix; KV Flash pages those blocks.
+        kv_block=_kv_block(cfg, running, kv_flash),
         kv_capacity=context,
         max_batch_tokens=cfg.scheduler.max_batch_tokens,
         devices=model.target_devices,
@@ -271,11 +271,20 @@ def _kv_pool(cfg: Config, context: int, running: int, per_token: int) -> int:
     return pool
 
 
+def _kv_block(cfg: Config, running: int, kv_flash: PagerConfig | None) -> int:
+    """Rows per block of the workers' K/V pools: KV Flash's block (the unit it pages),
+    else --kv-block-size when several requests run, else 0 (one contiguous cache)."""
+    if kv_flash is not None:
+        return kv_flash.block
+    return cfg.kv.kv_block_size if running > 1 else 0
+
+
 def _kv_flash(
     cfg: Config, gguf: GGUFFile, context: int, running: int, per_token: int
 ) -> PagerConfig | None:
     """The KV Flash pager's config (--kv-flash), or None when it is off. Each of the
-    `running` sequences has a pool of its own: `auto` shares the memory among them."""
+    `running` sequences keeps at most its pool resident: `auto` shares the memory among
+    them."""
     kv = cfg.kv
     if kv.kv_flash is None:
         return None

@@ -316,8 +316,8 @@ def _kv_flash(f: Any) -> str:
         return fmt(f)
     return (
         f"pool {fmt(f.get('pool_tokens'))} tokens ({fmt(f.get('policy'))}), "
-        f"{fmt(f.get('resident_chunks'))} chunks resident, "
-        f"{fmt(f.get('paged_out_chunks'))} paged out ({human_bytes(f.get('host_bytes'))}); "
+        f"{fmt(f.get('resident_blocks'))} blocks resident, "
+        f"{fmt(f.get('paged_out_blocks'))} paged out ({human_bytes(f.get('host_bytes'))}); "
         f"{fmt(f.get('evictions'))} evictions, {fmt(f.get('recalls'))} recalls"
     )
 

@@ -44,7 +44,7 @@ def test_long_prompt_over_a_small_pool(smollm2_gguf, tmp_path, policy: str) -> N
         # The request ran in a lane of its own (continuous batching), which it gave back
         # when it finished: its pool and its host records are free again.
         assert flash["sequences"] >= 1
-        assert flash["resident_chunks"] == flash["paged_out_chunks"] == flash["host_bytes"] == 0
+        assert flash["resident_blocks"] == flash["paged_out_blocks"] == flash["host_bytes"] == 0
         assert "evictions" in d.lucectl("status").stdout
         assert d.metric("luced:kv_flash_evictions_total") == flash["evictions"]
         assert d.metric("luced:kv_flash_recalls_total") == flash["recalls"]

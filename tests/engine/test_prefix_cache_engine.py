@@ -164,9 +164,9 @@ async def test_restore_from_disk_equals_fresh(tiny, family, tmp_path) -> None:
 
 
 async def test_hybrid_restore_into_a_kv_flash_pool_equals_fresh(tiny) -> None:
-    """qwen35 on a KV Flash pool covering the prompts: the snapshot (identity layout) carries
-    the attention rows and the DeltaNet state, the restore puts both back into the pooled
-    cache, and generation == a fresh engine with the plain cache."""
+    """qwen35 on a KV Flash pool covering the prompts: the snapshot (every block resident)
+    carries the attention rows and the DeltaNet state, the restore puts both back into the
+    paged cache, and generation == a fresh engine with the plain cache."""
     path = tiny["qwen35"][0]
     first, turn2 = prompts(Tokenizer.from_gguf(GGUFFile(path)).vocab_size)[:2]
     async with engine_with(path, ("cpu",), None, cache=False) as fresh:
@@ -175,7 +175,7 @@ async def test_hybrid_restore_into_a_kv_flash_pool_equals_fresh(tiny) -> None:
     async with engine_for(path, context=1024, prefix_cache_bytes=64 << 20, kv_flash=pool) as cached:
         await run(cached, first)
         assert await run(cached, turn2) == (expected, 150)
-        assert cached.target.flash(0) is not None and cached.target.identity_layout(0)
+        assert cached.target.pager(0) is not None and cached.target.resident(0, 150) == 150
 
 
 def turn_prompts(vocab: int) -> tuple[int, list[list[int]]]:

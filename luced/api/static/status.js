@@ -98,7 +98,7 @@ function memory(q, cache, flash) {
         "p",
         {},
         `KV Flash: pool ${flash.pool_tokens} tokens (${flash.policy}), `,
-        `${flash.resident_chunks} chunks resident, ${flash.paged_out_chunks} paged out `,
+        `${flash.resident_blocks} blocks resident, ${flash.paged_out_blocks} paged out `,
         `(${bytes(flash.host_bytes)}); ${flash.evictions} evictions, ${flash.recalls} recalls`,
       ),
     );

@@ -1,28 +1,11 @@
-"""KV Flash: bounded KV residency. The daemon's pager decides which 64-token chunks of a
-sequence sit in the workers' fixed pool of K/V rows; the rest wait in a host tier.
+"""KV Flash: bounded KV residency, as an eviction policy over the daemon's block tables.
 
-    blocks.py  BlockPool (free list of one pool), PageTable (one sequence's chunk -> block)
-    pager.py   Pager: protection, eviction, host tier bookkeeping, reselection, StepPlan
+    ../kv/pager.py  Pager: one running sequence's resident bound over its block table:
+                    protection, eviction, recall (reselection), the host records it pages
+                    out to (BlockTables.page_out / page_in)
+    transport.py    the host tier and the qk scores in shared memory; the pool's sizing
 """
 
-from luced.engine.kvflash.blocks import BlockPool, PageTable, PoolExhausted
-from luced.engine.kvflash.pager import (
-    Move,
-    Pager,
-    PagerConfig,
-    PagerStats,
-    PoolTooSmall,
-    StepPlan,
-)
+from luced.engine.kv.pager import Pager, PagerConfig, PagerStats, PoolExhausted, PoolTooSmall
 
-__all__ = [
-    "BlockPool",
-    "Move",
-    "PageTable",
-    "Pager",
-    "PagerConfig",
-    "PagerStats",
-    "PoolExhausted",
-    "PoolTooSmall",
-    "StepPlan",
-]
+__all__ = ["Pager", "PagerConfig", "PagerStats", "PoolExhausted", "PoolTooSmall"]

@@ -1,5 +1,6 @@
 """The daemon's K/V block tables (engine/kv/blocks.py): exact block ids, reference counts,
-copy-on-write at the first divergent block, and a randomized run against a plain model."""
+copy-on-write at the first divergent block, host entries (page out / page in, exact
+record ids), and a randomized run against a plain model."""
 
 from __future__ import annotations
 
@@ -7,7 +8,17 @@ import random
 
 import pytest
 
-from luced.engine.kv.blocks import BlocksExhausted, BlockTables, Growth, pool_blocks
+from luced.engine.kv.blocks import (
+    IN,
+    OUT,
+    PAGED,
+    BlocksExhausted,
+    BlockTables,
+    Growth,
+    Move,
+    RecordsExhausted,
+    pool_blocks,
+)
 
 
 def test_write_hands_out_the_lowest_free_blocks_and_covers_the_range() -> None:
@@ -82,6 +93,80 @@ def test_share_and_write_refuse_what_is_not_held() -> None:
         t.write(0, 5, 4)
 
 
+def test_page_out_and_in_take_the_lowest_free_record_and_block() -> None:
+    t = BlockTables(6, 4, records=3)
+    t.write(0, 0, 12)  # blocks 0, 1, 2
+    t.write(1, 0, 8)  # blocks 3, 4
+    assert t.page_out(0, 1) == Move(OUT, index=1, block=1, record=0)
+    assert (t.table(0), t.host(0), t.refs(1)) == ((0, PAGED, 2), {1: 0}, 0)
+    assert (t.free_blocks, t.used_records, t.free_records) == (2, 1, 2)
+    assert t.page_out(1, 0) == Move(OUT, 0, 3, 1)
+    assert t.write(1, 8, 9) == Growth((), (1,), 3)  # the freed block 1, lowest first
+    assert t.page_in(0, 1) == Move(IN, index=1, block=3, record=0)
+    assert (t.table(0), t.host(0), t.refs(3)) == ((0, 3, 2), {}, 1)
+    assert t.page_out(0, 2) == Move(OUT, 2, 2, 0)  # record 0 is free again
+    assert tuple(t.page_out(0, 0)) == (0, 0, 0, 2)  # a tuple of ints on the wire
+    assert (t.table(0), t.host(0), t.resident(0), t.resident_prefix(0)) == (
+        (PAGED, 3, PAGED),
+        {0: 2, 2: 0},
+        [1],
+        0,
+    )
+    assert (t.table(1), t.resident(1), t.resident_prefix(1)) == ((PAGED, 4, 1), [1, 2], 0)
+    assert (t.used_records, t.free_records, t.used_blocks) == (3, 0, 3)
+
+
+def test_paging_refuses_shared_and_missing_blocks_and_exhaustion_changes_nothing() -> None:
+    t = BlockTables(3, 4, records=1)
+    t.write(0, 0, 8)
+    t.share(1, 0, 4)  # block 0
+    with pytest.raises(ValueError, match=r"lane 1's block 0 \(pool block 0\) is shared by 2"):
+        t.page_out(1, 0)
+    with pytest.raises(ValueError, match="lane 0 holds 2 blocks: it has no block 2"):
+        t.page_out(0, 2)
+    with pytest.raises(ValueError, match="lane 0's block 1 is resident"):
+        t.page_in(0, 1)
+    t.page_out(0, 1)
+    with pytest.raises(ValueError, match="lane 0's block 1 is paged out already"):
+        t.page_out(0, 1)
+    t.write(1, 4, 8)  # the freed block 1
+    t.write(2, 0, 4)  # block 2: the pool is full
+    with pytest.raises(RecordsExhausted, match="lane 2's block 0 needs a record, all 1"):
+        t.page_out(2, 0)
+    assert (t.table(2), t.refs(2), t.free_records) == ((2,), 1, 0)
+    with pytest.raises(BlocksExhausted, match="lane 0's paged-out block 1 need 1 more"):
+        t.page_in(0, 1)
+    assert (t.table(0), t.host(0), t.free_records, t.free_blocks) == ((0, PAGED), {1: 0}, 0, 0)
+
+
+def test_write_and_share_refuse_a_paged_entry_they_would_reach() -> None:
+    t = BlockTables(8, 4, records=4)
+    t.write(0, 0, 12)  # blocks 0, 1, 2
+    t.page_out(0, 1)  # record 0
+    with pytest.raises(ValueError, match=r"\[6, 9\) reach its paged-out blocks \[1\]"):
+        t.write(0, 6, 9)
+    assert (t.table(0), t.free_blocks) == ((0, PAGED, 2), 6)
+    assert t.write(0, 8, 13) == Growth((), (1,), 4)  # past it: a paged entry untouched
+    with pytest.raises(ValueError, match="first 5 positions reach its paged-out blocks"):
+        t.share(1, 0, 5)
+    assert t.length(1) == 0 and t.refs(0) == 1
+    assert t.resident_prefix(0) == 1
+    t.share(1, 0, 4)
+    assert t.table(1) == (0,) and t.refs(0) == 2
+
+
+def test_truncate_and_free_release_the_records_of_paged_entries() -> None:
+    t = BlockTables(8, 4, records=4)
+    t.write(0, 0, 16)  # blocks 0..3
+    t.page_out(0, 1)  # record 0
+    t.page_out(0, 3)  # record 1
+    t.truncate(0, 8)  # drops logical 2 (block 2) and 3 (record 1)
+    assert (t.table(0), t.host(0), t.free_records) == ((0, PAGED), {1: 0}, 3)
+    assert t.page_out(0, 0) == Move(OUT, 0, 0, 1)  # the released record, lowest first
+    t.free(0)
+    assert (t.lanes, t.host(0), t.free_records, t.free_blocks) == ([], {}, 4, 8)
+
+
 def test_pool_blocks_bound_holds_for_shared_lanes_at_their_charge() -> None:
     """Lanes charged as the KV account charges them never exhaust `pool_blocks`: each
     shares an odd prefix of the one before (a partly shared block each), decodes ahead
@@ -98,13 +183,13 @@ def test_pool_blocks_bound_holds_for_shared_lanes_at_their_charge() -> None:
 
 def test_matches_a_plain_model_under_random_operations() -> None:
     """Every operation against a model of lists of positions' owners: the tables map each
-    lane's positions to blocks no other lane writes, refcounts count the tables, and the
-    free blocks are exactly those no table holds."""
+    lane's positions to blocks no other lane writes, refcounts count the tables, the free
+    blocks are exactly those no table holds, and each PAGED entry has a record of its own."""
     rng = random.Random(7)
-    block, n_blocks = 4, 40
-    t = BlockTables(n_blocks, block)
+    block, n_blocks, records = 4, 40, 12
+    t = BlockTables(n_blocks, block, records)
     held: dict[int, int] = {}  # lane -> positions it holds (its table covers them)
-    for _ in range(3000):
+    for _ in range(4000):
         lane = rng.randrange(6)
         op = rng.random()
         try:
@@ -112,6 +197,11 @@ def test_matches_a_plain_model_under_random_operations() -> None:
                 start = rng.randrange(held.get(lane, 0) + 1)
                 end = start + rng.randrange(1, 9)
                 before = t.table(lane)
+                if PAGED in before[start // block : -(-end // block)]:
+                    with pytest.raises(ValueError, match="page them in first"):
+                        t.write(lane, start, end)
+                    assert t.table(lane) == before
+                    continue
                 g = t.write(lane, start, end)
                 after = t.table(lane)
                 assert g.length == len(after) == max(len(before), -(-end // block))
@@ -128,6 +218,12 @@ def test_matches_a_plain_model_under_random_operations() -> None:
                     continue
                 n = rng.randrange(held[source] + 1)
                 t.free(lane)
+                held.pop(lane, None)
+                if PAGED in t.table(source)[: -(-n // block)]:
+                    with pytest.raises(ValueError, match="reach its paged-out blocks"):
+                        t.share(lane, source, n)
+                    assert n > t.resident_prefix(source) * block and t.length(lane) == 0
+                    continue
                 t.share(lane, source, n)
                 assert t.table(lane) == t.table(source)[: -(-n // block)]
                 held[lane] = n
@@ -136,14 +232,40 @@ def test_matches_a_plain_model_under_random_operations() -> None:
                 t.truncate(lane, n)
                 assert t.length(lane) == min(-(-n // block), -(-held[lane] // block))
                 held[lane] = min(held[lane], t.length(lane) * block)
+            elif op < 0.9 and t.length(lane):
+                j = rng.randrange(t.length(lane))
+                before, entry = t.table(lane), t.entry(lane, j)
+                if entry == PAGED:
+                    record = t.host(lane)[j]
+                    move = t.page_in(lane, j)
+                    assert move == Move(IN, j, move.block, record) and t.entry(lane, j) >= 0
+                elif t.refs(entry) > 1:
+                    with pytest.raises(ValueError, match="cannot be paged out"):
+                        t.page_out(lane, j)
+                else:
+                    move = t.page_out(lane, j)
+                    assert move == Move(OUT, j, entry, t.host(lane)[j])
+                    assert t.refs(entry) == 0
+                after = t.table(lane)
+                assert [x for i, x in enumerate(after) if i != j] == [
+                    x for i, x in enumerate(before) if i != j
+                ]
             else:
                 t.free(lane)
                 held.pop(lane, None)
-        except BlocksExhausted:
+        except (BlocksExhausted, RecordsExhausted):
             pass
         counts = [0] * n_blocks
+        used: list[int] = []
         for other in range(6):
+            host = t.host(other)
+            assert sorted(host) == [j for j, b in enumerate(t.table(other)) if b == PAGED]
+            used += host.values()
             for b in t.table(other):
-                counts[b] += 1
+                if b != PAGED:
+                    counts[b] += 1
         assert counts == [t.refs(b) for b in range(n_blocks)]
         assert t.free_blocks == counts.count(0)
+        assert t.free_blocks + t.used_blocks == n_blocks
+        assert len(set(used)) == len(used) == t.used_records
+        assert t.free_records + t.used_records == records

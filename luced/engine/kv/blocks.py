@@ -32,22 +32,53 @@ The rules, the same on both sides (the worker applies each change as it comes):
     rollback  a span that starts below what its sequence holds (a verify window's
               rejected rows, a step decoded ahead and dropped, a failed forward undone)
               moves the position only: the table stays, its blocks are written again.
+    page_out  a resident entry held by its table alone goes to the lowest free host
+              record (`Move(OUT, index, block, record)`: the worker copies the block's
+              rows there); the block is released and the entry becomes PAGED.
+    page_in   a PAGED entry takes the lowest free block (`Move(IN, ...)`: the worker
+              copies the record's rows into it); the record is released.
+
+A table entry is a pool block or PAGED (-1): a logical block whose rows wait in a host
+record (`records` of them, a heap as for blocks; KV Flash's host tier, engine/kv/pager.py
+decides what goes). A shared block is never paged out, and neither `write` nor `share`
+reaches a PAGED entry: the pager pages it in first. `truncate` and `free` release the
+records of the PAGED entries they drop.
 
 Everything else is the worker's: it neither allocates nor releases on its own.
 
 All of it runs on the event loop at every step: `write` costs O(blocks touched + blocks
-appended), a lookup O(1); nothing walks the pool.
+appended), `page_out` / `page_in` and a lookup O(log pool); nothing walks the pool.
 """
 
 from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass
+from typing import NamedTuple
+
+PAGED = -1  # a table entry whose rows are in a host record, not in a pool block
+OUT = 0  # a `Move`'s kind: pool block -> host record
+IN = 1  # host record -> pool block
 
 
 class BlocksExhausted(RuntimeError):
     """The pool has no free block for a write, a share or an import (nothing changed).
     The KV account (`KVBudget`) admits within the pool, so this is a bookkeeping bug."""
+
+
+class RecordsExhausted(RuntimeError):
+    """The host tier has no free record for a page-out (nothing changed)."""
+
+
+class Move(NamedTuple):
+    """One host-tier copy for the workers (a tuple of ints on the wire): `OUT` copies pool
+    block `block` to host record `record`, `IN` copies the record back into the block;
+    `index` is the lane's logical block."""
+
+    kind: int
+    index: int
+    block: int
+    record: int
 
 
 @dataclass(frozen=True)
@@ -73,14 +104,20 @@ def pool_blocks(positions: int, lanes: int, block: int) -> int:
 class BlockTables:
     """One pool's reference counts, free heap and every lane's table (module docstring)."""
 
-    def __init__(self, n_blocks: int, block: int) -> None:
-        if n_blocks < 1 or block < 1:
-            raise ValueError(f"a pool of {n_blocks} blocks of {block} rows: both must be >= 1")
+    def __init__(self, n_blocks: int, block: int, records: int = 0) -> None:
+        if n_blocks < 1 or block < 1 or records < 0:
+            raise ValueError(
+                f"a pool of {n_blocks} blocks of {block} rows and {records} host records: "
+                "blocks and rows must be >= 1, records >= 0"
+            )
         self.n_blocks = n_blocks
         self.block = block
+        self.records = records
         self._refs = [0] * n_blocks  # block -> tables holding it
         self._free = list(range(n_blocks))  # a heap (sorted is one): lowest first
-        self._tables: dict[int, list[int]] = {}  # lane -> logical block -> pool block
+        self._tables: dict[int, list[int]] = {}  # lane -> logical block -> pool block or PAGED
+        self._free_records = list(range(records))  # a heap, as `_free`
+        self._host: dict[int, dict[int, int]] = {}  # lane -> PAGED logical block -> record
 
     # -- reading ----------------------------------------------------------------------
 
@@ -94,6 +131,38 @@ class BlockTables:
     def refs(self, block: int) -> int:
         return self._refs[block]
 
+    def entry(self, lane: int, j: int) -> int:
+        """`lane`'s logical block j: its pool block, or PAGED."""
+        table = self._tables.get(lane, [])
+        if not 0 <= j < len(table):
+            raise ValueError(f"lane {lane} holds {len(table)} blocks: it has no block {j}")
+        return table[j]
+
+    def host(self, lane: int) -> dict[int, int]:
+        """`lane`'s PAGED logical blocks -> their host records."""
+        return dict(self._host.get(lane, {}))
+
+    def paged(self, lane: int) -> int:
+        """How many of `lane`'s entries are PAGED."""
+        return len(self._host.get(lane, ()))
+
+    def resident(self, lane: int) -> list[int]:
+        """`lane`'s logical blocks held in pool blocks."""
+        return [j for j, b in enumerate(self._tables.get(lane, ())) if b != PAGED]
+
+    def resident_prefix(self, lane: int) -> int:
+        """How many of `lane`'s leading entries are resident (what `share` may take)."""
+        table = self._tables.get(lane, [])
+        return next((j for j, b in enumerate(table) if b == PAGED), len(table))
+
+    @property
+    def free_records(self) -> int:
+        return len(self._free_records)
+
+    @property
+    def used_records(self) -> int:
+        return self.records - len(self._free_records)
+
     @property
     def free_blocks(self) -> int:
         return len(self._free)
@@ -104,7 +173,7 @@ class BlockTables:
 
     @property
     def lanes(self) -> list[int]:
-        """The lanes holding at least one block."""
+        """The lanes whose tables are not empty (some of their entries may be PAGED)."""
         return [lane for lane, table in self._tables.items() if table]
 
     # -- changes ------------------------------------------------------------------------
@@ -117,7 +186,13 @@ class BlockTables:
         table = self._tables.setdefault(lane, [])
         b = self.block
         last = -(-end // b)
-        shared = [j for j in range(start // b, min(last, len(table))) if self._refs[table[j]] > 1]
+        touched = range(start // b, min(last, len(table)))
+        if paged := [j for j in touched if table[j] == PAGED]:
+            raise ValueError(
+                f"lane {lane}'s positions [{start}, {end}) reach its paged-out blocks "
+                f"{paged}: page them in first"
+            )
+        shared = [j for j in touched if self._refs[table[j]] > 1]
         grow = max(0, last - len(table))
         self._check_free(len(shared) + grow, f"lane {lane}'s positions [{start}, {end})")
         copies = []
@@ -150,6 +225,11 @@ class BlockTables:
                 f"lane {source} holds {len(theirs)} blocks of {self.block}: not {n} positions"
             )
         mine = theirs[:want]
+        if PAGED in mine:
+            raise ValueError(
+                f"lane {source}'s first {n} positions reach its paged-out blocks (resident: "
+                f"{self.resident_prefix(source) * self.block} positions)"
+            )
         for block in mine:
             self._refs[block] += 1
         self._tables[lane] = list(mine)
@@ -160,15 +240,59 @@ class BlockTables:
         if table is None:
             return
         keep = -(-max(n, 0) // self.block)
-        for block in table[keep:]:
-            self._release(block)
+        host = self._host.get(lane, {})
+        for j in range(keep, len(table)):
+            if table[j] == PAGED:
+                heapq.heappush(self._free_records, host.pop(j))
+            else:
+                self._release(table[j])
         del table[keep:]
+        if not host:
+            self._host.pop(lane, None)
         if not table:
             del self._tables[lane]
 
     def free(self, lane: int) -> None:
         """Release every block of `lane`."""
         self.truncate(lane, 0)
+
+    def page_out(self, lane: int, j: int) -> Move:
+        """`lane`'s resident block j, held by this table alone, to the lowest free host
+        record; the block is released (checked first: an error changes nothing)."""
+        block = self.entry(lane, j)
+        if block == PAGED:
+            raise ValueError(f"lane {lane}'s block {j} is paged out already")
+        if self._refs[block] > 1:
+            raise ValueError(
+                f"lane {lane}'s block {j} (pool block {block}) is shared by "
+                f"{self._refs[block]} tables: it cannot be paged out"
+            )
+        if not self._free_records:
+            raise RecordsExhausted(
+                f"the host tier is exhausted: lane {lane}'s block {j} needs a record, "
+                f"all {self.records} are used"
+            )
+        record = heapq.heappop(self._free_records)
+        self._release(block)
+        self._tables[lane][j] = PAGED
+        self._host.setdefault(lane, {})[j] = record
+        return Move(OUT, j, block, record)
+
+    def page_in(self, lane: int, j: int) -> Move:
+        """`lane`'s PAGED block j into the lowest free block; its record is released
+        (checked first: an error changes nothing)."""
+        if self.entry(lane, j) != PAGED:
+            raise ValueError(f"lane {lane}'s block {j} is resident, not paged out")
+        self._check_free(1, f"lane {lane}'s paged-out block {j}")
+        block = heapq.heappop(self._free)
+        self._refs[block] = 1
+        host = self._host[lane]
+        record = host.pop(j)
+        if not host:
+            del self._host[lane]
+        heapq.heappush(self._free_records, record)
+        self._tables[lane][j] = block
+        return Move(IN, j, block, record)
 
     def _release(self, block: int) -> None:
         self._refs[block] -= 1

@@ -32,16 +32,17 @@ The rules, the same on both sides (the worker applies each change as it comes):
     rollback  a span that starts below what its sequence holds (a verify window's
               rejected rows, a step decoded ahead and dropped, a failed forward undone)
               moves the position only: the table stays, its blocks are written again.
-    page_out  a resident entry held by its table alone goes to the lowest free host
-              record (`Move(OUT, index, block, record)`: the worker copies the block's
-              rows there); the block is released and the entry becomes PAGED.
+    page_out  a resident entry goes to the lowest free host record (`Move(OUT, index,
+              block, record)`: the worker copies the block's rows there); the table's
+              hold on the block is released (a shared block stays with the tables that
+              share it) and the entry becomes PAGED.
     page_in   a PAGED entry takes the lowest free block (`Move(IN, ...)`: the worker
               copies the record's rows into it); the record is released.
 
 A table entry is a pool block or PAGED (-1): a logical block whose rows wait in a host
 record (`records` of them, a heap as for blocks; KV Flash's host tier, engine/kv/pager.py
-decides what goes). A shared block is never paged out, and neither `write` nor `share`
-reaches a PAGED entry: the pager pages it in first. `truncate` and `free` release the
+decides what goes). Neither `write` nor `share` reaches a PAGED entry: the pager pages
+it in first. `truncate` and `free` release the
 records of the PAGED entries they drop.
 
 Everything else is the worker's: it neither allocates nor releases on its own.
@@ -257,16 +258,13 @@ class BlockTables:
         self.truncate(lane, 0)
 
     def page_out(self, lane: int, j: int) -> Move:
-        """`lane`'s resident block j, held by this table alone, to the lowest free host
-        record; the block is released (checked first: an error changes nothing)."""
+        """`lane`'s resident block j to the lowest free host record; this table's hold on
+        the block is released (a shared block stays for the other tables, which go on
+        reading it; this lane reads its copy back when it pages it in). Checked first:
+        an error changes nothing."""
         block = self.entry(lane, j)
         if block == PAGED:
             raise ValueError(f"lane {lane}'s block {j} is paged out already")
-        if self._refs[block] > 1:
-            raise ValueError(
-                f"lane {lane}'s block {j} (pool block {block}) is shared by "
-                f"{self._refs[block]} tables: it cannot be paged out"
-            )
         if not self._free_records:
             raise RecordsExhausted(
                 f"the host tier is exhausted: lane {lane}'s block {j} needs a record, "

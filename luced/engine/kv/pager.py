@@ -19,8 +19,10 @@ Protected blocks are never evicted: the sinks j < sink_blocks, the tail j >= cur
 tail (the append head and the `tail` blocks before it; `cur_block`, the newest block ever
 planned, only moves forward) and the step's blocks. The tail is widened to ceil(window /
 block) + 1 blocks for a sliding window wider than it. Hence the minimum quota: sinks +
-tail + 1 head + 1 evictable victim. A shared block (another table holds it too) is never
-paged out either: it counts in the quota and stays.
+tail + 1 head + 1 evictable victim. A shared block (another table holds it too) counts in
+the quota like any other; paged out, it stays in the pool for the tables sharing it, and
+this lane reads its own copy back when it pages it in. (Were shared blocks kept, a lane
+sharing most of its quota, or a source lane whose prompt others share, could not grow.)
 
 Eviction is on demand: a block that must become resident when the quota is full pages
 out the unprotected resident block with the lowest score (policy `qk`, unscored blocks
@@ -33,8 +35,8 @@ Recall happens only through reselection (policy `qk`; `lru` never reselects). It
 every max(tau, history / 45) appended positions (`reselect_due`, or `ask_reselect`); the
 engine then has the workers score the blocks and hands the scores to `score`, and the
 next `plan` starts with the reselection: every materialised block, resident or PAGED,
-is ranked (shared and protected first, then by score; ties keep the resident, then the
-newer block), the top `quota` stay or become resident and the rest are paged out, so its
+is ranked (protected first, then by score; ties keep the resident, then the newer
+block), the top `quota` stay or become resident and the rest are paged out, so its
 moves ride with that plan's.
 """
 
@@ -243,18 +245,16 @@ class Pager:
         keep = self._selection(step) if self._scored and self.reselect_due() else None
         reselection = self._reselection(keep, length)
         ops, candidates = self._step(step, cur, keep, length, what)
+        recalled = [j for kind, j in reselection if kind == IN]
+        victims = iter(self._victims(candidates, ops.count((OUT, _VICTIM)), recalled))
+        ops = [(kind, next(victims) if j == _VICTIM else j) for kind, j in ops]
         self._check_pool([*reselection, *ops], what)
 
         moves = [self._move(kind, j) for kind, j in reselection]
         if keep is not None:
             self._since_reselect = 0
             self._asked = self._scored = False
-        # chosen after the reselection: its recalls count as touched
-        n_victims = ops.count((OUT, _VICTIM))
-        victims = iter(heapq.nsmallest(n_victims, candidates, key=self._victim_key))
-        for kind, j in ops:
-            if kind != _NEW:
-                moves.append(self._move(kind, next(victims) if j == _VICTIM else j))
+        moves += [self._move(kind, j) for kind, j in ops if kind != _NEW]
         for j in step:
             self.touch(j)
         self.cur_block = cur
@@ -306,28 +306,32 @@ class Pager:
         block = self.tables.entry(self.lane, j)
         return block != PAGED and self.tables.refs(block) > 1
 
-    def _victim_key(self, j: int) -> tuple[float, ...]:
-        last = self._last_use.get(j, 0)
-        if self.cfg.policy == "qk":
-            return (self.scores.get(j, UNSCORED), last, j)
-        return (last, j)
+    def _victims(self, candidates: list[int], n: int, recalled: list[int]) -> list[int]:
+        """The n blocks the step pages out, in order: the lowest score (`qk`), then the
+        least recently touched, counting the reselection's recalls, which the plan
+        touches first, as the most recent."""
+        clock = {j: self._clock + i + 1 for i, j in enumerate(recalled)}
+
+        def key(j: int) -> tuple[float, ...]:
+            last = clock.get(j, self._last_use.get(j, 0))
+            if self.cfg.policy == "qk":
+                return (self.scores.get(j, UNSCORED), last, j)
+            return (last, j)
+
+        return heapq.nsmallest(n, candidates, key=key)
 
     def _selection(self, step: range) -> set[int]:
-        """The blocks a reselection keeps resident: shared ones (they cannot go), then
-        protected ones, then by score; ties keep the resident, then the newer block."""
+        """The blocks a reselection keeps resident: protected ones, then by score; ties
+        keep the resident, then the newer block."""
         length = self.tables.length(self.lane)
 
-        def rank(j: int) -> tuple[int, float, bool, int]:
-            block = self.tables.entry(self.lane, j)
-            if self._shared(j):
-                return (2, 0.0, True, j)
+        def rank(j: int) -> tuple[float, bool, int]:
+            resident = self.tables.entry(self.lane, j) != PAGED
             if self._protected(j, step, self.cur_block):
-                return (1, 0.0, block != PAGED, j)
-            return (0, self.scores.get(j, UNSCORED), block != PAGED, j)
+                return (math.inf, resident, j)
+            return (self.scores.get(j, UNSCORED), resident, j)
 
-        ranked = sorted(range(length), key=rank, reverse=True)
-        shared = sum(1 for j in range(length) if self._shared(j))
-        return set(ranked[: max(self.quota, shared)])
+        return set(sorted(range(length), key=rank, reverse=True)[: self.quota])
 
     def _step(
         self, step: range, cur: int, keep: set[int] | None, length: int, what: str
@@ -350,7 +354,7 @@ class Pager:
             candidates = [
                 j
                 for j in range(length)
-                if resident(j) and not self._shared(j) and not self._protected(j, step, cur)
+                if resident(j) and not self._protected(j, step, cur)
             ]
             if over > len(candidates):
                 raise PoolExhausted(
@@ -380,12 +384,16 @@ class Pager:
 
     def _check_pool(self, ops: list[tuple[int, int]], what: str) -> None:
         """Walk the ops in order over the shared pool's free blocks and records (an OUT
-        frees a block and takes a record, an IN the reverse, a new block or a copy-on-write
-        takes a block) and refuse the step before anything changes."""
+        takes a record and frees its block unless another table shares it, an IN the
+        reverse, a new block or a copy-on-write takes a block) and refuse the step before
+        anything changes."""
         t = self.tables
         blocks, records = t.free_blocks, t.free_records
-        for kind, _ in ops:
-            blocks += 1 if kind == OUT else -1
+        for kind, j in ops:
+            if kind != OUT:
+                blocks -= 1
+            elif not self._shared(j):  # a shared block stays for the others
+                blocks += 1
             records += {OUT: -1, IN: 1}.get(kind, 0)
             if blocks < 0:
                 raise BlocksExhausted(

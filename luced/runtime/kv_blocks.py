@@ -263,19 +263,20 @@ class PagedKVCache(BaseKVCache):
         self.pos = 0
         self.table: list[int] = []  # logical block -> pool block, or PAGED
         self.paged_blocks = 0  # PAGED entries of the table
-        with torch.inference_mode(False):  # rewritten outside a forward too (share, import)
+        # Rewritten outside a forward too (share, import; reset and truncate verbs): normal
+        # tensors, even when the cache is made inside one.
+        with torch.inference_mode(False):
             self.rows = torch.zeros(capacity, dtype=torch.int64, device=self.device)
+            blocks = -(-capacity // pool.block)
+            self.qk = (
+                kv_qk.ChunkKeys(self.shapes, blocks, pool.block, self.device) if scored else None
+            )
         self._base: int | None = None  # row of position 0 while the blocks are consecutive
         self._storage: dict[int, Storage] = {}  # decode_storage's, for `_generation`
         self._generation = pool.generation
         self._incoming: tuple[int, ...] = ()  # an import's blocks (`import_rows`)
         self._end: int | None = None  # the reserved step's end
         self._view: tuple[int, _Gaps | None] | None = None  # `_gaps`' last answer, by end
-        self.qk = (
-            kv_qk.ChunkKeys(self.shapes, -(-capacity // pool.block), pool.block, self.device)
-            if scored
-            else None
-        )
         self._seal: tuple[torch.Tensor, torch.Tensor] | None = None  # the step's (logical, pool)
         # Scored: queries are observed, and `store` seals block keys, so the native decode
         # kernel must not store rows itself (as for KV Flash's PooledKVCache).

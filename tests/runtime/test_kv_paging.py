@@ -18,6 +18,7 @@ from collections.abc import Callable
 
 import pytest
 import torch
+from kv_oracles import HidingCache, QueryRecorder, chunk_scores
 
 from luced.runtime import kv_blocks, native_attention
 from luced.runtime.families import common
@@ -91,34 +92,6 @@ def plain_cache(model: Model, cls: type[KVCache] = KVCache) -> KVCache:
         recurrent=model._recurrent_shapes(),
         state_dtype=model.dtype,
     )
-
-
-class HidingCache(KVCache):
-    """A plain cache whose mask also hides every position in `hidden`."""
-
-    hidden: frozenset[int] = frozenset()
-
-    def mask(self, start, n, window, device):
-        base = super().mask(start, n, window, device)
-        if base is None:
-            base = torch.ones(n, start + n, dtype=torch.bool, device=device)
-        seen = torch.ones(start + n, dtype=torch.bool, device=device)
-        seen[sorted(p for p in self.hidden if p < start + n)] = False
-        return base & seen[None, :]
-
-    def decode_storage(self, layer):
-        return None  # the native decode kernel knows only the causal mask: SDPA with this one
-
-
-class QueryRecorder(KVCache):
-    """A plain cache that keeps each full-attention layer's last query (the oracle's)."""
-
-    queries: dict
-    observes_queries = True
-
-    def observe_query(self, layer, q, window):
-        if window is None:
-            self.queries[layer] = q[-1].float()
 
 
 def token_ids(model: Model, n: int, seed: int) -> torch.Tensor:
@@ -215,7 +188,7 @@ def test_with_blocks_paged_out_logits_equal_a_plain_cache_hiding_them(tiny, fami
                 daemon.page_out(cache, j)
             else:
                 daemon.page_in(cache, j, daemon.free_block())
-        plain.hidden = hidden_positions(cache)
+        plain.visible = frozenset(range(start + n)) - hidden_positions(cache)
         got = daemon.forward(cache, tokens[start : start + n], start)
         want = model.forward(tokens[start : start + n], plain, start)
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
@@ -278,16 +251,7 @@ def test_qk_scores_equal_cosines_of_the_plain_caches_keys(tiny, family: str) -> 
             daemon.page_out(cache, 2)  # the keys stay: the block's rows did not change
             daemon.page_in(cache, 2, daemon.free_block(above=30))
     assert plain.queries, "every family has full-attention layers"
-    want = {}
-    for c in range(330 // 16):  # sealed blocks; the head block 20 is not
-        best = []
-        for layer, q in plain.queries.items():
-            k = plain.k[layer][:, 16 * c : 16 * c + 16].float().mean(1)  # [Hkv, D]
-            k = k / k.norm(dim=-1, keepdim=True)
-            group = q.shape[0] // k.shape[0]
-            cos = (q / q.norm(dim=-1, keepdim=True)) @ k.T  # [H, Hkv]
-            best.append(max(float(cos[h, h // group]) for h in range(q.shape[0])))
-        want[c] = sum(best) / len(best)
+    want = chunk_scores(plain, 16, 330 // 16)  # sealed blocks; the head block 20 is not
     out = torch.full((2, 24), 7.0)
     kv_blocks.write_scores([cache], out)
     assert out[1].nonzero().squeeze(1).tolist() == list(want)

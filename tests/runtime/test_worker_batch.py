@@ -497,6 +497,7 @@ def test_a_worker_pages_blocks_as_its_spans_move_them(tmp_path, owner, io, varie
                 "wrong": ((4, size + 4), "uint8"),
                 "s1": ((2, 16), "float32"),
                 "s2": ((2, 16), "float32"),
+                "k0": ((2, 64, 32), "float32"),
             },
         )
         host = {"kv_host": paging.r["host"]}
@@ -571,7 +572,14 @@ def test_a_worker_pages_blocks_as_its_spans_move_them(tmp_path, owner, io, varie
             paged_step(w, io, [(F.Span(1, pos[1], 1, table=3, moves=((0, 0, 5, 2),)), [last[1]])])
         for _ in range(3):  # then on, with logical block 1 paged out, as if none had come
             step({1: ([last[1]], (), "s1"), 2: ([last[2]], (), None)})
+        # The verbs on a table with a paged-out block: an export of it is refused, a
+        # truncate drops it with the blocks past it, a release frees the rest.
+        export = F.KVExport(position=pos[1], regions={"k.0": paging.r["k0"]}, sequence=1)
+        with pytest.raises(RemoteError, match=r"kv_export: cannot export .* blocks \[1\] are"):
+            w.call(export)
+        w.call(F.Truncate(position=8, sequence=1))
+        assert blocks_used(w) == 1 + 3  # its block 5, sequence 2's
         w.call(F.Reset(sequence=1, release=True))
-        assert blocks_used(w) == 3  # sequence 2's
+        assert blocks_used(w) == 3
     finally:
         w.stop()

@@ -54,8 +54,8 @@ A write into a paged-out block, an export or a share of one is refused.
 
 Scoring (`scored`, KV Flash's `qk` policy): the cache keeps each block's mean key per
 stored layer (`kv_qk.ChunkKeys` with blocks for chunks), sealed by the step that writes
-the block's last position, and each full-attention layer's last query; `qk_scores` ranks
-the blocks by them.
+the block's last position, and each full-attention layer's last query; `write_scores`
+gives each block's score from them (the daemon ranks the blocks by it).
 """
 
 from __future__ import annotations

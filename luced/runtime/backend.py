@@ -239,7 +239,7 @@ class Backend(WorkerState):
                 cache: SequenceCache = model.new_pool_cache(pool, req.kv_capacity)
             elif req.kv_block:  # one pool of blocks per shard for every sequence
                 blocks.append(model.new_block_pool(req.kv_block, max_blocks=req.kv_blocks))
-                cache = model.new_paged_cache(blocks[-1], req.kv_capacity)
+                cache = model.new_paged_cache(blocks[-1], req.kv_capacity, scored=req.kv_scored)
             else:
                 cache = model.new_cache(req.kv_capacity)
             shards.append(Shard(model))
@@ -257,6 +257,7 @@ class Backend(WorkerState):
             recurrent=tuple(layer for c in first if c.recurrent for layer in c.recurrent.shapes),
             kv_pool=pooled[0].pool if pooled else 0,
             kv_chunk_bytes=sum(chunk_nbytes(c) for c in pooled),
+            kv_record_bytes=sum(pool.block_nbytes() for pool in blocks),
             moe_fingerprint=placement.fingerprint() if placement is not None else "",
             kernels=native.describe(torch_device(req.devices[0])),
         )
@@ -267,7 +268,7 @@ class Backend(WorkerState):
                 return [s.model.new_pool_cache(pool, req.kv_capacity) for s in shards]
             if blocks:
                 return [
-                    s.model.new_paged_cache(b, req.kv_capacity)
+                    s.model.new_paged_cache(b, req.kv_capacity, scored=req.kv_scored)
                     for s, b in zip(shards, blocks, strict=True)
                 ]
             return [s.model.new_cache(req.kv_capacity) for s in shards]

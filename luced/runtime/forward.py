@@ -27,10 +27,12 @@ from collections.abc import Sequence
 import torch
 
 from luced.ipc import frames as F
-from luced.runtime import kv_flash_step, qlinear, token_mask
+from luced.runtime import kv_blocks, kv_flash_step, qlinear, token_mask
 from luced.runtime.decode_graph import BATCH_BUCKETS, TOKEN_BUCKETS, bucket
 from luced.runtime.dflash.verify import verify_sampled
+from luced.runtime.kv_blocks import PagedKVCache
 from luced.runtime.kv_cache import ContextOverflow
+from luced.runtime.kv_host import SharedHostTier
 from luced.runtime.model import Model
 from luced.runtime.ragged import Ragged
 from luced.runtime.ragged import Span as RaggedSpan
@@ -63,6 +65,7 @@ def compute(worker: WorkerState, req: F.Forward, fed: torch.Tensor | None = None
     spans = req.spans
     states = [m.sequence(s.sequence) for s in spans]
     _check_spans(m, spans, states)
+    hosts = _host_tier(worker, req, m)
     n_tokens = req.n_tokens
     if fed is None:
         ids, hidden_in = worker.fed_inputs(req.tokens, req.hidden_in, n_tokens, m)
@@ -78,11 +81,12 @@ def compute(worker: WorkerState, req: F.Forward, fed: torch.Tensor | None = None
         bias = token_mask.bias(worker.tensor(req.allowed)[: req.n_out], m.reply.vocab)
     # Checked: from here on the sequences change. A span below its sequence's committed
     # length rolls it back first (a verify window's rejected rows); a block table takes
-    # the daemon's growth (engine/kv/blocks.py).
+    # the daemon's moves, then its growth (engine/kv/blocks.py), span by span as the
+    # daemon made them.
     for state, span in zip(states, spans, strict=True):
         if span.start < state.position:
             state.truncate(span.start)
-        state.follow(span)
+        state.follow(span, hosts)
     for state, span in zip(states, spans, strict=True):  # KV Flash: host-tier moves, slots
         kv_flash_step.apply_plan(worker, m, state.caches, span.start, span.n, span.kv_plan)
     first, last = m.shards[0].model, m.shards[-1].model
@@ -119,6 +123,8 @@ def compute(worker: WorkerState, req: F.Forward, fed: torch.Tensor | None = None
             for state, span in zip(states, spans, strict=True):
                 if (scores := span.kv_plan.get("kv_scores")) is not None:
                     kv_flash_step.write_scores(state.caches, worker.tensor(scores))
+                if span.kv_scores is not None:  # KV Flash over the block pool
+                    kv_blocks.write_scores(state.paged(), worker.tensor(span.kv_scores))
             if req.want == "hidden":
                 outputs["hidden"][:n_tokens].copy_(hidden)
             elif req.n_pooled:
@@ -177,6 +183,7 @@ def compute(worker: WorkerState, req: F.Forward, fed: torch.Tensor | None = None
 
 
 def _check_spans(m: Loaded, spans: Sequence[F.Span], states: list[SequenceState]) -> None:
+    refs: list[dict[int, int]] = [{} for _ in m.shards]  # what earlier spans leave of the pools
     for state, span in zip(states, spans, strict=True):
         if span.start > state.position:
             raise WorkerError(
@@ -188,9 +195,33 @@ def _check_spans(m: Loaded, spans: Sequence[F.Span], states: list[SequenceState]
                 f"context overflow: sequence {span.sequence}'s positions [{span.start}, "
                 f"{span.start + span.n}) exceed the KV capacity of {m.reply.kv_capacity} tokens"
             )
-        state.check_table(span)
+        state.check_table(span, refs)
+        if span.kv_scores is not None and not m.reply.kv_record_bytes:
+            raise WorkerError("kv_scores needs a load with kv_block")
+        if span.kv_scores is not None and not all(c.scored for c in state.paged()):
+            raise WorkerError("kv_scores needs a load with kv_scored (block keys are not kept)")
     if bool(m.reply.kv_pool) and any(not s.kv_plan for s in spans):
         raise WorkerError("a KV Flash worker needs the pager's plan (kv_plan) for every span")
+
+
+def _host_tier(worker: WorkerState, req: F.Forward, m: Loaded) -> list[SharedHostTier] | None:
+    """Each shard's view of the host records the spans' moves name (None without moves):
+    its bytes of each record, the shards side by side (`LoadReply.kv_record_bytes`)."""
+    moves = [move for span in req.spans for move in span.moves]
+    if not moves:
+        return None
+    host = req.kv_host
+    assert host is not None  # the frame checks it
+    if host.shape[1] != m.reply.kv_record_bytes:
+        got, want = host.shape[1], m.reply.kv_record_bytes
+        raise WorkerError(f"host records of {got} bytes, this worker's are {want}")
+    if max(record for *_, record in moves) >= host.shape[0]:
+        raise WorkerError(f"a move names a host record past the {host.shape[0]} of kv_host")
+    records, hosts, offset = worker.tensor(host), [], 0
+    for pool in m.block_pools:
+        hosts.append(SharedHostTier(records, offset, pool.block_nbytes()))
+        offset += pool.block_nbytes()
+    return hosts
 
 
 def _outputs(worker: WorkerState, req: F.Forward, m: Loaded) -> dict[str, torch.Tensor]:
@@ -263,7 +294,13 @@ def _graphed(m: Loaded, req: F.Forward, states: list[SequenceState]) -> bool:
     rows = bucket(len(spans), BATCH_BUCKETS) * bucket(widest, TOKEN_BUCKETS)
     if widest > 1 and graphs.pool.device.type == "cpu" and rows > qlinear.GEMV_MAX_ROWS:
         return False
-    return all(getattr(state.caches[0], "pool", None) is graphs.pool for state in states)
+    # (the captured step reads every row of the map, and scores nothing)
+    return all(
+        isinstance(c := state.caches[0], PagedKVCache)
+        and c.pool is graphs.pool
+        and not (c.scored or c.paged_blocks)
+        for state in states
+    )
 
 
 def _head(

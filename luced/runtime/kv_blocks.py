@@ -41,14 +41,31 @@ the same either way, so the logits are `KVCache`'s bit for bit. Recurrent layers
 their state beside the pool exactly as in `KVCache` (`kv_cache.BaseKVCache`); a cache
 with recurrent layers cannot share, because a state sums up its whole prefix and exists
 only where a forward stopped.
+
+Paging (KV Flash over the pool): the daemon may move a block a sequence holds alone out
+to a host record (`page_out`: its rows of every stored layer copied in `kv_host`'s record
+layout, the block released, the table entry `PAGED`) and a paged-out block back in, into
+any free block (`page_in`), byte for byte. The positions of a paged-out block are
+invisible: attention gathers the resident positions' rows in position order and masks by
+those positions (`positions_mask`), and the native decode kernel reads them as a list
+with their positions (`Storage.positions`), computed once per step (`reserve`). While
+every block of [0, end) is resident nothing of this runs: the logits stay `KVCache`'s.
+A write into a paged-out block, an export or a share of one is refused.
+
+Scoring (`scored`, KV Flash's `qk` policy): the cache keeps each block's mean key per
+stored layer (`kv_qk.ChunkKeys` with blocks for chunks), sealed by the step that writes
+the block's last position, and each full-attention layer's last query; `write_scores`
+gives each block's score from them (the daemon ranks the blocks by it).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 
 import torch
 
+from luced.runtime import kv_qk
 from luced.runtime.kv_cache import (
     BaseKVCache,
     ContextOverflow,
@@ -57,8 +74,12 @@ from luced.runtime.kv_cache import (
     RecurrentState,
     layer_roles,
 )
-from luced.runtime.layers import attention_mask
+from luced.runtime.kv_host import RecordLayout
+from luced.runtime.layers import attention_mask, positions_mask
 from luced.runtime.native_attention import Storage
+
+PAGED = -1  # a table entry: the logical block's rows are in a host record
+MOVE_OUT, MOVE_IN = 0, 1  # a move's kind: pool block -> host record, host record -> pool block
 
 
 class KVPoolFull(ContextOverflow):
@@ -136,15 +157,17 @@ class BlockPool:
         self._refs.extend([0] * (n_blocks - self.n_blocks))
         self.generation += 1
 
-    def check_free(self, blocks: Iterable[int]) -> None:
+    def check_free(self, blocks: Iterable[int], refs: Mapping[int, int] | None = None) -> None:
         """Whether the daemon may hand these blocks to a table: free here and inside the
-        pool (raises ValueError naming the first that is not)."""
+        pool (raises ValueError naming the first that is not). `refs`: block -> count
+        where a step's earlier changes, checked but not made yet, leave it otherwise."""
         cap = self.max_blocks
         for block in blocks:
             if block < 0 or (cap is not None and block >= cap):
                 raise ValueError(f"block {block} is outside the pool of {cap} blocks")
-            if block < self.n_blocks and self._refs[block]:
-                raise ValueError(f"block {block} is held already ({self._refs[block]} tables)")
+            held = self.refs(block) if refs is None else refs.get(block, self.refs(block))
+            if held:
+                raise ValueError(f"block {block} is held already ({held} tables)")
 
     def take(self, block: int) -> None:
         """The daemon handed out `block` (checked free): refcount 1, the tensors grown
@@ -183,20 +206,28 @@ class BlockPool:
                 t[:, dst * b : (dst + 1) * b] = t[:, src * b : (src + 1) * b]
 
     def block_nbytes(self) -> int:
-        """One block's bytes over every layer, K and V."""
-        item = self.dtype.itemsize
-        return sum(2 * h * self.block * d * item for h, d in self.shapes.values())
+        """One block's bytes over every layer, K and V (one host record's)."""
+        return RecordLayout(self.shapes, self.block, self.dtype).nbytes
 
     def nbytes(self) -> int:
         return (self.n_blocks + 1) * self.block_nbytes()
 
 
+@dataclass
+class _Gaps:
+    """The resident positions below `end` of a cache with paged-out blocks there: what
+    attention reads for one step (`PagedKVCache._gaps`)."""
+
+    end: int
+    rows: torch.Tensor  # [L] int64: their pool rows, in position order
+    positions: torch.Tensor  # [L] int64: ascending
+    masks: dict[tuple, torch.Tensor | None] = field(default_factory=dict)
+    storage: dict[int, Storage] = field(default_factory=dict)  # until the pool reallocates
+
+
 class PagedKVCache(BaseKVCache):
     """The KVStore surface (see KVCache) over a BlockPool: position p lives in pool row
-    table[p // block] * block + p % block."""
-
-    observes_queries = False
-    writes_in_place = True  # `write` only stores rows: the native kernel may do it instead
+    table[p // block] * block + p % block; a `PAGED` entry's positions are invisible."""
 
     def __init__(
         self,
@@ -208,13 +239,15 @@ class PagedKVCache(BaseKVCache):
         recurrent: Mapping[int, RecurrentShape] | None = None,
         row_exact: bool = False,
         state_dtype: torch.dtype | None = None,
+        scored: bool = False,
     ) -> None:
         """sources, recurrent, row_exact, state_dtype: as for `KVCache`; the stored layers'
-        shapes, the dtype and the device are the pool's."""
+        shapes, the dtype and the device are the pool's. scored: keep the `qk` scorer's
+        block keys (module docstring)."""
         self.pool = pool
         self.layers = layers
         self.capacity = capacity
-        self.row_exact = row_exact
+        self._row_exact = row_exact
         self.dtype = pool.dtype
         self.device = pool.device
         states = state_dtype or self.dtype
@@ -223,17 +256,42 @@ class PagedKVCache(BaseKVCache):
         if set(self.stored) != set(pool.shapes):
             raise ValueError(f"the pool stores layers {sorted(pool.shapes)}, not {self.stored}")
         self.shapes = {i: pool.shapes[i] for i in self.stored}
+        self.record = RecordLayout(self.shapes, pool.block, self.dtype)  # one host record
         # The pool's K and V per layer, [Hkv, pool rows, D]: heads and dim as a KVCache's k
         # (what snapshots read them for); the dicts stay the pool's as it grows.
         self.k, self.v = pool.k, pool.v
         self.pos = 0
-        self.table: list[int] = []  # logical block -> pool block
-        with torch.inference_mode(False):  # rewritten outside a forward too (share, import)
+        self.table: list[int] = []  # logical block -> pool block, or PAGED
+        self.paged_blocks = 0  # PAGED entries of the table
+        # Rewritten outside a forward too (share, import; reset and truncate verbs): normal
+        # tensors, even when the cache is made inside one.
+        with torch.inference_mode(False):
             self.rows = torch.zeros(capacity, dtype=torch.int64, device=self.device)
+            blocks = -(-capacity // pool.block)
+            self.qk = (
+                kv_qk.ChunkKeys(self.shapes, blocks, pool.block, self.device) if scored else None
+            )
         self._base: int | None = None  # row of position 0 while the blocks are consecutive
         self._storage: dict[int, Storage] = {}  # decode_storage's, for `_generation`
         self._generation = pool.generation
         self._incoming: tuple[int, ...] = ()  # an import's blocks (`import_rows`)
+        self._end: int | None = None  # the reserved step's end
+        self._view: tuple[int, _Gaps | None] | None = None  # `_gaps`' last answer, by end
+        self._seal: tuple[torch.Tensor, torch.Tensor] | None = None  # the step's (logical, pool)
+        # Scored: queries are observed, and `store` seals block keys, so the native decode
+        # kernel must not store rows itself (as for KV Flash's PooledKVCache).
+        self.observes_queries = scored
+        self.writes_in_place = not scored
+
+    @property
+    def scored(self) -> bool:
+        return self.qk is not None
+
+    @property
+    def row_exact(self) -> bool:
+        """Attention row by row (batch-invariant) while no block is paged out: with gaps the
+        keys are fewer than the positions, and one SDPA over them is the KV Flash path."""
+        return self._row_exact and not self.paged_blocks
 
     def _assign(self, i: int, block: int) -> None:
         """Logical block i now lives in pool block `block` (held for this cache)."""
@@ -247,8 +305,10 @@ class PagedKVCache(BaseKVCache):
 
     def _relink(self) -> None:
         t = self.table
-        consecutive = all(block == t[0] + i for i, block in enumerate(t))
+        self.paged_blocks = t.count(PAGED)
+        consecutive = not self.paged_blocks and all(b == t[0] + i for i, b in enumerate(t))
         self._base = t[0] * self.pool.block if t and consecutive else None
+        self._view = None
 
     def follow(self, copies: Sequence[tuple[int, int, int]], blocks: Sequence[int]) -> None:
         """Apply what the daemon's table of this sequence gained (`frames.Span`): each copy
@@ -267,28 +327,101 @@ class PagedKVCache(BaseKVCache):
         self._relink()
 
     def check_follow(
-        self, copies: Sequence[tuple[int, int, int]], blocks: Sequence[int], length: int
+        self,
+        copies: Sequence[tuple[int, int, int]],
+        blocks: Sequence[int],
+        length: int,
+        moves: Sequence[tuple[int, int, int, int]] = (),
+        refs: dict[int, int] | None = None,
     ) -> None:
-        """ValueError unless `follow(copies, blocks)` leaves a table of `length` blocks
-        within the capacity, each copy moving a block this table holds onto a free one."""
-        after = len(self.table) + len(blocks)
+        """ValueError unless `moves` (kind, logical block, pool block, record; see
+        `page_out` / `page_in`), then `follow(copies, blocks)`, leave a table of `length`
+        blocks within the capacity, each move and copy as its checks say. `refs`: what a
+        step's earlier spans leave of the pool's counts (`BlockPool.check_free`), updated
+        with what these would change; nothing else changes."""
+        refs = {} if refs is None else refs
+        table = list(self.table)
+        for kind, j, block, _ in moves:
+            self._check_move(table, refs, kind, j, block)
+        after = len(table) + len(blocks)
         if after != length:
             raise ValueError(
-                f"its table holds {len(self.table)} blocks, + {len(blocks)} new makes "
+                f"its table holds {len(table)} blocks, + {len(blocks)} new makes "
                 f"{after}; the daemon's holds {length}"
             )
         if (after - 1) * self.pool.block >= self.capacity:
             raise ContextOverflow(f"{after} blocks exceed the KV capacity {self.capacity}")
         for i, src, _ in copies:
-            if i >= len(self.table) or self.table[i] != src:
-                held = self.table[i] if i < len(self.table) else None
+            if i >= len(table) or table[i] != src:
+                held = table[i] if i < len(table) else None
                 raise ValueError(f"copy of logical block {i} from {src}: the table has {held}")
-        self.pool.check_free([*blocks, *(dst for _, _, dst in copies)])
+        self.pool.check_free([*blocks, *(dst for _, _, dst in copies)], refs)
+        for _, src, dst in copies:  # for the spans after this one
+            refs[src] = refs.get(src, self.pool.refs(src)) - 1
+            refs[dst] = 1
+        refs.update(dict.fromkeys(blocks, 1))
+
+    def _check_move(
+        self, table: list[int], refs: dict[int, int], kind: int, j: int, block: int
+    ) -> None:
+        """One move against `table` and `refs` (as `check_follow`), both updated."""
+        held = table[j] if 0 <= j < len(table) else None
+        if kind == MOVE_OUT:
+            if held != block:
+                has = "a paged-out block" if held == PAGED else held
+                raise ValueError(
+                    f"move out of logical block {j} from block {block}: the table has {has}"
+                )
+            count = refs.get(block, self.pool.refs(block))
+            if count != 1:
+                raise ValueError(f"move out of block {block}: {count} tables hold it, not 1")
+            refs[block] = 0
+            table[j] = PAGED
+        elif kind == MOVE_IN:
+            if held != PAGED:
+                raise ValueError(
+                    f"move into logical block {j}: the table has {held}, not a paged-out block"
+                )
+            self.pool.check_free((block,), refs)
+            refs[block] = 1
+            table[j] = block
+        else:
+            raise ValueError(f"unknown move kind {kind} (0 out, 1 in)")
+
+    def page_out(self, j: int, block: int, record: torch.Tensor) -> None:
+        """Logical block j, held alone in pool block `block`, goes to `record` (uint8
+        [record.nbytes]: its rows of every stored layer, `kv_host` layout) and the block
+        back to the pool; table[j] becomes PAGED. Checked first (ValueError, no change)."""
+        self._check_move(list(self.table), {}, MOVE_OUT, j, block)
+        self.record.copy_out(self.pool.k, self.pool.v, block * self.pool.block, record)
+        self.pool.release(block)
+        self.table[j] = PAGED
+        self._relink()
+
+    def page_in(self, j: int, block: int, record: torch.Tensor) -> None:
+        """Paged-out logical block j comes back from `record` into free pool block `block`
+        (any block), byte for byte. Checked first (ValueError, no change)."""
+        self._check_move(list(self.table), {}, MOVE_IN, j, block)
+        self.record.check(record)
+        self.pool.take(block)
+        self.record.copy_in(record, self.pool.k, self.pool.v, block * self.pool.block)
+        self._assign(j, block)
+        self._relink()
+
+    def move(self, kind: int, j: int, block: int, record: torch.Tensor) -> None:
+        """`page_out` (kind MOVE_OUT) or `page_in` (MOVE_IN): a move of `frames.Span`."""
+        if kind == MOVE_OUT:
+            self.page_out(j, block, record)
+        elif kind == MOVE_IN:
+            self.page_in(j, block, record)
+        else:
+            raise ValueError(f"unknown move kind {kind} (0 out, 1 in)")
 
     def reserve(self, start: int, n: int) -> None:
         """Check that positions [start, start + n) may be written: no gap, within the
-        capacity, in blocks the table covers and holds alone (the daemon's growth came
-        first). With recurrent layers, roll back to start first."""
+        capacity, in blocks the table covers, holds alone and has not paged out (the
+        daemon's growth and moves came first). With recurrent layers, roll back to start
+        first. Then what the step reads and seals is worked out, once for every layer."""
         if start > self.pos:
             raise ValueError(f"KV write at {start} would leave a gap after position {self.pos}")
         end, b = start + n, self.pool.block
@@ -300,22 +433,57 @@ class PagedKVCache(BaseKVCache):
             raise ValueError(
                 f"positions [{start}, {end}) are past the {len(self.table)} blocks of its table"
             )
-        shared = [i for i in range(start // b, -(-end // b)) if self.pool.refs(self.table[i]) > 1]
-        if n and shared:
+        written = range(start // b, -(-end // b)) if n else range(0)
+        paged = [i for i in written if self.table[i] == PAGED]
+        if paged:
+            raise ValueError(f"positions [{start}, {end}) would write paged-out blocks {paged}")
+        shared = [i for i in written if self.pool.refs(self.table[i]) > 1]
+        if shared:
             raise ValueError(f"positions [{start}, {end}) would write shared blocks {shared}")
         if self.recurrent is not None:
             self.truncate(start)  # the recurrent layers continue from the state at start
+        self._end = end
+        self._gaps(end)
+        self._seal = None
+        if self.qk is not None:  # the blocks whose last position this step writes
+            logical = [p // b for p in range(-(-(start + 1) // b) * b - 1, end, b)]
+            if logical:
+                pool_blocks = [self.table[i] for i in logical]
+                self._seal = (self._ints(logical), self._ints(pool_blocks))
+
+    def _ints(self, values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int64, device=self.device)
 
     def store(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store k, v ([n, Hkv, D]) at positions [start, start + n) (reserved)."""
+        """Store k, v ([n, Hkv, D]) at positions [start, start + n) (reserved); scored,
+        seal the blocks the step completes."""
         at = self.rows[start : start + k.shape[0]]
         self.pool.k[layer].index_copy_(1, at, k.transpose(0, 1).to(self.dtype))
         self.pool.v[layer].index_copy_(1, at, v.transpose(0, 1).to(self.dtype))
+        if self._seal is not None:
+            self._seal_blocks(layer, *self._seal)
+
+    def _seal_blocks(self, layer: int, logical: torch.Tensor, blocks: torch.Tensor) -> None:
+        """The scorer's keys of logical blocks `logical`, from their pool `blocks`' K rows."""
+        assert self.qk is not None
+        h, d = self.shapes[layer]
+        rows = self.pool.k[layer].view(h, -1, self.pool.block, d)[:, blocks]
+        self.qk.seal(layer, logical, rows)
+
+    def _seal_complete(self, n: int) -> None:
+        """Scored: seal the blocks wholly below position n (rows that came in whole)."""
+        count = n // self.pool.block
+        if self.qk is None or not count:
+            return
+        logical, blocks = self._ints(list(range(count))), self._ints(self.table[:count])
+        for layer in self.stored:
+            self._seal_blocks(layer, logical, blocks)
 
     def write(
         self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """`store`, then the layer's K, V over [0, start + n) as [Hkv, L, D]."""
+        """`store`, then the layer's K, V over [0, start + n) as [Hkv, L, D] (the
+        resident positions' only, with blocks paged out)."""
         self.store(layer, start, k, v)
         return self._rows(layer, start + k.shape[0])
 
@@ -324,71 +492,130 @@ class PagedKVCache(BaseKVCache):
         layer, which must have written them earlier in the forward."""
         return self._rows(self.sources.get(layer, layer), end)
 
+    def _gaps(self, end: int) -> _Gaps | None:
+        """The resident positions below `end` when some block there is paged out, else
+        None (kept for the step: `reserve` asks first, each layer again)."""
+        if not self.paged_blocks:
+            return None
+        if self._view is not None and self._view[0] == end:
+            return self._view[1]
+        gaps = None
+        blocks = self.table[: -(-end // self.pool.block)]
+        if PAGED in blocks:
+            resident = torch.tensor([blk != PAGED for blk in blocks], device=self.device)
+            positions = resident.repeat_interleave(self.pool.block)[:end].nonzero().squeeze(1)
+            gaps = _Gaps(end, self.rows[positions], positions)
+        self._view = (end, gaps)
+        return gaps
+
     def _rows(self, layer: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """[Hkv, end, D] in position order: a view while the blocks are consecutive."""
+        """[Hkv, L, D] in position order: a view while the blocks are consecutive, the
+        resident positions' rows only while some are paged out."""
         k, v = self.pool.k[layer], self.pool.v[layer]
         if self._base is not None:
             return k[:, self._base : self._base + end], v[:, self._base : self._base + end]
-        at = self.rows[:end]
+        gaps = self._gaps(end)
+        at = self.rows[:end] if gaps is None else gaps.rows
         return k.index_select(1, at), v.index_select(1, at)
 
     def mask(
         self, start: int, n: int, window: int | None, device: torch.device
     ) -> torch.Tensor | None:
-        """The attention mask over the keys `write` returned ([0, start + n))."""
-        return attention_mask(start, n, start + n, window, device)
+        """The attention mask over the keys `write` returned ([0, start + n), or the
+        resident positions of it)."""
+        gaps = self._gaps(start + n)
+        if gaps is None:
+            return attention_mask(start, n, start + n, window, device)
+        key = (start, n, window, device)
+        if key not in gaps.masks:
+            gaps.masks[key] = positions_mask(start, n, gaps.positions, window, device)
+        return gaps.masks[key]
 
     def observe_query(self, layer: int, q: torch.Tensor, window: int | None) -> None:
-        """Queries matter only to KV Flash's scorer."""
+        """Scored: a full-attention layer's queries [n, H, D] after RoPE (the last one
+        scores the blocks); sliding layers are not scored."""
+        if self.qk is not None and window is None:
+            self.qk.observe(layer, q)
 
-    def decode_storage(self, layer: int) -> Storage:
+    def decode_storage(self, layer: int) -> Storage | None:
         """The pool's K and V of `layer` (its source's for a KV-sharing layer) with this
-        sequence's row map: one Storage per layer until the pool reallocates."""
+        sequence's row map: one Storage per layer until the pool reallocates. With blocks
+        paged out, the reserved step's resident rows and their positions instead (None
+        outside a step: the row map does not say which rows are gone)."""
         if self._generation != self.pool.generation:
             self._storage.clear()
+            self._view = None  # its storage too
             self._generation = self.pool.generation
         source = self.sources.get(layer, layer)
+        pool = self.pool
+        if self.paged_blocks and self._end is None:
+            return None
+        gaps = self._gaps(self._end) if self._end is not None else None
+        if gaps is not None:
+            if source not in gaps.storage:
+                gaps.storage[source] = Storage(
+                    pool.k[source], pool.v[source], gaps.rows, gaps.positions
+                )
+            return gaps.storage[source]
         storage = self._storage.get(source)
         if storage is None:
-            pool = self.pool
             storage = Storage(pool.k[source], pool.v[source], rows=self.rows)
             self._storage[source] = storage
         return storage
+
+    def commit(self, end: int) -> None:
+        super().commit(end)
+        self._end = self._seal = None
 
     def truncate(self, pos: int) -> None:
         """Roll back to `pos` committed tokens; the blocks stay (the daemon's table keeps
         them, to be written again). With recurrent layers only to a position whose state
         is kept (else RecurrentRollback, no change)."""
         super().truncate(pos)
+        if self.qk is not None:
+            self.qk.forget(pos)
 
     def release_past(self, pos: int) -> None:
         """The blocks wholly past position `pos` go back to the pool (the truncate verb,
-        after its roll back to pos)."""
+        after its roll back to pos); paged-out ones are dropped (the daemon frees their
+        records)."""
         if pos < self.pos:
             raise ValueError(f"release past {pos}: positions up to {self.pos} are committed")
         self._release_from(-(-pos // self.pool.block))
 
     def _release_from(self, i: int) -> None:
         for block in self.table[i:]:
-            self.pool.release(block)
+            if block != PAGED:
+                self.pool.release(block)
         del self.table[i:]
         self._relink()
 
     def reset(self) -> None:
-        """Empty the cache and release every block."""
+        """Empty the cache and release every block (paged-out ones are dropped)."""
         super().reset()
         self._release_from(0)
+        self._end = self._seal = None
+        if self.qk is not None:
+            self.qk.reset()
 
     def free(self) -> None:
         """The sequence is dropped: its blocks go back to the pool (the same as `reset`)."""
         self.reset()
 
+    def check_resident(self, n: int, what: str = "export") -> None:
+        """ValueError unless every block of positions [0, n) is resident (to `what` them)."""
+        paged = [i for i, b in enumerate(self.table[: -(-n // self.pool.block)]) if b == PAGED]
+        if paged:
+            raise ValueError(
+                f"cannot {what} positions [0, {n}): logical blocks {paged} are paged out"
+            )
+
     def share(self, source: PagedKVCache, n: int) -> int:
         """Make this (empty, pos 0) cache's first n positions the source's, without copying:
-        it takes the source's blocks that hold them (n <= source.pos, committed there). A
-        last block that holds positions past n too is shared as well; the first write into
-        it, by either cache, is the daemon's copy-on-write (`follow`). Returns n,
-        committed."""
+        it takes the source's blocks that hold them (n <= source.pos, committed there, none
+        paged out). A last block that holds positions past n too is shared as well; the
+        first write into it, by either cache, is the daemon's copy-on-write (`follow`).
+        Returns n, committed."""
         if self.recurrent is not None or source.recurrent is not None:
             raise ValueError("a cache with recurrent layers cannot share rows: no state at n")
         if source.pool is not self.pool:
@@ -401,14 +628,17 @@ class PagedKVCache(BaseKVCache):
             raise ValueError(f"cannot share {n} positions: the source holds {source.pos}")
         if n > self.capacity:
             raise ContextOverflow(f"{n} positions exceed the KV capacity {self.capacity}")
+        source.check_resident(n, "share")
         for i, block in enumerate(source.table[: -(-n // self.pool.block)]):
             self.pool.retain(block)
             self._assign(i, block)
         self._relink()
         self.commit(n)
+        self._seal_complete(n)
         return n
 
     def _committed_rows(self, layer: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        self.check_resident(n, "export")
         return self._rows(layer, n)
 
     def check_import(self, n: int, blocks: Sequence[int]) -> None:
@@ -445,11 +675,24 @@ class PagedKVCache(BaseKVCache):
         for layer, (k, v) in rows.items():
             self.pool.k[layer].index_copy_(1, at, k[:, :n].to(self.device))
             self.pool.v[layer].index_copy_(1, at, v[:, :n].to(self.device))
+        self._seal = None
+        self._seal_complete(n)
 
     def nbytes(self) -> int:
-        """This sequence's share of the pool: each block it holds divided among its holders
-        (the sequences' shares add up to the pool's used bytes, to rounding), plus its
-        recurrent state."""
+        """This sequence's share of the pool: each resident block it holds divided among
+        its holders (the sequences' shares add up to the pool's used bytes, to rounding),
+        plus its recurrent state."""
         size = self.pool.block_nbytes()
-        kv = sum(size // self.pool.refs(block) for block in self.table)
+        kv = sum(size // self.pool.refs(block) for block in self.table if block != PAGED)
         return kv + (self.recurrent.nbytes() if self.recurrent is not None else 0)
+
+
+def write_scores(caches: Iterable[PagedKVCache], out: torch.Tensor) -> None:
+    """The `qk` scores of one sequence's scored caches into `out` (`frames.Span.kv_scores`,
+    float32 [2, blocks]: `kv_qk.write_scores`)."""
+    keys = []
+    for cache in caches:
+        if cache.qk is None:
+            raise ValueError("block scores of a cache that keeps no block keys (load kv_scored)")
+        keys.append(cache.qk)
+    kv_qk.write_scores(keys, out)

@@ -10,6 +10,7 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from luced.ipc.regions import Region
+from luced.runtime import kv_qk
 from luced.runtime.kv_cache import KVCache
 from luced.runtime.kv_pool import PooledKVCache, SharedHostTier, apply_moves, chunk_nbytes
 from luced.runtime.state import Loaded, WorkerError, WorkerState
@@ -72,9 +73,4 @@ def apply_plan(
 def write_scores(caches: Sequence[KVCache | PooledKVCache], out: torch.Tensor) -> None:
     """KV Flash qk: per chunk, the sum over this worker's scored layers of the chunk's best
     cosine with the step's last query (row 0) and how many layers scored it (row 1)."""
-    out.zero_()
-    for cache in pooled(caches):
-        sums, counts = cache.qk.scores()
-        n = min(out.shape[1], sums.shape[0])
-        out[0, :n] += sums[:n].to(out.device)
-        out[1, :n] += counts[:n].to(out.device)
+    kv_qk.write_scores([cache.qk for cache in pooled(caches)], out)

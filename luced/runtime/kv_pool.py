@@ -20,12 +20,9 @@ bit-identical, whatever the block order; in the identity layout the gather is a 
 With rows hidden, the keys are the visible rows only (a shorter SDPA, equal to a
 masked full-length one up to float rounding).
 
-Host tier record of one chunk (`page_out` / `page_in`), `chunk_nbytes` bytes:
-
-    for each stored layer in order:  K rows [Hkv, chunk, D] | V rows [Hkv, chunk, D]
-    (the cache dtype's raw bytes, C order, no padding)
-
-The copies are byte-exact. A paged-out block is not zeroed: the mask hides it.
+Host tier record of one chunk (`page_out` / `page_in`), `chunk_nbytes` bytes: the layout
+of `kv_host.RecordLayout` with `chunk` rows. The copies are byte-exact. A paged-out block
+is not zeroed: the mask hides it.
 
 Recurrent layers (Gated DeltaNet, qwen35 / qwen35moe) keep no rows, only a state that
 sums up every committed position; it is never paged. It lives beside the pool exactly as
@@ -52,8 +49,9 @@ from luced.runtime.kv_cache import (
     RecurrentState,
     layer_roles,
 )
+from luced.runtime.kv_host import HostTier, RecordLayout, SharedHostTier
 from luced.runtime.kv_qk import ChunkKeys
-from luced.runtime.layers import attention_mask
+from luced.runtime.layers import attention_mask, positions_mask
 from luced.runtime.native_attention import Storage
 
 
@@ -214,12 +212,7 @@ class PooledKVCache(BaseKVCache):
             if step.complete:  # the plain cache's very mask: same numbers
                 mask = attention_mask(start, n, start + n, window, device)
             else:
-                q = torch.arange(start, start + n, device=device)[:, None]
-                p = step.positions.to(device)[None, :]
-                allowed = p <= q
-                if window is not None:
-                    allowed &= (q - p) < window
-                mask = None if n == 1 and bool(allowed.all()) else allowed
+                mask = positions_mask(start, n, step.positions, window, device)
             step.masks[window] = mask
         return step.masks[window]
 
@@ -289,58 +282,23 @@ class PooledKVCache(BaseKVCache):
 # ---------------------------------------------------------------------- host tier
 
 
+def _layout(cache: PooledKVCache) -> RecordLayout:
+    return RecordLayout(cache.shapes, cache.chunk, cache.dtype)
+
+
 def chunk_nbytes(cache: PooledKVCache) -> int:
     """Bytes of one chunk's rows over every layer, K and V: one host-tier record."""
-    item = cache.dtype.itemsize
-    return sum(2 * h * cache.chunk * d * item for h, d in cache.shapes.values())
-
-
-def _segments(cache: PooledKVCache, block: int) -> Iterable[torch.Tensor]:
-    rows = slice(block * cache.chunk, (block + 1) * cache.chunk)
-    for i in cache.stored:
-        yield cache.k[i][:, rows]  # [Hkv, chunk, D]
-        yield cache.v[i][:, rows]
-
-
-def _record_views(cache: PooledKVCache, record: torch.Tensor) -> Iterable[torch.Tensor]:
-    """The record's bytes viewed as the segments of `_segments`, in the same order."""
-    if record.dtype != torch.uint8 or record.shape != (chunk_nbytes(cache),):
-        raise ValueError(f"a host record is uint8 [{chunk_nbytes(cache)}]")
-    offset = 0
-    for i in cache.stored:
-        shape = (cache.shapes[i][0], cache.chunk, cache.shapes[i][1])
-        size = shape[0] * shape[1] * shape[2] * cache.dtype.itemsize
-        for _ in ("k", "v"):
-            yield record[offset : offset + size].view(cache.dtype).view(shape)
-            offset += size
+    return _layout(cache).nbytes
 
 
 def page_out(cache: PooledKVCache, block: int, record: torch.Tensor) -> None:
     """Copy block `block`'s rows of every layer into `record` (byte-exact)."""
-    for dst, src in zip(_record_views(cache, record), _segments(cache, block), strict=True):
-        dst.copy_(src)
+    _layout(cache).copy_out(cache.k, cache.v, block * cache.chunk, record)
 
 
 def page_in(cache: PooledKVCache, block: int, record: torch.Tensor) -> None:
     """Copy a record written by `page_out` into block `block` (any block)."""
-    for src, dst in zip(_record_views(cache, record), _segments(cache, block), strict=True):
-        dst.copy_(src)
-
-
-class HostTier:
-    """An in-process host tier: record id -> uint8 buffer, made on first use.
-
-    Stands in for the daemon-owned shared-memory arena of part 2, where a record id is
-    an offset into a segment and survives a worker crash."""
-
-    def __init__(self, record_bytes: int) -> None:
-        self.record_bytes = record_bytes
-        self.records: dict[int, torch.Tensor] = {}
-
-    def record(self, record: int) -> torch.Tensor:
-        if record not in self.records:
-            self.records[record] = torch.empty(self.record_bytes, dtype=torch.uint8)
-        return self.records[record]
+    _layout(cache).copy_in(record, cache.k, cache.v, block * cache.chunk)
 
 
 def apply_moves(
@@ -356,22 +314,3 @@ def apply_moves(
             page_in(cache, block, host.record(record))
         else:
             raise ValueError(f"unknown move {kind!r}")
-
-
-class SharedHostTier:
-    """The worker's view of its host tier in the daemon's shared memory: `records` is
-    uint8 [n_records, record_bytes], record r at row r (the pager's record id). A worker
-    holding several shards (devices) stores them side by side in each record, shard by
-    shard, each in `chunk_nbytes` layout, so one record id covers all of them."""
-
-    def __init__(self, records: torch.Tensor, offset: int, record_bytes: int) -> None:
-        if records.dim() != 2 or offset + record_bytes > records.shape[1]:
-            raise ValueError(f"host records {list(records.shape)} too narrow for this shard")
-        self.records = records
-        self.offset = offset
-        self.record_bytes = record_bytes
-
-    def record(self, record: int) -> torch.Tensor:
-        if not 0 <= record < self.records.shape[0]:
-            raise ValueError(f"host record {record} outside [0, {self.records.shape[0]})")
-        return self.records[record, self.offset : self.offset + self.record_bytes]

@@ -15,7 +15,7 @@ Upstream: lucebox ``kvflash_qk.h`` (``wave2-reference.md`` §1.3).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
 import torch
 
@@ -78,3 +78,15 @@ class ChunkKeys:
             total += cos.flatten(1).amax(1)
         count = self.sealed.to(torch.float32) * len(self.queries)
         return torch.where(self.sealed, total, 0.0), count
+
+
+def write_scores(keys: Iterable[ChunkKeys], out: torch.Tensor) -> None:
+    """The `qk` scores of one sequence's caches (one per shard) into `out`, float32
+    [2, chunks]: per chunk the sum over their scored layers of its best cosine (row 0) and
+    how many layers scored it (row 1); chunks past `out` are left out."""
+    out.zero_()
+    for qk in keys:
+        sums, counts = qk.scores()
+        n = min(out.shape[1], sums.shape[0])
+        out[0, :n] += sums[:n].to(out.device)
+        out[1, :n] += counts[:n].to(out.device)

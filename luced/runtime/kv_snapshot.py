@@ -89,6 +89,11 @@ def export(worker: WorkerState, req: F.KVExport) -> F.KVExportReply:
         raise WorkerError(
             f"kv_export of {n} positions: the recurrent state is held at {state.position} only"
         )
+    try:  # a paged-out block's rows are in the daemon's host tier, not here
+        for cache in state.paged():
+            cache.check_resident(n)
+    except ValueError as exc:
+        raise WorkerError(f"kv_export: {exc}") from None
     t0 = time.perf_counter()
     cuts = req.state_cuts
     held, store = None, None

@@ -312,6 +312,20 @@ def attention_mask(
     return allowed
 
 
+def positions_mask(
+    start: int, n: int, positions: torch.Tensor, window: int | None, device: torch.device
+) -> torch.Tensor | None:
+    """`attention_mask` over keys at `positions` (int64 [L], ascending) rather than 0..L-1:
+    a cache that holds only some of the positions before its queries (KV Flash evicted or
+    paged out the rest). None for one query that may see every key."""
+    q = torch.arange(start, start + n, device=device)[:, None]
+    p = positions.to(device)[None, :]
+    allowed = p <= q
+    if window is not None:
+        allowed &= (q - p) < window
+    return None if n == 1 and bool(allowed.all()) else allowed
+
+
 def attention(
     q: torch.Tensor,
     k: torch.Tensor,

@@ -72,7 +72,10 @@ class Lookahead:
             return
         if req.allowed is not None or req.capture or req.draft_probs is not None:
             return
-        if any(s.n_out != 1 or s.verify or s.pool or s.kv_plan or s.ring for s in req.spans):
+        if any(
+            s.n_out != 1 or s.verify or s.pool or s.kv_plan or s.ring or s.moves or s.kv_scores
+            for s in req.spans
+        ):
             return
         ids = worker.tensor(req.outputs["ids"])[: len(req.spans)].tolist()
         # The daemon's tables already cover the next position (it grew them one ahead):

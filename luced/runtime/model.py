@@ -192,9 +192,12 @@ class Model:
             max_blocks=max_blocks,
         )
 
-    def new_paged_cache(self, pool: BlockPool, capacity: int | None = None) -> PagedKVCache:
+    def new_paged_cache(
+        self, pool: BlockPool, capacity: int | None = None, *, scored: bool = False
+    ) -> PagedKVCache:
         """A sequence's K/V as blocks of `pool` (`new_cache`'s layers, sources, recurrent
-        state and row exactness): sequences of one pool may share a prefix's blocks."""
+        state and row exactness): sequences of one pool may share a prefix's blocks.
+        scored: it keeps the `qk` scorer's block keys (KV Flash over the pool)."""
         cfg = self.cfg
         return PagedKVCache(
             pool,
@@ -204,6 +207,7 @@ class Model:
             recurrent=self._recurrent_shapes(),
             row_exact=self.batch_invariant,
             state_dtype=self.dtype,
+            scored=scored,
         )
 
     def _kv_sources(self) -> dict[int, int]:

@@ -33,6 +33,7 @@ from luced.runtime.device_io import DeviceIO
 from luced.runtime.dflash.draft import Draft
 from luced.runtime.kv_blocks import BlockPool, PagedKVCache
 from luced.runtime.kv_cache import KVCache
+from luced.runtime.kv_host import SharedHostTier
 from luced.runtime.kv_pool import PooledKVCache
 from luced.runtime.lookahead import Lookahead
 from luced.runtime.mirror import Mirror
@@ -107,6 +108,10 @@ class SequenceState:
     def recurrent(self) -> bool:
         return any(cache.recurrent is not None for cache in self.caches)
 
+    def paged(self) -> list[PagedKVCache]:
+        """Its caches in a block pool (every one with kv_block, none without)."""
+        return [c for c in self.caches if isinstance(c, PagedKVCache)]
+
     def truncate(self, position: int) -> None:
         """Roll back to `position` (a block table stays as it is: engine/kv/blocks.py)."""
         for cache in self.caches:
@@ -119,10 +124,12 @@ class SequenceState:
             cache.reset()
         self.tokens.clear()
 
-    def check_table(self, span: F.Span) -> None:
-        """WorkerError unless the span's table growth fits this sequence's block tables
-        (the daemon's and this worker's are in step); no change."""
-        for cache in self.caches:
+    def check_table(self, span: F.Span, refs: list[dict[int, int]] | None = None) -> None:
+        """WorkerError unless the span's moves and table growth fit this sequence's block
+        tables (the daemon's and this worker's are in step); no change. `refs`: per shard,
+        what the frame's earlier spans leave of its pool's counts (updated here:
+        `PagedKVCache.check_follow`)."""
+        for i, cache in enumerate(self.caches):
             if not isinstance(cache, PagedKVCache):
                 if span.table:
                     raise WorkerError("a span with a block table, but no block pool is loaded")
@@ -130,16 +137,22 @@ class SequenceState:
             if not span.table:
                 raise WorkerError(f"sequence {span.sequence}: its span carries no block table")
             try:
-                cache.check_follow(span.copies, span.blocks, span.table)
+                shard = None if refs is None else refs[i]
+                cache.check_follow(span.copies, span.blocks, span.table, span.moves, shard)
             except ValueError as exc:
                 raise WorkerError(
                     f"sequence {span.sequence} is out of step with the daemon's block table: {exc}"
                 ) from None
 
-    def follow(self, span: F.Span) -> None:
-        """Apply the span's table growth (checked by `check_table`) on every shard."""
-        for cache in self.caches:
+    def follow(self, span: F.Span, hosts: list[SharedHostTier] | None = None) -> None:
+        """Apply the span's moves, in order, through each shard's view of the host tier
+        (`hosts`, needed when it has moves), then its table growth, on every shard
+        (checked by `check_table`)."""
+        for i, cache in enumerate(self.caches):
             if isinstance(cache, PagedKVCache):
+                for kind, j, block, record in span.moves:
+                    assert hosts is not None  # forward checks it
+                    cache.move(kind, j, block, hosts[i].record(record))
                 cache.follow(span.copies, span.blocks)
 
     def drop_sampler(self) -> None:

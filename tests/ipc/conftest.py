@@ -100,6 +100,7 @@ def sample_requests() -> dict[str, F.Request]:
             kv_dtype="float16",
             kv_block=16,
             kv_blocks=600,
+            kv_scored=True,
         ),
         "load_experts": F.LoadExperts(
             model="/models/x.gguf",
@@ -125,6 +126,8 @@ def sample_requests() -> dict[str, F.Request]:
                     copies=((6, 40, 41),),
                     blocks=(42,),
                     table=8,
+                    moves=((0, 2, 17, 5), (1, 3, 17, 0)),
+                    kv_scores=region(8192, (2, 8), "float32"),
                 ),
                 F.Span(
                     sequence=5,
@@ -157,6 +160,7 @@ def sample_requests() -> dict[str, F.Request]:
             capture=(1, 14, 27),
             draft_probs=region(16384, (15, 49152), "float32"),
             allowed=region(64, (64, 1536), "int32"),
+            kv_host=region(65536, (16, 4096), "uint8"),
         ),
         "load_draft": F.LoadDraft(
             path="/models/draft", dtype="bfloat16", device="cuda:1", target="/models/x.gguf"
@@ -228,6 +232,7 @@ def sample_replies() -> dict[str, F.Reply]:
             kv_capacity=4096,
             load_s=1.25,
             moe_fingerprint="0123456789abcdef",
+            kv_record_bytes=4096,
         ),
         "load_experts": F.LoadExpertsReply(n_layers=2, n_held=4, fingerprint="ab", load_s=0.1),
         "expert_mix": F.ExpertMixReply(elapsed_us=120),

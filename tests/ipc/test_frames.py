@@ -222,6 +222,18 @@ def forward(**kw: object) -> F.Forward:
         ({"copies": ((1, 1, 5),), "blocks": (6,), "table": 2}, "blocks of the table before"),
         ({"copies": ((0, 1, 5), (0, 2, 6)), "table": 2}, "a logical block is copied twice"),
         ({"copies": ((0, 1),), "table": 2}, r"copies\[0\]: expected 3 items"),
+        ({"moves": ((0, 0, 1, 0),)}, r"moves need a block table \(table >= 1\)"),
+        (
+            {"moves": ((2, 0, 1, 0),), "table": 2},
+            r"a move is \(0 out \| 1 in, .* got \[2, 0, 1, 0\]",
+        ),
+        (
+            {"moves": ((1, 1, 4, 0),), "blocks": (5,), "table": 2},
+            "logical block of the table before",
+        ),
+        ({"moves": ((0, 0, 1, -1),), "table": 2}, "record >= 0"),
+        ({"moves": ((0, 0, 1),), "table": 2}, r"moves\[0\]: expected 4 items"),
+        ({"kv_scores": R(64, (3, 8), "float32")}, r"kv_scores must be float32 \[2, blocks\]"),
     ],
 )
 def test_span_validation(kw: dict, match: str) -> None:
@@ -317,6 +329,11 @@ def test_span_validation(kw: dict, match: str) -> None:
             },
             "a pooling span goes to the last shard",
         ),
+        (
+            {"spans": (span(moves=((0, 0, 1, 0),), table=1),)},
+            "a span with moves needs kv_host",
+        ),
+        ({"kv_host": R(64, (8,), "uint8")}, r"kv_host must be uint8 \[records, bytes\]"),
     ],
 )
 def test_forward_validation(kw: dict, match: str) -> None:
@@ -431,6 +448,7 @@ def test_draft_accepts_the_intended_shapes() -> None:
         ({"kv_block": 16, "kv_pool": 64}, "0 under kv_pool"),
         ({"kv_block": 16}, r"kv_blocks \(the pool's blocks, 0\) comes with kv_block \(16\)"),
         ({"kv_blocks": 8}, "comes with kv_block"),
+        ({"kv_scored": True}, "kv_scored keeps block keys: it needs kv_block"),
     ],
 )
 def test_load_validation(kw: dict, match: str) -> None:

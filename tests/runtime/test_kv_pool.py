@@ -16,11 +16,11 @@ import random
 
 import pytest
 import torch
+from kv_oracles import HidingCache, QueryRecorder, chunk_scores
 
 from luced.engine.kvflash import BlockPool, Pager, PagerConfig, StepPlan
 from luced.engine.kvflash.pager import UNSCORED
 from luced.engine.kvflash.transport import mean_scores
-from luced.runtime.kv_cache import KVCache
 from luced.runtime.kv_pool import (
     HostTier,
     PooledKVCache,
@@ -102,23 +102,6 @@ def plain_geometry(model: Model) -> dict:
         "sources": {i: s for i in model.layers if (s := cfg.kv_source(i)) != i},
         "recurrent": model._recurrent_shapes(),
     }
-
-
-class HidingCache(KVCache):
-    """A plain cache whose mask also hides every position outside `visible`."""
-
-    visible: frozenset[int] = frozenset()
-
-    def mask(self, start, n, window, device):
-        base = super().mask(start, n, window, device)
-        if base is None:
-            base = torch.ones(n, start + n, dtype=torch.bool, device=device)
-        seen = torch.zeros(start + n, dtype=torch.bool, device=device)
-        seen[sorted(p for p in self.visible if p < start + n)] = True  # a row's keys end at it
-        return base & seen[None, :]
-
-    def decode_storage(self, layer):
-        return None  # the native decode kernel knows only the causal mask: SDPA with this one
 
 
 def run_plain(model: Model, ids: torch.Tensor, steps: list[int], visible: list[set[int]]):
@@ -242,17 +225,6 @@ def test_visibility_in_slot_space() -> None:
         cache.reserve(7, 1)
 
 
-class QueryRecorder(KVCache):
-    """A plain cache that keeps each full-attention layer's last query (the oracle's)."""
-
-    queries: dict
-    observes_queries = True
-
-    def observe_query(self, layer, q, window):
-        if window is None:
-            self.queries[layer] = q[-1].float()
-
-
 def test_qk_scores_equal_cosines_of_the_plain_caches_keys(model: Model) -> None:
     cfg = model.cfg
     ids = token_ids(330, cfg.vocab, seed=4)
@@ -267,16 +239,7 @@ def test_qk_scores_equal_cosines_of_the_plain_caches_keys(model: Model) -> None:
         if start + n == 300 and cache.recurrent is not None:
             cache.save_state()  # so that the truncate below may come back here
     assert plain.queries, "every family has full-attention layers"
-    want = {}
-    for c in range(330 // 64):  # sealed chunks; the head chunk 5 is not
-        best = []
-        for layer, q in plain.queries.items():
-            k = plain.k[layer][:, 64 * c : 64 * c + 64].float().mean(1)  # [Hkv, D]
-            k = k / k.norm(dim=-1, keepdim=True)
-            group = q.shape[0] // k.shape[0]
-            cos = (q / q.norm(dim=-1, keepdim=True)) @ k.T  # [H, Hkv]
-            best.append(max(float(cos[h, h // group]) for h in range(q.shape[0])))
-        want[c] = sum(best) / len(best)
+    want = chunk_scores(plain, 64, 330 // 64)  # sealed chunks; the head chunk 5 is not
     got = qk_scores(pager, cache)
     assert got.keys() == want.keys()
     for c in want:

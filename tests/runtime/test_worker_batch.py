@@ -17,7 +17,9 @@ from luced.engine.kv.blocks import BlockTables
 from luced.ipc import frames as F
 from luced.ipc.channel import RemoteError
 from luced.ipc.shm import ShmOwner
+from luced.runtime import kv_blocks
 from luced.runtime.generate import generate
+from luced.runtime.kv_host import HostTier
 from luced.runtime.model import Model
 from luced.runtime.tiny import make_tiny_gguf
 from luced.sampling_params import SamplingParams
@@ -40,6 +42,21 @@ def owner() -> Iterator[ShmOwner]:
         yield o
 
 
+def load_frame(model: Path, layers: tuple[int, int], kv_block: int = 0, **kw: object) -> F.Load:
+    return F.Load(
+        model=str(model),
+        layers=layers,
+        dtype="float32",
+        devices=("cpu",),
+        kv_capacity=128,
+        owns_embed=layers[0] == 0,
+        owns_head=layers[1] == 4,
+        kv_block=kv_block,
+        kv_blocks=64 if kv_block else 0,
+        **kw,  # type: ignore[arg-type]
+    )
+
+
 def start_worker(
     tmp: Path,
     owner: ShmOwner,
@@ -50,20 +67,7 @@ def start_worker(
 ) -> WorkerProc:
     w = WorkerProc(tmp)
     w.call(F.Hello(instance=owner.instance))
-    w.call(
-        F.Load(
-            model=str(model),
-            layers=layers,
-            dtype="float32",
-            devices=("cpu",),
-            kv_capacity=128,
-            owns_embed=layers[0] == 0,
-            owns_head=layers[1] == 4,
-            kv_block=kv_block,
-            kv_blocks=64 if kv_block else 0,
-            weights=weights,
-        )
-    )
+    w.call(load_frame(model, layers, kv_block, weights=weights))
     return w
 
 
@@ -422,3 +426,160 @@ def test_a_span_out_of_step_with_the_daemons_table_is_refused(tmp_path, owner, i
 def test_kv_share_needs_a_block_pool(worker) -> None:
     with pytest.raises(RemoteError, match="needs a load with kv_block"):
         worker.call(F.KVShare(sequence=2, source=1, position=8))
+
+
+class PagingOracle:
+    """The daemon's part for a paged, scored worker, and that worker's caches in process:
+    each span's moves are applied here and its growth picked (the lowest free blocks), in
+    span order as the daemon makes them; its logits computed here are the oracle's."""
+
+    def __init__(self, model: Model) -> None:
+        self.model = model
+        self.pool = model.new_block_pool(8, max_blocks=64)
+        self.host = HostTier(self.pool.block_nbytes())
+        self.caches: dict[int, kv_blocks.PagedKVCache] = {}
+
+    def span(
+        self, seq: int, start: int, ids: list[int], moves=(), scores=None
+    ) -> tuple[F.Span, torch.Tensor]:
+        cache = self.caches.setdefault(seq, self.model.new_paged_cache(self.pool, 128, scored=True))
+        for kind, j, block, record in moves:
+            cache.move(kind, j, block, self.host.record(record))
+        blocks: list[int] = []
+        while (len(cache.table) + len(blocks)) * 8 < start + len(ids):
+            blocks.append(next(b for b in range(64) if not self.pool.refs(b) and b not in blocks))
+        cache.follow((), blocks)
+        logits = self.model.forward(torch.tensor(ids), cache, start)[-1]
+        span = F.Span(
+            sequence=seq,
+            start=start,
+            n=len(ids),
+            blocks=tuple(blocks),
+            table=len(cache.table),
+            moves=tuple(moves),
+            kv_scores=scores,
+        )
+        return span, logits
+
+
+def paged_step(w: WorkerProc, io: Regions, spans: list[tuple[F.Span, list[int]]], **kw) -> None:
+    flat = [t for _, ids in spans for t in ids]
+    io.a("tokens")[: len(flat)] = flat
+    frame = F.Forward(
+        tuple(s for s, _ in spans),
+        "logits",
+        {"logits": io.r["logits"]},
+        tokens=io.r["tokens"],
+        **kw,
+    )
+    w.call(frame)
+
+
+def test_a_worker_pages_blocks_as_its_spans_move_them(tmp_path, owner, io, varied) -> None:
+    """A load with kv_block 8 and kv_scored: spans page blocks out to the host tier and back
+    (a block one span pages out is the next span's growth in the same frame), and ask for
+    block scores. Logits, host records and scores equal an in-process paged cache given
+    the same moves. Moves out of step are refused before anything changes, naming the
+    sequence: the frame's other spans' moves are not made either."""
+    w = WorkerProc(tmp_path)
+    w.call(F.Hello(instance=owner.instance))
+    try:
+        oracle = PagingOracle(Model.load(varied))
+        reply = w.call(load_frame(varied, (0, 4), kv_block=8, kv_scored=True))
+        assert isinstance(reply, F.LoadReply)
+        size = reply.kv_record_bytes
+        assert size == oracle.pool.block_nbytes() == 2 * 4 * 2 * 8 * 32 * 4  # 4 layers, K and V
+        paging = Regions(
+            owner,
+            "paging-io",
+            {
+                "host": ((4, size), "uint8"),
+                "wrong": ((4, size + 4), "uint8"),
+                "s1": ((2, 16), "float32"),
+                "s2": ((2, 16), "float32"),
+                "k0": ((2, 64, 32), "float32"),
+            },
+        )
+        host = {"kv_host": paging.r["host"]}
+        prompts = {
+            1: [(5 * i + 2) % 60 + 1 for i in range(20)],
+            2: [(3 * i + 1) % 50 + 2 for i in range(12)],
+        }
+        pos = {1: 0, 2: 0}
+        last: dict[int, int] = {}
+
+        def step(feeds: dict[int, tuple[list[int], tuple, str | None]]) -> None:
+            spans, want = [], []
+            for seq, (ids, moves, scores) in feeds.items():
+                region = paging.r[scores] if scores else None
+                span, logits = oracle.span(seq, pos[seq], ids, moves, region)
+                spans.append((span, ids))
+                want.append(logits)
+            paged_step(w, io, spans, **host)
+            got = torch.from_numpy(io.a("logits")[: len(spans)].copy())
+            for j, (seq, (ids, _, scores)) in enumerate(feeds.items()):
+                torch.testing.assert_close(got[j], want[j], rtol=1e-5, atol=1e-5)
+                assert int(got[j].argmax()) == int(want[j].argmax())
+                last[seq] = int(want[j].argmax())
+                pos[seq] += len(ids)
+                if scores:
+                    expected = torch.empty(2, 16)
+                    kv_blocks.write_scores([oracle.caches[seq]], expected)
+                    written = torch.from_numpy(paging.a(scores).copy())
+                    torch.testing.assert_close(written, expected, rtol=1e-5, atol=1e-5)
+                    assert written[1].count_nonzero() == pos[seq] // 8  # its complete blocks
+
+        step({1: (prompts[1], (), None), 2: (prompts[2], (), None)})
+        assert blocks_used(w) == 5  # 0-2 and 3-4
+        # Sequence 1 pages block 0 out; sequence 2's growth (position 16) takes it.
+        step({1: ([last[1]], ((0, 0, 0, 0),), "s1"), 2: ([1, 2, 3, 4, 5], (), None)})
+        assert oracle.caches[2].table == [3, 4, 0] and blocks_used(w) == 5
+        record = torch.from_numpy(paging.a("host")[0].copy()).view(torch.float32)
+        torch.testing.assert_close(record, oracle.host.record(0).view(torch.float32))
+        # Block 0 comes back into block 5, then logical 1 goes out.
+        step({1: ([last[1]], ((1, 0, 5, 0), (0, 1, 1, 1)), "s1"), 2: ([last[2]], (), "s2")})
+        assert oracle.caches[1].table == [5, kv_blocks.PAGED, 2] and blocks_used(w) == 5
+
+        def refused(feeds: dict[int, tuple], match: str, **kw: object) -> None:
+            spans = []
+            for seq, (ids, moves) in feeds.items():
+                cache = oracle.caches[seq]
+                span = F.Span(seq, pos[seq], len(ids), table=len(cache.table), moves=moves)
+                spans.append((span, ids))
+            with pytest.raises(RemoteError, match=match):
+                paged_step(w, io, spans, **{**host, **kw})
+            assert blocks_used(w) == 5
+
+        refused(
+            {1: ([last[1]], ((0, 2, 7, 2),))},
+            "sequence 1 is out of step .* logical block 2 from block 7: the table has 2",
+        )
+        refused(
+            {1: ([last[1]], ((1, 1, 3, 2),))},
+            "sequence 1 is out of step .* block 3 is held already",
+        )
+        refused(  # a move out of step in the second span: the first span's is not made either
+            {2: ([last[2]], ((0, 0, 3, 2),)), 1: ([last[1]], ((0, 1, 1, 2),))},
+            "sequence 1 is out of step .* the table has a paged-out block",
+        )
+        refused(
+            {1: ([last[1]], ((0, 0, 5, 2),))},
+            f"host records of {size + 4} bytes, this worker's are {size}",
+            kv_host=paging.r["wrong"],
+        )
+        refused({1: ([last[1]], ((0, 0, 5, 9),))}, "names a host record past the 4 of kv_host")
+        with pytest.raises(F.FrameError, match="a span with moves needs kv_host"):
+            paged_step(w, io, [(F.Span(1, pos[1], 1, table=3, moves=((0, 0, 5, 2),)), [last[1]])])
+        for _ in range(3):  # then on, with logical block 1 paged out, as if none had come
+            step({1: ([last[1]], (), "s1"), 2: ([last[2]], (), None)})
+        # The verbs on a table with a paged-out block: an export of it is refused, a
+        # truncate drops it with the blocks past it, a release frees the rest.
+        export = F.KVExport(position=pos[1], regions={"k.0": paging.r["k0"]}, sequence=1)
+        with pytest.raises(RemoteError, match=r"kv_export: cannot export .* blocks \[1\] are"):
+            w.call(export)
+        w.call(F.Truncate(position=8, sequence=1))
+        assert blocks_used(w) == 1 + 3  # its block 5, sequence 2's
+        w.call(F.Reset(sequence=1, release=True))
+        assert blocks_used(w) == 3
+    finally:
+        w.stop()

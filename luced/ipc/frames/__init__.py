@@ -19,14 +19,14 @@ The ops (request fields -> reply fields):
 
     hello     instance, protocol, files     -> protocol, pid, group, devices, versions, store
     load      model, layers=[a, b), dtype, devices, kv_capacity, owns_embed, owns_head,
-              device_splits, kv_pool, kv_block, kv_blocks
+              device_splits, kv_pool, kv_block, kv_blocks, kv_scored
                                             -> n_layers, hidden, vocab, layers, dtype,
                                                kv_capacity, load_s, recurrent, kv_pool,
-                                               kv_chunk_bytes
+                                               kv_chunk_bytes, kv_record_bytes
     forward   spans (sequence, start, n, n_out, sampling, verify, q_row, keep_state,
-              keep_block_states, ring, kv_plan, pool, copies, blocks, table),
-              tokens | hidden_in, want, outputs,
-              top_logprobs, capture, draft_probs, allowed
+              keep_block_states, ring, kv_plan, pool, copies, blocks, table, moves,
+              kv_scores), tokens | hidden_in, want, outputs,
+              top_logprobs, capture, draft_probs, allowed, kv_host
                                             -> positions, elapsed_us, accepted
     load_draft path, dtype, device, target  -> capture_layers, block_size, mask_token_id,
                                                hidden, load_s
@@ -99,6 +99,9 @@ keeps its layers' prefix-cache rows in its own store, in its memory and on its d
 (what its table gained this step, and its length after, checked by the worker);
 ``kv_import`` ``blocks`` (the daemon's blocks for the imported rows); the ``truncate``
 verb releases the blocks wholly past its position, a span's roll back none.
+24: KV Flash over the block pool: a ``Span``'s ``moves`` (blocks paged out to host records
+and back, before its table growth) and ``kv_scores``, ``forward`` ``kv_host``, ``load``
+``kv_scored`` and its reply's ``kv_record_bytes``.
 
 Expert compute (``luced.runtime.expert_link``): an expert worker answers ``load_experts``
 from the daemon, and ``expert_mix`` from target workers over direct worker-to-worker

@@ -118,6 +118,15 @@ class Span(Record):
     copies: tuple[tuple[int, int, int], ...] = ()
     blocks: tuple[int, ...] = ()
     table: int = 0
+    # KV Flash over the block pool: the host-tier moves the daemon made in this sequence's
+    # table, applied in order before `copies` and `blocks`: (0 out: pool block -> host
+    # record, the entry becomes paged out | 1 in: host record -> pool block, logical block,
+    # pool block, host record of `Forward.kv_host`).
+    moves: tuple[tuple[int, int, int, int], ...] = ()
+    # float32 [2, blocks], written after the step (a load with kv_scored): per logical
+    # block, the sum over this worker's scored layers of its best query-key cosine, and
+    # that layer count (the `qk` policy's scores).
+    kv_scores: Region | None = None
 
     def _check(self) -> None:
         if self.sequence < 0 or self.start < 0 or self.n < 1 or self.q_row < 0:
@@ -137,6 +146,7 @@ class Span(Record):
                 raise self._fail(f"kv_plan keys are among {list(KV_PLAN)}; got {sorted(unknown)}")
             _check_kv_plan(self, self.kv_plan, self.n)
         _check_table(self)
+        _check_moves(self)
         _check_sampling_map(self)
 
 
@@ -159,6 +169,23 @@ def _check_table(span: Span) -> None:
         raise span._fail(f"copies must name blocks of the table before growth: {span.copies}")
     if len(set(logical)) != len(logical):
         raise span._fail(f"a logical block is copied twice: {logical}")
+
+
+def _check_moves(span: Span) -> None:
+    """Moves: of a table, each (0 | 1, logical block before growth, pool block, record)
+    with every number >= 0; kv_scores float32 [2, blocks]."""
+    if span.moves and span.table <= 0:
+        raise span._fail("moves need a block table (table >= 1)")
+    for move in span.moves:
+        kind, j, block, record = move
+        if kind not in (0, 1) or min(j, block, record) < 0 or j >= span.table - len(span.blocks):
+            raise span._fail(
+                f"a move is (0 out | 1 in, logical block of the table before growth, pool "
+                f"block >= 0, record >= 0), got {list(move)}"
+            )
+    r = span.kv_scores
+    if r is not None and (r.dtype != "float32" or len(r.shape) != 2 or r.shape[0] != 2):
+        raise span._fail(f"kv_scores must be float32 [2, blocks], got {r.dtype} {list(r.shape)}")
 
 
 @_op("forward", REQUESTS)
@@ -205,6 +232,9 @@ class Forward(Request):
     # Decode one step ahead (runtime.lookahead): after replying, feed each span's sampled
     # token and write that step's rows here, regions like `outputs` (none: no step ahead).
     ahead: dict[str, Region] = field(default_factory=dict)
+    # This worker's host tier, uint8 [records, LoadReply.kv_record_bytes]: the records the
+    # spans' moves name (required when one has moves).
+    kv_host: Region | None = None
 
     @property
     def n_tokens(self) -> int:
@@ -235,6 +265,7 @@ class Forward(Request):
             raise self._fail('a verify span needs want="sample"')
         self._check_verify()
         _check_allowed(self)
+        _check_host(self)
         if self.ahead and (
             self.want != "sample"
             or {k: r.shape for k, r in self.ahead.items()}
@@ -285,6 +316,18 @@ def _check_kv_plan(frame: Record, plan: Mapping[str, Region | None], n_tokens: i
     ):
         got = f"{scores.dtype} {list(scores.shape)}"
         raise frame._fail(f"kv_scores must be float32 [2, chunks], got {got}")
+
+
+def _check_host(frame: Forward) -> None:
+    host = frame.kv_host
+    if host is None:
+        if any(s.moves for s in frame.spans):
+            raise frame._fail("a span with moves needs kv_host (the host tier's records)")
+        return
+    if host.dtype != "uint8" or len(host.shape) != 2:
+        raise frame._fail(
+            f"kv_host must be uint8 [records, bytes], got {host.dtype} {list(host.shape)}"
+        )
 
 
 def _check_input(frame: Forward) -> None:

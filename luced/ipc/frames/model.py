@@ -116,6 +116,9 @@ class Load(Request):
     # captured once per batch bucket as a CUDA graph (runtime.decode_graph): "auto" on CUDA
     # devices, "on" on any (the CPU runs the same step eagerly), "off". Needs kv_block.
     decode_graphs: str = "auto"
+    # KV Flash's qk policy over the block pool: every sequence's caches keep each block's
+    # mean key and score the blocks (Span.kv_scores). Needs kv_block.
+    kv_scored: bool = False
 
     def _check(self) -> None:
         if self.decode_graphs not in DECODE_GRAPHS:
@@ -127,6 +130,8 @@ class Load(Request):
                 f"kv_block must be >= 0 and 0 under kv_pool, got {self.kv_block} "
                 f"with kv_pool {self.kv_pool}"
             )
+        if self.kv_scored and not self.kv_block:
+            raise self._fail("kv_scored keeps block keys: it needs kv_block")
         if self.kv_blocks < 0 or bool(self.kv_blocks) != bool(self.kv_block):
             raise self._fail(
                 f"kv_blocks (the pool's blocks, {self.kv_blocks}) comes with kv_block "
@@ -173,6 +178,9 @@ class LoadReply(Reply):
     recurrent: tuple[int, ...] = ()
     kv_pool: int = 0  # pool rows per layer; 0: a plain cache
     kv_chunk_bytes: int = 0  # one host-tier record of this worker (all its shards' layers)
+    # With kv_block: one host record of a paged-out block, its rows of every shard's stored
+    # layers, the shards side by side (runtime.kv_host layout each).
+    kv_record_bytes: int = 0
     moe_fingerprint: str = ""  # the expert placement (runtime.experts.Placement); "": none
     # What runs the packed matrices and decode attention (runtime.native.describe):
     # "native avx2", "torch", or KERNELS_FALLBACK + ": why" (native wanted, not had).

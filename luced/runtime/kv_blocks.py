@@ -372,10 +372,7 @@ class PagedKVCache(BaseKVCache):
                 raise ValueError(
                     f"move out of logical block {j} from block {block}: the table has {has}"
                 )
-            count = refs.get(block, self.pool.refs(block))
-            if count != 1:
-                raise ValueError(f"move out of block {block}: {count} tables hold it, not 1")
-            refs[block] = 0
+            refs[block] = refs.get(block, self.pool.refs(block)) - 1  # shared: the others keep it
             table[j] = PAGED
         elif kind == MOVE_IN:
             if held != PAGED:
@@ -389,9 +386,10 @@ class PagedKVCache(BaseKVCache):
             raise ValueError(f"unknown move kind {kind} (0 out, 1 in)")
 
     def page_out(self, j: int, block: int, record: torch.Tensor) -> None:
-        """Logical block j, held alone in pool block `block`, goes to `record` (uint8
-        [record.nbytes]: its rows of every stored layer, `kv_host` layout) and the block
-        back to the pool; table[j] becomes PAGED. Checked first (ValueError, no change)."""
+        """Logical block j, in pool block `block`, goes to `record` (uint8 [record.nbytes]:
+        its rows of every stored layer, `kv_host` layout) and this table's hold on the
+        block is released (a shared block stays for the tables sharing it); table[j]
+        becomes PAGED. Checked first (ValueError, no change)."""
         self._check_move(list(self.table), {}, MOVE_OUT, j, block)
         self.record.copy_out(self.pool.k, self.pool.v, block * self.pool.block, record)
         self.pool.release(block)

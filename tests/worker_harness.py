@@ -101,7 +101,7 @@ class Regions:
         return self.seg.array(r.offset, r.shape, r.dtype)
 
 
-SPAN_FIELDS = {"sequence", "verify", "q_row", "keep_state", "keep_block_states", "ring", "kv_plan"}
+SPAN_FIELDS = {"sequence", "verify", "q_row", "keep_state", "keep_block_states", "ring", "moves"}
 
 
 def forward_frame(

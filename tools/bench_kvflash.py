@@ -15,41 +15,40 @@ reported apart). Random ids: the speed and memory do not depend on the text.
 Needle in a haystack (upstream's teacher-forced probe, lucebox ``test_kvflash.cpp``): a
 context of real text (this repository's docs, tokenized, tiled) with 48 seeded random
 tokens at a depth; after the context the first 32 needle tokens are fed (the question:
-copy what follows), the pager reselects (a no-op under `lru`), then each of the last 16
-is fed in turn and counted when it was the model's greedy prediction. Run in process (the
-same Pager, PooledKVCache and host tier as the daemon), for a pool covering the context
-(the control) and for `--niah-pool` under `lru` and `qk`.
+copy what follows), a reselection is asked for (the daemon reselects by the next step's
+scores; a no-op under `lru`), then each of the last 16 is fed in turn and counted when it
+was the model's greedy prediction. Run through the same Target as the speed runs, for a
+pool covering the context (the control) and for `--niah-pool` under `lru` and `qk`.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import random
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 
-import torch
-
 from luced.engine.driver import Driver
-from luced.engine.kvflash import Pager, PagerConfig
-from luced.engine.kvflash.transport import KVFlashSettings, mean_scores, pager_config
+from luced.engine.kv.blocks import PAGED
+from luced.engine.kvflash.transport import KVFlashSettings, pager_config
 from luced.engine.target import Target, TargetPlacement
 from luced.gguf_file import GGUFFile
 from luced.ipc.shm import ShmOwner
-from luced.runtime.kv_pool import HostTier, apply_moves, chunk_nbytes
-from luced.runtime.model import Model
 from luced.text.tokenizer import Tokenizer
 
 GREEDY = {"temperature": 0}
 
 
-async def run_one(path: Path, context: int, pool: int, tokens: int, threads: int) -> dict:
+@contextlib.asynccontextmanager
+async def flash_target(
+    path: Path, context: int, pool: int, policy: str, threads: int
+) -> AsyncIterator[Driver]:
+    """A started Target on one CPU worker, with a KV Flash pool (0: the plain cache)."""
     gguf = GGUFFile(path)
-    flash = None
-    if pool:
-        flash = pager_config(KVFlashSettings(pool, policy="lru"), pool, gguf)
-    vocab = len(gguf.get("tokenizer.ggml.tokens"))
+    flash = pager_config(KVFlashSettings(pool, policy=policy), pool, gguf) if pool else None
     with ShmOwner() as owner:
         placement = TargetPlacement.split(
             model=str(path),
@@ -63,21 +62,26 @@ async def run_one(path: Path, context: int, pool: int, tokens: int, threads: int
         target = Target(owner, placement, kv_flash=flash)
         try:
             await target.start()
-            rng = random.Random(0)
-            prompt = [rng.randrange(100, vocab) for _ in range(context - tokens)]
-            d = Driver(target)
-            t0 = time.perf_counter()
-            s = await d.prefill(prompt, GREEDY)
-            prefill_s = time.perf_counter() - t0
-            token = s.token
-            t0 = time.perf_counter()
-            for _ in range(tokens - 1):
-                token = (await d.step(token, GREEDY)).token
-            decode = (tokens - 1) / (time.perf_counter() - t0)
-            stats = await target.stats()
-            status = target.flash_status() or {}
+            yield Driver(target)
         finally:
             await target.close()
+
+
+async def run_one(path: Path, context: int, pool: int, tokens: int, threads: int) -> dict:
+    vocab = len(GGUFFile(path).get("tokenizer.ggml.tokens"))
+    async with flash_target(path, context, pool, "lru", threads) as d:
+        rng = random.Random(0)
+        prompt = [rng.randrange(100, vocab) for _ in range(context - tokens)]
+        t0 = time.perf_counter()
+        s = await d.prefill(prompt, GREEDY)
+        prefill_s = time.perf_counter() - t0
+        token = s.token
+        t0 = time.perf_counter()
+        for _ in range(tokens - 1):
+            token = (await d.step(token, GREEDY)).token
+        decode = (tokens - 1) / (time.perf_counter() - t0)
+        stats = await d.target.stats()
+        status = d.target.flash_status() or {}
     return {
         "context": context,
         "pool": pool or "-",
@@ -101,67 +105,52 @@ def haystack(path: Path, n: int) -> list[int]:
     return (ids * (n // len(ids) + 1))[:n]
 
 
-@torch.inference_mode()
-def niah(model: Model, filler: list[int], pool: int, policy: str, depth: float) -> dict:
+async def niah(
+    path: Path, filler: list[int], pool: int, policy: str, depth: float, threads: int
+) -> dict:
     """One teacher-forced needle probe (module doc): needle tokens predicted of 16."""
     rng = random.Random(0xDEADBEEF)
     needle = [rng.randrange(1000, 40000) for _ in range(NEEDLE)]
     context = len(filler)
     at = int(depth * (context - 512)) // 32 * 32
     prompt = filler[:at] + needle + filler[at + NEEDLE :]
-    pager = Pager(PagerConfig(pool_tokens=pool, policy=policy))  # type: ignore[arg-type]
-    cache = model.new_pool_cache(pool, capacity=context + NEEDLE)
-    host = HostTier(chunk_nbytes(cache))
-
-    def reselect() -> None:
-        sums, counts = cache.qk.scores()
-        pager.reselect(mean_scores(sums.numpy()[None], counts.numpy()[None]))
-
-    def feed(ids: list[int], start: int) -> int:
-        if pager.reselect_due():  # the daemon's schedule, scores of the last step
-            reselect()
-        plan = pager.plan(start, len(ids))
-        apply_moves(cache, plan.moves, host)
-        cache.set_step(
-            start, plan.write_slots, torch.frombuffer(plan.slot_positions, dtype=torch.int64)
-        )
-        h, _ = model.forward_layers(model.embed(torch.tensor(ids)), cache, start)
-        return int(model.logits(h[-1:]).argmax())
-
     t0 = time.perf_counter()
-    for start in range(0, context, 256):
-        token = feed(prompt[start : start + 256], start)
-    pos = context
-    for t in needle[:QUESTION]:
-        token = feed([t], pos)
-        pos += 1
-    reselect()  # the question is asked: rank every chunk by its last query
-    hits = 0
-    for t in needle[QUESTION:]:
-        hits += token == t
-        token = feed([t], pos)
-        pos += 1
-    chunks = range(at // 64, (at + NEEDLE - 1) // 64 + 1)
+    async with flash_target(path, context + NEEDLE, pool, policy, threads) as d:
+        token = (await d.prefill(prompt, GREEDY)).token
+        for t in needle[:QUESTION]:
+            token = (await d.step(t, GREEDY)).token
+        pager = d.target.pager(0)
+        if pager is not None:
+            pager.ask_reselect()  # the question is asked: rank every block by its query
+        hits = 0
+        for t in needle[QUESTION:]:
+            hits += token == t
+            token = (await d.step(t, GREEDY)).token
+        tables, block = d.target.blocks, 64
+        table = tables.table(0) if tables is not None else ()
+        blocks = range(at // block, (at + NEEDLE - 1) // block + 1)
+        status = d.target.flash_status() or {}
     return {
         "policy": policy if pool < context else "full",
         "pool": pool,
         "depth": depth,
         "hits": hits,
-        "needle_resident": sum(c in pager.table.blocks for c in chunks),
-        "needle_chunks": len(chunks),
-        "recalls": pager.recalls,
+        "needle_resident": sum(j < len(table) and table[j] != PAGED for j in blocks),
+        "needle_blocks": len(blocks),
+        "recalls": status.get("recalls", 0),
         "seconds": time.perf_counter() - t0,
     }
 
 
-def run_niah(path: Path, context: int, pool: int, depths: list[float]) -> list[dict]:
-    model = Model.load(path)
+async def run_niah(
+    path: Path, context: int, pool: int, depths: list[float], threads: int
+) -> list[dict]:
     filler = haystack(path, context)
     full = -(-(context + NEEDLE) // 256) * 256
     rows = []
     for depth in depths:
         for arm_pool, policy in ((full, "lru"), (pool, "lru"), (pool, "qk")):
-            row = niah(model, filler, arm_pool, policy, depth)
+            row = await niah(path, filler, arm_pool, policy, depth, threads)
             rows.append(row)
             print(row, flush=True)
     return rows
@@ -186,23 +175,22 @@ async def main() -> None:
 
         args.model = smollm2_path()
     if not args.skip_niah:
-        torch.set_num_threads(args.threads)
         depths = [float(d) for d in args.niah_depths.split(",")]
-        found = run_niah(args.model, args.niah_context, args.niah_pool, depths)
+        found = await run_niah(args.model, args.niah_context, args.niah_pool, depths, args.threads)
         residency = args.niah_pool / args.niah_context
         print()
         print(
             f"needle tokens predicted /16, context {args.niah_context}, pool {args.niah_pool}"
             f" ({residency:.1%} residency)"
         )
-        print("| depth | full cache | lru | qk | needle chunks resident (lru / qk) |")
+        print("| depth | full cache | lru | qk | needle blocks resident (lru / qk) |")
         print("|---|---|---|---|---|")
         for i in range(0, len(found), 3):
             full, lru, qk = found[i : i + 3]
             print(
                 f"| {full['depth']:.0%} | {full['hits']}/16 | {lru['hits']}/16 | {qk['hits']}/16 "
-                f"| {lru['needle_resident']}/{lru['needle_chunks']} / "
-                f"{qk['needle_resident']}/{qk['needle_chunks']} |"
+                f"| {lru['needle_resident']}/{lru['needle_blocks']} / "
+                f"{qk['needle_resident']}/{qk['needle_blocks']} |"
             )
         print()
     if args.skip_speed:

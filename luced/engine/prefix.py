@@ -220,10 +220,9 @@ class PrefixReuse:
         if self.cache is None or seq.pooler is not None:
             return
         prompt = seq.prompt
-        if not self.target.identity_layout(seq.slot):
+        if self.target.resident(seq.slot, len(prompt)) < len(prompt):
             log.debug(
-                "prefix cache: no snapshot of %d tokens: KV Flash paged chunks out "
-                "(snapshots need the identity layout; page-table serialization is not done)",
+                "prefix cache: no snapshot of %d tokens: KV Flash paged blocks of it out",
                 len(prompt),
             )
             return

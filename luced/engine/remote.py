@@ -87,13 +87,11 @@ def inline_carry(
                 reads.append(region.rows(0, rows))
         if req.draft_probs is not None:
             reads.append(req.draft_probs.rows(0, max(s.q_row + s.n - 1 for s in req.spans)))
-        for span in req.spans:  # KV Flash: the pager's plan in, the qk scores out
-            plan = span.kv_plan
-            reads += [plan[k] for k in ("kv_slots", "kv_map", "kv_moves") if k in plan]
-            if "kv_scores" in plan:
-                writes.append(plan["kv_scores"])
-            # kv_host travels neither way: only this worker reads and writes its records,
-            # so its mirror of them is its own host tier, in its host's memory.
+        for span in req.spans:  # KV Flash: the moves ride in the span; the qk scores out
+            if span.kv_scores is not None:
+                writes.append(span.kv_scores)
+        # kv_host travels neither way: only this worker reads and writes its records, so
+        # its mirror of them is its own host tier, in its host's memory.
         for name, region in req.outputs.items():
             writes.append(region.rows(0, n if name == "hidden" else n_out))
         held = [

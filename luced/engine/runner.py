@@ -98,6 +98,7 @@ class ModelRunner:
             ahead = self._outputs(n_out, logprobs, half - base)
         grown, scored = self._grow_tables(works, bool(ahead))
         moved = any(g.get("moves") for g in grown)
+        regions = t.flash.regions if t.flash is not None else None
         if logits_out is not None:
             outputs = {"logits": logits_out}
         pooled = [j for j, w in enumerate(works) if w.pool]
@@ -130,7 +131,7 @@ class ModelRunner:
                         keep_block_states=keep_blocks and w.verifies,
                         ring=ring.region if ring is not None else None,
                         pool=w.pool if last else "",  # type: ignore[arg-type]
-                        kv_scores=t.flash.scores(w.seq.slot, i) if scored[j] else None,  # type: ignore[union-attr]
+                        kv_scores=regions.scores(w.seq.slot, i) if scored[j] else None,
                         **grown[j],
                     )
                 )
@@ -145,7 +146,7 @@ class ModelRunner:
                 draft_probs=t.regions["draft_probs"] if last and any(sampled) else None,
                 allowed=masks if last else None,
                 ahead=ahead if last else {},
-                kv_host=t.flash.host[i] if moved else None,  # type: ignore[union-attr]
+                kv_host=regions.host[i] if moved else None,
             )
 
         t0 = time.perf_counter()
@@ -162,7 +163,7 @@ class ModelRunner:
             raise
         for w, scores in zip(works, scored, strict=True):
             if scores:  # qk: the pager reselects by them at its next plan
-                t.pager(w.seq.slot).score(t.flash.mean_scores(w.seq.slot))  # type: ignore[union-attr]
+                t.pager(w.seq.slot).score(regions.mean_scores(w.seq.slot))  # type: ignore[union-attr]
         if ahead:  # the next frame's rows are where the worker writes them now
             self._base = half - base
         self.last_wall_us = int((time.perf_counter() - t0) * 1e6)
@@ -233,7 +234,7 @@ class ModelRunner:
             return False
         if self.decode_ahead == "auto" and not ahead_pays(spec):
             return False
-        if masks is not None or t.capture is not None or t.flash_cfg is not None:
+        if masks is not None or t.capture is not None or t.flash is not None:
             return False
         if 2 * n > t.step_tokens:
             return False

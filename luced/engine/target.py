@@ -61,9 +61,9 @@ from luced.engine.experts import ExpertWorker
 from luced.engine.feature_ring import FeatureRing
 from luced.engine.hops import Hops
 from luced.engine.kv.blocks import BlockTables, pool_blocks
-from luced.engine.kv_transfer import KVTransfer
 from luced.engine.kv.pager import Pager, PagerConfig
-from luced.engine.kvflash.transport import FlashRegions
+from luced.engine.kv_transfer import KVTransfer
+from luced.engine.kvflash.lanes import FlashLanes
 from luced.engine.placement import (
     TargetPlacement,
     WorkerSpec,
@@ -118,10 +118,15 @@ class Target:
         # Default: a prompt chunk beside a draft window of 16 for every sequence.
         self.step_tokens = step_tokens or placement.max_batch_tokens + 16 * sequences
         self.sequences = sequences
-        self.flash_cfg = kv_flash
-        self._pagers: dict[int, Pager] = {}  # each running slot's, made on first use
-        self.flash: FlashRegions | None = None  # KV Flash's host tier and scores (`start`)
-        self._record_bytes: dict[tuple[int, int], int] = {}  # worker layers -> host record
+        # KV Flash: each running slot's pager over the block tables (`pager`).
+        self.flash = FlashLanes(kv_flash, sequences, placement.kv_capacity) if kv_flash else None
+        if kv_flash is not None:  # it pages the workers' pool blocks: its own size
+            if placement.kv_block not in (0, kv_flash.block):
+                raise ValueError(
+                    f"KV Flash pages blocks of {kv_flash.block} rows, not the placement's "
+                    f"{placement.kv_block}"
+                )
+            placement = dataclasses.replace(placement, kv_block=kv_flash.block)
         self.name = name
         self.placement = placement
         deadlines = deadlines or Deadlines()
@@ -164,11 +169,6 @@ class Target:
         # The K/V block tables of the workers' pools (a load with kv_block): sized for the
         # slots' whole contexts until the engine sizes them from its account (`size_blocks`).
         self.blocks: BlockTables | None = None
-        if kv_flash is not None and placement.kv_block != kv_flash.block:
-            raise ValueError(
-                f"KV Flash pages blocks of {kv_flash.block} rows: the placement's are "
-                f"{placement.kv_block}"
-            )
         if placement.kv_block:
             self.size_blocks(sequences * placement.kv_capacity, sequences)
         self.lookup_drafts = False  # n-gram windows (`enable_lookup_drafts`)
@@ -180,17 +180,15 @@ class Target:
         slot keeps at most its pager's quota resident, and the lanes past them (finished
         sequences' kept prompts) hold at most `kept` positions; every running slot may
         page out a whole context to the host records."""
-        block, cfg = self.placement.kv_block, self.flash_cfg
+        block, flash = self.placement.kv_block, self.flash
         if not block:
             return
         records = 0
-        if cfg is None:
+        if flash is None:
             n = pool_blocks(positions, lanes, block)
         else:
-            n = self.sequences * (cfg.n_blocks + 1)
-            if lanes > self.sequences:
-                n += pool_blocks(kept, lanes - self.sequences, block)
-            records = self.sequences * -(-self.placement.kv_capacity // block)
+            n = flash.blocks_for(lanes, pool_blocks(kept, lanes - self.sequences, block))
+            records = flash.records
         if self.blocks is not None and self.blocks.n_blocks != n and self.n_layers:
             raise RuntimeError(
                 "the block pool is sized before the workers load (make the engine first)"
@@ -221,8 +219,10 @@ class Target:
             await self.experts.start()  # first: the pipeline workers link as they load
         await self.executor.start()
         self._make_act()
-        if self.flash_cfg is not None and self.flash is None:
-            self._make_flash(self.flash_cfg)
+        if self.flash is not None and self.flash.regions is None:
+            assert self.blocks is not None
+            layers = [s.plan.layers for s in self.executor.slots if s.plan is not None]
+            self.flash.carve(self.owner, self.name, layers, self.blocks)
 
     async def close(self) -> None:
         await self.executor.close()
@@ -259,48 +259,23 @@ class Target:
         specs["embeddings"] = ([self.sequences, self.hidden], "float32")  # a row per span
         self._carve("act", specs)
 
-    def _make_flash(self, cfg: PagerConfig) -> None:
-        """The host tier (each worker's records, from its load reply) and the scores."""
-        assert self.blocks is not None
-        records = [
-            self._record_bytes[s.plan.layers] for s in self.executor.slots if s.plan is not None
-        ]
-        self.flash_cfg = dataclasses.replace(cfg, block_bytes=sum(records))
-        self.flash = FlashRegions(
-            self.owner,
-            self.name,
-            lanes=self.sequences,
-            records=self.blocks.records,
-            keys=-(-self.placement.kv_capacity // cfg.block),
-            record_bytes=records,
-        )
-
     @property
     def prompt_chunk(self) -> int:
         """Positions one prompt chunk spans (chunks end at its multiples): --max-batch-tokens,
         fewer with KV Flash, whose step must fit a sequence's quota beside its sink (and
         may straddle one more block)."""
-        chunk, cfg = self.placement.max_batch_tokens, self.flash_cfg
-        if cfg is None:
-            return chunk
-        return min(chunk, (cfg.n_blocks - cfg.sink_blocks - 1) * cfg.block)
+        chunk = self.placement.max_batch_tokens
+        return self.flash.prompt_chunk(chunk) if self.flash is not None else chunk
 
     def pager(self, slot: int) -> Pager | None:
-        """`slot`'s KV Flash pager over its block table, made on first use (None without
-        KV Flash, and for a kept lane). A slot keeps it for the sequences that follow in it (reset between)."""
-        if self.flash_cfg is None or self.blocks is None or slot >= self.sequences:
-            return None  # a kept lane never runs: it keeps what it was given
-        pager = self._pagers.get(slot)
-        if pager is None:
-            pager = self._pagers[slot] = Pager(self.flash_cfg, self.blocks, slot)
-        return pager
+        """`slot`'s KV Flash pager over its block table (`FlashLanes.pager`; None without
+        KV Flash)."""
+        return self.flash.pager(slot) if self.flash is not None else None
 
     def resident(self, slot: int, n: int) -> int:
         """How many of `slot`'s first n positions another sequence may share or a snapshot
         copy: all of them, but under KV Flash only up to its first paged-out block."""
-        if self.flash_cfg is None or self.blocks is None:
-            return n
-        return min(n, self.blocks.resident_prefix(slot) * self.blocks.block)
+        return self.flash.resident(slot, n) if self.flash is not None else n
 
     async def _load(self, slot: Slot, worker: WorkerHandle) -> LoadDraftReply | None:
         """The executor's loader: a pipeline slot gets its layers (and the draft back after
@@ -324,7 +299,7 @@ class Target:
                 owns_embed=plan.owns_embed,
                 owns_head=plan.owns_head,
                 device_splits=plan.device_splits,
-                kv_scored=self.flash_cfg is not None and self.flash_cfg.policy == "qk",
+                kv_scored=self.flash is not None and self.flash.cfg.policy == "qk",
                 moe_hot=-1 if p.moe_hot is None else p.moe_hot,
                 moe_profile=p.moe_profile,
                 **(self.experts.load_fields(slot) if self.experts else {}),
@@ -338,15 +313,8 @@ class Target:
         )
         if self.experts is not None:
             await self.experts.pipeline_loaded(slot, worker, reply)
-        if self.flash_cfg is not None:
-            if self.flash is not None and reply.kv_record_bytes != self._record_bytes.get(
-                plan.layers
-            ):
-                raise WorkerReplyError(
-                    f"worker {slot.spec.group}'s host records are of {reply.kv_record_bytes} "
-                    f"bytes, not {self._record_bytes.get(plan.layers)}"
-                )
-            self._record_bytes[plan.layers] = reply.kv_record_bytes
+        if self.flash is not None:
+            self.flash.loaded(plan.layers, reply.kv_record_bytes, slot.spec.group)
         self.load_s = max(self.load_s, reply.load_s)
         self._recurrent[plan.layers] = reply.recurrent
         self.n_layers, self.hidden, self.vocab = reply.n_layers, reply.hidden, reply.vocab
@@ -366,8 +334,8 @@ class Target:
         `keep_sampler` the workers keep its sampler (a preempted sequence resumes there)."""
         if self.blocks is not None:  # first: a worker that fails forgets it too
             self.blocks.free(slot)
-        if slot in self._pagers:
-            self._pagers[slot].reset()
+        if self.flash is not None:
+            self.flash.forget(slot)
         reset = Reset(sequence=slot, release=True, keep_sampler=keep_sampler)
         await asyncio.gather(*(w.call(reset) for w in self.executor.workers()))
 
@@ -376,8 +344,8 @@ class Target:
         unless a worker is gone."""
         if self.blocks is not None:
             self.blocks.free(slot)
-        if slot in self._pagers:
-            self._pagers[slot].reset()
+        if self.flash is not None:
+            self.flash.forget(slot)
         reset = Reset(sequence=slot)
         await asyncio.gather(*(w.call(reset) for w in self.executor.workers()))
         self.executor.in_sync = True
@@ -387,8 +355,8 @@ class Target:
         does this too; this is for a failed step's undo)."""
         if self.blocks is not None:  # the blocks wholly past it go, as in the workers
             self.blocks.truncate(slot, position)
-        if (pager := self._pagers.get(slot)) is not None:
-            pager.truncate(min(position, pager.end))
+        if self.flash is not None:
+            self.flash.truncate(slot, position)
         frame = Truncate(position=position, sequence=slot)
         await asyncio.gather(*(w.call(frame) for w in self.executor.workers()))
 
@@ -569,23 +537,8 @@ class Target:
     # -- status --------------------------------------------------------------------------
 
     def flash_status(self) -> dict | None:
-        """KV Flash counters (pool, resident / paged-out blocks, evictions, recalls, host
-        bytes) summed over the slots' pagers, or None without KV Flash."""
-        cfg = self.flash_cfg
-        if cfg is None:
-            return None
-        stats = [p.stats() for p in self._pagers.values()]
-        return {
-            "pool_tokens": cfg.pool_tokens,
-            "policy": cfg.policy,
-            "block": cfg.block,
-            "resident_blocks": sum(s.resident for s in stats),
-            "paged_out_blocks": sum(s.paged_out for s in stats),
-            "evictions": sum(s.evictions for s in stats),
-            "recalls": sum(s.recalls for s in stats),
-            "host_bytes": sum(s.host_bytes for s in stats),
-            "sequences": len(stats),
-        }
+        """KV Flash counters (`FlashLanes.status`), or None without KV Flash."""
+        return self.flash.status() if self.flash is not None else None
 
     async def stats(self) -> dict:
         """The first worker's stats, plus every worker's under "workers"."""

@@ -53,7 +53,6 @@ from luced.runtime.dflash import verbs as draft_verbs
 from luced.runtime.expert_link import ExpertServer, HopExperts, RemoteExperts
 from luced.runtime.hops import Hops
 from luced.runtime.kv_blocks import BlockPool, PagedKVCache
-from luced.runtime.kv_pool import PooledKVCache, chunk_nbytes
 from luced.runtime.mirror import Mirror
 from luced.runtime.model import Model
 from luced.runtime.state import (
@@ -234,18 +233,16 @@ class Backend(WorkerState):
                 check_load(req, model)
             if split:
                 experts.place(model, split, cold=self.remote, required=req.moe_required)
-            if req.kv_pool:  # every family pools; a recurrent layer keeps its state unpooled
-                pool = min(req.kv_pool, -(-req.kv_capacity // F.KV_CHUNK) * F.KV_CHUNK)
-                cache: SequenceCache = model.new_pool_cache(pool, req.kv_capacity)
-            elif req.kv_block:  # one pool of blocks per shard for every sequence
+            if req.kv_block:  # one pool of blocks per shard for every sequence
                 blocks.append(model.new_block_pool(req.kv_block, max_blocks=req.kv_blocks))
-                cache = model.new_paged_cache(blocks[-1], req.kv_capacity, scored=req.kv_scored)
+                cache: SequenceCache = model.new_paged_cache(
+                    blocks[-1], req.kv_capacity, scored=req.kv_scored
+                )
             else:
                 cache = model.new_cache(req.kv_capacity)
             shards.append(Shard(model))
             first.append(cache)
         cfg = shards[0].model.cfg
-        pooled = [c for c in first if isinstance(c, PooledKVCache)]
         reply = F.LoadReply(
             n_layers=cfg.n_layers,
             hidden=cfg.hidden,
@@ -255,17 +252,12 @@ class Backend(WorkerState):
             kv_capacity=req.kv_capacity,
             load_s=time.monotonic() - t0,
             recurrent=tuple(layer for c in first if c.recurrent for layer in c.recurrent.shapes),
-            kv_pool=pooled[0].pool if pooled else 0,
-            kv_chunk_bytes=sum(chunk_nbytes(c) for c in pooled),
             kv_record_bytes=sum(pool.block_nbytes() for pool in blocks),
             moe_fingerprint=placement.fingerprint() if placement is not None else "",
             kernels=native.describe(torch_device(req.devices[0])),
         )
 
         def new_caches() -> list[SequenceCache]:
-            if req.kv_pool:  # each sequence its own pool, mapped by its own pager's plans
-                pool = pooled[0].pool
-                return [s.model.new_pool_cache(pool, req.kv_capacity) for s in shards]
             if blocks:
                 return [
                     s.model.new_paged_cache(b, req.kv_capacity, scored=req.kv_scored)

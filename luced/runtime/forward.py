@@ -27,7 +27,7 @@ from collections.abc import Sequence
 import torch
 
 from luced.ipc import frames as F
-from luced.runtime import kv_blocks, kv_flash_step, qlinear, token_mask
+from luced.runtime import kv_blocks, qlinear, token_mask
 from luced.runtime.decode_graph import BATCH_BUCKETS, TOKEN_BUCKETS, bucket
 from luced.runtime.dflash.verify import verify_sampled
 from luced.runtime.kv_blocks import PagedKVCache
@@ -87,8 +87,6 @@ def compute(worker: WorkerState, req: F.Forward, fed: torch.Tensor | None = None
         if span.start < state.position:
             state.truncate(span.start)
         state.follow(span, hosts)
-    for state, span in zip(states, spans, strict=True):  # KV Flash: host-tier moves, slots
-        kv_flash_step.apply_plan(worker, m, state.caches, span.start, span.n, span.kv_plan)
     first, last = m.shards[0].model, m.shards[-1].model
     graphs = m.decode_graphs if _graphed(m, req, states) else None
     if graphs is not None:
@@ -121,9 +119,7 @@ def compute(worker: WorkerState, req: F.Forward, fed: torch.Tensor | None = None
             assert hidden is not None
             hidden = _layers(m, hidden, spans, states, bounds, req.capture, rings, ids)
             for state, span in zip(states, spans, strict=True):
-                if (scores := span.kv_plan.get("kv_scores")) is not None:
-                    kv_flash_step.write_scores(state.caches, worker.tensor(scores))
-                if span.kv_scores is not None:  # KV Flash over the block pool
+                if span.kv_scores is not None:  # KV Flash
                     kv_blocks.write_scores(state.paged(), worker.tensor(span.kv_scores))
             if req.want == "hidden":
                 outputs["hidden"][:n_tokens].copy_(hidden)
@@ -200,8 +196,6 @@ def _check_spans(m: Loaded, spans: Sequence[F.Span], states: list[SequenceState]
             raise WorkerError("kv_scores needs a load with kv_block")
         if span.kv_scores is not None and not all(c.scored for c in state.paged()):
             raise WorkerError("kv_scores needs a load with kv_scored (block keys are not kept)")
-    if bool(m.reply.kv_pool) and any(not s.kv_plan for s in spans):
-        raise WorkerError("a KV Flash worker needs the pager's plan (kv_plan) for every span")
 
 
 def _host_tier(worker: WorkerState, req: F.Forward, m: Loaded) -> list[SharedHostTier] | None:
@@ -280,13 +274,14 @@ def _graphed(m: Loaded, req: F.Forward, states: list[SequenceState]) -> bool:
     """Whether the load's captured step takes this frame: from ids, over the block pool's
     caches, every span a row out for every token it feeds (a decode token, a verify
     window of at most TOKEN_BUCKETS[-1]; a DFlash target's captured layers too), with no
-    KV Flash plan or pooling. On the CPU, windows only while the bucket's rows stay on the
-    packed kernels' row-exact path, as they would in the eager forward."""
+    pooling, nor a KV Flash cache that scores or has paged blocks out. On the CPU,
+    windows only while the bucket's rows stay on the packed kernels' row-exact path, as
+    they would in the eager forward."""
     graphs = m.decode_graphs
     if graphs is None or req.tokens is None or req.want == "hidden":
         return False
     spans = req.spans
-    if any(s.n_out != s.n or s.kv_plan or s.pool or s.keep_block_states for s in spans):
+    if any(s.n_out != s.n or s.pool or s.keep_block_states for s in spans):
         return False
     widest = max(s.n for s in spans)
     if widest > TOKEN_BUCKETS[-1]:

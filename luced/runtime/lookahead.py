@@ -73,7 +73,7 @@ class Lookahead:
         if req.allowed is not None or req.capture or req.draft_probs is not None:
             return
         if any(
-            s.n_out != 1 or s.verify or s.pool or s.kv_plan or s.ring or s.moves or s.kv_scores
+            s.n_out != 1 or s.verify or s.pool or s.ring or s.moves or s.kv_scores
             for s in req.spans
         ):
             return

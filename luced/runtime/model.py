@@ -33,7 +33,6 @@ from luced.runtime.families import family_for
 from luced.runtime.families.common import ModelConfig
 from luced.runtime.kv_blocks import BlockPool, PagedKVCache
 from luced.runtime.kv_cache import KVCache, KVStore, RecurrentShape, layer_roles
-from luced.runtime.kv_pool import PooledKVCache
 from luced.runtime.layers import fuse_rows, rms_norm
 from luced.runtime.qlinear import PackedLinear, pack_weights
 from luced.runtime.ragged import Ragged, Span
@@ -153,25 +152,6 @@ class Model:
             recurrent=self._recurrent_shapes(),
             state_dtype=self.dtype,
             row_exact=self.batch_invariant,
-        )
-
-    def new_pool_cache(self, pool: int, capacity: int | None = None) -> PooledKVCache:
-        """KV Flash: `pool` rows per layer that stores K/V (a KV-sharing layer reads its
-        source's; a recurrent layer keeps its state, unpooled); the pager's plan is given
-        by `set_step`."""
-        cfg = self.cfg
-        return PooledKVCache(
-            self.layers,
-            cfg.n_kv_heads,
-            cfg.head_dim,
-            pool,
-            self.kv_dtype,
-            self.device,
-            capacity=capacity or cfg.context_length,
-            shapes={i: cfg.kv_shape(i) for i in self.layers},
-            sources=self._kv_sources(),
-            recurrent=self._recurrent_shapes(),
-            state_dtype=self.dtype,
         )
 
     def new_block_pool(

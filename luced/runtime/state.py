@@ -7,8 +7,8 @@ private methods and none imports the dispatcher.
 
     loaded    the target's shards: one Model per device, layers [a, b) cut at
               device_splits; its sequences, each with a cache per shard, its token
-              history and its kept sampler; with KV Flash (load kv_pool) each cache is a
-              PooledKVCache driven by the daemon's pager
+              history and its kept sampler; with a block pool (load kv_block) each cache
+              follows the daemon's block table, pages included (KV Flash)
     draft     a DFlash draft, beside the target or alone in the worker
     regions   shared-memory regions viewed as tensors, attached lazily by segment name;
               only segments of the daemon instance that said hello (a worker on another
@@ -34,7 +34,6 @@ from luced.runtime.dflash.draft import Draft
 from luced.runtime.kv_blocks import BlockPool, PagedKVCache
 from luced.runtime.kv_cache import KVCache
 from luced.runtime.kv_host import SharedHostTier
-from luced.runtime.kv_pool import PooledKVCache
 from luced.runtime.lookahead import Lookahead
 from luced.runtime.mirror import Mirror
 from luced.runtime.model import Model
@@ -80,9 +79,9 @@ def torch_device(name: str) -> torch.device:
     raise WorkerError(f"unknown device kind in {name!r} (cpu, cuda, hip, mps)")
 
 
-# A sequence's K/V on one shard: contiguous, KV Flash's pool (load kv_pool), or blocks of
-# the shard's block pool (load kv_block).
-SequenceCache = KVCache | PooledKVCache | PagedKVCache
+# A sequence's K/V on one shard: contiguous, or blocks of the shard's block pool (load
+# kv_block).
+SequenceCache = KVCache | PagedKVCache
 
 
 @dataclass

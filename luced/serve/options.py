@@ -448,7 +448,8 @@ OPTIONS: tuple[Option, ...] = (
         "request's K/V lives in blocks of one pool per worker shard, so a request whose "
         "prompt starts like a running one's takes that prefix's blocks without computing or "
         "copying them. 0: each request's K/V on its own, nothing shared. Not used with "
-        "`--kv-flash` or `--max-running 1`; a hybrid (recurrent) model does not share.",
+        "`--max-running 1`; `--kv-flash` pages blocks of 64 rows whatever this says; a "
+        "hybrid (recurrent) model does not share.",
         minimum=0, maximum=1024,
     ),
     Option(
@@ -643,20 +644,19 @@ OPTIONS: tuple[Option, ...] = (
     ),
     Option(
         "kv_flash", "kv", "pool", None,
-        "KV Flash: keep at most this many tokens of K/V per attention layer in the "
-        "workers (a pool of 64-token blocks; rounded up to a multiple of 256, clamped to "
-        "the context); older 64-token chunks are paged out to a shared-memory host tier "
-        "and attention skips them. Each running request has a pool of its own. `auto` "
-        "sizes the pools from free memory (shared by max_running of them), each capped by "
-        "kv_flash_max_pool. Lossless while the sequence fits the pool.",
+        "KV Flash: keep at most this many tokens of each running request's K/V in the "
+        "workers (rounded up to a multiple of 256, clamped to the context); its other "
+        "64-token blocks are paged out to a shared-memory host tier and attention skips "
+        "them. `auto` sizes the pools from free memory (shared by max_running of them), "
+        "each capped by kv_flash_max_pool. Lossless while the sequence fits the pool.",
         nullable=True, default_doc="off (every worker keeps the whole context)", example="auto",
     ),
     Option(
         "kv_flash_policy", "kv", "str", "qk",
-        "Which chunk KV Flash evicts when the pool is full. `lru`: the least recently "
+        "Which block KV Flash evicts when the pool is full. `lru`: the least recently "
         "written (StreamingLLM: sinks + recency, never recalled). `qk`: the lowest score "
-        "by the cosine of the current query with each chunk's mean key; every "
-        "max(tau, history/45) tokens the top-scored chunks are made resident, recalled "
+        "by the cosine of the current query with each block's mean key; every "
+        "max(tau, history/45) tokens the top-scored blocks are made resident, recalled "
         "from the host tier.",
         choices=("lru", "qk"),
     ),

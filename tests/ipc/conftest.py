@@ -142,10 +142,8 @@ def sample_requests() -> dict[str, F.Request]:
                     },
                     verify=True,
                     ring=region(4096, (64, 3, 576), "float32"),
-                    kv_plan={
-                        "kv_slots": region(8192, (16,), "int64"),
-                        "kv_map": region(9216, (448,), "int64"),
-                    },
+                    moves=((0, 1, 3, 0), (1, 4, 3, 2)),
+                    table=5,
                 ),
             ),
             want="sample",

@@ -56,7 +56,7 @@ def test_wire_shape_of_a_forward(sample_requests: dict) -> None:
     span = wire["spans"][0]  # a span is a plain map on the wire
     assert span["sequence"] == 3 and span["n_out"] == 16
     assert span["sampling"]["seed"] == 2**40 and wire["spans"][1]["sampling"]["min_p"] is None
-    assert wire["spans"][1]["kv_plan"]["kv_map"]["shape"] == [448]
+    assert wire["spans"][1]["moves"] == [[0, 1, 3, 0], [1, 4, 3, 2]]
 
 
 SPAN_DEFAULTS = ("n_out", "verify", "q_row", "keep_state", "keep_block_states", "ring")
@@ -71,7 +71,7 @@ def test_a_decode_step_sends_only_what_differs_from_the_defaults() -> None:
     wire = msgpack.unpackb(payload, raw=False)
     assert wire["spans"][3] == {"sequence": 3, "start": 40, "n": 1, "sampling": {"seed": 3}}
     assert set(wire) == {"op", "seq", "spans", "want", "outputs", "tokens"}
-    for name in (*SPAN_DEFAULTS, "kv_plan", "pool", "hidden_in", "top_logprobs", "capture"):
+    for name in (*SPAN_DEFAULTS, "moves", "pool", "hidden_in", "top_logprobs", "capture"):
         assert name.encode() not in payload
     assert codec.decode_request(payload) == (4, frame, None)  # the decoder fills them back
     reply = F.ForwardReply(positions=(41,) * 16, elapsed_us=8150)
@@ -89,7 +89,7 @@ def test_values_other_than_the_defaults_travel(sample_requests: dict) -> None:
     frame = sample_requests["forward"]
     wire = msgpack.unpackb(codec.encode_request(1, frame), raw=False)
     verify = wire["spans"][1]
-    assert verify["verify"] is True and verify["kv_plan"]["kv_slots"]["shape"] == [16]
+    assert verify["verify"] is True and len(verify["moves"]) == 2
     assert set(SPAN_DEFAULTS) - set(verify) == {"q_row", "keep_state", "keep_block_states"}
     pooled = F.Span(sequence=1, start=0, n=3, n_out=0, q_row=2, keep_state=True, pool="first")
     wired = pooled.to_wire()
@@ -115,7 +115,7 @@ def test_values_other_than_the_defaults_travel(sample_requests: dict) -> None:
         ("n_out", None, "Span: n_out: expected int, got NoneType"),
         ("ring", {"segment": SEG}, r"spans\[0\]: Span: ring: "),
         ("pool", "max", r"pool: expected one of \['', 'sum', 'first', 'last'\]"),
-        ("kv_plan", [], "Span: kv_plan: expected dict"),
+        ("moves", [[0, 1]], r"Span: moves\[0\]: expected 4 items, got 2"),
         ("sampling", {"seed": 1.0}, "sampling.seed must be an int"),
     ],
 )
@@ -169,7 +169,7 @@ def test_construction_normalises_types() -> None:
 
 
 RING = R(8192, (16, 2, 8), "float32")
-PLAN = {"kv_slots": R(1024, (16,), "int64"), "kv_map": R(2048, (448,), "int64")}
+MOVES = ((0, 2, 5, 0), (1, 0, 5, 1))  # block 2 out to record 0, block 0 in from record 1
 
 
 def span(**kw: object) -> F.Span:
@@ -207,10 +207,6 @@ def forward(**kw: object) -> F.Forward:
         ({"sampling": {"top_p": "0.9"}}, r"sampling\.top_p: expected int \| float \| dict"),
         ({"sampling": {"logit_bias": {"7": 101}}}, r"sampling\.logit_bias of token 7 must be in"),
         ({"sampling": {"logit_bias": {"7": "1"}}}, r"sampling\.logit_bias: expected int"),
-        ({"kv_plan": {"kv_map": PLAN["kv_map"]}}, "kv_slots and kv_map come"),
-        ({"kv_plan": {**PLAN, "kv_pool": PLAN["kv_map"]}}, r"kv_plan keys are among"),
-        ({"kv_plan": {**PLAN, "kv_moves": R(64, (2, 4), "int64")}}, "needs kv_map and kv_host"),
-        ({"kv_plan": {**PLAN, "kv_slots": R(1024, (3,), "int64")}}, r"kv_slots must be int64"),
         ({"pool": "sum"}, "a pooling span samples nothing: n_out must be 0, got 1"),
         ({"pool": "max", "n_out": 0}, r"pool: expected one of \['', 'sum', 'first', 'last'\]"),
         ({"blocks": (3,)}, "blocks and copies need a table length >= 1, got 0"),
@@ -358,12 +354,13 @@ def test_forward_accepts_the_intended_shapes() -> None:
     feed = forward(spans=(span(n_out=0),))  # a prompt chunk before the last: no rows out
     assert feed.n_out == 0
     two = forward(
-        spans=(span(n=3, n_out=0, kv_plan=PLAN), span(sequence=1, start=9, n=5, n_out=5)),
+        spans=(span(n=3, n_out=0, moves=MOVES, table=3), span(sequence=1, start=9, n=5, n_out=5)),
         outputs={"ids": R(64, (5,), "int32")},
         tokens=R(128, (8,), "int32"),
+        kv_host=R(4096, (2, 512), "uint8"),
     )
     back = F.Forward.from_wire(two.to_wire())
-    assert back == two and back.spans[0].kv_plan["kv_map"].shape == (448,)
+    assert back == two and back.spans[0].moves == MOVES
     assert (two.n_tokens, two.n_out) == (8, 5)
     embeds = forward(  # an embedding's span beside a decode token: one pooled row
         spans=(span(n_out=0, pool="sum"), span(sequence=1, start=9, n=1)),
@@ -445,7 +442,6 @@ def test_draft_accepts_the_intended_shapes() -> None:
         ({"kv_capacity": 0}, "kv_capacity must be >= 1"),
         ({"owns_head": 1}, "owns_head: expected bool, got int"),
         ({"kv_block": -1}, "kv_block must be >= 0"),
-        ({"kv_block": 16, "kv_pool": 64}, "0 under kv_pool"),
         ({"kv_block": 16}, r"kv_blocks \(the pool's blocks, 0\) comes with kv_block \(16\)"),
         ({"kv_blocks": 8}, "comes with kv_block"),
         ({"kv_scored": True}, "kv_scored keeps block keys: it needs kv_block"),

@@ -352,9 +352,7 @@ class Pager:
         candidates: list[int] = []
         if over > 0:
             candidates = [
-                j
-                for j in range(length)
-                if resident(j) and not self._protected(j, step, cur)
+                j for j in range(length) if resident(j) and not self._protected(j, step, cur)
             ]
             if over > len(candidates):
                 raise PoolExhausted(

@@ -19,12 +19,12 @@ The ops (request fields -> reply fields):
 
     hello     instance, protocol, files     -> protocol, pid, group, devices, versions, store
     load      model, layers=[a, b), dtype, devices, kv_capacity, owns_embed, owns_head,
-              device_splits, kv_pool, kv_block, kv_blocks, kv_scored
+              device_splits, kv_block, kv_blocks, kv_scored
                                             -> n_layers, hidden, vocab, layers, dtype,
-                                               kv_capacity, load_s, recurrent, kv_pool,
-                                               kv_chunk_bytes, kv_record_bytes
+                                               kv_capacity, load_s, recurrent,
+                                               kv_record_bytes
     forward   spans (sequence, start, n, n_out, sampling, verify, q_row, keep_state,
-              keep_block_states, ring, kv_plan, pool, copies, blocks, table, moves,
+              keep_block_states, ring, pool, copies, blocks, table, moves,
               kv_scores), tokens | hidden_in, want, outputs,
               top_logprobs, capture, draft_probs, allowed, kv_host
                                             -> positions, elapsed_us, accepted
@@ -101,7 +101,8 @@ keeps its layers' prefix-cache rows in its own store, in its memory and on its d
 verb releases the blocks wholly past its position, a span's roll back none.
 24: KV Flash over the block pool: a ``Span``'s ``moves`` (blocks paged out to host records
 and back, before its table growth) and ``kv_scores``, ``forward`` ``kv_host``, ``load``
-``kv_scored`` and its reply's ``kv_record_bytes``.
+``kv_scored`` and its reply's ``kv_record_bytes``; the per-sequence pool (``load`` ``kv_pool``,
+``Span.kv_plan``) is gone.
 
 Expert compute (``luced.runtime.expert_link``): an expert worker answers ``load_experts``
 from the daemon, and ``expert_mix`` from target workers over direct worker-to-worker
@@ -121,7 +122,6 @@ from __future__ import annotations
 from luced.ipc.frames.base import (
     COMPUTE_DTYPES,
     DECODE_GRAPHS,
-    KV_CHUNK,
     PROTOCOL_VERSION,
     REPLIES,
     REQUESTS,
@@ -133,7 +133,7 @@ from luced.ipc.frames.base import (
     Reply,
     Request,
 )
-from luced.ipc.frames.forward import KV_PLAN, OUTPUTS, Forward, ForwardReply, Span, Want
+from luced.ipc.frames.forward import OUTPUTS, Forward, ForwardReply, Span, Want
 from luced.ipc.frames.model import (
     KERNELS_FALLBACK,
     ExpertMix,
@@ -189,8 +189,6 @@ __all__ = [
     "COMPUTE_DTYPES",
     "DECODE_GRAPHS",
     "KERNELS_FALLBACK",
-    "KV_CHUNK",
-    "KV_PLAN",
     "OUTPUTS",
     "PROTOCOL_VERSION",
     "REPLIES",

@@ -77,7 +77,6 @@ def _check_protocol(version: object) -> None:
 
 
 COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
-KV_CHUNK = 64  # KV Flash: positions per chunk, rows per pool block
 ComputeDtype = Literal["float32", "bfloat16", "float16"]
 # How a worker holds weight matrices (luced.runtime.qlinear): packed int4 / int8 for the
 # weight-only kernels, "auto" per tensor and CPU, "dequant" the exact float path.

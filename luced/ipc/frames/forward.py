@@ -3,13 +3,11 @@ the package docstring)."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import ClassVar, Literal
 
 from luced.ipc.frames.base import (
     COMPUTE_DTYPES,
-    KV_CHUNK,
     REPLIES,
     REQUESTS,
     Reply,
@@ -57,16 +55,6 @@ _OUTPUT_DTYPES = {
     "embeddings": ("float32",),
 }
 _OUTPUT_NDIM = {"ids": 1, "logprobs": 1, "topk_ids": 2, "topk_logprobs": 2, "logits": 2}
-# A KV Flash step's plan for one sequence (`Span.kv_plan`'s keys), in the daemon's
-# `kvflash` segment (layout: ``luced/engine/kvflash/transport.py``):
-#   kv_slots   int64 [>= n]: pool row of position start + i
-#   kv_map     int64 [pool]: position each row holds, -1 = none
-#   kv_moves   int64 [m, 4]: (0 out | 1 in, chunk, block, record)
-#   kv_host    uint8 [records, kv_chunk_bytes]: this worker's host tier
-#   kv_scores  float32 [2, chunks], written by the worker after the step (policy qk): per
-#              chunk, the sum over its scored layers of the chunk's best query-key cosine,
-#              and that layer count
-KV_PLAN = ("kv_slots", "kv_map", "kv_moves", "kv_host", "kv_scores")
 
 
 @dataclass(frozen=True)
@@ -109,7 +97,6 @@ class Span(Record):
     keep_block_states: bool = False
     # The sequence's feature ring (DFlash captures), float [ring_cap, len(capture), hidden].
     ring: Region | None = None
-    kv_plan: dict[str, Region] = field(default_factory=dict)  # KV Flash (keys of KV_PLAN)
     pool: Pool = ""
     # A block-pool load (Load.kv_block): what the daemon's table of this sequence gained
     # for this step (engine/kv/blocks.py has the rules): copy-on-write copies (logical
@@ -140,11 +127,6 @@ class Span(Record):
             raise self._fail(f"a pooling span samples nothing: n_out must be 0, got {self.n_out}")
         if self.ring is not None and self.ring.shape[0] < self.n:
             raise self._fail(f"its ring holds {self.ring.shape[0]} positions, fewer than {self.n}")
-        if self.kv_plan:
-            unknown = self.kv_plan.keys() - set(KV_PLAN)
-            if unknown:
-                raise self._fail(f"kv_plan keys are among {list(KV_PLAN)}; got {sorted(unknown)}")
-            _check_kv_plan(self, self.kv_plan, self.n)
         _check_table(self)
         _check_moves(self)
         _check_sampling_map(self)
@@ -283,39 +265,6 @@ class Forward(Request):
         if q is None or q.dtype != "float32" or len(q.shape) != 2 or q.shape[0] < max(ends):
             got = "none" if q is None else f"{q.dtype} {list(q.shape)}"
             raise self._fail(f"draft_probs must be float32 [>= {max(ends)}, vocab], got {got}")
-
-
-def _check_kv_plan(frame: Record, plan: Mapping[str, Region | None], n_tokens: int) -> None:
-    slots, table, moves, host, scores = (plan.get(name) for name in KV_PLAN)
-    if (slots is None) != (table is None):
-        raise frame._fail("kv_slots and kv_map come together")
-    if moves is not None and (table is None or host is None):
-        raise frame._fail("kv_moves needs kv_map and kv_host")
-    if slots is not None and (
-        slots.dtype != "int64" or len(slots.shape) != 1 or slots.shape[0] < n_tokens
-    ):
-        got = f"{slots.dtype} {list(slots.shape)}"
-        raise frame._fail(f"kv_slots must be int64 [>= {n_tokens}], got {got}")
-    if table is not None and (
-        table.dtype != "int64" or len(table.shape) != 1 or table.shape[0] % KV_CHUNK
-    ):
-        got = f"{table.dtype} {list(table.shape)}"
-        raise frame._fail(f"kv_map must be int64 [pool], pool a multiple of {KV_CHUNK}; {got}")
-    if moves is not None and (
-        moves.dtype != "int64" or len(moves.shape) != 2 or moves.shape[1] != 4
-    ):
-        got = f"{moves.dtype} {list(moves.shape)}"
-        raise frame._fail(f"kv_moves must be int64 [m, 4], got {got}")
-    if host is not None and (host.dtype != "uint8" or len(host.shape) != 2):
-        got = f"{host.dtype} {list(host.shape)}"
-        raise frame._fail(f"kv_host must be uint8 [records, bytes], got {got}")
-    if scores is not None and table is None:
-        raise frame._fail("kv_scores needs kv_map")
-    if scores is not None and (
-        scores.dtype != "float32" or len(scores.shape) != 2 or scores.shape[0] != 2
-    ):
-        got = f"{scores.dtype} {list(scores.shape)}"
-        raise frame._fail(f"kv_scores must be float32 [2, chunks], got {got}")
 
 
 def _check_host(frame: Forward) -> None:

@@ -11,7 +11,6 @@ from typing import Any, Self
 from luced.ipc.frames.base import (
     COMPUTE_DTYPES,
     DECODE_GRAPHS,
-    KV_CHUNK,
     PROTOCOL_VERSION,
     REPLIES,
     REQUESTS,
@@ -88,9 +87,6 @@ class Load(Request):
     owns_head: bool  # holds the final norm + LM head (can sample / return logits)
     # Layer indices in (a, b) where the next device's shard starts; len(devices) - 1 of them.
     device_splits: tuple[int, ...] = ()
-    # KV Flash: rows of K/V per attention layer (a multiple of KV_CHUNK); 0 = a plain cache
-    # of kv_capacity rows. A pooled worker needs the pager's plan in every forward.
-    kv_pool: int = 0
     # MoE: routed experts kept per layer (-1: all); the rest are cold, computed by the
     # expert worker through `moe_scratch` (uint8 bytes of a daemon-owned segment) when
     # the daemon links one, else in process. `moe_required`: no in-process fallback.
@@ -107,7 +103,7 @@ class Load(Request):
     kv_dtype: str = ""  # the K/V rows' dtype; "" = dtype
     # Rows per block of one K/V pool per shard that every sequence's rows live in
     # (runtime.kv_blocks), so sequences may share a prefix's blocks (kv_share); 0: each
-    # sequence's K/V contiguous on its own. Not with kv_pool (KV Flash pools per sequence).
+    # sequence's K/V contiguous on its own. KV Flash pages these blocks (Span.moves).
     kv_block: int = 0
     # With kv_block: the pool's block count, fixed by the daemon, which hands every block
     # out itself (engine/kv/blocks.py); the worker may grow its tensors up to it lazily.
@@ -125,11 +121,8 @@ class Load(Request):
             raise self._fail(
                 f"decode_graphs must be one of {DECODE_GRAPHS}, got {self.decode_graphs!r}"
             )
-        if self.kv_block < 0 or (self.kv_block and self.kv_pool):
-            raise self._fail(
-                f"kv_block must be >= 0 and 0 under kv_pool, got {self.kv_block} "
-                f"with kv_pool {self.kv_pool}"
-            )
+        if self.kv_block < 0:
+            raise self._fail(f"kv_block must be >= 0, got {self.kv_block}")
         if self.kv_scored and not self.kv_block:
             raise self._fail("kv_scored keeps block keys: it needs kv_block")
         if self.kv_blocks < 0 or bool(self.kv_blocks) != bool(self.kv_block):
@@ -159,8 +152,6 @@ class Load(Request):
         bounds = (a, *self.device_splits, b)
         if any(lo >= hi for lo, hi in itertools.pairwise(bounds)):
             raise self._fail(f"device_splits must increase strictly inside {list(self.layers)}")
-        if self.kv_pool < 0 or self.kv_pool % KV_CHUNK:
-            raise self._fail(f"kv_pool must be 0 or a multiple of {KV_CHUNK}, got {self.kv_pool}")
 
 
 @_op("load", REPLIES)
@@ -176,8 +167,6 @@ class LoadReply(Reply):
     # The loaded layers that keep a recurrent state (Gated DeltaNet) instead of K/V rows:
     # such a state cannot be truncated, only rewound to a kept one (the daemon replays).
     recurrent: tuple[int, ...] = ()
-    kv_pool: int = 0  # pool rows per layer; 0: a plain cache
-    kv_chunk_bytes: int = 0  # one host-tier record of this worker (all its shards' layers)
     # With kv_block: one host record of a paged-out block, its rows of every shard's stored
     # layers, the shards side by side (runtime.kv_host layout each).
     kv_record_bytes: int = 0

@@ -1,20 +1,22 @@
-"""`--kv-flash TOKENS|auto` -> pool rows, and the plan fields of the forward frame."""
+"""`--kv-flash TOKENS|auto` -> pool rows, and the target's block pool under KV Flash."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
 
+from luced.engine.kv.pager import PagerConfig
 from luced.engine.kvflash.transport import (
     KVFlashSettings,
     kv_layer_shapes,
     model_bytes_per_token,
     resolve_pool,
 )
+from luced.engine.target import Target, TargetPlacement
 from luced.gguf_file import GGUFFile
-from luced.ipc.frames import FrameError, Load, Span
-from luced.ipc.regions import Region
+from luced.ipc.shm import ShmOwner
 from luced.runtime.model import Model
 from luced.runtime.tiny import FAMILIES, make_tiny_gguf
 
@@ -29,7 +31,7 @@ MIB = 2**20
         (1000, 8192, 1024),
         (9000, 8192, 8192),  # clamped to the context
         (300, 1000, 512),
-        (2000, 1000, 1024),  # the context rounded up to a chunk
+        (2000, 1000, 1024),  # the context rounded up to a block
     ],
 )
 def test_tokens_round_up_and_clamp(pool: int, context: int, want: int) -> None:
@@ -62,35 +64,25 @@ def test_bytes_per_token_is_what_the_workers_allocate(family: str, tmp_path: Pat
     assert kv_layer_shapes(GGUFFile(path)) == pool.shapes
 
 
-def region(shape: tuple[int, ...], dtype: str) -> Region:
-    return Region("/luced-x-kvflash", 64, shape, dtype)
-
-
-def test_forward_plan_fields_are_checked() -> None:
-    def span(**plan: Region) -> Span:
-        return Span(sequence=0, start=0, n=4, kv_plan=plan)
-
-    span(kv_slots=region((4,), "int64"), kv_map=region((512,), "int64"))
-    with pytest.raises(FrameError, match="together"):
-        span(kv_slots=region((4,), "int64"))
-    with pytest.raises(FrameError, match="kv_slots must be int64"):
-        span(kv_slots=region((3,), "int64"), kv_map=region((512,), "int64"))
-    with pytest.raises(FrameError, match="kv_map"):
-        span(kv_slots=region((4,), "int64"), kv_map=region((500,), "int64"))
-    with pytest.raises(FrameError, match="kv_moves needs"):
-        span(
-            kv_slots=region((4,), "int64"),
-            kv_map=region((512,), "int64"),
-            kv_moves=region((1, 4), "int64"),
-        )
-    with pytest.raises(FrameError, match="kv_pool"):
-        Load(
-            model="m",
-            layers=(0, 1),
-            dtype="float32",
-            devices=("cpu",),
-            kv_capacity=512,
-            owns_embed=True,
-            owns_head=True,
-            kv_pool=100,
-        )
+def test_the_block_pool_holds_each_running_quota_and_the_kept_prompts(tmp_path: Path) -> None:
+    """Under KV Flash every running slot keeps at most its quota resident (and may page a
+    whole context out to the host records); lanes past them keep finished prompts."""
+    path = make_tiny_gguf("llama", tmp_path / "llama.gguf", seed=1).path
+    placement = TargetPlacement.split(
+        model=str(path),
+        n_layers=2,
+        dtype="float32",
+        kv_capacity=1000,
+        max_batch_tokens=64,
+        devices=("cpu",),
+    )
+    cfg = PagerConfig(pool_tokens=512)  # 8 blocks of 64
+    with ShmOwner() as owner:
+        target = Target(owner, placement, kv_flash=cfg, sequences=3)
+        assert target.placement.kv_block == 64  # KV Flash pages the pool's own blocks
+        assert target.blocks is not None
+        assert (target.blocks.n_blocks, target.blocks.records) == (3 * 9, 3 * 16)
+        target.size_blocks(3000, 3 + 64, kept=1000)  # kept lanes: 16 blocks + 2 per lane
+        assert target.blocks.n_blocks == 3 * 9 + 16 + 2 * 64
+        with pytest.raises(ValueError, match="KV Flash pages blocks of 64 rows, not the"):
+            Target(owner, dataclasses.replace(placement, kv_block=16), kv_flash=cfg)

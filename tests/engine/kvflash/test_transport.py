@@ -1,9 +1,11 @@
-"""KV Flash through the real Target: worker subprocesses, the plan in shared memory.
+"""KV Flash through the real Target: worker subprocesses, the moves in the spans, the host
+tier and the qk scores in shared memory.
 
 Oracles: with pool >= prompt + completion, greedy output equals the plain cache's
 (in-process `generate`, which the split tests tie bitwise to the plain Target), unsplit
-and split across workers; under eviction, the Target equals the same pager and pooled
-cache run in this process (the plan and the host-tier copies cross processes unchanged).
+and split across workers; under eviction, the Target equals the same pager over the same
+block tables and a paged cache run in this process (the moves and the host-tier copies
+cross processes unchanged).
 """
 
 from __future__ import annotations
@@ -16,13 +18,15 @@ import pytest
 import torch
 from engine_harness import Driver
 
-from luced.engine.kvflash import Pager
+from luced.engine.kv.blocks import BlockTables
+from luced.engine.kv.pager import Pager
 from luced.engine.kvflash.transport import KVFlashSettings, mean_scores, pager_config
 from luced.engine.target import Target, TargetPlacement
 from luced.gguf_file import GGUFFile
 from luced.ipc.shm import ShmOwner, scan
+from luced.runtime import kv_blocks
 from luced.runtime.generate import generate
-from luced.runtime.kv_pool import HostTier, apply_moves, chunk_nbytes
+from luced.runtime.kv_host import HostTier
 from luced.runtime.model import Model
 from luced.runtime.tiny import make_tiny_gguf
 from luced.sampling_params import SamplingParams
@@ -112,40 +116,46 @@ async def test_pool_covering_the_sequence_equals_the_plain_cache(
     want = generate(ref, PROMPT, SamplingParams(temperature=0), 20).tokens
     async with flash_target(tiny[family], devices, pool=512, context=512) as target:
         assert await greedy(target, PROMPT, 20) == want
-        assert target.target.identity_layout(0)
+        assert target.target.resident(0, 169) == 169
         status = target.target.flash_status()
         assert status is not None and status["evictions"] == 0
-        assert status["resident_chunks"] == 3  # positions 0..169
+        assert status["resident_blocks"] == 3  # positions 0..169
 
 
 def in_process(
     path: Path, prompt: list[int], n: int, pool: int, step: int, policy: str = "lru"
 ) -> list[int]:
-    """The same pager and pooled cache, in this process: the oracle for the transport (for
-    qk, the scores come straight from the cache, without shared memory)."""
-    gguf = GGUFFile(path)
+    """The same pager over the same tables, and a paged cache, in this process: the oracle
+    for the transport. Each step as the runner and a worker run it: the pager's plan, the
+    moves, the table's growth, the layers, and (qk) the scores when the plan made a
+    reselection due. (The runner asks for a reselection at the end of a prompt longer
+    than the pool; the Driver's sequences carry no prompt of their own, so neither does
+    this.)"""
+    context = 1024
     model = Model.load(path)
-    cache = model.new_pool_cache(pool, 1024)
-    pager = Pager(pager_config(KVFlashSettings(pool, policy=policy), pool, gguf))
-    host = HostTier(chunk_nbytes(cache))
+    cfg = pager_config(KVFlashSettings(pool, policy=policy), pool, GGUFFile(path))
+    tables = BlockTables(cfg.n_blocks + 1, cfg.block, records=-(-context // cfg.block))
+    pager = Pager(cfg, tables, 0)
+    blocks = model.new_block_pool(cfg.block, max_blocks=tables.n_blocks)
+    cache = model.new_paged_cache(blocks, context, scored=policy == "qk")
+    host = HostTier(blocks.block_nbytes())
+    scores = torch.zeros(2, -(-context // cfg.block))
 
     @torch.inference_mode()
     def feed(ids: list[int], start: int) -> int:
-        if pager.reselect_due():  # due since the last step: its scores
-            sums, counts = cache.qk.scores()
-            pager.reselect(mean_scores(sums.numpy()[None], counts.numpy()[None]))
-        plan = pager.plan(start, len(ids))
-        apply_moves(cache, plan.moves, host)
-        cache.set_step(
-            start, plan.write_slots, torch.frombuffer(plan.slot_positions, dtype=torch.int64)
-        )
+        for kind, j, block, record in pager.plan(start, len(ids)):
+            cache.move(kind, j, block, host.record(record))
+        due = pager.reselect_due()
+        grown = tables.write(0, start, start + len(ids))
+        cache.follow(grown.copies, grown.blocks)
         h, _ = model.forward_layers(model.embed(torch.tensor(ids)), cache, start)
+        if due:
+            kv_blocks.write_scores([cache], scores)
+            pager.score(mean_scores(scores[0:1].numpy(), scores[1:2].numpy()))
         return int(model.logits(h[-1:]).argmax())
 
     for start in range(0, len(prompt), step):
         token = feed(prompt[start : start + step], start)
-    if len(prompt) > pool:
-        pager.ask_reselect()  # as the runner: the prompt's last chunk's query selects
     out = [token]
     while len(out) < n:
         out.append(feed([out[-1]], len(prompt) + len(out) - 1))
@@ -162,10 +172,10 @@ async def test_eviction_across_processes_equals_the_in_process_pager(
         assert await greedy(target, prompt, 12) == want
         status = target.target.flash_status()
         assert status is not None
-        assert status["evictions"] >= 3 and status["paged_out_chunks"] >= 3
-        assert status["resident_chunks"] == 8 and status["host_bytes"] > 0
-        assert not target.target.identity_layout(0)
-        # A second request starts from a fresh identity layout.
+        assert status["evictions"] >= 3 and status["paged_out_blocks"] >= 3
+        assert status["resident_blocks"] == 8 and status["host_bytes"] > 0
+        assert target.target.resident(0, 700) < 700  # paged out: no snapshot of it
+        # A second request starts afresh.
         assert await greedy(target, prompt[:100], 3) == in_process(
             tiny["long"], prompt[:100], 3, pool=512, step=32
         )

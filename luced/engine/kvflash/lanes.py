@@ -1,0 +1,105 @@
+"""KV Flash's part of the target: each running slot's pager over the target's block
+tables (engine/kv/pager.py), the host tier and the scores in shared memory
+(transport.py), and the counters. A kept lane (a finished prompt held for sharing) never
+runs, so it has no pager: it keeps what it was given."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+from luced.engine.executor import WorkerReplyError
+from luced.engine.kv.blocks import BlockTables
+from luced.engine.kv.pager import Pager, PagerConfig
+from luced.engine.kvflash.transport import FlashRegions
+from luced.ipc.shm import ShmOwner
+
+
+class FlashLanes:
+    """The pagers of the running slots and the regions their moves and scores use."""
+
+    def __init__(self, cfg: PagerConfig, sequences: int, capacity: int) -> None:
+        self.cfg = cfg
+        self.sequences = sequences  # the running slots, the only lanes that page
+        self.keys = -(-capacity // cfg.block)  # blocks of a context: a lane's records
+        self.tables: BlockTables | None = None  # the target's, once carved
+        self.regions: FlashRegions | None = None
+        self._pagers: dict[int, Pager] = {}
+        self._record_bytes: dict[tuple[int, int], int] = {}  # worker layers -> one record
+
+    @property
+    def records(self) -> int:
+        """Host records for the block tables: every running slot may page out a context."""
+        return self.sequences * self.keys
+
+    def blocks_for(self, lanes: int, kept_blocks: int) -> int:
+        """The pool's blocks: each running slot's quota and one more (its decode's next
+        block is planned within the quota; the extra one is slack), and `kept_blocks` for
+        the lanes past them."""
+        return self.sequences * (self.cfg.n_blocks + 1) + (
+            kept_blocks if lanes > self.sequences else 0
+        )
+
+    def loaded(self, layers: tuple[int, int], record_bytes: int, group: str) -> None:
+        """A worker's load reply: the size of its host record, which a restarted worker
+        must keep (the records in the daemon's memory are laid out for it)."""
+        known = self._record_bytes.get(layers)
+        if self.regions is not None and record_bytes != known:
+            raise WorkerReplyError(
+                f"worker {group}'s host records are of {record_bytes} bytes, not {known}"
+            )
+        self._record_bytes[layers] = record_bytes
+
+    def carve(
+        self, owner: ShmOwner, name: str, layers: Sequence[tuple[int, int]], tables: BlockTables
+    ) -> None:
+        """Once every worker loaded: the host tier (each worker's records) and the scores."""
+        records = [self._record_bytes[span] for span in layers]
+        self.cfg = dataclasses.replace(self.cfg, block_bytes=sum(records))
+        self.tables = tables
+        self.regions = FlashRegions(owner, name, self.sequences, tables.records, self.keys, records)
+
+    def pager(self, slot: int) -> Pager | None:
+        """`slot`'s pager, made on first use (None for a kept lane). A slot keeps it for
+        the sequences that follow in it (reset between)."""
+        if self.tables is None or slot >= self.sequences:
+            return None
+        pager = self._pagers.get(slot)
+        if pager is None:
+            pager = self._pagers[slot] = Pager(self.cfg, self.tables, slot)
+        return pager
+
+    def forget(self, slot: int) -> None:
+        """`slot`'s sequence is gone (its table freed): its pager starts over."""
+        if slot in self._pagers:
+            self._pagers[slot].reset()
+
+    def truncate(self, slot: int, position: int) -> None:
+        if (pager := self._pagers.get(slot)) is not None:
+            pager.truncate(min(position, pager.end))
+
+    def prompt_chunk(self, chunk: int) -> int:
+        """A prompt chunk that fits the quota beside the sink, straddling one more block."""
+        return min(chunk, (self.cfg.n_blocks - self.cfg.sink_blocks - 1) * self.cfg.block)
+
+    def resident(self, slot: int, n: int) -> int:
+        """How many of `slot`'s first n positions lie before its first paged-out block."""
+        if self.tables is None:
+            return n
+        return min(n, self.tables.resident_prefix(slot) * self.tables.block)
+
+    def status(self) -> dict:
+        """Pool, policy, block, resident and paged-out blocks, evictions, recalls and host
+        bytes, summed over the running slots' pagers."""
+        stats = [p.stats() for p in self._pagers.values()]
+        return {
+            "pool_tokens": self.cfg.pool_tokens,
+            "policy": self.cfg.policy,
+            "block": self.cfg.block,
+            "resident_blocks": sum(s.resident for s in stats),
+            "paged_out_blocks": sum(s.paged_out for s in stats),
+            "evictions": sum(s.evictions for s in stats),
+            "recalls": sum(s.recalls for s in stats),
+            "host_bytes": sum(s.host_bytes for s in stats),
+            "sequences": len(stats),
+        }

@@ -1,6 +1,7 @@
 """Continuous batching on KV Flash, through the real Engine and Target: each running
-request pages its own pool (its own pager in the daemon, its own pooled caches in the
-workers), and the batch carries each sequence's plan.
+request keeps at most its pool resident (its own pager over its block table in the
+daemon; every request's blocks in the workers' one pool), and the batch carries each
+sequence's moves.
 
 Oracles: each request's output batched equals its output served alone on the same pool,
 eviction for eviction; a pool covering the context gives plain decoding's output."""
@@ -62,8 +63,8 @@ async def drain(engine: Engine, req: GenerationRequest) -> tuple[list[int], list
     ids=["lru", "qk", "lru-split"],
 )
 async def test_batched_requests_page_their_own_pools(tiny: Path, policy: str, devices) -> None:
-    """Each request pages its own pool, also split over two workers (each holding its
-    layers' share of every pool, the same plan applied by both)."""
+    """Each request pages its own blocks, also split over two workers (each holding its
+    layers' share of the pool, the same moves applied by both)."""
     pool = PagerConfig(pool_tokens=448, policy=policy)  # type: ignore[arg-type]
     async with engine_for(tiny, context=1024, kv_flash=pool) as engine:
         alone = [await drain(engine, r) for r in requests()]
@@ -120,9 +121,9 @@ async def test_preempted_requests_start_their_pool_over_and_finish_as_alone(tiny
 
 
 async def test_prompts_within_the_pool_restore_from_the_prefix_cache_as_fresh(tiny: Path) -> None:
-    """KV Flash with the prefix cache: a prompt the pool holds whole (the identity layout)
-    is snapshotted and a later request restores it into its own pool, with the output a
-    fresh prefill gives; a prompt past the pool pages chunks out and is not snapshotted."""
+    """KV Flash with the prefix cache: a prompt the pool holds whole (every block resident)
+    is snapshotted and a later request restores it, with the output a fresh prefill
+    gives; a prompt past the pool pages blocks out and is not snapshotted."""
     pool = PagerConfig(pool_tokens=448, policy="lru")
     greedy = SamplingParams(temperature=0, logprobs=1)
     short = PROMPTS[1][:300]
@@ -144,3 +145,37 @@ async def test_prompts_within_the_pool_restore_from_the_prefix_cache_as_fresh(ti
     for (tokens, lps), (want, want_lps) in zip(got, fresh, strict=True):
         assert tokens == want
         assert lps == pytest.approx(want_lps, abs=1e-4)
+
+
+async def test_requests_share_a_prompt_prefix_and_page_it_out_as_alone(tiny: Path) -> None:
+    """KV Flash with prefix sharing: requests whose prompts start alike share the prefix's
+    blocks (it fits the 448-token pool), then decode past the pool, paging blocks out,
+    shared ones included (a shared block paged out stays for the others), and a later
+    request starts on what a finished one kept; each output is the one it gets alone on
+    the same pool."""
+    pool = PagerConfig(pool_tokens=448, policy="lru")
+    greedy = SamplingParams(temperature=0, logprobs=1)
+    base = [(11 * i + 7) % 101 + 2 for i in range(320)]
+    reqs = [
+        GenerationRequest(f"p{i}", [*base, 5 + i, 9, 13 + i], greedy, 200, ignore_eos=True)
+        for i in range(3)
+    ]
+    later = GenerationRequest("later", [*base[:300], 44, 45], greedy, 30, ignore_eos=True)
+    async with engine_for(tiny, context=1024, kv_flash=pool) as engine:
+        alone = [await drain(engine, r) for r in [*reqs, later]]
+        assert engine.totals["shared_prompt_tokens"] == 0  # one at a time, nothing kept
+    async with engine_for(
+        tiny, context=1024, kv_flash=pool, max_running=3, kv_keep_tokens=1024
+    ) as engine:
+        together = list(await asyncio.gather(*(drain(engine, r) for r in reqs)))
+        shared = engine.totals["shared_prompt_tokens"]
+        status = engine.target.flash_status()
+        together.append(await drain(engine, later))
+        kept = engine.totals["shared_prompt_tokens"] - shared
+    assert status is not None and status["evictions"] > 0
+    assert shared >= 2 * 256  # the two later starters share at least 4 blocks each
+    # A kept lane keeps its resident prefix: decoding past the pool paged block 1 out.
+    assert kept == 64
+    for (got, got_lps), (want, want_lps) in zip(together, alone, strict=True):
+        assert got == want
+        assert got_lps == pytest.approx(want_lps, abs=1e-4)

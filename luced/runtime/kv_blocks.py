@@ -278,8 +278,8 @@ class PagedKVCache(BaseKVCache):
         self._end: int | None = None  # the reserved step's end
         self._view: tuple[int, _Gaps | None] | None = None  # `_gaps`' last answer, by end
         self._seal: tuple[torch.Tensor, torch.Tensor] | None = None  # the step's (logical, pool)
-        # Scored: queries are observed, and `store` seals block keys, so the native decode
-        # kernel must not store rows itself (as for KV Flash's PooledKVCache).
+        # Scored: queries are observed, and `store` seals block keys from the rows it
+        # wrote, so the native decode kernel must not store rows itself.
         self.observes_queries = scored
         self.writes_in_place = not scored
 

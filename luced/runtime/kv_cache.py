@@ -258,7 +258,7 @@ class RecurrentState:
 
 class KVStore(Protocol):
     """What the families and `Model.forward_layers` use of a cache: `KVCache` (context
-    rows) and `kv_pool.PooledKVCache` (KV Flash pool rows) both provide it."""
+    rows) and `kv_blocks.PagedKVCache` (blocks of a shared pool) both provide it."""
 
     layers: range
     pos: int
@@ -313,7 +313,7 @@ def layer_roles(
 
 
 class BaseKVCache:
-    """What every cache (`KVCache`, `kv_pool.PooledKVCache`, `kv_blocks.PagedKVCache`) does
+    """What every cache (`KVCache`, `kv_blocks.PagedKVCache`) does
     alike: its recurrent layers (see the module docstring; recurrent state is never pooled,
     so all keep it alike), the rollback of the fill position, and a prefix snapshot's rows
     out and in. A cache provides the attributes below and where its rows live:
@@ -579,7 +579,7 @@ class KVCache(BaseKVCache):
         return attention_mask(start, n, start + n, window, device)
 
     def observe_query(self, layer: int, q: torch.Tensor, window: int | None) -> None:
-        """Queries matter only to KV Flash's scorer (`PooledKVCache`)."""
+        """Queries matter only to KV Flash's scorer (a scored `PagedKVCache`)."""
 
     observes_queries = False
 

@@ -17,7 +17,7 @@ FILLER = (
 @pytest.mark.parametrize("policy", ["lru", "qk"])
 def test_long_prompt_over_a_small_pool(smollm2_gguf, tmp_path, policy: str) -> None:
     # lru: sinks + recency, nothing recalled; qk (the default): the prompt's last query
-    # reselects the chunks it ranks first, recalling paged-out ones from the host tier.
+    # reselects the blocks it ranks first, recalling paged-out ones from the host tier.
     d = DaemonProcess(
         smollm2_gguf, tmp_path, "--kv-flash", "512", "--kv-flash-policy", policy,
         env={"LUCED_LOG_LEVEL": "debug"},
@@ -42,13 +42,13 @@ def test_long_prompt_over_a_small_pool(smollm2_gguf, tmp_path, policy: str) -> N
         assert flash["evictions"] >= 3000 // 64 - 8
         assert (flash["recalls"] > 0) == (policy == "qk")
         # The request ran in a lane of its own (continuous batching), which it gave back
-        # when it finished: its pool and its host records are free again.
+        # when it finished: its blocks and its host records are free again.
         assert flash["sequences"] >= 1
         assert flash["resident_blocks"] == flash["paged_out_blocks"] == flash["host_bytes"] == 0
         assert "evictions" in d.lucectl("status").stdout
         assert d.metric("luced:kv_flash_evictions_total") == flash["evictions"]
         assert d.metric("luced:kv_flash_recalls_total") == flash["recalls"]
-        # The pool left the identity layout: no prefix snapshot, a debug line instead.
+        # Blocks of the prompt were paged out: no prefix snapshot, a debug line instead.
         assert d.lucectl_json("snapshot", "list")["snapshots"] == []
         assert "no snapshot of" in d.log()
     finally:

@@ -1,5 +1,5 @@
 """KV Flash through the real daemon: a prompt six times the pool, over HTTP and lucectl,
-under `lru` and under `qk` (the default policy, which recalls paged-out chunks)."""
+under `lru` and under `qk` (the default policy, which recalls paged-out blocks)."""
 
 from __future__ import annotations
 

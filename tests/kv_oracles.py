@@ -1,6 +1,6 @@
 """Plain caches as KV Flash's oracles: one whose mask hides the positions a pool evicted or
-paged out, and one that records the queries the `qk` scorer sees, with each chunk's (or
-block's) score computed straight from its keys (runtime.kv_qk scores them in the worker)."""
+paged out, and one that records the queries the `qk` scorer sees, with each block's
+score computed straight from its keys (runtime.kv_qk scores them in the worker)."""
 
 from __future__ import annotations
 
@@ -37,11 +37,11 @@ class QueryRecorder(KVCache):
             self.queries[layer] = q[-1].float()
 
 
-def chunk_scores(plain: QueryRecorder, size: int, n_chunks: int) -> dict[int, float]:
-    """Chunk c's (positions [size * c, size * c + size)) mean over the recorded layers of
+def block_scores(plain: QueryRecorder, size: int, n_blocks: int) -> dict[int, float]:
+    """Block c's (positions [size * c, size * c + size)) mean over the recorded layers of
     the best cosine between a query head and its KV head's mean key."""
     want = {}
-    for c in range(n_chunks):
+    for c in range(n_blocks):
         best = []
         for layer, q in plain.queries.items():
             k = plain.k[layer][:, size * c : size * c + size].float().mean(1)  # [Hkv, D]

@@ -53,7 +53,7 @@ every block of [0, end) is resident nothing of this runs: the logits stay `KVCac
 A write into a paged-out block, an export or a share of one is refused.
 
 Scoring (`scored`, KV Flash's `qk` policy): the cache keeps each block's mean key per
-stored layer (`kv_qk.ChunkKeys` with blocks for chunks), sealed by the step that writes
+stored layer (`kv_qk.BlockKeys`), sealed by the step that writes
 the block's last position, and each full-attention layer's last query; `write_scores`
 gives each block's score from them (the daemon ranks the blocks by it).
 """
@@ -269,7 +269,7 @@ class PagedKVCache(BaseKVCache):
             self.rows = torch.zeros(capacity, dtype=torch.int64, device=self.device)
             blocks = -(-capacity // pool.block)
             self.qk = (
-                kv_qk.ChunkKeys(self.shapes, blocks, pool.block, self.device) if scored else None
+                kv_qk.BlockKeys(self.shapes, blocks, pool.block, self.device) if scored else None
             )
         self._base: int | None = None  # row of position 0 while the blocks are consecutive
         self._storage: dict[int, Storage] = {}  # decode_storage's, for `_generation`

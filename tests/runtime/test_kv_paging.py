@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 import pytest
 import torch
-from kv_oracles import HidingCache, QueryRecorder, chunk_scores
+from kv_oracles import HidingCache, QueryRecorder, block_scores
 
 from luced.runtime import kv_blocks, native_attention
 from luced.runtime.families import common
@@ -251,7 +251,7 @@ def test_qk_scores_equal_cosines_of_the_plain_caches_keys(tiny, family: str) -> 
             daemon.page_out(cache, 2)  # the keys stay: the block's rows did not change
             daemon.page_in(cache, 2, daemon.free_block(above=30))
     assert plain.queries, "every family has full-attention layers"
-    want = chunk_scores(plain, 16, 330 // 16)  # sealed blocks; the head block 20 is not
+    want = block_scores(plain, 16, 330 // 16)  # sealed blocks; the head block 20 is not
     out = torch.full((2, 24), 7.0)
     kv_blocks.write_scores([cache], out)
     assert out[1].nonzero().squeeze(1).tolist() == list(want)

@@ -1,6 +1,5 @@
 """The host tier's records: one block of K/V rows over every stored layer, copied out of
-a pool and back in byte for byte (KV Flash's per-sequence pool, `kv_pool`, and the shared
-block pool, `kv_blocks`, both page through these).
+the shared block pool (`kv_blocks`) and back in byte for byte (KV Flash's pages).
 
 One record, `RecordLayout.nbytes` bytes, for `rows` rows of each stored layer::
 
@@ -26,7 +25,7 @@ class RecordLayout:
     """Where each stored layer's K and V rows sit in one record."""
 
     shapes: Mapping[int, tuple[int, int]]  # stored layer -> (Hkv, D), in record order
-    rows: int  # rows of each layer in one record (a block, a chunk)
+    rows: int  # rows of each layer in one record: a block
     dtype: torch.dtype
 
     @property

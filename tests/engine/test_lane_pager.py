@@ -40,7 +40,7 @@ def decode(pager: Pager, end: int) -> None:
         step(pager, pager.end, 1)
 
 
-def test_prompt_that_fits_is_the_identity_layout() -> None:
+def test_a_prompt_that_fits_stays_resident_in_the_lowest_blocks() -> None:
     pager = lane_pager(PagerConfig(pool_tokens=448))
     assert step(pager, 0, 300) == ()
     assert pager.tables.table(0) == (0, 1, 2, 3, 4)

@@ -145,7 +145,7 @@ async def niah(
 async def run_niah(
     path: Path, context: int, pool: int, depths: list[float], threads: int
 ) -> list[dict]:
-    filler = haystack(path, context)
+    filler = haystack(path, context - NEEDLE)  # the needle probe fills the context
     full = -(-(context + NEEDLE) // 256) * 256
     rows = []
     for depth in depths:

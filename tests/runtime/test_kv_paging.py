@@ -28,7 +28,7 @@ from luced.runtime.kv_host import HostTier
 from luced.runtime.model import Model
 from luced.runtime.tiny import make_tiny_gguf
 
-FAMILIES = ("llama", "qwen3", "gemma3", "qwen35", "gemma4")
+FAMILIES = ("llama", "qwen3", "gemma3", "qwen3moe", "laguna", "qwen35", "qwen35moe", "gemma4")
 CAPACITY = 512
 BLOCK = 8
 

@@ -187,7 +187,8 @@ class Target:
         if flash is None:
             n = pool_blocks(positions, lanes, block)
         else:
-            n = flash.blocks_for(lanes, pool_blocks(kept, lanes - self.sequences, block))
+            kept_lanes = lanes - self.sequences
+            n = flash.blocks_for(pool_blocks(kept, kept_lanes, block) if kept_lanes > 0 else 0)
             records = flash.records
         if self.blocks is not None and self.blocks.n_blocks != n and self.n_layers:
             raise RuntimeError(
@@ -399,8 +400,7 @@ class Target:
             await self.reset(slot)
             raise WorkerReplyError(f"the workers shared {sorted(shared)} positions, not {n}")
         if (pager := self.pager(slot)) is not None:
-            pager.reset()
-            pager.sync(n)  # its blocks as if it had planned them
+            pager.sync(n)  # a fresh start: its blocks as if it had planned them
         return n
 
     def share_ring(self, slot: int, source: int, n: int, floor: int, position: int) -> int:
@@ -627,8 +627,7 @@ class KVMover:
         t.executor.in_sync = True
         self.position = n
         if pager is not None:
-            pager.reset()
-            pager.sync(n)  # its blocks as if it had planned them
+            pager.sync(n)  # a fresh start: its blocks as if it had planned them
         if ring is not None:
             # A snapshot of N positions holds valid ring rows only from N - ring_cap on.
             self._floor(max(0, regions["ring"].shape[0] - ring.ring_cap))

@@ -32,13 +32,11 @@ class FlashLanes:
         """Host records for the block tables: every running slot may page out a context."""
         return self.sequences * self.keys
 
-    def blocks_for(self, lanes: int, kept_blocks: int) -> int:
+    def blocks_for(self, kept_blocks: int) -> int:
         """The pool's blocks: each running slot's quota and one more (its decode's next
         block is planned within the quota; the extra one is slack), and `kept_blocks` for
         the lanes past them."""
-        return self.sequences * (self.cfg.n_blocks + 1) + (
-            kept_blocks if lanes > self.sequences else 0
-        )
+        return self.sequences * (self.cfg.n_blocks + 1) + kept_blocks
 
     def loaded(self, layers: tuple[int, int], record_bytes: int, group: str) -> None:
         """A worker's load reply: the size of its host record, which a restarted worker

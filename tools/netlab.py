@@ -76,14 +76,34 @@ def private_shm(argv: list[str]) -> list[str]:
     return ["unshare", "-m", "--propagation", "private", "sh", "-c", script, "sh", *argv]
 
 
+def clear_stale_namespaces() -> None:
+    """Delete the namespaces of labs whose creating process is gone (killed before its
+    `close`): ``luced-PID-TAG-b`` / ``-wire``."""
+    listed = subprocess.run([IP, "netns", "list"], capture_output=True, text=True).stdout
+    for line in listed.splitlines():
+        parts = line.split()[0].split("-") if line.strip() else []
+        if len(parts) != 4 or parts[0] != "luced" or not parts[1].isdigit():
+            continue
+        try:
+            os.kill(int(parts[1]), 0)
+        except ProcessLookupError:
+            subprocess.run([IP, "netns", "del", line.split()[0]], capture_output=True)
+        except PermissionError:  # alive, another user's
+            pass
+
+
 class Lab:
     """Hosts A (here) and B (a namespace) joined through the bridge (module docstring)."""
 
     def __init__(self) -> None:
         if os.geteuid() != 0:
             raise LabUnavailable("network namespaces need root")
+        clear_stale_namespaces()
         tag = secrets.token_hex(3)
-        self.ns_b, self.ns_wire = f"luced-{tag}-b", f"luced-{tag}-wire"
+        # The creator's pid in the names: a lab whose process was killed is found and
+        # cleared by the next one, and a live one's (a parallel test's) left alone.
+        self.ns_b = f"luced-{os.getpid()}-{tag}-b"
+        self.ns_wire = f"luced-{os.getpid()}-{tag}-wire"
         self.if_a, self.if_b = f"lc{tag}a", f"lc{tag}b"
         octet = int(tag[:2], 16) % 200 + 20
         self.a, self.b = f"10.{octet}.{int(tag[2:4], 16)}.1", f"10.{octet}.{int(tag[2:4], 16)}.2"

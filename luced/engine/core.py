@@ -454,9 +454,10 @@ class Engine:
     def _keep_lane(self, seq: Sequence) -> int | None:
         """The kept lane a finished sequence's K/V moves to, or None (freed): kept when it
         ended well, the workers share blocks, and no feature ring would need its rows.
-        Only its prompt's positions are kept, as only a running sequence's prompt is
-        shared: decode steps computed the output's rows in other groupings than a fresh
-        prefill would, and reused they would break restored == fresh."""
+        Only its prompt's positions are kept (under KV Flash its paged-out blocks too), as
+        only a running sequence's prompt is shared: decode steps computed the output's
+        rows in other groupings than a fresh prefill would, and reused they would break
+        restored == fresh."""
         if (
             self.finished is None
             or seq.pooler is not None
@@ -466,7 +467,7 @@ class Engine:
             or self.target.capture is not None
         ):
             return None
-        return self.finished.lane_for(seq.prompt[: self.target.resident(seq.slot, seq.computed)])
+        return self.finished.lane_for(seq.prompt[: seq.computed])
 
     async def _keep(self, seq: Sequence, lane: int) -> None:
         """Move a finished sequence's blocks to its kept lane (shared, not copied; its slot

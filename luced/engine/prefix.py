@@ -94,8 +94,7 @@ class PrefixReuse:
         for other in running:
             if other is seq or other.slot < 0 or other.pooler is not None:
                 continue
-            held = self.target.resident(other.slot, min(other.computed, len(other.prompt)))
-            blocks.hold(other.slot, other.prompt, held)
+            blocks.hold(other.slot, other.prompt, min(other.computed, len(other.prompt)))
             holding[other.slot] = other
         blocks.keep_only(holding.keys())  # those gone, and `seq` itself
         lane, n = blocks.longest(seq.prompt[:-1])

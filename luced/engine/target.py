@@ -178,8 +178,8 @@ class Target:
         """The workers' pools hold `positions` (the KV account's) for at most `lanes`
         tables at once (`pool_blocks`); before the first load. With KV Flash each running
         slot keeps at most its pager's quota resident, and the lanes past them (finished
-        sequences' kept prompts) hold at most `kept` positions; every running slot may
-        page out a whole context to the host records."""
+        sequences' kept prompts) hold at most `kept` positions; the host records hold a
+        whole context of every running slot and the kept positions (`FlashLanes.records`)."""
         block, flash = self.placement.kv_block, self.flash
         if not block:
             return
@@ -189,7 +189,7 @@ class Target:
         else:
             kept_lanes = lanes - self.sequences
             n = flash.blocks_for(pool_blocks(kept, kept_lanes, block) if kept_lanes > 0 else 0)
-            records = flash.records
+            records = flash.records(kept, max(0, kept_lanes))
         if self.blocks is not None and self.blocks.n_blocks != n and self.n_layers:
             raise RuntimeError(
                 "the block pool is sized before the workers load (make the engine first)"
@@ -274,8 +274,8 @@ class Target:
         return self.flash.pager(slot) if self.flash is not None else None
 
     def resident(self, slot: int, n: int) -> int:
-        """How many of `slot`'s first n positions another sequence may share or a snapshot
-        copy: all of them, but under KV Flash only up to its first paged-out block."""
+        """How many of `slot`'s first n positions a snapshot may copy: all of them, but
+        under KV Flash only up to its first paged-out block."""
         return self.flash.resident(slot, n) if self.flash is not None else n
 
     async def _load(self, slot: Slot, worker: WorkerHandle) -> LoadDraftReply | None:
@@ -371,8 +371,8 @@ class Target:
     def shares_prefixes(self) -> bool:
         """Whether a sequence may start on another's prefix blocks (`share`): the workers
         hold every sequence's K/V in one block pool, and no per-sequence state outside the
-        K/V and the feature ring (a recurrent state) would need it. Under KV Flash only
-        a resident prefix is shared (`resident`)."""
+        K/V and the feature ring (a recurrent state) would need it. Under KV Flash its
+        paged-out blocks are shared too (their host records)."""
         return self.placement.kv_block > 0 and not self.recurrent
 
     async def share(self, slot: int, source: int, n: int) -> int:

@@ -50,7 +50,8 @@ invisible: attention gathers the resident positions' rows in position order and 
 those positions (`positions_mask`), and the native decode kernel reads them as a list
 with their positions (`Storage.positions`), computed once per step (`reserve`). While
 every block of [0, end) is resident nothing of this runs: the logits stay `KVCache`'s.
-A write into a paged-out block, an export or a share of one is refused.
+A write into a paged-out block or an export of one is refused; a share takes PAGED
+entries as they are (the daemon's record, shared, pages each back in for its lane).
 
 Scoring (`scored`, KV Flash's `qk` policy): the cache keeps each block's mean key per
 stored layer (`kv_qk.BlockKeys`), sealed by the step that writes
@@ -468,14 +469,21 @@ class PagedKVCache(BaseKVCache):
         rows = self.pool.k[layer].view(h, -1, self.pool.block, d)[:, blocks]
         self.qk.seal(layer, logical, rows)
 
-    def _seal_complete(self, n: int) -> None:
-        """Scored: seal the blocks wholly below position n (rows that came in whole)."""
+    def _seal_complete(self, n: int, source: PagedKVCache | None = None) -> None:
+        """Scored: seal the blocks wholly below position n (rows that came in whole); a
+        paged-out one takes its key from `source` (a share), which sealed the same rows."""
         count = n // self.pool.block
         if self.qk is None or not count:
             return
-        logical, blocks = self._ints(list(range(count))), self._ints(self.table[:count])
-        for layer in self.stored:
-            self._seal_blocks(layer, logical, blocks)
+        resident = [i for i in range(count) if self.table[i] != PAGED]
+        if resident:
+            logical = self._ints(resident)
+            blocks = self._ints([self.table[i] for i in resident])
+            for layer in self.stored:
+                self._seal_blocks(layer, logical, blocks)
+        paged = [i for i in range(count) if self.table[i] == PAGED]
+        if paged and source is not None and source.qk is not None:
+            self.qk.copy_from(source.qk, self._ints(paged))
 
     def write(
         self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor
@@ -610,10 +618,11 @@ class PagedKVCache(BaseKVCache):
 
     def share(self, source: PagedKVCache, n: int) -> int:
         """Make this (empty, pos 0) cache's first n positions the source's, without copying:
-        it takes the source's blocks that hold them (n <= source.pos, committed there, none
-        paged out). A last block that holds positions past n too is shared as well; the
-        first write into it, by either cache, is the daemon's copy-on-write (`follow`).
-        Returns n, committed."""
+        it takes the source's table entries that hold them (n <= source.pos, committed
+        there): its blocks, retained, and its PAGED entries, whose host records the daemon
+        keeps for both (a move names the record). A last block that holds positions past
+        n too is shared as well; the first write into it, by either cache, is the daemon's
+        copy-on-write (`follow`). Returns n, committed."""
         if self.recurrent is not None or source.recurrent is not None:
             raise ValueError("a cache with recurrent layers cannot share rows: no state at n")
         if source.pool is not self.pool:
@@ -626,13 +635,15 @@ class PagedKVCache(BaseKVCache):
             raise ValueError(f"cannot share {n} positions: the source holds {source.pos}")
         if n > self.capacity:
             raise ContextOverflow(f"{n} positions exceed the KV capacity {self.capacity}")
-        source.check_resident(n, "share")
         for i, block in enumerate(source.table[: -(-n // self.pool.block)]):
-            self.pool.retain(block)
-            self._assign(i, block)
+            if block == PAGED:
+                self.table.append(PAGED)  # its rows map is written when it comes back in
+            else:
+                self.pool.retain(block)
+                self._assign(i, block)
         self._relink()
         self.commit(n)
-        self._seal_complete(n)
+        self._seal_complete(n, source)
         return n
 
     def _committed_rows(self, layer: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -54,6 +54,12 @@ class BlockKeys:
         self.keys[layer][blocks] = _normalise(mean)
         self.sealed[blocks] = True
 
+    def copy_from(self, other: BlockKeys, blocks: torch.Tensor) -> None:
+        """Blocks `blocks` keyed as `other` keys them (a share of rows it sealed)."""
+        for layer, keys in self.keys.items():
+            keys[blocks] = other.keys[layer][blocks]
+        self.sealed[blocks] = other.sealed[blocks]
+
     def observe(self, layer: int, q: torch.Tensor) -> None:
         """The step's last query of a full-attention layer: q [n, H, D], post-RoPE."""
         self.queries[layer] = _normalise(q[-1].to(torch.float32))

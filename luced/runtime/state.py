@@ -221,7 +221,8 @@ class Loaded:
 
     def share(self, sequence: int, source: int, n: int) -> int:
         """Start `sequence` (emptied first) on `source`'s first n positions: each shard's
-        paged cache takes the source's blocks that hold them, without copying. Returns n."""
+        paged cache takes the source's table entries that hold them (blocks, and PAGED
+        entries under KV Flash), without copying. Returns n."""
         if not self.block_pools:
             raise WorkerError("kv_share needs a load with kv_block (one block pool per shard)")
         origin = self.sequences.get(source)

@@ -147,7 +147,7 @@ def test_paging_refuses_missing_blocks_and_exhaustion_changes_nothing() -> None:
     assert (t.table(0), t.host(0), t.free_records, t.free_blocks) == ((0, PAGED), {1: 0}, 0, 0)
 
 
-def test_write_and_share_refuse_a_paged_entry_they_would_reach() -> None:
+def test_write_refuses_a_paged_entry_it_would_reach() -> None:
     t = BlockTables(8, 4, records=4)
     t.write(0, 0, 12)  # blocks 0, 1, 2
     t.page_out(0, 1)  # record 0
@@ -155,12 +155,42 @@ def test_write_and_share_refuse_a_paged_entry_they_would_reach() -> None:
         t.write(0, 6, 9)
     assert (t.table(0), t.free_blocks) == ((0, PAGED, 2), 6)
     assert t.write(0, 8, 13) == Growth((), (1,), 4)  # past it: a paged entry untouched
-    with pytest.raises(ValueError, match="first 5 positions reach its paged-out blocks"):
-        t.share(1, 0, 5)
-    assert t.length(1) == 0 and t.refs(0) == 1
     assert t.resident_prefix(0) == 1
-    t.share(1, 0, 4)
-    assert t.table(1) == (0,) and t.refs(0) == 2
+
+
+def test_a_share_retains_the_records_of_paged_entries_too() -> None:
+    t = BlockTables(8, 4, records=4)
+    t.write(0, 0, 16)  # blocks 0..3
+    t.page_out(0, 1)  # record 0
+    t.page_out(0, 2)  # record 1
+    t.share(1, 0, 10)  # logical 0, 1, 2: block 0, records 0 and 1
+    assert (t.table(1), t.host(1), t.refs(0)) == ((0, PAGED, PAGED), {1: 0, 2: 1}, 2)
+    assert (t.record_refs(0), t.record_refs(1), t.free_records) == (2, 2, 2)
+    # Paging in from a shared record copies it into a fresh block: the record stays.
+    assert t.page_in(1, 2) == Move(IN, 2, 1, 1)
+    assert (t.table(1), t.host(1), t.record_refs(1), t.free_records) == (
+        (0, PAGED, 1),
+        {1: 0},
+        1,
+        2,
+    )
+    assert t.host(0) == {1: 0, 2: 1}  # the source's entries are as they were
+    assert t.page_out(1, 2) == Move(OUT, 2, 1, 2)  # a record of its own, the lowest free
+    # A record is free at its last release, whichever table releases it last.
+    t.free(0)  # record 1 goes (lane 1 paged it in), record 0 stays for lane 1
+    assert (t.free_records, t.record_refs(0), t.record_refs(1), t.refs(0)) == (2, 1, 0, 1)
+    t.share(2, 1, 12)  # block 0, records 0 and 2
+    t.truncate(1, 4)  # lane 1 keeps block 0 only
+    assert (t.host(2), t.record_refs(0), t.record_refs(2), t.free_records) == (
+        {1: 0, 2: 2},
+        1,
+        1,
+        2,
+    )
+    t.free(2)
+    assert (t.free_records, t.refs(0), t.table(1)) == (4, 1, (0,))
+    t.free(1)
+    assert (t.lanes, t.free_records, t.free_blocks) == ([], 4, 8)
 
 
 def test_truncate_and_free_release_the_records_of_paged_entries() -> None:
@@ -192,7 +222,8 @@ def test_pool_blocks_bound_holds_for_shared_lanes_at_their_charge() -> None:
 def test_matches_a_plain_model_under_random_operations() -> None:
     """Every operation against a model of lists of positions' owners: the tables map each
     lane's positions to blocks no other lane writes, refcounts count the tables, the free
-    blocks are exactly those no table holds, and each PAGED entry has a record of its own."""
+    blocks are exactly those no table holds, and a record's count is the PAGED entries
+    naming it (shares retain records as they retain blocks)."""
     rng = random.Random(7)
     block, n_blocks, records = 4, 40, 12
     t = BlockTables(n_blocks, block, records)
@@ -227,13 +258,11 @@ def test_matches_a_plain_model_under_random_operations() -> None:
                 n = rng.randrange(held[source] + 1)
                 t.free(lane)
                 held.pop(lane, None)
-                if PAGED in t.table(source)[: -(-n // block)]:
-                    with pytest.raises(ValueError, match="reach its paged-out blocks"):
-                        t.share(lane, source, n)
-                    assert n > t.resident_prefix(source) * block and t.length(lane) == 0
-                    continue
-                t.share(lane, source, n)
+                t.share(lane, source, n)  # paged entries too: their records retained
                 assert t.table(lane) == t.table(source)[: -(-n // block)]
+                assert t.host(lane) == {
+                    j: r for j, r in t.host(source).items() if j < -(-n // block)
+                }
                 held[lane] = n
             elif op < 0.8 and lane in held:
                 n = rng.randrange(held[lane] + 1)
@@ -262,16 +291,18 @@ def test_matches_a_plain_model_under_random_operations() -> None:
         except (BlocksExhausted, RecordsExhausted):
             pass
         counts = [0] * n_blocks
-        used: list[int] = []
+        record_counts = [0] * records
         for other in range(6):
             host = t.host(other)
             assert sorted(host) == [j for j, b in enumerate(t.table(other)) if b == PAGED]
-            used += host.values()
+            for r in host.values():
+                record_counts[r] += 1
             for b in t.table(other):
                 if b != PAGED:
                     counts[b] += 1
         assert counts == [t.refs(b) for b in range(n_blocks)]
         assert t.free_blocks == counts.count(0)
         assert t.free_blocks + t.used_blocks == n_blocks
-        assert len(set(used)) == len(used) == t.used_records
+        assert record_counts == [t.record_refs(r) for r in range(records)]
+        assert t.free_records == record_counts.count(0)
         assert t.free_records + t.used_records == records

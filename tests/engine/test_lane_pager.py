@@ -4,6 +4,7 @@ block and record first), and a fake worker that follows the moves and the tables
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -339,6 +340,103 @@ def test_an_import_past_the_quota_is_brought_back_to_it_by_the_next_step() -> No
     assert (pager.end, pager.cur_block, pager.resident()) == (24, 6, [0, 4, 5, 6])
 
 
+LRU = dataclasses.replace(SMALL, policy="lru")
+
+
+def test_a_lane_sharing_a_paged_prefix_adopts_a_fresh_lanes_residency() -> None:
+    """A finished lane's prompt, paged-out entries included, is kept (shared into lane 9,
+    its records retained) and a later lane starts on it: its first plan pages in what a
+    lane that planned those positions itself would hold (the sink and the newest blocks
+    within the quota), in position order for LRU."""
+    tables = BlockTables(12, 4, 16)
+    source = Pager(LRU, tables, 0)
+    for start in range(0, 20, 4):
+        step(source, start, 4)  # block 4: 1 out (record 0), into pool block 1
+    decode(source, 28)  # blocks 5, 6: 2 and 3 out (records 1, 2)
+    assert (tables.table(0), tables.host(0)) == (
+        (0, PAGED, PAGED, PAGED, 1, 2, 3),
+        {1: 0, 2: 1, 3: 2},
+    )
+    tables.share(9, 0, 20)  # the kept prompt: 5 entries, 3 of them paged out
+    tables.free(0)
+    source.reset()
+    assert (tables.table(9), [tables.record_refs(r) for r in range(3)]) == (
+        (0, PAGED, PAGED, PAGED, 1),
+        [1, 1, 1],
+    )
+    lane = Pager(LRU, tables, 1)
+    tables.share(1, 9, 18)
+    lane.sync(18)
+    assert tables.host(1) == {1: 0, 2: 1, 3: 2} and tables.record_refs(0) == 2
+    # A fresh lane at 18 holds 0, 2, 3, 4: 2 and 3 come in (their records stay for lane
+    # 9), block 4 (shared, partly) is copied on write.
+    assert step(lane, 18, 2) == (Move(IN, 2, 2, 1), Move(IN, 3, 3, 2))
+    assert (tables.table(1), tables.host(1)) == ((0, PAGED, 2, 3, 4), {1: 0})
+    assert (tables.table(9), tables.host(9), tables.free_records) == (
+        (0, PAGED, PAGED, PAGED, 1),
+        {1: 0, 2: 1, 3: 2},
+        13,
+    )
+    assert lane.recalls == 2
+    # Then LRU in position order: 2 goes first, to a record of its own.
+    assert step(lane, 20, 1) == (Move(OUT, 2, 2, 3),)
+    assert tables.table(1) == (0, PAGED, PAGED, 3, 4, 2)
+    tables.free(9)  # records 1, 2 go; 0 stays for lane 1
+    assert (tables.free_records, tables.record_refs(0)) == (14, 1)
+
+
+def test_a_lane_rolled_back_before_its_first_step_adopts_what_is_left() -> None:
+    """A lane started on a kept prefix and truncated before its first step (a failed
+    step undone) adopts what a lane that planned the positions left would keep."""
+    tables = BlockTables(12, 4, 16)
+    source = Pager(LRU, tables, 0)
+    for start in range(0, 24, 4):
+        step(source, start, 4)  # 1 and 2 paged out (records 0, 1)
+    tables.share(1, 0, 24)
+    lane = Pager(LRU, tables, 1)
+    lane.sync(24)  # adopts 0, 3, 4, 5 as they are
+    lane.truncate(6)
+    tables.truncate(1, 6)  # logical 0 (pool block 0) and 1 (record 0)
+    assert (tables.table(1), tables.host(1)) == ((0, PAGED), {1: 0})
+    assert step(lane, 6, 1) == (Move(IN, 1, 4, 0),)  # the lowest free block
+    assert tables.table(1) == (0, 4) and tables.record_refs(0) == 1
+    # Kept whole and resident: truncated to 2 blocks, the lane keeps both (a sync to 24
+    # alone would page 1 and 2 out).
+    tables.write(5, 0, 24)
+    tables.share(2, 5, 24)
+    third = Pager(LRU, tables, 2)
+    third.sync(24)
+    third.truncate(6)
+    tables.truncate(2, 6)
+    assert step(third, 6, 1) == () and tables.table(2) == (5, 11)  # 1 copied on write
+
+
+def test_an_adopted_lane_pages_as_a_lane_that_computed_its_prefix() -> None:
+    """Under LRU a lane started on any prefix of a kept lane (resident or paged out)
+    keeps, step after step, the blocks a lane that computed that prefix itself keeps,
+    and pages out the same logical blocks."""
+    rng = random.Random(3)
+    for _ in range(40):
+        tables = BlockTables(40, 4, 64)
+        source = Pager(LRU, tables, 0)
+        while source.end < rng.randrange(8, 40):
+            step(source, source.end, rng.choice((1, 3, 8)))
+        decode(source, source.end + rng.randrange(20))
+        n = rng.randrange(1, min(source.end, 30) + 1)
+        tables.share(9, 0, n)
+        tables.free(0)
+        lane, fresh = Pager(LRU, tables, 1), Pager(LRU, tables, 2)
+        tables.share(1, 9, n)
+        lane.sync(n)
+        while fresh.end < n:  # computed in other chunks: the residency is the same
+            step(fresh, fresh.end, min(rng.choice((1, 4, 8)), n - fresh.end))
+        for _ in range(12):
+            k = rng.choice((1, 2, 5))
+            outs = [m.index for m in step(lane, lane.end, k) if m.kind == OUT]
+            assert outs == [m.index for m in step(fresh, fresh.end, k) if m.kind == OUT]
+            assert lane.resident() == fresh.resident()
+
+
 class FakeWorker:
     """A worker that follows the daemon: pool blocks and host records hold rows (here
     the token each position saw), moved and copied only as the moves and growth say."""
@@ -352,8 +450,8 @@ class FakeWorker:
         for move in moves:
             if move.kind == OUT:  # a copy: a shared block stays for the others
                 self.host[move.record] = list(self.pool[move.block])  # KeyError: nothing there
-            else:
-                self.pool[move.block] = self.host.pop(move.record)
+            else:  # a copy: a shared record stays for the others
+                self.pool[move.block] = list(self.host[move.record])
         growth = tables.write(lane, start, end)
         for _, src, dst in growth.copies:
             self.pool[dst] = list(self.pool[src])
@@ -373,32 +471,45 @@ class FakeWorker:
 
 
 def test_the_moves_and_the_tables_keep_every_lanes_rows() -> None:
-    """Three lanes over one pool: prefill, decode (one ahead or not), draft windows rolled
-    back, prefixes shared and resets, under both policies; after each step every lane's
-    logical blocks hold exactly the tokens it wrote, resident or paged out."""
+    """Three lanes over one pool and two kept lanes (finished prompts, no pager): prefill,
+    decode (one ahead or not), draft windows rolled back, prompts kept and dropped,
+    prefixes shared from running and kept lanes (paged-out entries too) and resets, under
+    both policies; after each step every lane's logical blocks hold exactly the tokens it
+    wrote, resident or paged out."""
     rng = random.Random(11)
-    block, lanes = 4, 3
+    block, lanes, kept = 4, 3, (3, 4)
     for policy in ("qk", "lru"):
         cfg = PagerConfig(pool_tokens=32, block=block, tail_blocks=2, policy=policy)
-        tables = BlockTables(lanes * (cfg.n_blocks + 2), block, 256)
+        tables = BlockTables(lanes * (cfg.n_blocks + 2) + 2 * cfg.n_blocks, block, 512)
         pagers = [Pager(cfg, tables, lane) for lane in range(lanes)]
         worker = FakeWorker(block)
-        tokens: list[list[int]] = [[] for _ in range(lanes)]  # what each lane's rows hold
+        tokens: list[list[int]] = [[] for _ in range(lanes + len(kept))]  # each lane's rows
+        shared_paged = 0
         for _ in range(1000):
             lane = rng.randrange(lanes)
             pager = pagers[lane]
             op = rng.random()
-            if op < 0.06 and tokens[lane]:  # restart the lane on another's resident prefix
-                source = rng.choice([s for s in range(lanes) if s != lane])
-                room = tables.resident_prefix(source) * block
-                n = min(rng.randrange(room + 1), len(tokens[source]))
+            if op < 0.04 and tokens[lane]:  # a finished prompt kept (its slot goes on)
+                keep, n = rng.choice(kept), rng.randrange(1, len(tokens[lane]) + 1)
+                tables.free(keep)
+                tables.share(keep, lane, n)
+                tokens[keep] = tokens[lane][:n]
+                if rng.random() < 0.3:  # a kept lane given up
+                    gone = rng.choice(kept)
+                    tables.free(gone)
+                    tokens[gone] = []
+                continue
+            if op < 0.1 and tokens[lane]:  # restart the lane on a running or kept prefix
+                source = rng.choice([s for s in (*range(lanes), *kept) if s != lane])
+                n = rng.randrange(len(tokens[source]) + 1)
                 pager.reset()
                 tables.free(lane)
                 tables.share(lane, source, n)
+                shared_paged += tables.paged(lane)
                 pager.sync(n)
                 tokens[lane] = tokens[source][:n]
                 continue
-            if op < 0.1 and tokens[lane]:  # a failed step undone
+            if op < 0.14 and tokens[lane]:  # a failed step undone
                 keep = rng.randrange(len(tokens[lane]) + 1)
                 pager.truncate(keep)
                 tables.truncate(lane, keep)
@@ -426,7 +537,8 @@ def test_the_moves_and_the_tables_keep_every_lanes_rows() -> None:
             # the row decoded ahead is the next step's first: it is rewritten there
             del tokens[lane][start + n :]
             assert len(pager.resident()) <= cfg.n_blocks
-            for other in range(lanes):
+            for other in (*range(lanes), *kept):
                 held = tokens[other]
                 assert worker.rows(tables, other, len(held)) == held, (policy, other)
         assert pagers[0].evictions and (policy == "lru" or pagers[0].recalls)
+        assert shared_paged  # lanes did start on paged-out entries

@@ -279,8 +279,8 @@ def test_qk_scores_equal_cosines_of_the_plain_caches_keys(tiny, family: str) -> 
 def test_out_of_step_moves_and_paged_blocks_are_refused(tiny) -> None:
     """Each refusal names what is wrong and changes nothing: a move out of a block the
     table does not hold there; a move into a resident entry or into a
-    held block; a record of the wrong size; a write, an export or a share of a paged-out
-    block. Releases drop the paged-out entries (their records are the daemon's)."""
+    held block; a record of the wrong size; a write or an export of a paged-out block.
+    Releases drop the paged-out entries (their records are the daemon's)."""
     model = tiny("llama")
     daemon = Daemon(model)
     pool = daemon.pool
@@ -318,8 +318,6 @@ def test_out_of_step_moves_and_paged_blocks_are_refused(tiny) -> None:
     ):
         rows_of(a, 20)
     rows_of(a, 16)  # below the paged-out block
-    with pytest.raises(ValueError, match=r"cannot share positions \[0, 24\)"):
-        daemon.cache().share(a, 24)
     size = pool.block_nbytes()
     assert a.nbytes() == size + size // 2 + size  # 1 shared with b; 0 (b paged it out), 3
     a.truncate(8)
@@ -328,6 +326,47 @@ def test_out_of_step_moves_and_paged_blocks_are_refused(tiny) -> None:
     daemon.page_out(b, 1)
     b.free()
     assert b.table == [] and pool.used_blocks == 1
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma4"])
+def test_a_share_takes_paged_out_entries_and_pages_them_in_byte_exact(tiny, family) -> None:
+    """A share of a table with PAGED entries (a kept prompt's): the sharer takes them as
+    they are (their block keys from the source), pages each in from the source's record,
+    which stays for the source, byte for byte; then it continues as a cache that held
+    those rows all along."""
+    model = tiny(family)
+    daemon = Daemon(model)
+    a = daemon.cache(scored=True)
+    tokens = token_ids(model, 48, seed=9)
+    daemon.forward(a, tokens[:40], 0)
+    before = rows_of(a, 40)
+    keys = {i: k[:4].clone() for i, k in a.qk.keys.items()}
+    daemon.page_out(a, 1)
+    daemon.page_out(a, 3)
+    records = {j: daemon.host.record(daemon.records[id(a), j]) for j in (1, 3)}
+    b = daemon.cache(scored=True)
+    assert b.share(a, 36) == 36  # logical blocks 0..4, the last one partly
+    assert b.table == [a.table[0], PAGED, a.table[2], PAGED, a.table[4]] == [0, PAGED, 2, PAGED, 4]
+    assert (b.paged_blocks, daemon.pool.refs(0), daemon.pool.refs(4)) == (2, 2, 2)
+    assert b.qk.sealed.nonzero().squeeze(1).tolist() == [0, 1, 2, 3]  # 4 is incomplete
+    for i, k in keys.items():
+        assert torch.equal(b.qk.keys[i][:4], k)
+    b.page_in(1, 1, records[1])  # the record stays for `a`, which pages its own copy in
+    b.page_in(3, 3, records[3])
+    a.page_in(1, 5, records[1])
+    a.page_in(3, 6, records[3])
+    for cache, n in ((a, 40), (b, 36)):
+        for i, (k, v) in rows_of(cache, n).items():
+            assert torch.equal(k.view(torch.uint8), before[i][0][:, :n].view(torch.uint8))
+            assert torch.equal(v.view(torch.uint8), before[i][1][:, :n].view(torch.uint8))
+    b.follow(((4, 4, 7),), ())  # the daemon's copy-on-write of the shared partial block
+    plain = plain_cache(model)
+    model.forward(tokens[:40], plain, 0)
+    plain.truncate(36)
+    for start, n in [(36, 5), (41, 1), (42, 6)]:
+        got = daemon.forward(b, tokens[start : start + n], start)
+        want = model.forward(tokens[start : start + n], plain, start)
+        assert torch.equal(got, want), start
 
 
 def test_a_step_checks_its_moves_with_the_pool_its_earlier_spans_leave(tiny) -> None:

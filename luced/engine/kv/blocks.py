@@ -24,9 +24,9 @@ The rules, the same on both sides (the worker applies each change as it comes):
               are appended until the table covers [0, end) (`Growth.blocks`). The span
               carries both and the table length after them; the worker refuses a span
               whose length does not match (`frames.Span.table`).
-    share     an empty lane takes a source's first ceil(n / block) blocks (kv_share):
-              retained, not copied; a partly shared last block is copied by whichever
-              lane writes into it next.
+    share     an empty lane takes a source's first ceil(n / block) entries (kv_share):
+              blocks and host records retained, not copied; a partly shared last block
+              is copied by whichever lane writes into it next.
     truncate  blocks wholly past n are released (the `truncate` verb).
     free      every block is released (reset, release, and a kv_import first).
     rollback  a span that starts below what its sequence holds (a verify window's
@@ -37,13 +37,16 @@ The rules, the same on both sides (the worker applies each change as it comes):
               hold on the block is released (a shared block stays with the tables that
               share it) and the entry becomes PAGED.
     page_in   a PAGED entry takes the lowest free block (`Move(IN, ...)`: the worker
-              copies the record's rows into it); the record is released.
+              copies the record's rows into it); this table's hold on the record is
+              released (a shared record stays for the tables sharing it).
 
 A table entry is a pool block or PAGED (-1): a logical block whose rows wait in a host
 record (`records` of them, a heap as for blocks; KV Flash's host tier, engine/kv/pager.py
-decides what goes). Neither `write` nor `share` reaches a PAGED entry: the pager pages
-it in first. `truncate` and `free` release the
-records of the PAGED entries they drop.
+decides what goes). A record has a reference count like a block: the tables whose
+entry it is (a `share` of a PAGED entry retains its record, so a finished prompt kept
+for sharing keeps its paged-out blocks too). `write` never reaches a PAGED entry: the
+pager pages it in first. `truncate` and `free` release the records of the PAGED entries
+they drop; a record is free again at its last release.
 
 Everything else is the worker's: it neither allocates nor releases on its own.
 
@@ -119,6 +122,7 @@ class BlockTables:
         self._tables: dict[int, list[int]] = {}  # lane -> logical block -> pool block or PAGED
         self._free_records = list(range(records))  # a heap, as `_free`
         self._host: dict[int, dict[int, int]] = {}  # lane -> PAGED logical block -> record
+        self._record_refs = [0] * records  # record -> tables holding it
 
     # -- reading ----------------------------------------------------------------------
 
@@ -139,6 +143,16 @@ class BlockTables:
             raise ValueError(f"lane {lane} holds {len(table)} blocks: it has no block {j}")
         return table[j]
 
+    def record_refs(self, record: int) -> int:
+        return self._record_refs[record]
+
+    def record(self, lane: int, j: int) -> int:
+        """The host record of `lane`'s PAGED logical block j."""
+        record = self._host.get(lane, {}).get(j)
+        if record is None:
+            raise ValueError(f"lane {lane}'s block {j} is not paged out")
+        return record
+
     def host(self, lane: int) -> dict[int, int]:
         """`lane`'s PAGED logical blocks -> their host records."""
         return dict(self._host.get(lane, {}))
@@ -152,7 +166,7 @@ class BlockTables:
         return [j for j, b in enumerate(self._tables.get(lane, ())) if b != PAGED]
 
     def resident_prefix(self, lane: int) -> int:
-        """How many of `lane`'s leading entries are resident (what `share` may take)."""
+        """How many of `lane`'s leading entries are resident (what a snapshot may copy)."""
         table = self._tables.get(lane, [])
         return next((j for j, b in enumerate(table) if b == PAGED), len(table))
 
@@ -216,7 +230,8 @@ class BlockTables:
         return self.write(lane, min(covered, end), end).blocks
 
     def share(self, lane: int, source: int, n: int) -> None:
-        """The empty `lane` takes `source`'s first ceil(n / block) blocks (retained)."""
+        """The empty `lane` takes `source`'s first ceil(n / block) entries: their blocks
+        and host records retained."""
         if self.length(lane):
             raise ValueError(f"lane {lane} holds {self.length(lane)} blocks: free it first")
         theirs = self._tables.get(source, [])
@@ -226,14 +241,15 @@ class BlockTables:
                 f"lane {source} holds {len(theirs)} blocks of {self.block}: not {n} positions"
             )
         mine = theirs[:want]
-        if PAGED in mine:
-            raise ValueError(
-                f"lane {source}'s first {n} positions reach its paged-out blocks (resident: "
-                f"{self.resident_prefix(source) * self.block} positions)"
-            )
+        host = {j: r for j, r in self._host.get(source, {}).items() if j < want}
         for block in mine:
-            self._refs[block] += 1
+            if block != PAGED:
+                self._refs[block] += 1
+        for record in host.values():
+            self._record_refs[record] += 1
         self._tables[lane] = list(mine)
+        if host:
+            self._host[lane] = host
 
     def truncate(self, lane: int, n: int) -> None:
         """Release `lane`'s blocks wholly past position n."""
@@ -244,7 +260,7 @@ class BlockTables:
         host = self._host.get(lane, {})
         for j in range(keep, len(table)):
             if table[j] == PAGED:
-                heapq.heappush(self._free_records, host.pop(j))
+                self._release_record(host.pop(j))
             else:
                 self._release(table[j])
         del table[keep:]
@@ -271,14 +287,16 @@ class BlockTables:
                 f"all {self.records} are used"
             )
         record = heapq.heappop(self._free_records)
+        self._record_refs[record] = 1
         self._release(block)
         self._tables[lane][j] = PAGED
         self._host.setdefault(lane, {})[j] = record
         return Move(OUT, j, block, record)
 
     def page_in(self, lane: int, j: int) -> Move:
-        """`lane`'s PAGED block j into the lowest free block; its record is released
-        (checked first: an error changes nothing)."""
+        """`lane`'s PAGED block j into the lowest free block; this table's hold on its
+        record is released (a shared record stays for the other tables, which page in
+        their own copies). Checked first: an error changes nothing."""
         if self.entry(lane, j) != PAGED:
             raise ValueError(f"lane {lane}'s block {j} is resident, not paged out")
         self._check_free(1, f"lane {lane}'s paged-out block {j}")
@@ -288,7 +306,7 @@ class BlockTables:
         record = host.pop(j)
         if not host:
             del self._host[lane]
-        heapq.heappush(self._free_records, record)
+        self._release_record(record)
         self._tables[lane][j] = block
         return Move(IN, j, block, record)
 
@@ -296,6 +314,11 @@ class BlockTables:
         self._refs[block] -= 1
         if not self._refs[block]:
             heapq.heappush(self._free, block)
+
+    def _release_record(self, record: int) -> None:
+        self._record_refs[record] -= 1
+        if not self._record_refs[record]:
+            heapq.heappush(self._free_records, record)
 
     def _check_free(self, need: int, what: str) -> None:
         if need > len(self._free):

@@ -243,9 +243,11 @@ class Pager:
         cur = max(self.cur_block, step[-1])
         what = f"lane {lane}'s positions [{start}, {end})"
         keep = self._selection(step) if self._scored and self.reselect_due() else None
-        reselection = self._reselection(keep, length)
-        ops, candidates = self._step(step, cur, keep, length, what)
-        recalled = [j for kind, j in reselection if kind == IN]
+        adopt = self._adopt if keep is None else None
+        reselection = self._reselection(keep if adopt is None else adopt, length)
+        ops, candidates = self._step(step, cur, keep if adopt is None else adopt, length, what)
+        # An adoption's blocks keep their order (position), as a fresh pager's would.
+        recalled = [j for kind, j in reselection if kind == IN and adopt is None]
         victims = iter(self._victims(candidates, ops.count((OUT, _VICTIM)), recalled))
         ops = [(kind, next(victims) if j == _VICTIM else j) for kind, j in ops]
         self._check_pool([*reselection, *ops], what)
@@ -254,6 +256,10 @@ class Pager:
         if keep is not None:
             self._since_reselect = 0
             self._asked = self._scored = False
+        if adopt is not None:
+            for j in sorted(adopt):
+                self.touch(j)
+            self._adopt = None
         moves += [self._move(kind, j) for kind, j in ops if kind != _NEW]
         for j in step:
             self.touch(j)
@@ -270,10 +276,15 @@ class Pager:
         # Reselection counts kept positions, not a rejected draft's.
         self._since_reselect = max(0, self._since_reselect - (self.end - length))
         self.end = length
+        if self._adopt is not None:  # not stepped since a sync: as if synced to length
+            self._adopt = self._planned_residency(-(-length // self.cfg.block))
 
     def sync(self, n: int) -> None:
-        """The caller made the lane's table anew covering [0, n) (a `share`, an import):
-        start over as if a fresh pager had planned those blocks in order."""
+        """The caller made the lane's table anew covering [0, n) (a `share`, an import),
+        its entries resident or PAGED (a kept prompt's): start over as if a fresh pager
+        had planned those blocks in order. Under `lru` the next `plan` first brings the
+        residency to that pager's too, the sinks and the newest blocks within the quota
+        (`_adopt`); under `qk` the reselection, due at once, ranks them."""
         blocks = -(-n // self.cfg.block)
         if n < 0 or blocks > self.tables.length(self.lane):
             raise ValueError(
@@ -285,6 +296,8 @@ class Pager:
             self.touch(j)
         self.cur_block = blocks - 1
         self.end = self._since_reselect = n
+        if self.cfg.policy == "lru":
+            self._adopt = self._planned_residency(blocks)
 
     def reset(self) -> None:
         """Forget the lane (the caller frees its table); the counters stay."""
@@ -296,6 +309,9 @@ class Pager:
         self._since_reselect = 0
         self._asked = False
         self._scored = False  # scores arrived since the last reselection
+        # The residency the next plan brings a synced lane to (under `lru`): what a pager
+        # that had planned its blocks in order would keep.
+        self._adopt: set[int] | None = None
 
     # ------------------------------------------------------------------ internals
 
@@ -305,6 +321,19 @@ class Pager:
     def _shared(self, j: int) -> bool:
         block = self.tables.entry(self.lane, j)
         return block != PAGED and self.tables.refs(block) > 1
+
+    def _planned_residency(self, blocks: int) -> set[int]:
+        """What an `lru` pager that planned `blocks` blocks in order keeps: the sinks and
+        the newest blocks within the quota."""
+        sinks = min(self.cfg.sink_blocks, blocks)
+        newest = max(sinks, blocks - (self.quota - sinks))
+        return {*range(sinks), *range(newest, blocks)}
+
+    def _shared_record(self, j: int) -> bool:
+        """Whether block j's host record stays when it is paged in: another table holds
+        it (a record this plan pages out first is its own)."""
+        t = self.tables
+        return t.entry(self.lane, j) == PAGED and t.record_refs(t.record(self.lane, j)) > 1
 
     def _victims(self, candidates: list[int], n: int, recalled: list[int]) -> list[int]:
         """The n blocks the step pages out, in order: the lowest score (`qk`), then the
@@ -383,8 +412,8 @@ class Pager:
     def _check_pool(self, ops: list[tuple[int, int]], what: str) -> None:
         """Walk the ops in order over the shared pool's free blocks and records (an OUT
         takes a record and frees its block unless another table shares it, an IN the
-        reverse, a new block or a copy-on-write takes a block) and refuse the step before
-        anything changes."""
+        reverse (a shared record stays), a new block or a copy-on-write takes a block)
+        and refuse the step before anything changes."""
         t = self.tables
         blocks, records = t.free_blocks, t.free_records
         for kind, j in ops:
@@ -392,7 +421,10 @@ class Pager:
                 blocks -= 1
             elif not self._shared(j):  # a shared block stays for the others
                 blocks += 1
-            records += {OUT: -1, IN: 1}.get(kind, 0)
+            if kind == OUT:
+                records -= 1
+            elif kind == IN and not self._shared_record(j):
+                records += 1
             if blocks < 0:
                 raise BlocksExhausted(
                     f"the K/V block pool is exhausted: {what} need more than the "

@@ -1,7 +1,8 @@
 """KV Flash's part of the target: each running slot's pager over the target's block
 tables (engine/kv/pager.py), the host tier and the scores in shared memory
 (transport.py), and the counters. A kept lane (a finished prompt held for sharing) never
-runs, so it has no pager: it keeps what it was given."""
+runs, so it has no pager: it keeps what it was given, paged-out blocks included (their
+host records are shared, `BlockTables.share`)."""
 
 from __future__ import annotations
 
@@ -27,10 +28,14 @@ class FlashLanes:
         self._pagers: dict[int, Pager] = {}
         self._record_bytes: dict[tuple[int, int], int] = {}  # worker layers -> one record
 
-    @property
-    def records(self) -> int:
-        """Host records for the block tables: every running slot may page out a context."""
-        return self.sequences * self.keys
+    def records(self, kept: int = 0, kept_lanes: int = 0) -> int:
+        """Host records for the block tables: every running slot may page out a context,
+        and the kept lanes (finished prompts, `kept` positions in `kept_lanes` lanes at
+        most) keep theirs. A record shared by several tables (`BlockTables.share`) counts
+        once, so this bounds them all. A kept lane's sink block is never paged out, so
+        its paged entries are fewer than its positions / block."""
+        sinkless = kept_lanes if self.cfg.sink_blocks == 0 else 0
+        return self.sequences * self.keys + kept // self.cfg.block + sinkless
 
     def blocks_for(self, kept_blocks: int) -> int:
         """The pool's blocks: each running slot's quota and one more (its decode's next

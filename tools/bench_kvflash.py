@@ -5,6 +5,7 @@ or none; needle retrieval under `lru` and `qk` at ~9% residency.
                                   [--threads N] [--model PATH]
                                   [--niah-context 8192] [--niah-pool 768]
                                   [--niah-depths 0.1,0.5,0.9] [--skip-speed] [--skip-niah]
+                                  [--chat 2048] [--rounds 3]
 
 For each context and each cache (plain, pool), a fresh Target (worker subprocess, shared
 memory, frames) on the bundled SmolLM2-135M in float32: prefill `context - tokens` random
@@ -19,6 +20,12 @@ copy what follows), a reselection is asked for (the daemon reselects by the next
 scores; a no-op under `lru`), then each of the last 16 is fed in turn and counted when it
 was the model's greedy prediction. Run through the same Target as the speed runs, for a
 pool covering the context (the control) and for `--niah-pool` under `lru` and `qk`.
+
+A chat longer than the pool (`--chat N`, through a real Engine, `--pool`, `lru`): turn 1
+is N tokens of the docs and 8 generated; turn 2 is turn 1's prompt and a question. Its
+time to first token and the prompt tokens it did not compute, against the same turn 2
+with nothing kept (cold), medians of `--rounds` interleaved rounds. Run it with
+PYTHONPATH at another tree to compare trees (the script uses only the Engine's API).
 """
 
 from __future__ import annotations
@@ -27,16 +34,19 @@ import argparse
 import asyncio
 import contextlib
 import random
+import statistics
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+from luced.engine.core import Engine, GenerationRequest
 from luced.engine.driver import Driver
 from luced.engine.kv.blocks import PAGED
 from luced.engine.kvflash.transport import KVFlashSettings, pager_config
 from luced.engine.target import Target, TargetPlacement
 from luced.gguf_file import GGUFFile
 from luced.ipc.shm import ShmOwner
+from luced.sampling_params import SamplingParams
 from luced.text.tokenizer import Tokenizer
 
 GREEDY = {"temperature": 0}
@@ -156,6 +166,74 @@ async def run_niah(
     return rows
 
 
+async def turn(engine: Engine, prompt: list[int], tokens: int) -> tuple[float, int]:
+    """Time to first token and the prompt tokens not computed."""
+    greedy = SamplingParams(temperature=0)
+    t0 = time.perf_counter()
+    handle = engine.submit(GenerationRequest("chat", prompt, greedy, tokens, ignore_eos=True))
+    first = 0.0
+    async for _ in handle:
+        first = first or time.perf_counter()
+    assert handle.finish_reason == "length", handle.error
+    return first - t0, handle.cached_tokens
+
+
+async def run_chat(path: Path, context: int, pool: int, rounds: int, threads: int) -> None:
+    """A chat longer than the pool: turn 2 on turn 1's kept prompt against cold (module
+    doc)."""
+    gguf = GGUFFile(path)
+    tokenizer = Tokenizer.from_gguf(gguf)
+    capacity = context + 256
+    flash = pager_config(KVFlashSettings(pool, policy="lru"), pool, gguf)
+    docs = haystack(path, context * 2 * rounds)
+    with ShmOwner() as owner:
+        placement = TargetPlacement.split(
+            model=str(path),
+            n_layers=int(gguf.require(f"{gguf.arch}.block_count")),
+            dtype="float32",
+            kv_capacity=capacity,
+            max_batch_tokens=512,
+            devices=("cpu",),
+            threads=threads,
+        )
+        target = Target(owner, placement, kv_flash=flash, step_tokens=512 + 32, sequences=2)
+        engine = Engine(
+            target,
+            tokenizer,
+            None,
+            model_name="bench",
+            context_length=capacity,
+            max_running=2,
+            kv_keep_tokens=capacity,
+        )
+        await target.start()
+        engine.start()
+        cold, kept, reused = [], [], []
+        try:
+            for i in range(rounds):
+                first, fresh = (docs[j * context : (j + 1) * context] for j in (2 * i, 2 * i + 1))
+                question = tokenizer.encode(f" Question {i}: what came next, and why?")
+                t, n = await turn(engine, fresh + question, 8)  # a document never seen
+                assert n == 0, n
+                cold.append(t)
+                await turn(engine, first, 8)
+                t, n = await turn(engine, first + question, 8)
+                kept.append(t)
+                reused.append(n)
+                engine.drop_kept()
+                while engine.kv.evicted:  # the loop frees them in the workers
+                    await asyncio.sleep(0.005)
+        finally:
+            await engine.stop()
+            await target.close()
+    med = statistics.median
+    print(
+        f"\nchat turn 2 after a {context}-token turn 1, pool {pool} (lru), medians of {rounds}:"
+        f" TTFT cold {med(cold) * 1e3:.0f} ms, on the kept turn {med(kept) * 1e3:.0f} ms "
+        f"({med(cold) / med(kept):.1f}x), prompt tokens reused {med(reused):.0f}"
+    )
+
+
 async def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--contexts", default="1024,4096,8192")
@@ -169,11 +247,16 @@ async def main() -> None:
     ap.add_argument("--skip-speed", action="store_true")
     ap.add_argument("--skip-niah", action="store_true")
     ap.add_argument("--no-baseline", action="store_true", help="pooled runs only (RSS bound)")
+    ap.add_argument("--chat", type=int, default=0, help="turn-1 tokens of the chat run (only)")
+    ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args()
     if args.model is None:
         from luced.serve.bundled import smollm2_path
 
         args.model = smollm2_path()
+    if args.chat:
+        await run_chat(args.model, args.chat, args.pool, args.rounds, args.threads)
+        return
     if not args.skip_niah:
         depths = [float(d) for d in args.niah_depths.split(",")]
         found = await run_niah(args.model, args.niah_context, args.niah_pool, depths, args.threads)

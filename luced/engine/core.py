@@ -131,10 +131,10 @@ class Engine:
                 f"the KV pool ({pool} positions) must hold one whole context "
                 f"({context_length}): else a long request could never finish"
             )
-        self.kv = KVBudget(pool)
         keep = min(kv_keep_tokens, pool)
+        holdings = target.size_blocks(pool, max_running + (KEPT_LANES if keep else 0), keep)
+        self.kv = KVBudget(pool, holdings)  # under KV Flash: what lanes hold in the pool
         self.finished = FinishedPrefixes(self.kv, max_running, keep) if keep else None
-        target.size_blocks(pool, max_running + (KEPT_LANES if keep else 0), keep)  # its tables
         self.scheduler = Scheduler(
             max_running=max_running,
             max_step_tokens=target.step_tokens,
@@ -444,12 +444,9 @@ class Engine:
         return n
 
     async def _free_evicted(self) -> None:
-        """Free in the workers the kept lanes the budget gave up."""
-        if self.finished is None:
-            return
-        for lane in self.finished.forget_evicted():
-            with contextlib.suppress(Exception):  # a dead worker forgot it anyway
-                await self.target.release(lane)
+        """Free in the workers the kept lanes the budget gave up, page out those it paged."""
+        if self.finished is not None:
+            await self.finished.settle(self.target)
 
     def _keep_lane(self, seq: Sequence) -> int | None:
         """The kept lane a finished sequence's K/V moves to, or None (freed): kept when it
@@ -467,7 +464,7 @@ class Engine:
             or self.target.capture is not None
         ):
             return None
-        return self.finished.lane_for(seq.prompt[: seq.computed])
+        return self.finished.lane_for(seq.prompt[: seq.computed], seq.slot)
 
     async def _keep(self, seq: Sequence, lane: int) -> None:
         """Move a finished sequence's blocks to its kept lane (shared, not copied; its slot

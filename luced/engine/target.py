@@ -61,6 +61,7 @@ from luced.engine.experts import ExpertWorker
 from luced.engine.feature_ring import FeatureRing
 from luced.engine.hops import Hops
 from luced.engine.kv.blocks import BlockTables, pool_blocks
+from luced.engine.kv.holdings import Holdings
 from luced.engine.kv.pager import Pager, PagerConfig
 from luced.engine.kv_transfer import KVTransfer
 from luced.engine.kvflash.lanes import FlashLanes
@@ -174,15 +175,15 @@ class Target:
         self.lookup_drafts = False  # n-gram windows (`enable_lookup_drafts`)
         self.block_size = 0  # the longest draft window (with speculation)
 
-    def size_blocks(self, positions: int, lanes: int, kept: int = 0) -> None:
+    def size_blocks(self, positions: int, lanes: int, kept: int = 0) -> Holdings | None:
         """The workers' pools hold `positions` (the KV account's) for at most `lanes`
         tables at once (`pool_blocks`); before the first load. With KV Flash each running
         slot keeps at most its pager's quota resident, and the lanes past them (finished
-        sequences' kept prompts) hold at most `kept` positions; the host records hold a
-        whole context of every running slot and the kept positions (`FlashLanes.records`)."""
+        sequences' kept prompts) hold at most `kept` positions resident; the host records
+        are `FlashLanes.records`. -> under KV Flash, what the lanes hold (the budget's)."""
         block, flash = self.placement.kv_block, self.flash
         if not block:
-            return
+            return None
         records = 0
         if flash is None:
             n = pool_blocks(positions, lanes, block)
@@ -195,6 +196,7 @@ class Target:
                 "the block pool is sized before the workers load (make the engine first)"
             )
         self.blocks = BlockTables(n, block, records)
+        return flash.holdings(self.blocks) if flash is not None else None
 
     # -- lifecycle -----------------------------------------------------------------------
 

@@ -125,6 +125,7 @@ class Backend(WorkerState):
             F.KVImport: self.kv_import,
             F.KVForget: self.kv_forget,
             F.KVShare: self.kv_share,
+            F.KVPage: self.kv_page,
             F.Stats: self.stats,
             F.Shutdown: self.shutdown,
             F.Ping: self.ping,
@@ -334,6 +335,13 @@ class Backend(WorkerState):
     def kv_share(self, req: F.KVShare) -> F.KVShareReply:
         shared = self.model("kv_share").share(req.sequence, req.source, req.position)
         return F.KVShareReply(position=shared)
+
+    def kv_page(self, req: F.KVPage) -> F.KVPageReply:
+        m = self.model("kv_page")
+        if not m.reply.kv_record_bytes:
+            raise WorkerError("kv_page needs a load with kv_block (one block pool per shard)")
+        hosts = forward_verb.host_tier(self, req.kv_host, req.moves, m)
+        return F.KVPageReply(paged=m.page(req.sequence, req.moves, hosts))
 
     def stats(self, req: F.Stats) -> F.StatsReply:
         m = self.loaded

@@ -27,6 +27,7 @@ from collections.abc import Sequence
 import torch
 
 from luced.ipc import frames as F
+from luced.ipc.regions import Region
 from luced.runtime import kv_blocks, qlinear, token_mask
 from luced.runtime.decode_graph import BATCH_BUCKETS, TOKEN_BUCKETS, bucket
 from luced.runtime.dflash.verify import verify_sampled
@@ -199,13 +200,19 @@ def _check_spans(m: Loaded, spans: Sequence[F.Span], states: list[SequenceState]
 
 
 def _host_tier(worker: WorkerState, req: F.Forward, m: Loaded) -> list[SharedHostTier] | None:
-    """Each shard's view of the host records the spans' moves name (None without moves):
-    its bytes of each record, the shards side by side (`LoadReply.kv_record_bytes`)."""
+    """Each shard's view of the host records the spans' moves name (None without moves)."""
     moves = [move for span in req.spans for move in span.moves]
     if not moves:
         return None
-    host = req.kv_host
-    assert host is not None  # the frame checks it
+    assert req.kv_host is not None  # the frame checks it
+    return host_tier(worker, req.kv_host, moves, m)
+
+
+def host_tier(
+    worker: WorkerState, host: Region, moves: Sequence[tuple[int, int, int, int]], m: Loaded
+) -> list[SharedHostTier]:
+    """Each shard's view of `host`, the records `moves` name: its bytes of each record,
+    the shards side by side (`LoadReply.kv_record_bytes`)."""
     if host.shape[1] != m.reply.kv_record_bytes:
         got, want = host.shape[1], m.reply.kv_record_bytes
         raise WorkerError(f"host records of {got} bytes, this worker's are {want}")

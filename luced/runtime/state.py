@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -218,6 +218,29 @@ class Loaded:
             self.sequences[sequence] = SequenceState(
                 self.new_caches(), sampler=state.sampler, sampling=state.sampling
             )
+
+    def page(
+        self, sequence: int, moves: Sequence[tuple[int, int, int, int]], hosts: list[SharedHostTier]
+    ) -> int:
+        """KV Flash moves of `sequence`'s block tables outside a forward (a kept lane paged
+        out, `kv_page`): checked on every shard first (WorkerError: nothing changed), then
+        applied in order through each shard's view of the host tier. -> its PAGED entries."""
+        state = self.sequences.get(sequence)
+        caches = state.paged() if state is not None else []
+        if not caches:
+            raise WorkerError(f"kv_page: sequence {sequence} holds no block table")
+        for cache in caches:
+            try:
+                cache.check_follow((), (), len(cache.table), moves, {})
+            except ValueError as exc:
+                raise WorkerError(
+                    f"kv_page: sequence {sequence} is out of step with the daemon's block "
+                    f"table: {exc}"
+                ) from None
+        for cache, host in zip(caches, hosts, strict=True):
+            for kind, j, block, record in moves:
+                cache.move(kind, j, block, host.record(record))
+        return caches[0].paged_blocks
 
     def share(self, sequence: int, source: int, n: int) -> int:
         """Start `sequence` (emptied first) on `source`'s first n positions: each shard's

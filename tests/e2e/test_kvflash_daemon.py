@@ -42,9 +42,11 @@ def test_long_prompt_over_a_small_pool(smollm2_gguf, tmp_path, policy: str) -> N
         assert flash["evictions"] >= 3000 // 64 - 8
         assert (flash["recalls"] > 0) == (policy == "qk")
         # The request ran in a lane of its own (continuous batching), which it gave back
-        # when it finished: its blocks and its host records are free again.
-        assert flash["sequences"] >= 1
-        assert flash["resident_blocks"] == flash["paged_out_blocks"] == flash["host_bytes"] == 0
+        # when it finished: what is left is its kept prompt's lane, within the kept limit
+        # resident, the rest paged out to host records (counted by the status).
+        assert flash["sequences"] >= 1 and flash["kept_lanes"] == 1
+        assert flash["paged_out_blocks"] > 0 and flash["host_bytes"] > 0
+        assert flash["resident_blocks"] + flash["paged_out_blocks"] > 8
         assert "evictions" in d.lucectl("status").stdout
         assert d.metric("luced:kv_flash_evictions_total") == flash["evictions"]
         assert d.metric("luced:kv_flash_recalls_total") == flash["recalls"]

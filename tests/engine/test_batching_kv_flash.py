@@ -181,21 +181,23 @@ async def test_requests_share_a_prompt_prefix_and_page_it_out_as_alone(tiny: Pat
         assert got_lps == pytest.approx(want_lps, abs=1e-4)
 
 
-@pytest.mark.parametrize("policy", ["lru", "qk"])
+@pytest.mark.parametrize(("policy", "running"), [("lru", 1), ("qk", 2)], ids=["lru", "qk"])
 async def test_a_chat_longer_than_the_pool_continues_on_its_kept_prompt(
-    tiny: Path, policy: str
+    tiny: Path, policy: str, running: int
 ) -> None:
     """Turn 1's prompt (560 tokens) passes the 448-token pool, and decoding pages more of
     it out; its lane keeps the whole prompt, paged-out blocks included (their host
     records), and turn 2 (turn 1's prompt, its answer, a new message) starts on all of
     it, paging back in what it needs. Under lru, with prompt chunks of a block (as here),
     turn 2 plans the residency a fresh prefill plans, so its output is a fresh engine's
-    bit for bit; under qk the reselections come at other steps."""
+    bit for bit; under qk the reselections come at other steps. With one running request
+    and the default pool (one context) too: the kept lane is charged its resident blocks,
+    not its 560 positions, so turn 2's admission leaves it to be shared."""
     pool = PagerConfig(pool_tokens=448, policy=policy)  # type: ignore[arg-type]
     greedy = SamplingParams(temperature=0, logprobs=1)
     first = GenerationRequest("t1", PROMPTS[0], greedy, 40, ignore_eos=True)
     async with engine_for(
-        tiny, context=1024, kv_flash=pool, max_running=2, kv_keep_tokens=1024
+        tiny, context=1024, kv_flash=pool, max_running=running, kv_keep_tokens=1024
     ) as engine:
         answer, _ = await drain(engine, first)
         second = GenerationRequest(
@@ -216,3 +218,37 @@ async def test_a_chat_longer_than_the_pool_continues_on_its_kept_prompt(
         async with engine_for(tiny, context=1024, kv_flash=pool) as engine:
             fresh, fresh_lps = await drain(engine, second)
         assert got == fresh and got_lps == fresh_lps
+
+
+async def test_a_kept_prompt_over_the_kept_limit_is_paged_out_and_shared_whole(
+    tiny: Path,
+) -> None:
+    """A kept limit of 256 positions below turn 1's resident blocks (448): its kept lane
+    pages them out but the sink (into host records, shown by the status) instead of
+    being given up, and turn 2 still starts on the whole prompt, paging back in what it
+    needs: its output is the one it gives when the kept lane stayed resident, which
+    under lru with block-aligned chunks is a fresh engine's, bit for bit."""
+    pool = PagerConfig(pool_tokens=448, policy="lru")
+    greedy = SamplingParams(temperature=0, logprobs=1)
+    first = GenerationRequest("t1", PROMPTS[0], greedy, 40, ignore_eos=True)
+    async with engine_for(
+        tiny, context=1024, kv_flash=pool, max_running=1, kv_keep_tokens=256
+    ) as engine:
+        answer, _ = await drain(engine, first)
+        await engine._idle.wait()  # its prompt kept, its slot released
+        kept = engine.target.flash_status()
+        assert kept is not None and engine.finished is not None
+        (lane,) = engine.kv.kept
+        blocks = engine.target.blocks
+        assert blocks is not None and blocks.resident(lane) == [0]  # its sink
+        assert blocks.paged(lane) == 8 and engine.kv.charge(lane) == 64
+        second = GenerationRequest(
+            "t2", [*PROMPTS[0], *answer, 5, 9, 13, 21, 33, 8, 2, 71], greedy, 30, ignore_eos=True
+        )
+        got, got_lps = await drain(engine, second)
+        assert engine.prefix.shared_tokens == len(PROMPTS[0])
+    assert kept["kept_lanes"] == 1 and kept["sequences"] == 1
+    assert kept["paged_out_blocks"] >= 8 and kept["host_bytes"] >= 8 * kept["block"]
+    async with engine_for(tiny, context=1024, kv_flash=pool) as engine:
+        fresh, fresh_lps = await drain(engine, second)
+    assert got == fresh and got_lps == fresh_lps

@@ -476,6 +476,30 @@ def test_kv_share_validation(kw: dict, match: str) -> None:
         F.KVShare(**{"sequence": 2, "source": 1, "position": 32, **kw})
 
 
+def test_wire_shape_of_kv_page(sample_requests: dict) -> None:
+    wire = msgpack.unpackb(codec.encode_request(4, sample_requests["kv_page"]), raw=False)
+    assert wire["op"] == "kv_page" and wire["sequence"] == 70
+    assert wire["moves"] == [[0, 3, 12, 5], [0, 4, 2, 6]]
+    assert wire["kv_host"] == {"segment": SEG, "offset": 64, "shape": [16, 4096], "dtype": "uint8"}
+
+
+@pytest.mark.parametrize(
+    ("kw", "match"),
+    [
+        ({"moves": ()}, "moves must not be empty"),
+        ({"moves": ((2, 1, 1, 1),)}, r"a move is \(0 out \| 1 in.*got \[2, 1, 1, 1\]"),
+        ({"moves": ((0, 1, -1, 1),)}, r"got \[0, 1, -1, 1\]"),
+        ({"moves": ((0, 1, 1),)}, "expected 4 items, got 3"),
+        ({"kv_host": Region(SEG, 64, (16,), "uint8")}, r"kv_host must be uint8 \[records, bytes\]"),
+        ({"sequence": -1}, "sequence must be >= 0"),
+    ],
+)
+def test_kv_page_validation(kw: dict, match: str) -> None:
+    base = {"sequence": 70, "moves": ((0, 1, 2, 3),), "kv_host": Region(SEG, 64, (4, 64), "uint8")}
+    with pytest.raises(F.FrameError, match=match):
+        F.KVPage(**{**base, **kw})
+
+
 def test_snapshots_kept_by_a_worker_are_named_by_id() -> None:
     tokens = Region("/luced-x-arena", 64, (8,), "int32")
     kept = F.KVImport(position=8, regions={}, tokens=tokens, store="3f9a0c12d4e1")

@@ -22,12 +22,20 @@ A finished request's positions may be kept (`keep`, engine/kv/finished.py): its 
 becomes a kept lane, charged like a running one but first to go. Admission and growth
 `reclaim` kept lanes, least recently used first, before anything waits or is preempted;
 the workers free them before the next forward (`evicted`).
+
+Under KV Flash (`holdings`, engine/kv/holdings.py) a lane is charged what it holds in the
+workers' pool, not its positions: a running lane at most its quota and its step's block
+(`Holdings.cap`), a kept lane its resident blocks; a sharer is credited the resident
+blocks it holds with its source. And a kept lane gives way by paging its blocks but its
+sinks out to host records (it stays whole and shareable); it is given up only when the
+host records run out or it holds only its sinks (`give_way`).
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 
+from luced.engine.kv.holdings import Holdings
 from luced.engine.kvflash.transport import available_memory
 
 # Positions a decoding request reserves at a time beyond its need.
@@ -35,10 +43,12 @@ RESERVE_STEP = 16
 
 
 class KVBudget:
-    def __init__(self, positions: int) -> None:
+    def __init__(self, positions: int, holdings: Holdings | None = None) -> None:
+        """holdings: under KV Flash, what each lane holds in the pool (the charges)."""
         if positions < 1:
             raise ValueError(f"the KV pool holds at least 1 position, got {positions}")
         self.positions = positions
+        self.holdings = holdings
         self.held: dict[int, int] = {}  # lane -> positions reserved
         self.tickets: dict[int, int] = {}  # lane -> its request's arrival order
         # lane -> (the lane whose blocks it shares, its first positions that lane pays for)
@@ -50,12 +60,19 @@ class KVBudget:
 
     @property
     def used(self) -> int:
-        return sum(self.held.values()) - sum(n for _, n in self.credits.values())
+        return sum(self.charge(lane) for lane in self.held)
 
     def charge(self, lane: int) -> int:
-        """The positions charged to `lane`: its own less what it shares."""
-        credit = self.credits.get(lane)
-        return self.held.get(lane, 0) - (credit[1] if credit is not None else 0)
+        """The positions charged to `lane`: its own less what it shares (under KV Flash
+        what it holds in the pool less what its source holds of it)."""
+        held, credit, h = self.held.get(lane, 0), self.credits.get(lane), self.holdings
+        if h is None:
+            return held - (credit[1] if credit is not None else 0)
+        if lane in self.kept:  # its resident blocks (its positions until it has a table)
+            own = h.resident(lane) if h.tables.length(lane) else held
+        else:
+            own = min(held, h.cap)
+        return max(0, own - (h.common(lane, *credit) if credit is not None else 0))
 
     @property
     def kept_positions(self) -> int:
@@ -70,12 +87,19 @@ class KVBudget:
     def fits(self, positions: int) -> bool:
         return self.used + positions <= self.positions
 
+    def _more(self, have: int, want: int) -> int:
+        """What a running lane's charge grows by from `have` positions held to `want`."""
+        if self.holdings is None:
+            return want - have
+        cap = self.holdings.cap
+        return max(0, min(want, cap) - min(have, cap))
+
     def admit(self, lane: int, ticket: int, positions: int) -> bool:
         """Reserve `positions` for a request entering `lane`; False (nothing changed) when
         they do not fit beside the others'."""
         if lane in self.held:
             raise ValueError(f"lane {lane} already holds a reservation")
-        if not self.fits(positions):
+        if not self.fits(self._more(0, positions)):
             return False
         self.held[lane], self.tickets[lane] = positions, ticket
         return True
@@ -87,13 +111,13 @@ class KVBudget:
         if end <= have:
             return True
         want = min(end + RESERVE_STEP, self.positions)
-        if self.fits(want - have):
+        if self.fits(self._more(have, want)):
             self.held[lane] = want
             return True
-        if self.fits(end - have):  # the spare does not fit, the need does
+        if self.fits(self._more(have, end)):  # the spare does not fit, the need does
             self.held[lane] = end
             return True
-        if self.evict() is not None:  # a kept lane gives way before anyone waits
+        if self.give_way():  # a kept lane gives way before anyone waits
             return self.grow(lane, end)
         return False
 
@@ -125,13 +149,26 @@ class KVBudget:
         del self.kept[kept]
         self.release(kept)
         self.evicted.append(kept)
+        if self.holdings is not None:  # the workers free it: its page-outs are moot
+            self.holdings.forget(kept)
         return kept
 
+    def give_way(self) -> bool:
+        """Make room for others: under KV Flash the least recently used kept lane that
+        holds more than its sinks pages them out, if the host records hold them; else the
+        least recently used kept lane is given up. False when none is kept."""
+        if self.holdings is not None:
+            for lane in self.kept:
+                if self.holdings.page_out(lane, self.kept):
+                    return True
+        return self.evict() is not None
+
     def reclaim(self, positions: int) -> bool:
-        """Whether `positions` fit, once kept lanes are given up as needed."""
-        while not self.fits(positions) and self.evict() is not None:
+        """Whether `positions` fit, once kept lanes give way as needed."""
+        need = self._more(0, positions)
+        while not self.fits(need) and self.give_way():
             pass
-        return self.fits(positions)
+        return self.fits(need)
 
     def release(self, lane: int) -> None:
         self.held.pop(lane, None)

@@ -11,7 +11,11 @@ sequence's (`PrefixReuse`), so a multi-turn chat prefills only its new message.
 
 Kept lanes are charged to the KV budget (engine/kv/budget.py) like running ones, and give
 way first: admission and growth reclaim the least recently used before a request waits or
-is preempted, and they hold at most `limit` positions together (`--kv-keep-tokens`). A
+is preempted, and they hold at most `limit` positions together (`--kv-keep-tokens`). Under
+KV Flash that is what they hold resident, and a kept lane gives way by paging its blocks
+but its sinks out (engine/kv/holdings.py; `settle` sends the moves to the workers), given
+up only when the host records run out; a finished prompt held whole, paged-out blocks
+included, is kept on those terms too. A
 kept lane whose tokens a newer one extends is dropped at once: the newer one holds
 every block it does; a finished sequence whose tokens a kept lane holds whole is not
 kept.
@@ -22,8 +26,14 @@ onto disk, which outlive an eviction and a restart.
 
 from __future__ import annotations
 
+import contextlib
+import logging
+from typing import Any
+
 from luced.engine.kv.budget import KVBudget
 from luced.engine.kv.prefix_blocks import PrefixBlocks
+
+log = logging.getLogger(__name__)
 
 # Sequence ids the workers keep finished sequences under, past the running ones (the
 # workers hold 256; --max-running is at most 64).
@@ -41,14 +51,15 @@ class FinishedPrefixes:
         self.limit = limit
         self.blocks = PrefixBlocks()  # kept lane -> the tokens its K/V holds, by block hash
 
-    def lane_for(self, tokens: list[int]) -> int | None:
-        """The lane a finished sequence holding `tokens` is kept under, making room for it;
-        None when it is not kept (too short, longer than every kept lane may hold, or
-        held whole by a kept lane already)."""
-        n = len(tokens)
-        if n < MIN_KEPT or n > self.limit:
+    def lane_for(self, tokens: list[int], slot: int = -1) -> int | None:
+        """The lane a finished sequence holding `tokens` in `slot` is kept under, making
+        room for it; None when it is not kept (too short, more than every kept lane may
+        hold, or held whole by a kept lane already)."""
+        n, budget = len(tokens), self.budget
+        h = budget.holdings
+        charge = n if h is None else h.resident(slot, n)
+        if n < MIN_KEPT or (h is None and n > self.limit):
             return None
-        budget = self.budget
         for lane in self.blocks.lanes:
             if lane not in budget.kept:
                 continue
@@ -58,8 +69,10 @@ class FinishedPrefixes:
                 return None
             if tokens[: len(held)] == held:
                 budget.evict(lane)  # this one holds every block that one does
-        while budget.kept_positions + n > self.limit and budget.evict() is not None:
+        while budget.kept_positions + charge > self.limit and budget.give_way():
             pass
+        if h is not None and not self._fits_flash(slot, n, charge):
+            return None
         lane = self._free_lane()
         if lane is None:
             budget.evict()
@@ -67,6 +80,38 @@ class FinishedPrefixes:
         if lane is not None:
             self.blocks.hold(lane, tokens, len(tokens))
         return lane
+
+    def _fits_flash(self, slot: int, n: int, charge: int) -> bool:
+        """Under KV Flash: whether the slot's first n positions may be kept beside the kept
+        lanes, its own blocks but its sinks paged out when they alone pass the limit, and
+        its host records within the kept lanes' (the least recently used given up)."""
+        h, budget = self.budget.holdings, self.budget
+        assert h is not None
+        while h.host_records([*budget.kept, slot]) > h.records and budget.evict() is not None:
+            pass
+        if budget.kept_positions + charge > self.limit:  # it alone: only its sinks stay
+            h.page_out(slot, [*budget.kept, slot], n)
+            charge = h.resident(slot, n)
+        return (
+            budget.kept_positions + charge <= self.limit
+            and h.host_records([*budget.kept, slot]) <= h.records
+        )
+
+    async def settle(self, target: Any) -> None:
+        """Before the next forward: free in the workers the lanes given up, and make the
+        kept lanes' page-outs (`kv_page`); a failed page-out gives every kept lane up."""
+        for lane in self.forget_evicted():
+            with contextlib.suppress(Exception):  # a dead worker forgot it anyway
+                await target.release(lane)
+        if self.budget.holdings is None:
+            return
+        for lane, moves in self.budget.holdings.take().items():
+            try:
+                await target.flash.page(target.executor, lane, moves)
+            except Exception as exc:  # the workers are out of step: every lane starts over
+                log.warning("paging out kept lane %d failed: %s", lane, exc)
+                self.forget_all()
+                return
 
     def _free_lane(self) -> int | None:
         """A lane neither kept nor waiting for the workers to free it."""

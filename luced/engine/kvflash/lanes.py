@@ -2,17 +2,21 @@
 tables (engine/kv/pager.py), the host tier and the scores in shared memory
 (transport.py), and the counters. A kept lane (a finished prompt held for sharing) never
 runs, so it has no pager: it keeps what it was given, paged-out blocks included (their
-host records are shared, `BlockTables.share`)."""
+host records are shared, `BlockTables.share`), until room is needed and its resident
+blocks but its sinks are paged out too (engine/kv/holdings.py; `page` sends the moves)."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 from collections.abc import Sequence
 
-from luced.engine.executor import WorkerReplyError
-from luced.engine.kv.blocks import BlockTables
+from luced.engine.executor import Executor, WorkerReplyError
+from luced.engine.kv.blocks import PAGED, BlockTables, Move
+from luced.engine.kv.holdings import Holdings
 from luced.engine.kv.pager import Pager, PagerConfig
 from luced.engine.kvflash.transport import FlashRegions
+from luced.ipc.frames import KVPage
 from luced.ipc.shm import ShmOwner
 
 
@@ -30,12 +34,20 @@ class FlashLanes:
 
     def records(self, kept: int = 0, kept_lanes: int = 0) -> int:
         """Host records for the block tables: every running slot may page out a context,
-        and the kept lanes (finished prompts, `kept` positions in `kept_lanes` lanes at
-        most) keep theirs. A record shared by several tables (`BlockTables.share`) counts
-        once, so this bounds them all. A kept lane's sink block is never paged out, so
-        its paged entries are fewer than its positions / block."""
-        sinkless = kept_lanes if self.cfg.sink_blocks == 0 else 0
-        return self.sequences * self.keys + kept // self.cfg.block + sinkless
+        and the kept lanes (finished prompts) hold `kept_records` of their own."""
+        return self.sequences * self.keys + self.kept_records(kept, kept_lanes)
+
+    def kept_records(self, kept: int, kept_lanes: int) -> int:
+        """Host records the kept lanes may hold: a whole context per running slot (a
+        conversation each) and their `kept` resident positions paged out."""
+        return self.sequences * self.keys + -(-kept // self.cfg.block) if kept_lanes > 0 else 0
+
+    def holdings(self, tables: BlockTables) -> Holdings:
+        """What the lanes hold in the pool over `tables` (sized by `records`; the KV
+        budget's charges): a running lane at most its quota and its step's block."""
+        cap = (self.cfg.n_blocks + 1) * self.cfg.block
+        kept_records = tables.records - self.sequences * self.keys
+        return Holdings(tables, cap, self.cfg.sink_blocks, kept_records)
 
     def blocks_for(self, kept_blocks: int) -> int:
         """The pool's blocks: each running slot's quota and one more (its decode's next
@@ -91,18 +103,40 @@ class FlashLanes:
             return n
         return min(n, self.tables.resident_prefix(slot) * self.tables.block)
 
+    async def page(self, executor: Executor, lane: int, moves: Sequence[Move]) -> None:
+        """A kept lane's page-outs in every worker (`kv_page`, each through its own host
+        records; a worker on another host pages to its own memory). A failure leaves the
+        workers out of step with the tables: `in_sync` is off until they start over."""
+        assert self.regions is not None
+        workers = executor.workers()
+        wire = tuple(tuple(m) for m in moves)
+        try:
+            await asyncio.gather(
+                *(
+                    w.call(KVPage(sequence=lane, moves=wire, kv_host=self.regions.host[i]))
+                    for i, w in enumerate(workers)
+                )
+            )
+        except BaseException:
+            executor.in_sync = False
+            raise
+
     def status(self) -> dict:
         """Pool, policy, block, resident and paged-out blocks, evictions, recalls and host
-        bytes, summed over the running slots' pagers."""
+        bytes, summed over the running slots' pagers and the kept lanes' tables."""
         stats = [p.stats() for p in self._pagers.values()]
+        kept = [] if self.tables is None else self.tables.lanes
+        kept = [self.tables.table(lane) for lane in kept if lane >= self.sequences]  # type: ignore[union-attr]
+        paged = sum(t.count(PAGED) for t in kept)
         return {
             "pool_tokens": self.cfg.pool_tokens,
             "policy": self.cfg.policy,
             "block": self.cfg.block,
-            "resident_blocks": sum(s.resident for s in stats),
-            "paged_out_blocks": sum(s.paged_out for s in stats),
+            "resident_blocks": sum(s.resident for s in stats) + sum(map(len, kept)) - paged,
+            "paged_out_blocks": sum(s.paged_out for s in stats) + paged,
             "evictions": sum(s.evictions for s in stats),
             "recalls": sum(s.recalls for s in stats),
-            "host_bytes": sum(s.host_bytes for s in stats),
+            "host_bytes": sum(s.host_bytes for s in stats) + paged * self.cfg.block_bytes,
             "sequences": len(stats),
+            "kept_lanes": len(kept),
         }

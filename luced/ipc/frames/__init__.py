@@ -39,6 +39,7 @@ The ops (request fields -> reply fields):
               store, blocks
     kv_forget ids                           -> dropped
     kv_share  sequence, source, position    -> position
+    kv_page   sequence, moves, kv_host      -> paged
     truncate  position                      -> position
     reset                                   -> (nothing)
     stats                                   -> stats
@@ -103,6 +104,7 @@ verb releases the blocks wholly past its position, a span's roll back none.
 and back, before its table growth) and ``kv_scores``, ``forward`` ``kv_host``, ``load``
 ``kv_scored`` and its reply's ``kv_record_bytes``; the per-sequence pool (``load`` ``kv_pool``,
 ``Span.kv_plan``) is gone.
+25: ``kv_page``: KV Flash moves of one sequence outside a forward (a kept lane paged out).
 
 Expert compute (``luced.runtime.expert_link``): an expert worker answers ``load_experts``
 from the daemon, and ``expert_mix`` from target workers over direct worker-to-worker
@@ -170,6 +172,8 @@ from luced.ipc.frames.sequence import (
     KVImportReply,
     KVLayout,
     KVLayoutReply,
+    KVPage,
+    KVPageReply,
     KVShare,
     KVShareReply,
     LoadDraft,
@@ -216,6 +220,8 @@ __all__ = [
     "KVImportReply",
     "KVLayout",
     "KVLayoutReply",
+    "KVPage",
+    "KVPageReply",
     "KVShare",
     "KVShareReply",
     "Link",

@@ -1,5 +1,5 @@
 """Frames that act on one sequence's state besides forward: the draft (load_draft, draft),
-KV snapshots (kv_layout, kv_export, kv_import), kv_share, truncate and reset."""
+KV snapshots (kv_layout, kv_export, kv_import), kv_share, kv_page, truncate and reset."""
 
 from __future__ import annotations
 
@@ -355,6 +355,41 @@ class KVShare(Request):
 @dataclass(frozen=True)
 class KVShareReply(Reply):
     position: int  # the positions shared (committed in the sequence now)
+
+
+@_op("kv_page", REQUESTS)
+@dataclass(frozen=True)
+class KVPage(Request):
+    """KV Flash moves of ``sequence``'s block table outside a forward: a kept lane (a
+    finished prompt, which never runs) paged out to make room, each move
+    (0 out | 1 in, logical block, pool block, host record of ``kv_host``) as a span's
+    (``Span.moves``), applied in order on every shard."""
+
+    sequence: int
+    moves: tuple[tuple[int, int, int, int], ...]
+    kv_host: Region
+
+    def _check(self) -> None:
+        _check_sequence(self)
+        if not self.moves:
+            raise self._fail("moves must not be empty")
+        for move in self.moves:
+            if move[0] not in (0, 1) or min(move) < 0:
+                raise self._fail(
+                    "a move is (0 out | 1 in, logical block >= 0, pool block >= 0, "
+                    f"record >= 0), got {list(move)}"
+                )
+        host = self.kv_host
+        if host.dtype != "uint8" or len(host.shape) != 2:
+            raise self._fail(
+                f"kv_host must be uint8 [records, bytes], got {host.dtype} {list(host.shape)}"
+            )
+
+
+@_op("kv_page", REPLIES)
+@dataclass(frozen=True)
+class KVPageReply(Reply):
+    paged: int  # the sequence's PAGED entries now
 
 
 @_op("reset", REQUESTS)

@@ -67,7 +67,8 @@ def test_bytes_per_token_is_what_the_workers_allocate(family: str, tmp_path: Pat
 def test_the_block_pool_holds_each_running_quota_and_the_kept_prompts(tmp_path: Path) -> None:
     """Under KV Flash every running slot keeps at most its quota resident (and may page a
     whole context out to the host records); lanes past them keep finished prompts, whose
-    paged-out blocks keep their host records."""
+    paged-out blocks keep their host records (a context per running slot, and the kept
+    resident positions paged out)."""
     path = make_tiny_gguf("llama", tmp_path / "llama.gguf", seed=1).path
     placement = TargetPlacement.split(
         model=str(path),
@@ -85,7 +86,7 @@ def test_the_block_pool_holds_each_running_quota_and_the_kept_prompts(tmp_path: 
         assert (target.blocks.n_blocks, target.blocks.records) == (3 * 9, 3 * 16)
         target.size_blocks(3000, 3 + 64, kept=1000)  # kept lanes: 16 blocks + 2 per lane
         assert target.blocks.n_blocks == 3 * 9 + 16 + 2 * 64
-        # each kept lane's sink block stays resident: at most 1000 // 64 paged entries
-        assert target.blocks.records == 3 * 16 + 1000 // 64
+        # the kept lanes' records: a context per running slot and their resident share
+        assert target.blocks.records == 3 * 16 + 3 * 16 + 16
         with pytest.raises(ValueError, match="KV Flash pages blocks of 64 rows, not the"):
             Target(owner, dataclasses.replace(placement, kv_block=16), kv_flash=cfg)

@@ -52,6 +52,19 @@ from luced.text.tokenizer import Tokenizer
 GREEDY = {"temperature": 0}
 
 
+def cpu_placement(gguf: GGUFFile, path: Path, context: int, threads: int) -> TargetPlacement:
+    """One CPU worker in float32, prompts in chunks of 512."""
+    return TargetPlacement.split(
+        model=str(path),
+        n_layers=int(gguf.require(f"{gguf.arch}.block_count")),
+        dtype="float32",
+        kv_capacity=context,
+        max_batch_tokens=512,
+        devices=("cpu",),
+        threads=threads,
+    )
+
+
 @contextlib.asynccontextmanager
 async def flash_target(
     path: Path, context: int, pool: int, policy: str, threads: int
@@ -60,16 +73,7 @@ async def flash_target(
     gguf = GGUFFile(path)
     flash = pager_config(KVFlashSettings(pool, policy=policy), pool, gguf) if pool else None
     with ShmOwner() as owner:
-        placement = TargetPlacement.split(
-            model=str(path),
-            n_layers=int(gguf.require(f"{gguf.arch}.block_count")),
-            dtype="float32",
-            kv_capacity=context,
-            max_batch_tokens=512,
-            devices=("cpu",),
-            threads=threads,
-        )
-        target = Target(owner, placement, kv_flash=flash)
+        target = Target(owner, cpu_placement(gguf, path, context, threads), kv_flash=flash)
         try:
             await target.start()
             yield Driver(target)
@@ -187,15 +191,7 @@ async def run_chat(path: Path, context: int, pool: int, rounds: int, threads: in
     flash = pager_config(KVFlashSettings(pool, policy="lru"), pool, gguf)
     docs = haystack(path, context * 2 * rounds)
     with ShmOwner() as owner:
-        placement = TargetPlacement.split(
-            model=str(path),
-            n_layers=int(gguf.require(f"{gguf.arch}.block_count")),
-            dtype="float32",
-            kv_capacity=capacity,
-            max_batch_tokens=512,
-            devices=("cpu",),
-            threads=threads,
-        )
+        placement = cpu_placement(gguf, path, capacity, threads)
         target = Target(owner, placement, kv_flash=flash, step_tokens=512 + 32, sequences=2)
         engine = Engine(
             target,

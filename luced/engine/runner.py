@@ -34,6 +34,7 @@ import time
 from collections.abc import Callable
 
 from luced.engine.executor import WorkerHandle, WorkerReplyError
+from luced.engine.kv.blocks import BlocksExhausted
 from luced.engine.kv.pager import PoolExhausted
 from luced.engine.output import Sampled
 from luced.engine.placement import WorkerSpec
@@ -99,6 +100,7 @@ class ModelRunner:
         grown, scored = self._grow_tables(works, bool(ahead))
         moved = any(g.get("moves") for g in grown)
         regions = t.flash.regions if t.flash is not None else None
+        host = t.host.regions if t.host is not None else []
         if logits_out is not None:
             outputs = {"logits": logits_out}
         pooled = [j for j, w in enumerate(works) if w.pool]
@@ -146,7 +148,7 @@ class ModelRunner:
                 draft_probs=t.regions["draft_probs"] if last and any(sampled) else None,
                 allowed=masks if last else None,
                 ahead=ahead if last else {},
-                kv_host=regions.host[i] if moved else None,
+                kv_host=host[i] if moved else None,
             )
 
         t0 = time.perf_counter()
@@ -180,11 +182,13 @@ class ModelRunner:
         return out
 
     def _grow_tables(self, works: list[Work], ahead: bool) -> tuple[list[dict], list[bool]]:
-        """Each work's span fields for its block table (engine/kv/blocks.py): under KV
-        Flash its pager's moves first (blocks paged out to make room, the span's paged
-        in), then the growth: its rows' blocks, and with `ahead` the next position's too
-        (the worker writes it before the next frame). And whether each asks the workers
-        for its `qk` scores. Empty without a block pool."""
+        """Each work's span fields for its block table (engine/kv/blocks.py): the moves
+        first (under KV Flash its pager's: blocks paged out to make room, the span's paged
+        in; without, every paged-out block it shares with a kept lane paged in, so it
+        attends over all its positions as a plain cache), then the growth: its rows'
+        blocks, and with `ahead` the next position's too (the worker writes it before the
+        next frame). And whether each asks the workers for its `qk` scores. Empty without
+        a block pool."""
         t = self.target
         blocks = t.blocks
         if blocks is None:
@@ -204,10 +208,28 @@ class ModelRunner:
                     if i:  # the works before moved blocks no worker has moved
                         t.executor.in_sync = False
                     raise
+            elif blocks.paged(w.seq.slot):
+                fields["moves"] = self._page_in(w.seq.slot, bool(i))
             scored.append(pager is not None and pager.reselect_due())
             g = blocks.write(w.seq.slot, w.start, end)
             out.append({**fields, "copies": g.copies, "blocks": g.blocks, "table": g.length})
         return out, scored
+
+    def _page_in(self, slot: int, after_moves: bool) -> tuple[tuple[int, ...], ...]:
+        """Without KV Flash: page every paged-out block of `slot` in (shared from a kept
+        lane: the budget charged the slot those positions, so the pool has the blocks).
+        BlocksExhausted, changing nothing, when it has not (a bookkeeping bug)."""
+        blocks = self.target.blocks
+        assert blocks is not None
+        paged = sorted(blocks.host(slot))
+        if len(paged) > blocks.free_blocks:
+            if after_moves:  # the works before moved blocks no worker has moved
+                self.target.executor.in_sync = False
+            raise BlocksExhausted(
+                f"sequence {slot} shares {len(paged)} paged-out blocks, the pool has "
+                f"{blocks.free_blocks} free to page them in"
+            )
+        return tuple(tuple(blocks.page_in(slot, j)) for j in paged)
 
     def _write_tokens(self, works: list[Work], base: int) -> None:
         """The fed ids into ``io.tokens`` from row `base`, one work after another."""

@@ -46,6 +46,8 @@ def engine_status(engine: Any) -> dict:
             # Finished requests' K/V kept in the pool for later prompts (engine/kv/finished.py).
             "kv_kept_requests": len(engine.kv.kept),
             "kv_kept_tokens": engine.finished.positions if engine.finished is not None else 0,
+            # Of those, the positions whose blocks are paged out to host memory.
+            "kv_kept_paged_tokens": engine.finished.paged if engine.finished is not None else 0,
             "preempted": len(engine.preempted),
             "batched_steps": engine.steps,
             "mean_batch": round(engine.stepped_sequences / engine.steps, 2)

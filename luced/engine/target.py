@@ -27,10 +27,11 @@ created by the daemon, attached by the workers, unlinked by the daemon)::
          draft_probs    float32 [slots * (block-1), vocab]  q rows of sampled windows
     ring<slot> (with a DFlash draft)                      see feature_ring.py
 
-step_tokens is the step's token budget (`--max-step-tokens`). With KV Flash
-(`kv_flash`), each running slot's pager (``engine/kv/pager.py``) bounds the blocks its
-table keeps resident, paging the others out to host records before each span
-(``kvflash/transport.py``: segments ``<name>-kvflash``, ``<name>-kvhost``).
+step_tokens is the step's token budget (`--max-step-tokens`). With a block pool and
+finished prompts kept, or with KV Flash, blocks are paged out to host records
+(``engine/kv/host.py``: segment ``<name>-kvhost``); with KV Flash (`kv_flash`), each
+running slot's pager (``engine/kv/pager.py``) bounds the blocks its table keeps resident,
+paging the others out before each span (``kvflash/transport.py``: ``<name>-kvflash``).
 
 ``act`` is sized from the first load reply (hidden, vocab) and kept across restarts.
 Write ordering: a region's writer writes before the frame (daemon) or before its reply
@@ -61,7 +62,8 @@ from luced.engine.experts import ExpertWorker
 from luced.engine.feature_ring import FeatureRing
 from luced.engine.hops import Hops
 from luced.engine.kv.blocks import BlockTables, pool_blocks
-from luced.engine.kv.holdings import Holdings
+from luced.engine.kv.holdings import FIRST_BLOCKS, Holdings
+from luced.engine.kv.host import HostRecords, kept_records
 from luced.engine.kv.pager import Pager, PagerConfig
 from luced.engine.kv_transfer import KVTransfer
 from luced.engine.kvflash.lanes import FlashLanes
@@ -170,6 +172,7 @@ class Target:
         # The K/V block tables of the workers' pools (a load with kv_block): sized for the
         # slots' whole contexts until the engine sizes them from its account (`size_blocks`).
         self.blocks: BlockTables | None = None
+        self.host: HostRecords | None = None  # the tables' host records, when they have any
         if placement.kv_block:
             self.size_blocks(sequences * placement.kv_capacity, sequences)
         self.lookup_drafts = False  # n-gram windows (`enable_lookup_drafts`)
@@ -177,18 +180,20 @@ class Target:
 
     def size_blocks(self, positions: int, lanes: int, kept: int = 0) -> Holdings | None:
         """The workers' pools hold `positions` (the KV account's) for at most `lanes`
-        tables at once (`pool_blocks`); before the first load. With KV Flash each running
-        slot keeps at most its pager's quota resident, and the lanes past them (finished
-        sequences' kept prompts) hold at most `kept` positions resident; the host records
-        are `FlashLanes.records`. -> under KV Flash, what the lanes hold (the budget's)."""
+        tables at once (`pool_blocks`); before the first load. The lanes past the running
+        slots (finished sequences' kept prompts) keep at most `kept` positions, paged out
+        to host records under pressure (`kept_records` of them). With KV Flash each running
+        slot keeps at most its pager's quota resident, the kept lanes at most `kept`
+        positions resident, and the host records are `FlashLanes.records`. -> with host
+        records, what the lanes hold (the budget's)."""
         block, flash = self.placement.kv_block, self.flash
         if not block:
             return None
-        records = 0
+        kept_lanes = lanes - self.sequences
         if flash is None:
             n = pool_blocks(positions, lanes, block)
+            records = kept_records(kept, block, kept_lanes)
         else:
-            kept_lanes = lanes - self.sequences
             n = flash.blocks_for(pool_blocks(kept, kept_lanes, block) if kept_lanes > 0 else 0)
             records = flash.records(kept, max(0, kept_lanes))
         if self.blocks is not None and self.blocks.n_blocks != n and self.n_layers:
@@ -196,7 +201,10 @@ class Target:
                 "the block pool is sized before the workers load (make the engine first)"
             )
         self.blocks = BlockTables(n, block, records)
-        return flash.holdings(self.blocks) if flash is not None else None
+        self.host = HostRecords(records) if records else None
+        if flash is not None:
+            return flash.holdings(self.blocks)
+        return Holdings(self.blocks, None, FIRST_BLOCKS, records) if records else None
 
     # -- lifecycle -----------------------------------------------------------------------
 
@@ -222,10 +230,12 @@ class Target:
             await self.experts.start()  # first: the pipeline workers link as they load
         await self.executor.start()
         self._make_act()
-        if self.flash is not None and self.flash.regions is None:
+        if self.host is not None and not self.host.regions:
             assert self.blocks is not None
             layers = [s.plan.layers for s in self.executor.slots if s.plan is not None]
-            self.flash.carve(self.owner, self.name, layers, self.blocks)
+            block_bytes = self.host.carve(self.owner, self.name, layers)
+            if self.flash is not None:
+                self.flash.carve(self.owner, self.name, len(layers), self.blocks, block_bytes)
 
     async def close(self) -> None:
         await self.executor.close()
@@ -316,8 +326,8 @@ class Target:
         )
         if self.experts is not None:
             await self.experts.pipeline_loaded(slot, worker, reply)
-        if self.flash is not None:
-            self.flash.loaded(plan.layers, reply.kv_record_bytes, slot.spec.group)
+        if self.host is not None:
+            self.host.loaded(plan.layers, reply.kv_record_bytes, slot.spec.group)
         self.load_s = max(self.load_s, reply.load_s)
         self._recurrent[plan.layers] = reply.recurrent
         self.n_layers, self.hidden, self.vocab = reply.n_layers, reply.hidden, reply.vocab

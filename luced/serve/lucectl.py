@@ -266,9 +266,11 @@ def _queue(q: Any) -> str:
     if q.get("mean_batch") is not None:
         text += f"; {q['batched_steps']} batched steps, {q['mean_batch']} sequences each"
     if q.get("kv_kept_requests"):  # finished requests' prompt blocks, for later prompts
+        paged = q.get("kv_kept_paged_tokens")
         text += (
             f"; finished prompts kept in the KV pool: {q['kv_kept_requests']} "
-            f"({q.get('kv_kept_tokens', 0)} tokens)"
+            f"({q.get('kv_kept_tokens', 0)} tokens"
+            + (f", {paged} paged out to host memory)" if paged else ")")
         )
     # Each running and waiting request and its tokens so far.
     for key, label in (("requests", "running"), ("waiting_requests", "waiting")):

@@ -457,11 +457,12 @@ OPTIONS: tuple[Option, ...] = (
         "KV positions that finished requests' blocks may keep in the pool: a later request "
         "whose prompt starts with the same tokens (a chat's next turn, a repeated prompt) "
         "takes them without computing or copying them. They hold only room the running "
-        "requests do not use, and give way first, least recently used. 0: nothing is "
-        "kept. Under `--kv-flash` it bounds what they keep resident: the least recently "
-        "used pages its blocks but the first out to the host tier instead, and stays "
-        "whole. Needs the block pool (`--kv-block-size`, `--max-running` > 1, or "
-        "`--kv-flash`); not with a DFlash draft or a hybrid (recurrent) model. The prefix cache "
+        "requests do not use, and give way first, least recently used: one pages its "
+        "blocks but the first out to host memory (about the bytes this many positions "
+        "take) and stays whole, and is given up when that is full. 0: nothing is "
+        "kept. Under `--kv-flash` it bounds what they keep resident. Needs the block "
+        "pool (`--kv-block-size`, `--max-running` > 1, or `--kv-flash`); not with a "
+        "DFlash draft or a hybrid (recurrent) model. The prefix cache "
         "(`--prefix-cache-bytes`) is the copy behind it that outlives a restart.",
         minimum=0, nullable=True, example=8192,
         default_doc="one context, at most a quarter of the KV pool",

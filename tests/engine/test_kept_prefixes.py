@@ -12,9 +12,11 @@ import pytest
 from engine_harness import engine_for
 from test_prefix_sharing import kv_blocks_used, request, tokens
 
+from luced.engine.core import GenerationRequest, RequestHandle
 from luced.engine.kv.budget import KVBudget
 from luced.engine.kv.finished import KEPT_LANES, MIN_KEPT, FinishedPrefixes
 from luced.runtime.tiny import make_tiny_gguf
+from luced.sampling_params import SamplingParams
 
 SYSTEM = [(7 * i + 3) % 120 + 2 for i in range(120)]
 
@@ -132,8 +134,9 @@ async def test_a_chats_next_turn_shares_the_finished_turns_blocks(tiny: Path, de
 
 async def test_kept_blocks_give_way_to_running_requests(tiny: Path) -> None:
     """A pool of one context: three finished requests keep their blocks; a request that
-    needs most of the pool takes the room (the kept lanes are freed in the workers, least
-    recently used first) and gives its fresh output; nothing is preempted."""
+    needs most of the pool takes the room (the kept lanes page out to host records, least
+    recently used first, and the kept limit then gives the older ones up) and gives its
+    fresh output; nothing is preempted."""
     prompts = [[(11 * i + j) % 120 + 2 for j in range(100)] for i in range(3)]
     long = [(5 * j + 1) % 120 + 2 for j in range(400)]
     async with engine_for(tiny, context=512) as plain:
@@ -152,6 +155,48 @@ async def test_kept_blocks_give_way_to_running_requests(tiny: Path) -> None:
         assert sorted(tables.lanes) == sorted(engine.kv.kept)
         got = await tokens(engine.submit(request("long", long, max_tokens=40)))
         assert got == want and engine.totals["preemptions"] == 0
-        assert len(engine.kv.kept) <= 1  # the long one's own is kept after it
+        assert len(engine.kv.kept) <= 2  # the long one's own is kept after it
         await asyncio.sleep(0)
         assert engine.kv.used <= 512
+
+
+async def answer(handle: RequestHandle) -> tuple[list[int], list[float]]:
+    ids, lps = [], []
+    async for delta in handle:
+        ids += delta.token_ids
+        lps += [lp.logprob for lp in delta.logprobs or []]
+    return ids, lps
+
+
+@pytest.mark.parametrize("devices", [("cpu",), ("cpu", "cpu:1")], ids=["unsplit", "split"])
+async def test_a_kept_prompt_pages_out_under_pressure_and_its_next_turn_pages_it_in(
+    tiny: Path, devices
+) -> None:
+    """Without KV Flash, a pool of one context: a long request's growth makes the kept turn
+    page its blocks but the first out to host records (not given up); the next turn shares
+    the whole prompt, pages those blocks in before its first forward and gives the
+    fresh output and logprobs bit for bit."""
+    greedy = SamplingParams(temperature=0, logprobs=1)
+    turn1 = GenerationRequest("t1", SYSTEM, greedy, 8, ignore_eos=True)
+    long = [(5 * j + 1) % 120 + 2 for j in range(380)]  # past the kept limit: not kept
+    async with engine_for(tiny, devices, context=512) as plain:
+        first = await answer(plain.submit(turn1))
+        turn2 = [*SYSTEM, *first[0], 40, 41, 42, 43]
+        want = await answer(plain.submit(GenerationRequest("t2", turn2, greedy, 16)))
+    async with engine_for(
+        tiny, devices, context=512, max_running=2, kv_pool_tokens=512, kv_keep_tokens=256
+    ) as engine:
+        assert await answer(engine.submit(turn1)) == first
+        (lane,) = engine.kv.kept
+        await tokens(engine.submit(request("long", long, max_tokens=60)))
+        tables = engine.target.blocks
+        assert tables is not None and list(engine.kv.kept) == [lane] and not engine.kv.evicted
+        paged = len(SYSTEM) // 16  # every block but the first
+        assert tables.paged(lane) == paged and len(tables.resident(lane)) == 1
+        queue = engine.status()["queue"]
+        assert queue["kv_kept_tokens"] == len(SYSTEM)
+        assert queue["kv_kept_paged_tokens"] == paged * 16
+        assert [tables.used_blocks] * len(devices) == await kv_blocks_used(engine)
+        second = engine.submit(GenerationRequest("t2", turn2, greedy, 16))
+        assert await answer(second) == want
+        assert second.cached_tokens == len(SYSTEM) and engine.totals["preemptions"] == 0

@@ -99,3 +99,64 @@ def test_a_finished_prompt_over_the_kept_limit_keeps_its_sinks_resident() -> Non
     tables.write(1, 0, 20)
     other = kept.lane_for([t + 50 for t in tokens], 1)  # lane 8 holds only its sink
     assert other == 9 and kv.evicted == [8] and tables.table(1) == (1, PAGED, PAGED, PAGED, PAGED)
+
+
+# -- without KV Flash: host records for the kept lanes only ----------------------------------
+
+
+def test_without_kv_flash_running_lanes_pay_their_positions_and_kept_ones_what_is_resident() -> (
+    None
+):
+    tables = BlockTables(40, 4, 8)
+    h = Holdings(tables, cap=None, sink_blocks=1, records=8)
+    kv = KVBudget(100, h)
+    kept_lane(kv, tables, 1, 9, 18)  # 5 blocks: 0-4, the last one partly
+    assert kv.charge(9) == 18  # whole: its positions, as without host records
+    assert kv.reclaim(100 - 4)  # 14 too many: lane 9 pages its blocks but the first out
+    assert h.take() == {9: tuple(Move(OUT, j, j, j - 1) for j in range(1, 5))}
+    assert tables.table(9) == (0, PAGED, PAGED, PAGED, PAGED) and kv.charge(9) == 4
+    assert kv.kept_positions == 18 and not kv.evicted  # the kept limit counts them all
+    kv.admit(0, 2, 50)  # a running lane: its positions, however many
+    assert kv.charge(0) == 50 and kv.used == 54
+    tables.share(0, 9, 18)
+    kv.share(0, 9, 18)
+    # Credited only its first block: it pages the other four in, its own blocks.
+    assert kv.charge(0) == 50 - 4 and kv.used == 50
+    assert kv.grow(0, 60) and kv.charge(0) == 60 + 16 - 4
+
+
+def test_without_kv_flash_kept_lanes_page_out_then_are_given_up_when_records_run_out() -> None:
+    tables = BlockTables(40, 4, 4)
+    h = Holdings(tables, cap=None, sink_blocks=1, records=4)
+    kv = KVBudget(40, h)
+    kept_lane(kv, tables, 0, 8, 16)  # blocks 0-3
+    kept_lane(kv, tables, 1, 9, 12)  # blocks 4-6
+    assert kv.used == 28 and kv.reclaim(20)  # lane 8 (least recently used) pages 3 out
+    assert h.take() == {8: (Move(OUT, 1, 1, 0), Move(OUT, 2, 2, 1), Move(OUT, 3, 3, 2))}
+    assert kv.used == 4 + 12 and list(kv.kept) == [8, 9]
+    assert kv.reclaim(28)  # lane 9's two would pass the 4 records: lane 8 is given up
+    assert kv.evicted == [8] and not h.take() and kv.used == 12
+    tables.free(8)  # the workers free it: its records too
+    assert kv.reclaim(36) and h.take() == {9: (Move(OUT, 1, 5, 0), Move(OUT, 2, 6, 1))}
+    assert kv.used == 4 and list(kv.kept) == [9]
+
+
+def test_without_kv_flash_the_kept_limit_counts_paged_out_positions() -> None:
+    """The kept limit bounds the positions kept, paged out or not (the host records are
+    sized by it): paging out makes no room under it, so a lane is given up instead."""
+    tables = BlockTables(40, 4, 8)
+    h = Holdings(tables, cap=None, sink_blocks=1, records=8)
+    kv = KVBudget(1000, h)
+    kept = FinishedPrefixes(kv, 8, limit=30)
+    first = list(range(1, 21))
+    kv.admit(0, 0, 20)
+    tables.write(0, 0, 20)
+    assert kept.lane_for(first, 0) == 8 and not h.take()  # kept whole, nothing paged
+    kv.keep(0, 8, 20)
+    tables.share(8, 0, 20)
+    tables.free(0)
+    assert h.page_out(8, kv.kept) and kept.paged == 16 and kv.kept_positions == 20
+    kv.admit(1, 1, 20)
+    tables.write(1, 0, 20)
+    assert kept.lane_for([t + 50 for t in first], 1) == 9  # 40 > 30: lane 8 given up
+    assert kv.evicted == [8] and tables.table(1) == (1, 2, 3, 4, 5)  # the slot stays whole

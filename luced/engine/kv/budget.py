@@ -23,12 +23,13 @@ becomes a kept lane, charged like a running one but first to go. Admission and g
 `reclaim` kept lanes, least recently used first, before anything waits or is preempted;
 the workers free them before the next forward (`evicted`).
 
-Under KV Flash (`holdings`, engine/kv/holdings.py) a lane is charged what it holds in the
-workers' pool, not its positions: a running lane at most its quota and its step's block
-(`Holdings.cap`), a kept lane its resident blocks; a sharer is credited the resident
-blocks it holds with its source. And a kept lane gives way by paging its blocks but its
-sinks out to host records (it stays whole and shareable); it is given up only when the
-host records run out or it holds only its sinks (`give_way`).
+With host records (`holdings`, engine/kv/holdings.py: under KV Flash, and wherever
+finished prompts are kept) a lane is charged what it holds in the workers' pool: a kept
+lane its resident positions; a running lane its positions, under KV Flash at most its
+quota and its step's block (`Holdings.cap`); a sharer is credited what its source holds
+of its prefix. And a kept lane gives way by paging its blocks but its sinks (its first
+block without KV Flash) out to host records (it stays whole and shareable); it is given
+up only when the host records run out or it holds only its sinks (`give_way`).
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ RESERVE_STEP = 16
 
 class KVBudget:
     def __init__(self, positions: int, holdings: Holdings | None = None) -> None:
-        """holdings: under KV Flash, what each lane holds in the pool (the charges)."""
+        """holdings: with host records, what each lane holds in the pool (the charges)."""
         if positions < 1:
             raise ValueError(f"the KV pool holds at least 1 position, got {positions}")
         self.positions = positions
@@ -63,20 +64,21 @@ class KVBudget:
         return sum(self.charge(lane) for lane in self.held)
 
     def charge(self, lane: int) -> int:
-        """The positions charged to `lane`: its own less what it shares (under KV Flash
-        what it holds in the pool less what its source holds of it)."""
+        """The positions charged to `lane`: its own less what it shares (with host
+        records what it holds in the pool less what its source holds of it)."""
         held, credit, h = self.held.get(lane, 0), self.credits.get(lane), self.holdings
         if h is None:
             return held - (credit[1] if credit is not None else 0)
-        if lane in self.kept:  # its resident blocks (its positions until it has a table)
-            own = h.resident(lane) if h.tables.length(lane) else held
-        else:
-            own = min(held, h.cap)
+        own = h.own(lane, held, lane in self.kept)
         return max(0, own - (h.common(lane, *credit) if credit is not None else 0))
 
     @property
     def kept_positions(self) -> int:
-        return sum(self.charge(lane) for lane in self.kept)
+        """What counts against the kept limit: under KV Flash the kept lanes' charges
+        (their resident positions), otherwise the positions they keep, paged out or not."""
+        if self.holdings is not None and self.holdings.flash:
+            return sum(self.charge(lane) for lane in self.kept)
+        return sum(self.held[lane] for lane in self.kept)
 
     def share(self, lane: int, source: int, n: int) -> None:
         """The lane's first n positions are the source lane's, charged to it alone."""
@@ -89,9 +91,9 @@ class KVBudget:
 
     def _more(self, have: int, want: int) -> int:
         """What a running lane's charge grows by from `have` positions held to `want`."""
-        if self.holdings is None:
+        cap = self.holdings.cap if self.holdings is not None else None
+        if cap is None:
             return want - have
-        cap = self.holdings.cap
         return max(0, min(want, cap) - min(have, cap))
 
     def admit(self, lane: int, ticket: int, positions: int) -> bool:
@@ -154,8 +156,8 @@ class KVBudget:
         return kept
 
     def give_way(self) -> bool:
-        """Make room for others: under KV Flash the least recently used kept lane that
-        holds more than its sinks pages them out, if the host records hold them; else the
+        """Make room for others: with host records the least recently used kept lane
+        that holds more than its sinks pages them out, if the records hold them; else the
         least recently used kept lane is given up. False when none is kept."""
         if self.holdings is not None:
             for lane in self.kept:

@@ -11,11 +11,12 @@ sequence's (`PrefixReuse`), so a multi-turn chat prefills only its new message.
 
 Kept lanes are charged to the KV budget (engine/kv/budget.py) like running ones, and give
 way first: admission and growth reclaim the least recently used before a request waits or
-is preempted, and they hold at most `limit` positions together (`--kv-keep-tokens`). Under
-KV Flash that is what they hold resident, and a kept lane gives way by paging its blocks
-but its sinks out (engine/kv/holdings.py; `settle` sends the moves to the workers), given
-up only when the host records run out; a finished prompt held whole, paged-out blocks
-included, is kept on those terms too. A
+is preempted, and they hold at most `limit` positions together (`--kv-keep-tokens`). A
+kept lane gives way by paging its blocks but the first out to host records
+(engine/kv/holdings.py; `settle` sends the moves to the workers), given up only when the
+records run out. Under KV Flash the limit bounds what they hold resident, and pages out
+as room does (its sinks stay); a finished prompt held whole, paged-out blocks included, is
+kept on those terms too. A
 kept lane whose tokens a newer one extends is dropped at once: the newer one holds
 every block it does; a finished sequence whose tokens a kept lane holds whole is not
 kept.
@@ -57,8 +58,9 @@ class FinishedPrefixes:
         hold, or held whole by a kept lane already)."""
         n, budget = len(tokens), self.budget
         h = budget.holdings
-        charge = n if h is None else h.resident(slot, n)
-        if n < MIN_KEPT or (h is None and n > self.limit):
+        flash = h is not None and h.flash
+        charge = h.resident(slot, n) if flash else n  # type: ignore[union-attr]
+        if n < MIN_KEPT or (not flash and n > self.limit):
             return None
         for lane in self.blocks.lanes:
             if lane not in budget.kept:
@@ -69,9 +71,12 @@ class FinishedPrefixes:
                 return None
             if tokens[: len(held)] == held:
                 budget.evict(lane)  # this one holds every block that one does
-        while budget.kept_positions + charge > self.limit and budget.give_way():
+        # Under KV Flash paging out makes room within the limit; otherwise it counts
+        # paged-out positions too, so only a lane given up does.
+        make_room = budget.give_way if flash else lambda: budget.evict() is not None
+        while budget.kept_positions + charge > self.limit and make_room():
             pass
-        if h is not None and not self._fits_flash(slot, n, charge):
+        if flash and not self._fits_flash(slot, n, charge):
             return None
         lane = self._free_lane()
         if lane is None:
@@ -107,7 +112,7 @@ class FinishedPrefixes:
             return
         for lane, moves in self.budget.holdings.take().items():
             try:
-                await target.flash.page(target.executor, lane, moves)
+                await target.host.page(target.executor, lane, moves)
             except Exception as exc:  # the workers are out of step: every lane starts over
                 log.warning("paging out kept lane %d failed: %s", lane, exc)
                 self.forget_all()
@@ -142,3 +147,11 @@ class FinishedPrefixes:
     @property
     def positions(self) -> int:
         return sum(len(self.blocks.tokens(lane)) for lane in self.budget.kept)
+
+    @property
+    def paged(self) -> int:
+        """The positions of the kept lanes' blocks paged out to host records."""
+        h = self.budget.holdings
+        if h is None:
+            return 0
+        return sum(h.tables.paged(lane) for lane in self.budget.kept) * h.tables.block

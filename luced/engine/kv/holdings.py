@@ -1,23 +1,29 @@
-"""Under KV Flash, what each lane holds in the workers' block pool, and the kept lanes'
-page-outs.
+"""What each lane holds in the workers' block pool, and the kept lanes' page-outs to host
+records (engine/kv/host.py): the KV budget's charges (engine/kv/budget.py) wherever kept
+lanes may page out, which is under KV Flash and wherever finished prompts are kept.
 
-A running lane keeps at most its pager's quota resident, plus its step's block (`cap`
-positions), however long its sequence; a kept lane (a finished prompt, engine/kv/
-finished.py) holds its resident blocks, whole, whatever its positions. The KV budget
-charges these (engine/kv/budget.py), so a long conversation's kept prompt is charged the
-few blocks it keeps in the pool, not its length, and the next turn's admission leaves it
-there to be shared.
+Without KV Flash (`cap` None) a running lane holds its positions, as the budget charges
+them anyway; a kept lane (a finished prompt, engine/kv/finished.py) its resident
+positions. Under KV Flash a running lane keeps at most its pager's quota resident, plus
+its step's block (`cap` positions), however long its sequence; a kept lane holds its
+resident blocks, whole, whatever its positions. So a long conversation's kept prompt is
+charged the few blocks it keeps in the pool, not its length, and the next turn's
+admission leaves it there to be shared. A sharer is credited what its source pays for:
+under KV Flash the resident blocks both hold, without it the shared positions but those
+in the source's paged-out blocks (the sharer pages them in: its own).
 
 A kept lane never runs, so it has no pager: when room is needed for kept lanes (the kept
-limit, or the budget reclaiming room for running ones) `page_out` moves its resident
-blocks but its sinks to host records, least recently used lane first. It stays whole and
-shareable: a sharer's pager pages in what it needs (its own copy; the record stays). The
-moves wait in `moves` until the engine sends them to the workers (`kv_page`) before the
-next forward; the blocks they free may be that forward's growth.
+limit under KV Flash, or the budget reclaiming room for running ones) `page_out` moves its
+resident blocks but its sinks (its first block without KV Flash) to host records, least
+recently used lane first. It stays whole and shareable: a sharer pages in what it needs
+(its own copy; the record stays): its pager under KV Flash, its first span every paged-out
+block without it (engine/runner.py). The moves wait in `moves` until the engine sends
+them to the workers (`kv_page`) before the next forward; the blocks they free may be
+that forward's growth.
 
-Host records: the running slots may page out a whole context each, and the kept lanes
-hold at most `records` of their own (counted per lane: a record two kept lanes share
-counts twice, so the bound is safe).
+Host records: the kept lanes hold at most `records` of their own (counted per lane: a
+record two kept lanes share counts twice, so the bound is safe); under KV Flash the
+running slots may page out a whole context each beside them.
 """
 
 from __future__ import annotations
@@ -26,11 +32,16 @@ from collections.abc import Iterable
 
 from luced.engine.kv.blocks import PAGED, BlockTables, Move
 
+# Without KV Flash a kept lane keeps its first block resident, as KV Flash's sink.
+FIRST_BLOCKS = 1
+
 
 class Holdings:
-    def __init__(self, tables: BlockTables, cap: int, sink_blocks: int, records: int) -> None:
-        """cap: the positions a running lane holds at most; records: the host records the
-        kept lanes may hold together."""
+    def __init__(
+        self, tables: BlockTables, cap: int | None, sink_blocks: int, records: int
+    ) -> None:
+        """cap: under KV Flash, the positions a running lane holds at most (None without:
+        its positions); records: the host records the kept lanes may hold together."""
         self.tables = tables
         self.cap = cap
         self.sink_blocks = sink_blocks
@@ -44,12 +55,33 @@ class Holdings:
             table = table[: -(-n // self.tables.block)]
         return sum(b != PAGED for b in table) * self.tables.block
 
+    @property
+    def flash(self) -> bool:
+        """Whether running lanes page (KV Flash): charged at most `cap`."""
+        return self.cap is not None
+
+    def own(self, lane: int, held: int, kept: bool) -> int:
+        """The positions `lane` holds in the pool, `held` its reservation: a running lane's
+        (at most `cap` under KV Flash), a kept lane's resident ones (its reservation until
+        it has a table)."""
+        if not kept:
+            return held if self.cap is None else min(held, self.cap)
+        if not self.tables.length(lane):
+            return held
+        resident = self.resident(lane)
+        return resident if self.cap is not None else min(held, resident)
+
     def common(self, lane: int, source: int, n: int) -> int:
-        """Of `lane`'s first n positions, those in resident blocks `source` holds too (the
-        source pays for them), at most n."""
-        mine, theirs = self.tables.table(lane), self.tables.table(source)
-        both = zip(mine[: -(-n // self.tables.block)], theirs, strict=False)
-        return min(n, sum(a == b != PAGED for a, b in both) * self.tables.block)
+        """Of `lane`'s first n positions, those `source` pays for, at most n: under KV
+        Flash those in resident blocks both hold; without, all but those in the source's
+        paged-out blocks (`lane` pages them in, so they are its own)."""
+        b = self.tables.block
+        mine, theirs = self.tables.table(lane), self.tables.table(source)[: -(-n // b)]
+        if self.cap is None:
+            paged = [j for j, entry in enumerate(theirs) if entry == PAGED]
+            return max(0, n - sum(min(n, (j + 1) * b) - j * b for j in paged))
+        both = zip(mine[: -(-n // b)], theirs, strict=False)
+        return min(n, sum(a == c != PAGED for a, c in both) * b)
 
     def host_records(self, lanes: Iterable[int]) -> int:
         """Host records `lanes` hold (a record shared by two counts twice)."""

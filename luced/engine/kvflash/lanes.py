@@ -1,27 +1,24 @@
 """KV Flash's part of the target: each running slot's pager over the target's block
-tables (engine/kv/pager.py), the host tier and the scores in shared memory
-(transport.py), and the counters. A kept lane (a finished prompt held for sharing) never
-runs, so it has no pager: it keeps what it was given, paged-out blocks included (their
-host records are shared, `BlockTables.share`), until room is needed and its resident
-blocks but its sinks are paged out too (engine/kv/holdings.py; `page` sends the moves)."""
+tables (engine/kv/pager.py), the scores in shared memory (transport.py), and the
+counters. The host records are the target's (engine/kv/host.py). A kept lane (a finished
+prompt held for sharing) never runs, so it has no pager: it keeps what it was given,
+paged-out blocks included (their host records are shared, `BlockTables.share`), until
+room is needed and its resident blocks but its sinks are paged out too
+(engine/kv/holdings.py; `HostRecords.page` sends the moves)."""
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
-from collections.abc import Sequence
 
-from luced.engine.executor import Executor, WorkerReplyError
-from luced.engine.kv.blocks import PAGED, BlockTables, Move
+from luced.engine.kv.blocks import PAGED, BlockTables
 from luced.engine.kv.holdings import Holdings
 from luced.engine.kv.pager import Pager, PagerConfig
 from luced.engine.kvflash.transport import FlashRegions
-from luced.ipc.frames import KVPage
 from luced.ipc.shm import ShmOwner
 
 
 class FlashLanes:
-    """The pagers of the running slots and the regions their moves and scores use."""
+    """The pagers of the running slots and the regions their scores use."""
 
     def __init__(self, cfg: PagerConfig, sequences: int, capacity: int) -> None:
         self.cfg = cfg
@@ -30,7 +27,6 @@ class FlashLanes:
         self.tables: BlockTables | None = None  # the target's, once carved
         self.regions: FlashRegions | None = None
         self._pagers: dict[int, Pager] = {}
-        self._record_bytes: dict[tuple[int, int], int] = {}  # worker layers -> one record
 
     def records(self, kept: int = 0, kept_lanes: int = 0) -> int:
         """Host records for the block tables: every running slot may page out a context,
@@ -55,24 +51,14 @@ class FlashLanes:
         the lanes past them."""
         return self.sequences * (self.cfg.n_blocks + 1) + kept_blocks
 
-    def loaded(self, layers: tuple[int, int], record_bytes: int, group: str) -> None:
-        """A worker's load reply: the size of its host record, which a restarted worker
-        must keep (the records in the daemon's memory are laid out for it)."""
-        known = self._record_bytes.get(layers)
-        if self.regions is not None and record_bytes != known:
-            raise WorkerReplyError(
-                f"worker {group}'s host records are of {record_bytes} bytes, not {known}"
-            )
-        self._record_bytes[layers] = record_bytes
-
     def carve(
-        self, owner: ShmOwner, name: str, layers: Sequence[tuple[int, int]], tables: BlockTables
+        self, owner: ShmOwner, name: str, workers: int, tables: BlockTables, block_bytes: int
     ) -> None:
-        """Once every worker loaded: the host tier (each worker's records) and the scores."""
-        records = [self._record_bytes[span] for span in layers]
-        self.cfg = dataclasses.replace(self.cfg, block_bytes=sum(records))
+        """Once every worker loaded: the scores; `block_bytes`, one block over every worker
+        (its host record), for the counters."""
+        self.cfg = dataclasses.replace(self.cfg, block_bytes=block_bytes)
         self.tables = tables
-        self.regions = FlashRegions(owner, name, self.sequences, tables.records, self.keys, records)
+        self.regions = FlashRegions(owner, name, self.sequences, self.keys, workers)
 
     def pager(self, slot: int) -> Pager | None:
         """`slot`'s pager, made on first use (None for a kept lane). A slot keeps it for
@@ -102,24 +88,6 @@ class FlashLanes:
         if self.tables is None:
             return n
         return min(n, self.tables.resident_prefix(slot) * self.tables.block)
-
-    async def page(self, executor: Executor, lane: int, moves: Sequence[Move]) -> None:
-        """A kept lane's page-outs in every worker (`kv_page`, each through its own host
-        records; a worker on another host pages to its own memory). A failure leaves the
-        workers out of step with the tables: `in_sync` is off until they start over."""
-        assert self.regions is not None
-        workers = executor.workers()
-        wire = tuple(tuple(m) for m in moves)
-        try:
-            await asyncio.gather(
-                *(
-                    w.call(KVPage(sequence=lane, moves=wire, kv_host=self.regions.host[i]))
-                    for i, w in enumerate(workers)
-                )
-            )
-        except BaseException:
-            executor.in_sync = False
-            raise
 
     def status(self) -> dict:
         """Pool, policy, block, resident and paged-out blocks, evictions, recalls and host

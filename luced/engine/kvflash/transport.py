@@ -1,37 +1,29 @@
-"""KV Flash across processes: the host tier and the `qk` scores in daemon-owned shared
-memory, and the pool's sizing.
+"""KV Flash across processes: the `qk` scores in daemon-owned shared memory, and the
+pool's sizing.
 
 KV Flash is an eviction policy over the daemon's block tables (`engine/kv/pager.py`):
 each lane's pager pages its blocks out to host records and back in, and a forward span
 carries those moves (`Span.moves`) beside its table's growth; every worker of the target
-(every shard of a split) runs them on its own pool. Segments (created by the daemon,
-attached by the workers, unlinked by the daemon):
+(every shard of a split) runs them on its own pool, through its host records
+(engine/kv/host.py, `<name>-kvhost`). Segment (created by the daemon, attached by the
+workers, unlinked by the daemon):
 
     <name>-kvflash  scores  float32 [lanes·2·workers, keys]  lane l, worker k: rows
                                                       2(l·workers + k) and the next: per
                                                       block the sum over the worker's
                                                       layers of its best cosine, and the
                                                       layer count
-    <name>-kvhost   host-k  uint8 [records, bytes_k]  worker k's host tier: record r at
-                                                      row r (`BlockTables`' record id),
-                                                      one block of every stored layer,
-                                                      K then V, one shard after another
 
 Scores (policy `qk`): when a lane's reselection is due, its span names the worker's rows
 of `scores` (`Span.kv_scores`); each worker writes them after its layers ran, and after
 the last reply the daemon gives the lane's pager their mean over all layers
 (`FlashRegions.mean_scores`): the reselection runs at the start of its next plan, so its
 moves ride with that span.
-
-The host records are written only by the worker whose layers they hold and live in the
-daemon: a worker that dies leaves them intact (a restarted worker starts empty, so the
-target resets the sequence anyway).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -91,25 +83,21 @@ def available_memory() -> int:
 
 
 class FlashRegions:
-    """The host tier and the `qk` scores of every lane, in daemon-owned shared memory (the
-    module docstring's two segments)."""
+    """The `qk` scores of every running lane, in daemon-owned shared memory (the module
+    docstring's segment)."""
 
     def __init__(
         self,
         owner: ShmOwner,
         name: str,
         lanes: int,  # the running slots: only they are paged
-        records: int,  # host records, shared by the lanes (BlockTables' record ids)
         keys: int,  # blocks of a context: the scores' width
-        record_bytes: Sequence[int],  # one host record of each worker, in pipeline order
+        workers: int,
     ) -> None:
-        self.workers = len(record_bytes)
+        self.workers = workers
         self.lanes = lanes
         specs = {"scores": ([lanes * 2 * self.workers, keys], "float32")}
         self.regions, self.arrays = _carve(owner, f"{name}-kvflash", specs)
-        host = {f"host-{k}": ([records, b], "uint8") for k, b in enumerate(record_bytes)}
-        regions, _ = _carve(owner, f"{name}-kvhost", host)
-        self.host = list(regions.values())  # worker k's records
 
     def scores(self, lane: int, worker: int) -> Region:
         """Where `worker` writes `lane`'s scores: float32 [2, keys] (sums, layer counts)."""

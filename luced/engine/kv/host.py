@@ -1,0 +1,84 @@
+"""The host tier of the block pool: each worker's host records, in daemon-owned shared
+memory, and the `kv_page` frame that moves a lane's blocks there and back outside a
+forward.
+
+A record (`BlockTables`' record id r) holds one block of every stored layer of a worker,
+laid out by `runtime/kv_host.py` `RecordLayout` for the pool's block (16 rows, or KV
+Flash's 64). Segment (created by the daemon once every worker loaded, attached by the
+workers, unlinked by the daemon)::
+
+    <name>-kvhost   host-k  uint8 [records, bytes_k]  worker k's records: record r at
+                                                      row r, one block of every stored
+                                                      layer, K then V, one shard after
+                                                      another (`LoadReply.kv_record_bytes`)
+
+Who pages: under KV Flash each running lane's pager (its moves ride in its spans) and the
+kept lanes under pressure (engine/kv/holdings.py); without KV Flash only the kept lanes
+(finished prompts kept for sharing), and a lane sharing their paged-out blocks pages them
+all in with its first span (engine/runner.py). A record is written only by the worker whose
+layers it holds: a worker that dies leaves them intact (a restarted worker starts empty,
+so the target resets its sequences anyway).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+
+from luced.engine.executor import Executor, WorkerReplyError
+from luced.engine.kv.blocks import Move
+from luced.ipc.frames import KVPage
+from luced.ipc.regions import Region, RegionAllocator, required_bytes
+from luced.ipc.shm import ShmOwner
+
+
+def kept_records(kept: int, block: int, kept_lanes: int) -> int:
+    """Host records for the kept lanes without KV Flash: their `kept` positions in blocks,
+    plus one per lane for its partial last block, so the records cost at most what the
+    kept lanes could hold in the pool."""
+    return -(-kept // block) + kept_lanes if kept > 0 and kept_lanes > 0 else 0
+
+
+class HostRecords:
+    """The host records of every worker of a target (the module docstring's segment)."""
+
+    def __init__(self, records: int) -> None:
+        self.records = records
+        self.regions: list[Region] = []  # worker k's records, once carved
+        self._record_bytes: dict[tuple[int, int], int] = {}  # worker layers -> one record
+
+    def loaded(self, layers: tuple[int, int], record_bytes: int, group: str) -> None:
+        """A worker's load reply: the size of its record, which a restarted worker must
+        keep (the records in the daemon's memory are laid out for it)."""
+        known = self._record_bytes.get(layers)
+        if self.regions and record_bytes != known:
+            raise WorkerReplyError(
+                f"worker {group}'s host records are of {record_bytes} bytes, not {known}"
+            )
+        self._record_bytes[layers] = record_bytes
+
+    def carve(self, owner: ShmOwner, name: str, layers: Sequence[tuple[int, int]]) -> int:
+        """Once every worker loaded (`layers`: theirs in pipeline order): `<name>-kvhost`.
+        -> the bytes of one block over every worker."""
+        sizes = [self._record_bytes[span] for span in layers]
+        specs = {f"host-{k}": ([self.records, b], "uint8") for k, b in enumerate(sizes)}
+        segment = owner.create(f"{name}-kvhost", required_bytes(specs.values()))
+        alloc = RegionAllocator.for_segment(segment)
+        self.regions = [alloc.alloc(key, shape, dtype) for key, (shape, dtype) in specs.items()]
+        return sum(sizes)
+
+    async def page(self, executor: Executor, lane: int, moves: Sequence[Move]) -> None:
+        """`lane`'s moves in every worker (`kv_page`, each through its own records; a
+        worker on another host pages to its own memory). A failure leaves the workers out
+        of step with the tables: `in_sync` is off until they start over."""
+        wire = tuple(tuple(m) for m in moves)
+        try:
+            await asyncio.gather(
+                *(
+                    w.call(KVPage(sequence=lane, moves=wire, kv_host=self.regions[i]))
+                    for i, w in enumerate(executor.workers())
+                )
+            )
+        except BaseException:
+            executor.in_sync = False
+            raise

@@ -70,10 +70,13 @@ def test_trained_draft_beats_random_and_keeps_greedy_exact(trained) -> None:
 
 
 def test_resume_continues_exactly(trained, tmp_path: Path) -> None:
-    # Stopped at step 10 and resumed, the run ends with the weights of an unbroken run.
-    target, out, _, _ = trained
-    common = [str(target), "--prompts-jsonl", str(out.parent / "prompts.jsonl")]
-    flags = "--answer-tokens 48 --eval-prompts 2 --block-size 4 --anchors 8 --steps 20"
+    # Stopped at step 10 and resumed, the run ends with the weights of an unbroken run. Each
+    # run answers its prompts first: 4 to train on (20 steps: 5 passes over them) suffice.
+    target, _, prompts, _ = trained
+    jsonl = tmp_path / "prompts.jsonl"
+    jsonl.write_text("".join(json.dumps({"ids": p}) + "\n" for p in prompts[:6]))
+    common = [str(target), "--prompts-jsonl", str(jsonl)]
+    flags = "--answer-tokens 24 --eval-prompts 2 --block-size 4 --anchors 8 --steps 20"
     common += [*flags.split(), "--eval-tokens", "0", "--threads", "1"]
     whole, parts = tmp_path / "whole", tmp_path / "parts"
     train_draft.run(train_draft.parser().parse_args([*common, str(whole)]))

@@ -202,12 +202,15 @@ def test_http_greedy_equals_generate_tool(smol, smollm2_gguf) -> None:
 
 
 @pytest.mark.real_model
-def test_gemma3_http_equals_generate_tool(gemma3_gguf, tmp_path) -> None:
-    d = DaemonProcess(gemma3_gguf, tmp_path).start()
+def test_gemma3_by_its_bundled_name_http_equals_generate_tool(gemma3_gguf, tmp_path) -> None:
+    """`luced serve gemma3-270m` serves the bundled Gemma 3, as the generate tool runs it."""
+    d = DaemonProcess(Path("gemma3-270m"), tmp_path).start(timeout=300)
     try:
+        (card,) = client(d).models.list().data
+        assert card.id == gemma3_gguf.stem == "gemma-3-270m-q4_k_m"
         prompt = "The three primary colours are"
         out = client(d).completions.create(
-            model="gemma-3-270m-q4_k_m", prompt=prompt, max_tokens=24, temperature=0
+            model=card.id, prompt=prompt, max_tokens=24, temperature=0
         )
         assert out.choices[0].text == generate_tool(gemma3_gguf, prompt)["text"]
     finally:

@@ -208,22 +208,24 @@ def test_restart_serves_from_disk(tiny, devices, tmp_path) -> None:
     assert d.segments() == []
 
 
-def _one_file(model: Path, tmp: Path, *args: str) -> Path:
-    """Run a daemon once on `model` with its own cache dir; the snapshot file it wrote."""
+def _one_file(model: Path, tmp: Path, *args: str) -> tuple[Path, str]:
+    """Run a daemon once on `model` with its own (empty) cache dir: the snapshot file it
+    wrote, and its reply, computed from the whole prompt."""
     kv = tmp / "kv"
     d = DaemonProcess(model, tmp, "--kv-cache-dir", str(kv), *args).start()
     try:
-        complete(d)
+        reply = complete(d)
+        assert cached(reply) == 0
     finally:
         assert d.stop() == 0  # shutdown waits for the background write
     (path,) = kv.glob("*/*.safetensors")  # kv/<model fingerprint>/<id>.safetensors
-    return path
+    return path, text(reply)
 
 
 def test_bad_files_are_quarantined_and_requests_still_succeed(tiny, tmp_path) -> None:
-    good = _one_file(tiny["a"], tmp_path / "good")
-    foreign_model = _one_file(tiny["b"], tmp_path / "model")
-    foreign_placement = _one_file(tiny["a"], tmp_path / "split", "--target-devices", "cpu,cpu:1")
+    good, expected = _one_file(tiny["a"], tmp_path / "good")
+    foreign_model, _ = _one_file(tiny["b"], tmp_path / "model")
+    foreign_placement, _ = _one_file(tiny["a"], tmp_path / "split", "--target-devices", "cpu,cpu:1")
     # The bad files go where this model's snapshots live: its own directory.
     kv = tmp_path / "kv" / good.parent.name
     kv.mkdir(parents=True)
@@ -236,13 +238,6 @@ def test_bad_files_are_quarantined_and_requests_still_succeed(tiny, tmp_path) ->
     shutil.copy(foreign_model, kv / "aaaa0003.safetensors")
     shutil.copy(foreign_placement, kv / "aaaa0004.safetensors")
     (kv / "aaaa0005.safetensors.tmp").write_bytes(data[:100])  # a crashed write
-
-    plain = DaemonProcess(tiny["a"], tmp_path / "plain", "--prefix-cache-bytes", "0").start()
-    try:
-        expected = text(complete(plain))
-        assert snapshots(plain) == []
-    finally:
-        assert plain.stop() == 0
 
     d = DaemonProcess(tiny["a"], tmp_path / "d", "--kv-cache-dir", str(kv.parent)).start()
     try:
@@ -288,5 +283,6 @@ def test_hybrid_serves_with_defaults(tmp_path) -> None:
     d = DaemonProcess(model, tmp_path / "off", "--prefix-cache-bytes", "0").start()
     try:
         assert text(complete(d, longer)) == text(b)
+        assert snapshots(d) == []  # no cache: nothing kept
     finally:
         assert d.stop() == 0

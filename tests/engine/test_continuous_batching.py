@@ -5,6 +5,7 @@ served alone, one at a time."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -66,15 +67,35 @@ async def drain(handle: RequestHandle) -> tuple[list[int], list, str | None]:
     return tokens, lps, handle.finish_reason
 
 
+Outputs = list[tuple[list[int], list, str | None]]
+
+
+@pytest.fixture(scope="module")
+def served_alone() -> dict[str, object]:
+    """The references several tests compare with, each computed once for the module."""
+    return {}
+
+
+async def outputs_alone(known: dict, path: Path, reqs: list[GenerationRequest]) -> Outputs:
+    """Each request served alone, one after another, by a plain unsplit engine (context
+    256): the same requests (ids aside) give the same outputs, so they are run once."""
+    key = repr([path, *(dataclasses.replace(r, request_id="") for r in reqs)])
+    if key not in known:
+        async with engine_for(path, context=256) as engine:
+            known[key] = [await collect(engine, r) for r in reqs]
+    return known[key]
+
+
 @pytest.mark.parametrize("devices", [("cpu",), ("cpu", "cpu:1")], ids=["unsplit", "split"])
-async def test_requests_served_together_equal_each_served_alone(tiny: Path, devices) -> None:
+async def test_requests_served_together_equal_each_served_alone(
+    tiny: Path, served_alone, devices
+) -> None:
     """Split: the whole batch flows through the pipeline of shards."""
-    async with engine_for(tiny, context=256) as engine:
-        alone = [await collect(engine, request(i)) for i in range(len(PROMPTS))]
+    wants = await outputs_alone(served_alone, tiny, [request(i) for i in range(len(PROMPTS))])
     async with engine_for(tiny, devices, context=256, max_running=4) as engine:
         together = await asyncio.gather(*(collect(engine, request(i)) for i in range(4)))
         assert engine.stepped_sequences > engine.steps > 0  # really batched
-    for i, (got, want) in enumerate(zip(together, alone, strict=True)):
+    for i, (got, want) in enumerate(zip(together, wants, strict=True)):
         # Tokens exactly; logprobs to float32 rounding (a dense matmul over a batch's rows
         # rounds apart from one over a single row; --batch-invariant makes them equal).
         assert (got[0], got[2]) == (want[0], "length"), f"request {i}"
@@ -82,12 +103,11 @@ async def test_requests_served_together_equal_each_served_alone(tiny: Path, devi
         assert [lp for lp, _ in got[1]] == pytest.approx([lp for lp, _ in want[1]], abs=1e-4)
 
 
-async def test_more_requests_than_lanes_wait_their_turn(tiny: Path) -> None:
+async def test_more_requests_than_lanes_wait_their_turn(tiny: Path, served_alone) -> None:
     """Six requests on two lanes: all finish, each as alone, the queue first come first
     served; a cancelled one frees its lane and the others are untouched."""
     reqs = [request(i % 4) for i in range(6)]
-    async with engine_for(tiny, context=256) as engine:
-        alone = [await collect(engine, r) for r in reqs[:4]]
+    wants = await outputs_alone(served_alone, tiny, reqs[:4])
     async with engine_for(tiny, context=256, max_running=2) as engine:
         handles = [engine.submit(r) for r in reqs]
         assert len(engine.waiting) == 6
@@ -96,12 +116,11 @@ async def test_more_requests_than_lanes_wait_their_turn(tiny: Path) -> None:
         first = [h.first_token_at for h in handles]
         assert first[0] < first[2] and first[1] < first[3]  # admitted in order
     for i, got in enumerate(results):
-        assert got[0] == alone[i % 4][0]
+        assert got[0] == wants[i % 4][0]
 
 
-async def test_a_cancelled_request_leaves_the_batch(tiny: Path) -> None:
-    async with engine_for(tiny, context=256) as engine:
-        want = await collect(engine, request(0))
+async def test_a_cancelled_request_leaves_the_batch(tiny: Path, served_alone) -> None:
+    want = (await outputs_alone(served_alone, tiny, [request(i) for i in range(len(PROMPTS))]))[0]
     async with engine_for(tiny, context=256, max_running=3) as engine:
         doomed = engine.submit(request(2))
         kept = asyncio.ensure_future(collect(engine, request(0)))
@@ -145,28 +164,30 @@ def long_request(i: int, max_tokens: int = 60) -> GenerationRequest:
 
 @pytest.mark.parametrize("devices", [("cpu",), ("cpu", "cpu:1")], ids=["unsplit", "split"])
 async def test_a_pool_too_small_for_all_preempts_and_every_request_finishes_as_alone(
-    tiny: Path, devices
+    tiny: Path, served_alone, devices
 ) -> None:
     """Four requests need ~360 KV positions; the pool holds 256 (one context). The newest
     ones give their KV up and are recomputed later, and each request's tokens (greedy, and
     seeded sampling with penalties: the workers keep its generator) and logprobs are the
     ones it gets alone."""
-    async with engine_for(tiny, context=256) as engine:
-        alone = [await collect(engine, long_request(i)) for i in range(len(PROMPTS))]
+    wants = await outputs_alone(served_alone, tiny, [long_request(i) for i in range(len(PROMPTS))])
     async with engine_for(tiny, devices, context=256, max_running=4, kv_pool_tokens=256) as engine:
         together = await asyncio.gather(*(collect(engine, long_request(i)) for i in range(4)))
         assert engine.totals["preemptions"] > 0
         assert engine.status()["queue"]["kv_pool_tokens"] == 256
         assert await engine.drain(10) and not engine.running and not engine.preempted
         assert engine.kv is not None and engine.kv.used == 0
-    for i, (got, want) in enumerate(zip(together, alone, strict=True)):
+    for i, (got, want) in enumerate(zip(together, wants, strict=True)):
         assert (got[0], got[2]) == (want[0], "length"), f"request {i}"
         assert [lp for lp, _ in got[1]] == pytest.approx([lp for lp, _ in want[1]], abs=1e-4)
 
 
-async def test_a_preempted_request_that_is_cancelled_frees_its_lane(tiny: Path) -> None:
-    async with engine_for(tiny, context=256) as engine:
-        want = await collect(engine, long_request(0))
+async def test_a_preempted_request_that_is_cancelled_frees_its_lane(
+    tiny: Path, served_alone
+) -> None:
+    want = (
+        await outputs_alone(served_alone, tiny, [long_request(i) for i in range(len(PROMPTS))])
+    )[0]
     async with engine_for(tiny, context=256, max_running=3, kv_pool_tokens=256) as engine:
         older = asyncio.ensure_future(collect(engine, long_request(1, 150)))
         while not engine.running:
@@ -346,9 +367,27 @@ def drafted(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     return target.path, make_tiny_draft(target.path, root / "draft", seed=3, block_size=4)[1]
 
 
+async def dflash_references(
+    known: dict, drafted: tuple[Path, Path], reqs: list[GenerationRequest]
+) -> tuple[Outputs, Outputs, list[int]]:
+    """(plain decoding of the greedy requests, every request alone with the draft in the
+    target's worker, how many drafts each made alone), the same for every case."""
+    if "dflash" not in known:
+        tiny, tiny_draft = drafted
+        plain = await outputs_alone(known, tiny, reqs[:3])
+        async with engine_for(tiny, context=256, draft=tiny_draft, block_size=4) as engine:
+            drafted_alone, drafts_alone = [], []
+            for r in reqs:
+                handle = engine.submit(r)
+                drafted_alone.append(await drain(handle))
+                drafts_alone.append(handle.spec["drafts"])
+        known["dflash"] = plain, drafted_alone, drafts_alone
+    return known["dflash"]
+
+
 @pytest.mark.parametrize("draft_device", [None, "cpu:1"], ids=["draft-in-target", "draft-apart"])
 async def test_dflash_requests_draft_and_verify_in_the_batch(
-    drafted: tuple[Path, Path], draft_device: str | None
+    drafted: tuple[Path, Path], served_alone, draft_device: str | None
 ) -> None:
     """A DFlash draft model with continuous batching: greedy requests draft from their own
     lane's feature ring and verify their blocks in the step batch beside each other, a
@@ -364,14 +403,7 @@ async def test_dflash_requests_draft_and_verify_in_the_batch(
     ]
     sampled = SamplingParams(temperature=0.8, seed=11)
     reqs.append(GenerationRequest("s", PROMPTS[3], sampled, 30, ignore_eos=True))
-    async with engine_for(tiny, context=256) as engine:
-        plain = [await collect(engine, r) for r in reqs[:3]]
-    async with engine_for(tiny, context=256, draft=tiny_draft, block_size=4) as engine:
-        alone, drafts_alone = [], []
-        for r in reqs:
-            handle = engine.submit(r)
-            alone.append(await drain(handle))
-            drafts_alone.append(handle.spec["drafts"])
+    plain, drafted_alone, drafts_alone = await dflash_references(served_alone, drafted, reqs)
     async with engine_for(
         tiny, context=256, draft=tiny_draft, draft_device=draft_device, block_size=4, max_running=4
     ) as engine:
@@ -382,7 +414,7 @@ async def test_dflash_requests_draft_and_verify_in_the_batch(
         layers = target.capture[0] if target.capture else ()
         rings = {h.request_id: target.ring(h.slot).array.copy() for h in handles}  # type: ignore[union-attr]
     assert [h.spec["drafts"] for h in handles] == drafts_alone and min(drafts_alone) > 0
-    assert [t for t, _, _ in together] == [t for t, _, _ in alone]
+    assert [t for t, _, _ in together] == [t for t, _, _ in drafted_alone]
     for got, want in zip(together, plain, strict=False):
         assert got[0] == want[0]
         assert [lp for lp, _ in got[1]] == pytest.approx([lp for lp, _ in want[1]], abs=1e-4)

@@ -80,6 +80,9 @@ async def test_greedy_lookup_equals_plain(models, plain, case: str) -> None:
 
 
 async def test_adaptive_blocks_keep_greedy_output(models, plain) -> None:
+    extras = {"repetition_penalty": 1.3, "logprobs": 2}
+    async with engine_for(models["qwen3"]) as engine:
+        expected = await run_logprobs(engine, N, PROMPT, **extras)
     async with engine_for(models["qwen3"], lookup_drafts=True, adaptive_blocks=True) as engine:
         costs = engine.speculation.step_costs.table()
         assert set(costs) == {1, 2, 4, 8, 16} and all(s > 0 for s in costs.values())
@@ -88,11 +91,7 @@ async def test_adaptive_blocks_keep_greedy_output(models, plain) -> None:
         used = engine.status()["block_sizes"]
         assert sum(used.values()) > 0
         assert all(1 <= int(b) <= 16 for b in used)
-        # Greedy stays exact with penalties and logprobs, whatever sizes were chosen.
-        extras = {"repetition_penalty": 1.3, "logprobs": 2}
-    async with engine_for(models["qwen3"]) as engine:
-        expected = await run_logprobs(engine, N, PROMPT, **extras)
-    async with engine_for(models["qwen3"], lookup_drafts=True, adaptive_blocks=True) as engine:
+        # Greedy stays exact with penalties and logprobs, whatever sizes are chosen.
         got = await run_logprobs(engine, N, PROMPT, **extras)
     assert got[0] == expected[0]
     assert [top for _, top in got[2]] == [top for _, top in expected[2]]

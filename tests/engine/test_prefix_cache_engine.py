@@ -5,7 +5,10 @@ For each target (every tiny family, both bundled real models), placement
 (unsplit, 2-worker split) and decoding (plain, DFlash with a random draft), one engine
 with a prefix cache serves a prompt, then prompts that share all of it or part of it,
 and a fresh engine without a cache serves the same prompts: the greedy tokens must be
-identical, and the cached engine must report the restored prompt tokens.
+identical, and the cached engine must report the restored prompt tokens. The fresh
+engine is the plain unsplit one, run once per model, prompts and K/V dtype (`fresh`): a
+split or a draft changes no greedy token (tests/engine/test_target_split.py,
+tests/engine/test_speculative_loop.py), so every cached placement is held to its tokens.
 """
 
 from __future__ import annotations
@@ -61,15 +64,39 @@ def prompts(vocab: int) -> list[list[int]]:
     return [first, turn2, branch, first]
 
 
+Fresh = dict[tuple[Path, str, tuple[tuple[int, ...], ...]], list[list[int]]]
+
+
+@pytest.fixture(scope="module")
+def fresh() -> Fresh:
+    """The fresh greedy tokens of each (model, K/V dtype, prompts) computed so far."""
+    return {}
+
+
+async def fresh_tokens(
+    known: Fresh, path: Path, ps: list[list[int]], kv_dtype: str = ""
+) -> list[list[int]]:
+    """Each prompt's greedy tokens from a plain unsplit engine without a cache."""
+    key = (path, kv_dtype, tuple(map(tuple, ps)))
+    if key not in known:
+        async with engine_with(path, ("cpu",), None, cache=False, kv_dtype=kv_dtype) as engine:
+            known[key] = [(await run(engine, p))[0] for p in ps]
+    return known[key]
+
+
 async def check_restore_equals_fresh(
-    path: Path, devices, draft: Path | None, exact_cut: bool = False, kv_dtype: str = ""
+    known: Fresh,
+    path: Path,
+    devices,
+    draft: Path | None,
+    exact_cut: bool = False,
+    kv_dtype: str = "",
 ) -> None:
     """exact_cut (a hybrid): a snapshot restores only at its end, so of the prompts only
     the second turn (which extends the whole first prompt) restores anything."""
     vocab = Tokenizer.from_gguf(GGUFFile(path)).vocab_size
     ps = prompts(vocab)
-    async with engine_with(path, devices, draft, cache=False, kv_dtype=kv_dtype) as fresh:
-        expected = [(await run(fresh, p))[0] for p in ps]
+    expected = await fresh_tokens(known, path, ps, kv_dtype)
     async with engine_with(path, devices, draft, cache=True, kv_dtype=kv_dtype) as cached:
         got = [await run(cached, p) for p in ps]
         stats = cached.prefix_cache.stats()
@@ -98,23 +125,23 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Path
 
 @pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3"])
 @pytest.mark.parametrize("devices", [("cpu",), ("cpu", "cpu:1")], ids=["unsplit", "split"])
-async def test_tiny_restore_equals_fresh(tiny, family, devices) -> None:
-    await check_restore_equals_fresh(tiny[family][0], devices, None)
+async def test_tiny_restore_equals_fresh(tiny, fresh, family, devices) -> None:
+    await check_restore_equals_fresh(fresh, tiny[family][0], devices, None)
 
 
 @pytest.mark.parametrize("devices", [("cpu",), ("cpu", "cpu:1")], ids=["unsplit", "split"])
-async def test_bfloat16_kv_restore_equals_fresh(tiny, devices) -> None:
+async def test_bfloat16_kv_restore_equals_fresh(tiny, fresh, devices) -> None:
     """--kv-dtype bfloat16 under float32 compute: snapshots hold the 16-bit rows, and a
     restore gives what the fresh prefill gives."""
-    await check_restore_equals_fresh(tiny["qwen3"][0], devices, None, kv_dtype="bfloat16")
+    await check_restore_equals_fresh(fresh, tiny["qwen3"][0], devices, None, kv_dtype="bfloat16")
 
 
 @pytest.mark.parametrize("devices", [("cpu",), ("cpu", "cpu:1")], ids=["unsplit", "split"])
-async def test_tiny_restore_with_a_draft_equals_fresh(tiny, devices) -> None:
+async def test_tiny_restore_with_a_draft_equals_fresh(tiny, fresh, devices) -> None:
     """DFlash after a restore: the ring's rows come back with the KV, so the draft sees
     the same features and the speculative output (== plain) is unchanged."""
     target, draft = tiny["qwen3"]
-    await check_restore_equals_fresh(target, devices, draft)
+    await check_restore_equals_fresh(fresh, target, devices, draft)
 
 
 @pytest.mark.parametrize(
@@ -122,35 +149,36 @@ async def test_tiny_restore_with_a_draft_equals_fresh(tiny, devices) -> None:
     [(("cpu",), False), (("cpu", "cpu:1"), False), (("cpu", "cpu:1"), True)],
     ids=["unsplit", "split", "split+draft"],
 )
-async def test_hybrid_restore_at_exact_cuts_equals_fresh(tiny, devices, with_draft) -> None:
+async def test_hybrid_restore_at_exact_cuts_equals_fresh(tiny, fresh, devices, with_draft) -> None:
     """qwen35 (Gated DeltaNet + attention): snapshots carry each recurrent layer's state at
     the prompt's end; a restore there, then plain or speculative decoding, == fresh."""
     target, draft = tiny["qwen35"]
-    await check_restore_equals_fresh(target, devices, draft if with_draft else None, True)
+    await check_restore_equals_fresh(fresh, target, devices, draft if with_draft else None, True)
 
 
 @pytest.mark.parametrize("family", list(NEWER))
 @pytest.mark.parametrize("devices", [("cpu",), ("cpu", "cpu:1")], ids=["unsplit", "split"])
-async def test_newer_families_restore_equals_fresh(tiny, family, devices) -> None:
+async def test_newer_families_restore_equals_fresh(tiny, fresh, family, devices) -> None:
     """gemma4 (sliding windows, KV-sharing layers, per-layer embeddings), the MoE families
     and the qwen35moe hybrid: restore, then plain decoding, == fresh; split too (gemma4's
     boundary moves to keep a sharing layer with its source)."""
-    await check_restore_equals_fresh(tiny[family][0], devices, None, NEWER[family])
+    await check_restore_equals_fresh(fresh, tiny[family][0], devices, None, NEWER[family])
 
 
 @pytest.mark.parametrize("family", list(NEWER))
-async def test_newer_families_restore_with_a_draft_equals_fresh(tiny, family) -> None:
-    await check_restore_equals_fresh(tiny[family][0], ("cpu",), tiny[family][1], NEWER[family])
+async def test_newer_families_restore_with_a_draft_equals_fresh(tiny, fresh, family) -> None:
+    draft = tiny[family][1]
+    await check_restore_equals_fresh(fresh, tiny[family][0], ("cpu",), draft, NEWER[family])
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma3", *NEWER, "qwen35"])
-async def test_restore_from_disk_equals_fresh(tiny, family, tmp_path) -> None:
+async def test_restore_from_disk_equals_fresh(tiny, fresh, family, tmp_path) -> None:
     """Every family's snapshot through the disk tier: written, the memory copy dropped,
     read back into the arena and restored; then generation == fresh."""
     path = tiny[family][0]
-    first, turn2 = prompts(Tokenizer.from_gguf(GGUFFile(path)).vocab_size)[:2]
-    async with engine_with(path, ("cpu",), None, cache=False) as fresh:
-        expected = (await run(fresh, turn2))[0]
+    ps = prompts(Tokenizer.from_gguf(GGUFFile(path)).vocab_size)
+    first, turn2 = ps[:2]
+    expected = (await fresh_tokens(fresh, path, ps))[1]
     async with engine_for(
         path, context=1024, prefix_cache_bytes=64 << 20, kv_cache_dir=tmp_path
     ) as cached:
@@ -163,14 +191,14 @@ async def test_restore_from_disk_equals_fresh(tiny, family, tmp_path) -> None:
         assert cache.stats().restore_errors == 0
 
 
-async def test_hybrid_restore_into_a_kv_flash_pool_equals_fresh(tiny) -> None:
+async def test_hybrid_restore_into_a_kv_flash_pool_equals_fresh(tiny, fresh) -> None:
     """qwen35 on a KV Flash pool covering the prompts: the snapshot (every block resident)
     carries the attention rows and the DeltaNet state, the restore puts both back into the
     paged cache, and generation == a fresh engine with the plain cache."""
     path = tiny["qwen35"][0]
-    first, turn2 = prompts(Tokenizer.from_gguf(GGUFFile(path)).vocab_size)[:2]
-    async with engine_with(path, ("cpu",), None, cache=False) as fresh:
-        expected = (await run(fresh, turn2))[0]
+    ps = prompts(Tokenizer.from_gguf(GGUFFile(path)).vocab_size)
+    first, turn2 = ps[:2]
+    expected = (await fresh_tokens(fresh, path, ps))[1]
     pool = PagerConfig(pool_tokens=512)
     async with engine_for(path, context=1024, prefix_cache_bytes=64 << 20, kv_flash=pool) as cached:
         await run(cached, first)
@@ -207,15 +235,16 @@ def turn_prompts(vocab: int) -> tuple[int, list[list[int]]]:
     ],
     ids=["qwen35", "qwen35-split+draft", "qwen35moe-split"],
 )
-async def test_hybrid_restores_at_the_last_shared_turn(tiny, family, devices, with_draft) -> None:
+async def test_hybrid_restores_at_the_last_shared_turn(
+    tiny, fresh, family, devices, with_draft
+) -> None:
     """A hybrid's prefill stops at each chat-turn boundary and keeps the recurrent state
     there, so a conversation sharing the first turns of an earlier one (not its last)
     restores at the last shared turn boundary, and generates exactly as fresh."""
     target, draft = tiny[family]
     marker, ps = turn_prompts(Tokenizer.from_gguf(GGUFFile(target)).vocab_size)
     draft = draft if with_draft else None
-    async with engine_with(target, devices, draft, cache=False) as fresh:
-        expected = [(await run(fresh, p))[0] for p in ps]
+    expected = await fresh_tokens(fresh, target, ps)
     async with engine_with(target, devices, draft, cache=True) as cached:
         cached.turns = TurnMarker(marker)  # the template's marker (the harness has none)
         got = [await run(cached, p) for p in ps]
@@ -235,13 +264,13 @@ async def test_hybrid_restores_at_the_last_shared_turn(tiny, family, devices, wi
     ],
 )
 async def test_real_models_restore_equals_fresh(
-    model, devices, with_draft, request, tmp_path
+    model, devices, with_draft, request, fresh, tmp_path
 ) -> None:
     target = request.getfixturevalue(f"{model}_gguf")
     draft = None
     if with_draft:
         _, draft, _ = make_tiny_draft(target, tmp_path / "draft", seed=2, block_size=4)
-    await check_restore_equals_fresh(target, devices, draft)
+    await check_restore_equals_fresh(fresh, target, devices, draft)
 
 
 # Natural text, so the greedy continuation meets the near-ties real prompts have.

@@ -586,15 +586,13 @@ def test_gemma4_tensors_are_transformers_own(overrides):
 # ---------------------------------------------------------------- the command
 
 
-def _run_without_transformers(tool: str, *args: str) -> subprocess.CompletedProcess:
-    """tools/TOOL.py run as a user runs it, in an interpreter where transformers (the test
-    extra) cannot be imported."""
-    code = (
-        "import runpy, sys\n"
-        "sys.modules['transformers'] = None  # import transformers raises ImportError\n"
-        f"sys.argv = [{tool!r}, *{list(args)!r}]\n"
-        f"runpy.run_path({str(ROOT / 'tools' / tool)!r}, run_name='__main__')\n"
-    )
+def _run_without_transformers(*runs: tuple[str, ...]) -> subprocess.CompletedProcess:
+    """Each run, (TOOL, *args), tools/TOOL.py as a user runs it, one after another in one
+    interpreter where transformers (the test extra) cannot be imported."""
+    code = "import runpy, sys\nsys.modules['transformers'] = None  # import raises ImportError\n"
+    for tool, *args in runs:
+        code += f"sys.argv = [{tool!r}, *{args!r}]\n"
+        code += f"runpy.run_path({str(ROOT / 'tools' / tool)!r}, run_name='__main__')\n"
     return subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300
     )
@@ -602,21 +600,19 @@ def _run_without_transformers(tool: str, *args: str) -> subprocess.CompletedProc
 
 def test_tools_run_without_the_test_extra(tmp_path):
     """Every family and a draft, with the twin's folder, from the runtime's dependencies."""
-    for family in FAMILIES:
-        out, hf_dir = tmp_path / f"{family}.gguf", tmp_path / f"{family}-hf"
-        proc = _run_without_transformers(
-            "make_tiny_gguf.py", family, str(out), "--hf-dir", str(hf_dir), "--seed", "2"
-        )
-        assert proc.returncode == 0, proc.stderr[-2000:]
-        assert (
-            out.read_bytes()
-            == make_tiny_gguf(family, tmp_path / "again.gguf", seed=2).path.read_bytes()
-        )
-        assert (hf_dir / "config.json").exists() and (hf_dir / "model.safetensors").exists()
-    proc = _run_without_transformers(
-        "make_tiny_draft.py", str(tmp_path / "qwen3.gguf"), str(tmp_path / "draft")
-    )
+    hf_dirs = {family: tmp_path / f"{family}-hf" for family in FAMILIES}
+    seed = ("--seed", "2")
+    runs = [
+        ("make_tiny_gguf.py", family, str(tmp_path / f"{family}.gguf"), *seed, "--hf-dir", str(d))
+        for family, d in hf_dirs.items()
+    ]
+    runs.append(("make_tiny_draft.py", str(tmp_path / "qwen3.gguf"), str(tmp_path / "draft")))
+    proc = _run_without_transformers(*runs)
     assert proc.returncode == 0, proc.stderr[-2000:]
+    for family, hf_dir in hf_dirs.items():
+        again = make_tiny_gguf(family, tmp_path / "again.gguf", seed=2).path
+        assert (tmp_path / f"{family}.gguf").read_bytes() == again.read_bytes(), family
+        assert (hf_dir / "config.json").exists() and (hf_dir / "model.safetensors").exists()
     assert (tmp_path / "draft" / "draft.gguf").exists()
     assert (tmp_path / "draft" / "draft" / "config.json").exists()
 

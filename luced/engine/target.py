@@ -233,7 +233,7 @@ class Target:
         if self.host is not None and not self.host.regions:
             assert self.blocks is not None
             layers = [s.plan.layers for s in self.executor.slots if s.plan is not None]
-            block_bytes = self.host.carve(self.owner, self.name, layers)
+            block_bytes = self.host.carve(self.owner, self.name, layers, self.blocks)
             if self.flash is not None:
                 self.flash.carve(self.owner, self.name, len(layers), self.blocks, block_bytes)
 

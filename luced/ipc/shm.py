@@ -72,6 +72,15 @@ HEADER_SIZE = 64
 PREFIX = "luced-"
 SHM_DIR = Path("/dev/shm")
 
+
+def shm_room(shm_dir: Path = SHM_DIR) -> int:
+    """Bytes a sparse segment may grow to: half the free space in /dev/shm. Creating a
+    segment always works, but a write past what tmpfs holds kills the writer with SIGBUS
+    (Docker's default /dev/shm is 64 MiB), so what may fill up is sized to this."""
+    st = os.statvfs(shm_dir)
+    return st.f_bavail * st.f_frsize // 2
+
+
 # magic, version, pid, owner start ticks, total size, created ns, instance, reserved
 _HEADER = struct.Struct("<8sIIQQQ16s8x")
 assert _HEADER.size == HEADER_SIZE

@@ -32,7 +32,7 @@ from luced.cache.disk import (
 from luced.cache.prefix_cache import PrefixCache
 from luced.engine.core import Engine
 from luced.engine.target import Target
-from luced.ipc.shm import SHM_DIR, ShmOwner
+from luced.ipc.shm import SHM_DIR, ShmOwner, shm_room
 from luced.serve.admin import CommandError, arg_bool, arg_str
 from luced.serve.config import KVOptions
 
@@ -63,11 +63,9 @@ def placement_key(target: Target) -> str:
 
 
 def arena_bytes(wanted: int, shm_dir: Path = SHM_DIR) -> int:
-    """The arena size to create: `wanted`, capped at half of the free space in /dev/shm.
-    The segment is sparse, so creating it always works, but a write past what tmpfs can
-    hold kills the daemon with SIGBUS (Docker's default /dev/shm is 64 MiB)."""
-    st = os.statvfs(shm_dir)
-    room = st.f_bavail * st.f_frsize // 2
+    """The arena size to create: `wanted`, capped at half of the free space in /dev/shm
+    (`shm_room`: a write past what tmpfs holds would kill the daemon with SIGBUS)."""
+    room = shm_room(shm_dir)
     if wanted > room:
         log.warning(
             "prefix cache: --prefix-cache-bytes %d MiB exceeds half of the free space in %s; "

@@ -170,6 +170,16 @@ class BlockTables:
         table = self._tables.get(lane, [])
         return next((j for j, b in enumerate(table) if b == PAGED), len(table))
 
+    def limit_records(self, n: int) -> None:
+        """Keep only the first n host records (before any is used: the memory behind the
+        others cannot be had)."""
+        if self.used_records:
+            raise ValueError(f"{self.used_records} host records are in use: too late to limit")
+        if n < self.records:
+            self.records = n
+            self._free_records = list(range(n))
+            del self._record_refs[n:]
+
     @property
     def free_records(self) -> int:
         return len(self._free_records)

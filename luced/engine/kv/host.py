@@ -23,13 +23,16 @@ so the target resets its sequences anyway).
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Sequence
 
 from luced.engine.executor import Executor, WorkerReplyError
-from luced.engine.kv.blocks import Move
+from luced.engine.kv.blocks import BlockTables, Move
 from luced.ipc.frames import KVPage
 from luced.ipc.regions import Region, RegionAllocator, required_bytes
-from luced.ipc.shm import ShmOwner
+from luced.ipc.shm import ShmOwner, shm_room
+
+log = logging.getLogger(__name__)
 
 
 def kept_records(kept: int, block: int, kept_lanes: int) -> int:
@@ -57,10 +60,31 @@ class HostRecords:
             )
         self._record_bytes[layers] = record_bytes
 
-    def carve(self, owner: ShmOwner, name: str, layers: Sequence[tuple[int, int]]) -> int:
-        """Once every worker loaded (`layers`: theirs in pipeline order): `<name>-kvhost`.
-        -> the bytes of one block over every worker."""
+    def carve(
+        self,
+        owner: ShmOwner,
+        name: str,
+        layers: Sequence[tuple[int, int]],
+        tables: BlockTables,
+        room: int | None = None,
+    ) -> int:
+        """Once every worker loaded (`layers`: theirs in pipeline order): `<name>-kvhost`,
+        of at most `room` bytes (default `shm_room()`: the records that do not fit are
+        taken from `tables`, with a warning). -> the bytes of one block over every worker."""
         sizes = [self._record_bytes[span] for span in layers]
+        room = shm_room() if room is None else room
+        fits = max(1, room // max(1, sum(sizes)))
+        if fits < self.records:
+            log.warning(
+                "host records for paged-out K/V: %d of %d fit in half of the free space in "
+                "/dev/shm (%d MiB); a kept prompt past them is given up, and a --kv-flash "
+                "request that needs more fails (enlarge /dev/shm to keep more)",
+                fits,
+                self.records,
+                room >> 20,
+            )
+            self.records = fits
+            tables.limit_records(fits)
         specs = {f"host-{k}": ([self.records, b], "uint8") for k, b in enumerate(sizes)}
         segment = owner.create(f"{name}-kvhost", required_bytes(specs.values()))
         alloc = RegionAllocator.for_segment(segment)

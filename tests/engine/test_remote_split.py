@@ -18,6 +18,7 @@ import pytest
 import torch
 from engine_harness import engine_for, generate
 from remote_harness import WorkerProc, needs_wire, settings
+from test_kept_prefixes import check_kept_prompt_pages_out_and_in
 from test_target_split import check_split_equals_unsplit
 
 from luced.engine.kvflash import PagerConfig
@@ -32,7 +33,8 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     make_tiny_gguf("llama", d / "llama.gguf", seed=3, layers=4)
     make_tiny_gguf("qwen35", d / "qwen35.gguf", seed=7)
     make_tiny_gguf("qwen3", d / "qwen3.gguf", seed=7, layers=4, context=1024)
-    return {n: d / f"{n}.gguf" for n in ("llama", "qwen35", "qwen3")}
+    make_tiny_gguf("qwen3", d / "qwen3-512.gguf", seed=7, layers=4, context=512)
+    return {n: d / f"{n}.gguf" for n in ("llama", "qwen35", "qwen3", "qwen3-512")}
 
 
 @pytest.fixture(scope="module")
@@ -229,3 +231,15 @@ async def test_kv_flash_pages_on_both_hosts_as_on_one(
     assert got == want
     for (lp, top), (want_lp, want_top) in zip(got_lps, want_lps, strict=True):
         assert top == want_top and abs(lp - want_lp) < 1e-4
+
+
+async def test_a_kept_prompt_pages_out_on_both_hosts_as_on_one(
+    worker: WorkerProc, key: Path, models: dict[str, Path]
+) -> None:
+    """Without KV Flash, a kept prompt pages out under pressure (`kv_page`) on a split whose
+    second stage is on host B, which pages to its own memory; the next turn pages it back
+    in on both hosts and gives the fresh unsplit output (test_kept_prefixes)."""
+    path = models["qwen3-512"]
+    await check_kept_prompt_pages_out_and_in(
+        path, ("cpu", worker.device()), remote=settings(key, path)
+    )

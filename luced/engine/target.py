@@ -383,8 +383,8 @@ class Target:
     def shares_prefixes(self) -> bool:
         """Whether a sequence may start on another's prefix blocks (`share`): the workers
         hold every sequence's K/V in one block pool, and no per-sequence state outside the
-        K/V and the feature ring (a recurrent state) would need it. Under KV Flash its
-        paged-out blocks are shared too (their host records)."""
+        K/V and the feature ring (a recurrent state) would need it. Paged-out blocks are
+        shared too (their host records)."""
         return self.placement.kv_block > 0 and not self.recurrent
 
     async def share(self, slot: int, source: int, n: int) -> int:

@@ -222,8 +222,8 @@ class Loaded:
     def page(
         self, sequence: int, moves: Sequence[tuple[int, int, int, int]], hosts: list[SharedHostTier]
     ) -> int:
-        """KV Flash moves of `sequence`'s block tables outside a forward (a kept lane paged
-        out, `kv_page`): checked on every shard first (WorkerError: nothing changed), then
+        """Moves of `sequence`'s block tables outside a forward (a kept lane paged out,
+        `kv_page`): checked on every shard first (WorkerError: nothing changed), then
         applied in order through each shard's view of the host tier. -> its PAGED entries."""
         state = self.sequences.get(sequence)
         caches = state.paged() if state is not None else []
@@ -245,7 +245,7 @@ class Loaded:
     def share(self, sequence: int, source: int, n: int) -> int:
         """Start `sequence` (emptied first) on `source`'s first n positions: each shard's
         paged cache takes the source's table entries that hold them (blocks, and PAGED
-        entries under KV Flash), without copying. Returns n."""
+        entries: a kept prompt's paged-out blocks), without copying. Returns n."""
         if not self.block_pools:
             raise WorkerError("kv_share needs a load with kv_block (one block pool per shard)")
         origin = self.sequences.get(source)

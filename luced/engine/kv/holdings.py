@@ -50,10 +50,11 @@ class Holdings:
 
     def resident(self, lane: int, n: int | None = None) -> int:
         """The positions of `lane`'s resident blocks (of those holding its first n)."""
-        table = self.tables.table(lane)
-        if n is not None:
-            table = table[: -(-n // self.tables.block)]
-        return sum(b != PAGED for b in table) * self.tables.block
+        t = self.tables
+        if n is None:  # the whole table: no scan (the budget asks this for every kept lane)
+            return (t.length(lane) - t.paged(lane)) * t.block
+        blocks = -(-n // t.block)
+        return sum(b != PAGED for b in t.table(lane)[:blocks]) * t.block
 
     @property
     def flash(self) -> bool:
@@ -76,10 +77,10 @@ class Holdings:
         Flash those in resident blocks both hold; without, all but those in the source's
         paged-out blocks (`lane` pages them in, so they are its own)."""
         b = self.tables.block
-        mine, theirs = self.tables.table(lane), self.tables.table(source)[: -(-n // b)]
         if self.cap is None:
-            paged = [j for j, entry in enumerate(theirs) if entry == PAGED]
+            paged = [j for j in self.tables.host(source) if j * b < n]
             return max(0, n - sum(min(n, (j + 1) * b) - j * b for j in paged))
+        mine, theirs = self.tables.table(lane), self.tables.table(source)[: -(-n // b)]
         both = zip(mine[: -(-n // b)], theirs, strict=False)
         return min(n, sum(a == c != PAGED for a, c in both) * b)
 

@@ -244,8 +244,9 @@ class Pager:
         what = f"lane {lane}'s positions [{start}, {end})"
         keep = self._selection(step) if self._scored and self.reselect_due() else None
         adopt = self._adopt if keep is None else None
-        reselection = self._reselection(keep if adopt is None else adopt, length)
-        ops, candidates = self._step(step, cur, keep if adopt is None else adopt, length, what)
+        target = keep if adopt is None else adopt  # the residency this plan brings
+        reselection = self._reselection(target, length)
+        ops, candidates = self._step(step, cur, target, length, what)
         # An adoption's blocks keep their order (position), as a fresh pager's would.
         recalled = [j for kind, j in reselection if kind == IN and adopt is None]
         victims = iter(self._victims(candidates, ops.count((OUT, _VICTIM)), recalled))

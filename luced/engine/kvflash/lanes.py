@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from luced.engine.kv.blocks import PAGED, BlockTables
+from luced.engine.kv.blocks import BlockTables
 from luced.engine.kv.holdings import Holdings
 from luced.engine.kv.pager import Pager, PagerConfig
 from luced.engine.kvflash.transport import FlashRegions
@@ -93,14 +93,15 @@ class FlashLanes:
         """Pool, policy, block, resident and paged-out blocks, evictions, recalls and host
         bytes, summed over the running slots' pagers and the kept lanes' tables."""
         stats = [p.stats() for p in self._pagers.values()]
-        kept = [] if self.tables is None else self.tables.lanes
-        kept = [self.tables.table(lane) for lane in kept if lane >= self.sequences]  # type: ignore[union-attr]
-        paged = sum(t.count(PAGED) for t in kept)
+        t = self.tables
+        kept = [] if t is None else [lane for lane in t.lanes if lane >= self.sequences]
+        paged = sum(t.paged(lane) for lane in kept) if t is not None else 0
+        held = sum(t.length(lane) for lane in kept) if t is not None else 0
         return {
             "pool_tokens": self.cfg.pool_tokens,
             "policy": self.cfg.policy,
             "block": self.cfg.block,
-            "resident_blocks": sum(s.resident for s in stats) + sum(map(len, kept)) - paged,
+            "resident_blocks": sum(s.resident for s in stats) + held - paged,
             "paged_out_blocks": sum(s.paged_out for s in stats) + paged,
             "evictions": sum(s.evictions for s in stats),
             "recalls": sum(s.recalls for s in stats),

@@ -91,15 +91,19 @@ class HostRecords:
         self.regions = [alloc.alloc(key, shape, dtype) for key, (shape, dtype) in specs.items()]
         return sum(sizes)
 
-    async def page(self, executor: Executor, lane: int, moves: Sequence[Move]) -> None:
+    async def page(
+        self, executor: Executor, lane: int, moves: Sequence[Move], tokens: Sequence[int] = ()
+    ) -> None:
         """`lane`'s moves in every worker (`kv_page`, each through its own records; a
-        worker on another host pages to its own memory). A failure leaves the workers out
-        of step with the tables: `in_sync` is off until they start over."""
+        worker on another host pages to its own memory); `tokens`: the ids of the
+        positions its adopt moves add. A failure leaves the workers out of step with the
+        tables: `in_sync` is off until they start over."""
         wire = tuple(tuple(m) for m in moves)
+        ids = tuple(int(t) for t in tokens)
         try:
             await asyncio.gather(
                 *(
-                    w.call(KVPage(sequence=lane, moves=wire, kv_host=self.regions[i]))
+                    w.call(KVPage(sequence=lane, moves=wire, kv_host=self.regions[i], tokens=ids))
                     for i, w in enumerate(executor.workers())
                 )
             )

@@ -297,7 +297,10 @@ def _prefix_cache(c: Any) -> str:
         return fmt(c)
     disk = ""
     if c.get("disk_budget") is not None:
-        disk = f", disk {human_bytes(c.get('disk_bytes'))} of {human_bytes(c.get('disk_budget'))}"
+        used = (c.get("disk_bytes") or 0) + (c.get("disk_block_bytes") or 0)
+        disk = f", disk {human_bytes(used)} of {human_bytes(c.get('disk_budget'))}"
+        if c.get("disk_blocks"):
+            disk += f" ({fmt(c.get('disk_blocks'))} K/V blocks)"
     if c.get("disk_error"):
         disk += f", disk writes PAUSED: {c.get('disk_error')}"
     if c.get("disk_problem"):

@@ -47,8 +47,8 @@ from typing import Any, Protocol
 import numpy as np
 
 from luced.cache.arena import TOKENS, TOKENS_SPEC, Block, SnapshotArena, check_layout
-from luced.cache.backoff import DiskBackoff
 from luced.cache.arena import layout_bytes as _layout_bytes
+from luced.cache.backoff import DiskBackoff
 from luced.cache.disk import SnapshotDisk, SnapshotFileError
 from luced.cache.index import PrefixIndex, as_tokens
 from luced.cache.layout import TensorSpec

@@ -3,17 +3,19 @@
 At admission a sequence starts on the longest prefix of its prompt that is held
 elsewhere: a running sequence's prompt blocks or a finished one's kept in the pool
 (engine/kv/finished.py), shared in the workers' block pool without computing or copying
-them (`Target.share`), or a prefix-cache snapshot, restored into its
-slot (a copy; the snapshot arena, maybe read from disk first), or its whole blocks on disk
+them (`Target.share`); a prefix-cache snapshot, restored into its slot (a copy; the
+snapshot arena, maybe read from disk first); or its whole blocks on disk
 (engine/kv/block_store.py: read into host records that its table adopts, paged in by its
-first span). Sharing wins a tie: it copies nothing; then the arena, then the disk. A sequence arriving while another one is still prefilling a prefix of its
-prompt, WAIT_TO_SHARE positions or more past anything held now, waits for that prefill to
-pass and shares it (`hold`): requests sent together with one system prompt compute it once.
+first span). Sharing wins a tie: it copies nothing; then the arena, then the disk. A
+sequence arriving while another one is still prefilling a prefix of its prompt,
+WAIT_TO_SHARE positions or more past anything held now, waits for that prefill to pass
+and shares it (`hold`): requests sent together with one system prompt compute it once.
 
 When a prompt is in the KV its snapshot is saved (`save`), restorable at its chat-turn
-boundaries too, and its whole blocks not on disk yet are written there. A recurrent model's state exists only where a chunk ended, so its chunks
-end at the latest MAX_STATE_CUTS turn starts and the workers keep the state there (the
-prefix cache's exact-cut mode).
+boundaries too, and its whole blocks not on disk yet are written there. A recurrent
+model's state exists only where a chunk ended, so its chunks end at the latest
+MAX_STATE_CUTS turn starts and the workers keep the state there (the prefix cache's
+exact-cut mode).
 
 A resumed (preempted) sequence reuses nothing: an import would start its sampler over.
 Nor does an embedding sequence, whose pooled rows need every position computed, and its
@@ -89,16 +91,22 @@ class PrefixReuse:
     ) -> tuple[int, int, Sequence | None]:
         """Where the longest prefix of `seq`'s prompt (all but its last token, which is fed
         to sample from) is held: a running sequence's KV, at most its prompt (shared blocks
-        are computed as a fresh prefill computes them), or a finished one kept in the pool.
+        are computed as a fresh prefill computes them) and, without KV Flash, its resident
+        blocks (not those restored from disk and not paged in yet: the sharer would page in
+        copies the budget does not charge it), or a finished one kept in the pool.
         -> (its lane, positions, the running sequence or None); lane -1 when none."""
         best: tuple[int, int, Sequence | None] = (-1, 0, None)
         if not self.target.shares_prefixes:
             return best
         blocks, holding = self.running_blocks, {}
+        tables = self.target.blocks if self.target.flash is None else None
         for other in running:
             if other is seq or other.slot < 0 or other.pooler is not None:
                 continue
-            blocks.hold(other.slot, other.prompt, min(other.computed, len(other.prompt)))
+            held = min(other.computed, len(other.prompt))
+            if tables is not None and tables.paged(other.slot):
+                held = min(held, tables.resident_prefix(other.slot) * tables.block)
+            blocks.hold(other.slot, other.prompt, held)
             holding[other.slot] = other
         blocks.keep_only(holding.keys())  # those gone, and `seq` itself
         lane, n = blocks.longest(seq.prompt[:-1])

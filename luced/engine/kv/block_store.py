@@ -106,7 +106,9 @@ class BlockStore:
                 part = part_name(target, plan)
                 fd, lock_fd = lock_fd, None  # the first part holds the lock
                 parts.append(
-                    BlockFiles(root, fingerprint, part, size, target.blocks.block, share, lock_fd=fd)
+                    BlockFiles(
+                        root, fingerprint, part, size, target.blocks.block, share, lock_fd=fd
+                    )
                 )
             await asyncio.to_thread(retire_snapshots, Path(root) / model_dir_name(fingerprint))
             for p in parts:
@@ -139,7 +141,9 @@ class BlockStore:
         assert tables is not None and host is not None
         n = min(len(keys), tables.free_records)
         if n < len(keys):
-            log.debug("prefix cache: %d of %d blocks restored: host records are short", n, len(keys))
+            log.debug(
+                "prefix cache: %d of %d blocks restored: host records are short", n, len(keys)
+            )
         if not n:
             return 0
         records = [tables.hold_record() for _ in range(n)]

@@ -7,13 +7,15 @@ fewer blocks; snapshot files of the older format are moved aside with one log li
 
 from __future__ import annotations
 
+import errno
 import logging
+import os
 from pathlib import Path
 
 import pytest
 from engine_harness import engine_for
 
-from luced.cache.block_files import BLOCKS, SUFFIX, prompt_keys
+from luced.cache.block_files import BLOCKS, SUFFIX, BlockFiles, prompt_keys
 from luced.cache.files import QUARANTINE
 from luced.engine.core import Engine, GenerationRequest, RequestHandle
 from luced.runtime.tiny import make_tiny_gguf
@@ -201,3 +203,34 @@ async def test_short_host_records_save_and_restore_fewer_blocks(
         for record in held:
             tables.release_record(record)
         assert tables.used_records == 0
+
+
+async def test_a_full_disk_pauses_block_writes_with_one_warning(
+    tiny: Path,
+    known,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The OS refuses the first block's write: one warning, the status says why, the
+    records of every queued block go back, the prompts after it write nothing while the
+    pause lasts, and the answers are the fresh ones."""
+    fresh = await fresh_answers(tiny, known)
+    tries: list[bytes] = []
+
+    def full(self: BlockFiles, parent: bytes, tokens, data) -> bytes:
+        tries.append(parent)
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(BlockFiles, "write", full)
+    async with engine(tiny, tmp_path / "kv") as e:
+        assert await served(e, PROMPT) == (fresh["p"], 0)
+        await e.prefix_cache.save_all()
+        assert await served(e, THIRD) == (fresh["t"], 60)  # the arena's snapshot of PROMPT
+        await e.prefix_cache.save_all()
+        stats = e.prefix_cache.stats()
+        assert (stats.disk_error, stats.disk_blocks) == ("No space left on device (ENOSPC)", 0)
+        assert len(tries) == 1 and e.target.blocks.used_records == 0
+    said = [r for r in caplog.records if r.name == "luced.engine.kv.block_store"]
+    assert [r.levelno for r in said] == [logging.WARNING]
+    assert "cannot write K/V blocks to disk: No space left on device" in said[0].getMessage()

@@ -395,10 +395,11 @@ class PagedKVCache(BaseKVCache):
                     f"save of logical block {j} from block {block}: the table has {has}"
                 )
         elif kind == MOVE_ADOPT:
-            if j != len(table):
-                raise ValueError(f"adopt as logical block {j}: the table holds {len(table)} blocks")
-            if (j + 1) * self.pool.block > self.capacity:
-                raise ContextOverflow(f"adopting block {j} exceeds the KV capacity {self.capacity}")
+            if j != len(table) or (j + 1) * self.pool.block > self.capacity:
+                raise ValueError(
+                    f"adopt as logical block {j}: the table holds {len(table)} blocks "
+                    f"(a KV capacity of {self.capacity})"
+                )
             if self.pos != len(self.table) * self.pool.block or self.recurrent is not None:
                 raise ValueError(
                     f"adopt after position {self.pos}: only a cache of whole blocks, "
@@ -430,28 +431,21 @@ class PagedKVCache(BaseKVCache):
         self._relink()
 
     def save(self, j: int, block: int, record: torch.Tensor) -> None:
-        """Logical block j's rows, in pool block `block`, are copied to `record` (as
-        `page_out`); the table keeps the block. Checked first (ValueError, no change)."""
+        """`page_out`'s copy of logical block j to `record`; the table keeps the block."""
         self._check_move(list(self.table), {}, MOVE_SAVE, j, block)
         self.record.copy_out(self.pool.k, self.pool.v, block * self.pool.block, record)
 
     def adopt(self, j: int) -> None:
-        """A host record becomes logical block j, the table's next, PAGED: its positions
-        are committed (`page_in` brings its rows). Checked first (ValueError, no change)."""
+        """Logical block j, the table's next, is PAGED, its positions committed (checked)."""
         self._check_move(list(self.table), {}, MOVE_ADOPT, j, PAGED)
         self.table.append(PAGED)
         self._relink()
         self.commit(len(self.table) * self.pool.block)
 
     def move(self, kind: int, j: int, block: int, record: torch.Tensor) -> None:
-        """`page_out` (kind MOVE_OUT), `page_in` (MOVE_IN), `save` (MOVE_SAVE) or `adopt`
-        (MOVE_ADOPT, `record` unread): a move of `frames.Span` or `frames.KVPage`."""
-        if kind == MOVE_OUT:
-            self.page_out(j, block, record)
-        elif kind == MOVE_IN:
-            self.page_in(j, block, record)
-        elif kind == MOVE_SAVE:
-            self.save(j, block, record)
+        """A move of `frames.Span` or `frames.KVPage`: `page_out`, `page_in`, `save`, `adopt`."""
+        if kind in (MOVE_OUT, MOVE_IN, MOVE_SAVE):
+            (self.page_out, self.page_in, self.save)[kind](j, block, record)
         elif kind == MOVE_ADOPT:
             self.adopt(j)
         else:

@@ -523,11 +523,18 @@ def build_parser() -> argparse.ArgumentParser:
     add(snap_sub, "list", "list the snapshots", model=True)
     drop = add(snap_sub, "drop", "remove one snapshot from memory and disk", model=True)
     drop.add_argument("id", help="a snapshot id from `snapshot list`")
-    add(snap_sub, "save", "write every memory snapshot to the disk tier now", model=True)
+    add(
+        snap_sub,
+        "save",
+        "write every memory snapshot to the disk tier now (and finish the K/V blocks' writes)",
+        model=True,
+    )
     cache = add(sub, "cache", "the prefix cache as a whole")
     cache_sub = cache.add_subparsers(dest="cache_command", required=True, metavar="COMMAND")
     clear = add(cache_sub, "clear", "drop the memory tier (and the disk tier)", model=True)
-    clear.add_argument("--disk", action="store_true", help="delete the snapshot files too")
+    clear.add_argument(
+        "--disk", action="store_true", help="delete the files on disk too (snapshots, K/V blocks)"
+    )
     clear.add_argument("--yes", action="store_true", help="confirm (required)")
     add(sub, "models", "the served models: state, memory, requests, last use")
     load = add(sub, "load", "load a served model now (waits until it is loaded)")

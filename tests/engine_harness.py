@@ -16,6 +16,7 @@ from luced.cache.prefix_cache import PrefixCache
 from luced.engine.core import Engine, GenerationRequest, RequestHandle
 from luced.engine.driver import Driver
 from luced.engine.executor import Deadlines
+from luced.engine.kv.block_store import BlockStore
 from luced.engine.kvflash import PagerConfig
 from luced.engine.pooling import is_encoder
 from luced.engine.remote import RemoteSettings
@@ -80,6 +81,7 @@ async def engine_for(
     moe_expert_device: str | None = None,
     kv_flash: PagerConfig | None = None,
     kv_cache_dir: Path | None = None,
+    block_files: bool = False,
     weights: str = "dequant",
     batch_invariant: bool = False,
     max_running: int = 1,
@@ -98,7 +100,9 @@ async def engine_for(
     `max_batch_tokens` (64; the daemon's default is 512) span several prefill chunks. A
     draft (or the n-gram lookup) is set up for blocks up to 16; adaptive blocks are
     calibrated before the first request. `kv_block` None: as the daemon (KV Flash's
-    blocks, else blocks of 16 when several requests run)."""
+    blocks, else blocks of 16 when several requests run). `block_files`: the disk tier
+    in `kv_cache_dir` keeps K/V blocks by prefix key (engine/kv/block_store.py) instead of
+    snapshot files, as the daemon's does wherever it can (`ModelSpec.block_store`)."""
     if kv_block is None:
         kv_block = kv_flash.block if kv_flash is not None else 16 if max_running > 1 else 0
     gguf = GGUFFile(path)
@@ -146,6 +150,7 @@ async def engine_for(
             max_running=max_running,
             kv_pool_tokens=kv_pool_tokens,
             kv_keep_tokens=kv_keep_tokens,
+            block_store=block_files,
             encoder=is_encoder(gguf),
         )
         engine.runner.decode_ahead = decode_ahead
@@ -162,11 +167,15 @@ async def engine_for(
             if prefix_cache_bytes:
                 arena = SnapshotArena(owner, prefix_cache_bytes)
                 layout = await target.kv_layout()
-                disk = None
-                if kv_cache_dir is not None:  # a disk tier too
+                disk, blocks = None, None
+                if kv_cache_dir is not None and block_files:  # K/V blocks on disk
+                    blocks = await BlockStore.open(target, kv_cache_dir, path.name, 1 << 30)
+                elif kv_cache_dir is not None:  # snapshot files
                     ident = DiskIdentity(path.name, "none", f"{devices}", dtype)
                     disk = SnapshotDisk(kv_cache_dir, ident, layout)
-                engine.prefix_cache = PrefixCache(layout, arena, disk, exact_cuts=target.recurrent)
+                cache = PrefixCache(layout, arena, disk, exact_cuts=target.recurrent)
+                cache.blocks = blocks
+                engine.prefix_cache = cache
             engine.start()
             yield engine
         finally:

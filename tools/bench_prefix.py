@@ -14,6 +14,10 @@ token document and ends in its own question, as a chat over one long context doe
     memory    the document's snapshot is in the arena: restore + prefill of the question
     disk      the memory tier was dropped, the file remains: read into the arena,
               restore, prefill of the question
+    blocks    the same from K/V blocks on disk (engine/kv/block_store.py, the daemon's
+              disk tier where requests share a block pool), on a second engine over its
+              own worker: its memory tier was dropped, the document's block files remain:
+              read into host records, paged in, prefill of the rest
     memory+1  `memory` while another request (another document) decodes beside it
     shared+1  while another request over the same document decodes: the new one takes
               the document's K/V blocks from it (no copy; the engine prefers that to
@@ -42,6 +46,7 @@ from luced.cache.arena import SnapshotArena
 from luced.cache.disk import DiskIdentity, SnapshotDisk
 from luced.cache.prefix_cache import PrefixCache
 from luced.engine.core import Engine, GenerationRequest
+from luced.engine.kv.block_store import BlockStore
 from luced.engine.target import Target, TargetPlacement
 from luced.gguf_file import GGUFFile
 from luced.ipc.shm import ShmOwner
@@ -113,27 +118,38 @@ async def bench(args: argparse.Namespace) -> None:
         dtype=args.dtype,
         kv_block=BLOCK,
     )
-    modes = ("cold", "kept", "memory", "disk", "memory+1", "shared+1")
+    modes = ("cold", "kept", "memory", "disk", "blocks", "memory+1", "shared+1")
     rows: dict[str, list[float]] = {mode: [] for mode in modes}
     blocks: dict[str, list[tuple[int, int]]] = {"memory+1": [], "shared+1": []}
     with tempfile.TemporaryDirectory() as tmp, ShmOwner() as owner:
-        target = Target(owner, placement, step_tokens=512 + 2 * 16, sequences=2)
-        engine = Engine(
-            target,
-            tokenizer,
-            None,
-            model_name="bench",
-            context_length=placement.kv_capacity,
-            max_running=2,
-            kv_keep_tokens=placement.kv_capacity,
-        )
+
+        def make(name: str, blocks: bool) -> tuple[Target, Engine]:
+            target = Target(owner, placement, name=name, step_tokens=512 + 2 * 16, sequences=2)
+            engine = Engine(
+                target,
+                tokenizer,
+                None,
+                model_name="bench",
+                context_length=placement.kv_capacity,
+                max_running=2,
+                kv_keep_tokens=placement.kv_capacity,
+                block_store=blocks,
+            )
+            return target, engine
+
+        (target, engine), (target_b, engine_b) = make("target", False), make("blocks", True)
         await target.start()
+        await target_b.start()
         layout = await target.kv_layout()
         identity = DiskIdentity("bench", "", placement_key(target), args.dtype)
-        disk = SnapshotDisk(tmp, identity, layout)
+        disk = SnapshotDisk(Path(tmp) / "snapshots", identity, layout)
         cache = PrefixCache(layout, SnapshotArena(owner, 2 << 30), disk)
         engine.prefix_cache = cache
+        cache_b = PrefixCache(layout, SnapshotArena(owner, 1 << 30, "blocks-arena"))
+        cache_b.blocks = await BlockStore.open(target_b, Path(tmp) / "blocks", "bench", 8 << 30)
+        engine_b.prefix_cache = cache_b
         engine.start()
+        engine_b.start()
         try:
             q = iter(questions)
             for _ in range(args.rounds):
@@ -161,6 +177,14 @@ async def bench(args: argparse.Namespace) -> None:
                 t, n = await ttft(engine, prefix + next(q))
                 assert n >= len(prefix), n
                 rows["disk"].append(t)
+                await cache_b.clear(disk=True)  # the block files of the round before too
+                await ttft(engine_b, prefix + next(q))
+                await cache_b.save_all()  # its blocks are written
+                await cache_b.clear(disk=False)  # only the block files remain
+                await drop_kept(engine_b)
+                t, n = await ttft(engine_b, prefix + next(q))
+                assert n >= len(prefix) - BLOCK, n
+                rows["blocks"].append(t)
                 await drop_kept(engine)
                 t, n, held = await beside(engine, prefix + next(q), prefix + next(q))
                 assert n >= len(prefix) - BLOCK, n
@@ -169,9 +193,10 @@ async def bench(args: argparse.Namespace) -> None:
             snapshot_bytes = cache.layout_bytes(len(prefix))
             block_bytes = snapshot_bytes / len(prefix) * BLOCK
         finally:
-            await engine.stop()
-            await cache.close()
-            await target.close()
+            for e, c, t in ((engine, cache, target), (engine_b, cache_b, target_b)):
+                await e.stop()
+                await c.close()
+                await t.close()
     cold = statistics.median(rows["cold"])
     print(
         f"\n{model.name} ({args.dtype}, {args.threads} threads): shared prefix "

@@ -8,17 +8,20 @@
         3f9a0c12d4e1.safetensors.tmp   a write in progress (deleted by ``scan`` after a crash)
         quarantine/            files that failed validation, moved aside with a warning
                                (the newest QUARANTINE_KEEP are kept)
+        blocks/                block files (``cache/block_files.py``), not read here
+
+The model directory, its lock and the quarantine are ``cache/files.py``'s.
 
 Files of the old flat layout (``DIR/<id>.safetensors``) are moved into the directory of the
 model their header names on first open (``migrate_flat``); one whose header cannot be read
 goes to this model's ``quarantine/``.
 
-Hostile contents: every file is read through ``_open_regular`` (``O_NOFOLLOW``, must be a
-regular file), directories are checked with ``lstat`` (a symlinked ``quarantine/`` or model
-directory is refused, never followed), headers are bounded (``_MAX_HEADER``) and parsed by
-``_json``, which refuses nesting deeper than ``_MAX_DEPTH``, NaN / Infinity and numbers past
-float range, so no byte pattern raises anything but ``SnapshotFileError`` and ``scan``
-quarantines on any failure.
+Hostile contents: every file is read through ``open_regular`` (``O_NOFOLLOW``, must be a
+regular file), directories are checked with ``lstat`` (``real_dir``: a symlinked
+``quarantine/`` or model directory is refused, never followed), headers are bounded
+(``_MAX_HEADER``) and parsed by ``_json``, which refuses nesting deeper than ``_MAX_DEPTH``,
+NaN / Infinity and numbers past float range, so no byte pattern raises anything but
+``SnapshotFileError`` and ``scan`` quarantines on any failure.
 
 A file is a plain safetensors file: the snapshot's tensors (the model layout with the token
 axis sized n; a recurrent layer's state, which has none, with a leading axis of one slot
@@ -45,8 +48,6 @@ Threads: ``write`` and ``read_into`` do blocking I/O and are meant for a worker 
 from __future__ import annotations
 
 import contextlib
-import fcntl
-import hashlib
 import json
 import logging
 import math
@@ -66,6 +67,18 @@ import numpy as np
 import safetensors
 
 from luced.cache.arena import TOKENS, TOKENS_SPEC, check_layout
+from luced.cache.files import QUARANTINE as QUARANTINE  # re-exported: callers import them here
+from luced.cache.files import QUARANTINE_KEEP as QUARANTINE_KEEP
+from luced.cache.files import SnapshotDirBusy as SnapshotDirBusy
+from luced.cache.files import (
+    SnapshotDirError,
+    fsync_dir,
+    lock_model_dir,
+    model_dir_name,
+    open_regular,
+    quarantine,
+    real_dir,
+)
 from luced.cache.layout import TensorSpec
 from luced.ipc.regions import numpy_dtype
 
@@ -77,15 +90,11 @@ FORMAT = "luced-kv-snapshot"
 FORMAT_VERSION = 3
 SUFFIX = ".safetensors"
 TMP_SUFFIX = ".tmp"
-QUARANTINE = "quarantine"
-QUARANTINE_KEEP = 16  # newest quarantined files kept for inspection; older ones are deleted
-LOCK_NAME = ".lock"
 # Our headers hold ~2 entries per layer plus the cut list: tens of KiB. safetensors itself
 # allows 100 MiB, which json would parse into ~1 GB of objects.
 _MAX_HEADER = 8 << 20
 _MAX_DEPTH = 8  # our header nests 3 deep ({name: {"shape": [...]}})
 _STRINGS = re.compile(rb'"(?:[^"\\]|\\.)*"')
-_DIR_NAME_RE = re.compile(r"^[0-9A-Za-z][0-9A-Za-z._-]{0,63}$")
 _ID_RE = re.compile(r"^[0-9a-f]{1,32}$")
 _IDENTITY = ("fingerprint", "template_hash", "placement", "dtype")
 _METADATA = ("format", "format_version", "n_tokens", "created", "cuts", "crc32", *_IDENTITY)
@@ -108,44 +117,6 @@ FILE_DTYPES = {
 
 class SnapshotFileError(Exception):
     """A snapshot file is unreadable, corrupt or another daemon's; the message says why."""
-
-
-class SnapshotDirError(Exception):
-    """The cache directory cannot be used (unwritable, a symlink where a directory should
-    be, ...): the daemon serves with the memory tier only."""
-
-
-class SnapshotDirBusy(SnapshotDirError):
-    """Another daemon holds this model's cache directory: a start-up error."""
-
-
-def model_dir_name(fingerprint: str) -> str:
-    """The subdirectory of one model: its fingerprint when that is a plain name (luced's
-    are 32 hex digits), else a hash of it."""
-    if _DIR_NAME_RE.match(fingerprint) and fingerprint != QUARANTINE:
-        return fingerprint
-    return hashlib.sha256(fingerprint.encode()).hexdigest()[:32]
-
-
-def _real_dir(path: Path, create: bool) -> None:
-    """Make sure ``path`` is a directory and not a symlink (created 0700 if asked)."""
-    if create:
-        with contextlib.suppress(FileExistsError):
-            os.mkdir(path, 0o700)
-    st = os.lstat(path)
-    if not stat.S_ISDIR(st.st_mode):
-        kind = "a symlink" if stat.S_ISLNK(st.st_mode) else "not a directory"
-        raise SnapshotDirError(f"{path} is {kind}; the cache does not follow it")
-
-
-def _open_regular(path: Path, flags: int = os.O_RDONLY) -> int:
-    """An fd of ``path``, which must be a regular file and not a symlink (O_NOFOLLOW; a FIFO
-    is refused without blocking)."""
-    fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        os.close(fd)
-        raise SnapshotFileError(f"{path.name}: not a regular file")
-    return fd
 
 
 def _reject_constant(name: str) -> object:
@@ -207,32 +178,6 @@ class _Parsed:
     size: int
 
 
-def lock_model_dir(root: str | Path, fingerprint: str) -> int:
-    """Create DIR/<model>/ (0700, never through a symlink) and take its lock; returns the
-    lock's fd (closing it releases the lock). Cheap, so the daemon calls it before the slow
-    model load too. SnapshotDirBusy when another daemon holds it, SnapshotDirError when the
-    directory cannot be used."""
-    root = Path(root)
-    model_dir = root / model_dir_name(fingerprint)
-    try:
-        root.mkdir(parents=True, exist_ok=True)  # the operator's path: symlinks allowed
-        _real_dir(model_dir, create=True)
-        fd = os.open(
-            model_dir / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600
-        )
-    except OSError as e:
-        raise SnapshotDirError(f"{model_dir}: {e.strerror or e}") from e
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        raise SnapshotDirBusy(f"{model_dir} is in use by another luced daemon") from None
-    if not os.access(model_dir, os.W_OK | os.X_OK):
-        os.close(fd)
-        raise SnapshotDirError(f"{model_dir} is not writable")
-    return fd
-
-
 class SnapshotDisk:
     """The files of one model's cache directory (see the module docstring)."""
 
@@ -281,7 +226,7 @@ class SnapshotDisk:
                 if not isinstance(fingerprint, str) or not fingerprint:
                     raise SnapshotFileError(f"{name}: no fingerprint in its metadata")
                 dest_dir = self.root / model_dir_name(fingerprint)
-                _real_dir(dest_dir, create=True)
+                real_dir(dest_dir, create=True)
                 if os.path.lexists(dest_dir / name):
                     raise SnapshotFileError(f"{name}: {dest_dir / name} exists already")
                 os.rename(p, dest_dir / name)
@@ -350,7 +295,7 @@ class SnapshotDisk:
         parsed, mtime = self._parse(path), 0.0
         begin, end = parsed.spans[TOKENS]
         try:
-            with os.fdopen(_open_regular(path), "rb") as f:
+            with os.fdopen(open_regular(path), "rb") as f:
                 f.seek(begin)
                 raw = f.read(end - begin)
                 mtime = os.fstat(f.fileno()).st_mtime
@@ -405,7 +350,7 @@ class SnapshotDisk:
             tmp.unlink()  # so that a planted symlink is not written through
         try:
             _serialize(specs, tmp, metadata)
-            fd = _open_regular(tmp)
+            fd = open_regular(tmp)
             try:
                 os.fsync(fd)
             finally:
@@ -415,7 +360,7 @@ class SnapshotDisk:
             with contextlib.suppress(OSError):
                 tmp.unlink()
             raise
-        self._fsync_dir()
+        fsync_dir(self.dir)
         st = final.stat()
         toks = tokens.astype(np.int32, copy=True)
         toks.flags.writeable = False
@@ -436,7 +381,7 @@ class SnapshotDisk:
         # A file replaced since the scan may no longer fit the arrays sized from it.
         self._check_arrays(dest, parsed.n, len(parsed.cuts), path.name, SnapshotFileError)
         try:
-            with os.fdopen(_open_regular(path), "rb", buffering=0) as f:
+            with os.fdopen(open_regular(path), "rb", buffering=0) as f:
                 for name, (begin, _) in sorted(parsed.spans.items(), key=lambda kv: kv[1]):
                     buf = _bytes_of(dest[name])
                     f.seek(begin)
@@ -451,33 +396,11 @@ class SnapshotDisk:
     def quarantine(self, path: str | Path, reason: str) -> None:
         """Move ``path`` to ``quarantine/`` (a numbered name if taken) and log why."""
         path = Path(path)
-        qdir = self.dir / QUARANTINE
-        reason = reason.removeprefix(f"{path.name}: ")  # the log names the file anyway
         with self._mutex:
             for entry_id, e in list(self._files.items()):
                 if e.path == path:
                     del self._files[entry_id]
-        try:
-            _real_dir(qdir, create=True)  # a symlinked quarantine/ is never followed
-            dest = qdir / path.name
-            i = 1
-            while os.path.lexists(dest):
-                dest = qdir / f"{path.name}.{i}"
-                i += 1
-            os.replace(path, dest)
-            os.utime(
-                dest, follow_symlinks=False
-            )  # its quarantine time: the pruning below keeps the newest
-            _prune(qdir, QUARANTINE_KEEP)
-        except (OSError, SnapshotDirError) as e:
-            log.warning(
-                "prefix cache: skipping snapshot file %s (%s); cannot quarantine it: %s",
-                path,
-                reason,
-                e,
-            )
-            return
-        log.warning("prefix cache: skipping snapshot file %s (%s); moved to %s", path, reason, dest)
+        quarantine(self.dir, path, reason, "snapshot file")
 
     def remove(self, entry_id: str) -> None:
         """Delete one snapshot file (missing is fine)."""
@@ -650,13 +573,6 @@ class SnapshotDisk:
             raise SnapshotFileError(f"{name}: {what} ({size} bytes, the header says {pos})")
         return spans
 
-    def _fsync_dir(self) -> None:
-        fd = os.open(self.dir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
 
 def _serialize(specs: dict, path: Path, metadata: dict[str, str]) -> None:
     """safetensors.serialize_file, its I/O errors as the OSError they are: it reports a
@@ -676,7 +592,7 @@ def _read_header(path: Path) -> tuple[dict, int, int]:
     for anything else, whatever the bytes."""
     name = path.name
     try:
-        with os.fdopen(_open_regular(path), "rb") as f:
+        with os.fdopen(open_regular(path), "rb") as f:
             size = os.fstat(f.fileno()).st_size
             head = f.read(8)
             if len(head) < 8:
@@ -697,23 +613,6 @@ def _read_header(path: Path) -> tuple[dict, int, int]:
     if not isinstance(header, dict):
         raise SnapshotFileError(f"{name}: header is not a JSON object")
     return header, hlen, size
-
-
-def _prune(qdir: Path, keep: int) -> None:
-    """Delete all but the `keep` most recently quarantined files (the directory would
-    otherwise grow without bound outside the budget). lstat and unlink: a symlink in
-    quarantine/ is removed itself, never what it points to."""
-
-    def key(p: Path) -> tuple[int, str]:
-        try:
-            return os.lstat(p).st_mtime_ns, p.name
-        except OSError:
-            return 0, p.name
-
-    files = sorted(qdir.iterdir(), key=key, reverse=True)
-    for old in files[keep:]:
-        with contextlib.suppress(OSError):
-            old.unlink()
 
 
 def _bytes_of(a: np.ndarray) -> memoryview:

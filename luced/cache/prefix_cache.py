@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import errno
 import logging
 import secrets
 import time
@@ -49,6 +48,7 @@ import numpy as np
 
 from luced.cache.arena import TOKENS, TOKENS_SPEC, Block, SnapshotArena, check_layout
 from luced.cache.arena import layout_bytes as _layout_bytes
+from luced.cache.backoff import DiskBackoff
 from luced.cache.disk import SnapshotDisk, SnapshotFileError
 from luced.cache.index import PrefixIndex, as_tokens
 from luced.cache.layout import TensorSpec
@@ -57,9 +57,6 @@ from luced.ipc.regions import Region, view
 log = logging.getLogger(__name__)
 
 MEMORY, DISK, BOTH = "memory", "disk", "both"
-# After a disk write fails at the OS (a full disk), no writes for this long, doubling with
-# each failure up to the most: one warning, not a traceback per snapshot.
-DISK_RETRY_S, DISK_RETRY_MAX_S = 30.0, 600.0
 
 
 class KVMover(Protocol):
@@ -84,6 +81,33 @@ class KVMover(Protocol):
         """Make the live KV hold positions ``[0, n)`` from ``regions`` (token axis >= n; a
         recurrent state one slot, the state at n) and the part kept elsewhere as ``entry``;
         ``tokens`` (int32, >= n) are the ids at those positions."""
+        ...
+
+
+class BlockTier(Protocol):
+    """The disk tier of K/V blocks by prefix key that replaces the snapshot files where it
+    can (the engine's engine/kv/block_store.py): its files are counted, cleared and
+    flushed with the cache's."""
+
+    @property
+    def error(self) -> str | None:
+        """Why its writes are paused (the OS's error), until one works."""
+        ...
+
+    def counts(self) -> tuple[int, int]:
+        """(block files, their bytes)."""
+        ...
+
+    async def clear(self) -> int:
+        """Delete every block file (after the pending writes); -> how many."""
+        ...
+
+    async def flush(self) -> None:
+        """Wait for the pending writes."""
+        ...
+
+    async def close(self) -> None:
+        """Flush, then release the files (and the directory's lock)."""
         ...
 
 
@@ -127,6 +151,8 @@ class CacheStats:
     restore_errors: int  # disk entries found corrupt on restore (quarantined)
     disk_problem: str | None = None  # why --kv-cache-dir is not in use (memory tier only)
     disk_error: str | None = None  # why disk writes are paused (the OS's error), until one works
+    disk_blocks: int = 0  # block files (`blocks`: the disk tier of K/V blocks by prefix key)
+    disk_block_bytes: int = 0
 
 
 @dataclass(eq=False)
@@ -178,6 +204,8 @@ class PrefixCache:
         self.disk = disk
         self.disk_budget = disk_budget
         self.disk_problem: str | None = None  # set by the daemon when the directory failed
+        # The disk tier of blocks, in place of `disk` (set by the daemon; owned: `close`).
+        self.blocks: BlockTier | None = None
         # Told each entry id that leaves the index for good (the engine tells the workers
         # on other hosts, which keep their part of it).
         self.on_drop: Callable[[str], None] | None = None
@@ -192,9 +220,7 @@ class PrefixCache:
         self._write_lock = asyncio.Lock()  # one disk write at a time, in save order
         self.queries = self.hits = self.hit_tokens = 0
         self.disk_writes = self.disk_write_errors = self.restore_errors = 0
-        self.disk_error: str | None = None
-        self._disk_retry_at = 0.0  # the cache's clock; writes wait for it after a failure
-        self._disk_backoff = DISK_RETRY_S
+        self._backoff = DiskBackoff(log, "snapshots; they stay in memory", clock)
         if disk is not None:
             for d in disk.scan():
                 e = _Entry(
@@ -313,11 +339,16 @@ class PrefixCache:
         if (
             self.disk is not None
             and (self.disk_budget is None or e.nbytes <= self.disk_budget)  # layout >= data
-            and self._clock() >= self._disk_retry_at
+            and self._backoff.ready()
         ):
             self._schedule_write(e)
         self._unpin(e)
         return e.id
+
+    def count_hit(self, n: int) -> None:
+        """A restore of n positions from the block tier (`blocks`)."""
+        self.hits += 1
+        self.hit_tokens += n
 
     # -- admin ----------------------------------------------------------------------------
 
@@ -350,8 +381,9 @@ class PrefixCache:
 
     async def clear(self, disk: bool = False) -> int:
         """Drop the memory tier (entries with a disk copy stay, disk-only), or with ``disk``
-        every entry and its file. Waits for pending writes first; entries being restored
-        stay in memory (``disk``: removed after the restore). Returns entries affected."""
+        every entry and its file, and every block file. Waits for pending writes first;
+        entries being restored stay in memory (``disk``: removed after the restore).
+        Returns entries and block files removed."""
         await self._wait_tasks()
         count, ids = 0, []
         for e in list(self._entries.values()):
@@ -362,11 +394,16 @@ class PrefixCache:
                 self._drop_memory(e)
                 count += 1
         await self._delete_files(ids)
+        if disk and self.blocks is not None:
+            count += await self.blocks.clear()
         return count
 
     async def save_all(self) -> int:
-        """Write every memory entry without a disk copy to disk now; returns the entries
-        on disk afterwards that were written by this call (budget eviction may remove some)."""
+        """Write every memory entry without a disk copy to disk now, and wait for the block
+        files' writes; returns the entries on disk afterwards that were written by this
+        call (budget eviction may remove some)."""
+        if self.blocks is not None:
+            await self.blocks.flush()
         if self.disk is None:
             return 0
         todo = [
@@ -381,6 +418,7 @@ class PrefixCache:
 
     def stats(self) -> CacheStats:
         es = list(self._entries.values())
+        blocks, block_bytes = self.blocks.counts() if self.blocks is not None else (0, 0)
         return CacheStats(
             queries=self.queries,
             hits=self.hits,
@@ -396,16 +434,25 @@ class PrefixCache:
             disk_write_errors=self.disk_write_errors,
             restore_errors=self.restore_errors,
             disk_problem=self.disk_problem,
-            disk_error=self.disk_error,
+            disk_error=self.disk_error or (self.blocks.error if self.blocks is not None else None),
+            disk_blocks=blocks,
+            disk_block_bytes=block_bytes,
         )
+
+    @property
+    def disk_error(self) -> str | None:
+        """Why disk writes are paused (the OS's error), until one works."""
+        return self._backoff.error
 
     async def flush(self) -> None:
         """Wait until every pending disk write (and file deletion) has finished."""
         await self._wait_tasks()
 
     async def close(self) -> None:
-        """Wait for pending disk writes, then close the arena (unlink) and the disk tier."""
+        """Wait for pending disk writes, then close the arena (unlink) and the disk tiers."""
         await self._wait_tasks()
+        if self.blocks is not None:
+            await self.blocks.close()
         self.arena.close()
         if self.disk is not None:
             self.disk.close()
@@ -562,7 +609,7 @@ class PrefixCache:
 
                 e.disk_bytes = await asyncio.to_thread(write)
                 self.disk_writes += 1
-                self._disk_works()
+                self._backoff.works()
                 if e.doomed:
                     return  # released (file deleted) at the unpin below
                 # This file serves every use of its redundant entries: drop theirs.
@@ -578,34 +625,13 @@ class PrefixCache:
                     await self._delete_files(victims)
         except OSError as exc:
             self.disk_write_errors += 1
-            self._disk_failed(exc)
+            self._backoff.failed(exc)
         except Exception:
             self.disk_write_errors += 1
             log.exception("prefix cache: writing snapshot %s to disk failed", e.id)
         finally:
             e.writing = False
             self._unpin(e)
-
-    def _disk_failed(self, exc: OSError) -> None:
-        """The OS refused a write: pause writing (see DISK_RETRY_S) and say so once."""
-        name = errno.errorcode.get(exc.errno or 0, "")
-        problem = f"{exc.strerror or exc}{f' ({name})' if name else ''}"
-        self._disk_retry_at = self._clock() + self._disk_backoff
-        if self.disk_error is None:
-            log.warning(
-                "prefix cache: cannot write snapshots to disk: %s; they stay in memory, "
-                "next try in %.0f s",
-                problem,
-                self._disk_backoff,
-            )
-        self.disk_error = problem
-        self._disk_backoff = min(2 * self._disk_backoff, DISK_RETRY_MAX_S)
-
-    def _disk_works(self) -> None:
-        if self.disk_error is not None:
-            log.info("prefix cache: writing snapshots to disk again")
-        self.disk_error = None
-        self._disk_backoff = DISK_RETRY_S
 
     async def _delete_files(self, ids: list[str]) -> None:
         if not ids or self.disk is None:

@@ -3,16 +3,19 @@
 At admission a sequence starts on the longest prefix of its prompt that is held
 elsewhere: a running sequence's prompt blocks or a finished one's kept in the pool
 (engine/kv/finished.py), shared in the workers' block pool without computing or copying
-them (`Target.share`), or a prefix-cache snapshot, restored into its
-slot (a copy; the snapshot arena, maybe read from disk first). Sharing wins a tie: it
-copies nothing. A sequence arriving while another one is still prefilling a prefix of its
-prompt, WAIT_TO_SHARE positions or more past anything held now, waits for that prefill to
-pass and shares it (`hold`): requests sent together with one system prompt compute it once.
+them (`Target.share`); a prefix-cache snapshot, restored into its slot (a copy; the
+snapshot arena, maybe read from disk first); or its whole blocks on disk
+(engine/kv/block_store.py: read into host records that its table adopts, paged in by its
+first span). Sharing wins a tie: it copies nothing; then the arena, then the disk. A
+sequence arriving while another one is still prefilling a prefix of its prompt,
+WAIT_TO_SHARE positions or more past anything held now, waits for that prefill to pass
+and shares it (`hold`): requests sent together with one system prompt compute it once.
 
 When a prompt is in the KV its snapshot is saved (`save`), restorable at its chat-turn
-boundaries too. A recurrent model's state exists only where a chunk ended, so its chunks
-end at the latest MAX_STATE_CUTS turn starts and the workers keep the state there (the
-prefix cache's exact-cut mode).
+boundaries too, and its whole blocks not on disk yet are written there. A recurrent
+model's state exists only where a chunk ended, so its chunks end at the latest
+MAX_STATE_CUTS turn starts and the workers keep the state there (the prefix cache's
+exact-cut mode).
 
 A resumed (preempted) sequence reuses nothing: an import would start its sampler over.
 Nor does an embedding sequence, whose pooled rows need every position computed, and its
@@ -28,6 +31,7 @@ from collections.abc import Callable, Iterable
 from luced.cache.index import common_prefix
 from luced.cache.prefix_cache import PrefixCache
 from luced.engine.executor import WorkerReplyError
+from luced.engine.kv.block_store import BlockStore
 from luced.engine.kv.budget import KVBudget
 from luced.engine.kv.finished import FinishedPrefixes
 from luced.engine.kv.prefix_blocks import PrefixBlocks
@@ -77,6 +81,8 @@ class PrefixReuse:
     @cache.setter
     def cache(self, cache: PrefixCache | None) -> None:
         self._cache = cache
+        blocks = cache.blocks if cache is not None else None
+        self.store = blocks if isinstance(blocks, BlockStore) else None  # its disk tier
         if cache is not None and any(s.spec.remote for s in self.target.executor.slots):
             cache.on_drop = self._drop_remote
 
@@ -85,16 +91,22 @@ class PrefixReuse:
     ) -> tuple[int, int, Sequence | None]:
         """Where the longest prefix of `seq`'s prompt (all but its last token, which is fed
         to sample from) is held: a running sequence's KV, at most its prompt (shared blocks
-        are computed as a fresh prefill computes them), or a finished one kept in the pool.
+        are computed as a fresh prefill computes them) and, without KV Flash, its resident
+        blocks (not those restored from disk and not paged in yet: the sharer would page in
+        copies the budget does not charge it), or a finished one kept in the pool.
         -> (its lane, positions, the running sequence or None); lane -1 when none."""
         best: tuple[int, int, Sequence | None] = (-1, 0, None)
         if not self.target.shares_prefixes:
             return best
         blocks, holding = self.running_blocks, {}
+        tables = self.target.blocks if self.target.flash is None else None
         for other in running:
             if other is seq or other.slot < 0 or other.pooler is not None:
                 continue
-            blocks.hold(other.slot, other.prompt, min(other.computed, len(other.prompt)))
+            held = min(other.computed, len(other.prompt))
+            if tables is not None and tables.paged(other.slot):
+                held = min(held, tables.resident_prefix(other.slot) * tables.block)
+            blocks.hold(other.slot, other.prompt, held)
             holding[other.slot] = other
         blocks.keep_only(holding.keys())  # those gone, and `seq` itself
         lane, n = blocks.longest(seq.prompt[:-1])
@@ -140,8 +152,13 @@ class PrefixReuse:
             self.observe("prefix_queries", len(prompt))
             hit = self.cache.lookup(prompt)
         lane, common, source = self._source(seq, running)
+        arena = hit.n if hit is not None else 0
         reused = 0
-        if common and common >= (hit.n if hit is not None else 0):
+        if self.store is not None:
+            keys = self.store.match(prompt)
+            if len(keys) * self.store.block > max(common, arena):
+                reused = await self._restore_blocks(seq, keys)
+        if not reused and common and common >= arena:
             reused = await self._share(seq, lane, common, source)
         if not reused and hit is not None:
             reused = await self._restore(seq, hit)
@@ -188,6 +205,19 @@ class PrefixReuse:
         self.observe("prefix_hits", restored)
         return restored
 
+    async def _restore_blocks(self, seq: Sequence, keys: list[bytes]) -> int:
+        """Start `seq` on its prompt's blocks on disk (a failure prefills them instead)."""
+        assert self.store is not None and self.cache is not None
+        try:
+            restored = await self.store.restore(seq.slot, seq.prompt, keys)
+        except WorkerReplyError as exc:  # the slot is reset: share, restore or compute
+            log.warning("prefix cache: restoring %d blocks failed: %s", len(keys), exc)
+            return 0
+        if restored:
+            self.cache.count_hit(restored)
+            self.observe("prefix_hits", restored)
+        return restored
+
     def _drop_remote(self, entry_id: str) -> None:
         self._dropped.append(entry_id)
         if len(self._dropped) == 1:  # the first of this turn: one frame takes them all
@@ -214,11 +244,13 @@ class PrefixReuse:
 
     async def save(self, seq: Sequence) -> None:
         """Snapshot the prompt's KV (the slot holds exactly the prompt, or more for an
-        attention-only model), restorable at its cut points and its end. The disk copy is
-        written in the background."""
+        attention-only model), restorable at its cut points and its end, and save its whole
+        blocks in the block store. The disk copies are written in the background."""
         if self.cache is None or seq.pooler is not None:
             return
         prompt = seq.prompt
+        if self.store is not None:
+            await self.store.save(seq.slot, prompt)
         if self.target.resident(seq.slot, len(prompt)) < len(prompt):
             log.debug(
                 "prefix cache: no snapshot of %d tokens: KV Flash paged blocks of it out",

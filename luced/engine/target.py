@@ -173,38 +173,46 @@ class Target:
         # slots' whole contexts until the engine sizes them from its account (`size_blocks`).
         self.blocks: BlockTables | None = None
         self.host: HostRecords | None = None  # the tables' host records, when they have any
+        self.store_records = 0  # of them, the prefix cache's block store's (`size_blocks`)
         if placement.kv_block:
             self.size_blocks(sequences * placement.kv_capacity, sequences)
         self.lookup_drafts = False  # n-gram windows (`enable_lookup_drafts`)
         self.block_size = 0  # the longest draft window (with speculation)
 
-    def size_blocks(self, positions: int, lanes: int, kept: int = 0) -> Holdings | None:
+    def size_blocks(
+        self, positions: int, lanes: int, kept: int = 0, store: int = 0
+    ) -> Holdings | None:
         """The workers' pools hold `positions` (the KV account's) for at most `lanes`
         tables at once (`pool_blocks`); before the first load. The lanes past the running
         slots (finished sequences' kept prompts) keep at most `kept` positions, paged out
         to host records under pressure (`kept_records` of them). With KV Flash each running
         slot keeps at most its pager's quota resident, the kept lanes at most `kept`
-        positions resident, and the host records are `FlashLanes.records`. -> with host
-        records, what the lanes hold (the budget's)."""
+        positions resident, and the host records are `FlashLanes.records`. `store` more
+        host records for the prefix cache's block store (without KV Flash; dropped at
+        start for a recurrent model, which has none). -> with kept lanes' host records,
+        what the lanes hold (the budget's)."""
         block, flash = self.placement.kv_block, self.flash
         if not block:
             return None
         kept_lanes = lanes - self.sequences
         if flash is None:
             n = pool_blocks(positions, lanes, block)
-            records = kept_records(kept, block, kept_lanes)
+            kept_host = kept_records(kept, block, kept_lanes)
+            self.store_records = store
         else:
             n = flash.blocks_for(pool_blocks(kept, kept_lanes, block) if kept_lanes > 0 else 0)
-            records = flash.records(kept, max(0, kept_lanes))
+            kept_host = flash.records(kept, max(0, kept_lanes))
+            self.store_records = 0
         if self.blocks is not None and self.blocks.n_blocks != n and self.n_layers:
             raise RuntimeError(
                 "the block pool is sized before the workers load (make the engine first)"
             )
+        records = kept_host + self.store_records
         self.blocks = BlockTables(n, block, records)
         self.host = HostRecords(records) if records else None
         if flash is not None:
             return flash.holdings(self.blocks)
-        return Holdings(self.blocks, None, FIRST_BLOCKS, records) if records else None
+        return Holdings(self.blocks, None, FIRST_BLOCKS, kept_host) if kept_host else None
 
     # -- lifecycle -----------------------------------------------------------------------
 
@@ -231,6 +239,11 @@ class Target:
         await self.executor.start()
         self._make_act()
         if self.host is not None and not self.host.regions:
+            assert self.blocks is not None
+            if self.recurrent and self.store_records:  # a hybrid keeps no blocks on disk
+                self.blocks.limit_records(self.blocks.records - self.store_records)
+                self.host.records, self.store_records = self.blocks.records, 0
+        if self.host is not None and not self.host.regions and self.host.records:
             assert self.blocks is not None
             layers = [s.plan.layers for s in self.executor.slots if s.plan is not None]
             block_bytes = self.host.carve(self.owner, self.name, layers, self.blocks)

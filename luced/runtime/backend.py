@@ -341,7 +341,7 @@ class Backend(WorkerState):
         if not m.reply.kv_record_bytes:
             raise WorkerError("kv_page needs a load with kv_block (one block pool per shard)")
         hosts = forward_verb.host_tier(self, req.kv_host, req.moves, m)
-        return F.KVPageReply(paged=m.page(req.sequence, req.moves, hosts))
+        return F.KVPageReply(paged=m.page(req.sequence, req.moves, hosts, req.tokens))
 
     def stats(self, req: F.Stats) -> F.StatsReply:
         m = self.loaded

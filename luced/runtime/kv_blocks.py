@@ -52,6 +52,9 @@ with their positions (`Storage.positions`), computed once per step (`reserve`). 
 every block of [0, end) is resident nothing of this runs: the logits stay `KVCache`'s.
 A write into a paged-out block or an export of one is refused; a share takes PAGED
 entries as they are (the daemon's record, shared, pages each back in for its lane).
+The prefix cache's block store (the daemon's engine/kv/block_store.py) copies a block
+to a record and keeps it (`save`), and appends a record read from disk as the table's
+next entry, PAGED, its positions committed (`adopt`): the next span pages it in.
 
 Scoring (`scored`, KV Flash's `qk` policy): the cache keeps each block's mean key per
 stored layer (`kv_qk.BlockKeys`), sealed by the step that writes
@@ -80,7 +83,9 @@ from luced.runtime.layers import attention_mask, positions_mask
 from luced.runtime.native_attention import Storage
 
 PAGED = -1  # a table entry: the logical block's rows are in a host record
-MOVE_OUT, MOVE_IN = 0, 1  # a move's kind: pool block -> host record, host record -> pool block
+# A move's kind: pool block -> host record (the entry PAGED), host record -> pool block,
+# pool block -> host record (the entry stays), a host record -> a new PAGED entry.
+MOVE_OUT, MOVE_IN, MOVE_SAVE, MOVE_ADOPT = 0, 1, 2, 3
 
 
 class KVPoolFull(ContextOverflow):
@@ -383,8 +388,26 @@ class PagedKVCache(BaseKVCache):
             self.pool.check_free((block,), refs)
             refs[block] = 1
             table[j] = block
+        elif kind == MOVE_SAVE:
+            if held != block or block == PAGED:
+                has = "a paged-out block" if held == PAGED else held
+                raise ValueError(
+                    f"save of logical block {j} from block {block}: the table has {has}"
+                )
+        elif kind == MOVE_ADOPT:
+            if j != len(table) or (j + 1) * self.pool.block > self.capacity:
+                raise ValueError(
+                    f"adopt as logical block {j}: the table holds {len(table)} blocks "
+                    f"(a KV capacity of {self.capacity})"
+                )
+            if self.pos != len(self.table) * self.pool.block or self.recurrent is not None:
+                raise ValueError(
+                    f"adopt after position {self.pos}: only a cache of whole blocks, "
+                    "without recurrent layers, adopts"
+                )
+            table.append(PAGED)
         else:
-            raise ValueError(f"unknown move kind {kind} (0 out, 1 in)")
+            raise ValueError(f"unknown move kind {kind} (0 out, 1 in, 2 save, 3 adopt)")
 
     def page_out(self, j: int, block: int, record: torch.Tensor) -> None:
         """Logical block j, in pool block `block`, goes to `record` (uint8 [record.nbytes]:
@@ -407,14 +430,26 @@ class PagedKVCache(BaseKVCache):
         self._assign(j, block)
         self._relink()
 
+    def save(self, j: int, block: int, record: torch.Tensor) -> None:
+        """`page_out`'s copy of logical block j to `record`; the table keeps the block."""
+        self._check_move(list(self.table), {}, MOVE_SAVE, j, block)
+        self.record.copy_out(self.pool.k, self.pool.v, block * self.pool.block, record)
+
+    def adopt(self, j: int) -> None:
+        """Logical block j, the table's next, is PAGED, its positions committed (checked)."""
+        self._check_move(list(self.table), {}, MOVE_ADOPT, j, PAGED)
+        self.table.append(PAGED)
+        self._relink()
+        self.commit(len(self.table) * self.pool.block)
+
     def move(self, kind: int, j: int, block: int, record: torch.Tensor) -> None:
-        """`page_out` (kind MOVE_OUT) or `page_in` (MOVE_IN): a move of `frames.Span`."""
-        if kind == MOVE_OUT:
-            self.page_out(j, block, record)
-        elif kind == MOVE_IN:
-            self.page_in(j, block, record)
+        """A move of `frames.Span` or `frames.KVPage`: `page_out`, `page_in`, `save`, `adopt`."""
+        if kind in (MOVE_OUT, MOVE_IN, MOVE_SAVE):
+            (self.page_out, self.page_in, self.save)[kind](j, block, record)
+        elif kind == MOVE_ADOPT:
+            self.adopt(j)
         else:
-            raise ValueError(f"unknown move kind {kind} (0 out, 1 in)")
+            raise ValueError(f"unknown move kind {kind} (0 out, 1 in, 2 save, 3 adopt)")
 
     def reserve(self, start: int, n: int) -> None:
         """Check that positions [start, start + n) may be written: no gap, within the

@@ -31,7 +31,7 @@ from luced.ipc.regions import Attachments, Region
 from luced.runtime.decode_graph import DecodeGraphs
 from luced.runtime.device_io import DeviceIO
 from luced.runtime.dflash.draft import Draft
-from luced.runtime.kv_blocks import BlockPool, PagedKVCache
+from luced.runtime.kv_blocks import MOVE_ADOPT, BlockPool, PagedKVCache
 from luced.runtime.kv_cache import KVCache
 from luced.runtime.kv_host import SharedHostTier
 from luced.runtime.lookahead import Lookahead
@@ -220,26 +220,47 @@ class Loaded:
             )
 
     def page(
-        self, sequence: int, moves: Sequence[tuple[int, int, int, int]], hosts: list[SharedHostTier]
+        self,
+        sequence: int,
+        moves: Sequence[tuple[int, int, int, int]],
+        hosts: list[SharedHostTier],
+        tokens: Sequence[int] = (),
     ) -> int:
-        """Moves of `sequence`'s block tables outside a forward (a kept lane paged out,
-        `kv_page`): checked on every shard first (WorkerError: nothing changed), then
-        applied in order through each shard's view of the host tier. -> its PAGED entries."""
-        state = self.sequences.get(sequence)
+        """Moves of `sequence`'s block tables outside a forward (`kv_page`: a kept lane paged
+        out, the block store's saves, a restored prefix adopted): checked on every shard
+        first (WorkerError: nothing changed), then applied in order through each shard's
+        view of the host tier. Adopted entries commit their positions, whose ids `tokens`
+        are (its token history grows by them); a sequence named for the first time by an
+        adopt starts empty. -> its PAGED entries."""
+        adopts = sum(1 for kind, *_ in moves if kind == MOVE_ADOPT)
+        state = self.sequence(sequence) if adopts else self.sequences.get(sequence)
         caches = state.paged() if state is not None else []
-        if not caches:
+        if not caches or state is None:
             raise WorkerError(f"kv_page: sequence {sequence} holds no block table")
+        block = caches[0].pool.block
+        if len(tokens) != adopts * block:
+            raise WorkerError(
+                f"kv_page: {adopts} adopted blocks hold {adopts * block} positions, "
+                f"the frame names {len(tokens)} token ids"
+            )
+        if tokens and not 0 <= min(tokens) <= max(tokens) < self.reply.vocab:
+            raise WorkerError(f"kv_page: token ids must lie in [0, {self.reply.vocab})")
         for cache in caches:
             try:
-                cache.check_follow((), (), len(cache.table), moves, {})
+                length = len(cache.table) + adopts
+                cache.check_follow((), (), length, moves, {})
             except ValueError as exc:
                 raise WorkerError(
                     f"kv_page: sequence {sequence} is out of step with the daemon's block "
                     f"table: {exc}"
                 ) from None
+        position = state.position
         for cache, host in zip(caches, hosts, strict=True):
-            for kind, j, block, record in moves:
-                cache.move(kind, j, block, host.record(record))
+            for kind, j, block_id, record in moves:
+                cache.move(kind, j, block_id, host.record(record))
+        if adopts:
+            del state.tokens[position:]
+            state.tokens.extend(tokens)
         return caches[0].paged_blocks
 
     def share(self, sequence: int, source: int, n: int) -> int:

@@ -91,6 +91,25 @@ class ModelSpec:
     def name(self) -> str:
         return self.config.model.served_model_name()
 
+    @property
+    def block_store(self) -> bool:
+        """Whether the prefix cache's disk tier keeps K/V blocks by prefix key
+        (engine/kv/block_store.py) rather than a snapshot file per prompt: with a disk tier,
+        for requests sharing blocks of one pool, without KV Flash, workers on other hosts
+        or a draft's feature rings. A recurrent model turns out to keep snapshots once
+        loaded (`Target.store_records`)."""
+        kv, spec = self.config.kv, self.config.speculation
+        rings = spec.draft is not None and not spec.lookup_drafts
+        return (
+            kv.kv_cache_dir is not None
+            and kv.prefix_cache_bytes > 0
+            and self.placement.kv_block > 0
+            and self.kv_flash is None
+            and self.remote is None
+            and not rings
+            and not self.encoder
+        )
+
 
 def read_spec(cfg: Config) -> ModelSpec:
     """Read the model's GGUF and check its options against it (StartupError naming the
@@ -374,6 +393,7 @@ class LoadedModel:
             max_running=running,
             kv_pool_tokens=spec.kv_pool,
             kv_keep_tokens=_kv_keep(cfg.kv.kv_keep_tokens, spec.context, spec.kv_pool),
+            block_store=spec.block_store,
             encoder=spec.encoder,
             pooling=spec.pooling,
         )

@@ -297,7 +297,10 @@ def _prefix_cache(c: Any) -> str:
         return fmt(c)
     disk = ""
     if c.get("disk_budget") is not None:
-        disk = f", disk {human_bytes(c.get('disk_bytes'))} of {human_bytes(c.get('disk_budget'))}"
+        used = (c.get("disk_bytes") or 0) + (c.get("disk_block_bytes") or 0)
+        disk = f", disk {human_bytes(used)} of {human_bytes(c.get('disk_budget'))}"
+        if c.get("disk_blocks"):
+            disk += f" ({fmt(c.get('disk_blocks'))} K/V blocks)"
     if c.get("disk_error"):
         disk += f", disk writes PAUSED: {c.get('disk_error')}"
     if c.get("disk_problem"):
@@ -520,11 +523,18 @@ def build_parser() -> argparse.ArgumentParser:
     add(snap_sub, "list", "list the snapshots", model=True)
     drop = add(snap_sub, "drop", "remove one snapshot from memory and disk", model=True)
     drop.add_argument("id", help="a snapshot id from `snapshot list`")
-    add(snap_sub, "save", "write every memory snapshot to the disk tier now", model=True)
+    add(
+        snap_sub,
+        "save",
+        "write every memory snapshot to the disk tier now (and finish the K/V blocks' writes)",
+        model=True,
+    )
     cache = add(sub, "cache", "the prefix cache as a whole")
     cache_sub = cache.add_subparsers(dest="cache_command", required=True, metavar="COMMAND")
     clear = add(cache_sub, "clear", "drop the memory tier (and the disk tier)", model=True)
-    clear.add_argument("--disk", action="store_true", help="delete the snapshot files too")
+    clear.add_argument(
+        "--disk", action="store_true", help="delete the files on disk too (snapshots, K/V blocks)"
+    )
     clear.add_argument("--yes", action="store_true", help="confirm (required)")
     add(sub, "models", "the served models: state, memory, requests, last use")
     load = add(sub, "load", "load a served model now (waits until it is loaded)")

@@ -636,13 +636,16 @@ OPTIONS: tuple[Option, ...] = (
     ),
     Option(
         "kv_cache_dir", "kv", "path", None,
-        "Directory of the prefix cache's disk tier: snapshots are written there as "
-        "safetensors files in the background and found again after a restart.",
+        "Directory of the prefix cache's disk tier, written in the background and found "
+        "again after a restart. Where several requests run (a K/V block pool) on a model "
+        "without recurrent layers, with every worker local, no DFlash draft and no KV "
+        "Flash, each prompt's whole K/V blocks are kept there, one file per block and "
+        "worker, and restored into the pool; otherwise one snapshot file per prompt.",
         nullable=True, default_doc="none (memory only)", example="/var/lib/luced/kv",
     ),
     Option(
         "kv_cache_budget", "kv", "bytes", 8 * 2**30,
-        "Most bytes the disk tier keeps; least recently used snapshots go first.",
+        "Most bytes the disk tier keeps; least recently used snapshots or blocks go first.",
         minimum=0, default_doc="8G", example="64G",
     ),
     Option(

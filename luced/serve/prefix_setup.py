@@ -31,6 +31,7 @@ from luced.cache.disk import (
 )
 from luced.cache.prefix_cache import PrefixCache
 from luced.engine.core import Engine
+from luced.engine.kv.block_store import BlockStore
 from luced.engine.target import Target
 from luced.ipc.shm import SHM_DIR, ShmOwner, shm_room
 from luced.serve.admin import CommandError, arg_bool, arg_str
@@ -144,9 +145,21 @@ async def open_prefix_cache(
     if reservation is None:
         reservation = reserve_disk_dir(kv, model_path)
     layout = await target.kv_layout()
-    disk = None
+    disk, blocks = None, None
     problem = reservation.problem
-    if kv.kv_cache_dir is not None and problem is None:
+    t0 = time.monotonic()
+    if kv.kv_cache_dir is not None and problem is None and uses_blocks(target):
+        try:
+            blocks = await BlockStore.open(
+                target,
+                kv.kv_cache_dir,
+                model_fingerprint(model_path),
+                kv.kv_cache_budget,
+                reservation.take(),
+            )
+        except (OSError, SnapshotDirError) as exc:
+            problem = _unusable(kv, exc).problem
+    elif kv.kv_cache_dir is not None and problem is None:
         source = getattr(template, "source", "") or ""
         identity = DiskIdentity(
             fingerprint=model_fingerprint(model_path),
@@ -161,14 +174,13 @@ async def open_prefix_cache(
         except (OSError, SnapshotDirError) as exc:
             problem = _unusable(kv, exc).problem
     arena_segment = SnapshotArena(owner, arena_bytes(kv.prefix_cache_bytes), arena)
-    t0 = time.monotonic()
     exact = bool(target.recurrent)
     try:
         cache = PrefixCache(
             layout,
             arena_segment,
             disk,
-            disk_budget=kv.kv_cache_budget if disk else None,
+            disk_budget=kv.kv_cache_budget if disk or blocks else None,
             exact_cuts=exact,
         )
     except OSError as exc:  # the scan could not list the directory
@@ -177,16 +189,27 @@ async def open_prefix_cache(
         disk, problem = None, _unusable(kv, exc).problem
         cache = PrefixCache(layout, arena_segment, None, exact_cuts=exact)
     cache.disk_problem = problem
+    cache.blocks = blocks
     stats = cache.stats()
+    took = f"indexed in {time.monotonic() - t0:.2f} s"
+    on_disk = ""
+    if disk is not None:
+        on_disk = f"; {stats.disk_entries} snapshot(s) ({stats.disk_bytes >> 20} MiB) on disk"
+    elif blocks is not None:
+        on_disk = f"; {stats.disk_blocks} K/V blocks ({stats.disk_block_bytes >> 20} MiB) on disk"
     log.info(
         "prefix cache: %d MiB arena%s",
         kv.prefix_cache_bytes >> 20,
-        f"; {stats.disk_entries} snapshot(s) ({stats.disk_bytes >> 20} MiB) on disk in "
-        f"{kv.kv_cache_dir}, indexed in {time.monotonic() - t0:.2f} s"
-        if disk is not None
-        else "",
+        f"{on_disk} in {kv.kv_cache_dir}, {took}" if on_disk else "",
     )
     return cache
+
+
+def uses_blocks(target: Target) -> bool:
+    """Whether the disk tier keeps K/V blocks (`BlockStore`) rather than snapshot files:
+    the target was given records for it (`ModelSpec.block_store`, and not recurrent) and
+    keeps no feature rings."""
+    return target.store_records > 0 and target.host is not None and target.capture is None
 
 
 def snapshot_handlers(engine_of: Callable[[dict], Engine]) -> dict[str, Callable]:
@@ -211,7 +234,7 @@ def snapshot_handlers(engine_of: Callable[[dict], Engine]) -> dict[str, Callable
 
     async def snapshot_save(req: dict) -> dict:
         c = cache(req)
-        if c.disk is None:
+        if c.disk is None and c.blocks is None:
             raise CommandError("no disk tier: start luced with --kv-cache-dir DIR")
         return {"saved": await c.save_all()}
 

@@ -21,9 +21,10 @@ import pytest
 import safetensors
 
 from luced.cache.arena import TOKENS_SPEC, SnapshotArena, layout_bytes
+from luced.cache.backoff import DISK_RETRY_S
 from luced.cache.disk import QUARANTINE, DiskIdentity, SnapshotDisk, model_dir_name
 from luced.cache.layout import TensorSpec
-from luced.cache.prefix_cache import DISK_RETRY_S, PrefixCache
+from luced.cache.prefix_cache import PrefixCache
 from luced.ipc.regions import Attachments, Region, numpy_dtype
 from luced.ipc.shm import ShmOwner
 

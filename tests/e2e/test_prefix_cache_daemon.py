@@ -36,6 +36,9 @@ def complete(d: DaemonProcess, prompt: str = PROMPT, max_tokens: int = 12) -> di
     return reply
 
 
+ONE = ("--max-running", "1")  # no block pool: the disk tier keeps snapshot files
+
+
 def cached(reply: dict) -> int:
     return reply["usage"]["prompt_tokens_details"]["cached_tokens"]
 
@@ -178,31 +181,47 @@ def test_a_prompt_restored_part_way_answers_as_fresh(smollm2_gguf, tmp_path) -> 
 
 @pytest.mark.parametrize("devices", ["cpu", "cpu,cpu:1"], ids=["unsplit", "split"])
 def test_restart_serves_from_disk(tiny, devices, tmp_path) -> None:
+    """Several running requests (the default): the disk tier keeps the prompt's whole K/V
+    blocks, a file per worker's part, and a restarted daemon restores them. Snapshot files
+    of the older format in the model's directory move to its quarantine/ (one log line)."""
     kv = tmp_path / "kv"
     args = ("--kv-cache-dir", str(kv), "--target-devices", devices)
     d = DaemonProcess(tiny["a"], tmp_path / "one", *args).start()
     try:
         expected = complete(d)
         assert cached(expected) == 0
-        assert d.lucectl_json("snapshot", "save")["saved"] >= 0  # waits for the writes
-        assert {s["tier"] for s in snapshots(d)} == {"both"}
+        assert d.lucectl_json("snapshot", "save")["saved"] == 0  # waits for the writes
+        cache = d.lucectl_json("status")["prefix_cache"]
+        whole = expected["usage"]["prompt_tokens"] // 16  # the prompt's whole blocks
+        assert (cache["disk_blocks"], cache["disk_entries"]) == (whole, 0)
+        assert {s["tier"] for s in snapshots(d)} == {"memory"}
     finally:
         assert d.stop() == 0
-    files = list(kv.glob("*/*.safetensors"))  # one directory per model
-    assert len(files) == 1 and not list(kv.glob("*/*.tmp"))
+    parts = list(kv.glob("*/blocks/*"))  # kv/<model fingerprint>/blocks/<worker's part>
+    assert len(parts) == len(devices.split(","))
+    assert all(len(list(p.glob("*.kvb"))) == whole for p in parts)
+    assert not list(kv.glob("*/blocks/*/*.tmp")) and not list(kv.glob("*/*.safetensors"))
+    model_dir = parts[0].parent.parent
+    for name in ("aaaa0001", "aaaa0002"):
+        (model_dir / f"{name}.safetensors").write_bytes(b"an older daemon's snapshot")
 
     d = DaemonProcess(tiny["a"], tmp_path / "two", *args).start()
     try:
-        (entry,) = snapshots(d)
-        assert entry["tier"] == "disk" and entry["hits"] == 0
+        assert f"{whole} K/V blocks" in d.log() and snapshots(d) == []
+        assert d.log().count("snapshot files of the older format") == 1
+        assert sorted(p.name for p in (model_dir / "quarantine").iterdir()) == [
+            "aaaa0001.safetensors",
+            "aaaa0002.safetensors",
+        ]
         reply = complete(d)
-        assert cached(reply) == reply["usage"]["prompt_tokens"] - 1  # a disk hit
+        n = reply["usage"]["prompt_tokens"]
+        assert cached(reply) == (n - 1) // 16 * 16  # the whole blocks, one token left
         assert text(reply) == text(expected)
-        (entry,) = snapshots(d)
-        assert entry["tier"] == "both" and entry["hits"] == 1
-        # cache clear --disk removes the files too.
-        assert d.lucectl_json("cache", "clear", "--disk", "--yes")["cleared"] == 1
-        assert snapshots(d) == [] and not list(kv.glob("*/*.safetensors"))
+        assert d.metric("luced:prefix_cache_hits_total") == cached(reply)
+        # cache clear --disk removes the files too: the snapshot in the arena and the blocks.
+        assert d.lucectl_json("cache", "clear", "--disk", "--yes")["cleared"] == 1 + whole
+        assert snapshots(d) == [] and not list(kv.glob("*/blocks/*/*.kvb"))
+        assert d.lucectl_json("status")["prefix_cache"]["disk_blocks"] == 0
     finally:
         assert d.stop() == 0
     assert d.segments() == []
@@ -210,9 +229,10 @@ def test_restart_serves_from_disk(tiny, devices, tmp_path) -> None:
 
 def _one_file(model: Path, tmp: Path, *args: str) -> tuple[Path, str]:
     """Run a daemon once on `model` with its own (empty) cache dir: the snapshot file it
-    wrote, and its reply, computed from the whole prompt."""
+    wrote, and its reply, computed from the whole prompt. One running request: no block
+    pool, so snapshot files (several keep K/V blocks instead)."""
     kv = tmp / "kv"
-    d = DaemonProcess(model, tmp, "--kv-cache-dir", str(kv), *args).start()
+    d = DaemonProcess(model, tmp, "--kv-cache-dir", str(kv), *ONE, *args).start()
     try:
         reply = complete(d)
         assert cached(reply) == 0
@@ -239,7 +259,7 @@ def test_bad_files_are_quarantined_and_requests_still_succeed(tiny, tmp_path) ->
     shutil.copy(foreign_placement, kv / "aaaa0004.safetensors")
     (kv / "aaaa0005.safetensors.tmp").write_bytes(data[:100])  # a crashed write
 
-    d = DaemonProcess(tiny["a"], tmp_path / "d", "--kv-cache-dir", str(kv.parent)).start()
+    d = DaemonProcess(tiny["a"], tmp_path / "d", "--kv-cache-dir", str(kv.parent), *ONE).start()
     try:
         # Scan: truncated, foreign model and foreign placement out; flipped bytes pass the
         # header checks and are caught by the CRC at restore time.

@@ -9,9 +9,11 @@ import random
 import pytest
 
 from luced.engine.kv.blocks import (
+    ADOPT,
     IN,
     OUT,
     PAGED,
+    SAVE,
     BlocksExhausted,
     BlockTables,
     Growth,
@@ -205,6 +207,81 @@ def test_truncate_and_free_release_the_records_of_paged_entries() -> None:
     assert (t.lanes, t.host(0), t.free_records, t.free_blocks) == ([], {}, 4, 8)
 
 
+def test_save_copies_a_resident_block_to_a_record_the_caller_holds() -> None:
+    """A save takes the lowest free record for the caller (refcount 1) and leaves the table
+    and its blocks as they were; the record is free at the caller's release only."""
+    t = BlockTables(6, 4, records=3)
+    t.write(0, 0, 12)  # blocks 0, 1, 2
+    t.page_out(0, 2)  # record 0
+    assert t.save(0, 1) == Move(SAVE, index=1, block=1, record=1)
+    assert t.save(0, 0) == Move(SAVE, 0, 0, 2)
+    assert (t.table(0), t.host(0), t.refs(0), t.refs(1)) == ((0, 1, PAGED), {2: 0}, 1, 1)
+    assert [t.record_refs(r) for r in range(3)] == [1, 1, 1] and t.free_records == 0
+    t.release_record(1)
+    assert (t.record_refs(1), t.free_records, t.hold_record()) == (0, 1, 1)
+    t.free(0)  # the table's record goes; the held ones stay
+    assert [t.record_refs(r) for r in range(3)] == [0, 1, 1] and t.free_records == 1
+
+
+def test_save_refuses_what_it_cannot_and_changes_nothing() -> None:
+    t = BlockTables(4, 4, records=1)
+    t.write(0, 0, 8)
+    t.page_out(0, 1)  # record 0: none is free now
+    with pytest.raises(RecordsExhausted, match="all 1 records are used"):
+        t.save(0, 0)
+    with pytest.raises(RecordsExhausted):
+        t.hold_record()
+    with pytest.raises(ValueError, match="lane 0's block 1 is paged out: nothing to save"):
+        t.save(0, 1)
+    with pytest.raises(ValueError, match="lane 0 holds 2 blocks: it has no block 2"):
+        t.save(0, 2)
+    with pytest.raises(ValueError, match="host record 3 is not held"):
+        t.release_record(3)  # past the records
+    assert (t.table(0), t.host(0), t.record_refs(0), t.free_records) == ((0, PAGED), {1: 0}, 1, 0)
+
+
+def test_adopt_appends_paged_entries_that_retain_held_records() -> None:
+    """Records held by the caller (read from disk) become an empty lane's logical blocks
+    0 and 1, PAGED; the caller's release leaves them to the table, whose page-ins take
+    the lowest free blocks and free the records. A lane holding blocks appends after them."""
+    t = BlockTables(6, 4, records=4)
+    held = [t.hold_record(), t.hold_record()]
+    assert held == [0, 1]
+    assert t.adopt(3, held) == [Move(ADOPT, 0, PAGED, 0), Move(ADOPT, 1, PAGED, 1)]
+    assert (t.table(3), t.host(3), t.record_refs(0), t.record_refs(1)) == (
+        (PAGED, PAGED), {0: 0, 1: 1}, 2, 2,
+    )  # fmt: skip
+    for r in held:
+        t.release_record(r)
+    assert (t.record_refs(0), t.free_records, t.lanes) == (1, 2, [3])
+    assert t.page_in(3, 0) == Move(IN, 0, 0, 0)
+    assert t.page_in(3, 1) == Move(IN, 1, 1, 1)
+    assert (t.table(3), t.free_records, t.used_blocks) == ((0, 1), 4, 2)
+    # A lane with blocks of its own appends after them; a shared record is counted twice.
+    t.write(4, 0, 4)  # block 2
+    r = t.hold_record()
+    assert t.adopt(4, [r]) == [Move(ADOPT, 1, PAGED, r)]
+    assert t.adopt(5, [r]) == [Move(ADOPT, 0, PAGED, r)]
+    assert (t.table(4), t.record_refs(r)) == ((2, PAGED), 3)
+    t.release_record(r)
+    t.free(4)
+    t.free(5)
+    assert (t.record_refs(r), t.free_records) == (0, 4)
+
+
+def test_adopt_refuses_records_not_held_and_changes_nothing() -> None:
+    t = BlockTables(4, 4, records=3)
+    r = t.hold_record()
+    with pytest.raises(ValueError, match="host record 1 is not held"):
+        t.adopt(0, [r, 1])
+    with pytest.raises(ValueError, match="host record 7 is not held"):
+        t.adopt(0, [7])
+    with pytest.raises(ValueError, match=r"records \[0, 0\] name one twice"):
+        t.adopt(0, [r, r])
+    assert (t.table(0), t.host(0), t.record_refs(r), t.lanes) == ((), {}, 1, [])
+    assert t.adopt(0, []) == [] and t.lanes == []
+
+
 def test_pool_blocks_bound_holds_for_shared_lanes_at_their_charge() -> None:
     """Lanes charged as the KV account charges them never exhaust `pool_blocks`: each
     shares an odd prefix of the one before (a partly shared block each), decodes ahead
@@ -223,11 +300,13 @@ def test_matches_a_plain_model_under_random_operations() -> None:
     """Every operation against a model of lists of positions' owners: the tables map each
     lane's positions to blocks no other lane writes, refcounts count the tables, the free
     blocks are exactly those no table holds, and a record's count is the PAGED entries
-    naming it (shares retain records as they retain blocks)."""
+    naming it (shares retain records as they retain blocks) plus the holds of the caller
+    (the block store's saves, adopted into lanes as a restore adopts them)."""
     rng = random.Random(7)
     block, n_blocks, records = 4, 40, 12
     t = BlockTables(n_blocks, block, records)
     held: dict[int, int] = {}  # lane -> positions it holds (its table covers them)
+    store: list[int] = []  # records the caller holds
     for _ in range(4000):
         lane = rng.randrange(6)
         op = rng.random()
@@ -269,6 +348,26 @@ def test_matches_a_plain_model_under_random_operations() -> None:
                 t.truncate(lane, n)
                 assert t.length(lane) == min(-(-n // block), -(-held[lane] // block))
                 held[lane] = min(held[lane], t.length(lane) * block)
+            elif op < 0.84 and t.length(lane):
+                j = rng.randrange(t.length(lane))
+                before = t.table(lane)
+                if before[j] == PAGED:
+                    with pytest.raises(ValueError, match="nothing to save"):
+                        t.save(lane, j)
+                    continue
+                move = t.save(lane, j)
+                assert move == Move(SAVE, j, before[j], move.record) and t.table(lane) == before
+                store.append(move.record)
+            elif op < 0.87 and store:
+                if held.get(lane, 0) != t.length(lane) * block:
+                    continue  # a restore adopts onto whole blocks
+                some = rng.sample(store, rng.randrange(1, min(3, len(store)) + 1))
+                n = t.length(lane)
+                moves = t.adopt(lane, some)
+                assert moves == [Move(ADOPT, n + i, PAGED, r) for i, r in enumerate(some)]
+                held[lane] = t.length(lane) * block
+            elif op < 0.88 and store:
+                t.release_record(store.pop(rng.randrange(len(store))))
             elif op < 0.9 and t.length(lane):
                 j = rng.randrange(t.length(lane))
                 before, entry = t.table(lane), t.entry(lane, j)
@@ -292,6 +391,8 @@ def test_matches_a_plain_model_under_random_operations() -> None:
             pass
         counts = [0] * n_blocks
         record_counts = [0] * records
+        for r in store:
+            record_counts[r] += 1
         for other in range(6):
             host = t.host(other)
             assert sorted(host) == [j for j, b in enumerate(t.table(other)) if b == PAGED]

@@ -487,8 +487,12 @@ def test_wire_shape_of_kv_page(sample_requests: dict) -> None:
     ("kw", "match"),
     [
         ({"moves": ()}, "moves must not be empty"),
-        ({"moves": ((2, 1, 1, 1),)}, r"a move is \(0 out \| 1 in.*got \[2, 1, 1, 1\]"),
+        ({"moves": ((4, 1, 1, 1),)}, r"a move is \(0 out \| 1 in \| 2 save.*got \[4, 1, 1, 1\]"),
         ({"moves": ((0, 1, -1, 1),)}, r"got \[0, 1, -1, 1\]"),
+        ({"moves": ((2, 1, -1, 1),)}, r"got \[2, 1, -1, 1\]"),
+        ({"moves": ((3, 1, 0, 1),)}, r"\(3 adopt, logical block, -1, record\), got \[3, 1, 0, 1\]"),
+        ({"moves": ((3, 1, -2, 1),)}, r"got \[3, 1, -2, 1\]"),
+        ({"tokens": (1, 2)}, "tokens come with adopt moves only"),
         ({"moves": ((0, 1, 1),)}, "expected 4 items, got 3"),
         ({"kv_host": Region(SEG, 64, (16,), "uint8")}, r"kv_host must be uint8 \[records, bytes\]"),
         ({"sequence": -1}, "sequence must be >= 0"),
@@ -498,6 +502,14 @@ def test_kv_page_validation(kw: dict, match: str) -> None:
     base = {"sequence": 70, "moves": ((0, 1, 2, 3),), "kv_host": Region(SEG, 64, (4, 64), "uint8")}
     with pytest.raises(F.FrameError, match=match):
         F.KVPage(**{**base, **kw})
+
+
+def test_kv_page_saves_and_adopts() -> None:
+    host = Region(SEG, 64, (4, 64), "uint8")
+    saved = F.KVPage(sequence=3, moves=((2, 0, 5, 1), (2, 1, 6, 2)), kv_host=host)
+    assert saved.tokens == ()
+    adopted = F.KVPage(sequence=4, moves=((3, 0, -1, 1),), kv_host=host, tokens=(7,) * 16)
+    assert adopted.moves == ((3, 0, -1, 1),) and len(adopted.tokens) == 16
 
 
 def test_snapshots_kept_by_a_worker_are_named_by_id() -> None:

@@ -2,8 +2,10 @@
 the daemon): a kept lane's blocks page out to the daemon's host records outside a forward,
 byte for byte in the record layout (runtime/kv_host.py), and come back through a forward
 span's moves, after which the lane computes what it did before, bit for bit. A split's
-workers follow the same moves, each through its own host records. Bad moves are refused,
-naming what is wrong, and change nothing."""
+workers follow the same moves, each through its own host records. The block store's
+moves: a saved record holds the block's rows and the lane keeps its blocks; a new lane
+adopting the records and paging them in attends as the lane that computed them. Bad
+moves are refused, naming what is wrong, and change nothing."""
 
 from __future__ import annotations
 
@@ -68,10 +70,10 @@ class Stage:
         self.io = Regions(owner, f"kvpage-{layers[0]}-{secrets.token_hex(2)}", specs)
         self.io.a("host")[:] = 0xA5  # what no page-out wrote
 
-    def rows(self, n: int) -> dict[str, np.ndarray]:
-        """Its K/V rows [0, n) of lane LANE, each stored tensor [Hkv, n, D]."""
+    def rows(self, n: int, seq: int = LANE) -> dict[str, np.ndarray]:
+        """Its K/V rows [0, n) of lane `seq`, each stored tensor [Hkv, n, D]."""
         regions = {name: self.io.r[name] for name in self.tensors}
-        self.w.call(F.KVExport(position=n, regions=regions, sequence=LANE))
+        self.w.call(F.KVExport(position=n, regions=regions, sequence=seq))
         return {name: self.io.a(name)[:, :n].copy() for name in self.tensors}
 
     def blocks_used(self) -> int:
@@ -117,22 +119,29 @@ class Lanes:
             s.w.call(F.Forward((span,), out, {out: s.io.r[out]}, **fields))
         return self.stages[-1].io.a("logits")[0].copy()
 
-    def page(self, seq: int, moves: tuple, region: str = "host") -> list[int]:
+    def page(
+        self, seq: int, moves: tuple, region: str = "host", tokens: tuple[int, ...] = ()
+    ) -> list[int]:
         """kv_page on every stage, each through its own host records: their PAGED counts;
         the lane's table follows once every stage took them."""
         paged = []
         for s in self.stages:
-            reply = s.w.call(F.KVPage(sequence=seq, moves=moves, kv_host=s.io.r[region]))
+            frame = F.KVPage(sequence=seq, moves=moves, kv_host=s.io.r[region], tokens=tokens)
+            reply = s.w.call(frame)
             assert isinstance(reply, F.KVPageReply)
             paged.append(reply.paged)
         self.follow(seq, moves)
         return paged
 
     def follow(self, seq: int, moves) -> list[int]:
-        """The lane's table after `moves` (PAGED where a block went out)."""
+        """The lane's table after `moves` (PAGED where a block went out or was adopted; a
+        save changes nothing)."""
         table = self.tables.setdefault(seq, [])
         for kind, j, block, _ in moves:
-            table[j] = block if kind == 1 else PAGED
+            if kind == 3:
+                table.append(PAGED)
+            elif kind != 2:
+                table[j] = block if kind == 1 else PAGED
         return table
 
     def stop(self) -> None:
@@ -237,3 +246,70 @@ def test_bad_page_moves_are_refused_and_change_nothing(lanes: Lanes) -> None:
     assert s.blocks_used() == 2
     after = lanes.forward(LANE, len(PROMPT), [7], moves=((1, 1, 1, 0), (1, 2, 5, 1)))
     assert after.tobytes() == before.tobytes()
+
+
+@pytest.mark.parametrize("lanes", [WHOLE, SPLIT], ids=["whole", "split"], indirect=True)
+def test_saved_records_adopted_by_a_new_lane_attend_as_the_computed_blocks(lanes: Lanes) -> None:
+    """The block store's two moves: LANE's whole blocks 0..2 are saved to records 1, 2, 0
+    (each worker's record holds its layers' rows of the block, by the layout, and the
+    lane keeps its blocks: nothing is paged out, its rows still export). A new lane 3
+    adopts the records as its blocks 0..2 with their token ids, pages them in with its
+    first span and computes the rest of the prompt and a token as LANE did: its rows
+    equal LANE's and its logits are LANE's bit for bit."""
+    lanes.forward(LANE, 0, PROMPT[:24])  # blocks 0..2, whole
+    lanes.forward(2, 0, OTHER)
+    lanes.forward(LANE, 24, PROMPT[24:])
+    before = lanes.forward(LANE, len(PROMPT), [7])
+    assert lanes.tables == {LANE: [0, 1, 2, 5], 2: [3, 4]}
+    rows = [s.rows(len(PROMPT) + 1) for s in lanes.stages]
+    saves = ((2, 0, 0, 1), (2, 1, 1, 2), (2, 2, 2, 0))
+    assert lanes.page(LANE, saves) == [0] * len(lanes.stages)
+    for s, held in zip(lanes.stages, rows, strict=True):
+        host = s.io.a("host")
+        for _, j, _, record in saves:
+            assert host[record].tobytes() == record_of(held, j)
+        assert (host[3] == 0xA5).all() and s.blocks_used() == 6
+        for name, r in s.rows(len(PROMPT) + 1).items():
+            assert r.tobytes() == held[name].tobytes(), name
+    adopts = ((3, 0, -1, 1), (3, 1, -1, 2), (3, 2, -1, 0))
+    assert lanes.page(3, adopts, tokens=tuple(PROMPT[:24])) == [3] * len(lanes.stages)
+    assert lanes.tables[3] == [PAGED] * 3
+    lanes.forward(3, 24, PROMPT[24:], moves=((1, 0, 6, 1), (1, 1, 7, 2), (1, 2, 8, 0)))
+    after = lanes.forward(3, len(PROMPT), [7])
+    assert lanes.tables[3] == [6, 7, 8, 9]
+    assert after.tobytes() == before.tobytes()
+    for s, held in zip(lanes.stages, rows, strict=True):
+        for name, r in s.rows(len(PROMPT) + 1, seq=3).items():
+            assert r.tobytes() == held[name].tobytes(), name
+
+
+@pytest.mark.parametrize("lanes", [WHOLE], ids=["whole"], indirect=True)
+def test_bad_saves_and_adopts_are_refused_and_change_nothing(lanes: Lanes) -> None:
+    """A save of a block the lane does not hold there or of a paged-out one, an adopt at
+    a logical block other than the table's next, onto a lane whose last block is partial,
+    or with token ids that do not cover the adopted blocks (or past the vocabulary): each
+    refused, naming why, and nothing changes: the records, the tables, the positions."""
+    prefill(lanes)  # LANE: 29 positions in blocks 0..3
+    s = lanes.stages[0]
+    lanes.page(LANE, ((0, 1, 1, 0),))  # block 1 to record 0
+    host = s.io.a("host").copy()
+    out_of_step = "kv_page: sequence {} is out of step with the daemon's block table: "
+    bad = [
+        (LANE, ((2, 2, 5, 1),), (), out_of_step.format(LANE) + "save of logical block 2 from "
+         "block 5: the table has 2"),
+        (LANE, ((2, 1, 1, 1),), (), out_of_step.format(LANE) + ".* the table has a paged-out"),
+        (6, ((3, 1, -1, 1),), tuple(PROMPT[:8]), out_of_step.format(6) + "adopt as logical "
+         "block 1: the table holds 0 blocks"),
+        (LANE, ((3, 4, -1, 1),), tuple(PROMPT[:8]), out_of_step.format(LANE) + "adopt after "
+         "position 29: only a cache of whole blocks"),
+        (6, ((3, 0, -1, 1),), tuple(PROMPT[:7]), "1 adopted blocks hold 8 positions, the "
+         "frame names 7 token ids"),
+        (6, ((3, 0, -1, 1),), (10_000,) * 8, r"token ids must lie in \[0, "),
+    ]  # fmt: skip
+    for seq, moves, tokens, match in bad:
+        with pytest.raises(RemoteError, match=match):
+            lanes.page(seq, moves, tokens=tokens)
+    assert (s.io.a("host") == host).all()
+    assert lanes.tables[LANE] == [0, PAGED, 2, 3] and s.blocks_used() == 5
+    # Lane 6 is as empty as before the refusals: it adopts from its first block.
+    assert lanes.page(6, ((3, 0, -1, 0),), tokens=tuple(PROMPT[:8])) == [1]

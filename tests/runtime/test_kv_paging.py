@@ -308,8 +308,8 @@ def test_out_of_step_moves_and_paged_blocks_are_refused(tiny) -> None:
         a.page_out(2, 2, record)
     with pytest.raises(ValueError, match="block 3 is held already"):
         a.page_in(2, 3, record)
-    with pytest.raises(ValueError, match="unknown move kind 2"):
-        a.move(2, 2, 5, record)
+    with pytest.raises(ValueError, match="unknown move kind 7"):
+        a.move(7, 2, 5, record)
     assert (a.table, pool.used_blocks) == ([0, 1, PAGED, 3], 3)
     with pytest.raises(ValueError, match=r"would write paged-out blocks \[2\]"):
         a.reserve(20, 1)

@@ -192,6 +192,13 @@ def test_lucectl_shows_paused_disk_writes() -> None:
     assert ", disk writes PAUSED: No space left on device (ENOSPC);" in line
 
 
+def test_lucectl_shows_blocks_on_disk() -> None:
+    status = {"entries": 1, "memory_entries": 1, "disk_entries": 0, "disk_bytes": 0}
+    blocks = {"disk_budget": 8 << 30, "disk_blocks": 12, "disk_block_bytes": 3 << 20}
+    line = lucectl._prefix_cache({**status, **blocks})
+    assert ", disk 3.0 MiB of 8.0 GiB (12 K/V blocks);" in line
+
+
 async def test_concurrent_connections_do_not_wait_for_a_slow_command(sock_path: Path) -> None:
     release = asyncio.Event()
 

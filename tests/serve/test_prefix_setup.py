@@ -1,4 +1,5 @@
-"""The prefix cache's set-up helpers: arena sizing, model fingerprint, placement key."""
+"""The prefix cache's set-up helpers: arena sizing, model fingerprint, placement key, and
+where the disk tier keeps blocks rather than snapshot files."""
 
 from __future__ import annotations
 
@@ -7,7 +8,9 @@ from pathlib import Path
 
 import pytest
 
+from luced.runtime.tiny import make_tiny_gguf
 from luced.serve.config import KVOptions, load_config
+from luced.serve.loader import read_spec
 from luced.serve.lucectl import render_status
 from luced.serve.prefix_setup import arena_bytes, model_fingerprint, reserve_disk_dir
 
@@ -65,3 +68,24 @@ def test_a_held_cache_dir_is_refused_before_the_load(tmp_path: Path) -> None:
         reserve_disk_dir(kv_options, model)
     first.release()
     reserve_disk_dir(kv_options, model).release()
+
+
+@pytest.mark.parametrize(
+    ("args", "blocks"),
+    [
+        (("--kv-cache-dir", "kv"), True),  # several running requests share one block pool
+        (("--kv-cache-dir", "kv", "--draft", "ngram"), True),  # no feature rings
+        (("--kv-cache-dir", "kv", "--max-running", "1"), False),  # one cache, no blocks
+        (("--kv-cache-dir", "kv", "--kv-flash", "512"), False),
+        (("--kv-cache-dir", "kv", "--prefix-cache-bytes", "0"), False),
+        ((), False),  # no disk tier
+    ],
+)
+def test_the_disk_tier_keeps_blocks_where_it_can(tmp_path: Path, args, blocks: bool) -> None:
+    """`ModelSpec.block_store`, decided before the load: blocks on disk for requests that
+    share a block pool, without KV Flash (or workers on other hosts, or a draft's rings);
+    snapshot files otherwise."""
+    model = make_tiny_gguf("llama", tmp_path / "m.gguf", seed=1, layers=2, context=1024).path
+    argv = [str(model), *(str(tmp_path / a) if a == "kv" else a for a in args)]
+    cfg = load_config(argv, env={}, default_config_path=None)
+    assert read_spec(cfg).block_store is blocks

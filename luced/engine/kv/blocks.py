@@ -39,14 +39,23 @@ The rules, the same on both sides (the worker applies each change as it comes):
     page_in   a PAGED entry takes the lowest free block (`Move(IN, ...)`: the worker
               copies the record's rows into it); this table's hold on the record is
               released (a shared record stays for the tables sharing it).
+    save      a resident entry's rows are copied to the lowest free host record
+              (`Move(SAVE, index, block, record)`); the table keeps its block, and the
+              record is held by the caller (the block store, engine/kv/block_store.py),
+              not by a table, until it `release_record`s it.
+    adopt     a lane's table appends PAGED entries for records held elsewhere
+              (`Move(ADOPT, index, PAGED, record)`: a block read from disk becomes the
+              lane's logical block `index`), each record retained; its first span pages
+              them in as any PAGED entry.
 
 A table entry is a pool block or PAGED (-1): a logical block whose rows wait in a host
 record (`records` of them, a heap as for blocks; KV Flash's host tier, engine/kv/pager.py
 decides what goes). A record has a reference count like a block: the tables whose
 entry it is (a `share` of a PAGED entry retains its record, so a finished prompt kept
-for sharing keeps its paged-out blocks too). `write` never reaches a PAGED entry: the
-pager pages it in first. `truncate` and `free` release the records of the PAGED entries
-they drop; a record is free again at its last release.
+for sharing keeps its paged-out blocks too), plus one while an owner outside the tables
+holds it (`hold_record`: the block store's saves and restores). `write` never reaches a
+PAGED entry: the pager pages it in first. `truncate` and `free` release the records of
+the PAGED entries they drop; a record is free again at its last release.
 
 Everything else is the worker's: it neither allocates nor releases on its own.
 
@@ -57,12 +66,15 @@ appended), `page_out` / `page_in` and a lookup O(log pool); nothing walks the po
 from __future__ import annotations
 
 import heapq
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
 PAGED = -1  # a table entry whose rows are in a host record, not in a pool block
 OUT = 0  # a `Move`'s kind: pool block -> host record
 IN = 1  # host record -> pool block
+SAVE = 2  # pool block -> host record, the table unchanged
+ADOPT = 3  # a held host record -> a new PAGED entry of the table
 
 
 class BlocksExhausted(RuntimeError):
@@ -75,9 +87,10 @@ class RecordsExhausted(RuntimeError):
 
 
 class Move(NamedTuple):
-    """One host-tier copy for the workers (a tuple of ints on the wire): `OUT` copies pool
-    block `block` to host record `record`, `IN` copies the record back into the block;
-    `index` is the lane's logical block."""
+    """One host-tier change for the workers (a tuple of ints on the wire): `OUT` copies pool
+    block `block` to host record `record`, `IN` copies the record back into the block,
+    `SAVE` copies the block to the record and keeps it, `ADOPT` appends a PAGED entry for
+    the record (`block` PAGED); `index` is the lane's logical block."""
 
     kind: int
     index: int
@@ -296,8 +309,7 @@ class BlockTables:
                 f"the host tier is exhausted: lane {lane}'s block {j} needs a record, "
                 f"all {self.records} are used"
             )
-        record = heapq.heappop(self._free_records)
-        self._record_refs[record] = 1
+        record = self.hold_record()
         self._release(block)
         self._tables[lane][j] = PAGED
         self._host.setdefault(lane, {})[j] = record
@@ -319,6 +331,55 @@ class BlockTables:
         self._release_record(record)
         self._tables[lane][j] = block
         return Move(IN, j, block, record)
+
+    def save(self, lane: int, j: int) -> Move:
+        """Copy `lane`'s resident block j to the lowest free host record, held for the
+        caller (refcount 1; `release_record` frees it); the table is unchanged. Checked
+        first: an error changes nothing."""
+        block = self.entry(lane, j)
+        if block == PAGED:
+            raise ValueError(f"lane {lane}'s block {j} is paged out: nothing to save")
+        return Move(SAVE, j, block, self.hold_record())
+
+    def adopt(self, lane: int, records: Sequence[int]) -> list[Move]:
+        """Append a PAGED entry to `lane`'s table for each of `records` (held: by
+        `hold_record`, or another table), each retained by the table; the caller may then
+        release its own hold. Checked first: an error changes nothing."""
+        if len(set(records)) != len(records):
+            raise ValueError(f"records {list(records)} name one twice")
+        for record in records:
+            if not 0 <= record < self.records or not self._record_refs[record]:
+                raise ValueError(f"host record {record} is not held: adopt a held record")
+        table = self._tables.setdefault(lane, [])
+        host = self._host.setdefault(lane, {})
+        moves = []
+        for record in records:
+            self._record_refs[record] += 1
+            host[len(table)] = record
+            moves.append(Move(ADOPT, len(table), PAGED, record))
+            table.append(PAGED)
+        if not table:
+            del self._tables[lane]
+        if not host:
+            del self._host[lane]
+        return moves
+
+    def hold_record(self) -> int:
+        """The lowest free host record, held by the caller (refcount 1) until its
+        `release_record`; RecordsExhausted when none is free."""
+        if not self._free_records:
+            raise RecordsExhausted(
+                f"the host tier is exhausted: all {self.records} records are used"
+            )
+        record = heapq.heappop(self._free_records)
+        self._record_refs[record] = 1
+        return record
+
+    def release_record(self, record: int) -> None:
+        """Drop one hold on `record` (the caller's from `hold_record`); free at the last."""
+        if not 0 <= record < self.records or not self._record_refs[record]:
+            raise ValueError(f"host record {record} is not held")
+        self._release_record(record)
 
     def _release(self, block: int) -> None:
         self._refs[block] -= 1

@@ -16,8 +16,11 @@ Who pages: under KV Flash each running lane's pager (its moves ride in its spans
 kept lanes under pressure (engine/kv/holdings.py); without KV Flash only the kept lanes
 (finished prompts kept for sharing), and a lane sharing their paged-out blocks pages them
 all in with its first span (engine/runner.py). A record is written only by the worker whose
-layers it holds: a worker that dies leaves them intact (a restarted worker starts empty,
-so the target resets its sequences anyway).
+layers it holds (a page-out or a save: a worker that dies leaves them intact; a restarted
+worker starts empty, so the target resets its sequences anyway), or by the daemon into a
+record it holds (the block store reading a block from disk, engine/kv/block_store.py,
+before the lane adopts it); the daemon reads a record only while it holds it (the block
+store writing a saved block to disk).
 """
 
 from __future__ import annotations
@@ -26,10 +29,12 @@ import asyncio
 import logging
 from collections.abc import Sequence
 
+import numpy as np
+
 from luced.engine.executor import Executor, WorkerReplyError
 from luced.engine.kv.blocks import BlockTables, Move
 from luced.ipc.frames import KVPage
-from luced.ipc.regions import Region, RegionAllocator, required_bytes
+from luced.ipc.regions import Region, RegionAllocator, required_bytes, view
 from luced.ipc.shm import ShmOwner, shm_room
 
 log = logging.getLogger(__name__)
@@ -42,12 +47,19 @@ def kept_records(kept: int, block: int, kept_lanes: int) -> int:
     return -(-kept // block) + kept_lanes if kept > 0 and kept_lanes > 0 else 0
 
 
+def store_records(context: int, block: int) -> int:
+    """Host records for the prefix cache's block store (engine/kv/block_store.py): a
+    context's blocks, which its saves and restores pass through."""
+    return -(-context // block)
+
+
 class HostRecords:
     """The host records of every worker of a target (the module docstring's segment)."""
 
     def __init__(self, records: int) -> None:
         self.records = records
         self.regions: list[Region] = []  # worker k's records, once carved
+        self.arrays: list[np.ndarray] = []  # the daemon's views of them, uint8 [records, bytes_k]
         self._record_bytes: dict[tuple[int, int], int] = {}  # worker layers -> one record
 
     def loaded(self, layers: tuple[int, int], record_bytes: int, group: str) -> None:
@@ -89,17 +101,22 @@ class HostRecords:
         segment = owner.create(f"{name}-kvhost", required_bytes(specs.values()))
         alloc = RegionAllocator.for_segment(segment)
         self.regions = [alloc.alloc(key, shape, dtype) for key, (shape, dtype) in specs.items()]
+        self.arrays = [view(segment, region) for region in self.regions]
         return sum(sizes)
 
-    async def page(self, executor: Executor, lane: int, moves: Sequence[Move]) -> None:
+    async def page(
+        self, executor: Executor, lane: int, moves: Sequence[Move], tokens: Sequence[int] = ()
+    ) -> None:
         """`lane`'s moves in every worker (`kv_page`, each through its own records; a
-        worker on another host pages to its own memory). A failure leaves the workers out
-        of step with the tables: `in_sync` is off until they start over."""
+        worker on another host pages to its own memory); `tokens`: the ids of the
+        positions its adopt moves add. A failure leaves the workers out of step with the
+        tables: `in_sync` is off until they start over."""
         wire = tuple(tuple(m) for m in moves)
+        ids = tuple(int(t) for t in tokens)
         try:
             await asyncio.gather(
                 *(
-                    w.call(KVPage(sequence=lane, moves=wire, kv_host=self.regions[i]))
+                    w.call(KVPage(sequence=lane, moves=wire, kv_host=self.regions[i], tokens=ids))
                     for i, w in enumerate(executor.workers())
                 )
             )

@@ -39,7 +39,8 @@ The ops (request fields -> reply fields):
               store, blocks
     kv_forget ids                           -> dropped
     kv_share  sequence, source, position    -> position
-    kv_page   sequence, moves, kv_host      -> paged
+    kv_page   sequence, moves, kv_host,     -> paged
+              tokens
     truncate  position                      -> position
     reset                                   -> (nothing)
     stats                                   -> stats
@@ -105,6 +106,9 @@ and back, before its table growth) and ``kv_scores``, ``forward`` ``kv_host``, `
 ``kv_scored`` and its reply's ``kv_record_bytes``; the per-sequence pool (``load`` ``kv_pool``,
 ``Span.kv_plan``) is gone.
 25: ``kv_page``: KV Flash moves of one sequence outside a forward (a kept lane paged out).
+26: ``kv_page`` moves 2 save (a block's rows copied to a host record, the table unchanged)
+and 3 adopt (a host record appended as a paged-out entry, its positions committed), and
+its ``tokens`` (the adopted positions' ids): the prefix cache's blocks on disk.
 
 Expert compute (``luced.runtime.expert_link``): an expert worker answers ``load_experts``
 from the daemon, and ``expert_mix`` from target workers over direct worker-to-worker

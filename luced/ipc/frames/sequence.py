@@ -360,25 +360,35 @@ class KVShareReply(Reply):
 @_op("kv_page", REQUESTS)
 @dataclass(frozen=True)
 class KVPage(Request):
-    """KV Flash moves of ``sequence``'s block table outside a forward: a kept lane (a
-    finished prompt, which never runs) paged out to make room, each move
-    (0 out | 1 in, logical block, pool block, host record of ``kv_host``) as a span's
-    (``Span.moves``), applied in order on every shard."""
+    """Host-tier moves of ``sequence``'s block table outside a forward, applied in order on
+    every shard, each (kind, logical block, pool block, host record of ``kv_host``): 0 out
+    and 1 in as a span's (``Span.moves``: a kept lane paged out to make room), 2 save (the
+    block's rows copied to the record, the table unchanged: the prefix cache's block store
+    writes it to disk) and 3 adopt (pool block -1: the record becomes the table's next
+    entry, paged out, its positions committed; a restored prefix, paged in by the next
+    span). ``tokens``: the ids of the adopted positions, appended to the token history."""
 
     sequence: int
     moves: tuple[tuple[int, int, int, int], ...]
     kv_host: Region
+    tokens: tuple[int, ...] = ()
 
     def _check(self) -> None:
         _check_sequence(self)
         if not self.moves:
             raise self._fail("moves must not be empty")
         for move in self.moves:
-            if move[0] not in (0, 1) or min(move) < 0:
+            kind, j, block, record = move
+            adopt = kind == 3
+            if kind not in (0, 1, 2, 3) or min(j, record) < 0 or (block == -1) != adopt:
                 raise self._fail(
-                    "a move is (0 out | 1 in, logical block >= 0, pool block >= 0, "
-                    f"record >= 0), got {list(move)}"
+                    "a move is (0 out | 1 in | 2 save, logical block >= 0, pool block >= 0, "
+                    f"record >= 0) or (3 adopt, logical block, -1, record), got {list(move)}"
                 )
+            if block < -1:
+                raise self._fail(f"pool block must be >= 0, got {list(move)}")
+        if self.tokens and not any(m[0] == 3 for m in self.moves):
+            raise self._fail("tokens come with adopt moves only")
         host = self.kv_host
         if host.dtype != "uint8" or len(host.shape) != 2:
             raise self._fail(

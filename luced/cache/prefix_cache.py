@@ -400,10 +400,10 @@ class PrefixCache:
         return True
 
     async def clear(self, disk: bool = False) -> int:
-        """Drop the memory tier (entries with a disk copy stay, disk-only), or with ``disk``
-        every entry and its file, and every block file. Waits for pending writes first;
-        entries being restored stay in memory (``disk``: removed after the restore).
-        Returns entries and blocks removed."""
+        """Drop the memory tier (entries with a disk copy stay, disk-only; the blocks in
+        memory), or with ``disk`` every entry and its file, and every block. Waits for
+        pending writes first; entries being restored stay in memory (``disk``: removed
+        after the restore). Returns entries and blocks removed."""
         await self._wait_tasks()
         count, ids = 0, []
         for e in list(self._entries.values()):

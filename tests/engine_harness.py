@@ -100,9 +100,10 @@ async def engine_for(
     `max_batch_tokens` (64; the daemon's default is 512) span several prefill chunks. A
     draft (or the n-gram lookup) is set up for blocks up to 16; adaptive blocks are
     calibrated before the first request. `kv_block` None: as the daemon (KV Flash's
-    blocks, else blocks of 16 when several requests run). `block_files`: the disk tier
-    in `kv_cache_dir` keeps K/V blocks by prefix key (engine/kv/block_store.py) instead of
-    snapshot files, as the daemon's does wherever it can (`ModelSpec.block_store`)."""
+    blocks, else blocks of 16 when several requests run). `block_files`: the prefix cache
+    keeps K/V blocks by prefix key (engine/kv/block_store.py: `prefix_cache_bytes` of host
+    records, and files in `kv_cache_dir`) instead of snapshots (the arena and snapshot
+    files), as the daemon's does wherever it can (`ModelSpec.block_store`)."""
     if kv_block is None:
         kv_block = kv_flash.block if kv_flash is not None else 16 if max_running > 1 else 0
     gguf = GGUFFile(path)
@@ -150,7 +151,7 @@ async def engine_for(
             max_running=max_running,
             kv_pool_tokens=kv_pool_tokens,
             kv_keep_tokens=kv_keep_tokens,
-            block_store=block_files,
+            block_store=prefix_cache_bytes if block_files else 0,
             encoder=is_encoder(gguf),
         )
         engine.runner.decode_ahead = decode_ahead
@@ -165,12 +166,15 @@ async def engine_for(
             if adaptive_blocks:
                 await engine.calibrate()
             if prefix_cache_bytes:
-                arena = SnapshotArena(owner, prefix_cache_bytes)
                 layout = await target.kv_layout()
-                disk, blocks = None, None
-                if kv_cache_dir is not None and block_files:  # K/V blocks on disk
+                arena, disk, blocks = None, None, None
+                if block_files and kv_cache_dir is not None:  # K/V blocks, on disk too
                     blocks = await BlockStore.open(target, kv_cache_dir, path.name, 1 << 30)
-                elif kv_cache_dir is not None:  # snapshot files
+                elif block_files:  # in host records only
+                    blocks = BlockStore(target)
+                else:
+                    arena = SnapshotArena(owner, prefix_cache_bytes)
+                if kv_cache_dir is not None and not block_files:  # snapshot files
                     ident = DiskIdentity(path.name, "none", f"{devices}", dtype)
                     disk = SnapshotDisk(kv_cache_dir, ident, layout)
                 cache = PrefixCache(layout, arena, disk, exact_cuts=target.recurrent)

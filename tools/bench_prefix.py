@@ -1,23 +1,27 @@
-"""Prefix cache: TTFT cold vs memory hit vs disk hit, in one run.
+"""Prefix cache: TTFT cold vs memory hit vs disk hit, snapshots vs K/V blocks, in one run.
 
     python tools/bench_prefix.py [--model smollm2|gemma3|PATH] [--prefix 2048]
                                  [--rounds 3] [--threads N] [--dtype float32]
 
-A real Target (worker subprocess, shared memory, frames) and Engine with a prefix
-cache (arena + a disk tier in a temporary directory). Every request shares a ~`prefix`
-token document and ends in its own question, as a chat over one long context does:
+A real Target (worker subprocess, shared memory, frames) and Engine with a prefix cache of
+snapshots (arena + snapshot files in a temporary directory: the path the daemon takes for
+hybrids, KV Flash or remote workers, forced here with `block_store=0`), and a second engine
+over its own worker whose cache keeps K/V blocks (host records + block files: the daemon's
+where requests share a block pool). Every request shares a ~`prefix` token document and
+ends in its own question, as a chat over one long context does:
 
     cold      nothing cached (the cache is cleared first): prefill of the whole prompt
     kept      right after `cold`: that request's blocks are kept in the workers' pool
               (--kv-keep-tokens) and the new request takes them (no copy) + prefill of
               the question
     memory    the document's snapshot is in the arena: restore + prefill of the question
+    records   the same from K/V blocks in host records (engine/kv/block_store.py), on the
+              second engine: adopted, paged in, prefill of the rest
     disk      the memory tier was dropped, the file remains: read into the arena,
               restore, prefill of the question
-    blocks    the same from K/V blocks on disk (engine/kv/block_store.py, the daemon's
-              disk tier where requests share a block pool), on a second engine over its
-              own worker: its memory tier was dropped, the document's block files remain:
-              read into host records, paged in, prefill of the rest
+    blocks    the same from K/V blocks on disk, on the second engine: its memory was
+              dropped, the document's block files remain: read into host records, paged
+              in, prefill of the rest
     memory+1  `memory` while another request (another document) decodes beside it
     shared+1  while another request over the same document decodes: the new one takes
               the document's K/V blocks from it (no copy; the engine prefers that to
@@ -25,11 +29,12 @@ token document and ends in its own question, as a chat over one long context doe
               + prefill of the rest
 
 TTFT = submit -> first token out of the engine (includes the snapshot of the new prompt
-taken after its prefill). Kept blocks are dropped before every mode but `kept`. Medians
-over rounds; the modes are interleaved per round. The engine runs up to 2 requests at
-once over K/V blocks of 16 (the daemon's defaults); for
-the +1 modes it also reports the K/V blocks the workers hold at the new request's first
-token against the blocks the two requests' tables map (what they hold without sharing).
+taken after its prefill, or the save of its new whole blocks). Kept blocks are dropped
+before every mode but `kept`. Medians over rounds; the modes are interleaved per round.
+The engines run up to 2 requests at once over K/V blocks of 16 (the daemon's defaults);
+for the +1 modes it also reports the K/V blocks the workers hold at the new request's
+first token against the blocks the two requests' tables map (what they hold without
+sharing).
 """
 
 from __future__ import annotations
@@ -118,7 +123,7 @@ async def bench(args: argparse.Namespace) -> None:
         dtype=args.dtype,
         kv_block=BLOCK,
     )
-    modes = ("cold", "kept", "memory", "disk", "blocks", "memory+1", "shared+1")
+    modes = ("cold", "kept", "memory", "records", "disk", "blocks", "memory+1", "shared+1")
     rows: dict[str, list[float]] = {mode: [] for mode in modes}
     blocks: dict[str, list[tuple[int, int]]] = {"memory+1": [], "shared+1": []}
     with tempfile.TemporaryDirectory() as tmp, ShmOwner() as owner:
@@ -133,7 +138,7 @@ async def bench(args: argparse.Namespace) -> None:
                 context_length=placement.kv_capacity,
                 max_running=2,
                 kv_keep_tokens=placement.kv_capacity,
-                block_store=blocks,
+                block_store=(1 << 30) if blocks else 0,  # bytes of host records for them
             )
             return target, engine
 
@@ -145,7 +150,7 @@ async def bench(args: argparse.Namespace) -> None:
         disk = SnapshotDisk(Path(tmp) / "snapshots", identity, layout)
         cache = PrefixCache(layout, SnapshotArena(owner, 2 << 30), disk)
         engine.prefix_cache = cache
-        cache_b = PrefixCache(layout, SnapshotArena(owner, 1 << 30, "blocks-arena"))
+        cache_b = PrefixCache(layout, None)  # no arena: the blocks are its tiers
         cache_b.blocks = await BlockStore.open(target_b, Path(tmp) / "blocks", "bench", 8 << 30)
         engine_b.prefix_cache = cache_b
         engine.start()
@@ -177,9 +182,13 @@ async def bench(args: argparse.Namespace) -> None:
                 t, n = await ttft(engine, prefix + next(q))
                 assert n >= len(prefix), n
                 rows["disk"].append(t)
-                await cache_b.clear(disk=True)  # the block files of the round before too
+                await cache_b.clear(disk=True)  # the blocks of the round before too
                 await ttft(engine_b, prefix + next(q))
                 await cache_b.save_all()  # its blocks are written
+                await drop_kept(engine_b)
+                t, n = await ttft(engine_b, prefix + next(q))
+                assert n >= len(prefix) - BLOCK, n
+                rows["records"].append(t)
                 await cache_b.clear(disk=False)  # only the block files remain
                 await drop_kept(engine_b)
                 t, n = await ttft(engine_b, prefix + next(q))
@@ -207,6 +216,8 @@ async def bench(args: argparse.Namespace) -> None:
     for name, ts in rows.items():
         t = statistics.median(ts)
         print(f"{name:8s}{t * 1e3:10.1f}{t / cold:10.1%}")
+    records = statistics.median(rows["records"]) / statistics.median(rows["memory"])
+    print(f"\nmemory hit, K/V blocks in host records / a snapshot in the arena: {records:.1%}")
     print(f"\nK/V blocks of {BLOCK} at the new request's first token (medians):")
     for mode, held in blocks.items():
         used, mapped = (statistics.median(col) for col in zip(*held, strict=True))

@@ -15,7 +15,10 @@ lives in either tier or both; a disk-only entry is read back into the arena on a
 Each tier evicts least-recently-used entries by bytes: memory when an allocation does not
 fit (an evicted entry with a disk copy stays, disk-only), disk down to ``disk_budget``
 after each write. Pinned entries (being restored, exported or written) are never evicted;
-dropping one defers its removal to its last unpin.
+dropping one defers its removal to its last unpin. A model whose prompts are kept as K/V
+blocks by prefix key instead (``blocks``, the engine's engine/kv/block_store.py) has no
+arena and no snapshot files: the cache is the facade of those (queries, hits, stats,
+clearing), and its index stays empty.
 
 Reuse rules. Attention-only models (default): K/V rows ``[0, m)`` of any snapshot are the
 K/V of its first m tokens, so any common prefix is reusable. ``exact_cuts`` (recurrent
@@ -42,7 +45,7 @@ import secrets
 import time
 from collections.abc import Callable, Coroutine, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 
@@ -84,22 +87,36 @@ class KVMover(Protocol):
         ...
 
 
+class BlockCounts(NamedTuple):
+    """What a `BlockTier` holds."""
+
+    memory: int = 0  # blocks in memory
+    memory_bytes: int = 0
+    capacity: int = 0  # bytes the memory tier may hold
+    disk: int = 0  # block files
+    disk_bytes: int = 0
+
+
 class BlockTier(Protocol):
-    """The disk tier of K/V blocks by prefix key that replaces the snapshot files where it
-    can (the engine's engine/kv/block_store.py): its files are counted, cleared and
-    flushed with the cache's."""
+    """The prefix cache's K/V blocks by prefix key, in memory and on disk, that replace the
+    arena and the snapshot files where they can (the engine's engine/kv/block_store.py):
+    counted, cleared and flushed with the cache."""
 
     @property
     def error(self) -> str | None:
-        """Why its writes are paused (the OS's error), until one works."""
+        """Why its disk writes are paused (the OS's error), until one works."""
         ...
 
-    def counts(self) -> tuple[int, int]:
-        """(block files, their bytes)."""
+    @property
+    def on_disk(self) -> bool:
+        """Whether it keeps blocks on disk too (--kv-cache-dir)."""
         ...
 
-    async def clear(self) -> int:
-        """Delete every block file (after the pending writes); -> how many."""
+    def counts(self) -> BlockCounts: ...
+
+    async def clear(self, disk: bool = False) -> int:
+        """Drop every block in memory (after the pending writes), and with `disk` every
+        block file; -> how many blocks."""
         ...
 
     async def flush(self) -> None:
@@ -107,7 +124,7 @@ class BlockTier(Protocol):
         ...
 
     async def close(self) -> None:
-        """Flush, then release the files (and the directory's lock)."""
+        """Flush, then release the memory, the files (and the directory's lock)."""
         ...
 
 
@@ -151,8 +168,10 @@ class CacheStats:
     restore_errors: int  # disk entries found corrupt on restore (quarantined)
     disk_problem: str | None = None  # why --kv-cache-dir is not in use (memory tier only)
     disk_error: str | None = None  # why disk writes are paused (the OS's error), until one works
-    disk_blocks: int = 0  # block files (`blocks`: the disk tier of K/V blocks by prefix key)
+    disk_blocks: int = 0  # block files (`blocks`: the K/V blocks by prefix key)
     disk_block_bytes: int = 0
+    memory_blocks: int = 0  # blocks in memory (host records; the arena's place)
+    memory_block_bytes: int = 0
 
 
 @dataclass(eq=False)
@@ -180,14 +199,15 @@ class _Entry:
 class PrefixCache:
     """Index + memory arena + optional disk tier (see the module docstring).
 
-    Owns ``arena`` and ``disk``: ``close`` closes both. With a disk tier the directory is
-    scanned here and its valid files are indexed as disk-only entries.
+    Owns ``arena``, ``disk`` and ``blocks``: ``close`` closes them. With a disk tier the
+    directory is scanned here and its valid files are indexed as disk-only entries. No
+    arena: no snapshots (the `blocks` are the tiers).
     """
 
     def __init__(
         self,
         layout: Sequence[TensorSpec],
-        arena: SnapshotArena,
+        arena: SnapshotArena | None,
         disk: SnapshotDisk | None = None,
         *,
         disk_budget: int | None = None,
@@ -198,13 +218,13 @@ class PrefixCache:
     ) -> None:
         check_layout(layout)
         self.specs: tuple[TensorSpec, ...] = (*layout, TOKENS_SPEC)
-        if disk is not None and disk.specs != self.specs:
-            raise ValueError("the disk tier was opened with another layout")
+        if disk is not None and (disk.specs != self.specs or arena is None):
+            raise ValueError("the disk tier was opened with another layout, or no arena")
         self.arena = arena
         self.disk = disk
         self.disk_budget = disk_budget
         self.disk_problem: str | None = None  # set by the daemon when the directory failed
-        # The disk tier of blocks, in place of `disk` (set by the daemon; owned: `close`).
+        # The tiers of blocks, in place of `disk` or both (set by the daemon; owned: `close`).
         self.blocks: BlockTier | None = None
         # Told each entry id that leaves the index for good (the engine tells the workers
         # on other hosts, which keep their part of it).
@@ -273,7 +293,7 @@ class PrefixCache:
             if e.block is None and not await self._load_from_disk(e):
                 return 0
             assert e.block is not None
-            regions = self.arena.regions(e.block, self.specs, len(e.tokens), len(e.cuts))
+            regions = self._arena.regions(e.block, self.specs, len(e.tokens), len(e.cuts))
             tokens = regions.pop(TOKENS)
             await mover.import_kv(hit.n, self._state_slot(regions, e, hit.n), tokens, e.id)
         finally:
@@ -306,7 +326,7 @@ class PrefixCache:
         if not 0 < n <= len(toks):
             raise ValueError(f"cannot snapshot {n} of {len(toks)} tokens")
         toks = toks[:n]
-        if n < self.min_tokens:
+        if n < self.min_tokens or self.arena is None:
             return None
         found = self._index.longest(toks, cuts_only=self.exact_cuts, key=self._rank)
         if found is not None and found[1] == n:
@@ -380,10 +400,10 @@ class PrefixCache:
         return True
 
     async def clear(self, disk: bool = False) -> int:
-        """Drop the memory tier (entries with a disk copy stay, disk-only), or with ``disk``
-        every entry and its file, and every block file. Waits for pending writes first;
-        entries being restored stay in memory (``disk``: removed after the restore).
-        Returns entries and block files removed."""
+        """Drop the memory tier (entries with a disk copy stay, disk-only; the blocks in
+        memory), or with ``disk`` every entry and its file, and every block. Waits for
+        pending writes first; entries being restored stay in memory (``disk``: removed
+        after the restore). Returns entries and blocks removed."""
         await self._wait_tasks()
         count, ids = 0, []
         for e in list(self._entries.values()):
@@ -394,8 +414,8 @@ class PrefixCache:
                 self._drop_memory(e)
                 count += 1
         await self._delete_files(ids)
-        if disk and self.blocks is not None:
-            count += await self.blocks.clear()
+        if self.blocks is not None:
+            count += await self.blocks.clear(disk)
         return count
 
     async def save_all(self) -> int:
@@ -418,7 +438,9 @@ class PrefixCache:
 
     def stats(self) -> CacheStats:
         es = list(self._entries.values())
-        blocks, block_bytes = self.blocks.counts() if self.blocks is not None else (0, 0)
+        blocks = self.blocks.counts() if self.blocks is not None else BlockCounts()
+        arena = self.arena
+        memory = (arena.used, arena.capacity) if arena else (blocks.memory_bytes, blocks.capacity)
         return CacheStats(
             queries=self.queries,
             hits=self.hits,
@@ -426,8 +448,8 @@ class PrefixCache:
             entries=len(es),
             memory_entries=sum(1 for e in es if e.block is not None),
             disk_entries=sum(1 for e in es if e.disk_bytes),
-            memory_bytes=self.arena.used,
-            memory_capacity=self.arena.capacity,
+            memory_bytes=memory[0],
+            memory_capacity=memory[1],
             disk_bytes=self.disk.used if self.disk is not None else 0,
             disk_budget=self.disk_budget,
             disk_writes=self.disk_writes,
@@ -435,8 +457,10 @@ class PrefixCache:
             restore_errors=self.restore_errors,
             disk_problem=self.disk_problem,
             disk_error=self.disk_error or (self.blocks.error if self.blocks is not None else None),
-            disk_blocks=blocks,
-            disk_block_bytes=block_bytes,
+            disk_blocks=blocks.disk,
+            disk_block_bytes=blocks.disk_bytes,
+            memory_blocks=blocks.memory,
+            memory_block_bytes=blocks.memory_bytes,
         )
 
     @property
@@ -453,11 +477,17 @@ class PrefixCache:
         await self._wait_tasks()
         if self.blocks is not None:
             await self.blocks.close()
-        self.arena.close()
+        if self.arena is not None:
+            self.arena.close()
         if self.disk is not None:
             self.disk.close()
 
     # -- internals ------------------------------------------------------------------------
+
+    @property
+    def _arena(self) -> SnapshotArena:
+        assert self.arena is not None  # entries exist only with one
+        return self.arena
 
     def _rank(self, entry_id: str) -> tuple[bool, float]:
         e = self._entries[entry_id]
@@ -502,7 +532,7 @@ class PrefixCache:
 
     def _release(self, e: _Entry) -> list[str]:
         if e.block is not None:
-            self.arena.free(e.block)
+            self._arena.free(e.block)
             e.block = None
         if e.disk_bytes:
             e.disk_bytes = 0
@@ -524,24 +554,24 @@ class PrefixCache:
 
     def _drop_memory(self, e: _Entry) -> None:
         assert e.block is not None and e.pins == 0
-        self.arena.free(e.block)
+        self._arena.free(e.block)
         e.block = None
         if not e.disk_bytes:
             self._forget(e)
 
     def _alloc(self, nbytes: int) -> Block | None:
         """An arena block, evicting least-recently-used unpinned memory copies as needed."""
-        block = self.arena.alloc(nbytes)
+        block = self._arena.alloc(nbytes)
         if block is not None:
             return block
         victims = [e for e in self._entries.values() if e.block is not None and not e.pins]
         evictable = sum(e.block.nbytes for e in victims if e.block is not None)
-        if self.arena.free_bytes + evictable < nbytes:
+        if self._arena.free_bytes + evictable < nbytes:
             return None  # cannot fit even then: evict nothing
         victims.sort(key=lambda e: (e.last_used, e.id))
         for v in victims:
             self._drop_memory(v)
-            block = self.arena.alloc(nbytes)
+            block = self._arena.alloc(nbytes)
             if block is not None:
                 return block
         return None  # fragmentation: the pinned blocks split the free space
@@ -571,19 +601,19 @@ class PrefixCache:
             return False
         path = self.disk.path(e.id)
         try:
-            views = self.arena.views(block, self.specs, len(e.tokens), len(e.cuts))
+            views = self._arena.views(block, self.specs, len(e.tokens), len(e.cuts))
             await asyncio.to_thread(self.disk.read_into, path, views)
             if not np.array_equal(views[TOKENS], e.tokens):
                 raise SnapshotFileError(f"{path.name}: token ids differ from the scanned ones")
         except SnapshotFileError as err:
-            self.arena.free(block)
+            self._arena.free(block)
             self.restore_errors += 1
             await asyncio.to_thread(self.disk.quarantine, path, str(err))
             e.disk_bytes = 0  # the file is in quarantine now
             self._discard(e)
             return False
         except BaseException:
-            self.arena.free(block)
+            self._arena.free(block)
             raise
         e.block = block
         return True
@@ -600,7 +630,7 @@ class PrefixCache:
             async with self._write_lock:
                 if e.doomed or e.block is None:
                     return
-                views = self.arena.views(e.block, self.specs, len(e.tokens), len(e.cuts))
+                views = self._arena.views(e.block, self.specs, len(e.tokens), len(e.cuts))
 
                 def write() -> int:
                     d = disk.write(e.id, views, e.cuts)

@@ -39,7 +39,6 @@ from luced.engine.executor import WorkerDied, WorkerReplyError
 from luced.engine.intake import Intake
 from luced.engine.kv.budget import KVBudget
 from luced.engine.kv.finished import KEPT_LANES, FinishedPrefixes
-from luced.engine.kv.host import store_records
 from luced.engine.prefix import PrefixReuse
 from luced.engine.request import (
     ContextTooLong,
@@ -104,7 +103,7 @@ class Engine:
         max_running: int = 1,
         kv_pool_tokens: int | None = None,
         kv_keep_tokens: int = 0,
-        block_store: bool = False,
+        block_store: int = 0,
         encoder: bool = False,
         pooling: str = "mean",
     ) -> None:
@@ -112,7 +111,7 @@ class Engine:
         one context); None: max_running whole contexts, so nothing is ever preempted.
         kv_keep_tokens: the most positions finished requests' K/V may keep of that pool
         for later requests to share (engine/kv/finished.py); 0: none is kept.
-        block_store: host records for the prefix cache's blocks on disk (kv/block_store.py).
+        block_store: bytes of host records for the prefix cache's K/V blocks (kv/block_store.py).
         encoder: the model's attention is bidirectional, so it serves embeddings only;
         pooling: how the APIs pool embeddings (engine/pooling.py)."""
         self.target = target
@@ -135,8 +134,8 @@ class Engine:
                 f"({context_length}): else a long request could never finish"
             )
         keep = min(kv_keep_tokens, pool)
-        store = store_records(context_length, target.placement.kv_block or 1) if block_store else 0
-        holdings = target.size_blocks(pool, max_running + (KEPT_LANES if keep else 0), keep, store)
+        lanes = max_running + (KEPT_LANES if keep else 0)
+        holdings = target.size_blocks(pool, lanes, keep, block_store)
         self.kv = KVBudget(pool, holdings)  # under KV Flash: what lanes hold in the pool
         self.finished = FinishedPrefixes(self.kv, max_running, keep) if keep else None
         self.scheduler = Scheduler(

@@ -253,7 +253,7 @@ class Metrics:
             "(counted in prefix_shared_tokens too).",
         )
         self._prefix_cache_bytes = family(
-            Gauge, "prefix_cache_bytes", "Bytes of prefix-cache snapshots per tier.", ["tier"]
+            Gauge, "prefix_cache_bytes", "Bytes the prefix cache holds per tier.", ["tier"]
         )
         self.kv_flash_evictions = family(
             Counter, "kv_flash_evictions", "KV Flash blocks paged out of the pool."
@@ -390,10 +390,9 @@ class Metrics:
         for what, key in _QUEUE_KEYS.items():
             self.timeline.add(what, float(queue.get(key, 0)))
         cache = status.get("prefix_cache") or {}
-        for tier in ("memory", "disk"):
-            self._prefix_cache_bytes.labels(**self._base, tier=tier).set(
-                int(cache.get(f"{tier}_bytes", 0))
-            )
+        disk = int(cache.get("disk_bytes", 0)) + int(cache.get("disk_block_bytes", 0))
+        for tier, held in (("memory", int(cache.get("memory_bytes", 0))), ("disk", disk)):
+            self._prefix_cache_bytes.labels(**self._base, tier=tier).set(held)
         flash = status.get("kv_flash") or {}
         # The pager keeps running totals (as do the MoE expert counters).
         flash_counters = {"evictions": self.kv_flash_evictions, "recalls": self.kv_flash_recalls}

@@ -3,16 +3,16 @@
 At admission a sequence starts on the longest prefix of its prompt that is held
 elsewhere: a running sequence's prompt blocks or a finished one's kept in the pool
 (engine/kv/finished.py), shared in the workers' block pool without computing or copying
-them (`Target.share`); a prefix-cache snapshot, restored into its slot (a copy; the
-snapshot arena, maybe read from disk first); or its whole blocks on disk
-(engine/kv/block_store.py: read into host records that its table adopts, paged in by its
-first span). Sharing wins a tie: it copies nothing; then the arena, then the disk. A
+them (`Target.share`); or the prefix cache's: where the target keeps blocks by prefix key
+(engine/kv/block_store.py), its whole blocks in host records or on disk (adopted by its
+table, paged in by its first span), else a snapshot restored into its slot (a copy; the
+snapshot arena, maybe read from disk first). Sharing wins a tie: it copies nothing. A
 sequence arriving while another one is still prefilling a prefix of its prompt,
 WAIT_TO_SHARE positions or more past anything held now, waits for that prefill to pass
 and shares it (`hold`): requests sent together with one system prompt compute it once.
 
-When a prompt is in the KV its snapshot is saved (`save`), restorable at its chat-turn
-boundaries too, and its whole blocks not on disk yet are written there. A recurrent
+When a prompt is in the KV its whole blocks are saved in the block store, or, for the
+other targets, its snapshot (`save`), restorable at its chat-turn boundaries too. A recurrent
 model's state exists only where a chunk ended, so its chunks end at the latest
 MAX_STATE_CUTS turn starts and the workers keep the state there (the prefix cache's
 exact-cut mode).
@@ -82,7 +82,7 @@ class PrefixReuse:
     def cache(self, cache: PrefixCache | None) -> None:
         self._cache = cache
         blocks = cache.blocks if cache is not None else None
-        self.store = blocks if isinstance(blocks, BlockStore) else None  # its disk tier
+        self.store = blocks if isinstance(blocks, BlockStore) else None  # the arena's place
         if cache is not None and any(s.spec.remote for s in self.target.executor.slots):
             cache.on_drop = self._drop_remote
 
@@ -206,7 +206,8 @@ class PrefixReuse:
         return restored
 
     async def _restore_blocks(self, seq: Sequence, keys: list[bytes]) -> int:
-        """Start `seq` on its prompt's blocks on disk (a failure prefills them instead)."""
+        """Start `seq` on its prompt's blocks in memory or on disk (a failure prefills them
+        instead)."""
         assert self.store is not None and self.cache is not None
         try:
             restored = await self.store.restore(seq.slot, seq.prompt, keys)
@@ -233,8 +234,9 @@ class PrefixReuse:
         """Where the prompt's snapshot may be restored besides its end: the chat-turn
         boundaries. A recurrent model's state exists only where its prefill stopped, so for
         it these are the restored position and the latest MAX_STATE_CUTS boundaries past
-        it (the prefill stops and keeps the state at each: exact-cut mode)."""
-        if self.cache is None:
+        it (the prefill stops and keeps the state at each: exact-cut mode). None for the
+        block store's prompts, restorable at any block end."""
+        if self.cache is None or self.store is not None:
             return ()
         cuts = self.turns.cuts(prompt) if self.turns is not None else []
         if not self.target.recurrent:
@@ -243,14 +245,16 @@ class PrefixReuse:
         return (cached, *later) if cached else tuple(later)
 
     async def save(self, seq: Sequence) -> None:
-        """Snapshot the prompt's KV (the slot holds exactly the prompt, or more for an
-        attention-only model), restorable at its cut points and its end, and save its whole
-        blocks in the block store. The disk copies are written in the background."""
+        """Save the prompt's whole blocks in the block store, or where there is none
+        snapshot the prompt's KV (the slot holds exactly the prompt, or more for an
+        attention-only model), restorable at its cut points and its end. The disk copies
+        are written in the background."""
         if self.cache is None or seq.pooler is not None:
             return
         prompt = seq.prompt
         if self.store is not None:
             await self.store.save(seq.slot, prompt)
+            return
         if self.target.resident(seq.slot, len(prompt)) < len(prompt):
             log.debug(
                 "prefix cache: no snapshot of %d tokens: KV Flash paged blocks of it out",

@@ -63,7 +63,7 @@ from luced.engine.feature_ring import FeatureRing
 from luced.engine.hops import Hops
 from luced.engine.kv.blocks import BlockTables, pool_blocks
 from luced.engine.kv.holdings import FIRST_BLOCKS, Holdings
-from luced.engine.kv.host import HostRecords, kept_records
+from luced.engine.kv.host import HostRecords, kept_records, store_records
 from luced.engine.kv.pager import Pager, PagerConfig
 from luced.engine.kv_transfer import KVTransfer
 from luced.engine.kvflash.lanes import FlashLanes
@@ -174,6 +174,7 @@ class Target:
         self.blocks: BlockTables | None = None
         self.host: HostRecords | None = None  # the tables' host records, when they have any
         self.store_records = 0  # of them, the prefix cache's block store's (`size_blocks`)
+        self.store_bytes = 0  # what those may take (--prefix-cache-bytes), sized at `start`
         if placement.kv_block:
             self.size_blocks(sequences * placement.kv_capacity, sequences)
         self.lookup_drafts = False  # n-gram windows (`enable_lookup_drafts`)
@@ -187,10 +188,10 @@ class Target:
         slots (finished sequences' kept prompts) keep at most `kept` positions, paged out
         to host records under pressure (`kept_records` of them). With KV Flash each running
         slot keeps at most its pager's quota resident, the kept lanes at most `kept`
-        positions resident, and the host records are `FlashLanes.records`. `store` more
-        host records for the prefix cache's block store (without KV Flash; dropped at
-        start for a recurrent model, which has none). -> with kept lanes' host records,
-        what the lanes hold (the budget's)."""
+        positions resident, and the host records are `FlashLanes.records`. `store`: bytes
+        of host records more for the prefix cache's block store (without KV Flash; sized
+        at start, `store_records`; none for a recurrent model). -> with kept lanes' host
+        records, what the lanes hold (the budget's)."""
         block, flash = self.placement.kv_block, self.flash
         if not block:
             return None
@@ -198,7 +199,8 @@ class Target:
         if flash is None:
             n = pool_blocks(positions, lanes, block)
             kept_host = kept_records(kept, block, kept_lanes)
-            self.store_records = store
+            self.store_records = store_records(self.placement.kv_capacity, block) if store else 0
+            self.store_bytes = store
         else:
             n = flash.blocks_for(pool_blocks(kept, kept_lanes, block) if kept_lanes > 0 else 0)
             kept_host = flash.records(kept, max(0, kept_lanes))
@@ -240,15 +242,16 @@ class Target:
         self._make_act()
         if self.host is not None and not self.host.regions:
             assert self.blocks is not None
-            if self.recurrent and self.store_records:  # a hybrid keeps no blocks on disk
-                self.blocks.limit_records(self.blocks.records - self.store_records)
-                self.host.records, self.store_records = self.blocks.records, 0
-        if self.host is not None and not self.host.regions and self.host.records:
-            assert self.blocks is not None
             layers = [s.plan.layers for s in self.executor.slots if s.plan is not None]
-            block_bytes = self.host.carve(self.owner, self.name, layers, self.blocks)
-            if self.flash is not None:
-                self.flash.carve(self.owner, self.name, len(layers), self.blocks, block_bytes)
+            if self.store_records:  # the block store's: --prefix-cache-bytes (a hybrid: none)
+                size = 0 if self.recurrent else self.store_bytes
+                self.store_records = self.host.size_store(
+                    self.blocks, layers, self.store_records, size
+                )
+            if self.host.records:
+                block_bytes = self.host.carve(self.owner, self.name, layers, self.blocks)
+                if self.flash is not None:
+                    self.flash.carve(self.owner, self.name, len(layers), self.blocks, block_bytes)
 
     async def close(self) -> None:
         await self.executor.close()

@@ -7,9 +7,9 @@
     await model.close("why")               # requests end, workers stop, segments unlinked
 
 Every shared-memory segment of the model is named ``<name>-...`` (the Target's, its KV
-Flash pagers' and feature rings', the prefix cache's arena), so ``close`` unlinks exactly
-them (`ShmOwner.release`); a daemon serving one model keeps the historical names
-(``target-io``, ``prefix-arena``) and never closes it before it exits.
+Flash pagers' and feature rings', the prefix cache's arena where it keeps snapshots), so
+``close`` unlinks exactly them (`ShmOwner.release`); a daemon serving one model keeps the
+historical names (``target-io``, ``prefix-arena``) and never closes it before it exits.
 
 ``StartupError`` is a problem the operator configured, reported in one line naming the
 option: at start it stops the daemon; for a model loaded on demand its requests get it.
@@ -80,7 +80,7 @@ class ModelSpec:
     kv_pool: int  # positions the running requests hold together
     kv_flash: PagerConfig | None
     placement: TargetPlacement
-    memory: int  # bytes, estimated: the file, the KV, the prefix-cache arena, the draft
+    memory: int  # bytes, estimated: the file, the KV, the prefix cache's memory, the draft
     facts: ModelFacts  # what Ollama's /api/tags, /api/show list
     fingerprint: str  # OpenAI's system_fingerprint of its replies
     remote: RemoteSettings | None  # the key and file identities for workers on other hosts
@@ -93,16 +93,15 @@ class ModelSpec:
 
     @property
     def block_store(self) -> bool:
-        """Whether the prefix cache's disk tier keeps K/V blocks by prefix key
-        (engine/kv/block_store.py) rather than a snapshot file per prompt: with a disk tier,
-        for requests sharing blocks of one pool, without KV Flash, workers on other hosts
-        or a draft's feature rings. A recurrent model turns out to keep snapshots once
-        loaded (`Target.store_records`)."""
+        """Whether the prefix cache keeps K/V blocks by prefix key (engine/kv/block_store.py:
+        in host records, and on disk with --kv-cache-dir) rather than snapshots (the arena,
+        a file per prompt): for requests sharing blocks of one pool, without KV Flash,
+        workers on other hosts or a draft's feature rings. A recurrent model turns out to
+        keep snapshots once loaded (`Target.store_records`)."""
         kv, spec = self.config.kv, self.config.speculation
         rings = spec.draft is not None and not spec.lookup_drafts
         return (
-            kv.kv_cache_dir is not None
-            and kv.prefix_cache_bytes > 0
+            kv.prefix_cache_bytes > 0
             and self.placement.kv_block > 0
             and self.kv_flash is None
             and self.remote is None
@@ -393,7 +392,7 @@ class LoadedModel:
             max_running=running,
             kv_pool_tokens=spec.kv_pool,
             kv_keep_tokens=_kv_keep(cfg.kv.kv_keep_tokens, spec.context, spec.kv_pool),
-            block_store=spec.block_store,
+            block_store=cfg.kv.prefix_cache_bytes if spec.block_store else 0,
             encoder=spec.encoder,
             pooling=spec.pooling,
         )

@@ -305,9 +305,14 @@ def _prefix_cache(c: Any) -> str:
         disk += f", disk writes PAUSED: {c.get('disk_error')}"
     if c.get("disk_problem"):
         disk = f", disk tier OFF (memory only): {c.get('disk_problem')}"
-    return (
+    held = (
         f"{fmt(c.get('entries'))} snapshots ({fmt(c.get('memory_entries'))} in memory, "
-        f"{fmt(c.get('disk_entries'))} on disk), memory {human_bytes(c.get('memory_bytes'))} "
+        f"{fmt(c.get('disk_entries'))} on disk)"
+    )
+    if c.get("memory_blocks") and not c.get("entries"):  # prompts kept as K/V blocks
+        held = f"{fmt(c.get('memory_blocks'))} K/V blocks in memory"
+    return (
+        f"{held}, memory {human_bytes(c.get('memory_bytes'))} "
         f"of {human_bytes(c.get('memory_capacity'))}{disk}; {fmt(c.get('hits'))} hits "
         f"({fmt(c.get('hit_tokens'))} tokens) in {fmt(c.get('queries'))} lookups"
     )
@@ -410,6 +415,12 @@ def render_snapshots(reply: Mapping[str, Any], now: float | None = None) -> str:
         for s in snaps
     ]
     text = table(SNAPSHOT_HEADER, rows)
+    blocks = reply.get("blocks")
+    if isinstance(blocks, dict):  # a model that keeps its prompts as K/V blocks
+        return (
+            f"(no snapshots: this model keeps prompts as K/V blocks, "
+            f"{fmt(blocks.get('memory'))} in memory, {fmt(blocks.get('disk'))} on disk)"
+        )
     return text + "\n(no snapshots)" if not rows else text
 
 

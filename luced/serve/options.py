@@ -331,7 +331,7 @@ OPTIONS: tuple[Option, ...] = (
     Option(
         "models_memory_budget", "registry", "bytes", 0,
         "Memory the loaded models may take together (e.g. `24G`), estimated per model as "
-        "its file, its KV pool and its prefix-cache arena. Before a load, the least "
+        "its file, its KV pool and its prefix-cache memory. Before a load, the least "
         "recently used idle models are unloaded until it fits; a model that is serving is "
         "never unloaded, so a load may wait for one to finish. 0: no budget.",
         minimum=0, default_doc="0 (no budget)", example="24G",
@@ -628,19 +628,23 @@ OPTIONS: tuple[Option, ...] = (
     ),
     Option(
         "prefix_cache_bytes", "kv", "bytes", 2**30,
-        "Size of the prefix cache's shared-memory arena of KV snapshots (e.g. `512M`, "
-        "`4G`; 0 turns the prefix cache off). SmolLM2-135M in float32 needs 45 KiB per "
-        "cached token, so the default holds about 23k tokens. Capped, with a warning, at "
-        "half the free space of /dev/shm.",
+        "Shared memory the prefix cache keeps prompts' K/V in (e.g. `512M`, `4G`; 0 turns "
+        "the prefix cache off). Where several requests run (a K/V block pool) on a model "
+        "without recurrent layers, with every worker local, no DFlash draft and no KV "
+        "Flash, it holds their whole K/V blocks by prefix key in host records (at least "
+        "one context's), least recently used given up first, also to finished requests' "
+        "kept blocks paging out; otherwise an arena of one snapshot per prompt. "
+        "SmolLM2-135M in float32 needs 45 KiB per cached token, so the default holds "
+        "about 23k tokens. Capped, with a warning, at half the free space of /dev/shm.",
         minimum=0, default_doc="1G", example="4G",
     ),
     Option(
         "kv_cache_dir", "kv", "path", None,
         "Directory of the prefix cache's disk tier, written in the background and found "
-        "again after a restart. Where several requests run (a K/V block pool) on a model "
-        "without recurrent layers, with every worker local, no DFlash draft and no KV "
-        "Flash, each prompt's whole K/V blocks are kept there, one file per block and "
-        "worker, and restored into the pool; otherwise one snapshot file per prompt.",
+        "again after a restart. Where the cache keeps K/V blocks (see "
+        "`--prefix-cache-bytes`), each prompt's whole blocks are kept there too, one file "
+        "per block and worker, and restored into the pool; otherwise one snapshot file "
+        "per prompt.",
         nullable=True, default_doc="none (memory only)", example="/var/lib/luced/kv",
     ),
     Option(

@@ -131,9 +131,11 @@ async def open_prefix_cache(
     arena: str = "prefix-arena",
 ) -> PrefixCache | None:
     """The prefix cache the KV options ask for (None: --prefix-cache-bytes 0), for a model
-    computed in ``dtype``, its snapshots in the shared-memory segment named ``arena``. A
-    directory that cannot be used is a warning (memory tier only, `lucectl status` says
-    why); one held by another daemon is a ValueError naming the option."""
+    computed in ``dtype``: K/V blocks by prefix key where the target keeps them
+    (`uses_blocks`: in its host records and --kv-cache-dir), else snapshots in the
+    shared-memory segment named ``arena`` (and their files). A directory that cannot be
+    used is a warning (memory tier only, `lucectl status` says why); one held by another
+    daemon is a ValueError naming the option."""
     if kv.prefix_cache_bytes <= 0:
         return None
     if target.recurrent:
@@ -148,17 +150,19 @@ async def open_prefix_cache(
     disk, blocks = None, None
     problem = reservation.problem
     t0 = time.monotonic()
-    if kv.kv_cache_dir is not None and problem is None and uses_blocks(target):
-        try:
-            blocks = await BlockStore.open(
-                target,
-                kv.kv_cache_dir,
-                model_fingerprint(model_path),
-                kv.kv_cache_budget,
-                reservation.take(),
-            )
-        except (OSError, SnapshotDirError) as exc:
-            problem = _unusable(kv, exc).problem
+    if uses_blocks(target):
+        if kv.kv_cache_dir is not None and problem is None:
+            try:
+                blocks = await BlockStore.open(
+                    target,
+                    kv.kv_cache_dir,
+                    model_fingerprint(model_path),
+                    kv.kv_cache_budget,
+                    reservation.take(),
+                )
+            except (OSError, SnapshotDirError) as exc:
+                problem = _unusable(kv, exc).problem
+        blocks = blocks or BlockStore(target)  # no disk: the memory tier only
     elif kv.kv_cache_dir is not None and problem is None:
         source = getattr(template, "source", "") or ""
         identity = DiskIdentity(
@@ -173,14 +177,17 @@ async def open_prefix_cache(
             raise ValueError(f"{kv.label('kv_cache_dir')}: {exc}") from exc
         except (OSError, SnapshotDirError) as exc:
             problem = _unusable(kv, exc).problem
-    arena_segment = SnapshotArena(owner, arena_bytes(kv.prefix_cache_bytes), arena)
+    arena_segment = None
+    if blocks is None:
+        arena_segment = SnapshotArena(owner, arena_bytes(kv.prefix_cache_bytes), arena)
     exact = bool(target.recurrent)
+    on_disk = disk is not None or (blocks is not None and blocks.on_disk)
     try:
         cache = PrefixCache(
             layout,
             arena_segment,
             disk,
-            disk_budget=kv.kv_cache_budget if disk or blocks else None,
+            disk_budget=kv.kv_cache_budget if on_disk else None,
             exact_cuts=exact,
         )
     except OSError as exc:  # the scan could not list the directory
@@ -190,25 +197,32 @@ async def open_prefix_cache(
         cache = PrefixCache(layout, arena_segment, None, exact_cuts=exact)
     cache.disk_problem = problem
     cache.blocks = blocks
-    stats = cache.stats()
-    took = f"indexed in {time.monotonic() - t0:.2f} s"
-    on_disk = ""
-    if disk is not None:
-        on_disk = f"; {stats.disk_entries} snapshot(s) ({stats.disk_bytes >> 20} MiB) on disk"
-    elif blocks is not None:
-        on_disk = f"; {stats.disk_blocks} K/V blocks ({stats.disk_block_bytes >> 20} MiB) on disk"
-    log.info(
-        "prefix cache: %d MiB arena%s",
-        kv.prefix_cache_bytes >> 20,
-        f"{on_disk} in {kv.kv_cache_dir}, {took}" if on_disk else "",
-    )
+    _log_opened(kv, cache, time.monotonic() - t0)
     return cache
 
 
+def _log_opened(kv: KVOptions, cache: PrefixCache, took: float) -> None:
+    stats = cache.stats()
+    memory = f"{stats.memory_capacity >> 20} MiB arena"
+    if cache.blocks is not None:
+        memory = f"K/V blocks, {stats.memory_capacity >> 20} MiB of host records"
+    on_disk = ""
+    if cache.disk is not None:
+        on_disk = f"; {stats.disk_entries} snapshot(s) ({stats.disk_bytes >> 20} MiB) on disk"
+    elif cache.blocks is not None and cache.blocks.on_disk:
+        on_disk = f"; {stats.disk_blocks} K/V blocks ({stats.disk_block_bytes >> 20} MiB) on disk"
+    log.info(
+        "prefix cache: %s%s",
+        memory,
+        f"{on_disk} in {kv.kv_cache_dir}, indexed in {took:.2f} s" if on_disk else "",
+    )
+
+
 def uses_blocks(target: Target) -> bool:
-    """Whether the disk tier keeps K/V blocks (`BlockStore`) rather than snapshot files:
-    the target was given records for it (`ModelSpec.block_store`, and not recurrent) and
-    keeps no feature rings."""
+    """Whether the prefix cache keeps K/V blocks by prefix key (`BlockStore`: host records
+    and block files) rather than snapshots (the arena and snapshot files): the target was
+    given records for it (`ModelSpec.block_store`, and not recurrent) and keeps no feature
+    rings."""
     return target.store_records > 0 and target.host is not None and target.capture is None
 
 
@@ -224,7 +238,12 @@ def snapshot_handlers(engine_of: Callable[[dict], Engine]) -> dict[str, Callable
 
     async def snapshot_list(req: dict) -> dict:
         engine = engine_of(req)
-        return {"snapshots": snapshot_rows(engine.prefix_cache, engine.tokenizer)}
+        c = engine.prefix_cache
+        reply: dict[str, Any] = {"snapshots": snapshot_rows(c, engine.tokenizer)}
+        if c is not None and c.blocks is not None:  # prompts kept as blocks, not snapshots
+            counts = c.blocks.counts()
+            reply["blocks"] = {"memory": counts.memory, "disk": counts.disk}
+        return reply
 
     async def snapshot_drop(req: dict) -> dict:
         entry_id = arg_str(req, "id")
@@ -234,7 +253,7 @@ def snapshot_handlers(engine_of: Callable[[dict], Engine]) -> dict[str, Callable
 
     async def snapshot_save(req: dict) -> dict:
         c = cache(req)
-        if c.disk is None and c.blocks is None:
+        if c.disk is None and (c.blocks is None or not c.blocks.on_disk):
             raise CommandError("no disk tier: start luced with --kv-cache-dir DIR")
         return {"saved": await c.save_all()}
 

@@ -96,7 +96,7 @@ def test_chat_stream_equals_non_stream_with_usage(smol) -> None:
 def test_concurrent_chats_equal_each_alone(smol) -> None:
     """Continuous batching over HTTP (the default --max-running 8): four chats streamed at
     once give the texts they give one at a time. Each question runs once first, so every
-    later run restores the same prefix-cache snapshot (a fresh prefill may round apart)."""
+    later run restores the same prefix-cache blocks (a fresh prefill may round apart)."""
     questions = [
         "What is the capital of France?",
         "Name three colors.",
@@ -243,8 +243,9 @@ def test_lucectl_status_and_workers(smol) -> None:
     assert worker["stats"]["pid"] == pid
     counters = {"forward_count", "decode_graph_steps", "ahead_served", "ahead_dropped"}
     assert counters <= worker["stats"].keys()
-    # Earlier chats in this module left prefix-cache snapshots of their prompts.
-    assert "TOKENS" in lucectl("snapshot", "list").stdout
+    # Earlier chats in this module left their prompts' K/V blocks in the prefix cache
+    # (several running requests share a block pool: blocks, not snapshots).
+    assert "keeps prompts as K/V blocks" in lucectl("snapshot", "list").stdout
     assert oct(os.stat(smol.admin_socket).st_mode & 0o777) == "0o600"
     # A daemon started with MODEL serves that one model, loaded for good.
     (row,) = json.loads(lucectl("--json", "models").stdout)["models"]

@@ -98,14 +98,20 @@ def test_two_turn_chat_lucectl_and_worker_kill(smollm2_gguf, tmp_path) -> None:
         assert d.metric("luced:prefix_cache_queries_total") == totals["prompt_tokens"]
         assert d.metric("luced:prefix_cache_bytes", 'tier="memory"') > 0
 
-        # The second prompt's snapshot holds the first one's tokens: it superseded it.
-        (listed,) = snapshots(d)
-        assert listed["tier"] == "memory" and listed["tokens"] == second.usage.prompt_tokens
-        assert listed["bytes"] > 0 and "concise assistant" in listed["prefix"]
-        table = d.lucectl("snapshot", "list").stdout
-        assert "ID" in table and listed["id"] in table
+        # Several running requests share a block pool: the prompts' whole K/V blocks are
+        # kept in host records (the first prompt's are the second's first ones), no
+        # snapshot, no arena.
+        n = second.usage.prompt_tokens
+        cache = d.lucectl_json("status")["prefix_cache"]
+        assert (cache["memory_blocks"], cache["entries"]) == (n // 16, 0)
+        assert cache["memory_bytes"] == cache["memory_block_bytes"] > 0
+        assert snapshots(d) == [] and not [s for s in d.segments() if "arena" in s]
+        assert (
+            f"keeps prompts as K/V blocks, {n // 16} in memory"
+            in d.lucectl("snapshot", "list").stdout
+        )
 
-        # A worker killed -9: the arena is the daemon's, the snapshots survive.
+        # A worker killed -9: the host records are the daemon's, the blocks survive.
         pid = d.worker_pid()
         os.kill(pid, signal.SIGKILL)
         d.wait_health(503, 10)
@@ -114,15 +120,14 @@ def test_two_turn_chat_lucectl_and_worker_kill(smollm2_gguf, tmp_path) -> None:
         again = oa.chat.completions.create(
             model=d.model_name, messages=messages, temperature=0, max_tokens=16
         )
-        # The kept blocks died with the worker: the snapshot in the arena is restored.
-        assert again.usage.prompt_tokens_details.cached_tokens == second.usage.prompt_tokens - 1
+        # The kept blocks died with the worker: the blocks in memory are restored, whole
+        # blocks leaving one token to compute.
+        restored = (n - 1) // 16 * 16
+        assert again.usage.prompt_tokens_details.cached_tokens == restored
         assert again.choices[0].message.content == second.choices[0].message.content
-        assert d.metric("luced:prefix_cache_hits_total") == second.usage.prompt_tokens - 1
+        assert d.metric("luced:prefix_cache_hits_total") == restored
 
         # drop, save without a disk tier, clear.
-        victim = listed["id"]
-        assert d.lucectl_json("snapshot", "drop", victim) == {"dropped": victim, "ok": True}
-        assert snapshots(d) == []
         bad = d.lucectl("snapshot", "drop", "nosuchid", check=False)
         assert bad.returncode == 1 and "no snapshot 'nosuchid'" in bad.stderr
         no_disk = d.lucectl("snapshot", "save", check=False)
@@ -133,8 +138,9 @@ def test_two_turn_chat_lucectl_and_worker_kill(smollm2_gguf, tmp_path) -> None:
             model=d.model_name, messages=messages[:2], temperature=0, max_tokens=2
         )
         cleared = d.lucectl_json("cache", "clear", "--yes")
-        assert cleared["cleared"] == 1 and cleared["kept_dropped"] == 1  # that request's blocks
-        assert snapshots(d) == []
+        # The blocks in memory, and the last request's kept in the pool.
+        assert cleared["cleared"] == n // 16 and cleared["kept_dropped"] == 1
+        assert d.lucectl_json("status")["prefix_cache"]["memory_blocks"] == 0
         assert d.lucectl_json("status")["queue"]["kv_kept_requests"] == 0
     finally:
         assert d.stop() == 0
@@ -144,8 +150,9 @@ def test_two_turn_chat_lucectl_and_worker_kill(smollm2_gguf, tmp_path) -> None:
 @pytest.mark.real_model
 def test_a_prompt_restored_part_way_answers_as_fresh(smollm2_gguf, tmp_path) -> None:
     """The daemon's defaults (`--weights auto`, prefill chunks of 512): a prompt whose first
-    418 of 436 tokens are restored from another prompt's snapshot answers with the tokens
-    and logprobs of the same prompt computed whole, bit for bit."""
+    418 of 436 tokens are another prompt's (shared from its blocks kept in the pool, which
+    the prefix cache's 26 whole blocks in memory do not beat) answers with the tokens and
+    logprobs of the same prompt computed whole, bit for bit."""
     from luced.gguf_file import GGUFFile
     from luced.text.tokenizer import Tokenizer
 
@@ -166,7 +173,9 @@ def test_a_prompt_restored_part_way_answers_as_fresh(smollm2_gguf, tmp_path) -> 
         ask(other, 1)
         restored = ask(ids, 8)
         assert cached(restored) == 418
-        assert d.lucectl_json("cache", "clear", "--yes")["cleared"] == 2
+        # The two prompts' whole blocks in memory, each once (keyed by its whole prefix).
+        blocks = {tuple(p[: (i + 1) * 16]) for p in (ids, other) for i in range(len(p) // 16)}
+        assert d.lucectl_json("cache", "clear", "--yes")["cleared"] == len(blocks)
         fresh = ask(ids, 8)
         assert cached(fresh) == 0
     finally:
@@ -194,7 +203,7 @@ def test_restart_serves_from_disk(tiny, devices, tmp_path) -> None:
         cache = d.lucectl_json("status")["prefix_cache"]
         whole = expected["usage"]["prompt_tokens"] // 16  # the prompt's whole blocks
         assert (cache["disk_blocks"], cache["disk_entries"]) == (whole, 0)
-        assert {s["tier"] for s in snapshots(d)} == {"memory"}
+        assert (cache["memory_blocks"], snapshots(d)) == (whole, [])  # no arena
     finally:
         assert d.stop() == 0
     parts = list(kv.glob("*/blocks/*"))  # kv/<model fingerprint>/blocks/<worker's part>
@@ -218,8 +227,8 @@ def test_restart_serves_from_disk(tiny, devices, tmp_path) -> None:
         assert cached(reply) == (n - 1) // 16 * 16  # the whole blocks, one token left
         assert text(reply) == text(expected)
         assert d.metric("luced:prefix_cache_hits_total") == cached(reply)
-        # cache clear --disk removes the files too: the snapshot in the arena and the blocks.
-        assert d.lucectl_json("cache", "clear", "--disk", "--yes")["cleared"] == 1 + whole
+        # cache clear --disk removes the files too: every block, in memory and on disk.
+        assert d.lucectl_json("cache", "clear", "--disk", "--yes")["cleared"] == whole
         assert snapshots(d) == [] and not list(kv.glob("*/blocks/*/*.kvb"))
         assert d.lucectl_json("status")["prefix_cache"]["disk_blocks"] == 0
     finally:

@@ -1,9 +1,10 @@
 """The prefix cache's blocks on disk (engine/kv/block_store.py) through the real Engine and
 Target: a prompt's whole blocks saved by one engine are restored by the next one on the
 same directory (a restart) as a page-in, and its output equals a fresh engine's, tokens and
-logprobs bit for bit, unsplit and split over two local workers. A corrupt block file is
-quarantined and the prompt restored up to it; host records running short restore and save
-fewer blocks; snapshot files of the older format are moved aside with one log line."""
+logprobs bit for bit, unsplit and split over two local workers; the blocks read stay in
+memory. A corrupt block file is quarantined and the prompt restored up to it; host records
+running short restore and save fewer blocks; snapshot files of the older format are moved
+aside with one log line. (The memory tier alone: test_block_records.py.)"""
 
 from __future__ import annotations
 
@@ -61,7 +62,7 @@ async def stream(handle: RequestHandle) -> tuple[list[int], list]:
 
 
 def engine(path: Path, kv: Path, devices: tuple[str, ...] = ("cpu",)):
-    """Two running requests (a block pool), the arena and blocks on disk in `kv`."""
+    """Two running requests (a block pool), blocks in memory and on disk in `kv`."""
     return engine_for(
         path,
         devices,
@@ -107,12 +108,12 @@ async def test_blocks_saved_by_one_engine_restore_in_the_next_as_fresh(
 ) -> None:
     """A restart on the same directory: a prompt sharing the saved prompt's first 60
     tokens gets its first 3 blocks from disk (48 cached tokens), the prompt itself its 6
-    whole blocks (96: more than the first one's snapshot in the arena holds of it), and
-    both answer with the fresh tokens and logprobs, bit for bit; the first one's 2 blocks
-    of its own are saved too. Then, the arena emptied, the prompt and a third one sharing
-    its first 60 tokens arrive together: the third does not share the prompt's blocks
-    before they are paged in, it restores its own 3 from disk. `clear(disk=True)` deletes
-    the snapshots and every block file."""
+    whole blocks (96: the first 3 from memory, where the first restore left them, the
+    rest from disk), and both answer with the fresh tokens and logprobs, bit for bit; the
+    first one's 2 blocks of its own are saved too. Then, the memory emptied, the prompt
+    and a third one sharing its first 60 tokens arrive together: the third does not share
+    the prompt's blocks before they are paged in, it restores its own 3 from disk.
+    `clear(disk=True)` deletes every block, in memory and on disk."""
     fresh = await fresh_answers(tiny, known)
     kv = tmp_path / "kv"
     assert await save_prompt(tiny, kv, devices) == fresh["p"]
@@ -123,7 +124,8 @@ async def test_blocks_saved_by_one_engine_restore_in_the_next_as_fresh(
         await cache.save_all()
         stats = cache.stats()
         assert (stats.hits, stats.hit_tokens, stats.disk_blocks) == (2, 48 + 96, 8)
-        assert await cache.clear() == 2  # the arena's snapshots
+        assert (stats.memory_blocks, stats.entries) == (8, 0)  # no snapshot, no arena
+        assert await cache.clear() == 8  # in memory: the first's 5, the prompt's 3 read
         handles = [
             e.submit(GenerationRequest(name, p, GREEDY, 8, ignore_eos=True))
             for name, p in (("p", PROMPT), ("t", THIRD))
@@ -134,8 +136,9 @@ async def test_blocks_saved_by_one_engine_restore_in_the_next_as_fresh(
         assert [h.cached_tokens for h in handles] == [96, 48]
         assert e.totals["shared_prompt_tokens"] == 0
         await cache.save_all()
-        assert e.target.blocks.used_records == 0  # every record back
-        assert await cache.clear(disk=True) == 2 + 10  # the two snapshots, every block
+        # The records in use are the memory's: the prompt's 6 blocks, the third's 2 own.
+        assert e.target.blocks.used_records == cache.stats().memory_blocks == 8
+        assert await cache.clear(disk=True) == 10  # every block, each once
         assert cache.stats().disk_blocks == 0
     assert all(not list(p.glob(f"*{SUFFIX}")) for p in parts(kv, tiny))
 
@@ -160,7 +163,7 @@ async def test_a_corrupt_block_file_is_quarantined_and_the_prompt_restored_befor
         assert await served(e, PROMPT) == (fresh["p"], 48)
         assert e.prefix.store is not None and e.prefix.store.restore_errors == 1
         await e.prefix_cache.save_all()
-        assert e.target.blocks.used_records == 0
+        assert e.target.blocks.used_records == e.prefix_cache.stats().memory_blocks == 6
     assert (kv / tiny.name / QUARANTINE / name).read_bytes() == bytes(data)
     assert bad.read_bytes() != bytes(data) and len(bad.read_bytes()) == len(data)
 
@@ -171,7 +174,8 @@ async def test_short_host_records_save_and_restore_fewer_blocks(
     """The model's directory holds two snapshot files of the older format: they move to
     quarantine/ with one log line. With 2 host records free the prompt saves its first 2
     blocks only; after a restart, with none free nothing is restored, with 1 free its first
-    block is; every answer is the fresh one."""
+    block is (and stays in memory: no record is left to save the rest); every answer is
+    the fresh one."""
     fresh = await fresh_answers(tiny, known)
     kv = tmp_path / "kv"
     old = kv / tiny.name
@@ -198,11 +202,10 @@ async def test_short_host_records_save_and_restore_fewer_blocks(
         held = [tables.hold_record() for _ in range(tables.free_records)]
         assert await served(e, OTHER) == (fresh["o"], 0)
         tables.release_record(held.pop())
-        await e.prefix_cache.clear()  # the arena's snapshot of OTHER would serve 60
         assert await served(e, PROMPT) == (fresh["p"], 16)
         for record in held:
             tables.release_record(record)
-        assert tables.used_records == 0
+        assert tables.used_records == e.prefix_cache.stats().memory_blocks == 1
 
 
 async def test_a_full_disk_pauses_block_writes_with_one_warning(
@@ -213,8 +216,9 @@ async def test_a_full_disk_pauses_block_writes_with_one_warning(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     """The OS refuses the first block's write: one warning, the status says why, the
-    records of every queued block go back, the prompts after it write nothing while the
-    pause lasts, and the answers are the fresh ones."""
+    blocks stay in memory only (a prompt sharing 3 of them restores them from there), the
+    prompts after it write nothing while the pause lasts, and the answers are the fresh
+    ones."""
     fresh = await fresh_answers(tiny, known)
     tries: list[bytes] = []
 
@@ -226,11 +230,11 @@ async def test_a_full_disk_pauses_block_writes_with_one_warning(
     async with engine(tiny, tmp_path / "kv") as e:
         assert await served(e, PROMPT) == (fresh["p"], 0)
         await e.prefix_cache.save_all()
-        assert await served(e, THIRD) == (fresh["t"], 60)  # the arena's snapshot of PROMPT
+        assert await served(e, THIRD) == (fresh["t"], 48)  # PROMPT's blocks in memory
         await e.prefix_cache.save_all()
         stats = e.prefix_cache.stats()
         assert (stats.disk_error, stats.disk_blocks) == ("No space left on device (ENOSPC)", 0)
-        assert len(tries) == 1 and e.target.blocks.used_records == 0
+        assert len(tries) == 1 and e.target.blocks.used_records == stats.memory_blocks == 8
     said = [r for r in caplog.records if r.name == "luced.engine.kv.block_store"]
     assert [r.levelno for r in said] == [logging.WARNING]
     assert "cannot write K/V blocks to disk: No space left on device" in said[0].getMessage()

@@ -269,6 +269,54 @@ def test_adopt_appends_paged_entries_that_retain_held_records() -> None:
     assert (t.record_refs(r), t.free_records) == (0, 4)
 
 
+class HeldForLater:
+    """Records held only to be reused later, given up on demand, least recently held
+    first (as the block store's memory tier): the tables' `reclaimer`."""
+
+    def __init__(self, tables: BlockTables, n: int) -> None:
+        self.tables = tables
+        self.records = [tables.hold_record() for _ in range(n)]
+
+    def spare(self) -> int:
+        return sum(1 for r in self.records if self.tables.record_refs(r) == 1)
+
+    def reclaim(self, n: int) -> int:
+        gone = [r for r in self.records if self.tables.record_refs(r) == 1][:n]
+        for r in gone:
+            self.records.remove(r)
+            self.tables.release_record(r)
+        return len(gone)
+
+
+def test_records_held_for_later_are_given_up_when_none_is_free() -> None:
+    """Every record held by a reclaimer: they count as available but those someone else
+    holds too (`retain_record`); a page-out, a save and a hold each take the oldest spare
+    one, and with none spare a hold is refused."""
+    t = BlockTables(8, 4, records=3)
+    held = HeldForLater(t, 3)
+    t.reclaimer = held
+    assert (t.free_records, t.available_records) == (0, 3)
+    t.retain_record(0)  # e.g. a lane adopting it: not given up
+    assert (t.record_refs(0), t.available_records) == (2, 2)
+    t.write(1, 0, 8)  # blocks 0, 1
+    assert t.page_out(1, 1) == Move(OUT, 1, 1, 1) and held.records == [0, 2]
+    assert t.save(1, 0) == Move(SAVE, 0, 0, 2) and held.records == [0]
+    with pytest.raises(RecordsExhausted, match="all 3 records are used"):
+        t.hold_record()
+    t.release_record(0)  # the reclaimer's hold only: spare again
+    assert (t.available_records, t.hold_record(), held.records) == (1, 0, [])
+    with pytest.raises(ValueError, match="host record 7 is not held"):
+        t.retain_record(7)
+
+
+def test_records_are_resized_before_any_is_used() -> None:
+    t = BlockTables(4, 4, records=2)
+    t.resize_records(5)
+    assert (t.records, t.free_records, t.hold_record()) == (5, 5, 0)
+    with pytest.raises(ValueError, match="1 host records are in use: too late to resize"):
+        t.resize_records(2)
+
+
 def test_adopt_refuses_records_not_held_and_changes_nothing() -> None:
     t = BlockTables(4, 4, records=3)
     r = t.hold_record()

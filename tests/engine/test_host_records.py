@@ -49,9 +49,9 @@ def test_records_within_the_room_are_all_carved(caplog) -> None:
     assert "fit" not in caplog.text
 
 
-def test_records_in_use_cannot_be_limited() -> None:
+def test_records_in_use_cannot_be_resized() -> None:
     tables = BlockTables(4, 16, records=4)
     tables.write(0, 0, 32)
     tables.page_out(0, 1)
     with pytest.raises(ValueError, match="in use"):
-        tables.limit_records(2)
+        tables.resize_records(2)

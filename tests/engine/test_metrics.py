@@ -103,6 +103,16 @@ def test_refresh_sets_gauges_from_engine_status() -> None:
     assert s["luced:kv_cache_usage_perc", ()] == 0.25
 
 
+def test_the_prefix_cache_bytes_count_its_blocks_on_disk_too() -> None:
+    """A cache of K/V blocks: memory is its records' bytes, disk its block files'."""
+    m = Metrics()
+    cache = {"memory_bytes": 6 << 20, "memory_block_bytes": 6 << 20, "disk_bytes": 0}
+    m.refresh({"prefix_cache": {**cache, "disk_block_bytes": 4 << 20}})
+    s = samples(m)
+    bytes_of = {t: s["luced:prefix_cache_bytes", (("tier", t),)] for t in ("memory", "disk")}
+    assert bytes_of == {"memory": 6 << 20, "disk": 4 << 20}
+
+
 def test_spec_decode_counters() -> None:
     m = Metrics()
     m.observe_spec_decode(4, [1, 1, 0, 0])

@@ -199,6 +199,18 @@ def test_lucectl_shows_blocks_on_disk() -> None:
     assert ", disk 3.0 MiB of 8.0 GiB (12 K/V blocks);" in line
 
 
+def test_lucectl_shows_blocks_in_memory() -> None:
+    """A model that keeps prompts as K/V blocks: no snapshots, its blocks in host records."""
+    status = {"entries": 0, "memory_entries": 0, "disk_entries": 0, "disk_budget": None}
+    blocks = {"memory_blocks": 40, "memory_bytes": 10 << 20, "memory_capacity": 1 << 30}
+    line = lucectl._prefix_cache({**status, **blocks})
+    assert line.startswith("40 K/V blocks in memory, memory 10.0 MiB of 1.0 GiB;")
+    listed = lucectl.render_snapshots({"snapshots": [], "blocks": {"memory": 40, "disk": 7}})
+    assert (
+        listed == "(no snapshots: this model keeps prompts as K/V blocks, 40 in memory, 7 on disk)"
+    )
+
+
 async def test_concurrent_connections_do_not_wait_for_a_slow_command(sock_path: Path) -> None:
     release = asyncio.Event()
 

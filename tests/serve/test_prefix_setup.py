@@ -1,5 +1,6 @@
 """The prefix cache's set-up helpers: arena sizing, model fingerprint, placement key, and
-where the disk tier keeps blocks rather than snapshot files."""
+where the cache keeps K/V blocks (host records, block files) rather than snapshots (the
+arena, snapshot files)."""
 
 from __future__ import annotations
 
@@ -8,9 +9,12 @@ from pathlib import Path
 
 import pytest
 
+from luced.engine.kv.block_store import BlockStore
+from luced.engine.metrics import Metrics
+from luced.ipc.shm import ShmOwner
 from luced.runtime.tiny import make_tiny_gguf
 from luced.serve.config import KVOptions, load_config
-from luced.serve.loader import read_spec
+from luced.serve.loader import LoadedModel, read_spec
 from luced.serve.lucectl import render_status
 from luced.serve.prefix_setup import arena_bytes, model_fingerprint, reserve_disk_dir
 
@@ -78,14 +82,44 @@ def test_a_held_cache_dir_is_refused_before_the_load(tmp_path: Path) -> None:
         (("--kv-cache-dir", "kv", "--max-running", "1"), False),  # one cache, no blocks
         (("--kv-cache-dir", "kv", "--kv-flash", "512"), False),
         (("--kv-cache-dir", "kv", "--prefix-cache-bytes", "0"), False),
-        ((), False),  # no disk tier
+        ((), True),  # no disk tier: blocks in host records only
+        (("--max-running", "1"), False),
     ],
 )
-def test_the_disk_tier_keeps_blocks_where_it_can(tmp_path: Path, args, blocks: bool) -> None:
-    """`ModelSpec.block_store`, decided before the load: blocks on disk for requests that
-    share a block pool, without KV Flash (or workers on other hosts, or a draft's rings);
-    snapshot files otherwise."""
+def test_the_cache_keeps_blocks_where_it_can(tmp_path: Path, args, blocks: bool) -> None:
+    """`ModelSpec.block_store`, decided before the load: blocks (in memory, and on disk
+    with a directory) for requests that share a block pool, without KV Flash (or workers
+    on other hosts, or a draft's rings); snapshots otherwise."""
     model = make_tiny_gguf("llama", tmp_path / "m.gguf", seed=1, layers=2, context=1024).path
     argv = [str(model), *(str(tmp_path / a) if a == "kv" else a for a in args)]
     cfg = load_config(argv, env={}, default_config_path=None)
     assert read_spec(cfg).block_store is blocks
+
+
+@pytest.mark.parametrize(
+    ("args", "arena"),
+    [((), False), (("--max-running", "1"), True)],
+    ids=["blocks", "snapshots"],
+)
+async def test_the_arena_is_carved_only_for_snapshots(tmp_path: Path, args, arena: bool) -> None:
+    """The daemon's model start: where the cache keeps K/V blocks no `prefix-arena`
+    segment is created (their memory is the host records of `kvhost`, sized by
+    --prefix-cache-bytes); one running request keeps snapshots in an arena."""
+    model = make_tiny_gguf("llama", tmp_path / "m.gguf", seed=1, layers=2, context=1024).path
+    argv = [str(model), "--prefix-cache-bytes", "8M", "--threads", "1", *args]
+    spec = read_spec(load_config(argv, env={}, default_config_path=None))
+    with ShmOwner() as owner:
+        loaded = LoadedModel.build(spec, owner, Metrics(), "m1")
+        try:
+            await loaded.start()
+            names = {n.split("-", 2)[2] for n in owner.names}  # /luced-<instance>-<name>
+            cache = loaded.engine.prefix_cache
+            assert cache is not None and (cache.arena is not None) is arena
+            assert ("m1-prefix-arena" in names) is arena
+            if not arena:
+                assert isinstance(cache.blocks, BlockStore) and not cache.blocks.on_disk
+                assert "m1-kvhost" in names
+                short = (8 << 20) - cache.stats().memory_capacity  # whole records of it
+                assert 0 <= short < cache.blocks.record_bytes
+        finally:
+            await loaded.close()

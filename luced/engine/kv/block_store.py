@@ -1,32 +1,40 @@
-"""The prefix cache's disk tier as K/V blocks by prefix key (cache/block_files.py), for an
-attention-only model whose workers are all local, without KV Flash: a prompt outlives the
-daemon one pool block at a time, and comes back as a page-in, not an import of copies.
+"""The prefix cache as K/V blocks by prefix key (cache/block_files.py's keys), for an
+attention-only model whose workers are all local, without KV Flash: its memory tier is host
+records (engine/kv/host.py) held by key, its disk tier (with --kv-cache-dir) a file per
+block and worker; a prompt comes back as a page-in, not an import of copies.
 
-    save     after a prompt's prefill, its whole blocks not on disk in every worker's part
-             yet: each copied from the lane's pool block into a free host record
-             (`BlockTables.save`, one `kv_page` to the workers); then one background writer
-             (a task, the blocking I/O in a thread, one block at a time, never in the way
-             of the token stream) writes each worker's bytes of the record to its part
-             (`HostRecords.arrays[k]` row r) and releases the record
-    match    the keys of the prompt's whole blocks found in every part from its first one,
-             leaving at least one prompt token to compute
-    restore  free host records filled from the files (a thread), adopted by the new
-             sequence's empty table as PAGED entries (`BlockTables.adopt`, one `kv_page`
-             with their token ids): its first span pages them in (`ModelRunner._page_in`),
+    save     after a prompt's prefill, its whole blocks not held in memory yet: each
+             copied from the lane's pool block into a free host record (`BlockTables.save`,
+             one `kv_page` to the workers) that the store keeps by its key; then one
+             background writer (a task, the blocking I/O in a thread, one block at a time,
+             never in the way of the token stream) writes each worker's bytes of the
+             records not on disk yet to its part (`HostRecords.arrays[k]` row r)
+    match    the prompt's whole blocks held in memory or on disk in every part, each in
+             one or the other, consecutive from its first one, leaving at least one prompt
+             token to compute
+    restore  the new sequence's empty table adopts the blocks' records (`BlockTables.adopt`,
+             one `kv_page` with their token ids): those held in memory as they are, the
+             others first read from their files into free records (a thread), kept in
+             memory from then on; its first span pages them in (`ModelRunner._page_in`),
              so its rows are the saved ones, byte for byte, and restored == fresh
+
+Memory: at most `capacity` records held (`Target.store_records`: --prefix-cache-bytes over
+one record of every worker, at least a context's), the least recently used given up first:
+past the capacity, and whenever anyone finds no record free (the tables' `reclaimer`: a
+save, a restore, a kept lane paging out). A prompt's blocks are used deepest first, so its
+first block, without which no later one is found, goes last. A record given up is still on
+disk, or being written (the writer holds it until then); without a disk, or while writes
+are paused, it is gone. A record that a table or the writer holds too is never given up.
 
 Parts: one `BlockFiles` per pipeline worker, named for what its record's bytes depend on
 (`part_name`: the block, the K/V dtype, the worker's layers, and a hash of its devices,
 shard split, compute dtype and weights), all under the model directory's lock, which the
 first part holds. Each part keeps at most its share of `--kv-cache-budget`, by record size.
-
-Records: the tables' host records, shared with the kept lanes (`store_records` were added
-for the store). A save takes what is free, fewer blocks (in prefix order) or none when they
-run short; a restore restores fewer blocks.
+Without parts (no --kv-cache-dir, or it cannot be used) the memory tier is the whole cache.
 
 A file that fails its checks is quarantined by `BlockFiles`; a restore stops before it. A
 write the OS refuses (a full disk) pauses writing (cache/backoff.py) with one warning; the
-writes skipped meanwhile release their records.
+blocks saved meanwhile stay in memory only.
 """
 
 from __future__ import annotations
@@ -37,7 +45,7 @@ import hashlib
 import logging
 import os
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,7 +53,8 @@ from pathlib import Path
 from luced.cache.backoff import DiskBackoff
 from luced.cache.block_files import ROOT_KEY, BlockFileError, BlockFiles, prompt_keys
 from luced.cache.files import QUARANTINE, SnapshotDirError, model_dir_name, real_dir
-from luced.engine.kv.blocks import PAGED
+from luced.cache.prefix_cache import BlockCounts
+from luced.engine.kv.blocks import PAGED, RecordsExhausted
 from luced.engine.placement import WorkerPlan
 from luced.engine.target import Target
 
@@ -56,31 +65,44 @@ OLD_SUFFIX = ".safetensors"  # snapshot files (cache/disk.py), which blocks repl
 
 
 @dataclass(frozen=True)
-class _Write:
-    key: bytes
+class _Held:
+    """A block in memory: its record, and what its key was hashed from."""
+
     parent: bytes
     tokens: tuple[int, ...]
-    record: int  # held by the store until written
+    record: int
 
 
 class BlockStore:
-    """A target's blocks on disk (the module docstring); `cache.prefix_cache.BlockTier`."""
+    """A target's prefix cache of blocks (the module docstring); `BlockTier` to the
+    `PrefixCache` and `Reclaimer` to the block tables."""
 
     def __init__(
-        self, target: Target, parts: Sequence[BlockFiles], clock: Callable[[], float] = time.time
+        self,
+        target: Target,
+        parts: Sequence[BlockFiles] = (),
+        clock: Callable[[], float] = time.time,
     ) -> None:
-        """parts: one per pipeline worker, in order (`HostRecords.arrays[k]`'s layout)."""
+        """parts: one per pipeline worker, in order (`HostRecords.arrays[k]`'s layout);
+        none: memory only."""
         tables, host = target.blocks, target.host
-        if tables is None or host is None or len(parts) != len(host.arrays):
-            raise ValueError("a block store needs the target's host records, a part per worker")
+        if tables is None or host is None or not target.store_records:
+            raise ValueError("a block store needs the target's host records for it")
+        if parts and len(parts) != len(host.arrays):
+            raise ValueError(f"{len(parts)} parts of blocks for {len(host.arrays)} workers")
         self.target = target
+        self.tables = tables
         self.parts = list(parts)
         self.block = tables.block
+        self.capacity = min(target.store_records, tables.records)
+        self.record_bytes = sum(int(a.shape[1]) for a in host.arrays)  # one over every worker
         self.writes = self.write_errors = self.restore_errors = 0
-        self.backoff = DiskBackoff(log, "K/V blocks; they are not kept", clock)
-        self._queue: deque[_Write] = deque()
+        self.backoff = DiskBackoff(log, "K/V blocks; they stay in memory only", clock)
+        self._held: OrderedDict[bytes, _Held] = OrderedDict()  # least recently used first
+        self._queue: deque[tuple[bytes, _Held]] = deque()  # each record held by the writer
         self._pending: set[bytes] = set()  # keys queued or being written
         self._writer: asyncio.Task[None] | None = None
+        tables.reclaimer = self
 
     @classmethod
     async def open(
@@ -91,11 +113,12 @@ class BlockStore:
         budget: int,
         lock_fd: int | None = None,
     ) -> BlockStore:
-        """The store of `target` (started) in `root` (--kv-cache-dir) for the model named by
-        `fingerprint`, at most `budget` bytes (--kv-cache-budget); `lock_fd`: the model
-        directory's lock, owned from here on. Snapshot files of the model move to its
-        quarantine/ (one log line), then every part is scanned (a thread). OSError or
-        SnapshotDirError when the directory cannot be used (the lock released)."""
+        """The store of `target` (started) with its disk tier in `root` (--kv-cache-dir)
+        for the model named by `fingerprint`, at most `budget` bytes (--kv-cache-budget);
+        `lock_fd`: the model directory's lock, owned from here on. Snapshot files of the
+        model move to its quarantine/ (one log line), then every part is scanned (a
+        thread). OSError or SnapshotDirError when the directory cannot be used (the lock
+        released)."""
         host = target.host
         assert host is not None and target.blocks is not None
         sizes = [int(a.shape[1]) for a in host.arrays]
@@ -124,92 +147,136 @@ class BlockStore:
     # -- the engine's calls -----------------------------------------------------------------
 
     def match(self, prompt: Sequence[int]) -> list[bytes]:
-        """The keys of `prompt`'s whole blocks on disk in every part, from its first one,
-        leaving at least one token to compute (the model must produce logits)."""
+        """The keys of `prompt`'s whole blocks held in memory or on disk in every part,
+        from its first one, leaving at least one token to compute (the model must produce
+        logits). The blocks' parents and tokens are compared: a collision never matches."""
         limit = (len(prompt) - 1) // self.block
-        if limit <= 0:
-            return []
-        return min((p.chain(prompt, limit) for p in self.parts), key=len)
+        keys = prompt_keys(prompt, self.block, limit) if limit > 0 else []
+        parent = ROOT_KEY
+        for i, key in enumerate(keys):
+            if not self._found(key, parent, self._tokens(prompt, i)):
+                return keys[:i]
+            parent = key
+        return keys
 
     async def restore(self, slot: int, prompt: Sequence[int], keys: Sequence[bytes]) -> int:
-        """Start the empty `slot` on the blocks `keys` (`match`'s): read into free host
-        records, which its table adopts; as many as there are records for, up to the first
-        bad file. -> the positions restored (its first span pages them in). A worker's
-        refusal resets the slot and raises."""
-        t = self.target
-        tables, host = t.blocks, t.host
-        assert tables is not None and host is not None
-        n = min(len(keys), tables.free_records)
-        if n < len(keys):
-            log.debug(
-                "prefix cache: %d of %d blocks restored: host records are short", n, len(keys)
-            )
-        if not n:
-            return 0
-        records = [tables.hold_record() for _ in range(n)]
+        """Start the empty `slot` on the blocks `keys` (`match`'s): its table adopts their
+        records, those in memory as they are, the others read from disk into free records
+        first; as many as there are records for, up to the first bad file. -> the
+        positions restored (its first span pages them in). A worker's refusal resets the
+        slot and raises."""
+        t, tables = self.target, self.tables
+        assert t.host is not None
+        memory = [self._held.get(key) for key in keys]
+        retained = [h.record for h in memory if h is not None]
+        for record in retained:  # first: no record taken below is one of them
+            tables.retain_record(record)
+        taken: dict[int, int] = {}  # block i -> a free record it is read into, held here
         try:
-            good = await asyncio.to_thread(self._read, keys[:n], records)
-            if good < n:
-                self.restore_errors += 1
-            if not good:
-                return 0
-            moves = tables.adopt(slot, records[:good])
-            try:
-                await host.page(t.executor, slot, moves, prompt[: good * self.block])
-            except BaseException:
-                with contextlib.suppress(Exception):
-                    await t.reset(slot)  # its table (the adopted records) and the workers'
-                raise
+            records: list[int] = []
+            for i, held in enumerate(memory):
+                if held is None:
+                    try:
+                        taken[i] = tables.hold_record()
+                    except RecordsExhausted:
+                        log.debug(
+                            "prefix cache: %d of %d blocks restored: no records", i, len(keys)
+                        )
+                        break
+                records.append(taken[i] if held is None else held.record)
+            n = len(records)
+            if taken:
+                reads = sorted(taken)
+                good = await asyncio.to_thread(
+                    self._read, [keys[i] for i in reads], [taken[i] for i in reads]
+                )
+                if good < len(reads):
+                    self.restore_errors += 1
+                    n = reads[good]
+            if n:
+                moves = tables.adopt(slot, records[:n])
+                try:
+                    await t.host.page(t.executor, slot, moves, prompt[: n * self.block])
+                except BaseException:
+                    with contextlib.suppress(Exception):
+                        await t.reset(slot)  # its table (the adopted records) and the workers'
+                    raise
+                for i in [i for i in taken if i < n]:  # in memory from now on
+                    self._keep(keys[i], keys[i - 1] if i else ROOT_KEY, prompt, i, taken.pop(i))
+                self._use(keys[:n])
         finally:
-            for record in records:
+            for record in (*retained, *taken.values()):
                 tables.release_record(record)
-        return good * self.block
+        self._trim()
+        return n * self.block
 
     async def save(self, slot: int, prompt: Sequence[int]) -> int:
-        """Copy `slot`'s blocks of `prompt`'s whole blocks that are not on disk yet into
-        free host records (as many as are free, in prefix order) and queue them for the
-        writer. -> the blocks queued."""
-        t = self.target
-        tables, host = t.blocks, t.host
-        assert tables is not None and host is not None
-        if not self.backoff.ready():
-            return 0
+        """Copy `slot`'s blocks of `prompt`'s whole blocks that are not in memory yet into
+        free host records (as many as there are, in prefix order), keep them, and queue
+        those not on disk for the writer. -> the blocks saved."""
+        t, tables = self.target, self.tables
+        assert t.host is not None
         keys = prompt_keys(prompt, self.block, tables.length(slot))
+        mine = [h.record for k in keys if (h := self._held.get(k)) is not None]
         todo = [
             j
             for j, key in enumerate(keys)
-            if key not in self._pending
-            and not all(p.has(key) for p in self.parts)
-            and tables.entry(slot, j) != PAGED
+            if key not in self._held and tables.entry(slot, j) != PAGED
         ]
-        if len(todo) > tables.free_records:
-            log.debug(
-                "prefix cache: %d of %d new blocks saved: host records are short",
-                tables.free_records,
-                len(todo),
-            )
-            todo = todo[: tables.free_records]
-        if not todo:
-            return 0
-        moves = [tables.save(slot, j) for j in todo]
+        for record in mine:  # no reclaim gives up this prompt's own blocks for the others
+            tables.retain_record(record)
         try:
-            await host.page(t.executor, slot, moves)
-        except BaseException as exc:
-            for m in moves:
-                tables.release_record(m.record)
-            if not isinstance(exc, Exception):
-                raise
-            log.warning("prefix cache: saving %d blocks failed: %s", len(moves), exc)
-            return 0
-        b = self.block
+            self.reclaim(len(self._held) + len(todo) - self.capacity)
+            room = min(tables.available_records, self.capacity - len(self._held))
+            if len(todo) > room:
+                log.debug(
+                    "prefix cache: %d of %d new blocks saved: host records are short",
+                    max(0, room),
+                    len(todo),
+                )
+                todo = todo[: max(0, room)]
+            moves = [tables.save(slot, j) for j in todo]
+        finally:
+            for record in mine:
+                tables.release_record(record)
+        if moves:
+            try:
+                await t.host.page(t.executor, slot, moves)
+            except BaseException as exc:
+                for m in moves:
+                    tables.release_record(m.record)
+                if not isinstance(exc, Exception):
+                    raise
+                log.warning("prefix cache: saving %d blocks failed: %s", len(moves), exc)
+                return 0
         for m in moves:
-            j, key = m.index, keys[m.index]
-            self._pending.add(key)
-            tokens = tuple(int(x) for x in prompt[j * b : (j + 1) * b])
-            self._queue.append(_Write(key, keys[j - 1] if j else ROOT_KEY, tokens, m.record))
-        if self._writer is None or self._writer.done():
-            self._writer = asyncio.get_running_loop().create_task(self._write_queued())
+            j = m.index
+            self._keep(keys[j], keys[j - 1] if j else ROOT_KEY, prompt, j, m.record)
+        self._use(keys)
+        self._queue_writes(keys)
         return len(moves)
+
+    def memory(self) -> list[bytes]:
+        """The keys of the blocks held in memory, least recently used first."""
+        return list(self._held)
+
+    # -- Reclaimer: the block tables' view ---------------------------------------------------
+
+    def spare(self) -> int:
+        """Records held in memory that no table or write holds too."""
+        return sum(1 for h in self._held.values() if self.tables.record_refs(h.record) == 1)
+
+    def reclaim(self, n: int) -> int:
+        """Give up to n spare records, least recently used first; -> how many."""
+        victims: list[bytes] = []
+        for key, held in self._held.items():
+            if len(victims) >= n:
+                break
+            if self.tables.record_refs(held.record) == 1:
+                victims.append(key)
+        for key in victims:
+            self.tables.release_record(self._held.pop(key).record)
+        return len(victims)
 
     # -- BlockTier: the prefix cache's view -----------------------------------------------
 
@@ -217,14 +284,30 @@ class BlockStore:
     def error(self) -> str | None:
         return self.backoff.error
 
-    def counts(self) -> tuple[int, int]:
-        """(blocks on disk, the bytes of every part's files)."""
-        return max(len(p) for p in self.parts), sum(p.used_bytes for p in self.parts)
+    @property
+    def on_disk(self) -> bool:
+        return bool(self.parts)
 
-    async def clear(self) -> int:
-        """Delete every block file after the pending writes; -> the blocks deleted."""
+    def counts(self) -> BlockCounts:
+        disk = max((len(p) for p in self.parts), default=0)
+        return BlockCounts(
+            len(self._held),
+            len(self._held) * self.record_bytes,
+            self.capacity * self.record_bytes,
+            disk,
+            sum(p.used_bytes for p in self.parts),
+        )
+
+    async def clear(self, disk: bool = False) -> int:
+        """Give up every block in memory (after the pending writes), and with `disk` delete
+        every block file; -> the blocks removed (one in both tiers counts once)."""
         await self.flush()
-        return max(await asyncio.gather(*(asyncio.to_thread(p.clear) for p in self.parts)))
+        gone = [k for k in self._held if not disk or not self._written(k)]
+        self._release_all()
+        if not disk or not self.parts:
+            return len(gone)
+        files = await asyncio.gather(*(asyncio.to_thread(p.clear) for p in self.parts))
+        return len(gone) + max(files)
 
     async def flush(self) -> None:
         while self._writer is not None and not self._writer.done():
@@ -233,10 +316,66 @@ class BlockStore:
 
     async def close(self) -> None:
         await self.flush()
+        self._release_all()
+        self.tables.reclaimer = None
         for p in self.parts:
             p.close()
 
     # -- internals ------------------------------------------------------------------------
+
+    def _tokens(self, prompt: Sequence[int], i: int) -> tuple[int, ...]:
+        return tuple(int(x) for x in prompt[i * self.block : (i + 1) * self.block])
+
+    def _found(self, key: bytes, parent: bytes, tokens: tuple[int, ...]) -> bool:
+        """Whether the block `key` (of `parent` and `tokens`) is in memory or on disk in
+        every part."""
+        held = self._held.get(key)
+        if held is not None and held.parent == parent and held.tokens == tokens:
+            return True
+        files = [p.get(key) for p in self.parts]
+        return bool(files) and all(
+            f is not None and f.parent == parent and f.tokens == tokens for f in files
+        )
+
+    def _written(self, key: bytes) -> bool:
+        return bool(self.parts) and all(p.has(key) for p in self.parts)
+
+    def _keep(self, key: bytes, parent: bytes, prompt: Sequence[int], i: int, record: int) -> None:
+        """Hold `record` as the memory copy of block i of `prompt`, taking over the
+        caller's hold (released instead when the key is held already)."""
+        if key in self._held:
+            self.tables.release_record(record)
+        else:
+            self._held[key] = _Held(parent, self._tokens(prompt, i), record)
+
+    def _use(self, keys: Sequence[bytes]) -> None:
+        """Mark a prompt's blocks used now, deepest first: its first block goes last."""
+        for key in reversed(keys):
+            if key in self._held:
+                self._held.move_to_end(key)
+
+    def _trim(self) -> None:
+        self.reclaim(len(self._held) - self.capacity)
+
+    def _release_all(self) -> None:
+        held, self._held = self._held, OrderedDict()
+        for h in held.values():
+            self.tables.release_record(h.record)
+
+    def _queue_writes(self, keys: Sequence[bytes]) -> None:
+        """Queue the prompt's blocks held in memory and not on disk for the writer, each
+        record held by it until written (none while writes are paused)."""
+        if not self.parts or not self.backoff.ready():
+            return
+        for key in keys:
+            held = self._held.get(key)
+            if held is None or key in self._pending or self._written(key):
+                continue
+            self.tables.retain_record(held.record)
+            self._pending.add(key)
+            self._queue.append((key, held))
+        if self._queue and (self._writer is None or self._writer.done()):
+            self._writer = asyncio.get_running_loop().create_task(self._write_queued())
 
     def _read(self, keys: Sequence[bytes], records: Sequence[int]) -> int:
         """Fill `records` with the blocks `keys`, every part's bytes (a thread); -> how many
@@ -248,26 +387,24 @@ class BlockStore:
                 for part, rows in zip(self.parts, host.arrays, strict=True):
                     part.read_into(key, memoryview(rows[record]))
             except BlockFileError as exc:
-                log.info("prefix cache: %d of %d blocks restored: %s", i, len(keys), exc)
+                log.info("prefix cache: %d of %d blocks read from disk: %s", i, len(keys), exc)
                 return i
             for part in self.parts:
                 part.touch(key)
         return len(keys)
 
-    def _write(self, w: _Write) -> None:
+    def _write(self, held: _Held) -> None:
         host = self.target.host
         assert host is not None
         for part, rows in zip(self.parts, host.arrays, strict=True):
-            part.write(w.parent, w.tokens, rows[w.record])
+            part.write(held.parent, held.tokens, rows[held.record])
 
     async def _write_queued(self) -> None:
-        tables = self.target.blocks
-        assert tables is not None
         while self._queue:
-            w = self._queue.popleft()
+            key, held = self._queue.popleft()
             try:
                 if self.backoff.ready():
-                    await asyncio.to_thread(self._write, w)
+                    await asyncio.to_thread(self._write, held)
                     self.writes += 1
                     self.backoff.works()
             except OSError as exc:
@@ -277,8 +414,8 @@ class BlockStore:
                 self.write_errors += 1
                 log.exception("prefix cache: writing a K/V block to disk failed")
             finally:
-                self._pending.discard(w.key)
-                tables.release_record(w.record)
+                self._pending.discard(key)
+                self.tables.release_record(held.record)
 
 
 def part_name(target: Target, plan: WorkerPlan) -> str:

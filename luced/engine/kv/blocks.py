@@ -41,8 +41,8 @@ The rules, the same on both sides (the worker applies each change as it comes):
               released (a shared record stays for the tables sharing it).
     save      a resident entry's rows are copied to the lowest free host record
               (`Move(SAVE, index, block, record)`); the table keeps its block, and the
-              record is held by the caller (the block store, engine/kv/block_store.py),
-              not by a table, until it `release_record`s it.
+              record is held by the caller (the block store, engine/kv/block_store.py,
+              whose memory tier it becomes), not by a table, until it `release_record`s it.
     adopt     a lane's table appends PAGED entries for records held elsewhere
               (`Move(ADOPT, index, PAGED, record)`: a block read from disk becomes the
               lane's logical block `index`), each record retained; its first span pages
@@ -52,10 +52,16 @@ A table entry is a pool block or PAGED (-1): a logical block whose rows wait in 
 record (`records` of them, a heap as for blocks; KV Flash's host tier, engine/kv/pager.py
 decides what goes). A record has a reference count like a block: the tables whose
 entry it is (a `share` of a PAGED entry retains its record, so a finished prompt kept
-for sharing keeps its paged-out blocks too), plus one while an owner outside the tables
-holds it (`hold_record`: the block store's saves and restores). `write` never reaches a
-PAGED entry: the pager pages it in first. `truncate` and `free` release the records of
-the PAGED entries they drop; a record is free again at its last release.
+for sharing keeps its paged-out blocks too), plus one per hold of an owner outside the
+tables (`hold_record` / `retain_record`: the block store's saves, restores and writes).
+`write` never reaches a PAGED entry: the pager pages it in first. `truncate` and `free`
+release the records of the PAGED entries they drop; a record is free again at its last
+release.
+
+Records held only to be reused later (the block store's memory tier of the prefix cache,
+engine/kv/block_store.py) are given up on demand: when a page-out, a save or a hold finds
+no free record, the tables ask their `reclaimer` for one, which releases its least
+recently used; `available_records` counts those it would give up as free.
 
 Everything else is the worker's: it neither allocates nor releases on its own.
 
@@ -68,7 +74,7 @@ from __future__ import annotations
 import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 PAGED = -1  # a table entry whose rows are in a host record, not in a pool block
 OUT = 0  # a `Move`'s kind: pool block -> host record
@@ -84,6 +90,18 @@ class BlocksExhausted(RuntimeError):
 
 class RecordsExhausted(RuntimeError):
     """The host tier has no free record for a page-out (nothing changed)."""
+
+
+class Reclaimer(Protocol):
+    """An owner of held records that gives them up on demand (module docstring)."""
+
+    def spare(self) -> int:
+        """How many of its records it would release now that no one else holds."""
+        ...
+
+    def reclaim(self, n: int) -> int:
+        """Release up to n of them, least recently used first; -> how many."""
+        ...
 
 
 class Move(NamedTuple):
@@ -135,7 +153,8 @@ class BlockTables:
         self._tables: dict[int, list[int]] = {}  # lane -> logical block -> pool block or PAGED
         self._free_records = list(range(records))  # a heap, as `_free`
         self._host: dict[int, dict[int, int]] = {}  # lane -> PAGED logical block -> record
-        self._record_refs = [0] * records  # record -> tables holding it
+        self._record_refs = [0] * records  # record -> tables and owners holding it
+        self.reclaimer: Reclaimer | None = None  # asked for records when none is free
 
     # -- reading ----------------------------------------------------------------------
 
@@ -183,19 +202,26 @@ class BlockTables:
         table = self._tables.get(lane, [])
         return next((j for j, b in enumerate(table) if b == PAGED), len(table))
 
-    def limit_records(self, n: int) -> None:
-        """Keep only the first n host records (before any is used: the memory behind the
-        others cannot be had)."""
+    def resize_records(self, n: int) -> None:
+        """Hold n host records from now on (before any is used: the workers' records are
+        carved once every worker loaded, by then the size of one is known)."""
         if self.used_records:
-            raise ValueError(f"{self.used_records} host records are in use: too late to limit")
-        if n < self.records:
-            self.records = n
-            self._free_records = list(range(n))
-            del self._record_refs[n:]
+            raise ValueError(f"{self.used_records} host records are in use: too late to resize")
+        if n < 0:
+            raise ValueError(f"{n} host records")
+        self.records = n
+        self._free_records = list(range(n))
+        self._record_refs = [0] * n
 
     @property
     def free_records(self) -> int:
         return len(self._free_records)
+
+    @property
+    def available_records(self) -> int:
+        """Free records, and those the `reclaimer` would give up for them."""
+        spare = self.reclaimer.spare() if self.reclaimer is not None else 0
+        return len(self._free_records) + spare
 
     @property
     def used_records(self) -> int:
@@ -304,7 +330,7 @@ class BlockTables:
         block = self.entry(lane, j)
         if block == PAGED:
             raise ValueError(f"lane {lane}'s block {j} is paged out already")
-        if not self._free_records:
+        if not self._record_free():
             raise RecordsExhausted(
                 f"the host tier is exhausted: lane {lane}'s block {j} needs a record, "
                 f"all {self.records} are used"
@@ -365,9 +391,9 @@ class BlockTables:
         return moves
 
     def hold_record(self) -> int:
-        """The lowest free host record, held by the caller (refcount 1) until its
-        `release_record`; RecordsExhausted when none is free."""
-        if not self._free_records:
+        """The lowest free host record (one reclaimed when none is), held by the caller
+        (refcount 1) until its `release_record`; RecordsExhausted when none is free."""
+        if not self._record_free():
             raise RecordsExhausted(
                 f"the host tier is exhausted: all {self.records} records are used"
             )
@@ -375,11 +401,23 @@ class BlockTables:
         self._record_refs[record] = 1
         return record
 
+    def retain_record(self, record: int) -> None:
+        """Another hold on the held `record` (each released by `release_record`)."""
+        if not 0 <= record < self.records or not self._record_refs[record]:
+            raise ValueError(f"host record {record} is not held")
+        self._record_refs[record] += 1
+
     def release_record(self, record: int) -> None:
         """Drop one hold on `record` (the caller's from `hold_record`); free at the last."""
         if not 0 <= record < self.records or not self._record_refs[record]:
             raise ValueError(f"host record {record} is not held")
         self._release_record(record)
+
+    def _record_free(self) -> bool:
+        """Whether a record is free, once the reclaimer gave one up if none was."""
+        if not self._free_records and self.reclaimer is not None:
+            self.reclaimer.reclaim(1)
+        return bool(self._free_records)
 
     def _release(self, block: int) -> None:
         self._refs[block] -= 1

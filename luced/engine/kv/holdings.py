@@ -23,7 +23,8 @@ that forward's growth.
 
 Host records: the kept lanes hold at most `records` of their own (counted per lane: a
 record two kept lanes share counts twice, so the bound is safe); under KV Flash the
-running slots may page out a whole context each beside them.
+running slots may page out a whole context each beside them. Records the prefix cache's
+block store holds in memory count as available: it gives them up for a page-out.
 """
 
 from __future__ import annotations
@@ -95,7 +96,7 @@ class Holdings:
         table = self.tables.table(lane)
         limit = len(table) if n is None else -(-n // self.tables.block)
         out = [j for j in range(self.sink_blocks, limit) if table[j] != PAGED]
-        room = min(self.tables.free_records, self.records - self.host_records(kept))
+        room = min(self.tables.available_records, self.records - self.host_records(kept))
         if not out or len(out) > room:
             return False
         self.moves.setdefault(lane, []).extend(self.tables.page_out(lane, j) for j in out)

@@ -20,7 +20,9 @@ layers it holds (a page-out or a save: a worker that dies leaves them intact; a 
 worker starts empty, so the target resets its sequences anyway), or by the daemon into a
 record it holds (the block store reading a block from disk, engine/kv/block_store.py,
 before the lane adopts it); the daemon reads a record only while it holds it (the block
-store writing a saved block to disk).
+store writing a saved block to disk). Besides the kept lanes' records, the block store
+keeps `store_records` as the prefix cache's memory tier: blocks by prefix key, given up
+least recently used first whenever anyone needs a record.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from luced.engine.executor import Executor, WorkerReplyError
-from luced.engine.kv.blocks import BlockTables, Move
+from luced.engine.kv.blocks import SAVE, BlockTables, Move
 from luced.ipc.frames import KVPage
 from luced.ipc.regions import Region, RegionAllocator, required_bytes, view
 from luced.ipc.shm import ShmOwner, shm_room
@@ -48,8 +50,8 @@ def kept_records(kept: int, block: int, kept_lanes: int) -> int:
 
 
 def store_records(context: int, block: int) -> int:
-    """Host records for the prefix cache's block store (engine/kv/block_store.py): a
-    context's blocks, which its saves and restores pass through."""
+    """The least host records of the prefix cache's block store (engine/kv/block_store.py):
+    a context's blocks, which a save or a restore of a whole context passes through."""
     return -(-context // block)
 
 
@@ -72,6 +74,19 @@ class HostRecords:
             )
         self._record_bytes[layers] = record_bytes
 
+    def size_store(
+        self, tables: BlockTables, layers: Sequence[tuple[int, int]], least: int, nbytes: int
+    ) -> int:
+        """Before the carve (every worker loaded, `layers` theirs): the block store's
+        records, the last `least` of `tables`' (`store_records`, counted before the size of
+        one was known), become `nbytes` of them (--prefix-cache-bytes over one block of
+        every worker), at least `least`; `nbytes` 0: none. -> how many."""
+        block_bytes = sum(self._record_bytes[span] for span in layers)
+        store = max(least, nbytes // max(1, block_bytes)) if nbytes else 0
+        tables.resize_records(tables.records - least + store)
+        self.records = tables.records
+        return store
+
     def carve(
         self,
         owner: ShmOwner,
@@ -89,14 +104,15 @@ class HostRecords:
         if fits < self.records:
             log.warning(
                 "host records for paged-out K/V: %d of %d fit in half of the free space in "
-                "/dev/shm (%d MiB); a kept prompt past them is given up, and a --kv-flash "
-                "request that needs more fails (enlarge /dev/shm to keep more)",
+                "/dev/shm (%d MiB); a kept prompt past them is given up, the prefix cache "
+                "keeps fewer blocks in memory, and a --kv-flash request that needs more "
+                "fails (enlarge /dev/shm to keep more)",
                 fits,
                 self.records,
                 room >> 20,
             )
             self.records = fits
-            tables.limit_records(fits)
+            tables.resize_records(fits)
         specs = {f"host-{k}": ([self.records, b], "uint8") for k, b in enumerate(sizes)}
         segment = owner.create(f"{name}-kvhost", required_bytes(specs.values()))
         alloc = RegionAllocator.for_segment(segment)
@@ -110,7 +126,9 @@ class HostRecords:
         """`lane`'s moves in every worker (`kv_page`, each through its own records; a
         worker on another host pages to its own memory); `tokens`: the ids of the
         positions its adopt moves add. A failure leaves the workers out of step with the
-        tables: `in_sync` is off until they start over."""
+        tables (`in_sync` is off until they start over), unless every move is a SAVE,
+        which changes no table: only the records' contents are lost, which the caller
+        releases."""
         wire = tuple(tuple(m) for m in moves)
         ids = tuple(int(t) for t in tokens)
         try:
@@ -121,5 +139,6 @@ class HostRecords:
                 )
             )
         except BaseException:
-            executor.in_sync = False
+            if any(m.kind != SAVE for m in moves):
+                executor.in_sync = False
             raise

@@ -26,7 +26,7 @@ from luced.runtime.kv_blocks import (
     BlockPool,
     PagedKVCache,
 )
-from luced.runtime.kv_host import SharedHostTier, runs
+from luced.runtime.kv_host import SharedHostTier, _stretches, runs
 
 BLOCK = 4
 CAPACITY = 24 * BLOCK
@@ -80,28 +80,39 @@ def random_moves(rng: random.Random, n: int) -> Moves:
     """n moves valid in order for the lane as `worker` makes it, in bursts of one kind (a
     frame's page-outs, page-ins, saves, adopts): outs (of shared blocks too), ins (more
     often than not into a block an out of the list released), saves, adopts (the lane's
-    positions are whole blocks); records drawn at random, so that some come again."""
+    positions are whole blocks). Half the bursts take the next blocks and records, as the
+    daemon's lowest free ones come (copied as slices), the others random ones (some named
+    again; copied by gather and scatter)."""
     table = list(range(6))
     refs = dict.fromkeys(range(8), 1) | {0: 2, 1: 2}
     released: list[int] = []
     moves: Moves = []
     while len(moves) < n:
-        kind = rng.choice((MOVE_OUT, MOVE_IN, MOVE_SAVE, MOVE_ADOPT))
+        kind, ordered = rng.choice((MOVE_OUT, MOVE_IN, MOVE_SAVE, MOVE_ADOPT)), rng.random() < 0.5
+        record, j, block = rng.randrange(RECORDS), -1, -1
         for _ in range(rng.randint(1, 6)):
-            resident = [j for j, b in enumerate(table) if b != PAGED]
-            paged = [j for j, b in enumerate(table) if b == PAGED]
-            record = rng.randrange(RECORDS)
+            record = (record + 1) % RECORDS if ordered else rng.randrange(RECORDS)
+            resident = [i for i, b in enumerate(table) if b != PAGED]
+            paged = [i for i, b in enumerate(table) if b == PAGED]
+            after = [i for i in resident if i > j]
             if kind in (MOVE_OUT, MOVE_SAVE) and resident:
-                j = rng.choice(resident)
+                if ordered and j >= 0 and not (after and table[after[0]] == table[j] + 1):
+                    break  # the next block is not the next logical one's
+                j = after[0] if ordered and after else rng.choice(resident)
                 moves.append((kind, j, table[j], record))
                 if kind == MOVE_OUT:
                     refs[table[j]] -= 1
                     released += [table[j]] * (not refs[table[j]])
                     table[j] = PAGED
             elif kind == MOVE_IN and paged:
-                again = [b for b in released if not refs.get(b)]
                 free = [b for b in range(MAX_BLOCKS) if not refs.get(b)]
-                block = rng.choice(again if again and rng.random() < 0.6 else free)
+                again = [b for b in released if not refs.get(b)]
+                if ordered and block >= 0:
+                    if block + 1 not in free:
+                        break
+                    block += 1
+                else:
+                    block = rng.choice(again if again and rng.random() < 0.6 else free)
                 j = rng.choice(paged)
                 moves.append((kind, j, block, record))
                 refs[block], table[j] = 1, block
@@ -191,7 +202,7 @@ def test_a_list_with_blocks_and_records_named_again_equals_one_by_one(shapes, dt
     """Blocks 2 and 3 out to record 0 (written twice: the second wins), back in crosswise
     (an IN into the block the list just released), a save, an adopt paged in past the
     pool's 8 blocks (it grows), then shared block 0 out (the other lane keeps it): cut into
-    runs where a kind changes or a record or a block comes again."""
+    runs where a kind changes or a record comes again."""
     moves = [
         (MOVE_OUT, 2, 2, 0),
         (MOVE_OUT, 3, 3, 0),
@@ -208,6 +219,26 @@ def test_a_list_with_blocks_and_records_named_again_equals_one_by_one(shapes, dt
     ]
     assert [len(run) for run in runs(moves)] == [1, 2, 2, 1, 1, 2, 2, 1]
     check(moves, shapes, dtype)
+
+
+@SHAPES
+def test_stretches_of_blocks_and_records_copy_as_slices_and_equal_one_by_one(shapes) -> None:
+    """Runs of the next blocks to the next records, as the daemon's lowest free ones come:
+    all six out to records 30..35 (one stretch: slices), eight adopted records paged into
+    blocks 8..11 and 14..17 (two stretches of four: slices), a save, the six back into
+    blocks 2..5 and 18, 19 (stretches too short: gather and scatter)."""
+    out = [(MOVE_OUT, j, j, 30 + j) for j in range(6)]
+    stored = (10, 11, 12, 13, 20, 21, 22, 23)
+    adopt = [(MOVE_ADOPT, 6 + i, PAGED, r) for i, r in enumerate(stored)]
+    into = (8, 9, 10, 11, 14, 15, 16, 17)
+    ins = [(MOVE_IN, 6 + i, b, r) for i, (b, r) in enumerate(zip(into, stored, strict=True))]
+    back = [(MOVE_IN, j, b, 30 + j) for j, b in enumerate((2, 3, 4, 5, 18, 19))]
+    moves = [*out, *adopt, *ins, (MOVE_SAVE, 6, 8, 36), *back]
+    assert [len(run) for run in runs(moves)] == [6, 8, 8, 1, 6]
+    assert _stretches(range(6), range(30, 36)) == [(0, 30, 6)]
+    assert _stretches(into, stored) == [(8, 10, 4), (14, 20, 4)]
+    assert _stretches([2, 3, 4, 5, 18, 19], range(30, 36)) is None
+    check(moves, shapes, torch.float32)
 
 
 @SHAPES

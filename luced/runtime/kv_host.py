@@ -90,17 +90,18 @@ class RecordLayout:
         record named twice takes the last block), byte-exact: per layer, K and V, a copy
         of each stretch (`_stretches`), or one gather on the pool's device, one transfer
         and one scatter into the records."""
-        if not self.shapes:
+        if not self.shapes:  # a shard of recurrent layers only
             return
         stretches = _stretches(blocks, ids)
-        at = torch.tensor(blocks, dtype=torch.int64, device=next(iter(k.values())).device)
-        rows = torch.tensor(ids, dtype=torch.int64, device=records.device)
-        for dst, src in zip(self._tables(records), self._pools(k, v), strict=True):
-            if stretches is None:
-                dst.index_copy_(0, rows, src.index_select(1, at).to(dst.device).transpose(0, 1))
-                continue
-            for block, record, n in stretches:
-                dst[record : record + n].copy_(src[:, block : block + n].transpose(0, 1))
+        pairs = zip(self._tables(records), self._pools(k, v), strict=True)
+        if stretches is not None:
+            for dst, src in pairs:
+                for block, record, n in stretches:
+                    dst[record : record + n].copy_(src[:, block : block + n].transpose(0, 1))
+            return
+        at, rows = self._indices(k, blocks, records, ids)
+        for dst, src in pairs:
+            dst.index_copy_(0, rows, src.index_select(1, at).to(dst.device).transpose(0, 1))
 
     def copy_in(
         self,
@@ -116,14 +117,27 @@ class RecordLayout:
         if not self.shapes:
             return
         stretches = _stretches(blocks, ids)
-        at = torch.tensor(blocks, dtype=torch.int64, device=next(iter(k.values())).device)
-        rows = torch.tensor(ids, dtype=torch.int64, device=records.device)
-        for src, dst in zip(self._tables(records), self._pools(k, v), strict=True):
-            if stretches is None:
-                dst.index_copy_(1, at, src.index_select(0, rows).to(dst.device).transpose(0, 1))
-                continue
-            for block, record, n in stretches:
-                dst[:, block : block + n].copy_(src[record : record + n].transpose(0, 1))
+        pairs = zip(self._tables(records), self._pools(k, v), strict=True)
+        if stretches is not None:
+            for src, dst in pairs:
+                for block, record, n in stretches:
+                    dst[:, block : block + n].copy_(src[record : record + n].transpose(0, 1))
+            return
+        at, rows = self._indices(k, blocks, records, ids)
+        for src, dst in pairs:
+            dst.index_copy_(1, at, src.index_select(0, rows).to(dst.device).transpose(0, 1))
+
+    def _indices(
+        self,
+        k: Mapping[int, torch.Tensor],
+        blocks: Sequence[int],
+        records: torch.Tensor,
+        ids: Sequence[int],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`blocks` on the pool's device and `ids` on the records', for index ops."""
+        device = k[next(iter(self.shapes))].device
+        at = torch.tensor(blocks, dtype=torch.int64, device=device)
+        return at, torch.tensor(ids, dtype=torch.int64, device=records.device)
 
 
 # A slice copy per stretch costs a call per stretch and layer; a gather and a scatter two

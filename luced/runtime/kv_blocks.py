@@ -43,9 +43,9 @@ with recurrent layers cannot share, because a state sums up its whole prefix and
 only where a forward stopped.
 
 Paging (KV Flash over the pool): the daemon may move a block a sequence holds alone out
-to a host record (`page_out`: its rows of every stored layer copied in `kv_host`'s record
+to a host record (`MOVE_OUT`: its rows of every stored layer copied in `kv_host`'s record
 layout, the block released, the table entry `PAGED`) and a paged-out block back in, into
-any free block (`page_in`), byte for byte. The positions of a paged-out block are
+any free block (`MOVE_IN`), byte for byte. The positions of a paged-out block are
 invisible: attention gathers the resident positions' rows in position order and masks by
 those positions (`positions_mask`), and the native decode kernel reads them as a list
 with their positions (`Storage.positions`), computed once per step (`reserve`). While
@@ -53,8 +53,10 @@ every block of [0, end) is resident nothing of this runs: the logits stay `KVCac
 A write into a paged-out block or an export of one is refused; a share takes PAGED
 entries as they are (the daemon's record, shared, pages each back in for its lane).
 The prefix cache's block store (the daemon's engine/kv/block_store.py) copies a block
-to a record and keeps it (`save`), and appends a record read from disk as the table's
-next entry, PAGED, its positions committed (`adopt`): the next span pages it in.
+to a record and keeps it (`MOVE_SAVE`), and appends a record read from disk as the
+table's next entry, PAGED, its positions committed (`MOVE_ADOPT`): the next span pages
+it in. A frame's moves come together (`apply_moves`): all checked first, then copied in
+runs of one kind, each run one gather and one scatter per stored layer (`kv_host.runs`).
 
 Scoring (`scored`, KV Flash's `qk` policy): the cache keeps each block's mean key per
 stored layer (`kv_qk.BlockKeys`), sealed by the step that writes
@@ -78,7 +80,7 @@ from luced.runtime.kv_cache import (
     RecurrentState,
     layer_roles,
 )
-from luced.runtime.kv_host import RecordLayout
+from luced.runtime.kv_host import Move, RecordLayout, runs
 from luced.runtime.layers import attention_mask, positions_mask
 from luced.runtime.native_attention import Storage
 
@@ -178,15 +180,26 @@ class BlockPool:
     def take(self, block: int) -> None:
         """The daemon handed out `block` (checked free): refcount 1, the tensors grown
         (doubling, up to max_blocks) to hold it."""
-        self.check_free((block,))
-        if block >= self.n_blocks:
-            want = max(block + 1, 2 * self.n_blocks)
-            cap = self.max_blocks
+        self.take_all((block,))
+
+    def take_all(self, blocks: Sequence[int]) -> None:
+        """`take` each of `blocks` (checked free, each once), the tensors grown once, as far
+        as taking them one by one would: KVPoolFull takes none."""
+        self.check_free(blocks)
+        if len(set(blocks)) != len(blocks):
+            raise ValueError(f"blocks {list(blocks)} name a block twice")
+        want, cap = self.n_blocks, self.max_blocks
+        for block in blocks:
+            if block >= want:  # as `take` grows for it: doubling, up to the cap
+                want = max(block + 1, 2 * want)
+                want = want if cap is None else min(cap, want)
+        if want > self.n_blocks:
             try:
-                self._grow(want if cap is None else min(cap, want))
+                self._grow(want)
             except torch.OutOfMemoryError as exc:  # the daemon's pool is larger than memory
                 raise KVPoolFull(f"the K/V block pool cannot grow to {want} blocks: {exc}") from exc
-        self._refs[block] = 1
+        for block in blocks:
+            self._refs[block] = 1
 
     def retain(self, block: int) -> None:
         self._held(block)
@@ -341,7 +354,7 @@ class PagedKVCache(BaseKVCache):
         refs: dict[int, int] | None = None,
     ) -> None:
         """ValueError unless `moves` (kind, logical block, pool block, record; see
-        `page_out` / `page_in`), then `follow(copies, blocks)`, leave a table of `length`
+        `apply_moves`), then `follow(copies, blocks)`, leave a table of `length`
         blocks within the capacity, each move and copy as its checks say. `refs`: what a
         step's earlier spans leave of the pool's counts (`BlockPool.check_free`), updated
         with what these would change; nothing else changes."""
@@ -409,47 +422,41 @@ class PagedKVCache(BaseKVCache):
         else:
             raise ValueError(f"unknown move kind {kind} (0 out, 1 in, 2 save, 3 adopt)")
 
-    def page_out(self, j: int, block: int, record: torch.Tensor) -> None:
-        """Logical block j, in pool block `block`, goes to `record` (uint8 [record.nbytes]:
-        its rows of every stored layer, `kv_host` layout) and this table's hold on the
-        block is released (a shared block stays for the tables sharing it); table[j]
-        becomes PAGED. Checked first (ValueError, no change)."""
-        self._check_move(list(self.table), {}, MOVE_OUT, j, block)
-        self.record.copy_out(self.pool.k, self.pool.v, block * self.pool.block, record)
-        self.pool.release(block)
-        self.table[j] = PAGED
-        self._relink()
-
-    def page_in(self, j: int, block: int, record: torch.Tensor) -> None:
-        """Paged-out logical block j comes back from `record` into free pool block `block`
-        (any block), byte for byte. Checked first (ValueError, no change)."""
-        self._check_move(list(self.table), {}, MOVE_IN, j, block)
-        self.record.check(record)
-        self.pool.take(block)
-        self.record.copy_in(record, self.pool.k, self.pool.v, block * self.pool.block)
-        self._assign(j, block)
-        self._relink()
-
-    def save(self, j: int, block: int, record: torch.Tensor) -> None:
-        """`page_out`'s copy of logical block j to `record`; the table keeps the block."""
-        self._check_move(list(self.table), {}, MOVE_SAVE, j, block)
-        self.record.copy_out(self.pool.k, self.pool.v, block * self.pool.block, record)
-
-    def adopt(self, j: int) -> None:
-        """Logical block j, the table's next, is PAGED, its positions committed (checked)."""
-        self._check_move(list(self.table), {}, MOVE_ADOPT, j, PAGED)
-        self.table.append(PAGED)
-        self._relink()
-        self.commit(len(self.table) * self.pool.block)
-
     def move(self, kind: int, j: int, block: int, record: torch.Tensor) -> None:
-        """A move of `frames.Span` or `frames.KVPage`: `page_out`, `page_in`, `save`, `adopt`."""
-        if kind in (MOVE_OUT, MOVE_IN, MOVE_SAVE):
-            (self.page_out, self.page_in, self.save)[kind](j, block, record)
-        elif kind == MOVE_ADOPT:
-            self.adopt(j)
-        else:
-            raise ValueError(f"unknown move kind {kind} (0 out, 1 in, 2 save, 3 adopt)")
+        """One move (`apply_moves`) out to or in from `record`, uint8 [record bytes]."""
+        self.apply_moves(((kind, j, block, 0),), record.unsqueeze(0))
+
+    def apply_moves(self, moves: Sequence[Move], records: torch.Tensor) -> None:
+        """The moves of `frames.Span` or `frames.KVPage`, (kind, logical block j, pool
+        block, record) each, in order: OUT copies the block to the record and releases
+        it (table[j] = PAGED); IN takes the free block and copies the record in, byte for
+        byte; SAVE copies out, the table keeps the block; ADOPT appends table[j] = PAGED,
+        its positions committed. `records`: uint8 [n, record bytes], record r at row r.
+        All checked first (ValueError, no change); copied run by run (`kv_host.runs`)."""
+        table: list[int] = list(self.table)
+        refs: dict[int, int] = {}
+        for kind, j, block, _ in moves:
+            self._check_move(table, refs, kind, j, block)
+        self.record.check(records, (record for *_, record in moves))
+        pool = self.pool
+        for run in runs(moves):
+            kinds, js, blocks, ids = zip(*run, strict=True)
+            kind = kinds[0]
+            if kind in (MOVE_OUT, MOVE_SAVE):
+                self.record.copy_out(pool.k, pool.v, blocks, records, ids)
+            if kind == MOVE_OUT:
+                for j, block in zip(js, blocks, strict=True):
+                    pool.release(block)
+                    self.table[j] = PAGED
+            elif kind == MOVE_IN:
+                pool.take_all(blocks)
+                self.record.copy_in(records, ids, pool.k, pool.v, blocks)
+                for j, block in zip(js, blocks, strict=True):
+                    self._assign(j, block)
+            elif kind == MOVE_ADOPT:
+                self.table.extend([PAGED] * len(run))
+                self.commit(len(self.table) * pool.block)
+            self._relink()
 
     def reserve(self, start: int, n: int) -> None:
         """Check that positions [start, start + n) may be written: no gap, within the

@@ -149,9 +149,9 @@ class SequenceState:
         (checked by `check_table`)."""
         for i, cache in enumerate(self.caches):
             if isinstance(cache, PagedKVCache):
-                for kind, j, block, record in span.moves:
+                if span.moves:
                     assert hosts is not None  # forward checks it
-                    cache.move(kind, j, block, hosts[i].record(record))
+                    cache.apply_moves(span.moves, hosts[i].rows)
                 cache.follow(span.copies, span.blocks)
 
     def drop_sampler(self) -> None:
@@ -256,8 +256,7 @@ class Loaded:
                 ) from None
         position = state.position
         for cache, host in zip(caches, hosts, strict=True):
-            for kind, j, block_id, record in moves:
-                cache.move(kind, j, block_id, host.record(record))
+            cache.apply_moves(moves, host.rows)
         if adopts:
             del state.tokens[position:]
             state.tokens.extend(tokens)

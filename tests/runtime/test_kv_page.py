@@ -2,13 +2,15 @@
 the daemon): a kept lane's blocks page out to the daemon's host records outside a forward,
 byte for byte in the record layout (runtime/kv_host.py), and come back through a forward
 span's moves, after which the lane computes what it did before, bit for bit. A split's
-workers follow the same moves, each through its own host records. The block store's
+workers follow the same moves, each through its own host records; a worker holding two
+shards (devices) keeps each shard's bytes side by side in each record. The block store's
 moves: a saved record holds the block's rows and the lane keeps its blocks; a new lane
 adopting the records and paging them in attends as the lane that computed them. Bad
 moves are refused, naming what is wrong, and change nothing."""
 
 from __future__ import annotations
 
+import dataclasses
 import secrets
 from collections.abc import Iterator
 from pathlib import Path
@@ -30,6 +32,7 @@ PROMPT = [(5 * i + 2) % 60 + 1 for i in range(29)]  # blocks 0..3, the last one 
 OTHER = [(3 * i + 1) % 50 + 2 for i in range(12)]
 PAGED = -1  # a paged-out entry of the tables here
 WHOLE, SPLIT = ((0, 4),), ((0, 2), (2, 4))
+SHARDS = ((0, 4, 2),)  # one worker, two shards: layers [0, 2) and [2, 4) on two devices
 
 
 @pytest.fixture(scope="module")
@@ -46,14 +49,19 @@ def varied(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 class Stage:
-    """One worker holding layers [a, b) of a paged, scored load (as KV Flash's), its
-    regions: its own host records (its shard's record width), the exported K/V rows
-    ("k.<layer>", "v.<layer>"), and the rows it passes on or the logits it returns."""
+    """One worker holding layers [a, b) of a paged, scored load (as KV Flash's; (a, b, c):
+    in two shards, [a, c) and [c, b)), its regions: its own host records (its record
+    width), the exported K/V rows ("k.<layer>", "v.<layer>"), and the rows it passes on or
+    the logits it returns."""
 
-    def __init__(self, tmp: Path, owner: ShmOwner, model: Path, layers: tuple[int, int]):
+    def __init__(self, tmp: Path, owner: ShmOwner, model: Path, layers: tuple[int, ...]):
         self.w = WorkerProc(tmp)
         self.w.call(F.Hello(instance=owner.instance))
-        reply = self.w.call(load_frame(model, layers, kv_block=BLOCK, kv_scored=True))
+        load = load_frame(model, layers[:2], kv_block=BLOCK, kv_scored=True)
+        if len(layers) == 3:
+            load = dataclasses.replace(load, devices=("cpu", "cpu"), device_splits=layers[2:])
+        self.load = load
+        reply = self.w.call(load)
         assert isinstance(reply, F.LoadReply) and reply.kv_record_bytes > 0
         layout = self.w.call(F.KVLayout())
         assert isinstance(layout, F.KVLayoutReply)
@@ -77,9 +85,12 @@ class Stage:
         return {name: self.io.a(name)[:, :n].copy() for name in self.tensors}
 
     def blocks_used(self) -> int:
+        """Blocks used in each of its shards' pools (the same in each)."""
         reply = self.w.call(F.Stats())
         assert isinstance(reply, F.StatsReply)
-        return int(reply.stats["kv_blocks_used"])
+        used, shards = int(reply.stats["kv_blocks_used"]), len(self.load.devices)
+        assert used % shards == 0
+        return used // shards
 
 
 class Lanes:
@@ -177,7 +188,9 @@ def prefill(lanes: Lanes) -> np.ndarray:
     return before
 
 
-@pytest.mark.parametrize("lanes", [WHOLE, SPLIT], ids=["whole", "split"], indirect=True)
+@pytest.mark.parametrize(
+    "lanes", [WHOLE, SPLIT, SHARDS], ids=["whole", "split", "shards"], indirect=True
+)
 def test_a_kept_lane_pages_out_byte_exact_and_back_in_through_a_span(lanes: Lanes) -> None:
     """Blocks 1 and 2 page out to records 0 and 3: each worker's records hold their rows
     in its layers, as kv_export gave them, and the records no move named are untouched.
@@ -248,7 +261,9 @@ def test_bad_page_moves_are_refused_and_change_nothing(lanes: Lanes) -> None:
     assert after.tobytes() == before.tobytes()
 
 
-@pytest.mark.parametrize("lanes", [WHOLE, SPLIT], ids=["whole", "split"], indirect=True)
+@pytest.mark.parametrize(
+    "lanes", [WHOLE, SPLIT, SHARDS], ids=["whole", "split", "shards"], indirect=True
+)
 def test_saved_records_adopted_by_a_new_lane_attend_as_the_computed_blocks(lanes: Lanes) -> None:
     """The block store's two moves: LANE's whole blocks 0..2 are saved to records 1, 2, 0
     (each worker's record holds its layers' rows of the block, by the layout, and the

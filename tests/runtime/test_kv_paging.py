@@ -1,5 +1,5 @@
 """KV Flash over the block pool: a paged cache whose blocks move out to host records and
-back (`PagedKVCache.page_out` / `page_in`) against the plain `KVCache` as the oracle.
+back (`PagedKVCache.move`: out, in) against the plain `KVCache` as the oracle.
 
 (a) every block resident, scored or not: bit-identical logits; (b) a page out then in,
 into another block, is byte-exact and the logits after stay the plain cache's; (c) with
@@ -22,7 +22,7 @@ from kv_oracles import HidingCache, QueryRecorder, block_scores
 
 from luced.runtime import kv_blocks, native_attention
 from luced.runtime.families import common
-from luced.runtime.kv_blocks import PAGED, PagedKVCache
+from luced.runtime.kv_blocks import MOVE_IN, MOVE_OUT, PAGED, PagedKVCache
 from luced.runtime.kv_cache import KVCache
 from luced.runtime.kv_host import HostTier
 from luced.runtime.model import Model
@@ -72,11 +72,11 @@ class Daemon:
 
     def page_out(self, cache: PagedKVCache, j: int) -> None:
         record = next(self.ids)
-        cache.page_out(j, cache.table[j], self.host.record(record))
+        cache.move(MOVE_OUT, j, cache.table[j], self.host.record(record))
         self.records[id(cache), j] = record
 
     def page_in(self, cache: PagedKVCache, j: int, block: int) -> None:
-        cache.page_in(j, block, self.host.record(self.records.pop((id(cache), j))))
+        cache.move(MOVE_IN, j, block, self.host.record(self.records.pop((id(cache), j))))
 
 
 def plain_cache(model: Model, cls: type[KVCache] = KVCache) -> KVCache:
@@ -291,23 +291,23 @@ def test_out_of_step_moves_and_paged_blocks_are_refused(tiny) -> None:
     with pytest.raises(
         ValueError, match="move out of logical block 1 from block 2: the table has 1"
     ):
-        a.page_out(1, 2, record)
+        a.move(MOVE_OUT, 1, 2, record)
     b.share(a, 16)
-    b.page_out(0, 0, daemon.host.record(98))  # shared: the block stays with `a`
+    b.move(MOVE_OUT, 0, 0, daemon.host.record(98))  # shared: the block stays with `a`
     assert (b.table[0], a.table[0], pool.refs(0)) == (PAGED, 0, 1)
     with pytest.raises(ValueError, match="a host record is uint8"):
-        a.page_out(2, 2, record[:-1])
+        a.move(MOVE_OUT, 2, 2, record[:-1])
     with pytest.raises(ValueError, match="move into logical block 2: the table has 2"):
-        a.page_in(2, 5, record)
+        a.move(MOVE_IN, 2, 5, record)
     assert (a.table, pool.used_blocks) == ([0, 1, 2, 3], 4)
     daemon.page_out(a, 2)
     with pytest.raises(
         ValueError,
         match="move out of logical block 2 from block 2: the table has a paged-out block",
     ):
-        a.page_out(2, 2, record)
+        a.move(MOVE_OUT, 2, 2, record)
     with pytest.raises(ValueError, match="block 3 is held already"):
-        a.page_in(2, 3, record)
+        a.move(MOVE_IN, 2, 3, record)
     with pytest.raises(ValueError, match="unknown move kind 7"):
         a.move(7, 2, 5, record)
     assert (a.table, pool.used_blocks) == ([0, 1, PAGED, 3], 3)
@@ -351,10 +351,10 @@ def test_a_share_takes_paged_out_entries_and_pages_them_in_byte_exact(tiny, fami
     assert b.qk.sealed.nonzero().squeeze(1).tolist() == [0, 1, 2, 3]  # 4 is incomplete
     for i, k in keys.items():
         assert torch.equal(b.qk.keys[i][:4], k)
-    b.page_in(1, 1, records[1])  # the record stays for `a`, which pages its own copy in
-    b.page_in(3, 3, records[3])
-    a.page_in(1, 5, records[1])
-    a.page_in(3, 6, records[3])
+    b.move(MOVE_IN, 1, 1, records[1])  # the record stays for `a`, which pages its own copy in
+    b.move(MOVE_IN, 3, 3, records[3])
+    a.move(MOVE_IN, 1, 5, records[1])
+    a.move(MOVE_IN, 3, 6, records[3])
     for cache, n in ((a, 40), (b, 36)):
         for i, (k, v) in rows_of(cache, n).items():
             assert torch.equal(k.view(torch.uint8), before[i][0][:, :n].view(torch.uint8))

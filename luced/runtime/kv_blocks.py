@@ -56,7 +56,7 @@ The prefix cache's block store (the daemon's engine/kv/block_store.py) copies a 
 to a record and keeps it (`MOVE_SAVE`), and appends a record read from disk as the
 table's next entry, PAGED, its positions committed (`MOVE_ADOPT`): the next span pages
 it in. A frame's moves come together (`apply_moves`): all checked first, then copied in
-runs of one kind, each run one gather and one scatter per stored layer (`kv_host.runs`).
+runs of one kind, each run a copy or two per stored layer, not one per block (`kv_host`).
 
 Scoring (`scored`, KV Flash's `qk` policy): the cache keeps each block's mean key per
 stored layer (`kv_qk.BlockKeys`), sealed by the step that writes

@@ -52,31 +52,33 @@ class RecordLayout:
         if outside:
             raise ValueError(f"host records {outside} outside [0, {records.shape[0]})")
 
-    @property
-    def _word(self) -> torch.dtype:
-        """An integer dtype of the cache dtype's size: the copies move raw bits (and index
-        ops take every integer dtype)."""
-        return _WORDS[self.dtype.itemsize]
-
-    def _tables(self, records: torch.Tensor) -> Iterator[torch.Tensor]:
-        """`records`' bytes (uint8 [n, nbytes]) as each layer's K rows, then its V rows,
-        [n, Hkv, rows, D] words: views, no copy."""
-        n, offset = records.shape[0], 0
-        for heads, dim in self.shapes.values():
-            size = heads * self.rows * dim * self.dtype.itemsize
-            for _ in ("k", "v"):
-                part = records[:, offset : offset + size].view(self._word)
-                yield part.view(n, heads, self.rows, dim)
-                offset += size
-
-    def _pools(
-        self, k: Mapping[int, torch.Tensor], v: Mapping[int, torch.Tensor]
-    ) -> Iterator[torch.Tensor]:
-        """The pool's K, then V, of each layer in record order as [Hkv, blocks, rows, D]
-        words (views)."""
+    def _parts(
+        self, records: torch.Tensor, k: Mapping[int, torch.Tensor], v: Mapping[int, torch.Tensor]
+    ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """Each stored layer's K, then V, in record order, as (its rows in `records`,
+        uint8 [n, nbytes], as [n, Hkv, rows, D]; its pool blocks as [blocks, Hkv, rows,
+        D]): views as integer words of the cache dtype's size (the copies move bits, and
+        index ops take every integer dtype), one `as_strided` each, since on short copies
+        every view op costs as much as moving a few KiB."""
+        word = _WORDS[self.dtype.itemsize]
+        table = records.view(word)
+        step, offset = table.stride(0), table.storage_offset()
         for layer, (heads, dim) in self.shapes.items():
             for t in (k[layer], v[layer]):
-                yield t.view(self._word).view(heads, -1, self.rows, dim)
+                pool = t.view(word)  # [Hkv, pool rows, D], rows and D contiguous
+                yield (
+                    table.as_strided(
+                        (table.shape[0], heads, self.rows, dim),
+                        (step, self.rows * dim, dim, 1),
+                        offset,
+                    ),
+                    pool.as_strided(
+                        (pool.shape[1] // self.rows, heads, self.rows, dim),
+                        (self.rows * dim, pool.stride(0), dim, 1),
+                        pool.storage_offset(),
+                    ),
+                )
+                offset += heads * self.rows * dim
 
     def copy_out(
         self,
@@ -90,18 +92,15 @@ class RecordLayout:
         record named twice takes the last block), byte-exact: per layer, K and V, a copy
         of each stretch (`_stretches`), or one gather on the pool's device, one transfer
         and one scatter into the records."""
-        if not self.shapes:  # a shard of recurrent layers only
-            return
-        stretches = _stretches(blocks, ids)
-        pairs = zip(self._tables(records), self._pools(k, v), strict=True)
+        stretches, parts = _stretches(blocks, ids), self._parts(records, k, v)
         if stretches is not None:
-            for dst, src in pairs:
+            for table, pool in parts:
                 for block, record, n in stretches:
-                    dst[record : record + n].copy_(src[:, block : block + n].transpose(0, 1))
+                    table[record : record + n].copy_(pool[block : block + n])
             return
         at, rows = self._indices(k, blocks, records, ids)
-        for dst, src in pairs:
-            dst.index_copy_(0, rows, src.index_select(1, at).to(dst.device).transpose(0, 1))
+        for table, pool in parts:
+            table.index_copy_(0, rows, pool.index_select(0, at).to(table.device))
 
     def copy_in(
         self,
@@ -114,18 +113,15 @@ class RecordLayout:
         """Rows `ids` of `records` (written by `copy_out`, checked) into pool blocks
         `blocks` (each named once): per layer, K and V, a copy of each stretch, or one
         gather of the records, one transfer to the pool's device and one scatter."""
-        if not self.shapes:
-            return
-        stretches = _stretches(blocks, ids)
-        pairs = zip(self._tables(records), self._pools(k, v), strict=True)
+        stretches, parts = _stretches(blocks, ids), self._parts(records, k, v)
         if stretches is not None:
-            for src, dst in pairs:
+            for table, pool in parts:
                 for block, record, n in stretches:
-                    dst[:, block : block + n].copy_(src[record : record + n].transpose(0, 1))
+                    pool[block : block + n].copy_(table[record : record + n])
             return
         at, rows = self._indices(k, blocks, records, ids)
-        for src, dst in pairs:
-            dst.index_copy_(1, at, src.index_select(0, rows).to(dst.device).transpose(0, 1))
+        for table, pool in parts:
+            pool.index_copy_(0, at, table.index_select(0, rows).to(pool.device))
 
     def _indices(
         self,
@@ -135,7 +131,7 @@ class RecordLayout:
         ids: Sequence[int],
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """`blocks` on the pool's device and `ids` on the records', for index ops."""
-        device = k[next(iter(self.shapes))].device
+        device = k[next(iter(self.shapes))].device if self.shapes else records.device
         at = torch.tensor(blocks, dtype=torch.int64, device=device)
         return at, torch.tensor(ids, dtype=torch.int64, device=records.device)
 

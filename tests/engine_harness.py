@@ -206,6 +206,16 @@ async def generate(
     return tokens, handle, lps
 
 
+async def stream(handle: RequestHandle) -> tuple[list[int], list]:
+    """A running request's tokens and [(logprob, top)] per token, once it ends by length."""
+    ids, lps = [], []
+    async for delta in handle:
+        ids += delta.token_ids
+        lps += [(lp.logprob, lp.top) for lp in delta.logprobs or []]
+    assert handle.finish_reason == "length", handle.error
+    return ids, lps
+
+
 async def embed(engine: Engine, prompt: list[int], pooling: str = "mean") -> np.ndarray:
     """An embedding request's pooled vector (float32 [hidden]), once it ends."""
     handle = engine.submit(GenerationRequest("e", prompt, SamplingParams(), pooling=pooling))

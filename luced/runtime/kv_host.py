@@ -92,15 +92,7 @@ class RecordLayout:
         record named twice takes the last block), byte-exact: per layer, K and V, a copy
         of each stretch (`_stretches`), or one gather on the pool's device, one transfer
         and one scatter into the records."""
-        stretches, parts = _stretches(blocks, ids), self._parts(records, k, v)
-        if stretches is not None:
-            for table, pool in parts:
-                for block, record, n in stretches:
-                    table[record : record + n].copy_(pool[block : block + n])
-            return
-        at, rows = self._indices(k, blocks, records, ids)
-        for table, pool in parts:
-            table.index_copy_(0, rows, pool.index_select(0, at).to(table.device))
+        self._copy(records, ids, k, v, blocks, out=True)
 
     def copy_in(
         self,
@@ -113,15 +105,31 @@ class RecordLayout:
         """Rows `ids` of `records` (written by `copy_out`, checked) into pool blocks
         `blocks` (each named once): per layer, K and V, a copy of each stretch, or one
         gather of the records, one transfer to the pool's device and one scatter."""
+        self._copy(records, ids, k, v, blocks, out=False)
+
+    def _copy(
+        self,
+        records: torch.Tensor,
+        ids: Sequence[int],
+        k: Mapping[int, torch.Tensor],
+        v: Mapping[int, torch.Tensor],
+        blocks: Sequence[int],
+        out: bool,
+    ) -> None:
+        """`copy_out` (pool -> records) or `copy_in` (records -> pool)."""
         stretches, parts = _stretches(blocks, ids), self._parts(records, k, v)
         if stretches is not None:
             for table, pool in parts:
                 for block, record, n in stretches:
-                    pool[block : block + n].copy_(table[record : record + n])
+                    src, dst = pool[block : block + n], table[record : record + n]
+                    (dst if out else src).copy_(src if out else dst)
             return
         at, rows = self._indices(k, blocks, records, ids)
         for table, pool in parts:
-            pool.index_copy_(0, at, table.index_select(0, rows).to(pool.device))
+            if out:
+                table.index_copy_(0, rows, pool.index_select(0, at).to(table.device))
+            else:
+                pool.index_copy_(0, at, table.index_select(0, rows).to(pool.device))
 
     def _indices(
         self,

@@ -10,10 +10,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from engine_harness import engine_for
+from engine_harness import engine_for, stream
 
 from luced.cache.block_files import BlockFiles, prompt_keys
-from luced.engine.core import Engine, GenerationRequest, RequestHandle
+from luced.engine.core import Engine, GenerationRequest
 from luced.engine.kv.block_store import BlockStore
 from luced.runtime.tiny import make_tiny_gguf
 from luced.sampling_params import SamplingParams
@@ -38,15 +38,6 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def known() -> dict[tuple[int, str], tuple[list[int], list]]:
     return {}
-
-
-async def stream(handle: RequestHandle) -> tuple[list[int], list]:
-    ids, lps = [], []
-    async for delta in handle:
-        ids += delta.token_ids
-        lps += [(lp.logprob, lp.top) for lp in delta.logprobs or []]
-    assert handle.finish_reason == "length", handle.error
-    return ids, lps
 
 
 async def served(e: Engine, prompt: list[int], n: int = 8) -> tuple[tuple[list[int], list], int]:

@@ -14,11 +14,11 @@ import os
 from pathlib import Path
 
 import pytest
-from engine_harness import engine_for
+from engine_harness import engine_for, stream
 
 from luced.cache.block_files import BLOCKS, SUFFIX, BlockFiles, prompt_keys
 from luced.cache.files import QUARANTINE
-from luced.engine.core import Engine, GenerationRequest, RequestHandle
+from luced.engine.core import Engine, GenerationRequest
 from luced.runtime.tiny import make_tiny_gguf
 from luced.sampling_params import SamplingParams
 
@@ -50,15 +50,6 @@ async def fresh_answers(tiny: Path, known: dict) -> dict[str, tuple[list[int], l
             for name, p in (("p", PROMPT), ("o", OTHER), ("t", THIRD)):
                 known[name] = (await served(plain, p))[0]
     return known
-
-
-async def stream(handle: RequestHandle) -> tuple[list[int], list]:
-    ids, lps = [], []
-    async for delta in handle:
-        ids += delta.token_ids
-        lps += [(lp.logprob, lp.top) for lp in delta.logprobs or []]
-    assert handle.finish_reason == "length", handle.error
-    return ids, lps
 
 
 def engine(path: Path, kv: Path, devices: tuple[str, ...] = ("cpu",)):

@@ -189,9 +189,9 @@ class Target:
         to host records under pressure (`kept_records` of them). With KV Flash each running
         slot keeps at most its pager's quota resident, the kept lanes at most `kept`
         positions resident, and the host records are `FlashLanes.records`. `store`: bytes
-        of host records more for the prefix cache's block store (without KV Flash; sized
-        at start, `store_records`; none for a recurrent model). -> with kept lanes' host
-        records, what the lanes hold (the budget's)."""
+        of host records more for the prefix cache's block store (sized at start,
+        `store_records`; none for a recurrent model). -> with kept lanes' host records,
+        what the lanes hold (the budget's)."""
         block, flash = self.placement.kv_block, self.flash
         if not block:
             return None
@@ -199,21 +199,22 @@ class Target:
         if flash is None:
             n = pool_blocks(positions, lanes, block)
             kept_host = kept_records(kept, block, kept_lanes)
-            self.store_records = store_records(self.placement.kv_capacity, block) if store else 0
-            self.store_bytes = store
+            paging = kept_host
         else:
             n = flash.blocks_for(pool_blocks(kept, kept_lanes, block) if kept_lanes > 0 else 0)
-            kept_host = flash.records(kept, max(0, kept_lanes))
-            self.store_records = 0
+            kept_host = flash.kept_records(kept, max(0, kept_lanes))
+            paging = flash.records(kept, max(0, kept_lanes))  # the running slots' too
+        self.store_records = store_records(self.placement.kv_capacity, block) if store else 0
+        self.store_bytes = store
         if self.blocks is not None and self.blocks.n_blocks != n and self.n_layers:
             raise RuntimeError(
                 "the block pool is sized before the workers load (make the engine first)"
             )
-        records = kept_host + self.store_records
+        records = paging + self.store_records
         self.blocks = BlockTables(n, block, records)
         self.host = HostRecords(records) if records else None
         if flash is not None:
-            return flash.holdings(self.blocks)
+            return flash.holdings(self.blocks, kept_host)
         return Holdings(self.blocks, None, FIRST_BLOCKS, kept_host) if kept_host else None
 
     # -- lifecycle -----------------------------------------------------------------------

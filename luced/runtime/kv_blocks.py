@@ -53,14 +53,16 @@ every block of [0, end) is resident nothing of this runs: the logits stay `KVCac
 A write into a paged-out block or an export of one is refused; a share takes PAGED
 entries as they are (the daemon's record, shared, pages each back in for its lane).
 The prefix cache's block store (the daemon's engine/kv/block_store.py) copies a block
-to a record and keeps it (`MOVE_SAVE`), and appends a record read from disk as the
-table's next entry, PAGED, its positions committed (`MOVE_ADOPT`): the next span pages
-it in. A frame's moves come together (`apply_moves`): all checked first, then copied in
-runs of one kind, each run a copy or two per stored layer, not one per block (`kv_host`).
+to a record and keeps it (`MOVE_SAVE`), and appends a record it holds as the table's
+next entry, PAGED, its positions committed (`MOVE_ADOPT`; scored, its block keys sealed
+from the record's K rows): a span pages it in when the daemon says. A frame's moves
+come together (`apply_moves`): all checked first, then copied in runs of one kind, each
+run a copy or two per stored layer, not one per block (`kv_host`).
 
 Scoring (`scored`, KV Flash's `qk` policy): the cache keeps each block's mean key per
 stored layer (`kv_qk.BlockKeys`), sealed by the step that writes
-the block's last position, and each full-attention layer's last query; `write_scores`
+the block's last position (an import, a share, an adopt: when its rows come in whole),
+and each full-attention layer's last query; `write_scores`
 gives each block's score from them (the daemon ranks the blocks by it).
 """
 
@@ -454,8 +456,11 @@ class PagedKVCache(BaseKVCache):
                 for j, block in zip(js, blocks, strict=True):
                     self._assign(j, block)
             elif kind == MOVE_ADOPT:
+                adopted = self._ints(list(range(len(self.table), len(self.table) + len(run))))
                 self.table.extend([PAGED] * len(run))
                 self.commit(len(self.table) * pool.block)
+                if self.qk is not None:  # keyed as the computing cache keyed them
+                    self.qk.seal_records(self.record, records, ids, adopted)
             self._relink()
 
     def reserve(self, start: int, n: int) -> None:

@@ -62,16 +62,12 @@ class RecordLayout:
         every view op costs as much as moving a few KiB."""
         word = _WORDS[self.dtype.itemsize]
         table = records.view(word)
-        step, offset = table.stride(0), table.storage_offset()
+        offset = table.storage_offset()
         for layer, (heads, dim) in self.shapes.items():
             for t in (k[layer], v[layer]):
                 pool = t.view(word)  # [Hkv, pool rows, D], rows and D contiguous
                 yield (
-                    table.as_strided(
-                        (table.shape[0], heads, self.rows, dim),
-                        (step, self.rows * dim, dim, 1),
-                        offset,
-                    ),
+                    self._rows_at(table, offset, heads, dim),
                     pool.as_strided(
                         (pool.shape[1] // self.rows, heads, self.rows, dim),
                         (self.rows * dim, pool.stride(0), dim, 1),
@@ -79,6 +75,27 @@ class RecordLayout:
                     ),
                 )
                 offset += heads * self.rows * dim
+
+    def _rows_at(self, table: torch.Tensor, offset: int, heads: int, dim: int) -> torch.Tensor:
+        """The K or V rows of one layer at word `offset` of every record of `table` (the
+        records as words), as [n, Hkv, rows, D]."""
+        shape, step = (table.shape[0], heads, self.rows, dim), table.stride(0)
+        return table.as_strided(shape, (step, self.rows * dim, dim, 1), offset)
+
+    def k_rows(self, records: torch.Tensor, ids: Sequence[int], layer: int) -> torch.Tensor:
+        """`layer`'s K rows of records `ids` as a pool's blocks hold them: [Hkv, len(ids),
+        rows, D] of the cache dtype, contiguous, on the records' device (a `qk` block key
+        is sealed from these: `kv_qk.BlockKeys.seal`)."""
+        word = _WORDS[self.dtype.itemsize]
+        table = records.view(word)
+        offset = table.storage_offset()
+        for stored, (heads, dim) in self.shapes.items():
+            if stored == layer:
+                at = torch.tensor(list(ids), dtype=torch.int64, device=records.device)
+                rows = self._rows_at(table, offset, heads, dim).index_select(0, at)
+                return rows.view(self.dtype).transpose(0, 1).contiguous()
+            offset += 2 * heads * self.rows * dim
+        raise ValueError(f"layer {layer} is not in the record (stored: {list(self.shapes)})")
 
     def copy_out(
         self,

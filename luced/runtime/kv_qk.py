@@ -15,9 +15,11 @@ Upstream: lucebox ``kvflash_qk.h`` (``wave2-reference.md`` §1.3).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 
 import torch
+
+from luced.runtime.kv_host import RecordLayout
 
 EPS = 1e-6  # keeps the zero vector's normalisation finite
 
@@ -53,6 +55,16 @@ class BlockKeys:
         mean = rows.to(torch.float32).mean(2).transpose(0, 1)  # [m, Hkv, D]
         self.keys[layer][blocks] = _normalise(mean)
         self.sealed[blocks] = True
+
+    def seal_records(
+        self, layout: RecordLayout, records: torch.Tensor, ids: Sequence[int], blocks: torch.Tensor
+    ) -> None:
+        """Block keys of blocks [m] from the K rows of host records `ids` [m] (`layout`'s;
+        a block adopted from a record): the bytes its computing cache sealed it from, so
+        the keys are that cache's and a restored lane ranks its blocks as that one did."""
+        for layer in self.keys:
+            rows = layout.k_rows(records, ids, layer).to(self.sealed.device)
+            self.seal(layer, blocks, rows)
 
     def copy_from(self, other: BlockKeys, blocks: torch.Tensor) -> None:
         """Blocks `blocks` keyed as `other` keys them (a share of rows it sealed)."""

@@ -121,9 +121,11 @@ async def test_preempted_requests_start_their_pool_over_and_finish_as_alone(tiny
 
 
 async def test_prompts_within_the_pool_restore_from_the_prefix_cache_as_fresh(tiny: Path) -> None:
-    """KV Flash with the prefix cache: a prompt the pool holds whole (every block resident)
-    is snapshotted and a later request restores it, with the output a fresh prefill
-    gives; a prompt past the pool pages blocks out and is not snapshotted."""
+    """KV Flash with the prefix cache's snapshots (where the daemon keeps them under KV
+    Flash: a hybrid, remote workers, a draft's ring; its blocks otherwise:
+    test_block_store_flash.py): a prompt the pool holds whole (every block resident) is
+    snapshotted and a later request restores it, with the output a fresh prefill gives;
+    a prompt past the pool pages blocks out and is not snapshotted."""
     pool = PagerConfig(pool_tokens=448, policy="lru")
     greedy = SamplingParams(temperature=0, logprobs=1)
     short = PROMPTS[1][:300]

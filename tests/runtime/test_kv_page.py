@@ -73,6 +73,7 @@ class Stage:
             "tokens": ((64,), "int32"),
             "hidden": ((64, reply.hidden), "float32"),
             "logits": ((1, reply.vocab), "float32"),
+            "scores": ((2, 16), "float32"),  # qk: per block, summed cosines and layers
         }
         specs |= {name: ((h, 64, d), "float32") for name, h, d in layout.tensors}
         self.io = Regions(owner, f"kvpage-{layers[0]}-{secrets.token_hex(2)}", specs)
@@ -101,8 +102,11 @@ class Lanes:
         self.stages = stages
         self.tables: dict[int, list[int]] = {}
 
-    def forward(self, seq: int, start: int, ids: list[int], moves=()) -> np.ndarray:
-        """Feed `ids` at `start` after `moves` (then grown as needed): the logits after."""
+    def forward(
+        self, seq: int, start: int, ids: list[int], moves=(), scored: bool = False
+    ) -> np.ndarray:
+        """Feed `ids` at `start` after `moves` (then grown as needed): the logits after;
+        `scored`: each stage writes the lane's qk block scores into its "scores"."""
         table = self.follow(seq, moves)
         held = {b for t in self.tables.values() for b in t}
         free = (b for b in range(64) if b not in held)
@@ -127,7 +131,8 @@ class Lanes:
                 s.io.a("hidden")[: len(ids)] = self.stages[i - 1].io.a("hidden")[: len(ids)]
                 fields["hidden_in"] = s.io.r["hidden"]
             out = "logits" if i == len(self.stages) - 1 else "hidden"
-            s.w.call(F.Forward((span,), out, {out: s.io.r[out]}, **fields))
+            mine = dataclasses.replace(span, kv_scores=s.io.r["scores"]) if scored else span
+            s.w.call(F.Forward((mine,), out, {out: s.io.r[out]}, **fields))
         return self.stages[-1].io.a("logits")[0].copy()
 
     def page(
@@ -296,6 +301,32 @@ def test_saved_records_adopted_by_a_new_lane_attend_as_the_computed_blocks(lanes
     for s, held in zip(lanes.stages, rows, strict=True):
         for name, r in s.rows(len(PROMPT) + 1, seq=3).items():
             assert r.tobytes() == held[name].tobytes(), name
+
+
+@pytest.mark.parametrize("lanes", [WHOLE, SPLIT], ids=["whole", "split"], indirect=True)
+def test_adopted_records_are_scored_as_the_computed_blocks(lanes: Lanes) -> None:
+    """KV Flash's qk block keys of adopted blocks come from their records' K rows: lane 3
+        adopts LANE's saved blocks 0..2, pages them in, computes block 3 as LANE did, and then
+        both page block 1 out; the scores of the next step (block 1's from its key alone, as
+        reselection ranks paged-out blocks) are LANE's bit for bit, in every stage (block 3,
+    partial, is not scored)."""
+    lanes.forward(LANE, 0, PROMPT[:24])
+    lanes.forward(LANE, 24, PROMPT[24:])
+    saves = ((2, 0, 0, 1), (2, 1, 1, 2), (2, 2, 2, 0))
+    lanes.page(LANE, saves)
+    adopts = ((3, 0, -1, 1), (3, 1, -1, 2), (3, 2, -1, 0))
+    lanes.page(3, adopts, tokens=tuple(PROMPT[:24]))
+    lanes.forward(3, 24, PROMPT[24:], moves=((1, 0, 5, 1), (1, 1, 6, 2), (1, 2, 7, 0)))
+    assert lanes.tables == {LANE: [0, 1, 2, 3], 3: [5, 6, 7, 4]}
+    scores, logits = [], []
+    for seq, block, record in ((LANE, 1, 3), (3, 6, 3)):  # record 3: free once more
+        lanes.page(seq, ((0, 1, block, record),))
+        logits.append(lanes.forward(seq, len(PROMPT), [7], scored=True))
+        scores.append([s.io.a("scores").copy() for s in lanes.stages])
+    assert logits[0].tobytes() == logits[1].tobytes()
+    for mine, theirs in zip(*scores, strict=True):
+        assert (mine[1, :3] > 0).all() and mine[1, 3] == 0  # 0..2 sealed, 3 partial
+        assert mine.tobytes() == theirs.tobytes()
 
 
 @pytest.mark.parametrize("lanes", [WHOLE], ids=["whole"], indirect=True)

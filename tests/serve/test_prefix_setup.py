@@ -80,7 +80,8 @@ def test_a_held_cache_dir_is_refused_before_the_load(tmp_path: Path) -> None:
         (("--kv-cache-dir", "kv"), True),  # several running requests share one block pool
         (("--kv-cache-dir", "kv", "--draft", "ngram"), True),  # no feature rings
         (("--kv-cache-dir", "kv", "--max-running", "1"), False),  # one cache, no blocks
-        (("--kv-cache-dir", "kv", "--kv-flash", "512"), False),
+        (("--kv-cache-dir", "kv", "--kv-flash", "512"), True),  # KV Flash pages the same blocks
+        (("--kv-flash", "512", "--max-running", "1"), True),  # its pool: blocks of 64
         (("--kv-cache-dir", "kv", "--prefix-cache-bytes", "0"), False),
         ((), True),  # no disk tier: blocks in host records only
         (("--max-running", "1"), False),
@@ -88,8 +89,8 @@ def test_a_held_cache_dir_is_refused_before_the_load(tmp_path: Path) -> None:
 )
 def test_the_cache_keeps_blocks_where_it_can(tmp_path: Path, args, blocks: bool) -> None:
     """`ModelSpec.block_store`, decided before the load: blocks (in memory, and on disk
-    with a directory) for requests that share a block pool, without KV Flash (or workers
-    on other hosts, or a draft's rings); snapshots otherwise."""
+    with a directory) for requests that share a block pool, several running or KV
+    Flash's (without workers on other hosts or a draft's rings); snapshots otherwise."""
     model = make_tiny_gguf("llama", tmp_path / "m.gguf", seed=1, layers=2, context=1024).path
     argv = [str(model), *(str(tmp_path / a) if a == "kv" else a for a in args)]
     cfg = load_config(argv, env={}, default_config_path=None)
@@ -98,13 +99,18 @@ def test_the_cache_keeps_blocks_where_it_can(tmp_path: Path, args, blocks: bool)
 
 @pytest.mark.parametrize(
     ("args", "arena"),
-    [((), False), (("--max-running", "1"), True)],
-    ids=["blocks", "snapshots"],
+    [
+        ((), False),
+        (("--max-running", "1", "--kv-flash", "512"), False),
+        (("--max-running", "1"), True),
+    ],
+    ids=["blocks", "kv-flash-blocks", "snapshots"],
 )
 async def test_the_arena_is_carved_only_for_snapshots(tmp_path: Path, args, arena: bool) -> None:
     """The daemon's model start: where the cache keeps K/V blocks no `prefix-arena`
     segment is created (their memory is the host records of `kvhost`, sized by
-    --prefix-cache-bytes); one running request keeps snapshots in an arena."""
+    --prefix-cache-bytes), with KV Flash too; one running request without it keeps
+    snapshots in an arena."""
     model = make_tiny_gguf("llama", tmp_path / "m.gguf", seed=1, layers=2, context=1024).path
     argv = [str(model), "--prefix-cache-bytes", "8M", "--threads", "1", *args]
     spec = read_spec(load_config(argv, env={}, default_config_path=None))

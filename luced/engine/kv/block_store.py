@@ -1,22 +1,28 @@
 """The prefix cache as K/V blocks by prefix key (cache/block_files.py's keys), for an
-attention-only model whose workers are all local, without KV Flash: its memory tier is host
-records (engine/kv/host.py) held by key, its disk tier (with --kv-cache-dir) a file per
-block and worker; a prompt comes back as a page-in, not an import of copies.
+attention-only model whose workers are all local: its memory tier is host records
+(engine/kv/host.py) held by key, its disk tier (with --kv-cache-dir) a file per block and
+worker; a prompt comes back as a page-in, not an import of copies. KV Flash is one more
+policy over the same table: its lanes' paged-out blocks are records already.
 
     save     after a prompt's prefill, its whole blocks not held in memory yet: each
-             copied from the lane's pool block into a free host record (`BlockTables.save`,
-             one `kv_page` to the workers) that the store keeps by its key; then one
-             background writer (a task, the blocking I/O in a thread, one block at a time,
-             never in the way of the token stream) writes each worker's bytes of the
-             records not on disk yet to its part (`HostRecords.arrays[k]` row r)
+             resident one copied from the lane's pool block into a free host record
+             (`BlockTables.save`, one `kv_page` to the workers), each paged out by KV
+             Flash held as its record is (a held record is never written again:
+             `BlockTables`), and the store keeps them by key; then one background writer
+             (a task, the blocking I/O in a thread, one block at a time, never in the way
+             of the token stream) writes each worker's bytes of the records not on disk
+             yet to its part (`HostRecords.arrays[k]` row r)
     match    the prompt's whole blocks held in memory or on disk in every part, each in
              one or the other, consecutive from its first one, leaving at least one prompt
              token to compute
     restore  the new sequence's empty table adopts the blocks' records (`BlockTables.adopt`,
-             one `kv_page` with their token ids): those held in memory as they are, the
-             others first read from their files into free records (a thread), kept in
-             memory from then on; its first span pages them in (`ModelRunner._page_in`),
-             so its rows are the saved ones, byte for byte, and restored == fresh
+             one `kv_page` with their token ids; under KV Flash's `qk` the workers key the
+             blocks from the records' K rows, as the computing lane keyed them): those held
+             in memory as they are, the others first read from their files into free
+             records (a thread), kept in memory from then on. Its first span pages them in
+             (`ModelRunner._page_in`), or under KV Flash its pager pages in what a lane
+             that computed them would hold (`Pager.sync`, as a sharer of a kept prompt):
+             its rows are the saved ones, byte for byte, and restored == fresh
 
 Memory: at most `capacity` records held (`Target.store_records`: --prefix-cache-bytes over
 one record of every worker, at least a context's), the least recently used given up first:
@@ -204,6 +210,8 @@ class BlockStore:
                 for i in [i for i in taken if i < n]:  # in memory from now on
                     self._keep(keys[i], keys[i - 1] if i else ROOT_KEY, prompt, i, taken.pop(i))
                 self._use(keys[:n])
+                if (pager := t.pager(slot)) is not None:  # KV Flash: it pages in what it keeps
+                    pager.sync(n * self.block)
         finally:
             for record in (*retained, *taken.values()):
                 tables.release_record(record)
@@ -211,31 +219,31 @@ class BlockStore:
         return n * self.block
 
     async def save(self, slot: int, prompt: Sequence[int]) -> int:
-        """Copy `slot`'s blocks of `prompt`'s whole blocks that are not in memory yet into
-        free host records (as many as there are, in prefix order), keep them, and queue
-        those not on disk for the writer. -> the blocks saved."""
+        """Keep `slot`'s blocks of `prompt`'s whole blocks that are not in memory yet (as
+        many as there is room for, in prefix order): a resident one copied into a free
+        host record, a paged-out one (KV Flash) as its record is; and queue those not on
+        disk for the writer. -> the blocks saved."""
         t, tables = self.target, self.tables
         assert t.host is not None
         keys = prompt_keys(prompt, self.block, tables.length(slot))
         mine = [h.record for k in keys if (h := self._held.get(k)) is not None]
-        todo = [
-            j
-            for j, key in enumerate(keys)
-            if key not in self._held and tables.entry(slot, j) != PAGED
-        ]
+        new = [j for j, key in enumerate(keys) if key not in self._held]
         for record in mine:  # no reclaim gives up this prompt's own blocks for the others
             tables.retain_record(record)
         try:
-            self.reclaim(len(self._held) + len(todo) - self.capacity)
-            room = min(tables.available_records, self.capacity - len(self._held))
-            if len(todo) > room:
+            self.reclaim(len(self._held) + len(new) - self.capacity)
+            todo = self._room(slot, new)
+            if len(todo) < len(new):
                 log.debug(
                     "prefix cache: %d of %d new blocks saved: host records are short",
-                    max(0, room),
                     len(todo),
+                    len(new),
                 )
-                todo = todo[: max(0, room)]
-            moves = [tables.save(slot, j) for j in todo]
+            # A paged-out block's record is held as it is, a resident block copied.
+            records = {j: tables.record(slot, j) for j in todo if tables.entry(slot, j) == PAGED}
+            for record in records.values():
+                tables.retain_record(record)
+            moves = [tables.save(slot, j) for j in todo if j not in records]
         finally:
             for record in mine:
                 tables.release_record(record)
@@ -243,18 +251,30 @@ class BlockStore:
             try:
                 await t.host.page(t.executor, slot, moves)
             except BaseException as exc:
-                for m in moves:
-                    tables.release_record(m.record)
+                for record in [*records.values(), *(m.record for m in moves)]:
+                    tables.release_record(record)
                 if not isinstance(exc, Exception):
                     raise
                 log.warning("prefix cache: saving %d blocks failed: %s", len(moves), exc)
                 return 0
-        for m in moves:
-            j = m.index
-            self._keep(keys[j], keys[j - 1] if j else ROOT_KEY, prompt, j, m.record)
+        records |= {m.index: m.record for m in moves}
+        for j in todo:
+            self._keep(keys[j], keys[j - 1] if j else ROOT_KEY, prompt, j, records[j])
         self._use(keys)
         self._queue_writes(keys)
-        return len(moves)
+        return len(todo)
+
+    def _room(self, slot: int, new: Sequence[int]) -> list[int]:
+        """The first of `slot`'s logical blocks `new` that the store has room for: within
+        its capacity, and a free record for each resident one (a copy)."""
+        room = self.capacity - len(self._held)
+        copies = self.tables.available_records
+        for i, j in enumerate(new):
+            if self.tables.entry(slot, j) != PAGED:
+                copies -= 1
+            if i >= room or copies < 0:
+                return list(new[:i])
+        return list(new)
 
     def memory(self) -> list[bytes]:
         """The keys of the blocks held in memory, least recently used first."""
@@ -421,11 +441,16 @@ class BlockStore:
 def part_name(target: Target, plan: WorkerPlan) -> str:
     """One worker's part of the blocks: "b16-bf16-L0-15-1a2b3c4d", the pool's block, the
     K/V dtype, its layers, and a hash of the rest that a record's bytes depend on (its
-    devices and shard split, the compute dtype, how weights are held)."""
+    devices and shard split, the compute dtype, how weights are held; under KV Flash its
+    pool, policy and protected blocks and the prompt chunk, which decide what each row
+    attended to)."""
     p = target.placement
     kv = p.kv_dtype or p.dtype
     a, b = plan.layers
-    rest = (plan.devices, plan.shard_ranges(), p.dtype, p.weights_mode, p.batch_invariant)
+    rest: tuple = (plan.devices, plan.shard_ranges(), p.dtype, p.weights_mode, p.batch_invariant)
+    if target.flash is not None:  # the residency the rows were computed over
+        c = target.flash.cfg
+        rest += (c.pool_tokens, c.policy, c.tau, c.sink_blocks, c.tail, target.prompt_chunk)
     digest = hashlib.sha256(repr(rest).encode()).hexdigest()[:8]
     block = p.kv_block
     return f"b{block}-{_SHORT_DTYPES.get(kv, kv)}-L{a}-{b}-{digest}"

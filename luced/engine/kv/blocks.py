@@ -56,7 +56,10 @@ for sharing keeps its paged-out blocks too), plus one per hold of an owner outsi
 tables (`hold_record` / `retain_record`: the block store's saves, restores and writes).
 `write` never reaches a PAGED entry: the pager pages it in first. `truncate` and `free`
 release the records of the PAGED entries they drop; a record is free again at its last
-release.
+release. A record is written only when it is taken free (a page-out's, a save's, or a
+`hold_record` to read a block into): a held record's bytes never change, so any holder
+may hold it on (the block store keeps a lane's paged-out record as it is: that lane's
+next page-out of the block takes a fresh record).
 
 Records held only to be reused later (the block store's memory tier of the prefix cache,
 engine/kv/block_store.py) are given up on demand: when a page-out, a save or a hold finds

@@ -37,7 +37,10 @@ engine then has the workers score the blocks and hands the scores to `score`, an
 next `plan` starts with the reselection: every materialised block, resident or PAGED,
 is ranked (protected first, then by score; ties keep the resident, then the newer
 block), the top `quota` stay or become resident and the rest are paged out, so its
-moves ride with that plan's.
+moves ride with that plan's. A lane started on a table made elsewhere (`sync`: a shared
+prefix, a kept prompt, the prefix cache's restored blocks, resident or PAGED) first
+pages in what an `lru` pager that planned those blocks would hold, the sinks and the
+newest blocks, under either policy.
 """
 
 from __future__ import annotations
@@ -257,10 +260,9 @@ class Pager:
         if keep is not None:
             self._since_reselect = 0
             self._asked = self._scored = False
-        if adopt is not None:
-            for j in sorted(adopt):
-                self.touch(j)
-            self._adopt = None
+        for j in sorted(adopt or ()):
+            self.touch(j)
+        self._adopt = None  # a reselection brought its own residency instead
         moves += [self._move(kind, j) for kind, j in ops if kind != _NEW]
         for j in step:
             self.touch(j)
@@ -281,11 +283,12 @@ class Pager:
             self._adopt = self._planned_residency(-(-length // self.cfg.block))
 
     def sync(self, n: int) -> None:
-        """The caller made the lane's table anew covering [0, n) (a `share`, an import),
-        its entries resident or PAGED (a kept prompt's): start over as if a fresh pager
-        had planned those blocks in order. Under `lru` the next `plan` first brings the
-        residency to that pager's too, the sinks and the newest blocks within the quota
-        (`_adopt`); under `qk` the reselection, due at once, ranks them."""
+        """The caller made the lane's table anew covering [0, n) (a `share`, an import, a
+        restore of the prefix cache's blocks), its entries resident or PAGED (a kept
+        prompt's, a restored one's): start over as if a fresh pager had planned those
+        blocks in order. The next `plan` first brings the residency to an `lru` pager's
+        too, the sinks and the newest blocks within the quota (`_adopt`); under `qk` the
+        reselection, due at once, then ranks them by the scores of that first step."""
         blocks = -(-n // self.cfg.block)
         if n < 0 or blocks > self.tables.length(self.lane):
             raise ValueError(
@@ -297,8 +300,7 @@ class Pager:
             self.touch(j)
         self.cur_block = blocks - 1
         self.end = self._since_reselect = n
-        if self.cfg.policy == "lru":
-            self._adopt = self._planned_residency(blocks)
+        self._adopt = self._planned_residency(blocks)
 
     def reset(self) -> None:
         """Forget the lane (the caller frees its table); the counters stay."""
@@ -310,8 +312,8 @@ class Pager:
         self._since_reselect = 0
         self._asked = False
         self._scored = False  # scores arrived since the last reselection
-        # The residency the next plan brings a synced lane to (under `lru`): what a pager
-        # that had planned its blocks in order would keep.
+        # The residency the next plan brings a synced lane to: what an `lru` pager that
+        # had planned its blocks in order would keep.
         self._adopt: set[int] | None = None
 
     # ------------------------------------------------------------------ internals
@@ -413,10 +415,12 @@ class Pager:
     def _check_pool(self, ops: list[tuple[int, int]], what: str) -> None:
         """Walk the ops in order over the shared pool's free blocks and records (an OUT
         takes a record and frees its block unless another table shares it, an IN the
-        reverse (a shared record stays), a new block or a copy-on-write takes a block)
-        and refuse the step before anything changes."""
+        reverse (a shared record stays), a new block or a copy-on-write takes a block;
+        records the tables' reclaimer would give up count as free) and refuse the step
+        before anything changes."""
         t = self.tables
         blocks, records = t.free_blocks, t.free_records
+        spare: int | None = None  # records the reclaimer would give up (asked when needed)
         for kind, j in ops:
             if kind != OUT:
                 blocks -= 1
@@ -426,6 +430,9 @@ class Pager:
                 records -= 1
             elif kind == IN and not self._shared_record(j):
                 records += 1
+            if records < 0 and spare is None:
+                spare = t.available_records - t.free_records
+                records += spare
             if blocks < 0:
                 raise BlocksExhausted(
                     f"the K/V block pool is exhausted: {what} need more than the "
@@ -434,7 +441,7 @@ class Pager:
             if records < 0:
                 raise RecordsExhausted(
                     f"the host tier is exhausted: {what} need more than the "
-                    f"{t.free_records} free of {t.records} records"
+                    f"{t.free_records + (spare or 0)} free of {t.records} records"
                 )
 
     def _move(self, kind: int, j: int) -> Move:

@@ -38,11 +38,11 @@ class FlashLanes:
         conversation each) and their `kept` resident positions paged out."""
         return self.sequences * self.keys + -(-kept // self.cfg.block) if kept_lanes > 0 else 0
 
-    def holdings(self, tables: BlockTables) -> Holdings:
-        """What the lanes hold in the pool over `tables` (sized by `records`; the KV
-        budget's charges): a running lane at most its quota and its step's block."""
+    def holdings(self, tables: BlockTables, kept_records: int) -> Holdings:
+        """What the lanes hold in the pool over `tables` (the KV budget's charges), the
+        kept lanes within `kept_records` of its host records: a running lane at most its
+        quota and its step's block."""
         cap = (self.cfg.n_blocks + 1) * self.cfg.block
-        kept_records = tables.records - self.sequences * self.keys
         return Holdings(tables, cap, self.cfg.sink_blocks, kept_records)
 
     def blocks_for(self, kept_blocks: int) -> int:

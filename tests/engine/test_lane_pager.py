@@ -437,6 +437,46 @@ def test_an_adopted_lane_pages_as_a_lane_that_computed_its_prefix() -> None:
             assert lane.resident() == fresh.resident()
 
 
+class HeldRecords:
+    """Records held to be reused later and given up on demand, the oldest first (the
+    tables' `Reclaimer`, as the prefix cache's block store is)."""
+
+    def __init__(self, tables: BlockTables, n: int) -> None:
+        self.tables = tables
+        self.records = [tables.hold_record() for _ in range(n)]
+        tables.reclaimer = self
+
+    def spare(self) -> int:
+        return sum(self.tables.record_refs(r) == 1 for r in self.records)
+
+    def reclaim(self, n: int) -> int:
+        gone = [r for r in self.records if self.tables.record_refs(r) == 1][:n]
+        for r in gone:
+            self.records.remove(r)
+            self.tables.release_record(r)
+        return len(gone)
+
+
+def test_a_page_out_takes_a_record_the_prefix_cache_gives_up() -> None:
+    """Every host record is held by the prefix cache's blocks: a step that must page a
+    block out is not refused, it takes the record the cache gives up first; a record
+    held elsewhere too is not given up."""
+    tables = BlockTables(8, 4, 3)
+    held = HeldRecords(tables, 3)
+    tables.adopt(0, [2])  # the lane's first block: the cache's record 2
+    pager = Pager(LRU, tables, 0)
+    pager.sync(4)
+    assert step(pager, 4, 12) == (Move(IN, 0, 0, 2),)  # blocks 1..3 new: the quota
+    assert tables.free_records == 0 and held.spare() == 3
+    assert step(pager, 16, 1) == (Move(OUT, 1, 1, 0),)  # record 0, given up by the cache
+    assert held.records == [1, 2] and tables.host(0) == {1: 0}
+    for r in held.records:  # held elsewhere too (a write to disk): not to be given up
+        tables.retain_record(r)
+    with pytest.raises(RecordsExhausted, match=r"need more than the 0 free of 3 records"):
+        pager.plan(17, 4)
+    assert held.records == [1, 2] and tables.host(0) == {1: 0}
+
+
 class FakeWorker:
     """A worker that follows the daemon: pool blocks and host records hold rows (here
     the token each position saw), moved and copied only as the moves and growth say."""

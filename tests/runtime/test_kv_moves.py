@@ -163,9 +163,11 @@ def state(shard: Shard) -> dict:
         "rows": lane.rows.tolist(),
         "refs": [shard.pool.refs(b) for b in range(MAX_BLOCKS)],
         "n_blocks": shard.pool.n_blocks,
+        # As bits: an adopted block's key is sealed from its record's bytes (random here,
+        # so some are NaN, which equals nothing).
         "qk": None
         if qk is None
-        else ({i: t.tolist() for i, t in qk.keys.items()}, qk.sealed.tolist()),
+        else ({i: t.view(torch.int32).tolist() for i, t in qk.keys.items()}, qk.sealed.tolist()),
     }
 
 

@@ -265,8 +265,8 @@ class BlockStore:
         return len(todo)
 
     def _room(self, slot: int, new: Sequence[int]) -> list[int]:
-        """The first of `slot`'s logical blocks `new` that the store has room for: within
-        its capacity, and a free record for each resident one (a copy)."""
+        """The leading ones of `slot`'s logical blocks `new` that the store has room for:
+        within its capacity, and an available record for each resident one (a copy)."""
         room = self.capacity - len(self._held)
         copies = self.tables.available_records
         for i, j in enumerate(new):

@@ -1,4 +1,6 @@
-"""The prefix cache's disk tier of K/V blocks: one file per block, named by its prefix key.
+"""The prefix cache's disk tier of K/V blocks: one file per block, named by its prefix key;
+and of a hybrid's recurrent states at block ends (`STATE_FILES`: the state after a block, named
+by that block's key, in files of their own kind beside the blocks).
 
 A block is ``block`` positions of one worker's K/V: one host record (``engine/kv/host.py``,
 ``LoadReply.kv_record_bytes`` bytes: one pool block of every layer the worker stores).
@@ -13,9 +15,11 @@ Layout (``cache/files.py`` owns the model directory, its lock and the quarantine
     DIR/<model>/blocks/<part>/              one worker's record layout: "b16-bf16-L0-30"
         5f0c...e1.kvb                       one block, named by its key (32 hex digits)
         5f0c...e1-<rand>.kvb.tmp            a write in progress (deleted by ``scan``)
+        5f0c...e1.kvs                       the recurrent state after that block (`STATE_FILES`)
     DIR/<model>/quarantine/                 files that failed validation
 
-File (little endian; ``_HEADER``)::
+File (little endian; ``_HEADER``; a state file alike, its magic b"LUCEKVS1", its record
+one state record of the worker: ``LoadReply.kv_state_bytes``)::
 
     offset  size
          0     8   magic b"LUCEKVB1"
@@ -46,7 +50,8 @@ file's mtime is its last use (``touch``), so the LRU order survives a restart; p
 Threads: ``write`` and ``read_into`` block on I/O and are meant for worker threads; the
 index (an LRU-ordered dict) is guarded by a lock. ``scan`` replaces the index: run it at
 start-up, before writes. Snapshot files (``*.safetensors`` in the model directory) are
-``cache/disk.py``'s and never touched here.
+``cache/disk.py``'s and never touched here. One ``BlockFiles`` keeps one kind (`FileKind`:
+`BLOCK_FILES` or `STATE_FILES`) of one part, and passes over the other kind's files.
 """
 
 from __future__ import annotations
@@ -65,6 +70,7 @@ from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 
@@ -82,15 +88,35 @@ log = logging.getLogger(__name__)
 
 BLOCK_KEY_BYTES = 16
 ROOT_KEY = bytes(BLOCK_KEY_BYTES)  # the parent of a prompt's first block
-MAGIC = b"LUCEKVB1"
 FORMAT_VERSION = 1
 BLOCKS = "blocks"  # DIR/<model>/blocks/<part>/
-SUFFIX = ".kvb"
-TMP_SUFFIX = ".kvb.tmp"
 _HEADER = struct.Struct("<8sIIQ16s16sIIII")  # the module docstring's first 72 bytes
 _MAX_PART = 64
-_NAME_RE = re.compile(r"^[0-9a-f]{32}\.kvb$")
 _INT32 = np.iinfo(np.int32)
+
+
+@dataclass(frozen=True)
+class FileKind:
+    """What one ``BlockFiles`` keeps: its files' magic and suffix, and what to call one."""
+
+    magic: bytes
+    suffix: str
+    noun: str
+
+    @property
+    def tmp_suffix(self) -> str:
+        return f"{self.suffix}.tmp"
+
+    def is_name(self, name: str) -> bool:
+        """Whether `name` is a file of this kind's: <key hex><suffix>."""
+        key, suffix = name[: -len(self.suffix)], name[-len(self.suffix) :]
+        return suffix == self.suffix and bool(_KEY_HEX.fullmatch(key))
+
+
+_KEY_HEX = re.compile(r"[0-9a-f]{32}")
+BLOCK_FILES = FileKind(b"LUCEKVB1", ".kvb", "block file")
+STATE_FILES = FileKind(b"LUCEKVS1", ".kvs", "state file")  # a hybrid's state after a block
+MAGIC, SUFFIX = BLOCK_FILES.magic, BLOCK_FILES.suffix
 
 
 def block_key(parent: bytes, tokens: Sequence[int]) -> bytes:
@@ -103,6 +129,58 @@ def block_key(parent: bytes, tokens: Sequence[int]) -> bytes:
 def prompt_keys(tokens: Sequence[int], block: int, limit: int | None = None) -> list[bytes]:
     """Keys of tokens' whole blocks of `block` tokens, in order (at most `limit`)."""
     return list(_keys(_int32_le(tokens), block, limit))
+
+
+def block_tokens(tokens: Sequence[int], block: int, i: int) -> tuple[int, ...]:
+    """The ids of block i of `tokens` (what its key hashes with its parent's)."""
+    return tuple(int(x) for x in tokens[i * block : (i + 1) * block])
+
+
+class Hashed(Protocol):
+    """What a key was hashed from: a block file, or a block (or state) held in memory."""
+
+    @property
+    def parent(self) -> bytes: ...
+
+    @property
+    def tokens(self) -> tuple[int, ...]: ...
+
+
+def found(
+    memory: Hashed | None,
+    parts: Sequence[BlockFiles],
+    key: bytes,
+    parent: bytes,
+    tokens: tuple[int, ...],
+) -> bool:
+    """Whether `key`, hashed from `parent` and `tokens`, is in memory (`memory`: what is
+    held there by the key) or in every part (one at least): compared, so a key collision
+    never matches."""
+    if memory is not None and memory.parent == parent and memory.tokens == tokens:
+        return True
+    files = [p.get(key) for p in parts]
+    return bool(files) and all(
+        f is not None and f.parent == parent and f.tokens == tokens for f in files
+    )
+
+
+def read_parts(parts: Sequence[BlockFiles], rows: Sequence[np.ndarray], key: bytes) -> None:
+    """Fill each part's row (a worker's bytes of one record) from its file of `key`, then
+    mark the use; BlockFileError at the first that fails (quarantined by its part). A
+    thread's work."""
+    for part, row in zip(parts, rows, strict=True):
+        part.read_into(key, memoryview(row))
+    for part in parts:
+        part.touch(key)
+
+
+def write_parts(
+    parts: Sequence[BlockFiles], rows: Sequence[np.ndarray], parent: bytes, tokens: Sequence[int]
+) -> None:
+    """Write each part's row (a worker's bytes of one record) as its file of the key of
+    `parent` and `tokens`. A thread's work; OSError when the OS refuses."""
+    for part, row in zip(parts, rows, strict=True):
+        part.write(parent, tokens, row)
 
 
 def _keys(ids: np.ndarray, block: int, limit: int | None) -> Iterator[bytes]:
@@ -140,7 +218,8 @@ class _Head:
 
 
 class BlockFiles:
-    """The block files of one worker's part of one model (the module docstring)."""
+    """The block files (or state files) of one worker's part of one model (the module
+    docstring)."""
 
     def __init__(
         self,
@@ -152,6 +231,7 @@ class BlockFiles:
         max_bytes: int,
         *,
         lock_fd: int | None = None,
+        kind: FileKind = BLOCK_FILES,
     ) -> None:
         """Files of one worker's part of one model's blocks:
         DIR/<model_dir_name(fingerprint)>/blocks/<part>/<key hex>.kvb.
@@ -160,7 +240,8 @@ class BlockFiles:
         worker's layer range); the caller builds it. lock_fd: the lock ``lock_model_dir``
         took, which this object owns from here on (``close`` releases it); None means the
         caller holds the model directory's lock (one daemon per model directory: the
-        snapshot tier or the first part's BlockFiles took it).
+        snapshot tier or the first part's BlockFiles took it). kind: blocks, or a hybrid's
+        recurrent states (`STATE_FILES`: record_bytes is one state record of the worker).
         """
         if not NAME_RE.match(part) or len(part) > _MAX_PART:
             raise ValueError(f"bad part name {part!r}: want 1-64 of [0-9A-Za-z._-]")
@@ -170,6 +251,7 @@ class BlockFiles:
                 f"max_bytes {max_bytes} not negative"
             )
         self.part = part
+        self.kind = kind
         self.record_bytes = record_bytes
         self.block = block
         self.max_bytes = max_bytes
@@ -244,16 +326,17 @@ class BlockFiles:
         for entry in entries:
             name, path = entry.name, Path(entry.path)
             is_dir = entry.is_dir(follow_symlinks=False)
-            if name.endswith(TMP_SUFFIX) and not is_dir:
+            if name.endswith(self.kind.tmp_suffix) and not is_dir:
                 log.warning("prefix cache: deleting %s, a write interrupted by a crash", path)
                 with contextlib.suppress(OSError):
                     path.unlink()  # a symlink is removed itself, never its target
                 continue
-            if not name.endswith(SUFFIX) or is_dir:
+            if not name.endswith(self.kind.suffix) or is_dir:
                 continue  # not ours
             try:
-                if not _NAME_RE.match(name):
-                    raise BlockFileError(f"{name}: not a block file name (want <key hex>{SUFFIX})")
+                if not self.kind.is_name(name):
+                    want = f"<key hex>{self.kind.suffix}"
+                    raise BlockFileError(f"{name}: not a {self.kind.noun} name (want {want})")
                 if not entry.is_file(follow_symlinks=False):
                     raise BlockFileError(f"{name}: not a regular file (a symlink?)")
                 fd = open_regular(path)
@@ -297,7 +380,7 @@ class BlockFiles:
             self.touch(key)
             return key
         head = _HEADER.pack(
-            MAGIC,
+            self.kind.magic,
             FORMAT_VERSION,
             self.block,
             self.record_bytes,
@@ -309,7 +392,7 @@ class BlockFiles:
             len(self._part),
         )
         final = self._path(key)
-        tmp = self.dir / f"{key.hex()}-{secrets.token_hex(4)}{TMP_SUFFIX}"
+        tmp = self.dir / f"{key.hex()}-{secrets.token_hex(4)}{self.kind.tmp_suffix}"
         written = tmp
         try:
             fd = os.open(
@@ -401,7 +484,7 @@ class BlockFiles:
         with os.scandir(self.dir) as it:
             entries = list(it)
         for entry in entries:
-            if entry.name.endswith(SUFFIX) and not entry.is_dir(follow_symlinks=False):
+            if entry.name.endswith(self.kind.suffix) and not entry.is_dir(follow_symlinks=False):
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(entry.path)
                     removed += 1
@@ -418,7 +501,7 @@ class BlockFiles:
     def _path(self, key: bytes) -> Path:
         if len(key) != BLOCK_KEY_BYTES:
             raise ValueError(f"a block key is {BLOCK_KEY_BYTES} bytes, got {len(key)}")
-        return self.dir / f"{key.hex()}{SUFFIX}"
+        return self.dir / f"{key.hex()}{self.kind.suffix}"
 
     def _head(self, fd: int, name: str) -> _Head:
         """Header and tokens of an open file, checked against this part; BlockFileError."""
@@ -430,8 +513,8 @@ class BlockFiles:
         magic, version, block, record, parent, key, n, tokens_crc, data_crc, part_len = (
             _HEADER.unpack_from(raw)
         )
-        if magic != MAGIC:
-            raise BlockFileError(f"{name}: not a block file (magic {magic!r})")
+        if magic != self.kind.magic:
+            raise BlockFileError(f"{name}: not a {self.kind.noun} (magic {magic!r})")
         if version != FORMAT_VERSION:
             raise BlockFileError(
                 f"{name}: format version {version}, this build reads {FORMAT_VERSION}"
@@ -464,7 +547,7 @@ class BlockFiles:
             raise BlockFileError(f"{name}: the tokens fail their checksum (corrupt)")
         if _hash(parent, raw_tokens) != key:
             raise BlockFileError(f"{name}: its key does not match its parent and tokens")
-        if name != f"{key.hex()}{SUFFIX}":
+        if name != f"{key.hex()}{self.kind.suffix}":
             raise BlockFileError(f"{name}: named for another key than its own {key.hex()}")
         tokens = tuple(np.frombuffer(raw_tokens, dtype="<i4").tolist())
         return _Head(BlockFile(key, parent, tokens, size, st.st_mtime_ns / 1e9), data_at, data_crc)
@@ -491,9 +574,9 @@ class BlockFiles:
                 self._used -= f.nbytes
 
     def _quarantine(self, path: Path, reason: str) -> None:
-        if _NAME_RE.match(path.name):
-            self._forget(bytes.fromhex(path.name[: -len(SUFFIX)]))
-        quarantine(self.model_dir, path, reason, "block file")
+        if self.kind.is_name(path.name):
+            self._forget(bytes.fromhex(path.name[:32]))
+        quarantine(self.model_dir, path, reason, self.kind.noun)
 
 
 def _hash(parent: bytes, raw_tokens: bytes) -> bytes:

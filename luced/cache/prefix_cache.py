@@ -91,10 +91,12 @@ class BlockCounts(NamedTuple):
     """What a `BlockTier` holds."""
 
     memory: int = 0  # blocks in memory
-    memory_bytes: int = 0
+    memory_bytes: int = 0  # theirs, a hybrid's recurrent states' too
     capacity: int = 0  # bytes the memory tier may hold
     disk: int = 0  # block files
-    disk_bytes: int = 0
+    disk_bytes: int = 0  # theirs and the state files'
+    memory_states: int = 0  # a hybrid's recurrent states at block ends, in memory
+    disk_states: int = 0  # and on disk
 
 
 class BlockTier(Protocol):
@@ -169,9 +171,11 @@ class CacheStats:
     disk_problem: str | None = None  # why --kv-cache-dir is not in use (memory tier only)
     disk_error: str | None = None  # why disk writes are paused (the OS's error), until one works
     disk_blocks: int = 0  # block files (`blocks`: the K/V blocks by prefix key)
-    disk_block_bytes: int = 0
+    disk_block_bytes: int = 0  # theirs, and the state files' (a hybrid's)
     memory_blocks: int = 0  # blocks in memory (host records; the arena's place)
-    memory_block_bytes: int = 0
+    memory_block_bytes: int = 0  # theirs, and the states' (a hybrid's)
+    memory_states: int = 0  # a hybrid's recurrent states beside the blocks, in memory
+    disk_states: int = 0  # and their files
 
 
 @dataclass(eq=False)
@@ -461,6 +465,8 @@ class PrefixCache:
             disk_block_bytes=blocks.disk_bytes,
             memory_blocks=blocks.memory,
             memory_block_bytes=blocks.memory_bytes,
+            memory_states=blocks.memory_states,
+            disk_states=blocks.disk_states,
         )
 
     @property

@@ -16,7 +16,8 @@ When a prompt is in the KV its whole blocks are saved in the block store, or, fo
 other targets, its snapshot (`save`), restorable at its chat-turn boundaries too. A recurrent
 model's state exists only where a chunk ended, so its chunks end at the latest
 MAX_STATE_CUTS turn starts and the workers keep the state there (the prefix cache's
-exact-cut mode).
+exact-cut mode); with the block store at those turn starts snapped down to block ends and
+at the prompt's last block end, where the store keeps the states beside the blocks.
 
 A resumed (preempted) sequence reuses nothing: an import would start its sampler over.
 Nor does an embedding sequence, whose pooled rows need every position computed, and its
@@ -235,13 +236,19 @@ class PrefixReuse:
         """Where the prompt's snapshot may be restored besides its end: the chat-turn
         boundaries. A recurrent model's state exists only where its prefill stopped, so for
         it these are the restored position and the latest MAX_STATE_CUTS boundaries past
-        it (the prefill stops and keeps the state at each: exact-cut mode). None for the
-        block store's prompts, restorable at any block end."""
-        if self.cache is None or self.store is not None:
+        it (the prefill stops and keeps the state at each: exact-cut mode). The block
+        store's prompts restore at any block end, but a hybrid's only where a state is
+        kept: its boundaries snapped down to block ends and its last whole block's end
+        (the next turn's prompt extends it), beside the restored position."""
+        if self.cache is None or (self.store is not None and not self.target.recurrent):
             return ()
         cuts = self.turns.cuts(prompt) if self.turns is not None else []
         if not self.target.recurrent:
             return tuple(cuts)
+        if self.store is not None:
+            b = self.store.block
+            turns = sorted({c // b * b for c in cuts if cached < c // b * b < len(prompt)})
+            return tuple(sorted({cached, *turns[-MAX_STATE_CUTS:], len(prompt) // b * b} - {0}))
         later = [c for c in cuts if cached < c < len(prompt)][-MAX_STATE_CUTS:]
         return (cached, *later) if cached else tuple(later)
 
@@ -254,7 +261,7 @@ class PrefixReuse:
             return
         prompt = seq.prompt
         if self.store is not None:
-            await self.store.save(seq.slot, prompt)
+            await self.store.save(seq.slot, prompt, seq.cuts)
             return
         if self.target.resident(seq.slot, len(prompt)) < len(prompt):
             log.debug(

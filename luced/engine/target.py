@@ -65,6 +65,7 @@ from luced.engine.kv.blocks import BlockTables, pool_blocks
 from luced.engine.kv.holdings import FIRST_BLOCKS, Holdings
 from luced.engine.kv.host import HostRecords, kept_records, store_records
 from luced.engine.kv.pager import Pager, PagerConfig
+from luced.engine.kv.state_records import StateRecords
 from luced.engine.kv_transfer import KVTransfer
 from luced.engine.kvflash.lanes import FlashLanes
 from luced.engine.placement import (
@@ -175,6 +176,7 @@ class Target:
         self.host: HostRecords | None = None  # the tables' host records, when they have any
         self.store_records = 0  # of them, the prefix cache's block store's (`size_blocks`)
         self.store_bytes = 0  # what those may take (--prefix-cache-bytes), sized at `start`
+        self.states: StateRecords | None = None  # a hybrid's, for the block store (`start`)
         if placement.kv_block:
             self.size_blocks(sequences * placement.kv_capacity, sequences)
         self.lookup_drafts = False  # n-gram windows (`enable_lookup_drafts`)
@@ -190,8 +192,8 @@ class Target:
         slot keeps at most its pager's quota resident, the kept lanes at most `kept`
         positions resident, and the host records are `FlashLanes.records`. `store`: bytes
         of host records more for the prefix cache's block store (sized at start,
-        `store_records`; none for a recurrent model). -> with kept lanes' host records,
-        what the lanes hold (the budget's)."""
+        `store_records`; a hybrid's states take a share, `states`; a hybrid under KV Flash
+        none). -> with kept lanes' host records, what the lanes hold (the budget's)."""
         block, flash = self.placement.kv_block, self.flash
         if not block:
             return None
@@ -244,8 +246,12 @@ class Target:
         if self.host is not None and not self.host.regions:
             assert self.blocks is not None
             layers = [s.plan.layers for s in self.executor.slots if s.plan is not None]
-            if self.store_records:  # the block store's: --prefix-cache-bytes (a hybrid: none)
-                size = 0 if self.recurrent else self.store_bytes
+            if self.store_records:  # the block store's: --prefix-cache-bytes (a hybrid's
+                size = self.store_bytes  # recurrent states take their share first)
+                if self.recurrent and self.flash is not None:
+                    size = 0  # a hybrid under KV Flash keeps snapshots
+                elif self.recurrent:
+                    self.states, size = self.host.split_states(layers, size)
                 self.store_records = self.host.size_store(
                     self.blocks, layers, self.store_records, size
                 )
@@ -253,6 +259,8 @@ class Target:
                 block_bytes = self.host.carve(self.owner, self.name, layers, self.blocks)
                 if self.flash is not None:
                     self.flash.carve(self.owner, self.name, len(layers), self.blocks, block_bytes)
+            if self.states is not None:
+                self.states.carve(self.owner, self.name)
 
     async def close(self) -> None:
         await self.executor.close()
@@ -344,7 +352,9 @@ class Target:
         if self.experts is not None:
             await self.experts.pipeline_loaded(slot, worker, reply)
         if self.host is not None:
-            self.host.loaded(plan.layers, reply.kv_record_bytes, slot.spec.group)
+            self.host.loaded(
+                plan.layers, reply.kv_record_bytes, slot.spec.group, reply.kv_state_bytes
+            )
         self.load_s = max(self.load_s, reply.load_s)
         self._recurrent[plan.layers] = reply.recurrent
         self.n_layers, self.hidden, self.vocab = reply.n_layers, reply.hidden, reply.vocab

@@ -46,7 +46,7 @@ import numpy as np
 import torch
 
 from luced.ipc import frames as F
-from luced.runtime import experts, kv_snapshot, native
+from luced.runtime import experts, kv_snapshot, kv_state, native
 from luced.runtime import forward as forward_verb
 from luced.runtime.decode_graph import DecodeGraphs, supports
 from luced.runtime.dflash import verbs as draft_verbs
@@ -254,6 +254,7 @@ class Backend(WorkerState):
             load_s=time.monotonic() - t0,
             recurrent=tuple(layer for c in first if c.recurrent for layer in c.recurrent.shapes),
             kv_record_bytes=sum(pool.block_nbytes() for pool in blocks),
+            kv_state_bytes=kv_state.record_bytes([c.recurrent for c in first]),
             moe_fingerprint=placement.fingerprint() if placement is not None else "",
             kernels=native.describe(torch_device(req.devices[0])),
         )
@@ -340,8 +341,17 @@ class Backend(WorkerState):
         m = self.model("kv_page")
         if not m.reply.kv_record_bytes:
             raise WorkerError("kv_page needs a load with kv_block (one block pool per shard)")
-        hosts = forward_verb.host_tier(self, req.kv_host, req.moves, m)
-        return F.KVPageReply(paged=m.page(req.sequence, req.moves, hosts, req.tokens))
+        hosts = forward_verb.host_tier(self, req.kv_host, req.moves, m) if req.moves else []
+        records = None
+        if req.kv_states is not None:  # a hybrid's state records (the frame pairs them)
+            records = self.tensor(req.kv_states)
+            if records.shape[1] != m.reply.kv_state_bytes:
+                got, want = records.shape[1], m.reply.kv_state_bytes
+                raise WorkerError(f"state records of {got} bytes, this worker's are {want}")
+            if max(record for *_, record in req.states) >= records.shape[0]:
+                raise WorkerError(f"a state names a record past the {records.shape[0]} held")
+        paged = m.page(req.sequence, req.moves, hosts, req.tokens, req.states, records)
+        return F.KVPageReply(paged=paged)
 
     def stats(self, req: F.Stats) -> F.StatsReply:
         m = self.loaded

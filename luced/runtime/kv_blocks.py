@@ -55,9 +55,11 @@ entries as they are (the daemon's record, shared, pages each back in for its lan
 The prefix cache's block store (the daemon's engine/kv/block_store.py) copies a block
 to a record and keeps it (`MOVE_SAVE`), and appends a record it holds as the table's
 next entry, PAGED, its positions committed (`MOVE_ADOPT`; scored, its block keys sealed
-from the record's K rows): a span pages it in when the daemon says. A frame's moves
-come together (`apply_moves`): all checked first, then copied in runs of one kind, each
-run a copy or two per stored layer, not one per block (`kv_host`).
+from the record's K rows): a span pages it in when the daemon says; a cache with
+recurrent layers adopts only once their state at the adopted end is loaded (a hybrid's
+state record, `kv_state`). A frame's moves come together (`apply_moves`): all checked
+first, then copied in runs of one kind, each run a copy or two per stored layer, not one
+per block (`kv_host`).
 
 Scoring (`scored`, KV Flash's `qk` policy): the cache keeps each block's mean key per
 stored layer (`kv_qk.BlockKeys`), sealed by the step that writes
@@ -415,10 +417,9 @@ class PagedKVCache(BaseKVCache):
                     f"adopt as logical block {j}: the table holds {len(table)} blocks "
                     f"(a KV capacity of {self.capacity})"
                 )
-            if self.pos != len(self.table) * self.pool.block or self.recurrent is not None:
+            if self.pos != len(self.table) * self.pool.block:
                 raise ValueError(
-                    f"adopt after position {self.pos}: only a cache of whole blocks, "
-                    "without recurrent layers, adopts"
+                    f"adopt after position {self.pos}: only a cache of whole blocks adopts"
                 )
             table.append(PAGED)
         else:
@@ -433,12 +434,17 @@ class PagedKVCache(BaseKVCache):
         block, record) each, in order: OUT copies the block to the record and releases
         it (table[j] = PAGED); IN takes the free block and copies the record in, byte for
         byte; SAVE copies out, the table keeps the block; ADOPT appends table[j] = PAGED,
-        its positions committed. `records`: uint8 [n, record bytes], record r at row r.
+        its positions committed (recurrent layers' state loaded there first: a hybrid's
+        restore, `kv_state`). `records`: uint8 [n, record bytes], record r at row r.
         All checked first (ValueError, no change); copied run by run (`kv_host.runs`)."""
         table: list[int] = list(self.table)
         refs: dict[int, int] = {}
         for kind, j, block, _ in moves:
             self._check_move(table, refs, kind, j, block)
+        end = len(table) * self.pool.block  # adopts lengthen the table
+        rec = self.recurrent
+        if rec is not None and len(table) > len(self.table) and rec.current.pos != end:
+            raise ValueError(f"adopting up to {end} needs the recurrent layers' state there")
         self.record.check(records, (record for *_, record in moves))
         pool = self.pool
         for run in runs(moves):

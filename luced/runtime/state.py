@@ -34,6 +34,7 @@ from luced.runtime.dflash.draft import Draft
 from luced.runtime.kv_blocks import MOVE_ADOPT, BlockPool, PagedKVCache
 from luced.runtime.kv_cache import KVCache
 from luced.runtime.kv_host import SharedHostTier
+from luced.runtime.kv_state import StateLayout, plan_states, shard_rows
 from luced.runtime.lookahead import Lookahead
 from luced.runtime.mirror import Mirror
 from luced.runtime.model import Model
@@ -225,13 +226,18 @@ class Loaded:
         moves: Sequence[tuple[int, int, int, int]],
         hosts: list[SharedHostTier],
         tokens: Sequence[int] = (),
+        states: Sequence[tuple[int, int, int]] = (),
+        state_records: torch.Tensor | None = None,
     ) -> int:
         """Moves of `sequence`'s block tables outside a forward (`kv_page`: a kept lane paged
         out, the block store's saves, a restored prefix adopted): checked on every shard
         first (WorkerError: nothing changed), then applied in order through each shard's
-        view of the host tier. Adopted entries commit their positions, whose ids `tokens`
-        are (its token history grows by them); a sequence named for the first time by an
-        adopt starts empty. -> its PAGED entries."""
+        view of the host tier (`hosts`, with moves). Adopted entries commit their positions,
+        whose ids `tokens` are (its token history grows by them); a sequence named for the
+        first time by an adopt starts empty. A hybrid's `states` (`frames.KVPage`) go
+        through the worker's state records (`state_records`, uint8 [n, kv_state_bytes],
+        the records named checked): the saves first, the load with the adopts. -> its
+        PAGED entries."""
         adopts = sum(1 for kind, *_ in moves if kind == MOVE_ADOPT)
         state = self.sequence(sequence) if adopts else self.sequences.get(sequence)
         caches = state.paged() if state is not None else []
@@ -245,18 +251,32 @@ class Loaded:
             )
         if tokens and not 0 <= min(tokens) <= max(tokens) < self.reply.vocab:
             raise WorkerError(f"kv_page: token ids must lie in [0, {self.reply.vocab})")
-        for cache in caches:
-            try:
+        position = state.position
+        recurrent = [cache.recurrent for cache in caches]
+        try:
+            plan = plan_states(recurrent, states, position + adopts * block, adopts > 0)
+        except ValueError as exc:
+            raise WorkerError(f"kv_page: sequence {sequence}: {exc}") from None
+        try:
+            for cache in caches:
                 length = len(cache.table) + adopts
                 cache.check_follow((), (), length, moves, {})
-            except ValueError as exc:
-                raise WorkerError(
-                    f"kv_page: sequence {sequence} is out of step with the daemon's block "
-                    f"table: {exc}"
-                ) from None
-        position = state.position
-        for cache, host in zip(caches, hosts, strict=True):
-            cache.apply_moves(moves, host.rows)
+        except ValueError as exc:
+            raise WorkerError(
+                f"kv_page: sequence {sequence} is out of step with the daemon's block table: {exc}"
+            ) from None
+        rows = shard_rows(state_records, recurrent) if state_records is not None else []
+        for rec, saves, mine in zip(recurrent, plan.saves, rows, strict=False):
+            for snap, record in saves:
+                assert rec is not None  # a shard with saves has recurrent layers
+                StateLayout(rec).write(snap, mine[record])
+        for i, cache in enumerate(caches):
+            if plan.load is not None and cache.recurrent is not None:  # the adopted end's
+                loaded = StateLayout(cache.recurrent).read(rows[i][plan.load])
+                cache.recurrent.load(position + adopts * block, loaded)
+                cache.recurrent.save()  # kept: a roll back may come back to it
+            if moves:
+                cache.apply_moves(moves, hosts[i].rows)
         if adopts:
             del state.tokens[position:]
             state.tokens.extend(tokens)

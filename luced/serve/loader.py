@@ -96,8 +96,9 @@ class ModelSpec:
         """Whether the prefix cache keeps K/V blocks by prefix key (engine/kv/block_store.py:
         in host records, and on disk with --kv-cache-dir) rather than snapshots (the arena,
         a file per prompt): for requests sharing blocks of one pool (several running, or
-        KV Flash's), without workers on other hosts or a draft's feature rings. A
-        recurrent model turns out to keep snapshots once loaded (`Target.store_records`)."""
+        KV Flash's), without workers on other hosts or a draft's feature rings. A hybrid's
+        recurrent states go beside its blocks (engine/kv/state_store.py); a hybrid under KV
+        Flash turns out to keep snapshots once loaded (`Target.store_records`)."""
         kv, spec = self.config.kv, self.config.speculation
         rings = spec.draft is not None and not spec.lookup_drafts
         return (

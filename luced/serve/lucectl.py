@@ -300,7 +300,7 @@ def _prefix_cache(c: Any) -> str:
         used = (c.get("disk_bytes") or 0) + (c.get("disk_block_bytes") or 0)
         disk = f", disk {human_bytes(used)} of {human_bytes(c.get('disk_budget'))}"
         if c.get("disk_blocks"):
-            disk += f" ({fmt(c.get('disk_blocks'))} K/V blocks)"
+            disk += f" ({fmt(c.get('disk_blocks'))} K/V blocks{_states(c.get('disk_states'))})"
     if c.get("disk_error"):
         disk += f", disk writes PAUSED: {c.get('disk_error')}"
     if c.get("disk_problem"):
@@ -310,12 +310,18 @@ def _prefix_cache(c: Any) -> str:
         f"{fmt(c.get('disk_entries'))} on disk)"
     )
     if c.get("memory_blocks") and not c.get("entries"):  # prompts kept as K/V blocks
-        held = f"{fmt(c.get('memory_blocks'))} K/V blocks in memory"
+        states = _states(c.get("memory_states"))
+        held = f"{fmt(c.get('memory_blocks'))} K/V blocks{states} in memory"
     return (
         f"{held}, memory {human_bytes(c.get('memory_bytes'))} "
         f"of {human_bytes(c.get('memory_capacity'))}{disk}; {fmt(c.get('hits'))} hits "
         f"({fmt(c.get('hit_tokens'))} tokens) in {fmt(c.get('queries'))} lookups"
     )
+
+
+def _states(n: Any) -> str:
+    """A hybrid's recurrent states beside its blocks: ", 3 recurrent states", or nothing."""
+    return f", {fmt(n)} recurrent states" if n else ""
 
 
 def _kv_flash(f: Any) -> str:

@@ -630,11 +630,12 @@ OPTIONS: tuple[Option, ...] = (
         "prefix_cache_bytes", "kv", "bytes", 2**30,
         "Shared memory the prefix cache keeps prompts' K/V in (e.g. `512M`, `4G`; 0 turns "
         "the prefix cache off). Where the K/V lives in a block pool (several requests "
-        "running, or --kv-flash) on a model without recurrent layers, with every worker "
-        "local and no DFlash draft, it holds their whole K/V blocks by prefix key in host "
-        "records (at least one context's; under KV Flash the blocks it paged out are held "
-        "as they are), least recently used given up first, also to finished requests' "
-        "kept blocks paging out; otherwise an arena of one snapshot per prompt. "
+        "running, or --kv-flash) with every worker local and no DFlash draft, it holds "
+        "their whole K/V blocks by prefix key in host records (at least one context's; "
+        "under KV Flash the blocks it paged out are held as they are), least recently used "
+        "given up first, also to finished requests' kept blocks paging out; a hybrid "
+        "(recurrent) model without KV Flash gives half of it to its recurrent states at "
+        "block ends; otherwise an arena of one snapshot per prompt. "
         "SmolLM2-135M in float32 needs 45 KiB per cached token, so the default holds "
         "about 23k tokens. Capped, with a warning, at half the free space of /dev/shm.",
         minimum=0, default_doc="1G", example="4G",
@@ -650,7 +651,8 @@ OPTIONS: tuple[Option, ...] = (
     ),
     Option(
         "kv_cache_budget", "kv", "bytes", 8 * 2**30,
-        "Most bytes the disk tier keeps; least recently used snapshots or blocks go first.",
+        "Most bytes the disk tier keeps; least recently used snapshots or blocks go first "
+        "(a hybrid's recurrent states beside its blocks: half of it).",
         minimum=0, default_doc="8G", example="64G",
     ),
     Option(

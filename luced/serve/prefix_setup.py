@@ -141,8 +141,11 @@ async def open_prefix_cache(
     if target.recurrent:
         log.info(
             "prefix cache: exact-cut mode for %s: its recurrent layers' state is saved at "
-            "each prompt's end, and only there can a snapshot be restored",
+            "%s, and only there can a prompt be restored",
             Path(model_path).name,
+            "block ends (turn starts, each prompt's last whole block)"
+            if uses_blocks(target)
+            else "each prompt's end and turn starts",
         )
     if reservation is None:
         reservation = reserve_disk_dir(kv, model_path)
@@ -220,9 +223,9 @@ def _log_opened(kv: KVOptions, cache: PrefixCache, took: float) -> None:
 
 def uses_blocks(target: Target) -> bool:
     """Whether the prefix cache keeps K/V blocks by prefix key (`BlockStore`: host records
-    and block files) rather than snapshots (the arena and snapshot files): the target was
-    given records for it (`ModelSpec.block_store`, and not recurrent) and keeps no feature
-    rings."""
+    and block files; a hybrid's recurrent states beside them) rather than snapshots (the
+    arena and snapshot files): the target was given records for it
+    (`ModelSpec.block_store`) and keeps no feature rings."""
     return target.store_records > 0 and target.host is not None and target.capture is None
 
 

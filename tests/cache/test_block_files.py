@@ -17,6 +17,7 @@ import pytest
 import luced.cache.block_files as block_files
 from luced.cache.block_files import (
     ROOT_KEY,
+    STATE_FILES,
     SUFFIX,
     BlockFile,
     BlockFileError,
@@ -357,3 +358,31 @@ def test_directories_and_the_lock(tmp_path: Path) -> None:
     (root / MODEL / "blocks" / "b4-bf16-L4-6").symlink_to(tmp_path / "elsewhere")
     with pytest.raises(SnapshotDirError, match="symlink"):
         open_files(root, part="b4-bf16-L4-6")
+
+
+def test_state_files_sit_beside_the_blocks_and_each_kind_keeps_its_own(
+    files: BlockFiles, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A hybrid's recurrent states (`STATE_FILES`) in the same part directory, named by the
+    keys of the blocks they follow: each kind indexes, reads, clears and cleans up only its
+    own files (a crash's temp files too); a state file named as a block is quarantined by
+    the blocks' scan (its magic is not theirs)."""
+    tokens = prompt(12)
+    keys = write_prompt(files, tokens)
+    states = open_files(tmp_path / "kv", record_bytes=2 * RECORD, kind=STATE_FILES)
+    data = record(3) + record(4)
+    assert states.write(keys[0], tokens[4:8], data) == keys[1]  # the state after block 1
+    (states.dir / f"{keys[2].hex()}-dead{STATE_FILES.tmp_suffix}").write_bytes(b"partial")
+    assert states.scan() == 1 and files.scan() == 3
+    assert on_disk(files) == sorted([*(k.hex() + SUFFIX for k in keys), f"{keys[1].hex()}.kvs"])
+    out = bytearray(2 * RECORD)
+    states.read_into(keys[1], memoryview(out))
+    assert bytes(out) == data and states.chain(tokens) == []  # no state after block 0
+    name = f"{keys[1].hex()}{SUFFIX}"
+    os.replace(states.dir / f"{keys[1].hex()}.kvs", states.dir / name)
+    with caplog.at_level(logging.WARNING):
+        assert files.scan() == 2
+    assert f"{name} (not a block file (magic b'LUCEKVS1')" in caplog.text
+    assert (files.model_dir / QUARANTINE / name).exists()
+    assert states.clear() == 0 and files.clear() == 2
+    states.close()

@@ -296,17 +296,21 @@ def test_bad_files_are_quarantined_and_requests_still_succeed(tiny, tmp_path) ->
 
 def test_hybrid_serves_with_defaults(tmp_path) -> None:
     """A qwen35 GGUF (Gated DeltaNet layers) starts with the defaults, the prefix cache in
-    exact-cut mode: a prompt that extends a cached one restores all of it, a repeated one
-    nothing (its state exists only at the end), and the replies equal uncached ones."""
+    exact-cut mode over K/V blocks (several requests run: a block pool): the recurrent
+    state is kept at the prompt's last whole block, so a repeated prompt and one that
+    extends it restore its whole blocks, and the replies equal uncached ones."""
     model = tmp_path / "tiny-qwen35.gguf"
     make_tiny_gguf("qwen35", model, seed=5, layers=4, context=2048)
     first, longer = PROMPT.strip(), PROMPT.strip() + " Then what happened next?"
     d = DaemonProcess(model, tmp_path).start()
     try:
         assert "prefix cache: exact-cut mode for tiny-qwen35.gguf" in d.log()
+        assert "block ends" in d.log()
         a, again, b = complete(d, first), complete(d, first), complete(d, longer)
         assert text(a) == text(again) and a["usage"]["completion_tokens"] == 12
-        assert (cached(a), cached(again), cached(b)) == (0, 0, a["usage"]["prompt_tokens"])
+        blocks = (a["usage"]["prompt_tokens"] - 1) // 16 * 16
+        assert blocks > 0 and (cached(a), cached(again), cached(b)) == (0, blocks, blocks)
+        assert snapshots(d) == []  # blocks and states, no snapshot
     finally:
         assert d.stop() == 0
     d = DaemonProcess(model, tmp_path / "off", "--prefix-cache-bytes", "0").start()

@@ -486,7 +486,7 @@ def test_wire_shape_of_kv_page(sample_requests: dict) -> None:
 @pytest.mark.parametrize(
     ("kw", "match"),
     [
-        ({"moves": ()}, "moves must not be empty"),
+        ({"moves": ()}, "moves and states must not both be empty"),
         ({"moves": ((4, 1, 1, 1),)}, r"a move is \(0 out \| 1 in \| 2 save.*got \[4, 1, 1, 1\]"),
         ({"moves": ((0, 1, -1, 1),)}, r"got \[0, 1, -1, 1\]"),
         ({"moves": ((2, 1, -1, 1),)}, r"got \[2, 1, -1, 1\]"),
@@ -510,6 +510,52 @@ def test_kv_page_saves_and_adopts() -> None:
     assert saved.tokens == ()
     adopted = F.KVPage(sequence=4, moves=((3, 0, -1, 1),), kv_host=host, tokens=(7,) * 16)
     assert adopted.moves == ((3, 0, -1, 1),) and len(adopted.tokens) == 16
+
+
+STATES = Region(SEG, 4096, (2, 512), "uint8")
+
+
+@pytest.mark.parametrize(
+    ("kw", "match"),
+    [
+        ({"states": ((2, 16, 0),)}, r"a state is \(0 save \| 1 load.*got \[2, 16, 0\]"),
+        ({"states": ((0, -16, 0),)}, r"got \[0, -16, 0\]"),
+        ({"states": ((1, 16, 0), (1, 16, 1))}, "a frame loads one state at most"),
+        ({"states": ((1, 16, 0),), "moves": ((2, 0, 5, 1),)}, "loaded with adopt moves only"),
+        ({"kv_states": None}, "kv_states comes with states, and only with them"),
+        ({"states": ()}, "kv_states comes with states, and only with them"),
+        ({"kv_states": Region(SEG, 64, (16,), "uint8")}, r"kv_states must be uint8 \[records"),
+    ],
+)
+def test_kv_page_state_validation(kw: dict, match: str) -> None:
+    base = {
+        "sequence": 7,
+        "moves": ((3, 0, -1, 1),),
+        "kv_host": Region(SEG, 64, (4, 64), "uint8"),
+        "tokens": (5,) * 16,
+        "states": ((1, 16, 0),),
+        "kv_states": STATES,
+    }
+    with pytest.raises(F.FrameError, match=match):
+        F.KVPage(**{**base, **kw})
+
+
+def test_kv_page_saves_and_loads_states() -> None:
+    """A hybrid's state records: saves alone (no moves), a load beside its adopts."""
+    host = Region(SEG, 64, (4, 64), "uint8")
+    saved = F.KVPage(sequence=3, moves=(), kv_host=host, states=((0, 32, 1),), kv_states=STATES)
+    assert saved.states == ((0, 32, 1),)
+    wire = msgpack.unpackb(codec.encode_request(4, saved), raw=False)
+    assert wire["states"] == [[0, 32, 1]] and wire["kv_states"]["shape"] == [2, 512]
+    loaded = F.KVPage(
+        sequence=4,
+        moves=((3, 0, -1, 1), (3, 1, -1, 2)),
+        kv_host=host,
+        tokens=(7,) * 32,
+        states=((1, 32, 0),),
+        kv_states=STATES,
+    )
+    assert loaded.states == ((1, 32, 0),)
 
 
 def test_snapshots_kept_by_a_worker_are_named_by_id() -> None:

@@ -76,6 +76,10 @@ class Stage:
             "scores": ((2, 16), "float32"),  # qk: per block, summed cosines and layers
         }
         specs |= {name: ((h, 64, d), "float32") for name, h, d in layout.tensors}
+        self.state_bytes = reply.kv_state_bytes  # a hybrid's state records (kv_state.py)
+        if self.state_bytes:
+            specs["states"] = ((RECORDS, self.state_bytes), "uint8")
+            specs["narrow_states"] = ((RECORDS, self.state_bytes - 16), "uint8")
         self.io = Regions(owner, f"kvpage-{layers[0]}-{secrets.token_hex(2)}", specs)
         self.io.a("host")[:] = 0xA5  # what no page-out wrote
 
@@ -103,10 +107,17 @@ class Lanes:
         self.tables: dict[int, list[int]] = {}
 
     def forward(
-        self, seq: int, start: int, ids: list[int], moves=(), scored: bool = False
+        self,
+        seq: int,
+        start: int,
+        ids: list[int],
+        moves=(),
+        scored: bool = False,
+        keep_state: bool = False,
     ) -> np.ndarray:
         """Feed `ids` at `start` after `moves` (then grown as needed): the logits after;
-        `scored`: each stage writes the lane's qk block scores into its "scores"."""
+        `scored`: each stage writes the lane's qk block scores into its "scores";
+        `keep_state`: a hybrid keeps its recurrent state at the span's end."""
         table = self.follow(seq, moves)
         held = {b for t in self.tables.values() for b in t}
         free = (b for b in range(64) if b not in held)
@@ -121,6 +132,7 @@ class Lanes:
             blocks=tuple(blocks),
             table=len(table),
             moves=tuple(moves),
+            keep_state=keep_state,
         )
         for i, s in enumerate(self.stages):
             s.io.a("tokens")[: len(ids)] = ids
@@ -136,13 +148,23 @@ class Lanes:
         return self.stages[-1].io.a("logits")[0].copy()
 
     def page(
-        self, seq: int, moves: tuple, region: str = "host", tokens: tuple[int, ...] = ()
+        self,
+        seq: int,
+        moves: tuple,
+        region: str = "host",
+        tokens: tuple[int, ...] = (),
+        states: tuple = (),
+        state_region: str = "states",
     ) -> list[int]:
-        """kv_page on every stage, each through its own host records: their PAGED counts;
-        the lane's table follows once every stage took them."""
+        """kv_page on every stage, each through its own host records (and a hybrid's
+        `states` through its state records): their PAGED counts; the lane's table follows
+        once every stage took them."""
         paged = []
         for s in self.stages:
-            frame = F.KVPage(sequence=seq, moves=moves, kv_host=s.io.r[region], tokens=tokens)
+            kept = {"states": states, "kv_states": s.io.r[state_region]} if states else {}
+            frame = F.KVPage(
+                sequence=seq, moves=moves, kv_host=s.io.r[region], tokens=tokens, **kept
+            )
             reply = s.w.call(frame)
             assert isinstance(reply, F.KVPageReply)
             paged.append(reply.paged)

@@ -211,6 +211,16 @@ def test_lucectl_shows_blocks_in_memory() -> None:
     )
 
 
+def test_lucectl_shows_a_hybrids_states_beside_its_blocks() -> None:
+    """A hybrid keeps its recurrent states at block ends beside the blocks: counted too."""
+    status = {"entries": 0, "memory_entries": 0, "disk_entries": 0, "disk_bytes": 0}
+    blocks = {"memory_blocks": 40, "memory_states": 3, "memory_bytes": 10 << 20}
+    disk = {"disk_budget": 8 << 30, "disk_blocks": 12, "disk_states": 2, "disk_block_bytes": 1}
+    line = lucectl._prefix_cache({**status, **blocks, "memory_capacity": 1 << 30, **disk})
+    assert line.startswith("40 K/V blocks, 3 recurrent states in memory, memory 10.0 MiB")
+    assert "(12 K/V blocks, 2 recurrent states);" in line
+
+
 async def test_concurrent_connections_do_not_wait_for_a_slow_command(sock_path: Path) -> None:
     release = asyncio.Event()
 

@@ -51,16 +51,30 @@ import hashlib
 import logging
 import os
 import time
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 from luced.cache.backoff import DiskBackoff
-from luced.cache.block_files import ROOT_KEY, BlockFileError, BlockFiles, prompt_keys
+from luced.cache.block_files import (
+    ROOT_KEY,
+    STATE_FILES,
+    BlockFileError,
+    BlockFiles,
+    block_tokens,
+    found,
+    prompt_keys,
+    read_parts,
+    write_parts,
+)
 from luced.cache.files import QUARANTINE, SnapshotDirError, model_dir_name, real_dir
 from luced.cache.prefix_cache import BlockCounts
+from luced.cache.writer import DiskWriter
 from luced.engine.kv.blocks import PAGED, RecordsExhausted
+from luced.engine.kv.state_records import STATE_SHARE
+from luced.engine.kv.state_store import StateStore
 from luced.engine.placement import WorkerPlan
 from luced.engine.target import Target
 
@@ -88,12 +102,16 @@ class BlockStore:
         target: Target,
         parts: Sequence[BlockFiles] = (),
         clock: Callable[[], float] = time.time,
+        state_parts: Sequence[BlockFiles] = (),
     ) -> None:
         """parts: one per pipeline worker, in order (`HostRecords.arrays[k]`'s layout);
-        none: memory only."""
+        none: memory only. A hybrid's recurrent states go beside the blocks
+        (engine/kv/state_store.py; `state_parts` their files, as `parts`)."""
         tables, host = target.blocks, target.host
         if tables is None or host is None or not target.store_records:
             raise ValueError("a block store needs the target's host records for it")
+        if target.recurrent and target.states is None:
+            raise ValueError("a block store of a hybrid needs the target's state records")
         if parts and len(parts) != len(host.arrays):
             raise ValueError(f"{len(parts)} parts of blocks for {len(host.arrays)} workers")
         self.target = target
@@ -102,12 +120,11 @@ class BlockStore:
         self.block = tables.block
         self.capacity = min(target.store_records, tables.records)
         self.record_bytes = sum(int(a.shape[1]) for a in host.arrays)  # one over every worker
-        self.writes = self.write_errors = self.restore_errors = 0
+        self.restore_errors = 0
         self.backoff = DiskBackoff(log, "K/V blocks; they stay in memory only", clock)
+        self.writer = DiskWriter(log, self.backoff)  # each record held by it until written
         self._held: OrderedDict[bytes, _Held] = OrderedDict()  # least recently used first
-        self._queue: deque[tuple[bytes, _Held]] = deque()  # each record held by the writer
-        self._pending: set[bytes] = set()  # keys queued or being written
-        self._writer: asyncio.Task[None] | None = None
+        self.states = StateStore(target, self.writer, state_parts) if target.recurrent else None
         tables.reclaimer = self
 
     @classmethod
@@ -128,10 +145,13 @@ class BlockStore:
         host = target.host
         assert host is not None and target.blocks is not None
         sizes = [int(a.shape[1]) for a in host.arrays]
+        widths = target.states.widths if target.states is not None else []
+        state_budget = int(budget * STATE_SHARE) if widths else 0  # a hybrid's states' share
         parts: list[BlockFiles] = []
+        states: list[BlockFiles] = []
         try:
             for (_, plan), size in zip(target.placement.workers, sizes, strict=True):
-                share = budget * size // max(1, sum(sizes))
+                share = (budget - state_budget) * size // max(1, sum(sizes))
                 part = part_name(target, plan)
                 fd, lock_fd = lock_fd, None  # the first part holds the lock
                 parts.append(
@@ -139,36 +159,48 @@ class BlockStore:
                         root, fingerprint, part, size, target.blocks.block, share, lock_fd=fd
                     )
                 )
+            for part, width in zip(parts, widths, strict=False):
+                share = state_budget * width // max(1, sum(widths))
+                states.append(
+                    BlockFiles(
+                        root, fingerprint, part.part, width, part.block, share, kind=STATE_FILES
+                    )
+                )
             await asyncio.to_thread(retire_snapshots, Path(root) / model_dir_name(fingerprint))
-            for p in parts:
+            for p in (*parts, *states):
                 await asyncio.to_thread(p.scan)
         except BaseException:
-            for p in parts:
+            for p in (*parts, *states):
                 p.close()
             if lock_fd is not None:
                 os.close(lock_fd)
             raise
-        return cls(target, parts)
+        return cls(target, parts, state_parts=states)
 
     # -- the engine's calls -----------------------------------------------------------------
 
     def match(self, prompt: Sequence[int]) -> list[bytes]:
         """The keys of `prompt`'s whole blocks held in memory or on disk in every part,
         from its first one, leaving at least one token to compute (the model must produce
-        logits). The blocks' parents and tokens are compared: a collision never matches."""
+        logits); a hybrid's up to the deepest with a recurrent state (`StateStore.usable`).
+        The blocks' parents and tokens are compared: a collision never matches."""
         limit = (len(prompt) - 1) // self.block
         keys = prompt_keys(prompt, self.block, limit) if limit > 0 else []
-        parent = ROOT_KEY
+        parent, n = ROOT_KEY, len(keys)
         for i, key in enumerate(keys):
             if not self._found(key, parent, self._tokens(prompt, i)):
-                return keys[:i]
+                n = i
+                break
             parent = key
-        return keys
+        if self.states is not None:  # a hybrid's blocks past its deepest state are no use
+            n = self.states.usable(prompt, keys[:n])
+        return keys[:n]
 
     async def restore(self, slot: int, prompt: Sequence[int], keys: Sequence[bytes]) -> int:
         """Start the empty `slot` on the blocks `keys` (`match`'s): its table adopts their
         records, those in memory as they are, the others read from disk into free records
-        first; as many as there are records for, up to the first bad file. -> the
+        first; as many as there are records for, up to the first bad file (a hybrid's up
+        to the deepest state that can be had, loaded with them: `StateStore.take`). -> the
         positions restored (its first span pages them in). A worker's refusal resets the
         slot and raises."""
         t, tables = self.target, self.tables
@@ -178,6 +210,7 @@ class BlockStore:
         for record in retained:  # first: no record taken below is one of them
             tables.retain_record(record)
         taken: dict[int, int] = {}  # block i -> a free record it is read into, held here
+        state: int | None = None  # a hybrid's state record, held here
         try:
             records: list[int] = []
             for i, held in enumerate(memory):
@@ -199,10 +232,17 @@ class BlockStore:
                 if good < len(reads):
                     self.restore_errors += 1
                     n = reads[good]
+            loads: tuple[tuple[int, int, int], ...] = ()
+            if self.states is not None:  # no block past the state restores anything
+                n, state = await self.states.take(prompt, keys, n)
+                loads = self.states.load(state, n) if state is not None else ()
             if n:
                 moves = tables.adopt(slot, records[:n])
                 try:
-                    await t.host.page(t.executor, slot, moves, prompt[: n * self.block])
+                    regions = t.states.regions if t.states is not None else ()
+                    await t.host.page(
+                        t.executor, slot, moves, prompt[: n * self.block], loads, regions
+                    )
                 except BaseException:
                     with contextlib.suppress(Exception):
                         await t.reset(slot)  # its table (the adopted records) and the workers'
@@ -215,14 +255,17 @@ class BlockStore:
         finally:
             for record in (*retained, *taken.values()):
                 tables.release_record(record)
+            if state is not None and self.states is not None:
+                self.states.release(state)
         self._trim()
         return n * self.block
 
-    async def save(self, slot: int, prompt: Sequence[int]) -> int:
+    async def save(self, slot: int, prompt: Sequence[int], cuts: Sequence[int] = ()) -> int:
         """Keep `slot`'s blocks of `prompt`'s whole blocks that are not in memory yet (as
         many as there is room for, in prefix order): a resident one copied into a free
-        host record, a paged-out one (KV Flash) as its record is; and queue those not on
-        disk for the writer. -> the blocks saved."""
+        host record, a paged-out one (KV Flash) as its record is; queue those not on disk
+        for the writer; a hybrid's recurrent states at `cuts` too (`StateStore.save`).
+        -> the blocks saved."""
         t, tables = self.target, self.tables
         assert t.host is not None
         keys = prompt_keys(prompt, self.block, tables.length(slot))
@@ -262,6 +305,8 @@ class BlockStore:
             self._keep(keys[j], keys[j - 1] if j else ROOT_KEY, prompt, j, records[j])
         self._use(keys)
         self._queue_writes(keys)
+        if self.states is not None:
+            await self.states.save(slot, prompt, cuts)
         return len(todo)
 
     def _room(self, slot: int, new: Sequence[int]) -> list[int]:
@@ -310,12 +355,15 @@ class BlockStore:
 
     def counts(self) -> BlockCounts:
         disk = max((len(p) for p in self.parts), default=0)
+        states = self.states.counts() if self.states is not None else BlockCounts()
         return BlockCounts(
             len(self._held),
-            len(self._held) * self.record_bytes,
-            self.capacity * self.record_bytes,
+            len(self._held) * self.record_bytes + states.memory_bytes,
+            self.capacity * self.record_bytes + states.capacity,
             disk,
-            sum(p.used_bytes for p in self.parts),
+            sum(p.used_bytes for p in self.parts) + states.disk_bytes,
+            states.memory_states,
+            states.disk_states,
         )
 
     async def clear(self, disk: bool = False) -> int:
@@ -324,19 +372,20 @@ class BlockStore:
         await self.flush()
         gone = [k for k in self._held if not disk or not self._written(k)]
         self._release_all()
+        states = await self.states.clear(disk) if self.states is not None else 0
         if not disk or not self.parts:
-            return len(gone)
+            return len(gone) + states
         files = await asyncio.gather(*(asyncio.to_thread(p.clear) for p in self.parts))
-        return len(gone) + max(files)
+        return len(gone) + max(files) + states
 
     async def flush(self) -> None:
-        while self._writer is not None and not self._writer.done():
-            with contextlib.suppress(Exception):
-                await asyncio.shield(self._writer)
+        await self.writer.flush()
 
     async def close(self) -> None:
         await self.flush()
         self._release_all()
+        if self.states is not None:
+            self.states.close()
         self.tables.reclaimer = None
         for p in self.parts:
             p.close()
@@ -344,18 +393,12 @@ class BlockStore:
     # -- internals ------------------------------------------------------------------------
 
     def _tokens(self, prompt: Sequence[int], i: int) -> tuple[int, ...]:
-        return tuple(int(x) for x in prompt[i * self.block : (i + 1) * self.block])
+        return block_tokens(prompt, self.block, i)
 
     def _found(self, key: bytes, parent: bytes, tokens: tuple[int, ...]) -> bool:
         """Whether the block `key` (of `parent` and `tokens`) is in memory or on disk in
         every part."""
-        held = self._held.get(key)
-        if held is not None and held.parent == parent and held.tokens == tokens:
-            return True
-        files = [p.get(key) for p in self.parts]
-        return bool(files) and all(
-            f is not None and f.parent == parent and f.tokens == tokens for f in files
-        )
+        return found(self._held.get(key), self.parts, key, parent, tokens)
 
     def _written(self, key: bytes) -> bool:
         return bool(self.parts) and all(p.has(key) for p in self.parts)
@@ -389,13 +432,11 @@ class BlockStore:
             return
         for key in keys:
             held = self._held.get(key)
-            if held is None or key in self._pending or self._written(key):
+            if held is None or self.writer.pending(key) or self._written(key):
                 continue
             self.tables.retain_record(held.record)
-            self._pending.add(key)
-            self._queue.append((key, held))
-        if self._queue and (self._writer is None or self._writer.done()):
-            self._writer = asyncio.get_running_loop().create_task(self._write_queued())
+            done = partial(self.tables.release_record, held.record)
+            self.writer.queue(key, "a K/V block", partial(self._write, held), done)
 
     def _read(self, keys: Sequence[bytes], records: Sequence[int]) -> int:
         """Fill `records` with the blocks `keys`, every part's bytes (a thread); -> how many
@@ -404,38 +445,17 @@ class BlockStore:
         assert host is not None
         for i, (key, record) in enumerate(zip(keys, records, strict=True)):
             try:
-                for part, rows in zip(self.parts, host.arrays, strict=True):
-                    part.read_into(key, memoryview(rows[record]))
+                read_parts(self.parts, [rows[record] for rows in host.arrays], key)
             except BlockFileError as exc:
                 log.info("prefix cache: %d of %d blocks read from disk: %s", i, len(keys), exc)
                 return i
-            for part in self.parts:
-                part.touch(key)
         return len(keys)
 
     def _write(self, held: _Held) -> None:
         host = self.target.host
         assert host is not None
-        for part, rows in zip(self.parts, host.arrays, strict=True):
-            part.write(held.parent, held.tokens, rows[held.record])
-
-    async def _write_queued(self) -> None:
-        while self._queue:
-            key, held = self._queue.popleft()
-            try:
-                if self.backoff.ready():
-                    await asyncio.to_thread(self._write, held)
-                    self.writes += 1
-                    self.backoff.works()
-            except OSError as exc:
-                self.write_errors += 1
-                self.backoff.failed(exc)
-            except Exception:
-                self.write_errors += 1
-                log.exception("prefix cache: writing a K/V block to disk failed")
-            finally:
-                self._pending.discard(key)
-                self.tables.release_record(held.record)
+        rows = [rows[held.record] for rows in host.arrays]
+        write_parts(self.parts, rows, held.parent, held.tokens)
 
 
 def part_name(target: Target, plan: WorkerPlan) -> str:

@@ -35,6 +35,7 @@ import numpy as np
 
 from luced.engine.executor import Executor, WorkerReplyError
 from luced.engine.kv.blocks import SAVE, BlockTables, Move
+from luced.engine.kv.state_records import StateRecords, state_records
 from luced.ipc.frames import KVPage
 from luced.ipc.regions import Region, RegionAllocator, required_bytes, view
 from luced.ipc.shm import ShmOwner, shm_room
@@ -63,16 +64,31 @@ class HostRecords:
         self.regions: list[Region] = []  # worker k's records, once carved
         self.arrays: list[np.ndarray] = []  # the daemon's views of them, uint8 [records, bytes_k]
         self._record_bytes: dict[tuple[int, int], int] = {}  # worker layers -> one record
+        self._state_bytes: dict[tuple[int, int], int] = {}  # -> one state record (a hybrid's)
 
-    def loaded(self, layers: tuple[int, int], record_bytes: int, group: str) -> None:
+    def loaded(
+        self, layers: tuple[int, int], record_bytes: int, group: str, state_bytes: int = 0
+    ) -> None:
         """A worker's load reply: the size of its record, which a restarted worker must
-        keep (the records in the daemon's memory are laid out for it)."""
+        keep (the records in the daemon's memory are laid out for it), and of its state
+        record (a hybrid's, `split_states`)."""
         known = self._record_bytes.get(layers)
         if self.regions and record_bytes != known:
             raise WorkerReplyError(
                 f"worker {group}'s host records are of {record_bytes} bytes, not {known}"
             )
         self._record_bytes[layers] = record_bytes
+        self._state_bytes[layers] = state_bytes
+
+    def split_states(
+        self, layers: Sequence[tuple[int, int]], nbytes: int
+    ) -> tuple[StateRecords, int]:
+        """A hybrid's state records for the block store (`state_records`: their share of
+        its `nbytes`, --prefix-cache-bytes) and the bytes left to its blocks' records (at
+        least a context's are kept: `size_store`)."""
+        widths = [self._state_bytes[span] for span in layers]
+        states = StateRecords(state_records(nbytes, sum(widths)), widths)
+        return states, max(1, nbytes - states.records * states.nbytes)
 
     def size_store(
         self, tables: BlockTables, layers: Sequence[tuple[int, int]], least: int, nbytes: int
@@ -121,20 +137,37 @@ class HostRecords:
         return sum(sizes)
 
     async def page(
-        self, executor: Executor, lane: int, moves: Sequence[Move], tokens: Sequence[int] = ()
+        self,
+        executor: Executor,
+        lane: int,
+        moves: Sequence[Move],
+        tokens: Sequence[int] = (),
+        states: Sequence[tuple[int, int, int]] = (),
+        state_regions: Sequence[Region] = (),
     ) -> None:
         """`lane`'s moves in every worker (`kv_page`, each through its own records; a
         worker on another host pages to its own memory); `tokens`: the ids of the
-        positions its adopt moves add. A failure leaves the workers out of step with the
-        tables (`in_sync` is off until they start over), unless every move is a SAVE,
-        which changes no table: only the records' contents are lost, which the caller
-        releases."""
+        positions its adopt moves add; `states`: a hybrid's state moves (`KVPage.states`)
+        through each worker's `state_regions` (engine/kv/state_records.py). A failure
+        leaves the workers out of step with the tables (`in_sync` is off until they start
+        over), unless every move is a SAVE, which changes no table (nor does a state
+        save): only the records' contents are lost, which the caller releases."""
         wire = tuple(tuple(m) for m in moves)
         ids = tuple(int(t) for t in tokens)
+        kept = tuple(tuple(s) for s in states)
         try:
             await asyncio.gather(
                 *(
-                    w.call(KVPage(sequence=lane, moves=wire, kv_host=self.regions[i], tokens=ids))
+                    w.call(
+                        KVPage(
+                            sequence=lane,
+                            moves=wire,
+                            kv_host=self.regions[i],
+                            tokens=ids,
+                            states=kept,
+                            kv_states=state_regions[i] if kept else None,
+                        )
+                    )
                     for i, w in enumerate(executor.workers())
                 )
             )

@@ -40,7 +40,7 @@ The ops (request fields -> reply fields):
     kv_forget ids                           -> dropped
     kv_share  sequence, source, position    -> position
     kv_page   sequence, moves, kv_host,     -> paged
-              tokens
+              tokens, states, kv_states
     truncate  position                      -> position
     reset                                   -> (nothing)
     stats                                   -> stats
@@ -109,6 +109,8 @@ and back, before its table growth) and ``kv_scores``, ``forward`` ``kv_host``, `
 26: ``kv_page`` moves 2 save (a block's rows copied to a host record, the table unchanged)
 and 3 adopt (a host record appended as a paged-out entry, its positions committed), and
 its ``tokens`` (the adopted positions' ids): the prefix cache's blocks on disk.
+27: ``kv_page`` ``states`` and ``kv_states`` (a hybrid's recurrent states saved to and
+loaded from state records at block ends) and ``load`` replies ``kv_state_bytes``.
 
 Expert compute (``luced.runtime.expert_link``): an expert worker answers ``load_experts``
 from the daemon, and ``expert_mix`` from target workers over direct worker-to-worker

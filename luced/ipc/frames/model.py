@@ -170,6 +170,9 @@ class LoadReply(Reply):
     # With kv_block: one host record of a paged-out block, its rows of every shard's stored
     # layers, the shards side by side (runtime.kv_host layout each).
     kv_record_bytes: int = 0
+    # With recurrent layers: one state record, every recurrent layer's state of every shard
+    # (runtime.kv_state layout each), the shards side by side.
+    kv_state_bytes: int = 0
     moe_fingerprint: str = ""  # the expert placement (runtime.experts.Placement); "": none
     # What runs the packed matrices and decode attention (runtime.native.describe):
     # "native avx2", "torch", or KERNELS_FALLBACK + ": why" (native wanted, not had).

@@ -366,17 +366,42 @@ class KVPage(Request):
     block's rows copied to the record, the table unchanged: the prefix cache's block store
     writes it to disk) and 3 adopt (pool block -1: the record becomes the table's next
     entry, paged out, its positions committed; a restored prefix, paged in by the next
-    span). ``tokens``: the ids of the adopted positions, appended to the token history."""
+    span). ``tokens``: the ids of the adopted positions, appended to the token history.
+
+    ``states`` (a hybrid's recurrent state records, rows of ``kv_states``: the prefix
+    cache's states at block ends, runtime/kv_state.py), each (kind, position, record):
+    0 save (the state kept at that position copied to the record; applied before the
+    moves) and 1 load (the record becomes the state at the position the adopts end at:
+    a recurrent sequence adopts only with it)."""
 
     sequence: int
     moves: tuple[tuple[int, int, int, int], ...]
     kv_host: Region
     tokens: tuple[int, ...] = ()
+    states: tuple[tuple[int, int, int], ...] = ()
+    kv_states: Region | None = None
 
     def _check(self) -> None:
         _check_sequence(self)
-        if not self.moves:
-            raise self._fail("moves must not be empty")
+        if not self.moves and not self.states:
+            raise self._fail("moves and states must not both be empty")
+        for state in self.states:
+            kind, position, record = state
+            if kind not in (0, 1) or min(position, record) < 0:
+                raise self._fail(
+                    f"a state is (0 save | 1 load, position >= 0, record >= 0), got {list(state)}"
+                )
+        if sum(1 for kind, *_ in self.states if kind == 1) > 1:
+            raise self._fail("a frame loads one state at most")
+        if any(kind == 1 for kind, *_ in self.states) and not any(m[0] == 3 for m in self.moves):
+            raise self._fail("a state is loaded with adopt moves only")
+        rows = self.kv_states
+        if (rows is None) != (not self.states):
+            raise self._fail("kv_states comes with states, and only with them")
+        if rows is not None and (rows.dtype != "uint8" or len(rows.shape) != 2):
+            raise self._fail(
+                f"kv_states must be uint8 [records, bytes], got {rows.dtype} {list(rows.shape)}"
+            )
         for move in self.moves:
             kind, j, block, record = move
             adopt = kind == 3

@@ -35,6 +35,10 @@ Without parts (no --kv-cache-dir, or it cannot be used) the memory tier is the w
 A file that fails its checks is quarantined by `BlockFiles`; a restore stops before it. A
 write the OS refuses (a full disk) pauses writing (cache/backoff.py) with one warning; the
 blocks saved meanwhile stay in memory only.
+
+With a DFlash draft's feature rings each block keeps the captured rows of its positions
+beside its K/V, by the same key, in memory and in a part of their own on disk
+(engine/kv/block_rings.py: which rows a restore needs, and why a missing one ends a match).
 """
 
 from __future__ import annotations
@@ -54,7 +58,9 @@ from luced.cache.backoff import DiskBackoff
 from luced.cache.block_files import ROOT_KEY, BlockFileError, BlockFiles, prompt_keys
 from luced.cache.files import QUARANTINE, SnapshotDirError, model_dir_name, real_dir
 from luced.cache.prefix_cache import BlockCounts
+from luced.engine.kv.block_rings import BlockRings, ring_bytes, ring_part_name
 from luced.engine.kv.blocks import PAGED, RecordsExhausted
+from luced.engine.kv.host import store_records
 from luced.engine.placement import WorkerPlan
 from luced.engine.target import Target
 
@@ -82,9 +88,12 @@ class BlockStore:
         target: Target,
         parts: Sequence[BlockFiles] = (),
         clock: Callable[[], float] = time.time,
+        rings: BlockRings | None = None,
     ) -> None:
         """parts: one per pipeline worker, in order (`HostRecords.arrays[k]`'s layout);
-        none: memory only."""
+        none: memory only. rings: the blocks' feature-ring rows (with their disk part),
+        made in memory only when the target captures features and none is given (so the
+        store is made after the draft is loaded)."""
         tables, host = target.blocks, target.host
         if tables is None or host is None or not target.store_records:
             raise ValueError("a block store needs the target's host records for it")
@@ -96,6 +105,13 @@ class BlockStore:
         self.block = tables.block
         self.capacity = min(target.store_records, tables.records)
         self.record_bytes = sum(int(a.shape[1]) for a in host.arrays)  # one over every worker
+        if rings is None and target.capture is not None:
+            rings = BlockRings(target, self.block)
+        self.rings = rings
+        if rings is not None and target.store_bytes:  # its rows count in the same bytes
+            least = store_records(target.placement.kv_capacity, self.block)
+            fits = target.store_bytes // (self.record_bytes + rings.block_bytes)
+            self.capacity = min(self.capacity, max(least, fits))
         self.writes = self.write_errors = self.restore_errors = 0
         self.backoff = DiskBackoff(log, "K/V blocks; they stay in memory only", clock)
         self._held: OrderedDict[bytes, _Held] = OrderedDict()  # least recently used first
@@ -121,18 +137,21 @@ class BlockStore:
         released)."""
         host = target.host
         assert host is not None and target.blocks is not None
+        block = target.blocks.block
         sizes = [int(a.shape[1]) for a in host.arrays]
+        ring = ring_bytes(target, block)  # the feature rings' part, with a draft's
+        total = max(1, sum(sizes) + ring)
         parts: list[BlockFiles] = []
         try:
             for (_, plan), size in zip(target.placement.workers, sizes, strict=True):
-                share = budget * size // max(1, sum(sizes))
                 part = part_name(target, plan)
                 fd, lock_fd = lock_fd, None  # the first part holds the lock
-                parts.append(
-                    BlockFiles(
-                        root, fingerprint, part, size, target.blocks.block, share, lock_fd=fd
-                    )
-                )
+                share = budget * size // total
+                parts.append(BlockFiles(root, fingerprint, part, size, block, share, lock_fd=fd))
+            if ring:
+                name = ring_part_name(target, [p.part for p in parts])
+                share = budget * ring // total
+                parts.append(BlockFiles(root, fingerprint, name, ring, block, share))
             await asyncio.to_thread(retire_snapshots, Path(root) / model_dir_name(fingerprint))
             for p in parts:
                 await asyncio.to_thread(p.scan)
@@ -142,7 +161,9 @@ class BlockStore:
             if lock_fd is not None:
                 os.close(lock_fd)
             raise
-        return cls(target, parts)
+        if not ring:
+            return cls(target, parts)
+        return cls(target, parts[:-1], rings=BlockRings(target, block, parts[-1]))
 
     # -- the engine's calls -----------------------------------------------------------------
 
@@ -154,7 +175,10 @@ class BlockStore:
         keys = prompt_keys(prompt, self.block, limit) if limit > 0 else []
         parent = ROOT_KEY
         for i, key in enumerate(keys):
-            if not self._found(key, parent, self._tokens(prompt, i)):
+            tokens = self._tokens(prompt, i)
+            if not self._found(key, parent, tokens) or not self._has_rows(
+                key, parent, tokens, i, len(prompt)
+            ):
                 return keys[:i]
             parent = key
         return keys
@@ -162,9 +186,10 @@ class BlockStore:
     async def restore(self, slot: int, prompt: Sequence[int], keys: Sequence[bytes]) -> int:
         """Start the empty `slot` on the blocks `keys` (`match`'s): its table adopts their
         records, those in memory as they are, the others read from disk into free records
-        first; as many as there are records for, up to the first bad file. -> the
-        positions restored (its first span pages them in). A worker's refusal resets the
-        slot and raises."""
+        first; as many as there are records for, up to the first bad file. With
+        feature rings their rows go back into the slot's ring (`BlockRings.restore`; the
+        caller sets the sequence's floor, `BlockRings.floor`). -> the positions restored
+        (its first span pages them in). A worker's refusal resets the slot and raises."""
         t, tables = self.target, self.tables
         assert t.host is not None
         memory = [self._held.get(key) for key in keys]
@@ -193,6 +218,12 @@ class BlockStore:
                 if good < len(reads):
                     self.restore_errors += 1
                     n = reads[good]
+            rows: Sequence[object] = ()  # each block's feature-ring rows, when needed
+            if n and self.rings is not None:
+                rows = await self.rings.fetch(keys[:n], len(prompt))
+                if len(rows) < n:
+                    self.restore_errors += 1
+                    n = len(rows)
             if n:
                 moves = tables.adopt(slot, records[:n])
                 try:
@@ -203,6 +234,8 @@ class BlockStore:
                     raise
                 for i in [i for i in taken if i < n]:  # in memory from now on
                     self._keep(keys[i], keys[i - 1] if i else ROOT_KEY, prompt, i, taken.pop(i))
+                if self.rings is not None:
+                    self.rings.restore(slot, keys[:n], rows[:n], len(prompt), self._held)
                 self._use(keys[:n])
         finally:
             for record in (*retained, *taken.values()):
@@ -210,10 +243,12 @@ class BlockStore:
         self._trim()
         return n * self.block
 
-    async def save(self, slot: int, prompt: Sequence[int]) -> int:
+    async def save(self, slot: int, prompt: Sequence[int], ring_floor: int = 0) -> int:
         """Copy `slot`'s blocks of `prompt`'s whole blocks that are not in memory yet into
         free host records (as many as there are, in prefix order), keep them, and queue
-        those not on disk for the writer. -> the blocks saved."""
+        those not on disk for the writer. Right after the prompt's prefill: with feature
+        rings the held blocks get their rows from the slot's ring (`BlockRings.take`; its
+        sequence's `ring_floor`). -> the blocks saved."""
         t, tables = self.target, self.tables
         assert t.host is not None
         keys = prompt_keys(prompt, self.block, tables.length(slot))
@@ -252,6 +287,9 @@ class BlockStore:
         for m in moves:
             j = m.index
             self._keep(keys[j], keys[j - 1] if j else ROOT_KEY, prompt, j, m.record)
+        if self.rings is not None:
+            mine = [(j, k) for j, k in enumerate(keys) if k in self._held]
+            self.rings.take(slot, mine, len(prompt), ring_floor)
         self._use(keys)
         self._queue_writes(keys)
         return len(moves)
@@ -276,6 +314,8 @@ class BlockStore:
                 victims.append(key)
         for key in victims:
             self.tables.release_record(self._held.pop(key).record)
+            if self.rings is not None:
+                self.rings.drop(key)
         return len(victims)
 
     # -- BlockTier: the prefix cache's view -----------------------------------------------
@@ -290,12 +330,13 @@ class BlockStore:
 
     def counts(self) -> BlockCounts:
         disk = max((len(p) for p in self.parts), default=0)
+        rings = self.rings
         return BlockCounts(
             len(self._held),
-            len(self._held) * self.record_bytes,
-            self.capacity * self.record_bytes,
+            len(self._held) * self.record_bytes + (rings.memory_bytes if rings else 0),
+            self.capacity * (self.record_bytes + (rings.block_bytes if rings else 0)),
             disk,
-            sum(p.used_bytes for p in self.parts),
+            sum(p.used_bytes for p in self._files()),
         )
 
     async def clear(self, disk: bool = False) -> int:
@@ -306,8 +347,8 @@ class BlockStore:
         self._release_all()
         if not disk or not self.parts:
             return len(gone)
-        files = await asyncio.gather(*(asyncio.to_thread(p.clear) for p in self.parts))
-        return len(gone) + max(files)
+        files = await asyncio.gather(*(asyncio.to_thread(p.clear) for p in self._files()))
+        return len(gone) + max(files[: len(self.parts)])
 
     async def flush(self) -> None:
         while self._writer is not None and not self._writer.done():
@@ -318,7 +359,7 @@ class BlockStore:
         await self.flush()
         self._release_all()
         self.tables.reclaimer = None
-        for p in self.parts:
+        for p in self._files():
             p.close()
 
     # -- internals ------------------------------------------------------------------------
@@ -326,16 +367,35 @@ class BlockStore:
     def _tokens(self, prompt: Sequence[int], i: int) -> tuple[int, ...]:
         return tuple(int(x) for x in prompt[i * self.block : (i + 1) * self.block])
 
+    def _holds(self, key: bytes, parent: bytes, tokens: tuple[int, ...]) -> bool:
+        """Whether the block `key` (of `parent` and `tokens`) is in memory."""
+        held = self._held.get(key)
+        return held is not None and held.parent == parent and held.tokens == tokens
+
     def _found(self, key: bytes, parent: bytes, tokens: tuple[int, ...]) -> bool:
         """Whether the block `key` (of `parent` and `tokens`) is in memory or on disk in
         every part."""
-        held = self._held.get(key)
-        if held is not None and held.parent == parent and held.tokens == tokens:
+        if self._holds(key, parent, tokens):
             return True
         files = [p.get(key) for p in self.parts]
         return bool(files) and all(
             f is not None and f.parent == parent and f.tokens == tokens for f in files
         )
+
+    def _has_rows(
+        self, key: bytes, parent: bytes, tokens: tuple[int, ...], i: int, length: int
+    ) -> bool:
+        """Whether block i of a prompt of `length` tokens has the feature-ring rows a
+        restore needs (none without rings, nor before the prompt's own ring reaches)."""
+        rings = self.rings
+        if rings is None or not rings.needed(i, length):
+            return True
+        return rings.found(key, parent, tokens, self._holds(key, parent, tokens))
+
+    def _files(self) -> list[BlockFiles]:
+        """Every part on disk: the workers' and the feature rings'."""
+        ring = self.rings.part if self.rings is not None else None
+        return [*self.parts, *([ring] if ring is not None else [])]
 
     def _written(self, key: bytes) -> bool:
         return bool(self.parts) and all(p.has(key) for p in self.parts)
@@ -361,6 +421,8 @@ class BlockStore:
         held, self._held = self._held, OrderedDict()
         for h in held.values():
             self.tables.release_record(h.record)
+        if self.rings is not None:
+            self.rings.drop_all()
 
     def _queue_writes(self, keys: Sequence[bytes]) -> None:
         """Queue the prompt's blocks held in memory and not on disk for the writer, each
@@ -369,7 +431,8 @@ class BlockStore:
             return
         for key in keys:
             held = self._held.get(key)
-            if held is None or key in self._pending or self._written(key):
+            rows = self.rings is None or self.rings.written(key)  # rows kept after the K/V
+            if held is None or key in self._pending or (self._written(key) and rows):
                 continue
             self.tables.retain_record(held.record)
             self._pending.add(key)
@@ -393,18 +456,20 @@ class BlockStore:
                 part.touch(key)
         return len(keys)
 
-    def _write(self, held: _Held) -> None:
+    def _write(self, key: bytes, held: _Held) -> None:
         host = self.target.host
         assert host is not None
         for part, rows in zip(self.parts, host.arrays, strict=True):
-            part.write(held.parent, held.tokens, rows[held.record])
+            part.write(held.parent, held.tokens, rows[held.record])  # on disk: touched only
+        if self.rings is not None:
+            self.rings.write(key, held.parent, held.tokens)
 
     async def _write_queued(self) -> None:
         while self._queue:
             key, held = self._queue.popleft()
             try:
                 if self.backoff.ready():
-                    await asyncio.to_thread(self._write, held)
+                    await asyncio.to_thread(self._write, key, held)
                     self.writes += 1
                     self.backoff.works()
             except OSError as exc:

@@ -71,6 +71,7 @@ async def engine_for(
     *,
     draft: Path | None = None,
     draft_device: str | None = None,
+    ring_cap: int = 4096,
     proposer_cls: type[Proposer] | None = None,
     context: int = 512,
     block_size: int = 16,
@@ -98,8 +99,9 @@ async def engine_for(
 ) -> AsyncIterator[Engine]:
     """One worker thread each (2 cores, shared with the test); prompts longer than
     `max_batch_tokens` (64; the daemon's default is 512) span several prefill chunks. A
-    draft (or the n-gram lookup) is set up for blocks up to 16; adaptive blocks are
-    calibrated before the first request. `kv_block` None: as the daemon (KV Flash's
+    draft (or the n-gram lookup) is set up for blocks up to 16, its feature rings of
+    `ring_cap` positions (at most the context); adaptive blocks are calibrated before the
+    first request. `kv_block` None: as the daemon (KV Flash's
     blocks, else blocks of 16 when several requests run). `block_files`: the prefix cache
     keeps K/V blocks by prefix key (engine/kv/block_store.py: `prefix_cache_bytes` of host
     records, and files in `kv_cache_dir`) instead of snapshots (the arena and snapshot
@@ -160,7 +162,9 @@ async def engine_for(
         try:
             await target.start()
             if draft is not None:
-                await target.load_draft(str(draft), device=draft_device, block_size=16)
+                await target.load_draft(
+                    str(draft), device=draft_device, ring_cap=ring_cap, block_size=16
+                )
             if lookup_drafts:
                 target.enable_lookup_drafts(16)
             if adaptive_blocks:

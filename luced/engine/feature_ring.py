@@ -62,6 +62,12 @@ class FeatureRing:
             raise ValueError(f"positions [{start}, {stop}) do not fit a ring of {self.ring_cap}")
         return self.array[np.arange(start, stop) % self.ring_cap].copy()
 
+    def put(self, start: int, rows: np.ndarray) -> None:
+        """Write `rows` ([n, n_capture, hidden], n <= ring_cap) as positions [start, start + n)."""
+        if start < 0 or len(rows) > self.ring_cap:
+            raise ValueError(f"{len(rows)} rows at {start} do not fit a ring of {self.ring_cap}")
+        self.array[np.arange(start, start + len(rows)) % self.ring_cap] = rows
+
 
 def cells(ring: Region, start: int, n: int, columns: tuple[int, int]) -> list[Region]:
     """The cells of positions [start, start + n) and captures [j0, j1) as regions (for a

@@ -5,12 +5,13 @@ elsewhere: a running sequence's prompt blocks or a finished one's kept in the po
 (engine/kv/finished.py), shared in the workers' block pool without computing or copying
 them (`Target.share`); or the prefix cache's: where the target keeps blocks by prefix key
 (engine/kv/block_store.py), its whole blocks in host records or on disk (adopted by its
-table, paged in by its first span, or under KV Flash as its pager keeps them), else a
-snapshot restored into its slot (a copy; the snapshot arena, maybe read from disk
-first). Sharing wins a tie: it copies nothing. A sequence arriving while another one is
-still prefilling a prefix of its prompt, WAIT_TO_SHARE positions or more past anything
-held now, waits for that prefill to pass and shares it (`hold`): requests sent together
-with one system prompt compute it once.
+table, paged in by its first span, or under KV Flash as its pager keeps them; with a
+draft's feature rings their captured rows copied back into its ring), else a snapshot
+restored into its slot (a copy; the snapshot arena, maybe read from disk first). Sharing
+wins a tie: it copies nothing. A sequence arriving while another one is still prefilling
+a prefix of its prompt, WAIT_TO_SHARE positions or more past anything held now, waits
+for that prefill to pass and shares it (`hold`): requests sent together with one system
+prompt compute it once.
 
 When a prompt is in the KV its whole blocks are saved in the block store, or, for the
 other targets, its snapshot (`save`), restorable at its chat-turn boundaries too. A recurrent
@@ -217,6 +218,8 @@ class PrefixReuse:
             log.warning("prefix cache: restoring %d blocks failed: %s", len(keys), exc)
             return 0
         if restored:
+            if self.store.rings is not None:  # its ring holds the rows from there on
+                seq.ring_floor = self.store.rings.floor(len(seq.prompt), restored)
             self.cache.count_hit(restored)
             self.observe("prefix_hits", restored)
         return restored
@@ -261,7 +264,7 @@ class PrefixReuse:
             return
         prompt = seq.prompt
         if self.store is not None:
-            await self.store.save(seq.slot, prompt, seq.cuts)
+            await self.store.save(seq.slot, prompt, seq.cuts, seq.ring_floor)
             return
         if self.target.resident(seq.slot, len(prompt)) < len(prompt):
             log.debug(

@@ -450,14 +450,19 @@ class Target:
         mine, theirs = self.ring(slot), self.ring(source)
         if mine is None or theirs is None:
             return 0
-        cap = mine.ring_cap
-        lo = max(floor, position + MAX_BLOCK - cap, 0)
+        lo = max(floor, position + MAX_BLOCK - mine.ring_cap, 0)
         if lo < n:
-            slots = np.arange(lo, n) % cap
-            mine.array[slots] = theirs.array[slots]
-            if self.ring_relay is not None:
-                self.ring_relay.wrote(slot, lo)
+            self.put_ring(slot, lo, theirs.rows(lo, n))
         return min(lo, n)
+
+    def put_ring(self, slot: int, start: int, rows: np.ndarray) -> None:
+        """Write captures of positions [start, start + len(rows)) into `slot`'s ring (a
+        shared or restored prefix's), and tell a draft on another host they changed."""
+        ring = self.ring(slot)
+        assert ring is not None, "captures are off"
+        ring.put(start, rows)
+        if self.ring_relay is not None:
+            self.ring_relay.wrote(slot, start)
 
     # -- captures and the draft ------------------------------------------------------------
 

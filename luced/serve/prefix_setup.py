@@ -223,10 +223,10 @@ def _log_opened(kv: KVOptions, cache: PrefixCache, took: float) -> None:
 
 def uses_blocks(target: Target) -> bool:
     """Whether the prefix cache keeps K/V blocks by prefix key (`BlockStore`: host records
-    and block files; a hybrid's recurrent states beside them) rather than snapshots (the
-    arena and snapshot files): the target was given records for it
-    (`ModelSpec.block_store`) and keeps no feature rings."""
-    return target.store_records > 0 and target.host is not None and target.capture is None
+    and block files; a hybrid's recurrent states and a draft's feature-ring rows beside
+    them) rather than snapshots (the arena and snapshot files): the target was given
+    records for it (`ModelSpec.block_store`; a hybrid under KV Flash is not)."""
+    return target.store_records > 0 and target.host is not None
 
 
 def snapshot_handlers(engine_of: Callable[[dict], Engine]) -> dict[str, Callable]:

@@ -107,6 +107,37 @@ def test_split_target_with_the_draft_in_its_own_worker(tiny_pair, plain_texts, t
     assert d.segments() == []
 
 
+def test_a_restart_restores_a_prompt_with_its_features(tiny_pair, tmp_path) -> None:
+    """Several running requests (the default) and the prefix cache on disk: the prompt's
+    whole K/V blocks are kept with their feature-ring rows (a part of their own), and a
+    restarted daemon restores both: the same text and the same speculative counts as the
+    daemon that computed the prompt (fixed blocks: measured costs would vary)."""
+    target, draft = tiny_pair
+    kv = tmp_path / "kv"
+    args = ("--draft", str(draft), "--block-size", "4", "--adaptive-block-size", "false")
+    args += ("--kv-cache-dir", str(kv))
+    prompt = "the quick brown fox jumps over the lazy dog, " * 8
+    d = DaemonProcess(target, tmp_path / "one", *args).start()
+    try:
+        first = complete(d, prompt, max_tokens=24)
+        assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        assert d.lucectl_json("snapshot", "save")["saved"] == 0  # waits for the writes
+    finally:
+        assert d.stop() == 0
+    n = first["usage"]["prompt_tokens"]
+    (rings,) = kv.glob("*/blocks/ring-*")  # kv/<model fingerprint>/blocks/<the rows' part>
+    assert len(list(rings.glob("*.kvb"))) == n // 16
+    d = DaemonProcess(target, tmp_path / "two", *args).start()
+    try:
+        again = complete(d, prompt, max_tokens=24)
+    finally:
+        assert d.stop() == 0
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == (n - 1) // 16 * 16
+    assert again["choices"][0]["text"] == first["choices"][0]["text"]
+    assert again["usage"]["speculative"] == first["usage"]["speculative"]
+    assert d.segments() == []
+
+
 def test_draft_for_another_target_is_a_startup_error(tiny_pair, tmp_path) -> None:
     target, _ = tiny_pair
     other = tmp_path / "other.gguf"

@@ -12,7 +12,7 @@ import pytest
 from luced.engine.kv.block_store import BlockStore
 from luced.engine.metrics import Metrics
 from luced.ipc.shm import ShmOwner
-from luced.runtime.tiny import make_tiny_gguf
+from luced.runtime.tiny import make_tiny_draft, make_tiny_gguf
 from luced.serve.config import KVOptions, load_config
 from luced.serve.loader import LoadedModel, read_spec
 from luced.serve.lucectl import render_status
@@ -79,6 +79,7 @@ def test_a_held_cache_dir_is_refused_before_the_load(tmp_path: Path) -> None:
     [
         (("--kv-cache-dir", "kv"), True),  # several running requests share one block pool
         (("--kv-cache-dir", "kv", "--draft", "ngram"), True),  # no feature rings
+        (("--kv-cache-dir", "kv", "--draft", "dflash"), True),  # their rows beside the blocks
         (("--kv-cache-dir", "kv", "--max-running", "1"), False),  # one cache, no blocks
         (("--kv-cache-dir", "kv", "--kv-flash", "512"), True),  # KV Flash pages the same blocks
         (("--kv-flash", "512", "--max-running", "1"), True),  # its pool: blocks of 64
@@ -90,29 +91,38 @@ def test_a_held_cache_dir_is_refused_before_the_load(tmp_path: Path) -> None:
 def test_the_cache_keeps_blocks_where_it_can(tmp_path: Path, args, blocks: bool) -> None:
     """`ModelSpec.block_store`, decided before the load: blocks (in memory, and on disk
     with a directory) for requests that share a block pool, several running or KV
-    Flash's (without workers on other hosts or a draft's rings); snapshots otherwise."""
+    Flash's (without workers on other hosts); snapshots otherwise."""
     model = make_tiny_gguf("llama", tmp_path / "m.gguf", seed=1, layers=2, context=1024).path
-    argv = [str(model), *(str(tmp_path / a) if a == "kv" else a for a in args)]
+    argv = [str(model), *(_path(a, model, tmp_path) for a in args)]
     cfg = load_config(argv, env={}, default_config_path=None)
     assert read_spec(cfg).block_store is blocks
+
+
+def _path(arg: str, model: Path, tmp_path: Path) -> str:
+    """An argument with "kv" standing for a directory and "dflash" for a draft's file."""
+    if arg == "dflash":
+        return str(make_tiny_draft(model, tmp_path / "draft", seed=2, block_size=4)[1])
+    return str(tmp_path / arg) if arg == "kv" else arg
 
 
 @pytest.mark.parametrize(
     ("args", "arena"),
     [
         ((), False),
+        (("--draft", "dflash"), False),
         (("--max-running", "1", "--kv-flash", "512"), False),
         (("--max-running", "1"), True),
     ],
-    ids=["blocks", "kv-flash-blocks", "snapshots"],
+    ids=["blocks", "blocks+rings", "kv-flash-blocks", "snapshots"],
 )
 async def test_the_arena_is_carved_only_for_snapshots(tmp_path: Path, args, arena: bool) -> None:
     """The daemon's model start: where the cache keeps K/V blocks no `prefix-arena`
     segment is created (their memory is the host records of `kvhost`, sized by
-    --prefix-cache-bytes), with KV Flash too; one running request without it keeps
-    snapshots in an arena."""
-    model = make_tiny_gguf("llama", tmp_path / "m.gguf", seed=1, layers=2, context=1024).path
-    argv = [str(model), "--prefix-cache-bytes", "8M", "--threads", "1", *args]
+    --prefix-cache-bytes, a DFlash draft's ring rows counted in it), with KV Flash too;
+    one running request without it keeps snapshots in an arena."""
+    model = make_tiny_gguf("llama", tmp_path / "m.gguf", seed=1, layers=8, context=1024).path
+    extra = [_path(a, model, tmp_path) for a in args]
+    argv = [str(model), "--prefix-cache-bytes", "8M", "--threads", "1", *extra]
     spec = read_spec(load_config(argv, env={}, default_config_path=None))
     with ShmOwner() as owner:
         loaded = LoadedModel.build(spec, owner, Metrics(), "m1")
@@ -123,9 +133,12 @@ async def test_the_arena_is_carved_only_for_snapshots(tmp_path: Path, args, aren
             assert cache is not None and (cache.arena is not None) is arena
             assert ("m1-prefix-arena" in names) is arena
             if not arena:
-                assert isinstance(cache.blocks, BlockStore) and not cache.blocks.on_disk
+                store = cache.blocks
+                assert isinstance(store, BlockStore) and not store.on_disk
                 assert "m1-kvhost" in names
-                short = (8 << 20) - cache.stats().memory_capacity  # whole records of it
-                assert 0 <= short < cache.blocks.record_bytes
+                assert (store.rings is not None) is ("dflash" in args)
+                block = store.record_bytes + (store.rings.block_bytes if store.rings else 0)
+                short = (8 << 20) - cache.stats().memory_capacity  # whole blocks of it
+                assert 0 <= short < block
         finally:
             await loaded.close()

@@ -41,6 +41,10 @@ Without parts (no --kv-cache-dir, or it cannot be used) the memory tier is the w
 A file that fails its checks is quarantined by `BlockFiles`; a restore stops before it. A
 write the OS refuses (a full disk) pauses writing (cache/backoff.py) with one warning; the
 blocks saved meanwhile stay in memory only.
+
+With a DFlash draft's feature rings each block keeps the captured rows of its positions
+beside its K/V, by the same key, in memory and in a part of their own on disk
+(engine/kv/block_rings.py: which rows a restore needs, and why a missing one ends a match).
 """
 
 from __future__ import annotations
@@ -72,7 +76,9 @@ from luced.cache.block_files import (
 from luced.cache.files import QUARANTINE, SnapshotDirError, model_dir_name, real_dir
 from luced.cache.prefix_cache import BlockCounts
 from luced.cache.writer import DiskWriter
+from luced.engine.kv.block_rings import BlockRings, ring_bytes, ring_part_name
 from luced.engine.kv.blocks import PAGED, RecordsExhausted
+from luced.engine.kv.host import store_records
 from luced.engine.kv.state_records import STATE_SHARE
 from luced.engine.kv.state_store import StateStore
 from luced.engine.placement import WorkerPlan
@@ -103,10 +109,14 @@ class BlockStore:
         parts: Sequence[BlockFiles] = (),
         clock: Callable[[], float] = time.time,
         state_parts: Sequence[BlockFiles] = (),
+        rings: BlockRings | None = None,
     ) -> None:
         """parts: one per pipeline worker, in order (`HostRecords.arrays[k]`'s layout);
         none: memory only. A hybrid's recurrent states go beside the blocks
-        (engine/kv/state_store.py; `state_parts` their files, as `parts`)."""
+        (engine/kv/state_store.py; `state_parts` their files, as `parts`). rings: the
+        blocks' feature-ring rows (with their disk part), made in memory only when the
+        target captures features and none is given (so the store is made after the draft
+        is loaded)."""
         tables, host = target.blocks, target.host
         if tables is None or host is None or not target.store_records:
             raise ValueError("a block store needs the target's host records for it")
@@ -120,6 +130,13 @@ class BlockStore:
         self.block = tables.block
         self.capacity = min(target.store_records, tables.records)
         self.record_bytes = sum(int(a.shape[1]) for a in host.arrays)  # one over every worker
+        if rings is None and target.capture is not None:
+            rings = BlockRings(target, self.block)
+        self.rings = rings
+        if rings is not None and target.store_bytes:  # its rows count in the same bytes
+            least = store_records(target.placement.kv_capacity, self.block)
+            fits = target.store_bytes // (self.record_bytes + rings.block_bytes)
+            self.capacity = min(self.capacity, max(least, fits))
         self.restore_errors = 0
         self.backoff = DiskBackoff(log, "K/V blocks; they stay in memory only", clock)
         self.writer = DiskWriter(log, self.backoff)  # each record held by it until written
@@ -144,21 +161,24 @@ class BlockStore:
         released)."""
         host = target.host
         assert host is not None and target.blocks is not None
+        block = target.blocks.block
         sizes = [int(a.shape[1]) for a in host.arrays]
         widths = target.states.widths if target.states is not None else []
         state_budget = int(budget * STATE_SHARE) if widths else 0  # a hybrid's states' share
+        ring = ring_bytes(target, block)  # the feature rings' part, with a draft's
+        total = max(1, sum(sizes) + ring)
         parts: list[BlockFiles] = []
         states: list[BlockFiles] = []
         try:
             for (_, plan), size in zip(target.placement.workers, sizes, strict=True):
-                share = (budget - state_budget) * size // max(1, sum(sizes))
+                share = (budget - state_budget) * size // total
                 part = part_name(target, plan)
                 fd, lock_fd = lock_fd, None  # the first part holds the lock
-                parts.append(
-                    BlockFiles(
-                        root, fingerprint, part, size, target.blocks.block, share, lock_fd=fd
-                    )
-                )
+                parts.append(BlockFiles(root, fingerprint, part, size, block, share, lock_fd=fd))
+            if ring:
+                name = ring_part_name(target, [p.part for p in parts])
+                share = (budget - state_budget) * ring // total
+                parts.append(BlockFiles(root, fingerprint, name, ring, block, share))
             for part, width in zip(parts, widths, strict=False):
                 share = state_budget * width // max(1, sum(widths))
                 states.append(
@@ -175,7 +195,10 @@ class BlockStore:
             if lock_fd is not None:
                 os.close(lock_fd)
             raise
-        return cls(target, parts, state_parts=states)
+        if not ring:
+            return cls(target, parts, state_parts=states)
+        rings = BlockRings(target, block, parts[-1])
+        return cls(target, parts[:-1], state_parts=states, rings=rings)
 
     # -- the engine's calls -----------------------------------------------------------------
 
@@ -188,7 +211,10 @@ class BlockStore:
         keys = prompt_keys(prompt, self.block, limit) if limit > 0 else []
         parent, n = ROOT_KEY, len(keys)
         for i, key in enumerate(keys):
-            if not self._found(key, parent, self._tokens(prompt, i)):
+            tokens = self._tokens(prompt, i)
+            if not self._found(key, parent, tokens) or not self._has_rows(
+                key, parent, tokens, i, len(prompt)
+            ):
                 n = i
                 break
             parent = key
@@ -199,8 +225,10 @@ class BlockStore:
     async def restore(self, slot: int, prompt: Sequence[int], keys: Sequence[bytes]) -> int:
         """Start the empty `slot` on the blocks `keys` (`match`'s): its table adopts their
         records, those in memory as they are, the others read from disk into free records
-        first; as many as there are records for, up to the first bad file (a hybrid's up
-        to the deepest state that can be had, loaded with them: `StateStore.take`). -> the
+        first; as many as there are records for, up to the first bad file. With
+        feature rings their rows go back into the slot's ring (`BlockRings.restore`; the
+        caller sets the sequence's floor, `BlockRings.floor`); a hybrid's up to the
+        deepest state that can be had, loaded with them (`StateStore.take`). -> the
         positions restored (its first span pages them in). A worker's refusal resets the
         slot and raises."""
         t, tables = self.target, self.tables
@@ -232,6 +260,12 @@ class BlockStore:
                 if good < len(reads):
                     self.restore_errors += 1
                     n = reads[good]
+            rows: Sequence[object] = ()  # each block's feature-ring rows, when needed
+            if n and self.rings is not None:
+                rows = await self.rings.fetch(keys[:n], len(prompt))
+                if len(rows) < n:
+                    self.restore_errors += 1
+                    n = len(rows)
             loads: tuple[tuple[int, int, int], ...] = ()
             if self.states is not None:  # no block past the state restores anything
                 n, state = await self.states.take(prompt, keys, n)
@@ -249,6 +283,8 @@ class BlockStore:
                     raise
                 for i in [i for i in taken if i < n]:  # in memory from now on
                     self._keep(keys[i], keys[i - 1] if i else ROOT_KEY, prompt, i, taken.pop(i))
+                if self.rings is not None:
+                    self.rings.restore(slot, keys[:n], rows[:n], len(prompt), self._held)
                 self._use(keys[:n])
                 if (pager := t.pager(slot)) is not None:  # KV Flash: it pages in what it keeps
                     pager.sync(n * self.block)
@@ -260,12 +296,16 @@ class BlockStore:
         self._trim()
         return n * self.block
 
-    async def save(self, slot: int, prompt: Sequence[int], cuts: Sequence[int] = ()) -> int:
+    async def save(
+        self, slot: int, prompt: Sequence[int], cuts: Sequence[int] = (), ring_floor: int = 0
+    ) -> int:
         """Keep `slot`'s blocks of `prompt`'s whole blocks that are not in memory yet (as
         many as there is room for, in prefix order): a resident one copied into a free
         host record, a paged-out one (KV Flash) as its record is; queue those not on disk
         for the writer; a hybrid's recurrent states at `cuts` too (`StateStore.save`).
-        -> the blocks saved."""
+        Right after the prompt's prefill: with feature rings the held blocks get their
+        rows from the slot's ring (`BlockRings.take`; its sequence's `ring_floor`). -> the
+        blocks saved."""
         t, tables = self.target, self.tables
         assert t.host is not None
         keys = prompt_keys(prompt, self.block, tables.length(slot))
@@ -303,6 +343,9 @@ class BlockStore:
         records |= {m.index: m.record for m in moves}
         for j in todo:
             self._keep(keys[j], keys[j - 1] if j else ROOT_KEY, prompt, j, records[j])
+        if self.rings is not None:
+            held = [(j, k) for j, k in enumerate(keys) if k in self._held]
+            self.rings.take(slot, held, len(prompt), ring_floor)
         self._use(keys)
         self._queue_writes(keys)
         if self.states is not None:
@@ -341,6 +384,8 @@ class BlockStore:
                 victims.append(key)
         for key in victims:
             self.tables.release_record(self._held.pop(key).record)
+            if self.rings is not None:
+                self.rings.drop(key)
         return len(victims)
 
     # -- BlockTier: the prefix cache's view -----------------------------------------------
@@ -356,12 +401,16 @@ class BlockStore:
     def counts(self) -> BlockCounts:
         disk = max((len(p) for p in self.parts), default=0)
         states = self.states.counts() if self.states is not None else BlockCounts()
+        rings = self.rings
         return BlockCounts(
             len(self._held),
-            len(self._held) * self.record_bytes + states.memory_bytes,
-            self.capacity * self.record_bytes + states.capacity,
+            len(self._held) * self.record_bytes
+            + (rings.memory_bytes if rings else 0)
+            + states.memory_bytes,
+            self.capacity * (self.record_bytes + (rings.block_bytes if rings else 0))
+            + states.capacity,
             disk,
-            sum(p.used_bytes for p in self.parts) + states.disk_bytes,
+            sum(p.used_bytes for p in self._files()) + states.disk_bytes,
             states.memory_states,
             states.disk_states,
         )
@@ -375,8 +424,8 @@ class BlockStore:
         states = await self.states.clear(disk) if self.states is not None else 0
         if not disk or not self.parts:
             return len(gone) + states
-        files = await asyncio.gather(*(asyncio.to_thread(p.clear) for p in self.parts))
-        return len(gone) + max(files) + states
+        files = await asyncio.gather(*(asyncio.to_thread(p.clear) for p in self._files()))
+        return len(gone) + max(files[: len(self.parts)]) + states
 
     async def flush(self) -> None:
         await self.writer.flush()
@@ -387,7 +436,7 @@ class BlockStore:
         if self.states is not None:
             self.states.close()
         self.tables.reclaimer = None
-        for p in self.parts:
+        for p in self._files():
             p.close()
 
     # -- internals ------------------------------------------------------------------------
@@ -395,10 +444,30 @@ class BlockStore:
     def _tokens(self, prompt: Sequence[int], i: int) -> tuple[int, ...]:
         return block_tokens(prompt, self.block, i)
 
+    def _holds(self, key: bytes, parent: bytes, tokens: tuple[int, ...]) -> bool:
+        """Whether the block `key` (of `parent` and `tokens`) is in memory."""
+        held = self._held.get(key)
+        return held is not None and held.parent == parent and held.tokens == tokens
+
     def _found(self, key: bytes, parent: bytes, tokens: tuple[int, ...]) -> bool:
         """Whether the block `key` (of `parent` and `tokens`) is in memory or on disk in
         every part."""
         return found(self._held.get(key), self.parts, key, parent, tokens)
+
+    def _has_rows(
+        self, key: bytes, parent: bytes, tokens: tuple[int, ...], i: int, length: int
+    ) -> bool:
+        """Whether block i of a prompt of `length` tokens has the feature-ring rows a
+        restore needs (none without rings, nor before the prompt's own ring reaches)."""
+        rings = self.rings
+        if rings is None or not rings.needed(i, length):
+            return True
+        return rings.found(key, parent, tokens, self._holds(key, parent, tokens))
+
+    def _files(self) -> list[BlockFiles]:
+        """Every part on disk: the workers' and the feature rings'."""
+        ring = self.rings.part if self.rings is not None else None
+        return [*self.parts, *([ring] if ring is not None else [])]
 
     def _written(self, key: bytes) -> bool:
         return bool(self.parts) and all(p.has(key) for p in self.parts)
@@ -424,6 +493,8 @@ class BlockStore:
         held, self._held = self._held, OrderedDict()
         for h in held.values():
             self.tables.release_record(h.record)
+        if self.rings is not None:
+            self.rings.drop_all()
 
     def _queue_writes(self, keys: Sequence[bytes]) -> None:
         """Queue the prompt's blocks held in memory and not on disk for the writer, each
@@ -432,11 +503,12 @@ class BlockStore:
             return
         for key in keys:
             held = self._held.get(key)
-            if held is None or self.writer.pending(key) or self._written(key):
+            rows = self.rings is None or self.rings.written(key)  # rows kept after the K/V
+            if held is None or self.writer.pending(key) or (self._written(key) and rows):
                 continue
             self.tables.retain_record(held.record)
             done = partial(self.tables.release_record, held.record)
-            self.writer.queue(key, "a K/V block", partial(self._write, held), done)
+            self.writer.queue(key, "a K/V block", partial(self._write, key, held), done)
 
     def _read(self, keys: Sequence[bytes], records: Sequence[int]) -> int:
         """Fill `records` with the blocks `keys`, every part's bytes (a thread); -> how many
@@ -451,11 +523,13 @@ class BlockStore:
                 return i
         return len(keys)
 
-    def _write(self, held: _Held) -> None:
+    def _write(self, key: bytes, held: _Held) -> None:
         host = self.target.host
         assert host is not None
         rows = [rows[held.record] for rows in host.arrays]
-        write_parts(self.parts, rows, held.parent, held.tokens)
+        write_parts(self.parts, rows, held.parent, held.tokens)  # on disk: touched only
+        if self.rings is not None:
+            self.rings.write(key, held.parent, held.tokens)
 
 
 def part_name(target: Target, plan: WorkerPlan) -> str:

@@ -66,10 +66,7 @@ class Proposer:
         if sampling is not None:
             q = self.q_row(seq.slot)
             outputs["probs"] = t.regions["draft_probs"].rows(q, q + size - 1)
-        # A verify feeds up to B positions past the committed ones and rolls back: their
-        # slots overwrote the oldest B rows of the ring, so those stay unread; nor are rows
-        # below the floor a restored snapshot left valid.
-        ctx = max(1, min(ring.ring_cap - size, seq.computed - seq.ring_floor))
+        ctx = self.context(work)
         frame = DraftBlock(
             ring=ring.region,
             committed=seq.computed,
@@ -93,6 +90,15 @@ class Proposer:
                 relay.forget(seq.slot)
                 raise
         return t.arrays["draft_ids"][base + 1 : base + size].tolist()
+
+    def context(self, work: Work) -> int:
+        """How many committed positions before the window the draft reads from the ring.
+        A verify feeds up to B positions past the committed ones and rolls back: their
+        slots overwrote the oldest B rows of the ring, so those stay unread; nor are rows
+        below the floor a restore or a share left valid."""
+        seq, ring = work.seq, self.target.ring(work.seq.slot)
+        assert ring is not None
+        return max(1, min(ring.ring_cap - work.window, seq.computed - seq.ring_floor))
 
     def _set_point_mass(self, slot: int, proposals: list[int]) -> None:
         """q row i = one-hot at proposal i: rejection sampling against a drafter that

@@ -75,9 +75,9 @@ def saves_seen(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[int, int]]:
     seen: dict[int, int] = {}
     save = BlockStore.save
 
-    async def seeing(self: BlockStore, slot: int, prompt, cuts=()) -> int:
+    async def seeing(self: BlockStore, slot: int, prompt, *rest) -> int:
         seen.update(self.tables.host(slot))
-        return await save(self, slot, prompt, cuts)
+        return await save(self, slot, prompt, *rest)
 
     monkeypatch.setattr(BlockStore, "save", seeing)
     yield seen

@@ -103,6 +103,18 @@ MAX_TOP_LOGPROBS = 20
 MAX_BLOCK = 64  # longest draft window a request may use
 
 
+def _flash_blocks(placement: TargetPlacement, kv_flash: PagerConfig | None) -> TargetPlacement:
+    """The placement with KV Flash's block as the pool's (it pages the pool's blocks)."""
+    if kv_flash is None:
+        return placement
+    if placement.kv_block not in (0, kv_flash.block):
+        raise ValueError(
+            f"KV Flash pages blocks of {kv_flash.block} rows, not the placement's "
+            f"{placement.kv_block}"
+        )
+    return dataclasses.replace(placement, kv_block=kv_flash.block)
+
+
 class Target:
     """The target model behind its workers (see the module docstring)."""
 
@@ -124,15 +136,8 @@ class Target:
         self.sequences = sequences
         # KV Flash: each running slot's pager over the block tables (`pager`).
         self.flash = FlashLanes(kv_flash, sequences, placement.kv_capacity) if kv_flash else None
-        if kv_flash is not None:  # it pages the workers' pool blocks: its own size
-            if placement.kv_block not in (0, kv_flash.block):
-                raise ValueError(
-                    f"KV Flash pages blocks of {kv_flash.block} rows, not the placement's "
-                    f"{placement.kv_block}"
-                )
-            placement = dataclasses.replace(placement, kv_block=kv_flash.block)
         self.name = name
-        self.placement = placement
+        self.placement = placement = _flash_blocks(placement, kv_flash)
         deadlines = deadlines or Deadlines()
 
         def remote_worker(spec: WorkerSpec, on_exit: Callable) -> RemoteWorker:
@@ -156,10 +161,7 @@ class Target:
             else None
         )
         self.transfer = KVTransfer(self.executor, owner.instance)
-        self.load_s = 0.0
-        self.n_layers = 0
-        self.hidden = 0
-        self.vocab = 0
+        self.load_s, self.n_layers, self.hidden, self.vocab = 0.0, 0, 0, 0
         self._rings: dict[int, FeatureRing] = {}  # each slot's, while captures are on
         self.capture: tuple[tuple[int, ...], int, str] | None = None  # layers, cap, dtype
         self.regions: dict[str, Region] = {}

@@ -24,7 +24,7 @@ from luced.cache.files import QUARANTINE
 from luced.engine.core import Engine, GenerationRequest
 from luced.engine.kv.state_store import StateStore
 from luced.gguf_file import GGUFFile
-from luced.runtime.tiny import make_tiny_gguf
+from luced.runtime.tiny import make_tiny_draft, make_tiny_gguf
 from luced.sampling_params import SamplingParams
 from luced.text.tokenizer import Tokenizer
 from luced.text.turns import TurnMarker
@@ -226,3 +226,30 @@ async def test_states_are_given_up_least_recently_used(tiny: Path, chat, known) 
         assert [n for _, n in got] == [0, 128, 48, 48]
         for record in held:
             records.release(record)
+
+
+async def test_a_hybrid_with_a_draft_restores_blocks_states_and_ring_rows(
+    tiny: Path, chat, known, tmp_path: Path
+) -> None:
+    """A DFlash draft on the hybrid: each block keeps its feature-ring rows beside the
+    K/V and the states (engine/kv/block_rings.py), so the restores land at the same cuts
+    and the speculative greedy tokens are the fresh ones."""
+    want = await fresh(tiny, chat, known)
+    marker, prompts = chat
+    _, draft, _ = make_tiny_draft(tiny, tmp_path / "draft", seed=1, block_size=4)
+    async with engine_for(
+        tiny,
+        context=512,
+        max_running=2,
+        prefix_cache_bytes=16 << 20,
+        block_files=True,
+        draft=draft,
+        block_size=4,
+    ) as e:
+        assert e.prefix.store is not None and e.prefix.store.rings is not None
+        got = {}
+        for name in ("first", "first again", "second", "third", "fourth"):
+            got[name] = await served(e, marker, prompts[name.split()[0]])
+    for name, ((tokens, _), _) in got.items():
+        assert tokens == want[name.split()[0]][0], name
+    assert [n for _, n in got.values()] == [0, 128, 96, 48, 128]

@@ -486,7 +486,7 @@ def _decode_graphs(
     if req.decode_graphs == "off" or (req.decode_graphs == "auto" and device.type != "cuda"):
         return None
     if not blocks:
-        why: str | None = "no K/V block pool (--max-running 1, --kv-flash or --kv-block-size 0)"
+        why: str | None = "no K/V block pool (--kv-flash or --kv-block-size 0)"
     elif len(shards) > 1:
         why = "the layers span several devices"
     else:

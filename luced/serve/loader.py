@@ -160,7 +160,7 @@ def read_spec(cfg: Config) -> ModelSpec:
         kv_dtype=cfg.effective_kv_dtype(),
         # Several running requests hold their K/V in blocks of one pool per worker, so
         # one can start on another's prompt prefix; KV Flash pages those blocks.
-        kv_block=_kv_block(cfg, running, kv_flash),
+        kv_block=_kv_block(cfg, kv_flash),
         kv_capacity=context,
         max_batch_tokens=cfg.scheduler.max_batch_tokens,
         devices=model.target_devices,
@@ -288,12 +288,13 @@ def _kv_pool(cfg: Config, context: int, running: int, per_token: int) -> int:
     return pool
 
 
-def _kv_block(cfg: Config, running: int, kv_flash: PagerConfig | None) -> int:
+def _kv_block(cfg: Config, kv_flash: PagerConfig | None) -> int:
     """Rows per block of the workers' K/V pools: KV Flash's block (the unit it pages),
-    else --kv-block-size when several requests run, else 0 (one contiguous cache)."""
+    else --kv-block-size (0: one contiguous cache per sequence). One running request
+    keeps its K/V in the pool too, so that the prefix cache keeps blocks for it."""
     if kv_flash is not None:
         return kv_flash.block
-    return cfg.kv.kv_block_size if running > 1 else 0
+    return cfg.kv.kv_block_size
 
 
 def _kv_flash(

@@ -396,8 +396,8 @@ OPTIONS: tuple[Option, ...] = (
         "eagerly: a check, not a speed-up); `compile`: as `on`, each step also compiled by "
         "torch.compile, which fuses a layer's small kernels (the first step of each batch "
         "size compiles: seconds to minutes; a CPU worker's packed kernels cannot be compiled, "
-        "and there it runs as `on`); `off`. Needs the block pool (`--max-running` > "
-        "1, no `--kv-flash`) and a whole attention model in one worker (no split, MoE or "
+        "and there it runs as `on`); `off`. Needs the block pool (`--kv-block-size` > "
+        "0, no `--kv-flash`) and a whole attention model in one worker (no split, MoE or "
         "recurrent layers); other steps run as before.",
         choices=("auto", "on", "compile", "off"),
     ),
@@ -447,8 +447,8 @@ OPTIONS: tuple[Option, ...] = (
         "Rows per block of the workers' K/V pool (continuous batching): every running "
         "request's K/V lives in blocks of one pool per worker shard, so a request whose "
         "prompt starts like a running one's takes that prefix's blocks without computing or "
-        "copying them. 0: each request's K/V on its own, nothing shared. Not used with "
-        "`--max-running 1`; `--kv-flash` pages blocks of 64 rows whatever this says; a "
+        "copying them. 0: each request's K/V on its own, nothing shared (and the prefix "
+        "cache keeps snapshots). `--kv-flash` pages blocks of 64 rows whatever this says; a "
         "hybrid (recurrent) model does not share.",
         minimum=0, maximum=1024,
     ),
@@ -461,7 +461,7 @@ OPTIONS: tuple[Option, ...] = (
         "blocks but the first out to host memory (about the bytes this many positions "
         "take) and stays whole, and is given up when that is full. 0: nothing is "
         "kept. Under `--kv-flash` it bounds what they keep resident. Needs the block "
-        "pool (`--kv-block-size`, `--max-running` > 1, or `--kv-flash`); not with a "
+        "pool (`--kv-block-size` > 0, or `--kv-flash`); not with a "
         "DFlash draft or a hybrid (recurrent) model. The prefix cache "
         "(`--prefix-cache-bytes`) is the copy behind it that outlives a restart.",
         minimum=0, nullable=True, example=8192,

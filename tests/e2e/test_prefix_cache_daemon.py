@@ -36,7 +36,7 @@ def complete(d: DaemonProcess, prompt: str = PROMPT, max_tokens: int = 12) -> di
     return reply
 
 
-ONE = ("--max-running", "1")  # no block pool: the disk tier keeps snapshot files
+ONE = ("--kv-block-size", "0")  # no block pool: the disk tier keeps snapshot files
 
 
 def cached(reply: dict) -> int:
@@ -188,13 +188,18 @@ def test_a_prompt_restored_part_way_answers_as_fresh(smollm2_gguf, tmp_path) -> 
 # -- disk tier: restarts and bad files, on tiny models --------------------------------------
 
 
-@pytest.mark.parametrize("devices", ["cpu", "cpu,cpu:1"], ids=["unsplit", "split"])
-def test_restart_serves_from_disk(tiny, devices, tmp_path) -> None:
-    """Several running requests (the default): the disk tier keeps the prompt's whole K/V
-    blocks, a file per worker's part, and a restarted daemon restores them. Snapshot files
-    of the older format in the model's directory move to its quarantine/ (one log line)."""
+@pytest.mark.parametrize(
+    ("devices", "running"),
+    [("cpu", 8), ("cpu,cpu:1", 8), ("cpu", 1)],
+    ids=["unsplit", "split", "one-running"],
+)
+def test_restart_serves_from_disk(tiny, devices, running, tmp_path) -> None:
+    """Several running requests (the default) or one: the disk tier keeps the prompt's
+    whole K/V blocks, a file per worker's part, and a restarted daemon restores them.
+    Snapshot files of the older format in the model's directory move to its quarantine/
+    (one log line)."""
     kv = tmp_path / "kv"
-    args = ("--kv-cache-dir", str(kv), "--target-devices", devices)
+    args = ("--kv-cache-dir", str(kv), "--target-devices", devices, "--max-running", str(running))
     d = DaemonProcess(tiny["a"], tmp_path / "one", *args).start()
     try:
         expected = complete(d)
@@ -238,8 +243,8 @@ def test_restart_serves_from_disk(tiny, devices, tmp_path) -> None:
 
 def _one_file(model: Path, tmp: Path, *args: str) -> tuple[Path, str]:
     """Run a daemon once on `model` with its own (empty) cache dir: the snapshot file it
-    wrote, and its reply, computed from the whole prompt. One running request: no block
-    pool, so snapshot files (several keep K/V blocks instead)."""
+    wrote, and its reply, computed from the whole prompt. `--kv-block-size 0`: no block
+    pool, so snapshot files (a block pool keeps K/V blocks instead)."""
     kv = tmp / "kv"
     d = DaemonProcess(model, tmp, "--kv-cache-dir", str(kv), *ONE, *args).start()
     try:

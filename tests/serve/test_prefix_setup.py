@@ -80,18 +80,20 @@ def test_a_held_cache_dir_is_refused_before_the_load(tmp_path: Path) -> None:
         (("--kv-cache-dir", "kv"), True),  # several running requests share one block pool
         (("--kv-cache-dir", "kv", "--draft", "ngram"), True),  # no feature rings
         (("--kv-cache-dir", "kv", "--draft", "dflash"), True),  # their rows beside the blocks
-        (("--kv-cache-dir", "kv", "--max-running", "1"), False),  # one cache, no blocks
+        (("--kv-cache-dir", "kv", "--max-running", "1"), True),  # one running, same pool
+        (("--kv-cache-dir", "kv", "--kv-block-size", "0"), False),  # one cache each, no blocks
         (("--kv-cache-dir", "kv", "--kv-flash", "512"), True),  # KV Flash pages the same blocks
         (("--kv-flash", "512", "--max-running", "1"), True),  # its pool: blocks of 64
         (("--kv-cache-dir", "kv", "--prefix-cache-bytes", "0"), False),
         ((), True),  # no disk tier: blocks in host records only
-        (("--max-running", "1"), False),
+        (("--max-running", "1"), True),
+        (("--kv-block-size", "0"), False),
     ],
 )
 def test_the_cache_keeps_blocks_where_it_can(tmp_path: Path, args, blocks: bool) -> None:
     """`ModelSpec.block_store`, decided before the load: blocks (in memory, and on disk
-    with a directory) for requests that share a block pool, several running or KV
-    Flash's (without workers on other hosts); snapshots otherwise."""
+    with a directory) for requests in a block pool, --kv-block-size's or KV Flash's
+    (without workers on other hosts); snapshots otherwise."""
     model = make_tiny_gguf("llama", tmp_path / "m.gguf", seed=1, layers=2, context=1024).path
     argv = [str(model), *(_path(a, model, tmp_path) for a in args)]
     cfg = load_config(argv, env={}, default_config_path=None)
@@ -111,7 +113,7 @@ def _path(arg: str, model: Path, tmp_path: Path) -> str:
         ((), False),
         (("--draft", "dflash"), False),
         (("--max-running", "1", "--kv-flash", "512"), False),
-        (("--max-running", "1"), True),
+        (("--kv-block-size", "0"), True),
     ],
     ids=["blocks", "blocks+rings", "kv-flash-blocks", "snapshots"],
 )

@@ -194,8 +194,8 @@ class Target:
         slot keeps at most its pager's quota resident, the kept lanes at most `kept`
         positions resident, and the host records are `FlashLanes.records`. `store`: bytes
         of host records more for the prefix cache's block store (sized at start,
-        `store_records`; a hybrid's states take a share, `states`; a hybrid under KV Flash
-        none). -> with kept lanes' host records, what the lanes hold (the budget's)."""
+        `store_records`; a hybrid's states take a share, `states`). -> with kept lanes'
+        host records, what the lanes hold (the budget's)."""
         block, flash = self.placement.kv_block, self.flash
         if not block:
             return None
@@ -250,9 +250,7 @@ class Target:
             layers = [s.plan.layers for s in self.executor.slots if s.plan is not None]
             if self.store_records:  # the block store's: --prefix-cache-bytes (a hybrid's
                 size = self.store_bytes  # recurrent states take their share first)
-                if self.recurrent and self.flash is not None:
-                    size = 0  # a hybrid under KV Flash keeps snapshots
-                elif self.recurrent:
+                if self.recurrent:
                     self.states, size = self.host.split_states(layers, size)
                 self.store_records = self.host.size_store(
                     self.blocks, layers, self.store_records, size

@@ -339,7 +339,7 @@ class Backend(WorkerState):
 
     def kv_page(self, req: F.KVPage) -> F.KVPageReply:
         m = self.model("kv_page")
-        if not m.reply.kv_record_bytes:
+        if not m.block_pools:
             raise WorkerError("kv_page needs a load with kv_block (one block pool per shard)")
         hosts = forward_verb.host_tier(self, req.kv_host, req.moves, m) if req.moves else []
         records = None

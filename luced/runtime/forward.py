@@ -193,7 +193,7 @@ def _check_spans(m: Loaded, spans: Sequence[F.Span], states: list[SequenceState]
                 f"{span.start + span.n}) exceed the KV capacity of {m.reply.kv_capacity} tokens"
             )
         state.check_table(span, refs)
-        if span.kv_scores is not None and not m.reply.kv_record_bytes:
+        if span.kv_scores is not None and not m.block_pools:
             raise WorkerError("kv_scores needs a load with kv_block")
         if span.kv_scores is not None and not all(c.scored for c in state.paged()):
             raise WorkerError("kv_scores needs a load with kv_scored (block keys are not kept)")

@@ -60,6 +60,8 @@ class RecordLayout:
         D]): views as integer words of the cache dtype's size (the copies move bits, and
         index ops take every integer dtype), one `as_strided` each, since on short copies
         every view op costs as much as moving a few KiB."""
+        if not self.shapes:  # a worker of recurrent layers only: its records are empty
+            return
         word = _WORDS[self.dtype.itemsize]
         table = records.view(word)
         offset = table.storage_offset()

@@ -96,10 +96,9 @@ class ModelSpec:
         """Whether the prefix cache keeps K/V blocks by prefix key (engine/kv/block_store.py:
         in host records, and on disk with --kv-cache-dir; a draft's feature-ring rows
         beside them) rather than snapshots (the arena, a file per prompt): for requests
-        sharing blocks of one pool (several running, or KV Flash's), without workers on
-        other hosts. A hybrid's recurrent states go beside its blocks
-        (engine/kv/state_store.py); a hybrid under KV Flash turns out to keep snapshots
-        once loaded (`Target.store_records`)."""
+        whose K/V lives in blocks of one pool (--kv-block-size's, or KV Flash's), without
+        workers on other hosts. A hybrid's recurrent states go beside its blocks
+        (engine/kv/state_store.py)."""
         kv = self.config.kv
         return (
             kv.prefix_cache_bytes > 0

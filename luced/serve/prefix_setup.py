@@ -225,7 +225,7 @@ def uses_blocks(target: Target) -> bool:
     """Whether the prefix cache keeps K/V blocks by prefix key (`BlockStore`: host records
     and block files; a hybrid's recurrent states and a draft's feature-ring rows beside
     them) rather than snapshots (the arena and snapshot files): the target was given
-    records for it (`ModelSpec.block_store`; a hybrid under KV Flash is not)."""
+    records for it (`ModelSpec.block_store`)."""
     return target.store_records > 0 and target.host is not None
 
 

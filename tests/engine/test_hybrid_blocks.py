@@ -23,6 +23,7 @@ from luced.cache.block_files import BLOCKS, STATE_FILES, prompt_keys
 from luced.cache.files import QUARANTINE
 from luced.engine.core import Engine, GenerationRequest
 from luced.engine.kv.state_store import StateStore
+from luced.engine.kvflash import PagerConfig
 from luced.gguf_file import GGUFFile
 from luced.runtime.tiny import make_tiny_draft, make_tiny_gguf
 from luced.sampling_params import SamplingParams
@@ -253,3 +254,35 @@ async def test_a_hybrid_with_a_draft_restores_blocks_states_and_ring_rows(
     for name, ((tokens, _), _) in got.items():
         assert tokens == want[name.split()[0]][0], name
     assert [n for _, n in got.values()] == [0, 128, 96, 48, 128]
+
+
+@pytest.mark.parametrize("devices", [("cpu",), SPLIT], ids=["unsplit", "split"])
+async def test_a_hybrid_under_kv_flash_restores_past_its_pool_as_fresh(
+    tmp_path: Path, devices
+) -> None:
+    """KV Flash over a 448-position pool: a 502-token conversation pages blocks out as it
+    prefills and saves its blocks (the paged-out ones held as their records are) and its
+    states at 256 and 448; the next turn restores at 448, its pager paging in what a lane
+    that computed the prompt holds, and answers as the same engine does with nothing
+    cached, tokens and logprobs bit for bit."""
+    tiny = make_tiny_gguf("qwen35", tmp_path / "q.gguf", seed=5, layers=4, context=1024).path
+    marker = Tokenizer.from_gguf(GGUFFile(tiny)).vocab_size - 1
+
+    def turn(seed: int, n: int) -> list[int]:
+        return [marker] + [(seed * i + 3) % marker for i in range(n)]
+
+    first = turn(7, 300) + turn(11, 200)
+    second = first + turn(13, 60)
+    pager = PagerConfig(pool_tokens=448, policy="lru")  # type: ignore[arg-type]
+    opts = dict(context=1024, kv_flash=pager, prefix_cache_bytes=16 << 20, block_files=True)
+    async with engine_for(tiny, devices, **opts) as e:
+        assert e.prefix.store is not None and e.prefix.store.states is not None
+        assert e.prefix_cache is not None and e.prefix_cache.arena is None
+        got = [await served(e, marker, p) for p in (first, second)]
+        assert e.target.flash_status()["recalls"] > 0  # the restore paged blocks in
+        want = []
+        for p in (first, second):
+            await e.prefix_cache.clear()
+            want.append(await served(e, marker, p))
+    assert [n for _, n in got] == [0, 448] and [n for _, n in want] == [0, 0]
+    assert [out for out, _ in got] == [out for out, _ in want]

@@ -245,8 +245,12 @@ class Target:
             layers = [s.plan.layers for s in self.executor.slots if s.plan is not None]
             if self.store_records:  # the block store's: --prefix-cache-bytes (a hybrid: none)
                 size = 0 if self.recurrent else self.store_bytes
+                limits = [  # a worker on another host's memory for them
+                    s.handle.hello.prefix_cache_bytes if s.handle and s.handle.hello else None
+                    for s in self.executor.slots
+                ]
                 self.store_records = self.host.size_store(
-                    self.blocks, layers, self.store_records, size
+                    self.blocks, layers, self.store_records, size, limits
                 )
             if self.host.records:
                 block_bytes = self.host.carve(self.owner, self.name, layers, self.blocks)
@@ -343,7 +347,7 @@ class Target:
         if self.experts is not None:
             await self.experts.pipeline_loaded(slot, worker, reply)
         if self.host is not None:
-            self.host.loaded(plan.layers, reply.kv_record_bytes, slot.spec.group)
+            self.host.loaded(plan.layers, reply.kv_record_bytes, slot.spec.group, slot.spec.remote)
         self.load_s = max(self.load_s, reply.load_s)
         self._recurrent[plan.layers] = reply.recurrent
         self.n_layers, self.hidden, self.vocab = reply.n_layers, reply.hidden, reply.vocab

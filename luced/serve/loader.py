@@ -94,17 +94,16 @@ class ModelSpec:
     @property
     def block_store(self) -> bool:
         """Whether the prefix cache keeps K/V blocks by prefix key (engine/kv/block_store.py:
-        in host records, and on disk with --kv-cache-dir) rather than snapshots (the arena,
-        a file per prompt): for requests sharing blocks of one pool, without KV Flash,
-        workers on other hosts or a draft's feature rings. A recurrent model turns out to
-        keep snapshots once loaded (`Target.store_records`)."""
+        in host records, and on disk with --kv-cache-dir; a worker on another host's part
+        on its host) rather than snapshots (the arena, a file per prompt): for requests
+        sharing blocks of one pool, without KV Flash or a draft's feature rings. A
+        recurrent model turns out to keep snapshots once loaded (`Target.store_records`)."""
         kv, spec = self.config.kv, self.config.speculation
         rings = spec.draft is not None and not spec.lookup_drafts
         return (
             kv.prefix_cache_bytes > 0
             and self.placement.kv_block > 0
             and self.kv_flash is None
-            and self.remote is None
             and not rings
             and not self.encoder
         )

@@ -84,14 +84,29 @@ def test_a_held_cache_dir_is_refused_before_the_load(tmp_path: Path) -> None:
         (("--kv-cache-dir", "kv", "--prefix-cache-bytes", "0"), False),
         ((), True),  # no disk tier: blocks in host records only
         (("--max-running", "1"), False),
+        # a worker on another host keeps its part of the blocks on its host
+        (
+            (
+                "--kv-cache-dir",
+                "kv",
+                "--target-devices",
+                "cpu,tcp://10.0.0.2:7070/cpu",
+                "--worker-key-file",
+                "key",
+            ),
+            True,
+        ),
     ],
 )
 def test_the_cache_keeps_blocks_where_it_can(tmp_path: Path, args, blocks: bool) -> None:
     """`ModelSpec.block_store`, decided before the load: blocks (in memory, and on disk
-    with a directory) for requests that share a block pool, without KV Flash (or workers
-    on other hosts, or a draft's rings); snapshots otherwise."""
+    with a directory; on their own hosts for workers on other hosts) for requests that
+    share a block pool, without KV Flash or a draft's rings; snapshots otherwise."""
     model = make_tiny_gguf("llama", tmp_path / "m.gguf", seed=1, layers=2, context=1024).path
-    argv = [str(model), *(str(tmp_path / a) if a == "kv" else a for a in args)]
+    key = tmp_path / "key"
+    key.write_text("k" * 40)
+    key.chmod(0o600)
+    argv = [str(model), *(str(tmp_path / a) if a in ("kv", "key") else a for a in args)]
     cfg = load_config(argv, env={}, default_config_path=None)
     assert read_spec(cfg).block_store is blocks
 

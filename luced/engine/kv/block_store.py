@@ -1,7 +1,7 @@
 """The prefix cache as K/V blocks by prefix key (cache/block_files.py's keys), for an
-attention-only model whose workers are all local, without KV Flash: its memory tier is host
-records (engine/kv/host.py) held by key, its disk tier (with --kv-cache-dir) a file per
-block and worker; a prompt comes back as a page-in, not an import of copies.
+attention-only model without KV Flash: its memory tier is host records (engine/kv/host.py)
+held by key, its disk tier (with --kv-cache-dir) a file per block and worker; a prompt
+comes back as a page-in, not an import of copies.
 
     save     after a prompt's prefill, its whole blocks not held in memory yet: each
              copied from the lane's pool block into a free host record (`BlockTables.save`,
@@ -26,15 +26,22 @@ first block, without which no later one is found, goes last. A record given up i
 disk, or being written (the writer holds it until then); without a disk, or while writes
 are paused, it is gone. A record that a table or the writer holds too is never given up.
 
-Parts: one `BlockFiles` per pipeline worker, named for what its record's bytes depend on
-(`part_name`: the block, the K/V dtype, the worker's layers, and a hash of its devices,
-shard split, compute dtype and weights), all under the model directory's lock, which the
-first part holds. Each part keeps at most its share of `--kv-cache-budget`, by record size.
-Without parts (no --kv-cache-dir, or it cannot be used) the memory tier is the whole cache.
+Parts: one per pipeline worker, named for what its record's bytes depend on (`part_name`:
+the block, the K/V dtype, the worker's layers, and a hash of its devices, shard split,
+compute dtype and weights). A local worker's is a `BlockFiles` here, under the model
+directory's lock, which the first one holds, keeping at most its share of
+`--kv-cache-budget` by record size. A worker on another host keeps its own records and
+files on its host (engine/kv/remote_blocks.py `RemotePart`: this store's index of them, its
+`--kv-cache-dir` and `--kv-cache-budget` there): its bytes are saved to, written from, read
+into and adopted from its own mirror of its host records, never the daemon's copy. A record
+held before such a worker reconnected is empty there: the store gives up every block it
+held then (`HostRecords.epoch`). Without parts (no --kv-cache-dir, or it or a remote
+worker's cannot be used) the memory tier is the whole cache.
 
-A file that fails its checks is quarantined by `BlockFiles`; a restore stops before it. A
-write the OS refuses (a full disk) pauses writing (cache/backoff.py) with one warning; the
-blocks saved meanwhile stay in memory only.
+A file that fails its checks is quarantined by `BlockFiles`; a restore stops before it, and
+before a block any worker on another host read no file for: every worker restores the same
+blocks, or none. A write the OS refuses (a full disk) pauses writing (cache/backoff.py) with
+one warning; the blocks saved meanwhile stay in memory only.
 """
 
 from __future__ import annotations
@@ -50,11 +57,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
 from luced.cache.backoff import DiskBackoff
 from luced.cache.block_files import ROOT_KEY, BlockFileError, BlockFiles, prompt_keys
 from luced.cache.files import QUARANTINE, SnapshotDirError, model_dir_name, real_dir
 from luced.cache.prefix_cache import BlockCounts
 from luced.engine.kv.blocks import PAGED, RecordsExhausted
+from luced.engine.kv.remote_blocks import RemotePart
 from luced.engine.placement import WorkerPlan
 from luced.engine.target import Target
 
@@ -80,7 +90,7 @@ class BlockStore:
     def __init__(
         self,
         target: Target,
-        parts: Sequence[BlockFiles] = (),
+        parts: Sequence[BlockFiles | RemotePart] = (),
         clock: Callable[[], float] = time.time,
     ) -> None:
         """parts: one per pipeline worker, in order (`HostRecords.arrays[k]`'s layout);
@@ -99,9 +109,11 @@ class BlockStore:
         self.writes = self.write_errors = self.restore_errors = 0
         self.backoff = DiskBackoff(log, "K/V blocks; they stay in memory only", clock)
         self._held: OrderedDict[bytes, _Held] = OrderedDict()  # least recently used first
-        self._queue: deque[tuple[bytes, _Held]] = deque()  # each record held by the writer
+        # Each record held by the writer, with the epoch it was held in.
+        self._queue: deque[tuple[bytes, _Held, int]] = deque()
         self._pending: set[bytes] = set()  # keys queued or being written
         self._writer: asyncio.Task[None] | None = None
+        self._epoch = host.epoch  # whose records `_held` are (the module docstring)
         tables.reclaimer = self
 
     @classmethod
@@ -117,25 +129,32 @@ class BlockStore:
         for the model named by `fingerprint`, at most `budget` bytes (--kv-cache-budget);
         `lock_fd`: the model directory's lock, owned from here on. Snapshot files of the
         model move to its quarantine/ (one log line), then every part is scanned (a
-        thread). OSError or SnapshotDirError when the directory cannot be used (the lock
-        released)."""
+        thread; a worker on another host lists its own). OSError or SnapshotDirError when
+        the directory, or a remote worker's, cannot be used (the lock released)."""
         host = target.host
         assert host is not None and target.blocks is not None
+        block = target.blocks.block
         sizes = [int(a.shape[1]) for a in host.arrays]
-        parts: list[BlockFiles] = []
+        parts: list[BlockFiles | RemotePart] = []
         try:
-            for (_, plan), size in zip(target.placement.workers, sizes, strict=True):
-                share = budget * size // max(1, sum(sizes))
+            for k, ((spec, plan), size) in enumerate(
+                zip(target.placement.workers, sizes, strict=True)
+            ):
                 part = part_name(target, plan)
-                fd, lock_fd = lock_fd, None  # the first part holds the lock
-                parts.append(
-                    BlockFiles(
-                        root, fingerprint, part, size, target.blocks.block, share, lock_fd=fd
+                if spec.remote:  # its own budget, on its host
+                    parts.append(
+                        RemotePart(target.executor, k, host, fingerprint, part, size, block)
                     )
-                )
+                    continue
+                share = budget * size // max(1, sum(sizes))
+                fd, lock_fd = lock_fd, None  # the first local part holds the lock
+                parts.append(BlockFiles(root, fingerprint, part, size, block, share, lock_fd=fd))
+            if lock_fd is not None:  # every worker is on another host: no files here
+                os.close(lock_fd)
+                lock_fd = None
             await asyncio.to_thread(retire_snapshots, Path(root) / model_dir_name(fingerprint))
             for p in parts:
-                await asyncio.to_thread(p.scan)
+                await (p.scan() if isinstance(p, RemotePart) else asyncio.to_thread(p.scan))
         except BaseException:
             for p in parts:
                 p.close()
@@ -150,6 +169,7 @@ class BlockStore:
         """The keys of `prompt`'s whole blocks held in memory or on disk in every part,
         from its first one, leaving at least one token to compute (the model must produce
         logits). The blocks' parents and tokens are compared: a collision never matches."""
+        self._check_epoch()
         limit = (len(prompt) - 1) // self.block
         keys = prompt_keys(prompt, self.block, limit) if limit > 0 else []
         parent = ROOT_KEY
@@ -167,6 +187,8 @@ class BlockStore:
         slot and raises."""
         t, tables = self.target, self.tables
         assert t.host is not None
+        self._check_epoch()
+        epoch = self._epoch
         memory = [self._held.get(key) for key in keys]
         retained = [h.record for h in memory if h is not None]
         for record in retained:  # first: no record taken below is one of them
@@ -187,12 +209,12 @@ class BlockStore:
             n = len(records)
             if taken:
                 reads = sorted(taken)
-                good = await asyncio.to_thread(
-                    self._read, [keys[i] for i in reads], [taken[i] for i in reads]
-                )
+                good = await self._read([keys[i] for i in reads], [taken[i] for i in reads], epoch)
                 if good < len(reads):
                     self.restore_errors += 1
                     n = reads[good]
+            if epoch != t.host.epoch:  # a worker on another host reconnected meanwhile
+                n = 0
             if n:
                 moves = tables.adopt(slot, records[:n])
                 try:
@@ -216,6 +238,7 @@ class BlockStore:
         those not on disk for the writer. -> the blocks saved."""
         t, tables = self.target, self.tables
         assert t.host is not None
+        self._check_epoch()
         keys = prompt_keys(prompt, self.block, tables.length(slot))
         mine = [h.record for k in keys if (h := self._held.get(k)) is not None]
         todo = [
@@ -306,7 +329,12 @@ class BlockStore:
         self._release_all()
         if not disk or not self.parts:
             return len(gone)
-        files = await asyncio.gather(*(asyncio.to_thread(p.clear) for p in self.parts))
+        files = await asyncio.gather(
+            *(
+                p.clear() if isinstance(p, RemotePart) else asyncio.to_thread(p.clear)
+                for p in self.parts
+            )
+        )
         return len(gone) + max(files)
 
     async def flush(self) -> None:
@@ -373,38 +401,79 @@ class BlockStore:
                 continue
             self.tables.retain_record(held.record)
             self._pending.add(key)
-            self._queue.append((key, held))
+            self._queue.append((key, held, self._epoch))
         if self._queue and (self._writer is None or self._writer.done()):
             self._writer = asyncio.get_running_loop().create_task(self._write_queued())
 
-    def _read(self, keys: Sequence[bytes], records: Sequence[int]) -> int:
-        """Fill `records` with the blocks `keys`, every part's bytes (a thread); -> how many
-        were read before the first bad file (quarantined by its part)."""
+    def _check_epoch(self) -> None:
+        """A worker on another host reconnected since the blocks in memory were held: its
+        bytes of them are gone, so they all are (the module docstring)."""
         host = self.target.host
         assert host is not None
+        if host.epoch == self._epoch:
+            return
+        self._epoch = host.epoch
+        if self._held:
+            log.info("prefix cache: %d K/V blocks in memory given up: a worker on another "
+                     "host reconnected", len(self._held))  # fmt: skip
+        self._release_all()
+
+    def _local(self) -> list[tuple[BlockFiles, np.ndarray]]:
+        """The parts in this daemon's files, each with its worker's host records."""
+        host = self.target.host
+        assert host is not None
+        pairs = zip(self.parts, host.arrays, strict=True)
+        return [(p, rows) for p, rows in pairs if isinstance(p, BlockFiles)]
+
+    async def _read(self, keys: Sequence[bytes], records: Sequence[int], epoch: int) -> int:
+        """Fill `records` with the blocks `keys`, every part's bytes (here in a thread, on
+        its host for a remote one); -> how many every part read before its first missing
+        or bad file (quarantined by its part)."""
+        local = self._local()
+        remote = [p for p in self.parts if isinstance(p, RemotePart)]
+        counts = await asyncio.gather(
+            asyncio.to_thread(self._read_local, local, keys, records),
+            *(p.read(keys, records, epoch) for p in remote),
+        )
+        return min(counts)
+
+    @staticmethod
+    def _read_local(
+        local: list[tuple[BlockFiles, np.ndarray]], keys: Sequence[bytes], records: Sequence[int]
+    ) -> int:
         for i, (key, record) in enumerate(zip(keys, records, strict=True)):
             try:
-                for part, rows in zip(self.parts, host.arrays, strict=True):
+                for part, rows in local:
                     part.read_into(key, memoryview(rows[record]))
             except BlockFileError as exc:
                 log.info("prefix cache: %d of %d blocks read from disk: %s", i, len(keys), exc)
                 return i
-            for part in self.parts:
+            for part, _ in local:
                 part.touch(key)
         return len(keys)
 
-    def _write(self, held: _Held) -> None:
-        host = self.target.host
-        assert host is not None
-        for part, rows in zip(self.parts, host.arrays, strict=True):
-            part.write(held.parent, held.tokens, rows[held.record])
+    async def _write(self, key: bytes, held: _Held, epoch: int) -> None:
+        """Every part's bytes of `held` to its files: here in a thread, a remote worker's by
+        its own hand (while `epoch` is its records')."""
+        local = self._local()
+
+        def write_local() -> None:
+            for part, rows in local:
+                part.write(held.parent, held.tokens, rows[held.record])
+
+        remote = [p for p in self.parts if isinstance(p, RemotePart)]
+        await asyncio.gather(
+            asyncio.to_thread(write_local),
+            *(p.write(key, held.parent, held.tokens, held.record, epoch) for p in remote),
+        )
 
     async def _write_queued(self) -> None:
         while self._queue:
-            key, held = self._queue.popleft()
+            key, held, epoch = self._queue.popleft()
             try:
-                if self.backoff.ready():
-                    await asyncio.to_thread(self._write, held)
+                host = self.target.host
+                if self.backoff.ready() and host is not None and epoch == host.epoch:
+                    await self._write(key, held, epoch)
                     self.writes += 1
                     self.backoff.works()
             except OSError as exc:

@@ -630,10 +630,11 @@ OPTIONS: tuple[Option, ...] = (
         "prefix_cache_bytes", "kv", "bytes", 2**30,
         "Shared memory the prefix cache keeps prompts' K/V in (e.g. `512M`, `4G`; 0 turns "
         "the prefix cache off). Where several requests run (a K/V block pool) on a model "
-        "without recurrent layers, with every worker local, no DFlash draft and no KV "
-        "Flash, it holds their whole K/V blocks by prefix key in host records (at least "
-        "one context's), least recently used given up first, also to finished requests' "
-        "kept blocks paging out; otherwise an arena of one snapshot per prompt. "
+        "without recurrent layers, no DFlash draft and no KV Flash, it holds their whole "
+        "K/V blocks by prefix key in host records (at least one context's), least "
+        "recently used given up first, also to finished requests' kept blocks paging out "
+        "(a worker on another host keeps its part of them on its host, within its own "
+        "`--prefix-cache-bytes`); otherwise an arena of one snapshot per prompt. "
         "SmolLM2-135M in float32 needs 45 KiB per cached token, so the default holds "
         "about 23k tokens. Capped, with a warning, at half the free space of /dev/shm.",
         minimum=0, default_doc="1G", example="4G",
@@ -643,8 +644,9 @@ OPTIONS: tuple[Option, ...] = (
         "Directory of the prefix cache's disk tier, written in the background and found "
         "again after a restart. Where the cache keeps K/V blocks (see "
         "`--prefix-cache-bytes`), each prompt's whole blocks are kept there too, one file "
-        "per block and worker, and restored into the pool; otherwise one snapshot file "
-        "per prompt.",
+        "per block and worker, and restored into the pool (a worker on another host keeps "
+        "its files in its own `--kv-cache-dir`, which it then needs); otherwise one "
+        "snapshot file per prompt.",
         nullable=True, default_doc="none (memory only)", example="/var/lib/luced/kv",
     ),
     Option(

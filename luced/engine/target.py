@@ -248,6 +248,7 @@ class Target:
                 limits = [  # a worker on another host's memory for them
                     s.handle.hello.prefix_cache_bytes if s.handle and s.handle.hello else None
                     for s in self.executor.slots
+                    if s.plan is not None
                 ]
                 self.store_records = self.host.size_store(
                     self.blocks, layers, self.store_records, size, limits

@@ -25,7 +25,7 @@ Prefix cache: this worker's layers' part of it stays on this host. K/V blocks
 (``kv_store.py``) in its mirror of the daemon's host records, of which the daemon gives the
 prefix cache at most ``--prefix-cache-bytes`` here, and, with ``--kv-cache-dir``, in block
 files on its disk, by the daemon's prefix keys; where the daemon keeps snapshots instead
-(one running request, a recurrent hybrid, KV Flash, a draft's rings), their rows
+(one running request without KV Flash, a recurrent hybrid), their rows
 (``snapshot_store.py``) in that much memory and on that disk, by the daemon's entry ids.
 The files outlive daemon connections and restarts.
 

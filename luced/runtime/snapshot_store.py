@@ -1,7 +1,7 @@
 """A worker's own tier of prefix-cache snapshots: a worker on another host keeps its
 layers' rows on its host, in memory and on its disk, as the daemon keeps the rest. Only for
-the targets whose prefix cache keeps snapshots (one running request, a recurrent hybrid,
-KV Flash, a draft's feature rings); the others keep K/V blocks, whose part on this host is
+the targets whose prefix cache keeps snapshots (one running request without KV Flash, a
+recurrent hybrid); the others keep K/V blocks, whose part on this host is
 ``kv_store.py``'s.
 
     luced worker --listen ... [--prefix-cache-bytes 1G] [--kv-cache-dir DIR]

@@ -25,6 +25,7 @@ from luced.engine.target import Target, TargetPlacement
 from luced.gguf_file import GGUFFile
 from luced.ipc.shm import ShmOwner
 from luced.sampling_params import SamplingParams
+from luced.serve.prefix_setup import uses_blocks
 from luced.text.tokenizer import Tokenizer
 
 
@@ -105,7 +106,8 @@ async def engine_for(
     blocks, else blocks of 16 when several requests run). `block_files`: the prefix cache
     keeps K/V blocks by prefix key (engine/kv/block_store.py: `prefix_cache_bytes` of host
     records, and files in `kv_cache_dir`) instead of snapshots (the arena and snapshot
-    files), as the daemon's does wherever it can (`ModelSpec.block_store`)."""
+    files), as the daemon's does wherever it can (`ModelSpec.block_store`; once started,
+    where the target gave it records: `uses_blocks`)."""
     if kv_block is None:
         kv_block = kv_flash.block if kv_flash is not None else 16 if max_running > 1 else 0
     gguf = GGUFFile(path)
@@ -171,6 +173,7 @@ async def engine_for(
                 await engine.calibrate()
             if prefix_cache_bytes:
                 layout = await target.kv_layout()
+                block_files = block_files and uses_blocks(target)
                 arena, disk, blocks = None, None, None
                 if block_files and kv_cache_dir is not None:  # K/V blocks, on disk too
                     blocks = await BlockStore.open(target, kv_cache_dir, path.name, 1 << 30)

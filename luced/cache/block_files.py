@@ -67,7 +67,7 @@ import threading
 import time
 import zlib
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Protocol
@@ -124,6 +124,11 @@ def block_key(parent: bytes, tokens: Sequence[int]) -> bytes:
     key names the whole prefix up to and including this block (as vLLM's prefix-caching
     hashes)."""
     return _hash(parent, _int32_le(tokens).tobytes())
+
+
+def file_size(part: str, block: int, record_bytes: int) -> int:
+    """Bytes of one block file of `part` (the module docstring's layout)."""
+    return _HEADER.size + len(part.encode()) + 4 * block + record_bytes
 
 
 def prompt_keys(tokens: Sequence[int], block: int, limit: int | None = None) -> list[bytes]:
@@ -232,6 +237,7 @@ class BlockFiles:
         *,
         lock_fd: int | None = None,
         kind: FileKind = BLOCK_FILES,
+        on_drop: Callable[[bytes], None] | None = None,
     ) -> None:
         """Files of one worker's part of one model's blocks:
         DIR/<model_dir_name(fingerprint)>/blocks/<part>/<key hex>.kvb.
@@ -242,6 +248,8 @@ class BlockFiles:
         caller holds the model directory's lock (one daemon per model directory: the
         snapshot tier or the first part's BlockFiles took it). kind: blocks, or a hybrid's
         recurrent states (`STATE_FILES`: record_bytes is one state record of the worker).
+        on_drop: told each key the index loses on its own (evicted past max_bytes, found
+        gone or bad; not ``remove`` or ``clear``), under the index's lock: keep it short.
         """
         if not NAME_RE.match(part) or len(part) > _MAX_PART:
             raise ValueError(f"bad part name {part!r}: want 1-64 of [0-9A-Za-z._-]")
@@ -258,8 +266,9 @@ class BlockFiles:
         self.model_dir = Path(root) / model_dir_name(fingerprint)
         self.dir = self.model_dir / BLOCKS / part
         self._lock_fd = lock_fd
+        self._on_drop = on_drop
         self._part = part.encode()
-        self._file_bytes = _HEADER.size + len(self._part) + 4 * block + record_bytes
+        self._file_bytes = file_size(part, block, record_bytes)
         self._files: OrderedDict[bytes, BlockFile] = OrderedDict()  # least recently used first
         self._used = 0
         self._mutex = threading.Lock()
@@ -376,8 +385,7 @@ class BlockFiles:
             raise ValueError(f"a record is {self.record_bytes} bytes, got {view.nbytes}")
         raw_tokens = ids.tobytes()
         key = _hash(parent, raw_tokens)
-        if self.has(key):
-            self.touch(key)
+        if self.touch(key):  # present already (a file found gone is written again)
             return key
         head = _HEADER.pack(
             self.kind.magic,
@@ -453,17 +461,25 @@ class BlockFiles:
         finally:
             os.close(fd)
 
-    def touch(self, key: bytes) -> None:
-        """Mark a use now: the index's LRU order and the file's mtime (LRU across restarts)."""
+    def touch(self, key: bytes) -> bool:
+        """Mark a use now: the index's LRU order and the file's mtime (LRU across restarts).
+        -> False when the key is not indexed, or its file is gone (deleted behind this
+        index's back: then forgotten)."""
         now = time.time_ns()
         with self._mutex:
             f = self._files.get(key)
             if f is None:
-                return
+                return False
             self._files[key] = replace(f, used=now / 1e9)
             self._files.move_to_end(key)
-        with contextlib.suppress(OSError):
+        try:
             os.utime(self._path(key), ns=(now, now), follow_symlinks=False)
+        except FileNotFoundError:
+            self._forget(key)
+            return False
+        except OSError:
+            pass
+        return True
 
     def remove(self, key: bytes) -> None:
         """Delete one block file (missing is fine)."""
@@ -565,6 +581,8 @@ class BlockFiles:
                 with contextlib.suppress(FileNotFoundError):
                     self._path(key).unlink()
                 evicted += 1
+                if self._on_drop is not None:
+                    self._on_drop(key)
         return evicted
 
     def _forget(self, key: bytes) -> None:
@@ -572,6 +590,8 @@ class BlockFiles:
             f = self._files.pop(key, None)
             if f is not None:
                 self._used -= f.nbytes
+                if self._on_drop is not None:
+                    self._on_drop(key)
 
     def _quarantine(self, path: Path, reason: str) -> None:
         if self.kind.is_name(path.name):

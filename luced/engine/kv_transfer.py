@@ -26,7 +26,7 @@ The target (``target.py``) keeps the committed position and the shards' agreemen
 module only checks regions and moves bytes.
 
 A worker on another host keeps its layers' part of a snapshot on its own host
-(``runtime/kv_store.py``): ``kv_export`` and ``kv_import`` name the prefix cache's entry
+(``runtime/snapshot_store.py``): ``kv_export`` and ``kv_import`` name the prefix cache's entry
 id (``store``) instead of regions, so the layout here, the arena and the daemon's disk
 files hold only the local workers' tensors, and no KV row crosses the network.
 ``forget`` tells those workers which entries the prefix cache dropped.

@@ -246,21 +246,7 @@ class Target:
         await self.executor.start()
         self._make_act()
         if self.host is not None and not self.host.regions:
-            assert self.blocks is not None
-            layers = [s.plan.layers for s in self.executor.slots if s.plan is not None]
-            if self.store_records:  # the block store's: --prefix-cache-bytes (a hybrid's
-                size = self.store_bytes  # recurrent states take their share first)
-                if self.recurrent:
-                    self.states, size = self.host.split_states(layers, size)
-                self.store_records = self.host.size_store(
-                    self.blocks, layers, self.store_records, size
-                )
-            if self.host.records:
-                block_bytes = self.host.carve(self.owner, self.name, layers, self.blocks)
-                if self.flash is not None:
-                    self.flash.carve(self.owner, self.name, len(layers), self.blocks, block_bytes)
-            if self.states is not None:
-                self.states.carve(self.owner, self.name)
+            _carve_host_records(self)
 
     async def close(self) -> None:
         await self.executor.close()
@@ -353,7 +339,11 @@ class Target:
             await self.experts.pipeline_loaded(slot, worker, reply)
         if self.host is not None:
             self.host.loaded(
-                plan.layers, reply.kv_record_bytes, slot.spec.group, reply.kv_state_bytes
+                plan.layers,
+                reply.kv_record_bytes,
+                slot.spec.group,
+                reply.kv_state_bytes,
+                slot.spec.remote,
             )
         self.load_s = max(self.load_s, reply.load_s)
         self._recurrent[plan.layers] = reply.recurrent
@@ -608,6 +598,37 @@ class Target:
         `position` is what the slot holds now; `floor(n)` learns the ring floor a restore
         leaves."""
         return KVMover(self, slot, position, floor)
+
+
+def _carve_host_records(t: Target) -> None:
+    """Once every worker loaded: size the block store's records (--prefix-cache-bytes over
+    one record of every worker, within what each worker on another host gives them, its
+    hello's `prefix_cache_bytes`; a hybrid's recurrent states take their share first),
+    then carve the host records (and KV Flash's and the states' segments). A hybrid with a
+    worker on another host keeps snapshots: its store gets no records (its states' moves
+    and files are not kept on other hosts)."""
+    host, tables = t.host, t.blocks
+    assert host is not None and tables is not None
+    layers = [s.plan.layers for s in t.executor.slots if s.plan is not None]
+    if t.store_records:
+        size = t.store_bytes
+        remote = any(spec.remote for spec, _ in t.placement.workers)
+        if t.recurrent and remote:
+            size = 0
+        elif t.recurrent:
+            t.states, size = host.split_states(layers, size)
+        limits = [
+            s.handle.hello.prefix_cache_bytes if s.handle and s.handle.hello else None
+            for s in t.executor.slots
+            if s.plan is not None
+        ]
+        t.store_records = host.size_store(tables, layers, t.store_records, size, limits)
+    if host.records:
+        block_bytes = host.carve(t.owner, t.name, layers, tables)
+        if t.flash is not None:
+            t.flash.carve(t.owner, t.name, len(layers), tables, block_bytes)
+    if t.states is not None:
+        t.states.carve(t.owner, t.name)
 
 
 class KVMover:

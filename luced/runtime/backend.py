@@ -126,6 +126,7 @@ class Backend(WorkerState):
             F.KVForget: self.kv_forget,
             F.KVShare: self.kv_share,
             F.KVPage: self.kv_page,
+            F.KVFiles: self.kv_files,
             F.Stats: self.stats,
             F.Shutdown: self.shutdown,
             F.Ping: self.ping,
@@ -352,6 +353,17 @@ class Backend(WorkerState):
                 raise WorkerError(f"a state names a record past the {records.shape[0]} held")
         paged = m.page(req.sequence, req.moves, hosts, req.tokens, req.states, records)
         return F.KVPageReply(paged=paged)
+
+    def kv_files(self, req: F.KVFiles) -> F.KVFilesReply:
+        """This host's part of the prefix cache's block files (runtime/kv_store.py)."""
+        if self.block_files is None:
+            raise WorkerError("kv_files: only a worker on another host keeps block files")
+        m = self.model("kv_files")
+        if not m.block_pools:
+            raise WorkerError("kv_files needs a load with kv_block (one block pool per shard)")
+        rows = self.tensor(req.kv_host).numpy() if req.kv_host is not None else None
+        record_bytes, block = m.reply.kv_record_bytes, m.block_pools[0].block
+        return self.block_files.serve(req, rows, record_bytes, block)
 
     def stats(self, req: F.Stats) -> F.StatsReply:
         m = self.loaded

@@ -27,7 +27,7 @@ copies are ``copy_`` between the cache (on its device) and the torch view of the
 (host memory): device -> host and host -> device on a GPU, a memcpy on the CPU.
 
 A worker on another host keeps its part in its own store instead (``store`` names the
-entry; ``runtime/kv_store.py``): export fills fresh host arrays and keeps them, import
+entry; ``runtime/snapshot_store.py``): export fills fresh host arrays and keeps them, import
 reads them back (refused, changing nothing, when the entry is gone or holds other
 tokens), and ``kv_forget`` drops entries.
 
@@ -49,7 +49,7 @@ from luced.ipc import frames as F
 from luced.ipc.regions import Region
 from luced.runtime.kv_blocks import PagedKVCache
 from luced.runtime.kv_cache import ContextOverflow, RecurrentRollback
-from luced.runtime.kv_store import Held, ShardSnapshots
+from luced.runtime.snapshot_store import Held, ShardSnapshots
 from luced.runtime.state import Loaded, SequenceCache, WorkerError, WorkerState
 
 # layer -> (its shard's cache, K view, V view) for K/V layers, (its shard's cache, conv

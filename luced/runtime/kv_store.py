@@ -1,210 +1,235 @@
-"""A worker's own tier of prefix-cache snapshots: a worker on another host keeps its
-layers' rows on its host, in memory and on its disk, as the daemon keeps the rest.
+"""A worker on another host keeps its layers' part of the prefix cache's K/V blocks on its
+own host: in its host records (memory) and in block files (disk), by the daemon's keys.
 
     luced worker --listen ... [--prefix-cache-bytes 1G] [--kv-cache-dir DIR]
                               [--kv-cache-budget 8G]
 
-The daemon's prefix cache decides what is cached (its index, its entry ids); a remote
-shard's part of an entry lives here under the same id (``kv_export`` ``store``) and comes
-back by id (``kv_import`` ``store``). The daemon's arena and disk files hold only the
-local shards' rows, so no KV row crosses the network for the prefix cache.
+The daemon's block store (engine/kv/block_store.py) decides everything, with one index:
+which blocks are saved, written, read and into which records; this worker only executes.
 
-Tiers, each least-recently-used first within its budget:
+* memory: its mirror of the daemon's host records (`<name>-kvhost`, runtime/mirror.py), which
+  `kv_page` SAVE fills from the pool and ADOPT pages back in. The daemon sizes the prefix
+  cache's records so that this worker's part of them fits its ``--prefix-cache-bytes``
+  (``hello``'s reply says it). A mirror lives as long as the daemon's connection.
+* disk (with ``--kv-cache-dir``): one `BlockFiles` (cache/block_files.py), the daemon's
+  file format and names, ``DIR/<model>/blocks/<part>/<key hex>.kvb``, at most
+  ``--kv-cache-budget`` bytes, least recently used (read) first. It outlives connections
+  and restarts (scanned again when a daemon next names it).
 
-* memory: one set of host arrays per entry, at most ``--prefix-cache-bytes``;
-* disk (with ``--kv-cache-dir``): the daemon's file format (``luced.cache.disk``), one
-  directory per model and layer range, written by one background thread in save order
-  (never blocking a step), scanned again when the worker starts, at most
-  ``--kv-cache-budget`` bytes.
+``kv_files`` (ipc/frames/remote.py) acts on the part it names, opened on first use (the
+model directory locked: one process per model directory, else memory only)::
 
-An entry this host lost (a restart without a disk tier, its own eviction, a file found
-corrupt) is refused by ``kv_import``: the daemon prefills instead and drops the entry.
-``kv_forget`` drops what the daemon dropped. The store outlives daemon connections
-(entries are the daemon's ids, valid while the same model and layers are loaded).
+    list   the files' keys, parents and tokens, a page at a time (the daemon's index of
+           this part at its start)
+    write  the named records' bytes copied out of the mirror now (the daemon may reuse a
+           record once this is answered), written by one background thread in order, never
+           in the way of a step; at most PENDING_BYTES wait, past them a block is not taken
+    read   the named blocks read into the named records in order, stopping at the first
+           one missing or bad (quarantined): the daemon restores no worker's block past it
+    clear  every file of the part, after the writes in hand
+
+Every reply carries ``gone``: the keys this part lost since the last one (evicted for room,
+a write the OS refused, a file found bad), so the daemon's index forgets them. A write the
+OS refuses (a full disk) pauses writing (cache/backoff.py).
 """
 
 from __future__ import annotations
 
+import bisect
+import functools
 import logging
-import queue
+import os
 import threading
-from collections import OrderedDict
-from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from luced.cache.arena import TOKENS
-from luced.cache.disk import (
-    DiskIdentity,
-    SnapshotDirBusy,
-    SnapshotDirError,
-    SnapshotDisk,
-    SnapshotFileError,
-)
-from luced.cache.layout import TensorSpec
-from luced.ipc.regions import numpy_dtype
+from luced.cache.backoff import DiskBackoff
+from luced.cache.block_files import BlockFileError, BlockFiles, block_key
+from luced.cache.files import SnapshotDirBusy, SnapshotDirError, lock_model_dir
+from luced.cache.writer import DiskWriter
+from luced.ipc import frames as F
+from luced.ipc.frames.remote import KEY_BYTES
 
 log = logging.getLogger(__name__)
 
-
-@dataclass(frozen=True)
-class Held:
-    """One entry: the layout's arrays (token axis n, a state's slot axis one per cut)."""
-
-    arrays: dict[str, np.ndarray]
-    tokens: np.ndarray  # int32 [n]
-    cuts: tuple[int, ...]  # ascending, the last one n
-
-    @property
-    def nbytes(self) -> int:
-        return sum(a.nbytes for a in self.arrays.values()) + self.tokens.nbytes
+PENDING_BYTES = 256 << 20  # record copies waiting for the writer thread
+LIST_BYTES = 4 << 20  # one page of a listing: keys, parents and tokens
 
 
-class ShardSnapshots:
-    """The memory and disk tiers of one worker's snapshots (module docstring)."""
+class ShardBlocks:
+    """This host's block files of one part at a time (module docstring)."""
 
-    def __init__(
-        self, memory_bytes: int, directory: Path | None = None, disk_budget: int = 8 << 30
-    ) -> None:
-        self.memory_bytes = memory_bytes
+    def __init__(self, directory: Path | None, budget: int = 8 << 30) -> None:
         self.directory = directory
-        self.disk_budget = disk_budget
-        self.layout: tuple[TensorSpec, ...] = ()
-        self.disk: SnapshotDisk | None = None
-        self._key: tuple | None = None  # what the open layout belongs to
-        self._memory: OrderedDict[str, Held] = OrderedDict()  # least recently used first
-        self._used = 0
-        self._jobs: queue.Queue = queue.Queue()  # (write | forget, ...) in order
-        self._writer: threading.Thread | None = None
+        self.budget = budget
+        self.files: BlockFiles | None = None
+        self.backoff = DiskBackoff(log, "K/V blocks; they stay in memory only")
+        self._name: tuple[str, str, int, int] | None = None  # what `files` is
+        self._lock = threading.Lock()  # the two below, shared with the writer thread
+        self._gone: list[bytes] = []
+        self._pending = 0  # bytes of the record copies queued
+        self._writer = DiskWriter(log, self.backoff, "block-files")
 
-    def open(self, fingerprint: str, dtype: str, layers: str, layout: list[TensorSpec]) -> None:
-        """Serve snapshots of this model's `layers` in `dtype` (the load in hand). The same
-        again keeps everything; another load empties memory and opens its own directory."""
-        key = (fingerprint, dtype, layers, tuple(layout))
-        if key == self._key:
-            return
+    def serve(
+        self, req: F.KVFiles, rows: np.ndarray | None, record_bytes: int, block: int
+    ) -> F.KVFilesReply:
+        """One `kv_files` frame; `rows`: this worker's view of `req.kv_host` (uint8
+        [records, record_bytes]), given for a write or a read."""
+        files = self.open(req.model, req.part, record_bytes, block)
+        if files is None:
+            return F.KVFilesReply(disk=False, gone=self._take_gone())
+        if req.action == "list":
+            return self._list(files, req.after, block)
+        if req.action == "clear":
+            self.flush()
+            done = files.clear()
+        else:
+            assert rows is not None
+            if rows.ndim != 2 or rows.shape[1] != record_bytes:
+                raise ValueError(f"host records must be [records, {record_bytes}] bytes")
+            if max(req.records) >= rows.shape[0]:
+                raise ValueError(f"a record past the {rows.shape[0]} of kv_host")
+            if req.action == "write":
+                done = self._take(files, rows, req.records, req.parents, req.tokens, block)
+            else:
+                done = self._read(files, rows, req.records, req.keys)
+        return F.KVFilesReply(disk=True, done=done, gone=self._take_gone())
+
+    def open(self, model: str, part: str, record_bytes: int, block: int) -> BlockFiles | None:
+        """The part's files (scanned on first use; another part's closed first), or None
+        without a usable directory."""
+        name = (model, part, record_bytes, block)
+        if name == self._name:
+            return self.files
         self.close()
-        self._key, self.layout = key, tuple(layout)
+        self._name = name
         if self.directory is None:
-            return
-        # One directory per model, layers and dtype: a scan quarantines files of another.
-        identity = DiskIdentity(f"{fingerprint} {layers} {dtype}", "", f"layers {layers}", dtype)
+            return None
         try:
-            self.disk = SnapshotDisk(self.directory, identity, layout)
-            found = self.disk.scan()
-        except SnapshotDirBusy as exc:
-            log.warning("snapshot store: %s; keeping snapshots in memory only", exc)
-            self.disk = None
-            return
+            lock = lock_model_dir(self.directory, model)
         except (OSError, SnapshotDirError) as exc:
-            log.warning("snapshot store: %s unusable (%s): memory only", self.directory, exc)
-            if self.disk is not None:
-                self.disk.close()
-            self.disk = None
-            return
-        self._writer = threading.Thread(target=self._write_loop, name="snapshots", daemon=True)
-        self._writer.start()
-        size = sum(e.nbytes for e in found)
-        log.info(
-            "snapshot store: %d snapshot(s) (%d MiB) of layers %s in %s",
-            len(found), size >> 20, layers, self.disk.dir,
-        )  # fmt: skip
-
-    def put(self, entry_id: str, held: Held) -> None:
-        """Keep `held` in memory (evicting the least recently used) and write it to disk
-        in the background."""
-        self._keep(entry_id, held)
-        if self.disk is not None:
-            self._jobs.put(("write", entry_id, held))
-
-    def get(self, entry_id: str) -> Held | None:
-        """The entry from memory, else read back from disk (and kept in memory), else
-        None."""
-        held = self._memory.get(entry_id)
-        if held is not None:
-            self._memory.move_to_end(entry_id)
-            return held
-        d = self.disk.get(entry_id) if self.disk is not None else None
-        if d is None:
+            busy = isinstance(exc, SnapshotDirBusy)
+            log.warning(
+                "block files: %s %s (%s): K/V blocks stay in memory only",
+                self.directory,
+                "is in use by another process" if busy else "cannot be used",
+                exc,
+            )
             return None
-        arrays = self.empty(len(d.tokens), len(d.cuts))
-        tokens = np.empty(len(d.tokens), np.int32)
-        assert self.disk is not None
         try:
-            self.disk.read_into(d.path, {**arrays, TOKENS: tokens})
-        except SnapshotFileError as exc:
-            self.disk.quarantine(d.path, str(exc))
+            files = BlockFiles(
+                self.directory, model, part, record_bytes, block, self.budget,
+                lock_fd=lock, on_drop=self._dropped,
+            )  # fmt: skip
+        except ValueError:
+            os.close(lock)
+            raise
+        except (OSError, SnapshotDirError) as exc:  # (the lock released)
+            log.warning("block files: %s: K/V blocks stay in memory only", exc)
             return None
-        self.disk.touch(entry_id)
-        held = Held(arrays, tokens, d.cuts)
-        self._keep(entry_id, held)  # not written again: it is on disk already
-        return held
-
-    def empty(self, n: int, slots: int) -> dict[str, np.ndarray]:
-        """Fresh host arrays of an entry of n positions and `slots` cuts, one per tensor
-        of the layout (what `Held.arrays` holds)."""
-        return {s.name: np.empty(s.shape_for(n, slots), numpy_dtype(s.dtype)) for s in self.layout}
-
-    def _keep(self, entry_id: str, held: Held) -> None:
-        """In memory, most recently used, the least recently used going past the budget."""
-        if held.nbytes > self.memory_bytes:
-            return
-        old = self._memory.pop(entry_id, None)
-        self._used += held.nbytes - (old.nbytes if old is not None else 0)
-        self._memory[entry_id] = held
-        while self._used > self.memory_bytes:
-            _, gone = self._memory.popitem(last=False)
-            self._used -= gone.nbytes
-
-    def forget(self, ids: Sequence[str]) -> int:
-        """Drop these entries from memory now and from disk in order with the writes;
-        returns how many this worker held."""
-        held = 0
-        for entry_id in ids:
-            old = self._memory.pop(entry_id, None)
-            if old is not None:
-                self._used -= old.nbytes
-            on_disk = self.disk is not None and self.disk.get(entry_id) is not None
-            held += old is not None or on_disk
-        if self.disk is not None:
-            self._jobs.put(("forget", tuple(ids), None))
-        return held
+        try:
+            found = files.scan()
+        except OSError as exc:
+            files.close()
+            log.warning("block files: cannot list %s (%s): memory only", files.dir, exc)
+            return None
+        self.files = files
+        log.info(
+            "block files: %d blocks (%d MiB) of part %s in %s",
+            found, files.used_bytes >> 20, part, files.dir,
+        )  # fmt: skip
+        return files
 
     def flush(self) -> None:
-        """Wait for the queued disk writes and removals (tests, shutdown)."""
-        if self._writer is not None:
-            self._jobs.join()
+        """Wait for the queued writes (a clear, tests, shutdown)."""
+        self._writer.flush()
 
     def close(self) -> None:
-        """Finish the disk work, release the directory, forget memory."""
-        if self._writer is not None:
-            self._jobs.put(None)
-            self._writer.join()
-            self._writer = None
-        if self.disk is not None:
-            self.disk.close()
-            self.disk = None
-        self._memory.clear()
-        self._used = 0
-        self._key = None
+        """Finish the writes, release the directory."""
+        self._writer.close()
+        if self.files is not None:
+            self.files.close()
+            self.files = None
+        self._name = None
 
-    def _write_loop(self) -> None:
-        disk = self.disk
-        assert disk is not None
-        while (job := self._jobs.get()) is not None:
-            kind, arg, held = job
+    # -- internals ------------------------------------------------------------------------
+
+    def _list(self, files: BlockFiles, after: bytes, block: int) -> F.KVFilesReply:
+        found = sorted(files.files(), key=lambda f: f.key)
+        start = bisect.bisect_right([f.key for f in found], after) if after else 0
+        page = found[start : start + max(1, LIST_BYTES // (2 * KEY_BYTES + 4 * block))]
+        tokens = np.array([f.tokens for f in page], "<i4").reshape(len(page), block)
+        return F.KVFilesReply(
+            disk=True,
+            done=len(page),
+            keys=b"".join(f.key for f in page),
+            parents=b"".join(f.parent for f in page),
+            tokens=tokens.tobytes(),
+            more=start + len(page) < len(found),
+            gone=self._take_gone(),
+        )
+
+    def _take(
+        self,
+        files: BlockFiles,
+        rows: np.ndarray,
+        records: tuple[int, ...],
+        parents: bytes,
+        tokens: bytes,
+        block: int,
+    ) -> int:
+        """Queue copies of `records` for the writer, in order; -> how many were taken
+        (none while writes are paused)."""
+        ids = np.frombuffer(tokens, "<i4")
+        if len(ids) != len(records) * block:
+            raise ValueError(f"a block holds {block} tokens, got {len(ids) / len(records):g}")
+        if not self._writer.ready():
+            return 0
+        for i, record in enumerate(records):
+            with self._lock:
+                if self._pending and self._pending + rows.shape[1] > PENDING_BYTES:
+                    return i
+                self._pending += rows.shape[1]
+            parent = parents[i * KEY_BYTES : (i + 1) * KEY_BYTES]
+            block_ids = tuple(ids[i * block : (i + 1) * block].tolist())
+            key = block_key(parent, block_ids)
+            data = rows[record].copy()
+            write = functools.partial(files.write, parent, block_ids, data)
+            done = functools.partial(self._written, files, key, data.nbytes)
+            self._writer.queue(None, "a K/V block", write, done)
+        return len(records)
+
+    def _read(
+        self, files: BlockFiles, rows: np.ndarray, records: tuple[int, ...], keys: bytes
+    ) -> int:
+        """Fill `records` with the blocks `keys` in order; -> how many before the first
+        one missing or bad."""
+        for i, record in enumerate(records):
+            key = keys[i * KEY_BYTES : (i + 1) * KEY_BYTES]
             try:
-                if kind == "write":
-                    arrays = {**held.arrays, TOKENS: held.tokens}
-                    disk.write(arg, arrays, held.cuts)
-                    disk.evict_to(self.disk_budget)
-                else:
-                    for entry_id in arg:
-                        disk.remove(entry_id)
-            except OSError as exc:  # a full disk: this snapshot stays in memory only
-                log.warning("snapshot store: %s of %s failed: %s", kind, arg, exc)
-            finally:
-                self._jobs.task_done()
-        self._jobs.task_done()
+                if files.get(key) is None:
+                    raise BlockFileError(f"{key.hex()}: not on this host's disk")
+                files.read_into(key, memoryview(rows[record]))
+            except BlockFileError as exc:
+                log.info("block files: %d of %d blocks read: %s", i, len(records), exc)
+                return i
+            files.touch(key)
+        return len(records)
+
+    def _dropped(self, key: bytes) -> None:
+        with self._lock:
+            self._gone.append(key)
+
+    def _take_gone(self) -> bytes:
+        with self._lock:
+            gone, self._gone = self._gone, []
+        return b"".join(gone)
+
+    def _written(self, files: BlockFiles, key: bytes, nbytes: int) -> None:
+        """The writer thread's word on one block: written, or its key reported gone (a
+        write the OS refused, or skipped while writes are paused)."""
+        if not files.has(key):  # never written: the daemon's index must forget it
+            self._dropped(key)
+        with self._lock:
+            self._pending -= nbytes

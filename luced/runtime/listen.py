@@ -21,9 +21,13 @@ SHA-256, and this worker maps them onto the ``--model`` files with the same iden
 missing or different copy fails hello, naming both). Each ``--model`` file is hashed once
 at start.
 
-Prefix cache: the rows of this worker's layers stay on this host (``kv_store.py``), in
-memory (``--prefix-cache-bytes``) and, with ``--kv-cache-dir``, on its disk; the daemon's
-index names them by id. They outlive daemon connections and, on disk, restarts.
+Prefix cache: this worker's layers' part of it stays on this host. K/V blocks
+(``kv_store.py``) in its mirror of the daemon's host records, of which the daemon gives the
+prefix cache at most ``--prefix-cache-bytes`` here, and, with ``--kv-cache-dir``, in block
+files on its disk, by the daemon's prefix keys; where the daemon keeps snapshots instead
+(`--kv-block-size 0` without KV Flash, a recurrent hybrid), their rows
+(``snapshot_store.py``) in that much memory and on that disk, by the daemon's entry ids.
+The files outlive daemon connections and restarts.
 
 Data links: a torch.distributed TCP store listens on ADDR:--data-port (any free port by
 default; ``hello``'s reply says which), and each hop's gloo sockets on ADDR. None of them
@@ -254,8 +258,9 @@ def main(argv: list[str] | None = None) -> int:
     from luced.runtime.carry import Carrier
     from luced.runtime.hops import Hops
     from luced.runtime.kv_snapshot import snapshot_specs
-    from luced.runtime.kv_store import ShardSnapshots
+    from luced.runtime.kv_store import ShardBlocks
     from luced.runtime.mirror import Mirror, regions_of
+    from luced.runtime.snapshot_store import ShardSnapshots
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -279,6 +284,7 @@ def main(argv: list[str] | None = None) -> int:
     carrier = Carrier(backend, hops, mirror)
     snapshots = ShardSnapshots(args.prefix_cache_bytes, args.kv_cache_dir, args.kv_cache_budget)
     backend.snapshots = snapshots
+    backend.block_files = ShardBlocks(args.kv_cache_dir, args.kv_cache_budget)
 
     def stop(signum: int, frame: object) -> None:
         log.info("signal %d: exiting after the frame in hand", signum)
@@ -297,7 +303,9 @@ def main(argv: list[str] | None = None) -> int:
             files.resolve(req.files)
             reply = backend.handle(req)
             assert isinstance(reply, F.HelloReply)
-            return dataclasses.replace(reply, store=store_at)
+            return dataclasses.replace(
+                reply, store=store_at, prefix_cache_bytes=args.prefix_cache_bytes
+            )
         req = files.translate(req)
         if isinstance(req, F.Load):
             reply = backend.reuse_load(req) or backend.handle(req)
@@ -322,6 +330,7 @@ def main(argv: list[str] | None = None) -> int:
             log.info("daemon disconnected; waiting for the next")
     backend.close()
     snapshots.close()
+    backend.block_files.close()
     log.info("exiting")
     return 0
 

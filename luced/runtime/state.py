@@ -42,7 +42,8 @@ from luced.runtime.sampler import Sampler
 from luced.sampling_params import SamplingParams, SamplingWire
 
 if TYPE_CHECKING:
-    from luced.runtime.kv_store import ShardSnapshots
+    from luced.runtime.kv_store import ShardBlocks
+    from luced.runtime.snapshot_store import ShardSnapshots
 
 
 class WorkerError(Exception):
@@ -345,7 +346,9 @@ class WorkerState:
                 on_close=lambda seg: self.device_io.detach(seg.name),
             )
         )
-        # A worker on another host keeps its layers' prefix-cache rows itself (runtime.listen).
+        # A worker on another host keeps its layers' part of the prefix cache itself
+        # (runtime.listen): K/V block files, or snapshot rows where the daemon keeps those.
+        self.block_files: ShardBlocks | None = None
         self.snapshots: ShardSnapshots | None = None
         self.lookahead = Lookahead()  # the step decoded ahead (frames.Forward.ahead)
         self.forward_count = 0

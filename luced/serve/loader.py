@@ -95,17 +95,13 @@ class ModelSpec:
     def block_store(self) -> bool:
         """Whether the prefix cache keeps K/V blocks by prefix key (engine/kv/block_store.py:
         in host records, and on disk with --kv-cache-dir; a draft's feature-ring rows
-        beside them) rather than snapshots (the arena, a file per prompt): for requests
-        whose K/V lives in blocks of one pool (--kv-block-size's, or KV Flash's), without
-        workers on other hosts. A hybrid's recurrent states go beside its blocks
-        (engine/kv/state_store.py)."""
+        beside them; a worker on another host's part on its host) rather than snapshots
+        (the arena, a file per prompt): for requests whose K/V lives in blocks of one pool
+        (--kv-block-size's, or KV Flash's). A hybrid's recurrent states go beside its
+        blocks (engine/kv/state_store.py); a hybrid with a worker on another host turns out
+        to keep snapshots once loaded (`Target.store_records`)."""
         kv = self.config.kv
-        return (
-            kv.prefix_cache_bytes > 0
-            and self.placement.kv_block > 0
-            and self.remote is None
-            and not self.encoder
-        )
+        return kv.prefix_cache_bytes > 0 and self.placement.kv_block > 0 and not self.encoder
 
 
 def read_spec(cfg: Config) -> ModelSpec:

@@ -630,13 +630,14 @@ OPTIONS: tuple[Option, ...] = (
         "prefix_cache_bytes", "kv", "bytes", 2**30,
         "Shared memory the prefix cache keeps prompts' K/V in (e.g. `512M`, `4G`; 0 turns "
         "the prefix cache off). Where the K/V lives in a block pool (several requests "
-        "running, or --kv-flash) with every worker local, it holds their whole K/V blocks "
-        "by prefix key in host records (at least one context's; under KV Flash the blocks "
-        "it paged out are held as they are; with a DFlash draft, each block's captured "
-        "features beside it), least recently used given up first, also to finished "
-        "requests' kept blocks paging out; a hybrid (recurrent) model without KV Flash "
-        "gives half of it to its recurrent states at block ends; otherwise an arena of one "
-        "snapshot per prompt. "
+        "running, or --kv-flash), it holds their whole K/V blocks by prefix key in host "
+        "records (at least one context's; under KV Flash the blocks it paged out are held "
+        "as they are; with a DFlash draft, each block's captured features beside it), "
+        "least recently used given up first, also to finished requests' kept blocks "
+        "paging out; a worker on another host keeps its part of them on its host, within "
+        "its own `--prefix-cache-bytes`; a hybrid (recurrent) model without KV Flash and "
+        "with every worker local gives half of it to its recurrent states at block ends; "
+        "otherwise an arena of one snapshot per prompt. "
         "SmolLM2-135M in float32 needs 45 KiB per cached token, so the default holds "
         "about 23k tokens. Capped, with a warning, at half the free space of /dev/shm.",
         minimum=0, default_doc="1G", example="4G",
@@ -646,8 +647,9 @@ OPTIONS: tuple[Option, ...] = (
         "Directory of the prefix cache's disk tier, written in the background and found "
         "again after a restart. Where the cache keeps K/V blocks (see "
         "`--prefix-cache-bytes`), each prompt's whole blocks are kept there too, one file "
-        "per block and worker, and restored into the pool; otherwise one snapshot file "
-        "per prompt.",
+        "per block and worker, and restored into the pool (a worker on another host keeps "
+        "its files in its own `--kv-cache-dir`, which it then needs); otherwise one "
+        "snapshot file per prompt.",
         nullable=True, default_doc="none (memory only)", example="/var/lib/luced/kv",
     ),
     Option(

@@ -255,6 +255,22 @@ def test_a_gone_file_is_forgotten(files: BlockFiles) -> None:
     assert not files.has(key) and files.used_bytes == 0
 
 
+def test_a_file_deleted_behind_the_index_is_written_again(tmp_path: Path) -> None:
+    """A write of a key whose file is gone writes it, not only touches it; `on_drop` hears
+    each key the index loses on its own (evicted, found gone), not a removal."""
+    dropped: list[bytes] = []
+    files = open_files(tmp_path / "kv", max_bytes=2 * FILE_BYTES, on_drop=dropped.append)
+    key = files.write(ROOT_KEY, [1] * BLOCK, record(1))
+    (files.dir / f"{key.hex()}{SUFFIX}").unlink()
+    assert not files.touch(key) and dropped == [key]
+    assert files.write(ROOT_KEY, [1] * BLOCK, record(1)) == key
+    assert read(files, key) == record(1)
+    b = files.write(ROOT_KEY, [2] * BLOCK, record(2))
+    files.write(ROOT_KEY, [3] * BLOCK, record(3))  # past max_bytes: the oldest goes
+    files.remove(b)
+    assert dropped == [key, key]
+
+
 def test_scan_deletes_temp_files_of_a_crash(files: BlockFiles, tmp_path: Path) -> None:
     key = files.write(ROOT_KEY, [1] * BLOCK, record(1))
     (files.dir / f"{key.hex()}-0badf00d.kvb.tmp").write_bytes(b"half a write")

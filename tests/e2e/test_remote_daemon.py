@@ -2,8 +2,9 @@
 remote_harness.py): it serves through the openai client as unsplit, `lucectl status` shows
 the remote worker (address, link, round trip, bytes) and the hop's bytes per token; a
 remote worker killed makes /health and new requests 503 with Retry-After until the worker
-is back, and the daemon reconnects on its own; a daemon without the worker's key does not
-start, and says why."""
+is back, and the daemon reconnects on its own; each host keeps its part of the prefix
+cache's K/V blocks on its own disk, and a restarted daemon restores a prompt from both; a
+daemon without the worker's key does not start, and says why."""
 
 from __future__ import annotations
 
@@ -18,28 +19,34 @@ from daemon_proc import DaemonProcess
 from remote_harness import WorkerProc, key_file
 
 PROMPT = "the quick brown fox"
+LONG = "the quick brown fox jumps over the lazy dog, and the dog sleeps on. " * 5
 
 
-def complete(d: DaemonProcess, max_tokens: int = 12) -> str:
+def completion(d: DaemonProcess, prompt: str = PROMPT, max_tokens: int = 12):
     client = openai.OpenAI(base_url=d.url + "/v1", api_key="unused", max_retries=0, timeout=120)
-    out = client.completions.create(
-        model=d.model_name, prompt=PROMPT, max_tokens=max_tokens, temperature=0,
+    return client.completions.create(
+        model=d.model_name, prompt=prompt, max_tokens=max_tokens, temperature=0,
         extra_body={"ignore_eos": True},
     )  # fmt: skip
-    return out.choices[0].text
+
+
+def complete(d: DaemonProcess, prompt: str = PROMPT) -> str:
+    return completion(d, prompt).choices[0].text
 
 
 @pytest.fixture(scope="module")
-def unsplit(tiny_gguf: Path, tmp_path_factory) -> str:
-    d = DaemonProcess(tiny_gguf, tmp_path_factory.mktemp("unsplit")).start()
+def unsplit(tiny_gguf: Path, tmp_path_factory) -> dict[str, str]:
+    """Each prompt's text from one daemon on one host, without a prefix cache."""
+    tmp = tmp_path_factory.mktemp("unsplit")
+    d = DaemonProcess(tiny_gguf, tmp, "--prefix-cache-bytes", "0").start()
     try:
-        return complete(d)
+        return {p: complete(d, p) for p in (PROMPT, LONG)}
     finally:
         d.stop()
 
 
 def test_a_daemon_with_a_remote_stage_serves_shows_and_survives_its_loss(
-    host, key: Path, tiny_gguf: Path, unsplit: str, tmp_path: Path
+    host, key: Path, tiny_gguf: Path, unsplit: dict[str, str], tmp_path: Path
 ) -> None:
     worker = WorkerProc(host, key, [tiny_gguf], 7370).start()
     d = DaemonProcess(
@@ -47,7 +54,7 @@ def test_a_daemon_with_a_remote_stage_serves_shows_and_survives_its_loss(
         "--worker-key-file", str(key), "--worker-timeout", "3",
     ).start()  # fmt: skip
     try:
-        assert complete(d) == unsplit
+        assert complete(d) == unsplit[PROMPT]
         time.sleep(2.5)  # a heartbeat measures the round trip
         status = d.lucectl_json("status")
         remote = [w for w in status["placement"] if w["group"] == f"tcp://{worker.address}"]
@@ -73,13 +80,45 @@ def test_a_daemon_with_a_remote_stage_serves_shows_and_survives_its_loss(
 
         worker.start()  # the daemon reconnects on its own
         d.wait_health(200, timeout=120)
-        assert complete(d) == unsplit
+        assert complete(d) == unsplit[PROMPT]
         assert "reconnecting to worker" in d.log()
     finally:
         assert d.stop() == 0
         worker.stop()
     assert d.segments() == []
     worker.wait_log("daemon disconnected")
+
+
+def test_each_host_keeps_its_blocks_and_a_restarted_daemon_restores_from_both(
+    host, key: Path, tiny_gguf: Path, unsplit: dict[str, str], tmp_path: Path
+) -> None:
+    """The default options (several running requests) with both hosts' --kv-cache-dir:
+    each keeps its layers' part of the prompt's whole K/V blocks in its own files, by the
+    same names; a restarted daemon restores them from both hosts, with the unsplit text."""
+    a_dir, b_dir = tmp_path / "host-a", tmp_path / "host-b"
+    worker = WorkerProc(host, key, [tiny_gguf], 7372, args=("--kv-cache-dir", str(b_dir))).start()
+    args = ("--target-devices", f"cpu,{worker.device()}", "--worker-key-file", str(key),
+            "--kv-cache-dir", str(a_dir))  # fmt: skip
+    try:
+        for run in ("one", "two"):
+            d = DaemonProcess(tiny_gguf, tmp_path / run, *args).start()
+            try:
+                out = completion(d, LONG)
+                n, cached = out.usage.prompt_tokens, out.usage.prompt_tokens_details.cached_tokens
+                assert out.choices[0].text == unsplit[LONG]
+                assert cached == (0 if run == "one" else (n - 1) // 16 * 16)
+                d.lucectl_json("snapshot", "save")  # the daemon's writes landed
+                assert d.lucectl_json("status")["prefix_cache"]["disk_blocks"] == n // 16
+            finally:
+                assert d.stop() == 0
+            deadline = time.monotonic() + 60  # host B writes in the background
+            while len(list(b_dir.glob("*/blocks/*/*.kvb"))) < n // 16:
+                assert time.monotonic() < deadline, worker.lines[-20:]
+                time.sleep(0.1)
+        names = [sorted(p.name for p in r.glob("*/blocks/*/*.kvb")) for r in (a_dir, b_dir)]
+        assert names[0] == names[1] and len(names[0]) == n // 16
+    finally:
+        worker.stop()
 
 
 def test_a_daemon_without_the_key_does_not_start(

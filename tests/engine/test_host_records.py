@@ -55,3 +55,33 @@ def test_records_in_use_cannot_be_resized() -> None:
     tables.page_out(0, 1)
     with pytest.raises(ValueError, match="in use"):
         tables.resize_records(2)
+
+
+def test_the_store_records_fit_each_remote_worker_s_memory() -> None:
+    """--prefix-cache-bytes over one block of every worker, no more than a worker on another
+    host gives (its own --prefix-cache-bytes over its record), at least a context's."""
+    least = 4
+    for nbytes, limits, want in [
+        (100 * 4000, (), 100),
+        (100 * 4000, (None, 30 * 1000), 30),  # the second worker's 1000-byte records
+        (100 * 4000, (None, 1000), least),  # never below a context's
+        (10 * 4000, (None, 1 << 30), 10),
+        (0, (None, 1 << 30), 0),  # no block store
+    ]:
+        tables, host = BlockTables(8, 16, records=2 + least), host_for(2 + least)
+        assert host.size_store(tables, LAYERS, least, nbytes, limits) == want
+        assert tables.records == host.records == 2 + want
+
+
+def test_a_remote_worker_reloaded_after_the_carve_empties_its_records() -> None:
+    """`epoch` counts reloads of workers on other hosts once the records exist (their
+    mirror of them starts empty), never a local worker's restart or the first loads."""
+    tables, host = BlockTables(8, 16, records=6), host_for(6)
+    host.loaded((2, 4), 1000, "tcp://b:7070", remote=True)  # before the carve: the first load
+    assert host.epoch == 0
+    with ShmOwner() as owner:
+        host.carve(owner, "t", LAYERS, tables, room=1 << 30)
+        host.loaded((0, 2), 3000, "cpu")
+        assert host.epoch == 0
+        host.loaded((2, 4), 1000, "tcp://b:7070", remote=True)
+        assert host.epoch == 1

@@ -124,10 +124,11 @@ async def snapshot_files(directory: Path, count: int) -> list[Path]:
 async def test_a_remote_shard_keeps_its_snapshot_rows_on_its_host(
     host, key: Path, models: dict[str, Path], name: str, tmp_path: Path
 ) -> None:
-    """Host B keeps its layers' rows (a hybrid's recurrent states too) in its memory and on
-    its disk; the daemon's arena and files hold only host A's, and no row crosses the
-    wire. A hit restores both halves, == fresh; so does one after the daemon and the
-    worker restart, from both disks."""
+    """Where the prefix cache keeps snapshots (one running request here; a hybrid
+    always), host B keeps its layers' rows (a hybrid's recurrent states too) in its memory
+    and on its disk; the daemon's arena and files hold only host A's, and no row crosses
+    the wire. A hit restores both halves, == fresh; so does one after the daemon and the
+    worker restart, from both disks. (K/V blocks on both hosts: test_remote_blocks.py.)"""
     path = models[name]
     async with engine_for(path) as engine:
         fresh = (await generate(engine, SECOND, 12))[0]
@@ -166,9 +167,9 @@ async def test_a_remote_shard_keeps_its_snapshot_rows_on_its_host(
 async def test_a_snapshot_host_b_lost_is_prefilled_and_dropped(
     host, key: Path, models: dict[str, Path], tmp_path: Path
 ) -> None:
-    """An entry whose remote half is gone (host B restarted without a disk tier) is
-    refused there: the request is prefilled (== fresh) and the entry dropped. Dropping an
-    entry in the daemon deletes host B's file."""
+    """A snapshot entry whose remote half is gone (host B restarted without a disk tier)
+    is refused there: the request is prefilled (== fresh) and the entry dropped. Dropping
+    an entry in the daemon deletes host B's file."""
     path = models["llama"]
     async with engine_for(path) as engine:
         fresh = (await generate(engine, SECOND, 12))[0]

@@ -558,6 +558,58 @@ def test_kv_page_saves_and_loads_states() -> None:
     assert loaded.states == ((1, 32, 0),)
 
 
+@pytest.mark.parametrize(
+    ("kw", "match"),
+    [
+        ({"part": "../x"}, "part must be a plain directory name"),
+        ({"model": ""}, "model must be a plain directory name"),
+        ({"action": "list", "records": (1,)}, "list takes no blocks, records or kv_host"),
+        (
+            {
+                "action": "clear",
+                "kv_host": None,
+                "records": (),
+                "parents": b"",
+                "tokens": b"",
+                "keys": bytes(16),
+            },
+            "clear takes no blocks",
+        ),
+        ({"keys": bytes(16)}, "write takes records and parents and tokens only"),
+        ({"records": ()}, "write takes records"),
+        ({"kv_host": Region(SEG, 64, (16,), "uint8")}, r"kv_host must be uint8 \[records, bytes\]"),
+        ({"kv_host": None}, r"kv_host must be uint8 \[records, bytes\], got none"),
+        ({"records": (1, 1)}, r"records must be distinct and >= 0, got \[1, 1\]"),
+        ({"parents": bytes(15)}, "1 records take 16 bytes of keys, got 15"),
+        ({"tokens": b"12345"}, "tokens must be 1 blocks of int32 ids"),
+        ({"after": bytes(3)}, "after must be a key of 16 bytes"),
+    ],
+)
+def test_kv_files_validation(kw: dict, match: str) -> None:
+    base = {
+        "action": "write",
+        "model": "m",
+        "part": "b16-f32-L0-2",
+        "kv_host": Region(SEG, 64, (4, 64), "uint8"),
+        "records": (1,),
+        "parents": bytes(16),
+        "tokens": bytes(64),
+    }
+    with pytest.raises(F.FrameError, match=match):
+        F.KVFiles(**{**base, **kw})
+
+
+def test_kv_files_reads_name_their_keys() -> None:
+    host = Region(SEG, 64, (4, 64), "uint8")
+    read = F.KVFiles(action="read", model="m", part="p", kv_host=host, records=(0, 2),
+                     keys=bytes(32))  # fmt: skip
+    assert read.records == (0, 2) and read.parents == b""
+    assert F.KVFiles(action="list", model="m", part="p", after=bytes(16)).kv_host is None
+    with pytest.raises(F.FrameError, match="read takes records and keys only"):
+        F.KVFiles(action="read", model="m", part="p", kv_host=host, records=(0,),
+                  keys=bytes(16), parents=bytes(16))  # fmt: skip
+
+
 def test_snapshots_kept_by_a_worker_are_named_by_id() -> None:
     tokens = Region("/luced-x-arena", 64, (8,), "int32")
     kept = F.KVImport(position=8, regions={}, tokens=tokens, store="3f9a0c12d4e1")

@@ -1,98 +1,160 @@
-"""A remote worker's own snapshot store (runtime/kv_store.py): its memory tier within its
-budget, least recently used first; its disk tier in the daemon's file format, found again
-by a new store (a restarted worker); forget; a corrupt file is a miss, quarantined."""
+"""A worker on another host's own block files (runtime/kv_store.py `ShardBlocks`), driven by
+`kv_files` frames over its host records: writes copied at once and landing in the
+background, reads in order up to the first block missing, the listing a page at a time,
+what the part lost reported once (`gone`), and no disk tier without a usable directory."""
 
 from __future__ import annotations
 
+import os
+import threading
 from pathlib import Path
 
 import numpy as np
+import pytest
 
-from luced.cache.layout import TensorSpec
-from luced.runtime.kv_store import Held, ShardSnapshots
+import luced.runtime.kv_store as kv_store
+from luced.cache.block_files import BLOCKS, ROOT_KEY, SUFFIX, prompt_keys
+from luced.cache.files import lock_model_dir
+from luced.ipc import frames as F
+from luced.ipc.regions import Region
+from luced.runtime.kv_store import ShardBlocks
 
-LAYOUT = [
-    TensorSpec("k.2", (2, 1, 4), "bfloat16", 1),
-    TensorSpec("v.2", (2, 1, 4), "bfloat16", 1),
-    TensorSpec("conv.3", (3, 5), "float32", None),
-]
-
-
-def held(seed: int, n: int = 10, cuts: tuple[int, ...] | None = None) -> Held:
-    rng = np.random.default_rng(seed)
-    cuts = cuts or (n,)
-    arrays = {
-        "k.2": rng.integers(0, 2**16, (2, n, 4), dtype=np.uint16),
-        "v.2": rng.integers(0, 2**16, (2, n, 4), dtype=np.uint16),
-        "conv.3": rng.standard_normal((len(cuts), 3, 5), dtype=np.float32),
-    }
-    return Held(arrays, rng.integers(0, 1000, n, dtype=np.int32), cuts)
+BLOCK = 4
+RECORD = 64
+MODEL, PART = "model-1", "b4-f32-L2-4-0a1b2c3d"
+HOST = Region("/luced-0a1b2c3d-t-kvhost", 64, (8, RECORD), "uint8")
+TOKENS = list(range(3, 3 + 5 * BLOCK))  # 5 blocks
+KEYS = prompt_keys(TOKENS, BLOCK)
 
 
-def same(a: Held | None, b: Held) -> bool:
-    return (
-        a is not None
-        and a.cuts == b.cuts
-        and np.array_equal(a.tokens, b.tokens)
-        and all(np.array_equal(a.arrays[k], b.arrays[k]) for k in b.arrays)
-    )
+def records(seed: int) -> np.ndarray:
+    """A worker's host records: uint8 [8, RECORD]."""
+    return np.random.default_rng(seed).integers(0, 256, (8, RECORD), dtype=np.uint8)
 
 
-def opened(memory: int, directory: Path | None = None) -> ShardSnapshots:
-    store = ShardSnapshots(memory, directory)
-    store.open("model-sha", "bfloat16", "2-4", LAYOUT)
-    return store
+def frame(action: str, **kw) -> F.KVFiles:
+    return F.KVFiles(action=action, model=MODEL, part=PART, **kw)  # type: ignore[arg-type]
 
 
-def test_memory_keeps_the_most_recently_used_within_its_budget() -> None:
-    size = held(0).nbytes
-    store = opened(2 * size + size // 2)
-    a, b, c = held(1), held(2), held(3)
-    store.put("a1", a)
-    store.put("b2", b)
-    assert same(store.get("a1"), a)  # a is now the most recently used
-    store.put("c3", c)  # over budget: b goes
-    assert store.get("b2") is None and same(store.get("a1"), a) and same(store.get("c3"), c)
-    assert store.forget(["a1", "ff"]) == 1 and store.get("a1") is None
-    store.put("big", held(4, n=200))  # larger than the budget: not kept
-    assert store.get("big") is None
-    store.close()
+def write(store: ShardBlocks, rows: np.ndarray, blocks: range, at: int = 0) -> F.KVFilesReply:
+    """Blocks `blocks` of TOKENS from records at.. of `rows`."""
+    parents = b"".join(KEYS[i - 1] if i else ROOT_KEY for i in blocks)
+    ids = np.array([TOKENS[i * BLOCK : (i + 1) * BLOCK] for i in blocks], "<i4").tobytes()
+    req = frame("write", kv_host=HOST, records=tuple(range(at, at + len(blocks))),
+                parents=parents, tokens=ids)  # fmt: skip
+    return store.serve(req, rows, RECORD, BLOCK)
 
 
-def test_the_disk_tier_outlives_the_store_and_forget_deletes(tmp_path: Path) -> None:
-    store = opened(1 << 20, tmp_path)
-    a, b = held(1, cuts=(4, 10)), held(2)
-    store.put("a1", a)
-    store.put("b2", b)
-    store.close()  # a restarted worker: memory gone, files flushed
-    again = opened(1 << 20, tmp_path)
-    assert same(again.get("a1"), a) and same(again.get("b2"), b)  # read back from disk
-    assert again.forget(["a1"]) == 1
-    again.flush()
-    assert [p.stem for p in tmp_path.rglob("*.safetensors")] == ["b2"]
-    again.close()
+def read(store: ShardBlocks, rows: np.ndarray, keys: list[bytes]) -> F.KVFilesReply:
+    req = frame("read", kv_host=HOST, records=tuple(range(len(keys))), keys=b"".join(keys))
+    return store.serve(req, rows, RECORD, BLOCK)
 
 
-def test_another_load_gets_its_own_directory_and_an_empty_memory(tmp_path: Path) -> None:
-    store = opened(1 << 20, tmp_path)
-    store.put("a1", held(1))
+def part_files(root: Path) -> list[Path]:
+    return sorted((root / MODEL / BLOCKS / PART).glob(f"*{SUFFIX}"))
+
+
+@pytest.fixture
+def store(tmp_path: Path):
+    s = ShardBlocks(tmp_path, budget=1 << 20)
+    yield s
+    s.close()
+
+
+def test_written_blocks_are_read_back_in_order_up_to_the_first_missing(
+    store: ShardBlocks, tmp_path: Path
+) -> None:
+    saved = records(1)
+    reply = write(store, saved, range(5))
+    assert (reply.disk, reply.done) == (True, 5)
+    saved[:] = 0  # the record copies were taken with the frame
     store.flush()
-    store.open("model-sha", "bfloat16", "0-2", LAYOUT)  # other layers: other rows
-    assert store.get("a1") is None
-    store.open("model-sha", "bfloat16", "2-4", LAYOUT)  # back: its files are found again
-    assert same(store.get("a1"), held(1))
-    store.close()
+    assert [p.stem for p in part_files(tmp_path)] == sorted(k.hex() for k in KEYS)
+    into = np.zeros((8, RECORD), np.uint8)
+    assert read(store, into, KEYS).done == 5
+    assert np.array_equal(into[:5], records(1)[:5])
+    (tmp_path / MODEL / BLOCKS / PART / f"{KEYS[2].hex()}{SUFFIX}").unlink()
+    reply = read(store, np.zeros((8, RECORD), np.uint8), KEYS)  # gone behind its back
+    assert (reply.done, reply.gone) == (2, KEYS[2])  # reported once
+    assert store.serve(frame("list"), None, RECORD, BLOCK).gone == b""
 
 
-def test_a_corrupt_file_is_a_miss_and_is_quarantined(tmp_path: Path) -> None:
-    store = opened(0, tmp_path)  # no memory: every get reads the file
-    store.put("a1", held(1))
+def test_the_listing_comes_a_page_at_a_time_in_key_order(
+    store: ShardBlocks, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    write(store, records(2), range(5))
     store.flush()
-    (path,) = tmp_path.rglob("*.safetensors")
-    raw = bytearray(path.read_bytes())
-    raw[-5] ^= 0xFF  # a flipped bit in the last tensor's data
-    path.write_bytes(bytes(raw))
-    assert store.get("a1") is None
-    assert not list(tmp_path.glob("*/*.safetensors"))
-    assert list(tmp_path.rglob("quarantine/*"))
-    store.close()
+    monkeypatch.setattr(kv_store, "LIST_BYTES", 2 * (32 + 4 * BLOCK))  # two keys a page
+    keys, parents, tokens, after = b"", b"", b"", b""
+    pages = 0
+    while True:
+        reply = store.serve(frame("list", after=after), None, RECORD, BLOCK)
+        keys, parents, tokens = keys + reply.keys, parents + reply.parents, tokens + reply.tokens
+        pages += 1
+        if not reply.more:
+            break
+        after = reply.keys[-16:]
+    assert pages == 3
+    listed = [keys[i : i + 16] for i in range(0, len(keys), 16)]
+    assert listed == sorted(KEYS)
+    for i, key in enumerate(listed):
+        j = KEYS.index(key)
+        assert parents[16 * i : 16 * i + 16] == (KEYS[j - 1] if j else ROOT_KEY)
+        got = np.frombuffer(tokens[4 * BLOCK * i : 4 * BLOCK * (i + 1)], "<i4").tolist()
+        assert got == TOKENS[j * BLOCK : (j + 1) * BLOCK]
+
+
+def test_blocks_evicted_for_room_are_reported_gone(tmp_path: Path) -> None:
+    one = len(PART) + 72 + 4 * BLOCK + RECORD  # a file's bytes
+    store = ShardBlocks(tmp_path, budget=3 * one)
+    try:
+        write(store, records(3), range(5))
+        store.flush()
+        assert len(part_files(tmp_path)) == 3
+        reply = store.serve(frame("list"), None, RECORD, BLOCK)
+        gone = {reply.gone[i : i + 16] for i in range(0, len(reply.gone), 16)}
+        assert gone == set(KEYS[:2]) and reply.done == 3
+    finally:
+        store.close()
+
+
+def test_writes_past_the_pending_bytes_are_not_taken(
+    store: ShardBlocks, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """While the disk holds the writer thread up, a frame takes what fits, in order."""
+    monkeypatch.setattr(kv_store, "PENDING_BYTES", 2 * RECORD)
+    files = store.open(MODEL, PART, RECORD, BLOCK)
+    assert files is not None
+    disk = threading.Event()
+    write_file = files.write
+
+    def slow_write(*args):
+        disk.wait(30)
+        return write_file(*args)
+
+    monkeypatch.setattr(files, "write", slow_write)
+    assert write(store, records(4), range(5)).done == 2
+    disk.set()
+    store.flush()
+    assert len(part_files(tmp_path)) == 2
+
+
+def test_clear_deletes_the_part_after_the_writes(store: ShardBlocks, tmp_path: Path) -> None:
+    write(store, records(5), range(3))
+    assert store.serve(frame("clear"), None, RECORD, BLOCK).done == 3
+    assert part_files(tmp_path) == []
+
+
+def test_no_usable_directory_keeps_no_files(tmp_path: Path) -> None:
+    """Without --kv-cache-dir, or with the model directory locked by another process, the
+    worker says it keeps no disk tier and takes nothing."""
+    held = lock_model_dir(tmp_path, MODEL)
+    try:
+        for store in (ShardBlocks(None), ShardBlocks(tmp_path)):
+            reply = write(store, records(6), range(2))
+            assert (reply.disk, reply.done) == (False, 0)
+            assert not store.serve(frame("list"), None, RECORD, BLOCK).disk
+            store.close()
+    finally:
+        os.close(held)
+    assert part_files(tmp_path) == []

@@ -74,6 +74,9 @@ def test_a_held_cache_dir_is_refused_before_the_load(tmp_path: Path) -> None:
     reserve_disk_dir(kv_options, model).release()
 
 
+REMOTE = ("--target-devices", "cpu,tcp://10.0.0.2:7070/cpu", "--worker-key-file", "key")
+
+
 @pytest.mark.parametrize(
     ("args", "blocks"),
     [
@@ -88,23 +91,31 @@ def test_a_held_cache_dir_is_refused_before_the_load(tmp_path: Path) -> None:
         ((), True),  # no disk tier: blocks in host records only
         (("--max-running", "1"), True),
         (("--kv-block-size", "0"), False),
+        # a worker on another host keeps its part of the blocks on its host
+        (("--kv-cache-dir", "kv", *REMOTE), True),
+        (("--kv-flash", "512", *REMOTE), True),
+        (("--draft", "dflash", *REMOTE), True),
     ],
 )
 def test_the_cache_keeps_blocks_where_it_can(tmp_path: Path, args, blocks: bool) -> None:
     """`ModelSpec.block_store`, decided before the load: blocks (in memory, and on disk
-    with a directory) for requests in a block pool, --kv-block-size's or KV Flash's
-    (without workers on other hosts); snapshots otherwise."""
+    with a directory; on their own hosts for workers on other hosts) for requests in a
+    block pool, --kv-block-size's or KV Flash's; snapshots otherwise."""
     model = make_tiny_gguf("llama", tmp_path / "m.gguf", seed=1, layers=2, context=1024).path
+    key = tmp_path / "key"
+    key.write_text("k" * 40)
+    key.chmod(0o600)
     argv = [str(model), *(_path(a, model, tmp_path) for a in args)]
     cfg = load_config(argv, env={}, default_config_path=None)
     assert read_spec(cfg).block_store is blocks
 
 
 def _path(arg: str, model: Path, tmp_path: Path) -> str:
-    """An argument with "kv" standing for a directory and "dflash" for a draft's file."""
+    """An argument with "kv" standing for a directory, "key" for the worker key file and
+    "dflash" for a draft's file."""
     if arg == "dflash":
         return str(make_tiny_draft(model, tmp_path / "draft", seed=2, block_size=4)[1])
-    return str(tmp_path / arg) if arg == "kv" else arg
+    return str(tmp_path / arg) if arg in ("kv", "key") else arg
 
 
 @pytest.mark.parametrize(

@@ -1,17 +1,18 @@
-"""The prefix cache as K/V blocks by prefix key (cache/block_files.py's keys), for an
-attention-only model whose workers are all local: its memory tier is host records
-(engine/kv/host.py) held by key, its disk tier (with --kv-cache-dir) a file per block and
-worker; a prompt comes back as a page-in, not an import of copies. KV Flash is one more
-policy over the same table: its lanes' paged-out blocks are records already.
+"""The prefix cache as K/V blocks by prefix key (cache/block_files.py's keys): its memory
+tier is host records (engine/kv/host.py) held by key, its disk tier (with --kv-cache-dir) a
+file per block and worker; a prompt comes back as a page-in, not an import of copies. KV
+Flash is one more policy over the same table: its lanes' paged-out blocks are records
+already.
 
     save     after a prompt's prefill, its whole blocks not held in memory yet: each
              resident one copied from the lane's pool block into a free host record
              (`BlockTables.save`, one `kv_page` to the workers), each paged out by KV
              Flash held as its record is (a held record is never written again:
              `BlockTables`), and the store keeps them by key; then one background writer
-             (a task, the blocking I/O in a thread, one block at a time, never in the way
-             of the token stream) writes each worker's bytes of the records not on disk
-             yet to its part (`HostRecords.arrays[k]` row r)
+             (cache/writer.py: a thread, one block at a time, never in the way of the
+             token stream) writes each local worker's bytes of the records not on
+             disk yet to its part (`HostRecords.arrays[k]` row r); a worker on another
+             host is sent them to write itself (below)
     match    the prompt's whole blocks held in memory or on disk in every part, each in
              one or the other, consecutive from its first one, leaving at least one prompt
              token to compute
@@ -32,15 +33,23 @@ first block, without which no later one is found, goes last. A record given up i
 disk, or being written (the writer holds it until then); without a disk, or while writes
 are paused, it is gone. A record that a table or the writer holds too is never given up.
 
-Parts: one `BlockFiles` per pipeline worker, named for what its record's bytes depend on
-(`part_name`: the block, the K/V dtype, the worker's layers, and a hash of its devices,
-shard split, compute dtype and weights), all under the model directory's lock, which the
-first part holds. Each part keeps at most its share of `--kv-cache-budget`, by record size.
-Without parts (no --kv-cache-dir, or it cannot be used) the memory tier is the whole cache.
+Parts: one per pipeline worker, named for what its record's bytes depend on (`part_name`:
+the block, the K/V dtype, the worker's layers, and a hash of its devices, shard split,
+compute dtype and weights). A local worker's is a `BlockFiles` here, under the model
+directory's lock, which the first one holds, keeping at most its share of
+`--kv-cache-budget` by record size. A worker on another host keeps its own records and
+files on its host (engine/kv/remote_blocks.py `RemotePart`: this store's index of them, its
+`--kv-cache-dir` and `--kv-cache-budget` there): its bytes are saved to, written from, read
+into and adopted from its own mirror of its host records, never the daemon's copy, which
+this store never reads or writes. A record held before such a worker reconnected is empty
+there: the store gives up every block it held then (`HostRecords.epoch`). Without parts
+(no --kv-cache-dir, or it or a remote worker's cannot be used) the memory tier is the whole
+cache.
 
-A file that fails its checks is quarantined by `BlockFiles`; a restore stops before it. A
-write the OS refuses (a full disk) pauses writing (cache/backoff.py) with one warning; the
-blocks saved meanwhile stay in memory only.
+A file that fails its checks is quarantined by `BlockFiles`; a restore stops before it, and
+before a block any worker on another host read no file for: every worker restores the same
+blocks, or none. A write the OS refuses (a full disk) pauses writing (cache/backoff.py) with
+one warning; the blocks saved meanwhile stay in memory only.
 
 With a DFlash draft's feature rings each block keeps the captured rows of its positions
 beside its K/V, by the same key, in memory and in a part of their own on disk
@@ -61,6 +70,8 @@ from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
+import numpy as np
+
 from luced.cache.backoff import DiskBackoff
 from luced.cache.block_files import (
     ROOT_KEY,
@@ -79,6 +90,7 @@ from luced.cache.writer import DiskWriter
 from luced.engine.kv.block_rings import BlockRings, ring_bytes, ring_part_name
 from luced.engine.kv.blocks import PAGED, RecordsExhausted
 from luced.engine.kv.host import store_records
+from luced.engine.kv.remote_blocks import RemotePart
 from luced.engine.kv.state_records import STATE_SHARE
 from luced.engine.kv.state_store import StateStore
 from luced.engine.placement import WorkerPlan
@@ -106,7 +118,7 @@ class BlockStore:
     def __init__(
         self,
         target: Target,
-        parts: Sequence[BlockFiles] = (),
+        parts: Sequence[BlockFiles | RemotePart] = (),
         clock: Callable[[], float] = time.time,
         state_parts: Sequence[BlockFiles] = (),
         rings: BlockRings | None = None,
@@ -139,8 +151,10 @@ class BlockStore:
             self.capacity = min(self.capacity, max(least, fits))
         self.restore_errors = 0
         self.backoff = DiskBackoff(log, "K/V blocks; they stay in memory only", clock)
-        self.writer = DiskWriter(log, self.backoff)  # each record held by it until written
+        # Each record held by it until written (a worker on another host's: `RemotePart`).
+        self.writer = DiskWriter(log, self.backoff, "kv-blocks")
         self._held: OrderedDict[bytes, _Held] = OrderedDict()  # least recently used first
+        self._epoch = host.epoch  # whose records `_held` are (the module docstring)
         self.states = StateStore(target, self.writer, state_parts) if target.recurrent else None
         tables.reclaimer = self
 
@@ -157,8 +171,8 @@ class BlockStore:
         for the model named by `fingerprint`, at most `budget` bytes (--kv-cache-budget);
         `lock_fd`: the model directory's lock, owned from here on. Snapshot files of the
         model move to its quarantine/ (one log line), then every part is scanned (a
-        thread). OSError or SnapshotDirError when the directory cannot be used (the lock
-        released)."""
+        thread; a worker on another host lists its own). OSError or SnapshotDirError when
+        the directory, or a remote worker's, cannot be used (the lock released)."""
         host = target.host
         assert host is not None and target.blocks is not None
         block = target.blocks.block
@@ -166,19 +180,27 @@ class BlockStore:
         widths = target.states.widths if target.states is not None else []
         state_budget = int(budget * STATE_SHARE) if widths else 0  # a hybrid's states' share
         ring = ring_bytes(target, block)  # the feature rings' part, with a draft's
-        total = max(1, sum(sizes) + ring)
-        parts: list[BlockFiles] = []
+        workers = list(zip(target.placement.workers, sizes, strict=True))
+        total = max(1, sum(size for (spec, _), size in workers if not spec.remote) + ring)
+        parts: list[BlockFiles | RemotePart] = []
         states: list[BlockFiles] = []
         try:
-            for (_, plan), size in zip(target.placement.workers, sizes, strict=True):
-                share = (budget - state_budget) * size // total
+            for k, ((spec, plan), size) in enumerate(workers):
                 part = part_name(target, plan)
-                fd, lock_fd = lock_fd, None  # the first part holds the lock
+                if spec.remote:  # its own files and budget, on its host
+                    parts.append(RemotePart(target, k, fingerprint, part, size, block))
+                    continue
+                share = (budget - state_budget) * size // total
+                fd, lock_fd = lock_fd, None  # the first local part holds the lock
                 parts.append(BlockFiles(root, fingerprint, part, size, block, share, lock_fd=fd))
             if ring:
                 name = ring_part_name(target, [p.part for p in parts])
                 share = (budget - state_budget) * ring // total
-                parts.append(BlockFiles(root, fingerprint, name, ring, block, share))
+                fd, lock_fd = lock_fd, None  # every worker is on another host: it holds it
+                parts.append(BlockFiles(root, fingerprint, name, ring, block, share, lock_fd=fd))
+            if lock_fd is not None:  # every worker is on another host: no file here
+                os.close(lock_fd)
+                lock_fd = None
             for part, width in zip(parts, widths, strict=False):
                 share = state_budget * width // max(1, sum(widths))
                 states.append(
@@ -188,7 +210,7 @@ class BlockStore:
                 )
             await asyncio.to_thread(retire_snapshots, Path(root) / model_dir_name(fingerprint))
             for p in (*parts, *states):
-                await asyncio.to_thread(p.scan)
+                await (p.scan() if isinstance(p, RemotePart) else asyncio.to_thread(p.scan))
         except BaseException:
             for p in (*parts, *states):
                 p.close()
@@ -197,6 +219,7 @@ class BlockStore:
             raise
         if not ring:
             return cls(target, parts, state_parts=states)
+        assert isinstance(parts[-1], BlockFiles)
         rings = BlockRings(target, block, parts[-1])
         return cls(target, parts[:-1], state_parts=states, rings=rings)
 
@@ -207,6 +230,7 @@ class BlockStore:
         from its first one, leaving at least one token to compute (the model must produce
         logits); a hybrid's up to the deepest with a recurrent state (`StateStore.usable`).
         The blocks' parents and tokens are compared: a collision never matches."""
+        self._check_epoch()
         limit = (len(prompt) - 1) // self.block
         keys = prompt_keys(prompt, self.block, limit) if limit > 0 else []
         parent, n = ROOT_KEY, len(keys)
@@ -233,6 +257,8 @@ class BlockStore:
         slot and raises."""
         t, tables = self.target, self.tables
         assert t.host is not None
+        self._check_epoch()
+        epoch = self._epoch
         memory = [self._held.get(key) for key in keys]
         retained = [h.record for h in memory if h is not None]
         for record in retained:  # first: no record taken below is one of them
@@ -254,12 +280,12 @@ class BlockStore:
             n = len(records)
             if taken:
                 reads = sorted(taken)
-                good = await asyncio.to_thread(
-                    self._read, [keys[i] for i in reads], [taken[i] for i in reads]
-                )
+                good = await self._read([keys[i] for i in reads], [taken[i] for i in reads], epoch)
                 if good < len(reads):
                     self.restore_errors += 1
                     n = reads[good]
+            if epoch != t.host.epoch:  # a worker on another host reconnected meanwhile
+                n = 0
             rows: Sequence[object] = ()  # each block's feature-ring rows, when needed
             if n and self.rings is not None:
                 rows = await self.rings.fetch(keys[:n], len(prompt))
@@ -308,6 +334,7 @@ class BlockStore:
         blocks saved."""
         t, tables = self.target, self.tables
         assert t.host is not None
+        self._check_epoch()
         keys = prompt_keys(prompt, self.block, tables.length(slot))
         mine = [h.record for k in keys if (h := self._held.get(k)) is not None]
         new = [j for j, key in enumerate(keys) if key not in self._held]
@@ -424,14 +451,22 @@ class BlockStore:
         states = await self.states.clear(disk) if self.states is not None else 0
         if not disk or not self.parts:
             return len(gone) + states
-        files = await asyncio.gather(*(asyncio.to_thread(p.clear) for p in self._files()))
+        files = await asyncio.gather(
+            *(
+                p.clear() if isinstance(p, RemotePart) else asyncio.to_thread(p.clear)
+                for p in self._files()
+            )
+        )
         return len(gone) + max(files[: len(self.parts)]) + states
 
     async def flush(self) -> None:
-        await self.writer.flush()
+        """Wait for the writes in hand: here, and sent to workers on other hosts."""
+        await self.writer.drain()
+        await asyncio.gather(*(p.flush() for p in self._remote()))
 
     async def close(self) -> None:
         await self.flush()
+        self.writer.close()
         self._release_all()
         if self.states is not None:
             self.states.close()
@@ -464,13 +499,36 @@ class BlockStore:
             return True
         return rings.found(key, parent, tokens, self._holds(key, parent, tokens))
 
-    def _files(self) -> list[BlockFiles]:
+    def _files(self) -> list[BlockFiles | RemotePart]:
         """Every part on disk: the workers' and the feature rings'."""
         ring = self.rings.part if self.rings is not None else None
         return [*self.parts, *([ring] if ring is not None else [])]
 
     def _written(self, key: bytes) -> bool:
         return bool(self.parts) and all(p.has(key) for p in self.parts)
+
+    def _local(self) -> list[tuple[BlockFiles, np.ndarray]]:
+        """The parts in this daemon's files, each with its worker's host records."""
+        host = self.target.host
+        assert host is not None
+        pairs = zip(self.parts, host.arrays, strict=True)
+        return [(p, rows) for p, rows in pairs if isinstance(p, BlockFiles)]
+
+    def _remote(self) -> list[RemotePart]:
+        return [p for p in self.parts if isinstance(p, RemotePart)]
+
+    def _check_epoch(self) -> None:
+        """A worker on another host reconnected since the blocks in memory were held: its
+        bytes of them are gone, so they all are (the module docstring)."""
+        host = self.target.host
+        assert host is not None
+        if host.epoch == self._epoch:
+            return
+        self._epoch = host.epoch
+        if self._held:
+            log.info("prefix cache: %d K/V blocks in memory given up: a worker on another "
+                     "host reconnected", len(self._held))  # fmt: skip
+        self._release_all()
 
     def _keep(self, key: bytes, parent: bytes, prompt: Sequence[int], i: int, record: int) -> None:
         """Hold `record` as the memory copy of block i of `prompt`, taking over the
@@ -497,39 +555,60 @@ class BlockStore:
             self.rings.drop_all()
 
     def _queue_writes(self, keys: Sequence[bytes]) -> None:
-        """Queue the prompt's blocks held in memory and not on disk for the writer, each
-        record held by it until written (none while writes are paused)."""
-        if not self.parts or not self.backoff.ready():
+        """Queue the prompt's blocks held in memory and not on disk here for the writer
+        (none while writes are paused), and send those a worker on another host lacks to
+        it; each record held until written (or taken there)."""
+        if not self.parts:
             return
+        local = [p for p, _ in self._local()]
         for key in keys:
             held = self._held.get(key)
             rows = self.rings is None or self.rings.written(key)  # rows kept after the K/V
-            if held is None or self.writer.pending(key) or (self._written(key) and rows):
+            here = all(p.has(key) for p in local) and rows
+            if held is None or here or self.writer.pending(key) or not self.backoff.ready():
                 continue
             self.tables.retain_record(held.record)
             done = partial(self.tables.release_record, held.record)
             self.writer.queue(key, "a K/V block", partial(self._write, key, held), done)
+        for part in self._remote():
+            todo = [(k, h) for k in keys if (h := self._held.get(k)) and not part.holds(k)]
+            for _, h in todo:
+                self.tables.retain_record(h.record)
+            part.send(todo, self._epoch, self.tables.release_record)
 
-    def _read(self, keys: Sequence[bytes], records: Sequence[int]) -> int:
-        """Fill `records` with the blocks `keys`, every part's bytes (a thread); -> how many
-        were read before the first bad file (quarantined by its part)."""
-        host = self.target.host
-        assert host is not None
-        for i, (key, record) in enumerate(zip(keys, records, strict=True)):
-            try:
-                read_parts(self.parts, [rows[record] for rows in host.arrays], key)
-            except BlockFileError as exc:
-                log.info("prefix cache: %d of %d blocks read from disk: %s", i, len(keys), exc)
-                return i
-        return len(keys)
+    async def _read(self, keys: Sequence[bytes], records: Sequence[int], epoch: int) -> int:
+        """Fill `records` with the blocks `keys`, every part's bytes (here in a thread, on
+        its host for a remote one); -> how many every part read before its first missing
+        or bad file (quarantined by its part)."""
+        counts = await asyncio.gather(
+            asyncio.to_thread(_read_local, self._local(), keys, records),
+            *(p.read(keys, records, epoch) for p in self._remote()),
+        )
+        return min(counts)
 
     def _write(self, key: bytes, held: _Held) -> None:
-        host = self.target.host
-        assert host is not None
-        rows = [rows[held.record] for rows in host.arrays]
-        write_parts(self.parts, rows, held.parent, held.tokens)  # on disk: touched only
+        """Write the local workers' bytes of `held` (and its ring rows): a thread's work."""
+        local = self._local()
+        rows = [rows[held.record] for _, rows in local]
+        write_parts([p for p, _ in local], rows, held.parent, held.tokens)  # on disk: touched
         if self.rings is not None:
             self.rings.write(key, held.parent, held.tokens)
+
+
+def _read_local(
+    local: Sequence[tuple[BlockFiles, np.ndarray]], keys: Sequence[bytes], records: Sequence[int]
+) -> int:
+    """Fill `records` of the local workers' host records (`local`: each part with its
+    worker's) with the blocks `keys` from their files (a thread); -> how many were read
+    before the first bad file (quarantined by its part)."""
+    parts = [p for p, _ in local]
+    for i, (key, record) in enumerate(zip(keys, records, strict=True)):
+        try:
+            read_parts(parts, [rows[record] for _, rows in local], key)
+        except BlockFileError as exc:
+            log.info("prefix cache: %d of %d blocks read from disk: %s", i, len(keys), exc)
+            return i
+    return len(keys)
 
 
 def part_name(target: Target, plan: WorkerPlan) -> str:

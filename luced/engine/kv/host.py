@@ -23,6 +23,11 @@ before the lane adopts it); the daemon reads a record only while it holds it (th
 store writing a saved block to disk). Besides the kept lanes' records, the block store
 keeps `store_records` as the prefix cache's memory tier: blocks by prefix key, given up
 least recently used first whenever anyone needs a record.
+
+A worker on another host pages to its own mirror of its records (runtime/mirror.py), which
+it drops with the daemon's connection: a reconnected worker starts with none, so every
+record's contents are lost there (`epoch` counts such losses; the block store gives up
+what it held before) and the daemon's copy of that worker's records is never used.
 """
 
 from __future__ import annotations
@@ -65,13 +70,20 @@ class HostRecords:
         self.arrays: list[np.ndarray] = []  # the daemon's views of them, uint8 [records, bytes_k]
         self._record_bytes: dict[tuple[int, int], int] = {}  # worker layers -> one record
         self._state_bytes: dict[tuple[int, int], int] = {}  # -> one state record (a hybrid's)
+        self.epoch = 0  # records lost by a worker on another host (the module docstring)
 
     def loaded(
-        self, layers: tuple[int, int], record_bytes: int, group: str, state_bytes: int = 0
+        self,
+        layers: tuple[int, int],
+        record_bytes: int,
+        group: str,
+        state_bytes: int = 0,
+        remote: bool = False,
     ) -> None:
         """A worker's load reply: the size of its record, which a restarted worker must
         keep (the records in the daemon's memory are laid out for it), and of its state
-        record (a hybrid's, `split_states`)."""
+        record (a hybrid's, `split_states`). `remote`: a worker on another host, whose
+        records a reload finds empty."""
         known = self._record_bytes.get(layers)
         if self.regions and record_bytes != known:
             raise WorkerReplyError(
@@ -79,6 +91,8 @@ class HostRecords:
             )
         self._record_bytes[layers] = record_bytes
         self._state_bytes[layers] = state_bytes
+        if self.regions and remote:
+            self.epoch += 1
 
     def split_states(
         self, layers: Sequence[tuple[int, int]], nbytes: int
@@ -91,14 +105,25 @@ class HostRecords:
         return states, max(1, nbytes - states.records * states.nbytes)
 
     def size_store(
-        self, tables: BlockTables, layers: Sequence[tuple[int, int]], least: int, nbytes: int
+        self,
+        tables: BlockTables,
+        layers: Sequence[tuple[int, int]],
+        least: int,
+        nbytes: int,
+        limits: Sequence[int | None] = (),
     ) -> int:
         """Before the carve (every worker loaded, `layers` theirs): the block store's
         records, the last `least` of `tables`' (`store_records`, counted before the size of
         one was known), become `nbytes` of them (--prefix-cache-bytes over one block of
-        every worker), at least `least`; `nbytes` 0: none. -> how many."""
+        every worker), and no more than each worker's limit in `limits` (bytes of its own
+        records: a worker on another host's --prefix-cache-bytes; None: none) allows, at
+        least `least`; `nbytes` 0: none. -> how many."""
         block_bytes = sum(self._record_bytes[span] for span in layers)
-        store = max(least, nbytes // max(1, block_bytes)) if nbytes else 0
+        store = nbytes // max(1, block_bytes)
+        for span, limit in zip(layers, limits, strict=False):
+            if limit is not None:
+                store = min(store, limit // self._record_bytes[span])
+        store = max(least, store) if nbytes else 0
         tables.resize_records(tables.records - least + store)
         self.records = tables.records
         return store

@@ -245,7 +245,7 @@ class StateStore:
     def _queue_writes(self, keys: Sequence[bytes]) -> None:
         """Queue the states of `keys` held in memory and not on disk for the writer, each
         record held by it until written (none while writes are paused)."""
-        if not self.parts or not self.writer.backoff.ready():
+        if not self.parts or not self.writer.ready():
             return
         for key in keys:
             held = self._held.get(key)

@@ -17,7 +17,8 @@ a frame: fields carry ``Region`` maps (segment, offset, shape, dtype) naming sha
 
 The ops (request fields -> reply fields):
 
-    hello     instance, protocol, files     -> protocol, pid, group, devices, versions, store
+    hello     instance, protocol, files     -> protocol, pid, group, devices, versions, store,
+                                               prefix_cache_bytes
     load      model, layers=[a, b), dtype, devices, kv_capacity, owns_embed, owns_head,
               device_splits, kv_block, kv_blocks, kv_scored
                                             -> n_layers, hidden, vocab, layers, dtype,
@@ -41,6 +42,9 @@ The ops (request fields -> reply fields):
     kv_share  sequence, source, position    -> position
     kv_page   sequence, moves, kv_host,     -> paged
               tokens, states, kv_states
+    kv_files  action, model, part, kv_host, -> disk, done, keys, parents, tokens, more,
+              records, keys, parents,          gone
+              tokens, after
     truncate  position                      -> position
     reset                                   -> (nothing)
     stats                                   -> stats
@@ -111,6 +115,10 @@ and 3 adopt (a host record appended as a paged-out entry, its positions committe
 its ``tokens`` (the adopted positions' ids): the prefix cache's blocks on disk.
 27: ``kv_page`` ``states`` and ``kv_states`` (a hybrid's recurrent states saved to and
 loaded from state records at block ends) and ``load`` replies ``kv_state_bytes``.
+28: ``kv_files`` (list, write, read, clear a worker on another host's own block files: its
+part of the prefix cache's blocks on disk, by the daemon's keys, into and out of its host
+records) and ``hello``'s reply ``prefix_cache_bytes`` (the memory such a worker gives the
+prefix cache's host records).
 
 Expert compute (``luced.runtime.expert_link``): an expert worker answers ``load_experts``
 from the daemon, and ``expert_mix`` from target workers over direct worker-to-worker
@@ -160,6 +168,8 @@ from luced.ipc.frames.model import (
 from luced.ipc.frames.remote import (
     Carry,
     FileIdentity,
+    KVFiles,
+    KVFilesReply,
     Link,
     LinkReply,
     Ping,
@@ -220,6 +230,8 @@ __all__ = [
     "HelloReply",
     "KVExport",
     "KVExportReply",
+    "KVFiles",
+    "KVFilesReply",
     "KVForget",
     "KVForgetReply",
     "KVImport",

@@ -12,7 +12,7 @@ from luced.ipc.regions import Region
 from luced.ipc.typed import FrameError, Record
 from luced.sampling_params import SamplingParams
 
-PROTOCOL_VERSION = 27
+PROTOCOL_VERSION = 28
 
 _ENVELOPE = frozenset(
     {"op", "seq", "ok", "error", "progress", "carry", "carried"}

@@ -55,6 +55,9 @@ class HelloReply(Reply):
     versions: dict[str, str]  # {"python": ..., "torch": ..., "luced": ...}
     protocol: int = PROTOCOL_VERSION
     store: str = ""  # a remote worker's torch.distributed store, "host:port" (link)
+    # A remote worker's --prefix-cache-bytes: the most of its memory the prefix cache's
+    # host records may take (its mirror of them; a context's at least); None: no bound.
+    prefix_cache_bytes: int | None = None
 
     @classmethod
     def from_wire(cls, d: Mapping[str, Any]) -> Self:
@@ -63,6 +66,8 @@ class HelloReply(Reply):
 
     def _check(self) -> None:
         _check_protocol(self.protocol)
+        if self.prefix_cache_bytes is not None and self.prefix_cache_bytes < 0:
+            raise self._fail(f"prefix_cache_bytes must be >= 0, got {self.prefix_cache_bytes}")
 
 
 # -- load -----------------------------------------------------------------------------------

@@ -14,6 +14,9 @@ carry says how their bytes get there and back::
                request sends an abort instead, so the peer fails at once)
     forget     segments the mirror drops after the request (scratch: a prefix snapshot)
 
+``kv_files`` is the other thing only such a worker serves: its own block files, its
+layers' part of the prefix cache's disk tier, kept on its host (``runtime/kv_store.py``).
+
 A *hop* is a torch.distributed group of two workers (``link``), one per pair that moves
 bulk data between hosts: hidden states from stage to stage, feature-ring rows for a
 draft, KV rows of a prefix snapshot. The daemon is not a rank; it numbers each hop's
@@ -26,12 +29,15 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import Literal
 
 from luced.ipc.frames.base import REPLIES, REQUESTS, Reply, Request, _op
 from luced.ipc.regions import Region
 from luced.ipc.typed import Record
 
 _SHA256 = re.compile(r"[0-9a-f]{64}")
+_DIR_NAME = re.compile(r"[0-9A-Za-z][0-9A-Za-z._-]{0,63}")  # cache/files.py's NAME_RE
+KEY_BYTES = 16  # a block's prefix key (cache/block_files.py)
 
 
 @dataclass(frozen=True)
@@ -135,3 +141,75 @@ class Carry(Record):
     @property
     def empty(self) -> bool:
         return not (self.put or self.get or self.relay_in or self.relay_out or self.forget)
+
+
+@_op("kv_files", REQUESTS)
+@dataclass(frozen=True)
+class KVFiles(Request):
+    """One action on this worker's own K/V block files (a worker on another host: its
+    layers' part of the prefix cache's disk tier, ``runtime/kv_store.py``), the files of
+    ``DIR/<model>/blocks/<part>/`` under its ``--kv-cache-dir``. The daemon's block store
+    decides every key and record; the worker only executes. Keys and parents are packed
+    (16 bytes each), a block's token ids too (int32 LE, the pool's block of them)::
+
+        list   the files' keys, parents and tokens after key ``after`` in key order, a page
+        write  records ``records`` of ``kv_host`` copied now, written in the background as
+               the blocks (parents[i], tokens[i]), in order
+        read   records ``records`` of ``kv_host`` filled with the blocks ``keys``, in order,
+               stopping at the first one missing or bad
+        clear  every file of the part deleted
+
+    Any action opens the part first where it is not open (a scan)."""
+
+    action: Literal["list", "write", "read", "clear"]
+    model: str  # the model's directory (the daemon's fingerprint of the file)
+    part: str  # the worker's part (engine/kv/block_store.py part_name)
+    kv_host: Region | None = None  # write, read: this worker's host records
+    records: tuple[int, ...] = ()
+    keys: bytes = b""  # read
+    parents: bytes = b""  # write
+    tokens: bytes = b""  # write
+    after: bytes = b""  # list: the last key of the page before (none: from the first)
+
+    def _check(self) -> None:
+        for name in ("model", "part"):
+            value = getattr(self, name)
+            if not _DIR_NAME.fullmatch(value):
+                raise self._fail(f"{name} must be a plain directory name, got {value!r}")
+        if len(self.after) not in (0, KEY_BYTES):
+            raise self._fail(f"after must be a key of {KEY_BYTES} bytes, got {len(self.after)}")
+        n = len(self.records)
+        on_records = self.action in ("write", "read")
+        packed = {"read": ("keys",), "write": ("parents", "tokens")}.get(self.action, ())
+        extra = [f for f in ("keys", "parents", "tokens") if getattr(self, f) and f not in packed]
+        if not on_records and (extra or n or self.kv_host is not None):
+            raise self._fail(f"{self.action} takes no blocks, records or kv_host")
+        if not on_records:
+            return
+        if extra or not n:
+            raise self._fail(f"{self.action} takes records and {' and '.join(packed)} only")
+        host = self.kv_host
+        if host is None or host.dtype != "uint8" or len(host.shape) != 2:
+            got = f"{host.dtype} {list(host.shape)}" if host is not None else "none"
+            raise self._fail(f"kv_host must be uint8 [records, bytes], got {got}")
+        if min(self.records) < 0 or len(set(self.records)) != n:
+            raise self._fail(f"records must be distinct and >= 0, got {list(self.records)}")
+        keys = self.keys if self.action == "read" else self.parents
+        if len(keys) != n * KEY_BYTES:
+            raise self._fail(f"{n} records take {n * KEY_BYTES} bytes of keys, got {len(keys)}")
+        if self.action == "write" and (not self.tokens or len(self.tokens) % (4 * n)):
+            raise self._fail(
+                f"tokens must be {n} blocks of int32 ids, got {len(self.tokens)} bytes"
+            )
+
+
+@_op("kv_files", REPLIES)
+@dataclass(frozen=True)
+class KVFilesReply(Reply):
+    disk: bool  # False: no --kv-cache-dir there (or it is unusable): nothing was done
+    done: int = 0  # list: keys; write: blocks taken; read: blocks read; clear: files deleted
+    keys: bytes = b""  # list: the page, in key order
+    parents: bytes = b""
+    tokens: bytes = b""
+    more: bool = False  # list: keys past this page
+    gone: bytes = b""  # keys that left the part since the last reply (evicted, a failed write)

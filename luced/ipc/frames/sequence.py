@@ -206,7 +206,7 @@ class KVExport(Request):
 
     ``store`` (a worker on another host): keep the rows in this worker's own snapshot
     store under that id instead (``regions`` empty): in its memory, and on its host's
-    disk when it has a directory (``runtime/kv_store.py``).
+    disk when it has a directory (``runtime/snapshot_store.py``).
     """
 
     position: int

@@ -13,6 +13,7 @@ import torch
 from luced.cache.arena import SnapshotArena
 from luced.cache.disk import DiskIdentity, SnapshotDisk
 from luced.cache.prefix_cache import PrefixCache
+from luced.engine.config import KVConfig, ModelInfo, SchedulingLimits, SpeculationConfig
 from luced.engine.core import Engine, GenerationRequest, RequestHandle
 from luced.engine.driver import Driver
 from luced.engine.executor import Deadlines
@@ -147,16 +148,10 @@ async def engine_for(
             target,
             tokenizer,
             None,
-            model_name="t",
-            context_length=context,
-            block_size=block_size,
-            lookup_drafts=lookup_drafts,
-            adaptive_blocks=adaptive_blocks,
-            max_running=max_running,
-            kv_pool_tokens=kv_pool_tokens,
-            kv_keep_tokens=kv_keep_tokens,
-            block_store=prefix_cache_bytes if block_files else 0,
-            encoder=is_encoder(gguf),
+            model=ModelInfo("t", context, encoder=is_encoder(gguf)),
+            limits=SchedulingLimits(max_running=max_running),
+            kv=KVConfig(kv_pool_tokens, kv_keep_tokens, prefix_cache_bytes if block_files else 0),
+            speculation=SpeculationConfig(block_size, lookup_drafts, adaptive_blocks),
         )
         engine.runner.decode_ahead = decode_ahead
         if proposer_cls is not None:  # drafts of the test's own making

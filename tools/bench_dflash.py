@@ -49,6 +49,7 @@ from typing import Any, ClassVar
 
 from luced.cli.train_draft import context_length
 from luced.cli.train_draft import greedy as generate
+from luced.engine.config import ModelInfo, SpeculationConfig
 from luced.engine.core import Engine
 from luced.engine.runner import ModelRunner
 from luced.engine.scheduler import Work, WorkOutput
@@ -189,11 +190,8 @@ async def start_engine(
         target,
         tokenizer,
         None,
-        model_name=label,
-        context_length=context_length(GGUFFile(model)),
-        block_size=args.block_size,
-        lookup_drafts=drafter == "ngram",
-        adaptive_blocks=adaptive,
+        model=ModelInfo(label, context_length(GGUFFile(model))),
+        speculation=SpeculationConfig(args.block_size, drafter == "ngram", adaptive),
     )
     engine.runner = CountingRunner(target)
     engine.runner.proposer = cls(target)
@@ -259,7 +257,7 @@ async def measure(engine: Engine, prompt: list[int], script: list[int], args: An
     # mode may follow a near-tie elsewhere (docs/features.md, "Batch-invariant mode"):
     # then report it.
     if agree < len(tokens) and (args.weights == "dequant" or args.batch_invariant):
-        raise AssertionError(f"{engine.model_name}: output differs from plain greedy")
+        raise AssertionError(f"{engine.model.name}: output differs from plain greedy")
     fwd = r.forwards - before - (len(prompt) + 255) // 256  # minus prefill
     steps = sum(engine.block_sizes.values()) - blocks_before
     block_tokens = sum(b * n for b, n in engine.block_sizes.items()) - block_tokens_before

@@ -28,6 +28,7 @@ from pathlib import Path
 import numpy as np
 from bench_dflash import generate
 
+from luced.engine.config import ModelInfo
 from luced.engine.constraint import Constraint
 from luced.engine.core import Engine
 from luced.engine.target import Target, TargetPlacement
@@ -100,7 +101,7 @@ async def bench(args: argparse.Namespace) -> None:
     rows: dict[str, list[float]] = {"plain": [], "constrained": [], "mask": []}
     with ShmOwner() as owner:
         target = Target(owner, placement)
-        engine = Engine(target, tokenizer, template, model_name="bench", context_length=2048)
+        engine = Engine(target, tokenizer, template, model=ModelInfo("bench", 2048))
         await target.start()
         engine.start()
         try:

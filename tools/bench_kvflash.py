@@ -39,6 +39,7 @@ import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+from luced.engine.config import KVConfig, ModelInfo, SchedulingLimits
 from luced.engine.core import Engine, GenerationRequest
 from luced.engine.driver import Driver
 from luced.engine.kv.blocks import PAGED
@@ -197,10 +198,9 @@ async def run_chat(path: Path, context: int, pool: int, rounds: int, threads: in
             target,
             tokenizer,
             None,
-            model_name="bench",
-            context_length=capacity,
-            max_running=2,
-            kv_keep_tokens=capacity,
+            model=ModelInfo("bench", capacity),
+            limits=SchedulingLimits(max_running=2),
+            kv=KVConfig(keep_tokens=capacity),
         )
         await target.start()
         engine.start()

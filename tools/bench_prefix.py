@@ -50,6 +50,7 @@ from pathlib import Path
 from luced.cache.arena import SnapshotArena
 from luced.cache.disk import DiskIdentity, SnapshotDisk
 from luced.cache.prefix_cache import PrefixCache
+from luced.engine.config import KVConfig, ModelInfo, SchedulingLimits
 from luced.engine.core import Engine, GenerationRequest
 from luced.engine.kv.block_store import BlockStore
 from luced.engine.target import Target, TargetPlacement
@@ -134,11 +135,12 @@ async def bench(args: argparse.Namespace) -> None:
                 target,
                 tokenizer,
                 None,
-                model_name="bench",
-                context_length=placement.kv_capacity,
-                max_running=2,
-                kv_keep_tokens=placement.kv_capacity,
-                block_store=(1 << 30) if blocks else 0,  # bytes of host records for them
+                model=ModelInfo("bench", placement.kv_capacity),
+                limits=SchedulingLimits(max_running=2),
+                kv=KVConfig(
+                    keep_tokens=placement.kv_capacity,
+                    block_store=(1 << 30) if blocks else 0,  # bytes of host records for them
+                ),
             )
             return target, engine
 

@@ -149,11 +149,11 @@ class SingleModel:
         self.started = int(time.time())
 
     def _check(self, name: str | None) -> None:
-        if name is not None and name != self.engine.model_name:
-            raise unknown_model(name, [self.engine.model_name])
+        if name is not None and name != self.engine.model.name:
+            raise unknown_model(name, [self.engine.model.name])
 
     def names(self) -> list[str]:
-        return [self.engine.model_name]
+        return [self.engine.model.name]
 
     @contextlib.asynccontextmanager
     async def lease(self, name: str | None) -> AsyncIterator[Served]:
@@ -161,10 +161,10 @@ class SingleModel:
         yield self.served
 
     def context_bound(self) -> int:
-        return self.engine.context_length
+        return self.engine.model.context_length
 
     def cards(self) -> list[dict[str, Any]]:
-        return [model_card(self.engine.model_name, self.started, self.engine.context_length)]
+        return [model_card(self.engine.model.name, self.started, self.engine.model.context_length)]
 
     def card(self, name: str) -> dict[str, Any]:
         self._check(name)
@@ -184,7 +184,7 @@ class SingleModel:
     async def about(self, name: str | None) -> About:
         self._check(name)
         source = template_source(self.engine.chat_template)
-        return About(self.served.facts, source, self.engine.context_length)
+        return About(self.served.facts, source, self.engine.model.context_length)
 
     def unload_when_idle(self, name: str) -> None:
         """Its one model stays loaded until the daemon stops."""

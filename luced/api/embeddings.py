@@ -158,7 +158,7 @@ def prepare_embeddings(engine: Engine, body: dict[str, Any]) -> PreparedEmbeddin
     """Run off the event loop (`luced.api.prepare.Preparer`): parse, tokenize, bound (each
     input on its own: the body's size is bounded at the HTTP edge)."""
     req = parse_embeddings(
-        body, model_name=engine.model_name, vocab_size=engine.tokenizer.vocab_size
+        body, model_name=engine.model.name, vocab_size=engine.tokenizer.vocab_size
     )
     check_dimensions(engine, req.dimensions)
     return PreparedEmbeddings(req, input_ids(engine, req.inputs))
@@ -178,7 +178,7 @@ def prepare_ollama_embed(engine: Engine, body: dict[str, Any]) -> OllamaEmbed:
     "load" idiom, no vectors), `truncate` (default true) cuts an input to fit instead of
     the 400, `dimensions` as above; options and keep_alive are read by Ollama at load time
     and ignored here."""
-    model = ollama_model(body, engine.model_name)
+    model = ollama_model(body, engine.model.name)
     value = body.get("input")
     texts = [value] if isinstance(value, str) else [] if value is None else value
     if not isinstance(texts, list) or not all(isinstance(t, str) for t in texts):
@@ -195,7 +195,7 @@ def prepare_ollama_embed(engine: Engine, body: dict[str, Any]) -> OllamaEmbed:
 def prepare_ollama_embeddings(engine: Engine, body: dict[str, Any]) -> OllamaEmbed:
     """/api/embeddings (Ollama's older route): one `prompt`; Ollama does not normalise its
     vector, and neither does luced."""
-    model = ollama_model(body, engine.model_name)
+    model = ollama_model(body, engine.model.name)
     prompt = body.get("prompt")
     text = "" if prompt is None else read_text("prompt", prompt)
     return OllamaEmbed(model, input_ids(engine, (text,) if text else ()))
@@ -216,7 +216,9 @@ async def embed_all(engine: Engine, inputs: list[list[int]], request_id: str) ->
                 await asyncio.wait(
                     [t for t in ends if not t.done()], return_when=asyncio.FIRST_COMPLETED
                 )
-            req = GenerationRequest(f"{request_id}-{i}", ids, _NO_SAMPLING, pooling=engine.pooling)
+            req = GenerationRequest(
+                f"{request_id}-{i}", ids, _NO_SAMPLING, pooling=engine.model.pooling
+            )
             handles.append(engine.submit(req))  # QueueFull when none of ours is in flight
             ends.append(asyncio.create_task(_end(handles[-1])))
         await asyncio.gather(*ends)

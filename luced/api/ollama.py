@@ -464,13 +464,13 @@ def token_budget(
 
 def prepare_chat(engine: Engine, body: Mapping[str, Any]) -> Prepared:
     """An /api/chat body's request and prompt (run off the event loop: it tokenizes)."""
-    req = parse_chat(body, model_name=engine.model_name, vocab_size=engine.tokenizer.vocab_size)
+    req = parse_chat(body, model_name=engine.model.name, vocab_size=engine.tokenizer.vocab_size)
     return _prepare(engine, req)
 
 
 def prepare_generate(engine: Engine, body: Mapping[str, Any]) -> Prepared:
     """An /api/generate body's request and prompt (run off the event loop: it tokenizes)."""
-    req = parse_generate(body, model_name=engine.model_name, vocab_size=engine.tokenizer.vocab_size)
+    req = parse_generate(body, model_name=engine.model.name, vocab_size=engine.tokenizer.vocab_size)
     return _prepare(engine, req)
 
 
@@ -478,7 +478,7 @@ def _prepare(engine: Engine, req: OllamaRequest) -> Prepared:
     if req.idle:
         return Prepared(req, [], req.options)
     engine.intake.check_generates()
-    _check_chars(req, engine.context_length)
+    _check_chars(req, engine.model.context_length)
     tools = None
     if req.calls_tools or has_tool_turns(req.messages):
         tools = tool_format(engine.chat_template)
@@ -489,8 +489,8 @@ def _prepare(engine: Engine, req: OllamaRequest) -> Prepared:
             len(prompt),
             req.options.max_tokens,
             req.num_ctx,
-            engine.context_length,
-            engine.intake.default_max_tokens,
+            engine.model.context_length,
+            engine.limits.default_max_tokens,
         ),
     )
     if tools is None or not req.calls_tools:

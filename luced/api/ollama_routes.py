@@ -76,7 +76,7 @@ def add_routes(app: web.Application, models: Catalog) -> None:
         for served in models.running():
             e = served.engine
             entry = ollama_models.ps(
-                served.facts, e.model_name, e.context_length, e.workers(), served.expires
+                served.facts, e.model.name, e.model.context_length, e.workers(), served.expires
             )
             listed += entry["models"]
         return web.json_response({"models": listed}, dumps=dumps)
@@ -159,7 +159,7 @@ async def _answer(
     async with leased(request, name) as served:
         prep = await prepare(request, fn)
         if prep.request.idle and prep.request.done_reason == "unload":
-            models.unload_when_idle(served.engine.model_name)
+            models.unload_when_idle(served.engine.model.name)
         return await _reply(request, served.engine, prep, arrived)
 
 

@@ -115,7 +115,7 @@ class Preparer:
         `tokens`: what the request may carry in all, which bounds its values (default:
         the context; a request of many embedding inputs carries more)."""
         pool = self._large if sum(map(len, chunks)) > LARGE_BODY else None
-        bound = tokens or engine.context_length
+        bound = tokens or engine.model.context_length
         call = functools.partial(_prepare, fn, engine, args, chunks, bound)
         return await asyncio.get_running_loop().run_in_executor(pool, call)
 
@@ -239,23 +239,23 @@ def check_commas(raw: bytes, context_length: int) -> bool:
 
 
 def prepare_chat(engine: Engine, body: dict[str, Any]) -> Prepared[ChatRequest]:
-    check_size(body, CHAT_FIELDS, engine.context_length)
+    check_size(body, CHAT_FIELDS, engine.model.context_length)
     vocab = engine.tokenizer.vocab_size
-    req = parse_chat(body, model_name=engine.model_name, vocab_size=vocab)
+    req = parse_chat(body, model_name=engine.model.name, vocab_size=vocab)
     check_choices(engine, req.options.n, 1)
     return _chat(engine, req, chat_prompt)
 
 
 def prepare_responses(engine: Engine, body: dict[str, Any]) -> Prepared[ChatRequest]:
-    check_size(body, RESPONSES_FIELDS, engine.context_length)
-    return _chat(engine, parse_responses(body, model_name=engine.model_name), chat_prompt)
+    check_size(body, RESPONSES_FIELDS, engine.model.context_length)
+    return _chat(engine, parse_responses(body, model_name=engine.model.name), chat_prompt)
 
 
 def prepare_messages(
     engine: Engine, count_only: bool, body: dict[str, Any]
 ) -> Prepared[anthropic.MessagesRequest]:
-    check_size(body, MESSAGES_FIELDS, engine.context_length)
-    req = anthropic.parse_messages(body, model_name=engine.model_name, count_only=count_only)
+    check_size(body, MESSAGES_FIELDS, engine.model.context_length)
+    req = anthropic.parse_messages(body, model_name=engine.model.name, count_only=count_only)
     # count_tokens renders what the reply would have, thinking or not, without compiling.
     think = req.thinks(engine.chat_template, constrained=_constrained(engine, req))
     render = functools.partial(anthropic.message_prompt, think=think)
@@ -277,16 +277,16 @@ def _constrained(engine: Engine, req: anthropic.MessagesRequest) -> bool:
 
 def prepare_completion(engine: Engine, body: dict[str, Any]) -> Prepared[CompletionRequest]:
     engine.intake.check_generates()
-    check_size(body, COMPLETION_FIELDS, engine.context_length)
+    check_size(body, COMPLETION_FIELDS, engine.model.context_length)
     vocab = engine.tokenizer.vocab_size
-    req = parse_completion(body, model_name=engine.model_name, vocab_size=vocab)
+    req = parse_completion(body, model_name=engine.model.name, vocab_size=vocab)
     check_choices(engine, req.options.n, len(req.prompts))
     _check(req.options.grammar)
     first, *others = completion_prompts(req, engine.tokenizer)
-    if others and (total := len(first) + sum(map(len, others))) > engine.intake.max_queued_tokens:
+    if others and (total := len(first) + sum(map(len, others))) > engine.limits.max_queued_tokens:
         raise bad(
             "prompt",
-            f"the prompts have {total} tokens together; at most {engine.intake.max_queued_tokens} "
+            f"the prompts have {total} tokens together; at most {engine.limits.max_queued_tokens} "
             "may wait in the queue (--max-queued-tokens)",
         )
     return Prepared(req, first, req.options, others=tuple(others))
@@ -295,7 +295,7 @@ def prepare_completion(engine: Engine, body: dict[str, Any]) -> Prepared[Complet
 def check_choices(engine: Engine, n: int, prompts: int) -> None:
     """A 400 for more choices than the engine's queue takes at once: every choice is an
     engine request, and they are queued together."""
-    most = engine.intake.max_queue
+    most = engine.limits.max_queue
     if n * prompts > most:
         param = "n" if prompts == 1 else "prompt"
         what = f"n = {n}" if prompts == 1 else f"{prompts} prompts × n = {n}"
@@ -308,7 +308,7 @@ def check_choices(engine: Engine, n: int, prompts: int) -> None:
 
 def prepare_tokenize(engine: Engine, body: dict[str, Any]) -> tuple[list[int], bool]:
     """(the ids of `content`, whether the reply lists each token's piece)."""
-    check_size(body, ("content",), engine.context_length)
+    check_size(body, ("content",), engine.model.context_length)
     content = read_text("content", body.get("content"))
     add_bos = read_bool(body, "add_special")
     special = read_bool(body, "parse_special", default=True)
@@ -319,7 +319,7 @@ def prepare_tokenize(engine: Engine, body: dict[str, Any]) -> tuple[list[int], b
 
 def prepare_detokenize(engine: Engine, body: dict[str, Any]) -> str:
     """The text of `tokens` (control tokens as their text, so that it inverts tokenize)."""
-    check_size(body, ("tokens",), engine.context_length)
+    check_size(body, ("tokens",), engine.model.context_length)
     tokens = body.get("tokens")
     if not isinstance(tokens, list):
         raise APIError(

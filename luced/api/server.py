@@ -352,7 +352,7 @@ async def _choices(
 ) -> web.StreamResponse:
     """Chat and completions: a format per choice (n of each prompt), then `choices.generate`."""
     engine, options = leased_engine(request), prep.options
-    head = (f"{prefix}-{uuid.uuid4().hex}", engine.model_name, int(time.time()))
+    head = (f"{prefix}-{uuid.uuid4().hex}", engine.model.name, int(time.time()))
     fmts = [
         make(
             *head,
@@ -373,9 +373,9 @@ async def messages(request: web.Request) -> web.StreamResponse:
     prep = await prepare(request, prepare_messages, False)
     message_id = f"msg_{uuid.uuid4().hex}"
     if prep.tools is None:
-        fmt = anthropic.MessageFormat(message_id, engine.model_name, prep.thinking)
+        fmt = anthropic.MessageFormat(message_id, engine.model.name, prep.thinking)
     else:
-        fmt = anthropic.ToolMessageFormat(message_id, engine.model_name, prep.tools, prep.thinking)
+        fmt = anthropic.ToolMessageFormat(message_id, engine.model.name, prep.tools, prep.thinking)
     handle = engine.submit(generation_request(fmt.id, prep.options, prep.prompt))
     if prep.options.stream:
         return await _stream_messages(request, fmt, handle)
@@ -393,7 +393,7 @@ async def responses(request: web.Request) -> web.StreamResponse:
     prep = await prepare(request, prepare_responses)
     options = prep.options
     fmt = ResponseFormat(
-        f"resp_{uuid.uuid4().hex}", engine.model_name, int(time.time()), prep.request, prep.tools
+        f"resp_{uuid.uuid4().hex}", engine.model.name, int(time.time()), prep.request, prep.tools
     )
     handle = engine.submit(generation_request(fmt.id, options, prep.prompt))
 
@@ -430,7 +430,7 @@ async def embeddings(request: web.Request) -> web.Response:
     vectors = await embed_all(engine, prep.inputs, f"embd-{uuid.uuid4().hex}")
     n_tokens = sum(map(len, prep.inputs))
     fmt = prep.request.encoding_format
-    text = await asyncio.to_thread(response_json, vectors, fmt, engine.model_name, n_tokens)
+    text = await asyncio.to_thread(response_json, vectors, fmt, engine.model.name, n_tokens)
     return web.Response(text=text, content_type="application/json")
 
 

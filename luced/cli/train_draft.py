@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from luced.cli.prompt_sets import humaneval_prompts, sharegpt_first_turns
+from luced.engine.config import ModelInfo, SpeculationConfig
 from luced.engine.core import Engine, GenerationRequest
 from luced.engine.placement import TargetPlacement
 from luced.engine.target import Target
@@ -151,9 +152,8 @@ async def _start_engine(
         worker,
         tok,
         None,
-        model_name=name,
-        context_length=context_length(gguf),
-        block_size=args.block_size,
+        model=ModelInfo(name, context_length(gguf)),
+        speculation=SpeculationConfig(args.block_size),
     )
     engine.start()
     return engine

@@ -6,8 +6,11 @@
     handle.embedding                                  # with `pooling`: the pooled vector
 
 An embedding request (`GenerationRequest.pooling`, engine/pooling.py) feeds its input in
-the steps beside everything else and ends with its vector; an encoder model (`encoder`:
-bidirectional attention, BERT) serves nothing else.
+the steps beside everything else and ends with its vector; an encoder model
+(`ModelInfo.encoder`: bidirectional attention, BERT) serves nothing else.
+
+The engine's settings come in groups (engine/config.py): what it serves (`model`), how
+many requests wait and run (`limits`), its KV pool (`kv`), its draft windows (`speculation`).
 
 The loop runs `step()` while there is work:
 
@@ -35,6 +38,7 @@ import time
 from typing import Any
 
 from luced.cache.prefix_cache import PrefixCache
+from luced.engine.config import KVConfig, ModelInfo, SchedulingLimits, SpeculationConfig
 from luced.engine.executor import WorkerDied, WorkerReplyError
 from luced.engine.intake import Intake
 from luced.engine.kv.budget import KVBudget
@@ -81,6 +85,7 @@ log = logging.getLogger(__name__)
 # Why a preempted request ends when a worker dies: what it had streamed cannot be continued.
 RESUME_LOST = "the model worker failed: it died while this request waited to resume"
 _GREEDY = SamplingParams(temperature=0)
+_ONE_RUNNING, _NOTHING_KEPT, _FIXED_WINDOW = SchedulingLimits(), KVConfig(), SpeculationConfig()
 
 
 class Engine:
@@ -90,56 +95,39 @@ class Engine:
         tokenizer: Tokenizer,
         chat_template: Any,
         *,
-        model_name: str,
-        context_length: int,
-        max_queue: int = 16,
-        max_queued_tokens: int = 32768,
-        default_max_tokens: int | None = None,
-        block_size: int = 16,
-        lookup_drafts: bool = False,
-        adaptive_blocks: bool = False,
+        model: ModelInfo,
+        limits: SchedulingLimits = _ONE_RUNNING,
+        kv: KVConfig = _NOTHING_KEPT,
+        speculation: SpeculationConfig = _FIXED_WINDOW,
         metrics: Any = None,
         prefix_cache: PrefixCache | None = None,
-        max_running: int = 1,
-        kv_pool_tokens: int | None = None,
-        kv_keep_tokens: int = 0,
-        block_store: int = 0,
-        encoder: bool = False,
-        pooling: str = "mean",
     ) -> None:
-        """kv_pool_tokens: the KV positions the running requests hold together (at least
-        one context); None: max_running whole contexts, so nothing is ever preempted.
-        kv_keep_tokens: the most positions finished requests' K/V may keep of that pool
-        for later requests to share (engine/kv/finished.py); 0: none is kept.
-        block_store: bytes of host records for the prefix cache's K/V blocks (kv/block_store.py).
-        encoder: the model's attention is bidirectional, so it serves embeddings only;
-        pooling: how the APIs pool embeddings (engine/pooling.py)."""
+        """The groups (engine/config.py) default to one running request, nothing kept, a
+        fixed window of 16."""
         self.target = target
         self.tokenizer = tokenizer
         self.chat_template = chat_template
-        self.model_name = model_name
-        self.context_length = context_length
-        self.speculation = DraftWindows(
-            block_size, lookup_drafts=lookup_drafts, adaptive_blocks=adaptive_blocks
-        )
+        self.model = model
+        self.limits = limits
+        self.speculation = DraftWindows(speculation)
         self.metrics = metrics
         self.started_at = time.time()
         self.draining = False
         self.loaded_once = False
-        self.max_running = max_running
-        pool = kv_pool_tokens or max_running * context_length
-        if pool < context_length:
+        running, context = limits.max_running, model.context_length
+        pool = kv.pool_tokens or running * context
+        if pool < context:
             raise ValueError(
                 f"the KV pool ({pool} positions) must hold one whole context "
-                f"({context_length}): else a long request could never finish"
+                f"({context}): else a long request could never finish"
             )
-        keep = min(kv_keep_tokens, pool)
-        lanes = max_running + (KEPT_LANES if keep else 0)
-        holdings = target.size_blocks(pool, lanes, keep, block_store)
+        keep = min(kv.keep_tokens, pool)
+        lanes = running + (KEPT_LANES if keep else 0)
+        holdings = target.size_blocks(pool, lanes, keep, kv.block_store)
         self.kv = KVBudget(pool, holdings)  # under KV Flash: what lanes hold in the pool
-        self.finished = FinishedPrefixes(self.kv, max_running, keep) if keep else None
+        self.finished = FinishedPrefixes(self.kv, running, keep) if keep else None
         self.scheduler = Scheduler(
-            max_running=max_running,
+            max_running=running,
             max_step_tokens=target.step_tokens,
             chunk=self._chunk(target.placement.max_batch_tokens),
             kv=self.kv,
@@ -149,20 +137,8 @@ class Engine:
         self.scheduler.window = self.speculation.window
         self.scheduler.room = self._room
         self.scheduler.keep = self._keep_lane
-        self.scheduler.encoder = encoder
-        self.pooling = pooling
-        self.intake = Intake(
-            target,
-            tokenizer,
-            self.scheduler,
-            self.speculation,
-            model_name=model_name,
-            context_length=context_length,
-            max_queue=max_queue,
-            max_queued_tokens=max_queued_tokens,
-            default_max_tokens=default_max_tokens,
-            encoder=encoder,
-        )
+        self.scheduler.encoder = model.encoder
+        self.intake = Intake(target, tokenizer, self.scheduler, self.speculation, model, limits)
         self.runner = ModelRunner(target)
         turns = TurnMarker.learn(chat_template, tokenizer)  # the prefix cache's cut points
         self.prefix = PrefixReuse(
@@ -386,11 +362,12 @@ class Engine:
 
     def _chunk(self, chunk: int) -> int:
         """A prompt chunk that fits one step beside a token of every running sequence."""
-        fits = self.target.step_tokens - self.max_running
+        step, running = self.target.step_tokens, self.limits.max_running
+        fits = step - running
         if fits < 1:
             raise ValueError(
-                f"a step of {self.target.step_tokens} tokens cannot feed {self.max_running} "
-                "running requests and a prompt chunk: raise --max-step-tokens"
+                f"a step of {step} tokens cannot feed {running} running requests and a "
+                "prompt chunk: raise --max-step-tokens"
             )
         return min(chunk, fits)
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 
+from luced.engine.config import ModelInfo, SchedulingLimits
 from luced.engine.constraint import Constraint
 from luced.engine.output import OutputBuilder
 from luced.engine.pooling import Pooler
@@ -38,24 +39,15 @@ class Intake:
         tokenizer: Tokenizer,
         scheduler: Scheduler,
         windows: DraftWindows,
-        *,
-        model_name: str,
-        context_length: int,
-        max_queue: int,
-        max_queued_tokens: int,
-        default_max_tokens: int | None,
-        encoder: bool,
+        model: ModelInfo,
+        limits: SchedulingLimits,
     ) -> None:
         self.target = target
         self.tokenizer = tokenizer
         self.scheduler = scheduler
         self.windows = windows
-        self.model_name = model_name
-        self.context_length = context_length
-        self.max_queue = max_queue
-        self.max_queued_tokens = max_queued_tokens
-        self.default_max_tokens = default_max_tokens
-        self.encoder = encoder
+        self.model = model
+        self.limits = limits  # the queue's bounds, the default max_tokens
         self._tickets = itertools.count(1)
         # Built once, on the first grammar (seconds on a large vocabulary): requests arriving
         # meanwhile await the same build.
@@ -71,24 +63,24 @@ class Intake:
     def queue_takes(self, n: int) -> bool:
         """Whether a request of n prompt tokens finds room in the queue now."""
         waiting = self.scheduler.waiting
-        if len(waiting) >= self.max_queue:
+        if len(waiting) >= self.limits.max_queue:
             return False
-        return not waiting or self.queued_tokens() + n <= self.max_queued_tokens
+        return not waiting or self.queued_tokens() + n <= self.limits.max_queued_tokens
 
     @property
     def embedding_limit(self) -> int:
         """The most tokens an embedding input may have: the context, and for an encoder,
         which sees its input in one step, the step's budget."""
-        if self.encoder:
-            return min(self.context_length, self.target.step_tokens)
-        return self.context_length
+        if self.model.encoder:
+            return min(self.model.context_length, self.target.step_tokens)
+        return self.model.context_length
 
     def check_generates(self) -> None:
         """EmbeddingsOnly (400) when the model cannot generate (an encoder). The APIs ask
         before they render a prompt; `check` asks again."""
-        if self.encoder:
+        if self.model.encoder:
             raise EmbeddingsOnly(
-                f"{self.model_name} is an embedding model (bidirectional attention): it "
+                f"{self.model.name} is an embedding model (bidirectional attention): it "
                 "cannot generate text; it serves POST /v1/embeddings"
             )
 
@@ -112,7 +104,7 @@ class Intake:
                 raise InvalidGrammar(f"grammar: {exc}") from None
         waiting = self.scheduler.waiting
         if not self.queue_takes(0 if req.share_prompt else n):  # a sibling's is its first's
-            full = len(waiting) >= self.max_queue
+            full = len(waiting) >= self.limits.max_queue
             raise QueueFull(
                 f"the queue is full ({len(waiting)} requests, {self.queued_tokens()} "
                 "prompt tokens waiting)",
@@ -125,25 +117,25 @@ class Intake:
         limit = self.embedding_limit
         if n > limit:
             why = "the context length"
-            if limit < self.context_length:
+            if limit < self.model.context_length:
                 why = "--max-step-tokens: an encoder sees a whole input in one step"
             raise ContextTooLong(f"the input has {n} tokens; at most {limit} fit ({why})")
 
     def _generation_room(self, req: GenerationRequest, n: int) -> int:
         """-> the request's max_tokens."""
         self.check_generates()
-        if n >= self.context_length:
+        if n >= self.model.context_length:
             raise ContextTooLong(
-                f"the prompt has {n} tokens; the context holds {self.context_length} "
+                f"the prompt has {n} tokens; the context holds {self.model.context_length} "
                 "(prompt plus at least one generated token)"
             )
-        room = self.context_length - n
+        room = self.model.context_length - n
         if req.max_tokens is not None and req.max_tokens > room:
             raise ContextTooLong(
                 f"prompt ({n} tokens) + max_tokens ({req.max_tokens}) exceeds the context "
-                f"length {self.context_length}"
+                f"length {self.model.context_length}"
             )
-        return req.max_tokens or min(room, self.default_max_tokens or room)
+        return req.max_tokens or min(room, self.limits.default_max_tokens or room)
 
     def sequence(self, handle: RequestHandle) -> Sequence:
         """The Sequence that runs `handle`'s request: its stops, output, speculation."""

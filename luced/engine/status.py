@@ -27,15 +27,15 @@ def engine_status(engine: Any) -> dict:
     now = time.monotonic()
     running = engine.scheduler.running
     return {
-        "model": engine.model_name,
+        "model": engine.model.name,
         "state": engine.state,
-        "context_length": engine.context_length,
+        "context_length": engine.model.context_length,
         "uptime_s": round(time.time() - engine.started_at, 1),
         "queue": {
             "waiting": len(engine.scheduler.waiting),
             "queued_tokens": engine.intake.queued_tokens(),
             "running": len(running),
-            "max_running": engine.max_running,
+            "max_running": engine.limits.max_running,
             # Each running and each waiting request with its tokens so far (a
             # preempted one waits with what it had generated).
             "requests": [_request_row(s.handle, now) for s in running],
@@ -53,8 +53,8 @@ def engine_status(engine: Any) -> dict:
             "mean_batch": round(engine.stepped_sequences / engine.steps, 2)
             if engine.steps
             else None,
-            "max_queue": engine.intake.max_queue,
-            "max_queued_tokens": engine.intake.max_queued_tokens,
+            "max_queue": engine.limits.max_queue,
+            "max_queued_tokens": engine.limits.max_queued_tokens,
         },
         "totals": dict(engine.totals),
         "rejected": dict(engine.rejected),

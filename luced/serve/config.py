@@ -18,6 +18,10 @@ wherever it travels; an error names the option and where the value came from
 (``LUCED_PORT: not an integer: 'x'``, ``/etc/luced/luced.toml: port: ...``), and each
 group keeps the sources of its own options for later errors (``cfg.kv.label(...)``).
 
+The engine ranks below this package and takes groups of its own (``luced.engine.config``:
+resolved values, not options); each option group builds the engine's with ``for_engine``,
+from its options and what the model's GGUF resolved (the served context, the KV pool).
+
 Precedence, per option: flags > ``LUCED_*`` environment > config file > defaults. The
 config file is ``--config PATH``, else ``$LUCED_CONFIG``, else ``/etc/luced/luced.toml``
 when it exists; its keys are the option names, top level (no tables per group), and
@@ -39,6 +43,7 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, ClassVar, get_type_hints
 
+from luced.engine.config import KVConfig, ModelInfo, SchedulingLimits, SpeculationConfig
 from luced.engine.placement import parse_device, remote_address
 from luced.serve.admission import Network
 from luced.serve.options import (
@@ -139,6 +144,11 @@ class ModelOptions(Options):
         """The interpreter that runs a backend group's worker."""
         return str(dict(self.backend_python).get(group, sys.executable))
 
+    def for_engine(self, context: int, encoder: bool, pooling: str) -> ModelInfo:
+        """The engine's `ModelInfo`, given what the GGUF makes of these options: the
+        served context (`effective_context_length`), and pooling `auto` resolved."""
+        return ModelInfo(self.served_model_name(), context, encoder, pooling)
+
 
 @dataclass(frozen=True)
 class RegistryOptions(Options):
@@ -171,6 +181,16 @@ class SchedulerOptions(Options):
     decode_ahead: str  # "auto": on for a GPU worker
     default_max_tokens: int | None  # None: up to the context length
 
+    def for_engine(self) -> SchedulingLimits:
+        """The engine's `SchedulingLimits`. (The step's budget sizes the Target's regions,
+        and decode_ahead is the runner's: the loader passes those.)"""
+        return SchedulingLimits(
+            max_running=self.max_running,
+            max_queue=self.max_queue,
+            max_queued_tokens=self.max_queued_tokens,
+            default_max_tokens=self.default_max_tokens,
+        )
+
 
 @dataclass(frozen=True)
 class KVOptions(Options):
@@ -193,6 +213,18 @@ class KVOptions(Options):
         """The K/V rows' dtype for a model computed in ``dtype`` (``auto`` follows it)."""
         return dtype if self.kv_dtype == "auto" else self.kv_dtype
 
+    def for_engine(self, context: int, pool: int, block_store: bool) -> KVConfig:
+        """The engine's `KVConfig` for a model serving `context` positions from a pool of
+        `pool` (kv_pool_tokens resolved); `block_store`: whether its prefix cache keeps
+        K/V blocks (`ModelSpec.block_store`) rather than snapshots. kv_keep_tokens auto
+        keeps one context, at most a quarter of the pool."""
+        keep = self.kv_keep_tokens
+        return KVConfig(
+            pool_tokens=pool,
+            keep_tokens=keep if keep is not None else min(context, pool // 4),
+            block_store=self.prefix_cache_bytes if block_store else 0,
+        )
+
 
 @dataclass(frozen=True)
 class SpeculationOptions(Options):
@@ -208,6 +240,10 @@ class SpeculationOptions(Options):
     def lookup_drafts(self) -> bool:
         """--draft ngram: prompt-lookup drafting in the daemon, no draft model."""
         return self.draft is not None and str(self.draft) == "ngram"
+
+    def for_engine(self) -> SpeculationConfig:
+        """The engine's `SpeculationConfig` (the draft model itself is the Target's)."""
+        return SpeculationConfig(self.block_size, self.lookup_drafts, self.adaptive_block_size)
 
 
 @dataclass(frozen=True)

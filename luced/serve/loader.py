@@ -261,11 +261,6 @@ def _moe_profile(cfg: Config, gguf: GGUFFile) -> MoeCounts:
         raise StartupError(f"{label}: {exc}") from None
 
 
-def _kv_keep(keep: int | None, context: int, pool: int) -> int:
-    """--kv-keep-tokens resolved: auto keeps one context, at most a quarter of the pool."""
-    return keep if keep is not None else min(context, pool // 4)
-
-
 def _kv_pool(cfg: Config, context: int, running: int, per_token: int) -> int:
     """--kv-pool-tokens resolved (auto: from the free memory), logged."""
     try:
@@ -375,21 +370,11 @@ class LoadedModel:
             target,
             spec.tokenizer,
             spec.template,
-            model_name=spec.name,
-            context_length=spec.context,
-            max_queue=sched.max_queue,
-            max_queued_tokens=sched.max_queued_tokens,
-            default_max_tokens=sched.default_max_tokens,
-            block_size=cfg.speculation.block_size,
-            lookup_drafts=cfg.speculation.lookup_drafts,
-            adaptive_blocks=cfg.speculation.adaptive_block_size,
+            model=cfg.model.for_engine(spec.context, spec.encoder, spec.pooling),
+            limits=sched.for_engine(),
+            kv=cfg.kv.for_engine(spec.context, spec.kv_pool, spec.block_store),
+            speculation=cfg.speculation.for_engine(),
             metrics=metrics,
-            max_running=running,
-            kv_pool_tokens=spec.kv_pool,
-            kv_keep_tokens=_kv_keep(cfg.kv.kv_keep_tokens, spec.context, spec.kv_pool),
-            block_store=cfg.kv.prefix_cache_bytes if spec.block_store else 0,
-            encoder=spec.encoder,
-            pooling=spec.pooling,
         )
         engine.runner.decode_ahead = sched.decode_ahead
         return target, engine

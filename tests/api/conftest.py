@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from luced.engine.config import ModelInfo
 from luced.engine.core import Engine
 from luced.engine.target import Target, TargetPlacement
 from luced.gguf_file import GGUFFile
@@ -39,6 +40,5 @@ def unstarted_engine(
         Target(ShmOwner(), placement),
         smol_tokenizer,
         smol_template,
-        model_name="smol",
-        context_length=UNSTARTED_CONTEXT,
+        model=ModelInfo("smol", UNSTARTED_CONTEXT),
     )

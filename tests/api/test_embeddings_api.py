@@ -5,6 +5,7 @@ and the routes on an engine whose worker never starts."""
 from __future__ import annotations
 
 import base64
+import dataclasses
 import io
 import json
 from collections.abc import AsyncIterator
@@ -185,7 +186,8 @@ async def test_a_body_may_be_as_large_as_its_inputs_may_carry(client: TestClient
 async def test_an_encoder_refuses_generation_before_rendering(
     client: TestClient, unstarted_engine: Engine, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(unstarted_engine.intake, "encoder", True)
+    encoder = dataclasses.replace(unstarted_engine.model, encoder=True)
+    monkeypatch.setattr(unstarted_engine.intake, "model", encoder)
     monkeypatch.setattr(unstarted_engine, "chat_template", None)  # none is read
     chat = {"messages": [{"role": "user", "content": "hi"}]}
     for path, body in (("/v1/chat/completions", chat), ("/v1/completions", {"prompt": "hi"})):

@@ -25,6 +25,7 @@ from luced.api.ollama import (
 )
 from luced.api.ollama_format import OllamaReply, Timings, line
 from luced.api.ollama_models import ModelFacts, accelerated_share, parameter_size
+from luced.engine.config import ModelInfo
 from luced.engine.core import Engine, GenerationRequest, RequestHandle
 from luced.engine.output import Delta, TokenLogprob
 from luced.gguf_file import GGUFFile
@@ -64,7 +65,7 @@ def rejected(parse, **body) -> APIError:
 
 @pytest.fixture
 def engine(unstarted_engine: Engine) -> Engine:
-    assert unstarted_engine.context_length == CONTEXT
+    assert unstarted_engine.model.context_length == CONTEXT
     return unstarted_engine
 
 
@@ -348,9 +349,7 @@ def test_think_renders_the_template_without_thinking(engine: Engine) -> None:
         "{% for m in messages %}{{ m.content }}{% endfor %}"
         "{% if enable_thinking is defined and not enable_thinking %}<no-think>{% endif %}"
     )
-    thinking = Engine(
-        engine.target, engine.tokenizer, template, model_name=MODEL, context_length=CONTEXT
-    )
+    thinking = Engine(engine.target, engine.tokenizer, template, model=ModelInfo(MODEL, CONTEXT))
     text = thinking.tokenizer.decode
     assert "<no-think>" not in text(prepare_chat(thinking, {"messages": USER}).prompt)
     for think in (True, False, "high"):
@@ -558,8 +557,7 @@ def test_context_drops_the_bos_of_a_file_that_asks_for_one(
         engine.target,
         Tokenizer.from_gguf(gemma3_gguf),
         ChatTemplate.from_gguf(gemma3_gguf, "gemma3"),
-        model_name=MODEL,
-        context_length=CONTEXT,
+        model=ModelInfo(MODEL, CONTEXT),
     )
     alone = prepare_generate(gemma, {"prompt": "Hi"}).prompt
     assert alone[0] == gemma.tokenizer.bos_id

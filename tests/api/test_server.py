@@ -24,6 +24,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from luced.api.prepare import BYTES_PER_CHAR, LARGE_BODY, MANY_VALUES, MAX_CHARS_PER_TOKEN
 from luced.api.server import MODELS, Guard, make_app
+from luced.engine.config import ModelInfo, SchedulingLimits
 from luced.engine.core import Engine
 from luced.engine.metrics import Metrics
 from luced.engine.target import Target, TargetPlacement
@@ -51,8 +52,7 @@ def make_engine(
         target,
         tokenizer,
         template,
-        model_name=MODEL,
-        context_length=CONTEXT,
+        model=ModelInfo(MODEL, CONTEXT),
         metrics=metrics,
         **kw,
     )
@@ -205,7 +205,7 @@ async def served(
 ) -> AsyncIterator[Served]:
     metrics = Metrics(MODEL)
     engine, target, owner = make_engine(
-        smollm2_gguf, smol_tokenizer, smol_template, metrics, max_queue=1
+        smollm2_gguf, smol_tokenizer, smol_template, metrics, limits=SchedulingLimits(max_queue=1)
     )
     try:
         async with TestClient(TestServer(make_app(engine, metrics))) as client:
@@ -465,7 +465,7 @@ async def test_status_and_its_history(loading: TestClient) -> None:
 
 async def test_bad_encodings_and_huge_prompts_are_400s(loading: TestClient) -> None:
     engine = loading.app[MODELS].peek(None)
-    huge = "x" * (engine.context_length * MAX_CHARS_PER_TOKEN + 1)
+    huge = "x" * (engine.model.context_length * MAX_CHARS_PER_TOKEN + 1)
     resp = await loading.post("/v1/completions", json={"prompt": huge})
     assert (await error_of(resp, 400))["param"] == "prompt"
     resp = await loading.post(

@@ -182,7 +182,7 @@ async def test_a_refused_save_loses_only_itself(tiny: Path, known) -> None:
         it = aiter(handle)
         first = await anext(it)  # its prompt is prefilled, its blocks saved
         held = tables.used_records
-        stray = e.max_running + 3  # a lane no worker holds
+        stray = e.limits.max_running + 3  # a lane no worker holds
         tables.write(stray, 0, 2 * BLOCK)
         assert await store.save(stray, QUERY) == 0
         tables.free(stray)

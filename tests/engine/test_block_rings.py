@@ -106,7 +106,7 @@ def submit(
     """Submit a request, with `wipe` every slot's ring first filled with NaN (none may be
     running): whatever its draft reads was written for it (computed, shared or restored),
     not left there by an earlier request."""
-    for slot in range(e.max_running if wipe else 0):
+    for slot in range(e.limits.max_running if wipe else 0):
         ring = e.target.ring(slot)
         assert ring is not None
         ring.array.fill(np.nan)

@@ -5,6 +5,7 @@ computing or copying them, and its output equals its fresh output alone."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -233,7 +234,7 @@ async def test_a_choices_prompt_counts_once_against_the_queued_tokens(tiny: Path
     bound of 30 prompt tokens, where a third distinct request does not."""
     prompt = FIRST[:20]
     async with engine_for(tiny, context=512, max_running=4) as engine:
-        engine.intake.max_queued_tokens = 30
+        engine.intake.limits = dataclasses.replace(engine.limits, max_queued_tokens=30)
         requests = [
             GenerationRequest(f"c{j}", prompt, GREEDY, 4, ignore_eos=True, share_prompt=j > 0)
             for j in range(3)

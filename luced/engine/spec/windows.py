@@ -3,6 +3,7 @@ or the n-gram lookup), and the draft window it asks for each step."""
 
 from __future__ import annotations
 
+from luced.engine.config import SpeculationConfig
 from luced.engine.request import Sequence
 from luced.engine.spec.ngram import PromptLookup
 from luced.engine.spec.sizer import BlockSizer, StepCosts
@@ -10,19 +11,12 @@ from luced.engine.target import MAX_BLOCK
 
 
 class DraftWindows:
-    def __init__(
-        self,
-        block_size: int = 16,
-        *,
-        lookup_drafts: bool = False,
-        adaptive_blocks: bool = False,
-    ) -> None:
-        """block_size: the window (--block-size), or the most an adaptive one asks for;
-        lookup_drafts: --draft ngram (the prompt lookup, no draft model)."""
-        self.block_size = block_size
-        self.lookup_drafts = lookup_drafts
+    def __init__(self, config: SpeculationConfig) -> None:
+        # Settable at run time (tests and benchmarks try other windows on one engine).
+        self.block_size = config.block_size  # the window, or the most an adaptive one asks for
+        self.lookup_drafts = config.lookup_drafts  # the prompt lookup, no draft model
         self.lookup_ngrams = (4, 2)  # the lookup's longest and shortest n-gram (ngram.py)
-        self.adaptive_blocks = adaptive_blocks
+        self.adaptive_blocks = config.adaptive_blocks
         self.step_costs = StepCosts()  # the adaptive window size's cost model
 
     def setup(self, seq: Sequence, has_draft: bool) -> None:

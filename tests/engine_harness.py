@@ -103,11 +103,12 @@ async def engine_for(
     `max_batch_tokens` (64; the daemon's default is 512) span several prefill chunks. A
     draft (or the n-gram lookup) is set up for blocks up to 16, its feature rings of
     `ring_cap` positions (at most the context); adaptive blocks are calibrated before the
-    first request. `kv_block` None: as the daemon (KV Flash's
-    blocks, else blocks of 16 when several requests run). `block_files`: the prefix cache
-    keeps K/V blocks by prefix key (engine/kv/block_store.py: `prefix_cache_bytes` of host
-    records, and files in `kv_cache_dir`) instead of snapshots (the arena and snapshot
-    files), as the daemon's does wherever it can (`ModelSpec.block_store`; once started,
+    first request. `kv_block` None: KV Flash's blocks, else blocks of 16 when several
+    requests run, else one contiguous cache (the daemon's `--kv-block-size 0`; its one
+    running request keeps blocks of 16 too). `block_files`: the prefix cache keeps K/V
+    blocks by prefix key (engine/kv/block_store.py: `prefix_cache_bytes` of host records,
+    and files in `kv_cache_dir`) instead of snapshots (the arena and snapshot files), as
+    the daemon's does wherever it can (`ModelSpec.block_store`; once started,
     where the target gave it records: `uses_blocks`)."""
     if kv_block is None:
         kv_block = kv_flash.block if kv_flash is not None else 16 if max_running > 1 else 0

@@ -90,6 +90,8 @@ BLOCK_KEY_BYTES = 16
 ROOT_KEY = bytes(BLOCK_KEY_BYTES)  # the parent of a prompt's first block
 FORMAT_VERSION = 1
 BLOCKS = "blocks"  # DIR/<model>/blocks/<part>/
+# dtype names as part names spell them (`b16-f32-...`)
+SHORT_DTYPES = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}
 _HEADER = struct.Struct("<8sIIQ16s16sIIII")  # the module docstring's first 72 bytes
 _MAX_PART = 64
 _INT32 = np.iinfo(np.int32)

@@ -110,25 +110,32 @@ def lock_model_dir(root: str | Path, fingerprint: str) -> int:
 def quarantine(model_dir: Path, path: Path, reason: str, what: str) -> None:
     """Move ``path`` to ``model_dir/quarantine/`` (a numbered name if taken) and log one
     warning naming it and why; ``what`` says what the file is ("snapshot file")."""
-    qdir = model_dir / QUARANTINE
     reason = reason.removeprefix(f"{path.name}: ")  # the log names the file anyway
     try:
-        real_dir(qdir, create=True)  # a symlinked quarantine/ is never followed
-        dest = qdir / path.name
-        i = 1
-        while os.path.lexists(dest):
-            dest = qdir / f"{path.name}.{i}"
-            i += 1
-        os.replace(path, dest)
-        # its quarantine time: the pruning below keeps the newest
-        os.utime(dest, follow_symlinks=False)
-        _prune(qdir, QUARANTINE_KEEP)
+        dest = move_aside(model_dir, path)
     except (OSError, SnapshotDirError) as e:
         log.warning(
             "prefix cache: skipping %s %s (%s); cannot quarantine it: %s", what, path, reason, e
         )
         return
     log.warning("prefix cache: skipping %s %s (%s); moved to %s", what, path, reason, dest)
+
+
+def move_aside(model_dir: Path, path: Path) -> Path:
+    """Move ``path`` into ``model_dir/quarantine/`` (a numbered name if taken; a symlinked
+    quarantine/ is refused) and keep only its newest files there. -> where it went; OSError
+    or SnapshotDirError when it could not."""
+    qdir = model_dir / QUARANTINE
+    real_dir(qdir, create=True)
+    dest = qdir / path.name
+    i = 1
+    while os.path.lexists(dest):
+        dest = qdir / f"{path.name}.{i}"
+        i += 1
+    os.replace(path, dest)
+    os.utime(dest, follow_symlinks=False)  # its quarantine time: the pruning keeps the newest
+    _prune(qdir, QUARANTINE_KEEP)
+    return dest
 
 
 def _prune(qdir: Path, keep: int) -> None:

@@ -17,8 +17,9 @@ import pytest
 from engine_harness import engine_for, stream
 
 from luced.cache.block_files import BLOCKS, SUFFIX, BlockFiles, prompt_keys
-from luced.cache.files import QUARANTINE
+from luced.cache.files import QUARANTINE, QUARANTINE_KEEP
 from luced.engine.core import Engine, GenerationRequest
+from luced.engine.kv.block_store import retire_snapshots
 from luced.runtime.tiny import make_tiny_gguf
 from luced.sampling_params import SamplingParams
 
@@ -229,3 +230,15 @@ async def test_a_full_disk_pauses_block_writes_with_one_warning(
     said = [r for r in caplog.records if r.name == "luced.engine.kv.block_store"]
     assert [r.levelno for r in said] == [logging.WARNING]
     assert "cannot write K/V blocks to disk: No space left on device" in said[0].getMessage()
+
+
+async def test_retired_snapshot_files_keep_the_quarantine_bounded(tmp_path: Path, caplog) -> None:
+    """More old snapshot files than quarantine/ keeps: all leave the model's directory,
+    one log line says so, and only the newest QUARANTINE_KEEP stay in quarantine/."""
+    for i in range(QUARANTINE_KEEP + 4):
+        (tmp_path / f"{i:08x}.safetensors").write_bytes(b"an older daemon's snapshot")
+    with caplog.at_level(logging.WARNING):
+        assert retire_snapshots(tmp_path) == QUARANTINE_KEEP + 4
+    assert not list(tmp_path.glob("*.safetensors"))
+    assert len(list((tmp_path / QUARANTINE).iterdir())) == QUARANTINE_KEEP
+    assert sum("older format" in r.message for r in caplog.records) == 1

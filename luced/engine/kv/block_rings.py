@@ -40,12 +40,10 @@ from collections.abc import Container, Sequence
 
 import numpy as np
 
-from luced.cache.block_files import BlockFileError, BlockFiles
+from luced.cache.block_files import SHORT_DTYPES, BlockFileError, BlockFiles
 from luced.engine.target import Target
 
 log = logging.getLogger(__name__)
-
-_SHORT_DTYPES = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}
 
 
 def ring_bytes(target: Target, block: int) -> int:
@@ -65,7 +63,7 @@ def ring_part_name(target: Target, worker_parts: Sequence[str]) -> str:
     rest = (layers, target.hidden, tuple(worker_parts))
     digest = hashlib.sha256(repr(rest).encode()).hexdigest()[:8]
     block = target.placement.kv_block
-    return f"ring-b{block}-{_SHORT_DTYPES.get(dtype, dtype)}-c{len(layers)}-{digest}"
+    return f"ring-b{block}-{SHORT_DTYPES.get(dtype, dtype)}-c{len(layers)}-{digest}"
 
 
 class BlockRings:

@@ -75,6 +75,7 @@ import numpy as np
 from luced.cache.backoff import DiskBackoff
 from luced.cache.block_files import (
     ROOT_KEY,
+    SHORT_DTYPES,
     STATE_FILES,
     BlockFileError,
     BlockFiles,
@@ -84,7 +85,7 @@ from luced.cache.block_files import (
     read_parts,
     write_parts,
 )
-from luced.cache.files import QUARANTINE, SnapshotDirError, model_dir_name, real_dir
+from luced.cache.files import QUARANTINE, SnapshotDirError, model_dir_name, move_aside
 from luced.cache.prefix_cache import BlockCounts
 from luced.cache.writer import DiskWriter
 from luced.engine.kv.block_rings import BlockRings, ring_bytes, ring_part_name
@@ -98,7 +99,6 @@ from luced.engine.target import Target
 
 log = logging.getLogger(__name__)
 
-_SHORT_DTYPES = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}
 OLD_SUFFIX = ".safetensors"  # snapshot files (cache/disk.py), which blocks replace
 
 
@@ -626,12 +626,13 @@ def part_name(target: Target, plan: WorkerPlan) -> str:
         rest += (c.pool_tokens, c.policy, c.tau, c.sink_blocks, c.tail, target.prompt_chunk)
     digest = hashlib.sha256(repr(rest).encode()).hexdigest()[:8]
     block = p.kv_block
-    return f"b{block}-{_SHORT_DTYPES.get(kv, kv)}-L{a}-{b}-{digest}"
+    return f"b{block}-{SHORT_DTYPES.get(kv, kv)}-L{a}-{b}-{digest}"
 
 
 def retire_snapshots(model_dir: Path) -> int:
     """Move the model's snapshot files (one safetensors file per prompt, cache/disk.py)
-    into its quarantine/: blocks replace them. One log line; -> how many."""
+    into its quarantine/ (which keeps its newest files only): blocks replace them. One log
+    line; -> how many."""
     with os.scandir(model_dir) as it:
         old = [e for e in it if e.name.endswith(OLD_SUFFIX) and e.is_file(follow_symlinks=False)]
     if not old:
@@ -639,14 +640,8 @@ def retire_snapshots(model_dir: Path) -> int:
     qdir = model_dir / QUARANTINE
     moved, problem = 0, ""
     try:
-        real_dir(qdir, create=True)  # never through a symlink
         for entry in old:
-            dest = qdir / entry.name
-            i = 1
-            while os.path.lexists(dest):
-                dest = qdir / f"{entry.name}.{i}"
-                i += 1
-            os.replace(entry.path, dest)
+            move_aside(model_dir, Path(entry.path))
             moved += 1
     except (OSError, SnapshotDirError) as exc:  # left where they are: never read again
         problem = f"; {len(old) - moved} left in place: {exc}"

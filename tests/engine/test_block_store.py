@@ -232,6 +232,27 @@ async def test_a_full_disk_pauses_block_writes_with_one_warning(
     assert "cannot write K/V blocks to disk: No space left on device" in said[0].getMessage()
 
 
+async def test_blocks_restored_from_memory_are_marked_used_on_disk(
+    tiny: Path, known, tmp_path: Path
+) -> None:
+    """A prompt restored from memory marks its blocks used in the files too (their mtimes,
+    the disk tier's LRU across restarts), so blocks kept hot in memory are not the first
+    the files give up."""
+    fresh = await fresh_answers(tiny, known)
+    kv = tmp_path / "kv"
+    async with engine(tiny, kv) as e:
+        assert await served(e, PROMPT) == (fresh["p"], 0)
+        await e.prefix_cache.save_all()
+        (part,) = parts(kv, tiny)
+        files = sorted(part.glob(f"*{SUFFIX}"))
+        assert len(files) == 6
+        for f in files:
+            os.utime(f, (1_000_000_000, 1_000_000_000))  # long unused
+        assert await served(e, PROMPT) == (fresh["p"], 96)  # from memory: no file read
+        await e.prefix_cache.save_all()
+    assert all(f.stat().st_mtime > 1_000_000_000 for f in files)
+
+
 async def test_retired_snapshot_files_keep_the_quarantine_bounded(tmp_path: Path, caplog) -> None:
     """More old snapshot files than quarantine/ keeps: all leave the model's directory,
     one log line says so, and only the newest QUARANTINE_KEEP stay in quarantine/."""

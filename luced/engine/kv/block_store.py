@@ -312,6 +312,7 @@ class BlockStore:
                 if self.rings is not None:
                     self.rings.restore(slot, keys[:n], rows[:n], len(prompt), self._held)
                 self._use(keys[:n])
+                self._touch_files([keys[i] for i in range(n) if memory[i] is not None])
                 if (pager := t.pager(slot)) is not None:  # KV Flash: it pages in what it keeps
                     pager.sync(n * self.block)
         finally:
@@ -544,6 +545,14 @@ class BlockStore:
             if key in self._held:
                 self._held.move_to_end(key)
 
+    def _touch_files(self, keys: Sequence[bytes]) -> None:
+        """Mark blocks restored from memory used in this daemon's files too (the disk
+        tier's LRU, its index and the files' mtimes), in the writer's thread, so a prompt
+        served from memory is not the first its files give up."""
+        files = [p for p in self._files() if isinstance(p, BlockFiles)]
+        if keys and files and self.writer.ready():
+            self.writer.queue(None, "a use of K/V blocks", partial(_touch, files, list(keys)))
+
     def _trim(self) -> None:
         self.reclaim(len(self._held) - self.capacity)
 
@@ -593,6 +602,12 @@ class BlockStore:
         write_parts([p for p, _ in local], rows, held.parent, held.tokens)  # on disk: touched
         if self.rings is not None:
             self.rings.write(key, held.parent, held.tokens)
+
+
+def _touch(parts: Sequence[BlockFiles], keys: Sequence[bytes]) -> None:
+    for part in parts:
+        for key in keys:
+            part.touch(key)
 
 
 def _read_local(
